@@ -1,0 +1,138 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/spf13/cobra"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/config"
+	"github.com/rungworks/gateway/store"
+)
+
+// withStore runs fn with a store over DATABASE_URL (no migrations applied).
+func withStore(ctx context.Context, fn func(*store.Store) error) error {
+	cfg, err := config.Load()
+	if err != nil {
+		return err
+	}
+	if cfg.DatabaseURL == "" {
+		return errors.New("DATABASE_URL is required")
+	}
+	pool, err := pgxpool.New(ctx, cfg.DatabaseURL)
+	if err != nil {
+		return fmt.Errorf("error connecting to PostgreSQL: %w", err)
+	}
+	defer pool.Close()
+	return fn(store.New(pool))
+}
+
+func migrateCmd() *cobra.Command {
+	return &cobra.Command{
+		Use:   "migrate",
+		Short: "Apply pending migrations and exit",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			return withStore(cmd.Context(), func(st *store.Store) error {
+				n, err := store.Migrate(cmd.Context(), st.Pool())
+				if err != nil {
+					return err
+				}
+				fmt.Fprintf(cmd.ErrOrStderr(), "applied %d migration(s)\n", n)
+				return nil
+			})
+		},
+	}
+}
+
+func keysCmd() *cobra.Command {
+	keys := &cobra.Command{Use: "keys", Short: "Issue and revoke API keys"}
+
+	var p store.CreateKeyParams
+	var tier, scopes string
+	create := &cobra.Command{
+		Use:   "create",
+		Short: "Create a key (account and project are created on first use); prints the key alone",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if cmd.Flags().Changed("tier") {
+				t := gateway.Tier(tier)
+				p.Tier = &t
+			}
+			for _, s := range strings.Split(scopes, ",") {
+				if s = strings.TrimSpace(s); s != "" {
+					p.Scopes = append(p.Scopes, gateway.Scope(s))
+				}
+			}
+			return withStore(cmd.Context(), func(st *store.Store) error {
+				token, err := st.CreateKey(cmd.Context(), p)
+				if err != nil {
+					return err
+				}
+				fmt.Fprintln(cmd.OutOrStdout(), token)
+				return nil
+			})
+		},
+	}
+	create.Flags().StringVar(&p.Account, "account", "", "account name (required)")
+	create.Flags().StringVar(&p.Project, "project", "default", "project name")
+	create.Flags().StringVar(&tier, "tier", "developer", "account tier: free or developer (sets the tier of an existing account)")
+	create.Flags().StringVar(&scopes, "scopes", "inference,usage", "comma-separated scopes: inference, usage")
+	_ = create.MarkFlagRequired("account")
+
+	revoke := &cobra.Command{
+		Use:   "revoke KEY_PREFIX_OR_ID",
+		Short: "Revoke a key by its prefix (igw_xxxxxxxx) or id",
+		Args:  cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			return withStore(cmd.Context(), func(st *store.Store) error {
+				if err := st.RevokeKey(cmd.Context(), args[0]); err != nil {
+					return err
+				}
+				fmt.Fprintln(cmd.ErrOrStderr(), "revoked")
+				return nil
+			})
+		},
+	}
+	keys.AddCommand(create, revoke)
+	return keys
+}
+
+func limitsCmd() *cobra.Command {
+	limits := &cobra.Command{Use: "limits", Short: "Set daily rung ceilings and project budgets"}
+	var p store.SetLimitsParams
+	var daily, budget int64
+	set := &cobra.Command{
+		Use:   "set",
+		Short: "Set an account's daily rung ceiling and/or a project's budget cap",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if cmd.Flags().Changed("daily-rungs") {
+				p.DailyRungs = &daily
+			}
+			if cmd.Flags().Changed("budget-rungs") {
+				p.BudgetRungs = &budget
+			}
+			if p.DailyRungs == nil && p.BudgetRungs == nil {
+				return errors.New("nothing to set: give --daily-rungs and/or --budget-rungs")
+			}
+			if (p.DailyRungs != nil && daily < 0) || (p.BudgetRungs != nil && budget < 0) {
+				return errors.New("limits must not be negative")
+			}
+			return withStore(cmd.Context(), func(st *store.Store) error {
+				return st.SetLimits(cmd.Context(), p)
+			})
+		},
+	}
+	set.Flags().StringVar(&p.Account, "account", "", "account name (required)")
+	set.Flags().Int64Var(&daily, "daily-rungs", 0, "daily rung ceiling of the account")
+	set.Flags().StringVar(&p.Project, "project", "default", "project whose budget to set")
+	set.Flags().Int64Var(&budget, "budget-rungs", 0, "hard budget cap of the project, in rungs")
+	_ = set.MarkFlagRequired("account")
+	limits.AddCommand(set)
+	return limits
+}

@@ -1,0 +1,119 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"github.com/spf13/cobra"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/config"
+	"github.com/rungworks/gateway/pglocal"
+	"github.com/rungworks/gateway/store"
+)
+
+func devCmd(logger *slog.Logger) *cobra.Command {
+	var dataDir string
+	var pgPort int
+	cmd := &cobra.Command{
+		Use:   "dev",
+		Short: "Run the gateway with a private PostgreSQL and a ready developer key",
+		Long: `dev is the embedded default: without DATABASE_URL it starts a private PostgreSQL
+from the machine's own binaries in the data folder, migrates, creates a developer
+key on first start, prints it with a ready curl line, and serves (with the built-in
+simulator unless GATEWAY_UPSTREAM says otherwise). Running it again reuses the data.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			cfg, err := config.Load()
+			if err != nil {
+				return err
+			}
+			ctx := cmd.Context()
+			if cfg.DatabaseURL == "" {
+				cluster, err := pglocal.Start(ctx, pglocal.Options{Dir: filepath.Join(dataDir, "postgres"), Port: pgPort, Durable: true})
+				if err != nil {
+					return err
+				}
+				defer func() {
+					if err := cluster.Stop(); err != nil {
+						logger.Error("error stopping PostgreSQL", "error", err)
+					}
+				}()
+				if err := cluster.CreateDatabase(ctx, "gateway"); err != nil {
+					return err
+				}
+				cfg.DatabaseURL = cluster.URL("gateway")
+			}
+			st, err := openStore(ctx, cfg.DatabaseURL, cfg.DBMaxConns)
+			if err != nil {
+				return err
+			}
+			defer st.Pool().Close()
+			key, err := devKey(ctx, st, filepath.Join(dataDir, "dev-key"))
+			if err != nil {
+				return err
+			}
+			return serve(ctx, cfg, st, logger, func(addr string) {
+				printWelcome(cmd.OutOrStdout(), addr, key, cfg.Upstream)
+			})
+		},
+	}
+	cmd.Flags().StringVar(&dataDir, "data", ".gateway", "folder for the private PostgreSQL and the developer key")
+	cmd.Flags().IntVar(&pgPort, "pg-port", 54329, "port of the private PostgreSQL on 127.0.0.1")
+	return cmd
+}
+
+// devKey returns the developer key saved in path while it still authenticates,
+// otherwise creates one (account dev, project default) and saves it.
+func devKey(ctx context.Context, st *store.Store, path string) (string, error) {
+	if b, err := os.ReadFile(path); err == nil {
+		token := strings.TrimSpace(string(b))
+		if _, err := st.Authenticate(ctx, token); err == nil {
+			return token, nil
+		}
+	} else if !errors.Is(err, os.ErrNotExist) {
+		return "", fmt.Errorf("error reading %s: %w", path, err)
+	}
+	tier := gateway.TierDeveloper
+	token, err := st.CreateKey(ctx, store.CreateKeyParams{
+		Account: "dev", Project: "default", Tier: &tier,
+		Scopes: []gateway.Scope{gateway.ScopeInference, gateway.ScopeUsage},
+	})
+	if err != nil {
+		return "", err
+	}
+	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
+		return "", fmt.Errorf("error creating %s: %w", filepath.Dir(path), err)
+	}
+	if err := os.WriteFile(path, []byte(token+"\n"), 0o600); err != nil {
+		return "", fmt.Errorf("error saving the developer key: %w", err)
+	}
+	return token, nil
+}
+
+func printWelcome(w io.Writer, addr, key, upstreamName string) {
+	host, port, _ := net.SplitHostPort(addr)
+	if host == "" || host == "::" || host == "0.0.0.0" {
+		host = "127.0.0.1"
+	}
+	base := "http://" + net.JoinHostPort(host, port)
+	fmt.Fprintf(w, `
+Gateway ready on %s (upstream: %s)
+API key: %s
+
+Try it:
+  curl -s %s/api/v1/responses \
+    -H 'Authorization: Bearer %s' \
+    -H 'Content-Type: application/json' \
+    -d '{"prompt": "Explain rungs in one sentence.", "web_search": true}'
+
+OpenAPI document: %s/openapi.json   (Ctrl-C stops the gateway and its database)
+`, base, upstreamName, key, base, key, base)
+}

@@ -1,0 +1,89 @@
+// Package gateway holds the domain types of the inference gateway: error codes,
+// models and routing, callers and their scopes. Implementations live in packages
+// named after their dependency (store for PostgreSQL, server for HTTP, upstream for
+// inference providers); cmd/gateway only wires them.
+package gateway
+
+import (
+	"errors"
+	"fmt"
+	"time"
+)
+
+// ErrorCode is a machine-readable error code of the public API. The values equal
+// the ErrorCode enum of openapi/openapi.yaml.
+type ErrorCode string
+
+// Error codes of the public API.
+const (
+	EInvalidRequest       ErrorCode = "INVALID_REQUEST"
+	EEmptyPrompt          ErrorCode = "EMPTY_PROMPT"
+	EPromptTooLarge       ErrorCode = "PROMPT_TOO_LARGE"
+	EInvalidModel         ErrorCode = "INVALID_MODEL"
+	EModelUnavailable     ErrorCode = "MODEL_UNAVAILABLE"
+	EEmptyBatch           ErrorCode = "EMPTY_BATCH"
+	EBatchTooLarge        ErrorCode = "BATCH_TOO_LARGE"
+	EUnauthorized         ErrorCode = "UNAUTHORIZED"
+	EInsufficientScope    ErrorCode = "INSUFFICIENT_SCOPE"
+	EInsufficientTier     ErrorCode = "INSUFFICIENT_TIER"
+	EBatchNotFound        ErrorCode = "BATCH_NOT_FOUND"
+	ESourcesNotFound      ErrorCode = "SOURCES_NOT_FOUND"
+	ENotFound             ErrorCode = "NOT_FOUND"
+	EMethodNotAllowed     ErrorCode = "METHOD_NOT_ALLOWED"
+	EBatchNotCancellable  ErrorCode = "BATCH_NOT_CANCELLABLE"
+	ERequestTooLarge      ErrorCode = "REQUEST_TOO_LARGE"
+	EIdempotencyKeyReused ErrorCode = "IDEMPOTENCY_KEY_REUSED"
+	ERateLimited          ErrorCode = "RATE_LIMITED"
+	EBudgetExceeded       ErrorCode = "BUDGET_EXCEEDED"
+	EInferenceBusy        ErrorCode = "INFERENCE_BUSY"
+	EInterrupted          ErrorCode = "INTERRUPTED"
+	ENotImplemented       ErrorCode = "NOT_IMPLEMENTED"
+	EInternal             ErrorCode = "INTERNAL"
+)
+
+// ErrorCodes lists every error code, in the order of the OpenAPI enum.
+var ErrorCodes = []ErrorCode{
+	EInvalidRequest, EEmptyPrompt, EPromptTooLarge, EInvalidModel, EModelUnavailable,
+	EEmptyBatch, EBatchTooLarge, EUnauthorized, EInsufficientScope, EInsufficientTier,
+	EBatchNotFound, ESourcesNotFound, ENotFound, EMethodNotAllowed, EBatchNotCancellable,
+	ERequestTooLarge, EIdempotencyKeyReused, ERateLimited, EBudgetExceeded,
+	EInferenceBusy, EInterrupted, ENotImplemented, EInternal,
+}
+
+// Error is a domain error the API reports to the caller: a code, a message for
+// humans that never leaks internals, and optional details for the reply's headers.
+type Error struct {
+	Code    ErrorCode
+	Message string
+	// RetryAfter, when positive, is sent as the Retry-After header.
+	RetryAfter time.Duration
+	// BatchIndex, when set, names the offending batch item (x-service-batch-index).
+	BatchIndex *int
+	// Cause is the underlying error, for logs only.
+	Cause error
+}
+
+// Error implements error.
+func (e *Error) Error() string {
+	if e.Cause != nil {
+		return fmt.Sprintf("%s: %s: %v", e.Code, e.Message, e.Cause)
+	}
+	return fmt.Sprintf("%s: %s", e.Code, e.Message)
+}
+
+// Unwrap returns the cause.
+func (e *Error) Unwrap() error { return e.Cause }
+
+// Errorf returns an *Error with a formatted message.
+func Errorf(code ErrorCode, format string, args ...any) *Error {
+	return &Error{Code: code, Message: fmt.Sprintf(format, args...)}
+}
+
+// ErrorCodeOf returns the code of err's *Error, or EInternal when it has none.
+func ErrorCodeOf(err error) ErrorCode {
+	var e *Error
+	if errors.As(err, &e) {
+		return e.Code
+	}
+	return EInternal
+}

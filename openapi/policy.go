@@ -1,0 +1,70 @@
+package openapi
+
+import (
+	"fmt"
+	"net/http"
+	"strings"
+)
+
+// Policy is what an operation demands of its caller, read from the document:
+// its security requirements, the x-required-tier extension and the
+// x-max-body-bytes extension.
+type Policy struct {
+	OperationID string
+	Method      string
+	// Path is the OpenAPI path template, e.g. /api/v1/batch/{batch_id}.
+	Path string
+	// Public operations need no key.
+	Public bool
+	// AnyScope lists the scopes of which the key needs one.
+	AnyScope []string
+	// Tier, when set, is the account tier the operation needs.
+	Tier string
+	// MaxBodyBytes, when positive, bounds the request body.
+	MaxBodyBytes int64
+}
+
+// Policies returns the policy of every operation, keyed by operationId.
+func Policies() (map[string]Policy, error) {
+	if _, err := JSON(); err != nil {
+		return nil, err
+	}
+	global, _ := parsed["security"].([]any)
+	paths, _ := parsed["paths"].(map[string]any)
+	out := map[string]Policy{}
+	for path, item := range paths {
+		ops, _ := item.(map[string]any)
+		for method, raw := range ops {
+			op, ok := raw.(map[string]any)
+			if !ok {
+				continue
+			}
+			id, _ := op["operationId"].(string)
+			if id == "" {
+				return nil, fmt.Errorf("%s %s has no operationId", method, path)
+			}
+			p := Policy{OperationID: id, Method: strings.ToUpper(method), Path: path}
+			security := global
+			if s, ok := op["security"].([]any); ok {
+				security = s
+			}
+			p.Public = len(security) == 0
+			for _, req := range security {
+				reqMap, _ := req.(map[string]any)
+				scopes, _ := reqMap["bearerAuth"].([]any)
+				for _, sc := range scopes {
+					p.AnyScope = append(p.AnyScope, fmt.Sprint(sc))
+				}
+			}
+			p.Tier, _ = op["x-required-tier"].(string)
+			if n, ok := op["x-max-body-bytes"].(float64); ok {
+				p.MaxBodyBytes = int64(n)
+			}
+			if p.Method != http.MethodGet && !p.Public && p.MaxBodyBytes == 0 && op["requestBody"] != nil {
+				return nil, fmt.Errorf("operation %s takes a body but declares no x-max-body-bytes", id)
+			}
+			out[id] = p
+		}
+	}
+	return out, nil
+}

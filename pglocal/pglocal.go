@@ -1,0 +1,198 @@
+// Package pglocal runs a private PostgreSQL cluster from the machine's own
+// PostgreSQL binaries, in a folder of its own: the embedded default of `gateway
+// dev`, and the test database when no Docker engine or test server is given.
+// PostgreSQL refuses to run as root, so as root the cluster runs as the
+// `postgres` user.
+package pglocal
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// ErrNoBinaries says what to install when no PostgreSQL server binaries are found.
+var ErrNoBinaries = errors.New("no PostgreSQL server binaries (initdb, pg_ctl) found on PATH or in /usr/lib/postgresql/*/bin, /usr/local/opt/postgresql*/bin, /opt/homebrew/opt/postgresql*/bin; install PostgreSQL (Debian/Ubuntu: apt-get install postgresql; macOS: brew install postgresql@16) or set DATABASE_URL")
+
+// Options configure a cluster.
+type Options struct {
+	// Dir holds the data folder, the socket and the log.
+	Dir string
+	// Port is the TCP port on 127.0.0.1; 0 picks a free one.
+	Port int
+	// Durable keeps fsync on; tests turn it off for speed.
+	Durable bool
+}
+
+// Cluster is a running private PostgreSQL.
+type Cluster struct {
+	dir    string
+	port   int
+	bin    string
+	runAs  string
+}
+
+// FindBinaries returns the folder holding initdb and pg_ctl: PATH first, then
+// the usual Debian and Homebrew places (highest version first).
+func FindBinaries() (string, error) {
+	// A pg_ctl on PATH may be a link into the real bin folder, which also holds
+	// createdb and the server.
+	if p, err := exec.LookPath("pg_ctl"); err == nil {
+		if real, err := filepath.EvalSymlinks(p); err == nil && isFile(filepath.Join(filepath.Dir(real), "initdb")) {
+			return filepath.Dir(real), nil
+		}
+	}
+	var candidates []string
+	for _, pattern := range []string{"/usr/lib/postgresql/*/bin", "/usr/local/opt/postgresql*/bin", "/opt/homebrew/opt/postgresql*/bin", "/usr/pgsql-*/bin"} {
+		m, _ := filepath.Glob(pattern)
+		candidates = append(candidates, m...)
+	}
+	slices.SortFunc(candidates, func(a, b string) int { return versionOf(b) - versionOf(a) })
+	for _, dir := range candidates {
+		if isFile(filepath.Join(dir, "initdb")) && isFile(filepath.Join(dir, "pg_ctl")) {
+			return dir, nil
+		}
+	}
+	return "", ErrNoBinaries
+}
+
+func versionOf(dir string) int {
+	digits := strings.TrimFunc(filepath.Base(filepath.Dir(dir)), func(r rune) bool { return r < '0' || r > '9' })
+	if i := strings.IndexFunc(digits, func(r rune) bool { return r < '0' || r > '9' }); i >= 0 {
+		digits = digits[:i]
+	}
+	n, _ := strconv.Atoi(digits)
+	return n
+}
+
+func isFile(p string) bool {
+	st, err := os.Stat(p)
+	return err == nil && !st.IsDir()
+}
+
+// Start initialises the cluster on first use (reusing its data afterwards) and
+// starts it.
+func Start(ctx context.Context, opts Options) (*Cluster, error) {
+	bin, err := FindBinaries()
+	if err != nil {
+		return nil, err
+	}
+	dir, err := filepath.Abs(opts.Dir)
+	if err != nil {
+		return nil, fmt.Errorf("error resolving %s: %w", opts.Dir, err)
+	}
+	port := opts.Port
+	if port == 0 {
+		if port, err = freePort(); err != nil {
+			return nil, err
+		}
+	}
+	c := &Cluster{dir: dir, port: port, bin: bin}
+	if os.Geteuid() == 0 {
+		c.runAs = "postgres"
+	}
+	// The parent must be traversable by the server's user; the folder itself is private.
+	if err := os.MkdirAll(filepath.Dir(dir), 0o755); err != nil {
+		return nil, fmt.Errorf("error creating %s: %w", filepath.Dir(dir), err)
+	}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("error creating %s: %w", dir, err)
+	}
+	if err := c.chown(); err != nil {
+		return nil, err
+	}
+	if !isFile(filepath.Join(c.dataDir(), "PG_VERSION")) {
+		if _, err := c.run(ctx, "initdb", "-D", c.dataDir(), "-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-locale", "--no-sync"); err != nil {
+			return nil, fmt.Errorf("error initialising PostgreSQL in %s: %w", c.dataDir(), err)
+		}
+	}
+	settings := fmt.Sprintf("-k %s -p %d -c listen_addresses=127.0.0.1 -c max_connections=300", dir, port)
+	if !opts.Durable {
+		settings += " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
+	}
+	if _, err := c.run(ctx, "pg_ctl", "-D", c.dataDir(), "-l", filepath.Join(dir, "postgres.log"), "-w", "-t", "60", "-o", settings, "start"); err != nil {
+		return nil, fmt.Errorf("error starting PostgreSQL (log: %s): %w", filepath.Join(dir, "postgres.log"), err)
+	}
+	return c, nil
+}
+
+// URL is the connection string of the cluster's database name db.
+func (c *Cluster) URL(db string) string {
+	return fmt.Sprintf("postgres://postgres@127.0.0.1:%d/%s?sslmode=disable", c.port, db)
+}
+
+// Stop shuts the cluster down (fast mode: running sessions are ended).
+func (c *Cluster) Stop() error {
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	if _, err := c.run(ctx, "pg_ctl", "-D", c.dataDir(), "-m", "fast", "-w", "stop"); err != nil {
+		return fmt.Errorf("error stopping PostgreSQL: %w", err)
+	}
+	return nil
+}
+
+func (c *Cluster) dataDir() string { return filepath.Join(c.dir, "data") }
+
+// chown hands the folder to the user the server runs as.
+func (c *Cluster) chown() error {
+	if c.runAs == "" {
+		return nil
+	}
+	u, err := user.Lookup(c.runAs)
+	if err != nil {
+		return fmt.Errorf("running as root needs the %q user to run PostgreSQL: %w", c.runAs, err)
+	}
+	uid, _ := strconv.Atoi(u.Uid)
+	gid, _ := strconv.Atoi(u.Gid)
+	return filepath.Walk(c.dir, func(p string, _ os.FileInfo, err error) error {
+		if err != nil {
+			return err
+		}
+		return os.Lchown(p, uid, gid)
+	})
+}
+
+func (c *Cluster) run(ctx context.Context, tool string, args ...string) (string, error) {
+	path := filepath.Join(c.bin, tool)
+	var cmd *exec.Cmd
+	if c.runAs != "" {
+		cmd = exec.CommandContext(ctx, "runuser", append([]string{"-u", c.runAs, "--", path}, args...)...)
+	} else {
+		cmd = exec.CommandContext(ctx, path, args...)
+	}
+	cmd.Dir = c.dir
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Run(); err != nil {
+		return out.String(), fmt.Errorf("%s: %w: %s", tool, err, strings.TrimSpace(out.String()))
+	}
+	return out.String(), nil
+}
+
+func freePort() (int, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return 0, fmt.Errorf("error finding a free port: %w", err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port, nil
+}
+
+// CreateDatabase creates database name unless it exists.
+func (c *Cluster) CreateDatabase(ctx context.Context, name string) error {
+	out, err := c.run(ctx, "createdb", "-h", c.dir, "-p", strconv.Itoa(c.port), "-U", "postgres", name)
+	if err != nil && !strings.Contains(out, "already exists") {
+		return fmt.Errorf("error creating database %s: %w", name, err)
+	}
+	return nil
+}

@@ -1,0 +1,51 @@
+package server
+
+import (
+	"strings"
+
+	"github.com/labstack/echo/v4"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/openapi"
+)
+
+// authorize enforces an operation's policy before its body is read: a valid
+// key (401), one of the operation's scopes (403 INSUFFICIENT_SCOPE), then the
+// account tier (403 INSUFFICIENT_TIER). The principal travels in the request's
+// context to the handler.
+func (s *Server) authorize(p openapi.Policy) echo.MiddlewareFunc {
+	scopes := make([]gateway.Scope, len(p.AnyScope))
+	for i, sc := range p.AnyScope {
+		scopes[i] = gateway.Scope(sc)
+	}
+	return func(next echo.HandlerFunc) echo.HandlerFunc {
+		return func(c echo.Context) error {
+			token, ok := bearerToken(c.Request().Header.Get("Authorization"))
+			if !ok {
+				return gateway.Errorf(gateway.EUnauthorized, "a valid API key is required: send Authorization: Bearer igw_…")
+			}
+			principal, err := s.auth.Authenticate(c.Request().Context(), token)
+			if err != nil {
+				return err
+			}
+			if len(scopes) > 0 && !principal.HasAnyScope(scopes) {
+				return gateway.Errorf(gateway.EInsufficientScope, "this API key lacks the %s scope", strings.Join(p.AnyScope, " or "))
+			}
+			if p.Tier != "" && string(principal.Tier) != p.Tier {
+				return gateway.Errorf(gateway.EInsufficientTier, "this operation needs an account of the %s tier", p.Tier)
+			}
+			c.SetRequest(c.Request().WithContext(gateway.WithPrincipal(c.Request().Context(), principal)))
+			return next(c)
+		}
+	}
+}
+
+// bearerToken extracts the token of an "Authorization: Bearer <token>" header.
+func bearerToken(header string) (string, bool) {
+	scheme, token, ok := strings.Cut(header, " ")
+	if !ok || !strings.EqualFold(scheme, "Bearer") {
+		return "", false
+	}
+	token = strings.TrimSpace(token)
+	return token, token != ""
+}

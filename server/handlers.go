@@ -1,0 +1,216 @@
+package server
+
+import (
+	"context"
+	"net/http"
+
+	"github.com/google/uuid"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/gen/api"
+	"github.com/rungworks/gateway/inference"
+)
+
+var _ api.StrictServerInterface = (*Server)(nil)
+
+// CreateResponse implements POST /api/v1/responses.
+func (s *Server) CreateResponse(ctx context.Context, req api.CreateResponseRequestObject) (api.CreateResponseResponseObject, error) {
+	reply, err := s.respond(ctx, gateway.EntryResponses, req.Body)
+	if err != nil {
+		return nil, err
+	}
+	return api.CreateResponse200JSONResponse{ResponseCreatedJSONResponse: reply}, nil
+}
+
+// CreateChat implements POST /api/v1/chat, the compatibility alias.
+func (s *Server) CreateChat(ctx context.Context, req api.CreateChatRequestObject) (api.CreateChatResponseObject, error) {
+	reply, err := s.respond(ctx, gateway.EntryChat, req.Body)
+	if err != nil {
+		return nil, err
+	}
+	return api.CreateChat200JSONResponse{ResponseCreatedJSONResponse: reply}, nil
+}
+
+func (s *Server) respond(ctx context.Context, entry gateway.EntryPoint, body *api.ResponseRequest) (api.ResponseCreatedJSONResponse, error) {
+	if body.Stream != nil && *body.Stream {
+		return api.ResponseCreatedJSONResponse{}, gateway.Errorf(gateway.ENotImplemented, "streaming is not served by this release; omit stream or set it to false")
+	}
+	res, err := s.inference.Respond(ctx, gateway.PrincipalFrom(ctx), entry, requestInput(body))
+	if err != nil {
+		return api.ResponseCreatedJSONResponse{}, err
+	}
+	return api.ResponseCreatedJSONResponse{
+		Body: responseBody(res),
+		Headers: api.ResponseCreatedResponseHeaders{
+			XServiceInputRungs:  &res.Usage.InputRungs,
+			XServiceOutputRungs: &res.Usage.OutputRungs,
+			XServiceTotalRungs:  &res.Usage.TotalRungs,
+		},
+	}, nil
+}
+
+// GetSources implements GET /api/v1/sources/{request_id}.
+func (s *Server) GetSources(ctx context.Context, req api.GetSourcesRequestObject) (api.GetSourcesResponseObject, error) {
+	reply, err := s.sources(ctx, req.RequestId)
+	if err != nil {
+		return nil, err
+	}
+	return api.GetSources200JSONResponse{SourcesFoundJSONResponse: reply}, nil
+}
+
+// GetResponseSources implements GET /api/v1/responses/{request_id}/sources, the
+// compatibility alias.
+func (s *Server) GetResponseSources(ctx context.Context, req api.GetResponseSourcesRequestObject) (api.GetResponseSourcesResponseObject, error) {
+	reply, err := s.sources(ctx, req.RequestId)
+	if err != nil {
+		return nil, err
+	}
+	return api.GetResponseSources200JSONResponse{SourcesFoundJSONResponse: reply}, nil
+}
+
+func (s *Server) sources(ctx context.Context, rawID string) (api.SourcesFoundJSONResponse, error) {
+	id, err := uuid.Parse(rawID)
+	if err != nil {
+		return api.SourcesFoundJSONResponse{}, gateway.Errorf(gateway.ESourcesNotFound, "no evidence is held for request %q", rawID)
+	}
+	ev, err := s.evidence.Evidence(ctx, gateway.PrincipalFrom(ctx).AccountID, id)
+	if err != nil {
+		return api.SourcesFoundJSONResponse{}, err
+	}
+	body := api.Sources{RequestId: ev.RequestID, Sources: apiSources(ev.Sources)}
+	if ev.Verdict != "" {
+		body.EvidenceVerdict = &ev.Verdict
+	}
+	return api.SourcesFoundJSONResponse{Body: body}, nil
+}
+
+// GetUsage implements GET /api/v1/usage (not served by this release).
+func (s *Server) GetUsage(context.Context, api.GetUsageRequestObject) (api.GetUsageResponseObject, error) {
+	return nil, notImplemented("the usage view")
+}
+
+// CreateBatch implements POST /api/v1/batch (not served by this release).
+func (s *Server) CreateBatch(context.Context, api.CreateBatchRequestObject) (api.CreateBatchResponseObject, error) {
+	return nil, notImplemented("batches")
+}
+
+// GetBatch implements GET /api/v1/batch/{batch_id} (not served by this release).
+func (s *Server) GetBatch(context.Context, api.GetBatchRequestObject) (api.GetBatchResponseObject, error) {
+	return nil, notImplemented("batches")
+}
+
+// GetBatchResults implements GET /api/v1/batch/{batch_id}/results (not served by this release).
+func (s *Server) GetBatchResults(context.Context, api.GetBatchResultsRequestObject) (api.GetBatchResultsResponseObject, error) {
+	return nil, notImplemented("batches")
+}
+
+// CancelBatch implements POST /api/v1/batch/{batch_id}/cancel (not served by this release).
+func (s *Server) CancelBatch(context.Context, api.CancelBatchRequestObject) (api.CancelBatchResponseObject, error) {
+	return nil, notImplemented("batches")
+}
+
+// ListBatches implements GET /api/v1/batches (not served by this release).
+func (s *Server) ListBatches(context.Context, api.ListBatchesRequestObject) (api.ListBatchesResponseObject, error) {
+	return nil, notImplemented("batches")
+}
+
+// GetOpenAPI implements GET /openapi.json.
+func (s *Server) GetOpenAPI(context.Context, api.GetOpenAPIRequestObject) (api.GetOpenAPIResponseObject, error) {
+	return rawJSON{contentType: "application/json", body: s.openAPI}, nil
+}
+
+// GetJSONSchema implements GET /api/schema.json.
+func (s *Server) GetJSONSchema(context.Context, api.GetJSONSchemaRequestObject) (api.GetJSONSchemaResponseObject, error) {
+	return rawJSON{contentType: "application/schema+json", body: s.schema}, nil
+}
+
+func notImplemented(what string) error {
+	return gateway.Errorf(gateway.ENotImplemented, "%s is described in the API document but not served by this release", what)
+}
+
+// rawJSON is a 200 reply of a document encoded once at start.
+type rawJSON struct {
+	contentType string
+	body        []byte
+}
+
+func (r rawJSON) write(w http.ResponseWriter) error {
+	w.Header().Set("Content-Type", r.contentType)
+	w.Header().Set("Cache-Control", "public, max-age=300")
+	w.WriteHeader(http.StatusOK)
+	_, err := w.Write(r.body)
+	return err
+}
+
+// VisitGetOpenAPIResponse implements api.GetOpenAPIResponseObject.
+func (r rawJSON) VisitGetOpenAPIResponse(w http.ResponseWriter) error { return r.write(w) }
+
+// VisitGetJSONSchemaResponse implements api.GetJSONSchemaResponseObject.
+func (r rawJSON) VisitGetJSONSchemaResponse(w http.ResponseWriter) error { return r.write(w) }
+
+func requestInput(b *api.ResponseRequest) gateway.RequestInput {
+	in := gateway.RequestInput{
+		Prompt:         b.Prompt,
+		Model:          b.Model,
+		MaxOutputRungs: b.MaxOutputRungs,
+		IncludeRegions: deref(b.IncludeRegions),
+		Hints: gateway.Hints{
+			WebSearch: deref(b.WebSearch),
+			CodeMode:  deref(b.CodeMode),
+			ImageMode: deref(b.ImageMode),
+		},
+	}
+	if b.CustomInstructions != nil {
+		in.CustomInstructions = *b.CustomInstructions
+	}
+	return in
+}
+
+func responseBody(res *inference.Result) api.Response {
+	body := api.Response{
+		RequestId:  res.RequestID,
+		Content:    res.Content,
+		Sources:    apiSources(res.Sources),
+		SourcesUrl: "/api/v1/sources/" + res.RequestID.String(),
+		Model:      api.ResponseModel(res.Model),
+		Usage: api.Usage{
+			InputRungs:       res.Usage.InputRungs,
+			OutputRungs:      res.Usage.OutputRungs,
+			TotalRungs:       res.Usage.TotalRungs,
+			RegionsActivated: res.RegionsActivated,
+		},
+		Route: &api.Route{
+			RouteId:            res.Route.ID,
+			SelectedEntryPoint: api.RouteSelectedEntryPoint(res.Route.Entry),
+			PrimaryModel:       api.RoutePrimaryModel(res.Route.Primary),
+			RouteClass:         api.Auto,
+			DecidedAtNs:        res.Route.DecidedAt.UnixNano(),
+		},
+	}
+	if res.Route.Explicit {
+		body.Route.RouteClass = api.Explicit
+	}
+	if res.Route.EvidenceModel != "" {
+		m := api.RouteEvidenceModel(res.Route.EvidenceModel)
+		body.Route.EvidenceModel = &m
+	}
+	if res.Verdict != "" {
+		body.EvidenceVerdict = &res.Verdict
+	}
+	return body
+}
+
+// apiSources converts evidence to the wire form; never nil, so the required
+// array is [] rather than null.
+func apiSources(in []gateway.Source) []api.Source {
+	out := make([]api.Source, len(in))
+	for i, src := range in {
+		out[i] = api.Source{Title: src.Title, Url: src.URL}
+		if src.Snippet != "" {
+			out[i].Snippet = &src.Snippet
+		}
+	}
+	return out
+}
+
+func deref(b *bool) bool { return b != nil && *b }

@@ -1,0 +1,131 @@
+// Package server is the HTTP implementation of the public API: the generated
+// Echo strict server, the handlers behind it, authentication and body limits
+// derived from the OpenAPI document, and the one place where domain errors
+// become HTTP statuses.
+package server
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"regexp"
+
+	"github.com/google/uuid"
+	"github.com/labstack/echo/v4"
+	"github.com/labstack/echo/v4/middleware"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/gen/api"
+	"github.com/rungworks/gateway/inference"
+	"github.com/rungworks/gateway/openapi"
+)
+
+// Authenticator resolves a bearer token to its principal.
+type Authenticator interface {
+	Authenticate(ctx context.Context, token string) (*gateway.Principal, error)
+}
+
+// EvidenceReader reads the evidence of an account's request.
+type EvidenceReader interface {
+	Evidence(ctx context.Context, accountID, requestID uuid.UUID) (*gateway.Evidence, error)
+}
+
+// Config holds the server's dependencies.
+type Config struct {
+	Auth      Authenticator
+	Inference *inference.Service
+	Evidence  EvidenceReader
+	Logger    *slog.Logger
+}
+
+// Server serves the public API.
+type Server struct {
+	echo      *echo.Echo
+	auth      Authenticator
+	inference *inference.Service
+	evidence  EvidenceReader
+	logger    *slog.Logger
+	openAPI   []byte
+	schema    []byte
+}
+
+// New builds the server: routes come from the generated RegisterHandlers, and
+// each operation gets the authentication and body limit its OpenAPI entry declares.
+func New(cfg Config) (*Server, error) {
+	doc, err := openapi.JSON()
+	if err != nil {
+		return nil, err
+	}
+	schema, err := openapi.JSONSchema()
+	if err != nil {
+		return nil, err
+	}
+	policies, err := openapi.Policies()
+	if err != nil {
+		return nil, err
+	}
+	logger := cfg.Logger
+	if logger == nil {
+		logger = slog.Default()
+	}
+	s := &Server{
+		echo:      echo.New(),
+		auth:      cfg.Auth,
+		inference: cfg.Inference,
+		evidence:  cfg.Evidence,
+		logger:    logger,
+		openAPI:   doc,
+		schema:    schema,
+	}
+	s.echo.HideBanner = true
+	s.echo.HidePort = true
+	s.echo.HTTPErrorHandler = s.handleError
+	s.echo.Binder = jsonBinder{}
+	s.echo.Use(middleware.RecoverWithConfig(middleware.RecoverConfig{DisableStackAll: true, LogErrorFunc: s.logPanic}))
+
+	opMiddlewares := map[string][]echo.MiddlewareFunc{}
+	for id, p := range policies {
+		var mws []echo.MiddlewareFunc
+		if !p.Public {
+			mws = append(mws, s.authorize(p))
+		}
+		if p.MaxBodyBytes > 0 {
+			mws = append(mws, limitBody(p.MaxBodyBytes))
+		}
+		opMiddlewares[id] = mws
+	}
+	api.RegisterHandlersWithOptions(s.echo, api.NewStrictHandler(s, nil), api.RegisterHandlersOptions{OperationMiddlewares: opMiddlewares})
+	if err := checkRoutes(s.echo.Routes(), policies); err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+// checkRoutes makes sure the generated routes and the document's operations are
+// the same set, so no route can run without its policy.
+func checkRoutes(routes []*echo.Route, policies map[string]openapi.Policy) error {
+	declared := map[string]bool{}
+	for _, p := range policies {
+		declared[p.Method+" "+pathParam.ReplaceAllString(p.Path, ":$1")] = true
+	}
+	for _, r := range routes {
+		if !declared[r.Method+" "+r.Path] {
+			return fmt.Errorf("route %s %s has no operation in the OpenAPI document", r.Method, r.Path)
+		}
+	}
+	if len(routes) != len(declared) {
+		return fmt.Errorf("the OpenAPI document declares %d operations but %d routes are registered", len(declared), len(routes))
+	}
+	return nil
+}
+
+var pathParam = regexp.MustCompile(`\{([^}]+)\}`)
+
+// ServeHTTP implements http.Handler.
+func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) { s.echo.ServeHTTP(w, r) }
+
+func (s *Server) logPanic(c echo.Context, err error, stack []byte) error {
+	s.logger.Error("panic serving request", "method", c.Request().Method, "path", c.Path(), "error", err, "stack", string(stack))
+	return err
+}

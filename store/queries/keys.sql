@@ -1,0 +1,43 @@
+-- name: UpsertAccount :one
+-- Creates the account on first use (tier developer unless given); an explicit
+-- tier updates an existing account.
+INSERT INTO accounts (id, name, tier)
+VALUES (@id, @name, COALESCE(sqlc.narg(tier)::text, 'developer'))
+ON CONFLICT (name) DO UPDATE
+    SET tier = COALESCE(sqlc.narg(tier)::text, accounts.tier)
+RETURNING *;
+
+-- name: UpsertProject :one
+INSERT INTO projects (id, account_id, name)
+VALUES (@id, @account_id, @name)
+ON CONFLICT (account_id, name) DO UPDATE SET name = EXCLUDED.name
+RETURNING *;
+
+-- name: InsertAPIKey :one
+INSERT INTO api_keys (id, project_id, prefix, hash, scopes)
+VALUES (@id, @project_id, @prefix, @hash, @scopes)
+RETURNING *;
+
+-- name: GetActiveKeyByPrefix :one
+-- The principal behind a key prefix, if the key is not revoked.
+SELECT k.id AS key_id, k.hash, k.scopes,
+       p.id AS project_id, p.name AS project_name,
+       a.id AS account_id, a.name AS account_name, a.tier
+FROM api_keys k
+JOIN projects p ON p.id = k.project_id
+JOIN accounts a ON a.id = p.account_id
+WHERE k.prefix = @prefix AND k.revoked_at IS NULL;
+
+-- name: RevokeAPIKey :execrows
+-- Revokes by key id (text form) or by prefix; revoking twice is a no-op.
+UPDATE api_keys SET revoked_at = now()
+WHERE (id::text = @key::text OR prefix = @key::text) AND revoked_at IS NULL;
+
+-- name: SetAccountDailyCeiling :execrows
+UPDATE accounts SET daily_rung_ceiling = @daily_rung_ceiling WHERE id = @id;
+
+-- name: SetProjectBudget :execrows
+UPDATE projects SET budget_cap_rungs = @budget_cap_rungs WHERE id = @id;
+
+-- name: GetAccountByName :one
+SELECT * FROM accounts WHERE name = @name;

@@ -1,0 +1,257 @@
+// Package store is the PostgreSQL implementation of the gateway's persistence:
+// accounts, projects, API keys, committed requests and their evidence. Every
+// query lives in store/queries and is compiled by sqlc into gen/db.
+package store
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/apikey"
+	"github.com/rungworks/gateway/gen/db"
+)
+
+// Store reads and writes the gateway's state in PostgreSQL.
+type Store struct {
+	pool    *pgxpool.Pool
+	queries *db.Queries
+}
+
+// New returns a store over pool.
+func New(pool *pgxpool.Pool) *Store {
+	return &Store{pool: pool, queries: db.New()}
+}
+
+// Pool returns the connection pool.
+func (s *Store) Pool() *pgxpool.Pool { return s.pool }
+
+var errUnauthorized = &gateway.Error{Code: gateway.EUnauthorized, Message: "a valid API key is required: send Authorization: Bearer igw_…"}
+
+// Authenticate resolves a bearer token to its principal. A malformed, unknown or
+// revoked key is UNAUTHORIZED.
+func (s *Store) Authenticate(ctx context.Context, token string) (*gateway.Principal, error) {
+	prefix, err := apikey.Parse(token)
+	if err != nil {
+		return nil, errUnauthorized
+	}
+	row, err := s.queries.GetActiveKeyByPrefix(ctx, s.pool, prefix)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, errUnauthorized
+	}
+	if err != nil {
+		return nil, fmt.Errorf("error looking up API key: %w", err)
+	}
+	if !apikey.Matches(token, row.Hash) {
+		return nil, errUnauthorized
+	}
+	scopes := make([]gateway.Scope, len(row.Scopes))
+	for i, sc := range row.Scopes {
+		scopes[i] = gateway.Scope(sc)
+	}
+	return &gateway.Principal{
+		KeyID:       row.KeyID,
+		ProjectID:   row.ProjectID,
+		ProjectName: row.ProjectName,
+		AccountID:   row.AccountID,
+		AccountName: row.AccountName,
+		Tier:        gateway.Tier(row.Tier),
+		Scopes:      scopes,
+	}, nil
+}
+
+// CreateKeyParams names the owner and rights of a new key.
+type CreateKeyParams struct {
+	Account string
+	Project string
+	// Tier sets the account's tier; nil keeps an existing account's tier and
+	// creates a new one as developer.
+	Tier   *gateway.Tier
+	Scopes []gateway.Scope
+}
+
+// CreateKey creates the account and project on first use and issues a key,
+// returning the key's token (shown once; only its hash is stored).
+func (s *Store) CreateKey(ctx context.Context, p CreateKeyParams) (string, error) {
+	if strings.TrimSpace(p.Account) == "" || strings.TrimSpace(p.Project) == "" {
+		return "", errors.New("account and project names must not be empty")
+	}
+	if len(p.Scopes) == 0 {
+		return "", errors.New("a key needs at least one scope")
+	}
+	scopes := make([]string, 0, len(p.Scopes))
+	for _, sc := range p.Scopes {
+		if sc != gateway.ScopeInference && sc != gateway.ScopeUsage {
+			return "", fmt.Errorf("unknown scope %q (use inference, usage)", sc)
+		}
+		if !slices.Contains(scopes, string(sc)) {
+			scopes = append(scopes, string(sc))
+		}
+	}
+	var tier *string
+	if p.Tier != nil {
+		if *p.Tier != gateway.TierFree && *p.Tier != gateway.TierDeveloper {
+			return "", fmt.Errorf("unknown tier %q (use free, developer)", *p.Tier)
+		}
+		t := string(*p.Tier)
+		tier = &t
+	}
+
+	var token string
+	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		account, err := s.queries.UpsertAccount(ctx, tx, db.UpsertAccountParams{ID: newID(), Name: p.Account, Tier: tier})
+		if err != nil {
+			return fmt.Errorf("error upserting account: %w", err)
+		}
+		project, err := s.queries.UpsertProject(ctx, tx, db.UpsertProjectParams{ID: newID(), AccountID: account.ID, Name: p.Project})
+		if err != nil {
+			return fmt.Errorf("error upserting project: %w", err)
+		}
+		key, err := apikey.Generate()
+		if err != nil {
+			return fmt.Errorf("error generating key: %w", err)
+		}
+		// The prefix carries 40 random bits; a collision fails the unique index and
+		// the command, never a silent overwrite.
+		if _, err := s.queries.InsertAPIKey(ctx, tx, db.InsertAPIKeyParams{
+			ID: newID(), ProjectID: project.ID, Prefix: key.Prefix, Hash: key.Hash, Scopes: scopes,
+		}); err != nil {
+			return fmt.Errorf("error inserting key: %w", err)
+		}
+		token = key.Token
+		return nil
+	})
+	if err != nil {
+		return "", err
+	}
+	return token, nil
+}
+
+// ErrKeyNotFound is returned when revoking a key that does not exist or is revoked.
+var ErrKeyNotFound = errors.New("no active key with that id or prefix")
+
+// RevokeKey revokes a key by its id or its prefix.
+func (s *Store) RevokeKey(ctx context.Context, idOrPrefix string) error {
+	n, err := s.queries.RevokeAPIKey(ctx, s.pool, idOrPrefix)
+	if err != nil {
+		return fmt.Errorf("error revoking key: %w", err)
+	}
+	if n == 0 {
+		return ErrKeyNotFound
+	}
+	return nil
+}
+
+// SetLimitsParams are the limits to set; nil fields are left as they are.
+type SetLimitsParams struct {
+	Account     string
+	DailyRungs  *int64
+	Project     string
+	BudgetRungs *int64
+}
+
+// ErrAccountNotFound is returned when setting limits of an unknown account.
+var ErrAccountNotFound = errors.New("no such account")
+
+// SetLimits sets an account's daily rung ceiling and/or a project's budget cap
+// (creating the project on first use).
+func (s *Store) SetLimits(ctx context.Context, p SetLimitsParams) error {
+	return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		account, err := s.queries.GetAccountByName(ctx, tx, p.Account)
+		if errors.Is(err, pgx.ErrNoRows) {
+			return ErrAccountNotFound
+		}
+		if err != nil {
+			return fmt.Errorf("error reading account: %w", err)
+		}
+		if p.DailyRungs != nil {
+			if _, err := s.queries.SetAccountDailyCeiling(ctx, tx, db.SetAccountDailyCeilingParams{ID: account.ID, DailyRungCeiling: p.DailyRungs}); err != nil {
+				return fmt.Errorf("error setting daily ceiling: %w", err)
+			}
+		}
+		if p.BudgetRungs != nil {
+			project, err := s.queries.UpsertProject(ctx, tx, db.UpsertProjectParams{ID: newID(), AccountID: account.ID, Name: p.Project})
+			if err != nil {
+				return fmt.Errorf("error upserting project: %w", err)
+			}
+			if _, err := s.queries.SetProjectBudget(ctx, tx, db.SetProjectBudgetParams{ID: project.ID, BudgetCapRungs: p.BudgetRungs}); err != nil {
+				return fmt.Errorf("error setting budget: %w", err)
+			}
+		}
+		return nil
+	})
+}
+
+// RecordRequest commits a request's usage and its evidence in one round trip.
+func (s *Store) RecordRequest(ctx context.Context, r gateway.UsageRecord) error {
+	sources := r.Sources
+	if sources == nil {
+		sources = []gateway.Source{}
+	}
+	sourcesJSON, err := json.Marshal(sources)
+	if err != nil {
+		return fmt.Errorf("error encoding sources: %w", err)
+	}
+	status := "completed"
+	if r.Failed {
+		status = "failed"
+	}
+	var verdict *string
+	if r.Verdict != "" {
+		verdict = &r.Verdict
+	}
+	keyID := r.Principal.KeyID
+	err = s.queries.RecordRequest(ctx, s.pool, db.RecordRequestParams{
+		ID:                r.RequestID,
+		AccountID:         r.Principal.AccountID,
+		ProjectID:         r.Principal.ProjectID,
+		ApiKeyID:          &keyID,
+		Model:             string(r.Model),
+		EntryPoint:        string(r.Entry),
+		Status:            status,
+		InputTokens:       r.Usage.InputTokens,
+		OutputTokens:      r.Usage.OutputTokens,
+		InputRungs:        r.Usage.InputRungs,
+		OutputRungs:       r.Usage.OutputRungs,
+		TotalRungs:        r.Usage.TotalRungs,
+		CreatedAt:         r.CreatedAt,
+		CompletedAt:       r.CompletedAt,
+		Sources:           sourcesJSON,
+		Verdict:           verdict,
+		EvidenceExpiresAt: r.EvidenceExpiresAt,
+	})
+	if err != nil {
+		return fmt.Errorf("error recording request: %w", err)
+	}
+	return nil
+}
+
+// Evidence returns the evidence of one of the account's requests while it is
+// held; anything else is SOURCES_NOT_FOUND.
+func (s *Store) Evidence(ctx context.Context, accountID, requestID uuid.UUID) (*gateway.Evidence, error) {
+	row, err := s.queries.GetEvidence(ctx, s.pool, db.GetEvidenceParams{RequestID: requestID, AccountID: accountID})
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, gateway.Errorf(gateway.ESourcesNotFound, "no evidence is held for request %s", requestID)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("error reading evidence: %w", err)
+	}
+	ev := &gateway.Evidence{RequestID: row.RequestID}
+	if err := json.Unmarshal(row.Sources, &ev.Sources); err != nil {
+		return nil, fmt.Errorf("error decoding sources: %w", err)
+	}
+	if row.Verdict != nil {
+		ev.Verdict = *row.Verdict
+	}
+	return ev, nil
+}
+
+func newID() uuid.UUID { return uuid.Must(uuid.NewV7()) }

@@ -1,0 +1,225 @@
+// Package openai is the upstream provider for OpenAI-compatible Chat Completions
+// APIs (GATEWAY_UPSTREAM=http://host/v1).
+package openai
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/upstream"
+)
+
+// HintsHeader carries the request's mode hints (web_search, code_mode,
+// image_mode) upstream. A header, unlike an extra body field, is ignored by
+// upstreams that do not know it instead of being refused.
+const HintsHeader = "X-Gateway-Hints"
+
+// Config configures a Client.
+type Config struct {
+	// BaseURL is the API root, e.g. http://127.0.0.1:9000/v1.
+	BaseURL string
+	// APIKey is sent as a bearer token when set.
+	APIKey string
+	// Timeout bounds one non-streaming call, from dispatch to the whole reply.
+	Timeout time.Duration
+}
+
+// Client calls POST {BaseURL}/chat/completions.
+type Client struct {
+	cfg  Config
+	http *http.Client
+}
+
+var _ upstream.Provider = (*Client)(nil)
+
+// New returns a client with a connection pool sized for a busy gateway.
+func New(cfg Config) *Client {
+	if cfg.Timeout <= 0 {
+		cfg.Timeout = 120 * time.Second
+	}
+	cfg.BaseURL = strings.TrimRight(cfg.BaseURL, "/")
+	transport := &http.Transport{
+		Proxy:                 http.ProxyFromEnvironment,
+		DialContext:           (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+		MaxIdleConns:          1024,
+		MaxIdleConnsPerHost:   512,
+		IdleConnTimeout:       90 * time.Second,
+		TLSHandshakeTimeout:   5 * time.Second,
+		ResponseHeaderTimeout: cfg.Timeout,
+	}
+	return &Client{cfg: cfg, http: &http.Client{Transport: transport}}
+}
+
+type message struct {
+	Role    string `json:"role"`
+	Content string `json:"content"`
+}
+
+type chatRequest struct {
+	Model               string    `json:"model"`
+	Messages            []message `json:"messages"`
+	MaxCompletionTokens uint64    `json:"max_completion_tokens"`
+}
+
+type annotation struct {
+	Type        string `json:"type"`
+	URLCitation *struct {
+		URL        string `json:"url"`
+		Title      string `json:"title"`
+		StartIndex int    `json:"start_index"`
+		EndIndex   int    `json:"end_index"`
+	} `json:"url_citation"`
+}
+
+type chatResponse struct {
+	Choices []struct {
+		Message struct {
+			Content     string       `json:"content"`
+			Annotations []annotation `json:"annotations"`
+		} `json:"message"`
+	} `json:"choices"`
+	Usage *struct {
+		PromptTokens     uint64 `json:"prompt_tokens"`
+		CompletionTokens uint64 `json:"completion_tokens"`
+	} `json:"usage"`
+}
+
+type errorBody struct {
+	Error struct {
+		Message string `json:"message"`
+	} `json:"error"`
+}
+
+// Complete implements upstream.Provider.
+func (c *Client) Complete(ctx context.Context, req upstream.Request) (upstream.Result, error) {
+	ctx, cancel := context.WithTimeout(ctx, c.cfg.Timeout)
+	defer cancel()
+
+	body, err := json.Marshal(chatRequest{
+		Model:               req.UpstreamModel,
+		Messages:            messages(req),
+		MaxCompletionTokens: req.MaxOutputTokens,
+	})
+	if err != nil {
+		return upstream.Result{}, fmt.Errorf("error encoding chat request: %w", err)
+	}
+	httpReq, err := http.NewRequestWithContext(ctx, http.MethodPost, c.cfg.BaseURL+"/chat/completions", bytes.NewReader(body))
+	if err != nil {
+		return upstream.Result{}, fmt.Errorf("error building chat request: %w", err)
+	}
+	httpReq.Header.Set("Content-Type", "application/json")
+	httpReq.Header.Set("Accept", "application/json")
+	if c.cfg.APIKey != "" {
+		httpReq.Header.Set("Authorization", "Bearer "+c.cfg.APIKey)
+	}
+	if h := hints(req.Hints); h != "" {
+		httpReq.Header.Set(HintsHeader, h)
+	}
+
+	resp, err := c.http.Do(httpReq)
+	if err != nil {
+		return upstream.Result{}, transportError(ctx, err)
+	}
+	defer resp.Body.Close()
+	raw, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
+	if err != nil {
+		return upstream.Result{}, transportError(ctx, err)
+	}
+	if err := statusError(resp.StatusCode, raw); err != nil {
+		return upstream.Result{}, err
+	}
+
+	var cr chatResponse
+	if err := json.Unmarshal(raw, &cr); err != nil {
+		return upstream.Result{}, fmt.Errorf("error decoding chat completion: %w", err)
+	}
+	if len(cr.Choices) == 0 || cr.Usage == nil {
+		return upstream.Result{}, errors.New("chat completion has no choices or no usage")
+	}
+	msg := cr.Choices[0].Message
+	return upstream.Result{
+		Content:      msg.Content,
+		Sources:      sources(msg.Content, msg.Annotations),
+		InputTokens:  cr.Usage.PromptTokens,
+		OutputTokens: cr.Usage.CompletionTokens,
+	}, nil
+}
+
+func messages(req upstream.Request) []message {
+	msgs := make([]message, 0, 2)
+	if req.System != "" {
+		msgs = append(msgs, message{Role: "system", Content: req.System})
+	}
+	return append(msgs, message{Role: "user", Content: req.Prompt})
+}
+
+func hints(h gateway.Hints) string {
+	var parts []string
+	if h.WebSearch {
+		parts = append(parts, "web_search")
+	}
+	if h.CodeMode {
+		parts = append(parts, "code_mode")
+	}
+	if h.ImageMode {
+		parts = append(parts, "image_mode")
+	}
+	return strings.Join(parts, ",")
+}
+
+// transportError classifies a failure to reach the upstream or read its reply.
+// The caller's own cancellation is returned as is; everything else (refused,
+// reset, timed out) means the upstream is unavailable.
+func transportError(ctx context.Context, err error) error {
+	if ctx.Err() != nil && !errors.Is(ctx.Err(), context.DeadlineExceeded) {
+		return ctx.Err()
+	}
+	return fmt.Errorf("%w: %v", upstream.ErrUnavailable, err)
+}
+
+// statusError classifies a non-2xx reply: 408, 429 and 5xx mean unavailable,
+// other 4xx a rejection of this request.
+func statusError(status int, body []byte) error {
+	if status >= 200 && status < 300 {
+		return nil
+	}
+	var eb errorBody
+	msg := strings.TrimSpace(string(body))
+	if json.Unmarshal(body, &eb) == nil && eb.Error.Message != "" {
+		msg = eb.Error.Message
+	}
+	if len(msg) > 500 {
+		msg = msg[:500]
+	}
+	if status == http.StatusRequestTimeout || status == http.StatusTooManyRequests || status >= 500 {
+		return fmt.Errorf("%w: status %d: %s", upstream.ErrUnavailable, status, msg)
+	}
+	return &upstream.RejectedError{Status: status, Message: msg}
+}
+
+// sources maps url_citation annotations to evidence; the cited span of the
+// content, when its indexes are valid, is the snippet.
+func sources(content string, annotations []annotation) []gateway.Source {
+	var out []gateway.Source
+	for _, a := range annotations {
+		if a.Type != "url_citation" || a.URLCitation == nil || a.URLCitation.URL == "" {
+			continue
+		}
+		c := a.URLCitation
+		s := gateway.Source{Title: c.Title, URL: c.URL}
+		if c.StartIndex >= 0 && c.StartIndex < c.EndIndex && c.EndIndex <= len(content) {
+			s.Snippet = content[c.StartIndex:c.EndIndex]
+		}
+		out = append(out, s)
+	}
+	return out
+}

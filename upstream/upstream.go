@@ -1,0 +1,98 @@
+// Package upstream defines the inference provider interface that everything
+// running inference uses, the error classes that tell an outage from a rejected
+// request, and the operator's model map.
+package upstream
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+
+	"github.com/rungworks/gateway"
+)
+
+// Request is one inference call.
+type Request struct {
+	// Model is the canonical model; UpstreamModel the name sent upstream.
+	Model         gateway.Model
+	UpstreamModel string
+	System        string
+	Prompt        string
+	// MaxOutputTokens is the accepted max_output_rungs.
+	MaxOutputTokens uint64
+	Hints           gateway.Hints
+}
+
+// Result is a finished inference call. Token counts are the upstream's.
+type Result struct {
+	Content      string
+	Sources      []gateway.Source
+	Verdict      string
+	InputTokens  uint64
+	OutputTokens uint64
+}
+
+// Provider runs inference. Implementations honour ctx cancellation and classify
+// failures: errors.Is(err, ErrUnavailable) when the upstream could not be reached
+// or failed before producing anything (safe to retry), *RejectedError when it
+// refused this request.
+type Provider interface {
+	Complete(ctx context.Context, req Request) (Result, error)
+}
+
+// ErrUnavailable marks an upstream that is down, overloaded (5xx, 429) or timed out.
+var ErrUnavailable = errors.New("upstream unavailable")
+
+// RejectedError is an upstream's refusal of one request (a 4xx other than 408/429).
+type RejectedError struct {
+	Status  int
+	Message string
+}
+
+// Error implements error.
+func (e *RejectedError) Error() string {
+	return fmt.Sprintf("upstream rejected the request (status %d): %s", e.Status, e.Message)
+}
+
+// ModelMap maps canonical models to the names the upstream knows. A canonical
+// model missing from the map is unavailable.
+type ModelMap map[gateway.Model]string
+
+// DefaultModelMap maps each canonical model to itself.
+func DefaultModelMap() ModelMap {
+	m := ModelMap{}
+	for _, model := range gateway.Models {
+		m[model] = string(model)
+	}
+	return m
+}
+
+// Available implements gateway.Catalog.
+func (m ModelMap) Available(model gateway.Model) bool {
+	_, ok := m[model]
+	return ok
+}
+
+// ParseModelPairs parses "instant=a,reasoning=b" into values per canonical model.
+// Keys must be canonical model names (or aliases); values must be non-empty.
+func ParseModelPairs(s string) (map[gateway.Model]string, error) {
+	out := map[gateway.Model]string{}
+	for _, pair := range strings.Split(s, ",") {
+		pair = strings.TrimSpace(pair)
+		if pair == "" {
+			continue
+		}
+		k, v, ok := strings.Cut(pair, "=")
+		v = strings.TrimSpace(v)
+		if !ok || v == "" {
+			return nil, fmt.Errorf("%q is not of the form model=value", pair)
+		}
+		model, err := gateway.ParseModel(k)
+		if err != nil {
+			return nil, fmt.Errorf("%q: unknown model %q", pair, k)
+		}
+		out[model] = v
+	}
+	return out, nil
+}
