@@ -36,10 +36,10 @@ type Options struct {
 
 // Cluster is a running private PostgreSQL.
 type Cluster struct {
-	dir    string
-	port   int
-	bin    string
-	runAs  string
+	dir   string
+	port  int
+	bin   string
+	runAs string
 }
 
 // FindBinaries returns the folder holding initdb and pg_ctl: PATH first, then
@@ -196,3 +196,6 @@ func (c *Cluster) CreateDatabase(ctx context.Context, name string) error {
 	}
 	return nil
 }
+
+// Port is the cluster's TCP port on 127.0.0.1.
+func (c *Cluster) Port() int { return c.port }

@@ -1,0 +1,77 @@
+// Package apitest checks HTTP replies against the gateway's OpenAPI document, so
+// every test that calls the API also proves the reply matches the contract.
+package apitest
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"net/http"
+	"sync"
+	"testing"
+
+	"github.com/getkin/kin-openapi/openapi3"
+	"github.com/getkin/kin-openapi/openapi3filter"
+	"github.com/getkin/kin-openapi/routers"
+	"github.com/getkin/kin-openapi/routers/gorillamux"
+	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway/openapi"
+)
+
+var (
+	loadOnce sync.Once
+	router   routers.Router
+	loadErr  error
+)
+
+func load() {
+	doc, err := openapi3.NewLoader().LoadFromData(openapi.YAML())
+	if err != nil {
+		loadErr = err
+		return
+	}
+	if loadErr = doc.Validate(context.Background()); loadErr != nil {
+		return
+	}
+	doc.Servers = nil // match paths on any host
+	router, loadErr = gorillamux.NewRouter(doc)
+}
+
+// Validate fails t unless resp (with its body) is a reply the document allows
+// for req: a declared status, content type, headers and a body matching the
+// schema. It returns the body, which it has read and restored.
+func Validate(t testing.TB, req *http.Request, resp *http.Response) []byte {
+	t.Helper()
+	loadOnce.Do(load)
+	require.NoError(t, loadErr, "loading openapi.yaml")
+
+	body, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	resp.Body = io.NopCloser(bytes.NewReader(body))
+
+	route, pathParams, err := router.FindRoute(req)
+	if err != nil {
+		// Unknown routes have no operation; they must still use the error envelope.
+		require.Equal(t, http.StatusNotFound, resp.StatusCode, "a request outside the document must be 404")
+		return body
+	}
+	input := &openapi3filter.ResponseValidationInput{
+		RequestValidationInput: &openapi3filter.RequestValidationInput{
+			Request:    req,
+			PathParams: pathParams,
+			Route:      route,
+			Options:    &openapi3filter.Options{AuthenticationFunc: openapi3filter.NoopAuthenticationFunc},
+		},
+		Status: resp.StatusCode,
+		Header: resp.Header,
+		Body:   io.NopCloser(bytes.NewReader(body)),
+		Options: &openapi3filter.Options{
+			IncludeResponseStatus: true,
+			MultiError:            true,
+		},
+	}
+	require.NoError(t, openapi3filter.ValidateResponse(context.Background(), input),
+		"reply %d to %s %s does not match openapi.yaml: %s", resp.StatusCode, req.Method, req.URL.Path, body)
+	return body
+}

@@ -1,0 +1,165 @@
+// Package fakeupstream is an OpenAI-compatible Chat Completions server that
+// tests control: it answers, refuses, fails or stalls on demand, and records
+// every prompt it was sent.
+package fakeupstream
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"time"
+)
+
+// Mode is how the server answers.
+type Mode int
+
+// The modes.
+const (
+	// OK answers with a completion.
+	OK Mode = iota
+	// Down answers 503.
+	Down
+	// Reject answers 400 with an OpenAI error body.
+	Reject
+)
+
+// Call is one chat completion request the server received.
+type Call struct {
+	Model               string
+	System              string
+	Prompt              string
+	MaxCompletionTokens uint64
+	Hints               string
+	Authorization       string
+}
+
+// Server is the fake upstream.
+type Server struct {
+	*httptest.Server
+
+	mu    sync.Mutex
+	mode  Mode
+	delay time.Duration
+	calls []Call
+}
+
+// New starts a fake upstream; its base URL for GATEWAY_UPSTREAM is BaseURL().
+func New() *Server {
+	s := &Server{}
+	s.Server = httptest.NewServer(http.HandlerFunc(s.handle))
+	return s
+}
+
+// BaseURL is the API root (…/v1).
+func (s *Server) BaseURL() string { return s.URL + "/v1" }
+
+// SetMode changes how the server answers from now on.
+func (s *Server) SetMode(m Mode) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.mode = m
+}
+
+// SetDelay makes every answer wait d first.
+func (s *Server) SetDelay(d time.Duration) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.delay = d
+}
+
+// Calls returns the requests received so far.
+func (s *Server) Calls() []Call {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]Call(nil), s.calls...)
+}
+
+// Reply is the deterministic completion text for a prompt.
+func Reply(prompt string) string {
+	return "echo: " + prompt
+}
+
+// Usage is the deterministic token usage the server reports for a prompt: one
+// prompt token per word plus 10, and one completion token per word of the reply.
+func Usage(prompt string) (promptTokens, completionTokens uint64) {
+	return uint64(len(strings.Fields(prompt))) + 10, uint64(len(strings.Fields(Reply(prompt))))
+}
+
+type chatRequest struct {
+	Model               string `json:"model"`
+	MaxCompletionTokens uint64 `json:"max_completion_tokens"`
+	Messages            []struct {
+		Role    string `json:"role"`
+		Content string `json:"content"`
+	} `json:"messages"`
+}
+
+func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
+	if r.Method != http.MethodPost || r.URL.Path != "/v1/chat/completions" {
+		http.NotFound(w, r)
+		return
+	}
+	var req chatRequest
+	if err := json.NewDecoder(r.Body).Decode(&req); err != nil {
+		http.Error(w, `{"error":{"message":"bad json"}}`, http.StatusBadRequest)
+		return
+	}
+	call := Call{Model: req.Model, MaxCompletionTokens: req.MaxCompletionTokens, Hints: r.Header.Get("X-Gateway-Hints"), Authorization: r.Header.Get("Authorization")}
+	for _, m := range req.Messages {
+		switch m.Role {
+		case "system":
+			call.System = m.Content
+		case "user":
+			call.Prompt = m.Content
+		}
+	}
+	s.mu.Lock()
+	mode, delay := s.mode, s.delay
+	s.calls = append(s.calls, call)
+	s.mu.Unlock()
+
+	if delay > 0 {
+		select {
+		case <-time.After(delay):
+		case <-r.Context().Done():
+			return
+		}
+	}
+	w.Header().Set("Content-Type", "application/json")
+	switch mode {
+	case Down:
+		w.WriteHeader(http.StatusServiceUnavailable)
+		fmt.Fprint(w, `{"error":{"message":"overloaded"}}`)
+		return
+	case Reject:
+		w.WriteHeader(http.StatusBadRequest)
+		fmt.Fprint(w, `{"error":{"message":"content policy violation"}}`)
+		return
+	}
+	content := Reply(call.Prompt)
+	pt, ct := Usage(call.Prompt)
+	resp := map[string]any{
+		"id":     "chatcmpl-fake",
+		"object": "chat.completion",
+		"model":  req.Model,
+		"choices": []any{map[string]any{
+			"index":         0,
+			"finish_reason": "stop",
+			"message": map[string]any{
+				"role":    "assistant",
+				"content": content,
+				"annotations": []any{map[string]any{
+					"type": "url_citation",
+					"url_citation": map[string]any{
+						"url": "https://example.org/doc", "title": "Example doc", "start_index": 0, "end_index": 4,
+					},
+				}},
+			},
+		}},
+		"usage": map[string]any{"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct},
+	}
+	_ = json.NewEncoder(w).Encode(resp)
+}

@@ -1,0 +1,174 @@
+// Package testdb gives each test a fresh, migrated database on a real
+// PostgreSQL server: TEST_DATABASE_URL or DATABASE_URL when set, otherwise a
+// testcontainers PostgreSQL when a Docker engine answers, otherwise one
+// throwaway cluster per test process from the machine's own binaries. Databases
+// are cloned from a migrated template (pgtestdb), so tests run in parallel.
+package testdb
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	_ "github.com/jackc/pgx/v5/stdlib" // the "pgx" database/sql driver pgtestdb uses
+	"github.com/peterldowns/pgtestdb"
+	"github.com/peterldowns/pgtestdb/migrators/goosemigrator"
+	"github.com/testcontainers/testcontainers-go"
+	tcpostgres "github.com/testcontainers/testcontainers-go/modules/postgres"
+
+	"github.com/rungworks/gateway/migrations"
+	"github.com/rungworks/gateway/pglocal"
+)
+
+var (
+	once     sync.Once
+	base     pgtestdb.Config
+	stop     func()
+	setupErr error
+)
+
+// Main runs a package's tests and then stops the server it started, if any.
+// Call it from TestMain.
+func Main(m *testing.M) {
+	code := m.Run()
+	if stop != nil {
+		stop()
+	}
+	os.Exit(code)
+}
+
+// URL returns the connection string of a fresh migrated database, dropped when
+// the test ends.
+func URL(t testing.TB) string {
+	t.Helper()
+	return create(t, goosemigrator.New(".", goosemigrator.WithFS(migrations.FS)))
+}
+
+// EmptyURL returns the connection string of a fresh database with no schema.
+func EmptyURL(t testing.TB) string {
+	t.Helper()
+	return create(t, pgtestdb.NoopMigrator{})
+}
+
+func create(t testing.TB, migrator pgtestdb.Migrator) string {
+	t.Helper()
+	once.Do(func() { base, stop, setupErr = startServer() })
+	if setupErr != nil {
+		t.Fatalf("no PostgreSQL for tests: %v", setupErr)
+	}
+	return pgtestdb.Custom(t, base, migrator).URL()
+}
+
+// New returns a pool on a fresh migrated database, closed when the test ends.
+func New(t testing.TB) *pgxpool.Pool {
+	t.Helper()
+	return Connect(t, URL(t))
+}
+
+// Connect returns a pool on url, closed when the test ends.
+func Connect(t testing.TB, url string) *pgxpool.Pool {
+	t.Helper()
+	pool, err := pgxpool.New(context.Background(), url)
+	if err != nil {
+		t.Fatalf("error connecting to test database: %v", err)
+	}
+	t.Cleanup(pool.Close)
+	return pool
+}
+
+func startServer() (pgtestdb.Config, func(), error) {
+	for _, name := range []string{"TEST_DATABASE_URL", "DATABASE_URL"} {
+		if url := os.Getenv(name); url != "" {
+			cfg, err := configFromURL(url)
+			return cfg, nil, err
+		}
+	}
+	if dockerAvailable() {
+		return startContainer()
+	}
+	return startLocal()
+}
+
+func configFromURL(url string) (pgtestdb.Config, error) {
+	pc, err := pgx.ParseConfig(url)
+	if err != nil {
+		return pgtestdb.Config{}, fmt.Errorf("error parsing database URL: %w", err)
+	}
+	return pgtestdb.Config{
+		DriverName: "pgx",
+		Host:       pc.Host,
+		Port:       strconv.Itoa(int(pc.Port)),
+		User:       pc.User,
+		Password:   pc.Password,
+		Database:   pc.Database,
+		Options:    "sslmode=disable",
+	}, nil
+}
+
+// dockerAvailable reports whether a Docker engine answers, without waiting long
+// where there plainly is none.
+func dockerAvailable() bool {
+	if os.Getenv("DOCKER_HOST") == "" {
+		if _, err := os.Stat("/var/run/docker.sock"); err != nil {
+			return false
+		}
+	}
+	provider, err := testcontainers.NewDockerProvider()
+	if err != nil {
+		return false
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	return provider.Health(ctx) == nil
+}
+
+func startContainer() (pgtestdb.Config, func(), error) {
+	ctx := context.Background()
+	c, err := tcpostgres.Run(ctx, "postgres:15-alpine",
+		tcpostgres.WithDatabase("postgres"), tcpostgres.WithUsername("postgres"), tcpostgres.WithPassword("postgres"),
+		tcpostgres.BasicWaitStrategies())
+	if err != nil {
+		return pgtestdb.Config{}, nil, fmt.Errorf("error starting PostgreSQL container: %w", err)
+	}
+	url, err := c.ConnectionString(ctx, "sslmode=disable")
+	if err != nil {
+		_ = testcontainers.TerminateContainer(c)
+		return pgtestdb.Config{}, nil, err
+	}
+	cfg, err := configFromURL(url)
+	return cfg, func() { _ = testcontainers.TerminateContainer(c) }, err
+}
+
+func startLocal() (pgtestdb.Config, func(), error) {
+	dir, err := os.MkdirTemp("", "gateway-testpg-")
+	if err == nil {
+		err = os.Chmod(dir, 0o755) // the server's user must reach its folder inside
+	}
+	if err != nil {
+		return pgtestdb.Config{}, nil, err
+	}
+	cluster, err := pglocal.Start(context.Background(), pglocal.Options{Dir: filepath.Join(dir, "pg")})
+	if err != nil {
+		_ = os.RemoveAll(dir)
+		return pgtestdb.Config{}, nil, err
+	}
+	cfg := pgtestdb.Config{
+		DriverName: "pgx",
+		Host:       "127.0.0.1",
+		Port:       strconv.Itoa(cluster.Port()),
+		User:       "postgres",
+		Database:   "postgres",
+		Options:    "sslmode=disable",
+	}
+	return cfg, func() {
+		_ = cluster.Stop()
+		_ = os.RemoveAll(dir)
+	}, nil
+}

@@ -1,0 +1,412 @@
+package server_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/internal/apitest"
+	"github.com/rungworks/gateway/internal/testdb"
+	"github.com/rungworks/gateway/inference"
+	"github.com/rungworks/gateway/metering"
+	"github.com/rungworks/gateway/server"
+	"github.com/rungworks/gateway/store"
+	"github.com/rungworks/gateway/upstream"
+)
+
+func TestMain(m *testing.M) { testdb.Main(m) }
+
+// scripted is an upstream whose answer the test sets.
+type scripted struct {
+	mu    sync.Mutex
+	err   error
+	calls []upstream.Request
+}
+
+func (s *scripted) Complete(_ context.Context, req upstream.Request) (upstream.Result, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.calls = append(s.calls, req)
+	if s.err != nil {
+		return upstream.Result{}, s.err
+	}
+	res := upstream.Result{Content: "answer to " + req.Prompt, InputTokens: 11, OutputTokens: 5}
+	if req.Hints.WebSearch {
+		res.Sources = []gateway.Source{{Title: "Doc", URL: "https://example.org", Snippet: "snip"}, {Title: "Other", URL: "https://example.com"}}
+		res.Verdict = "supported"
+	}
+	return res, nil
+}
+
+func (s *scripted) fail(err error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.err = err
+}
+
+type testBundle struct {
+	t        *testing.T
+	store    *store.Store
+	upstream *scripted
+	http     *httptest.Server
+	key      string // developer, inference + usage
+}
+
+func setup(t *testing.T, models upstream.ModelMap) *testBundle {
+	t.Helper()
+	st := store.New(testdb.New(t))
+	tok, err := metering.DefaultTokenizer()
+	require.NoError(t, err)
+	rc, err := metering.NewRateCard(map[gateway.Model]string{"instant": "1", "reasoning": "4", "elements": "2"}, "0.5")
+	require.NoError(t, err)
+	if models == nil {
+		models = upstream.DefaultModelMap()
+	}
+	up := &scripted{}
+	srv, err := server.New(server.Config{
+		Auth: st,
+		Inference: &inference.Service{
+			Provider: up, Models: models, Estimator: &metering.Estimator{Tokenizer: tok, RateCard: rc},
+			Recorder: st, EvidenceRetention: time.Hour, RetryAfter: 5 * time.Second,
+		},
+		Evidence: st,
+	})
+	require.NoError(t, err)
+	ts := httptest.NewServer(srv)
+	t.Cleanup(ts.Close)
+	b := &testBundle{t: t, store: st, upstream: up, http: ts}
+	b.key = b.newKey("acme", gateway.TierDeveloper, gateway.ScopeInference, gateway.ScopeUsage)
+	return b
+}
+
+func (b *testBundle) newKey(account string, tier gateway.Tier, scopes ...gateway.Scope) string {
+	b.t.Helper()
+	token, err := b.store.CreateKey(context.Background(), store.CreateKeyParams{Account: account, Project: "default", Tier: &tier, Scopes: scopes})
+	require.NoError(b.t, err)
+	return token
+}
+
+type reply struct {
+	status int
+	header http.Header
+	body   []byte
+}
+
+// do sends a request and validates the reply against the OpenAPI document.
+func (b *testBundle) do(method, path, key, contentType string, body []byte) reply {
+	b.t.Helper()
+	req, err := http.NewRequest(method, b.http.URL+path, bytes.NewReader(body))
+	require.NoError(b.t, err)
+	if key != "" {
+		req.Header.Set("Authorization", "Bearer "+key)
+	}
+	if contentType != "" {
+		req.Header.Set("Content-Type", contentType)
+	}
+	resp, err := http.DefaultClient.Do(req)
+	require.NoError(b.t, err)
+	defer resp.Body.Close()
+	// Re-create the request for validation (its body was consumed).
+	vreq, _ := http.NewRequest(method, b.http.URL+path, bytes.NewReader(body))
+	vreq.Header = req.Header
+	raw := apitest.Validate(b.t, vreq, resp)
+	return reply{status: resp.StatusCode, header: resp.Header, body: raw}
+}
+
+func (b *testBundle) post(path, key string, body any) reply {
+	b.t.Helper()
+	raw, err := json.Marshal(body)
+	require.NoError(b.t, err)
+	return b.do(http.MethodPost, path, key, "application/json", raw)
+}
+
+func (r reply) errorCode(t *testing.T) gateway.ErrorCode {
+	t.Helper()
+	var env struct {
+		Error struct{ Code, Message string }
+	}
+	require.NoError(t, json.Unmarshal(r.body, &env), string(r.body))
+	require.NotEmpty(t, env.Error.Message)
+	return gateway.ErrorCode(env.Error.Code)
+}
+
+func (r reply) json(t *testing.T) map[string]any {
+	t.Helper()
+	var m map[string]any
+	require.NoError(t, json.Unmarshal(r.body, &m), string(r.body))
+	return m
+}
+
+func TestCreateResponse(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	r := b.post("/api/v1/responses", b.key, map[string]any{
+		"prompt": "hello", "model": " Think ", "custom_instructions": "be brief", "web_search": true,
+		"include_regions": true, "studio_id": "st_1", "max_output_rungs": 100, "unknown_field": []int{1},
+	})
+	require.Equal(t, http.StatusOK, r.status, string(r.body))
+	body := r.json(t)
+	require.Equal(t, "answer to hello", body["content"])
+	require.Equal(t, "reasoning", body["model"])
+	require.Equal(t, "supported", body["evidence_verdict"])
+	id := body["request_id"].(string)
+	require.Equal(t, "/api/v1/sources/"+id, body["sources_url"])
+	require.Len(t, body["sources"], 2)
+	// 11 and 5 tokens at multiplier 4.
+	require.Equal(t, map[string]any{"input_rungs": 44.0, "output_rungs": 20.0, "total_rungs": 64.0, "regions_activated": 0.0}, body["usage"])
+	require.Equal(t, "44", r.header.Get("x-service-input-rungs"))
+	require.Equal(t, "20", r.header.Get("x-service-output-rungs"))
+	require.Equal(t, "64", r.header.Get("x-service-total-rungs"))
+	route := body["route"].(map[string]any)
+	require.Equal(t, "responses", route["selected_entry_point"])
+	require.Equal(t, "reasoning", route["primary_model"])
+	require.Equal(t, "reasoning", route["evidence_model"])
+	require.Equal(t, "explicit", route["route_class"])
+	require.Equal(t, false, route["studio_required"])
+	require.Equal(t, false, route["approval_required"])
+	require.NotZero(t, route["decided_at_ns"])
+
+	call := b.upstream.calls[0]
+	require.Equal(t, "be brief", call.System)
+	require.Equal(t, uint64(100), call.MaxOutputTokens)
+	require.Equal(t, "reasoning", call.UpstreamModel)
+
+	// The evidence was committed with the request, on both paths.
+	for _, path := range []string{"/api/v1/sources/" + id, "/api/v1/responses/" + id + "/sources"} {
+		ev := b.do(http.MethodGet, path, b.key, "", nil)
+		require.Equal(t, http.StatusOK, ev.status)
+		evBody := ev.json(t)
+		require.Equal(t, id, evBody["request_id"])
+		require.Equal(t, "supported", evBody["evidence_verdict"])
+		require.Equal(t, []any{
+			map[string]any{"title": "Doc", "url": "https://example.org", "snippet": "snip"},
+			map[string]any{"title": "Other", "url": "https://example.com"},
+		}, evBody["sources"])
+	}
+}
+
+func TestCreateResponseAbsentFieldsAreOmitted(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	r := b.post("/api/v1/chat", b.key, map[string]any{"prompt": "plain", "code_mode": true})
+	require.Equal(t, http.StatusOK, r.status)
+	body := r.json(t)
+	require.NotContains(t, body, "evidence_verdict")
+	require.Equal(t, []any{}, body["sources"], "sources is [] when empty, never null")
+	usage := body["usage"].(map[string]any)
+	require.Contains(t, usage, "regions_activated")
+	require.Nil(t, usage["regions_activated"])
+	route := body["route"].(map[string]any)
+	require.Equal(t, "chat", route["selected_entry_point"])
+	require.Equal(t, "auto", route["route_class"])
+	require.Equal(t, "elements", body["model"], "code_mode routes to elements")
+	require.NotContains(t, route, "evidence_model")
+
+	id := body["request_id"].(string)
+	ev := b.do(http.MethodGet, "/api/v1/sources/"+id, b.key, "", nil).json(t)
+	require.Equal(t, []any{}, ev["sources"])
+	require.NotContains(t, ev, "evidence_verdict")
+}
+
+func TestCreateResponseValidation(t *testing.T) {
+	t.Parallel()
+	b := setup(t, upstream.ModelMap{gateway.ModelInstant: "small", gateway.ModelElements: "big"})
+	tests := []struct {
+		name string
+		body string
+		ct   string
+		code gateway.ErrorCode
+	}{
+		{"empty prompt", `{"prompt": ""}`, "", gateway.EEmptyPrompt},
+		{"missing prompt", `{}`, "", gateway.EEmptyPrompt},
+		{"prompt too large", `{"prompt": "` + strings.Repeat("a", 100001) + `"}`, "", gateway.EPromptTooLarge},
+		{"invalid model", `{"prompt": "p", "model": "gpt-5"}`, "", gateway.EInvalidModel},
+		{"unavailable model", `{"prompt": "p", "model": "reasoning"}`, "", gateway.EModelUnavailable},
+		{"max zero", `{"prompt": "p", "max_output_rungs": 0}`, "", gateway.EInvalidRequest},
+		{"max above limit", `{"prompt": "p", "max_output_rungs": 32001}`, "", gateway.EInvalidRequest},
+		{"max beyond uint64", `{"prompt": "p", "max_output_rungs": 18446744073709551616}`, "", gateway.EInvalidRequest},
+		{"max negative", `{"prompt": "p", "max_output_rungs": -1}`, "", gateway.EInvalidRequest},
+		{"wrong type", `{"prompt": 5}`, "", gateway.EInvalidRequest},
+		{"malformed json", `{"prompt": "p"`, "", gateway.EInvalidRequest},
+		{"trailing data", `{"prompt": "p"} {}`, "", gateway.EInvalidRequest},
+		{"not an object", `["p"]`, "", gateway.EInvalidRequest},
+		{"empty body", ``, "", gateway.EInvalidRequest},
+		{"wrong content type", `{"prompt": "p"}`, "text/plain", gateway.EInvalidRequest},
+		{"no content type", `{"prompt": "p"}`, "-", gateway.EInvalidRequest},
+	}
+	for _, tt := range tests {
+		ct := tt.ct
+		switch ct {
+		case "":
+			ct = "application/json"
+		case "-":
+			ct = ""
+		}
+		r := b.do(http.MethodPost, "/api/v1/responses", b.key, ct, []byte(tt.body))
+		require.Equal(t, http.StatusBadRequest, r.status, tt.name)
+		require.Equal(t, tt.code, r.errorCode(t), tt.name)
+	}
+	require.Empty(t, b.upstream.calls, "nothing invalid reaches the upstream")
+
+	r := b.do(http.MethodPost, "/api/v1/responses", b.key, "application/json", []byte(`{"prompt": 5}`))
+	require.Contains(t, string(r.body), "prompt", "the message names the field")
+}
+
+func TestBodyLimit(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	big := []byte(`{"prompt": "p", "custom_instructions": "` + strings.Repeat("a", 1<<20) + `"}`)
+	r := b.do(http.MethodPost, "/api/v1/responses", b.key, "application/json", big)
+	require.Equal(t, http.StatusRequestEntityTooLarge, r.status)
+	require.Equal(t, gateway.ERequestTooLarge, r.errorCode(t))
+
+	// Without a Content-Length the limit applies while reading.
+	req, err := http.NewRequest(http.MethodPost, b.http.URL+"/api/v1/responses", io.MultiReader(bytes.NewReader(big)))
+	require.NoError(t, err)
+	req.ContentLength = -1
+	req.Header.Set("Authorization", "Bearer "+b.key)
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	require.Equal(t, http.StatusRequestEntityTooLarge, resp.StatusCode)
+}
+
+func TestAuthentication(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	revoked := b.newKey("acme", gateway.TierDeveloper, gateway.ScopeInference)
+	require.NoError(t, b.store.RevokeKey(context.Background(), revoked[:12]))
+	unknown := "igw_" + strings.Repeat("a", 52)
+
+	for name, key := range map[string]string{"missing": "", "malformed": "sk-123", "unknown": unknown, "revoked": revoked} {
+		// Auth is checked before the body is read: a malformed body still gets 401.
+		r := b.do(http.MethodPost, "/api/v1/responses", key, "application/json", []byte(`{`))
+		require.Equal(t, http.StatusUnauthorized, r.status, name)
+		require.Equal(t, gateway.EUnauthorized, r.errorCode(t), name)
+		require.Equal(t, `Bearer realm="gateway"`, r.header.Get("WWW-Authenticate"), name)
+	}
+	req, _ := http.NewRequest(http.MethodGet, b.http.URL+"/api/v1/usage", nil)
+	req.Header.Set("Authorization", "Basic "+b.key)
+	resp, err := http.DefaultClient.Do(req)
+	require.NoError(t, err)
+	resp.Body.Close()
+	require.Equal(t, http.StatusUnauthorized, resp.StatusCode, "only the Bearer scheme is accepted")
+}
+
+func TestScopesAndTiers(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	usageOnly := b.newKey("acme", gateway.TierDeveloper, gateway.ScopeUsage)
+	free := b.newKey("freeco", gateway.TierFree, gateway.ScopeInference, gateway.ScopeUsage)
+	freeUsageOnly := b.newKey("freeco", gateway.TierFree, gateway.ScopeUsage)
+
+	r := b.post("/api/v1/responses", usageOnly, map[string]any{"prompt": "p"})
+	require.Equal(t, http.StatusForbidden, r.status)
+	require.Equal(t, gateway.EInsufficientScope, r.errorCode(t))
+	r = b.do(http.MethodGet, "/api/v1/sources/x", usageOnly, "", nil)
+	require.Equal(t, gateway.EInsufficientScope, r.errorCode(t))
+
+	// Batch routes: scope first, then tier.
+	batchRoutes := []struct{ method, path string }{
+		{http.MethodPost, "/api/v1/batch"}, {http.MethodGet, "/api/v1/batch/x"}, {http.MethodGet, "/api/v1/batch/x/results"},
+		{http.MethodPost, "/api/v1/batch/x/cancel"}, {http.MethodGet, "/api/v1/batches"},
+	}
+	for _, rt := range batchRoutes {
+		r := b.do(rt.method, rt.path, freeUsageOnly, "application/json", []byte(`{"requests":[{"prompt":"p"}]}`))
+		require.Equal(t, gateway.EInsufficientScope, r.errorCode(t), rt.path)
+		r = b.do(rt.method, rt.path, free, "application/json", []byte(`{"requests":[{"prompt":"p"}]}`))
+		require.Equal(t, http.StatusForbidden, r.status, rt.path)
+		require.Equal(t, gateway.EInsufficientTier, r.errorCode(t), rt.path)
+	}
+
+	// A free account may use responses.
+	r = b.post("/api/v1/responses", free, map[string]any{"prompt": "p"})
+	require.Equal(t, http.StatusOK, r.status)
+}
+
+func TestEvidenceOwnership(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	other := b.newKey("other", gateway.TierDeveloper, gateway.ScopeInference)
+	id := b.post("/api/v1/responses", b.key, map[string]any{"prompt": "p", "web_search": true}).json(t)["request_id"].(string)
+
+	for name, c := range map[string]struct{ key, id string }{
+		"foreign":   {other, id},
+		"unknown":   {b.key, "01900000-0000-7000-8000-000000000000"},
+		"malformed": {b.key, "not-a-uuid"},
+	} {
+		r := b.do(http.MethodGet, "/api/v1/sources/"+c.id, c.key, "", nil)
+		require.Equal(t, http.StatusNotFound, r.status, name)
+		require.Equal(t, gateway.ESourcesNotFound, r.errorCode(t), name)
+	}
+}
+
+func TestUpstreamFailureIsInferenceBusy(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	for name, err := range map[string]error{
+		"unavailable": upstream.ErrUnavailable,
+		"rejected":    &upstream.RejectedError{Status: 400, Message: "content policy"},
+		"other":       errors.New("garbled reply"),
+	} {
+		b.upstream.fail(err)
+		r := b.post("/api/v1/responses", b.key, map[string]any{"prompt": "p"})
+		require.Equal(t, http.StatusServiceUnavailable, r.status, name)
+		require.Equal(t, gateway.EInferenceBusy, r.errorCode(t), name)
+		require.Equal(t, "5", r.header.Get("Retry-After"), name)
+		require.NotContains(t, string(r.body), "garbled", "internal causes are not leaked")
+	}
+}
+
+func TestNotYetServedRoutes(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	usageOnly := b.newKey("acme", gateway.TierDeveloper, gateway.ScopeUsage)
+	for _, key := range []string{b.key, usageOnly} {
+		r := b.do(http.MethodGet, "/api/v1/usage", key, "", nil)
+		require.Equal(t, http.StatusNotImplemented, r.status)
+		require.Equal(t, gateway.ENotImplemented, r.errorCode(t))
+	}
+	r := b.post("/api/v1/batch", b.key, map[string]any{"requests": []any{map[string]any{"prompt": "p"}}})
+	require.Equal(t, http.StatusNotImplemented, r.status)
+	r = b.do(http.MethodGet, "/api/v1/batches", b.key, "", nil)
+	require.Equal(t, http.StatusNotImplemented, r.status)
+}
+
+func TestPublicDocuments(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	r := b.do(http.MethodGet, "/openapi.json", "", "", nil)
+	require.Equal(t, http.StatusOK, r.status)
+	require.Equal(t, "3.0.3", r.json(t)["openapi"])
+	r = b.do(http.MethodGet, "/api/schema.json", "", "", nil)
+	require.Equal(t, http.StatusOK, r.status)
+	require.Equal(t, "application/schema+json", r.header.Get("Content-Type"))
+	require.Contains(t, r.json(t)["$defs"], "Response")
+}
+
+func TestUnknownRouteAndMethod(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	r := b.do(http.MethodGet, "/api/v2/nothing", b.key, "", nil)
+	require.Equal(t, http.StatusNotFound, r.status)
+	require.Equal(t, gateway.ENotFound, r.errorCode(t))
+
+	req, _ := http.NewRequest(http.MethodDelete, b.http.URL+"/api/v1/responses", nil)
+	resp, err := http.DefaultClient.Do(req)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	require.Equal(t, http.StatusMethodNotAllowed, resp.StatusCode)
+}

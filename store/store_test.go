@@ -1,0 +1,199 @@
+package store_test
+
+import (
+	"context"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/internal/testdb"
+	"github.com/rungworks/gateway/migrations"
+	"github.com/rungworks/gateway/store"
+)
+
+func TestMain(m *testing.M) { testdb.Main(m) }
+
+type testBundle struct {
+	ctx   context.Context
+	store *store.Store
+}
+
+func setup(t *testing.T) *testBundle {
+	t.Helper()
+	return &testBundle{ctx: context.Background(), store: store.New(testdb.New(t))}
+}
+
+func (b *testBundle) key(t *testing.T, account string, tier gateway.Tier, scopes ...gateway.Scope) (string, *gateway.Principal) {
+	t.Helper()
+	token, err := b.store.CreateKey(b.ctx, store.CreateKeyParams{Account: account, Project: "default", Tier: &tier, Scopes: scopes})
+	require.NoError(t, err)
+	p, err := b.store.Authenticate(b.ctx, token)
+	require.NoError(t, err)
+	return token, p
+}
+
+func TestCreateKeyAndAuthenticate(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	token, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference, gateway.ScopeUsage, gateway.ScopeInference)
+	require.Equal(t, "acme", p.AccountName)
+	require.Equal(t, "default", p.ProjectName)
+	require.Equal(t, gateway.TierDeveloper, p.Tier)
+	require.Equal(t, []gateway.Scope{gateway.ScopeInference, gateway.ScopeUsage}, p.Scopes)
+
+	// A second key reuses the account and project; an explicit tier updates it.
+	_, p2 := b.key(t, "acme", gateway.TierFree, gateway.ScopeUsage)
+	require.Equal(t, p.AccountID, p2.AccountID)
+	require.Equal(t, p.ProjectID, p2.ProjectID)
+	require.NotEqual(t, p.KeyID, p2.KeyID)
+	require.Equal(t, gateway.TierFree, p2.Tier)
+
+	// Without a tier, an existing account keeps its tier and a new one is developer.
+	t3, err := b.store.CreateKey(b.ctx, store.CreateKeyParams{Account: "acme", Project: "other", Scopes: []gateway.Scope{gateway.ScopeInference}})
+	require.NoError(t, err)
+	p3, err := b.store.Authenticate(b.ctx, t3)
+	require.NoError(t, err)
+	require.Equal(t, gateway.TierFree, p3.Tier)
+	require.NotEqual(t, p.ProjectID, p3.ProjectID)
+	t4, err := b.store.CreateKey(b.ctx, store.CreateKeyParams{Account: "newco", Project: "default", Scopes: []gateway.Scope{gateway.ScopeInference}})
+	require.NoError(t, err)
+	p4, err := b.store.Authenticate(b.ctx, t4)
+	require.NoError(t, err)
+	require.Equal(t, gateway.TierDeveloper, p4.Tier)
+
+	_, err = b.store.Authenticate(b.ctx, token)
+	require.NoError(t, err, "the first key still works")
+}
+
+func TestCreateKeyValidates(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	bad := gateway.Tier("gold")
+	for _, p := range []store.CreateKeyParams{
+		{Account: "", Project: "default", Scopes: []gateway.Scope{gateway.ScopeInference}},
+		{Account: "a", Project: "default"},
+		{Account: "a", Project: "default", Scopes: []gateway.Scope{"admin"}},
+		{Account: "a", Project: "default", Tier: &bad, Scopes: []gateway.Scope{gateway.ScopeInference}},
+	} {
+		_, err := b.store.CreateKey(b.ctx, p)
+		require.Error(t, err, "%+v", p)
+	}
+}
+
+func TestAuthenticateRejects(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	token, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+
+	wrongSecret := token[:12] + "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
+	for _, bad := range []string{"", "garbage", wrongSecret} {
+		_, err := b.store.Authenticate(b.ctx, bad)
+		require.Equal(t, gateway.EUnauthorized, gateway.ErrorCodeOf(err), bad)
+	}
+
+	require.NoError(t, b.store.RevokeKey(b.ctx, token[:12]))
+	_, err := b.store.Authenticate(b.ctx, token)
+	require.Equal(t, gateway.EUnauthorized, gateway.ErrorCodeOf(err))
+	require.ErrorIs(t, b.store.RevokeKey(b.ctx, token[:12]), store.ErrKeyNotFound)
+
+	// Revoking by id works too.
+	token2, p2 := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	require.NoError(t, b.store.RevokeKey(b.ctx, p2.KeyID.String()))
+	_, err = b.store.Authenticate(b.ctx, token2)
+	require.Equal(t, gateway.EUnauthorized, gateway.ErrorCodeOf(err))
+	require.NotEqual(t, p.KeyID, p2.KeyID)
+}
+
+func TestRecordRequestAndEvidence(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, owner := b.key(t, "owner", gateway.TierDeveloper, gateway.ScopeInference)
+	_, stranger := b.key(t, "stranger", gateway.TierDeveloper, gateway.ScopeInference)
+
+	now := time.Now().UTC()
+	record := func(sources []gateway.Source, verdict string, expires time.Time) uuid.UUID {
+		id := uuid.Must(uuid.NewV7())
+		require.NoError(t, b.store.RecordRequest(b.ctx, gateway.UsageRecord{
+			RequestID: id, Principal: owner, Model: gateway.ModelInstant, Entry: gateway.EntryResponses,
+			Usage:     gateway.Usage{InputTokens: 3, OutputTokens: 4, InputRungs: 3, OutputRungs: 4, TotalRungs: 7},
+			CreatedAt: now, CompletedAt: now, Sources: sources, Verdict: verdict, EvidenceExpiresAt: expires,
+		}))
+		return id
+	}
+	src := []gateway.Source{{Title: "T", URL: "https://x", Snippet: "s"}, {Title: "U", URL: "https://y"}}
+	withEvidence := record(src, "supported", now.Add(time.Hour))
+	withoutEvidence := record(nil, "", now.Add(time.Hour))
+	expired := record(src, "supported", now.Add(-time.Second))
+
+	ev, err := b.store.Evidence(b.ctx, owner.AccountID, withEvidence)
+	require.NoError(t, err)
+	require.Equal(t, &gateway.Evidence{RequestID: withEvidence, Sources: src, Verdict: "supported"}, ev)
+
+	ev, err = b.store.Evidence(b.ctx, owner.AccountID, withoutEvidence)
+	require.NoError(t, err)
+	require.Empty(t, ev.Sources)
+	require.Empty(t, ev.Verdict)
+
+	for name, c := range map[string]struct {
+		account uuid.UUID
+		id      uuid.UUID
+	}{
+		"foreign": {stranger.AccountID, withEvidence},
+		"expired": {owner.AccountID, expired},
+		"unknown": {owner.AccountID, uuid.Must(uuid.NewV7())},
+	} {
+		_, err := b.store.Evidence(b.ctx, c.account, c.id)
+		require.Equal(t, gateway.ESourcesNotFound, gateway.ErrorCodeOf(err), name)
+	}
+}
+
+func TestSetLimits(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	daily, budget := int64(5000), int64(700)
+	require.NoError(t, b.store.SetLimits(b.ctx, store.SetLimitsParams{Account: "acme", DailyRungs: &daily}))
+	require.NoError(t, b.store.SetLimits(b.ctx, store.SetLimitsParams{Account: "acme", Project: "research", BudgetRungs: &budget}))
+	require.ErrorIs(t, b.store.SetLimits(b.ctx, store.SetLimitsParams{Account: "nobody", DailyRungs: &daily}), store.ErrAccountNotFound)
+}
+
+func TestMigrateConcurrently(t *testing.T) {
+	t.Parallel()
+	// Replicas starting at once on an empty database: one applies each migration,
+	// the others wait on the advisory lock and find nothing left to do.
+	pool := testdb.Connect(t, testdb.EmptyURL(t))
+	var wg sync.WaitGroup
+	applied := make([]int, 4)
+	errs := make([]error, 4)
+	for i := range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			applied[i], errs[i] = store.Migrate(context.Background(), pool)
+		}()
+	}
+	wg.Wait()
+	total := 0
+	for i := range 4 {
+		require.NoError(t, errs[i])
+		total += applied[i]
+	}
+	entries, err := migrations.FS.ReadDir(".")
+	require.NoError(t, err)
+	sqlFiles := 0
+	for _, e := range entries {
+		if strings.HasSuffix(e.Name(), ".sql") {
+			sqlFiles++
+		}
+	}
+	require.Equal(t, sqlFiles, total, "each migration applied exactly once")
+
+	n, err := store.Migrate(context.Background(), pool)
+	require.NoError(t, err)
+	require.Zero(t, n)
+}

@@ -1,0 +1,103 @@
+package openai_test
+
+import (
+	"context"
+	"errors"
+	"net"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/internal/fakeupstream"
+	"github.com/rungworks/gateway/upstream"
+	"github.com/rungworks/gateway/upstream/openai"
+)
+
+type testBundle struct {
+	fake   *fakeupstream.Server
+	client *openai.Client
+}
+
+func setup(t *testing.T) *testBundle {
+	t.Helper()
+	fake := fakeupstream.New()
+	t.Cleanup(fake.Close)
+	return &testBundle{fake: fake, client: openai.New(openai.Config{BaseURL: fake.BaseURL(), APIKey: "up-key", Timeout: 2 * time.Second})}
+}
+
+var req = upstream.Request{
+	Model: gateway.ModelReasoning, UpstreamModel: "o3-mini", System: "Be brief.", Prompt: "why is the sky blue",
+	MaxOutputTokens: 123, Hints: gateway.Hints{WebSearch: true, CodeMode: true},
+}
+
+func TestComplete(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	res, err := b.client.Complete(context.Background(), req)
+	require.NoError(t, err)
+	require.Equal(t, fakeupstream.Reply(req.Prompt), res.Content)
+	pt, ct := fakeupstream.Usage(req.Prompt)
+	require.Equal(t, pt, res.InputTokens)
+	require.Equal(t, ct, res.OutputTokens)
+	require.Equal(t, []gateway.Source{{Title: "Example doc", URL: "https://example.org/doc", Snippet: "echo"}}, res.Sources)
+
+	calls := b.fake.Calls()
+	require.Len(t, calls, 1)
+	require.Equal(t, fakeupstream.Call{
+		Model: "o3-mini", System: "Be brief.", Prompt: req.Prompt, MaxCompletionTokens: 123,
+		Hints: "web_search,code_mode", Authorization: "Bearer up-key",
+	}, calls[0])
+}
+
+func TestUnavailable(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetMode(fakeupstream.Down)
+	_, err := b.client.Complete(context.Background(), req)
+	require.ErrorIs(t, err, upstream.ErrUnavailable)
+}
+
+func TestRejected(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetMode(fakeupstream.Reject)
+	_, err := b.client.Complete(context.Background(), req)
+	var rejected *upstream.RejectedError
+	require.ErrorAs(t, err, &rejected)
+	require.Equal(t, 400, rejected.Status)
+	require.Equal(t, "content policy violation", rejected.Message)
+	require.NotErrorIs(t, err, upstream.ErrUnavailable)
+}
+
+func TestConnectionRefusedIsUnavailable(t *testing.T) {
+	t.Parallel()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	addr := l.Addr().String()
+	require.NoError(t, l.Close())
+	client := openai.New(openai.Config{BaseURL: "http://" + addr + "/v1"})
+	_, err = client.Complete(context.Background(), req)
+	require.ErrorIs(t, err, upstream.ErrUnavailable)
+}
+
+func TestTimeoutIsUnavailable(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetDelay(time.Second)
+	client := openai.New(openai.Config{BaseURL: b.fake.BaseURL(), Timeout: 50 * time.Millisecond})
+	_, err := client.Complete(context.Background(), req)
+	require.ErrorIs(t, err, upstream.ErrUnavailable)
+}
+
+func TestCallerCancellationIsNotAnOutage(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetDelay(time.Second)
+	ctx, cancel := context.WithCancel(context.Background())
+	time.AfterFunc(20*time.Millisecond, cancel)
+	_, err := b.client.Complete(ctx, req)
+	require.True(t, errors.Is(err, context.Canceled), "got %v", err)
+	require.NotErrorIs(t, err, upstream.ErrUnavailable)
+}
