@@ -111,6 +111,11 @@ func Start(ctx context.Context, opts Options) (*Cluster, error) {
 	if err := c.chown(); err != nil {
 		return nil, err
 	}
+	if c.runAs != "" {
+		if err := exec.CommandContext(ctx, "runuser", "-u", c.runAs, "--", "test", "-w", dir).Run(); err != nil {
+			return nil, fmt.Errorf("as root, PostgreSQL runs as the %q user, which cannot reach %s; choose a data folder whose parents it can enter (e.g. under /tmp or /work)", c.runAs, dir)
+		}
+	}
 	if !isFile(filepath.Join(c.dataDir(), "PG_VERSION")) {
 		if _, err := c.run(ctx, "initdb", "-D", c.dataDir(), "-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-locale", "--no-sync"); err != nil {
 			return nil, fmt.Errorf("error initialising PostgreSQL in %s: %w", c.dataDir(), err)

@@ -83,9 +83,7 @@ func setup(t *testing.T, models upstream.ModelMap) *testBundle {
 		Evidence: st,
 	})
 	require.NoError(t, err)
-	ts := httptest.NewServer(srv)
-	t.Cleanup(ts.Close)
-	b := &testBundle{t: t, store: st, upstream: up, http: ts}
+	b := &testBundle{t: t, store: st, upstream: up, http: newHTTPServer(t, srv)}
 	b.key = b.newKey("acme", gateway.TierDeveloper, gateway.ScopeInference, gateway.ScopeUsage)
 	return b
 }
@@ -95,6 +93,13 @@ func (b *testBundle) newKey(account string, tier gateway.Tier, scopes ...gateway
 	token, err := b.store.CreateKey(context.Background(), store.CreateKeyParams{Account: account, Project: "default", Tier: &tier, Scopes: scopes})
 	require.NoError(b.t, err)
 	return token
+}
+
+func newHTTPServer(t *testing.T, h http.Handler) *httptest.Server {
+	t.Helper()
+	ts := httptest.NewServer(h)
+	t.Cleanup(ts.Close)
+	return ts
 }
 
 type reply struct {

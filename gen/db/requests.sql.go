@@ -12,21 +12,6 @@ import (
 	"github.com/google/uuid"
 )
 
-const deleteExpiredEvidence = `-- name: DeleteExpiredEvidence :execrows
-DELETE FROM evidence
-WHERE request_id IN (
-    SELECT e.request_id FROM evidence e WHERE e.expires_at <= now() LIMIT $1
-)
-`
-
-func (q *Queries) DeleteExpiredEvidence(ctx context.Context, db DBTX, maxRows int32) (int64, error) {
-	result, err := db.Exec(ctx, deleteExpiredEvidence, maxRows)
-	if err != nil {
-		return 0, err
-	}
-	return result.RowsAffected(), nil
-}
-
 const getEvidence = `-- name: GetEvidence :one
 SELECT request_id, sources, verdict
 FROM evidence

@@ -1,0 +1,48 @@
+# The gateway's developer commands. `make run` and `make test` are all a newcomer needs.
+GO    ?= go
+TOOLS := $(GO) tool -modfile=tools.mod
+# testpg runs the command with TEST_DATABASE_URL on one throwaway PostgreSQL
+# cluster (unless TEST_DATABASE_URL or DATABASE_URL is already set).
+WITH_PG := $(GO) run ./internal/testdb/testpg
+
+.PHONY: all generate check-generated build run test lint bench clean
+
+all: build
+
+## generate: regenerate gen/ from openapi/openapi.yaml and the .sql queries
+generate:
+	$(TOOLS) oapi-codegen -config gen/api/oapi-codegen.yaml openapi/openapi.yaml
+	$(TOOLS) sqlc generate
+
+## check-generated: fail when `make generate` changes anything
+check-generated: generate
+	@git add -N gen && git diff --exit-code --stat -- gen || \
+		(echo "generated code is stale: run make generate and commit" >&2; exit 1)
+
+## build: the gateway binary in bin/
+build:
+	$(GO) build -o bin/gateway ./cmd/gateway
+
+## run: the embedded default (private PostgreSQL, simulator, a ready key)
+run: build
+	./bin/gateway dev
+
+## test: every test, on a real PostgreSQL
+test:
+	$(WITH_PG) $(GO) test -race -count=1 ./...
+
+## lint: go vet, gofmt and the OpenAPI lint
+lint:
+	$(GO) vet ./...
+	@out=$$(gofmt -l $$(git ls-files '*.go' | grep -v '^gen/')); \
+		if [ -n "$$out" ]; then echo "gofmt would change: $$out" >&2; exit 1; fi
+	npm ci --no-audit --no-fund --loglevel=error
+	npx redocly lint openapi/openapi.yaml
+
+## bench: Go benchmarks, then gateway vs. upstream-direct load (see docs/benchmarks.md)
+bench: build
+	$(WITH_PG) $(GO) test -run '^$$' -bench . -benchmem ./...
+	$(GO) run ./bench/load -binary bin/gateway
+
+clean:
+	rm -rf bin

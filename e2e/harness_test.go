@@ -1,0 +1,241 @@
+// Package e2e runs the real gateway binary against a fake OpenAI-compatible
+// upstream and a real PostgreSQL, and checks every reply against the OpenAPI
+// document.
+package e2e
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway/internal/apitest"
+	"github.com/rungworks/gateway/internal/testdb"
+)
+
+var binary string
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "gateway-e2e-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	binary = filepath.Join(dir, "gateway")
+	build := exec.Command("go", "build", "-o", binary, "../cmd/gateway")
+	build.Stdout, build.Stderr = os.Stdout, os.Stderr
+	if err := build.Run(); err != nil {
+		fmt.Fprintln(os.Stderr, "error building gateway:", err)
+		os.Exit(1)
+	}
+	defer os.RemoveAll(dir)
+	testdb.Main(m)
+}
+
+// environ is the process environment without the gateway's own variables, plus extra.
+func environ(extra map[string]string) []string {
+	var env []string
+	for _, kv := range os.Environ() {
+		if strings.HasPrefix(kv, "GATEWAY_") || strings.HasPrefix(kv, "DATABASE_URL=") {
+			continue
+		}
+		env = append(env, kv)
+	}
+	for k, v := range extra {
+		env = append(env, k+"="+v)
+	}
+	return env
+}
+
+// cli runs a gateway subcommand to completion and returns its stdout.
+func cli(t *testing.T, dbURL string, args ...string) (string, error) {
+	t.Helper()
+	cmd := exec.Command(binary, args...)
+	cmd.Env = environ(map[string]string{"DATABASE_URL": dbURL})
+	var stdout, stderr bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	err := cmd.Run()
+	if err != nil {
+		return stdout.String(), fmt.Errorf("%w: %s", err, stderr.String())
+	}
+	return stdout.String(), nil
+}
+
+func mustCLI(t *testing.T, dbURL string, args ...string) string {
+	t.Helper()
+	out, err := cli(t, dbURL, args...)
+	require.NoError(t, err, "gateway %v", args)
+	return out
+}
+
+func freePort(t *testing.T) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+// gateway is one running `gateway serve` (or `dev`) process.
+type gateway struct {
+	t      *testing.T
+	cmd    *exec.Cmd
+	base   string
+	stderr *syncBuffer
+	stdout *syncBuffer
+	done   chan error
+}
+
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
+// start runs the binary with args and env, and waits until it serves.
+func start(t *testing.T, env map[string]string, args ...string) *gateway {
+	t.Helper()
+	port := freePort(t)
+	env["GATEWAY_LISTEN"] = fmt.Sprintf("127.0.0.1:%d", port)
+	cmd := exec.Command(binary, args...)
+	cmd.Env = environ(env)
+	g := &gateway{t: t, cmd: cmd, base: fmt.Sprintf("http://127.0.0.1:%d", port), stderr: &syncBuffer{}, stdout: &syncBuffer{}, done: make(chan error, 1)}
+	cmd.Stdout, cmd.Stderr = g.stdout, g.stderr
+	require.NoError(t, cmd.Start())
+	go func() { g.done <- cmd.Wait() }()
+	t.Cleanup(func() { g.stop() })
+
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		resp, err := http.Get(g.base + "/openapi.json")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return g
+			}
+		}
+		select {
+		case err := <-g.done:
+			g.done <- err
+			t.Fatalf("gateway exited before serving: %v\nstderr: %s", err, g.stderr.String())
+		case <-time.After(50 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("gateway did not serve within 60s\nstderr: %s", g.stderr.String())
+		}
+	}
+}
+
+// serve starts `gateway serve` on dbURL with the upstream and extra settings.
+func serve(t *testing.T, dbURL, upstreamURL string, extra map[string]string) *gateway {
+	t.Helper()
+	env := map[string]string{"DATABASE_URL": dbURL, "GATEWAY_UPSTREAM": upstreamURL}
+	for k, v := range extra {
+		env[k] = v
+	}
+	return start(t, env, "serve")
+}
+
+// stop sends SIGTERM and waits for the process to end.
+func (g *gateway) stop() error {
+	if g.cmd.ProcessState != nil {
+		return nil
+	}
+	_ = g.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case err := <-g.done:
+		g.done <- err
+		return err
+	case <-time.After(30 * time.Second):
+		_ = g.cmd.Process.Kill()
+		return fmt.Errorf("gateway did not stop on SIGTERM")
+	}
+}
+
+type reply struct {
+	status int
+	header http.Header
+	body   []byte
+}
+
+// call sends a request and validates the reply against the OpenAPI document.
+func (g *gateway) call(method, path, key string, body any) reply {
+	g.t.Helper()
+	var raw []byte
+	if body != nil {
+		var err error
+		raw, err = json.Marshal(body)
+		require.NoError(g.t, err)
+	}
+	newReq := func() *http.Request {
+		req, err := http.NewRequestWithContext(context.Background(), method, g.base+path, bytes.NewReader(raw))
+		require.NoError(g.t, err)
+		if key != "" {
+			req.Header.Set("Authorization", "Bearer "+key)
+		}
+		if body != nil {
+			req.Header.Set("Content-Type", "application/json")
+		}
+		return req
+	}
+	resp, err := http.DefaultClient.Do(newReq())
+	require.NoError(g.t, err)
+	defer resp.Body.Close()
+	got := apitest.Validate(g.t, newReq(), resp)
+	return reply{status: resp.StatusCode, header: resp.Header, body: got}
+}
+
+func (r reply) object(t *testing.T) map[string]any {
+	t.Helper()
+	var m map[string]any
+	require.NoError(t, json.Unmarshal(r.body, &m), string(r.body))
+	return m
+}
+
+func (r reply) code(t *testing.T) string {
+	t.Helper()
+	e, ok := r.object(t)["error"].(map[string]any)
+	require.True(t, ok, "an error envelope: %s", r.body)
+	return e["code"].(string)
+}
+
+// waitForLine reads lines of r until one contains s, returning it.
+func waitForLine(t *testing.T, b *syncBuffer, s string) string {
+	t.Helper()
+	deadline := time.Now().Add(60 * time.Second)
+	for time.Now().Before(deadline) {
+		sc := bufio.NewScanner(strings.NewReader(b.String()))
+		for sc.Scan() {
+			if strings.Contains(sc.Text(), s) {
+				return sc.Text()
+			}
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	t.Fatalf("no line with %q in:\n%s", s, b.String())
+	return ""
+}

@@ -1,0 +1,203 @@
+package e2e
+
+import (
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway/internal/fakeupstream"
+	"github.com/rungworks/gateway/internal/testdb"
+)
+
+type testBundle struct {
+	db   string
+	fake *fakeupstream.Server
+	key  string
+}
+
+// setup gives a test a migrated database, a fake upstream and a developer key
+// issued by the CLI.
+func setup(t *testing.T) *testBundle {
+	t.Helper()
+	db := testdb.EmptyURL(t)
+	mustCLI(t, db, "migrate")
+	fake := fakeupstream.New()
+	t.Cleanup(fake.Close)
+	out := mustCLI(t, db, "keys", "create", "--account", "acme")
+	key := strings.TrimSpace(out)
+	require.Regexp(t, `^igw_[a-z2-7]{52}$`, key, "stdout is the key alone")
+	return &testBundle{db: db, fake: fake, key: key}
+}
+
+func TestResponsesEndToEnd(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	g := serve(t, b.db, b.fake.BaseURL(), map[string]string{
+		"GATEWAY_MODEL_MAP":    "instant=small-model,reasoning=deep-model",
+		"GATEWAY_MULTIPLIERS":  "instant=3,reasoning=4,elements=2",
+		"GATEWAY_UPSTREAM_KEY": "upstream-secret",
+	})
+
+	prompt := "what is a rung"
+	r := g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": prompt, "max_output_rungs": 50, "web_search": true, "custom_instructions": "short"})
+	require.Equal(t, http.StatusOK, r.status, string(r.body))
+	body := r.object(t)
+	require.Equal(t, fakeupstream.Reply(prompt), body["content"])
+	require.Equal(t, "instant", body["model"])
+	pt, ct := fakeupstream.Usage(prompt)
+	want := map[string]any{"input_rungs": float64(pt * 3), "output_rungs": float64(ct * 3), "total_rungs": float64((pt + ct) * 3), "regions_activated": nil}
+	require.Equal(t, want, body["usage"])
+	require.Equal(t, []any{map[string]any{"title": "Example doc", "url": "https://example.org/doc", "snippet": "echo"}}, body["sources"])
+
+	calls := b.fake.Calls()
+	require.Len(t, calls, 1)
+	require.Equal(t, fakeupstream.Call{Model: "small-model", System: "short", Prompt: prompt, MaxCompletionTokens: 50, Hints: "web_search", Authorization: "Bearer upstream-secret"}, calls[0])
+
+	// The evidence is served from the database.
+	ev := g.call(http.MethodGet, body["sources_url"].(string), b.key, nil)
+	require.Equal(t, http.StatusOK, ev.status)
+	require.Equal(t, body["sources"], ev.object(t)["sources"])
+
+	// A model left out of the map is unavailable and never reaches the upstream.
+	r = g.call(http.MethodPost, "/api/v1/chat", b.key, map[string]any{"prompt": "p", "model": "elements"})
+	require.Equal(t, http.StatusBadRequest, r.status)
+	require.Equal(t, "MODEL_UNAVAILABLE", r.code(t))
+	require.Len(t, b.fake.Calls(), 1)
+
+	// Revoking the key through the CLI locks it out at once.
+	mustCLI(t, b.db, "keys", "revoke", b.key[:12])
+	r = g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": prompt})
+	require.Equal(t, http.StatusUnauthorized, r.status)
+	require.Equal(t, "UNAUTHORIZED", r.code(t))
+}
+
+func TestUpstreamFailures(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	g := serve(t, b.db, b.fake.BaseURL(), nil)
+
+	b.fake.SetMode(fakeupstream.Down)
+	r := g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "p"})
+	require.Equal(t, http.StatusServiceUnavailable, r.status)
+	require.Equal(t, "INFERENCE_BUSY", r.code(t))
+	require.NotEmpty(t, r.header.Get("Retry-After"))
+
+	b.fake.SetMode(fakeupstream.Reject)
+	r = g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "p"})
+	require.Equal(t, http.StatusServiceUnavailable, r.status)
+	require.Equal(t, "INFERENCE_BUSY", r.code(t))
+	require.Contains(t, string(r.body), "content policy violation", "the upstream's own reason is passed on")
+
+	b.fake.SetMode(fakeupstream.OK)
+	r = g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "p"})
+	require.Equal(t, http.StatusOK, r.status)
+}
+
+func TestUnreachableUpstream(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.Close()
+	g := serve(t, b.db, b.fake.BaseURL(), nil)
+	r := g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "p"})
+	require.Equal(t, http.StatusServiceUnavailable, r.status)
+	require.Equal(t, "INFERENCE_BUSY", r.code(t))
+}
+
+func TestReplicasStartTogetherOnAnEmptyDatabase(t *testing.T) {
+	t.Parallel()
+	db := testdb.EmptyURL(t)
+	fake := fakeupstream.New()
+	t.Cleanup(fake.Close)
+	// Three replicas race to migrate the same empty database.
+	var wg sync.WaitGroup
+	gws := make([]*gateway, 3)
+	for i := range gws {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			gws[i] = serve(t, db, fake.BaseURL(), nil)
+		}()
+	}
+	wg.Wait()
+	key := strings.TrimSpace(mustCLI(t, db, "keys", "create", "--account", "acme"))
+	for _, g := range gws {
+		r := g.call(http.MethodPost, "/api/v1/responses", key, map[string]any{"prompt": "p"})
+		require.Equal(t, http.StatusOK, r.status)
+	}
+}
+
+func TestCLI(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	// Tier, scopes and project flags.
+	free := strings.TrimSpace(mustCLI(t, b.db, "keys", "create", "--account", "freeco", "--project", "p1", "--tier", "free", "--scopes", "usage"))
+	require.Regexp(t, `^igw_`, free)
+	_, err := cli(t, b.db, "keys", "create", "--account", "x", "--scopes", "admin")
+	require.Error(t, err)
+	_, err = cli(t, b.db, "keys", "create")
+	require.Error(t, err, "--account is required")
+
+	mustCLI(t, b.db, "limits", "set", "--account", "acme", "--daily-rungs", "5000")
+	mustCLI(t, b.db, "limits", "set", "--account", "acme", "--project", "research", "--budget-rungs", "100")
+	_, err = cli(t, b.db, "limits", "set", "--account", "nobody", "--daily-rungs", "1")
+	require.ErrorContains(t, err, "no such account")
+	_, err = cli(t, b.db, "limits", "set", "--account", "acme")
+	require.ErrorContains(t, err, "nothing to set")
+
+	_, err = cli(t, b.db, "keys", "revoke", "igw_doesnotex")
+	require.Error(t, err)
+
+	_, err = cli(t, "", "serve")
+	require.ErrorContains(t, err, "DATABASE_URL is required")
+}
+
+func TestBadConfigurationStopsStart(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	for name, env := range map[string]map[string]string{
+		"upstream":    {"GATEWAY_UPSTREAM": "ftp://nowhere"},
+		"multipliers": {"GATEWAY_MULTIPLIERS": "instant=1"},
+		"model map":   {"GATEWAY_MODEL_MAP": "gpt=4"},
+		"discount":    {"GATEWAY_BATCH_DISCOUNT": "2"},
+	} {
+		env["GATEWAY_LISTEN"] = "127.0.0.1:0"
+		cmd := exec.Command(binary, "serve")
+		env["DATABASE_URL"] = b.db
+		cmd.Env = environ(env)
+		out, err := cmd.CombinedOutput()
+		require.Error(t, err, name)
+		require.Contains(t, string(out), "GATEWAY_", name)
+	}
+}
+
+func TestDevRunsAndReusesItsData(t *testing.T) {
+	t.Parallel()
+	tmp := t.TempDir()
+	dataDir := filepath.Join(tmp, "data")
+	// As root, the private PostgreSQL runs as postgres, which must reach the folder.
+	require.NoError(t, os.Chmod(tmp, 0o755))
+	require.NoError(t, os.Chmod(filepath.Dir(tmp), 0o755))
+	run := func() string {
+		g := start(t, map[string]string{"GATEWAY_SIM_TOKEN_LATENCY": "0s"}, "dev", "--data", dataDir, "--pg-port", "0")
+		line := waitForLine(t, g.stdout, "API key:")
+		key := strings.TrimSpace(strings.TrimPrefix(line, "API key:"))
+		require.Contains(t, g.stdout.String(), "curl -s "+g.base+"/api/v1/responses")
+		r := g.call(http.MethodPost, "/api/v1/responses", key, map[string]any{"prompt": "hello", "web_search": true})
+		require.Equal(t, http.StatusOK, r.status, string(r.body))
+		require.Equal(t, "supported", r.object(t)["evidence_verdict"])
+		require.NoError(t, g.cmd.Process.Signal(syscall.SIGINT))
+		require.NoError(t, <-g.done, "dev stops cleanly on Ctrl-C: %s", g.stderr.String())
+		g.done <- nil
+		return key
+	}
+	first := run()
+	second := run()
+	require.Equal(t, first, second, "a second run reuses the data and the key")
+}
