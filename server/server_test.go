@@ -16,9 +16,9 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/inference"
 	"github.com/rungworks/gateway/internal/apitest"
 	"github.com/rungworks/gateway/internal/testdb"
-	"github.com/rungworks/gateway/inference"
 	"github.com/rungworks/gateway/metering"
 	"github.com/rungworks/gateway/server"
 	"github.com/rungworks/gateway/store"
@@ -56,14 +56,14 @@ func (s *scripted) fail(err error) {
 }
 
 type testBundle struct {
-	t        *testing.T
+	t        testing.TB
 	store    *store.Store
 	upstream *scripted
 	http     *httptest.Server
 	key      string // developer, inference + usage
 }
 
-func setup(t *testing.T, models upstream.ModelMap) *testBundle {
+func setup(t testing.TB, models upstream.ModelMap) *testBundle {
 	t.Helper()
 	st := store.New(testdb.New(t))
 	tok, err := metering.DefaultTokenizer()
@@ -95,7 +95,7 @@ func (b *testBundle) newKey(account string, tier gateway.Tier, scopes ...gateway
 	return token
 }
 
-func newHTTPServer(t *testing.T, h http.Handler) *httptest.Server {
+func newHTTPServer(t testing.TB, h http.Handler) *httptest.Server {
 	t.Helper()
 	ts := httptest.NewServer(h)
 	t.Cleanup(ts.Close)

@@ -1,0 +1,31 @@
+package server_test
+
+import (
+	"bytes"
+	"io"
+	"net/http"
+	"testing"
+)
+
+// BenchmarkCreateResponse is one non-streaming request through the whole server
+// (auth, validation, pricing, commit) on a real PostgreSQL, with an instant upstream.
+func BenchmarkCreateResponse(b *testing.B) {
+	bundle := setup(b, nil)
+	body := []byte(`{"prompt": "benchmark prompt with a few words", "web_search": true}`)
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			req, _ := http.NewRequest(http.MethodPost, bundle.http.URL+"/api/v1/responses", bytes.NewReader(body))
+			req.Header.Set("Authorization", "Bearer "+bundle.key)
+			req.Header.Set("Content-Type", "application/json")
+			resp, err := http.DefaultClient.Do(req)
+			if err != nil {
+				b.Fatal(err)
+			}
+			_, _ = io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+			if resp.StatusCode != http.StatusOK {
+				b.Fatalf("status %d", resp.StatusCode)
+			}
+		}
+	})
+}
