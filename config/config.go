@@ -27,6 +27,7 @@ type Config struct {
 	Multipliers       string        `env:"GATEWAY_MULTIPLIERS" envDefault:"instant=1,reasoning=4,elements=2"`
 	BatchDiscount     string        `env:"GATEWAY_BATCH_DISCOUNT" envDefault:"0.5"`
 	EvidenceRetention time.Duration `env:"GATEWAY_EVIDENCE_RETENTION" envDefault:"168h"`
+	SSEKeepalive      time.Duration `env:"GATEWAY_SSE_KEEPALIVE" envDefault:"15s"`
 	SimTokenLatency   time.Duration `env:"GATEWAY_SIM_TOKEN_LATENCY" envDefault:"2ms"`
 	DBMaxConns        int32         `env:"GATEWAY_DB_MAX_CONNS" envDefault:"32"`
 }
@@ -39,6 +40,9 @@ func Load() (Config, error) {
 	}
 	if cfg.EvidenceRetention <= 0 {
 		return Config{}, fmt.Errorf("GATEWAY_EVIDENCE_RETENTION must be positive")
+	}
+	if cfg.SSEKeepalive <= 0 {
+		return Config{}, fmt.Errorf("GATEWAY_SSE_KEEPALIVE must be positive")
 	}
 	if cfg.DBMaxConns < 2 {
 		return Config{}, fmt.Errorf("GATEWAY_DB_MAX_CONNS must be at least 2")

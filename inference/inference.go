@@ -1,6 +1,7 @@
 // Package inference runs interactive requests: it validates and routes a
-// request, dispatches it to the upstream provider, prices the upstream's usage
-// and commits it with the evidence before the caller sees the reply.
+// request, prices its estimate, dispatches it to the upstream provider (whole or
+// streamed), prices the upstream's usage and commits it with the evidence before
+// the caller sees the final reply.
 package inference
 
 import (
@@ -43,7 +44,16 @@ type Route struct {
 	DecidedAt     time.Time
 }
 
-// Result is a committed response.
+// Call is a validated, routed and estimated request, ready to dispatch.
+type Call struct {
+	RequestID uuid.UUID
+	Principal *gateway.Principal
+	Request   gateway.Request
+	Estimate  metering.Estimate
+	Route     Route
+}
+
+// Result is a committed response (or the committed part of a broken stream).
 type Result struct {
 	RequestID        uuid.UUID
 	Model            gateway.Model
@@ -55,63 +65,102 @@ type Result struct {
 	Route            Route
 }
 
-// Respond validates in, runs it upstream and commits its usage. Failures are
-// *gateway.Error values: validation codes, or INFERENCE_BUSY when the upstream
-// fails.
-func (s *Service) Respond(ctx context.Context, p *gateway.Principal, entry gateway.EntryPoint, in gateway.RequestInput) (*Result, error) {
+// Prepare validates in, routes it and estimates its cost. Failures are the
+// validation codes as *gateway.Error.
+func (s *Service) Prepare(p *gateway.Principal, entry gateway.EntryPoint, in gateway.RequestInput) (*Call, error) {
 	req, err := gateway.Validate(in, s.Models)
 	if err != nil {
 		return nil, err
 	}
-	created := time.Now().UTC()
+	est, err := s.Estimator.Estimate(req, entry)
+	if err != nil {
+		return nil, gateway.Errorf(gateway.EInvalidRequest, "the request cannot be priced: %v", err)
+	}
 	route := Route{
 		ID:        newID(),
 		Entry:     entry,
 		Primary:   req.Model,
 		Explicit:  req.ModelExplicit,
-		DecidedAt: created,
+		DecidedAt: time.Now().UTC(),
 	}
 	if req.Hints.WebSearch {
 		route.EvidenceModel = req.Model
 	}
+	return &Call{RequestID: newID(), Principal: p, Request: req, Estimate: est, Route: route}, nil
+}
 
-	res, err := s.Provider.Complete(ctx, upstream.Request{
+// Complete runs call upstream and commits its usage. An upstream failure is
+// INFERENCE_BUSY and bills nothing.
+func (s *Service) Complete(ctx context.Context, call *Call) (*Result, error) {
+	res, err := s.Provider.Complete(ctx, s.upstreamRequest(call))
+	if err != nil {
+		return nil, s.upstreamError(ctx, err)
+	}
+	return s.settle(ctx, call, res, false)
+}
+
+// Stream runs call upstream, passing each piece of output to emit, and commits
+// the usage before returning. Three outcomes:
+//   - success: the committed result, nil;
+//   - failure before any output: nil, INFERENCE_BUSY (nothing billed);
+//   - failure after output, or the caller gone (emit failed or ctx ended): the
+//     committed result of what was produced, and the error (INFERENCE_BUSY for
+//     an upstream failure).
+func (s *Service) Stream(ctx context.Context, call *Call, emit func(upstream.Delta) error) (*Result, error) {
+	started := false
+	res, err := s.Provider.Stream(ctx, s.upstreamRequest(call), func(d upstream.Delta) error {
+		started = true
+		return emit(d)
+	})
+	if err == nil {
+		return s.settle(ctx, call, res, false)
+	}
+	if !started {
+		return nil, s.upstreamError(ctx, err)
+	}
+	committed, settleErr := s.settle(ctx, call, res, true)
+	if settleErr != nil {
+		return nil, settleErr
+	}
+	if ctx.Err() != nil || !isUpstreamFailure(err) {
+		return committed, fmt.Errorf("stream abandoned by the caller: %w", err)
+	}
+	return committed, s.upstreamError(ctx, err)
+}
+
+func (s *Service) upstreamRequest(call *Call) upstream.Request {
+	req := call.Request
+	return upstream.Request{
 		Model:           req.Model,
 		UpstreamModel:   s.Models[req.Model],
 		System:          req.CustomInstructions,
 		Prompt:          req.Prompt,
 		MaxOutputTokens: req.MaxOutputRungs,
 		Hints:           req.Hints,
-	})
-	if err != nil {
-		return nil, s.upstreamError(ctx, err)
 	}
+}
 
-	usage, err := s.Estimator.RateCard.Usage(req.Model, entry, res.InputTokens, res.OutputTokens)
+// settle prices what the upstream produced and commits it with the evidence.
+// Token counts the upstream did not report are counted with the tokenizer.
+// The commit survives the caller's cancellation: output produced is billed.
+func (s *Service) settle(ctx context.Context, call *Call, res upstream.Result, failed bool) (*Result, error) {
+	in, out := res.InputTokens, res.OutputTokens
+	if !res.UsageReported {
+		in, out = call.Estimate.InputTokens, s.Estimator.Tokenizer.Count(res.Content)
+	}
+	usage, err := s.Estimator.RateCard.Usage(call.Request.Model, call.Route.Entry, in, out)
 	if err != nil {
 		return nil, fmt.Errorf("error pricing usage: %w", err)
 	}
-	result := &Result{
-		RequestID: newID(),
-		Model:     req.Model,
-		Content:   res.Content,
-		Sources:   res.Sources,
-		Verdict:   res.Verdict,
-		Usage:     usage,
-		Route:     route,
-	}
-	if req.IncludeRegions {
-		zero := 0
-		result.RegionsActivated = &zero
-	}
 	completed := time.Now().UTC()
 	err = s.Recorder.RecordRequest(context.WithoutCancel(ctx), gateway.UsageRecord{
-		RequestID:         result.RequestID,
-		Principal:         p,
-		Model:             req.Model,
-		Entry:             entry,
+		RequestID:         call.RequestID,
+		Principal:         call.Principal,
+		Model:             call.Request.Model,
+		Entry:             call.Route.Entry,
+		Failed:            failed,
 		Usage:             usage,
-		CreatedAt:         created,
+		CreatedAt:         call.Route.DecidedAt,
 		CompletedAt:       completed,
 		Sources:           res.Sources,
 		Verdict:           res.Verdict,
@@ -120,7 +169,25 @@ func (s *Service) Respond(ctx context.Context, p *gateway.Principal, entry gatew
 	if err != nil {
 		return nil, fmt.Errorf("error committing usage: %w", err)
 	}
+	result := &Result{
+		RequestID: call.RequestID,
+		Model:     call.Request.Model,
+		Content:   res.Content,
+		Sources:   res.Sources,
+		Verdict:   res.Verdict,
+		Usage:     usage,
+		Route:     call.Route,
+	}
+	if call.Request.IncludeRegions {
+		zero := 0
+		result.RegionsActivated = &zero
+	}
 	return result, nil
+}
+
+func isUpstreamFailure(err error) bool {
+	var rejected *upstream.RejectedError
+	return errors.Is(err, upstream.ErrUnavailable) || errors.Is(err, upstream.ErrStreamBroken) || errors.As(err, &rejected)
 }
 
 // upstreamError turns a provider failure into INFERENCE_BUSY, keeping the
@@ -136,6 +203,8 @@ func (s *Service) upstreamError(ctx context.Context, err error) error {
 		e.Message = "the inference provider rejected the request: " + rejected.Message
 	case errors.Is(err, upstream.ErrUnavailable):
 		e.Message = "inference is unavailable; retry later"
+	case errors.Is(err, upstream.ErrStreamBroken):
+		e.Message = "the inference stream broke off; the output so far is billed"
 	default:
 		e.Message = "the inference request failed; retry later"
 	}

@@ -65,11 +65,17 @@ func (s *Server) handleError(err error, c echo.Context) {
 	if e.BatchIndex != nil {
 		h.Set("x-service-batch-index", strconv.Itoa(*e.BatchIndex))
 	}
-	body := api.ErrorEnvelope{Error: api.Error{Code: api.ErrorCode(e.Code), Message: e.Message}}
-	if err := c.JSON(status, body); err != nil {
+	if err := c.JSON(status, envelopeOf(e)); err != nil {
 		s.logger.Warn("error writing error reply", "error", err)
 	}
 }
+
+func envelopeOf(e *gateway.Error) api.ErrorEnvelope {
+	return api.ErrorEnvelope{Error: api.Error{Code: api.ErrorCode(e.Code), Message: e.Message}}
+}
+
+// errorEnvelope is the body of err, as a reply or a response.error event.
+func errorEnvelope(err error) api.ErrorEnvelope { return envelopeOf(toDomainError(err)) }
 
 // toDomainError maps any error to a *gateway.Error: domain errors as they are,
 // Echo's routing and parameter errors to their codes, anything else to INTERNAL

@@ -15,6 +15,9 @@ var _ api.StrictServerInterface = (*Server)(nil)
 
 // CreateResponse implements POST /api/v1/responses.
 func (s *Server) CreateResponse(ctx context.Context, req api.CreateResponseRequestObject) (api.CreateResponseResponseObject, error) {
+	if isStream(req.Body) {
+		return s.stream(ctx, gateway.EntryResponses, req.Body), nil
+	}
 	reply, err := s.respond(ctx, gateway.EntryResponses, req.Body)
 	if err != nil {
 		return nil, err
@@ -24,6 +27,9 @@ func (s *Server) CreateResponse(ctx context.Context, req api.CreateResponseReque
 
 // CreateChat implements POST /api/v1/chat, the compatibility alias.
 func (s *Server) CreateChat(ctx context.Context, req api.CreateChatRequestObject) (api.CreateChatResponseObject, error) {
+	if isStream(req.Body) {
+		return s.stream(ctx, gateway.EntryChat, req.Body), nil
+	}
 	reply, err := s.respond(ctx, gateway.EntryChat, req.Body)
 	if err != nil {
 		return nil, err
@@ -31,11 +37,14 @@ func (s *Server) CreateChat(ctx context.Context, req api.CreateChatRequestObject
 	return api.CreateChat200JSONResponse{ResponseCreatedJSONResponse: reply}, nil
 }
 
+func isStream(body *api.ResponseRequest) bool { return body.Stream != nil && *body.Stream }
+
 func (s *Server) respond(ctx context.Context, entry gateway.EntryPoint, body *api.ResponseRequest) (api.ResponseCreatedJSONResponse, error) {
-	if body.Stream != nil && *body.Stream {
-		return api.ResponseCreatedJSONResponse{}, gateway.Errorf(gateway.ENotImplemented, "streaming is not served by this release; omit stream or set it to false")
+	call, err := s.inference.Prepare(gateway.PrincipalFrom(ctx), entry, requestInput(body))
+	if err != nil {
+		return api.ResponseCreatedJSONResponse{}, err
 	}
-	res, err := s.inference.Respond(ctx, gateway.PrincipalFrom(ctx), entry, requestInput(body))
+	res, err := s.inference.Complete(ctx, call)
 	if err != nil {
 		return api.ResponseCreatedJSONResponse{}, err
 	}
@@ -47,6 +56,13 @@ func (s *Server) respond(ctx context.Context, entry gateway.EntryPoint, body *ap
 			XServiceTotalRungs:  &res.Usage.TotalRungs,
 		},
 	}, nil
+}
+
+// stream prepares a streamed request; whatever fails from here on is reported
+// inside the stream, after its 200 head.
+func (s *Server) stream(ctx context.Context, entry gateway.EntryPoint, body *api.ResponseRequest) streamReply {
+	call, err := s.inference.Prepare(gateway.PrincipalFrom(ctx), entry, requestInput(body))
+	return streamReply{ctx: ctx, inference: s.inference, keepalive: s.keepalive, call: call, err: err}
 }
 
 // GetSources implements GET /api/v1/sources/{request_id}.

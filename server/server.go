@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"net/http"
 	"regexp"
+	"time"
 
 	"github.com/google/uuid"
 	"github.com/labstack/echo/v4"
@@ -37,6 +38,8 @@ type Config struct {
 	Inference *inference.Service
 	Evidence  EvidenceReader
 	Logger    *slog.Logger
+	// SSEKeepalive is the idle time before a keep-alive comment in a stream.
+	SSEKeepalive time.Duration
 }
 
 // Server serves the public API.
@@ -46,6 +49,7 @@ type Server struct {
 	inference *inference.Service
 	evidence  EvidenceReader
 	logger    *slog.Logger
+	keepalive time.Duration
 	openAPI   []byte
 	schema    []byte
 }
@@ -75,6 +79,7 @@ func New(cfg Config) (*Server, error) {
 		inference: cfg.Inference,
 		evidence:  cfg.Evidence,
 		logger:    logger,
+		keepalive: cfg.SSEKeepalive,
 		openAPI:   doc,
 		schema:    schema,
 	}

@@ -32,6 +32,51 @@ type scripted struct {
 	mu    sync.Mutex
 	err   error
 	calls []upstream.Request
+	// Streams: wait firstDelay before the first piece; break with
+	// ErrStreamBroken after breakAfter pieces; or, with hang, stop after the first
+	// piece until the caller goes away.
+	firstDelay time.Duration
+	breakAfter int
+	hang       bool
+}
+
+// streamPieces is what a scripted stream sends for a prompt.
+func streamPieces(prompt string) []string { return []string{"answer ", "to ", prompt} }
+
+func (s *scripted) Stream(ctx context.Context, req upstream.Request, emit func(upstream.Delta) error) (upstream.Result, error) {
+	s.mu.Lock()
+	s.calls = append(s.calls, req)
+	err, firstDelay, breakAfter, hang := s.err, s.firstDelay, s.breakAfter, s.hang
+	s.mu.Unlock()
+	if err != nil {
+		return upstream.Result{}, err
+	}
+	select {
+	case <-time.After(firstDelay):
+	case <-ctx.Done():
+		return upstream.Result{}, ctx.Err()
+	}
+	whole := answer(req)
+	var sent upstream.Result
+	for i, piece := range streamPieces(req.Prompt) {
+		if breakAfter > 0 && i == breakAfter {
+			return sent, upstream.ErrStreamBroken
+		}
+		d := upstream.Delta{Content: piece}
+		if i == 0 {
+			d.Sources = whole.Sources
+			sent.Sources = whole.Sources
+		}
+		if err := emit(d); err != nil {
+			return sent, err
+		}
+		sent.Content += piece
+		if hang {
+			<-ctx.Done()
+			return sent, ctx.Err()
+		}
+	}
+	return whole, nil
 }
 
 func (s *scripted) Complete(_ context.Context, req upstream.Request) (upstream.Result, error) {
@@ -41,18 +86,31 @@ func (s *scripted) Complete(_ context.Context, req upstream.Request) (upstream.R
 	if s.err != nil {
 		return upstream.Result{}, s.err
 	}
-	res := upstream.Result{Content: "answer to " + req.Prompt, InputTokens: 11, OutputTokens: 5}
+	return answer(req), nil
+}
+
+// answer is the scripted upstream's reply: 11 input and 5 output tokens.
+func answer(req upstream.Request) upstream.Result {
+	res := upstream.Result{Content: "answer to " + req.Prompt, UsageReported: true, InputTokens: 11, OutputTokens: 5}
 	if req.Hints.WebSearch {
 		res.Sources = []gateway.Source{{Title: "Doc", URL: "https://example.org", Snippet: "snip"}, {Title: "Other", URL: "https://example.com"}}
 		res.Verdict = "supported"
 	}
-	return res, nil
+	return res
 }
 
-func (s *scripted) fail(err error) {
+func (s *scripted) fail(err error) { s.configure(func(s *scripted) { s.err = err }) }
+
+func (s *scripted) configure(f func(*scripted)) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	s.err = err
+	f(s)
+}
+
+func (s *scripted) callCount() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return len(s.calls)
 }
 
 type testBundle struct {
@@ -64,6 +122,11 @@ type testBundle struct {
 }
 
 func setup(t testing.TB, models upstream.ModelMap) *testBundle {
+	t.Helper()
+	return setupWith(t, models, time.Minute)
+}
+
+func setupWith(t testing.TB, models upstream.ModelMap, keepalive time.Duration) *testBundle {
 	t.Helper()
 	st := store.New(testdb.New(t))
 	tok, err := metering.DefaultTokenizer()
@@ -80,7 +143,8 @@ func setup(t testing.TB, models upstream.ModelMap) *testBundle {
 			Provider: up, Models: models, Estimator: &metering.Estimator{Tokenizer: tok, RateCard: rc},
 			Recorder: st, EvidenceRetention: time.Hour, RetryAfter: 5 * time.Second,
 		},
-		Evidence: st,
+		Evidence:     st,
+		SSEKeepalive: keepalive,
 	})
 	require.NoError(t, err)
 	b := &testBundle{t: t, store: st, upstream: up, http: newHTTPServer(t, srv)}

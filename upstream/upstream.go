@@ -24,13 +24,23 @@ type Request struct {
 	Hints           gateway.Hints
 }
 
-// Result is a finished inference call. Token counts are the upstream's.
+// Result is a finished (or, from a broken stream, partial) inference call.
 type Result struct {
-	Content      string
-	Sources      []gateway.Source
-	Verdict      string
-	InputTokens  uint64
-	OutputTokens uint64
+	Content string
+	Sources []gateway.Source
+	Verdict string
+	// UsageReported says the upstream reported the token counts; when false
+	// (a stream that broke or an upstream that sends no usage) they are zero and
+	// the caller estimates them.
+	UsageReported bool
+	InputTokens   uint64
+	OutputTokens  uint64
+}
+
+// Delta is a piece of a streamed reply: text, evidence, or both.
+type Delta struct {
+	Content string
+	Sources []gateway.Source
 }
 
 // Provider runs inference. Implementations honour ctx cancellation and classify
@@ -38,8 +48,16 @@ type Result struct {
 // or failed before producing anything (safe to retry), *RejectedError when it
 // refused this request.
 type Provider interface {
+	// Complete runs the request and returns the whole reply.
 	Complete(ctx context.Context, req Request) (Result, error)
+	// Stream runs the request, calling emit for each piece of output as it
+	// arrives. It returns what was produced, also when it fails part-way (the
+	// caller bills that); an error from emit stops the stream and is returned.
+	Stream(ctx context.Context, req Request, emit func(Delta) error) (Result, error)
 }
+
+// ErrStreamBroken marks a stream that ended before the upstream finished it.
+var ErrStreamBroken = errors.New("upstream stream ended early")
 
 // ErrUnavailable marks an upstream that is down, overloaded (5xx, 429) or timed out.
 var ErrUnavailable = errors.New("upstream unavailable")

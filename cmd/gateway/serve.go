@@ -89,8 +89,9 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 			EvidenceRetention: cfg.EvidenceRetention,
 			RetryAfter:        5 * time.Second,
 		},
-		Evidence: st,
-		Logger:   logger,
+		Evidence:     st,
+		Logger:       logger,
+		SSEKeepalive: cfg.SSEKeepalive,
 	})
 	if err != nil {
 		return err

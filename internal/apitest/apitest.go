@@ -21,14 +21,14 @@ import (
 
 var (
 	loadOnce sync.Once
+	doc      *openapi3.T
 	router   routers.Router
 	loadErr  error
 )
 
 func load() {
-	doc, err := openapi3.NewLoader().LoadFromData(openapi.YAML())
-	if err != nil {
-		loadErr = err
+	doc, loadErr = openapi3.NewLoader().LoadFromData(openapi.YAML())
+	if loadErr != nil {
 		return
 	}
 	if loadErr = doc.Validate(context.Background()); loadErr != nil {

@@ -40,10 +40,12 @@ type Call struct {
 type Server struct {
 	*httptest.Server
 
-	mu    sync.Mutex
-	mode  Mode
-	delay time.Duration
-	calls []Call
+	mu         sync.Mutex
+	mode       Mode
+	delay      time.Duration
+	chunkDelay time.Duration
+	breakAfter int
+	calls      []Call
 }
 
 // New starts a fake upstream; its base URL for GATEWAY_UPSTREAM is BaseURL().
@@ -70,6 +72,26 @@ func (s *Server) SetDelay(d time.Duration) {
 	s.delay = d
 }
 
+// SetChunkDelay makes a stream wait d before each content chunk.
+func (s *Server) SetChunkDelay(d time.Duration) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.chunkDelay = d
+}
+
+// SetBreakAfter makes a stream drop its connection after n content chunks
+// (0: never), without [DONE] or usage.
+func (s *Server) SetBreakAfter(n int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.breakAfter = n
+}
+
+// StreamPieces is how a stream splits Reply(prompt) into content chunks.
+func StreamPieces(prompt string) []string {
+	return strings.SplitAfter(Reply(prompt), " ")
+}
+
 // Calls returns the requests received so far.
 func (s *Server) Calls() []Call {
 	s.mu.Lock()
@@ -90,6 +112,7 @@ func Usage(prompt string) (promptTokens, completionTokens uint64) {
 
 type chatRequest struct {
 	Model               string `json:"model"`
+	Stream              bool   `json:"stream"`
 	MaxCompletionTokens uint64 `json:"max_completion_tokens"`
 	Messages            []struct {
 		Role    string `json:"role"`
@@ -117,7 +140,7 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	s.mu.Lock()
-	mode, delay := s.mode, s.delay
+	mode, delay, chunkDelay, breakAfter := s.mode, s.delay, s.chunkDelay, s.breakAfter
 	s.calls = append(s.calls, call)
 	s.mu.Unlock()
 
@@ -137,6 +160,10 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 	case Reject:
 		w.WriteHeader(http.StatusBadRequest)
 		fmt.Fprint(w, `{"error":{"message":"content policy violation"}}`)
+		return
+	}
+	if req.Stream {
+		stream(w, r, call.Prompt, chunkDelay, breakAfter)
 		return
 	}
 	content := Reply(call.Prompt)
@@ -162,4 +189,40 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 		"usage": map[string]any{"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct},
 	}
 	_ = json.NewEncoder(w).Encode(resp)
+}
+
+// stream answers as OpenAI does with stream_options.include_usage: a role-only
+// delta, one delta per piece, an annotation delta, a usage chunk, then [DONE].
+func stream(w http.ResponseWriter, r *http.Request, prompt string, chunkDelay time.Duration, breakAfter int) {
+	w.Header().Set("Content-Type", "text/event-stream")
+	flusher := w.(http.Flusher)
+	send := func(v any) {
+		b, _ := json.Marshal(v)
+		fmt.Fprintf(w, "data: %s\n\n", b)
+		flusher.Flush()
+	}
+	delta := func(d map[string]any) map[string]any {
+		return map[string]any{"object": "chat.completion.chunk", "choices": []any{map[string]any{"index": 0, "delta": d}}}
+	}
+	send(delta(map[string]any{"role": "assistant", "content": ""}))
+	for i, piece := range StreamPieces(prompt) {
+		if breakAfter > 0 && i == breakAfter {
+			panic(http.ErrAbortHandler) // drop the connection mid-stream
+		}
+		if chunkDelay > 0 {
+			select {
+			case <-time.After(chunkDelay):
+			case <-r.Context().Done():
+				return
+			}
+		}
+		send(delta(map[string]any{"content": piece}))
+	}
+	send(delta(map[string]any{"annotations": []any{map[string]any{
+		"type": "url_citation", "url_citation": map[string]any{"url": "https://example.org/doc", "title": "Example doc"},
+	}}}))
+	pt, ct := Usage(prompt)
+	send(map[string]any{"object": "chat.completion.chunk", "choices": []any{}, "usage": map[string]any{"prompt_tokens": pt, "completion_tokens": ct}})
+	fmt.Fprint(w, "data: [DONE]\n\n")
+	flusher.Flush()
 }

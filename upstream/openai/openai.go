@@ -65,9 +65,20 @@ type message struct {
 }
 
 type chatRequest struct {
-	Model               string    `json:"model"`
-	Messages            []message `json:"messages"`
-	MaxCompletionTokens uint64    `json:"max_completion_tokens"`
+	Model               string         `json:"model"`
+	Messages            []message      `json:"messages"`
+	MaxCompletionTokens uint64         `json:"max_completion_tokens"`
+	Stream              bool           `json:"stream,omitempty"`
+	StreamOptions       *streamOptions `json:"stream_options,omitempty"`
+}
+
+type streamOptions struct {
+	IncludeUsage bool `json:"include_usage"`
+}
+
+type usage struct {
+	PromptTokens     uint64 `json:"prompt_tokens"`
+	CompletionTokens uint64 `json:"completion_tokens"`
 }
 
 type annotation struct {
@@ -87,10 +98,7 @@ type chatResponse struct {
 			Annotations []annotation `json:"annotations"`
 		} `json:"message"`
 	} `json:"choices"`
-	Usage *struct {
-		PromptTokens     uint64 `json:"prompt_tokens"`
-		CompletionTokens uint64 `json:"completion_tokens"`
-	} `json:"usage"`
+	Usage *usage `json:"usage"`
 }
 
 type errorBody struct {
@@ -104,38 +112,14 @@ func (c *Client) Complete(ctx context.Context, req upstream.Request) (upstream.R
 	ctx, cancel := context.WithTimeout(ctx, c.cfg.Timeout)
 	defer cancel()
 
-	body, err := json.Marshal(chatRequest{
-		Model:               req.UpstreamModel,
-		Messages:            messages(req),
-		MaxCompletionTokens: req.MaxOutputTokens,
-	})
+	resp, err := c.post(ctx, req, false)
 	if err != nil {
-		return upstream.Result{}, fmt.Errorf("error encoding chat request: %w", err)
-	}
-	httpReq, err := http.NewRequestWithContext(ctx, http.MethodPost, c.cfg.BaseURL+"/chat/completions", bytes.NewReader(body))
-	if err != nil {
-		return upstream.Result{}, fmt.Errorf("error building chat request: %w", err)
-	}
-	httpReq.Header.Set("Content-Type", "application/json")
-	httpReq.Header.Set("Accept", "application/json")
-	if c.cfg.APIKey != "" {
-		httpReq.Header.Set("Authorization", "Bearer "+c.cfg.APIKey)
-	}
-	if h := hints(req.Hints); h != "" {
-		httpReq.Header.Set(HintsHeader, h)
-	}
-
-	resp, err := c.http.Do(httpReq)
-	if err != nil {
-		return upstream.Result{}, transportError(ctx, err)
+		return upstream.Result{}, err
 	}
 	defer resp.Body.Close()
 	raw, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
 	if err != nil {
 		return upstream.Result{}, transportError(ctx, err)
-	}
-	if err := statusError(resp.StatusCode, raw); err != nil {
-		return upstream.Result{}, err
 	}
 
 	var cr chatResponse
@@ -147,11 +131,51 @@ func (c *Client) Complete(ctx context.Context, req upstream.Request) (upstream.R
 	}
 	msg := cr.Choices[0].Message
 	return upstream.Result{
-		Content:      msg.Content,
-		Sources:      sources(msg.Content, msg.Annotations),
-		InputTokens:  cr.Usage.PromptTokens,
-		OutputTokens: cr.Usage.CompletionTokens,
+		Content:       msg.Content,
+		Sources:       sources(msg.Content, msg.Annotations),
+		UsageReported: true,
+		InputTokens:   cr.Usage.PromptTokens,
+		OutputTokens:  cr.Usage.CompletionTokens,
 	}, nil
+}
+
+// post sends the chat request and returns a 2xx reply, or the classified error.
+func (c *Client) post(ctx context.Context, req upstream.Request, stream bool) (*http.Response, error) {
+	cr := chatRequest{
+		Model:               req.UpstreamModel,
+		Messages:            messages(req),
+		MaxCompletionTokens: req.MaxOutputTokens,
+	}
+	accept := "application/json"
+	if stream {
+		cr.Stream, cr.StreamOptions, accept = true, &streamOptions{IncludeUsage: true}, "text/event-stream"
+	}
+	body, err := json.Marshal(cr)
+	if err != nil {
+		return nil, fmt.Errorf("error encoding chat request: %w", err)
+	}
+	httpReq, err := http.NewRequestWithContext(ctx, http.MethodPost, c.cfg.BaseURL+"/chat/completions", bytes.NewReader(body))
+	if err != nil {
+		return nil, fmt.Errorf("error building chat request: %w", err)
+	}
+	httpReq.Header.Set("Content-Type", "application/json")
+	httpReq.Header.Set("Accept", accept)
+	if c.cfg.APIKey != "" {
+		httpReq.Header.Set("Authorization", "Bearer "+c.cfg.APIKey)
+	}
+	if h := hints(req.Hints); h != "" {
+		httpReq.Header.Set(HintsHeader, h)
+	}
+	resp, err := c.http.Do(httpReq)
+	if err != nil {
+		return nil, transportError(ctx, err)
+	}
+	if resp.StatusCode < 200 || resp.StatusCode > 299 {
+		defer resp.Body.Close()
+		raw, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+		return nil, statusError(resp.StatusCode, raw)
+	}
+	return resp, nil
 }
 
 func messages(req upstream.Request) []message {
@@ -189,9 +213,6 @@ func transportError(ctx context.Context, err error) error {
 // statusError classifies a non-2xx reply: 408, 429 and 5xx mean unavailable,
 // other 4xx a rejection of this request.
 func statusError(status int, body []byte) error {
-	if status >= 200 && status < 300 {
-		return nil
-	}
 	var eb errorBody
 	msg := strings.TrimSpace(string(body))
 	if json.Unmarshal(body, &eb) == nil && eb.Error.Message != "" {

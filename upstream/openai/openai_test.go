@@ -101,3 +101,87 @@ func TestCallerCancellationIsNotAnOutage(t *testing.T) {
 	require.True(t, errors.Is(err, context.Canceled), "got %v", err)
 	require.NotErrorIs(t, err, upstream.ErrUnavailable)
 }
+
+func collect(t *testing.T, client *openai.Client, ctx context.Context) ([]upstream.Delta, upstream.Result, error) {
+	t.Helper()
+	var deltas []upstream.Delta
+	res, err := client.Stream(ctx, req, func(d upstream.Delta) error {
+		deltas = append(deltas, d)
+		return nil
+	})
+	return deltas, res, err
+}
+
+func TestStream(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	deltas, res, err := collect(t, b.client, context.Background())
+	require.NoError(t, err)
+	pieces := fakeupstream.StreamPieces(req.Prompt)
+	require.Len(t, deltas, len(pieces)+1, "one delta per piece plus the evidence; role-only deltas are skipped")
+	for i, p := range pieces {
+		require.Equal(t, p, deltas[i].Content)
+	}
+	require.Equal(t, []gateway.Source{{Title: "Example doc", URL: "https://example.org/doc"}}, deltas[len(pieces)].Sources)
+	require.Equal(t, fakeupstream.Reply(req.Prompt), res.Content)
+	require.True(t, res.UsageReported)
+	pt, ct := fakeupstream.Usage(req.Prompt)
+	require.Equal(t, pt, res.InputTokens)
+	require.Equal(t, ct, res.OutputTokens)
+	require.Len(t, res.Sources, 1)
+}
+
+func TestStreamBrokenMidway(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetBreakAfter(2)
+	deltas, res, err := collect(t, b.client, context.Background())
+	require.ErrorIs(t, err, upstream.ErrStreamBroken)
+	require.Len(t, deltas, 2)
+	pieces := fakeupstream.StreamPieces(req.Prompt)
+	require.Equal(t, pieces[0]+pieces[1], res.Content, "what was received is returned for billing")
+	require.False(t, res.UsageReported)
+}
+
+func TestStreamRefusedAtStart(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetMode(fakeupstream.Down)
+	deltas, _, err := collect(t, b.client, context.Background())
+	require.ErrorIs(t, err, upstream.ErrUnavailable)
+	require.Empty(t, deltas)
+}
+
+func TestStreamSilenceIsBroken(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetChunkDelay(time.Second)
+	client := openai.New(openai.Config{BaseURL: b.fake.BaseURL(), Timeout: 100 * time.Millisecond})
+	_, _, err := collect(t, client, context.Background())
+	require.ErrorIs(t, err, upstream.ErrStreamBroken)
+}
+
+func TestStreamCallerCancels(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetChunkDelay(50 * time.Millisecond)
+	ctx, cancel := context.WithCancel(context.Background())
+	n := 0
+	res, err := b.client.Stream(ctx, req, func(upstream.Delta) error {
+		if n++; n == 2 {
+			cancel()
+		}
+		return nil
+	})
+	require.ErrorIs(t, err, context.Canceled)
+	require.NotEmpty(t, res.Content)
+}
+
+func TestStreamEmitErrorStops(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	stop := errors.New("client gone")
+	res, err := b.client.Stream(context.Background(), req, func(upstream.Delta) error { return stop })
+	require.ErrorIs(t, err, stop)
+	require.Equal(t, fakeupstream.StreamPieces(req.Prompt)[0], res.Content)
+}

@@ -37,16 +37,60 @@ var _ upstream.Provider = (*Provider)(nil)
 // Complete implements upstream.Provider.
 func (p *Provider) Complete(ctx context.Context, req upstream.Request) (upstream.Result, error) {
 	res := p.answer(req)
-	if p.TokenLatency > 0 && res.OutputTokens > 0 {
-		timer := time.NewTimer(time.Duration(res.OutputTokens) * p.TokenLatency)
-		defer timer.Stop()
-		select {
-		case <-ctx.Done():
-			return upstream.Result{}, ctx.Err()
-		case <-timer.C:
-		}
+	if err := p.pace(ctx, res.OutputTokens); err != nil {
+		return upstream.Result{}, err
 	}
 	return res, nil
+}
+
+// Stream implements upstream.Provider: the same answer as Complete, a word at a
+// time, paced per token, with the evidence on the first piece.
+func (p *Provider) Stream(ctx context.Context, req upstream.Request, emit func(upstream.Delta) error) (upstream.Result, error) {
+	res := p.answer(req)
+	sent := upstream.Result{Verdict: res.Verdict}
+	words := strings.SplitAfter(res.Content, " ")
+	for i, w := range words {
+		if w == "" {
+			continue
+		}
+		tokens := p.Tokenizer.Count(w)
+		if err := p.pace(ctx, tokens); err != nil {
+			return p.partial(req, sent), err
+		}
+		d := upstream.Delta{Content: w}
+		if i == 0 {
+			d.Sources = res.Sources
+			sent.Sources = res.Sources
+		}
+		if err := emit(d); err != nil {
+			return p.partial(req, sent), err
+		}
+		sent.Content += w
+	}
+	return res, nil
+}
+
+// partial is what a cut-short stream produced, with the simulator's own counts.
+func (p *Provider) partial(req upstream.Request, sent upstream.Result) upstream.Result {
+	sent.UsageReported = true
+	sent.InputTokens = p.Tokenizer.Count(req.System) + p.Tokenizer.Count(req.Prompt)
+	sent.OutputTokens = p.Tokenizer.Count(sent.Content)
+	return sent
+}
+
+// pace waits the simulated time of n output tokens.
+func (p *Provider) pace(ctx context.Context, n uint64) error {
+	if p.TokenLatency <= 0 || n == 0 {
+		return ctx.Err()
+	}
+	timer := time.NewTimer(time.Duration(n) * p.TokenLatency)
+	defer timer.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-timer.C:
+		return nil
+	}
 }
 
 // answer derives the whole reply from the request, deterministically.
@@ -77,9 +121,10 @@ func (p *Provider) answer(req upstream.Request) upstream.Result {
 	}
 
 	res := upstream.Result{
-		Content:      content,
-		InputTokens:  p.Tokenizer.Count(req.System) + p.Tokenizer.Count(req.Prompt),
-		OutputTokens: out,
+		UsageReported: true,
+		Content:       content,
+		InputTokens:   p.Tokenizer.Count(req.System) + p.Tokenizer.Count(req.Prompt),
+		OutputTokens:  out,
 	}
 	if req.Hints.WebSearch {
 		for i := 1; i <= 2; i++ {

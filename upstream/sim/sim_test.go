@@ -66,3 +66,43 @@ func TestCancellation(t *testing.T) {
 	_, err := provider(t, time.Second).Complete(ctx, upstream.Request{Model: gateway.ModelInstant, Prompt: "x", MaxOutputTokens: 100})
 	require.ErrorIs(t, err, context.Canceled)
 }
+
+func TestStreamMatchesComplete(t *testing.T) {
+	t.Parallel()
+	p := provider(t, 0)
+	req := upstream.Request{Model: gateway.ModelInstant, Prompt: "stream me", MaxOutputTokens: 32000, Hints: gateway.Hints{WebSearch: true}}
+	whole, err := p.Complete(context.Background(), req)
+	require.NoError(t, err)
+	var text string
+	var deltas []upstream.Delta
+	res, err := p.Stream(context.Background(), req, func(d upstream.Delta) error {
+		deltas = append(deltas, d)
+		text += d.Content
+		return nil
+	})
+	require.NoError(t, err)
+	require.Equal(t, whole, res)
+	require.Equal(t, whole.Content, text)
+	require.Greater(t, len(deltas), 5)
+	require.Equal(t, whole.Sources, deltas[0].Sources)
+	for _, d := range deltas[1:] {
+		require.Empty(t, d.Sources)
+	}
+}
+
+func TestStreamCancelledReturnsPartial(t *testing.T) {
+	t.Parallel()
+	p := provider(t, time.Millisecond)
+	ctx, cancel := context.WithCancel(context.Background())
+	n := 0
+	res, err := p.Stream(ctx, upstream.Request{Model: gateway.ModelInstant, Prompt: "cut me short", MaxOutputTokens: 32000}, func(upstream.Delta) error {
+		if n++; n == 3 {
+			cancel()
+		}
+		return nil
+	})
+	require.ErrorIs(t, err, context.Canceled)
+	require.NotEmpty(t, res.Content)
+	require.True(t, res.UsageReported)
+	require.Equal(t, p.Tokenizer.Count(res.Content), res.OutputTokens)
+}

@@ -1,0 +1,104 @@
+package e2e
+
+import (
+	"bytes"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway/gen/api"
+	"github.com/rungworks/gateway/internal/apitest"
+	"github.com/rungworks/gateway/internal/fakeupstream"
+)
+
+// stream posts a streamed request and returns its validated head and events.
+func (g *gateway) stream(key string, body map[string]any) (reply, apitest.Stream) {
+	g.t.Helper()
+	body["stream"] = true
+	r := g.call(http.MethodPost, "/api/v1/responses", key, body)
+	require.Equal(g.t, http.StatusOK, r.status)
+	s := apitest.ParseEvents(g.t, bytes.NewReader(r.body))
+	apitest.ValidateEvents(g.t, s)
+	return r, s
+}
+
+func names(s apitest.Stream) []string {
+	out := make([]string, len(s.Events))
+	for i, e := range s.Events {
+		out[i] = e.Name
+	}
+	return out
+}
+
+func TestStreamEndToEnd(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	g := serve(t, b.db, b.fake.BaseURL(), nil)
+	prompt := "stream this answer please"
+
+	r, s := g.stream(b.key, map[string]any{"prompt": prompt})
+	require.NotEmpty(t, r.header.Get("x-service-input-rungs"))
+	require.Empty(t, r.header.Get("x-service-total-rungs"))
+	pieces := fakeupstream.StreamPieces(prompt)
+	// One delta per piece, one for the evidence, then the completion.
+	require.Len(t, s.Events, len(pieces)+2)
+	var text strings.Builder
+	for i, e := range s.Events[:len(s.Events)-1] {
+		require.Equal(t, "response.output_text.delta", e.Name)
+		var c api.StreamChunk
+		e.Decode(t, &c)
+		require.Equal(t, i, c.Index)
+		text.WriteString(c.Content)
+	}
+	require.Equal(t, fakeupstream.Reply(prompt), text.String())
+	var final api.StreamChunk
+	s.Events[len(s.Events)-1].Decode(t, &final)
+	require.True(t, final.Done)
+	pt, ct := fakeupstream.Usage(prompt)
+	require.Equal(t, &api.RungUsage{InputRungs: int64(pt), OutputRungs: int64(ct), TotalRungs: int64(pt + ct)}, final.Usage)
+
+	// The evidence that arrived in the stream is served afterwards.
+	ev := g.call(http.MethodGet, "/api/v1/sources/"+final.RequestId.String(), b.key, nil)
+	require.Equal(t, http.StatusOK, ev.status)
+	require.Len(t, ev.object(t)["sources"], 1)
+}
+
+func TestStreamFailures(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	g := serve(t, b.db, b.fake.BaseURL(), nil)
+
+	// Validation: an error event after a 200 head, no completion.
+	_, s := g.stream(b.key, map[string]any{"prompt": ""})
+	require.Equal(t, []string{"response.error"}, names(s))
+
+	// The upstream refuses at the start.
+	b.fake.SetMode(fakeupstream.Down)
+	_, s = g.stream(b.key, map[string]any{"prompt": "p"})
+	require.Equal(t, []string{"response.error"}, names(s))
+	var env api.ErrorEnvelope
+	s.Events[0].Decode(t, &env)
+	require.Equal(t, api.ErrorCode("INFERENCE_BUSY"), env.Error.Code)
+
+	// The upstream drops the connection after two chunks.
+	b.fake.SetMode(fakeupstream.OK)
+	b.fake.SetBreakAfter(2)
+	_, s = g.stream(b.key, map[string]any{"prompt": "one two three four"})
+	require.Equal(t, []string{"response.output_text.delta", "response.output_text.delta", "response.error", "response.completed"}, names(s))
+	var final api.StreamChunk
+	s.Events[3].Decode(t, &final)
+	require.Positive(t, final.Usage.OutputRungs, "the output received is billed")
+}
+
+func TestStreamKeepAliveWithSlowUpstream(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetDelay(400 * time.Millisecond)
+	g := serve(t, b.db, b.fake.BaseURL(), map[string]string{"GATEWAY_SSE_KEEPALIVE": "50ms"})
+	_, s := g.stream(b.key, map[string]any{"prompt": "slow"})
+	require.GreaterOrEqual(t, s.Comments, 3, "keep-alives while the upstream is silent")
+	require.Equal(t, "response.completed", s.Events[len(s.Events)-1].Name)
+}

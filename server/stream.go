@@ -1,0 +1,77 @@
+package server
+
+import (
+	"context"
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/gen/api"
+	"github.com/rungworks/gateway/inference"
+	"github.com/rungworks/gateway/upstream"
+)
+
+// streamReply is the text/event-stream reply of the responses routes. The head
+// goes out before inference starts; every failure after it is a response.error
+// event (interface §6), with the code the JSON path would give.
+type streamReply struct {
+	ctx       context.Context
+	inference *inference.Service
+	keepalive time.Duration
+	// call is the prepared request; err, when set, is why it cannot run.
+	call *inference.Call
+	err  error
+}
+
+// VisitCreateResponseResponse implements api.CreateResponseResponseObject.
+func (r streamReply) VisitCreateResponseResponse(w http.ResponseWriter) error { return r.serve(w) }
+
+// VisitCreateChatResponse implements api.CreateChatResponseObject.
+func (r streamReply) VisitCreateChatResponse(w http.ResponseWriter) error { return r.serve(w) }
+
+func (r streamReply) serve(w http.ResponseWriter) error {
+	var estimate int64
+	if r.call != nil {
+		estimate = r.call.Estimate.InputRungs
+	}
+	w.Header().Set("x-service-input-rungs", strconv.FormatInt(estimate, 10))
+	sse := startSSE(w, r.keepalive)
+	defer sse.Close()
+	if r.err != nil {
+		return sse.Event(eventError, errorEnvelope(r.err))
+	}
+
+	requestID := r.call.RequestID
+	model := api.StreamChunkModel(r.call.Request.Model)
+	index := 0
+	chunk := func(content string, sources []gateway.Source) api.StreamChunk {
+		c := api.StreamChunk{Index: index, Content: content, RequestId: &requestID, Model: &model}
+		if len(sources) > 0 {
+			s := apiSources(sources)
+			c.Sources = &s
+		}
+		index++
+		return c
+	}
+	res, err := r.inference.Stream(r.ctx, r.call, func(d upstream.Delta) error {
+		return sse.Event(eventDelta, chunk(d.Content, d.Sources))
+	})
+	if err != nil && res == nil {
+		// Nothing was produced: the stream failed to start.
+		return sse.Event(eventError, errorEnvelope(err))
+	}
+	if err != nil {
+		if gateway.ErrorCodeOf(err) != gateway.EInferenceBusy {
+			return nil // the client went away; its output is billed, nobody is listening
+		}
+		if werr := sse.Event(eventError, errorEnvelope(err)); werr != nil {
+			return nil
+		}
+	}
+	final := chunk("", nil)
+	final.Done = true
+	final.Usage = &api.RungUsage{InputRungs: res.Usage.InputRungs, OutputRungs: res.Usage.OutputRungs, TotalRungs: res.Usage.TotalRungs}
+	_ = sse.Event(eventCompleted, final)
+	return nil
+}

@@ -1,0 +1,209 @@
+package server_test
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"net/http"
+	"runtime"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/gen/api"
+	"github.com/rungworks/gateway/internal/apitest"
+	"github.com/rungworks/gateway/upstream"
+)
+
+// stream posts a streamed request and returns the validated reply and its events.
+func (b *testBundle) stream(path string, body map[string]any) (reply, apitest.Stream) {
+	b.t.Helper()
+	body["stream"] = true
+	r := b.post(path, b.key, body)
+	require.Equal(b.t, http.StatusOK, r.status, "a streamed request always answers 200")
+	require.Equal(b.t, "text/event-stream", r.header.Get("Content-Type"))
+	s := apitest.ParseEvents(b.t, bytes.NewReader(r.body))
+	apitest.ValidateEvents(b.t, s)
+	return r, s
+}
+
+func chunks(t *testing.T, s apitest.Stream) []api.StreamChunk {
+	t.Helper()
+	out := make([]api.StreamChunk, len(s.Events))
+	for i, e := range s.Events {
+		e.Decode(t, &out[i])
+	}
+	return out
+}
+
+func TestStreamHappyPath(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	r, s := b.stream("/api/v1/responses", map[string]any{"prompt": "hello stream", "model": "reasoning", "web_search": true, "include_regions": true})
+	require.Equal(t, "no-cache", r.header.Get("Cache-Control"))
+	require.Equal(t, "no", r.header.Get("X-Accel-Buffering"))
+	require.Empty(t, r.header.Get("x-service-output-rungs"), "no output rung header on the stream")
+	require.Empty(t, r.header.Get("x-service-total-rungs"), "no total rung header on the stream")
+	require.NotEmpty(t, r.header.Get("x-service-input-rungs"))
+	require.NotContains(t, string(r.body), "sources_url")
+
+	pieces := streamPieces("hello stream")
+	require.Len(t, s.Events, len(pieces)+1)
+	all := chunks(t, s)
+	var text strings.Builder
+	for i, c := range all[:len(pieces)] {
+		require.Equal(t, "response.output_text.delta", s.Events[i].Name)
+		require.Equal(t, i, c.Index)
+		require.False(t, c.Done)
+		require.NotNil(t, c.RequestId)
+		require.Equal(t, api.StreamChunkModel("reasoning"), *c.Model)
+		if i == 0 {
+			require.Len(t, *c.Sources, 2, "evidence on the first chunk")
+		} else {
+			require.Nil(t, c.Sources, "no empty sources array on the wire")
+		}
+		text.WriteString(c.Content)
+	}
+	require.Equal(t, "answer to hello stream", text.String())
+
+	final := all[len(pieces)]
+	require.Equal(t, "response.completed", s.Events[len(pieces)].Name)
+	require.True(t, final.Done)
+	require.Empty(t, final.Content)
+	require.Equal(t, len(pieces), final.Index)
+	require.Equal(t, &api.RungUsage{InputRungs: 44, OutputRungs: 20, TotalRungs: 64}, final.Usage)
+	var raw struct{ Usage map[string]any }
+	require.NoError(t, json.Unmarshal(s.Events[len(pieces)].Data, &raw))
+	require.NotContains(t, raw.Usage, "regions_activated")
+
+	// The evidence was committed under the streamed request's id.
+	ev := b.do(http.MethodGet, "/api/v1/sources/"+final.RequestId.String(), b.key, "", nil)
+	require.Equal(t, http.StatusOK, ev.status)
+	require.Equal(t, "supported", ev.json(t)["evidence_verdict"])
+}
+
+func TestStreamValidationFailure(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	for code, body := range map[gateway.ErrorCode]map[string]any{
+		gateway.EEmptyPrompt:    {"prompt": ""},
+		gateway.EInvalidModel:   {"prompt": "p", "model": "nope"},
+		gateway.EInvalidRequest: {"prompt": "p", "max_output_rungs": 0},
+	} {
+		r, s := b.stream("/api/v1/chat", body)
+		require.Len(t, s.Events, 1, code)
+		require.Equal(t, "response.error", s.Events[0].Name)
+		var env api.ErrorEnvelope
+		s.Events[0].Decode(t, &env)
+		require.Equal(t, api.ErrorCode(code), env.Error.Code)
+		require.Equal(t, "0", r.header.Get("x-service-input-rungs"))
+	}
+	require.Zero(t, b.upstream.callCount())
+}
+
+func TestStreamFailsToStart(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	b.upstream.fail(upstream.ErrUnavailable)
+	_, s := b.stream("/api/v1/responses", map[string]any{"prompt": "p"})
+	require.Len(t, s.Events, 1, "an error and no completion")
+	var env api.ErrorEnvelope
+	s.Events[0].Decode(t, &env)
+	require.Equal(t, api.ErrorCode("INFERENCE_BUSY"), env.Error.Code)
+}
+
+func TestStreamBreaksMidway(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	b.upstream.configure(func(s *scripted) { s.breakAfter = 2 })
+	_, s := b.stream("/api/v1/responses", map[string]any{"prompt": "p"})
+	require.Equal(t, []string{"response.output_text.delta", "response.output_text.delta", "response.error", "response.completed"},
+		[]string{s.Events[0].Name, s.Events[1].Name, s.Events[2].Name, s.Events[3].Name})
+	require.Len(t, s.Events, 4)
+	var env api.ErrorEnvelope
+	s.Events[2].Decode(t, &env)
+	require.Equal(t, api.ErrorCode("INFERENCE_BUSY"), env.Error.Code)
+	var final api.StreamChunk
+	s.Events[3].Decode(t, &final)
+	require.Equal(t, 2, final.Index)
+	// The upstream sent no usage: the output received ("answer to ") is counted with the tokenizer.
+	require.Positive(t, final.Usage.OutputRungs)
+	require.Positive(t, final.Usage.InputRungs)
+	require.Equal(t, final.Usage.InputRungs+final.Usage.OutputRungs, final.Usage.TotalRungs)
+}
+
+func TestStreamKeepAlive(t *testing.T) {
+	t.Parallel()
+	b := setupWith(t, nil, 20*time.Millisecond)
+	b.upstream.configure(func(s *scripted) { s.firstDelay = 150 * time.Millisecond })
+	r, s := b.stream("/api/v1/responses", map[string]any{"prompt": "slow"})
+	require.GreaterOrEqual(t, s.Comments, 2, "keep-alives while waiting for the first token")
+	require.Equal(t, "response.completed", s.Events[len(s.Events)-1].Name)
+	require.True(t, strings.HasPrefix(string(r.body), ":"), "the first bytes are a keep-alive, before any event")
+}
+
+// TestStreamClientDisconnect runs alone (not parallel) so that the goroutine
+// count is this test's own: after the client goes away mid-stream, the upstream
+// call is cancelled, the output so far is committed, and nothing is left running.
+func TestStreamClientDisconnect(t *testing.T) {
+	b := setupWith(t, nil, 10*time.Millisecond)
+	// Warm up (database connections, HTTP keep-alives), then settle, then count.
+	require.Equal(t, http.StatusOK, b.post("/api/v1/responses", b.key, map[string]any{"prompt": "warm up"}).status)
+	quiesce := func() {
+		http.DefaultClient.CloseIdleConnections()
+		b.http.CloseClientConnections()
+	}
+	quiesce()
+	time.Sleep(100 * time.Millisecond)
+	baseline := runtime.NumGoroutine()
+	b.upstream.configure(func(s *scripted) { s.hang = true })
+
+	ctx, cancel := context.WithCancel(context.Background())
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, b.http.URL+"/api/v1/responses", strings.NewReader(`{"prompt": "leave early", "stream": true}`))
+	require.NoError(t, err)
+	req.Header.Set("Authorization", "Bearer "+b.key)
+	req.Header.Set("Content-Type", "application/json")
+	client := &http.Client{Transport: &http.Transport{}}
+	resp, err := client.Do(req)
+	require.NoError(t, err)
+	reader := bufio.NewReader(resp.Body)
+	var first api.StreamChunk
+	for {
+		line, err := reader.ReadString('\n')
+		require.NoError(t, err)
+		if data, ok := strings.CutPrefix(line, "data: "); ok {
+			require.NoError(t, json.Unmarshal([]byte(data), &first))
+			break
+		}
+	}
+	cancel()
+	resp.Body.Close()
+	client.CloseIdleConnections()
+
+	// The partial output is committed: its evidence appears.
+	require.Eventually(t, func() bool {
+		r := b.do(http.MethodGet, "/api/v1/sources/"+first.RequestId.String(), b.key, "", nil)
+		return r.status == http.StatusOK
+	}, 10*time.Second, 20*time.Millisecond)
+
+	// Poll in this goroutine: require.Eventually would add goroutines of its own.
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		quiesce()
+		if n := runtime.NumGoroutine(); n <= baseline {
+			break
+		} else if time.Now().After(deadline) {
+			t.Fatalf("goroutines leaked: %d now, %d before\n%s", n, baseline, goroutineDump())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func goroutineDump() string {
+	buf := make([]byte, 1<<20)
+	return string(buf[:runtime.Stack(buf, true)])
+}

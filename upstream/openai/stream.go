@@ -1,0 +1,125 @@
+package openai
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"sync/atomic"
+	"time"
+
+	"github.com/rungworks/gateway/upstream"
+)
+
+type streamChunk struct {
+	Choices []struct {
+		Delta struct {
+			Content     *string      `json:"content"`
+			Annotations []annotation `json:"annotations"`
+		} `json:"delta"`
+	} `json:"choices"`
+	Usage *usage `json:"usage"`
+	Error *struct {
+		Message string `json:"message"`
+	} `json:"error"`
+}
+
+var doneMarker = []byte("[DONE]")
+
+// Stream implements upstream.Provider. It asks for usage in the stream
+// (stream_options.include_usage), reads data: lines as they arrive, skips
+// role-only and empty deltas, and treats a stream that ends without [DONE], an
+// in-stream error, or Timeout of silence as broken (ErrStreamBroken, with what
+// was received). A stream that ends with [DONE] but without usage succeeds with
+// UsageReported false, for the caller to count.
+func (c *Client) Stream(ctx context.Context, req upstream.Request, emit func(upstream.Delta) error) (upstream.Result, error) {
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	var idle atomic.Bool
+	watchdog := time.AfterFunc(c.cfg.Timeout, func() { idle.Store(true); cancel() })
+	defer watchdog.Stop()
+
+	resp, err := c.post(ctx, req, true)
+	if err != nil {
+		if idle.Load() {
+			return upstream.Result{}, fmt.Errorf("%w: no reply within %s", upstream.ErrUnavailable, c.cfg.Timeout)
+		}
+		return upstream.Result{}, err
+	}
+	defer resp.Body.Close()
+
+	var res upstream.Result
+	var content bytes.Buffer
+	finish := func(err error) (upstream.Result, error) {
+		res.Content = content.String()
+		if err == nil {
+			return res, nil
+		}
+		if ctx.Err() != nil && !idle.Load() {
+			return res, ctx.Err() // the caller went away
+		}
+		return res, fmt.Errorf("%w: %v", upstream.ErrStreamBroken, err)
+	}
+
+	reader := bufio.NewReaderSize(resp.Body, 64<<10)
+	for {
+		watchdog.Reset(c.cfg.Timeout)
+		line, err := reader.ReadSlice('\n')
+		if errors.Is(err, bufio.ErrBufferFull) {
+			// A data line longer than the buffer: gather the rest of it.
+			full := append([]byte(nil), line...)
+			for errors.Is(err, bufio.ErrBufferFull) {
+				line, err = reader.ReadSlice('\n')
+				full = append(full, line...)
+			}
+			line = full
+		}
+		if err != nil && !(errors.Is(err, io.EOF) && len(line) > 0) {
+			if errors.Is(err, io.EOF) {
+				return finish(errors.New("connection closed before [DONE]"))
+			}
+			if idle.Load() {
+				return finish(fmt.Errorf("no data for %s", c.cfg.Timeout))
+			}
+			return finish(err)
+		}
+		data, ok := bytes.CutPrefix(bytes.TrimRight(line, "\r\n"), []byte("data:"))
+		if !ok {
+			continue // comments, event names, blank separators
+		}
+		data = bytes.TrimSpace(data)
+		if bytes.Equal(data, doneMarker) {
+			return finish(nil)
+		}
+		var chunk streamChunk
+		if err := json.Unmarshal(data, &chunk); err != nil {
+			return finish(fmt.Errorf("malformed stream chunk: %w", err))
+		}
+		if chunk.Error != nil {
+			return finish(fmt.Errorf("upstream error in stream: %s", chunk.Error.Message))
+		}
+		if chunk.Usage != nil {
+			res.UsageReported = true
+			res.InputTokens, res.OutputTokens = chunk.Usage.PromptTokens, chunk.Usage.CompletionTokens
+		}
+		for _, choice := range chunk.Choices {
+			var d upstream.Delta
+			if choice.Delta.Content != nil {
+				d.Content = *choice.Delta.Content
+			}
+			d.Sources = sources("", choice.Delta.Annotations)
+			if d.Content == "" && len(d.Sources) == 0 {
+				continue // role-only or empty delta
+			}
+			content.WriteString(d.Content)
+			res.Sources = append(res.Sources, d.Sources...)
+			if err := emit(d); err != nil {
+				res.Content = content.String()
+				return res, err
+			}
+		}
+	}
+}
