@@ -2,7 +2,9 @@ package gateway
 
 import (
 	"context"
+	"fmt"
 	"slices"
+	"time"
 
 	"github.com/google/uuid"
 )
@@ -34,6 +36,8 @@ type Principal struct {
 	AccountName string
 	Tier        Tier
 	Scopes      []Scope
+	// Rate is this request's count against the key's rate limit.
+	Rate RateStatus
 }
 
 // HasAnyScope reports whether the principal holds at least one of scopes.
@@ -71,4 +75,37 @@ type Evidence struct {
 	RequestID uuid.UUID
 	Sources   []Source
 	Verdict   string
+}
+
+// RateStatus is the outcome of counting a request against its key's rate limit.
+type RateStatus struct {
+	Limit     int
+	Remaining int
+	// Admitted is false when the request is past the limit (it was not counted).
+	Admitted bool
+	// Reset is when the current window ends.
+	Reset time.Duration
+}
+
+// RateLimits are the requests per minute per key, by tier.
+type RateLimits struct {
+	Free      int
+	Developer int
+}
+
+// DefaultRateLimits apply where GATEWAY_RATE_LIMIT is not set.
+var DefaultRateLimits = RateLimits{Free: 60, Developer: 600}
+
+// DefaultDailyCeiling is the daily rung ceiling of an account of tier t that has
+// none of its own.
+func (t Tier) DefaultDailyCeiling() int64 {
+	if t == TierFree {
+		return 1_000_000
+	}
+	return 10_000_000
+}
+
+// RateLimitedError is RATE_LIMITED for a request past its key's rate limit.
+func RateLimitedError(r RateStatus) *Error {
+	return &Error{Code: ERateLimited, RetryAfter: r.Reset, Message: fmt.Sprintf("rate limit of %d requests per minute reached for this key; retry later", r.Limit)}
 }

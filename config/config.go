@@ -10,6 +10,7 @@ import (
 
 	"github.com/caarlos0/env/v11"
 
+	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/metering"
 	"github.com/rungworks/gateway/upstream"
 	"github.com/rungworks/gateway/upstream/openai"
@@ -28,6 +29,7 @@ type Config struct {
 	BatchDiscount     string        `env:"GATEWAY_BATCH_DISCOUNT" envDefault:"0.5"`
 	EvidenceRetention time.Duration `env:"GATEWAY_EVIDENCE_RETENTION" envDefault:"168h"`
 	SSEKeepalive      time.Duration `env:"GATEWAY_SSE_KEEPALIVE" envDefault:"15s"`
+	RateLimit         int           `env:"GATEWAY_RATE_LIMIT"`
 	SimTokenLatency   time.Duration `env:"GATEWAY_SIM_TOKEN_LATENCY" envDefault:"2ms"`
 	DBMaxConns        int32         `env:"GATEWAY_DB_MAX_CONNS" envDefault:"32"`
 }
@@ -44,10 +46,22 @@ func Load() (Config, error) {
 	if cfg.SSEKeepalive <= 0 {
 		return Config{}, fmt.Errorf("GATEWAY_SSE_KEEPALIVE must be positive")
 	}
+	if cfg.RateLimit < 0 {
+		return Config{}, fmt.Errorf("GATEWAY_RATE_LIMIT must not be negative")
+	}
 	if cfg.DBMaxConns < 2 {
 		return Config{}, fmt.Errorf("GATEWAY_DB_MAX_CONNS must be at least 2")
 	}
 	return cfg, nil
+}
+
+// RateLimits returns the requests per minute per key: GATEWAY_RATE_LIMIT for
+// every tier when set, otherwise the tier defaults.
+func (c Config) RateLimits() gateway.RateLimits {
+	if c.RateLimit > 0 {
+		return gateway.RateLimits{Free: c.RateLimit, Developer: c.RateLimit}
+	}
+	return gateway.DefaultRateLimits
 }
 
 // Models returns the model map: GATEWAY_MODEL_MAP when set (models left out are

@@ -8,6 +8,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"time"
 
 	"github.com/google/uuid"
@@ -17,21 +18,37 @@ import (
 	"github.com/rungworks/gateway/upstream"
 )
 
-// Recorder commits a finished request's usage and evidence.
-type Recorder interface {
-	RecordRequest(ctx context.Context, r gateway.UsageRecord) error
+// Ledger admits requests against the daily ceiling and the project budget,
+// and settles or releases them when they end.
+type Ledger interface {
+	// Admit charges and reserves the estimate, or refuses with RATE_LIMITED
+	// (daily ceiling) or BUDGET_EXCEEDED.
+	Admit(ctx context.Context, a gateway.Admission) error
+	// Settle commits usage and evidence and reconciles the charge and reservation.
+	Settle(ctx context.Context, r gateway.UsageRecord) error
+	// Release gives back the charge and reservation of a request that cost nothing.
+	Release(ctx context.Context, requestID uuid.UUID) error
 }
+
+// DefaultReservationLease is how long an interactive request's reservation is
+// held before recovery presumes its replica dead and releases it.
+const DefaultReservationLease = 15 * time.Minute
 
 // Service runs interactive requests.
 type Service struct {
 	Provider  upstream.Provider
 	Models    upstream.ModelMap
 	Estimator *metering.Estimator
-	Recorder  Recorder
+	Ledger    Ledger
 	// EvidenceRetention is how long evidence is held.
 	EvidenceRetention time.Duration
 	// RetryAfter is suggested to callers when the upstream is unavailable.
 	RetryAfter time.Duration
+	// ReservationLease bounds how long a reservation outlives a dead replica;
+	// zero means DefaultReservationLease.
+	ReservationLease time.Duration
+	// Logger reports failures that do not change the reply.
+	Logger *slog.Logger
 }
 
 // Route is the route decided for a request.
@@ -65,9 +82,13 @@ type Result struct {
 	Route            Route
 }
 
-// Prepare validates in, routes it and estimates its cost. Failures are the
-// validation codes as *gateway.Error.
+// Prepare checks the caller's rate limit, then validates in, routes it and
+// estimates its cost. Failures are *gateway.Error values: RATE_LIMITED or the
+// validation codes.
 func (s *Service) Prepare(p *gateway.Principal, entry gateway.EntryPoint, in gateway.RequestInput) (*Call, error) {
+	if !p.Rate.Admitted {
+		return nil, gateway.RateLimitedError(p.Rate)
+	}
 	req, err := gateway.Validate(in, s.Models)
 	if err != nil {
 		return nil, err
@@ -89,17 +110,34 @@ func (s *Service) Prepare(p *gateway.Principal, entry gateway.EntryPoint, in gat
 	return &Call{RequestID: newID(), Principal: p, Request: req, Estimate: est, Route: route}, nil
 }
 
-// Complete runs call upstream and commits its usage. An upstream failure is
-// INFERENCE_BUSY and bills nothing.
+// Admit charges the call's estimate to the daily ceiling and reserves it on the
+// project budget before it is dispatched.
+func (s *Service) Admit(ctx context.Context, call *Call) error {
+	lease := s.ReservationLease
+	if lease <= 0 {
+		lease = DefaultReservationLease
+	}
+	return s.Ledger.Admit(ctx, gateway.Admission{
+		RequestID: call.RequestID,
+		Principal: call.Principal,
+		Estimate:  call.Estimate.Total(),
+		Day:       call.Route.DecidedAt,
+		ExpiresAt: time.Now().Add(lease),
+	})
+}
+
+// Complete runs an admitted call upstream and commits its usage. An upstream
+// failure is INFERENCE_BUSY and bills nothing.
 func (s *Service) Complete(ctx context.Context, call *Call) (*Result, error) {
 	res, err := s.Provider.Complete(ctx, s.upstreamRequest(call))
 	if err != nil {
+		s.release(ctx, call)
 		return nil, s.upstreamError(ctx, err)
 	}
 	return s.settle(ctx, call, res, false)
 }
 
-// Stream runs call upstream, passing each piece of output to emit, and commits
+// Stream runs an admitted call upstream, passing each piece of output to emit, and commits
 // the usage before returning. Three outcomes:
 //   - success: the committed result, nil;
 //   - failure before any output: nil, INFERENCE_BUSY (nothing billed);
@@ -116,6 +154,7 @@ func (s *Service) Stream(ctx context.Context, call *Call, emit func(upstream.Del
 		return s.settle(ctx, call, res, false)
 	}
 	if !started {
+		s.release(ctx, call)
 		return nil, s.upstreamError(ctx, err)
 	}
 	committed, settleErr := s.settle(ctx, call, res, true)
@@ -153,7 +192,7 @@ func (s *Service) settle(ctx context.Context, call *Call, res upstream.Result, f
 		return nil, fmt.Errorf("error pricing usage: %w", err)
 	}
 	completed := time.Now().UTC()
-	err = s.Recorder.RecordRequest(context.WithoutCancel(ctx), gateway.UsageRecord{
+	err = s.Ledger.Settle(context.WithoutCancel(ctx), gateway.UsageRecord{
 		RequestID:         call.RequestID,
 		Principal:         call.Principal,
 		Model:             call.Request.Model,
@@ -183,6 +222,14 @@ func (s *Service) settle(ctx context.Context, call *Call, res upstream.Result, f
 		result.RegionsActivated = &zero
 	}
 	return result, nil
+}
+
+// release gives back the call's charge and reservation. Should that fail, the
+// reservation's lease runs out and recovery releases it.
+func (s *Service) release(ctx context.Context, call *Call) {
+	if err := s.Ledger.Release(context.WithoutCancel(ctx), call.RequestID); err != nil && s.Logger != nil {
+		s.Logger.Warn("error releasing reservation; recovery will release it", "request_id", call.RequestID, "error", err)
+	}
 }
 
 func isUpstreamFailure(err error) bool {

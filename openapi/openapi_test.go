@@ -70,4 +70,7 @@ func TestPolicies(t *testing.T) {
 	require.Equal(t, int64(1<<20), policies["createResponse"].MaxBodyBytes)
 	require.Equal(t, int64(1<<20), policies["createChat"].MaxBodyBytes)
 	require.Equal(t, int64(16<<20), policies["createBatch"].MaxBodyBytes)
+	for id, p := range policies {
+		require.Equal(t, id == "createResponse" || id == "createChat", p.Streams, id)
+	}
 }

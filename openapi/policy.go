@@ -22,6 +22,10 @@ type Policy struct {
 	Tier string
 	// MaxBodyBytes, when positive, bounds the request body.
 	MaxBodyBytes int64
+	// Streams is true when the operation may answer text/event-stream: its
+	// failures after authentication are reported by the handler (in the stream
+	// when streaming), not refused up front.
+	Streams bool
 }
 
 // Policies returns the policy of every operation, keyed by operationId.
@@ -60,6 +64,7 @@ func Policies() (map[string]Policy, error) {
 			if n, ok := op["x-max-body-bytes"].(float64); ok {
 				p.MaxBodyBytes = int64(n)
 			}
+			p.Streams = streams(op)
 			if p.Method != http.MethodGet && !p.Public && p.MaxBodyBytes == 0 && op["requestBody"] != nil {
 				return nil, fmt.Errorf("operation %s takes a body but declares no x-max-body-bytes", id)
 			}
@@ -67,4 +72,19 @@ func Policies() (map[string]Policy, error) {
 		}
 	}
 	return out, nil
+}
+
+// streams reports whether op's 200 reply offers text/event-stream.
+func streams(op map[string]any) bool {
+	responses, _ := op["responses"].(map[string]any)
+	ok, _ := responses["200"].(map[string]any)
+	if ref, isRef := ok["$ref"].(string); isRef {
+		name := strings.TrimPrefix(ref, "#/components/responses/")
+		components, _ := parsed["components"].(map[string]any)
+		all, _ := components["responses"].(map[string]any)
+		ok, _ = all[name].(map[string]any)
+	}
+	content, _ := ok["content"].(map[string]any)
+	_, found := content["text/event-stream"]
+	return found
 }

@@ -1,6 +1,7 @@
 package server
 
 import (
+	"strconv"
 	"strings"
 
 	"github.com/labstack/echo/v4"
@@ -10,9 +11,11 @@ import (
 )
 
 // authorize enforces an operation's policy before its body is read: a valid
-// key (401), one of the operation's scopes (403 INSUFFICIENT_SCOPE), then the
-// account tier (403 INSUFFICIENT_TIER). The principal travels in the request's
-// context to the handler.
+// key (401), one of the operation's scopes (403 INSUFFICIENT_SCOPE), the account
+// tier (403 INSUFFICIENT_TIER), then the key's rate limit (429), which operations
+// that stream leave to the handler so a stream reports it in-band. Every
+// authenticated reply carries x-ratelimit-limit and x-ratelimit-remaining. The
+// principal travels in the request's context to the handler.
 func (s *Server) authorize(p openapi.Policy) echo.MiddlewareFunc {
 	scopes := make([]gateway.Scope, len(p.AnyScope))
 	for i, sc := range p.AnyScope {
@@ -31,8 +34,14 @@ func (s *Server) authorize(p openapi.Policy) echo.MiddlewareFunc {
 			if len(scopes) > 0 && !principal.HasAnyScope(scopes) {
 				return gateway.Errorf(gateway.EInsufficientScope, "this API key lacks the %s scope", strings.Join(p.AnyScope, " or "))
 			}
+			h := c.Response().Header()
+			h.Set("x-ratelimit-limit", strconv.Itoa(principal.Rate.Limit))
+			h.Set("x-ratelimit-remaining", strconv.Itoa(principal.Rate.Remaining))
 			if p.Tier != "" && string(principal.Tier) != p.Tier {
 				return gateway.Errorf(gateway.EInsufficientTier, "this operation needs an account of the %s tier", p.Tier)
+			}
+			if !principal.Rate.Admitted && !p.Streams {
+				return gateway.RateLimitedError(principal.Rate)
 			}
 			c.SetRequest(c.Request().WithContext(gateway.WithPrincipal(c.Request().Context(), principal)))
 			return next(c)

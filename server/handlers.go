@@ -3,6 +3,7 @@ package server
 import (
 	"context"
 	"net/http"
+	"time"
 
 	"github.com/google/uuid"
 
@@ -44,6 +45,9 @@ func (s *Server) respond(ctx context.Context, entry gateway.EntryPoint, body *ap
 	if err != nil {
 		return api.ResponseCreatedJSONResponse{}, err
 	}
+	if err := s.inference.Admit(ctx, call); err != nil {
+		return api.ResponseCreatedJSONResponse{}, err
+	}
 	res, err := s.inference.Complete(ctx, call)
 	if err != nil {
 		return api.ResponseCreatedJSONResponse{}, err
@@ -62,6 +66,9 @@ func (s *Server) respond(ctx context.Context, entry gateway.EntryPoint, body *ap
 // inside the stream, after its 200 head.
 func (s *Server) stream(ctx context.Context, entry gateway.EntryPoint, body *api.ResponseRequest) streamReply {
 	call, err := s.inference.Prepare(gateway.PrincipalFrom(ctx), entry, requestInput(body))
+	if err == nil {
+		err = s.inference.Admit(ctx, call)
+	}
 	return streamReply{ctx: ctx, inference: s.inference, keepalive: s.keepalive, call: call, err: err}
 }
 
@@ -100,9 +107,35 @@ func (s *Server) sources(ctx context.Context, rawID string) (api.SourcesFoundJSO
 	return api.SourcesFoundJSONResponse{Body: body}, nil
 }
 
-// GetUsage implements GET /api/v1/usage (not served by this release).
-func (s *Server) GetUsage(context.Context, api.GetUsageRequestObject) (api.GetUsageResponseObject, error) {
-	return nil, notImplemented("the usage view")
+// GetUsage implements GET /api/v1/usage: [start, end), by default the current UTC day.
+func (s *Server) GetUsage(ctx context.Context, req api.GetUsageRequestObject) (api.GetUsageResponseObject, error) {
+	start := gateway.UTCDay(time.Now())
+	end := start.Add(24 * time.Hour)
+	if req.Params.Start != nil {
+		start = req.Params.Start.UTC()
+	}
+	if req.Params.End != nil {
+		end = req.Params.End.UTC()
+	}
+	if !start.Before(end) {
+		return nil, gateway.Errorf(gateway.EInvalidRequest, "start must be before end")
+	}
+	v, err := s.usage.Usage(ctx, gateway.PrincipalFrom(ctx), start, end)
+	if err != nil {
+		return nil, err
+	}
+	byModel := make([]api.ModelUsage, len(v.ByModel))
+	for i, m := range v.ByModel {
+		byModel[i] = api.ModelUsage{Model: api.ModelUsageModel(m.Model), Requests: m.Requests, InputRungs: m.InputRungs, OutputRungs: m.OutputRungs, TotalRungs: m.TotalRungs}
+	}
+	body := api.UsageView{
+		Totals:  api.UsageTotals{Requests: v.Totals.Requests, InputRungs: v.Totals.InputRungs, OutputRungs: v.Totals.OutputRungs, TotalRungs: v.Totals.TotalRungs},
+		ByModel: byModel,
+	}
+	body.Period.Start, body.Period.End = v.Start, v.End
+	body.Daily.CeilingRungs, body.Daily.ChargedRungs, body.Daily.RemainingRungs, body.Daily.ResetsAt = v.Daily.Ceiling, v.Daily.Charged, v.Daily.Remaining, v.Daily.ResetsAt
+	body.Budget.Project, body.Budget.CapRungs, body.Budget.SpentRungs, body.Budget.ReservedRungs = v.Budget.Project, v.Budget.Cap, v.Budget.Spent, v.Budget.Reserved
+	return api.GetUsage200JSONResponse{Body: body}, nil
 }
 
 // CreateBatch implements POST /api/v1/batch (not served by this release).

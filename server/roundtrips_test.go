@@ -30,8 +30,10 @@ func (c *queryCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.T
 
 func (c *queryCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
 
-// TestHotPathRoundTrips proves a non-streaming response costs at most two
-// database round trips: authenticating the key and committing the usage.
+// TestHotPathRoundTrips proves what a response costs in database round trips:
+// one to authenticate the key and count it against the rate limit, one to admit
+// it (daily charge and budget reservation), one to settle it (usage, evidence,
+// reconciliation) — admission and settlement together two.
 func TestHotPathRoundTrips(t *testing.T) {
 	t.Parallel()
 	cfg, err := pgxpool.ParseConfig(testdb.URL(t))
@@ -41,7 +43,7 @@ func TestHotPathRoundTrips(t *testing.T) {
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
-	st := store.New(pool)
+	st := store.New(pool, store.Options{})
 
 	tok, err := metering.DefaultTokenizer()
 	require.NoError(t, err)
@@ -51,19 +53,25 @@ func TestHotPathRoundTrips(t *testing.T) {
 		Auth: st,
 		Inference: &inference.Service{
 			Provider: &scripted{}, Models: upstream.DefaultModelMap(), Estimator: &metering.Estimator{Tokenizer: tok, RateCard: rc},
-			Recorder: st, EvidenceRetention: time.Hour,
+			Ledger: st, EvidenceRetention: time.Hour,
 		},
 		Evidence: st,
+		Usage:    st,
 	})
 	require.NoError(t, err)
 	b := &testBundle{t: t, store: st}
 	key := b.newKey("acme", gateway.TierDeveloper, gateway.ScopeInference)
 	b.http = newHTTPServer(t, srv)
 
-	for range 5 {
+	for _, stream := range []bool{false, true, false, true} {
 		before := counter.n.Load()
-		r := b.post("/api/v1/responses", key, map[string]any{"prompt": "count my queries", "web_search": true})
+		r := b.post("/api/v1/responses", key, map[string]any{"prompt": "count my queries", "web_search": true, "stream": stream})
 		require.Equal(t, http.StatusOK, r.status)
-		require.LessOrEqual(t, counter.n.Load()-before, int64(2))
+		require.Equal(t, int64(3), counter.n.Load()-before, "stream=%v", stream)
 	}
+	// Authentication alone (with the rate count) is one statement.
+	before := counter.n.Load()
+	r := b.do(http.MethodGet, "/api/v1/sources/01900000-0000-7000-8000-000000000000", key, "", nil)
+	require.Equal(t, http.StatusNotFound, r.status)
+	require.Equal(t, int64(2), counter.n.Load()-before, "authenticate, then the evidence lookup")
 }

@@ -32,11 +32,17 @@ type EvidenceReader interface {
 	Evidence(ctx context.Context, accountID, requestID uuid.UUID) (*gateway.Evidence, error)
 }
 
+// UsageReader reads the usage view of a caller's account.
+type UsageReader interface {
+	Usage(ctx context.Context, p *gateway.Principal, start, end time.Time) (*gateway.UsageView, error)
+}
+
 // Config holds the server's dependencies.
 type Config struct {
 	Auth      Authenticator
 	Inference *inference.Service
 	Evidence  EvidenceReader
+	Usage     UsageReader
 	Logger    *slog.Logger
 	// SSEKeepalive is the idle time before a keep-alive comment in a stream.
 	SSEKeepalive time.Duration
@@ -48,6 +54,7 @@ type Server struct {
 	auth      Authenticator
 	inference *inference.Service
 	evidence  EvidenceReader
+	usage     UsageReader
 	logger    *slog.Logger
 	keepalive time.Duration
 	openAPI   []byte
@@ -78,6 +85,7 @@ func New(cfg Config) (*Server, error) {
 		auth:      cfg.Auth,
 		inference: cfg.Inference,
 		evidence:  cfg.Evidence,
+		usage:     cfg.Usage,
 		logger:    logger,
 		keepalive: cfg.SSEKeepalive,
 		openAPI:   doc,

@@ -128,7 +128,7 @@ func setup(t testing.TB, models upstream.ModelMap) *testBundle {
 
 func setupWith(t testing.TB, models upstream.ModelMap, keepalive time.Duration) *testBundle {
 	t.Helper()
-	st := store.New(testdb.New(t))
+	st := store.New(testdb.New(t), store.Options{})
 	tok, err := metering.DefaultTokenizer()
 	require.NoError(t, err)
 	rc, err := metering.NewRateCard(map[gateway.Model]string{"instant": "1", "reasoning": "4", "elements": "2"}, "0.5")
@@ -141,9 +141,10 @@ func setupWith(t testing.TB, models upstream.ModelMap, keepalive time.Duration) 
 		Auth: st,
 		Inference: &inference.Service{
 			Provider: up, Models: models, Estimator: &metering.Estimator{Tokenizer: tok, RateCard: rc},
-			Recorder: st, EvidenceRetention: time.Hour, RetryAfter: 5 * time.Second,
+			Ledger: st, EvidenceRetention: time.Hour, RetryAfter: 5 * time.Second,
 		},
 		Evidence:     st,
+		Usage:        st,
 		SSEKeepalive: keepalive,
 	})
 	require.NoError(t, err)
@@ -442,12 +443,6 @@ func TestUpstreamFailureIsInferenceBusy(t *testing.T) {
 func TestNotYetServedRoutes(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
-	usageOnly := b.newKey("acme", gateway.TierDeveloper, gateway.ScopeUsage)
-	for _, key := range []string{b.key, usageOnly} {
-		r := b.do(http.MethodGet, "/api/v1/usage", key, "", nil)
-		require.Equal(t, http.StatusNotImplemented, r.status)
-		require.Equal(t, gateway.ENotImplemented, r.errorCode(t))
-	}
 	r := b.post("/api/v1/batch", b.key, map[string]any{"requests": []any{map[string]any{"prompt": "p"}}})
 	require.Equal(t, http.StatusNotImplemented, r.status)
 	r = b.do(http.MethodGet, "/api/v1/batches", b.key, "", nil)

@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
@@ -22,13 +23,23 @@ import (
 
 // Store reads and writes the gateway's state in PostgreSQL.
 type Store struct {
-	pool    *pgxpool.Pool
-	queries *db.Queries
+	pool       *pgxpool.Pool
+	queries    *db.Queries
+	rateLimits gateway.RateLimits
+}
+
+// Options configure a store.
+type Options struct {
+	// RateLimits are the requests per minute per key; zero means the defaults.
+	RateLimits gateway.RateLimits
 }
 
 // New returns a store over pool.
-func New(pool *pgxpool.Pool) *Store {
-	return &Store{pool: pool, queries: db.New()}
+func New(pool *pgxpool.Pool, opts Options) *Store {
+	if opts.RateLimits == (gateway.RateLimits{}) {
+		opts.RateLimits = gateway.DefaultRateLimits
+	}
+	return &Store{pool: pool, queries: db.New(), rateLimits: opts.RateLimits}
 }
 
 // Pool returns the connection pool.
@@ -36,22 +47,26 @@ func (s *Store) Pool() *pgxpool.Pool { return s.pool }
 
 var errUnauthorized = &gateway.Error{Code: gateway.EUnauthorized, Message: "a valid API key is required: send Authorization: Bearer igw_…"}
 
-// Authenticate resolves a bearer token to its principal. A malformed, unknown or
-// revoked key is UNAUTHORIZED.
+// Authenticate resolves a bearer token to its principal and counts the request
+// against the key's rate limit, in one round trip. A malformed, unknown or
+// revoked key is UNAUTHORIZED; the rate outcome is in the principal's Rate.
 func (s *Store) Authenticate(ctx context.Context, token string) (*gateway.Principal, error) {
 	prefix, err := apikey.Parse(token)
 	if err != nil {
 		return nil, errUnauthorized
 	}
-	row, err := s.queries.GetActiveKeyByPrefix(ctx, s.pool, prefix)
+	row, err := s.queries.AuthenticateKey(ctx, s.pool, db.AuthenticateKeyParams{
+		Prefix:         prefix,
+		Hash:           apikey.Hash(token),
+		Now:            time.Now(),
+		LimitFree:      int32(s.rateLimits.Free),
+		LimitDeveloper: int32(s.rateLimits.Developer),
+	})
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, errUnauthorized
 	}
 	if err != nil {
-		return nil, fmt.Errorf("error looking up API key: %w", err)
-	}
-	if !apikey.Matches(token, row.Hash) {
-		return nil, errUnauthorized
+		return nil, fmt.Errorf("error authenticating API key: %w", err)
 	}
 	scopes := make([]gateway.Scope, len(row.Scopes))
 	for i, sc := range row.Scopes {
@@ -65,6 +80,12 @@ func (s *Store) Authenticate(ctx context.Context, token string) (*gateway.Princi
 		AccountName: row.AccountName,
 		Tier:        gateway.Tier(row.Tier),
 		Scopes:      scopes,
+		Rate: gateway.RateStatus{
+			Limit:     int(row.RateLimit),
+			Remaining: int(row.Remaining),
+			Admitted:  row.Admitted,
+			Reset:     time.Duration(row.ResetSeconds) * time.Second,
+		},
 	}, nil
 }
 
@@ -190,50 +211,6 @@ func (s *Store) SetLimits(ctx context.Context, p SetLimitsParams) error {
 	})
 }
 
-// RecordRequest commits a request's usage and its evidence in one round trip.
-func (s *Store) RecordRequest(ctx context.Context, r gateway.UsageRecord) error {
-	sources := r.Sources
-	if sources == nil {
-		sources = []gateway.Source{}
-	}
-	sourcesJSON, err := json.Marshal(sources)
-	if err != nil {
-		return fmt.Errorf("error encoding sources: %w", err)
-	}
-	status := "completed"
-	if r.Failed {
-		status = "failed"
-	}
-	var verdict *string
-	if r.Verdict != "" {
-		verdict = &r.Verdict
-	}
-	keyID := r.Principal.KeyID
-	err = s.queries.RecordRequest(ctx, s.pool, db.RecordRequestParams{
-		ID:                r.RequestID,
-		AccountID:         r.Principal.AccountID,
-		ProjectID:         r.Principal.ProjectID,
-		ApiKeyID:          &keyID,
-		Model:             string(r.Model),
-		EntryPoint:        string(r.Entry),
-		Status:            status,
-		InputTokens:       r.Usage.InputTokens,
-		OutputTokens:      r.Usage.OutputTokens,
-		InputRungs:        r.Usage.InputRungs,
-		OutputRungs:       r.Usage.OutputRungs,
-		TotalRungs:        r.Usage.TotalRungs,
-		CreatedAt:         r.CreatedAt,
-		CompletedAt:       r.CompletedAt,
-		Sources:           sourcesJSON,
-		Verdict:           verdict,
-		EvidenceExpiresAt: r.EvidenceExpiresAt,
-	})
-	if err != nil {
-		return fmt.Errorf("error recording request: %w", err)
-	}
-	return nil
-}
-
 // Evidence returns the evidence of one of the account's requests while it is
 // held; anything else is SOURCES_NOT_FOUND.
 func (s *Store) Evidence(ctx context.Context, accountID, requestID uuid.UUID) (*gateway.Evidence, error) {
@@ -252,6 +229,15 @@ func (s *Store) Evidence(ctx context.Context, accountID, requestID uuid.UUID) (*
 		ev.Verdict = *row.Verdict
 	}
 	return ev, nil
+}
+
+// DeleteExpiredEvidence removes up to maxRows evidence rows past retention.
+func (s *Store) DeleteExpiredEvidence(ctx context.Context, maxRows int32) (int64, error) {
+	n, err := s.queries.DeleteExpiredEvidence(ctx, s.pool, maxRows)
+	if err != nil {
+		return 0, fmt.Errorf("error deleting expired evidence: %w", err)
+	}
+	return n, nil
 }
 
 func newID() uuid.UUID { return uuid.Must(uuid.NewV7()) }

@@ -25,7 +25,7 @@ type testBundle struct {
 
 func setup(t *testing.T) *testBundle {
 	t.Helper()
-	return &testBundle{ctx: context.Background(), store: store.New(testdb.New(t))}
+	return &testBundle{ctx: context.Background(), store: store.New(testdb.New(t), store.Options{})}
 }
 
 func (b *testBundle) key(t *testing.T, account string, tier gateway.Tier, scopes ...gateway.Scope) (string, *gateway.Principal) {
@@ -118,7 +118,7 @@ func TestRecordRequestAndEvidence(t *testing.T) {
 	now := time.Now().UTC()
 	record := func(sources []gateway.Source, verdict string, expires time.Time) uuid.UUID {
 		id := uuid.Must(uuid.NewV7())
-		require.NoError(t, b.store.RecordRequest(b.ctx, gateway.UsageRecord{
+		require.NoError(t, b.store.Settle(b.ctx, gateway.UsageRecord{
 			RequestID: id, Principal: owner, Model: gateway.ModelInstant, Entry: gateway.EntryResponses,
 			Usage:     gateway.Usage{InputTokens: 3, OutputTokens: 4, InputRungs: 3, OutputRungs: 4, TotalRungs: 7},
 			CreatedAt: now, CompletedAt: now, Sources: sources, Verdict: verdict, EvidenceExpiresAt: expires,

@@ -28,7 +28,7 @@ func withStore(ctx context.Context, fn func(*store.Store) error) error {
 		return fmt.Errorf("error connecting to PostgreSQL: %w", err)
 	}
 	defer pool.Close()
-	return fn(store.New(pool))
+	return fn(store.New(pool, store.Options{}))
 }
 
 func migrateCmd() *cobra.Command {

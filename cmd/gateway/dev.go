@@ -51,7 +51,7 @@ simulator unless GATEWAY_UPSTREAM says otherwise). Running it again reuses the d
 				}
 				cfg.DatabaseURL = cluster.URL("gateway")
 			}
-			st, err := openStore(ctx, cfg.DatabaseURL, cfg.DBMaxConns)
+			st, err := openStore(ctx, cfg)
 			if err != nil {
 				return err
 			}

@@ -14,6 +14,7 @@ import (
 
 	"github.com/rungworks/gateway/config"
 	"github.com/rungworks/gateway/inference"
+	"github.com/rungworks/gateway/maintenance"
 	"github.com/rungworks/gateway/metering"
 	"github.com/rungworks/gateway/server"
 	"github.com/rungworks/gateway/store"
@@ -32,7 +33,7 @@ func serveCmd(logger *slog.Logger) *cobra.Command {
 			if cfg.DatabaseURL == "" {
 				return errors.New("DATABASE_URL is required (or run `gateway dev` for a private database)")
 			}
-			st, err := openStore(cmd.Context(), cfg.DatabaseURL, cfg.DBMaxConns)
+			st, err := openStore(cmd.Context(), cfg)
 			if err != nil {
 				return err
 			}
@@ -43,12 +44,12 @@ func serveCmd(logger *slog.Logger) *cobra.Command {
 }
 
 // openStore connects to PostgreSQL and applies pending migrations.
-func openStore(ctx context.Context, databaseURL string, maxConns int32) (*store.Store, error) {
-	poolCfg, err := pgxpool.ParseConfig(databaseURL)
+func openStore(ctx context.Context, cfg config.Config) (*store.Store, error) {
+	poolCfg, err := pgxpool.ParseConfig(cfg.DatabaseURL)
 	if err != nil {
 		return nil, fmt.Errorf("error parsing DATABASE_URL: %w", err)
 	}
-	poolCfg.MaxConns = maxConns
+	poolCfg.MaxConns = cfg.DBMaxConns
 	pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
 	if err != nil {
 		return nil, fmt.Errorf("error connecting to PostgreSQL: %w", err)
@@ -57,7 +58,7 @@ func openStore(ctx context.Context, databaseURL string, maxConns int32) (*store.
 		pool.Close()
 		return nil, err
 	}
-	return store.New(pool), nil
+	return store.New(pool, store.Options{RateLimits: cfg.RateLimits()}), nil
 }
 
 // serve wires the gateway and serves until ctx ends; ready, when set, is called
@@ -85,17 +86,23 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 			Provider:          provider,
 			Models:            models,
 			Estimator:         &metering.Estimator{Tokenizer: tok, RateCard: rateCard},
-			Recorder:          st,
+			Ledger:            st,
 			EvidenceRetention: cfg.EvidenceRetention,
 			RetryAfter:        5 * time.Second,
+			Logger:            logger,
 		},
 		Evidence:     st,
+		Usage:        st,
 		Logger:       logger,
 		SSEKeepalive: cfg.SSEKeepalive,
 	})
 	if err != nil {
 		return err
 	}
+
+	maintenanceCtx, stopMaintenance := context.WithCancel(ctx)
+	defer stopMaintenance()
+	go (&maintenance.Runner{Store: st, Logger: logger}).Run(maintenanceCtx)
 
 	ln, err := net.Listen("tcp", cfg.Listen)
 	if err != nil {

@@ -1381,6 +1381,29 @@ func (response GetBatch404JSONResponse) VisitGetBatchResponse(w http.ResponseWri
 	return err
 }
 
+type GetBatch429JSONResponse struct{ RateLimitedJSONResponse }
+
+func (response GetBatch429JSONResponse) VisitGetBatchResponse(w http.ResponseWriter) error {
+
+	var buf bytes.Buffer
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
+		return err
+	}
+	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.RetryAfter != nil {
+		w.Header().Set("Retry-After", fmt.Sprint(*response.Headers.RetryAfter))
+	}
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
+	w.WriteHeader(429)
+	_, err := buf.WriteTo(w)
+	return err
+}
+
 type GetBatch501JSONResponse struct{ NotImplementedJSONResponse }
 
 func (response GetBatch501JSONResponse) VisitGetBatchResponse(w http.ResponseWriter) error {
@@ -1482,6 +1505,29 @@ func (response CancelBatch409JSONResponse) VisitCancelBatchResponse(w http.Respo
 	return err
 }
 
+type CancelBatch429JSONResponse struct{ RateLimitedJSONResponse }
+
+func (response CancelBatch429JSONResponse) VisitCancelBatchResponse(w http.ResponseWriter) error {
+
+	var buf bytes.Buffer
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
+		return err
+	}
+	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.RetryAfter != nil {
+		w.Header().Set("Retry-After", fmt.Sprint(*response.Headers.RetryAfter))
+	}
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
+	w.WriteHeader(429)
+	_, err := buf.WriteTo(w)
+	return err
+}
+
 type CancelBatch501JSONResponse struct{ NotImplementedJSONResponse }
 
 func (response CancelBatch501JSONResponse) VisitCancelBatchResponse(w http.ResponseWriter) error {
@@ -1577,6 +1623,29 @@ func (response GetBatchResults404JSONResponse) VisitGetBatchResultsResponse(w ht
 	return err
 }
 
+type GetBatchResults429JSONResponse struct{ RateLimitedJSONResponse }
+
+func (response GetBatchResults429JSONResponse) VisitGetBatchResultsResponse(w http.ResponseWriter) error {
+
+	var buf bytes.Buffer
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
+		return err
+	}
+	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.RetryAfter != nil {
+		w.Header().Set("Retry-After", fmt.Sprint(*response.Headers.RetryAfter))
+	}
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
+	w.WriteHeader(429)
+	_, err := buf.WriteTo(w)
+	return err
+}
+
 type GetBatchResults501JSONResponse struct{ NotImplementedJSONResponse }
 
 func (response GetBatchResults501JSONResponse) VisitGetBatchResultsResponse(w http.ResponseWriter) error {
@@ -1668,6 +1737,29 @@ func (response ListBatches403JSONResponse) VisitListBatchesResponse(w http.Respo
 	}
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(403)
+	_, err := buf.WriteTo(w)
+	return err
+}
+
+type ListBatches429JSONResponse struct{ RateLimitedJSONResponse }
+
+func (response ListBatches429JSONResponse) VisitListBatchesResponse(w http.ResponseWriter) error {
+
+	var buf bytes.Buffer
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
+		return err
+	}
+	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.RetryAfter != nil {
+		w.Header().Set("Retry-After", fmt.Sprint(*response.Headers.RetryAfter))
+	}
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
+	w.WriteHeader(429)
 	_, err := buf.WriteTo(w)
 	return err
 }
@@ -2173,6 +2265,29 @@ func (response GetResponseSources404JSONResponse) VisitGetResponseSourcesRespons
 	return err
 }
 
+type GetResponseSources429JSONResponse struct{ RateLimitedJSONResponse }
+
+func (response GetResponseSources429JSONResponse) VisitGetResponseSourcesResponse(w http.ResponseWriter) error {
+
+	var buf bytes.Buffer
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
+		return err
+	}
+	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.RetryAfter != nil {
+		w.Header().Set("Retry-After", fmt.Sprint(*response.Headers.RetryAfter))
+	}
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
+	w.WriteHeader(429)
+	_, err := buf.WriteTo(w)
+	return err
+}
+
 type GetSourcesRequestObject struct {
 	RequestId RequestID `json:"request_id"`
 }
@@ -2242,6 +2357,29 @@ func (response GetSources404JSONResponse) VisitGetSourcesResponse(w http.Respons
 	}
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(404)
+	_, err := buf.WriteTo(w)
+	return err
+}
+
+type GetSources429JSONResponse struct{ RateLimitedJSONResponse }
+
+func (response GetSources429JSONResponse) VisitGetSourcesResponse(w http.ResponseWriter) error {
+
+	var buf bytes.Buffer
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
+		return err
+	}
+	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.RetryAfter != nil {
+		w.Header().Set("Retry-After", fmt.Sprint(*response.Headers.RetryAfter))
+	}
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
+	w.WriteHeader(429)
 	_, err := buf.WriteTo(w)
 	return err
 }
@@ -2327,16 +2465,25 @@ func (response GetUsage403JSONResponse) VisitGetUsageResponse(w http.ResponseWri
 	return err
 }
 
-type GetUsage501JSONResponse struct{ NotImplementedJSONResponse }
+type GetUsage429JSONResponse struct{ RateLimitedJSONResponse }
 
-func (response GetUsage501JSONResponse) VisitGetUsageResponse(w http.ResponseWriter) error {
+func (response GetUsage429JSONResponse) VisitGetUsageResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(501)
+	if response.Headers.RetryAfter != nil {
+		w.Header().Set("Retry-After", fmt.Sprint(*response.Headers.RetryAfter))
+	}
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
+	w.WriteHeader(429)
 	_, err := buf.WriteTo(w)
 	return err
 }

@@ -28,44 +28,6 @@ func (q *Queries) GetAccountByName(ctx context.Context, db DBTX, name string) (A
 	return i, err
 }
 
-const getActiveKeyByPrefix = `-- name: GetActiveKeyByPrefix :one
-SELECT k.id AS key_id, k.hash, k.scopes,
-       p.id AS project_id, p.name AS project_name,
-       a.id AS account_id, a.name AS account_name, a.tier
-FROM api_keys k
-JOIN projects p ON p.id = k.project_id
-JOIN accounts a ON a.id = p.account_id
-WHERE k.prefix = $1 AND k.revoked_at IS NULL
-`
-
-type GetActiveKeyByPrefixRow struct {
-	KeyID       uuid.UUID
-	Hash        []byte
-	Scopes      []string
-	ProjectID   uuid.UUID
-	ProjectName string
-	AccountID   uuid.UUID
-	AccountName string
-	Tier        string
-}
-
-// The principal behind a key prefix, if the key is not revoked.
-func (q *Queries) GetActiveKeyByPrefix(ctx context.Context, db DBTX, prefix string) (GetActiveKeyByPrefixRow, error) {
-	row := db.QueryRow(ctx, getActiveKeyByPrefix, prefix)
-	var i GetActiveKeyByPrefixRow
-	err := row.Scan(
-		&i.KeyID,
-		&i.Hash,
-		&i.Scopes,
-		&i.ProjectID,
-		&i.ProjectName,
-		&i.AccountID,
-		&i.AccountName,
-		&i.Tier,
-	)
-	return i, err
-}
-
 const insertAPIKey = `-- name: InsertAPIKey :one
 INSERT INTO api_keys (id, project_id, prefix, hash, scopes)
 VALUES ($1, $2, $3, $4, $5)
@@ -182,7 +144,7 @@ const upsertProject = `-- name: UpsertProject :one
 INSERT INTO projects (id, account_id, name)
 VALUES ($1, $2, $3)
 ON CONFLICT (account_id, name) DO UPDATE SET name = EXCLUDED.name
-RETURNING id, account_id, name, budget_cap_rungs, created_at
+RETURNING id, account_id, name, budget_cap_rungs, created_at, spent_rungs, reserved_rungs
 `
 
 type UpsertProjectParams struct {
@@ -200,6 +162,8 @@ func (q *Queries) UpsertProject(ctx context.Context, db DBTX, arg UpsertProjectP
 		&i.Name,
 		&i.BudgetCapRungs,
 		&i.CreatedAt,
+		&i.SpentRungs,
+		&i.ReservedRungs,
 	)
 	return i, err
 }

@@ -28,6 +28,12 @@ type ApiKey struct {
 	RevokedAt *time.Time
 }
 
+type DailyCharge struct {
+	AccountID    uuid.UUID
+	Day          time.Time
+	ChargedRungs int64
+}
+
 type Evidence struct {
 	RequestID uuid.UUID
 	AccountID uuid.UUID
@@ -42,6 +48,14 @@ type Project struct {
 	Name           string
 	BudgetCapRungs *int64
 	CreatedAt      time.Time
+	SpentRungs     int64
+	ReservedRungs  int64
+}
+
+type RateWindow struct {
+	KeyID       uuid.UUID
+	WindowStart time.Time
+	Count       int32
 }
 
 type Request struct {
@@ -59,4 +73,14 @@ type Request struct {
 	TotalRungs   int64
 	CreatedAt    time.Time
 	CompletedAt  time.Time
+}
+
+type Reservation struct {
+	RequestID     uuid.UUID
+	AccountID     uuid.UUID
+	ProjectID     uuid.UUID
+	Day           time.Time
+	ChargedRungs  int64
+	ReservedRungs int64
+	ExpiresAt     time.Time
 }

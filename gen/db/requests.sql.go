@@ -7,10 +7,25 @@ package db
 
 import (
 	"context"
-	"time"
 
 	"github.com/google/uuid"
 )
+
+const deleteExpiredEvidence = `-- name: DeleteExpiredEvidence :execrows
+DELETE FROM evidence
+WHERE request_id IN (
+    SELECT e.request_id FROM evidence e WHERE e.expires_at <= now() ORDER BY e.expires_at LIMIT $1
+)
+`
+
+// Removes up to @max_rows evidence rows past retention.
+func (q *Queries) DeleteExpiredEvidence(ctx context.Context, db DBTX, maxRows int32) (int64, error) {
+	result, err := db.Exec(ctx, deleteExpiredEvidence, maxRows)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
 
 const getEvidence = `-- name: GetEvidence :one
 SELECT request_id, sources, verdict
@@ -35,66 +50,4 @@ func (q *Queries) GetEvidence(ctx context.Context, db DBTX, arg GetEvidenceParam
 	var i GetEvidenceRow
 	err := row.Scan(&i.RequestID, &i.Sources, &i.Verdict)
 	return i, err
-}
-
-const recordRequest = `-- name: RecordRequest :exec
-WITH req AS (
-    INSERT INTO requests (
-        id, account_id, project_id, api_key_id, model, entry_point, status,
-        input_tokens, output_tokens, input_rungs, output_rungs, total_rungs,
-        created_at, completed_at
-    ) VALUES (
-        $4, $5, $6, $7, $8, $9, $10,
-        $11, $12, $13, $14, $15,
-        $16, $17
-    )
-    RETURNING id, account_id
-)
-INSERT INTO evidence (request_id, account_id, sources, verdict, expires_at)
-SELECT req.id, req.account_id, $1, $2, $3
-FROM req
-`
-
-type RecordRequestParams struct {
-	Sources           []byte
-	Verdict           *string
-	EvidenceExpiresAt time.Time
-	ID                uuid.UUID
-	AccountID         uuid.UUID
-	ProjectID         uuid.UUID
-	ApiKeyID          *uuid.UUID
-	Model             string
-	EntryPoint        string
-	Status            string
-	InputTokens       int64
-	OutputTokens      int64
-	InputRungs        int64
-	OutputRungs       int64
-	TotalRungs        int64
-	CreatedAt         time.Time
-	CompletedAt       time.Time
-}
-
-// Commits a request's usage and its evidence in one statement.
-func (q *Queries) RecordRequest(ctx context.Context, db DBTX, arg RecordRequestParams) error {
-	_, err := db.Exec(ctx, recordRequest,
-		arg.Sources,
-		arg.Verdict,
-		arg.EvidenceExpiresAt,
-		arg.ID,
-		arg.AccountID,
-		arg.ProjectID,
-		arg.ApiKeyID,
-		arg.Model,
-		arg.EntryPoint,
-		arg.Status,
-		arg.InputTokens,
-		arg.OutputTokens,
-		arg.InputRungs,
-		arg.OutputRungs,
-		arg.TotalRungs,
-		arg.CreatedAt,
-		arg.CompletedAt,
-	)
-	return err
 }

@@ -18,16 +18,6 @@ INSERT INTO api_keys (id, project_id, prefix, hash, scopes)
 VALUES (@id, @project_id, @prefix, @hash, @scopes)
 RETURNING *;
 
--- name: GetActiveKeyByPrefix :one
--- The principal behind a key prefix, if the key is not revoked.
-SELECT k.id AS key_id, k.hash, k.scopes,
-       p.id AS project_id, p.name AS project_name,
-       a.id AS account_id, a.name AS account_name, a.tier
-FROM api_keys k
-JOIN projects p ON p.id = k.project_id
-JOIN accounts a ON a.id = p.account_id
-WHERE k.prefix = @prefix AND k.revoked_at IS NULL;
-
 -- name: RevokeAPIKey :execrows
 -- Revokes by key id (text form) or by prefix; revoking twice is a no-op.
 UPDATE api_keys SET revoked_at = now()

@@ -1,0 +1,145 @@
+-- +goose Up
+-- Per-key request counts in one-minute windows (sliding-window rate limit).
+CREATE TABLE rate_windows (
+    key_id       uuid NOT NULL REFERENCES api_keys (id) ON DELETE CASCADE,
+    window_start timestamptz NOT NULL,
+    count        integer NOT NULL CHECK (count >= 0),
+    PRIMARY KEY (key_id, window_start)
+);
+CREATE INDEX rate_windows_start_idx ON rate_windows (window_start);
+
+-- Rungs charged against an account's daily ceiling, per UTC day: estimates at
+-- admission, reconciled to actual cost when each request ends.
+CREATE TABLE daily_charges (
+    account_id    uuid NOT NULL REFERENCES accounts (id) ON DELETE CASCADE,
+    day           date NOT NULL,
+    charged_rungs bigint NOT NULL DEFAULT 0,
+    PRIMARY KEY (account_id, day)
+);
+
+-- Project budget state: committed spend and reservations of running requests.
+ALTER TABLE projects
+    ADD COLUMN spent_rungs    bigint NOT NULL DEFAULT 0,
+    ADD COLUMN reserved_rungs bigint NOT NULL DEFAULT 0 CHECK (reserved_rungs >= 0);
+
+-- One row per admitted request still running: what it charged and reserved, and
+-- until when. Settlement deletes it; recovery releases it once its lease ran out
+-- (the replica running it died).
+CREATE TABLE reservations (
+    request_id     uuid PRIMARY KEY,
+    account_id     uuid NOT NULL REFERENCES accounts (id) ON DELETE CASCADE,
+    project_id     uuid NOT NULL REFERENCES projects (id) ON DELETE CASCADE,
+    day            date NOT NULL,
+    charged_rungs  bigint NOT NULL CHECK (charged_rungs >= 0),
+    reserved_rungs bigint NOT NULL CHECK (reserved_rungs >= 0),
+    expires_at     timestamptz NOT NULL
+);
+CREATE INDEX reservations_expires_idx ON reservations (expires_at);
+
+-- authenticate_key resolves a key (prefix and hash) to its principal and counts
+-- the request against the key's rate limit: a sliding window over the current
+-- and the previous minute (the previous minute weighted by how much of it still
+-- overlaps the last 60 s). A request past the limit is not counted and comes
+-- back with admitted = false. No row: unknown or revoked key.
+-- +goose StatementBegin
+CREATE FUNCTION authenticate_key(
+    p_prefix text, p_hash bytea, p_now timestamptz, p_limit_free integer, p_limit_developer integer
+) RETURNS TABLE (
+    key_id uuid, scopes text[], project_id uuid, project_name text,
+    account_id uuid, account_name text, tier text,
+    rate_limit integer, admitted boolean, remaining integer, reset_seconds integer
+) LANGUAGE plpgsql AS $$
+#variable_conflict use_column
+DECLARE
+    v_window   timestamptz := date_trunc('minute', p_now);
+    v_elapsed  double precision := extract(epoch FROM p_now - date_trunc('minute', p_now)) / 60.0;
+    v_previous integer;
+    v_current  integer;
+    v_used     double precision;
+BEGIN
+    SELECT k.id, k.scopes, p.id, p.name, a.id, a.name, a.tier
+      INTO key_id, scopes, project_id, project_name, account_id, account_name, tier
+      FROM api_keys k
+      JOIN projects p ON p.id = k.project_id
+      JOIN accounts a ON a.id = p.account_id
+     WHERE k.prefix = p_prefix AND k.hash = p_hash AND k.revoked_at IS NULL;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    rate_limit := CASE WHEN tier = 'free' THEN p_limit_free ELSE p_limit_developer END;
+
+    SELECT w.count INTO v_previous FROM rate_windows w
+     WHERE w.key_id = authenticate_key.key_id AND w.window_start = v_window - interval '1 minute';
+    INSERT INTO rate_windows AS w (key_id, window_start, count)
+    VALUES (authenticate_key.key_id, v_window, 0)
+    ON CONFLICT (key_id, window_start) DO UPDATE SET count = w.count
+    RETURNING w.count INTO v_current;
+
+    v_used := coalesce(v_previous, 0) * (1.0 - v_elapsed) + v_current;
+    admitted := v_used + 1 <= rate_limit;
+    IF admitted THEN
+        UPDATE rate_windows w SET count = w.count + 1
+         WHERE w.key_id = authenticate_key.key_id AND w.window_start = v_window;
+        v_used := v_used + 1;
+    END IF;
+    remaining := greatest(0, floor(rate_limit - v_used))::integer;
+    reset_seconds := ceil(60 - v_elapsed * 60)::integer;
+    RETURN NEXT;
+END;
+$$;
+-- +goose StatementEnd
+
+-- admit_request charges a request's estimate to the account's daily ceiling and
+-- reserves it on a capped project budget, atomically: both or neither. Rows are
+-- locked in a fixed order (account-day, then project). Returns 'ok', 'daily'
+-- (the ceiling would be passed) or 'budget' (the cap would be passed).
+-- +goose StatementBegin
+CREATE FUNCTION admit_request(
+    p_request_id uuid, p_account_id uuid, p_project_id uuid, p_day date,
+    p_default_ceiling bigint, p_estimate bigint, p_expires_at timestamptz
+) RETURNS text LANGUAGE plpgsql AS $$
+DECLARE
+    v_ceiling  bigint;
+    v_charged  bigint;
+    v_cap      bigint;
+    v_spent    bigint;
+    v_reserved bigint;
+    v_reserve  bigint := 0;
+BEGIN
+    SELECT coalesce(a.daily_rung_ceiling, p_default_ceiling) INTO v_ceiling FROM accounts a WHERE a.id = p_account_id;
+    INSERT INTO daily_charges AS d (account_id, day, charged_rungs) VALUES (p_account_id, p_day, 0)
+    ON CONFLICT (account_id, day) DO UPDATE SET charged_rungs = d.charged_rungs
+    RETURNING d.charged_rungs INTO v_charged;
+    IF v_charged + p_estimate > v_ceiling THEN
+        RETURN 'daily';
+    END IF;
+
+    SELECT p.budget_cap_rungs INTO v_cap FROM projects p WHERE p.id = p_project_id;
+    IF v_cap IS NOT NULL THEN
+        SELECT p.budget_cap_rungs, p.spent_rungs, p.reserved_rungs INTO v_cap, v_spent, v_reserved
+          FROM projects p WHERE p.id = p_project_id FOR UPDATE;
+        IF v_cap IS NOT NULL THEN
+            IF v_spent + v_reserved + p_estimate > v_cap THEN
+                RETURN 'budget';
+            END IF;
+            v_reserve := p_estimate;
+            UPDATE projects SET reserved_rungs = reserved_rungs + v_reserve WHERE id = p_project_id;
+        END IF;
+    END IF;
+
+    UPDATE daily_charges SET charged_rungs = charged_rungs + p_estimate
+     WHERE account_id = p_account_id AND day = p_day;
+    INSERT INTO reservations (request_id, account_id, project_id, day, charged_rungs, reserved_rungs, expires_at)
+    VALUES (p_request_id, p_account_id, p_project_id, p_day, p_estimate, v_reserve, p_expires_at);
+    RETURN 'ok';
+END;
+$$;
+-- +goose StatementEnd
+
+-- +goose Down
+DROP FUNCTION admit_request(uuid, uuid, uuid, date, bigint, bigint, timestamptz);
+DROP FUNCTION authenticate_key(text, bytea, timestamptz, integer, integer);
+DROP TABLE reservations;
+ALTER TABLE projects DROP COLUMN reserved_rungs, DROP COLUMN spent_rungs;
+DROP TABLE daily_charges;
+DROP TABLE rate_windows;
