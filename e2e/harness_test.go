@@ -127,7 +127,12 @@ func start(t *testing.T, env map[string]string, args ...string) *gateway {
 	cmd.Stdout, cmd.Stderr = g.stdout, g.stderr
 	require.NoError(t, cmd.Start())
 	go func() { g.done <- cmd.Wait() }()
-	t.Cleanup(func() { g.stop() })
+	t.Cleanup(func() {
+		_ = g.stop()
+		if t.Failed() {
+			t.Logf("gateway stderr:\n%s", g.stderr.String())
+		}
+	})
 
 	deadline := time.Now().Add(60 * time.Second)
 	for {

@@ -91,7 +91,9 @@ $$;
 
 -- admit_request charges a request's estimate to the account's daily ceiling and
 -- reserves it on a capped project budget, atomically: both or neither. Rows are
--- locked in a fixed order (account-day, then project). Returns 'ok', 'daily'
+-- locked in a fixed order (account-day, then project), and the project row with
+-- FOR NO KEY UPDATE, which does not conflict with the KEY SHARE locks that
+-- foreign-key checks of concurrent settlements hold on it. Returns 'ok', 'daily'
 -- (the ceiling would be passed) or 'budget' (the cap would be passed).
 -- +goose StatementBegin
 CREATE FUNCTION admit_request(
@@ -117,7 +119,7 @@ BEGIN
     SELECT p.budget_cap_rungs INTO v_cap FROM projects p WHERE p.id = p_project_id;
     IF v_cap IS NOT NULL THEN
         SELECT p.budget_cap_rungs, p.spent_rungs, p.reserved_rungs INTO v_cap, v_spent, v_reserved
-          FROM projects p WHERE p.id = p_project_id FOR UPDATE;
+          FROM projects p WHERE p.id = p_project_id FOR NO KEY UPDATE;
         IF v_cap IS NOT NULL THEN
             IF v_spent + v_reserved + p_estimate > v_cap THEN
                 RETURN 'budget';
@@ -136,7 +138,98 @@ END;
 $$;
 -- +goose StatementEnd
 
+-- settle_request commits a finished request: its usage and evidence, its daily
+-- charge reconciled from estimate to actual, its budget moved from reserved to
+-- spent. Rows are locked in admit_request's order (account-day, then project).
+-- When recovery already released the reservation, the actual cost is charged to
+-- p_day and nothing is unreserved.
+-- +goose StatementBegin
+CREATE FUNCTION settle_request(
+    p_id uuid, p_account_id uuid, p_project_id uuid, p_api_key_id uuid,
+    p_model text, p_entry_point text, p_status text,
+    p_input_tokens bigint, p_output_tokens bigint,
+    p_input_rungs bigint, p_output_rungs bigint, p_total_rungs bigint,
+    p_created_at timestamptz, p_completed_at timestamptz,
+    p_sources jsonb, p_verdict text, p_evidence_expires_at timestamptz, p_day date
+) RETURNS void LANGUAGE plpgsql AS $$
+DECLARE
+    v_day      date;
+    v_charged  bigint;
+    v_reserved bigint;
+BEGIN
+    DELETE FROM reservations r WHERE r.request_id = p_id
+    RETURNING r.day, r.charged_rungs, r.reserved_rungs INTO v_day, v_charged, v_reserved;
+    IF NOT FOUND THEN
+        v_day := p_day;
+        v_charged := 0;
+        v_reserved := 0;
+    END IF;
+    INSERT INTO requests (
+        id, account_id, project_id, api_key_id, model, entry_point, status,
+        input_tokens, output_tokens, input_rungs, output_rungs, total_rungs, created_at, completed_at
+    ) VALUES (
+        p_id, p_account_id, p_project_id, p_api_key_id, p_model, p_entry_point, p_status,
+        p_input_tokens, p_output_tokens, p_input_rungs, p_output_rungs, p_total_rungs, p_created_at, p_completed_at
+    );
+    INSERT INTO evidence (request_id, account_id, sources, verdict, expires_at)
+    VALUES (p_id, p_account_id, p_sources, p_verdict, p_evidence_expires_at);
+    INSERT INTO daily_charges AS d (account_id, day, charged_rungs) VALUES (p_account_id, v_day, p_total_rungs)
+    ON CONFLICT (account_id, day) DO UPDATE SET charged_rungs = d.charged_rungs - v_charged + p_total_rungs;
+    UPDATE projects SET reserved_rungs = reserved_rungs - v_reserved, spent_rungs = spent_rungs + p_total_rungs
+     WHERE id = p_project_id;
+END;
+$$;
+-- +goose StatementEnd
+
+-- release_reservation gives back a request's charge and reservation (it ended
+-- without cost, or its lease ran out), locking in admit_request's order.
+-- Returns false when there was nothing to release.
+-- +goose StatementBegin
+CREATE FUNCTION release_reservation(p_request_id uuid) RETURNS boolean LANGUAGE plpgsql AS $$
+DECLARE
+    v reservations%ROWTYPE;
+BEGIN
+    DELETE FROM reservations r WHERE r.request_id = p_request_id RETURNING r.* INTO v;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    UPDATE daily_charges SET charged_rungs = charged_rungs - v.charged_rungs
+     WHERE account_id = v.account_id AND day = v.day;
+    UPDATE projects SET reserved_rungs = reserved_rungs - v.reserved_rungs WHERE id = v.project_id;
+    RETURN true;
+END;
+$$;
+-- +goose StatementEnd
+
+-- release_expired_reservations releases up to p_max reservations whose lease
+-- ran out, in (account, day, project) order so that concurrent runs on several
+-- replicas take row locks in one order; rows another run holds are skipped.
+-- +goose StatementBegin
+CREATE FUNCTION release_expired_reservations(p_max integer) RETURNS bigint LANGUAGE plpgsql AS $$
+DECLARE
+    v_id uuid;
+    v_n  bigint := 0;
+BEGIN
+    FOR v_id IN
+        SELECT r.request_id FROM reservations r
+         WHERE r.expires_at < now()
+         ORDER BY r.account_id, r.day, r.project_id
+         LIMIT p_max
+         FOR UPDATE SKIP LOCKED
+    LOOP
+        IF release_reservation(v_id) THEN
+            v_n := v_n + 1;
+        END IF;
+    END LOOP;
+    RETURN v_n;
+END;
+$$;
+-- +goose StatementEnd
+
 -- +goose Down
+DROP FUNCTION release_expired_reservations(integer);
+DROP FUNCTION release_reservation(uuid);
+DROP FUNCTION settle_request(uuid, uuid, uuid, uuid, text, text, text, bigint, bigint, bigint, bigint, bigint, timestamptz, timestamptz, jsonb, text, timestamptz, date);
 DROP FUNCTION admit_request(uuid, uuid, uuid, date, bigint, bigint, timestamptz);
 DROP FUNCTION authenticate_key(text, bytea, timestamptz, integer, integer);
 DROP TABLE reservations;

@@ -128,7 +128,12 @@ func setup(t testing.TB, models upstream.ModelMap) *testBundle {
 
 func setupWith(t testing.TB, models upstream.ModelMap, keepalive time.Duration) *testBundle {
 	t.Helper()
-	st := store.New(testdb.New(t), store.Options{})
+	return setupStore(t, models, keepalive, store.Options{})
+}
+
+func setupStore(t testing.TB, models upstream.ModelMap, keepalive time.Duration, opts store.Options) *testBundle {
+	t.Helper()
+	st := store.New(testdb.New(t), opts)
 	tok, err := metering.DefaultTokenizer()
 	require.NoError(t, err)
 	rc, err := metering.NewRateCard(map[gateway.Model]string{"instant": "1", "reasoning": "4", "elements": "2"}, "0.5")
@@ -306,6 +311,7 @@ func TestCreateResponseValidation(t *testing.T) {
 		{"max zero", `{"prompt": "p", "max_output_rungs": 0}`, "", gateway.EInvalidRequest},
 		{"max above limit", `{"prompt": "p", "max_output_rungs": 32001}`, "", gateway.EInvalidRequest},
 		{"max beyond uint64", `{"prompt": "p", "max_output_rungs": 18446744073709551616}`, "", gateway.EInvalidRequest},
+		{"max at uint64 limit", `{"prompt": "p", "max_output_rungs": 18446744073709551615}`, "", gateway.EInvalidRequest},
 		{"max negative", `{"prompt": "p", "max_output_rungs": -1}`, "", gateway.EInvalidRequest},
 		{"wrong type", `{"prompt": 5}`, "", gateway.EInvalidRequest},
 		{"malformed json", `{"prompt": "p"`, "", gateway.EInvalidRequest},
@@ -474,3 +480,5 @@ func TestUnknownRouteAndMethod(t *testing.T) {
 	defer resp.Body.Close()
 	require.Equal(t, http.StatusMethodNotAllowed, resp.StatusCode)
 }
+
+func ptr[T any](v T) *T { return &v }

@@ -22,8 +22,13 @@ import (
 // stream posts a streamed request and returns the validated reply and its events.
 func (b *testBundle) stream(path string, body map[string]any) (reply, apitest.Stream) {
 	b.t.Helper()
+	return b.streamAs(b.key, path, body)
+}
+
+func (b *testBundle) streamAs(key, path string, body map[string]any) (reply, apitest.Stream) {
+	b.t.Helper()
 	body["stream"] = true
-	r := b.post(path, b.key, body)
+	r := b.post(path, key, body)
 	require.Equal(b.t, http.StatusOK, r.status, "a streamed request always answers 200")
 	require.Equal(b.t, "text/event-stream", r.header.Get("Content-Type"))
 	s := apitest.ParseEvents(b.t, bytes.NewReader(r.body))

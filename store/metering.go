@@ -68,12 +68,11 @@ func (s *Store) Settle(ctx context.Context, r gateway.UsageRecord) error {
 	if r.Verdict != "" {
 		verdict = &r.Verdict
 	}
-	keyID := r.Principal.KeyID
 	err = s.queries.SettleRequest(ctx, s.pool, db.SettleRequestParams{
 		ID:                r.RequestID,
 		AccountID:         r.Principal.AccountID,
 		ProjectID:         r.Principal.ProjectID,
-		ApiKeyID:          &keyID,
+		ApiKeyID:          r.Principal.KeyID,
 		Model:             string(r.Model),
 		EntryPoint:        string(r.Entry),
 		Status:            status,

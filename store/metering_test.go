@@ -150,7 +150,9 @@ func TestAdmitConcurrently(t *testing.T) {
 func TestRateLimitAcrossReplicas(t *testing.T) {
 	t.Parallel()
 	url := testdb.URL(t)
-	limits := store.Options{RateLimits: gateway.RateLimits{Free: 3, Developer: 8}}
+	// A fixed clock keeps every request in one window, so the count is exact.
+	at := time.Now().Truncate(time.Minute).Add(30 * time.Second)
+	limits := store.Options{RateLimits: gateway.RateLimits{Free: 3, Developer: 8}, Clock: func() time.Time { return at }}
 	// Two stores with their own pools stand for two replicas.
 	a := store.New(testdb.Connect(t, url), limits)
 	b := store.New(testdb.Connect(t, url), limits)
@@ -180,10 +182,7 @@ func TestRateLimitAcrossReplicas(t *testing.T) {
 		}()
 	}
 	wg.Wait()
-	// Within one minute the sliding window admits at most the limit; a request
-	// at a minute boundary may see some of the previous minute's weight expire.
-	require.LessOrEqual(t, admitted.Load(), int64(8))
-	require.GreaterOrEqual(t, admitted.Load(), int64(1))
+	require.Equal(t, int64(8), admitted.Load(), "two replicas together admit the limit, not twice it")
 
 	free, err := a.CreateKey(ctx, store.CreateKeyParams{Account: "freeco", Project: "default", Tier: ptr(gateway.TierFree), Scopes: []gateway.Scope{gateway.ScopeInference}})
 	require.NoError(t, err)
@@ -191,6 +190,33 @@ func TestRateLimitAcrossReplicas(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, 3, p.Rate.Limit)
 	require.Equal(t, 2, p.Rate.Remaining)
+}
+
+func TestRateLimitSlidingWindow(t *testing.T) {
+	t.Parallel()
+	url := testdb.URL(t)
+	ctx := context.Background()
+	minute := time.Now().Truncate(time.Minute)
+	var now time.Time
+	st := store.New(testdb.Connect(t, url), store.Options{RateLimits: gateway.RateLimits{Free: 10, Developer: 10}, Clock: func() time.Time { return now }})
+	token, err := st.CreateKey(ctx, store.CreateKeyParams{Account: "acme", Project: "default", Scopes: []gateway.Scope{gateway.ScopeInference}})
+	require.NoError(t, err)
+	count := func(at time.Time, n int) (admitted int) {
+		now = at
+		for range n {
+			p, err := st.Authenticate(ctx, token)
+			require.NoError(t, err)
+			if p.Rate.Admitted {
+				admitted++
+			}
+		}
+		return admitted
+	}
+	require.Equal(t, 10, count(minute.Add(50*time.Second), 12), "the limit within a minute")
+	// 15 s into the next minute, 3/4 of the previous minute still counts: 7.5 used.
+	require.Equal(t, 2, count(minute.Add(75*time.Second), 5))
+	// A minute later only the new window's own requests count.
+	require.Equal(t, 8, count(minute.Add(180*time.Second), 8))
 }
 
 func TestReleaseExpiredReservations(t *testing.T) {

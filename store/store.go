@@ -26,12 +26,15 @@ type Store struct {
 	pool       *pgxpool.Pool
 	queries    *db.Queries
 	rateLimits gateway.RateLimits
+	now        func() time.Time
 }
 
 // Options configure a store.
 type Options struct {
 	// RateLimits are the requests per minute per key; zero means the defaults.
 	RateLimits gateway.RateLimits
+	// Clock is the time rate-limit windows are counted at; nil means time.Now.
+	Clock func() time.Time
 }
 
 // New returns a store over pool.
@@ -39,7 +42,10 @@ func New(pool *pgxpool.Pool, opts Options) *Store {
 	if opts.RateLimits == (gateway.RateLimits{}) {
 		opts.RateLimits = gateway.DefaultRateLimits
 	}
-	return &Store{pool: pool, queries: db.New(), rateLimits: opts.RateLimits}
+	if opts.Clock == nil {
+		opts.Clock = time.Now
+	}
+	return &Store{pool: pool, queries: db.New(), rateLimits: opts.RateLimits, now: opts.Clock}
 }
 
 // Pool returns the connection pool.
@@ -58,7 +64,7 @@ func (s *Store) Authenticate(ctx context.Context, token string) (*gateway.Princi
 	row, err := s.queries.AuthenticateKey(ctx, s.pool, db.AuthenticateKeyParams{
 		Prefix:         prefix,
 		Hash:           apikey.Hash(token),
-		Now:            time.Now(),
+		Now:            s.now(),
 		LimitFree:      int32(s.rateLimits.Free),
 		LimitDeveloper: int32(s.rateLimits.Developer),
 	})

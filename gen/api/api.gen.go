@@ -668,6 +668,9 @@ type Forbidden = ErrorEnvelope
 // InferenceBusy The body of every non-streaming error, and the data of the `response.error` event.
 type InferenceBusy = ErrorEnvelope
 
+// InternalError The body of every non-streaming error, and the data of the `response.error` event.
+type InternalError = ErrorEnvelope
+
 // NotFound The body of every non-streaming error, and the data of the `response.error` event.
 type NotFound = ErrorEnvelope
 
@@ -1043,6 +1046,8 @@ type InferenceBusyJSONResponse struct {
 	Headers InferenceBusyResponseHeaders
 }
 
+type InternalErrorJSONResponse ErrorEnvelope
+
 type NotFoundJSONResponse ErrorEnvelope
 
 type NotImplementedJSONResponse ErrorEnvelope
@@ -1294,6 +1299,20 @@ func (response CreateBatch429JSONResponse) VisitCreateBatchResponse(w http.Respo
 	return err
 }
 
+type CreateBatch500JSONResponse struct{ InternalErrorJSONResponse }
+
+func (response CreateBatch500JSONResponse) VisitCreateBatchResponse(w http.ResponseWriter) error {
+
+	var buf bytes.Buffer
+	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+		return err
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(500)
+	_, err := buf.WriteTo(w)
+	return err
+}
+
 type CreateBatch501JSONResponse struct{ NotImplementedJSONResponse }
 
 func (response CreateBatch501JSONResponse) VisitCreateBatchResponse(w http.ResponseWriter) error {
@@ -1400,6 +1419,20 @@ func (response GetBatch429JSONResponse) VisitGetBatchResponse(w http.ResponseWri
 		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
 	}
 	w.WriteHeader(429)
+	_, err := buf.WriteTo(w)
+	return err
+}
+
+type GetBatch500JSONResponse struct{ InternalErrorJSONResponse }
+
+func (response GetBatch500JSONResponse) VisitGetBatchResponse(w http.ResponseWriter) error {
+
+	var buf bytes.Buffer
+	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+		return err
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(500)
 	_, err := buf.WriteTo(w)
 	return err
 }
@@ -1528,6 +1561,20 @@ func (response CancelBatch429JSONResponse) VisitCancelBatchResponse(w http.Respo
 	return err
 }
 
+type CancelBatch500JSONResponse struct{ InternalErrorJSONResponse }
+
+func (response CancelBatch500JSONResponse) VisitCancelBatchResponse(w http.ResponseWriter) error {
+
+	var buf bytes.Buffer
+	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+		return err
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(500)
+	_, err := buf.WriteTo(w)
+	return err
+}
+
 type CancelBatch501JSONResponse struct{ NotImplementedJSONResponse }
 
 func (response CancelBatch501JSONResponse) VisitCancelBatchResponse(w http.ResponseWriter) error {
@@ -1646,6 +1693,20 @@ func (response GetBatchResults429JSONResponse) VisitGetBatchResultsResponse(w ht
 	return err
 }
 
+type GetBatchResults500JSONResponse struct{ InternalErrorJSONResponse }
+
+func (response GetBatchResults500JSONResponse) VisitGetBatchResultsResponse(w http.ResponseWriter) error {
+
+	var buf bytes.Buffer
+	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+		return err
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(500)
+	_, err := buf.WriteTo(w)
+	return err
+}
+
 type GetBatchResults501JSONResponse struct{ NotImplementedJSONResponse }
 
 func (response GetBatchResults501JSONResponse) VisitGetBatchResultsResponse(w http.ResponseWriter) error {
@@ -1760,6 +1821,20 @@ func (response ListBatches429JSONResponse) VisitListBatchesResponse(w http.Respo
 		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
 	}
 	w.WriteHeader(429)
+	_, err := buf.WriteTo(w)
+	return err
+}
+
+type ListBatches500JSONResponse struct{ InternalErrorJSONResponse }
+
+func (response ListBatches500JSONResponse) VisitListBatchesResponse(w http.ResponseWriter) error {
+
+	var buf bytes.Buffer
+	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+		return err
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(500)
 	_, err := buf.WriteTo(w)
 	return err
 }
@@ -1964,6 +2039,20 @@ func (response CreateChat429JSONResponse) VisitCreateChatResponse(w http.Respons
 		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
 	}
 	w.WriteHeader(429)
+	_, err := buf.WriteTo(w)
+	return err
+}
+
+type CreateChat500JSONResponse struct{ InternalErrorJSONResponse }
+
+func (response CreateChat500JSONResponse) VisitCreateChatResponse(w http.ResponseWriter) error {
+
+	var buf bytes.Buffer
+	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+		return err
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(500)
 	_, err := buf.WriteTo(w)
 	return err
 }
@@ -2175,6 +2264,20 @@ func (response CreateResponse429JSONResponse) VisitCreateResponseResponse(w http
 	return err
 }
 
+type CreateResponse500JSONResponse struct{ InternalErrorJSONResponse }
+
+func (response CreateResponse500JSONResponse) VisitCreateResponseResponse(w http.ResponseWriter) error {
+
+	var buf bytes.Buffer
+	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+		return err
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(500)
+	_, err := buf.WriteTo(w)
+	return err
+}
+
 type CreateResponse503JSONResponse struct{ InferenceBusyJSONResponse }
 
 func (response CreateResponse503JSONResponse) VisitCreateResponseResponse(w http.ResponseWriter) error {
@@ -2288,6 +2391,20 @@ func (response GetResponseSources429JSONResponse) VisitGetResponseSourcesRespons
 	return err
 }
 
+type GetResponseSources500JSONResponse struct{ InternalErrorJSONResponse }
+
+func (response GetResponseSources500JSONResponse) VisitGetResponseSourcesResponse(w http.ResponseWriter) error {
+
+	var buf bytes.Buffer
+	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+		return err
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(500)
+	_, err := buf.WriteTo(w)
+	return err
+}
+
 type GetSourcesRequestObject struct {
 	RequestId RequestID `json:"request_id"`
 }
@@ -2380,6 +2497,20 @@ func (response GetSources429JSONResponse) VisitGetSourcesResponse(w http.Respons
 		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
 	}
 	w.WriteHeader(429)
+	_, err := buf.WriteTo(w)
+	return err
+}
+
+type GetSources500JSONResponse struct{ InternalErrorJSONResponse }
+
+func (response GetSources500JSONResponse) VisitGetSourcesResponse(w http.ResponseWriter) error {
+
+	var buf bytes.Buffer
+	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+		return err
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(500)
 	_, err := buf.WriteTo(w)
 	return err
 }
@@ -2484,6 +2615,20 @@ func (response GetUsage429JSONResponse) VisitGetUsageResponse(w http.ResponseWri
 		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
 	}
 	w.WriteHeader(429)
+	_, err := buf.WriteTo(w)
+	return err
+}
+
+type GetUsage500JSONResponse struct{ InternalErrorJSONResponse }
+
+func (response GetUsage500JSONResponse) VisitGetUsageResponse(w http.ResponseWriter) error {
+
+	var buf bytes.Buffer
+	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+		return err
+	}
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(500)
 	_, err := buf.WriteTo(w)
 	return err
 }

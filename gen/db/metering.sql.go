@@ -158,91 +158,38 @@ func (q *Queries) DeleteOldRateWindows(ctx context.Context, db DBTX, before time
 }
 
 const releaseExpiredReservations = `-- name: ReleaseExpiredReservations :one
-WITH expired AS (
-    DELETE FROM reservations
-     WHERE request_id IN (
-        SELECT request_id FROM reservations
-         WHERE expires_at < now()
-         ORDER BY expires_at
-         LIMIT $1
-         FOR UPDATE SKIP LOCKED)
-    RETURNING account_id, project_id, day, charged_rungs, reserved_rungs
-), daily AS (
-    UPDATE daily_charges d SET charged_rungs = d.charged_rungs - e.charged
-      FROM (SELECT account_id, day, sum(charged_rungs) AS charged FROM expired GROUP BY account_id, day) e
-     WHERE d.account_id = e.account_id AND d.day = e.day
-), budget AS (
-    UPDATE projects p SET reserved_rungs = p.reserved_rungs - e.reserved
-      FROM (SELECT project_id, sum(reserved_rungs) AS reserved FROM expired GROUP BY project_id) e
-     WHERE p.id = e.project_id
-)
-SELECT count(*) FROM expired
+SELECT release_expired_reservations($1)::bigint AS released
 `
 
-// Releases reservations whose lease ran out (their replica died), at most
-// @max_rows at a time; safe to run on every replica at once.
 func (q *Queries) ReleaseExpiredReservations(ctx context.Context, db DBTX, maxRows int32) (int64, error) {
 	row := db.QueryRow(ctx, releaseExpiredReservations, maxRows)
-	var count int64
-	err := row.Scan(&count)
-	return count, err
+	var released int64
+	err := row.Scan(&released)
+	return released, err
 }
 
 const releaseReservation = `-- name: ReleaseReservation :exec
-WITH released AS (
-    DELETE FROM reservations WHERE reservations.request_id = $1
-    RETURNING account_id, project_id, day, charged_rungs, reserved_rungs
-), daily AS (
-    UPDATE daily_charges d SET charged_rungs = d.charged_rungs - r.charged_rungs
-      FROM released r WHERE d.account_id = r.account_id AND d.day = r.day
-)
-UPDATE projects p SET reserved_rungs = p.reserved_rungs - r.reserved_rungs
-  FROM released r WHERE p.id = r.project_id
+SELECT release_reservation($1)
 `
 
-// Gives back a request's charge and reservation when it ends without cost.
 func (q *Queries) ReleaseReservation(ctx context.Context, db DBTX, requestID uuid.UUID) error {
 	_, err := db.Exec(ctx, releaseReservation, requestID)
 	return err
 }
 
 const settleRequest = `-- name: SettleRequest :exec
-WITH released AS (
-    DELETE FROM reservations WHERE reservations.request_id = $3
-    RETURNING day, charged_rungs, reserved_rungs
-), req AS (
-    INSERT INTO requests (
-        id, account_id, project_id, api_key_id, model, entry_point, status,
-        input_tokens, output_tokens, input_rungs, output_rungs, total_rungs,
-        created_at, completed_at
-    ) VALUES (
-        $3, $4, $2, $5, $6, $7, $8,
-        $9, $10, $11, $12, $1,
-        $13, $14
-    )
-    RETURNING id, account_id
-), ev AS (
-    INSERT INTO evidence (request_id, account_id, sources, verdict, expires_at)
-    SELECT req.id, req.account_id, $15, $16, $17
-    FROM req
-), daily AS (
-    INSERT INTO daily_charges AS d (account_id, day, charged_rungs)
-    VALUES ($4, coalesce((SELECT r.day FROM released r), $18::date), $1)
-    ON CONFLICT (account_id, day) DO UPDATE
-        SET charged_rungs = d.charged_rungs - coalesce((SELECT r.charged_rungs FROM released r), 0) + EXCLUDED.charged_rungs
+SELECT settle_request(
+    $1, $2, $3, $4, $5, $6, $7,
+    $8, $9, $10, $11, $12,
+    $13, $14, $15, $16, $17, $18
 )
-UPDATE projects
-   SET reserved_rungs = reserved_rungs - coalesce((SELECT r.reserved_rungs FROM released r), 0),
-       spent_rungs = spent_rungs + $1
- WHERE projects.id = $2
 `
 
 type SettleRequestParams struct {
-	TotalRungs        int64
-	ProjectID         uuid.UUID
 	ID                uuid.UUID
 	AccountID         uuid.UUID
-	ApiKeyID          *uuid.UUID
+	ProjectID         uuid.UUID
+	ApiKeyID          uuid.UUID
 	Model             string
 	EntryPoint        string
 	Status            string
@@ -250,6 +197,7 @@ type SettleRequestParams struct {
 	OutputTokens      int64
 	InputRungs        int64
 	OutputRungs       int64
+	TotalRungs        int64
 	CreatedAt         time.Time
 	CompletedAt       time.Time
 	Sources           []byte
@@ -258,16 +206,11 @@ type SettleRequestParams struct {
 	Day               time.Time
 }
 
-// Commits a request: its usage and evidence, the reconciliation of its daily
-// charge from estimate to actual, and its budget from reserved to spent, in one
-// statement. When recovery already released the reservation, the actual cost is
-// charged to the day given.
 func (q *Queries) SettleRequest(ctx context.Context, db DBTX, arg SettleRequestParams) error {
 	_, err := db.Exec(ctx, settleRequest,
-		arg.TotalRungs,
-		arg.ProjectID,
 		arg.ID,
 		arg.AccountID,
+		arg.ProjectID,
 		arg.ApiKeyID,
 		arg.Model,
 		arg.EntryPoint,
@@ -276,6 +219,7 @@ func (q *Queries) SettleRequest(ctx context.Context, db DBTX, arg SettleRequestP
 		arg.OutputTokens,
 		arg.InputRungs,
 		arg.OutputRungs,
+		arg.TotalRungs,
 		arg.CreatedAt,
 		arg.CompletedAt,
 		arg.Sources,

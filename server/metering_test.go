@@ -1,0 +1,180 @@
+package server_test
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"net/http"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/gen/api"
+	"github.com/rungworks/gateway/store"
+)
+
+func (b *testBundle) usage(t *testing.T, key string) api.UsageView {
+	t.Helper()
+	r := b.do(http.MethodGet, "/api/v1/usage", key, "", nil)
+	require.Equal(t, http.StatusOK, r.status, string(r.body))
+	var v api.UsageView
+	require.NoError(t, json.Unmarshal(r.body, &v))
+	return v
+}
+
+func (b *testBundle) setLimits(t *testing.T, daily, budget *int64) {
+	t.Helper()
+	require.NoError(t, b.store.SetLimits(context.Background(), store.SetLimitsParams{Account: "acme", DailyRungs: daily, Project: "default", BudgetRungs: budget}))
+}
+
+func TestRateLimitHeadersAndRefusal(t *testing.T) {
+	t.Parallel()
+	// A fixed clock keeps every request in one rate window.
+	at := time.Now().Truncate(time.Minute).Add(30 * time.Second)
+	b := setupStore(t, nil, time.Minute, store.Options{Clock: func() time.Time { return at }})
+	free := b.newKey("freeco", gateway.TierFree, gateway.ScopeInference, gateway.ScopeUsage)
+	r := b.post("/api/v1/responses", free, map[string]any{"prompt": "p"})
+	require.Equal(t, "60", r.header.Get("x-ratelimit-limit"), "the free tier's default")
+	require.Equal(t, "59", r.header.Get("x-ratelimit-remaining"))
+
+	r = b.do(http.MethodGet, "/api/v1/usage", b.key, "", nil)
+	require.Equal(t, "600", r.header.Get("x-ratelimit-limit"), "the developer tier's default")
+	r = b.do(http.MethodGet, "/api/v1/sources/01900000-0000-7000-8000-000000000000", b.key, "", nil)
+	require.Equal(t, http.StatusNotFound, r.status)
+	require.NotEmpty(t, r.header.Get("x-ratelimit-remaining"), "error replies carry the headers too")
+
+	// Use up the free key's minute.
+	for range 59 {
+		b.do(http.MethodGet, "/api/v1/usage", free, "", nil)
+	}
+	r = b.do(http.MethodGet, "/api/v1/usage", free, "", nil)
+	require.Equal(t, http.StatusTooManyRequests, r.status)
+	require.Equal(t, gateway.ERateLimited, r.errorCode(t))
+	require.Equal(t, "0", r.header.Get("x-ratelimit-remaining"))
+	retry, err := strconv.Atoi(r.header.Get("Retry-After"))
+	require.NoError(t, err)
+	require.Positive(t, retry)
+
+	r = b.post("/api/v1/responses", free, map[string]any{"prompt": "p"})
+	require.Equal(t, http.StatusTooManyRequests, r.status)
+	_, s := b.streamAs(free, "/api/v1/responses", map[string]any{"prompt": "p"})
+	require.Equal(t, []string{"response.error"}, []string{s.Events[0].Name})
+	var env api.ErrorEnvelope
+	s.Events[0].Decode(t, &env)
+	require.Equal(t, api.ErrorCode("RATE_LIMITED"), env.Error.Code, "a stream reports the rate limit in-band")
+}
+
+func TestBudgetAndDailyCeiling(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	// An instant request is estimated at its prompt tokens plus 32000 output rungs.
+	b.setLimits(t, nil, ptr(int64(40000)))
+	require.Equal(t, http.StatusOK, b.post("/api/v1/responses", b.key, map[string]any{"prompt": "p"}).status)
+	r := b.post("/api/v1/responses", b.key, map[string]any{"prompt": "p", "model": "reasoning"})
+	require.Equal(t, http.StatusPaymentRequired, r.status)
+	require.Equal(t, gateway.EBudgetExceeded, r.errorCode(t))
+	_, s := b.stream("/api/v1/responses", map[string]any{"prompt": "p", "model": "reasoning"})
+	require.Len(t, s.Events, 1)
+	var env api.ErrorEnvelope
+	s.Events[0].Decode(t, &env)
+	require.Equal(t, api.ErrorCode("BUDGET_EXCEEDED"), env.Error.Code)
+	// A smaller output ceiling fits.
+	require.Equal(t, http.StatusOK, b.post("/api/v1/responses", b.key, map[string]any{"prompt": "p", "max_output_rungs": 100}).status)
+
+	b.setLimits(t, ptr(int64(100)), ptr(int64(1_000_000)))
+	r = b.post("/api/v1/responses", b.key, map[string]any{"prompt": "p"})
+	require.Equal(t, http.StatusTooManyRequests, r.status)
+	require.Equal(t, gateway.ERateLimited, r.errorCode(t))
+	retry, err := strconv.Atoi(r.header.Get("Retry-After"))
+	require.NoError(t, err)
+	require.Positive(t, retry)
+	require.LessOrEqual(t, retry, 86400)
+}
+
+func TestUsageViewEqualsWhatClientsReceived(t *testing.T) {
+	t.Parallel()
+	b := setupWith(t, nil, time.Minute)
+	var want api.UsageTotals
+	add := func(u api.RungUsage) {
+		want.Requests++
+		want.InputRungs += u.InputRungs
+		want.OutputRungs += u.OutputRungs
+		want.TotalRungs += u.TotalRungs
+	}
+	r := b.post("/api/v1/responses", b.key, map[string]any{"prompt": "json", "model": "reasoning"})
+	var resp api.Response
+	require.NoError(t, json.Unmarshal(r.body, &resp))
+	add(api.RungUsage{InputRungs: resp.Usage.InputRungs, OutputRungs: resp.Usage.OutputRungs, TotalRungs: resp.Usage.TotalRungs})
+
+	_, s := b.stream("/api/v1/chat", map[string]any{"prompt": "streamed"})
+	var final api.StreamChunk
+	s.Events[len(s.Events)-1].Decode(t, &final)
+	add(*final.Usage)
+
+	b.upstream.configure(func(s *scripted) { s.breakAfter = 1 })
+	_, s = b.stream("/api/v1/responses", map[string]any{"prompt": "broken"})
+	s.Events[len(s.Events)-1].Decode(t, &final)
+	require.True(t, final.Done)
+	add(*final.Usage)
+
+	// A failure before any output bills nothing.
+	b.upstream.configure(func(s *scripted) { s.breakAfter = 0; s.err = context.DeadlineExceeded })
+	b.post("/api/v1/responses", b.key, map[string]any{"prompt": "fails"})
+
+	v := b.usage(t, b.key)
+	require.Equal(t, want, v.Totals)
+	require.Len(t, v.ByModel, 2)
+	require.Equal(t, v.Daily.ChargedRungs, want.TotalRungs, "every estimate was reconciled to its actual cost")
+	require.Equal(t, v.Budget.SpentRungs, want.TotalRungs)
+	require.Zero(t, v.Budget.ReservedRungs)
+	require.Nil(t, v.Budget.CapRungs)
+	require.Equal(t, int64(10_000_000)-want.TotalRungs, v.Daily.RemainingRungs)
+	require.Equal(t, v.Period.Start.Add(24*time.Hour), v.Period.End, "the current UTC day by default")
+
+	// A usage-only key reads the same view.
+	usageOnly := b.newKey("acme", gateway.TierDeveloper, gateway.ScopeUsage)
+	require.Equal(t, want, b.usage(t, usageOnly).Totals)
+}
+
+func TestUsageViewBilledDisconnect(t *testing.T) {
+	t.Parallel()
+	b := setupWith(t, nil, time.Minute)
+	b.upstream.configure(func(s *scripted) { s.hang = true })
+	ctx, cancel := context.WithCancel(context.Background())
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, b.http.URL+"/api/v1/responses", strings.NewReader(`{"prompt": "bye", "stream": true}`))
+	require.NoError(t, err)
+	req.Header.Set("Authorization", "Bearer "+b.key)
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	require.NoError(t, err)
+	line, err := bufio.NewReader(resp.Body).ReadString('\n')
+	require.NoError(t, err)
+	require.Equal(t, "event: response.output_text.delta\n", line)
+	cancel()
+	resp.Body.Close()
+
+	require.Eventually(t, func() bool {
+		v := b.usage(t, b.key)
+		return v.Totals.Requests == 1 && v.Totals.OutputRungs > 0 && v.Budget.ReservedRungs == 0 && v.Daily.ChargedRungs == v.Totals.TotalRungs
+	}, 10*time.Second, 20*time.Millisecond, "the output before the disconnect is billed and reconciled")
+}
+
+func TestUsageViewParameters(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	r := b.do(http.MethodGet, "/api/v1/usage?start=2026-01-02T00:00:00Z&end=2026-01-01T00:00:00Z", b.key, "", nil)
+	require.Equal(t, http.StatusBadRequest, r.status)
+	require.Equal(t, gateway.EInvalidRequest, r.errorCode(t))
+	r = b.do(http.MethodGet, "/api/v1/usage?start=yesterday", b.key, "", nil)
+	require.Equal(t, http.StatusBadRequest, r.status)
+	require.Equal(t, gateway.EInvalidRequest, r.errorCode(t))
+	r = b.do(http.MethodGet, "/api/v1/usage?start=2026-01-01T00:00:00Z&end=2026-01-03T00:00:00Z", b.key, "", nil)
+	require.Equal(t, http.StatusOK, r.status)
+	period := r.json(t)["period"].(map[string]any)
+	require.Equal(t, "2026-01-01T00:00:00Z", period["start"])
+	require.Equal(t, "2026-01-03T00:00:00Z", period["end"])
+}
