@@ -31,7 +31,7 @@ type Config struct {
 	SSEKeepalive      time.Duration `env:"GATEWAY_SSE_KEEPALIVE" envDefault:"15s"`
 	RateLimit         int           `env:"GATEWAY_RATE_LIMIT"`
 	SimTokenLatency   time.Duration `env:"GATEWAY_SIM_TOKEN_LATENCY" envDefault:"2ms"`
-	DBMaxConns        int32         `env:"GATEWAY_DB_MAX_CONNS" envDefault:"32"`
+	DBMaxConns        int32         `env:"GATEWAY_DB_MAX_CONNS" envDefault:"8"`
 }
 
 // Load reads the configuration from the environment.

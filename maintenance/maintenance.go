@@ -1,75 +1,88 @@
-// Package maintenance runs the gateway's periodic housekeeping in every
-// replica: releasing reservations whose replica died, and removing rate-limit
-// windows and evidence that are past use. Every job is a single statement that
-// is safe to run on several replicas at once (SKIP LOCKED or idempotent deletes),
-// so no leader is needed.
+// Package maintenance runs the gateway's periodic jobs in every replica:
+// folding settled requests into the daily and budget counters, releasing
+// reservations whose replica died, and removing rate-limit windows and evidence
+// past use. Every job is one statement or function that is safe to run on
+// several replicas at once (SKIP LOCKED, or idempotent deletes), so no leader
+// is needed.
 package maintenance
 
 import (
 	"context"
 	"log/slog"
 	"math/rand/v2"
+	"sync"
 	"time"
 )
 
 // Store is what the jobs need.
 type Store interface {
+	ReconcileSettlements(ctx context.Context, maxRows int32) (int64, error)
 	ReleaseExpiredReservations(ctx context.Context, maxRows int32) (int64, error)
 	DeleteOldRateWindows(ctx context.Context, before time.Time) (int64, error)
 	DeleteExpiredEvidence(ctx context.Context, maxRows int32) (int64, error)
 }
 
-// Defaults of the runner.
+// Default intervals.
 const (
-	DefaultInterval = 30 * time.Second
-	// batchRows bounds the rows one job touches per run.
+	// ReconcileInterval keeps the counters close to the committed usage; until
+	// a settlement is folded in, admission counts it at its (larger) estimate.
+	ReconcileInterval = 200 * time.Millisecond
+	// HousekeepingInterval paces recovery and cleaning.
+	HousekeepingInterval = 30 * time.Second
+	// batchRows bounds the rows one run of a job touches.
 	batchRows = 1000
 	// rateWindowKeep is how long rate-limit windows are kept: the sliding window
 	// reads the current and the previous minute.
 	rateWindowKeep = 2 * time.Minute
 )
 
-// Runner runs the jobs every Interval (with jitter, so replicas spread out).
-type Runner struct {
-	Store    Store
+// Job is one periodic task.
+type Job struct {
+	Name     string
 	Interval time.Duration
-	Logger   *slog.Logger
+	Run      func(ctx context.Context) (int64, error)
 }
 
-// Run runs the jobs until ctx ends.
-func (r *Runner) Run(ctx context.Context) {
-	interval := r.Interval
-	if interval <= 0 {
-		interval = DefaultInterval
-	}
-	for {
-		r.RunOnce(ctx)
-		jitter := time.Duration(rand.Int64N(int64(interval) / 5))
-		select {
-		case <-ctx.Done():
-			return
-		case <-time.After(interval + jitter):
-		}
+// Jobs are the gateway's maintenance jobs over st.
+func Jobs(st Store) []Job {
+	return []Job{
+		{"reconcile settlements", ReconcileInterval, func(ctx context.Context) (int64, error) { return st.ReconcileSettlements(ctx, batchRows) }},
+		{"release expired reservations", HousekeepingInterval, func(ctx context.Context) (int64, error) { return st.ReleaseExpiredReservations(ctx, batchRows) }},
+		{"delete old rate windows", HousekeepingInterval, func(ctx context.Context) (int64, error) {
+			return st.DeleteOldRateWindows(ctx, time.Now().Add(-rateWindowKeep))
+		}},
+		{"delete expired evidence", HousekeepingInterval, func(ctx context.Context) (int64, error) { return st.DeleteExpiredEvidence(ctx, batchRows) }},
 	}
 }
 
-// RunOnce runs every job once, logging failures.
-func (r *Runner) RunOnce(ctx context.Context) {
-	jobs := []struct {
-		name string
-		run  func() (int64, error)
-	}{
-		{"release expired reservations", func() (int64, error) { return r.Store.ReleaseExpiredReservations(ctx, batchRows) }},
-		{"delete old rate windows", func() (int64, error) { return r.Store.DeleteOldRateWindows(ctx, time.Now().Add(-rateWindowKeep)) }},
-		{"delete expired evidence", func() (int64, error) { return r.Store.DeleteExpiredEvidence(ctx, batchRows) }},
-	}
+// Run runs every job on its own schedule until ctx ends. A run that handled a
+// full batch is repeated at once; intervals carry up to 20% jitter so replicas
+// spread out.
+func Run(ctx context.Context, jobs []Job, logger *slog.Logger) {
+	var wg sync.WaitGroup
 	for _, job := range jobs {
-		n, err := job.run()
-		switch {
-		case err != nil && ctx.Err() == nil:
-			r.Logger.Error("maintenance job failed", "job", job.name, "error", err)
-		case n > 0:
-			r.Logger.Info("maintenance job done", "job", job.name, "rows", n)
-		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				n, err := job.Run(ctx)
+				switch {
+				case err != nil && ctx.Err() == nil:
+					logger.Error("maintenance job failed", "job", job.Name, "error", err)
+				case n > 0 && job.Interval >= HousekeepingInterval:
+					logger.Info("maintenance job done", "job", job.Name, "rows", n)
+				}
+				wait := job.Interval + time.Duration(rand.Int64N(int64(job.Interval)/5+1))
+				if n >= batchRows {
+					wait = 0
+				}
+				select {
+				case <-ctx.Done():
+					return
+				case <-time.After(wait):
+				}
+			}
+		}()
 	}
+	wg.Wait()
 }

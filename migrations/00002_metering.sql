@@ -22,9 +22,11 @@ ALTER TABLE projects
     ADD COLUMN spent_rungs    bigint NOT NULL DEFAULT 0,
     ADD COLUMN reserved_rungs bigint NOT NULL DEFAULT 0 CHECK (reserved_rungs >= 0);
 
--- One row per admitted request still running: what it charged and reserved, and
--- until when. Settlement deletes it; recovery releases it once its lease ran out
--- (the replica running it died).
+-- One row per admitted request not yet folded into the counters: what it
+-- charged to the day and reserved on the budget, and until when (its lease).
+-- Settlement records the actual cost in settled_rungs; the reconciler then folds
+-- the row into daily_charges and projects and deletes it. A running request
+-- whose lease ran out (its replica died) is released by recovery.
 CREATE TABLE reservations (
     request_id     uuid PRIMARY KEY,
     account_id     uuid NOT NULL REFERENCES accounts (id) ON DELETE CASCADE,
@@ -32,15 +34,23 @@ CREATE TABLE reservations (
     day            date NOT NULL,
     charged_rungs  bigint NOT NULL CHECK (charged_rungs >= 0),
     reserved_rungs bigint NOT NULL CHECK (reserved_rungs >= 0),
-    expires_at     timestamptz NOT NULL
+    expires_at     timestamptz NOT NULL,
+    -- NULL while running; the actual cost once settled.
+    settled_rungs  bigint CHECK (settled_rungs >= 0)
 );
-CREATE INDEX reservations_expires_idx ON reservations (expires_at);
+CREATE INDEX reservations_running_expires_idx ON reservations (expires_at) WHERE settled_rungs IS NULL;
+CREATE INDEX reservations_settled_idx ON reservations (account_id, day, project_id) WHERE settled_rungs IS NOT NULL;
+CREATE INDEX reservations_account_day_idx ON reservations (account_id, day);
+CREATE INDEX reservations_project_idx ON reservations (project_id);
 
 -- authenticate_key resolves a key (prefix and hash) to its principal and counts
 -- the request against the key's rate limit: a sliding window over the current
 -- and the previous minute (the previous minute weighted by how much of it still
 -- overlaps the last 60 s). A request past the limit is not counted and comes
 -- back with admitted = false. No row: unknown or revoked key.
+-- The count commits asynchronously (synchronous_commit off for this transaction
+-- only): the per-key row lock is released without waiting for the WAL flush, and
+-- a database crash can lose at most the last moments of counts.
 -- +goose StatementBegin
 CREATE FUNCTION authenticate_key(
     p_prefix text, p_hash bytea, p_now timestamptz, p_limit_free integer, p_limit_developer integer
@@ -67,6 +77,7 @@ BEGIN
         RETURN;
     END IF;
     rate_limit := CASE WHEN tier = 'free' THEN p_limit_free ELSE p_limit_developer END;
+    PERFORM set_config('synchronous_commit', 'off', true);
 
     SELECT w.count INTO v_previous FROM rate_windows w
      WHERE w.key_id = authenticate_key.key_id AND w.window_start = v_window - interval '1 minute';
@@ -93,7 +104,10 @@ $$;
 -- reserves it on a capped project budget, atomically: both or neither. Rows are
 -- locked in a fixed order (account-day, then project), and the project row with
 -- FOR NO KEY UPDATE, which does not conflict with the KEY SHARE locks that
--- foreign-key checks of concurrent settlements hold on it. Returns 'ok', 'daily'
+-- foreign-key checks of concurrent settlements hold on it. The admission commits
+-- asynchronously, so the hot account-day row is not held through a WAL flush;
+-- should a database crash lose a reservation, settle_request charges the actual
+-- cost without one and nothing is double-counted. Returns 'ok', 'daily'
 -- (the ceiling would be passed) or 'budget' (the cap would be passed).
 -- +goose StatementBegin
 CREATE FUNCTION admit_request(
@@ -108,6 +122,7 @@ DECLARE
     v_reserved bigint;
     v_reserve  bigint := 0;
 BEGIN
+    PERFORM set_config('synchronous_commit', 'off', true);
     SELECT coalesce(a.daily_rung_ceiling, p_default_ceiling) INTO v_ceiling FROM accounts a WHERE a.id = p_account_id;
     INSERT INTO daily_charges AS d (account_id, day, charged_rungs) VALUES (p_account_id, p_day, 0)
     ON CONFLICT (account_id, day) DO UPDATE SET charged_rungs = d.charged_rungs
@@ -138,11 +153,11 @@ END;
 $$;
 -- +goose StatementEnd
 
--- settle_request commits a finished request: its usage and evidence, its daily
--- charge reconciled from estimate to actual, its budget moved from reserved to
--- spent. Rows are locked in admit_request's order (account-day, then project).
--- When recovery already released the reservation, the actual cost is charged to
--- p_day and nothing is unreserved.
+-- settle_request commits a finished request durably: its usage and evidence,
+-- and its actual cost on its own reservation row (inserted when recovery already
+-- released it). It touches no row shared with other requests, so settlements of
+-- one account do not queue behind each other's WAL flushes; reconcile_settlements
+-- folds the cost into the day and budget counters.
 -- +goose StatementBegin
 CREATE FUNCTION settle_request(
     p_id uuid, p_account_id uuid, p_project_id uuid, p_api_key_id uuid,
@@ -152,18 +167,7 @@ CREATE FUNCTION settle_request(
     p_created_at timestamptz, p_completed_at timestamptz,
     p_sources jsonb, p_verdict text, p_evidence_expires_at timestamptz, p_day date
 ) RETURNS void LANGUAGE plpgsql AS $$
-DECLARE
-    v_day      date;
-    v_charged  bigint;
-    v_reserved bigint;
 BEGIN
-    DELETE FROM reservations r WHERE r.request_id = p_id
-    RETURNING r.day, r.charged_rungs, r.reserved_rungs INTO v_day, v_charged, v_reserved;
-    IF NOT FOUND THEN
-        v_day := p_day;
-        v_charged := 0;
-        v_reserved := 0;
-    END IF;
     INSERT INTO requests (
         id, account_id, project_id, api_key_id, model, entry_point, status,
         input_tokens, output_tokens, input_rungs, output_rungs, total_rungs, created_at, completed_at
@@ -173,23 +177,65 @@ BEGIN
     );
     INSERT INTO evidence (request_id, account_id, sources, verdict, expires_at)
     VALUES (p_id, p_account_id, p_sources, p_verdict, p_evidence_expires_at);
-    INSERT INTO daily_charges AS d (account_id, day, charged_rungs) VALUES (p_account_id, v_day, p_total_rungs)
-    ON CONFLICT (account_id, day) DO UPDATE SET charged_rungs = d.charged_rungs - v_charged + p_total_rungs;
-    UPDATE projects SET reserved_rungs = reserved_rungs - v_reserved, spent_rungs = spent_rungs + p_total_rungs
-     WHERE id = p_project_id;
+    INSERT INTO reservations AS r (request_id, account_id, project_id, day, charged_rungs, reserved_rungs, expires_at, settled_rungs)
+    VALUES (p_id, p_account_id, p_project_id, p_day, 0, 0, p_completed_at, p_total_rungs)
+    ON CONFLICT (request_id) DO UPDATE SET settled_rungs = EXCLUDED.settled_rungs;
 END;
 $$;
 -- +goose StatementEnd
 
--- release_reservation gives back a request's charge and reservation (it ended
--- without cost, or its lease ran out), locking in admit_request's order.
--- Returns false when there was nothing to release.
+-- reconcile_settlements folds up to p_max settled reservations into the
+-- counters: each day's charge moves from estimate to actual, each project's
+-- budget from reserved to spent. Rows are locked in one order everywhere
+-- (account-days ascending, then projects ascending) and rows another run holds
+-- are skipped, so every replica may run it. It commits asynchronously: a run
+-- lost in a database crash leaves its rows in place to be folded again.
+-- +goose StatementBegin
+CREATE FUNCTION reconcile_settlements(p_max integer) RETURNS bigint LANGUAGE plpgsql AS $$
+DECLARE
+    v_ids uuid[];
+    v     record;
+BEGIN
+    PERFORM set_config('synchronous_commit', 'off', true);
+    SELECT array_agg(s.request_id) INTO v_ids FROM (
+        SELECT r.request_id FROM reservations r
+         WHERE r.settled_rungs IS NOT NULL
+         ORDER BY r.account_id, r.day, r.project_id
+         LIMIT p_max
+         FOR UPDATE SKIP LOCKED) s;
+    IF v_ids IS NULL THEN
+        RETURN 0;
+    END IF;
+    FOR v IN SELECT r.account_id, r.day, sum(r.settled_rungs - r.charged_rungs) AS delta
+               FROM reservations r WHERE r.request_id = ANY (v_ids)
+              GROUP BY r.account_id, r.day ORDER BY r.account_id, r.day
+    LOOP
+        INSERT INTO daily_charges AS d (account_id, day, charged_rungs) VALUES (v.account_id, v.day, v.delta)
+        ON CONFLICT (account_id, day) DO UPDATE SET charged_rungs = d.charged_rungs + EXCLUDED.charged_rungs;
+    END LOOP;
+    FOR v IN SELECT r.project_id, sum(r.reserved_rungs) AS reserved, sum(r.settled_rungs) AS spent
+               FROM reservations r WHERE r.request_id = ANY (v_ids)
+              GROUP BY r.project_id ORDER BY r.project_id
+    LOOP
+        UPDATE projects SET reserved_rungs = reserved_rungs - v.reserved, spent_rungs = spent_rungs + v.spent
+         WHERE id = v.project_id;
+    END LOOP;
+    DELETE FROM reservations r WHERE r.request_id = ANY (v_ids);
+    RETURN cardinality(v_ids);
+END;
+$$;
+-- +goose StatementEnd
+
+-- release_reservation gives back a running request's charge and reservation
+-- (it ended without cost, or its lease ran out), locking in admit_request's
+-- order. A settled reservation is left to the reconciler. Returns false when
+-- there was nothing to release.
 -- +goose StatementBegin
 CREATE FUNCTION release_reservation(p_request_id uuid) RETURNS boolean LANGUAGE plpgsql AS $$
 DECLARE
     v reservations%ROWTYPE;
 BEGIN
-    DELETE FROM reservations r WHERE r.request_id = p_request_id RETURNING r.* INTO v;
+    DELETE FROM reservations r WHERE r.request_id = p_request_id AND r.settled_rungs IS NULL RETURNING r.* INTO v;
     IF NOT FOUND THEN
         RETURN false;
     END IF;
@@ -212,7 +258,7 @@ DECLARE
 BEGIN
     FOR v_id IN
         SELECT r.request_id FROM reservations r
-         WHERE r.expires_at < now()
+         WHERE r.expires_at < now() AND r.settled_rungs IS NULL
          ORDER BY r.account_id, r.day, r.project_id
          LIMIT p_max
          FOR UPDATE SKIP LOCKED
@@ -229,6 +275,7 @@ $$;
 -- +goose Down
 DROP FUNCTION release_expired_reservations(integer);
 DROP FUNCTION release_reservation(uuid);
+DROP FUNCTION reconcile_settlements(integer);
 DROP FUNCTION settle_request(uuid, uuid, uuid, uuid, text, text, text, bigint, bigint, bigint, bigint, bigint, timestamptz, timestamptz, jsonb, text, timestamptz, date);
 DROP FUNCTION admit_request(uuid, uuid, uuid, date, bigint, bigint, timestamptz);
 DROP FUNCTION authenticate_key(text, bytea, timestamptz, integer, integer);

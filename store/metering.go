@@ -48,9 +48,10 @@ func (s *Store) Admit(ctx context.Context, a gateway.Admission) error {
 	}
 }
 
-// Settle commits a finished request in one round trip: its usage and evidence,
-// the daily charge reconciled from estimate to actual, and the budget moved from
-// reserved to spent.
+// Settle commits a finished request durably in one round trip: its usage and
+// evidence, and its actual cost on its reservation, which ReconcileSettlements
+// later folds into the daily and budget counters (the usage view counts it at
+// once).
 func (s *Store) Settle(ctx context.Context, r gateway.UsageRecord) error {
 	sources := r.Sources
 	if sources == nil {
@@ -165,4 +166,14 @@ func (s *Store) Usage(ctx context.Context, p *gateway.Principal, start, end time
 		return nil, err
 	}
 	return view, nil
+}
+
+// ReconcileSettlements folds up to maxRows settled reservations into the daily
+// and budget counters, returning how many.
+func (s *Store) ReconcileSettlements(ctx context.Context, maxRows int32) (int64, error) {
+	n, err := s.queries.ReconcileSettlements(ctx, s.pool, maxRows)
+	if err != nil {
+		return 0, fmt.Errorf("error reconciling settlements: %w", err)
+	}
+	return n, nil
 }

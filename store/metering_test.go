@@ -279,3 +279,93 @@ func TestUsageView(t *testing.T) {
 	require.Empty(t, empty.ByModel)
 	require.NotNil(t, empty.ByModel, "an empty list, not null")
 }
+
+// TestLedgerUnderConcurrency races admissions, settlements, releases, the
+// reconciler and recovery on one account and project; no statement may fail
+// (a deadlock would) and the books must balance afterwards.
+func TestLedgerUnderConcurrency(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "acme", nil, ptr(int64(1_000_000)))
+	ctx, stop := context.WithCancel(b.ctx)
+	var background sync.WaitGroup
+	for _, job := range []func() error{
+		func() error { _, err := b.store.ReconcileSettlements(ctx, 50); return err },
+		func() error { _, err := b.store.ReleaseExpiredReservations(ctx, 50); return err },
+	} {
+		background.Add(1)
+		go func() {
+			defer background.Done()
+			for ctx.Err() == nil {
+				if err := job(); err != nil && ctx.Err() == nil {
+					t.Errorf("background job: %v", err)
+				}
+			}
+		}()
+	}
+
+	var settled atomic.Int64
+	var wg sync.WaitGroup
+	for i := range 300 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			expires := time.Now().Add(time.Hour)
+			if i%10 == 0 {
+				expires = time.Now().Add(-time.Second) // a dead replica's request: recovery releases it
+			}
+			id, err := b.admit(p, 100, expires)
+			require.NoError(t, err)
+			switch i % 3 {
+			case 0:
+				require.NoError(t, b.store.Release(b.ctx, id))
+			default:
+				cost := int64(i%50 + 1)
+				b.settle(t, p, id, cost)
+				settled.Add(cost)
+			}
+		}()
+	}
+	wg.Wait()
+	stop()
+	background.Wait()
+	for {
+		n, err := b.store.ReconcileSettlements(b.ctx, 1000)
+		require.NoError(t, err)
+		if n == 0 {
+			break
+		}
+	}
+	v := b.view(t, p)
+	require.Equal(t, settled.Load(), v.Totals.TotalRungs)
+	require.Equal(t, settled.Load(), v.Daily.Charged, "every charge reconciled to actual, none twice")
+	require.Equal(t, settled.Load(), v.Budget.Spent)
+	require.Zero(t, v.Budget.Reserved)
+}
+
+func TestReconcileKeepsTheView(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "acme", nil, ptr(int64(10_000)))
+	for _, cost := range []int64{10, 20, 30} {
+		id, err := b.admit(p, 100, time.Now().Add(time.Hour))
+		require.NoError(t, err)
+		b.settle(t, p, id, cost)
+	}
+	_, err := b.admit(p, 100, time.Now().Add(time.Hour)) // still running
+	require.NoError(t, err)
+	before := b.view(t, p)
+	require.Equal(t, int64(160), before.Daily.Charged)
+	require.Equal(t, int64(100), before.Budget.Reserved)
+	require.Equal(t, int64(60), before.Budget.Spent)
+
+	n, err := b.store.ReconcileSettlements(b.ctx, 1000)
+	require.NoError(t, err)
+	require.Equal(t, int64(3), n, "the running reservation stays")
+	require.Equal(t, before, b.view(t, p))
+	n, err = b.store.ReconcileSettlements(b.ctx, 1000)
+	require.NoError(t, err)
+	require.Zero(t, n)
+}

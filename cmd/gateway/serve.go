@@ -102,7 +102,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 
 	maintenanceCtx, stopMaintenance := context.WithCancel(ctx)
 	defer stopMaintenance()
-	go (&maintenance.Runner{Store: st, Logger: logger}).Run(maintenanceCtx)
+	go maintenance.Run(maintenanceCtx, maintenance.Jobs(st), logger)
 
 	ln, err := net.Listen("tcp", cfg.Listen)
 	if err != nil {

@@ -98,7 +98,15 @@ func (q *Queries) AuthenticateKey(ctx context.Context, db DBTX, arg Authenticate
 }
 
 const budgetState = `-- name: BudgetState :one
-SELECT name, budget_cap_rungs, spent_rungs, reserved_rungs FROM projects WHERE id = $1
+SELECT p.name, p.budget_cap_rungs,
+       (p.spent_rungs + coalesce(pending.spent, 0))::bigint AS spent_rungs,
+       (p.reserved_rungs - coalesce(pending.reserved, 0))::bigint AS reserved_rungs
+FROM projects p
+LEFT JOIN LATERAL (
+    SELECT sum(r.settled_rungs) AS spent, sum(r.reserved_rungs) AS reserved
+    FROM reservations r WHERE r.project_id = p.id AND r.settled_rungs IS NOT NULL
+) pending ON true
+WHERE p.id = $1
 `
 
 type BudgetStateRow struct {
@@ -108,6 +116,7 @@ type BudgetStateRow struct {
 	ReservedRungs  int64
 }
 
+// The project's budget, with settlements not yet folded in moved from reserved to spent.
 func (q *Queries) BudgetState(ctx context.Context, db DBTX, id uuid.UUID) (BudgetStateRow, error) {
 	row := db.QueryRow(ctx, budgetState, id)
 	var i BudgetStateRow
@@ -122,7 +131,9 @@ func (q *Queries) BudgetState(ctx context.Context, db DBTX, id uuid.UUID) (Budge
 
 const dailyState = `-- name: DailyState :one
 SELECT coalesce(a.daily_rung_ceiling, $1::bigint)::bigint AS ceiling_rungs,
-       coalesce((SELECT d.charged_rungs FROM daily_charges d WHERE d.account_id = a.id AND d.day = $2::date), 0)::bigint AS charged_rungs
+       (coalesce((SELECT d.charged_rungs FROM daily_charges d WHERE d.account_id = a.id AND d.day = $2::date), 0)
+        + coalesce((SELECT sum(r.settled_rungs - r.charged_rungs) FROM reservations r
+                     WHERE r.account_id = a.id AND r.day = $2::date AND r.settled_rungs IS NOT NULL), 0))::bigint AS charged_rungs
 FROM accounts a
 WHERE a.id = $3
 `
@@ -138,6 +149,8 @@ type DailyStateRow struct {
 	ChargedRungs int64
 }
 
+// The account's ceiling and today's charge, with settlements not yet folded in
+// counted at their actual cost.
 func (q *Queries) DailyState(ctx context.Context, db DBTX, arg DailyStateParams) (DailyStateRow, error) {
 	row := db.QueryRow(ctx, dailyState, arg.DefaultCeiling, arg.Day, arg.AccountID)
 	var i DailyStateRow
@@ -155,6 +168,17 @@ func (q *Queries) DeleteOldRateWindows(ctx context.Context, db DBTX, before time
 		return 0, err
 	}
 	return result.RowsAffected(), nil
+}
+
+const reconcileSettlements = `-- name: ReconcileSettlements :one
+SELECT reconcile_settlements($1)::bigint AS reconciled
+`
+
+func (q *Queries) ReconcileSettlements(ctx context.Context, db DBTX, maxRows int32) (int64, error) {
+	row := db.QueryRow(ctx, reconcileSettlements, maxRows)
+	var reconciled int64
+	err := row.Scan(&reconciled)
+	return reconciled, err
 }
 
 const releaseExpiredReservations = `-- name: ReleaseExpiredReservations :one

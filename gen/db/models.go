@@ -83,4 +83,5 @@ type Reservation struct {
 	ChargedRungs  int64
 	ReservedRungs int64
 	ExpiresAt     time.Time
+	SettledRungs  *int64
 }

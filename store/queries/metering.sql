@@ -22,6 +22,9 @@ SELECT release_reservation(@request_id);
 -- name: ReleaseExpiredReservations :one
 SELECT release_expired_reservations(@max_rows)::bigint AS released;
 
+-- name: ReconcileSettlements :one
+SELECT reconcile_settlements(@max_rows)::bigint AS reconciled;
+
 -- name: DeleteOldRateWindows :execrows
 DELETE FROM rate_windows WHERE window_start < @before;
 
@@ -38,10 +41,23 @@ GROUP BY model
 ORDER BY model;
 
 -- name: DailyState :one
+-- The account's ceiling and today's charge, with settlements not yet folded in
+-- counted at their actual cost.
 SELECT coalesce(a.daily_rung_ceiling, @default_ceiling::bigint)::bigint AS ceiling_rungs,
-       coalesce((SELECT d.charged_rungs FROM daily_charges d WHERE d.account_id = a.id AND d.day = @day::date), 0)::bigint AS charged_rungs
+       (coalesce((SELECT d.charged_rungs FROM daily_charges d WHERE d.account_id = a.id AND d.day = @day::date), 0)
+        + coalesce((SELECT sum(r.settled_rungs - r.charged_rungs) FROM reservations r
+                     WHERE r.account_id = a.id AND r.day = @day::date AND r.settled_rungs IS NOT NULL), 0))::bigint AS charged_rungs
 FROM accounts a
 WHERE a.id = @account_id;
 
 -- name: BudgetState :one
-SELECT name, budget_cap_rungs, spent_rungs, reserved_rungs FROM projects WHERE id = @id;
+-- The project's budget, with settlements not yet folded in moved from reserved to spent.
+SELECT p.name, p.budget_cap_rungs,
+       (p.spent_rungs + coalesce(pending.spent, 0))::bigint AS spent_rungs,
+       (p.reserved_rungs - coalesce(pending.reserved, 0))::bigint AS reserved_rungs
+FROM projects p
+LEFT JOIN LATERAL (
+    SELECT sum(r.settled_rungs) AS spent, sum(r.reserved_rungs) AS reserved
+    FROM reservations r WHERE r.project_id = p.id AND r.settled_rungs IS NOT NULL
+) pending ON true
+WHERE p.id = @id;
