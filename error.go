@@ -27,6 +27,7 @@ const (
 	EInsufficientScope    ErrorCode = "INSUFFICIENT_SCOPE"
 	EInsufficientTier     ErrorCode = "INSUFFICIENT_TIER"
 	EBatchNotFound        ErrorCode = "BATCH_NOT_FOUND"
+	EBatchExpired         ErrorCode = "BATCH_EXPIRED"
 	ESourcesNotFound      ErrorCode = "SOURCES_NOT_FOUND"
 	ENotFound             ErrorCode = "NOT_FOUND"
 	EMethodNotAllowed     ErrorCode = "METHOD_NOT_ALLOWED"
@@ -37,7 +38,6 @@ const (
 	EBudgetExceeded       ErrorCode = "BUDGET_EXCEEDED"
 	EInferenceBusy        ErrorCode = "INFERENCE_BUSY"
 	EInterrupted          ErrorCode = "INTERRUPTED"
-	ENotImplemented       ErrorCode = "NOT_IMPLEMENTED"
 	EInternal             ErrorCode = "INTERNAL"
 )
 
@@ -45,9 +45,9 @@ const (
 var ErrorCodes = []ErrorCode{
 	EInvalidRequest, EEmptyPrompt, EPromptTooLarge, EInvalidModel, EModelUnavailable,
 	EEmptyBatch, EBatchTooLarge, EUnauthorized, EInsufficientScope, EInsufficientTier,
-	EBatchNotFound, ESourcesNotFound, ENotFound, EMethodNotAllowed, EBatchNotCancellable,
+	EBatchNotFound, EBatchExpired, ESourcesNotFound, ENotFound, EMethodNotAllowed, EBatchNotCancellable,
 	ERequestTooLarge, EIdempotencyKeyReused, ERateLimited, EBudgetExceeded,
-	EInferenceBusy, EInterrupted, ENotImplemented, EInternal,
+	EInferenceBusy, EInterrupted, EInternal,
 }
 
 // Error is a domain error the API reports to the caller: a code, a message for

@@ -30,6 +30,10 @@ type Config struct {
 	EvidenceRetention time.Duration `env:"GATEWAY_EVIDENCE_RETENTION" envDefault:"168h"`
 	SSEKeepalive      time.Duration `env:"GATEWAY_SSE_KEEPALIVE" envDefault:"15s"`
 	RateLimit         int           `env:"GATEWAY_RATE_LIMIT"`
+	BatchWindow       time.Duration `env:"GATEWAY_BATCH_WINDOW" envDefault:"24h"`
+	BatchRetention    time.Duration `env:"GATEWAY_BATCH_RETENTION" envDefault:"720h"`
+	Lease             time.Duration `env:"GATEWAY_LEASE" envDefault:"30s"`
+	DrainConcurrency  int           `env:"GATEWAY_DRAIN_CONCURRENCY" envDefault:"32"`
 	SimTokenLatency   time.Duration `env:"GATEWAY_SIM_TOKEN_LATENCY" envDefault:"2ms"`
 	DBMaxConns        int32         `env:"GATEWAY_DB_MAX_CONNS" envDefault:"8"`
 }
@@ -45,6 +49,15 @@ func Load() (Config, error) {
 	}
 	if cfg.SSEKeepalive <= 0 {
 		return Config{}, fmt.Errorf("GATEWAY_SSE_KEEPALIVE must be positive")
+	}
+	if cfg.BatchWindow <= 0 || cfg.BatchRetention <= 0 {
+		return Config{}, fmt.Errorf("GATEWAY_BATCH_WINDOW and GATEWAY_BATCH_RETENTION must be positive")
+	}
+	if cfg.Lease < time.Second {
+		return Config{}, fmt.Errorf("GATEWAY_LEASE must be at least 1s")
+	}
+	if cfg.DrainConcurrency < 1 {
+		return Config{}, fmt.Errorf("GATEWAY_DRAIN_CONCURRENCY must be at least 1")
 	}
 	if cfg.RateLimit < 0 {
 		return Config{}, fmt.Errorf("GATEWAY_RATE_LIMIT must not be negative")

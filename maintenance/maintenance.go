@@ -1,7 +1,8 @@
 // Package maintenance runs the gateway's periodic jobs in every replica:
-// folding settled requests into the daily and budget counters, releasing
-// reservations whose replica died, and removing rate-limit windows and evidence
-// past use. Every job is one statement or function that is safe to run on
+// folding settled requests into the daily and budget counters, failing batch
+// items whose replica died (lease rescuer), ending batches past their window
+// (expiry sweeper), releasing reservations whose replica died, and removing
+// batches, idempotency keys, rate-limit windows and evidence past retention. Every job is one statement or function that is safe to run on
 // several replicas at once (SKIP LOCKED, or idempotent deletes), so no leader
 // is needed.
 package maintenance
@@ -20,6 +21,21 @@ type Store interface {
 	ReleaseExpiredReservations(ctx context.Context, maxRows int32) (int64, error)
 	DeleteOldRateWindows(ctx context.Context, before time.Time) (int64, error)
 	DeleteExpiredEvidence(ctx context.Context, maxRows int32) (int64, error)
+	RescueExpiredLeases(ctx context.Context, maxRows int32) (int64, error)
+	ExpireBatches(ctx context.Context, maxRows int32) (int64, error)
+	FinishStrandedBatches(ctx context.Context, maxRows int32) (int64, error)
+	DeleteOldBatches(ctx context.Context, before time.Time, maxRows int32) (int64, error)
+	ExpireIdempotencyKeys(ctx context.Context, before time.Time, maxRows int32) (int64, error)
+}
+
+// Settings are the periods the jobs enforce.
+type Settings struct {
+	// BatchWindow is how long an idempotency key is kept.
+	BatchWindow time.Duration
+	// BatchRetention is how long a terminal batch is kept.
+	BatchRetention time.Duration
+	// Lease is the batch item lease: the rescuer looks this often.
+	Lease time.Duration
 }
 
 // Default intervals.
@@ -44,8 +60,17 @@ type Job struct {
 }
 
 // Jobs are the gateway's maintenance jobs over st.
-func Jobs(st Store) []Job {
+func Jobs(st Store, set Settings) []Job {
 	return []Job{
+		{"rescue expired leases", max(set.Lease/2, time.Second), func(ctx context.Context) (int64, error) { return st.RescueExpiredLeases(ctx, batchRows) }},
+		{"expire batches", time.Second, func(ctx context.Context) (int64, error) { return st.ExpireBatches(ctx, batchRows) }},
+		{"finish stranded batches", HousekeepingInterval, func(ctx context.Context) (int64, error) { return st.FinishStrandedBatches(ctx, batchRows) }},
+		{"delete old batches", HousekeepingInterval, func(ctx context.Context) (int64, error) {
+			return st.DeleteOldBatches(ctx, time.Now().Add(-set.BatchRetention), batchRows)
+		}},
+		{"expire idempotency keys", HousekeepingInterval, func(ctx context.Context) (int64, error) {
+			return st.ExpireIdempotencyKeys(ctx, time.Now().Add(-set.BatchWindow), batchRows)
+		}},
 		{"reconcile settlements", ReconcileInterval, func(ctx context.Context) (int64, error) { return st.ReconcileSettlements(ctx, batchRows) }},
 		{"release expired reservations", HousekeepingInterval, func(ctx context.Context) (int64, error) { return st.ReleaseExpiredReservations(ctx, batchRows) }},
 		{"delete old rate windows", HousekeepingInterval, func(ctx context.Context) (int64, error) {
@@ -69,7 +94,7 @@ func Run(ctx context.Context, jobs []Job, logger *slog.Logger) {
 				switch {
 				case err != nil && ctx.Err() == nil:
 					logger.Error("maintenance job failed", "job", job.Name, "error", err)
-				case n > 0 && job.Interval >= HousekeepingInterval:
+				case n > 0 && job.Interval > ReconcileInterval:
 					logger.Info("maintenance job done", "job", job.Name, "rows", n)
 				}
 				wait := job.Interval + time.Duration(rand.Int64N(int64(job.Interval)/5+1))

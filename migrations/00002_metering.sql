@@ -100,6 +100,28 @@ END;
 $$;
 -- +goose StatementEnd
 
+-- charge_daily charges p_amount to an account's day if it stays within the
+-- account's ceiling (its own, or p_default_ceiling), locking the account-day row.
+-- +goose StatementBegin
+CREATE FUNCTION charge_daily(p_account_id uuid, p_day date, p_default_ceiling bigint, p_amount bigint)
+RETURNS boolean LANGUAGE plpgsql AS $$
+DECLARE
+    v_ceiling bigint;
+    v_charged bigint;
+BEGIN
+    SELECT coalesce(a.daily_rung_ceiling, p_default_ceiling) INTO v_ceiling FROM accounts a WHERE a.id = p_account_id;
+    INSERT INTO daily_charges AS d (account_id, day, charged_rungs) VALUES (p_account_id, p_day, 0)
+    ON CONFLICT (account_id, day) DO UPDATE SET charged_rungs = d.charged_rungs
+    RETURNING d.charged_rungs INTO v_charged;
+    IF v_charged + p_amount > v_ceiling THEN
+        RETURN false;
+    END IF;
+    UPDATE daily_charges SET charged_rungs = charged_rungs + p_amount WHERE account_id = p_account_id AND day = p_day;
+    RETURN true;
+END;
+$$;
+-- +goose StatementEnd
+
 -- admit_request charges a request's estimate to the account's daily ceiling and
 -- reserves it on a capped project budget, atomically: both or neither. Rows are
 -- locked in a fixed order (account-day, then project), and the project row with
@@ -107,45 +129,37 @@ $$;
 -- foreign-key checks of concurrent settlements hold on it. The admission commits
 -- asynchronously, so the hot account-day row is not held through a WAL flush;
 -- should a database crash lose a reservation, settle_request charges the actual
--- cost without one and nothing is double-counted. Returns 'ok', 'daily'
--- (the ceiling would be passed) or 'budget' (the cap would be passed).
+-- cost without one and nothing is double-counted. Returns 'ok', 'daily' (the
+-- ceiling would be passed) or 'budget' (the cap would be passed).
 -- +goose StatementBegin
 CREATE FUNCTION admit_request(
     p_request_id uuid, p_account_id uuid, p_project_id uuid, p_day date,
     p_default_ceiling bigint, p_estimate bigint, p_expires_at timestamptz
 ) RETURNS text LANGUAGE plpgsql AS $$
 DECLARE
-    v_ceiling  bigint;
-    v_charged  bigint;
     v_cap      bigint;
     v_spent    bigint;
     v_reserved bigint;
     v_reserve  bigint := 0;
 BEGIN
     PERFORM set_config('synchronous_commit', 'off', true);
-    SELECT coalesce(a.daily_rung_ceiling, p_default_ceiling) INTO v_ceiling FROM accounts a WHERE a.id = p_account_id;
-    INSERT INTO daily_charges AS d (account_id, day, charged_rungs) VALUES (p_account_id, p_day, 0)
-    ON CONFLICT (account_id, day) DO UPDATE SET charged_rungs = d.charged_rungs
-    RETURNING d.charged_rungs INTO v_charged;
-    IF v_charged + p_estimate > v_ceiling THEN
+    IF NOT charge_daily(p_account_id, p_day, p_default_ceiling, p_estimate) THEN
         RETURN 'daily';
     END IF;
-
     SELECT p.budget_cap_rungs INTO v_cap FROM projects p WHERE p.id = p_project_id;
     IF v_cap IS NOT NULL THEN
         SELECT p.budget_cap_rungs, p.spent_rungs, p.reserved_rungs INTO v_cap, v_spent, v_reserved
           FROM projects p WHERE p.id = p_project_id FOR NO KEY UPDATE;
         IF v_cap IS NOT NULL THEN
             IF v_spent + v_reserved + p_estimate > v_cap THEN
+                UPDATE daily_charges SET charged_rungs = charged_rungs - p_estimate
+                 WHERE account_id = p_account_id AND day = p_day;
                 RETURN 'budget';
             END IF;
             v_reserve := p_estimate;
             UPDATE projects SET reserved_rungs = reserved_rungs + v_reserve WHERE id = p_project_id;
         END IF;
     END IF;
-
-    UPDATE daily_charges SET charged_rungs = charged_rungs + p_estimate
-     WHERE account_id = p_account_id AND day = p_day;
     INSERT INTO reservations (request_id, account_id, project_id, day, charged_rungs, reserved_rungs, expires_at)
     VALUES (p_request_id, p_account_id, p_project_id, p_day, p_estimate, v_reserve, p_expires_at);
     RETURN 'ok';
@@ -227,46 +241,34 @@ $$;
 -- +goose StatementEnd
 
 -- release_reservation gives back a running request's charge and reservation
--- (it ended without cost, or its lease ran out), locking in admit_request's
--- order. A settled reservation is left to the reconciler. Returns false when
--- there was nothing to release.
+-- (it ended without cost, or its lease ran out) by settling it at no cost: the
+-- reconciler then returns the estimate to the day and the reservation to the
+-- budget. Only admission, claims and the reconciler lock counter rows, so no
+-- lock-order cycle can form. Returns false when there was nothing to release.
 -- +goose StatementBegin
 CREATE FUNCTION release_reservation(p_request_id uuid) RETURNS boolean LANGUAGE plpgsql AS $$
-DECLARE
-    v reservations%ROWTYPE;
 BEGIN
-    DELETE FROM reservations r WHERE r.request_id = p_request_id AND r.settled_rungs IS NULL RETURNING r.* INTO v;
-    IF NOT FOUND THEN
-        RETURN false;
-    END IF;
-    UPDATE daily_charges SET charged_rungs = charged_rungs - v.charged_rungs
-     WHERE account_id = v.account_id AND day = v.day;
-    UPDATE projects SET reserved_rungs = reserved_rungs - v.reserved_rungs WHERE id = v.project_id;
-    RETURN true;
+    UPDATE reservations SET settled_rungs = 0 WHERE request_id = p_request_id AND settled_rungs IS NULL;
+    RETURN FOUND;
 END;
 $$;
 -- +goose StatementEnd
 
--- release_expired_reservations releases up to p_max reservations whose lease
--- ran out, in (account, day, project) order so that concurrent runs on several
--- replicas take row locks in one order; rows another run holds are skipped.
+-- release_expired_reservations releases up to p_max running reservations whose
+-- lease ran out; rows another run holds are skipped.
 -- +goose StatementBegin
 CREATE FUNCTION release_expired_reservations(p_max integer) RETURNS bigint LANGUAGE plpgsql AS $$
 DECLARE
-    v_id uuid;
-    v_n  bigint := 0;
+    v_n bigint;
 BEGIN
-    FOR v_id IN
+    UPDATE reservations SET settled_rungs = 0
+     WHERE request_id IN (
         SELECT r.request_id FROM reservations r
          WHERE r.expires_at < now() AND r.settled_rungs IS NULL
-         ORDER BY r.account_id, r.day, r.project_id
+         ORDER BY r.expires_at
          LIMIT p_max
-         FOR UPDATE SKIP LOCKED
-    LOOP
-        IF release_reservation(v_id) THEN
-            v_n := v_n + 1;
-        END IF;
-    END LOOP;
+         FOR UPDATE SKIP LOCKED);
+    GET DIAGNOSTICS v_n = ROW_COUNT;
     RETURN v_n;
 END;
 $$;
@@ -278,6 +280,7 @@ DROP FUNCTION release_reservation(uuid);
 DROP FUNCTION reconcile_settlements(integer);
 DROP FUNCTION settle_request(uuid, uuid, uuid, uuid, text, text, text, bigint, bigint, bigint, bigint, bigint, timestamptz, timestamptz, jsonb, text, timestamptz, date);
 DROP FUNCTION admit_request(uuid, uuid, uuid, date, bigint, bigint, timestamptz);
+DROP FUNCTION charge_daily(uuid, date, bigint, bigint);
 DROP FUNCTION authenticate_key(text, bytea, timestamptz, integer, integer);
 DROP TABLE reservations;
 ALTER TABLE projects DROP COLUMN reserved_rungs, DROP COLUMN spent_rungs;

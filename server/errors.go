@@ -14,18 +14,20 @@ import (
 
 // statusOf is the HTTP status of each error code (decisions D1, D3, D8).
 var statusOf = map[gateway.ErrorCode]int{
-	gateway.EInvalidRequest:       http.StatusBadRequest,
-	gateway.EEmptyPrompt:          http.StatusBadRequest,
-	gateway.EPromptTooLarge:       http.StatusBadRequest,
-	gateway.EInvalidModel:         http.StatusBadRequest,
-	gateway.EModelUnavailable:     http.StatusBadRequest,
-	gateway.EEmptyBatch:           http.StatusBadRequest,
-	gateway.EBatchTooLarge:        http.StatusBadRequest,
-	gateway.EUnauthorized:         http.StatusUnauthorized,
-	gateway.EBudgetExceeded:       http.StatusPaymentRequired,
-	gateway.EInsufficientScope:    http.StatusForbidden,
-	gateway.EInsufficientTier:     http.StatusForbidden,
-	gateway.EBatchNotFound:        http.StatusNotFound,
+	gateway.EInvalidRequest:    http.StatusBadRequest,
+	gateway.EEmptyPrompt:       http.StatusBadRequest,
+	gateway.EPromptTooLarge:    http.StatusBadRequest,
+	gateway.EInvalidModel:      http.StatusBadRequest,
+	gateway.EModelUnavailable:  http.StatusBadRequest,
+	gateway.EEmptyBatch:        http.StatusBadRequest,
+	gateway.EBatchTooLarge:     http.StatusBadRequest,
+	gateway.EUnauthorized:      http.StatusUnauthorized,
+	gateway.EBudgetExceeded:    http.StatusPaymentRequired,
+	gateway.EInsufficientScope: http.StatusForbidden,
+	gateway.EInsufficientTier:  http.StatusForbidden,
+	gateway.EBatchNotFound:     http.StatusNotFound,
+	// BATCH_EXPIRED is only ever a batch-level error; should it escape, it is a server fault.
+	gateway.EBatchExpired:         http.StatusInternalServerError,
 	gateway.ESourcesNotFound:      http.StatusNotFound,
 	gateway.ENotFound:             http.StatusNotFound,
 	gateway.EMethodNotAllowed:     http.StatusMethodNotAllowed,
@@ -34,7 +36,6 @@ var statusOf = map[gateway.ErrorCode]int{
 	gateway.EIdempotencyKeyReused: http.StatusUnprocessableEntity,
 	gateway.ERateLimited:          http.StatusTooManyRequests,
 	gateway.EInternal:             http.StatusInternalServerError,
-	gateway.ENotImplemented:       http.StatusNotImplemented,
 	gateway.EInferenceBusy:        http.StatusServiceUnavailable,
 	// INTERRUPTED is only ever a batch item error; should it escape, it is a server fault.
 	gateway.EInterrupted: http.StatusInternalServerError,
@@ -52,7 +53,7 @@ func (s *Server) handleError(err error, c echo.Context) {
 	if !ok {
 		status = http.StatusInternalServerError
 	}
-	if status >= 500 && e.Code != gateway.EInferenceBusy && e.Code != gateway.ENotImplemented {
+	if status >= 500 && e.Code != gateway.EInferenceBusy {
 		s.logger.Error("request failed", "method", c.Request().Method, "path", c.Path(), "error", err)
 	}
 	h := c.Response().Header()

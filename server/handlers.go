@@ -138,31 +138,6 @@ func (s *Server) GetUsage(ctx context.Context, req api.GetUsageRequestObject) (a
 	return api.GetUsage200JSONResponse{Body: body}, nil
 }
 
-// CreateBatch implements POST /api/v1/batch (not served by this release).
-func (s *Server) CreateBatch(context.Context, api.CreateBatchRequestObject) (api.CreateBatchResponseObject, error) {
-	return nil, notImplemented("batches")
-}
-
-// GetBatch implements GET /api/v1/batch/{batch_id} (not served by this release).
-func (s *Server) GetBatch(context.Context, api.GetBatchRequestObject) (api.GetBatchResponseObject, error) {
-	return nil, notImplemented("batches")
-}
-
-// GetBatchResults implements GET /api/v1/batch/{batch_id}/results (not served by this release).
-func (s *Server) GetBatchResults(context.Context, api.GetBatchResultsRequestObject) (api.GetBatchResultsResponseObject, error) {
-	return nil, notImplemented("batches")
-}
-
-// CancelBatch implements POST /api/v1/batch/{batch_id}/cancel (not served by this release).
-func (s *Server) CancelBatch(context.Context, api.CancelBatchRequestObject) (api.CancelBatchResponseObject, error) {
-	return nil, notImplemented("batches")
-}
-
-// ListBatches implements GET /api/v1/batches (not served by this release).
-func (s *Server) ListBatches(context.Context, api.ListBatchesRequestObject) (api.ListBatchesResponseObject, error) {
-	return nil, notImplemented("batches")
-}
-
 // GetOpenAPI implements GET /openapi.json.
 func (s *Server) GetOpenAPI(context.Context, api.GetOpenAPIRequestObject) (api.GetOpenAPIResponseObject, error) {
 	return rawJSON{contentType: "application/json", body: s.openAPI}, nil
@@ -171,10 +146,6 @@ func (s *Server) GetOpenAPI(context.Context, api.GetOpenAPIRequestObject) (api.G
 // GetJSONSchema implements GET /api/schema.json.
 func (s *Server) GetJSONSchema(context.Context, api.GetJSONSchemaRequestObject) (api.GetJSONSchemaResponseObject, error) {
 	return rawJSON{contentType: "application/schema+json", body: s.schema}, nil
-}
-
-func notImplemented(what string) error {
-	return gateway.Errorf(gateway.ENotImplemented, "%s is described in the API document but not served by this release", what)
 }
 
 // rawJSON is a 200 reply of a document encoded once at start.

@@ -37,12 +37,27 @@ type UsageReader interface {
 	Usage(ctx context.Context, p *gateway.Principal, start, end time.Time) (*gateway.UsageView, error)
 }
 
+// BatchCreator validates and stores batches.
+type BatchCreator interface {
+	Create(ctx context.Context, p *gateway.Principal, items []gateway.RequestInput, idempotencyKey string, body any) (*gateway.Batch, bool, error)
+}
+
+// BatchStore reads and cancels an account's batches.
+type BatchStore interface {
+	Batch(ctx context.Context, accountID, id uuid.UUID) (*gateway.Batch, error)
+	Batches(ctx context.Context, accountID uuid.UUID, limit int) ([]*gateway.Batch, error)
+	BatchResults(ctx context.Context, accountID, id uuid.UUID) (*gateway.Batch, []gateway.BatchItem, error)
+	CancelBatch(ctx context.Context, accountID, id uuid.UUID) error
+}
+
 // Config holds the server's dependencies.
 type Config struct {
 	Auth      Authenticator
 	Inference *inference.Service
 	Evidence  EvidenceReader
 	Usage     UsageReader
+	Batches   BatchCreator
+	BatchData BatchStore
 	Logger    *slog.Logger
 	// SSEKeepalive is the idle time before a keep-alive comment in a stream.
 	SSEKeepalive time.Duration
@@ -55,6 +70,8 @@ type Server struct {
 	inference *inference.Service
 	evidence  EvidenceReader
 	usage     UsageReader
+	batches   BatchCreator
+	batchData BatchStore
 	logger    *slog.Logger
 	keepalive time.Duration
 	openAPI   []byte
@@ -86,6 +103,8 @@ func New(cfg Config) (*Server, error) {
 		inference: cfg.Inference,
 		evidence:  cfg.Evidence,
 		usage:     cfg.Usage,
+		batches:   cfg.Batches,
+		batchData: cfg.BatchData,
 		logger:    logger,
 		keepalive: cfg.SSEKeepalive,
 		openAPI:   doc,

@@ -446,15 +446,6 @@ func TestUpstreamFailureIsInferenceBusy(t *testing.T) {
 	}
 }
 
-func TestNotYetServedRoutes(t *testing.T) {
-	t.Parallel()
-	b := setup(t, nil)
-	r := b.post("/api/v1/batch", b.key, map[string]any{"requests": []any{map[string]any{"prompt": "p"}}})
-	require.Equal(t, http.StatusNotImplemented, r.status)
-	r = b.do(http.MethodGet, "/api/v1/batches", b.key, "", nil)
-	require.Equal(t, http.StatusNotImplemented, r.status)
-}
-
 func TestPublicDocuments(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)

@@ -71,7 +71,8 @@ func (r streamReply) serve(w http.ResponseWriter) error {
 	}
 	final := chunk("", nil)
 	final.Done = true
-	final.Usage = &api.RungUsage{InputRungs: res.Usage.InputRungs, OutputRungs: res.Usage.OutputRungs, TotalRungs: res.Usage.TotalRungs}
+	usage := rungUsage(res.Usage)
+	final.Usage = &usage
 	_ = sse.Event(eventCompleted, final)
 	return nil
 }

@@ -12,7 +12,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/spf13/cobra"
 
+	"github.com/rungworks/gateway/batch"
 	"github.com/rungworks/gateway/config"
+	"github.com/rungworks/gateway/drainer"
 	"github.com/rungworks/gateway/inference"
 	"github.com/rungworks/gateway/maintenance"
 	"github.com/rungworks/gateway/metering"
@@ -80,12 +82,13 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	if err != nil {
 		return err
 	}
+	estimator := &metering.Estimator{Tokenizer: tok, RateCard: rateCard}
 	srv, err := server.New(server.Config{
 		Auth: st,
 		Inference: &inference.Service{
 			Provider:          provider,
 			Models:            models,
-			Estimator:         &metering.Estimator{Tokenizer: tok, RateCard: rateCard},
+			Estimator:         estimator,
 			Ledger:            st,
 			EvidenceRetention: cfg.EvidenceRetention,
 			RetryAfter:        5 * time.Second,
@@ -93,6 +96,8 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 		},
 		Evidence:     st,
 		Usage:        st,
+		Batches:      &batch.Service{Store: st, Models: models, Estimator: estimator, Window: cfg.BatchWindow},
+		BatchData:    st,
 		Logger:       logger,
 		SSEKeepalive: cfg.SSEKeepalive,
 	})
@@ -100,14 +105,21 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 		return err
 	}
 
-	maintenanceCtx, stopMaintenance := context.WithCancel(ctx)
-	defer stopMaintenance()
-	go maintenance.Run(maintenanceCtx, maintenance.Jobs(st), logger)
-
 	ln, err := net.Listen("tcp", cfg.Listen)
 	if err != nil {
 		return fmt.Errorf("error listening on %s: %w", cfg.Listen, err)
 	}
+	maintenanceCtx, stopMaintenance := context.WithCancel(ctx)
+	defer stopMaintenance()
+	go maintenance.Run(maintenanceCtx, maintenance.Jobs(st, maintenance.Settings{
+		BatchWindow: cfg.BatchWindow, BatchRetention: cfg.BatchRetention, Lease: cfg.Lease,
+	}), logger)
+	drain := drainer.New(drainer.Config{
+		Concurrency: cfg.DrainConcurrency, Lease: cfg.Lease, EvidenceRetention: cfg.EvidenceRetention,
+	}, st, provider, models, estimator, logger)
+	drained := make(chan struct{})
+	go func() { defer close(drained); drain.Run(ctx) }()
+
 	httpServer := &http.Server{
 		Handler:           srv,
 		ReadHeaderTimeout: 10 * time.Second,
@@ -130,6 +142,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	if err := httpServer.Shutdown(shutdownCtx); err != nil {
 		return fmt.Errorf("error shutting down: %w", err)
 	}
+	<-drained
 	logger.Info("gateway stopped")
 	return nil
 }

@@ -100,6 +100,7 @@ func (e BatchStatus) Valid() bool {
 
 // Defines values for ErrorCode.
 const (
+	BATCHEXPIRED         ErrorCode = "BATCH_EXPIRED"
 	BATCHNOTCANCELLABLE  ErrorCode = "BATCH_NOT_CANCELLABLE"
 	BATCHNOTFOUND        ErrorCode = "BATCH_NOT_FOUND"
 	BATCHTOOLARGE        ErrorCode = "BATCH_TOO_LARGE"
@@ -117,7 +118,6 @@ const (
 	METHODNOTALLOWED     ErrorCode = "METHOD_NOT_ALLOWED"
 	MODELUNAVAILABLE     ErrorCode = "MODEL_UNAVAILABLE"
 	NOTFOUND             ErrorCode = "NOT_FOUND"
-	NOTIMPLEMENTED       ErrorCode = "NOT_IMPLEMENTED"
 	PROMPTTOOLARGE       ErrorCode = "PROMPT_TOO_LARGE"
 	RATELIMITED          ErrorCode = "RATE_LIMITED"
 	REQUESTTOOLARGE      ErrorCode = "REQUEST_TOO_LARGE"
@@ -128,6 +128,8 @@ const (
 // Valid indicates whether the value is a known member of the ErrorCode enum.
 func (e ErrorCode) Valid() bool {
 	switch e {
+	case BATCHEXPIRED:
+		return true
 	case BATCHNOTCANCELLABLE:
 		return true
 	case BATCHNOTFOUND:
@@ -161,8 +163,6 @@ func (e ErrorCode) Valid() bool {
 	case MODELUNAVAILABLE:
 		return true
 	case NOTFOUND:
-		return true
-	case NOTIMPLEMENTED:
 		return true
 	case PROMPTTOOLARGE:
 		return true
@@ -411,8 +411,10 @@ type Error struct {
 	// `SOURCES_NOT_FOUND`, `NOT_FOUND` 404; `METHOD_NOT_ALLOWED` 405;
 	// `BATCH_NOT_CANCELLABLE` 409; `REQUEST_TOO_LARGE` 413;
 	// `IDEMPOTENCY_KEY_REUSED` 422; `RATE_LIMITED` 429; `INTERNAL` 500;
-	// `NOT_IMPLEMENTED` 501; `INFERENCE_BUSY` 503 (an item error inside a batch).
-	// `INTERRUPTED` appears only as a batch item error.
+	// `INFERENCE_BUSY` 503 (an item error inside a batch).
+	// `INTERRUPTED` appears only as a batch item error; `BATCH_EXPIRED` only as
+	// the batch-level `error` of an expired batch. A failed batch's `error`
+	// carries the code of its first failed item.
 	Code ErrorCode `json:"code"`
 
 	// Message For humans; may change between releases.
@@ -426,8 +428,10 @@ type Error struct {
 // `SOURCES_NOT_FOUND`, `NOT_FOUND` 404; `METHOD_NOT_ALLOWED` 405;
 // `BATCH_NOT_CANCELLABLE` 409; `REQUEST_TOO_LARGE` 413;
 // `IDEMPOTENCY_KEY_REUSED` 422; `RATE_LIMITED` 429; `INTERNAL` 500;
-// `NOT_IMPLEMENTED` 501; `INFERENCE_BUSY` 503 (an item error inside a batch).
-// `INTERRUPTED` appears only as a batch item error.
+// `INFERENCE_BUSY` 503 (an item error inside a batch).
+// `INTERRUPTED` appears only as a batch item error; `BATCH_EXPIRED` only as
+// the batch-level `error` of an expired batch. A failed batch's `error`
+// carries the code of its first failed item.
 type ErrorCode string
 
 // ErrorEnvelope The body of every non-streaming error, and the data of the `response.error` event.
@@ -673,9 +677,6 @@ type InternalError = ErrorEnvelope
 
 // NotFound The body of every non-streaming error, and the data of the `response.error` event.
 type NotFound = ErrorEnvelope
-
-// NotImplemented The body of every non-streaming error, and the data of the `response.error` event.
-type NotImplemented = ErrorEnvelope
 
 // RateLimited The body of every non-streaming error, and the data of the `response.error` event.
 type RateLimited = ErrorEnvelope
@@ -1050,8 +1051,6 @@ type InternalErrorJSONResponse ErrorEnvelope
 
 type NotFoundJSONResponse ErrorEnvelope
 
-type NotImplementedJSONResponse ErrorEnvelope
-
 type RateLimitedResponseHeaders struct {
 	RetryAfter          *int
 	XRatelimitLimit     *int
@@ -1313,20 +1312,6 @@ func (response CreateBatch500JSONResponse) VisitCreateBatchResponse(w http.Respo
 	return err
 }
 
-type CreateBatch501JSONResponse struct{ NotImplementedJSONResponse }
-
-func (response CreateBatch501JSONResponse) VisitCreateBatchResponse(w http.ResponseWriter) error {
-
-	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
-		return err
-	}
-	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(501)
-	_, err := buf.WriteTo(w)
-	return err
-}
-
 type GetBatchRequestObject struct {
 	BatchId BatchID `json:"batch_id"`
 }
@@ -1433,20 +1418,6 @@ func (response GetBatch500JSONResponse) VisitGetBatchResponse(w http.ResponseWri
 	}
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(500)
-	_, err := buf.WriteTo(w)
-	return err
-}
-
-type GetBatch501JSONResponse struct{ NotImplementedJSONResponse }
-
-func (response GetBatch501JSONResponse) VisitGetBatchResponse(w http.ResponseWriter) error {
-
-	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
-		return err
-	}
-	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(501)
 	_, err := buf.WriteTo(w)
 	return err
 }
@@ -1575,20 +1546,6 @@ func (response CancelBatch500JSONResponse) VisitCancelBatchResponse(w http.Respo
 	return err
 }
 
-type CancelBatch501JSONResponse struct{ NotImplementedJSONResponse }
-
-func (response CancelBatch501JSONResponse) VisitCancelBatchResponse(w http.ResponseWriter) error {
-
-	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
-		return err
-	}
-	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(501)
-	_, err := buf.WriteTo(w)
-	return err
-}
-
 type GetBatchResultsRequestObject struct {
 	BatchId BatchID `json:"batch_id"`
 }
@@ -1707,20 +1664,6 @@ func (response GetBatchResults500JSONResponse) VisitGetBatchResultsResponse(w ht
 	return err
 }
 
-type GetBatchResults501JSONResponse struct{ NotImplementedJSONResponse }
-
-func (response GetBatchResults501JSONResponse) VisitGetBatchResultsResponse(w http.ResponseWriter) error {
-
-	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
-		return err
-	}
-	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(501)
-	_, err := buf.WriteTo(w)
-	return err
-}
-
 type ListBatchesRequestObject struct {
 	Params ListBatchesParams
 }
@@ -1835,20 +1778,6 @@ func (response ListBatches500JSONResponse) VisitListBatchesResponse(w http.Respo
 	}
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(500)
-	_, err := buf.WriteTo(w)
-	return err
-}
-
-type ListBatches501JSONResponse struct{ NotImplementedJSONResponse }
-
-func (response ListBatches501JSONResponse) VisitListBatchesResponse(w http.ResponseWriter) error {
-
-	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
-		return err
-	}
-	w.Header().Set("Content-Type", "application/json")
-	w.WriteHeader(501)
 	_, err := buf.WriteTo(w)
 	return err
 }

@@ -28,6 +28,48 @@ type ApiKey struct {
 	RevokedAt *time.Time
 }
 
+type Batch struct {
+	ID             uuid.UUID
+	AccountID      uuid.UUID
+	ProjectID      uuid.UUID
+	Status         string
+	TotalRequests  int32
+	IdempotencyKey *string
+	RequestHash    []byte
+	ErrorCode      *string
+	ErrorMessage   *string
+	CreatedAt      time.Time
+	StartedAt      *time.Time
+	CompletedAt    *time.Time
+	ExpiresAt      time.Time
+}
+
+type BatchItem struct {
+	BatchID        uuid.UUID
+	Idx            int32
+	AccountID      uuid.UUID
+	ProjectID      uuid.UUID
+	ApiKeyID       uuid.UUID
+	RequestID      uuid.UUID
+	Status         string
+	Request        []byte
+	Model          string
+	EstimateRungs  int64
+	QueuedAt       time.Time
+	ExpiresAt      time.Time
+	Content        *string
+	InputRungs     int64
+	OutputRungs    int64
+	TotalRungs     int64
+	ErrorCode      *string
+	ErrorMessage   *string
+	CancelReason   *string
+	LeaseOwner     *uuid.UUID
+	LeaseExpiresAt *time.Time
+	StartedAt      *time.Time
+	CompletedAt    *time.Time
+}
+
 type DailyCharge struct {
 	AccountID    uuid.UUID
 	Day          time.Time

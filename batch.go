@@ -1,0 +1,180 @@
+package gateway
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/google/uuid"
+)
+
+// BatchStatus is the status of a batch (interface §3.1).
+type BatchStatus string
+
+// The batch statuses.
+const (
+	BatchQueued     BatchStatus = "queued"
+	BatchInProgress BatchStatus = "in_progress"
+	BatchCancelling BatchStatus = "cancelling"
+	BatchCompleted  BatchStatus = "completed"
+	BatchFailed     BatchStatus = "failed"
+	BatchCancelled  BatchStatus = "cancelled"
+	BatchExpired    BatchStatus = "expired"
+)
+
+// BatchStatuses lists every batch status.
+var BatchStatuses = []BatchStatus{BatchQueued, BatchInProgress, BatchCancelling, BatchCompleted, BatchFailed, BatchCancelled, BatchExpired}
+
+// Terminal reports whether a batch in status s never changes again.
+func (s BatchStatus) Terminal() bool {
+	return s == BatchCompleted || s == BatchFailed || s == BatchCancelled || s == BatchExpired
+}
+
+// ItemStatus is the status of a batch item.
+type ItemStatus string
+
+// The item statuses.
+const (
+	ItemQueued     ItemStatus = "queued"
+	ItemInProgress ItemStatus = "in_progress"
+	ItemCompleted  ItemStatus = "completed"
+	ItemFailed     ItemStatus = "failed"
+	ItemCancelled  ItemStatus = "cancelled"
+)
+
+// BatchEvent is something that happens to a batch.
+type BatchEvent int
+
+// The batch events.
+const (
+	// EventDrainStarted: a replica claimed the batch's first item.
+	EventDrainStarted BatchEvent = iota
+	// EventCancel: the owner asked to cancel.
+	EventCancel
+	// EventWindowElapsed: the completion window ended; unrun items are cancelled.
+	EventWindowElapsed
+	// EventItemsDone: every item reached an outcome (completed, failed or cancelled).
+	EventItemsDone
+)
+
+// BatchEvents lists every event.
+var BatchEvents = []BatchEvent{EventDrainStarted, EventCancel, EventWindowElapsed, EventItemsDone}
+
+func (e BatchEvent) String() string {
+	return [...]string{"drain started", "cancel", "window elapsed", "items done"}[e]
+}
+
+// ItemsOutcome summarises a batch whose items all reached an outcome.
+type ItemsOutcome struct {
+	// AnySucceeded: at least one item completed.
+	AnySucceeded bool
+	// WindowElapsed: the completion window ended before every item ran.
+	WindowElapsed bool
+}
+
+// ErrInvalidTransition is returned for an event a batch status does not accept.
+var ErrInvalidTransition = errors.New("invalid batch transition")
+
+// NextBatchStatus is the batch state machine of interface §3.1 and decisions
+// D8, the one place that decides it:
+//
+//	from          drain started  cancel        window elapsed  items done
+//	queued        in_progress    cancelled     expired         (see below)
+//	in_progress   in_progress    cancelling    in_progress¹    (see below)
+//	cancelling    cancelling     409           cancelling      cancelled
+//	terminal      invalid        409           terminal        invalid
+//
+// Items done: expired when the window elapsed first, else completed when any
+// item succeeded, else failed; from cancelling, always cancelled.
+// ¹ the unrun items are cancelled and the batch waits for the items in flight,
+// which finish and are billed; items done then makes it expired.
+func NextBatchStatus(from BatchStatus, ev BatchEvent, outcome ItemsOutcome) (BatchStatus, error) {
+	if ev == EventCancel && from != BatchQueued && from != BatchInProgress {
+		return from, Errorf(EBatchNotCancellable, "a batch that is %s cannot be cancelled", from)
+	}
+	switch from {
+	case BatchQueued, BatchInProgress:
+		switch ev {
+		case EventDrainStarted:
+			return BatchInProgress, nil
+		case EventCancel:
+			if from == BatchQueued {
+				return BatchCancelled, nil
+			}
+			return BatchCancelling, nil
+		case EventWindowElapsed:
+			if from == BatchQueued {
+				return BatchExpired, nil
+			}
+			return BatchInProgress, nil
+		case EventItemsDone:
+			switch {
+			case outcome.WindowElapsed:
+				return BatchExpired, nil
+			case outcome.AnySucceeded:
+				return BatchCompleted, nil
+			default:
+				return BatchFailed, nil
+			}
+		}
+	case BatchCancelling:
+		switch ev {
+		case EventDrainStarted, EventWindowElapsed:
+			return BatchCancelling, nil
+		case EventItemsDone:
+			return BatchCancelled, nil
+		}
+	default:
+		if from.Terminal() && ev == EventWindowElapsed {
+			return from, nil
+		}
+	}
+	return from, fmt.Errorf("%w: %s on a %s batch", ErrInvalidTransition, ev, from)
+}
+
+// BatchError is the batch-level error of a failed or expired batch.
+func BatchError(status BatchStatus, firstItemError ErrorCode) *Error {
+	switch status {
+	case BatchFailed:
+		if firstItemError == "" {
+			firstItemError = EInferenceBusy
+		}
+		return Errorf(firstItemError, "no item of the batch succeeded")
+	case BatchExpired:
+		return Errorf(EBatchExpired, "the completion window ended before every item ran")
+	}
+	return nil
+}
+
+// Batch is a batch as its owner sees it. Counters and usage are a live view of
+// its items.
+type Batch struct {
+	ID          uuid.UUID
+	Status      BatchStatus
+	Total       int
+	Completed   int
+	Failed      int
+	Usage       Usage
+	CreatedAt   time.Time
+	StartedAt   *time.Time
+	CompletedAt *time.Time
+	ExpiresAt   time.Time
+	Error       *Error
+}
+
+// BatchItem is one item's outcome.
+type BatchItem struct {
+	Index     int
+	Status    ItemStatus
+	RequestID *uuid.UUID // completed items
+	Model     Model      // completed items
+	Content   string     // completed items
+	Usage     Usage
+	Error     *Error // failed items
+}
+
+// Limits of a batch.
+const (
+	MaxBatchItems        = 100
+	MaxIdempotencyKeyLen = 255
+)

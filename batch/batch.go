@@ -1,0 +1,86 @@
+// Package batch creates batches: it validates every item before anything is
+// stored, prices each item's estimate at the batch rate, and hands the batch to
+// the store, which charges the whole estimate to the day and queues the items.
+package batch
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/metering"
+	"github.com/rungworks/gateway/store"
+	"github.com/rungworks/gateway/upstream"
+)
+
+// Store is what creating and reading batches needs.
+type Store interface {
+	CreateBatch(ctx context.Context, nb store.NewBatch) (store.CreateResult, error)
+	Batch(ctx context.Context, accountID, id uuid.UUID) (*gateway.Batch, error)
+}
+
+// DefaultWindow is the completion window of a batch.
+const DefaultWindow = 24 * time.Hour
+
+// Service creates batches.
+type Service struct {
+	Store     Store
+	Models    upstream.ModelMap
+	Estimator *metering.Estimator
+	// Window is the completion window; zero means DefaultWindow.
+	Window time.Duration
+}
+
+// Create validates and stores a batch. body identifies the request for
+// idempotency. It returns the batch and whether it was an idempotent replay.
+func (s *Service) Create(ctx context.Context, p *gateway.Principal, items []gateway.RequestInput, idempotencyKey string, body any) (*gateway.Batch, bool, error) {
+	switch {
+	case len(items) == 0:
+		return nil, false, gateway.Errorf(gateway.EEmptyBatch, "requests must hold at least one item")
+	case len(items) > gateway.MaxBatchItems:
+		return nil, false, gateway.Errorf(gateway.EBatchTooLarge, "requests holds %d items; the limit is %d", len(items), gateway.MaxBatchItems)
+	case len(idempotencyKey) > gateway.MaxIdempotencyKeyLen:
+		return nil, false, gateway.Errorf(gateway.EInvalidRequest, "Idempotency-Key is %d characters; the limit is %d", len(idempotencyKey), gateway.MaxIdempotencyKeyLen)
+	}
+	nb := store.NewBatch{Principal: p, IdempotencyKey: idempotencyKey, Items: make([]store.NewItem, len(items))}
+	for i, in := range items {
+		req, err := gateway.Validate(in, s.Models)
+		if err == nil {
+			var est metering.Estimate
+			est, err = s.Estimator.Estimate(req, gateway.EntryBatch)
+			nb.Items[i] = store.NewItem{Request: store.NewItemRequest(req), Estimate: est.Total()}
+		}
+		if err != nil {
+			var e *gateway.Error
+			if !errors.As(err, &e) {
+				e = gateway.Errorf(gateway.EInvalidRequest, "the request cannot be priced: %v", err)
+			}
+			index := i
+			e.BatchIndex = &index
+			return nil, false, e
+		}
+	}
+	hash, err := store.HashRequest(body)
+	if err != nil {
+		return nil, false, err
+	}
+	window := s.Window
+	if window <= 0 {
+		window = DefaultWindow
+	}
+	nb.RequestHash = hash
+	nb.CreatedAt = time.Now().UTC().Truncate(time.Microsecond)
+	nb.ExpiresAt = nb.CreatedAt.Add(window)
+	res, err := s.Store.CreateBatch(ctx, nb)
+	if err != nil {
+		return nil, false, err
+	}
+	b, err := s.Store.Batch(ctx, p.AccountID, res.BatchID)
+	if err != nil {
+		return nil, false, err
+	}
+	return b, res.Replayed, nil
+}

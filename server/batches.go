@@ -1,0 +1,147 @@
+package server
+
+import (
+	"context"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/gen/api"
+)
+
+// DefaultBatchListLimit is the number of batches listed when no limit is given.
+const DefaultBatchListLimit = 50
+
+// CreateBatch implements POST /api/v1/batch.
+func (s *Server) CreateBatch(ctx context.Context, req api.CreateBatchRequestObject) (api.CreateBatchResponseObject, error) {
+	items := make([]gateway.RequestInput, len(req.Body.Requests))
+	for i := range req.Body.Requests {
+		items[i] = requestInput(&req.Body.Requests[i])
+	}
+	var key string
+	if req.Params.IdempotencyKey != nil {
+		key = *req.Params.IdempotencyKey
+		if key == "" {
+			return nil, gateway.Errorf(gateway.EInvalidRequest, "Idempotency-Key must not be empty")
+		}
+	}
+	b, replayed, err := s.batches.Create(ctx, gateway.PrincipalFrom(ctx), items, key, req.Body)
+	if err != nil {
+		return nil, err
+	}
+	if replayed {
+		replay := "true"
+		return api.CreateBatch200JSONResponse{Body: apiBatch(b), Headers: api.CreateBatch200ResponseHeaders{IdempotentReplayed: &replay}}, nil
+	}
+	return api.CreateBatch202JSONResponse{Body: apiBatch(b)}, nil
+}
+
+// GetBatch implements GET /api/v1/batch/{batch_id}.
+func (s *Server) GetBatch(ctx context.Context, req api.GetBatchRequestObject) (api.GetBatchResponseObject, error) {
+	id, err := batchID(req.BatchId)
+	if err != nil {
+		return nil, err
+	}
+	b, err := s.batchData.Batch(ctx, gateway.PrincipalFrom(ctx).AccountID, id)
+	if err != nil {
+		return nil, err
+	}
+	return api.GetBatch200JSONResponse{BatchFoundJSONResponse: api.BatchFoundJSONResponse{Body: apiBatch(b)}}, nil
+}
+
+// GetBatchResults implements GET /api/v1/batch/{batch_id}/results.
+func (s *Server) GetBatchResults(ctx context.Context, req api.GetBatchResultsRequestObject) (api.GetBatchResultsResponseObject, error) {
+	id, err := batchID(req.BatchId)
+	if err != nil {
+		return nil, err
+	}
+	b, items, err := s.batchData.BatchResults(ctx, gateway.PrincipalFrom(ctx).AccountID, id)
+	if err != nil {
+		return nil, err
+	}
+	body := api.BatchResults{BatchId: b.ID, Status: api.BatchStatus(b.Status), Results: make([]api.BatchResultItem, len(items))}
+	for i, it := range items {
+		r := api.BatchResultItem{Index: it.Index, Status: api.BatchItemStatus(it.Status), Usage: rungUsage(it.Usage)}
+		if it.Status == gateway.ItemCompleted {
+			model := api.BatchResultItemModel(it.Model)
+			content := it.Content
+			r.RequestId, r.Model, r.Content = it.RequestID, &model, &content
+		}
+		if it.Error != nil {
+			r.Error = &api.Error{Code: api.ErrorCode(it.Error.Code), Message: it.Error.Message}
+		}
+		body.Results[i] = r
+	}
+	return api.GetBatchResults200JSONResponse{Body: body}, nil
+}
+
+// CancelBatch implements POST /api/v1/batch/{batch_id}/cancel.
+func (s *Server) CancelBatch(ctx context.Context, req api.CancelBatchRequestObject) (api.CancelBatchResponseObject, error) {
+	id, err := batchID(req.BatchId)
+	if err != nil {
+		return nil, err
+	}
+	account := gateway.PrincipalFrom(ctx).AccountID
+	if err := s.batchData.CancelBatch(ctx, account, id); err != nil {
+		return nil, err
+	}
+	b, err := s.batchData.Batch(ctx, account, id)
+	if err != nil {
+		return nil, err
+	}
+	return api.CancelBatch200JSONResponse{BatchFoundJSONResponse: api.BatchFoundJSONResponse{Body: apiBatch(b)}}, nil
+}
+
+// ListBatches implements GET /api/v1/batches.
+func (s *Server) ListBatches(ctx context.Context, req api.ListBatchesRequestObject) (api.ListBatchesResponseObject, error) {
+	limit := DefaultBatchListLimit
+	if req.Params.Limit != nil {
+		limit = *req.Params.Limit
+		if limit < 1 || limit > DefaultBatchListLimit {
+			return nil, gateway.Errorf(gateway.EInvalidRequest, "limit must be between 1 and %d", DefaultBatchListLimit)
+		}
+	}
+	batches, err := s.batchData.Batches(ctx, gateway.PrincipalFrom(ctx).AccountID, limit)
+	if err != nil {
+		return nil, err
+	}
+	body := api.BatchList{Data: make([]api.Batch, len(batches)), HasMore: false}
+	for i, b := range batches {
+		body.Data[i] = apiBatch(b)
+	}
+	return api.ListBatches200JSONResponse{Body: body}, nil
+}
+
+// batchID parses a batch id; a malformed one is reported like a missing batch.
+func batchID(raw string) (uuid.UUID, error) {
+	id, err := uuid.Parse(raw)
+	if err != nil {
+		return uuid.Nil, gateway.Errorf(gateway.EBatchNotFound, "no batch %q", raw)
+	}
+	return id, nil
+}
+
+func apiBatch(b *gateway.Batch) api.Batch {
+	out := api.Batch{
+		Id: b.ID, Status: api.BatchStatus(b.Status), TotalRequests: b.Total,
+		CompletedRequests: b.Completed, FailedRequests: b.Failed, Usage: rungUsage(b.Usage),
+		CreatedAt: b.CreatedAt.UTC(), StartedAt: utc(b.StartedAt), CompletedAt: utc(b.CompletedAt), ExpiresAt: b.ExpiresAt.UTC(),
+	}
+	if b.Error != nil {
+		out.Error = &api.Error{Code: api.ErrorCode(b.Error.Code), Message: b.Error.Message}
+	}
+	return out
+}
+
+func rungUsage(u gateway.Usage) api.RungUsage {
+	return api.RungUsage{InputRungs: u.InputRungs, OutputRungs: u.OutputRungs, TotalRungs: u.TotalRungs}
+}
+
+func utc(t *time.Time) *time.Time {
+	if t == nil {
+		return nil
+	}
+	v := t.UTC()
+	return &v
+}

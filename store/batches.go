@@ -1,0 +1,549 @@
+package store
+
+import (
+	"context"
+	"crypto/sha256"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/gen/db"
+)
+
+// ItemRequest is a batch item's validated request, as stored with the item.
+type ItemRequest struct {
+	Prompt             string        `json:"prompt"`
+	Model              gateway.Model `json:"model"`
+	MaxOutputRungs     uint64        `json:"max_output_rungs"`
+	IncludeRegions     bool          `json:"include_regions,omitempty"`
+	CustomInstructions string        `json:"custom_instructions,omitempty"`
+	WebSearch          bool          `json:"web_search,omitempty"`
+	CodeMode           bool          `json:"code_mode,omitempty"`
+	ImageMode          bool          `json:"image_mode,omitempty"`
+}
+
+// NewItemRequest stores req.
+func NewItemRequest(req gateway.Request) ItemRequest {
+	return ItemRequest{
+		Prompt: req.Prompt, Model: req.Model, MaxOutputRungs: req.MaxOutputRungs, IncludeRegions: req.IncludeRegions,
+		CustomInstructions: req.CustomInstructions, WebSearch: req.Hints.WebSearch, CodeMode: req.Hints.CodeMode, ImageMode: req.Hints.ImageMode,
+	}
+}
+
+// Request is the stored request as the domain's.
+func (r ItemRequest) Request() gateway.Request {
+	return gateway.Request{
+		Prompt: r.Prompt, Model: r.Model, ModelExplicit: true, MaxOutputRungs: r.MaxOutputRungs, IncludeRegions: r.IncludeRegions,
+		CustomInstructions: r.CustomInstructions, Hints: gateway.Hints{WebSearch: r.WebSearch, CodeMode: r.CodeMode, ImageMode: r.ImageMode},
+	}
+}
+
+// NewBatch is a validated batch to store.
+type NewBatch struct {
+	Principal      *gateway.Principal
+	IdempotencyKey string // empty: none
+	// RequestHash identifies the request body, to tell a replay from a reuse.
+	RequestHash []byte
+	Items       []NewItem
+	CreatedAt   time.Time
+	ExpiresAt   time.Time
+}
+
+// NewItem is one validated item and its batch-priced estimate.
+type NewItem struct {
+	Request  ItemRequest
+	Estimate int64
+}
+
+// CreateResult says what CreateBatch did.
+type CreateResult struct {
+	BatchID uuid.UUID
+	// Replayed: the idempotency key named an existing batch with the same body.
+	Replayed bool
+}
+
+// reservationSlack keeps a batch item's reservation beyond the batch's window,
+// so the expiry sweeper, not reservation recovery, releases unrun items.
+const reservationSlack = time.Hour
+
+// CreateBatch stores a batch durably in one transaction: the batch, its items,
+// the charge of its whole estimate to the account's day and one reservation per
+// item. The daily ceiling refusing it is RATE_LIMITED and stores nothing; an
+// idempotency key already used returns that batch (Replayed) when the body is
+// the same and IDEMPOTENCY_KEY_REUSED otherwise. Concurrent creates with one key
+// create one batch. Replicas are woken by a notification on commit.
+func (s *Store) CreateBatch(ctx context.Context, nb NewBatch) (CreateResult, error) {
+	p := nb.Principal
+	id := newID()
+	day := gateway.UTCDay(nb.CreatedAt)
+	var key *string
+	if nb.IdempotencyKey != "" {
+		key = &nb.IdempotencyKey
+	}
+	var total int64
+	for _, it := range nb.Items {
+		total += it.Estimate
+	}
+	var result CreateResult
+	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		_, err := s.queries.InsertBatch(ctx, tx, db.InsertBatchParams{
+			ID: id, AccountID: p.AccountID, ProjectID: p.ProjectID, TotalRequests: int32(len(nb.Items)),
+			IdempotencyKey: key, RequestHash: nb.RequestHash, CreatedAt: nb.CreatedAt, ExpiresAt: nb.ExpiresAt,
+		})
+		if errors.Is(err, pgx.ErrNoRows) {
+			existing, err := s.queries.GetBatchByIdempotencyKey(ctx, tx, db.GetBatchByIdempotencyKeyParams{AccountID: p.AccountID, IdempotencyKey: key})
+			if err != nil {
+				return fmt.Errorf("error reading batch of idempotency key: %w", err)
+			}
+			if string(existing.RequestHash) != string(nb.RequestHash) {
+				return gateway.Errorf(gateway.EIdempotencyKeyReused, "the Idempotency-Key was already used for a different batch request")
+			}
+			result = CreateResult{BatchID: existing.ID, Replayed: true}
+			return nil
+		}
+		if err != nil {
+			return fmt.Errorf("error inserting batch: %w", err)
+		}
+		admitted, err := s.queries.AdmitBatch(ctx, tx, db.AdmitBatchParams{AccountID: p.AccountID, Day: day, DefaultCeiling: p.Tier.DefaultDailyCeiling(), Estimate: total})
+		if err != nil {
+			return fmt.Errorf("error charging batch estimate: %w", err)
+		}
+		if !admitted {
+			return &gateway.Error{
+				Code:       gateway.ERateLimited,
+				Message:    fmt.Sprintf("the account's daily rung ceiling cannot cover this batch's estimate of %d rungs; it resets at 00:00 UTC", total),
+				RetryAfter: day.Add(24 * time.Hour).Sub(time.Now()),
+			}
+		}
+		items := make([]db.InsertBatchItemsParams, len(nb.Items))
+		reservations := make([]db.InsertReservationsParams, len(nb.Items))
+		for i, it := range nb.Items {
+			raw, err := json.Marshal(it.Request)
+			if err != nil {
+				return fmt.Errorf("error encoding item request: %w", err)
+			}
+			requestID := newID()
+			items[i] = db.InsertBatchItemsParams{
+				BatchID: id, Idx: int32(i), AccountID: p.AccountID, ProjectID: p.ProjectID, ApiKeyID: p.KeyID,
+				RequestID: requestID, Status: string(gateway.ItemQueued), Request: raw, Model: string(it.Request.Model),
+				EstimateRungs: it.Estimate, QueuedAt: nb.CreatedAt, ExpiresAt: nb.ExpiresAt,
+			}
+			reservations[i] = db.InsertReservationsParams{
+				RequestID: requestID, AccountID: p.AccountID, ProjectID: p.ProjectID, Day: day,
+				ChargedRungs: it.Estimate, ExpiresAt: nb.ExpiresAt.Add(reservationSlack),
+			}
+		}
+		if _, err := s.queries.InsertBatchItems(ctx, tx, items); err != nil {
+			return fmt.Errorf("error inserting batch items: %w", err)
+		}
+		if _, err := s.queries.InsertReservations(ctx, tx, reservations); err != nil {
+			return fmt.Errorf("error inserting batch reservations: %w", err)
+		}
+		if err := s.queries.NotifyBatchCreated(ctx, tx, id.String()); err != nil {
+			return fmt.Errorf("error notifying replicas: %w", err)
+		}
+		result = CreateResult{BatchID: id}
+		return nil
+	})
+	return result, err
+}
+
+// HashRequest is the identity of a batch request body for idempotency: the
+// SHA-256 of its canonical JSON.
+func HashRequest(v any) ([]byte, error) {
+	raw, err := json.Marshal(v)
+	if err != nil {
+		return nil, fmt.Errorf("error encoding batch request: %w", err)
+	}
+	sum := sha256.Sum256(raw)
+	return sum[:], nil
+}
+
+func errBatchNotFound(id uuid.UUID) error {
+	return gateway.Errorf(gateway.EBatchNotFound, "no batch %s", id)
+}
+
+// Batch returns one of the account's batches.
+func (s *Store) Batch(ctx context.Context, accountID, id uuid.UUID) (*gateway.Batch, error) {
+	row, err := s.queries.GetBatch(ctx, s.pool, db.GetBatchParams{ID: id, AccountID: accountID})
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, errBatchNotFound(id)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("error reading batch: %w", err)
+	}
+	return batchOf(db.ListBatchesRow(row)), nil
+}
+
+// Batches returns the account's most recent batches, newest first.
+func (s *Store) Batches(ctx context.Context, accountID uuid.UUID, limit int) ([]*gateway.Batch, error) {
+	rows, err := s.queries.ListBatches(ctx, s.pool, db.ListBatchesParams{AccountID: accountID, MaxRows: int32(limit)})
+	if err != nil {
+		return nil, fmt.Errorf("error listing batches: %w", err)
+	}
+	out := make([]*gateway.Batch, len(rows))
+	for i, r := range rows {
+		out[i] = batchOf(r)
+	}
+	return out, nil
+}
+
+func batchOf(r db.ListBatchesRow) *gateway.Batch {
+	b := &gateway.Batch{
+		ID: r.ID, Status: gateway.BatchStatus(r.Status), Total: int(r.TotalRequests),
+		Completed: int(r.CompletedRequests), Failed: int(r.FailedRequests),
+		Usage:     gateway.Usage{InputRungs: r.InputRungs, OutputRungs: r.OutputRungs, TotalRungs: r.TotalRungs},
+		CreatedAt: r.CreatedAt, StartedAt: r.StartedAt, CompletedAt: r.CompletedAt, ExpiresAt: r.ExpiresAt,
+	}
+	if r.ErrorCode != nil {
+		b.Error = &gateway.Error{Code: gateway.ErrorCode(*r.ErrorCode), Message: deref(r.ErrorMessage)}
+	}
+	return b
+}
+
+// BatchResults returns one of the account's batches and its items' outcomes,
+// ordered by index.
+func (s *Store) BatchResults(ctx context.Context, accountID, id uuid.UUID) (*gateway.Batch, []gateway.BatchItem, error) {
+	var batch *gateway.Batch
+	var items []gateway.BatchItem
+	err := pgx.BeginTxFunc(ctx, s.pool, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
+		row, err := s.queries.GetBatch(ctx, tx, db.GetBatchParams{ID: id, AccountID: accountID})
+		if errors.Is(err, pgx.ErrNoRows) {
+			return errBatchNotFound(id)
+		}
+		if err != nil {
+			return fmt.Errorf("error reading batch: %w", err)
+		}
+		batch = batchOf(db.ListBatchesRow(row))
+		rows, err := s.queries.GetBatchItems(ctx, tx, id)
+		if err != nil {
+			return fmt.Errorf("error reading batch items: %w", err)
+		}
+		items = make([]gateway.BatchItem, len(rows))
+		for i, r := range rows {
+			it := gateway.BatchItem{
+				Index: int(r.Idx), Status: gateway.ItemStatus(r.Status),
+				Usage: gateway.Usage{InputRungs: r.InputRungs, OutputRungs: r.OutputRungs, TotalRungs: r.TotalRungs},
+			}
+			switch it.Status {
+			case gateway.ItemCompleted:
+				requestID := r.RequestID
+				it.RequestID, it.Model, it.Content = &requestID, gateway.Model(r.Model), deref(r.Content)
+			case gateway.ItemFailed:
+				it.Error = &gateway.Error{Code: gateway.ErrorCode(deref(r.ErrorCode)), Message: deref(r.ErrorMessage)}
+			}
+			items[i] = it
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, nil, err
+	}
+	return batch, items, nil
+}
+
+// CancelBatch asks to cancel one of the account's batches: a queued batch is
+// cancelled with every item; an in-progress batch becomes cancelling, its unrun
+// items cancelled at once, and cancelled when its running items finish. Any
+// other status is BATCH_NOT_CANCELLABLE.
+func (s *Store) CancelBatch(ctx context.Context, accountID, id uuid.UUID) error {
+	return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		if err := s.transition(ctx, tx, id, &accountID, gateway.EventCancel); err != nil {
+			return err
+		}
+		reason := "owner"
+		if _, err := s.queries.CancelQueuedItems(ctx, tx, db.CancelQueuedItemsParams{BatchID: id, Reason: &reason}); err != nil {
+			return fmt.Errorf("error cancelling items: %w", err)
+		}
+		return s.finishIfDone(ctx, tx, id)
+	})
+}
+
+// transition applies ev to a batch under its row lock, through the state
+// machine in gateway.NextBatchStatus.
+func (s *Store) transition(ctx context.Context, tx pgx.Tx, id uuid.UUID, accountID *uuid.UUID, ev gateway.BatchEvent) error {
+	row, err := s.queries.LockBatch(ctx, tx, db.LockBatchParams{ID: id, AccountID: accountID})
+	if errors.Is(err, pgx.ErrNoRows) {
+		return errBatchNotFound(id)
+	}
+	if err != nil {
+		return fmt.Errorf("error locking batch: %w", err)
+	}
+	from := gateway.BatchStatus(row.Status)
+	outcome := gateway.ItemsOutcome{AnySucceeded: row.Succeeded > 0, WindowElapsed: row.ExpiredItems > 0}
+	if ev == gateway.EventItemsDone && row.Unfinished > 0 {
+		return nil
+	}
+	to, err := gateway.NextBatchStatus(from, ev, outcome)
+	if err != nil {
+		return err
+	}
+	if to == from {
+		return nil
+	}
+	params := db.SetBatchStatusParams{ID: id, Status: string(to)}
+	if e := gateway.BatchError(to, gateway.ErrorCode(row.FirstError)); e != nil {
+		code := string(e.Code)
+		params.ErrorCode, params.ErrorMessage = &code, &e.Message
+	}
+	if err := s.queries.SetBatchStatus(ctx, tx, params); err != nil {
+		return fmt.Errorf("error setting batch status: %w", err)
+	}
+	return nil
+}
+
+// finishIfDone makes a batch terminal when none of its items is unfinished.
+func (s *Store) finishIfDone(ctx context.Context, tx pgx.Tx, id uuid.UUID) error {
+	err := s.transition(ctx, tx, id, nil, gateway.EventItemsDone)
+	if errors.Is(err, gateway.ErrInvalidTransition) {
+		return nil // already terminal
+	}
+	return err
+}
+
+// FinishBatches makes each batch terminal whose items all reached an outcome.
+func (s *Store) FinishBatches(ctx context.Context, ids []uuid.UUID) error {
+	for _, id := range ids {
+		if err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error { return s.finishIfDone(ctx, tx, id) }); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// StartBatches moves queued batches to in_progress (their drain started).
+func (s *Store) StartBatches(ctx context.Context, ids []uuid.UUID) error {
+	for _, id := range ids {
+		err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+			return s.transition(ctx, tx, id, nil, gateway.EventDrainStarted)
+		})
+		if err != nil && !errors.Is(err, gateway.ErrInvalidTransition) {
+			return err
+		}
+	}
+	return nil
+}
+
+// ExpireBatches applies the end of the completion window to up to maxRows
+// open batches past it: unrun items are cancelled, and a batch with nothing
+// running becomes expired. It returns how many batches it looked at.
+func (s *Store) ExpireBatches(ctx context.Context, maxRows int32) (int64, error) {
+	ids, err := s.queries.BatchesPastWindow(ctx, s.pool, maxRows)
+	if err != nil {
+		return 0, fmt.Errorf("error finding expired batches: %w", err)
+	}
+	for _, id := range ids {
+		err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+			reason := "expiry"
+			if _, err := s.queries.CancelQueuedItems(ctx, tx, db.CancelQueuedItemsParams{BatchID: id, Reason: &reason}); err != nil {
+				return fmt.Errorf("error cancelling expired items: %w", err)
+			}
+			if err := s.transition(ctx, tx, id, nil, gateway.EventWindowElapsed); err != nil && !errors.Is(err, gateway.ErrInvalidTransition) {
+				return err
+			}
+			return s.finishIfDone(ctx, tx, id)
+		})
+		if err != nil {
+			return 0, err
+		}
+	}
+	return int64(len(ids)), nil
+}
+
+// FinishStrandedBatches finalizes open batches whose items all reached an
+// outcome but whose finalization was missed (a replica died in between).
+func (s *Store) FinishStrandedBatches(ctx context.Context, maxRows int32) (int64, error) {
+	ids, err := s.queries.UnfinishedBatches(ctx, s.pool, maxRows)
+	if err != nil {
+		return 0, fmt.Errorf("error finding stranded batches: %w", err)
+	}
+	return int64(len(ids)), s.FinishBatches(ctx, ids)
+}
+
+// RescueExpiredLeases fails items whose replica died (lease ran out) with
+// INTERRUPTED and finalizes their batches.
+func (s *Store) RescueExpiredLeases(ctx context.Context, maxRows int32) (int64, error) {
+	ids, err := s.queries.RescueExpiredLeases(ctx, s.pool, maxRows)
+	if err != nil {
+		return 0, fmt.Errorf("error rescuing expired leases: %w", err)
+	}
+	return int64(len(ids)), s.FinishBatches(ctx, ids)
+}
+
+// DeleteOldBatches removes up to maxRows terminal batches completed before before.
+func (s *Store) DeleteOldBatches(ctx context.Context, before time.Time, maxRows int32) (int64, error) {
+	n, err := s.queries.DeleteOldBatches(ctx, s.pool, db.DeleteOldBatchesParams{Before: &before, MaxRows: maxRows})
+	if err != nil {
+		return 0, fmt.Errorf("error deleting old batches: %w", err)
+	}
+	return n, nil
+}
+
+// ExpireIdempotencyKeys forgets up to maxRows idempotency keys of batches
+// created before before.
+func (s *Store) ExpireIdempotencyKeys(ctx context.Context, before time.Time, maxRows int32) (int64, error) {
+	n, err := s.queries.ExpireIdempotencyKeys(ctx, s.pool, db.ExpireIdempotencyKeysParams{Before: before, MaxRows: maxRows})
+	if err != nil {
+		return 0, fmt.Errorf("error expiring idempotency keys: %w", err)
+	}
+	return n, nil
+}
+
+// ClaimedItem is a batch item leased to a replica.
+type ClaimedItem struct {
+	BatchID   uuid.UUID
+	Index     int
+	RequestID uuid.UUID
+	Principal *gateway.Principal // key, project and account of the batch
+	Request   ItemRequest
+	Estimate  int64
+	// BatchQueued: the batch had not started; its drain starts now.
+	BatchQueued bool
+	// BudgetRefused: the item (and its batch's unrun items) failed with
+	// BUDGET_EXCEEDED instead of being claimed.
+	BudgetRefused bool
+}
+
+// ClaimParams shape a claim.
+type ClaimParams struct {
+	Owner      uuid.UUID
+	Max        int
+	PerAccount int
+	Lease      time.Duration
+}
+
+// ClaimItems claims up to p.Max queued items in one statement (see
+// claim_batch_items): fair across accounts, leased to p.Owner.
+func (s *Store) ClaimItems(ctx context.Context, p ClaimParams) ([]ClaimedItem, error) {
+	rows, err := s.queries.ClaimBatchItems(ctx, s.pool, db.ClaimBatchItemsParams{
+		Owner: p.Owner, MaxItems: int32(p.Max), PerAccount: int32(p.PerAccount),
+		Lease: interval(p.Lease), Pivot: uuid.Must(uuid.NewRandom()),
+	})
+	if err != nil {
+		return nil, fmt.Errorf("error claiming batch items: %w", err)
+	}
+	out := make([]ClaimedItem, len(rows))
+	for i, r := range rows {
+		var req ItemRequest
+		if err := json.Unmarshal(r.Request, &req); err != nil {
+			return nil, fmt.Errorf("error decoding item request: %w", err)
+		}
+		out[i] = ClaimedItem{
+			BatchID: r.BatchID, Index: int(r.Idx), RequestID: r.RequestID,
+			Principal:   &gateway.Principal{KeyID: r.ApiKeyID, ProjectID: r.ProjectID, AccountID: r.AccountID},
+			Request:     req,
+			Estimate:    r.EstimateRungs,
+			BatchQueued: r.BatchStatus == string(gateway.BatchQueued),
+			// A refused item is returned failed, not claimed.
+			BudgetRefused: !r.Claimed,
+		}
+	}
+	return out, nil
+}
+
+// ItemResult is a leased item's outcome.
+type ItemResult struct {
+	BatchID           uuid.UUID        `json:"batch_id"`
+	Index             int              `json:"idx"`
+	Status            string           `json:"status"`
+	Content           string           `json:"content,omitempty"`
+	InputTokens       int64            `json:"input_tokens"`
+	OutputTokens      int64            `json:"output_tokens"`
+	InputRungs        int64            `json:"input_rungs"`
+	OutputRungs       int64            `json:"output_rungs"`
+	TotalRungs        int64            `json:"total_rungs"`
+	ErrorCode         string           `json:"error_code,omitempty"`
+	ErrorMessage      string           `json:"error_message,omitempty"`
+	Sources           []gateway.Source `json:"sources,omitempty"`
+	Verdict           string           `json:"verdict,omitempty"`
+	EvidenceExpiresAt time.Time        `json:"evidence_expires_at"`
+}
+
+// ItemKey names a batch item.
+type ItemKey struct {
+	BatchID uuid.UUID
+	Index   int
+}
+
+// CompleteItems commits the outcomes of items leased to owner in one
+// transaction, returning the items applied; an item whose lease was lost is
+// not. See complete_batch_items.
+func (s *Store) CompleteItems(ctx context.Context, owner uuid.UUID, results []ItemResult) ([]ItemKey, error) {
+	raw, err := json.Marshal(results)
+	if err != nil {
+		return nil, fmt.Errorf("error encoding item results: %w", err)
+	}
+	rows, err := s.queries.CompleteBatchItems(ctx, s.pool, db.CompleteBatchItemsParams{Owner: owner, Results: raw})
+	if err != nil {
+		return nil, fmt.Errorf("error completing batch items: %w", err)
+	}
+	out := make([]ItemKey, len(rows))
+	for i, r := range rows {
+		out[i] = ItemKey{BatchID: r.BatchID, Index: int(r.Idx)}
+	}
+	return out, nil
+}
+
+// RequeueItems hands items leased to owner back to the queue, unbilled.
+func (s *Store) RequeueItems(ctx context.Context, owner uuid.UUID, keys []ItemKey) (int64, error) {
+	batchIDs := make([]uuid.UUID, len(keys))
+	idxs := make([]int32, len(keys))
+	for i, k := range keys {
+		batchIDs[i], idxs[i] = k.BatchID, int32(k.Index)
+	}
+	n, err := s.queries.RequeueBatchItems(ctx, s.pool, db.RequeueBatchItemsParams{Owner: owner, BatchIds: batchIDs, Idxs: idxs})
+	if err != nil {
+		return 0, fmt.Errorf("error requeueing batch items: %w", err)
+	}
+	return n, nil
+}
+
+// RenewLeases extends the leases of every item running under owner.
+func (s *Store) RenewLeases(ctx context.Context, owner uuid.UUID, lease time.Duration) (int64, error) {
+	n, err := s.queries.RenewLeases(ctx, s.pool, db.RenewLeasesParams{Owner: &owner, Lease: interval(lease)})
+	if err != nil {
+		return 0, fmt.Errorf("error renewing leases: %w", err)
+	}
+	return n, nil
+}
+
+// ListenBatchCreated calls wake whenever a batch is created, until ctx ends,
+// on a connection of its own. It returns when the connection fails, for the
+// caller to retry.
+func (s *Store) ListenBatchCreated(ctx context.Context, wake func()) error {
+	conn, err := s.pool.Acquire(ctx)
+	if err != nil {
+		return fmt.Errorf("error acquiring listen connection: %w", err)
+	}
+	defer conn.Release()
+	if err := s.queries.ListenBatchCreated(ctx, conn); err != nil {
+		return fmt.Errorf("error listening: %w", err)
+	}
+	for {
+		if _, err := conn.Conn().WaitForNotification(ctx); err != nil {
+			// The session still LISTENs; drop it rather than return it to the pool.
+			_ = conn.Conn().Close(context.WithoutCancel(ctx))
+			return err
+		}
+		wake()
+	}
+}
+
+func interval(d time.Duration) pgtype.Interval {
+	return pgtype.Interval{Microseconds: d.Microseconds(), Valid: true}
+}
+
+func deref[T any](p *T) T {
+	var zero T
+	if p == nil {
+		return zero
+	}
+	return *p
+}
+

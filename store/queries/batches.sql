@@ -1,0 +1,137 @@
+-- name: InsertBatch :one
+-- Creates a batch unless the account already used the idempotency key; then
+-- nothing is returned.
+INSERT INTO batches (id, account_id, project_id, status, total_requests, idempotency_key, request_hash, created_at, expires_at)
+VALUES (@id, @account_id, @project_id, 'queued', @total_requests, sqlc.narg(idempotency_key), @request_hash, @created_at, @expires_at)
+ON CONFLICT (account_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+RETURNING id;
+
+-- name: GetBatchByIdempotencyKey :one
+SELECT id, request_hash FROM batches WHERE account_id = @account_id AND idempotency_key = @idempotency_key;
+
+-- name: AdmitBatch :one
+SELECT admit_batch(@account_id, @day, @default_ceiling, @estimate)::boolean AS admitted;
+
+-- name: InsertBatchItems :copyfrom
+INSERT INTO batch_items (batch_id, idx, account_id, project_id, api_key_id, request_id, status, request, model, estimate_rungs, queued_at, expires_at)
+VALUES (@batch_id, @idx, @account_id, @project_id, @api_key_id, @request_id, @status, @request, @model, @estimate_rungs, @queued_at, @expires_at);
+
+-- name: InsertReservations :copyfrom
+INSERT INTO reservations (request_id, account_id, project_id, day, charged_rungs, reserved_rungs, expires_at)
+VALUES (@request_id, @account_id, @project_id, @day, @charged_rungs, @reserved_rungs, @expires_at);
+
+-- name: NotifyBatchCreated :exec
+SELECT pg_notify('batch_created', @batch_id::text);
+
+-- name: ListenBatchCreated :exec
+LISTEN batch_created;
+
+-- name: GetBatch :one
+-- A batch of the account with its counters and usage aggregated from its items.
+SELECT b.id, b.status, b.total_requests, b.error_code, b.error_message,
+       b.created_at, b.started_at, b.completed_at, b.expires_at,
+       count(*) FILTER (WHERE i.status = 'completed')::integer AS completed_requests,
+       count(*) FILTER (WHERE i.status = 'failed')::integer AS failed_requests,
+       coalesce(sum(i.input_rungs), 0)::bigint AS input_rungs,
+       coalesce(sum(i.output_rungs), 0)::bigint AS output_rungs,
+       coalesce(sum(i.total_rungs), 0)::bigint AS total_rungs
+FROM batches b
+LEFT JOIN batch_items i ON i.batch_id = b.id
+WHERE b.id = @id AND b.account_id = @account_id
+GROUP BY b.id;
+
+-- name: ListBatches :many
+SELECT b.id, b.status, b.total_requests, b.error_code, b.error_message,
+       b.created_at, b.started_at, b.completed_at, b.expires_at,
+       count(*) FILTER (WHERE i.status = 'completed')::integer AS completed_requests,
+       count(*) FILTER (WHERE i.status = 'failed')::integer AS failed_requests,
+       coalesce(sum(i.input_rungs), 0)::bigint AS input_rungs,
+       coalesce(sum(i.output_rungs), 0)::bigint AS output_rungs,
+       coalesce(sum(i.total_rungs), 0)::bigint AS total_rungs
+FROM (SELECT x.* FROM batches x WHERE x.account_id = @account_id ORDER BY x.created_at DESC, x.id DESC LIMIT @max_rows) b
+LEFT JOIN batch_items i ON i.batch_id = b.id
+GROUP BY b.id, b.status, b.total_requests, b.error_code, b.error_message, b.created_at, b.started_at, b.completed_at, b.expires_at
+ORDER BY b.created_at DESC, b.id DESC;
+
+-- name: GetBatchItems :many
+SELECT idx, status, request_id, model, content, input_rungs, output_rungs, total_rungs, error_code, error_message
+FROM batch_items
+WHERE batch_id = @batch_id
+ORDER BY idx;
+
+-- name: LockBatch :one
+-- The batch's status, locked for a transition, with the facts of its items.
+SELECT b.status, f.unfinished, f.succeeded, f.expired_items, f.first_error
+FROM batches b
+CROSS JOIN LATERAL (
+    SELECT count(*) FILTER (WHERE i.status IN ('queued', 'in_progress'))::integer AS unfinished,
+           count(*) FILTER (WHERE i.status = 'completed')::integer AS succeeded,
+           count(*) FILTER (WHERE i.cancel_reason = 'expiry')::integer AS expired_items,
+           coalesce((array_agg(i.error_code ORDER BY i.idx) FILTER (WHERE i.status = 'failed'))[1], '')::text AS first_error
+    FROM batch_items i WHERE i.batch_id = b.id
+) f
+WHERE b.id = @id AND (sqlc.narg(account_id)::uuid IS NULL OR b.account_id = sqlc.narg(account_id)::uuid)
+FOR UPDATE OF b;
+
+-- name: SetBatchStatus :exec
+UPDATE batches SET status = @status,
+       started_at = CASE WHEN @status = 'in_progress' THEN coalesce(started_at, now()) ELSE started_at END,
+       completed_at = CASE WHEN @status IN ('completed', 'failed', 'cancelled', 'expired') THEN now() ELSE completed_at END,
+       error_code = sqlc.narg(error_code), error_message = sqlc.narg(error_message)
+WHERE id = @id;
+
+-- name: CancelQueuedItems :execrows
+-- Cancels a batch's items that have not started, releasing their reservations.
+WITH cancelled AS (
+    UPDATE batch_items SET status = 'cancelled', cancel_reason = @reason, completed_at = now()
+     WHERE batch_id = @batch_id AND status = 'queued'
+    RETURNING request_id
+)
+UPDATE reservations r SET settled_rungs = 0
+  FROM cancelled c WHERE r.request_id = c.request_id AND r.settled_rungs IS NULL;
+
+-- name: ClaimBatchItems :many
+SELECT c.batch_id::uuid AS batch_id, c.idx::integer AS idx, c.request_id::uuid AS request_id,
+       c.account_id::uuid AS account_id, c.project_id::uuid AS project_id, c.api_key_id::uuid AS api_key_id,
+       c.request::jsonb AS request, c.model::text AS model, c.estimate_rungs::bigint AS estimate_rungs,
+       c.batch_status::text AS batch_status, c.claimed::boolean AS claimed
+FROM claim_batch_items(@owner::uuid, @max_items::integer, @per_account::integer, @lease::interval, @pivot::uuid) AS c;
+
+-- name: CompleteBatchItems :many
+SELECT c.batch_id::uuid AS batch_id, c.idx::integer AS idx
+FROM complete_batch_items(@owner::uuid, @results::jsonb) AS c;
+
+-- name: RequeueBatchItems :one
+SELECT requeue_batch_items(@owner::uuid, @batch_ids::uuid[], @idxs::integer[])::bigint AS requeued;
+
+-- name: RenewLeases :execrows
+UPDATE batch_items SET lease_expires_at = now() + @lease::interval
+WHERE lease_owner = @owner AND status = 'in_progress';
+
+-- name: RescueExpiredLeases :many
+SELECT r.batch_id::uuid AS batch_id FROM rescue_expired_leases(@max_rows::integer) AS r;
+
+-- name: BatchesPastWindow :many
+-- Open batches whose completion window ended.
+SELECT id FROM batches
+WHERE status IN ('queued', 'in_progress', 'cancelling') AND expires_at <= now()
+ORDER BY expires_at
+LIMIT @max_rows;
+
+-- name: UnfinishedBatches :many
+-- Open batches none of whose items is unfinished: a finalization was missed
+-- (the replica died between committing an item and finalizing its batch).
+SELECT b.id FROM batches b
+WHERE b.status IN ('in_progress', 'cancelling')
+  AND NOT EXISTS (SELECT 1 FROM batch_items i WHERE i.batch_id = b.id AND i.status IN ('queued', 'in_progress'))
+LIMIT @max_rows;
+
+-- name: DeleteOldBatches :execrows
+-- Removes terminal batches (and their items) completed before @before. Their
+-- usage stays in requests.
+DELETE FROM batches
+WHERE batches.id IN (SELECT x.id FROM batches x WHERE x.completed_at < @before ORDER BY x.completed_at LIMIT @max_rows);
+
+-- name: ExpireIdempotencyKeys :execrows
+UPDATE batches SET idempotency_key = NULL
+WHERE batches.id IN (SELECT x.id FROM batches x WHERE x.idempotency_key IS NOT NULL AND x.created_at < @before LIMIT @max_rows);
