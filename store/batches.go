@@ -546,4 +546,3 @@ func deref[T any](p *T) T {
 	}
 	return *p
 }
-
