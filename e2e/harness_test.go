@@ -9,6 +9,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"os"
@@ -212,6 +213,13 @@ func (g *gateway) call(method, path, key string, body any) reply {
 	defer resp.Body.Close()
 	got := apitest.Validate(g.t, newReq(), resp)
 	return reply{status: resp.StatusCode, header: resp.Header, body: got}
+}
+
+func jsonBody(t *testing.T, v any) io.Reader {
+	t.Helper()
+	raw, err := json.Marshal(v)
+	require.NoError(t, err)
+	return bytes.NewReader(raw)
 }
 
 func (r reply) object(t *testing.T) map[string]any {

@@ -116,7 +116,10 @@ BEGIN
         SELECT i.batch_id, i.idx, i.request_id, i.account_id, i.project_id, i.api_key_id,
                i.request, i.model, i.estimate_rungs
           INTO batch_id, idx, request_id, account_id, project_id, api_key_id, request, model, estimate_rungs
-          FROM batch_items i WHERE i.batch_id = v.batch_id AND i.idx = v.idx;
+          FROM batch_items i WHERE i.batch_id = v.batch_id AND i.idx = v.idx AND i.status = 'queued';
+        IF NOT FOUND THEN
+            CONTINUE; -- failed meanwhile with an earlier candidate of its batch
+        END IF;
         SELECT b.status INTO batch_status FROM batches b WHERE b.id = v.batch_id;
 
         v_ok := true;

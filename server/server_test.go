@@ -17,6 +17,7 @@ import (
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/inference"
+	"github.com/rungworks/gateway/batch"
 	"github.com/rungworks/gateway/internal/apitest"
 	"github.com/rungworks/gateway/internal/testdb"
 	"github.com/rungworks/gateway/metering"
@@ -150,6 +151,8 @@ func setupStore(t testing.TB, models upstream.ModelMap, keepalive time.Duration,
 		},
 		Evidence:     st,
 		Usage:        st,
+		Batches:      &batch.Service{Store: st, Models: models, Estimator: &metering.Estimator{Tokenizer: tok, RateCard: rc}},
+		BatchData:    st,
 		SSEKeepalive: keepalive,
 	})
 	require.NoError(t, err)
@@ -181,8 +184,16 @@ type reply struct {
 // do sends a request and validates the reply against the OpenAPI document.
 func (b *testBundle) do(method, path, key, contentType string, body []byte) reply {
 	b.t.Helper()
+	return b.doWith(method, path, key, contentType, body, nil)
+}
+
+func (b *testBundle) doWith(method, path, key, contentType string, body []byte, header http.Header) reply {
+	b.t.Helper()
 	req, err := http.NewRequest(method, b.http.URL+path, bytes.NewReader(body))
 	require.NoError(b.t, err)
+	for k, v := range header {
+		req.Header[k] = v
+	}
 	if key != "" {
 		req.Header.Set("Authorization", "Bearer "+key)
 	}
@@ -201,9 +212,14 @@ func (b *testBundle) do(method, path, key, contentType string, body []byte) repl
 
 func (b *testBundle) post(path, key string, body any) reply {
 	b.t.Helper()
+	return b.postWith(path, key, body, nil)
+}
+
+func (b *testBundle) postWith(path, key string, body any, header http.Header) reply {
+	b.t.Helper()
 	raw, err := json.Marshal(body)
 	require.NoError(b.t, err)
-	return b.do(http.MethodPost, path, key, "application/json", raw)
+	return b.doWith(http.MethodPost, path, key, "application/json", raw, header)
 }
 
 func (r reply) errorCode(t *testing.T) gateway.ErrorCode {

@@ -40,8 +40,11 @@ func startSSE(w http.ResponseWriter, keepalive time.Duration) *sseWriter {
 	h.Set("X-Accel-Buffering", "no") // no buffering in nginx-like proxies
 	w.WriteHeader(http.StatusOK)
 	s := &sseWriter{w: w, rc: http.NewResponseController(w), keepalive: keepalive}
+	s.mu.Lock()
+	defer s.mu.Unlock()
 	s.err = s.rc.Flush()
 	if keepalive > 0 {
+		// Under the lock: the first ping may fire before AfterFunc returns.
 		s.timer = time.AfterFunc(keepalive, s.ping)
 	}
 	return s

@@ -1,0 +1,314 @@
+package e2e
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway/gen/api"
+	"github.com/rungworks/gateway/internal/fakeupstream"
+)
+
+func prompts(prefix string, n int) []map[string]any {
+	out := make([]map[string]any, n)
+	for i := range out {
+		out[i] = map[string]any{"prompt": fmt.Sprintf("%s item %d", prefix, i)}
+	}
+	return out
+}
+
+func (g *gateway) createBatch(key string, requests []map[string]any) api.Batch {
+	g.t.Helper()
+	r := g.call(http.MethodPost, "/api/v1/batch", key, map[string]any{"requests": requests})
+	require.Equal(g.t, http.StatusAccepted, r.status, string(r.body))
+	var b api.Batch
+	require.NoError(g.t, json.Unmarshal(r.body, &b))
+	return b
+}
+
+func (g *gateway) results(key, id string) api.BatchResults {
+	g.t.Helper()
+	r := g.call(http.MethodGet, "/api/v1/batch/"+id+"/results", key, nil)
+	require.Equal(g.t, http.StatusOK, r.status, string(r.body))
+	var res api.BatchResults
+	require.NoError(g.t, json.Unmarshal(r.body, &res))
+	return res
+}
+
+func terminal(s api.BatchStatus) bool {
+	return s == "completed" || s == "failed" || s == "cancelled" || s == "expired"
+}
+
+// waitTerminal polls until the batch is terminal and returns its results.
+func (g *gateway) waitTerminal(key, id string, within time.Duration) api.BatchResults {
+	g.t.Helper()
+	deadline := time.Now().Add(within)
+	for {
+		res := g.results(key, id)
+		if terminal(res.Status) {
+			return res
+		}
+		if time.Now().After(deadline) {
+			g.t.Fatalf("batch %s still %s after %s: %+v", id, res.Status, within, res.Results)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// callsPerPrompt counts the upstream calls of each prompt.
+func callsPerPrompt(f *fakeupstream.Server) map[string]int {
+	out := map[string]int{}
+	for _, c := range f.Calls() {
+		out[c.Prompt]++
+	}
+	return out
+}
+
+func sumItems(results ...api.BatchResults) (total int64) {
+	for _, r := range results {
+		for _, it := range r.Results {
+			total += it.Usage.TotalRungs
+		}
+	}
+	return total
+}
+
+func TestBatchesDrainAcrossReplicas(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetDelay(5 * time.Millisecond)
+	replicas := []*gateway{serve(t, b.db, b.fake.BaseURL(), nil), serve(t, b.db, b.fake.BaseURL(), nil), serve(t, b.db, b.fake.BaseURL(), nil)}
+	other := strings.TrimSpace(mustCLI(t, b.db, "keys", "create", "--account", "other"))
+
+	var ids []string
+	for i := range 5 {
+		ids = append(ids, replicas[i%3].createBatch(b.key, prompts(fmt.Sprintf("batch %d", i), 20)).Id.String())
+	}
+	var all []api.BatchResults
+	for i, id := range ids {
+		res := replicas[(i+1)%3].waitTerminal(b.key, id, 60*time.Second)
+		require.Equal(t, api.BatchStatus("completed"), res.Status)
+		for _, it := range res.Results {
+			require.Equal(t, api.BatchItemStatus("completed"), it.Status)
+			require.Equal(t, fakeupstream.Reply(fmt.Sprintf("batch %d item %d", i, it.Index)), *it.Content)
+		}
+		all = append(all, res)
+		// Another account sees nothing of it.
+		r := replicas[i%3].call(http.MethodGet, "/api/v1/batch/"+id, other, nil)
+		require.Equal(t, http.StatusNotFound, r.status)
+	}
+	calls := callsPerPrompt(b.fake)
+	require.Len(t, calls, 100)
+	for p, n := range calls {
+		require.Equal(t, 1, n, "prompt %q reached the upstream %d times", p, n)
+	}
+	v := replicas[0].usage(b.key)
+	require.Equal(t, sumItems(all...), v.Totals.TotalRungs, "the usage view equals the sum of item usage")
+	require.Equal(t, int64(100), v.Totals.Requests)
+
+	// The batch discount applies: half the interactive price, rounded up per side.
+	pt, ct := fakeupstream.Usage("batch 0 item 0")
+	first := all[0].Results[0].Usage
+	require.Equal(t, api.RungUsage{InputRungs: int64(pt+1) / 2, OutputRungs: int64(ct+1) / 2, TotalRungs: int64(pt+1)/2 + int64(ct+1)/2}, first)
+}
+
+func TestBatchSurvivesKill9(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetDelay(700 * time.Millisecond)
+	env := map[string]string{"GATEWAY_LEASE": "2s", "GATEWAY_DRAIN_CONCURRENCY": "4"}
+	victim := serve(t, b.db, b.fake.BaseURL(), env)
+	batch := victim.createBatch(b.key, prompts("crash", 12))
+
+	// Wait until the victim has items in flight, then kill it without warning.
+	require.Eventually(t, func() bool { return len(b.fake.Calls()) >= 2 }, 10*time.Second, 10*time.Millisecond)
+	require.NoError(t, victim.cmd.Process.Kill())
+	<-victim.done
+	victim.done <- nil
+	inFlight := len(b.fake.Calls())
+
+	survivor := serve(t, b.db, b.fake.BaseURL(), env)
+	res := survivor.waitTerminal(b.key, batch.Id.String(), 90*time.Second)
+	interrupted := 0
+	for _, it := range res.Results {
+		switch it.Status {
+		case "completed":
+		case "failed":
+			require.Equal(t, api.ErrorCode("INTERRUPTED"), it.Error.Code)
+			require.Equal(t, api.RungUsage{}, it.Usage, "an interrupted item is not billed")
+			interrupted++
+		default:
+			t.Fatalf("item %d is %s", it.Index, it.Status)
+		}
+	}
+	require.Positive(t, interrupted)
+	require.LessOrEqual(t, interrupted, inFlight)
+	for p, n := range callsPerPrompt(b.fake) {
+		require.Equal(t, 1, n, "prompt %q reached the upstream %d times", p, n)
+	}
+	require.Equal(t, sumItems(res), survivor.usage(b.key).Totals.TotalRungs)
+
+	// A restarted replica finds nothing left to do.
+	restarted := serve(t, b.db, b.fake.BaseURL(), env)
+	require.Equal(t, res, restarted.results(b.key, batch.Id.String()))
+}
+
+func TestBatchWaitsOutAnUpstreamOutage(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetMode(fakeupstream.Down)
+	g := serve(t, b.db, b.fake.BaseURL(), nil)
+	batch := g.createBatch(b.key, prompts("outage", 10))
+	require.Eventually(t, func() bool { return len(b.fake.Calls()) >= 3 }, 10*time.Second, 20*time.Millisecond, "the drainer probes")
+	res := g.results(b.key, batch.Id.String())
+	for _, it := range res.Results {
+		require.Contains(t, []api.BatchItemStatus{"queued", "in_progress"}, it.Status, "nothing fails for an outage")
+	}
+	b.fake.SetMode(fakeupstream.OK)
+	res = g.waitTerminal(b.key, batch.Id.String(), 60*time.Second)
+	require.Equal(t, api.BatchStatus("completed"), res.Status)
+	for _, it := range res.Results {
+		require.Equal(t, api.BatchItemStatus("completed"), it.Status)
+	}
+	require.Equal(t, sumItems(res), g.usage(b.key).Totals.TotalRungs, "items retried after the outage are billed once")
+}
+
+func TestBatchExpires(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetMode(fakeupstream.Down)
+	g := serve(t, b.db, b.fake.BaseURL(), map[string]string{"GATEWAY_BATCH_WINDOW": "1s"})
+	batch := g.createBatch(b.key, prompts("late", 3))
+	require.Equal(t, batch.CreatedAt.Add(time.Second), batch.ExpiresAt)
+	res := g.waitTerminal(b.key, batch.Id.String(), 30*time.Second)
+	require.Equal(t, api.BatchStatus("expired"), res.Status)
+	for _, it := range res.Results {
+		require.Equal(t, api.BatchItemStatus("cancelled"), it.Status)
+	}
+	got := g.call(http.MethodGet, "/api/v1/batch/"+batch.Id.String(), b.key, nil)
+	var final api.Batch
+	require.NoError(t, json.Unmarshal(got.body, &final))
+	require.Equal(t, api.ErrorCode("BATCH_EXPIRED"), final.Error.Code)
+	require.Zero(t, g.usage(b.key).Daily.ChargedRungs, "unrun items give their estimates back")
+}
+
+func TestBatchCancelInFlight(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetDelay(800 * time.Millisecond)
+	g := serve(t, b.db, b.fake.BaseURL(), map[string]string{"GATEWAY_DRAIN_CONCURRENCY": "2"})
+	batch := g.createBatch(b.key, prompts("cancel", 8))
+	require.Eventually(t, func() bool { return len(b.fake.Calls()) >= 2 }, 10*time.Second, 10*time.Millisecond)
+	r := g.call(http.MethodPost, "/api/v1/batch/"+batch.Id.String()+"/cancel", b.key, nil)
+	require.Equal(t, http.StatusOK, r.status)
+	var cancelling api.Batch
+	require.NoError(t, json.Unmarshal(r.body, &cancelling))
+	require.Equal(t, api.BatchStatus("cancelling"), cancelling.Status)
+
+	res := g.waitTerminal(b.key, batch.Id.String(), 30*time.Second)
+	require.Equal(t, api.BatchStatus("cancelled"), res.Status)
+	completed := 0
+	for _, it := range res.Results {
+		if it.Status == "completed" {
+			completed++
+			require.Positive(t, it.Usage.TotalRungs, "items in flight finish and are billed")
+		} else {
+			require.Equal(t, api.BatchItemStatus("cancelled"), it.Status)
+		}
+	}
+	require.Equal(t, 2, completed)
+	require.Len(t, b.fake.Calls(), 2, "nothing else was dispatched")
+	require.Equal(t, sumItems(res), g.usage(b.key).Totals.TotalRungs)
+
+	// A queued batch cancels at once.
+	queued := g.createBatch(b.key, prompts("queued", 3))
+	r = g.call(http.MethodPost, "/api/v1/batch/"+queued.Id.String()+"/cancel", b.key, nil)
+	require.Equal(t, http.StatusOK, r.status)
+}
+
+func TestBatchBudgetExhausted(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	// Each item reserves about 50 rungs (its prompt and 100 output rungs at half price).
+	mustCLI(t, b.db, "limits", "set", "--account", "acme", "--budget-rungs", "160")
+	g := serve(t, b.db, b.fake.BaseURL(), map[string]string{"GATEWAY_DRAIN_CONCURRENCY": "1"})
+	requests := prompts("budget", 6)
+	for _, r := range requests {
+		r["max_output_rungs"] = 100
+	}
+	batch := g.createBatch(b.key, requests)
+	res := g.waitTerminal(b.key, batch.Id.String(), 30*time.Second)
+	completed, refused := 0, 0
+	for _, it := range res.Results {
+		switch it.Status {
+		case "completed":
+			completed++
+		case "failed":
+			require.Equal(t, api.ErrorCode("BUDGET_EXCEEDED"), it.Error.Code)
+			require.Equal(t, api.RungUsage{}, it.Usage)
+			refused++
+		}
+	}
+	require.Positive(t, completed)
+	require.Positive(t, refused)
+	require.Equal(t, 6, completed+refused)
+	v := g.usage(b.key)
+	require.LessOrEqual(t, v.Budget.SpentRungs, *v.Budget.CapRungs)
+}
+
+func TestBatchIdempotencyAcrossReplicas(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetMode(fakeupstream.Reject)
+	replicas := []*gateway{serve(t, b.db, b.fake.BaseURL(), nil), serve(t, b.db, b.fake.BaseURL(), nil)}
+	body := map[string]any{"requests": prompts("idem", 2)}
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	ids := map[string]int{}
+	for i := range 10 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			g := replicas[i%2]
+			req, _ := http.NewRequest(http.MethodPost, g.base+"/api/v1/batch", jsonBody(t, body))
+			req.Header.Set("Authorization", "Bearer "+b.key)
+			req.Header.Set("Content-Type", "application/json")
+			req.Header.Set("Idempotency-Key", "create-once")
+			resp, err := http.DefaultClient.Do(req)
+			require.NoError(t, err)
+			defer resp.Body.Close()
+			var got api.Batch
+			require.NoError(t, json.NewDecoder(resp.Body).Decode(&got))
+			mu.Lock()
+			ids[got.Id.String()+fmt.Sprint(resp.StatusCode)]++
+			mu.Unlock()
+		}()
+	}
+	wg.Wait()
+	require.Len(t, ids, 2, "one 202 and the rest 200, all with the same batch: %v", ids)
+	for k, n := range ids {
+		if k[len(k)-3:] == "202" {
+			require.Equal(t, 1, n)
+		}
+	}
+	list := replicas[0].call(http.MethodGet, "/api/v1/batches", b.key, nil)
+	require.Len(t, list.object(t)["data"], 1)
+
+	// The upstream rejected every item: they fail with its reason, and so does the batch.
+	var id string
+	for k := range ids {
+		id = k[:36]
+	}
+	res := replicas[1].waitTerminal(b.key, id, 30*time.Second)
+	require.Equal(t, api.BatchStatus("failed"), res.Status)
+	for _, it := range res.Results {
+		require.Equal(t, api.ErrorCode("INFERENCE_BUSY"), it.Error.Code)
+		require.Contains(t, it.Error.Message, "content policy violation")
+	}
+}

@@ -1,0 +1,474 @@
+package store_test
+
+import (
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/store"
+)
+
+// newBatch stores a batch of n items of estimate est each for p.
+func (b *testBundle) newBatch(t *testing.T, p *gateway.Principal, n int, est int64, key string, expires time.Time) uuid.UUID {
+	t.Helper()
+	res, err := b.store.CreateBatch(b.ctx, b.batchOf(p, n, est, key, expires))
+	require.NoError(t, err)
+	require.False(t, res.Replayed)
+	return res.BatchID
+}
+
+func (b *testBundle) batchOf(p *gateway.Principal, n int, est int64, key string, expires time.Time) store.NewBatch {
+	items := make([]store.NewItem, n)
+	for i := range items {
+		items[i] = store.NewItem{Request: store.ItemRequest{Prompt: fmt.Sprintf("item %d", i), Model: gateway.ModelInstant, MaxOutputRungs: 10}, Estimate: est}
+	}
+	hash, _ := store.HashRequest(map[string]any{"n": n, "est": est})
+	now := time.Now().UTC()
+	return store.NewBatch{Principal: p, IdempotencyKey: key, RequestHash: hash, Items: items, CreatedAt: now, ExpiresAt: expires}
+}
+
+func (b *testBundle) claim(t *testing.T, owner uuid.UUID, n int, lease time.Duration) []store.ClaimedItem {
+	t.Helper()
+	items, err := b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: owner, Max: n, PerAccount: n, Lease: lease})
+	require.NoError(t, err)
+	return items
+}
+
+func (b *testBundle) complete(t *testing.T, owner uuid.UUID, items []store.ClaimedItem, cost int64) []store.ItemKey {
+	t.Helper()
+	results := make([]store.ItemResult, len(items))
+	for i, it := range items {
+		results[i] = store.ItemResult{
+			BatchID: it.BatchID, Index: it.Index, Status: "completed", Content: "done " + it.Request.Prompt,
+			InputTokens: 1, OutputTokens: 1, InputRungs: 1, OutputRungs: cost - 1, TotalRungs: cost,
+			EvidenceExpiresAt: time.Now().Add(time.Hour),
+		}
+	}
+	applied, err := b.store.CompleteItems(b.ctx, owner, results)
+	require.NoError(t, err)
+	ids := make([]uuid.UUID, len(applied))
+	for i, k := range applied {
+		ids[i] = k.BatchID
+	}
+	require.NoError(t, b.store.FinishBatches(b.ctx, ids))
+	return applied
+}
+
+func (b *testBundle) batch(t *testing.T, p *gateway.Principal, id uuid.UUID) (*gateway.Batch, []gateway.BatchItem) {
+	t.Helper()
+	batch, items, err := b.store.BatchResults(b.ctx, p.AccountID, id)
+	require.NoError(t, err)
+	return batch, items
+}
+
+func day() time.Time { return time.Now().Add(24 * time.Hour) }
+
+func TestCreateBatch(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	_, other := b.key(t, "other", gateway.TierDeveloper, gateway.ScopeInference)
+	id := b.newBatch(t, p, 3, 50, "", day())
+
+	batch, items := b.batch(t, p, id)
+	require.Equal(t, gateway.BatchQueued, batch.Status)
+	require.Equal(t, 3, batch.Total)
+	require.Nil(t, batch.StartedAt)
+	require.Len(t, items, 3)
+	for i, it := range items {
+		require.Equal(t, i, it.Index)
+		require.Equal(t, gateway.ItemQueued, it.Status)
+		require.Zero(t, it.Usage)
+	}
+	require.Equal(t, int64(150), b.view(t, p).Daily.Charged, "the whole estimate is charged at creation")
+
+	_, err := b.store.Batch(b.ctx, other.AccountID, id)
+	require.Equal(t, gateway.EBatchNotFound, gateway.ErrorCodeOf(err), "another account's batch is missing")
+	_, err = b.store.Batch(b.ctx, p.AccountID, uuid.Must(uuid.NewV7()))
+	require.Equal(t, gateway.EBatchNotFound, gateway.ErrorCodeOf(err))
+
+	// Newest first, limited.
+	second := b.newBatch(t, p, 1, 1, "", day())
+	list, err := b.store.Batches(b.ctx, p.AccountID, 50)
+	require.NoError(t, err)
+	require.Equal(t, []uuid.UUID{second, id}, []uuid.UUID{list[0].ID, list[1].ID})
+	list, err = b.store.Batches(b.ctx, p.AccountID, 1)
+	require.NoError(t, err)
+	require.Len(t, list, 1)
+}
+
+func TestCreateBatchPastDailyCeiling(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "acme", ptr(int64(100)), nil)
+	_, err := b.store.CreateBatch(b.ctx, b.batchOf(p, 3, 50, "key-1", day()))
+	require.Equal(t, gateway.ERateLimited, gateway.ErrorCodeOf(err))
+	list, err := b.store.Batches(b.ctx, p.AccountID, 50)
+	require.NoError(t, err)
+	require.Empty(t, list, "nothing is stored")
+	require.Zero(t, b.view(t, p).Daily.Charged)
+
+	// The refused create stored no key: once the ceiling allows, the key works.
+	b.limits(t, "acme", ptr(int64(1000)), nil)
+	res, err := b.store.CreateBatch(b.ctx, b.batchOf(p, 3, 50, "key-1", day()))
+	require.NoError(t, err)
+	require.False(t, res.Replayed)
+}
+
+func TestIdempotencyKey(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	_, other := b.key(t, "other", gateway.TierDeveloper, gateway.ScopeInference)
+
+	// Concurrent repeats create exactly one batch.
+	var wg sync.WaitGroup
+	ids := make([]uuid.UUID, 10)
+	replays := make([]bool, 10)
+	for i := range ids {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			res, err := b.store.CreateBatch(b.ctx, b.batchOf(p, 2, 10, "same", day()))
+			require.NoError(t, err)
+			ids[i], replays[i] = res.BatchID, res.Replayed
+		}()
+	}
+	wg.Wait()
+	created := 0
+	for i := range ids {
+		require.Equal(t, ids[0], ids[i])
+		if !replays[i] {
+			created++
+		}
+	}
+	require.Equal(t, 1, created)
+	list, err := b.store.Batches(b.ctx, p.AccountID, 50)
+	require.NoError(t, err)
+	require.Len(t, list, 1)
+	require.Equal(t, int64(20), b.view(t, p).Daily.Charged, "charged once")
+
+	_, err = b.store.CreateBatch(b.ctx, b.batchOf(p, 3, 10, "same", day()))
+	require.Equal(t, gateway.EIdempotencyKeyReused, gateway.ErrorCodeOf(err))
+
+	// Keys are per account.
+	res, err := b.store.CreateBatch(b.ctx, b.batchOf(other, 2, 10, "same", day()))
+	require.NoError(t, err)
+	require.False(t, res.Replayed)
+
+	// Past the window the key is forgotten.
+	n, err := b.store.ExpireIdempotencyKeys(b.ctx, time.Now().Add(time.Minute), 100)
+	require.NoError(t, err)
+	require.Equal(t, int64(2), n)
+	res, err = b.store.CreateBatch(b.ctx, b.batchOf(p, 2, 10, "same", day()))
+	require.NoError(t, err)
+	require.False(t, res.Replayed)
+	require.NotEqual(t, ids[0], res.BatchID)
+}
+
+// TestClaimIsExclusive: concurrent claimers never get the same item, and
+// together they get every item.
+func TestClaimIsExclusive(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	_, q := b.key(t, "other", gateway.TierDeveloper, gateway.ScopeInference)
+	for range 3 {
+		b.newBatch(t, p, 100, 1, "", day())
+		b.newBatch(t, q, 50, 1, "", day())
+	}
+	var mu sync.Mutex
+	seen := map[store.ItemKey]uuid.UUID{}
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			owner := uuid.Must(uuid.NewV7())
+			for {
+				items, err := b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: owner, Max: 7, PerAccount: 4, Lease: time.Minute})
+				require.NoError(t, err)
+				if len(items) == 0 {
+					return
+				}
+				mu.Lock()
+				for _, it := range items {
+					key := store.ItemKey{BatchID: it.BatchID, Index: it.Index}
+					prev, dup := seen[key]
+					require.False(t, dup, "item %v claimed by %s and %s", key, prev, owner)
+					seen[key] = owner
+				}
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	require.Len(t, seen, 450)
+}
+
+// TestClaimIsFair: an account with a small batch behind another account's
+// large queue is served in the first claim.
+func TestClaimIsFair(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, big := b.key(t, "big", gateway.TierDeveloper, gateway.ScopeInference)
+	_, small := b.key(t, "small", gateway.TierDeveloper, gateway.ScopeInference)
+	for range 3 {
+		b.newBatch(t, big, 100, 1, "", day())
+	}
+	b.newBatch(t, small, 5, 1, "", day())
+	items, err := b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: uuid.Must(uuid.NewV7()), Max: 8, PerAccount: 4, Lease: time.Minute})
+	require.NoError(t, err)
+	require.Len(t, items, 8)
+	perAccount := map[uuid.UUID]int{}
+	for _, it := range items {
+		perAccount[it.Principal.AccountID]++
+	}
+	require.Equal(t, 4, perAccount[small.AccountID])
+	require.Equal(t, 4, perAccount[big.AccountID])
+	// Within an account, the oldest batch comes first.
+	for _, it := range items {
+		if it.Principal.AccountID == big.AccountID {
+			require.Less(t, it.Index, 4)
+		}
+	}
+}
+
+func TestCompleteItemsAndBatchLifecycle(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	id := b.newBatch(t, p, 3, 50, "", day())
+	owner := uuid.Must(uuid.NewV7())
+	items := b.claim(t, owner, 10, time.Minute)
+	require.Len(t, items, 3)
+	require.True(t, items[0].BatchQueued)
+	require.Equal(t, p.KeyID, items[0].Principal.KeyID)
+	require.NoError(t, b.store.StartBatches(b.ctx, []uuid.UUID{id}))
+	batch, _ := b.batch(t, p, id)
+	require.Equal(t, gateway.BatchInProgress, batch.Status)
+	require.NotNil(t, batch.StartedAt)
+
+	// Results are visible as items finish.
+	b.complete(t, owner, items[:1], 20)
+	batch, results := b.batch(t, p, id)
+	require.Equal(t, gateway.BatchInProgress, batch.Status)
+	require.Equal(t, 1, batch.Completed)
+	require.Equal(t, int64(20), batch.Usage.TotalRungs)
+	require.Equal(t, gateway.ItemCompleted, results[0].Status)
+	require.Equal(t, "done item 0", results[0].Content)
+	require.NotNil(t, results[0].RequestID)
+	require.Equal(t, gateway.ItemInProgress, results[1].Status)
+
+	_, err := b.store.Evidence(b.ctx, p.AccountID, *results[0].RequestID)
+	require.NoError(t, err, "a completed item's evidence is served by its request id")
+
+	b.complete(t, owner, items[1:], 30)
+	batch, _ = b.batch(t, p, id)
+	require.Equal(t, gateway.BatchCompleted, batch.Status)
+	require.NotNil(t, batch.CompletedAt)
+	require.Equal(t, 3, batch.Completed)
+	require.Equal(t, int64(80), batch.Usage.TotalRungs)
+	require.Nil(t, batch.Error)
+	v := b.view(t, p)
+	require.Equal(t, int64(80), v.Daily.Charged, "the batch estimate reconciled to actual")
+	require.Equal(t, int64(80), v.Totals.TotalRungs)
+
+	// Completing again changes nothing: a terminal batch does not change.
+	require.Empty(t, b.complete(t, owner, items, 99))
+	again, _ := b.batch(t, p, id)
+	require.Equal(t, batch, again)
+}
+
+func TestLeaseRescueRefusesZombies(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	id := b.newBatch(t, p, 2, 50, "", day())
+	zombie := uuid.Must(uuid.NewV7())
+	items := b.claim(t, zombie, 10, 50*time.Millisecond)
+	require.Len(t, items, 2)
+
+	// The live replica renews its leases; the dead one does not.
+	time.Sleep(100 * time.Millisecond)
+	n, err := b.store.RescueExpiredLeases(b.ctx, 100)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n, "one batch touched")
+
+	// The zombie's late outcomes are refused.
+	require.Empty(t, b.complete(t, zombie, items, 10))
+	batch, results := b.batch(t, p, id)
+	require.Equal(t, gateway.BatchFailed, batch.Status)
+	require.Equal(t, gateway.EInterrupted, batch.Error.Code)
+	for _, r := range results {
+		require.Equal(t, gateway.ItemFailed, r.Status)
+		require.Equal(t, gateway.EInterrupted, r.Error.Code)
+		require.Zero(t, r.Usage)
+	}
+	require.Empty(t, b.claim(t, uuid.Must(uuid.NewV7()), 10, time.Minute), "interrupted items never run again")
+	require.Zero(t, b.view(t, p).Daily.Charged)
+
+	// Renewed leases are not rescued.
+	b.newBatch(t, p, 1, 1, "", day())
+	live := uuid.Must(uuid.NewV7())
+	require.Len(t, b.claim(t, live, 10, 50*time.Millisecond), 1)
+	renewed, err := b.store.RenewLeases(b.ctx, live, time.Minute)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), renewed)
+	time.Sleep(100 * time.Millisecond)
+	n, err = b.store.RescueExpiredLeases(b.ctx, 100)
+	require.NoError(t, err)
+	require.Zero(t, n)
+}
+
+func TestRequeueReturnsBudget(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "acme", nil, ptr(int64(1000)))
+	b.newBatch(t, p, 2, 100, "", day())
+	owner := uuid.Must(uuid.NewV7())
+	items := b.claim(t, owner, 10, time.Minute)
+	require.Len(t, items, 2)
+	require.Equal(t, int64(200), b.view(t, p).Budget.Reserved)
+	n, err := b.store.RequeueItems(b.ctx, owner, []store.ItemKey{{BatchID: items[0].BatchID, Index: items[0].Index}})
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
+	require.Equal(t, int64(100), b.view(t, p).Budget.Reserved)
+	again := b.claim(t, uuid.Must(uuid.NewV7()), 10, time.Minute)
+	require.Len(t, again, 1)
+	require.Equal(t, items[0].Index, again[0].Index)
+}
+
+func TestBudgetExhaustedMidBatch(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "acme", nil, ptr(int64(250)))
+	id := b.newBatch(t, p, 5, 100, "", day())
+	owner := uuid.Must(uuid.NewV7())
+	items, err := b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: owner, Max: 10, PerAccount: 10, Lease: time.Minute})
+	require.NoError(t, err)
+	var claimed []store.ClaimedItem
+	refused := 0
+	for _, it := range items {
+		if it.BudgetRefused {
+			refused++
+		} else {
+			claimed = append(claimed, it)
+		}
+	}
+	require.Len(t, claimed, 2, "the cap fits two reservations")
+	require.Equal(t, 1, refused)
+	b.complete(t, owner, claimed, 40)
+
+	batch, results := b.batch(t, p, id)
+	require.Equal(t, gateway.BatchCompleted, batch.Status, "the batch still reports every outcome")
+	require.Equal(t, 2, batch.Completed)
+	require.Equal(t, 3, batch.Failed)
+	for _, r := range results[2:] {
+		require.Equal(t, gateway.ItemFailed, r.Status)
+		require.Equal(t, gateway.EBudgetExceeded, r.Error.Code)
+		require.Zero(t, r.Usage)
+	}
+	v := b.view(t, p)
+	require.Equal(t, int64(80), v.Budget.Spent)
+	require.Zero(t, v.Budget.Reserved)
+	require.Equal(t, int64(80), v.Daily.Charged)
+}
+
+func TestCancelBatch(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	_, other := b.key(t, "other", gateway.TierDeveloper, gateway.ScopeInference)
+
+	queued := b.newBatch(t, p, 3, 50, "", day())
+	require.Equal(t, gateway.EBatchNotFound, gateway.ErrorCodeOf(b.store.CancelBatch(b.ctx, other.AccountID, queued)))
+	require.NoError(t, b.store.CancelBatch(b.ctx, p.AccountID, queued))
+	batch, results := b.batch(t, p, queued)
+	require.Equal(t, gateway.BatchCancelled, batch.Status)
+	for _, r := range results {
+		require.Equal(t, gateway.ItemCancelled, r.Status)
+	}
+	require.Zero(t, b.view(t, p).Daily.Charged, "cancelled items give back their estimates")
+	require.Equal(t, gateway.EBatchNotCancellable, gateway.ErrorCodeOf(b.store.CancelBatch(b.ctx, p.AccountID, queued)))
+
+	running := b.newBatch(t, p, 3, 50, "", day())
+	owner := uuid.Must(uuid.NewV7())
+	items, err := b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: owner, Max: 1, PerAccount: 1, Lease: time.Minute})
+	require.NoError(t, err)
+	require.Len(t, items, 1)
+	require.NoError(t, b.store.StartBatches(b.ctx, []uuid.UUID{running}))
+	require.NoError(t, b.store.CancelBatch(b.ctx, p.AccountID, running))
+	batch, results = b.batch(t, p, running)
+	require.Equal(t, gateway.BatchCancelling, batch.Status)
+	require.Equal(t, gateway.ItemInProgress, results[0].Status)
+	require.Equal(t, gateway.ItemCancelled, results[1].Status)
+	require.Equal(t, gateway.EBatchNotCancellable, gateway.ErrorCodeOf(b.store.CancelBatch(b.ctx, p.AccountID, running)))
+
+	// The item in flight finishes and is billed; then the batch is cancelled.
+	b.complete(t, owner, items, 30)
+	batch, results = b.batch(t, p, running)
+	require.Equal(t, gateway.BatchCancelled, batch.Status)
+	require.Equal(t, gateway.ItemCompleted, results[0].Status)
+	require.Equal(t, int64(30), batch.Usage.TotalRungs)
+	require.Equal(t, int64(30), b.view(t, p).Daily.Charged)
+}
+
+func TestExpireBatches(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	soon := time.Now().Add(300 * time.Millisecond)
+	queued := b.newBatch(t, p, 2, 50, "", soon)
+	running := b.newBatch(t, p, 3, 50, "", soon)
+	owner := uuid.Must(uuid.NewV7())
+	items, err := b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: owner, Max: 1, PerAccount: 1, Lease: time.Minute})
+	require.NoError(t, err)
+	require.Len(t, items, 1)
+	require.Equal(t, queued, items[0].BatchID, "the oldest batch first")
+	// Make the running batch the one with the item in flight.
+	_, err = b.store.RequeueItems(b.ctx, owner, []store.ItemKey{{BatchID: items[0].BatchID, Index: items[0].Index}})
+	require.NoError(t, err)
+	require.NoError(t, b.store.CancelBatch(b.ctx, p.AccountID, queued))
+	queued = b.newBatch(t, p, 2, 50, "", soon)
+	items, err = b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: owner, Max: 1, PerAccount: 1, Lease: time.Minute})
+	require.NoError(t, err)
+	require.Equal(t, running, items[0].BatchID)
+	require.NoError(t, b.store.StartBatches(b.ctx, []uuid.UUID{running}))
+
+	time.Sleep(350 * time.Millisecond)
+	require.Empty(t, b.claim(t, uuid.Must(uuid.NewV7()), 10, time.Minute), "nothing past its window is claimed")
+	n, err := b.store.ExpireBatches(b.ctx, 100)
+	require.NoError(t, err)
+	require.Equal(t, int64(2), n)
+
+	batch, results := b.batch(t, p, queued)
+	require.Equal(t, gateway.BatchExpired, batch.Status)
+	require.Equal(t, gateway.EBatchExpired, batch.Error.Code)
+	require.Equal(t, gateway.ItemCancelled, results[0].Status)
+
+	batch, _ = b.batch(t, p, running)
+	require.Equal(t, gateway.BatchInProgress, batch.Status, "waits for the item in flight")
+	b.complete(t, owner, items, 25)
+	batch, results = b.batch(t, p, running)
+	require.Equal(t, gateway.BatchExpired, batch.Status)
+	require.Equal(t, gateway.ItemCompleted, results[0].Status, "results already produced stay")
+	require.Equal(t, gateway.ItemCancelled, results[1].Status)
+	require.Equal(t, int64(25), b.view(t, p).Daily.Charged)
+
+	// Retention removes terminal batches; their usage stays.
+	deleted, err := b.store.DeleteOldBatches(b.ctx, time.Now().Add(time.Minute), 100)
+	require.NoError(t, err)
+	require.Equal(t, int64(3), deleted)
+	_, err = b.store.Batch(b.ctx, p.AccountID, running)
+	require.Equal(t, gateway.EBatchNotFound, gateway.ErrorCodeOf(err))
+	require.Equal(t, int64(25), b.view(t, p).Totals.TotalRungs)
+}
