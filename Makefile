@@ -43,6 +43,7 @@ lint:
 bench: build
 	$(WITH_PG) $(GO) test -run '^$$' -bench . -benchmem ./...
 	$(GO) run ./bench/load -binary bin/gateway
+	$(GO) run ./bench/drain -binary bin/gateway
 
 clean:
 	rm -rf bin

@@ -9,6 +9,7 @@ import (
 	"sync"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -58,6 +59,7 @@ func TestResponsesEndToEnd(t *testing.T) {
 
 	calls := b.fake.Calls()
 	require.Len(t, calls, 1)
+	calls[0].At = time.Time{}
 	require.Equal(t, fakeupstream.Call{Model: "small-model", System: "short", Prompt: prompt, MaxCompletionTokens: 50, Hints: "web_search", Authorization: "Bearer upstream-secret"}, calls[0])
 
 	// The evidence is served from the database.

@@ -34,6 +34,8 @@ type Call struct {
 	MaxCompletionTokens uint64
 	Hints               string
 	Authorization       string
+	// At is when the call arrived.
+	At time.Time
 }
 
 // Server is the fake upstream.
@@ -130,7 +132,7 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, `{"error":{"message":"bad json"}}`, http.StatusBadRequest)
 		return
 	}
-	call := Call{Model: req.Model, MaxCompletionTokens: req.MaxCompletionTokens, Hints: r.Header.Get("X-Gateway-Hints"), Authorization: r.Header.Get("Authorization")}
+	call := Call{Model: req.Model, MaxCompletionTokens: req.MaxCompletionTokens, Hints: r.Header.Get("X-Gateway-Hints"), Authorization: r.Header.Get("Authorization"), At: time.Now()}
 	for _, m := range req.Messages {
 		switch m.Role {
 		case "system":

@@ -45,6 +45,7 @@ func TestComplete(t *testing.T) {
 
 	calls := b.fake.Calls()
 	require.Len(t, calls, 1)
+	calls[0].At = time.Time{}
 	require.Equal(t, fakeupstream.Call{
 		Model: "o3-mini", System: "Be brief.", Prompt: req.Prompt, MaxCompletionTokens: 123,
 		Hints: "web_search,code_mode", Authorization: "Bearer up-key",

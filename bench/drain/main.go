@@ -1,0 +1,212 @@
+// Command drain measures batch draining: items per second for 1, 2 and 4
+// replicas draining the same queue with an instant upstream, and the latency
+// from a batch's creation to its first item reaching the upstream on an idle
+// replica.
+package main
+
+import (
+	"bytes"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"net/http"
+	"os"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/rungworks/gateway/bench/internal/benchenv"
+	"github.com/rungworks/gateway/internal/fakeupstream"
+)
+
+func main() {
+	binary := flag.String("binary", "bin/gateway", "gateway binary")
+	replicaList := flag.String("replicas", "1,2,4", "replica counts to measure")
+	batches := flag.Int("batches", 50, "batches of 100 items per run")
+	probes := flag.Int("probes", 30, "single-item batches for the dispatch latency")
+	flag.Parse()
+	if err := run(*binary, *replicaList, *batches, *probes); err != nil {
+		fmt.Fprintln(os.Stderr, "drain:", err)
+		os.Exit(1)
+	}
+}
+
+func run(binary, replicaList string, batches, probes int) error {
+	env, err := benchenv.Start(binary)
+	if err != nil {
+		return err
+	}
+	defer env.Close()
+	fake := fakeupstream.New()
+	defer fake.Close()
+
+	fmt.Printf("batch drain, instant upstream, %d batches × 100 items per run, %d cores\n\n", batches, runtime.NumCPU())
+	fmt.Println("| replicas | items | seconds | items/s |")
+	fmt.Println("|---|---|---|---|")
+	for _, field := range strings.Split(replicaList, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(field))
+		if err != nil || n < 1 {
+			return fmt.Errorf("bad replica count %q", field)
+		}
+		items, secs, err := drain(env, fake, n, batches)
+		if err != nil {
+			return err
+		}
+		fmt.Printf("| %d | %d | %.2f | %.0f |\n", n, items, secs, float64(items)/secs)
+	}
+
+	p50, p99, err := dispatchLatency(env, fake, probes)
+	if err != nil {
+		return err
+	}
+	fmt.Printf("\ncreated → first item at the upstream, idle replica, %d batches: p50 %.1f ms, p99 %.1f ms\n", probes, p50, p99)
+	return nil
+}
+
+// drain creates the batches through n replicas and times until all are terminal.
+func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, batches int) (int, float64, error) {
+	defer env.StopServers()
+	dbURL, err := env.Database(fmt.Sprintf("drain_%d", replicas))
+	if err != nil {
+		return 0, 0, err
+	}
+	vars := []string{"DATABASE_URL=" + dbURL, "GATEWAY_UPSTREAM=" + fake.BaseURL()}
+	key, err := env.Prepare(vars)
+	if err != nil {
+		return 0, 0, err
+	}
+	bases := make([]string, replicas)
+	for i := range bases {
+		if bases[i], err = env.Serve(vars); err != nil {
+			return 0, 0, err
+		}
+	}
+	requests := make([]map[string]any, 100)
+	for i := range requests {
+		requests[i] = map[string]any{"prompt": fmt.Sprintf("drain benchmark item %d", i), "max_output_rungs": 50}
+	}
+	body, _ := json.Marshal(map[string]any{"requests": requests})
+
+	start := time.Now()
+	ids := make([]string, batches)
+	var wg sync.WaitGroup
+	errs := make(chan error, batches)
+	for i := range ids {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			var b struct {
+				ID string `json:"id"`
+			}
+			if err := post(bases[i%replicas]+"/api/v1/batch", key, body, &b); err != nil {
+				errs <- err
+				return
+			}
+			ids[i] = b.ID
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	if err := <-errs; err != nil {
+		return 0, 0, err
+	}
+	for _, id := range ids {
+		for {
+			var b struct{ Status string }
+			if err := get(bases[0]+"/api/v1/batch/"+id, key, &b); err != nil {
+				return 0, 0, err
+			}
+			if b.Status == "completed" {
+				break
+			}
+			if b.Status == "failed" || b.Status == "expired" || b.Status == "cancelled" {
+				return 0, 0, fmt.Errorf("batch %s ended %s", id, b.Status)
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	return batches * 100, time.Since(start).Seconds(), nil
+}
+
+// dispatchLatency creates one-item batches on an idle replica and measures
+// until the upstream sees each.
+func dispatchLatency(env *benchenv.Env, fake *fakeupstream.Server, probes int) (p50, p99 float64, err error) {
+	defer env.StopServers()
+	dbURL, err := env.Database("dispatch")
+	if err != nil {
+		return 0, 0, err
+	}
+	vars := []string{"DATABASE_URL=" + dbURL, "GATEWAY_UPSTREAM=" + fake.BaseURL()}
+	key, err := env.Prepare(vars)
+	if err != nil {
+		return 0, 0, err
+	}
+	base, err := env.Serve(vars)
+	if err != nil {
+		return 0, 0, err
+	}
+	var latencies []float64
+	for i := range probes {
+		prompt := fmt.Sprintf("dispatch probe %d", i)
+		body, _ := json.Marshal(map[string]any{"requests": []any{map[string]any{"prompt": prompt}}})
+		sent := time.Now()
+		if err := post(base+"/api/v1/batch", key, body, nil); err != nil {
+			return 0, 0, err
+		}
+		arrived, err := waitForCall(fake, prompt, 10*time.Second)
+		if err != nil {
+			return 0, 0, fmt.Errorf("probe %d: %w", i, err)
+		}
+		latencies = append(latencies, float64(arrived.Sub(sent).Microseconds())/1000)
+		time.Sleep(200 * time.Millisecond) // idle again
+	}
+	slices.Sort(latencies)
+	return latencies[len(latencies)/2], latencies[len(latencies)*99/100], nil
+}
+
+// waitForCall waits until the upstream received prompt and returns when.
+func waitForCall(fake *fakeupstream.Server, prompt string, within time.Duration) (time.Time, error) {
+	deadline := time.Now().Add(within)
+	for time.Now().Before(deadline) {
+		for _, c := range fake.Calls() {
+			if c.Prompt == prompt {
+				return c.At, nil
+			}
+		}
+		time.Sleep(time.Millisecond)
+	}
+	return time.Time{}, fmt.Errorf("never reached the upstream")
+}
+
+func post(url, key string, body []byte, out any) error {
+	req, _ := http.NewRequest(http.MethodPost, url, bytes.NewReader(body))
+	req.Header.Set("Authorization", "Bearer "+key)
+	req.Header.Set("Content-Type", "application/json")
+	return do(req, out)
+}
+
+func get(url, key string, out any) error {
+	req, _ := http.NewRequest(http.MethodGet, url, nil)
+	req.Header.Set("Authorization", "Bearer "+key)
+	return do(req, out)
+}
+
+func do(req *http.Request, out any) error {
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode >= 300 {
+		var e map[string]any
+		_ = json.NewDecoder(resp.Body).Decode(&e)
+		return fmt.Errorf("%s %s: %d %v", req.Method, req.URL.Path, resp.StatusCode, e)
+	}
+	if out == nil {
+		return nil
+	}
+	return json.NewDecoder(resp.Body).Decode(out)
+}

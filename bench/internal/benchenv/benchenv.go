@@ -1,0 +1,124 @@
+// Package benchenv starts what the load benchmarks run against: a private
+// PostgreSQL with production durability (unless DATABASE_URL names a server),
+// databases on it, and gateway processes.
+package benchenv
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/rungworks/gateway/pglocal"
+)
+
+// Env is a PostgreSQL server and the gateway binary.
+type Env struct {
+	Binary  string
+	cluster *pglocal.Cluster
+	dir     string
+	procs   []*exec.Cmd
+}
+
+// Start starts a durable private PostgreSQL (not when DATABASE_URL is set).
+func Start(binary string) (*Env, error) {
+	e := &Env{Binary: binary}
+	if os.Getenv("DATABASE_URL") != "" {
+		return e, nil
+	}
+	dir, err := os.MkdirTemp("", "gateway-bench-")
+	if err != nil {
+		return nil, err
+	}
+	if err := os.Chmod(dir, 0o755); err != nil {
+		return nil, err
+	}
+	e.dir = dir
+	e.cluster, err = pglocal.Start(context.Background(), pglocal.Options{Dir: filepath.Join(dir, "pg"), Durable: true})
+	if err != nil {
+		os.RemoveAll(dir)
+		return nil, err
+	}
+	return e, nil
+}
+
+// Database creates database name (on the private cluster) and returns its URL.
+func (e *Env) Database(name string) (string, error) {
+	if e.cluster == nil {
+		return os.Getenv("DATABASE_URL"), nil
+	}
+	if err := e.cluster.CreateDatabase(context.Background(), name); err != nil {
+		return "", err
+	}
+	return e.cluster.URL(name), nil
+}
+
+// Prepare migrates dbURL and returns a key of account "bench" with the rate
+// limit and daily ceiling lifted (a benchmark would trip both).
+func (e *Env) Prepare(env []string) (string, error) {
+	if out, err := e.command(env, "migrate").CombinedOutput(); err != nil {
+		return "", fmt.Errorf("migrate: %w: %s", err, out)
+	}
+	keyOut, err := e.command(env, "keys", "create", "--account", "bench").Output()
+	if err != nil {
+		return "", fmt.Errorf("keys create: %w", err)
+	}
+	if out, err := e.command(env, "limits", "set", "--account", "bench", "--daily-rungs", "1000000000000").CombinedOutput(); err != nil {
+		return "", fmt.Errorf("limits set: %w: %s", err, out)
+	}
+	return strings.TrimSpace(string(keyOut)), nil
+}
+
+// Serve starts `gateway serve` with env and returns its base URL once it serves.
+func (e *Env) Serve(env []string) (string, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", err
+	}
+	addr := l.Addr().String()
+	l.Close()
+	cmd := e.command(append(env, "GATEWAY_LISTEN="+addr, "GATEWAY_RATE_LIMIT=100000000"), "serve")
+	cmd.Stderr = io.Discard
+	if err := cmd.Start(); err != nil {
+		return "", err
+	}
+	e.procs = append(e.procs, cmd)
+	base := "http://" + addr
+	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+		if resp, err := http.Get(base + "/openapi.json"); err == nil {
+			resp.Body.Close()
+			return base, nil
+		}
+	}
+	return "", fmt.Errorf("gateway at %s did not start", base)
+}
+
+// StopServers stops every gateway process started so far.
+func (e *Env) StopServers() {
+	for _, p := range e.procs {
+		_ = p.Process.Kill()
+		_ = p.Wait()
+	}
+	e.procs = nil
+}
+
+// Close stops everything.
+func (e *Env) Close() {
+	e.StopServers()
+	if e.cluster != nil {
+		_ = e.cluster.Stop()
+		os.RemoveAll(e.dir)
+	}
+}
+
+func (e *Env) command(env []string, args ...string) *exec.Cmd {
+	cmd := exec.Command(e.Binary, args...)
+	cmd.Env = append(os.Environ(), env...)
+	return cmd
+}
