@@ -16,8 +16,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
-	"github.com/rungworks/gateway/inference"
 	"github.com/rungworks/gateway/batch"
+	"github.com/rungworks/gateway/inference"
 	"github.com/rungworks/gateway/internal/apitest"
 	"github.com/rungworks/gateway/internal/testdb"
 	"github.com/rungworks/gateway/metering"
