@@ -64,7 +64,8 @@ func (c *Client) Stream(ctx context.Context, req upstream.Request, emit func(ups
 		return res, fmt.Errorf("%w: %v", upstream.ErrStreamBroken, err)
 	}
 
-	reader := bufio.NewReaderSize(resp.Body, 64<<10)
+	// Small: an idle stream holds it, and longer lines are gathered below.
+	reader := bufio.NewReaderSize(resp.Body, 4<<10)
 	for {
 		watchdog.Reset(c.cfg.Timeout)
 		line, err := reader.ReadSlice('\n')

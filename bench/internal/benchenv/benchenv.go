@@ -77,26 +77,32 @@ func (e *Env) Prepare(env []string) (string, error) {
 
 // Serve starts `gateway serve` with env and returns its base URL once it serves.
 func (e *Env) Serve(env []string) (string, error) {
+	base, _, err := e.ServeProcess(env)
+	return base, err
+}
+
+// ServeProcess is Serve that also returns the process id.
+func (e *Env) ServeProcess(env []string) (string, int, error) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
-		return "", err
+		return "", 0, err
 	}
 	addr := l.Addr().String()
 	l.Close()
 	cmd := e.command(append(env, "GATEWAY_LISTEN="+addr, "GATEWAY_RATE_LIMIT=100000000"), "serve")
 	cmd.Stderr = io.Discard
 	if err := cmd.Start(); err != nil {
-		return "", err
+		return "", 0, err
 	}
 	e.procs = append(e.procs, cmd)
 	base := "http://" + addr
 	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
 		if resp, err := http.Get(base + "/openapi.json"); err == nil {
 			resp.Body.Close()
-			return base, nil
+			return base, cmd.Process.Pid, nil
 		}
 	}
-	return "", fmt.Errorf("gateway at %s did not start", base)
+	return "", 0, fmt.Errorf("gateway at %s did not start", base)
 }
 
 // StopServers stops every gateway process started so far.

@@ -1,0 +1,218 @@
+// Command stream measures streaming: the first-token overhead of the gateway
+// over the same fake upstream streamed directly, and the gateway's memory with
+// many concurrent idle streams (each waiting on a silent upstream, with
+// keep-alives running).
+package main
+
+import (
+	"bufio"
+	"bytes"
+	"flag"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/rungworks/gateway/bench/internal/benchenv"
+	"github.com/rungworks/gateway/internal/fakeupstream"
+)
+
+func main() {
+	binary := flag.String("binary", "bin/gateway", "gateway binary")
+	requests := flag.Int("requests", 200, "sequential streams for the first-token measurement")
+	idle := flag.Int("idle", 10000, "concurrent idle streams for the memory measurement")
+	flag.Parse()
+	if err := run(*binary, *requests, *idle); err != nil {
+		fmt.Fprintln(os.Stderr, "stream:", err)
+		os.Exit(1)
+	}
+}
+
+func run(binary string, requests, idle int) error {
+	// Every idle stream holds a client, a gateway and an upstream connection.
+	limit := uint64(4*idle + 1024)
+	if err := syscall.Setrlimit(syscall.RLIMIT_NOFILE, &syscall.Rlimit{Cur: limit, Max: limit}); err != nil {
+		return fmt.Errorf("raising the open-file limit to %d: %w", limit, err)
+	}
+	env, err := benchenv.Start(binary)
+	if err != nil {
+		return err
+	}
+	defer env.Close()
+	if err := firstToken(env, requests); err != nil {
+		return err
+	}
+	return idleStreams(env, idle)
+}
+
+func firstToken(env *benchenv.Env, n int) error {
+	defer env.StopServers()
+	fake := fakeupstream.New()
+	defer fake.Close()
+	dbURL, err := env.Database("first_token")
+	if err != nil {
+		return err
+	}
+	vars := []string{"DATABASE_URL=" + dbURL, "GATEWAY_UPSTREAM=" + fake.BaseURL()}
+	key, err := env.Prepare(vars)
+	if err != nil {
+		return err
+	}
+	base, err := env.Serve(vars)
+	if err != nil {
+		return err
+	}
+	prompt := "stream a short answer about rungs"
+	direct := func() (*http.Request, string) {
+		req, _ := http.NewRequest(http.MethodPost, fake.BaseURL()+"/chat/completions",
+			strings.NewReader(`{"model":"instant","stream":true,"max_completion_tokens":100,"messages":[{"role":"user","content":"`+prompt+`"}]}`))
+		return req, `"content":"echo`
+	}
+	gateway := func() (*http.Request, string) {
+		req, _ := http.NewRequest(http.MethodPost, base+"/api/v1/responses", strings.NewReader(`{"stream":true,"max_output_rungs":100,"prompt":"`+prompt+`"}`))
+		req.Header.Set("Authorization", "Bearer "+key)
+		return req, "event: response.output_text.delta"
+	}
+	client := &http.Client{}
+	var results [2][]time.Duration
+	for i := 0; i < n; i++ {
+		for j, build := range []func() (*http.Request, string){direct, gateway} {
+			req, marker := build()
+			req.Header.Set("Content-Type", "application/json")
+			d, err := timeToMarker(client, req, marker)
+			if err != nil {
+				return err
+			}
+			results[j] = append(results[j], d)
+		}
+	}
+	fmt.Printf("first token, %d sequential streams each, %d cores\n\n", n, runtime.NumCPU())
+	fmt.Println("| target | p50 | p90 | p99 |")
+	fmt.Println("|---|---|---|---|")
+	for j, name := range []string{"upstream direct", "through gateway"} {
+		slices.Sort(results[j])
+		fmt.Printf("| %s | %s | %s | %s |\n", name, ms(pct(results[j], 50)), ms(pct(results[j], 90)), ms(pct(results[j], 99)))
+	}
+	fmt.Printf("| **added by gateway** | %s | %s | %s |\n\n",
+		ms(pct(results[1], 50)-pct(results[0], 50)), ms(pct(results[1], 90)-pct(results[0], 90)), ms(pct(results[1], 99)-pct(results[0], 99)))
+	return nil
+}
+
+// timeToMarker times a request until a line containing marker arrives.
+func timeToMarker(client *http.Client, req *http.Request, marker string) (time.Duration, error) {
+	start := time.Now()
+	resp, err := client.Do(req)
+	if err != nil {
+		return 0, err
+	}
+	defer resp.Body.Close()
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		if strings.Contains(sc.Text(), marker) {
+			d := time.Since(start)
+			_, _ = io.Copy(io.Discard, resp.Body)
+			return d, nil
+		}
+	}
+	return 0, fmt.Errorf("no %q in the stream of %s", marker, req.URL)
+}
+
+func idleStreams(env *benchenv.Env, n int) error {
+	defer env.StopServers()
+	fake := fakeupstream.New()
+	defer fake.Close()
+	fake.SetDelay(time.Hour) // the upstream never answers: every stream stays idle
+	dbURL, err := env.Database("idle_streams")
+	if err != nil {
+		return err
+	}
+	vars := []string{"DATABASE_URL=" + dbURL, "GATEWAY_UPSTREAM=" + fake.BaseURL(), "GATEWAY_SSE_KEEPALIVE=5s", "GATEWAY_UPSTREAM_TIMEOUT=10m"}
+	key, err := env.Prepare(vars)
+	if err != nil {
+		return err
+	}
+	base, pid, err := env.ServeProcess(vars)
+	if err != nil {
+		return err
+	}
+	before, err := rss(pid)
+	if err != nil {
+		return err
+	}
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: -1}}
+	body := []byte(`{"stream":true,"prompt":"wait with me","max_output_rungs":100}`)
+	var mu sync.Mutex
+	var open []io.Closer
+	sem := make(chan struct{}, 200)
+	var wg sync.WaitGroup
+	var failures int
+	start := time.Now()
+	for range n {
+		wg.Add(1)
+		sem <- struct{}{}
+		go func() {
+			defer wg.Done()
+			defer func() { <-sem }()
+			req, _ := http.NewRequest(http.MethodPost, base+"/api/v1/responses", bytes.NewReader(body))
+			req.Header.Set("Authorization", "Bearer "+key)
+			req.Header.Set("Content-Type", "application/json")
+			resp, err := client.Do(req)
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil || resp.StatusCode != http.StatusOK {
+				failures++
+				return
+			}
+			open = append(open, resp.Body)
+		}()
+	}
+	wg.Wait()
+	opened := time.Since(start)
+	// Wait until the gateway holds every upstream call too.
+	for deadline := time.Now().Add(60 * time.Second); len(fake.Calls()) < len(open) && time.Now().Before(deadline); {
+		time.Sleep(100 * time.Millisecond)
+	}
+	time.Sleep(2 * time.Second)
+	after, err := rss(pid)
+	if err != nil {
+		return err
+	}
+	fmt.Printf("idle streams: %d open (%d failed) in %s, %d upstream calls held\n\n", len(open), failures, opened.Round(time.Millisecond), len(fake.Calls()))
+	fmt.Println("| gateway RSS idle | RSS with the streams open | per stream |")
+	fmt.Println("|---|---|---|")
+	fmt.Printf("| %.1f MiB | %.1f MiB | %.1f KiB |\n", mib(before), mib(after), float64(after-before)/1024/float64(max(1, len(open))))
+	for _, c := range open {
+		c.Close()
+	}
+	return nil
+}
+
+// rss is a process's resident set size in bytes.
+func rss(pid int) (int64, error) {
+	raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		return 0, err
+	}
+	for _, line := range strings.Split(string(raw), "\n") {
+		if rest, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+			kb, err := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(rest), "kB")), 10, 64)
+			return kb * 1024, err
+		}
+	}
+	return 0, fmt.Errorf("no VmRSS for process %d", pid)
+}
+
+func pct(sorted []time.Duration, p int) time.Duration {
+	return sorted[(len(sorted)-1)*p/100]
+}
+
+func ms(d time.Duration) string { return fmt.Sprintf("%.2f ms", float64(d.Microseconds())/1000) }
+
+func mib(b int64) float64 { return float64(b) / (1 << 20) }
