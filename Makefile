@@ -44,6 +44,7 @@ bench: build
 	$(WITH_PG) $(GO) test -run '^$$' -bench . -benchmem ./...
 	$(GO) run ./bench/load -binary bin/gateway
 	$(GO) run ./bench/drain -binary bin/gateway
+	$(GO) run ./bench/stream -binary bin/gateway
 
 clean:
 	rm -rf bin

@@ -24,6 +24,7 @@ type Config struct {
 	Upstream          string        `env:"GATEWAY_UPSTREAM" envDefault:"sim"`
 	UpstreamKey       string        `env:"GATEWAY_UPSTREAM_KEY"`
 	UpstreamTimeout   time.Duration `env:"GATEWAY_UPSTREAM_TIMEOUT" envDefault:"120s"`
+	UpstreamH2C       bool          `env:"GATEWAY_UPSTREAM_H2C"`
 	ModelMap          string        `env:"GATEWAY_MODEL_MAP"`
 	Multipliers       string        `env:"GATEWAY_MULTIPLIERS" envDefault:"instant=1,reasoning=4,elements=2"`
 	BatchDiscount     string        `env:"GATEWAY_BATCH_DISCOUNT" envDefault:"0.5"`
@@ -113,5 +114,5 @@ func (c Config) Provider(tok *metering.Tokenizer) (upstream.Provider, error) {
 	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
 		return nil, fmt.Errorf("GATEWAY_UPSTREAM must be sim or an http(s) base URL, got %q", c.Upstream)
 	}
-	return openai.New(openai.Config{BaseURL: c.Upstream, APIKey: c.UpstreamKey, Timeout: c.UpstreamTimeout}), nil
+	return openai.New(openai.Config{BaseURL: c.Upstream, APIKey: c.UpstreamKey, Timeout: c.UpstreamTimeout, H2C: c.UpstreamH2C}), nil
 }

@@ -36,10 +36,20 @@ func main() {
 }
 
 func run(binary string, requests, idle int) error {
-	// Every idle stream holds a client, a gateway and an upstream connection.
-	limit := uint64(4*idle + 1024)
-	if err := syscall.Setrlimit(syscall.RLIMIT_NOFILE, &syscall.Rlimit{Cur: limit, Max: limit}); err != nil {
-		return fmt.Errorf("raising the open-file limit to %d: %w", limit, err)
+	// An idle stream costs two descriptors in the gateway (client and upstream
+	// connections) and two here (client, and the fake upstream's server side).
+	// Raise the soft limit to the hard one; fit the streams under it.
+	var lim syscall.Rlimit
+	if err := syscall.Getrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
+		return err
+	}
+	lim.Cur = lim.Max
+	if err := syscall.Setrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
+		return fmt.Errorf("raising the open-file limit: %w", err)
+	}
+	if fit := int(lim.Max-1024) / 2; idle > fit {
+		fmt.Printf("open-file limit %d: measuring %d idle streams instead of %d\n\n", lim.Max, fit, idle)
+		idle = fit
 	}
 	env, err := benchenv.Start(binary)
 	if err != nil {
@@ -49,7 +59,12 @@ func run(binary string, requests, idle int) error {
 	if err := firstToken(env, requests); err != nil {
 		return err
 	}
-	return idleStreams(env, idle)
+	for _, h2c := range []bool{false, true} {
+		if err := idleStreams(env, idle, h2c); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 func firstToken(env *benchenv.Env, n int) error {
@@ -124,16 +139,17 @@ func timeToMarker(client *http.Client, req *http.Request, marker string) (time.D
 	return 0, fmt.Errorf("no %q in the stream of %s", marker, req.URL)
 }
 
-func idleStreams(env *benchenv.Env, n int) error {
+func idleStreams(env *benchenv.Env, n int, h2c bool) error {
 	defer env.StopServers()
 	fake := fakeupstream.New()
 	defer fake.Close()
 	fake.SetDelay(time.Hour) // the upstream never answers: every stream stays idle
-	dbURL, err := env.Database("idle_streams")
+	dbURL, err := env.Database(fmt.Sprintf("idle_streams_%v", h2c))
 	if err != nil {
 		return err
 	}
-	vars := []string{"DATABASE_URL=" + dbURL, "GATEWAY_UPSTREAM=" + fake.BaseURL(), "GATEWAY_SSE_KEEPALIVE=5s", "GATEWAY_UPSTREAM_TIMEOUT=10m"}
+	vars := []string{"DATABASE_URL=" + dbURL, "GATEWAY_UPSTREAM=" + fake.BaseURL(), "GATEWAY_SSE_KEEPALIVE=5s", "GATEWAY_UPSTREAM_TIMEOUT=10m",
+		fmt.Sprintf("GATEWAY_UPSTREAM_H2C=%v", h2c)}
 	key, err := env.Prepare(vars)
 	if err != nil {
 		return err
@@ -184,10 +200,15 @@ func idleStreams(env *benchenv.Env, n int) error {
 	if err != nil {
 		return err
 	}
-	fmt.Printf("idle streams: %d open (%d failed) in %s, %d upstream calls held\n\n", len(open), failures, opened.Round(time.Millisecond), len(fake.Calls()))
-	fmt.Println("| gateway RSS idle | RSS with the streams open | per stream |")
-	fmt.Println("|---|---|---|")
-	fmt.Printf("| %.1f MiB | %.1f MiB | %.1f KiB |\n", mib(before), mib(after), float64(after-before)/1024/float64(max(1, len(open))))
+	protocol := "HTTP/1.1 upstream (a connection per call)"
+	if h2c {
+		protocol = "HTTP/2 upstream (h2c, calls multiplexed)"
+	}
+	fmt.Printf("idle streams, %s: %d open (%d failed) in %s, %d upstream calls held\n\n", protocol, len(open), failures, opened.Round(time.Millisecond), len(fake.Calls()))
+	perStream := float64(after-before) / float64(max(1, len(open)))
+	fmt.Println("| gateway RSS idle | RSS with the streams open | per stream | projected for 10,000 |")
+	fmt.Println("|---|---|---|---|")
+	fmt.Printf("| %.1f MiB | %.1f MiB | %.1f KiB | %.0f MiB |\n\n", mib(before), mib(after), perStream/1024, mib(before+int64(perStream*10000)))
 	for _, c := range open {
 		c.Close()
 	}

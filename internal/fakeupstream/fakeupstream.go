@@ -51,9 +51,14 @@ type Server struct {
 }
 
 // New starts a fake upstream; its base URL for GATEWAY_UPSTREAM is BaseURL().
+// It speaks HTTP/1.1 and, with prior knowledge, HTTP/2 without TLS (h2c).
 func New() *Server {
 	s := &Server{}
-	s.Server = httptest.NewServer(http.HandlerFunc(s.handle))
+	s.Server = httptest.NewUnstartedServer(http.HandlerFunc(s.handle))
+	s.Server.Config.Protocols = new(http.Protocols)
+	s.Server.Config.Protocols.SetHTTP1(true)
+	s.Server.Config.Protocols.SetUnencryptedHTTP2(true)
+	s.Server.Start()
 	return s
 }
 

@@ -29,8 +29,13 @@ type Config struct {
 	BaseURL string
 	// APIKey is sent as a bearer token when set.
 	APIKey string
-	// Timeout bounds one non-streaming call, from dispatch to the whole reply.
+	// Timeout bounds one non-streaming call, from dispatch to the whole reply,
+	// and a stream's silence.
 	Timeout time.Duration
+	// H2C speaks HTTP/2 without TLS (prior knowledge) to an http:// upstream
+	// that supports it, so concurrent calls share connections. HTTPS upstreams
+	// negotiate HTTP/2 on their own.
+	H2C bool
 }
 
 // Client calls POST {BaseURL}/chat/completions.
@@ -55,6 +60,13 @@ func New(cfg Config) *Client {
 		IdleConnTimeout:       90 * time.Second,
 		TLSHandshakeTimeout:   5 * time.Second,
 		ResponseHeaderTimeout: cfg.Timeout,
+		// A custom DialContext turns HTTP/2 off unless asked for: HTTPS upstreams
+		// multiplex calls over few connections instead of one per call.
+		ForceAttemptHTTP2: true,
+	}
+	if cfg.H2C {
+		transport.Protocols = new(http.Protocols)
+		transport.Protocols.SetUnencryptedHTTP2(true)
 	}
 	return &Client{cfg: cfg, http: &http.Client{Transport: transport}}
 }
