@@ -37,6 +37,9 @@ type Config struct {
 	DrainConcurrency  int           `env:"GATEWAY_DRAIN_CONCURRENCY" envDefault:"32"`
 	SimTokenLatency   time.Duration `env:"GATEWAY_SIM_TOKEN_LATENCY" envDefault:"2ms"`
 	DBMaxConns        int32         `env:"GATEWAY_DB_MAX_CONNS" envDefault:"8"`
+	MetricsListen     string        `env:"GATEWAY_METRICS_LISTEN" envDefault:":9090"`
+	ShutdownGrace     time.Duration `env:"GATEWAY_SHUTDOWN_GRACE" envDefault:"30s"`
+	CORSOrigins       []string      `env:"GATEWAY_CORS_ORIGINS" envSeparator:","`
 }
 
 // Load reads the configuration from the environment.
@@ -59,6 +62,9 @@ func Load() (Config, error) {
 	}
 	if cfg.DrainConcurrency < 1 {
 		return Config{}, fmt.Errorf("GATEWAY_DRAIN_CONCURRENCY must be at least 1")
+	}
+	if cfg.ShutdownGrace <= 0 {
+		return Config{}, fmt.Errorf("GATEWAY_SHUTDOWN_GRACE must be positive")
 	}
 	if cfg.RateLimit < 0 {
 		return Config{}, fmt.Errorf("GATEWAY_RATE_LIMIT must not be negative")

@@ -17,6 +17,7 @@ import (
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/metering"
+	"github.com/rungworks/gateway/metrics"
 	"github.com/rungworks/gateway/store"
 	"github.com/rungworks/gateway/upstream"
 )
@@ -63,6 +64,8 @@ type Config struct {
 	Grace time.Duration
 	// EvidenceRetention is how long a completed item's evidence is held.
 	EvidenceRetention time.Duration
+	// Metrics, when set, records claims, upstream calls, rungs and outcomes.
+	Metrics *metrics.Metrics
 }
 
 // Drainer drains batch items.
@@ -182,10 +185,12 @@ func (d *Drainer) Run(ctx context.Context) {
 // claim claims up to n items, starts their batches and finishes those whose
 // items the budget refused.
 func (d *Drainer) claim(ctx context.Context, n int) ([]store.ClaimedItem, error) {
+	start := time.Now()
 	items, err := d.store.ClaimItems(ctx, store.ClaimParams{Owner: d.cfg.Owner, Max: n, PerAccount: max(1, n/2), Lease: d.cfg.Lease})
 	if err != nil {
 		return nil, err
 	}
+	d.cfg.Metrics.Claim(time.Since(start))
 	var started, refused []uuid.UUID
 	runnable := items[:0]
 	for _, it := range items {
@@ -193,6 +198,7 @@ func (d *Drainer) claim(ctx context.Context, n int) ([]store.ClaimedItem, error)
 			started = append(started, it.BatchID)
 		}
 		if it.BudgetRefused {
+			d.cfg.Metrics.BatchItem("refused")
 			refused = append(refused, it.BatchID)
 			continue
 		}
@@ -211,10 +217,12 @@ func (d *Drainer) claim(ctx context.Context, n int) ([]store.ClaimedItem, error)
 // back to the queue when the upstream is unavailable or the replica stops.
 func (d *Drainer) run(ctx context.Context, it store.ClaimedItem) {
 	req := it.Request.Request()
+	start := time.Now()
 	res, err := d.provider.Complete(ctx, upstream.Request{
 		Model: req.Model, UpstreamModel: d.models[req.Model], System: req.CustomInstructions, Prompt: req.Prompt,
 		MaxOutputTokens: req.MaxOutputRungs, Hints: req.Hints,
 	})
+	d.cfg.Metrics.Upstream(string(req.Model), upstream.Kind(err), time.Since(start))
 	result := store.ItemResult{BatchID: it.BatchID, Index: it.Index}
 	var rejected *upstream.RejectedError
 	switch {
@@ -237,6 +245,7 @@ func (d *Drainer) run(ctx context.Context, it store.ClaimedItem) {
 		if ctx.Err() == nil {
 			d.outage.begin(d.cfg.MaxBackoff)
 		}
+		d.cfg.Metrics.BatchItem("requeued")
 		d.requeue(it)
 		return
 	case errors.As(err, &rejected):
@@ -247,6 +256,10 @@ func (d *Drainer) run(ctx context.Context, it store.ClaimedItem) {
 		result.ErrorMessage = "the inference request failed"
 		d.logger.Warn("batch item failed upstream", "batch_id", it.BatchID, "index", it.Index, "error", err)
 	}
+	if result.Status == string(gateway.ItemCompleted) {
+		d.cfg.Metrics.Rungs(string(req.Model), string(gateway.EntryBatch), result.InputRungs, result.OutputRungs)
+	}
+	d.cfg.Metrics.BatchItem(result.Status)
 	d.results <- result
 }
 

@@ -92,9 +92,10 @@ func freePort(t *testing.T) int {
 
 // gateway is one running `gateway serve` (or `dev`) process.
 type gateway struct {
-	t      *testing.T
-	cmd    *exec.Cmd
-	base   string
+	t       *testing.T
+	cmd     *exec.Cmd
+	base    string
+	metrics string // base URL of the metrics listener
 	stderr *syncBuffer
 	stdout *syncBuffer
 	done   chan error
@@ -120,11 +121,15 @@ func (b *syncBuffer) String() string {
 // start runs the binary with args and env, and waits until it serves.
 func start(t *testing.T, env map[string]string, args ...string) *gateway {
 	t.Helper()
-	port := freePort(t)
+	port, metricsPort := freePort(t), freePort(t)
 	env["GATEWAY_LISTEN"] = fmt.Sprintf("127.0.0.1:%d", port)
+	env["GATEWAY_METRICS_LISTEN"] = fmt.Sprintf("127.0.0.1:%d", metricsPort)
 	cmd := exec.Command(binary, args...)
 	cmd.Env = environ(env)
-	g := &gateway{t: t, cmd: cmd, base: fmt.Sprintf("http://127.0.0.1:%d", port), stderr: &syncBuffer{}, stdout: &syncBuffer{}, done: make(chan error, 1)}
+	g := &gateway{
+		t: t, cmd: cmd, base: fmt.Sprintf("http://127.0.0.1:%d", port), metrics: fmt.Sprintf("http://127.0.0.1:%d", metricsPort),
+		stderr: &syncBuffer{}, stdout: &syncBuffer{}, done: make(chan error, 1),
+	}
 	cmd.Stdout, cmd.Stderr = g.stdout, g.stderr
 	require.NoError(t, cmd.Start())
 	go func() { g.done <- cmd.Wait() }()

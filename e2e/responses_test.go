@@ -170,6 +170,7 @@ func TestBadConfigurationStopsStart(t *testing.T) {
 		"discount":    {"GATEWAY_BATCH_DISCOUNT": "2"},
 	} {
 		env["GATEWAY_LISTEN"] = "127.0.0.1:0"
+		env["GATEWAY_METRICS_LISTEN"] = "off"
 		cmd := exec.Command(binary, "serve")
 		env["DATABASE_URL"] = b.db
 		cmd.Env = environ(env)

@@ -15,6 +15,7 @@ import (
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/metering"
+	"github.com/rungworks/gateway/metrics"
 	"github.com/rungworks/gateway/upstream"
 )
 
@@ -49,6 +50,8 @@ type Service struct {
 	ReservationLease time.Duration
 	// Logger reports failures that do not change the reply.
 	Logger *slog.Logger
+	// Metrics, when set, records upstream calls, rungs and refusals.
+	Metrics *metrics.Metrics
 }
 
 // Route is the route decided for a request.
@@ -87,6 +90,7 @@ type Result struct {
 // validation codes.
 func (s *Service) Prepare(p *gateway.Principal, entry gateway.EntryPoint, in gateway.RequestInput) (*Call, error) {
 	if !p.Rate.Admitted {
+		s.Metrics.Refusal("rate_limit")
 		return nil, gateway.RateLimitedError(p.Rate)
 	}
 	req, err := gateway.Validate(in, s.Models)
@@ -117,19 +121,28 @@ func (s *Service) Admit(ctx context.Context, call *Call) error {
 	if lease <= 0 {
 		lease = DefaultReservationLease
 	}
-	return s.Ledger.Admit(ctx, gateway.Admission{
+	err := s.Ledger.Admit(ctx, gateway.Admission{
 		RequestID: call.RequestID,
 		Principal: call.Principal,
 		Estimate:  call.Estimate.Total(),
 		Day:       call.Route.DecidedAt,
 		ExpiresAt: time.Now().Add(lease),
 	})
+	switch gateway.ErrorCodeOf(err) {
+	case gateway.ERateLimited:
+		s.Metrics.Refusal("daily_ceiling")
+	case gateway.EBudgetExceeded:
+		s.Metrics.Refusal("budget")
+	}
+	return err
 }
 
 // Complete runs an admitted call upstream and commits its usage. An upstream
 // failure is INFERENCE_BUSY and bills nothing.
 func (s *Service) Complete(ctx context.Context, call *Call) (*Result, error) {
+	start := time.Now()
 	res, err := s.Provider.Complete(ctx, s.upstreamRequest(call))
+	s.Metrics.Upstream(string(call.Request.Model), upstream.Kind(err), time.Since(start))
 	if err != nil {
 		s.release(ctx, call)
 		return nil, s.upstreamError(ctx, err)
@@ -146,10 +159,12 @@ func (s *Service) Complete(ctx context.Context, call *Call) (*Result, error) {
 //     an upstream failure).
 func (s *Service) Stream(ctx context.Context, call *Call, emit func(upstream.Delta) error) (*Result, error) {
 	started := false
+	start := time.Now()
 	res, err := s.Provider.Stream(ctx, s.upstreamRequest(call), func(d upstream.Delta) error {
 		started = true
 		return emit(d)
 	})
+	s.Metrics.Upstream(string(call.Request.Model), upstream.Kind(err), time.Since(start))
 	if err == nil {
 		return s.settle(ctx, call, res, false)
 	}
@@ -208,6 +223,7 @@ func (s *Service) settle(ctx context.Context, call *Call, res upstream.Result, f
 	if err != nil {
 		return nil, fmt.Errorf("error committing usage: %w", err)
 	}
+	s.Metrics.Rungs(string(call.Request.Model), string(call.Route.Entry), usage.InputRungs, usage.OutputRungs)
 	result := &Result{
 		RequestID: call.RequestID,
 		Model:     call.Request.Model,
@@ -233,8 +249,11 @@ func (s *Service) release(ctx context.Context, call *Call) {
 }
 
 func isUpstreamFailure(err error) bool {
-	var rejected *upstream.RejectedError
-	return errors.Is(err, upstream.ErrUnavailable) || errors.Is(err, upstream.ErrStreamBroken) || errors.As(err, &rejected)
+	switch upstream.Kind(err) {
+	case "unavailable", "rejected", "broken":
+		return true
+	}
+	return false
 }
 
 // upstreamError turns a provider failure into INFERENCE_BUSY, keeping the

@@ -13,6 +13,8 @@ import (
 	"math/rand/v2"
 	"sync"
 	"time"
+
+	"github.com/rungworks/gateway/metrics"
 )
 
 // Store is what the jobs need.
@@ -26,6 +28,7 @@ type Store interface {
 	FinishStrandedBatches(ctx context.Context, maxRows int32) (int64, error)
 	DeleteOldBatches(ctx context.Context, before time.Time, maxRows int32) (int64, error)
 	ExpireIdempotencyKeys(ctx context.Context, before time.Time, maxRows int32) (int64, error)
+	QueueDepth(ctx context.Context) (int64, error)
 }
 
 // Settings are the periods the jobs enforce.
@@ -45,6 +48,8 @@ const (
 	ReconcileInterval = 200 * time.Millisecond
 	// HousekeepingInterval paces recovery and cleaning.
 	HousekeepingInterval = 30 * time.Second
+	// queueDepthInterval paces the queue-depth sample.
+	queueDepthInterval = 5 * time.Second
 	// batchRows bounds the rows one run of a job touches.
 	batchRows = 1000
 	// rateWindowKeep is how long rate-limit windows are kept: the sliding window
@@ -59,10 +64,22 @@ type Job struct {
 	Run      func(ctx context.Context) (int64, error)
 }
 
-// Jobs are the gateway's maintenance jobs over st.
-func Jobs(st Store, set Settings) []Job {
+// Jobs are the gateway's maintenance jobs over st; m, when set, records lease
+// rescues and the queue depth.
+func Jobs(st Store, set Settings, m *metrics.Metrics) []Job {
 	return []Job{
-		{"rescue expired leases", max(set.Lease/2, time.Second), func(ctx context.Context) (int64, error) { return st.RescueExpiredLeases(ctx, batchRows) }},
+		{"rescue expired leases", max(set.Lease/2, time.Second), func(ctx context.Context) (int64, error) {
+			n, err := st.RescueExpiredLeases(ctx, batchRows)
+			m.LeaseRescues(n)
+			return n, err
+		}},
+		{"sample queue depth", queueDepthInterval, func(ctx context.Context) (int64, error) {
+			n, err := st.QueueDepth(ctx)
+			if err == nil {
+				m.QueueDepth(n)
+			}
+			return 0, err
+		}},
 		{"expire batches", time.Second, func(ctx context.Context) (int64, error) { return st.ExpireBatches(ctx, batchRows) }},
 		{"finish stranded batches", HousekeepingInterval, func(ctx context.Context) (int64, error) { return st.FinishStrandedBatches(ctx, batchRows) }},
 		{"delete old batches", HousekeepingInterval, func(ctx context.Context) (int64, error) {

@@ -52,10 +52,12 @@ func TestPolicies(t *testing.T) {
 	t.Parallel()
 	policies, err := openapi.Policies()
 	require.NoError(t, err)
-	require.Len(t, policies, 12, "the twelve routes of the interface")
+	require.Len(t, policies, 14, "the twelve routes of the interface and the two health checks")
 
 	require.True(t, policies["getOpenAPI"].Public)
 	require.True(t, policies["getJSONSchema"].Public)
+	require.True(t, policies["getHealth"].Public)
+	require.True(t, policies["getReadiness"].Public)
 	require.Equal(t, "/api/v1/batch/{batch_id}", policies["getBatch"].Path)
 	for _, id := range []string{"createBatch", "getBatch", "getBatchResults", "cancelBatch", "listBatches"} {
 		require.Equal(t, "developer", policies[id].Tier, id)

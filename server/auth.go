@@ -41,6 +41,7 @@ func (s *Server) authorize(p openapi.Policy) echo.MiddlewareFunc {
 				return gateway.Errorf(gateway.EInsufficientTier, "this operation needs an account of the %s tier", p.Tier)
 			}
 			if !principal.Rate.Admitted && !p.Streams {
+				s.metrics.Refusal("rate_limit")
 				return gateway.RateLimitedError(principal.Rate)
 			}
 			c.SetRequest(c.Request().WithContext(gateway.WithPrincipal(c.Request().Context(), principal)))

@@ -69,7 +69,7 @@ func (s *Server) stream(ctx context.Context, entry gateway.EntryPoint, body *api
 	if err == nil {
 		err = s.inference.Admit(ctx, call)
 	}
-	return streamReply{ctx: ctx, inference: s.inference, keepalive: s.keepalive, call: call, err: err}
+	return streamReply{ctx: ctx, inference: s.inference, metrics: s.metrics, keepalive: s.keepalive, call: call, err: err}
 }
 
 // GetSources implements GET /api/v1/sources/{request_id}.

@@ -10,6 +10,7 @@ import (
 	"log/slog"
 	"net/http"
 	"regexp"
+	"sync/atomic"
 	"time"
 
 	"github.com/google/uuid"
@@ -19,6 +20,7 @@ import (
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/gen/api"
 	"github.com/rungworks/gateway/inference"
+	"github.com/rungworks/gateway/metrics"
 	"github.com/rungworks/gateway/openapi"
 )
 
@@ -50,6 +52,11 @@ type BatchStore interface {
 	CancelBatch(ctx context.Context, accountID, id uuid.UUID) error
 }
 
+// ReadinessChecker says whether the replica's dependencies are ready.
+type ReadinessChecker interface {
+	Ready(ctx context.Context) error
+}
+
 // Config holds the server's dependencies.
 type Config struct {
 	Auth      Authenticator
@@ -58,7 +65,12 @@ type Config struct {
 	Usage     UsageReader
 	Batches   BatchCreator
 	BatchData BatchStore
+	Readiness ReadinessChecker
+	Metrics   *metrics.Metrics
 	Logger    *slog.Logger
+	// CORSOrigins, when set, are the browser origins allowed to call the API;
+	// CORS is off otherwise.
+	CORSOrigins []string
 	// SSEKeepalive is the idle time before a keep-alive comment in a stream.
 	SSEKeepalive time.Duration
 }
@@ -72,6 +84,9 @@ type Server struct {
 	usage     UsageReader
 	batches   BatchCreator
 	batchData BatchStore
+	ready     ReadinessChecker
+	metrics   *metrics.Metrics
+	draining  atomic.Bool
 	logger    *slog.Logger
 	keepalive time.Duration
 	openAPI   []byte
@@ -105,6 +120,8 @@ func New(cfg Config) (*Server, error) {
 		usage:     cfg.Usage,
 		batches:   cfg.Batches,
 		batchData: cfg.BatchData,
+		ready:     cfg.Readiness,
+		metrics:   cfg.Metrics,
 		logger:    logger,
 		keepalive: cfg.SSEKeepalive,
 		openAPI:   doc,
@@ -114,7 +131,16 @@ func New(cfg Config) (*Server, error) {
 	s.echo.HidePort = true
 	s.echo.HTTPErrorHandler = s.handleError
 	s.echo.Binder = jsonBinder{}
-	s.echo.Use(middleware.RecoverWithConfig(middleware.RecoverConfig{DisableStackAll: true, LogErrorFunc: s.logPanic}))
+	s.echo.Use(s.observe, middleware.RecoverWithConfig(middleware.RecoverConfig{DisableStackAll: true, LogErrorFunc: s.logPanic}))
+	if len(cfg.CORSOrigins) > 0 {
+		s.echo.Use(middleware.CORSWithConfig(middleware.CORSConfig{
+			AllowOrigins:  cfg.CORSOrigins,
+			AllowMethods:  []string{http.MethodGet, http.MethodPost},
+			AllowHeaders:  []string{"Authorization", "Content-Type", "Idempotency-Key", RequestIDHeader},
+			ExposeHeaders: []string{"x-service-input-rungs", "x-service-output-rungs", "x-service-total-rungs", "x-ratelimit-limit", "x-ratelimit-remaining", "Retry-After", "x-service-batch-index", "Idempotent-Replayed", RequestIDHeader},
+			MaxAge:        600,
+		}))
+	}
 
 	opMiddlewares := map[string][]echo.MiddlewareFunc{}
 	for id, p := range policies {

@@ -153,6 +153,7 @@ func setupStore(t testing.TB, models upstream.ModelMap, keepalive time.Duration,
 		Usage:        st,
 		Batches:      &batch.Service{Store: st, Models: models, Estimator: &metering.Estimator{Tokenizer: tok, RateCard: rc}},
 		BatchData:    st,
+		Readiness:    st,
 		SSEKeepalive: keepalive,
 	})
 	require.NoError(t, err)

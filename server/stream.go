@@ -9,6 +9,7 @@ import (
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/gen/api"
 	"github.com/rungworks/gateway/inference"
+	"github.com/rungworks/gateway/metrics"
 	"github.com/rungworks/gateway/upstream"
 )
 
@@ -18,6 +19,7 @@ import (
 type streamReply struct {
 	ctx       context.Context
 	inference *inference.Service
+	metrics   *metrics.Metrics
 	keepalive time.Duration
 	// call is the prepared request; err, when set, is why it cannot run.
 	call *inference.Call
@@ -38,6 +40,8 @@ func (r streamReply) serve(w http.ResponseWriter) error {
 	w.Header().Set("x-service-input-rungs", strconv.FormatInt(estimate, 10))
 	sse := startSSE(w, r.keepalive)
 	defer sse.Close()
+	r.metrics.StreamOpened()
+	defer r.metrics.StreamClosed()
 	if r.err != nil {
 		return sse.Event(eventError, errorEnvelope(r.err))
 	}

@@ -546,3 +546,12 @@ func deref[T any](p *T) T {
 	}
 	return *p
 }
+
+// QueueDepth is the number of queued batch items across all replicas.
+func (s *Store) QueueDepth(ctx context.Context) (int64, error) {
+	n, err := s.queries.QueueDepth(ctx, s.pool)
+	if err != nil {
+		return 0, fmt.Errorf("error counting queued items: %w", err)
+	}
+	return n, nil
+}

@@ -2,7 +2,9 @@ package store
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"sync/atomic"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
@@ -31,4 +33,33 @@ func Migrate(ctx context.Context, pool *pgxpool.Pool) (int, error) {
 		return 0, fmt.Errorf("error applying migrations: %w", err)
 	}
 	return len(results), nil
+}
+
+// migrationsCurrent remembers a positive answer: for a given binary, a schema
+// that has every embedded migration stays so.
+var migrationsCurrent atomic.Bool
+
+// Ready reports whether the database answers and has every embedded migration.
+func (s *Store) Ready(ctx context.Context) error {
+	if err := s.pool.Ping(ctx); err != nil {
+		return fmt.Errorf("database unreachable: %w", err)
+	}
+	if migrationsCurrent.Load() {
+		return nil
+	}
+	sqlDB := stdlib.OpenDBFromPool(s.pool)
+	defer sqlDB.Close()
+	provider, err := goose.NewProvider(goose.DialectPostgres, sqlDB, migrations.FS)
+	if err != nil {
+		return fmt.Errorf("error reading migrations: %w", err)
+	}
+	pending, err := provider.HasPending(ctx)
+	if err != nil {
+		return fmt.Errorf("error checking migrations: %w", err)
+	}
+	if pending {
+		return errors.New("migrations pending")
+	}
+	migrationsCurrent.Store(true)
+	return nil
 }

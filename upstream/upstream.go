@@ -114,3 +114,24 @@ func ParseModelPairs(s string) (map[gateway.Model]string, error) {
 	}
 	return out, nil
 }
+
+// Kind names the class of an upstream failure, for metrics and logs:
+// "unavailable", "rejected", "broken" (a stream cut short), "cancelled" (the
+// caller went away), "other"; empty for nil.
+func Kind(err error) string {
+	var rejected *RejectedError
+	switch {
+	case err == nil:
+		return ""
+	case errors.Is(err, ErrUnavailable):
+		return "unavailable"
+	case errors.As(err, &rejected):
+		return "rejected"
+	case errors.Is(err, ErrStreamBroken):
+		return "broken"
+	case errors.Is(err, context.Canceled):
+		return "cancelled"
+	default:
+		return "other"
+	}
+}

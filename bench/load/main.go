@@ -85,7 +85,7 @@ func run(binary, rateList string, duration, warmup time.Duration) error {
 	if err != nil {
 		return err
 	}
-	gw := command(append(env, "GATEWAY_LISTEN="+addr), binary, "serve")
+	gw := command(append(env, "GATEWAY_LISTEN="+addr, "GATEWAY_METRICS_LISTEN=127.0.0.1:0"), binary, "serve")
 	gw.Stderr = io.Discard
 	if err := gw.Start(); err != nil {
 		return err

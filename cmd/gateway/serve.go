@@ -18,6 +18,7 @@ import (
 	"github.com/rungworks/gateway/inference"
 	"github.com/rungworks/gateway/maintenance"
 	"github.com/rungworks/gateway/metering"
+	"github.com/rungworks/gateway/metrics"
 	"github.com/rungworks/gateway/server"
 	"github.com/rungworks/gateway/store"
 )
@@ -64,7 +65,10 @@ func openStore(ctx context.Context, cfg config.Config) (*store.Store, error) {
 }
 
 // serve wires the gateway and serves until ctx ends; ready, when set, is called
-// with the listening address once requests are accepted.
+// with the listening address once requests are accepted. On shutdown it stops
+// being ready, stops accepting and claiming, lets requests, streams and batch
+// items in flight finish within the grace period, hands back what could not,
+// and returns.
 func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog.Logger, ready func(addr string)) error {
 	tok, err := metering.DefaultTokenizer()
 	if err != nil {
@@ -82,6 +86,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	if err != nil {
 		return err
 	}
+	m := metrics.New()
 	estimator := &metering.Estimator{Tokenizer: tok, RateCard: rateCard}
 	srv, err := server.New(server.Config{
 		Auth: st,
@@ -93,13 +98,17 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 			EvidenceRetention: cfg.EvidenceRetention,
 			RetryAfter:        5 * time.Second,
 			Logger:            logger,
+			Metrics:           m,
 		},
 		Evidence:     st,
 		Usage:        st,
 		Batches:      &batch.Service{Store: st, Models: models, Estimator: estimator, Window: cfg.BatchWindow},
 		BatchData:    st,
+		Readiness:    st,
+		Metrics:      m,
 		Logger:       logger,
 		SSEKeepalive: cfg.SSEKeepalive,
+		CORSOrigins:  cfg.CORSOrigins,
 	})
 	if err != nil {
 		return err
@@ -109,40 +118,68 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	if err != nil {
 		return fmt.Errorf("error listening on %s: %w", cfg.Listen, err)
 	}
-	maintenanceCtx, stopMaintenance := context.WithCancel(ctx)
-	defer stopMaintenance()
-	go maintenance.Run(maintenanceCtx, maintenance.Jobs(st, maintenance.Settings{
+	httpServer := newHTTPServer(srv)
+	servers := []*http.Server{httpServer}
+	errc := make(chan error, 2)
+	go func() { errc <- httpServer.Serve(ln) }()
+	if cfg.MetricsListen != "" && cfg.MetricsListen != "off" {
+		metricsLn, err := net.Listen("tcp", cfg.MetricsListen)
+		if err != nil {
+			ln.Close()
+			return fmt.Errorf("error listening for metrics on %s: %w", cfg.MetricsListen, err)
+		}
+		metricsServer := newHTTPServer(m.Handler())
+		servers = append(servers, metricsServer)
+		go func() { errc <- metricsServer.Serve(metricsLn) }()
+		logger.Info("metrics listening", "addr", metricsLn.Addr().String())
+	}
+
+	background, stopBackground := context.WithCancel(ctx)
+	defer stopBackground()
+	go maintenance.Run(background, maintenance.Jobs(st, maintenance.Settings{
 		BatchWindow: cfg.BatchWindow, BatchRetention: cfg.BatchRetention, Lease: cfg.Lease,
-	}), logger)
+	}, m), logger)
 	drain := drainer.New(drainer.Config{
-		Concurrency: cfg.DrainConcurrency, Lease: cfg.Lease, EvidenceRetention: cfg.EvidenceRetention,
+		Concurrency: cfg.DrainConcurrency, Lease: cfg.Lease, Grace: cfg.ShutdownGrace,
+		EvidenceRetention: cfg.EvidenceRetention, Metrics: m,
 	}, st, provider, models, estimator, logger)
 	drained := make(chan struct{})
 	go func() { defer close(drained); drain.Run(ctx) }()
 
-	httpServer := &http.Server{
-		Handler:           srv,
-		ReadHeaderTimeout: 10 * time.Second,
-		IdleTimeout:       120 * time.Second,
-	}
-	errc := make(chan error, 1)
-	go func() { errc <- httpServer.Serve(ln) }()
 	logger.Info("gateway listening", "addr", ln.Addr().String(), "upstream", cfg.Upstream)
 	if ready != nil {
 		ready(ln.Addr().String())
 	}
-
 	select {
 	case err := <-errc:
 		return fmt.Errorf("error serving: %w", err)
 	case <-ctx.Done():
 	}
-	shutdownCtx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+
+	logger.Info("shutting down", "grace", cfg.ShutdownGrace.String())
+	srv.Drain()
+	shutdownCtx, cancel := context.WithTimeout(context.Background(), cfg.ShutdownGrace)
 	defer cancel()
-	if err := httpServer.Shutdown(shutdownCtx); err != nil {
-		return fmt.Errorf("error shutting down: %w", err)
+	for _, s := range servers {
+		if err := s.Shutdown(shutdownCtx); err != nil {
+			logger.Warn("requests still open at the end of the grace period; closing them", "error", err)
+			_ = s.Close()
+		}
 	}
 	<-drained
 	logger.Info("gateway stopped")
 	return nil
+}
+
+// newHTTPServer applies the server limits: headers must arrive within 10 s and
+// stay under 64 KiB, idle connections close after 2 minutes. There is no write
+// timeout: streams last as long as inference does.
+func newHTTPServer(h http.Handler) *http.Server {
+	return &http.Server{
+		Handler:           h,
+		ReadHeaderTimeout: 10 * time.Second,
+		ReadTimeout:       2 * time.Minute,
+		IdleTimeout:       2 * time.Minute,
+		MaxHeaderBytes:    64 << 10,
+	}
 }

@@ -551,6 +551,17 @@ func (q *Queries) NotifyBatchCreated(ctx context.Context, db DBTX, batchID strin
 	return err
 }
 
+const queueDepth = `-- name: QueueDepth :one
+SELECT count(*) FROM batch_items WHERE status = 'queued'
+`
+
+func (q *Queries) QueueDepth(ctx context.Context, db DBTX) (int64, error) {
+	row := db.QueryRow(ctx, queueDepth)
+	var count int64
+	err := row.Scan(&count)
+	return count, err
+}
+
 const renewLeases = `-- name: RenewLeases :execrows
 UPDATE batch_items SET lease_expires_at = now() + $1::interval
 WHERE lease_owner = $2 AND status = 'in_progress'

@@ -135,3 +135,6 @@ WHERE batches.id IN (SELECT x.id FROM batches x WHERE x.completed_at < @before O
 -- name: ExpireIdempotencyKeys :execrows
 UPDATE batches SET idempotency_key = NULL
 WHERE batches.id IN (SELECT x.id FROM batches x WHERE x.idempotency_key IS NOT NULL AND x.created_at < @before LIMIT @max_rows);
+
+-- name: QueueDepth :one
+SELECT count(*) FROM batch_items WHERE status = 'queued';

@@ -89,7 +89,7 @@ func (e *Env) ServeProcess(env []string) (string, int, error) {
 	}
 	addr := l.Addr().String()
 	l.Close()
-	cmd := e.command(append(env, "GATEWAY_LISTEN="+addr, "GATEWAY_RATE_LIMIT=100000000"), "serve")
+	cmd := e.command(append(env, "GATEWAY_LISTEN="+addr, "GATEWAY_METRICS_LISTEN=127.0.0.1:0", "GATEWAY_RATE_LIMIT=100000000"), "serve")
 	cmd.Stderr = io.Discard
 	if err := cmd.Start(); err != nil {
 		return "", 0, err

@@ -1,0 +1,162 @@
+// Package metrics holds the gateway's Prometheus metrics. A nil *Metrics is
+// valid and records nothing, so every component takes one optionally.
+package metrics
+
+import (
+	"net/http"
+	"strconv"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+)
+
+// Metrics are the gateway's instruments.
+type Metrics struct {
+	registry         *prometheus.Registry
+	requests         *prometheus.CounterVec
+	requestDuration  *prometheus.HistogramVec
+	rungs            *prometheus.CounterVec
+	upstreamDuration *prometheus.HistogramVec
+	upstreamErrors   *prometheus.CounterVec
+	openStreams      prometheus.Gauge
+	batchItems       *prometheus.CounterVec
+	claimDuration    prometheus.Histogram
+	queueDepth       prometheus.Gauge
+	leaseRescues     prometheus.Counter
+	refusals         *prometheus.CounterVec
+}
+
+// New registers the gateway's metrics (and the Go and process collectors) on a
+// registry of their own.
+func New() *Metrics {
+	m := &Metrics{
+		registry: prometheus.NewRegistry(),
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "gateway_http_requests_total", Help: "HTTP requests by route, method and status.",
+		}, []string{"route", "method", "status"}),
+		requestDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "gateway_http_request_duration_seconds", Help: "HTTP request latency by route and method (streams: until the stream ends).",
+			Buckets: []float64{.0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60},
+		}, []string{"route", "method"}),
+		rungs: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "gateway_rungs_total", Help: "Rungs metered, by model, entry point and side (input or output).",
+		}, []string{"model", "entry_point", "side"}),
+		upstreamDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "gateway_upstream_request_duration_seconds", Help: "Upstream call latency by model and outcome.",
+			Buckets: prometheus.ExponentialBuckets(0.005, 2.5, 12),
+		}, []string{"model", "outcome"}),
+		upstreamErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "gateway_upstream_errors_total", Help: "Upstream failures by kind: unavailable, rejected, broken (mid-stream), other.",
+		}, []string{"kind"}),
+		openStreams: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "gateway_open_streams", Help: "Server-sent event streams open now.",
+		}),
+		batchItems: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "gateway_batch_items_total", Help: "Batch items handled by this replica, by outcome: completed, failed, requeued, refused (budget).",
+		}, []string{"outcome"}),
+		claimDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "gateway_batch_claim_duration_seconds", Help: "Latency of one claim of batch items.",
+			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 14),
+		}),
+		queueDepth: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "gateway_batch_queue_depth", Help: "Batch items queued, across all replicas (sampled).",
+		}),
+		leaseRescues: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "gateway_batch_lease_rescues_total", Help: "Batches with items failed as INTERRUPTED after their replica's lease ran out (rescued by this replica).",
+		}),
+		refusals: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "gateway_admission_refusals_total", Help: "Requests refused by admission: rate_limit, daily_ceiling, budget.",
+		}, []string{"reason"}),
+	}
+	m.registry.MustRegister(m.requests, m.requestDuration, m.rungs, m.upstreamDuration, m.upstreamErrors,
+		m.openStreams, m.batchItems, m.claimDuration, m.queueDepth, m.leaseRescues, m.refusals,
+		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	return m
+}
+
+// Handler serves the metrics in the Prometheus text format.
+func (m *Metrics) Handler() http.Handler {
+	return promhttp.HandlerFor(m.registry, promhttp.HandlerOpts{})
+}
+
+// Request records one HTTP request.
+func (m *Metrics) Request(route, method string, status int, d time.Duration) {
+	if m == nil {
+		return
+	}
+	m.requests.WithLabelValues(route, method, strconv.Itoa(status)).Inc()
+	m.requestDuration.WithLabelValues(route, method).Observe(d.Seconds())
+}
+
+// Rungs records metered usage.
+func (m *Metrics) Rungs(model, entry string, input, output int64) {
+	if m == nil {
+		return
+	}
+	m.rungs.WithLabelValues(model, entry, "input").Add(float64(input))
+	m.rungs.WithLabelValues(model, entry, "output").Add(float64(output))
+}
+
+// Upstream records one upstream call; kind is empty on success.
+func (m *Metrics) Upstream(model, kind string, d time.Duration) {
+	if m == nil {
+		return
+	}
+	outcome := "ok"
+	if kind != "" {
+		outcome = "error"
+		m.upstreamErrors.WithLabelValues(kind).Inc()
+	}
+	m.upstreamDuration.WithLabelValues(model, outcome).Observe(d.Seconds())
+}
+
+// StreamOpened and StreamClosed track open streams.
+func (m *Metrics) StreamOpened() {
+	if m != nil {
+		m.openStreams.Inc()
+	}
+}
+
+// StreamClosed records the end of a stream.
+func (m *Metrics) StreamClosed() {
+	if m != nil {
+		m.openStreams.Dec()
+	}
+}
+
+// BatchItem records a batch item's outcome here.
+func (m *Metrics) BatchItem(outcome string) {
+	if m != nil {
+		m.batchItems.WithLabelValues(outcome).Inc()
+	}
+}
+
+// Claim records one claim's latency.
+func (m *Metrics) Claim(d time.Duration) {
+	if m != nil {
+		m.claimDuration.Observe(d.Seconds())
+	}
+}
+
+// QueueDepth records the number of queued items.
+func (m *Metrics) QueueDepth(n int64) {
+	if m != nil {
+		m.queueDepth.Set(float64(n))
+	}
+}
+
+// LeaseRescues records batches rescued.
+func (m *Metrics) LeaseRescues(n int64) {
+	if m != nil {
+		m.leaseRescues.Add(float64(n))
+	}
+}
+
+// Refusal records an admission refusal.
+func (m *Metrics) Refusal(reason string) {
+	if m != nil {
+		m.refusals.WithLabelValues(reason).Inc()
+	}
+}

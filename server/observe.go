@@ -1,0 +1,67 @@
+package server
+
+import (
+	"log/slog"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/labstack/echo/v4"
+
+	"github.com/rungworks/gateway"
+)
+
+// RequestIDHeader carries a request's id: echoed when the client sends a
+// usable one, generated otherwise.
+const RequestIDHeader = "x-request-id"
+
+const maxRequestIDLen = 128
+
+// observe gives every request an id, and once it is answered writes one JSON
+// log line (id, method, route, status, duration, account; never a key or a
+// prompt) and records it in the metrics. Errors are answered here, through the
+// error handler, so the status is known.
+func (s *Server) observe(next echo.HandlerFunc) echo.HandlerFunc {
+	return func(c echo.Context) error {
+		start := time.Now()
+		id := c.Request().Header.Get(RequestIDHeader)
+		if !usableRequestID(id) {
+			id = uuid.Must(uuid.NewV7()).String()
+		}
+		c.Response().Header().Set(RequestIDHeader, id)
+		if err := next(c); err != nil {
+			c.Error(err)
+		}
+		route := c.Path()
+		if route == "" {
+			route = "unmatched"
+		}
+		status, elapsed := c.Response().Status, time.Since(start)
+		s.metrics.Request(route, c.Request().Method, status, elapsed)
+		attrs := []slog.Attr{
+			slog.String("request_id", id),
+			slog.String("method", c.Request().Method),
+			slog.String("route", route),
+			slog.Int("status", status),
+			slog.Float64("duration_ms", float64(elapsed.Microseconds())/1000),
+			slog.Int64("bytes", c.Response().Size),
+		}
+		if p := gateway.PrincipalFrom(c.Request().Context()); p != nil {
+			attrs = append(attrs, slog.String("account", p.AccountName), slog.String("key_id", p.KeyID.String()))
+		}
+		s.logger.LogAttrs(c.Request().Context(), slog.LevelInfo, "request", attrs...)
+		return nil
+	}
+}
+
+// usableRequestID accepts short printable ASCII ids.
+func usableRequestID(id string) bool {
+	if id == "" || len(id) > maxRequestIDLen {
+		return false
+	}
+	for _, r := range id {
+		if r < 0x21 || r > 0x7e {
+			return false
+		}
+	}
+	return true
+}
