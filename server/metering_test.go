@@ -35,7 +35,7 @@ func TestRateLimitHeadersAndRefusal(t *testing.T) {
 	t.Parallel()
 	// A fixed clock keeps every request in one rate window.
 	at := time.Now().Truncate(time.Minute).Add(30 * time.Second)
-	b := setupStore(t, nil, time.Minute, store.Options{Clock: func() time.Time { return at }})
+	b := setupWith(t, options{store: store.Options{Clock: func() time.Time { return at }}})
 	free := b.newKey("freeco", gateway.TierFree, gateway.ScopeInference, gateway.ScopeUsage)
 	r := b.post("/api/v1/responses", free, map[string]any{"prompt": "p"})
 	require.Equal(t, "60", r.header.Get("x-ratelimit-limit"), "the free tier's default")
@@ -97,7 +97,7 @@ func TestBudgetAndDailyCeiling(t *testing.T) {
 
 func TestUsageViewEqualsWhatClientsReceived(t *testing.T) {
 	t.Parallel()
-	b := setupWith(t, nil, time.Minute)
+	b := setupWith(t, options{keepalive: time.Minute})
 	var want api.UsageTotals
 	add := func(u api.RungUsage) {
 		want.Requests++
@@ -142,7 +142,7 @@ func TestUsageViewEqualsWhatClientsReceived(t *testing.T) {
 
 func TestUsageViewBilledDisconnect(t *testing.T) {
 	t.Parallel()
-	b := setupWith(t, nil, time.Minute)
+	b := setupWith(t, options{keepalive: time.Minute})
 	b.upstream.configure(func(s *scripted) { s.hang = true })
 	ctx, cancel := context.WithCancel(context.Background())
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, b.http.URL+"/api/v1/responses", strings.NewReader(`{"prompt": "bye", "stream": true}`))

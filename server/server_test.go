@@ -118,46 +118,63 @@ type testBundle struct {
 	t        testing.TB
 	store    *store.Store
 	upstream *scripted
+	server   *server.Server
 	http     *httptest.Server
 	key      string // developer, inference + usage
 }
 
 func setup(t testing.TB, models upstream.ModelMap) *testBundle {
 	t.Helper()
-	return setupWith(t, models, time.Minute)
+	return setupWith(t, options{models: models})
 }
 
-func setupWith(t testing.TB, models upstream.ModelMap, keepalive time.Duration) *testBundle {
-	t.Helper()
-	return setupStore(t, models, keepalive, store.Options{})
+// options vary the server a test runs against.
+type options struct {
+	models    upstream.ModelMap
+	keepalive time.Duration
+	store     store.Options
+	provider  upstream.Provider
+	server    func(*server.Config)
 }
 
-func setupStore(t testing.TB, models upstream.ModelMap, keepalive time.Duration, opts store.Options) *testBundle {
+func setupWith(t testing.TB, o options) *testBundle {
 	t.Helper()
-	st := store.New(testdb.New(t), opts)
+	st := store.New(testdb.New(t), o.store)
 	tok, err := metering.DefaultTokenizer()
 	require.NoError(t, err)
 	rc, err := metering.NewRateCard(map[gateway.Model]string{"instant": "1", "reasoning": "4", "elements": "2"}, "0.5")
 	require.NoError(t, err)
-	if models == nil {
-		models = upstream.DefaultModelMap()
+	if o.models == nil {
+		o.models = upstream.DefaultModelMap()
+	}
+	if o.keepalive == 0 {
+		o.keepalive = time.Minute
 	}
 	up := &scripted{}
-	srv, err := server.New(server.Config{
+	var provider upstream.Provider = up
+	if o.provider != nil {
+		provider = o.provider
+	}
+	estimator := &metering.Estimator{Tokenizer: tok, RateCard: rc}
+	cfg := server.Config{
 		Auth: st,
 		Inference: &inference.Service{
-			Provider: up, Models: models, Estimator: &metering.Estimator{Tokenizer: tok, RateCard: rc},
+			Provider: provider, Models: o.models, Estimator: estimator,
 			Ledger: st, EvidenceRetention: time.Hour, RetryAfter: 5 * time.Second,
 		},
 		Evidence:     st,
 		Usage:        st,
-		Batches:      &batch.Service{Store: st, Models: models, Estimator: &metering.Estimator{Tokenizer: tok, RateCard: rc}},
+		Batches:      &batch.Service{Store: st, Models: o.models, Estimator: estimator},
 		BatchData:    st,
 		Readiness:    st,
-		SSEKeepalive: keepalive,
-	})
+		SSEKeepalive: o.keepalive,
+	}
+	if o.server != nil {
+		o.server(&cfg)
+	}
+	srv, err := server.New(cfg)
 	require.NoError(t, err)
-	b := &testBundle{t: t, store: st, upstream: up, http: newHTTPServer(t, srv)}
+	b := &testBundle{t: t, store: st, upstream: up, server: srv, http: newHTTPServer(t, srv)}
 	b.key = b.newKey("acme", gateway.TierDeveloper, gateway.ScopeInference, gateway.ScopeUsage)
 	return b
 }

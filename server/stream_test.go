@@ -143,7 +143,7 @@ func TestStreamBreaksMidway(t *testing.T) {
 
 func TestStreamKeepAlive(t *testing.T) {
 	t.Parallel()
-	b := setupWith(t, nil, 20*time.Millisecond)
+	b := setupWith(t, options{keepalive: 20 * time.Millisecond})
 	b.upstream.configure(func(s *scripted) { s.firstDelay = 150 * time.Millisecond })
 	r, s := b.stream("/api/v1/responses", map[string]any{"prompt": "slow"})
 	require.GreaterOrEqual(t, s.Comments, 2, "keep-alives while waiting for the first token")
@@ -155,7 +155,7 @@ func TestStreamKeepAlive(t *testing.T) {
 // count is this test's own: after the client goes away mid-stream, the upstream
 // call is cancelled, the output so far is committed, and nothing is left running.
 func TestStreamClientDisconnect(t *testing.T) {
-	b := setupWith(t, nil, 10*time.Millisecond)
+	b := setupWith(t, options{keepalive: 10 * time.Millisecond})
 	// Warm up (database connections, HTTP keep-alives), then settle, then count.
 	require.Equal(t, http.StatusOK, b.post("/api/v1/responses", b.key, map[string]any{"prompt": "warm up"}).status)
 	quiesce := func() {

@@ -1,0 +1,106 @@
+package e2e
+
+import (
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway/gen/api"
+)
+
+func (g *gateway) scrape() string {
+	g.t.Helper()
+	resp, err := http.Get(g.metrics + "/metrics")
+	require.NoError(g.t, err)
+	defer resp.Body.Close()
+	require.Equal(g.t, http.StatusOK, resp.StatusCode)
+	raw, err := io.ReadAll(resp.Body)
+	require.NoError(g.t, err)
+	return string(raw)
+}
+
+func TestMetrics(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	g := serve(t, b.db, b.fake.BaseURL(), nil)
+	require.Equal(t, http.StatusOK, g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "p", "model": "reasoning"}).status)
+	g.stream(b.key, map[string]any{"prompt": "s"})
+	g.call(http.MethodGet, "/api/v1/usage", "igw_nope", nil)
+	batch := g.createBatch(b.key, prompts("metrics", 3))
+	g.waitTerminal(b.key, batch.Id.String(), 30*time.Second)
+
+	require.Eventually(t, func() bool {
+		m := g.scrape()
+		for _, want := range []string{
+			`gateway_http_requests_total{method="POST",route="/api/v1/responses",status="200"} 2`,
+			`gateway_http_requests_total{method="GET",route="/api/v1/usage",status="401"} 1`,
+			`gateway_http_request_duration_seconds_bucket{method="POST",route="/api/v1/batch"`,
+			`gateway_rungs_total{entry_point="responses",model="reasoning",side="input"}`,
+			`gateway_rungs_total{entry_point="batch",model="instant",side="output"}`,
+			`gateway_upstream_request_duration_seconds_count{model="instant",outcome="ok"}`,
+			`gateway_open_streams 0`,
+			`gateway_batch_items_total{outcome="completed"} 3`,
+			`gateway_batch_claim_duration_seconds_count`,
+			`gateway_batch_queue_depth`,
+			`process_resident_memory_bytes`,
+		} {
+			if !strings.Contains(m, want) {
+				t.Logf("missing %s", want)
+				return false
+			}
+		}
+		return true
+	}, 10*time.Second, 200*time.Millisecond)
+}
+
+// TestRollingRestartLosesNothing restarts one of two replicas with SIGTERM
+// while both drain a batch and serve interactive requests: every item completes
+// (none INTERRUPTED), each prompt reaches the upstream once, and the requests
+// in flight on the stopping replica are answered.
+func TestRollingRestartLosesNothing(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetDelay(300 * time.Millisecond)
+	env := map[string]string{"GATEWAY_DRAIN_CONCURRENCY": "4", "GATEWAY_SHUTDOWN_GRACE": "20s"}
+	stopping := serve(t, b.db, b.fake.BaseURL(), env)
+	staying := serve(t, b.db, b.fake.BaseURL(), env)
+	batch := staying.createBatch(b.key, prompts("rolling", 40))
+	require.Eventually(t, func() bool { return len(b.fake.Calls()) >= 6 }, 10*time.Second, 10*time.Millisecond)
+
+	// Interactive requests in flight on the replica about to stop.
+	var wg sync.WaitGroup
+	statuses := make([]int, 3)
+	for i := range statuses {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			statuses[i] = stopping.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "in flight"}).status
+		}()
+	}
+	time.Sleep(100 * time.Millisecond)
+	require.NoError(t, stopping.cmd.Process.Signal(syscall.SIGTERM))
+	require.NoError(t, <-stopping.done, "a clean exit: %s", stopping.stderr.String())
+	stopping.done <- nil
+	wg.Wait()
+	for _, s := range statuses {
+		require.Equal(t, http.StatusOK, s, "requests in flight at SIGTERM are answered")
+	}
+
+	restarted := serve(t, b.db, b.fake.BaseURL(), env)
+	res := restarted.waitTerminal(b.key, batch.Id.String(), 60*time.Second)
+	require.Equal(t, api.BatchStatus("completed"), res.Status)
+	for _, it := range res.Results {
+		require.Equal(t, api.BatchItemStatus("completed"), it.Status, "item %d: %+v", it.Index, it.Error)
+	}
+	for p, n := range callsPerPrompt(b.fake) {
+		if p != "in flight" {
+			require.Equal(t, 1, n, "prompt %q reached the upstream %d times", p, n)
+		}
+	}
+}

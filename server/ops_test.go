@@ -1,0 +1,129 @@
+package server_test
+
+import (
+	"bytes"
+	"context"
+	"log/slog"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/server"
+	"github.com/rungworks/gateway/upstream"
+)
+
+func TestHealthAndReadiness(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	r := b.do(http.MethodGet, "/healthz", "", "", nil)
+	require.Equal(t, http.StatusOK, r.status)
+	require.Equal(t, map[string]any{"status": "ok"}, r.json(t))
+	r = b.do(http.MethodGet, "/readyz", "", "", nil)
+	require.Equal(t, http.StatusOK, r.status)
+	require.Equal(t, map[string]any{"status": "ok"}, r.json(t))
+
+	b.server.Drain()
+	r = b.do(http.MethodGet, "/readyz", "", "", nil)
+	require.Equal(t, http.StatusServiceUnavailable, r.status)
+	require.Equal(t, map[string]any{"status": "unavailable", "detail": "shutting down"}, r.json(t))
+	require.Equal(t, http.StatusOK, b.do(http.MethodGet, "/healthz", "", "", nil).status, "alive while draining")
+}
+
+func TestRequestID(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	r := b.doWith(http.MethodGet, "/healthz", "", "", nil, http.Header{"X-Request-Id": {"trace-abc-123"}})
+	require.Equal(t, "trace-abc-123", r.header.Get("x-request-id"), "a client's id is echoed")
+	r = b.do(http.MethodGet, "/healthz", "", "", nil)
+	require.Len(t, r.header.Get("x-request-id"), 36, "one is generated otherwise")
+	r = b.doWith(http.MethodGet, "/healthz", "", "", nil, http.Header{"X-Request-Id": {strings.Repeat("x", 200)}})
+	require.Len(t, r.header.Get("x-request-id"), 36, "an unusable one is replaced")
+	r = b.do(http.MethodGet, "/nowhere", "", "", nil)
+	require.NotEmpty(t, r.header.Get("x-request-id"), "errors carry it too")
+}
+
+// lockedBuffer is a log sink safe for the server's goroutines.
+type lockedBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.buf.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.buf.String()
+}
+
+func TestAccessLogNeverLeaksSecrets(t *testing.T) {
+	t.Parallel()
+	logs := &lockedBuffer{}
+	b := setupWith(t, options{server: func(c *server.Config) {
+		c.Logger = slog.New(slog.NewJSONHandler(logs, nil))
+	}})
+	prompt := "my very private prompt about payroll"
+	r := b.postWith("/api/v1/responses", b.key, map[string]any{"prompt": prompt, "stream": true}, http.Header{"X-Request-Id": {"log-me"}})
+	require.Equal(t, http.StatusOK, r.status)
+	b.post("/api/v1/responses", b.key, map[string]any{"prompt": prompt})
+	b.post("/api/v1/responses", "igw_"+strings.Repeat("b", 52), map[string]any{"prompt": prompt})
+
+	out := logs.String()
+	require.Contains(t, out, `"request_id":"log-me"`)
+	require.Contains(t, out, `"route":"/api/v1/responses"`)
+	require.Contains(t, out, `"status":200`)
+	require.Contains(t, out, `"status":401`)
+	require.Contains(t, out, `"account":"acme"`)
+	require.NotContains(t, out, b.key)
+	require.NotContains(t, out, b.key[12:], "not even the secret part")
+	require.NotContains(t, out, strings.Repeat("b", 52))
+	require.NotContains(t, out, "payroll")
+}
+
+// panicking is an upstream that panics.
+type panicking struct{ upstream.Provider }
+
+func (panicking) Complete(context.Context, upstream.Request) (upstream.Result, error) {
+	panic("upstream client bug")
+}
+
+func TestPanicBecomesInternalError(t *testing.T) {
+	t.Parallel()
+	b := setupWith(t, options{provider: panicking{}, server: func(c *server.Config) {
+		c.Logger = slog.New(slog.NewJSONHandler(&lockedBuffer{}, nil))
+	}})
+	r := b.post("/api/v1/responses", b.key, map[string]any{"prompt": "p"})
+	require.Equal(t, http.StatusInternalServerError, r.status)
+	require.Equal(t, gateway.EInternal, r.errorCode(t))
+	require.NotContains(t, string(r.body), "upstream client bug")
+	require.Equal(t, http.StatusOK, b.do(http.MethodGet, "/healthz", "", "", nil).status, "the server lives on")
+}
+
+func TestCORS(t *testing.T) {
+	t.Parallel()
+	preflight := func(b *testBundle) http.Header {
+		req, err := http.NewRequest(http.MethodOptions, b.http.URL+"/api/v1/responses", nil)
+		require.NoError(t, err)
+		req.Header.Set("Origin", "https://app.example.com")
+		req.Header.Set("Access-Control-Request-Method", "POST")
+		resp, err := http.DefaultClient.Do(req)
+		require.NoError(t, err)
+		resp.Body.Close()
+		return resp.Header
+	}
+	off := setup(t, nil)
+	require.Empty(t, preflight(off).Get("Access-Control-Allow-Origin"), "CORS is off unless configured")
+
+	on := setupWith(t, options{server: func(c *server.Config) { c.CORSOrigins = []string{"https://app.example.com"} }})
+	h := preflight(on)
+	require.Equal(t, "https://app.example.com", h.Get("Access-Control-Allow-Origin"))
+	require.Contains(t, h.Get("Access-Control-Allow-Headers"), "Authorization")
+}
