@@ -96,9 +96,9 @@ type gateway struct {
 	cmd     *exec.Cmd
 	base    string
 	metrics string // base URL of the metrics listener
-	stderr *syncBuffer
-	stdout *syncBuffer
-	done   chan error
+	stderr  *syncBuffer
+	stdout  *syncBuffer
+	done    chan error
 }
 
 type syncBuffer struct {
