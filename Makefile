@@ -12,6 +12,7 @@ all: build
 ## generate: regenerate gen/ from openapi/openapi.yaml and the .sql queries
 generate:
 	$(TOOLS) oapi-codegen -config gen/api/oapi-codegen.yaml openapi/openapi.yaml
+	$(TOOLS) oapi-codegen -config gen/client/oapi-codegen.yaml openapi/openapi.yaml
 	$(TOOLS) sqlc generate
 
 ## check-generated: fail when `make generate` changes anything

@@ -158,6 +158,13 @@ func TestCLI(t *testing.T) {
 
 	_, err = cli(t, "", "serve")
 	require.ErrorContains(t, err, "DATABASE_URL is required")
+
+	// The container health check.
+	g := serve(t, b.db, b.fake.BaseURL(), nil)
+	_, err = cli(t, "", "probe", g.base+"/readyz")
+	require.NoError(t, err)
+	_, err = cli(t, "", "probe", g.base+"/nowhere")
+	require.ErrorContains(t, err, "404")
 }
 
 func TestBadConfigurationStopsStart(t *testing.T) {

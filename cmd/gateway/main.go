@@ -26,7 +26,7 @@ func main() {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(serveCmd(logger), devCmd(logger), migrateCmd(), keysCmd(), limitsCmd())
+	root.AddCommand(serveCmd(logger), devCmd(logger), migrateCmd(), keysCmd(), limitsCmd(), probeCmd())
 	if err := root.ExecuteContext(ctx); err != nil {
 		fmt.Fprintln(os.Stderr, "gateway:", err)
 		os.Exit(1)
