@@ -3,14 +3,23 @@ package server_test
 import (
 	"bytes"
 	"io"
+	"log/slog"
 	"net/http"
 	"testing"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/server"
+	"github.com/rungworks/gateway/store"
 )
 
 // BenchmarkCreateResponse is one non-streaming request through the whole server
 // (auth, validation, pricing, commit) on a real PostgreSQL, with an instant upstream.
 func BenchmarkCreateResponse(b *testing.B) {
-	bundle := setup(b, nil)
+	bundle := setupWith(b, options{
+		store:  store.Options{RateLimits: gateway.RateLimits{Free: 1 << 30, Developer: 1 << 30}},
+		server: func(c *server.Config) { c.Logger = slog.New(slog.DiscardHandler) },
+	})
+	bundle.setLimits(b, ptr(int64(1<<50)), nil)
 	body := []byte(`{"prompt": "benchmark prompt with a few words", "web_search": true}`)
 	b.RunParallel(func(pb *testing.PB) {
 		for pb.Next() {

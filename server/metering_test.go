@@ -26,7 +26,7 @@ func (b *testBundle) usage(t *testing.T, key string) api.UsageView {
 	return v
 }
 
-func (b *testBundle) setLimits(t *testing.T, daily, budget *int64) {
+func (b *testBundle) setLimits(t testing.TB, daily, budget *int64) {
 	t.Helper()
 	require.NoError(t, b.store.SetLimits(context.Background(), store.SetLimitsParams{Account: "acme", DailyRungs: daily, Project: "default", BudgetRungs: budget}))
 }
