@@ -39,9 +39,10 @@ CREATE TABLE reservations (
     settled_rungs  bigint CHECK (settled_rungs >= 0)
 );
 CREATE INDEX reservations_running_expires_idx ON reservations (expires_at) WHERE settled_rungs IS NULL;
+-- Settled rows await the reconciler, which takes them in this order; the usage
+-- view sums the few of them per account-day and project through it too. No
+-- other index: every admission and settlement writes this table.
 CREATE INDEX reservations_settled_idx ON reservations (account_id, day, project_id) WHERE settled_rungs IS NOT NULL;
-CREATE INDEX reservations_account_day_idx ON reservations (account_id, day);
-CREATE INDEX reservations_project_idx ON reservations (project_id);
 
 -- authenticate_key resolves a key (prefix and hash) to its principal and counts
 -- the request against the key's rate limit: a sliding window over the current

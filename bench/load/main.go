@@ -3,22 +3,17 @@
 // side in one run, with an open-loop load at fixed request rates, and prints
 // req/s and p50/p90/p99 for both and their difference.
 //
-// It starts everything it needs: a private PostgreSQL (unless DATABASE_URL is
-// set; durable settings, like production), the fake upstream, and the gateway
-// binary given by -binary.
+// It starts everything it needs (see benchenv): a private PostgreSQL with
+// production durability, the fake upstream, and the gateway binary.
 package main
 
 import (
 	"bytes"
-	"context"
 	"flag"
 	"fmt"
 	"io"
-	"net"
 	"net/http"
 	"os"
-	"os/exec"
-	"path/filepath"
 	"runtime"
 	"slices"
 	"strconv"
@@ -26,8 +21,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/rungworks/gateway/bench/internal/benchenv"
 	"github.com/rungworks/gateway/internal/fakeupstream"
-	"github.com/rungworks/gateway/pglocal"
 )
 
 func main() {
@@ -43,56 +38,24 @@ func main() {
 }
 
 func run(binary, rateList string, duration, warmup time.Duration) error {
-	ctx := context.Background()
-	dbURL := os.Getenv("DATABASE_URL")
-	if dbURL == "" {
-		dir, err := os.MkdirTemp("", "gateway-bench-")
-		if err != nil {
-			return err
-		}
-		defer os.RemoveAll(dir)
-		if err := os.Chmod(dir, 0o755); err != nil {
-			return err
-		}
-		cluster, err := pglocal.Start(ctx, pglocal.Options{Dir: filepath.Join(dir, "pg"), Durable: true})
-		if err != nil {
-			return err
-		}
-		defer cluster.Stop()
-		if err := cluster.CreateDatabase(ctx, "bench"); err != nil {
-			return err
-		}
-		dbURL = cluster.URL("bench")
+	env, err := benchenv.Start(binary)
+	if err != nil {
+		return err
 	}
+	defer env.Close()
 	fake := fakeupstream.New()
 	defer fake.Close()
-
-	// The load would trip the key's rate limit and daily ceiling: lift both.
-	env := append(os.Environ(), "DATABASE_URL="+dbURL, "GATEWAY_UPSTREAM="+fake.BaseURL(), "GATEWAY_RATE_LIMIT=100000000")
-	if out, err := command(env, binary, "migrate").CombinedOutput(); err != nil {
-		return fmt.Errorf("migrate: %w: %s", err, out)
-	}
-	keyOut, err := command(env, binary, "keys", "create", "--account", "bench").Output()
-	if err != nil {
-		return fmt.Errorf("keys create: %w", err)
-	}
-	key := strings.TrimSpace(string(keyOut))
-	if out, err := command(env, binary, "limits", "set", "--account", "bench", "--daily-rungs", "1000000000000").CombinedOutput(); err != nil {
-		return fmt.Errorf("limits set: %w: %s", err, out)
-	}
-
-	addr, err := freeAddr()
+	dbURL, err := env.Database("load")
 	if err != nil {
 		return err
 	}
-	gw := command(append(env, "GATEWAY_LISTEN="+addr, "GATEWAY_METRICS_LISTEN=127.0.0.1:0"), binary, "serve")
-	gw.Stderr = io.Discard
-	if err := gw.Start(); err != nil {
+	vars := []string{"DATABASE_URL=" + dbURL, "GATEWAY_UPSTREAM=" + fake.BaseURL()}
+	key, err := env.Prepare(vars)
+	if err != nil {
 		return err
 	}
-	defer func() { _ = gw.Process.Kill(); _ = gw.Wait() }()
-	base := "http://" + addr
-	if err := waitReady(base + "/openapi.json"); err != nil {
+	base, err := env.Serve(vars)
+	if err != nil {
 		return err
 	}
 
@@ -198,32 +161,3 @@ func drive(client *http.Client, t target, rate int, d time.Duration) result {
 }
 
 func ms(d time.Duration) string { return fmt.Sprintf("%.2f ms", float64(d.Microseconds())/1000) }
-
-func command(env []string, binary string, args ...string) *exec.Cmd {
-	cmd := exec.Command(binary, args...)
-	cmd.Env = env
-	return cmd
-}
-
-func freeAddr() (string, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return "", err
-	}
-	defer l.Close()
-	return l.Addr().String(), nil
-}
-
-func waitReady(url string) error {
-	deadline := time.Now().Add(30 * time.Second)
-	for time.Now().Before(deadline) {
-		if resp, err := http.Get(url); err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return nil
-			}
-		}
-		time.Sleep(50 * time.Millisecond)
-	}
-	return fmt.Errorf("gateway not ready at %s", url)
-}

@@ -6,7 +6,6 @@ package benchenv
 import (
 	"context"
 	"fmt"
-	"io"
 	"net"
 	"net/http"
 	"os"
@@ -90,7 +89,13 @@ func (e *Env) ServeProcess(env []string) (string, int, error) {
 	addr := l.Addr().String()
 	l.Close()
 	cmd := e.command(append(env, "GATEWAY_LISTEN="+addr, "GATEWAY_METRICS_LISTEN=127.0.0.1:0", "GATEWAY_RATE_LIMIT=100000000"), "serve")
-	cmd.Stderr = io.Discard
+	// The log goes to /dev/null as a file: no pipe for this process to drain.
+	devNull, err := os.OpenFile(os.DevNull, os.O_WRONLY, 0)
+	if err != nil {
+		return "", 0, err
+	}
+	defer devNull.Close()
+	cmd.Stderr = devNull
 	if err := cmd.Start(); err != nil {
 		return "", 0, err
 	}
