@@ -29,6 +29,7 @@ type Store interface {
 	DeleteOldBatches(ctx context.Context, before time.Time, maxRows int32) (int64, error)
 	ExpireIdempotencyKeys(ctx context.Context, before time.Time, maxRows int32) (int64, error)
 	QueueDepth(ctx context.Context) (int64, error)
+	WithJobLock(ctx context.Context, job string, fn func() error) (bool, error)
 }
 
 // Settings are the periods the jobs enforce.
@@ -97,17 +98,22 @@ func Jobs(st Store, set Settings, m *metrics.Metrics) []Job {
 	}
 }
 
-// Run runs every job on its own schedule until ctx ends. A run that handled a
-// full batch is repeated at once; intervals carry up to 20% jitter so replicas
+// Run runs every job on its own schedule until ctx ends, under the job's lock
+// (a replica that finds it taken skips that run). A run that handled a full
+// batch is repeated at once; intervals carry up to 20% jitter so replicas
 // spread out.
-func Run(ctx context.Context, jobs []Job, logger *slog.Logger) {
+func Run(ctx context.Context, st Store, jobs []Job, logger *slog.Logger) {
 	var wg sync.WaitGroup
 	for _, job := range jobs {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			for {
-				n, err := job.Run(ctx)
+				var n int64
+				_, err := st.WithJobLock(ctx, job.Name, func() (err error) {
+					n, err = job.Run(ctx)
+					return err
+				})
 				switch {
 				case err != nil && ctx.Err() == nil:
 					logger.Error("maintenance job failed", "job", job.Name, "error", err)

@@ -79,15 +79,16 @@ $$;
 -- with its batch's other queued items; it is returned with claimed = false.
 -- +goose StatementBegin
 CREATE FUNCTION claim_batch_items(p_owner uuid, p_max integer, p_per_account integer, p_lease interval, p_pivot uuid)
-RETURNS TABLE (
-    batch_id uuid, idx integer, request_id uuid, account_id uuid, project_id uuid, api_key_id uuid,
-    request jsonb, model text, estimate_rungs bigint, batch_status text, claimed boolean
-) LANGUAGE plpgsql AS $$
+RETURNS TABLE (batch_id uuid, idx integer, account_id uuid, request jsonb, batch_status text, claimed boolean)
+LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 DECLARE
-    v     record;
-    v_cap bigint;
-    v_ok  boolean;
+    v          record;
+    v_request  uuid;
+    v_project  uuid;
+    v_estimate bigint;
+    v_cap      bigint;
+    v_ok       boolean;
 BEGIN
     FOR v IN
         WITH RECURSIVE accounts_with_work(account_id) AS (
@@ -113,9 +114,8 @@ BEGIN
         ) c
         LIMIT p_max
     LOOP
-        SELECT i.batch_id, i.idx, i.request_id, i.account_id, i.project_id, i.api_key_id,
-               i.request, i.model, i.estimate_rungs
-          INTO batch_id, idx, request_id, account_id, project_id, api_key_id, request, model, estimate_rungs
+        SELECT i.batch_id, i.idx, i.account_id, i.request, i.request_id, i.project_id, i.estimate_rungs
+          INTO batch_id, idx, account_id, request, v_request, v_project, v_estimate
           FROM batch_items i WHERE i.batch_id = v.batch_id AND i.idx = v.idx AND i.status = 'queued';
         IF NOT FOUND THEN
             CONTINUE; -- failed meanwhile with an earlier candidate of its batch
@@ -123,13 +123,13 @@ BEGIN
         SELECT b.status INTO batch_status FROM batches b WHERE b.id = v.batch_id;
 
         v_ok := true;
-        SELECT p.budget_cap_rungs INTO v_cap FROM projects p WHERE p.id = project_id;
+        SELECT p.budget_cap_rungs INTO v_cap FROM projects p WHERE p.id = v_project;
         IF v_cap IS NOT NULL THEN
-            SELECT p.budget_cap_rungs - p.spent_rungs - p.reserved_rungs >= estimate_rungs INTO v_ok
-              FROM projects p WHERE p.id = project_id FOR NO KEY UPDATE;
+            SELECT p.budget_cap_rungs - p.spent_rungs - p.reserved_rungs >= v_estimate INTO v_ok
+              FROM projects p WHERE p.id = v_project FOR NO KEY UPDATE;
             IF v_ok THEN
-                UPDATE projects SET reserved_rungs = reserved_rungs + estimate_rungs WHERE id = project_id;
-                UPDATE reservations SET reserved_rungs = estimate_rungs WHERE request_id = claim_batch_items.request_id;
+                UPDATE projects SET reserved_rungs = reserved_rungs + v_estimate WHERE id = v_project;
+                UPDATE reservations SET reserved_rungs = v_estimate WHERE request_id = v_request;
             END IF;
         END IF;
 

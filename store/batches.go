@@ -399,10 +399,8 @@ func (s *Store) ExpireIdempotencyKeys(ctx context.Context, before time.Time, max
 type ClaimedItem struct {
 	BatchID   uuid.UUID
 	Index     int
-	RequestID uuid.UUID
-	Principal *gateway.Principal // key, project and account of the batch
+	AccountID uuid.UUID
 	Request   ItemRequest
-	Estimate  int64
 	// BatchQueued: the batch had not started; its drain starts now.
 	BatchQueued bool
 	// BudgetRefused: the item (and its batch's unrun items) failed with
@@ -435,10 +433,8 @@ func (s *Store) ClaimItems(ctx context.Context, p ClaimParams) ([]ClaimedItem, e
 			return nil, fmt.Errorf("error decoding item request: %w", err)
 		}
 		out[i] = ClaimedItem{
-			BatchID: r.BatchID, Index: int(r.Idx), RequestID: r.RequestID,
-			Principal:   &gateway.Principal{KeyID: r.ApiKeyID, ProjectID: r.ProjectID, AccountID: r.AccountID},
+			BatchID: r.BatchID, Index: int(r.Idx), AccountID: r.AccountID,
 			Request:     req,
-			Estimate:    r.EstimateRungs,
 			BatchQueued: r.BatchStatus == string(gateway.BatchQueued),
 			// A refused item is returned failed, not claimed.
 			BudgetRefused: !r.Claimed,
@@ -554,4 +550,26 @@ func (s *Store) QueueDepth(ctx context.Context) (int64, error) {
 		return 0, fmt.Errorf("error counting queued items: %w", err)
 	}
 	return n, nil
+}
+
+// WithJobLock runs fn unless another replica runs the job named job: it holds a
+// session advisory lock on a connection of its own while fn runs. ran says
+// whether fn ran.
+func (s *Store) WithJobLock(ctx context.Context, job string, fn func() error) (ran bool, err error) {
+	conn, err := s.pool.Acquire(ctx)
+	if err != nil {
+		return false, fmt.Errorf("error acquiring job lock connection: %w", err)
+	}
+	defer conn.Release()
+	locked, err := s.queries.TryJobLock(ctx, conn, job)
+	if err != nil || !locked {
+		return false, err
+	}
+	defer func() {
+		if uerr := s.queries.ReleaseJobLock(context.WithoutCancel(ctx), conn, job); uerr != nil {
+			// A lock that cannot be released must not outlive its session.
+			_ = conn.Conn().Close(context.WithoutCancel(ctx))
+		}
+	}()
+	return true, fn()
 }

@@ -228,13 +228,13 @@ func TestClaimIsFair(t *testing.T) {
 	require.Len(t, items, 8)
 	perAccount := map[uuid.UUID]int{}
 	for _, it := range items {
-		perAccount[it.Principal.AccountID]++
+		perAccount[it.AccountID]++
 	}
 	require.Equal(t, 4, perAccount[small.AccountID])
 	require.Equal(t, 4, perAccount[big.AccountID])
 	// Within an account, the oldest batch comes first.
 	for _, it := range items {
-		if it.Principal.AccountID == big.AccountID {
+		if it.AccountID == big.AccountID {
 			require.Less(t, it.Index, 4)
 		}
 	}
@@ -249,7 +249,7 @@ func TestCompleteItemsAndBatchLifecycle(t *testing.T) {
 	items := b.claim(t, owner, 10, time.Minute)
 	require.Len(t, items, 3)
 	require.True(t, items[0].BatchQueued)
-	require.Equal(t, p.KeyID, items[0].Principal.KeyID)
+	require.Equal(t, p.AccountID, items[0].AccountID)
 	require.NoError(t, b.store.StartBatches(b.ctx, []uuid.UUID{id}))
 	batch, _ := b.batch(t, p, id)
 	require.Equal(t, gateway.BatchInProgress, batch.Status)

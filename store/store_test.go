@@ -2,6 +2,7 @@ package store_test
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"sync"
 	"testing"
@@ -196,4 +197,36 @@ func TestMigrateConcurrently(t *testing.T) {
 	n, err := store.Migrate(context.Background(), pool)
 	require.NoError(t, err)
 	require.Zero(t, n)
+}
+
+func TestWithJobLock(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	inside, release, done := make(chan struct{}), make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(done)
+		ran, err := b.store.WithJobLock(b.ctx, "sweep", func() error {
+			close(inside)
+			<-release
+			return nil
+		})
+		require.NoError(t, err)
+		require.True(t, ran)
+	}()
+	<-inside
+	ran, err := b.store.WithJobLock(b.ctx, "sweep", func() error {
+		t.Error("a second replica ran the job while the first held it")
+		return nil
+	})
+	require.NoError(t, err)
+	require.False(t, ran)
+	ran, err = b.store.WithJobLock(b.ctx, "clean", func() error { return nil })
+	require.NoError(t, err)
+	require.True(t, ran, "another job is not held up")
+	close(release)
+	<-done
+	failed := errors.New("job failed")
+	ran, err = b.store.WithJobLock(b.ctx, "sweep", func() error { return failed })
+	require.True(t, ran, "free again once released")
+	require.ErrorIs(t, err, failed)
 }

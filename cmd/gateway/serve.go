@@ -136,7 +136,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 
 	background, stopBackground := context.WithCancel(ctx)
 	defer stopBackground()
-	go maintenance.Run(background, maintenance.Jobs(st, maintenance.Settings{
+	go maintenance.Run(background, st, maintenance.Jobs(st, maintenance.Settings{
 		BatchWindow: cfg.BatchWindow, BatchRetention: cfg.BatchRetention, Lease: cfg.Lease,
 	}, m), logger)
 	drain := drainer.New(drainer.Config{

@@ -89,10 +89,8 @@ func (q *Queries) CancelQueuedItems(ctx context.Context, db DBTX, arg CancelQueu
 }
 
 const claimBatchItems = `-- name: ClaimBatchItems :many
-SELECT c.batch_id::uuid AS batch_id, c.idx::integer AS idx, c.request_id::uuid AS request_id,
-       c.account_id::uuid AS account_id, c.project_id::uuid AS project_id, c.api_key_id::uuid AS api_key_id,
-       c.request::jsonb AS request, c.model::text AS model, c.estimate_rungs::bigint AS estimate_rungs,
-       c.batch_status::text AS batch_status, c.claimed::boolean AS claimed
+SELECT c.batch_id::uuid AS batch_id, c.idx::integer AS idx, c.account_id::uuid AS account_id,
+       c.request::jsonb AS request, c.batch_status::text AS batch_status, c.claimed::boolean AS claimed
 FROM claim_batch_items($1::uuid, $2::integer, $3::integer, $4::interval, $5::uuid) AS c
 `
 
@@ -105,17 +103,12 @@ type ClaimBatchItemsParams struct {
 }
 
 type ClaimBatchItemsRow struct {
-	BatchID       uuid.UUID
-	Idx           int32
-	RequestID     uuid.UUID
-	AccountID     uuid.UUID
-	ProjectID     uuid.UUID
-	ApiKeyID      uuid.UUID
-	Request       []byte
-	Model         string
-	EstimateRungs int64
-	BatchStatus   string
-	Claimed       bool
+	BatchID     uuid.UUID
+	Idx         int32
+	AccountID   uuid.UUID
+	Request     []byte
+	BatchStatus string
+	Claimed     bool
 }
 
 func (q *Queries) ClaimBatchItems(ctx context.Context, db DBTX, arg ClaimBatchItemsParams) ([]ClaimBatchItemsRow, error) {
@@ -136,13 +129,8 @@ func (q *Queries) ClaimBatchItems(ctx context.Context, db DBTX, arg ClaimBatchIt
 		if err := rows.Scan(
 			&i.BatchID,
 			&i.Idx,
-			&i.RequestID,
 			&i.AccountID,
-			&i.ProjectID,
-			&i.ApiKeyID,
 			&i.Request,
-			&i.Model,
-			&i.EstimateRungs,
 			&i.BatchStatus,
 			&i.Claimed,
 		); err != nil {
@@ -562,6 +550,15 @@ func (q *Queries) QueueDepth(ctx context.Context, db DBTX) (int64, error) {
 	return count, err
 }
 
+const releaseJobLock = `-- name: ReleaseJobLock :exec
+SELECT pg_advisory_unlock(7120, hashtext($1::text))
+`
+
+func (q *Queries) ReleaseJobLock(ctx context.Context, db DBTX, job string) error {
+	_, err := db.Exec(ctx, releaseJobLock, job)
+	return err
+}
+
 const renewLeases = `-- name: RenewLeases :execrows
 UPDATE batch_items SET lease_expires_at = now() + $1::interval
 WHERE lease_owner = $2 AND status = 'in_progress'
@@ -644,6 +641,19 @@ func (q *Queries) SetBatchStatus(ctx context.Context, db DBTX, arg SetBatchStatu
 		arg.ID,
 	)
 	return err
+}
+
+const tryJobLock = `-- name: TryJobLock :one
+SELECT pg_try_advisory_lock(7120, hashtext($1::text))
+`
+
+// A session advisory lock naming a maintenance job (namespace 7120, apart from
+// the migrations' lock): one replica runs the job at a time.
+func (q *Queries) TryJobLock(ctx context.Context, db DBTX, job string) (bool, error) {
+	row := db.QueryRow(ctx, tryJobLock, job)
+	var pg_try_advisory_lock bool
+	err := row.Scan(&pg_try_advisory_lock)
+	return pg_try_advisory_lock, err
 }
 
 const unfinishedBatches = `-- name: UnfinishedBatches :many

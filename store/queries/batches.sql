@@ -91,10 +91,8 @@ UPDATE reservations r SET settled_rungs = 0
   FROM cancelled c WHERE r.request_id = c.request_id AND r.settled_rungs IS NULL;
 
 -- name: ClaimBatchItems :many
-SELECT c.batch_id::uuid AS batch_id, c.idx::integer AS idx, c.request_id::uuid AS request_id,
-       c.account_id::uuid AS account_id, c.project_id::uuid AS project_id, c.api_key_id::uuid AS api_key_id,
-       c.request::jsonb AS request, c.model::text AS model, c.estimate_rungs::bigint AS estimate_rungs,
-       c.batch_status::text AS batch_status, c.claimed::boolean AS claimed
+SELECT c.batch_id::uuid AS batch_id, c.idx::integer AS idx, c.account_id::uuid AS account_id,
+       c.request::jsonb AS request, c.batch_status::text AS batch_status, c.claimed::boolean AS claimed
 FROM claim_batch_items(@owner::uuid, @max_items::integer, @per_account::integer, @lease::interval, @pivot::uuid) AS c;
 
 -- name: CompleteBatchItems :many
@@ -138,3 +136,11 @@ WHERE batches.id IN (SELECT x.id FROM batches x WHERE x.idempotency_key IS NOT N
 
 -- name: QueueDepth :one
 SELECT count(*) FROM batch_items WHERE status = 'queued';
+
+-- name: TryJobLock :one
+-- A session advisory lock naming a maintenance job (namespace 7120, apart from
+-- the migrations' lock): one replica runs the job at a time.
+SELECT pg_try_advisory_lock(7120, hashtext(@job::text));
+
+-- name: ReleaseJobLock :exec
+SELECT pg_advisory_unlock(7120, hashtext(@job::text));
