@@ -99,21 +99,25 @@ func Jobs(st Store, set Settings, m *metrics.Metrics) []Job {
 }
 
 // Run runs every job on its own schedule until ctx ends, under the job's lock
-// (a replica that finds it taken skips that run). A run that handled a full
-// batch is repeated at once; intervals carry up to 20% jitter so replicas
-// spread out.
+// (a replica that finds it taken skips that run). A replica runs one job at a
+// time, so maintenance holds at most two database connections (the lock's and
+// the job's). A run that handled a full batch is repeated at once; intervals
+// carry up to 20% jitter so replicas spread out.
 func Run(ctx context.Context, st Store, jobs []Job, logger *slog.Logger) {
 	var wg sync.WaitGroup
+	var oneAtATime sync.Mutex
 	for _, job := range jobs {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			for {
 				var n int64
+				oneAtATime.Lock()
 				_, err := st.WithJobLock(ctx, job.Name, func() (err error) {
 					n, err = job.Run(ctx)
 					return err
 				})
+				oneAtATime.Unlock()
 				switch {
 				case err != nil && ctx.Err() == nil:
 					logger.Error("maintenance job failed", "job", job.Name, "error", err)
