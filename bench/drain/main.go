@@ -69,12 +69,7 @@ func run(binary, replicaList string, batches, probes int) error {
 // drain creates the batches through n replicas and times until all are terminal.
 func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, batches int) (int, float64, error) {
 	defer env.StopServers()
-	dbURL, err := env.Database(fmt.Sprintf("drain_%d", replicas))
-	if err != nil {
-		return 0, 0, err
-	}
-	vars := []string{"DATABASE_URL=" + dbURL, "GATEWAY_UPSTREAM=" + fake.BaseURL()}
-	key, err := env.Prepare(vars)
+	vars, key, err := env.Fresh(fmt.Sprintf("drain_%d", replicas), fake.BaseURL())
 	if err != nil {
 		return 0, 0, err
 	}
@@ -135,12 +130,7 @@ func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, batches int) 
 // until the upstream sees each.
 func dispatchLatency(env *benchenv.Env, fake *fakeupstream.Server, probes int) (p50, p99 float64, err error) {
 	defer env.StopServers()
-	dbURL, err := env.Database("dispatch")
-	if err != nil {
-		return 0, 0, err
-	}
-	vars := []string{"DATABASE_URL=" + dbURL, "GATEWAY_UPSTREAM=" + fake.BaseURL()}
-	key, err := env.Prepare(vars)
+	vars, key, err := env.Fresh("dispatch", fake.BaseURL())
 	if err != nil {
 		return 0, 0, err
 	}

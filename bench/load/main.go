@@ -45,12 +45,7 @@ func run(binary, rateList string, duration, warmup time.Duration) error {
 	defer env.Close()
 	fake := fakeupstream.New()
 	defer fake.Close()
-	dbURL, err := env.Database("load")
-	if err != nil {
-		return err
-	}
-	vars := []string{"DATABASE_URL=" + dbURL, "GATEWAY_UPSTREAM=" + fake.BaseURL()}
-	key, err := env.Prepare(vars)
+	vars, key, err := env.Fresh("load", fake.BaseURL())
 	if err != nil {
 		return err
 	}

@@ -71,12 +71,7 @@ func firstToken(env *benchenv.Env, n int) error {
 	defer env.StopServers()
 	fake := fakeupstream.New()
 	defer fake.Close()
-	dbURL, err := env.Database("first_token")
-	if err != nil {
-		return err
-	}
-	vars := []string{"DATABASE_URL=" + dbURL, "GATEWAY_UPSTREAM=" + fake.BaseURL()}
-	key, err := env.Prepare(vars)
+	vars, key, err := env.Fresh("first_token", fake.BaseURL())
 	if err != nil {
 		return err
 	}
@@ -144,13 +139,8 @@ func idleStreams(env *benchenv.Env, n int, h2c bool) error {
 	fake := fakeupstream.New()
 	defer fake.Close()
 	fake.SetDelay(time.Hour) // the upstream never answers: every stream stays idle
-	dbURL, err := env.Database(fmt.Sprintf("idle_streams_%v", h2c))
-	if err != nil {
-		return err
-	}
-	vars := []string{"DATABASE_URL=" + dbURL, "GATEWAY_UPSTREAM=" + fake.BaseURL(), "GATEWAY_SSE_KEEPALIVE=5s", "GATEWAY_UPSTREAM_TIMEOUT=10m",
-		fmt.Sprintf("GATEWAY_UPSTREAM_H2C=%v", h2c)}
-	key, err := env.Prepare(vars)
+	vars, key, err := env.Fresh(fmt.Sprintf("idle_streams_%v", h2c), fake.BaseURL(), "GATEWAY_SSE_KEEPALIVE=5s", "GATEWAY_UPSTREAM_TIMEOUT=10m",
+		fmt.Sprintf("GATEWAY_UPSTREAM_H2C=%v", h2c))
 	if err != nil {
 		return err
 	}

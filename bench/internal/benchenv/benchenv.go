@@ -58,9 +58,20 @@ func (e *Env) Database(name string) (string, error) {
 	return e.cluster.URL(name), nil
 }
 
-// Prepare migrates dbURL and returns a key of account "bench" with the rate
-// limit and daily ceiling lifted (a benchmark would trip both).
-func (e *Env) Prepare(env []string) (string, error) {
+// Fresh creates database name, migrates it for a gateway using upstreamURL,
+// and returns the gateway's environment and a key of account "bench" with the
+// rate limit and daily ceiling lifted (a benchmark would trip both).
+func (e *Env) Fresh(name, upstreamURL string, extra ...string) (env []string, key string, err error) {
+	dbURL, err := e.Database(name)
+	if err != nil {
+		return nil, "", err
+	}
+	env = append([]string{"DATABASE_URL=" + dbURL, "GATEWAY_UPSTREAM=" + upstreamURL}, extra...)
+	key, err = e.prepare(env)
+	return env, key, err
+}
+
+func (e *Env) prepare(env []string) (string, error) {
 	if out, err := e.command(env, "migrate").CombinedOutput(); err != nil {
 		return "", fmt.Errorf("migrate: %w: %s", err, out)
 	}
