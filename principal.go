@@ -105,6 +105,11 @@ func (t Tier) DefaultDailyCeiling() int64 {
 	return 10_000_000
 }
 
+// UnauthorizedError is UNAUTHORIZED: a missing, malformed, unknown or revoked key.
+func UnauthorizedError() *Error {
+	return Errorf(EUnauthorized, "a valid API key is required: send Authorization: Bearer igw_…")
+}
+
 // RateLimitedError is RATE_LIMITED for a request past its key's rate limit.
 func RateLimitedError(r RateStatus) *Error {
 	return &Error{Code: ERateLimited, RetryAfter: r.Reset, Message: fmt.Sprintf("rate limit of %d requests per minute reached for this key; retry later", r.Limit)}

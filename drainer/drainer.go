@@ -228,11 +228,7 @@ func (d *Drainer) run(ctx context.Context, it store.ClaimedItem) {
 	switch {
 	case err == nil:
 		d.outage.over()
-		in, out := res.InputTokens, res.OutputTokens
-		if !res.UsageReported {
-			in, out = d.estimator.InputTokens(req), d.estimator.Tokenizer.Count(res.Content)
-		}
-		usage, perr := d.estimator.RateCard.Usage(req.Model, gateway.EntryBatch, in, out)
+		usage, perr := d.estimator.Actual(req, gateway.EntryBatch, res)
 		if perr != nil {
 			result.Status, result.ErrorCode, result.ErrorMessage = string(gateway.ItemFailed), string(gateway.EInternal), "the item's usage could not be priced"
 			break

@@ -195,14 +195,9 @@ func (s *Service) upstreamRequest(call *Call) upstream.Request {
 }
 
 // settle prices what the upstream produced and commits it with the evidence.
-// Token counts the upstream did not report are counted with the tokenizer.
 // The commit survives the caller's cancellation: output produced is billed.
 func (s *Service) settle(ctx context.Context, call *Call, res upstream.Result, failed bool) (*Result, error) {
-	in, out := res.InputTokens, res.OutputTokens
-	if !res.UsageReported {
-		in, out = call.Estimate.InputTokens, s.Estimator.Tokenizer.Count(res.Content)
-	}
-	usage, err := s.Estimator.RateCard.Usage(call.Request.Model, call.Route.Entry, in, out)
+	usage, err := s.Estimator.Actual(call.Request, call.Route.Entry, res)
 	if err != nil {
 		return nil, fmt.Errorf("error pricing usage: %w", err)
 	}

@@ -7,6 +7,7 @@ import (
 	"github.com/tiktoken-go/tokenizer"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/upstream"
 )
 
 // Tokenizer counts tokens with the o200k_base vocabulary, compiled into the binary.
@@ -77,4 +78,15 @@ func (e *Estimator) Estimate(req gateway.Request, entry gateway.EntryPoint) (Est
 		return Estimate{}, err
 	}
 	return Estimate{InputTokens: tokens, InputRungs: u.InputRungs, OutputRungs: u.OutputRungs}, nil
+}
+
+// Actual prices what the upstream produced for req: its reported token counts,
+// or, when it reported none (a stream cut short), the tokenizer's count of the
+// input and of the output received.
+func (e *Estimator) Actual(req gateway.Request, entry gateway.EntryPoint, res upstream.Result) (gateway.Usage, error) {
+	in, out := res.InputTokens, res.OutputTokens
+	if !res.UsageReported {
+		in, out = e.InputTokens(req), e.Tokenizer.Count(res.Content)
+	}
+	return e.RateCard.Usage(req.Model, entry, in, out)
 }

@@ -25,7 +25,7 @@ func (s *Server) authorize(p openapi.Policy) echo.MiddlewareFunc {
 		return func(c echo.Context) error {
 			token, ok := bearerToken(c.Request().Header.Get("Authorization"))
 			if !ok {
-				return gateway.Errorf(gateway.EUnauthorized, "a valid API key is required: send Authorization: Bearer igw_…")
+				return gateway.UnauthorizedError()
 			}
 			principal, err := s.auth.Authenticate(c.Request().Context(), token)
 			if err != nil {

@@ -41,11 +41,8 @@ func (s *Server) CreateChat(ctx context.Context, req api.CreateChatRequestObject
 func isStream(body *api.ResponseRequest) bool { return body.Stream != nil && *body.Stream }
 
 func (s *Server) respond(ctx context.Context, entry gateway.EntryPoint, body *api.ResponseRequest) (api.ResponseCreatedJSONResponse, error) {
-	call, err := s.inference.Prepare(gateway.PrincipalFrom(ctx), entry, requestInput(body))
+	call, err := s.admit(ctx, entry, body)
 	if err != nil {
-		return api.ResponseCreatedJSONResponse{}, err
-	}
-	if err := s.inference.Admit(ctx, call); err != nil {
 		return api.ResponseCreatedJSONResponse{}, err
 	}
 	res, err := s.inference.Complete(ctx, call)
@@ -62,13 +59,21 @@ func (s *Server) respond(ctx context.Context, entry gateway.EntryPoint, body *ap
 	}, nil
 }
 
+// admit prepares a request (rate limit, validation, routing, estimate) and
+// admits it (daily charge, budget reservation). A call refused at admission is
+// returned with the error, for a stream to report its estimate.
+func (s *Server) admit(ctx context.Context, entry gateway.EntryPoint, body *api.ResponseRequest) (*inference.Call, error) {
+	call, err := s.inference.Prepare(gateway.PrincipalFrom(ctx), entry, requestInput(body))
+	if err != nil {
+		return nil, err
+	}
+	return call, s.inference.Admit(ctx, call)
+}
+
 // stream prepares a streamed request; whatever fails from here on is reported
 // inside the stream, after its 200 head.
 func (s *Server) stream(ctx context.Context, entry gateway.EntryPoint, body *api.ResponseRequest) streamReply {
-	call, err := s.inference.Prepare(gateway.PrincipalFrom(ctx), entry, requestInput(body))
-	if err == nil {
-		err = s.inference.Admit(ctx, call)
-	}
+	call, err := s.admit(ctx, entry, body)
 	return streamReply{ctx: ctx, inference: s.inference, metrics: s.metrics, keepalive: s.keepalive, call: call, err: err}
 }
 

@@ -51,15 +51,13 @@ func New(pool *pgxpool.Pool, opts Options) *Store {
 // Pool returns the connection pool.
 func (s *Store) Pool() *pgxpool.Pool { return s.pool }
 
-var errUnauthorized = &gateway.Error{Code: gateway.EUnauthorized, Message: "a valid API key is required: send Authorization: Bearer igw_…"}
-
 // Authenticate resolves a bearer token to its principal and counts the request
 // against the key's rate limit, in one round trip. A malformed, unknown or
 // revoked key is UNAUTHORIZED; the rate outcome is in the principal's Rate.
 func (s *Store) Authenticate(ctx context.Context, token string) (*gateway.Principal, error) {
 	prefix, err := apikey.Parse(token)
 	if err != nil {
-		return nil, errUnauthorized
+		return nil, gateway.UnauthorizedError()
 	}
 	row, err := s.queries.AuthenticateKey(ctx, s.pool, db.AuthenticateKeyParams{
 		Prefix:         prefix,
@@ -69,7 +67,7 @@ func (s *Store) Authenticate(ctx context.Context, token string) (*gateway.Princi
 		LimitDeveloper: int32(s.rateLimits.Developer),
 	})
 	if errors.Is(err, pgx.ErrNoRows) {
-		return nil, errUnauthorized
+		return nil, gateway.UnauthorizedError()
 	}
 	if err != nil {
 		return nil, fmt.Errorf("error authenticating API key: %w", err)
