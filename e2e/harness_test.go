@@ -16,7 +16,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -24,6 +23,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway/internal/apitest"
+	"github.com/rungworks/gateway/internal/syncbuf"
 	"github.com/rungworks/gateway/internal/testdb"
 )
 
@@ -96,26 +96,9 @@ type gateway struct {
 	cmd     *exec.Cmd
 	base    string
 	metrics string // base URL of the metrics listener
-	stderr  *syncBuffer
-	stdout  *syncBuffer
+	stderr  *syncbuf.Buffer
+	stdout  *syncbuf.Buffer
 	done    chan error
-}
-
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
 }
 
 // start runs the binary with args and env, and waits until it serves.
@@ -128,7 +111,7 @@ func start(t *testing.T, env map[string]string, args ...string) *gateway {
 	cmd.Env = environ(env)
 	g := &gateway{
 		t: t, cmd: cmd, base: fmt.Sprintf("http://127.0.0.1:%d", port), metrics: fmt.Sprintf("http://127.0.0.1:%d", metricsPort),
-		stderr: &syncBuffer{}, stdout: &syncBuffer{}, done: make(chan error, 1),
+		stderr: &syncbuf.Buffer{}, stdout: &syncbuf.Buffer{}, done: make(chan error, 1),
 	}
 	cmd.Stdout, cmd.Stderr = g.stdout, g.stderr
 	require.NoError(t, cmd.Start())
@@ -242,7 +225,7 @@ func (r reply) code(t *testing.T) string {
 }
 
 // waitForLine reads lines of r until one contains s, returning it.
-func waitForLine(t *testing.T, b *syncBuffer, s string) string {
+func waitForLine(t *testing.T, b *syncbuf.Buffer, s string) string {
 	t.Helper()
 	deadline := time.Now().Add(60 * time.Second)
 	for time.Now().Before(deadline) {

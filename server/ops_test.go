@@ -1,17 +1,16 @@
 package server_test
 
 import (
-	"bytes"
 	"context"
 	"log/slog"
 	"net/http"
 	"strings"
-	"sync"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/internal/syncbuf"
 	"github.com/rungworks/gateway/server"
 	"github.com/rungworks/gateway/upstream"
 )
@@ -46,27 +45,9 @@ func TestRequestID(t *testing.T) {
 	require.NotEmpty(t, r.header.Get("x-request-id"), "errors carry it too")
 }
 
-// lockedBuffer is a log sink safe for the server's goroutines.
-type lockedBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.String()
-}
-
 func TestAccessLogNeverLeaksSecrets(t *testing.T) {
 	t.Parallel()
-	logs := &lockedBuffer{}
+	logs := &syncbuf.Buffer{}
 	b := setupWith(t, options{server: func(c *server.Config) {
 		c.Logger = slog.New(slog.NewJSONHandler(logs, nil))
 	}})
@@ -98,7 +79,7 @@ func (panicking) Complete(context.Context, upstream.Request) (upstream.Result, e
 func TestPanicBecomesInternalError(t *testing.T) {
 	t.Parallel()
 	b := setupWith(t, options{provider: panicking{}, server: func(c *server.Config) {
-		c.Logger = slog.New(slog.NewJSONHandler(&lockedBuffer{}, nil))
+		c.Logger = slog.New(slog.NewJSONHandler(&syncbuf.Buffer{}, nil))
 	}})
 	r := b.post("/api/v1/responses", b.key, map[string]any{"prompt": "p"})
 	require.Equal(t, http.StatusInternalServerError, r.status)
