@@ -64,12 +64,14 @@ func (e BatchEvent) String() string {
 	return [...]string{"drain started", "cancel", "window elapsed", "items done"}[e]
 }
 
-// ItemsOutcome summarises a batch whose items all reached an outcome.
+// ItemsOutcome summarises a batch's items.
 type ItemsOutcome struct {
 	// AnySucceeded: at least one item completed.
 	AnySucceeded bool
 	// WindowElapsed: the completion window ended before every item ran.
 	WindowElapsed bool
+	// Running: an item is claimed by a replica (it may be at the upstream).
+	Running bool
 }
 
 // ErrInvalidTransition is returned for an event a batch status does not accept.
@@ -79,7 +81,7 @@ var ErrInvalidTransition = errors.New("invalid batch transition")
 // D8, the one place that decides it:
 //
 //	from          drain started  cancel        window elapsed  items done
-//	queued        in_progress    cancelled     expired         (see below)
+//	queued        in_progress    cancelled²    expired         (see below)
 //	in_progress   in_progress    cancelling    in_progress¹    (see below)
 //	cancelling    cancelling     409           cancelling      cancelled
 //	terminal      invalid        409           terminal        invalid
@@ -88,6 +90,9 @@ var ErrInvalidTransition = errors.New("invalid batch transition")
 // item succeeded, else failed; from cancelling, always cancelled.
 // ¹ the unrun items are cancelled and the batch waits for the items in flight,
 // which finish and are billed; items done then makes it expired.
+// ² cancelling while an item is running (claimed, its batch not yet started):
+// the batch waits for it like an in_progress one, so no terminal batch is
+// left with an item running.
 func NextBatchStatus(from BatchStatus, ev BatchEvent, outcome ItemsOutcome) (BatchStatus, error) {
 	if ev == EventCancel && from != BatchQueued && from != BatchInProgress {
 		return from, Errorf(EBatchNotCancellable, "a batch that is %s cannot be cancelled", from)
@@ -98,7 +103,7 @@ func NextBatchStatus(from BatchStatus, ev BatchEvent, outcome ItemsOutcome) (Bat
 		case EventDrainStarted:
 			return BatchInProgress, nil
 		case EventCancel:
-			if from == BatchQueued {
+			if from == BatchQueued && !outcome.Running {
 				return BatchCancelled, nil
 			}
 			return BatchCancelling, nil

@@ -1,9 +1,10 @@
 // Package drainer runs batch items in every gateway replica: it claims queued
 // items (woken by LISTEN/NOTIFY, with a polling fallback), dispatches them to
-// the upstream, and commits their outcomes in groups. Leases renewed by a
-// heartbeat tell a slow item from a dead replica. While the upstream is
-// unavailable, items go back to the queue unbilled and claiming pauses, probing
-// with one item at a time under exponential backoff.
+// the upstream, and commits their outcomes in groups. Leases, renewed for the
+// items the replica really holds, tell a slow item from a dead replica. An item
+// reaches the upstream at most once (decisions D12): it goes back to the queue
+// only when the upstream certainly did not process it, and then claiming
+// pauses and probes, one item at a time, until the upstream answers again.
 package drainer
 
 import (
@@ -11,6 +12,7 @@ import (
 	"errors"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/google/uuid"
@@ -25,9 +27,10 @@ import (
 // Store is what the drainer needs of PostgreSQL.
 type Store interface {
 	ClaimItems(ctx context.Context, p store.ClaimParams) ([]store.ClaimedItem, error)
+	ReleaseClaim(ctx context.Context, owner, claimID uuid.UUID) (store.Requeued, error)
 	CompleteItems(ctx context.Context, owner uuid.UUID, results []store.ItemResult) ([]store.ItemKey, error)
-	RequeueItems(ctx context.Context, owner uuid.UUID, keys []store.ItemKey) (int64, error)
-	RenewLeases(ctx context.Context, owner uuid.UUID, lease time.Duration) (int64, error)
+	RequeueItems(ctx context.Context, owner uuid.UUID, keys []store.ItemKey) (store.Requeued, error)
+	RenewLeases(ctx context.Context, owner uuid.UUID, keys []store.ItemKey, lease time.Duration) (int64, error)
 	StartBatches(ctx context.Context, ids []uuid.UUID) error
 	FinishBatches(ctx context.Context, ids []uuid.UUID) error
 	ListenBatchCreated(ctx context.Context, wake func()) error
@@ -38,13 +41,22 @@ const (
 	DefaultConcurrency  = 32
 	DefaultLease        = 30 * time.Second
 	DefaultPollInterval = time.Second
-	DefaultMaxBackoff   = 30 * time.Second
 	DefaultGrace        = 30 * time.Second
-	minBackoff          = 250 * time.Millisecond
+	// FinalCommitWindow is how long, past the grace, a stopping drainer still
+	// tries to commit outcomes before it leaves them to the lease rescuer.
+	FinalCommitWindow = 5 * time.Second
 	// completeWindow and completeBatch bound how long and how many outcomes the
 	// completer gathers before one commit.
 	completeWindow = 2 * time.Millisecond
 	completeBatch  = 64
+	minRetry       = 100 * time.Millisecond
+)
+
+// Messages of the item errors the drainer records.
+const (
+	msgFailedAfterDispatch = "the inference request failed after it was sent; it is not retried"
+	msgInterrupted         = "the gateway shut down while this item ran; it is not retried"
+	msgUnstorable          = "the item's output could not be stored; it is not retried"
 )
 
 // Config configures a Drainer.
@@ -57,13 +69,15 @@ type Config struct {
 	Lease time.Duration
 	// PollInterval bounds the wait for work when no notification arrives.
 	PollInterval time.Duration
-	// MaxBackoff bounds the pause between probes during an upstream outage.
-	MaxBackoff time.Duration
 	// Grace is how long running items may finish once Run's context ends;
-	// items still running then are cancelled and handed back unbilled.
+	// items still running then are cancelled: failed INTERRUPTED if they were
+	// dispatched, handed back otherwise.
 	Grace time.Duration
 	// EvidenceRetention is how long a completed item's evidence is held.
 	EvidenceRetention time.Duration
+	// Health is the upstream's health, shared with interactive requests (the
+	// provider reports to it; see upstream.Guard). Nil: never paused.
+	Health *upstream.Health
 	// Metrics, when set, records claims, upstream calls, rungs and outcomes.
 	Metrics *metrics.Metrics
 }
@@ -78,7 +92,8 @@ type Drainer struct {
 	logger    *slog.Logger
 
 	results chan store.ItemResult
-	outage  outage
+	held    heldItems
+	starts  batchSet
 }
 
 // New returns a drainer; zero Config fields take their defaults.
@@ -95,42 +110,45 @@ func New(cfg Config, st Store, provider upstream.Provider, models upstream.Model
 	if cfg.PollInterval <= 0 {
 		cfg.PollInterval = DefaultPollInterval
 	}
-	if cfg.MaxBackoff <= 0 {
-		cfg.MaxBackoff = DefaultMaxBackoff
-	}
 	if cfg.Grace <= 0 {
 		cfg.Grace = DefaultGrace
 	}
 	return &Drainer{
 		cfg: cfg, store: st, provider: provider, models: models, estimator: estimator, logger: logger,
 		results: make(chan store.ItemResult, cfg.Concurrency),
+		starts:  batchSet{wake: make(chan struct{}, 1)},
 	}
 }
 
 // Run drains until ctx ends, then lets running items finish for the grace
-// period, hands back the rest, commits every outcome and returns.
+// period, cancels the rest, commits every outcome it can within
+// FinalCommitWindow more, and returns: at most Grace + FinalCommitWindow (and
+// one database timeout) after ctx ends.
 func (d *Drainer) Run(ctx context.Context) {
-	// Running items outlive ctx by the grace period.
+	// Upstream calls outlive ctx by the grace period; commits by a little more.
 	work, cancelWork := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelWork()
+	commits, cancelCommits := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancelCommits()
 
 	wake := make(chan struct{}, 1)
 	var background sync.WaitGroup
-	background.Add(2)
+	background.Add(3)
 	go func() { defer background.Done(); d.listen(ctx, wake) }()
-	go func() { defer background.Done(); d.heartbeat(work) }()
+	go func() { defer background.Done(); d.heartbeat(commits) }()
+	go func() { defer background.Done(); d.startBatches(commits) }()
 	completerDone := make(chan struct{})
-	go func() { defer close(completerDone); d.complete(work) }()
+	go func() { defer close(completerDone); d.complete(commits) }()
 
 	var running sync.WaitGroup
 	slots := make(chan struct{}, d.cfg.Concurrency)
 	for ctx.Err() == nil {
-		if wait := d.outage.pause(); wait > 0 {
+		if wait := d.cfg.Health.Pause(); wait > 0 {
 			sleep(ctx, wait)
 			continue
 		}
 		free := d.cfg.Concurrency - len(slots)
-		if d.outage.probing() {
+		if d.cfg.Health.Probing() {
 			// One probe at a time: wait for the one out to tell.
 			free = min(free, 1-min(len(slots), 1))
 		}
@@ -142,7 +160,7 @@ func (d *Drainer) Run(ctx context.Context) {
 			}
 			continue
 		}
-		items, err := d.claim(ctx, free)
+		items, err := d.claim(ctx, commits, free)
 		if err != nil {
 			if ctx.Err() == nil {
 				d.logger.Error("error claiming batch items", "error", err)
@@ -156,7 +174,7 @@ func (d *Drainer) Run(ctx context.Context) {
 			go func() {
 				defer running.Done()
 				defer func() { <-slots }()
-				d.run(work, it)
+				d.run(work, commits, it)
 			}()
 		}
 		if len(items) == 0 {
@@ -168,44 +186,44 @@ func (d *Drainer) Run(ctx context.Context) {
 		}
 	}
 
+	stopCommits := time.AfterFunc(d.cfg.Grace+FinalCommitWindow, cancelCommits)
+	defer stopCommits.Stop()
 	finished := make(chan struct{})
 	go func() { running.Wait(); close(finished) }()
 	select {
 	case <-finished:
 	case <-time.After(d.cfg.Grace):
-		cancelWork() // items still running are handed back by run()
+		cancelWork() // dispatched items become INTERRUPTED, the others go back
 		<-finished
 	}
 	close(d.results)
 	<-completerDone
-	cancelWork()
+	cancelCommits()
 	background.Wait()
 }
 
-// claim claims up to n items, starts their batches and finishes those whose
-// items the budget refused.
-func (d *Drainer) claim(ctx context.Context, n int) ([]store.ClaimedItem, error) {
+// claim claims up to n items and finishes the batches whose items the budget
+// refused. Should the claim's reply be lost, its items are handed back (they
+// were never dispatched) in the background.
+func (d *Drainer) claim(ctx, commits context.Context, n int) ([]store.ClaimedItem, error) {
 	start := time.Now()
-	items, err := d.store.ClaimItems(ctx, store.ClaimParams{Owner: d.cfg.Owner, Max: n, PerAccount: max(1, n/2), Lease: d.cfg.Lease})
+	claimID := uuid.Must(uuid.NewV7())
+	items, err := d.store.ClaimItems(ctx, store.ClaimParams{Owner: d.cfg.Owner, ClaimID: claimID, Max: n, PerAccount: max(1, n/2), Lease: d.cfg.Lease})
 	if err != nil {
+		go d.releaseClaim(commits, claimID)
 		return nil, err
 	}
 	d.cfg.Metrics.Claim(time.Since(start))
-	var started, refused []uuid.UUID
+	var refused []uuid.UUID
 	runnable := items[:0]
 	for _, it := range items {
-		if it.BatchQueued {
-			started = append(started, it.BatchID)
-		}
 		if it.BudgetRefused {
 			d.cfg.Metrics.BatchItem("refused")
 			refused = append(refused, it.BatchID)
 			continue
 		}
+		d.held.add(store.ItemKey{BatchID: it.BatchID, Index: it.Index})
 		runnable = append(runnable, it)
-	}
-	if err := d.store.StartBatches(ctx, unique(started)); err != nil {
-		d.logger.Error("error starting batches", "error", err)
 	}
 	if err := d.store.FinishBatches(ctx, unique(refused)); err != nil {
 		d.logger.Error("error finishing batches", "error", err)
@@ -213,21 +231,46 @@ func (d *Drainer) claim(ctx context.Context, n int) ([]store.ClaimedItem, error)
 	return runnable, nil
 }
 
-// run dispatches one item and hands its outcome to the completer, or the item
-// back to the queue when the upstream is unavailable or the replica stops.
-func (d *Drainer) run(ctx context.Context, it store.ClaimedItem) {
+// releaseClaim hands back the items of a claim whose reply was lost, retrying
+// while the database is away for up to a lease; after that the rescuer
+// reports them INTERRUPTED.
+func (d *Drainer) releaseClaim(ctx context.Context, claimID uuid.UUID) {
+	var r store.Requeued
+	err := d.retry(ctx, func(ctx context.Context) (err error) {
+		r, err = d.store.ReleaseClaim(ctx, d.cfg.Owner, claimID)
+		return err
+	})
+	if err != nil {
+		d.logger.Error("error handing back the items of a lost claim; the rescuer will take them", "claim_id", claimID, "error", err)
+		return
+	}
+	if n := len(r.Queued) + len(r.Cancelled); n > 0 {
+		d.logger.Warn("handed back the items of a claim whose reply was lost", "claim_id", claimID, "items", n)
+		d.finish(ctx, r.Cancelled)
+	}
+}
+
+// run dispatches one item and hands its outcome to the completer, or hands the
+// item back when the upstream certainly did not process it (D12).
+func (d *Drainer) run(ctx, commits context.Context, it store.ClaimedItem) {
 	req := it.Request.Request()
+	var dispatched atomic.Bool
 	start := time.Now()
 	res, err := d.provider.Complete(ctx, upstream.Request{
 		Model: req.Model, UpstreamModel: d.models[req.Model], System: req.CustomInstructions, Prompt: req.Prompt,
 		MaxOutputTokens: req.MaxOutputRungs, Hints: req.Hints,
+		OnDispatch: func() {
+			dispatched.Store(true)
+			if it.BatchQueued {
+				d.starts.add(it.BatchID)
+			}
+		},
 	})
 	d.cfg.Metrics.Upstream(string(req.Model), upstream.Kind(err), time.Since(start))
-	result := store.ItemResult{BatchID: it.BatchID, Index: it.Index}
+	result := store.ItemResult{BatchID: it.BatchID, Index: it.Index, Model: req.Model}
 	var rejected *upstream.RejectedError
 	switch {
 	case err == nil:
-		d.outage.over()
 		usage, perr := d.estimator.Actual(req, gateway.EntryBatch, res)
 		if perr != nil {
 			result.Status, result.ErrorCode, result.ErrorMessage = string(gateway.ItemFailed), string(gateway.EInternal), "the item's usage could not be priced"
@@ -237,35 +280,39 @@ func (d *Drainer) run(ctx context.Context, it store.ClaimedItem) {
 		result.InputTokens, result.OutputTokens = usage.InputTokens, usage.OutputTokens
 		result.InputRungs, result.OutputRungs, result.TotalRungs = usage.InputRungs, usage.OutputRungs, usage.TotalRungs
 		result.EvidenceExpiresAt = time.Now().Add(d.cfg.EvidenceRetention)
-	case errors.Is(err, upstream.ErrUnavailable) || ctx.Err() != nil:
-		if ctx.Err() == nil {
-			d.outage.begin(d.cfg.MaxBackoff)
-		}
-		d.cfg.Metrics.BatchItem("requeued")
-		d.requeue(it)
+	case errors.Is(err, upstream.ErrUnavailable), ctx.Err() != nil && !dispatched.Load():
+		d.requeue(commits, it)
 		return
+	case ctx.Err() != nil:
+		result.Status, result.ErrorCode, result.ErrorMessage = string(gateway.ItemFailed), string(gateway.EInterrupted), msgInterrupted
 	case errors.As(err, &rejected):
 		result.Status, result.ErrorCode = string(gateway.ItemFailed), string(gateway.EInferenceBusy)
 		result.ErrorMessage = "the inference provider rejected the request: " + rejected.Message
 	default:
-		result.Status, result.ErrorCode = string(gateway.ItemFailed), string(gateway.EInferenceBusy)
-		result.ErrorMessage = "the inference request failed"
+		result.Status, result.ErrorCode, result.ErrorMessage = string(gateway.ItemFailed), string(gateway.EInferenceBusy), msgFailedAfterDispatch
 		d.logger.Warn("batch item failed upstream", "batch_id", it.BatchID, "index", it.Index, "error", err)
 	}
-	if result.Status == string(gateway.ItemCompleted) {
-		d.cfg.Metrics.Rungs(string(req.Model), string(gateway.EntryBatch), result.InputRungs, result.OutputRungs)
-	}
-	d.cfg.Metrics.BatchItem(result.Status)
 	d.results <- result
 }
 
-func (d *Drainer) requeue(it store.ClaimedItem) {
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	if _, err := d.store.RequeueItems(ctx, d.cfg.Owner, []store.ItemKey{{BatchID: it.BatchID, Index: it.Index}}); err != nil {
+// requeue hands an item the upstream never processed back to the queue (or
+// cancels it, when its batch is being cancelled), retrying for up to a lease
+// while the database is away.
+func (d *Drainer) requeue(ctx context.Context, it store.ClaimedItem) {
+	key := store.ItemKey{BatchID: it.BatchID, Index: it.Index}
+	defer d.held.remove(key)
+	var r store.Requeued
+	err := d.retry(ctx, func(ctx context.Context) (err error) {
+		r, err = d.store.RequeueItems(ctx, d.cfg.Owner, []store.ItemKey{key})
+		return err
+	})
+	if err != nil {
 		// Its lease runs out and the rescuer reports it INTERRUPTED.
 		d.logger.Error("error handing item back to the queue", "batch_id", it.BatchID, "index", it.Index, "error", err)
+		return
 	}
+	d.cfg.Metrics.BatchItem("requeued")
+	d.finish(ctx, r.Cancelled)
 }
 
 // complete commits outcomes in groups (one transaction for those that arrive
@@ -291,33 +338,99 @@ func (d *Drainer) complete(ctx context.Context) {
 	}
 }
 
-// commit retries until the outcomes are stored: they must not be lost. Should
-// the database stay away past the lease, the rescuer fails the items instead.
+// commit stores a group of outcomes in one transaction. While the database is
+// away it retries, for up to a lease (then the rescuer owns the items). When
+// the group fails for its data, one member's outcome is at fault: each member
+// is committed alone, and one that still fails is stored as failed, without
+// its output (D11). No commit is retried forever, and a group never waits on
+// a member that cannot be stored.
 func (d *Drainer) commit(ctx context.Context, group []store.ItemResult) {
-	for backoff := minBackoff; ; backoff = min(2*backoff, d.cfg.Lease) {
-		applied, err := d.store.CompleteItems(context.WithoutCancel(ctx), d.cfg.Owner, group)
-		if err == nil {
-			if len(applied) < len(group) {
-				d.logger.Warn("outcomes refused: their leases were lost", "refused", len(group)-len(applied))
-			}
-			ids := make([]uuid.UUID, len(applied))
-			for i, k := range applied {
-				ids[i] = k.BatchID
-			}
-			if err := d.store.FinishBatches(context.WithoutCancel(ctx), unique(ids)); err != nil {
-				d.logger.Error("error finishing batches", "error", err)
-			}
-			return
+	var applied []store.ItemKey
+	err := d.retry(ctx, func(ctx context.Context) (err error) {
+		applied, err = d.store.CompleteItems(ctx, d.cfg.Owner, group)
+		return err
+	})
+	switch {
+	case err == nil:
+		d.committed(ctx, group, applied)
+		return
+	case store.Transient(err) || ctx.Err() != nil:
+		d.logger.Error("error committing batch item outcomes; the rescuer will take the items", "items", len(group), "error", err)
+	case len(group) > 1:
+		d.logger.Warn("a group of batch item outcomes failed; committing them one by one", "items", len(group), "error", err)
+		for _, r := range group {
+			d.commit(ctx, []store.ItemResult{r})
 		}
-		d.logger.Error("error committing batch item outcomes; retrying", "items", len(group), "error", err)
-		if ctx.Err() != nil {
-			return
+		return
+	case group[0].ErrorMessage != msgUnstorable:
+		r := group[0]
+		d.logger.Error("a batch item's outcome cannot be stored; failing the item", "batch_id", r.BatchID, "index", r.Index, "error", err)
+		d.commit(ctx, []store.ItemResult{{
+			BatchID: r.BatchID, Index: r.Index, Status: string(gateway.ItemFailed),
+			ErrorCode: string(gateway.EInferenceBusy), ErrorMessage: msgUnstorable,
+		}})
+		return
+	default:
+		d.logger.Error("error failing a batch item whose outcome cannot be stored; the rescuer will take it", "batch_id", group[0].BatchID, "index", group[0].Index, "error", err)
+	}
+	for _, r := range group {
+		d.held.remove(store.ItemKey{BatchID: r.BatchID, Index: r.Index})
+	}
+}
+
+// committed records a group's stored outcomes and finishes their batches.
+func (d *Drainer) committed(ctx context.Context, group []store.ItemResult, applied []store.ItemKey) {
+	if len(applied) < len(group) {
+		d.logger.Warn("outcomes refused: their leases were lost", "refused", len(group)-len(applied))
+	}
+	done := make(map[store.ItemKey]bool, len(applied))
+	for _, k := range applied {
+		done[k] = true
+	}
+	for _, r := range group {
+		key := store.ItemKey{BatchID: r.BatchID, Index: r.Index}
+		d.held.remove(key)
+		if !done[key] {
+			continue
+		}
+		if r.Status == string(gateway.ItemCompleted) {
+			d.cfg.Metrics.Rungs(string(r.Model), string(gateway.EntryBatch), r.InputRungs, r.OutputRungs)
+		}
+		d.cfg.Metrics.BatchItem(r.Status)
+	}
+	d.finish(ctx, applied)
+}
+
+// finish makes terminal the batches of items that reached an outcome.
+func (d *Drainer) finish(ctx context.Context, keys []store.ItemKey) {
+	if len(keys) == 0 {
+		return
+	}
+	ids := make([]uuid.UUID, len(keys))
+	for i, k := range keys {
+		ids[i] = k.BatchID
+	}
+	if err := d.store.FinishBatches(ctx, unique(ids)); err != nil {
+		d.logger.Error("error finishing batches", "error", err)
+	}
+}
+
+// retry runs fn until it succeeds, fails for a reason other than the database
+// being away, a lease has passed, or ctx ends; it returns fn's last error.
+func (d *Drainer) retry(ctx context.Context, fn func(context.Context) error) error {
+	deadline := time.Now().Add(d.cfg.Lease)
+	for backoff := minRetry; ; backoff = min(2*backoff, d.cfg.Lease/4) {
+		err := fn(ctx)
+		if err == nil || !store.Transient(err) || ctx.Err() != nil || time.Now().Add(backoff).After(deadline) {
+			return err
 		}
 		sleep(ctx, backoff)
 	}
 }
 
-// heartbeat renews the leases of running items every third of a lease.
+// heartbeat renews, every third of a lease, the leases of the items this
+// replica holds, and only those: an item leased to it that it does not hold
+// (a claim whose reply was lost) runs out its lease.
 func (d *Drainer) heartbeat(ctx context.Context) {
 	ticker := time.NewTicker(d.cfg.Lease / 3)
 	defer ticker.Stop()
@@ -326,8 +439,27 @@ func (d *Drainer) heartbeat(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case <-ticker.C:
-			if _, err := d.store.RenewLeases(ctx, d.cfg.Owner, d.cfg.Lease); err != nil && ctx.Err() == nil {
+			keys := d.held.keys()
+			if len(keys) == 0 {
+				continue
+			}
+			if _, err := d.store.RenewLeases(ctx, d.cfg.Owner, keys, d.cfg.Lease); err != nil && ctx.Err() == nil {
 				d.logger.Error("error renewing leases", "error", err)
+			}
+		}
+	}
+}
+
+// startBatches moves the batches whose first item was dispatched to
+// in_progress, off the dispatch path.
+func (d *Drainer) startBatches(ctx context.Context) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-d.starts.wake:
+			if err := d.store.StartBatches(ctx, d.starts.take()); err != nil && ctx.Err() == nil {
+				d.logger.Error("error starting batches", "error", err)
 			}
 		}
 	}
@@ -349,42 +481,66 @@ func (d *Drainer) listen(ctx context.Context, wake chan<- struct{}) {
 	}
 }
 
-// outage tracks an upstream outage: a pause before each probe, doubling while
-// probes fail, cleared by any success.
-type outage struct {
-	mu      sync.Mutex
-	backoff time.Duration
-	until   time.Time
+// heldItems are the items this replica claimed and has not yet settled.
+type heldItems struct {
+	mu    sync.Mutex
+	items map[store.ItemKey]struct{}
 }
 
-func (o *outage) begin(maxBackoff time.Duration) {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	if time.Now().Before(o.until) {
-		return // already pausing
+func (h *heldItems) add(k store.ItemKey) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.items == nil {
+		h.items = map[store.ItemKey]struct{}{}
 	}
-	o.backoff = min(max(2*o.backoff, minBackoff), maxBackoff)
-	o.until = time.Now().Add(o.backoff)
+	h.items[k] = struct{}{}
 }
 
-func (o *outage) over() {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	o.backoff, o.until = 0, time.Time{}
+func (h *heldItems) remove(k store.ItemKey) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	delete(h.items, k)
 }
 
-// pause is how long to wait before the next claim.
-func (o *outage) pause() time.Duration {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	return time.Until(o.until)
+func (h *heldItems) keys() []store.ItemKey {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	out := make([]store.ItemKey, 0, len(h.items))
+	for k := range h.items {
+		out = append(out, k)
+	}
+	return out
 }
 
-// probing reports whether the upstream is suspected down: claim one item.
-func (o *outage) probing() bool {
-	o.mu.Lock()
-	defer o.mu.Unlock()
-	return o.backoff > 0
+// batchSet gathers batch ids to act on, waking a consumer.
+type batchSet struct {
+	mu   sync.Mutex
+	ids  map[uuid.UUID]struct{}
+	wake chan struct{}
+}
+
+func (b *batchSet) add(id uuid.UUID) {
+	b.mu.Lock()
+	if b.ids == nil {
+		b.ids = map[uuid.UUID]struct{}{}
+	}
+	b.ids[id] = struct{}{}
+	b.mu.Unlock()
+	select {
+	case b.wake <- struct{}{}:
+	default:
+	}
+}
+
+func (b *batchSet) take() []uuid.UUID {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	out := make([]uuid.UUID, 0, len(b.ids))
+	for id := range b.ids {
+		out = append(out, id)
+	}
+	b.ids = nil
+	return out
 }
 
 func sleep(ctx context.Context, d time.Duration) {

@@ -26,6 +26,7 @@ type Metrics struct {
 	queueDepth       prometheus.Gauge
 	leaseRescues     prometheus.Counter
 	refusals         *prometheus.CounterVec
+	clamps           *prometheus.CounterVec
 }
 
 // New registers the gateway's metrics (and the Go and process collectors) on a
@@ -69,9 +70,12 @@ func New() *Metrics {
 		refusals: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "gateway_admission_refusals_total", Help: "Requests refused by admission: rate_limit, daily_ceiling, budget.",
 		}, []string{"reason"}),
+		clamps: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "gateway_upstream_usage_clamped_total", Help: "Upstream token counts cut to their bound (output ceiling sent, or input bytes sent), by model and side.",
+		}, []string{"model", "side"}),
 	}
 	m.registry.MustRegister(m.requests, m.requestDuration, m.rungs, m.upstreamDuration, m.upstreamErrors,
-		m.openStreams, m.batchItems, m.claimDuration, m.queueDepth, m.leaseRescues, m.refusals,
+		m.openStreams, m.batchItems, m.claimDuration, m.queueDepth, m.leaseRescues, m.refusals, m.clamps,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
@@ -158,5 +162,12 @@ func (m *Metrics) LeaseRescues(n int64) {
 func (m *Metrics) Refusal(reason string) {
 	if m != nil {
 		m.refusals.WithLabelValues(reason).Inc()
+	}
+}
+
+// Clamp records an upstream token count cut to its bound.
+func (m *Metrics) Clamp(model, side string) {
+	if m != nil {
+		m.clamps.WithLabelValues(model, side).Inc()
 	}
 }

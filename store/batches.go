@@ -110,16 +110,12 @@ func (s *Store) CreateBatch(ctx context.Context, nb NewBatch) (CreateResult, err
 		if err != nil {
 			return fmt.Errorf("error inserting batch: %w", err)
 		}
-		admitted, err := s.queries.AdmitBatch(ctx, tx, db.AdmitBatchParams{AccountID: p.AccountID, Day: day, DefaultCeiling: p.Tier.DefaultDailyCeiling(), Estimate: total})
+		outcome, err := s.queries.AdmitBatch(ctx, tx, db.AdmitBatchParams{AccountID: p.AccountID, Day: day, DefaultCeiling: p.Tier.DefaultDailyCeiling(), Estimate: total})
 		if err != nil {
 			return fmt.Errorf("error charging batch estimate: %w", err)
 		}
-		if !admitted {
-			return &gateway.Error{
-				Code:       gateway.ERateLimited,
-				Message:    fmt.Sprintf("the account's daily rung ceiling cannot cover this batch's estimate of %d rungs; it resets at 00:00 UTC", total),
-				RetryAfter: day.Add(24 * time.Hour).Sub(time.Now()),
-			}
+		if err := admissionError(outcome, "batch", total, p, day); err != nil {
+			return err
 		}
 		items := make([]db.InsertBatchItemsParams, len(nb.Items))
 		reservations := make([]db.InsertReservationsParams, len(nb.Items))
@@ -252,14 +248,30 @@ func (s *Store) BatchResults(ctx context.Context, accountID, id uuid.UUID) (*gat
 // cancelled with every item; an in-progress batch becomes cancelling, its unrun
 // items cancelled at once, and cancelled when its running items finish. Any
 // other status is BATCH_NOT_CANCELLABLE.
+//
+// The batch row is locked and its status checked first; then its queued items
+// are cancelled (waiting for a claim holding some of them, whose items then
+// count as running); then the transition reads the items afresh, so a queued
+// batch with items already claimed becomes cancelling, not cancelled, and no
+// terminal batch is left with items running.
 func (s *Store) CancelBatch(ctx context.Context, accountID, id uuid.UUID) error {
 	return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
-		if err := s.transition(ctx, tx, id, &accountID, gateway.EventCancel); err != nil {
+		row, err := s.queries.LockBatch(ctx, tx, db.LockBatchParams{ID: id, AccountID: &accountID})
+		if errors.Is(err, pgx.ErrNoRows) {
+			return errBatchNotFound(id)
+		}
+		if err != nil {
+			return fmt.Errorf("error locking batch: %w", err)
+		}
+		if _, err := gateway.NextBatchStatus(gateway.BatchStatus(row.Status), gateway.EventCancel, gateway.ItemsOutcome{}); err != nil {
 			return err
 		}
 		reason := "owner"
 		if _, err := s.queries.CancelQueuedItems(ctx, tx, db.CancelQueuedItemsParams{BatchID: id, Reason: &reason}); err != nil {
 			return fmt.Errorf("error cancelling items: %w", err)
+		}
+		if err := s.transition(ctx, tx, id, &accountID, gateway.EventCancel); err != nil {
+			return err
 		}
 		return s.finishIfDone(ctx, tx, id)
 	})
@@ -276,7 +288,7 @@ func (s *Store) transition(ctx context.Context, tx pgx.Tx, id uuid.UUID, account
 		return fmt.Errorf("error locking batch: %w", err)
 	}
 	from := gateway.BatchStatus(row.Status)
-	outcome := gateway.ItemsOutcome{AnySucceeded: row.Succeeded > 0, WindowElapsed: row.ExpiredItems > 0}
+	outcome := gateway.ItemsOutcome{AnySucceeded: row.Succeeded > 0, WindowElapsed: row.ExpiredItems > 0, Running: row.Running > 0}
 	if ev == gateway.EventItemsDone && row.Unfinished > 0 {
 		return nil
 	}
@@ -308,26 +320,37 @@ func (s *Store) finishIfDone(ctx context.Context, tx pgx.Tx, id uuid.UUID) error
 }
 
 // FinishBatches makes each batch terminal whose items all reached an outcome.
+// A batch that fails is reported and the others are still finished.
 func (s *Store) FinishBatches(ctx context.Context, ids []uuid.UUID) error {
-	for _, id := range ids {
-		if err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error { return s.finishIfDone(ctx, tx, id) }); err != nil {
-			return err
-		}
-	}
-	return nil
+	return eachBatch(ids, func(id uuid.UUID) error {
+		return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error { return s.finishIfDone(ctx, tx, id) })
+	})
 }
 
-// StartBatches moves queued batches to in_progress (their drain started).
+// StartBatches moves queued batches to in_progress (an item was dispatched).
+// A batch that fails is reported and the others are still started.
 func (s *Store) StartBatches(ctx context.Context, ids []uuid.UUID) error {
-	for _, id := range ids {
+	return eachBatch(ids, func(id uuid.UUID) error {
 		err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
 			return s.transition(ctx, tx, id, nil, gateway.EventDrainStarted)
 		})
-		if err != nil && !errors.Is(err, gateway.ErrInvalidTransition) {
-			return err
+		if errors.Is(err, gateway.ErrInvalidTransition) {
+			return nil
+		}
+		return err
+	})
+}
+
+// eachBatch runs fn for every batch, going on past failures (D11), and returns
+// them joined, each naming its batch.
+func eachBatch(ids []uuid.UUID, fn func(uuid.UUID) error) error {
+	var failures []error
+	for _, id := range ids {
+		if err := fn(id); err != nil {
+			failures = append(failures, fmt.Errorf("batch %s: %w", id, err))
 		}
 	}
-	return nil
+	return errors.Join(failures...)
 }
 
 // ExpireBatches applies the end of the completion window to up to maxRows
@@ -338,8 +361,8 @@ func (s *Store) ExpireBatches(ctx context.Context, maxRows int32) (int64, error)
 	if err != nil {
 		return 0, fmt.Errorf("error finding expired batches: %w", err)
 	}
-	for _, id := range ids {
-		err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+	err = eachBatch(ids, func(id uuid.UUID) error {
+		return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
 			reason := "expiry"
 			if _, err := s.queries.CancelQueuedItems(ctx, tx, db.CancelQueuedItemsParams{BatchID: id, Reason: &reason}); err != nil {
 				return fmt.Errorf("error cancelling expired items: %w", err)
@@ -349,11 +372,8 @@ func (s *Store) ExpireBatches(ctx context.Context, maxRows int32) (int64, error)
 			}
 			return s.finishIfDone(ctx, tx, id)
 		})
-		if err != nil {
-			return 0, err
-		}
-	}
-	return int64(len(ids)), nil
+	})
+	return int64(len(ids)), err
 }
 
 // FinishStrandedBatches finalizes open batches whose items all reached an
@@ -410,7 +430,9 @@ type ClaimedItem struct {
 
 // ClaimParams shape a claim.
 type ClaimParams struct {
-	Owner      uuid.UUID
+	Owner uuid.UUID
+	// ClaimID marks the claimed items, for ReleaseClaim should the reply be lost.
+	ClaimID    uuid.UUID
 	Max        int
 	PerAccount int
 	Lease      time.Duration
@@ -421,7 +443,7 @@ type ClaimParams struct {
 func (s *Store) ClaimItems(ctx context.Context, p ClaimParams) ([]ClaimedItem, error) {
 	rows, err := s.queries.ClaimBatchItems(ctx, s.pool, db.ClaimBatchItemsParams{
 		Owner: p.Owner, MaxItems: int32(p.Max), PerAccount: int32(p.PerAccount),
-		Lease: interval(p.Lease), Pivot: uuid.Must(uuid.NewRandom()),
+		Lease: interval(p.Lease), Pivot: uuid.Must(uuid.NewRandom()), ClaimID: p.ClaimID,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("error claiming batch items: %w", err)
@@ -459,6 +481,8 @@ type ItemResult struct {
 	Sources           []gateway.Source `json:"sources,omitempty"`
 	Verdict           string           `json:"verdict,omitempty"`
 	EvidenceExpiresAt time.Time        `json:"evidence_expires_at"`
+	// Model is the item's model, for the caller's metrics; not stored.
+	Model gateway.Model `json:"-"`
 }
 
 // ItemKey names a batch item.
@@ -486,27 +510,60 @@ func (s *Store) CompleteItems(ctx context.Context, owner uuid.UUID, results []It
 	return out, nil
 }
 
-// RequeueItems hands items leased to owner back to the queue, unbilled.
-func (s *Store) RequeueItems(ctx context.Context, owner uuid.UUID, keys []ItemKey) (int64, error) {
+// Requeued says where items handed back went: to the queue, or cancelled
+// because their batch is cancelling or terminal.
+type Requeued struct {
+	Queued    []ItemKey
+	Cancelled []ItemKey
+}
+
+// RequeueItems hands items leased to owner back unbilled: the upstream
+// certainly never processed them (D12). See requeue_batch_items.
+func (s *Store) RequeueItems(ctx context.Context, owner uuid.UUID, keys []ItemKey) (Requeued, error) {
+	batchIDs, idxs := splitKeys(keys)
+	return s.requeue(ctx, db.RequeueBatchItemsParams{Owner: owner, BatchIds: batchIDs, Idxs: idxs})
+}
+
+// ReleaseClaim hands back every item of a claim whose reply owner never
+// received: it never dispatched them.
+func (s *Store) ReleaseClaim(ctx context.Context, owner, claimID uuid.UUID) (Requeued, error) {
+	return s.requeue(ctx, db.RequeueBatchItemsParams{Owner: owner, BatchIds: []uuid.UUID{}, Idxs: []int32{}, ClaimID: &claimID})
+}
+
+func (s *Store) requeue(ctx context.Context, p db.RequeueBatchItemsParams) (Requeued, error) {
+	rows, err := s.queries.RequeueBatchItems(ctx, s.pool, p)
+	if err != nil {
+		return Requeued{}, fmt.Errorf("error requeueing batch items: %w", err)
+	}
+	var out Requeued
+	for _, r := range rows {
+		k := ItemKey{BatchID: r.BatchID, Index: int(r.Idx)}
+		if r.Status == string(gateway.ItemQueued) {
+			out.Queued = append(out.Queued, k)
+		} else {
+			out.Cancelled = append(out.Cancelled, k)
+		}
+	}
+	return out, nil
+}
+
+// RenewLeases extends the leases of the given items while owner holds them.
+func (s *Store) RenewLeases(ctx context.Context, owner uuid.UUID, keys []ItemKey, lease time.Duration) (int64, error) {
+	batchIDs, idxs := splitKeys(keys)
+	n, err := s.queries.RenewLeases(ctx, s.pool, db.RenewLeasesParams{Owner: &owner, BatchIds: batchIDs, Idxs: idxs, Lease: interval(lease)})
+	if err != nil {
+		return 0, fmt.Errorf("error renewing leases: %w", err)
+	}
+	return n, nil
+}
+
+func splitKeys(keys []ItemKey) ([]uuid.UUID, []int32) {
 	batchIDs := make([]uuid.UUID, len(keys))
 	idxs := make([]int32, len(keys))
 	for i, k := range keys {
 		batchIDs[i], idxs[i] = k.BatchID, int32(k.Index)
 	}
-	n, err := s.queries.RequeueBatchItems(ctx, s.pool, db.RequeueBatchItemsParams{Owner: owner, BatchIds: batchIDs, Idxs: idxs})
-	if err != nil {
-		return 0, fmt.Errorf("error requeueing batch items: %w", err)
-	}
-	return n, nil
-}
-
-// RenewLeases extends the leases of every item running under owner.
-func (s *Store) RenewLeases(ctx context.Context, owner uuid.UUID, lease time.Duration) (int64, error) {
-	n, err := s.queries.RenewLeases(ctx, s.pool, db.RenewLeasesParams{Owner: &owner, Lease: interval(lease)})
-	if err != nil {
-		return 0, fmt.Errorf("error renewing leases: %w", err)
-	}
-	return n, nil
+	return batchIDs, idxs
 }
 
 // ListenBatchCreated calls wake whenever a batch is created, until ctx ends,

@@ -68,6 +68,14 @@ func (b *testBundle) batch(t *testing.T, p *gateway.Principal, id uuid.UUID) (*g
 
 func day() time.Time { return time.Now().Add(24 * time.Hour) }
 
+func keysOf(items []store.ClaimedItem) []store.ItemKey {
+	keys := make([]store.ItemKey, len(items))
+	for i, it := range items {
+		keys[i] = store.ItemKey{BatchID: it.BatchID, Index: it.Index}
+	}
+	return keys
+}
+
 func TestCreateBatch(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -317,8 +325,9 @@ func TestLeaseRescueRefusesZombies(t *testing.T) {
 	// Renewed leases are not rescued.
 	b.newBatch(t, p, 1, 1, "", day())
 	live := uuid.Must(uuid.NewV7())
-	require.Len(t, b.claim(t, live, 10, 50*time.Millisecond), 1)
-	renewed, err := b.store.RenewLeases(b.ctx, live, time.Minute)
+	held := b.claim(t, live, 10, 50*time.Millisecond)
+	require.Len(t, held, 1)
+	renewed, err := b.store.RenewLeases(b.ctx, live, keysOf(held), time.Minute)
 	require.NoError(t, err)
 	require.Equal(t, int64(1), renewed)
 	time.Sleep(100 * time.Millisecond)
@@ -337,9 +346,9 @@ func TestRequeueReturnsBudget(t *testing.T) {
 	items := b.claim(t, owner, 10, time.Minute)
 	require.Len(t, items, 2)
 	require.Equal(t, int64(200), b.view(t, p).Budget.Reserved)
-	n, err := b.store.RequeueItems(b.ctx, owner, []store.ItemKey{{BatchID: items[0].BatchID, Index: items[0].Index}})
+	r, err := b.store.RequeueItems(b.ctx, owner, keysOf(items[:1]))
 	require.NoError(t, err)
-	require.Equal(t, int64(1), n)
+	require.Equal(t, store.Requeued{Queued: keysOf(items[:1])}, r)
 	require.Equal(t, int64(100), b.view(t, p).Budget.Reserved)
 	again := b.claim(t, uuid.Must(uuid.NewV7()), 10, time.Minute)
 	require.Len(t, again, 1)

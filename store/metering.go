@@ -32,17 +32,30 @@ func (s *Store) Admit(ctx context.Context, a gateway.Admission) error {
 	if err != nil {
 		return fmt.Errorf("error admitting request: %w", err)
 	}
+	return admissionError(outcome, "request", a.Estimate, a.Principal, day)
+}
+
+// admissionError is the refusal an admission outcome stands for (nil for
+// "ok"). A refusal that waiting cannot cure, an estimate larger than the whole
+// ceiling or cap, carries no Retry-After and says what to change (D11).
+func admissionError(outcome, what string, estimate int64, p *gateway.Principal, day time.Time) error {
 	switch outcome {
 	case "ok":
 		return nil
 	case "daily":
 		return &gateway.Error{
 			Code:       gateway.ERateLimited,
-			Message:    fmt.Sprintf("the account's daily rung ceiling cannot cover this request's estimate of %d rungs; it resets at 00:00 UTC", a.Estimate),
+			Message:    fmt.Sprintf("the account's daily rung ceiling cannot cover this %s's estimate of %d rungs; it resets at 00:00 UTC", what, estimate),
 			RetryAfter: day.Add(24 * time.Hour).Sub(time.Now()),
 		}
+	case "daily_never":
+		return gateway.Errorf(gateway.ERateLimited,
+			"this %s's estimate of %d rungs is larger than the account's whole daily rung ceiling, so waiting will not help: lower max_output_rungs (the estimate prices it in full), send less, or ask the operator for a higher ceiling", what, estimate)
 	case "budget":
-		return gateway.Errorf(gateway.EBudgetExceeded, "the budget cap of project %q cannot cover this request's estimate of %d rungs", a.Principal.ProjectName, a.Estimate)
+		return gateway.Errorf(gateway.EBudgetExceeded, "the budget cap of project %q cannot cover this %s's estimate of %d rungs", p.ProjectName, what, estimate)
+	case "budget_never":
+		return gateway.Errorf(gateway.EBudgetExceeded,
+			"this %s's estimate of %d rungs is larger than the whole budget cap of project %q: lower max_output_rungs (the estimate prices it in full), send less, or raise the cap", what, estimate, p.ProjectName)
 	default:
 		return fmt.Errorf("unexpected admission outcome %q", outcome)
 	}
@@ -169,11 +182,35 @@ func (s *Store) Usage(ctx context.Context, p *gateway.Principal, start, end time
 }
 
 // ReconcileSettlements folds up to maxRows settled reservations into the daily
-// and budget counters, returning how many.
+// and budget counters, returning how many. One account's rows never stop the
+// others' (D11): when a run fails for a reason other than the database being
+// away, it folds account by account, and an account that fails alone is set
+// aside for quarantinePeriod (reported in the error, which names it) while
+// every other account is folded.
 func (s *Store) ReconcileSettlements(ctx context.Context, maxRows int32) (int64, error) {
-	n, err := s.queries.ReconcileSettlements(ctx, s.pool, maxRows)
-	if err != nil {
-		return 0, fmt.Errorf("error reconciling settlements: %w", err)
+	skip := s.quarantine.members()
+	n, err := s.queries.ReconcileSettlements(ctx, s.pool, db.ReconcileSettlementsParams{MaxRows: maxRows, Skip: skip})
+	if err == nil || Transient(err) {
+		if err != nil {
+			return 0, fmt.Errorf("error reconciling settlements: %w", err)
+		}
+		return n, nil
 	}
-	return n, nil
+	accounts, lerr := s.queries.SettledAccounts(ctx, s.pool, db.SettledAccountsParams{Skip: skip, MaxRows: maxRows})
+	if lerr != nil {
+		return 0, fmt.Errorf("error reconciling settlements: %w (listing accounts: %v)", err, lerr)
+	}
+	var failures []error
+	for _, account := range accounts {
+		m, err := s.queries.ReconcileSettlements(ctx, s.pool, db.ReconcileSettlementsParams{MaxRows: maxRows, Skip: skip, AccountID: &account})
+		if err != nil {
+			if !Transient(err) {
+				s.quarantine.add(account)
+			}
+			failures = append(failures, fmt.Errorf("error reconciling settlements of account %s (set aside for %s): %w", account, quarantinePeriod, err))
+			continue
+		}
+		n += m
+	}
+	return n, errors.Join(failures...)
 }

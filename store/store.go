@@ -27,6 +27,8 @@ type Store struct {
 	queries    *db.Queries
 	rateLimits gateway.RateLimits
 	now        func() time.Time
+	// quarantine holds accounts whose settlements fail reconciliation.
+	quarantine quarantine
 }
 
 // Options configure a store.

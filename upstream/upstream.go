@@ -1,6 +1,8 @@
 // Package upstream defines the inference provider interface that everything
-// running inference uses, the error classes that tell an outage from a rejected
-// request, and the operator's model map.
+// running inference uses, the error classes that tell a call the upstream never
+// processed from one it may have (decisions D12), the guard that makes what a
+// provider returns safe to store (D11), the shared health signal, and the
+// operator's model map.
 package upstream
 
 import (
@@ -22,6 +24,17 @@ type Request struct {
 	// MaxOutputTokens is the accepted max_output_rungs.
 	MaxOutputTokens uint64
 	Hints           gateway.Hints
+	// OnDispatch, when set, is called once the request is about to be written to
+	// the upstream: from then on the call may be processed, so it must never be
+	// retried (D12).
+	OnDispatch func()
+}
+
+// Dispatched calls r.OnDispatch, if set.
+func (r Request) Dispatched() {
+	if r.OnDispatch != nil {
+		r.OnDispatch()
+	}
 }
 
 // Result is a finished (or, from a broken stream, partial) inference call.
@@ -43,10 +56,11 @@ type Delta struct {
 	Sources []gateway.Source
 }
 
-// Provider runs inference. Implementations honour ctx cancellation and classify
-// failures: errors.Is(err, ErrUnavailable) when the upstream could not be reached
-// or failed before producing anything (safe to retry), *RejectedError when it
-// refused this request.
+// Provider runs inference. Implementations honour ctx cancellation, call
+// req.Dispatched before writing the request, and classify failures:
+// ErrUnavailable when the upstream certainly did not process the call (safe to
+// retry), ErrFailed when it may have (never retry), *RejectedError when it
+// refused this request, ErrStreamBroken when a stream ended early.
 type Provider interface {
 	// Complete runs the request and returns the whole reply.
 	Complete(ctx context.Context, req Request) (Result, error)
@@ -59,8 +73,15 @@ type Provider interface {
 // ErrStreamBroken marks a stream that ended before the upstream finished it.
 var ErrStreamBroken = errors.New("upstream stream ended early")
 
-// ErrUnavailable marks an upstream that is down, overloaded (5xx, 429) or timed out.
+// ErrUnavailable marks a call the upstream certainly did not process: the
+// connection could not be made (refused, DNS, TLS handshake), or the upstream
+// answered 429 or 503. Such a call may be retried (D12).
 var ErrUnavailable = errors.New("upstream unavailable")
+
+// ErrFailed marks a call that failed after it was dispatched: a timeout, a
+// reset, any other 5xx, an unreadable reply. The upstream may have processed
+// it, so it is never retried (D12).
+var ErrFailed = errors.New("upstream call failed after dispatch")
 
 // RejectedError is an upstream's refusal of one request (a 4xx other than 408/429).
 type RejectedError struct {
@@ -116,8 +137,9 @@ func ParseModelPairs(s string) (map[gateway.Model]string, error) {
 }
 
 // Kind names the class of an upstream failure, for metrics and logs:
-// "unavailable", "rejected", "broken" (a stream cut short), "cancelled" (the
-// caller went away), "other"; empty for nil.
+// "unavailable" (not processed), "failed" (after dispatch), "rejected",
+// "broken" (a stream cut short), "cancelled" (the caller went away), "other";
+// empty for nil. The values are a fixed set, fit for metric labels.
 func Kind(err error) string {
 	var rejected *RejectedError
 	switch {
@@ -125,6 +147,8 @@ func Kind(err error) string {
 		return ""
 	case errors.Is(err, ErrUnavailable):
 		return "unavailable"
+	case errors.Is(err, ErrFailed):
+		return "failed"
 	case errors.As(err, &rejected):
 		return "rejected"
 	case errors.Is(err, ErrStreamBroken):

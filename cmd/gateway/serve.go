@@ -21,6 +21,7 @@ import (
 	"github.com/rungworks/gateway/metrics"
 	"github.com/rungworks/gateway/server"
 	"github.com/rungworks/gateway/store"
+	"github.com/rungworks/gateway/upstream"
 )
 
 func serveCmd(logger *slog.Logger) *cobra.Command {
@@ -87,7 +88,14 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 		return err
 	}
 	m := metrics.New()
-	estimator := &metering.Estimator{Tokenizer: tok, RateCard: rateCard}
+	// Everything the upstream returns is untrusted (D11); its answers and
+	// outages are seen by interactive requests and the drainer alike.
+	health := upstream.NewHealth(0)
+	provider = upstream.Guard(provider, health)
+	estimator := &metering.Estimator{Tokenizer: tok, RateCard: rateCard, OnClamp: func(c metering.Clamp) {
+		logger.Warn("upstream usage clamped", "model", c.Model, "side", c.Side, "reported", c.Reported, "bound", c.Bound)
+		m.Clamp(string(c.Model), c.Side)
+	}}
 	srv, err := server.New(server.Config{
 		Auth: st,
 		Inference: &inference.Service{
@@ -141,7 +149,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	}, m), logger)
 	drain := drainer.New(drainer.Config{
 		Concurrency: cfg.DrainConcurrency, Lease: cfg.Lease, Grace: cfg.ShutdownGrace,
-		EvidenceRetention: cfg.EvidenceRetention, Metrics: m,
+		EvidenceRetention: cfg.EvidenceRetention, Health: health, Metrics: m,
 	}, st, provider, models, estimator, logger)
 	drained := make(chan struct{})
 	go func() { defer close(drained); drain.Run(ctx) }()

@@ -14,7 +14,7 @@ import (
 )
 
 const admitBatch = `-- name: AdmitBatch :one
-SELECT admit_batch($1, $2, $3, $4)::boolean AS admitted
+SELECT admit_batch($1, $2, $3, $4)::text AS outcome
 `
 
 type AdmitBatchParams struct {
@@ -24,16 +24,16 @@ type AdmitBatchParams struct {
 	Estimate       int64
 }
 
-func (q *Queries) AdmitBatch(ctx context.Context, db DBTX, arg AdmitBatchParams) (bool, error) {
+func (q *Queries) AdmitBatch(ctx context.Context, db DBTX, arg AdmitBatchParams) (string, error) {
 	row := db.QueryRow(ctx, admitBatch,
 		arg.AccountID,
 		arg.Day,
 		arg.DefaultCeiling,
 		arg.Estimate,
 	)
-	var admitted bool
-	err := row.Scan(&admitted)
-	return admitted, err
+	var outcome string
+	err := row.Scan(&outcome)
+	return outcome, err
 }
 
 const batchesPastWindow = `-- name: BatchesPastWindow :many
@@ -91,7 +91,7 @@ func (q *Queries) CancelQueuedItems(ctx context.Context, db DBTX, arg CancelQueu
 const claimBatchItems = `-- name: ClaimBatchItems :many
 SELECT c.batch_id::uuid AS batch_id, c.idx::integer AS idx, c.account_id::uuid AS account_id,
        c.request::jsonb AS request, c.batch_status::text AS batch_status, c.claimed::boolean AS claimed
-FROM claim_batch_items($1::uuid, $2::integer, $3::integer, $4::interval, $5::uuid) AS c
+FROM claim_batch_items($1::uuid, $2::integer, $3::integer, $4::interval, $5::uuid, $6::uuid) AS c
 `
 
 type ClaimBatchItemsParams struct {
@@ -100,6 +100,7 @@ type ClaimBatchItemsParams struct {
 	PerAccount int32
 	Lease      pgtype.Interval
 	Pivot      uuid.UUID
+	ClaimID    uuid.UUID
 }
 
 type ClaimBatchItemsRow struct {
@@ -118,6 +119,7 @@ func (q *Queries) ClaimBatchItems(ctx context.Context, db DBTX, arg ClaimBatchIt
 		arg.PerAccount,
 		arg.Lease,
 		arg.Pivot,
+		arg.ClaimID,
 	)
 	if err != nil {
 		return nil, err
@@ -490,10 +492,11 @@ func (q *Queries) ListenBatchCreated(ctx context.Context, db DBTX) error {
 }
 
 const lockBatch = `-- name: LockBatch :one
-SELECT b.status, f.unfinished, f.succeeded, f.expired_items, f.first_error
+SELECT b.status, f.unfinished, f.running, f.succeeded, f.expired_items, f.first_error
 FROM batches b
 CROSS JOIN LATERAL (
     SELECT count(*) FILTER (WHERE i.status IN ('queued', 'in_progress'))::integer AS unfinished,
+           count(*) FILTER (WHERE i.status = 'in_progress')::integer AS running,
            count(*) FILTER (WHERE i.status = 'completed')::integer AS succeeded,
            count(*) FILTER (WHERE i.cancel_reason = 'expiry')::integer AS expired_items,
            coalesce((array_agg(i.error_code ORDER BY i.idx) FILTER (WHERE i.status = 'failed'))[1], '')::text AS first_error
@@ -511,6 +514,7 @@ type LockBatchParams struct {
 type LockBatchRow struct {
 	Status       string
 	Unfinished   int32
+	Running      int32
 	Succeeded    int32
 	ExpiredItems int32
 	FirstError   string
@@ -523,6 +527,7 @@ func (q *Queries) LockBatch(ctx context.Context, db DBTX, arg LockBatchParams) (
 	err := row.Scan(
 		&i.Status,
 		&i.Unfinished,
+		&i.Running,
 		&i.Succeeded,
 		&i.ExpiredItems,
 		&i.FirstError,
@@ -561,37 +566,73 @@ func (q *Queries) ReleaseJobLock(ctx context.Context, db DBTX, job string) error
 
 const renewLeases = `-- name: RenewLeases :execrows
 UPDATE batch_items SET lease_expires_at = now() + $1::interval
-WHERE lease_owner = $2 AND status = 'in_progress'
+WHERE (batch_id, idx) IN (SELECT unnest($2::uuid[]), unnest($3::integer[]))
+  AND lease_owner = $4 AND status = 'in_progress'
 `
 
 type RenewLeasesParams struct {
-	Lease pgtype.Interval
-	Owner *uuid.UUID
+	Lease    pgtype.Interval
+	BatchIds []uuid.UUID
+	Idxs     []int32
+	Owner    *uuid.UUID
 }
 
+// Extends the leases of the given items, if still leased to @owner: only what
+// the replica really runs, so an item it does not hold runs out its lease.
 func (q *Queries) RenewLeases(ctx context.Context, db DBTX, arg RenewLeasesParams) (int64, error) {
-	result, err := db.Exec(ctx, renewLeases, arg.Lease, arg.Owner)
+	result, err := db.Exec(ctx, renewLeases,
+		arg.Lease,
+		arg.BatchIds,
+		arg.Idxs,
+		arg.Owner,
+	)
 	if err != nil {
 		return 0, err
 	}
 	return result.RowsAffected(), nil
 }
 
-const requeueBatchItems = `-- name: RequeueBatchItems :one
-SELECT requeue_batch_items($1::uuid, $2::uuid[], $3::integer[])::bigint AS requeued
+const requeueBatchItems = `-- name: RequeueBatchItems :many
+SELECT r.batch_id::uuid AS batch_id, r.idx::integer AS idx, r.status::text AS status
+FROM requeue_batch_items($1::uuid, $2::uuid[], $3::integer[], $4::uuid) AS r
 `
 
 type RequeueBatchItemsParams struct {
 	Owner    uuid.UUID
 	BatchIds []uuid.UUID
 	Idxs     []int32
+	ClaimID  *uuid.UUID
 }
 
-func (q *Queries) RequeueBatchItems(ctx context.Context, db DBTX, arg RequeueBatchItemsParams) (int64, error) {
-	row := db.QueryRow(ctx, requeueBatchItems, arg.Owner, arg.BatchIds, arg.Idxs)
-	var requeued int64
-	err := row.Scan(&requeued)
-	return requeued, err
+type RequeueBatchItemsRow struct {
+	BatchID uuid.UUID
+	Idx     int32
+	Status  string
+}
+
+func (q *Queries) RequeueBatchItems(ctx context.Context, db DBTX, arg RequeueBatchItemsParams) ([]RequeueBatchItemsRow, error) {
+	rows, err := db.Query(ctx, requeueBatchItems,
+		arg.Owner,
+		arg.BatchIds,
+		arg.Idxs,
+		arg.ClaimID,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []RequeueBatchItemsRow
+	for rows.Next() {
+		var i RequeueBatchItemsRow
+		if err := rows.Scan(&i.BatchID, &i.Idx, &i.Status); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
 }
 
 const rescueExpiredLeases = `-- name: RescueExpiredLeases :many

@@ -171,11 +171,17 @@ func (q *Queries) DeleteOldRateWindows(ctx context.Context, db DBTX, before time
 }
 
 const reconcileSettlements = `-- name: ReconcileSettlements :one
-SELECT reconcile_settlements($1)::bigint AS reconciled
+SELECT reconcile_settlements($1, $2::uuid[], $3::uuid)::bigint AS reconciled
 `
 
-func (q *Queries) ReconcileSettlements(ctx context.Context, db DBTX, maxRows int32) (int64, error) {
-	row := db.QueryRow(ctx, reconcileSettlements, maxRows)
+type ReconcileSettlementsParams struct {
+	MaxRows   int32
+	Skip      []uuid.UUID
+	AccountID *uuid.UUID
+}
+
+func (q *Queries) ReconcileSettlements(ctx context.Context, db DBTX, arg ReconcileSettlementsParams) (int64, error) {
+	row := db.QueryRow(ctx, reconcileSettlements, arg.MaxRows, arg.Skip, arg.AccountID)
 	var reconciled int64
 	err := row.Scan(&reconciled)
 	return reconciled, err
@@ -252,6 +258,38 @@ func (q *Queries) SettleRequest(ctx context.Context, db DBTX, arg SettleRequestP
 		arg.Day,
 	)
 	return err
+}
+
+const settledAccounts = `-- name: SettledAccounts :many
+SELECT DISTINCT r.account_id FROM reservations r
+WHERE r.settled_rungs IS NOT NULL AND NOT (r.account_id = ANY ($1::uuid[]))
+LIMIT $2
+`
+
+type SettledAccountsParams struct {
+	Skip    []uuid.UUID
+	MaxRows int32
+}
+
+// Accounts with settlements to fold, apart from @skip.
+func (q *Queries) SettledAccounts(ctx context.Context, db DBTX, arg SettledAccountsParams) ([]uuid.UUID, error) {
+	rows, err := db.Query(ctx, settledAccounts, arg.Skip, arg.MaxRows)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []uuid.UUID
+	for rows.Next() {
+		var account_id uuid.UUID
+		if err := rows.Scan(&account_id); err != nil {
+			return nil, err
+		}
+		items = append(items, account_id)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
 }
 
 const usageByModel = `-- name: UsageByModel :many

@@ -68,6 +68,7 @@ type BatchItem struct {
 	LeaseExpiresAt *time.Time
 	StartedAt      *time.Time
 	CompletedAt    *time.Time
+	ClaimID        *uuid.UUID
 }
 
 type DailyCharge struct {

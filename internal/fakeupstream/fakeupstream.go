@@ -44,10 +44,40 @@ type Server struct {
 
 	mu         sync.Mutex
 	mode       Mode
+	status     int
 	delay      time.Duration
 	chunkDelay time.Duration
 	breakAfter int
+	hostile    map[string]Hostile
 	calls      []Call
+}
+
+// Hostile is a reply an upstream should never send: text the gateway cannot
+// store as is, counts no tokenizer would give.
+type Hostile struct {
+	// Content replaces the reply's text.
+	Content string
+	// SourceTitle replaces the citation's title.
+	SourceTitle string
+	// PromptTokens and CompletionTokens replace the reported usage.
+	PromptTokens, CompletionTokens uint64
+}
+
+// SetHostile makes every call whose prompt contains marker answer with h.
+func (s *Server) SetHostile(marker string, h Hostile) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.hostile == nil {
+		s.hostile = map[string]Hostile{}
+	}
+	s.hostile[marker] = h
+}
+
+// SetStatus makes every answer an error reply with this HTTP status (0: none).
+func (s *Server) SetStatus(status int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.status = status
 }
 
 // New starts a fake upstream; its base URL for GATEWAY_UPSTREAM is BaseURL().
@@ -147,7 +177,13 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	s.mu.Lock()
-	mode, delay, chunkDelay, breakAfter := s.mode, s.delay, s.chunkDelay, s.breakAfter
+	mode, status, delay, chunkDelay, breakAfter := s.mode, s.status, s.delay, s.chunkDelay, s.breakAfter
+	var hostile *Hostile
+	for marker, h := range s.hostile {
+		if strings.Contains(call.Prompt, marker) {
+			hostile = &h
+		}
+	}
 	s.calls = append(s.calls, call)
 	s.mu.Unlock()
 
@@ -159,6 +195,11 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if status != 0 {
+		w.WriteHeader(status)
+		fmt.Fprintf(w, `{"error":{"message":"status %d"}}`, status)
+		return
+	}
 	switch mode {
 	case Down:
 		w.WriteHeader(http.StatusServiceUnavailable)
@@ -170,11 +211,14 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if req.Stream {
-		stream(w, r, call.Prompt, chunkDelay, breakAfter)
+		stream(w, r, call.Prompt, chunkDelay, breakAfter, hostile)
 		return
 	}
-	content := Reply(call.Prompt)
+	content, title := Reply(call.Prompt), "Example doc"
 	pt, ct := Usage(call.Prompt)
+	if hostile != nil {
+		content, title, pt, ct = hostile.Content, hostile.SourceTitle, hostile.PromptTokens, hostile.CompletionTokens
+	}
 	resp := map[string]any{
 		"id":     "chatcmpl-fake",
 		"object": "chat.completion",
@@ -188,7 +232,7 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 				"annotations": []any{map[string]any{
 					"type": "url_citation",
 					"url_citation": map[string]any{
-						"url": "https://example.org/doc", "title": "Example doc", "start_index": 0, "end_index": 4,
+						"url": "https://example.org/doc", "title": title, "start_index": 0, "end_index": 4,
 					},
 				}},
 			},
@@ -200,7 +244,7 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 
 // stream answers as OpenAI does with stream_options.include_usage: a role-only
 // delta, one delta per piece, an annotation delta, a usage chunk, then [DONE].
-func stream(w http.ResponseWriter, r *http.Request, prompt string, chunkDelay time.Duration, breakAfter int) {
+func stream(w http.ResponseWriter, r *http.Request, prompt string, chunkDelay time.Duration, breakAfter int, hostile *Hostile) {
 	w.Header().Set("Content-Type", "text/event-stream")
 	flusher := w.(http.Flusher)
 	send := func(v any) {
@@ -212,7 +256,12 @@ func stream(w http.ResponseWriter, r *http.Request, prompt string, chunkDelay ti
 		return map[string]any{"object": "chat.completion.chunk", "choices": []any{map[string]any{"index": 0, "delta": d}}}
 	}
 	send(delta(map[string]any{"role": "assistant", "content": ""}))
-	for i, piece := range StreamPieces(prompt) {
+	pieces, title := StreamPieces(prompt), "Example doc"
+	pt, ct := Usage(prompt)
+	if hostile != nil {
+		pieces, title, pt, ct = []string{hostile.Content}, hostile.SourceTitle, hostile.PromptTokens, hostile.CompletionTokens
+	}
+	for i, piece := range pieces {
 		if breakAfter > 0 && i == breakAfter {
 			panic(http.ErrAbortHandler) // drop the connection mid-stream
 		}
@@ -226,9 +275,8 @@ func stream(w http.ResponseWriter, r *http.Request, prompt string, chunkDelay ti
 		send(delta(map[string]any{"content": piece}))
 	}
 	send(delta(map[string]any{"annotations": []any{map[string]any{
-		"type": "url_citation", "url_citation": map[string]any{"url": "https://example.org/doc", "title": "Example doc"},
+		"type": "url_citation", "url_citation": map[string]any{"url": "https://example.org/doc", "title": title},
 	}}}))
-	pt, ct := Usage(prompt)
 	send(map[string]any{"object": "chat.completion.chunk", "choices": []any{}, "usage": map[string]any{"prompt_tokens": pt, "completion_tokens": ct}})
 	fmt.Fprint(w, "data: [DONE]\n\n")
 	flusher.Flush()

@@ -10,7 +10,7 @@ RETURNING id;
 SELECT id, request_hash FROM batches WHERE account_id = @account_id AND idempotency_key = @idempotency_key;
 
 -- name: AdmitBatch :one
-SELECT admit_batch(@account_id, @day, @default_ceiling, @estimate)::boolean AS admitted;
+SELECT admit_batch(@account_id, @day, @default_ceiling, @estimate)::text AS outcome;
 
 -- name: InsertBatchItems :copyfrom
 INSERT INTO batch_items (batch_id, idx, account_id, project_id, api_key_id, request_id, status, request, model, estimate_rungs, queued_at, expires_at)
@@ -61,10 +61,11 @@ ORDER BY idx;
 
 -- name: LockBatch :one
 -- The batch's status, locked for a transition, with the facts of its items.
-SELECT b.status, f.unfinished, f.succeeded, f.expired_items, f.first_error
+SELECT b.status, f.unfinished, f.running, f.succeeded, f.expired_items, f.first_error
 FROM batches b
 CROSS JOIN LATERAL (
     SELECT count(*) FILTER (WHERE i.status IN ('queued', 'in_progress'))::integer AS unfinished,
+           count(*) FILTER (WHERE i.status = 'in_progress')::integer AS running,
            count(*) FILTER (WHERE i.status = 'completed')::integer AS succeeded,
            count(*) FILTER (WHERE i.cancel_reason = 'expiry')::integer AS expired_items,
            coalesce((array_agg(i.error_code ORDER BY i.idx) FILTER (WHERE i.status = 'failed'))[1], '')::text AS first_error
@@ -93,18 +94,22 @@ UPDATE reservations r SET settled_rungs = 0
 -- name: ClaimBatchItems :many
 SELECT c.batch_id::uuid AS batch_id, c.idx::integer AS idx, c.account_id::uuid AS account_id,
        c.request::jsonb AS request, c.batch_status::text AS batch_status, c.claimed::boolean AS claimed
-FROM claim_batch_items(@owner::uuid, @max_items::integer, @per_account::integer, @lease::interval, @pivot::uuid) AS c;
+FROM claim_batch_items(@owner::uuid, @max_items::integer, @per_account::integer, @lease::interval, @pivot::uuid, @claim_id::uuid) AS c;
 
 -- name: CompleteBatchItems :many
 SELECT c.batch_id::uuid AS batch_id, c.idx::integer AS idx
 FROM complete_batch_items(@owner::uuid, @results::jsonb) AS c;
 
--- name: RequeueBatchItems :one
-SELECT requeue_batch_items(@owner::uuid, @batch_ids::uuid[], @idxs::integer[])::bigint AS requeued;
+-- name: RequeueBatchItems :many
+SELECT r.batch_id::uuid AS batch_id, r.idx::integer AS idx, r.status::text AS status
+FROM requeue_batch_items(@owner::uuid, @batch_ids::uuid[], @idxs::integer[], sqlc.narg(claim_id)::uuid) AS r;
 
 -- name: RenewLeases :execrows
+-- Extends the leases of the given items, if still leased to @owner: only what
+-- the replica really runs, so an item it does not hold runs out its lease.
 UPDATE batch_items SET lease_expires_at = now() + @lease::interval
-WHERE lease_owner = @owner AND status = 'in_progress';
+WHERE (batch_id, idx) IN (SELECT unnest(@batch_ids::uuid[]), unnest(@idxs::integer[]))
+  AND lease_owner = @owner AND status = 'in_progress';
 
 -- name: RescueExpiredLeases :many
 SELECT r.batch_id::uuid AS batch_id FROM rescue_expired_leases(@max_rows::integer) AS r;

@@ -23,7 +23,13 @@ SELECT release_reservation(@request_id);
 SELECT release_expired_reservations(@max_rows)::bigint AS released;
 
 -- name: ReconcileSettlements :one
-SELECT reconcile_settlements(@max_rows)::bigint AS reconciled;
+SELECT reconcile_settlements(@max_rows, @skip::uuid[], sqlc.narg(account_id)::uuid)::bigint AS reconciled;
+
+-- name: SettledAccounts :many
+-- Accounts with settlements to fold, apart from @skip.
+SELECT DISTINCT r.account_id FROM reservations r
+WHERE r.settled_rungs IS NOT NULL AND NOT (r.account_id = ANY (@skip::uuid[]))
+LIMIT @max_rows;
 
 -- name: DeleteOldRateWindows :execrows
 DELETE FROM rate_windows WHERE window_start < @before;

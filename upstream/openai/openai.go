@@ -11,8 +11,11 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptrace"
 	"strings"
+	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/upstream"
@@ -124,22 +127,30 @@ func (c *Client) Complete(ctx context.Context, req upstream.Request) (upstream.R
 	ctx, cancel := context.WithTimeout(ctx, c.cfg.Timeout)
 	defer cancel()
 
-	resp, err := c.post(ctx, req, false)
+	resp, _, err := c.post(ctx, req, false)
 	if err != nil {
 		return upstream.Result{}, err
 	}
 	defer resp.Body.Close()
-	raw, err := io.ReadAll(io.LimitReader(resp.Body, 64<<20))
+	raw, err := io.ReadAll(io.LimitReader(resp.Body, maxReplyBytes))
 	if err != nil {
-		return upstream.Result{}, transportError(ctx, err)
+		return upstream.Result{}, transportError(ctx, err, true)
 	}
+	return parseCompletion(raw)
+}
 
+// maxReplyBytes bounds a non-streaming reply read into memory.
+const maxReplyBytes = 64 << 20
+
+// parseCompletion reads a chat completion body. Anything that is not one is a
+// failure after dispatch: the upstream may have done the work.
+func parseCompletion(raw []byte) (upstream.Result, error) {
 	var cr chatResponse
 	if err := json.Unmarshal(raw, &cr); err != nil {
-		return upstream.Result{}, fmt.Errorf("error decoding chat completion: %w", err)
+		return upstream.Result{}, fmt.Errorf("%w: the chat completion could not be decoded: %v", upstream.ErrFailed, err)
 	}
 	if len(cr.Choices) == 0 || cr.Usage == nil {
-		return upstream.Result{}, errors.New("chat completion has no choices or no usage")
+		return upstream.Result{}, fmt.Errorf("%w: the chat completion has no choices or no usage", upstream.ErrFailed)
 	}
 	msg := cr.Choices[0].Message
 	return upstream.Result{
@@ -151,8 +162,10 @@ func (c *Client) Complete(ctx context.Context, req upstream.Request) (upstream.R
 	}, nil
 }
 
-// post sends the chat request and returns a 2xx reply, or the classified error.
-func (c *Client) post(ctx context.Context, req upstream.Request, stream bool) (*http.Response, error) {
+// post sends the chat request and returns a 2xx reply, or the classified
+// error, and whether the request was dispatched: a connection was obtained to
+// write it on (req.Dispatched is called then).
+func (c *Client) post(ctx context.Context, req upstream.Request, stream bool) (*http.Response, bool, error) {
 	cr := chatRequest{
 		Model:               req.UpstreamModel,
 		Messages:            messages(req),
@@ -164,11 +177,19 @@ func (c *Client) post(ctx context.Context, req upstream.Request, stream bool) (*
 	}
 	body, err := json.Marshal(cr)
 	if err != nil {
-		return nil, fmt.Errorf("error encoding chat request: %w", err)
+		return nil, false, fmt.Errorf("error encoding chat request: %w", err)
 	}
-	httpReq, err := http.NewRequestWithContext(ctx, http.MethodPost, c.cfg.BaseURL+"/chat/completions", bytes.NewReader(body))
+	var dispatched atomic.Bool
+	traced := httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
+		GotConn: func(httptrace.GotConnInfo) {
+			if dispatched.CompareAndSwap(false, true) {
+				req.Dispatched()
+			}
+		},
+	})
+	httpReq, err := http.NewRequestWithContext(traced, http.MethodPost, c.cfg.BaseURL+"/chat/completions", bytes.NewReader(body))
 	if err != nil {
-		return nil, fmt.Errorf("error building chat request: %w", err)
+		return nil, false, fmt.Errorf("error building chat request: %w", err)
 	}
 	httpReq.Header.Set("Content-Type", "application/json")
 	httpReq.Header.Set("Accept", accept)
@@ -180,14 +201,14 @@ func (c *Client) post(ctx context.Context, req upstream.Request, stream bool) (*
 	}
 	resp, err := c.http.Do(httpReq)
 	if err != nil {
-		return nil, transportError(ctx, err)
+		return nil, dispatched.Load(), transportError(ctx, err, dispatched.Load())
 	}
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
 		defer resp.Body.Close()
 		raw, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
-		return nil, statusError(resp.StatusCode, raw)
+		return nil, true, statusError(resp.StatusCode, raw)
 	}
-	return resp, nil
+	return resp, true, nil
 }
 
 func messages(req upstream.Request) []message {
@@ -212,29 +233,46 @@ func hints(h gateway.Hints) string {
 	return strings.Join(parts, ",")
 }
 
-// transportError classifies a failure to reach the upstream or read its reply.
-// The caller's own cancellation is returned as is; everything else (refused,
-// reset, timed out) means the upstream is unavailable.
-func transportError(ctx context.Context, err error) error {
+// transportError classifies a failure to reach the upstream or read its reply
+// (D12). The caller's own cancellation is returned as is; a failure before a
+// connection was obtained (refused, DNS, TLS handshake, dial timeout) means the
+// upstream never saw the call; anything after (reset, timeout) means it may
+// have processed it.
+func transportError(ctx context.Context, err error, dispatched bool) error {
 	if ctx.Err() != nil && !errors.Is(ctx.Err(), context.DeadlineExceeded) {
 		return ctx.Err()
 	}
-	return fmt.Errorf("%w: %v", upstream.ErrUnavailable, err)
+	if !dispatched {
+		return fmt.Errorf("%w: %v", upstream.ErrUnavailable, err)
+	}
+	return fmt.Errorf("%w: %v", upstream.ErrFailed, err)
 }
 
-// statusError classifies a non-2xx reply: 408, 429 and 5xx mean unavailable,
-// other 4xx a rejection of this request.
+// maxMessageBytes bounds the upstream's error message kept for callers.
+const maxMessageBytes = 500
+
+// statusError classifies a non-2xx reply (D12): 429 and 503 say the call was
+// not processed; 408 and every other 5xx that it may have been; other 4xx
+// are a rejection of this request.
 func statusError(status int, body []byte) error {
 	var eb errorBody
 	msg := strings.TrimSpace(string(body))
 	if json.Unmarshal(body, &eb) == nil && eb.Error.Message != "" {
 		msg = eb.Error.Message
 	}
-	if len(msg) > 500 {
-		msg = msg[:500]
+	if len(msg) > maxMessageBytes {
+		cut := maxMessageBytes
+		for cut > 0 && !utf8.RuneStart(msg[cut]) {
+			cut--
+		}
+		msg = msg[:cut]
 	}
-	if status == http.StatusRequestTimeout || status == http.StatusTooManyRequests || status >= 500 {
+	msg = upstream.Clean(msg)
+	switch {
+	case status == http.StatusTooManyRequests || status == http.StatusServiceUnavailable:
 		return fmt.Errorf("%w: status %d: %s", upstream.ErrUnavailable, status, msg)
+	case status == http.StatusRequestTimeout || status >= 500:
+		return fmt.Errorf("%w: status %d: %s", upstream.ErrFailed, status, msg)
 	}
 	return &upstream.RejectedError{Status: status, Message: msg}
 }

@@ -60,6 +60,33 @@ func TestUnavailable(t *testing.T) {
 	require.ErrorIs(t, err, upstream.ErrUnavailable)
 }
 
+// TestStatusClasses pins D12: only 429 and 503 say the call was not processed.
+func TestStatusClasses(t *testing.T) {
+	t.Parallel()
+	for status, want := range map[int]error{
+		429: upstream.ErrUnavailable, 503: upstream.ErrUnavailable,
+		500: upstream.ErrFailed, 502: upstream.ErrFailed, 504: upstream.ErrFailed, 408: upstream.ErrFailed,
+	} {
+		b := setup(t)
+		b.fake.SetStatus(status)
+		_, err := b.client.Complete(context.Background(), req)
+		require.ErrorIs(t, err, want, "status %d", status)
+		_, _, err = collect(t, b.client, context.Background())
+		require.ErrorIs(t, err, want, "stream, status %d", status)
+	}
+}
+
+func TestDispatchIsReported(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	var dispatched int
+	r := req
+	r.OnDispatch = func() { dispatched++ }
+	_, err := b.client.Complete(context.Background(), r)
+	require.NoError(t, err)
+	require.Equal(t, 1, dispatched)
+}
+
 func TestRejected(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -79,17 +106,26 @@ func TestConnectionRefusedIsUnavailable(t *testing.T) {
 	addr := l.Addr().String()
 	require.NoError(t, l.Close())
 	client := openai.New(openai.Config{BaseURL: "http://" + addr + "/v1"})
-	_, err = client.Complete(context.Background(), req)
+	r := req
+	r.OnDispatch = func() { t.Error("a refused connection was reported dispatched") }
+	_, err = client.Complete(context.Background(), r)
+	require.ErrorIs(t, err, upstream.ErrUnavailable)
+	_, err = client.Stream(context.Background(), r, func(upstream.Delta) error { return nil })
 	require.ErrorIs(t, err, upstream.ErrUnavailable)
 }
 
-func TestTimeoutIsUnavailable(t *testing.T) {
+// TestTimeoutAfterDispatchIsFailed: the upstream got the call and may process
+// it, so it must never be retried (D12).
+func TestTimeoutAfterDispatchIsFailed(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	b.fake.SetDelay(time.Second)
 	client := openai.New(openai.Config{BaseURL: b.fake.BaseURL(), Timeout: 50 * time.Millisecond})
 	_, err := client.Complete(context.Background(), req)
-	require.ErrorIs(t, err, upstream.ErrUnavailable)
+	require.ErrorIs(t, err, upstream.ErrFailed)
+	require.NotErrorIs(t, err, upstream.ErrUnavailable)
+	_, _, err = collect(t, client, context.Background())
+	require.ErrorIs(t, err, upstream.ErrFailed)
 }
 
 func TestCallerCancellationIsNotAnOutage(t *testing.T) {

@@ -42,48 +42,77 @@ func (c *Client) Stream(ctx context.Context, req upstream.Request, emit func(ups
 	watchdog := time.AfterFunc(c.cfg.Timeout, func() { idle.Store(true); cancel() })
 	defer watchdog.Stop()
 
-	resp, err := c.post(ctx, req, true)
+	resp, dispatched, err := c.post(ctx, req, true)
 	if err != nil {
 		if idle.Load() {
-			return upstream.Result{}, fmt.Errorf("%w: no reply within %s", upstream.ErrUnavailable, c.cfg.Timeout)
+			class := upstream.ErrFailed
+			if !dispatched {
+				class = upstream.ErrUnavailable
+			}
+			return upstream.Result{}, fmt.Errorf("%w: no reply within %s", class, c.cfg.Timeout)
 		}
 		return upstream.Result{}, err
 	}
 	defer resp.Body.Close()
 
+	res, err := readStream(resp.Body, func() { watchdog.Reset(c.cfg.Timeout) }, emit)
+	switch {
+	case err == nil, errors.Is(err, errEmit):
+		return res, errors.Unwrap(err)
+	case ctx.Err() != nil && !idle.Load():
+		return res, ctx.Err() // the caller went away
+	case idle.Load():
+		return res, fmt.Errorf("%w: no data for %s", upstream.ErrStreamBroken, c.cfg.Timeout)
+	default:
+		return res, fmt.Errorf("%w: %v", upstream.ErrStreamBroken, err)
+	}
+}
+
+// errEmit wraps the error of the caller's emit, to tell it from a broken stream.
+var errEmit = errors.New("emit failed")
+
+type emitError struct{ err error }
+
+func (e emitError) Error() string        { return e.err.Error() }
+func (e emitError) Unwrap() error        { return e.err }
+func (e emitError) Is(target error) bool { return target == errEmit }
+
+// maxLineBytes bounds one data: line; a longer one breaks the stream.
+const maxLineBytes = 8 << 20
+
+// readStream reads server-sent chat completion chunks from body until [DONE],
+// calling progress before each line and emit for each delta with content or
+// evidence. It returns what was received; the error is nil at [DONE], an
+// emitError when emit failed, otherwise why the stream is broken (end before
+// [DONE], an in-stream error, a malformed chunk or line). Everything in body
+// is untrusted.
+func readStream(body io.Reader, progress func(), emit func(upstream.Delta) error) (upstream.Result, error) {
 	var res upstream.Result
 	var content bytes.Buffer
 	finish := func(err error) (upstream.Result, error) {
 		res.Content = content.String()
-		if err == nil {
-			return res, nil
-		}
-		if ctx.Err() != nil && !idle.Load() {
-			return res, ctx.Err() // the caller went away
-		}
-		return res, fmt.Errorf("%w: %v", upstream.ErrStreamBroken, err)
+		return res, err
 	}
-
 	// Small: an idle stream holds it, and longer lines are gathered below.
-	reader := bufio.NewReaderSize(resp.Body, 4<<10)
+	reader := bufio.NewReaderSize(body, 4<<10)
 	for {
-		watchdog.Reset(c.cfg.Timeout)
+		progress()
 		line, err := reader.ReadSlice('\n')
 		if errors.Is(err, bufio.ErrBufferFull) {
 			// A data line longer than the buffer: gather the rest of it.
 			full := append([]byte(nil), line...)
-			for errors.Is(err, bufio.ErrBufferFull) {
+			for errors.Is(err, bufio.ErrBufferFull) && len(full) <= maxLineBytes {
 				line, err = reader.ReadSlice('\n')
 				full = append(full, line...)
+			}
+			if len(full) > maxLineBytes {
+				return finish(fmt.Errorf("a stream line is longer than %d bytes", maxLineBytes))
 			}
 			line = full
 		}
 		if err != nil && !(errors.Is(err, io.EOF) && len(line) > 0) {
 			if errors.Is(err, io.EOF) {
 				return finish(errors.New("connection closed before [DONE]"))
-			}
-			if idle.Load() {
-				return finish(fmt.Errorf("no data for %s", c.cfg.Timeout))
 			}
 			return finish(err)
 		}
@@ -100,7 +129,7 @@ func (c *Client) Stream(ctx context.Context, req upstream.Request, emit func(ups
 			return finish(fmt.Errorf("malformed stream chunk: %w", err))
 		}
 		if chunk.Error != nil {
-			return finish(fmt.Errorf("upstream error in stream: %s", chunk.Error.Message))
+			return finish(fmt.Errorf("upstream error in stream: %s", upstream.Clean(chunk.Error.Message)))
 		}
 		if chunk.Usage != nil {
 			res.UsageReported = true
@@ -118,8 +147,7 @@ func (c *Client) Stream(ctx context.Context, req upstream.Request, emit func(ups
 			content.WriteString(d.Content)
 			res.Sources = append(res.Sources, d.Sources...)
 			if err := emit(d); err != nil {
-				res.Content = content.String()
-				return res, err
+				return finish(emitError{err})
 			}
 		}
 	}

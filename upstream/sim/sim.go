@@ -36,6 +36,7 @@ var _ upstream.Provider = (*Provider)(nil)
 
 // Complete implements upstream.Provider.
 func (p *Provider) Complete(ctx context.Context, req upstream.Request) (upstream.Result, error) {
+	req.Dispatched()
 	res := p.answer(req)
 	if err := p.pace(ctx, res.OutputTokens); err != nil {
 		return upstream.Result{}, err
@@ -46,6 +47,7 @@ func (p *Provider) Complete(ctx context.Context, req upstream.Request) (upstream
 // Stream implements upstream.Provider: the same answer as Complete, a word at a
 // time, paced per token, with the evidence on the first piece.
 func (p *Provider) Stream(ctx context.Context, req upstream.Request, emit func(upstream.Delta) error) (upstream.Result, error) {
+	req.Dispatched()
 	res := p.answer(req)
 	sent := upstream.Result{Verdict: res.Verdict}
 	words := strings.SplitAfter(res.Content, " ")

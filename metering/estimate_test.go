@@ -1,0 +1,145 @@
+package metering_test
+
+import (
+	"math"
+	"math/rand/v2"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"github.com/tiktoken-go/tokenizer"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/metering"
+	"github.com/rungworks/gateway/upstream"
+)
+
+// adversarial are prompts of the largest accepted size built to make a
+// tokenizer slow: long runs its pre-tokenizer cannot split.
+var adversarial = map[string]string{
+	"whitespace": strings.Repeat(" ", gateway.MaxPromptBytes),
+	"newlines":   strings.Repeat("\n", gateway.MaxPromptBytes),
+	"one word":   strings.Repeat("a", gateway.MaxPromptBytes),
+	"emoji":      strings.Repeat("😀", gateway.MaxPromptBytes/4),
+	"digits":     strings.Repeat("7", gateway.MaxPromptBytes),
+	"tabs":       strings.Repeat(" \t", gateway.MaxPromptBytes/2),
+	"prose":      strings.Repeat("The quick brown fox jumps over the lazy dog, said Tom. ", gateway.MaxPromptBytes/55),
+	"random":     randomText(gateway.MaxPromptBytes),
+}
+
+// randomText is text that never repeats a segment: words of random letters,
+// digits and punctuation.
+func randomText(n int) string {
+	rng := rand.New(rand.NewPCG(1, 2))
+	const alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,;:!?'-"
+	var b strings.Builder
+	for b.Len() < n-16 {
+		for range 1 + rng.IntN(9) {
+			b.WriteByte(alphabet[rng.IntN(len(alphabet))])
+		}
+		b.WriteByte(" \n\t"[min(rng.IntN(12), 2)/2*rng.IntN(3)%3])
+	}
+	return b.String()
+}
+
+// TestCountIsExactOnText: segments are cut where the tokenizer starts a piece
+// anyway, so ordinary text counts exactly as one call of the codec would.
+func TestCountIsExactOnText(t *testing.T) {
+	t.Parallel()
+	tok, err := metering.DefaultTokenizer()
+	require.NoError(t, err)
+	codec, err := tokenizer.Get(tokenizer.O200kBase)
+	require.NoError(t, err)
+	texts := []string{
+		adversarial["prose"],
+		strings.Repeat("Rungs meter every call; ledgers don't lie. 42 items, 3.14 ratio!\n", 900),
+		strings.Repeat("función análisis über straße 東京 ", 2000),
+	}
+	for _, text := range texts {
+		want, err := codec.Count(text)
+		require.NoError(t, err)
+		require.Equal(t, uint64(want), tok.Count(text))
+	}
+}
+
+// TestCountStaysHonestOnRuns: a run with no piece boundary is cut at a fixed
+// size, which adds at most one token per cut and never undercounts by more.
+func TestCountStaysHonestOnRuns(t *testing.T) {
+	t.Parallel()
+	tok, err := metering.DefaultTokenizer()
+	require.NoError(t, err)
+	codec, err := tokenizer.Get(tokenizer.O200kBase)
+	require.NoError(t, err)
+	for name, text := range adversarial {
+		want, err := codec.Count(text)
+		require.NoError(t, err)
+		got := float64(tok.Count(text))
+		cuts := float64(len(text)/384 + 1)
+		require.InDelta(t, float64(want), got, cuts, "%s", name)
+	}
+}
+
+func TestCountUpTo(t *testing.T) {
+	t.Parallel()
+	tok, err := metering.DefaultTokenizer()
+	require.NoError(t, err)
+	text := adversarial["prose"]
+	full := tok.Count(text)
+	require.Equal(t, full, tok.CountUpTo(text, full), "a bound that is not passed changes nothing")
+	require.Equal(t, uint64(101), tok.CountUpTo(text, 100))
+	require.Equal(t, uint64(11), tok.CountUpTo(strings.Repeat(" ", 1<<20), 10), "no token is longer than 128 bytes")
+	require.Zero(t, tok.CountUpTo("", 0))
+}
+
+// TestActualClampsUpstreamCounts pins D11: an upstream cannot bill past the
+// output ceiling sent, or past the input it was sent.
+func TestActualClampsUpstreamCounts(t *testing.T) {
+	t.Parallel()
+	tok, err := metering.DefaultTokenizer()
+	require.NoError(t, err)
+	var clamps []metering.Clamp
+	est := &metering.Estimator{Tokenizer: tok, RateCard: defaultCard(t), OnClamp: func(c metering.Clamp) { clamps = append(clamps, c) }}
+	req := gateway.Request{Prompt: "hello there", CustomInstructions: "be brief", Model: gateway.ModelReasoning, MaxOutputRungs: 40}
+	inBound := uint64(len("hello there") + 16 + len("be brief") + 16)
+	require.Equal(t, inBound, metering.InputBound(req))
+
+	u, err := est.Actual(req, gateway.EntryResponses, upstream.Result{UsageReported: true, InputTokens: 1 << 62, OutputTokens: math.MaxUint64})
+	require.NoError(t, err)
+	require.Equal(t, int64(inBound), u.InputTokens)
+	require.Equal(t, int64(40), u.OutputTokens)
+	require.Equal(t, int64(40*4), u.OutputRungs, "the estimate's output part is a true upper bound")
+	require.Equal(t, []metering.Clamp{
+		{Model: gateway.ModelReasoning, Side: "input", Reported: 1 << 62, Bound: inBound},
+		{Model: gateway.ModelReasoning, Side: "output", Reported: math.MaxUint64, Bound: 40},
+	}, clamps)
+
+	clamps = nil
+	u, err = est.Actual(req, gateway.EntryResponses, upstream.Result{Content: strings.Repeat("word ", 1000)})
+	require.NoError(t, err)
+	require.Equal(t, int64(40), u.OutputTokens, "counted output is clamped too")
+	require.Len(t, clamps, 1)
+
+	clamps = nil
+	_, err = est.Actual(req, gateway.EntryResponses, upstream.Result{UsageReported: true, InputTokens: 3, OutputTokens: 5})
+	require.NoError(t, err)
+	require.Empty(t, clamps, "honest counts pass untouched")
+}
+
+// BenchmarkEstimateAdversarial prices the slowest prompts the API accepts; each
+// must cost a few milliseconds at most (see docs/benchmarks.md).
+func BenchmarkEstimateAdversarial(b *testing.B) {
+	tok, err := metering.DefaultTokenizer()
+	require.NoError(b, err)
+	est := &metering.Estimator{Tokenizer: tok, RateCard: defaultCard(b)}
+	for _, name := range []string{"prose", "random", "whitespace", "newlines", "one word", "emoji", "digits", "tabs"} {
+		req := gateway.Request{Prompt: adversarial[name], Model: gateway.ModelInstant, MaxOutputRungs: 32000}
+		b.Run(strings.ReplaceAll(name, " ", "_"), func(b *testing.B) {
+			b.SetBytes(int64(len(req.Prompt)))
+			for b.Loop() {
+				if _, err := est.Estimate(req, gateway.EntryBatch); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}

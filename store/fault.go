@@ -1,0 +1,74 @@
+package store
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/rungworks/gateway"
+)
+
+// Transient reports whether err means the database did not answer (connection
+// refused or lost, server shutting down or overloaded, a serialization failure
+// or deadlock): the same work may succeed later. An error the server answered
+// with for this statement and its data (a constraint, a bad value, an
+// overflow) is not transient: retrying it fails the same way.
+func Transient(err error) bool {
+	var pgErr *pgconn.PgError
+	var domain *gateway.Error
+	switch {
+	case err == nil, errors.Is(err, pgx.ErrNoRows), errors.Is(err, context.Canceled), errors.As(err, &domain):
+		return false
+	case errors.As(err, &pgErr):
+		switch pgErr.Code[:2] {
+		case "08", // connection exception
+			"40", // serialization failure, deadlock
+			"53", // insufficient resources (too many connections, disk full)
+			"57": // operator intervention (shutdown, crash, cannot connect now, statement timeout)
+			return true
+		}
+		return false
+	}
+	// Not a reply of the server: the connection, the pool or a deadline failed.
+	return true
+}
+
+// quarantinePeriod is how long a member whose rows fail a group operation is
+// left out of it before it is tried again.
+const quarantinePeriod = time.Minute
+
+// quarantine is the set of members (accounts) a group operation sets aside
+// because their rows fail it, so that they stop no one else (D11).
+type quarantine struct {
+	mu    sync.Mutex
+	until map[uuid.UUID]time.Time
+}
+
+func (q *quarantine) add(id uuid.UUID) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if q.until == nil {
+		q.until = map[uuid.UUID]time.Time{}
+	}
+	q.until[id] = time.Now().Add(quarantinePeriod)
+}
+
+// members returns the members still set aside, never nil.
+func (q *quarantine) members() []uuid.UUID {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	out := []uuid.UUID{}
+	for id, until := range q.until {
+		if time.Now().After(until) {
+			delete(q.until, id)
+			continue
+		}
+		out = append(out, id)
+	}
+	return out
+}

@@ -1,0 +1,222 @@
+package store_test
+
+import (
+	"errors"
+	"math"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/store"
+)
+
+// TestReconcileIsolatesAFailingAccount: one account whose counters cannot take
+// its settlements (its day charge at the edge of bigint) does not stop the
+// reconciliation of any other account (D11).
+func TestReconcileIsolatesAFailingAccount(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, bad := b.key(t, "bad", gateway.TierDeveloper, gateway.ScopeInference)
+	_, good := b.key(t, "good", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "bad", ptr(int64(math.MaxInt64)), nil)
+	badID, err := b.admit(bad, 10, time.Now().Add(time.Hour))
+	require.NoError(t, err)
+	// Fault injection: the bad account's day is one rung short of overflowing.
+	_, err = b.store.Pool().Exec(b.ctx, `UPDATE daily_charges SET charged_rungs = $1 WHERE account_id = $2`, int64(math.MaxInt64-1), bad.AccountID)
+	require.NoError(t, err)
+	b.settle(t, bad, badID, 20) // folds +10 into a day at MaxInt64-1: overflow
+
+	goodID, err := b.admit(good, 100, time.Now().Add(time.Hour))
+	require.NoError(t, err)
+	b.settle(t, good, goodID, 40)
+
+	n, err := b.store.ReconcileSettlements(b.ctx, 1000)
+	require.Error(t, err, "the failing account is reported")
+	require.Contains(t, err.Error(), bad.AccountID.String())
+	require.Equal(t, int64(1), n, "the other account's settlement is folded")
+	require.Equal(t, int64(40), b.view(t, good).Daily.Charged)
+
+	// The failing account is set aside: later runs fold everyone else at once.
+	goodID, err = b.admit(good, 100, time.Now().Add(time.Hour))
+	require.NoError(t, err)
+	b.settle(t, good, goodID, 5)
+	n, err = b.store.ReconcileSettlements(b.ctx, 1000)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
+	require.Equal(t, int64(45), b.view(t, good).Daily.Charged)
+}
+
+// TestTransient tells the database being away from a statement it refused.
+func TestTransient(t *testing.T) {
+	t.Parallel()
+	require.True(t, store.Transient(errors.New("unexpected EOF")))
+	require.True(t, store.Transient(&pgconn.PgError{Code: "57P01"}), "admin shutdown")
+	require.True(t, store.Transient(&pgconn.PgError{Code: "08006"}), "connection failure")
+	require.True(t, store.Transient(&pgconn.PgError{Code: "40001"}), "serialization failure")
+	require.False(t, store.Transient(&pgconn.PgError{Code: "22P05"}), "untranslatable character")
+	require.False(t, store.Transient(&pgconn.PgError{Code: "22003"}), "numeric value out of range")
+	require.False(t, store.Transient(gateway.Errorf(gateway.EBatchNotFound, "x")))
+	require.False(t, store.Transient(nil))
+}
+
+// TestCompleteItemsRefusesUnstorableOutput: an outcome PostgreSQL cannot hold
+// fails its whole group with an error that is not transient, so the drainer
+// splits the group instead of retrying it.
+func TestCompleteItemsRefusesUnstorableOutput(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	b.newBatch(t, p, 2, 50, "", day())
+	owner := uuid.Must(uuid.NewV7())
+	items := b.claim(t, owner, 10, time.Minute)
+	results := []store.ItemResult{
+		{BatchID: items[0].BatchID, Index: items[0].Index, Status: "completed", Content: "fine", EvidenceExpiresAt: time.Now().Add(time.Hour)},
+		{BatchID: items[1].BatchID, Index: items[1].Index, Status: "completed", Content: "a\x00b", EvidenceExpiresAt: time.Now().Add(time.Hour)},
+	}
+	_, err := b.store.CompleteItems(b.ctx, owner, results)
+	require.Error(t, err)
+	require.False(t, store.Transient(err))
+	applied, err := b.store.CompleteItems(b.ctx, owner, results[:1])
+	require.NoError(t, err)
+	require.Len(t, applied, 1, "alone, the clean member commits")
+}
+
+// TestRenewLeasesOnlyForHeldItems: an item leased to a live replica that does
+// not hold it (its claim's reply was lost) is not renewed; its lease runs out
+// and the rescuer reports it INTERRUPTED (D12).
+func TestRenewLeasesOnlyForHeldItems(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	id := b.newBatch(t, p, 2, 50, "", day())
+	owner := uuid.Must(uuid.NewV7())
+	items := b.claim(t, owner, 10, 100*time.Millisecond)
+	require.Len(t, items, 2)
+	n, err := b.store.RenewLeases(b.ctx, owner, keysOf(items[:1]), time.Minute)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
+	time.Sleep(150 * time.Millisecond)
+	_, err = b.store.RescueExpiredLeases(b.ctx, 100)
+	require.NoError(t, err)
+	_, results := b.batch(t, p, id)
+	require.Equal(t, gateway.ItemInProgress, results[items[0].Index].Status, "held and renewed")
+	require.Equal(t, gateway.ItemFailed, results[items[1].Index].Status, "not held: rescued")
+	require.Equal(t, gateway.EInterrupted, results[items[1].Index].Error.Code)
+}
+
+// TestReleaseClaim: the items of a claim whose reply was lost go back to the
+// queue, unbilled; items of other claims stay where they are.
+func TestReleaseClaim(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "acme", nil, ptr(int64(1000)))
+	b.newBatch(t, p, 3, 100, "", day())
+	owner := uuid.Must(uuid.NewV7())
+	lost, kept := uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7())
+	lostItems, err := b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: owner, ClaimID: lost, Max: 2, PerAccount: 2, Lease: time.Minute})
+	require.NoError(t, err)
+	require.Len(t, lostItems, 2)
+	keptItems, err := b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: owner, ClaimID: kept, Max: 1, PerAccount: 1, Lease: time.Minute})
+	require.NoError(t, err)
+	require.Len(t, keptItems, 1)
+	require.Equal(t, int64(300), b.view(t, p).Budget.Reserved)
+
+	r, err := b.store.ReleaseClaim(b.ctx, owner, lost)
+	require.NoError(t, err)
+	require.ElementsMatch(t, keysOf(lostItems), r.Queued)
+	require.Empty(t, r.Cancelled)
+	require.Equal(t, int64(100), b.view(t, p).Budget.Reserved, "their reservations are returned")
+	r, err = b.store.ReleaseClaim(b.ctx, uuid.Must(uuid.NewV7()), kept)
+	require.NoError(t, err)
+	require.Empty(t, r.Queued, "another owner's claim is not touched")
+	require.Len(t, b.claim(t, uuid.Must(uuid.NewV7()), 10, time.Minute), 2)
+}
+
+// TestCancelRacingARequeue: a batch cancelled while an item is claimed (its
+// batch still queued) waits for it, and the item handed back ends cancelled,
+// never queued again (D12).
+func TestCancelRacingARequeue(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "acme", nil, ptr(int64(1000)))
+	id := b.newBatch(t, p, 3, 100, "", day())
+	owner := uuid.Must(uuid.NewV7())
+	items := b.claim(t, owner, 1, time.Minute)
+	require.Len(t, items, 1)
+
+	require.NoError(t, b.store.CancelBatch(b.ctx, p.AccountID, id))
+	batch, _ := b.batch(t, p, id)
+	require.Equal(t, gateway.BatchCancelling, batch.Status, "an item is out: no terminal batch with an item running")
+
+	r, err := b.store.RequeueItems(b.ctx, owner, keysOf(items))
+	require.NoError(t, err)
+	require.Equal(t, store.Requeued{Cancelled: keysOf(items)}, r)
+	require.NoError(t, b.store.FinishBatches(b.ctx, []uuid.UUID{id}))
+	batch, results := b.batch(t, p, id)
+	require.Equal(t, gateway.BatchCancelled, batch.Status)
+	for _, it := range results {
+		require.Equal(t, gateway.ItemCancelled, it.Status)
+	}
+	require.Empty(t, b.claim(t, uuid.Must(uuid.NewV7()), 10, time.Minute))
+	_, err = b.store.ReconcileSettlements(b.ctx, 1000)
+	require.NoError(t, err)
+	v := b.view(t, p)
+	require.Zero(t, v.Daily.Charged, "nothing billed, every estimate given back")
+	require.Zero(t, v.Budget.Reserved)
+}
+
+// TestClaimSkipsItemsOfCancellingBatches: a queued item of a batch that is
+// cancelling or terminal is never claimed (D12).
+func TestClaimSkipsItemsOfCancellingBatches(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	id := b.newBatch(t, p, 2, 50, "", day())
+	// Fault injection: a cancelling batch that still has a queued item.
+	_, err := b.store.Pool().Exec(b.ctx, `UPDATE batches SET status = 'cancelling' WHERE id = $1`, id)
+	require.NoError(t, err)
+	require.Empty(t, b.claim(t, uuid.Must(uuid.NewV7()), 10, time.Minute))
+}
+
+// TestRefusalsWaitingCannotCure: an estimate larger than the whole daily
+// ceiling or the whole budget cap is refused without Retry-After, saying what
+// to change (D11); one that only does not fit now keeps Retry-After.
+func TestRefusalsWaitingCannotCure(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "acme", ptr(int64(100)), ptr(int64(60)))
+
+	_, err := b.admit(p, 101, time.Now().Add(time.Hour))
+	var e *gateway.Error
+	require.ErrorAs(t, err, &e)
+	require.Equal(t, gateway.EBudgetExceeded, e.Code, "the cap is checked first: it is the smaller")
+	require.Zero(t, e.RetryAfter)
+	require.Contains(t, e.Message, "max_output_rungs")
+
+	_, p = b.key(t, "other", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "other", ptr(int64(100)), nil)
+	_, err = b.admit(p, 101, time.Now().Add(time.Hour))
+	require.ErrorAs(t, err, &e)
+	require.Equal(t, gateway.ERateLimited, e.Code)
+	require.Zero(t, e.RetryAfter)
+	require.Contains(t, e.Message, "max_output_rungs")
+
+	_, err = b.admit(p, 60, time.Now().Add(time.Hour))
+	require.NoError(t, err)
+	_, err = b.admit(p, 60, time.Now().Add(time.Hour))
+	require.ErrorAs(t, err, &e)
+	require.Equal(t, gateway.ERateLimited, e.Code)
+	require.Positive(t, e.RetryAfter, "the day resets: waiting helps")
+
+	_, err = b.store.CreateBatch(b.ctx, b.batchOf(p, 3, 50, "", day()))
+	require.ErrorAs(t, err, &e)
+	require.Equal(t, gateway.ERateLimited, e.Code)
+	require.Zero(t, e.RetryAfter, "a batch larger than the whole ceiling")
+}
