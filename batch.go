@@ -183,3 +183,17 @@ const (
 	MaxBatchItems        = 100
 	MaxIdempotencyKeyLen = 255
 )
+
+// ValidateIdempotencyKey checks an Idempotency-Key (D11): 1 to 255 printable
+// ASCII characters (0x21–0x7E).
+func ValidateIdempotencyKey(key string) error {
+	if key == "" || len(key) > MaxIdempotencyKeyLen {
+		return Errorf(EInvalidRequest, "Idempotency-Key must be 1 to %d characters; it is %d", MaxIdempotencyKeyLen, len(key))
+	}
+	for i := 0; i < len(key); i++ {
+		if key[i] < 0x21 || key[i] > 0x7e {
+			return Errorf(EInvalidRequest, "Idempotency-Key may hold only printable ASCII characters (0x21 to 0x7E); byte %d is 0x%02X", i, key[i])
+		}
+	}
+	return nil
+}

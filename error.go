@@ -32,11 +32,13 @@ const (
 	ENotFound             ErrorCode = "NOT_FOUND"
 	EMethodNotAllowed     ErrorCode = "METHOD_NOT_ALLOWED"
 	EBatchNotCancellable  ErrorCode = "BATCH_NOT_CANCELLABLE"
+	ERequestTimeout       ErrorCode = "REQUEST_TIMEOUT"
 	ERequestTooLarge      ErrorCode = "REQUEST_TOO_LARGE"
 	EIdempotencyKeyReused ErrorCode = "IDEMPOTENCY_KEY_REUSED"
 	ERateLimited          ErrorCode = "RATE_LIMITED"
 	EBudgetExceeded       ErrorCode = "BUDGET_EXCEEDED"
 	EInferenceBusy        ErrorCode = "INFERENCE_BUSY"
+	EServiceUnavailable   ErrorCode = "SERVICE_UNAVAILABLE"
 	EInterrupted          ErrorCode = "INTERRUPTED"
 	EInternal             ErrorCode = "INTERNAL"
 )
@@ -46,8 +48,8 @@ var ErrorCodes = []ErrorCode{
 	EInvalidRequest, EEmptyPrompt, EPromptTooLarge, EInvalidModel, EModelUnavailable,
 	EEmptyBatch, EBatchTooLarge, EUnauthorized, EInsufficientScope, EInsufficientTier,
 	EBatchNotFound, EBatchExpired, ESourcesNotFound, ENotFound, EMethodNotAllowed, EBatchNotCancellable,
-	ERequestTooLarge, EIdempotencyKeyReused, ERateLimited, EBudgetExceeded,
-	EInferenceBusy, EInterrupted, EInternal,
+	ERequestTimeout, ERequestTooLarge, EIdempotencyKeyReused, ERateLimited, EBudgetExceeded,
+	EInferenceBusy, EServiceUnavailable, EInterrupted, EInternal,
 }
 
 // Error is a domain error the API reports to the caller: a code, a message for

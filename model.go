@@ -83,7 +83,9 @@ type RequestInput struct {
 	MaxOutputRungs     *uint64
 	IncludeRegions     bool
 	CustomInstructions string
-	Hints              Hints
+	// StudioID is parsed and ignored, but validated like every string.
+	StudioID string
+	Hints    Hints
 }
 
 // Catalog says which canonical models the operator made available.
@@ -93,8 +95,20 @@ type Catalog interface {
 
 // Validate checks in against the interface's rules, picks the model when it is
 // omitted (code_mode or image_mode → elements, otherwise instant), and returns the
-// request to run. The order of checks is prompt, model, output ceiling.
+// request to run. The order of checks is strings (no U+0000, decisions D11),
+// prompt, model, output ceiling.
 func Validate(in RequestInput, catalog Catalog) (Request, error) {
+	model := ""
+	if in.Model != nil {
+		model = *in.Model
+	}
+	for _, f := range []struct{ name, value string }{
+		{"prompt", in.Prompt}, {"model", model}, {"custom_instructions", in.CustomInstructions}, {"studio_id", in.StudioID},
+	} {
+		if strings.IndexByte(f.value, 0) >= 0 {
+			return Request{}, Errorf(EInvalidRequest, "field %q must not contain the character U+0000", f.name)
+		}
+	}
 	if in.Prompt == "" {
 		return Request{}, Errorf(EEmptyPrompt, "prompt must be a non-empty string")
 	}

@@ -42,8 +42,11 @@ func (s *Service) Create(ctx context.Context, p *gateway.Principal, items []gate
 		return nil, false, gateway.Errorf(gateway.EEmptyBatch, "requests must hold at least one item")
 	case len(items) > gateway.MaxBatchItems:
 		return nil, false, gateway.Errorf(gateway.EBatchTooLarge, "requests holds %d items; the limit is %d", len(items), gateway.MaxBatchItems)
-	case len(idempotencyKey) > gateway.MaxIdempotencyKeyLen:
-		return nil, false, gateway.Errorf(gateway.EInvalidRequest, "Idempotency-Key is %d characters; the limit is %d", len(idempotencyKey), gateway.MaxIdempotencyKeyLen)
+	}
+	if idempotencyKey != "" {
+		if err := gateway.ValidateIdempotencyKey(idempotencyKey); err != nil {
+			return nil, false, err
+		}
 	}
 	nb := store.NewBatch{Principal: p, IdempotencyKey: idempotencyKey, Items: make([]store.NewItem, len(items))}
 	for i, in := range items {

@@ -39,6 +39,7 @@ type Config struct {
 	DBMaxConns        int32         `env:"GATEWAY_DB_MAX_CONNS" envDefault:"8"`
 	MetricsListen     string        `env:"GATEWAY_METRICS_LISTEN" envDefault:":9090"`
 	ShutdownGrace     time.Duration `env:"GATEWAY_SHUTDOWN_GRACE" envDefault:"30s"`
+	BodyTimeout       time.Duration `env:"GATEWAY_BODY_TIMEOUT" envDefault:"30s"`
 	CORSOrigins       []string      `env:"GATEWAY_CORS_ORIGINS" envSeparator:","`
 }
 
@@ -65,6 +66,9 @@ func Load() (Config, error) {
 	}
 	if cfg.ShutdownGrace <= 0 {
 		return Config{}, fmt.Errorf("GATEWAY_SHUTDOWN_GRACE must be positive")
+	}
+	if cfg.BodyTimeout <= 0 {
+		return Config{}, fmt.Errorf("GATEWAY_BODY_TIMEOUT must be positive")
 	}
 	if cfg.RateLimit < 0 {
 		return Config{}, fmt.Errorf("GATEWAY_RATE_LIMIT must not be negative")

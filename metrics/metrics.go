@@ -85,10 +85,30 @@ func (m *Metrics) Handler() http.Handler {
 	return promhttp.HandlerFor(m.registry, promhttp.HandlerOpts{})
 }
 
-// Request records one HTTP request.
+// Other is the label value of anything outside a label's fixed set (D11).
+const Other = "other"
+
+// Method is method when it is one of the methods HTTP defines, else Other:
+// metric labels (and log fields) take values from fixed sets only, so callers
+// cannot grow them.
+func Method(method string) string {
+	switch method {
+	case http.MethodGet, http.MethodHead, http.MethodPost, http.MethodPut, http.MethodPatch,
+		http.MethodDelete, http.MethodConnect, http.MethodOptions, http.MethodTrace:
+		return method
+	}
+	return Other
+}
+
+// Request records one HTTP request. route must come from a fixed set (the
+// server's route templates); the method and status are bounded here.
 func (m *Metrics) Request(route, method string, status int, d time.Duration) {
 	if m == nil {
 		return
+	}
+	method = Method(method)
+	if status < 100 || status > 599 {
+		status = 0
 	}
 	m.requests.WithLabelValues(route, method, strconv.Itoa(status)).Inc()
 	m.requestDuration.WithLabelValues(route, method).Observe(d.Seconds())

@@ -88,3 +88,56 @@ func streams(op map[string]any) bool {
 	_, found := content["text/event-stream"]
 	return found
 }
+
+// ParameterForms describes, in plain words, the form every parameter of the
+// document takes, keyed by its name: the message of a malformed one names the
+// parameter and this, never a parser's text.
+func ParameterForms() (map[string]string, error) {
+	if _, err := JSON(); err != nil {
+		return nil, err
+	}
+	out := map[string]string{}
+	paths, _ := parsed["paths"].(map[string]any)
+	for _, item := range paths {
+		ops, _ := item.(map[string]any)
+		for _, raw := range ops {
+			op, _ := raw.(map[string]any)
+			params, _ := op["parameters"].([]any)
+			for _, rp := range params {
+				p, _ := rp.(map[string]any)
+				if ref, ok := p["$ref"].(string); ok {
+					components, _ := parsed["components"].(map[string]any)
+					all, _ := components["parameters"].(map[string]any)
+					p, _ = all[strings.TrimPrefix(ref, "#/components/parameters/")].(map[string]any)
+				}
+				name, _ := p["name"].(string)
+				schema, _ := p["schema"].(map[string]any)
+				if name == "" {
+					return nil, fmt.Errorf("a parameter has no name")
+				}
+				out[name] = form(schema)
+			}
+		}
+	}
+	return out, nil
+}
+
+// form is a schema's form in plain words.
+func form(schema map[string]any) string {
+	typ, _ := schema["type"].(string)
+	format, _ := schema["format"].(string)
+	minimum, hasMin := schema["minimum"].(float64)
+	maximum, hasMax := schema["maximum"].(float64)
+	switch {
+	case typ == "integer" && hasMin && hasMax:
+		return fmt.Sprintf("a whole number from %d to %d", int64(minimum), int64(maximum))
+	case typ == "integer":
+		return "a whole number"
+	case format == "date-time":
+		return "an RFC 3339 timestamp such as 2026-01-02T15:04:05Z"
+	case format == "uuid":
+		return "a UUID such as 0190a7c2-5b1e-7d3a-9f00-3c2b1a000000"
+	default:
+		return "a string"
+	}
+}

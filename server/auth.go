@@ -31,12 +31,13 @@ func (s *Server) authorize(p openapi.Policy) echo.MiddlewareFunc {
 			if err != nil {
 				return err
 			}
-			if len(scopes) > 0 && !principal.HasAnyScope(scopes) {
-				return gateway.Errorf(gateway.EInsufficientScope, "this API key lacks the %s scope", strings.Join(p.AnyScope, " or "))
-			}
+			// The request was counted: every reply from here on says so (D5).
 			h := c.Response().Header()
 			h.Set("x-ratelimit-limit", strconv.Itoa(principal.Rate.Limit))
 			h.Set("x-ratelimit-remaining", strconv.Itoa(principal.Rate.Remaining))
+			if len(scopes) > 0 && !principal.HasAnyScope(scopes) {
+				return gateway.Errorf(gateway.EInsufficientScope, "this API key lacks the %s scope", strings.Join(p.AnyScope, " or "))
+			}
 			if p.Tier != "" && string(principal.Tier) != p.Tier {
 				return gateway.Errorf(gateway.EInsufficientTier, "this operation needs an account of the %s tier", p.Tier)
 			}

@@ -22,8 +22,8 @@ func (s *Server) CreateBatch(ctx context.Context, req api.CreateBatchRequestObje
 	var key string
 	if req.Params.IdempotencyKey != nil {
 		key = *req.Params.IdempotencyKey
-		if key == "" {
-			return nil, gateway.Errorf(gateway.EInvalidRequest, "Idempotency-Key must not be empty")
+		if err := gateway.ValidateIdempotencyKey(key); err != nil {
+			return nil, err
 		}
 	}
 	b, replayed, err := s.batches.Create(ctx, gateway.PrincipalFrom(ctx), items, key, req.Body)

@@ -155,5 +155,12 @@ func TestBatchPastDailyCeiling(t *testing.T) {
 	r := b.post("/api/v1/batch", b.key, map[string]any{"requests": items(3)})
 	require.Equal(t, http.StatusTooManyRequests, r.status)
 	require.Equal(t, gateway.ERateLimited, r.errorCode(t))
-	require.NotEmpty(t, r.header.Get("Retry-After"))
+	require.Empty(t, r.header.Get("Retry-After"), "larger than the whole ceiling: waiting cannot help (D11)")
+	require.Contains(t, r.message(t), "max_output_rungs")
+
+	b.setLimits(t, ptr(int64(40_000)), nil)
+	require.Equal(t, http.StatusAccepted, b.post("/api/v1/batch", b.key, map[string]any{"requests": items(2)}).status)
+	r = b.post("/api/v1/batch", b.key, map[string]any{"requests": items(1)})
+	require.Equal(t, http.StatusTooManyRequests, r.status)
+	require.NotEmpty(t, r.header.Get("Retry-After"), "fits tomorrow")
 }

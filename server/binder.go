@@ -1,13 +1,18 @@
 package server
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
-	"fmt"
 	"io"
 	"mime"
+	"net"
 	"net/http"
+	"os"
+	"reflect"
 	"strings"
+	"sync"
+	"time"
 
 	"github.com/labstack/echo/v4"
 
@@ -15,29 +20,51 @@ import (
 )
 
 // jsonBinder decodes request bodies for the generated strict handlers: the body
-// must be application/json, one JSON value, within the operation's size limit.
-// Unknown fields are ignored. Every failure is INVALID_REQUEST naming the field,
-// or REQUEST_TOO_LARGE.
+// must be application/json in UTF-8, one JSON value, within the operation's
+// size limit and body read timeout. Field names match exactly (decisions D11):
+// a name that differs from a field's only in case is an unknown field, and
+// unknown fields are ignored. Every failure is INVALID_REQUEST naming the
+// field, REQUEST_TOO_LARGE or REQUEST_TIMEOUT.
 type jsonBinder struct{}
 
 // Bind implements echo.Binder.
 func (jsonBinder) Bind(i any, c echo.Context) error {
 	r := c.Request()
-	mt, _, err := mime.ParseMediaType(r.Header.Get("Content-Type"))
+	mt, params, err := mime.ParseMediaType(r.Header.Get("Content-Type"))
 	if err != nil || (mt != "application/json" && !strings.HasSuffix(mt, "+json")) {
 		return gateway.Errorf(gateway.EInvalidRequest, "Content-Type must be application/json")
 	}
-	dec := json.NewDecoder(r.Body)
-	if err := dec.Decode(i); err != nil {
+	if cs, ok := params["charset"]; ok && !strings.EqualFold(cs, "utf-8") && !strings.EqualFold(cs, "utf8") {
+		return gateway.Errorf(gateway.EInvalidRequest, "the body must be UTF-8; charset %q is not accepted", cs)
+	}
+	body, err := io.ReadAll(r.Body)
+	if err != nil {
+		// The deadline stays: the server must not wait for the rest of the body.
+		return readError(err)
+	}
+	// The body is in: later reads (a stream's client going away) have no deadline.
+	_ = http.NewResponseController(c.Response()).SetReadDeadline(time.Time{})
+	if len(bytes.TrimSpace(body)) == 0 {
+		return gateway.Errorf(gateway.EInvalidRequest, "a JSON body is required")
+	}
+	exactFieldNames(body, fieldNames(reflect.TypeOf(i)))
+	if err := json.Unmarshal(body, i); err != nil {
 		return decodeError(err)
 	}
-	if _, err := dec.Token(); !errors.Is(err, io.EOF) {
-		if tooLarge(err) {
-			return decodeError(err)
-		}
-		return gateway.Errorf(gateway.EInvalidRequest, "the body must hold exactly one JSON value")
-	}
 	return nil
+}
+
+// readError is the reply to a body that could not be read.
+func readError(err error) error {
+	var netErr net.Error
+	switch {
+	case tooLarge(err):
+		return gateway.Errorf(gateway.ERequestTooLarge, "request body is larger than the limit of this route")
+	case errors.Is(err, os.ErrDeadlineExceeded), errors.As(err, &netErr) && netErr.Timeout():
+		return gateway.Errorf(gateway.ERequestTimeout, "the request body did not arrive within the server's body read timeout")
+	default:
+		return gateway.Errorf(gateway.EInvalidRequest, "the request body could not be read")
+	}
 }
 
 func tooLarge(err error) bool {
@@ -49,18 +76,14 @@ func decodeError(err error) error {
 	var typeErr *json.UnmarshalTypeError
 	var syntaxErr *json.SyntaxError
 	switch {
-	case tooLarge(err):
-		return gateway.Errorf(gateway.ERequestTooLarge, "request body is larger than the limit of this route")
 	case errors.As(err, &typeErr) && typeErr.Field != "":
 		return gateway.Errorf(gateway.EInvalidRequest, "field %q: %s is not a valid %s", typeErr.Field, typeErr.Value, jsonType(typeErr.Type.String()))
 	case errors.As(err, &typeErr):
 		return gateway.Errorf(gateway.EInvalidRequest, "the body must be a JSON object")
 	case errors.As(err, &syntaxErr):
-		return gateway.Errorf(gateway.EInvalidRequest, "malformed JSON at byte %d: %v", syntaxErr.Offset, syntaxErr)
-	case errors.Is(err, io.EOF):
-		return gateway.Errorf(gateway.EInvalidRequest, "a JSON body is required")
+		return gateway.Errorf(gateway.EInvalidRequest, "malformed JSON at byte %d", syntaxErr.Offset)
 	default:
-		return gateway.Errorf(gateway.EInvalidRequest, "malformed JSON: %v", err)
+		return gateway.Errorf(gateway.EInvalidRequest, "the body must hold exactly one JSON value")
 	}
 }
 
@@ -72,7 +95,7 @@ func jsonType(goType string) string {
 	case goType == "bool":
 		return "boolean"
 	case strings.HasPrefix(goType, "uint"):
-		return fmt.Sprintf("non-negative integer (%s)", goType)
+		return "non-negative integer"
 	case strings.HasPrefix(goType, "int"):
 		return "integer"
 	case strings.HasPrefix(goType, "[]"):
@@ -82,14 +105,108 @@ func jsonType(goType string) string {
 	}
 }
 
-// limitBody bounds the request body: a declared Content-Length over the limit is
-// refused at once, a chunked body when the decoder reads past it.
-func limitBody(limit int64) echo.MiddlewareFunc {
+// exactFieldNames makes every object key of body that equals one of names only
+// when case is ignored an unknown field, in place: its first byte becomes '~',
+// which no field name holds. encoding/json matches names case-insensitively;
+// the contract matches them exactly. A body that is not valid JSON is left for
+// the decoder to report.
+func exactFieldNames(body []byte, names map[string]bool) {
+	type frame struct{ object, wantKey bool }
+	var stack []frame
+	dec := json.NewDecoder(bytes.NewReader(body))
+	for {
+		before := dec.InputOffset()
+		tok, err := dec.Token()
+		if err != nil {
+			return
+		}
+		top := len(stack) - 1
+		if d, ok := tok.(json.Delim); ok {
+			switch d {
+			case '{', '[':
+				if top >= 0 && stack[top].object {
+					stack[top].wantKey = true // after this value, a key
+				}
+				stack = append(stack, frame{object: d == '{', wantKey: d == '{'})
+			default:
+				stack = stack[:top]
+			}
+			continue
+		}
+		if top < 0 || !stack[top].object {
+			continue
+		}
+		if !stack[top].wantKey {
+			stack[top].wantKey = true // a value; a key comes next
+			continue
+		}
+		stack[top].wantKey = false
+		key, _ := tok.(string)
+		if names[key] || !names[strings.ToLower(key)] && !foldsToAny(key, names) {
+			continue
+		}
+		if q := bytes.IndexByte(body[before:], '"'); q >= 0 && int(before)+q+1 < len(body) {
+			body[int(before)+q+1] = '~'
+		}
+	}
+}
+
+func foldsToAny(key string, names map[string]bool) bool {
+	for name := range names {
+		if strings.EqualFold(key, name) {
+			return true
+		}
+	}
+	return false
+}
+
+var fieldNameCache sync.Map // reflect.Type → map[string]bool
+
+// fieldNames are the JSON field names of t and of every struct it holds.
+func fieldNames(t reflect.Type) map[string]bool {
+	if names, ok := fieldNameCache.Load(t); ok {
+		return names.(map[string]bool)
+	}
+	names := map[string]bool{}
+	collectFieldNames(t, names, map[reflect.Type]bool{})
+	fieldNameCache.Store(t, names)
+	return names
+}
+
+func collectFieldNames(t reflect.Type, names map[string]bool, seen map[reflect.Type]bool) {
+	for t.Kind() == reflect.Pointer || t.Kind() == reflect.Slice || t.Kind() == reflect.Array || t.Kind() == reflect.Map {
+		t = t.Elem()
+	}
+	if t.Kind() != reflect.Struct || seen[t] {
+		return
+	}
+	seen[t] = true
+	for i := range t.NumField() {
+		f := t.Field(i)
+		name, _, _ := strings.Cut(f.Tag.Get("json"), ",")
+		if name == "-" {
+			continue
+		}
+		if name == "" {
+			name = f.Name
+		}
+		names[name] = true
+		collectFieldNames(f.Type, names, seen)
+	}
+}
+
+// limitBody bounds the request body in size and in time: a declared
+// Content-Length over the limit is refused at once, a chunked body when the
+// decoder reads past it; a body not in within timeout is REQUEST_TIMEOUT.
+func limitBody(limit int64, timeout time.Duration) echo.MiddlewareFunc {
 	return func(next echo.HandlerFunc) echo.HandlerFunc {
 		return func(c echo.Context) error {
 			r := c.Request()
 			if r.ContentLength > limit {
 				return gateway.Errorf(gateway.ERequestTooLarge, "request body is %d bytes; the limit of this route is %d bytes", r.ContentLength, limit)
+			}
+			if timeout > 0 {
+				_ = http.NewResponseController(c.Response()).SetReadDeadline(time.Now().Add(timeout))
 			}
 			r.Body = http.MaxBytesReader(c.Response(), r.Body, limit)
 			return next(c)

@@ -2,8 +2,10 @@ package server
 
 import (
 	"errors"
+	"fmt"
 	"math"
 	"net/http"
+	"regexp"
 	"strconv"
 
 	"github.com/labstack/echo/v4"
@@ -37,6 +39,8 @@ var statusOf = map[gateway.ErrorCode]int{
 	gateway.ERateLimited:          http.StatusTooManyRequests,
 	gateway.EInternal:             http.StatusInternalServerError,
 	gateway.EInferenceBusy:        http.StatusServiceUnavailable,
+	gateway.EServiceUnavailable:   http.StatusServiceUnavailable,
+	gateway.ERequestTimeout:       http.StatusRequestTimeout,
 	// INTERRUPTED is only ever a batch item error; should it escape, it is a server fault.
 	gateway.EInterrupted: http.StatusInternalServerError,
 }
@@ -48,12 +52,12 @@ func (s *Server) handleError(err error, c echo.Context) {
 		s.logger.Warn("error after the reply started", "path", c.Path(), "error", err)
 		return
 	}
-	e := toDomainError(err)
+	e := s.domainError(err)
 	status, ok := statusOf[e.Code]
 	if !ok {
 		status = http.StatusInternalServerError
 	}
-	if status >= 500 && e.Code != gateway.EInferenceBusy {
+	if status >= 500 && e.Code != gateway.EInferenceBusy || e.Code == gateway.EServiceUnavailable {
 		s.logger.Error("request failed", "method", c.Request().Method, "path", c.Path(), "error", err)
 	}
 	h := c.Response().Header()
@@ -76,15 +80,20 @@ func envelopeOf(e *gateway.Error) api.ErrorEnvelope {
 }
 
 // errorEnvelope is the body of err, as a reply or a response.error event.
-func errorEnvelope(err error) api.ErrorEnvelope { return envelopeOf(toDomainError(err)) }
+func (s *Server) errorEnvelope(err error) api.ErrorEnvelope { return envelopeOf(s.domainError(err)) }
 
-// toDomainError maps any error to a *gateway.Error: domain errors as they are,
-// Echo's routing and parameter errors to their codes, anything else to INTERNAL
-// with a message that leaks nothing.
-func toDomainError(err error) *gateway.Error {
+// domainError maps any error to a *gateway.Error: domain errors as they are,
+// the database being away to SERVICE_UNAVAILABLE, Echo's routing and parameter
+// errors to their codes, anything else to INTERNAL with a message that leaks
+// nothing.
+func (s *Server) domainError(err error) *gateway.Error {
 	var e *gateway.Error
 	if errors.As(err, &e) {
 		return e
+	}
+	if s.unavailable(err) {
+		return &gateway.Error{Code: gateway.EServiceUnavailable, RetryAfter: unavailableRetryAfter, Cause: err,
+			Message: "the gateway's database cannot be reached for the moment; retry later"}
 	}
 	var he *echo.HTTPError
 	if errors.As(err, &he) {
@@ -96,12 +105,30 @@ func toDomainError(err error) *gateway.Error {
 		case http.StatusRequestEntityTooLarge:
 			return gateway.Errorf(gateway.ERequestTooLarge, "request body too large")
 		case http.StatusBadRequest, http.StatusUnsupportedMediaType:
-			msg, _ := he.Message.(string)
-			if msg == "" {
-				msg = "malformed request"
-			}
-			return &gateway.Error{Code: gateway.EInvalidRequest, Message: msg, Cause: err}
+			return &gateway.Error{Code: gateway.EInvalidRequest, Message: s.parameterMessage(he), Cause: err}
 		}
 	}
 	return &gateway.Error{Code: gateway.EInternal, Message: "internal error", Cause: err}
+}
+
+// parameterErrors match the generated server's parameter errors, whose text
+// (parser internals) is never shown; the parameter's name is.
+var parameterErrors = regexp.MustCompile(`^(?:Invalid format for parameter ([^:]+):|Expected one value for ([^,]+), got)`)
+
+// parameterMessage says which parameter is malformed and the form it takes.
+func (s *Server) parameterMessage(he *echo.HTTPError) string {
+	msg, _ := he.Message.(string)
+	m := parameterErrors.FindStringSubmatch(msg)
+	if m == nil {
+		return "malformed request"
+	}
+	name := m[1] + m[2]
+	if m[2] != "" {
+		return fmt.Sprintf("parameter %s must be given once", name)
+	}
+	form, ok := s.paramForms[name]
+	if !ok {
+		form = "well formed"
+	}
+	return fmt.Sprintf("parameter %s must be %s", name, form)
 }

@@ -74,7 +74,7 @@ func (s *Server) admit(ctx context.Context, entry gateway.EntryPoint, body *api.
 // inside the stream, after its 200 head.
 func (s *Server) stream(ctx context.Context, entry gateway.EntryPoint, body *api.ResponseRequest) streamReply {
 	call, err := s.admit(ctx, entry, body)
-	return streamReply{ctx: ctx, inference: s.inference, metrics: s.metrics, keepalive: s.keepalive, call: call, err: err}
+	return streamReply{ctx: ctx, inference: s.inference, metrics: s.metrics, keepalive: s.keepalive, envelope: s.errorEnvelope, call: call, err: err}
 }
 
 // GetSources implements GET /api/v1/sources/{request_id}.
@@ -187,6 +187,9 @@ func requestInput(b *api.ResponseRequest) gateway.RequestInput {
 	}
 	if b.CustomInstructions != nil {
 		in.CustomInstructions = *b.CustomInstructions
+	}
+	if b.StudioId != nil {
+		in.StudioID = *b.StudioId
 	}
 	return in
 }

@@ -85,10 +85,18 @@ func TestBudgetAndDailyCeiling(t *testing.T) {
 	// A smaller output ceiling fits.
 	require.Equal(t, http.StatusOK, b.post("/api/v1/responses", b.key, map[string]any{"prompt": "p", "max_output_rungs": 100}).status)
 
+	// An estimate larger than the whole ceiling: waiting cannot cure it (D11).
 	b.setLimits(t, ptr(int64(100)), ptr(int64(1_000_000)))
 	r = b.post("/api/v1/responses", b.key, map[string]any{"prompt": "p"})
 	require.Equal(t, http.StatusTooManyRequests, r.status)
 	require.Equal(t, gateway.ERateLimited, r.errorCode(t))
+	require.Empty(t, r.header.Get("Retry-After"))
+	require.Contains(t, r.message(t), "max_output_rungs", "the message says what to change")
+
+	// One that only does not fit today: retry when the day resets.
+	b.setLimits(t, ptr(int64(50_000)), ptr(int64(1_000_000)))
+	r = b.post("/api/v1/responses", b.key, map[string]any{"prompt": "p"})
+	require.Equal(t, http.StatusTooManyRequests, r.status)
 	retry, err := strconv.Atoi(r.header.Get("Retry-After"))
 	require.NoError(t, err)
 	require.Positive(t, retry)

@@ -8,6 +8,7 @@ import (
 	"github.com/labstack/echo/v4"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/metrics"
 )
 
 // RequestIDHeader carries a request's id: echoed when the client sends a
@@ -32,14 +33,15 @@ func (s *Server) observe(next echo.HandlerFunc) echo.HandlerFunc {
 			c.Error(err)
 		}
 		route := c.Path()
-		if route == "" {
-			route = "unmatched"
+		if !s.routes[route] {
+			route = metrics.Other // only the document's routes are label values (D11)
 		}
+		method := metrics.Method(c.Request().Method)
 		status, elapsed := c.Response().Status, time.Since(start)
-		s.metrics.Request(route, c.Request().Method, status, elapsed)
+		s.metrics.Request(route, method, status, elapsed)
 		attrs := []slog.Attr{
 			slog.String("request_id", id),
-			slog.String("method", c.Request().Method),
+			slog.String("method", method),
 			slog.String("route", route),
 			slog.Int("status", status),
 			slog.Float64("duration_ms", float64(elapsed.Microseconds())/1000),

@@ -73,24 +73,40 @@ type Config struct {
 	CORSOrigins []string
 	// SSEKeepalive is the idle time before a keep-alive comment in a stream.
 	SSEKeepalive time.Duration
+	// BodyTimeout bounds the time to receive a request body (REQUEST_TIMEOUT);
+	// zero means DefaultBodyTimeout.
+	BodyTimeout time.Duration
+	// Unavailable reports whether an error means the database cannot be reached
+	// for the moment (SERVICE_UNAVAILABLE, 503); nil means never.
+	Unavailable func(error) bool
 }
+
+// DefaultBodyTimeout is how long a request body may take to arrive.
+const DefaultBodyTimeout = 30 * time.Second
+
+// unavailableRetryAfter is suggested to callers while the database is away.
+const unavailableRetryAfter = 2 * time.Second
 
 // Server serves the public API.
 type Server struct {
-	echo      *echo.Echo
-	auth      Authenticator
-	inference *inference.Service
-	evidence  EvidenceReader
-	usage     UsageReader
-	batches   BatchCreator
-	batchData BatchStore
-	ready     ReadinessChecker
-	metrics   *metrics.Metrics
-	draining  atomic.Bool
-	logger    *slog.Logger
-	keepalive time.Duration
-	openAPI   []byte
-	schema    []byte
+	echo        *echo.Echo
+	auth        Authenticator
+	inference   *inference.Service
+	evidence    EvidenceReader
+	usage       UsageReader
+	batches     BatchCreator
+	batchData   BatchStore
+	ready       ReadinessChecker
+	metrics     *metrics.Metrics
+	draining    atomic.Bool
+	logger      *slog.Logger
+	keepalive   time.Duration
+	unavailable func(error) bool
+	paramForms  map[string]string
+	// routes are the route templates served, the only route label values.
+	routes  map[string]bool
+	openAPI []byte
+	schema  []byte
 }
 
 // New builds the server: routes come from the generated RegisterHandlers, and
@@ -108,24 +124,36 @@ func New(cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
+	paramForms, err := openapi.ParameterForms()
+	if err != nil {
+		return nil, err
+	}
+	if cfg.BodyTimeout <= 0 {
+		cfg.BodyTimeout = DefaultBodyTimeout
+	}
+	if cfg.Unavailable == nil {
+		cfg.Unavailable = func(error) bool { return false }
+	}
 	logger := cfg.Logger
 	if logger == nil {
 		logger = slog.Default()
 	}
 	s := &Server{
-		echo:      echo.New(),
-		auth:      cfg.Auth,
-		inference: cfg.Inference,
-		evidence:  cfg.Evidence,
-		usage:     cfg.Usage,
-		batches:   cfg.Batches,
-		batchData: cfg.BatchData,
-		ready:     cfg.Readiness,
-		metrics:   cfg.Metrics,
-		logger:    logger,
-		keepalive: cfg.SSEKeepalive,
-		openAPI:   doc,
-		schema:    schema,
+		echo:        echo.New(),
+		auth:        cfg.Auth,
+		inference:   cfg.Inference,
+		evidence:    cfg.Evidence,
+		usage:       cfg.Usage,
+		batches:     cfg.Batches,
+		batchData:   cfg.BatchData,
+		ready:       cfg.Readiness,
+		metrics:     cfg.Metrics,
+		logger:      logger,
+		keepalive:   cfg.SSEKeepalive,
+		unavailable: cfg.Unavailable,
+		paramForms:  paramForms,
+		openAPI:     doc,
+		schema:      schema,
 	}
 	s.echo.HideBanner = true
 	s.echo.HidePort = true
@@ -149,13 +177,17 @@ func New(cfg Config) (*Server, error) {
 			mws = append(mws, s.authorize(p))
 		}
 		if p.MaxBodyBytes > 0 {
-			mws = append(mws, limitBody(p.MaxBodyBytes))
+			mws = append(mws, limitBody(p.MaxBodyBytes, cfg.BodyTimeout))
 		}
 		opMiddlewares[id] = mws
 	}
 	api.RegisterHandlersWithOptions(s.echo, api.NewStrictHandler(s, nil), api.RegisterHandlersOptions{OperationMiddlewares: opMiddlewares})
 	if err := checkRoutes(s.echo.Routes(), policies); err != nil {
 		return nil, err
+	}
+	s.routes = map[string]bool{}
+	for _, r := range s.echo.Routes() {
+		s.routes[r.Path] = true
 	}
 	return s, nil
 }

@@ -21,6 +21,8 @@ type streamReply struct {
 	inference *inference.Service
 	metrics   *metrics.Metrics
 	keepalive time.Duration
+	// envelope is the error body of a response.error event.
+	envelope func(error) api.ErrorEnvelope
 	// call is the prepared request; err, when set, is why it cannot run.
 	call *inference.Call
 	err  error
@@ -43,7 +45,7 @@ func (r streamReply) serve(w http.ResponseWriter) error {
 	r.metrics.StreamOpened()
 	defer r.metrics.StreamClosed()
 	if r.err != nil {
-		return sse.Event(eventError, errorEnvelope(r.err))
+		return sse.Event(eventError, r.envelope(r.err))
 	}
 
 	requestID := r.call.RequestID
@@ -63,13 +65,13 @@ func (r streamReply) serve(w http.ResponseWriter) error {
 	})
 	if err != nil && res == nil {
 		// Nothing was produced: the stream failed to start.
-		return sse.Event(eventError, errorEnvelope(err))
+		return sse.Event(eventError, r.envelope(err))
 	}
 	if err != nil {
 		if gateway.ErrorCodeOf(err) != gateway.EInferenceBusy {
 			return nil // the client went away; its output is billed, nobody is listening
 		}
-		if werr := sse.Event(eventError, errorEnvelope(err)); werr != nil {
+		if werr := sse.Event(eventError, r.envelope(err)); werr != nil {
 			return nil
 		}
 	}

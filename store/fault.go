@@ -3,6 +3,8 @@ package store
 import (
 	"context"
 	"errors"
+	"io"
+	"net"
 	"sync"
 	"time"
 
@@ -18,9 +20,12 @@ import (
 // or deadlock): the same work may succeed later. An error the server answered
 // with for this statement and its data (a constraint, a bad value, an
 // overflow) is not transient: retrying it fails the same way.
+// Anything else (an encoding bug, a closed pool) is not transient either.
 func Transient(err error) bool {
 	var pgErr *pgconn.PgError
 	var domain *gateway.Error
+	var connectErr *pgconn.ConnectError
+	var netErr net.Error
 	switch {
 	case err == nil, errors.Is(err, pgx.ErrNoRows), errors.Is(err, context.Canceled), errors.As(err, &domain):
 		return false
@@ -34,8 +39,10 @@ func Transient(err error) bool {
 		}
 		return false
 	}
-	// Not a reply of the server: the connection, the pool or a deadline failed.
-	return true
+	// Not a reply of the server: did the connection or a deadline fail?
+	return pgconn.SafeToRetry(err) || pgconn.Timeout(err) || errors.As(err, &connectErr) || errors.As(err, &netErr) ||
+		errors.Is(err, pgconn.ErrConnClosed) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, io.EOF) ||
+		errors.Is(err, context.DeadlineExceeded)
 }
 
 // quarantinePeriod is how long a member whose rows fail a group operation is

@@ -2,6 +2,8 @@ package store_test
 
 import (
 	"errors"
+	"fmt"
+	"io"
 	"math"
 	"testing"
 	"time"
@@ -53,7 +55,9 @@ func TestReconcileIsolatesAFailingAccount(t *testing.T) {
 // TestTransient tells the database being away from a statement it refused.
 func TestTransient(t *testing.T) {
 	t.Parallel()
-	require.True(t, store.Transient(errors.New("unexpected EOF")))
+	require.True(t, store.Transient(fmt.Errorf("error claiming batch items: %w", io.ErrUnexpectedEOF)), "a reply lost")
+	require.True(t, store.Transient(&pgconn.ConnectError{}), "refused")
+	require.False(t, store.Transient(errors.New("json: unsupported value")), "a bug is not an outage")
 	require.True(t, store.Transient(&pgconn.PgError{Code: "57P01"}), "admin shutdown")
 	require.True(t, store.Transient(&pgconn.PgError{Code: "08006"}), "connection failure")
 	require.True(t, store.Transient(&pgconn.PgError{Code: "40001"}), "serialization failure")

@@ -117,6 +117,8 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 		Logger:       logger,
 		SSEKeepalive: cfg.SSEKeepalive,
 		CORSOrigins:  cfg.CORSOrigins,
+		BodyTimeout:  cfg.BodyTimeout,
+		Unavailable:  store.Transient,
 	})
 	if err != nil {
 		return err
@@ -180,13 +182,14 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 }
 
 // newHTTPServer applies the server limits: headers must arrive within 10 s and
-// stay under 64 KiB, idle connections close after 2 minutes. There is no write
+// stay under 64 KiB, idle connections close after 2 minutes. Bodies are bounded
+// per route (GATEWAY_BODY_TIMEOUT, answered 408), not by a whole-request read
+// timeout, which would also cut streams that outlive it. There is no write
 // timeout: streams last as long as inference does.
 func newHTTPServer(h http.Handler) *http.Server {
 	return &http.Server{
 		Handler:           h,
 		ReadHeaderTimeout: 10 * time.Second,
-		ReadTimeout:       2 * time.Minute,
 		IdleTimeout:       2 * time.Minute,
 		MaxHeaderBytes:    64 << 10,
 	}

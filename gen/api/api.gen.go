@@ -120,7 +120,9 @@ const (
 	NOTFOUND             ErrorCode = "NOT_FOUND"
 	PROMPTTOOLARGE       ErrorCode = "PROMPT_TOO_LARGE"
 	RATELIMITED          ErrorCode = "RATE_LIMITED"
+	REQUESTTIMEOUT       ErrorCode = "REQUEST_TIMEOUT"
 	REQUESTTOOLARGE      ErrorCode = "REQUEST_TOO_LARGE"
+	SERVICEUNAVAILABLE   ErrorCode = "SERVICE_UNAVAILABLE"
 	SOURCESNOTFOUND      ErrorCode = "SOURCES_NOT_FOUND"
 	UNAUTHORIZED         ErrorCode = "UNAUTHORIZED"
 )
@@ -168,7 +170,11 @@ func (e ErrorCode) Valid() bool {
 		return true
 	case RATELIMITED:
 		return true
+	case REQUESTTIMEOUT:
+		return true
 	case REQUESTTOOLARGE:
+		return true
+	case SERVICEUNAVAILABLE:
 		return true
 	case SOURCESNOTFOUND:
 		return true
@@ -427,9 +433,10 @@ type Error struct {
 	// `BATCH_TOO_LARGE` 400; `UNAUTHORIZED` 401; `BUDGET_EXCEEDED` 402;
 	// `INSUFFICIENT_SCOPE`, `INSUFFICIENT_TIER` 403; `BATCH_NOT_FOUND`,
 	// `SOURCES_NOT_FOUND`, `NOT_FOUND` 404; `METHOD_NOT_ALLOWED` 405;
-	// `BATCH_NOT_CANCELLABLE` 409; `REQUEST_TOO_LARGE` 413;
+	// `REQUEST_TIMEOUT` 408; `BATCH_NOT_CANCELLABLE` 409; `REQUEST_TOO_LARGE` 413;
 	// `IDEMPOTENCY_KEY_REUSED` 422; `RATE_LIMITED` 429; `INTERNAL` 500;
-	// `INFERENCE_BUSY` 503 (an item error inside a batch).
+	// `INFERENCE_BUSY` 503 (also an item error inside a batch);
+	// `SERVICE_UNAVAILABLE` 503 (the database cannot be reached for the moment).
 	// `INTERRUPTED` appears only as a batch item error; `BATCH_EXPIRED` only as
 	// the batch-level `error` of an expired batch. A failed batch's `error`
 	// carries the code of its first failed item.
@@ -444,9 +451,10 @@ type Error struct {
 // `BATCH_TOO_LARGE` 400; `UNAUTHORIZED` 401; `BUDGET_EXCEEDED` 402;
 // `INSUFFICIENT_SCOPE`, `INSUFFICIENT_TIER` 403; `BATCH_NOT_FOUND`,
 // `SOURCES_NOT_FOUND`, `NOT_FOUND` 404; `METHOD_NOT_ALLOWED` 405;
-// `BATCH_NOT_CANCELLABLE` 409; `REQUEST_TOO_LARGE` 413;
+// `REQUEST_TIMEOUT` 408; `BATCH_NOT_CANCELLABLE` 409; `REQUEST_TOO_LARGE` 413;
 // `IDEMPOTENCY_KEY_REUSED` 422; `RATE_LIMITED` 429; `INTERNAL` 500;
-// `INFERENCE_BUSY` 503 (an item error inside a batch).
+// `INFERENCE_BUSY` 503 (also an item error inside a batch);
+// `SERVICE_UNAVAILABLE` 503 (the database cannot be reached for the moment).
 // `INTERRUPTED` appears only as a batch item error; `BATCH_EXPIRED` only as
 // the batch-level `error` of an expired batch. A failed batch's `error`
 // carries the code of its first failed item.
@@ -508,7 +516,11 @@ type Response struct {
 type ResponseModel string
 
 // ResponseRequest A request for one response; also the shape of each batch item (where
-// `stream` is ignored). Unknown fields are ignored.
+// `stream` is ignored). Field names match exactly: `Prompt` is not `prompt`
+// but an unknown field, and unknown fields are ignored. `null` for an
+// optional field means absent. No string field may hold U+0000
+// (`400 INVALID_REQUEST` naming the field). The body is UTF-8 JSON
+// (`Content-Type: application/json`, with no charset or `charset=utf-8`).
 type ResponseRequest struct {
 	// CodeMode Code and documentation mode (passed upstream as a hint).
 	CodeMode *bool `json:"code_mode,omitempty"`
@@ -709,11 +721,17 @@ type NotFound = ErrorEnvelope
 // RateLimited The body of every non-streaming error, and the data of the `response.error` event.
 type RateLimited = ErrorEnvelope
 
+// RequestTimeout The body of every non-streaming error, and the data of the `response.error` event.
+type RequestTimeout = ErrorEnvelope
+
 // RequestTooLarge The body of every non-streaming error, and the data of the `response.error` event.
 type RequestTooLarge = ErrorEnvelope
 
 // ResponseCreated A non-streaming reply.
 type ResponseCreated = Response
+
+// ServiceUnavailable The body of every non-streaming error, and the data of the `response.error` event.
+type ServiceUnavailable = ErrorEnvelope
 
 // SourcesFound The evidence held for a request.
 type SourcesFound = Sources
@@ -722,12 +740,17 @@ type SourcesFound = Sources
 type Unauthorized = ErrorEnvelope
 
 // ResponseRequestBody A request for one response; also the shape of each batch item (where
-// `stream` is ignored). Unknown fields are ignored.
+// `stream` is ignored). Field names match exactly: `Prompt` is not `prompt`
+// but an unknown field, and unknown fields are ignored. `null` for an
+// optional field means absent. No string field may hold U+0000
+// (`400 INVALID_REQUEST` naming the field). The body is UTF-8 JSON
+// (`Content-Type: application/json`, with no charset or `charset=utf-8`).
 type ResponseRequestBody = ResponseRequest
 
 // CreateBatchParams defines parameters for CreateBatch.
 type CreateBatchParams struct {
-	// IdempotencyKey Makes a retried create safe. At most 255 characters (longer is `400 INVALID_REQUEST`).
+	// IdempotencyKey Makes a retried create safe. 1 to 255 printable ASCII characters
+	// (0x21–0x7E); anything else is `400 INVALID_REQUEST`.
 	IdempotencyKey *string `json:"Idempotency-Key,omitempty"`
 }
 
@@ -1076,7 +1099,15 @@ func RegisterHandlersWithOptions(router EchoRouter, si ServerInterface, options 
 
 }
 
-type BadRequestJSONResponse ErrorEnvelope
+type BadRequestResponseHeaders struct {
+	XRatelimitLimit     *int
+	XRatelimitRemaining *int
+}
+type BadRequestJSONResponse struct {
+	Body ErrorEnvelope
+
+	Headers BadRequestResponseHeaders
+}
 
 type BatchFoundResponseHeaders struct {
 	XRatelimitLimit     *int
@@ -1088,12 +1119,30 @@ type BatchFoundJSONResponse struct {
 	Headers BatchFoundResponseHeaders
 }
 
-type BudgetExceededJSONResponse ErrorEnvelope
+type BudgetExceededResponseHeaders struct {
+	XRatelimitLimit     *int
+	XRatelimitRemaining *int
+}
+type BudgetExceededJSONResponse struct {
+	Body ErrorEnvelope
 
-type ForbiddenJSONResponse ErrorEnvelope
+	Headers BudgetExceededResponseHeaders
+}
+
+type ForbiddenResponseHeaders struct {
+	XRatelimitLimit     *int
+	XRatelimitRemaining *int
+}
+type ForbiddenJSONResponse struct {
+	Body ErrorEnvelope
+
+	Headers ForbiddenResponseHeaders
+}
 
 type InferenceBusyResponseHeaders struct {
-	RetryAfter *int
+	RetryAfter          *int
+	XRatelimitLimit     *int
+	XRatelimitRemaining *int
 }
 type InferenceBusyJSONResponse struct {
 	Body ErrorEnvelope
@@ -1101,9 +1150,25 @@ type InferenceBusyJSONResponse struct {
 	Headers InferenceBusyResponseHeaders
 }
 
-type InternalErrorJSONResponse ErrorEnvelope
+type InternalErrorResponseHeaders struct {
+	XRatelimitLimit     *int
+	XRatelimitRemaining *int
+}
+type InternalErrorJSONResponse struct {
+	Body ErrorEnvelope
 
-type NotFoundJSONResponse ErrorEnvelope
+	Headers InternalErrorResponseHeaders
+}
+
+type NotFoundResponseHeaders struct {
+	XRatelimitLimit     *int
+	XRatelimitRemaining *int
+}
+type NotFoundJSONResponse struct {
+	Body ErrorEnvelope
+
+	Headers NotFoundResponseHeaders
+}
 
 type RateLimitedResponseHeaders struct {
 	RetryAfter          *int
@@ -1116,7 +1181,25 @@ type RateLimitedJSONResponse struct {
 	Headers RateLimitedResponseHeaders
 }
 
-type RequestTooLargeJSONResponse ErrorEnvelope
+type RequestTimeoutResponseHeaders struct {
+	XRatelimitLimit     *int
+	XRatelimitRemaining *int
+}
+type RequestTimeoutJSONResponse struct {
+	Body ErrorEnvelope
+
+	Headers RequestTimeoutResponseHeaders
+}
+
+type RequestTooLargeResponseHeaders struct {
+	XRatelimitLimit     *int
+	XRatelimitRemaining *int
+}
+type RequestTooLargeJSONResponse struct {
+	Body ErrorEnvelope
+
+	Headers RequestTooLargeResponseHeaders
+}
 
 type ResponseCreatedResponseHeaders struct {
 	XRatelimitLimit     *int
@@ -1135,6 +1218,17 @@ type ResponseCreatedTexteventStreamResponse struct {
 
 	Headers       ResponseCreatedResponseHeaders
 	ContentLength int64
+}
+
+type ServiceUnavailableResponseHeaders struct {
+	RetryAfter          *int
+	XRatelimitLimit     *int
+	XRatelimitRemaining *int
+}
+type ServiceUnavailableJSONResponse struct {
+	Body ErrorEnvelope
+
+	Headers ServiceUnavailableResponseHeaders
 }
 
 type SourcesFoundResponseHeaders struct {
@@ -1292,11 +1386,37 @@ type CreateBatch403JSONResponse struct{ ForbiddenJSONResponse }
 func (response CreateBatch403JSONResponse) VisitCreateBatchResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(403)
+	_, err := buf.WriteTo(w)
+	return err
+}
+
+type CreateBatch408JSONResponse struct{ RequestTimeoutJSONResponse }
+
+func (response CreateBatch408JSONResponse) VisitCreateBatchResponse(w http.ResponseWriter) error {
+
+	var buf bytes.Buffer
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
+		return err
+	}
+	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
+	w.WriteHeader(408)
 	_, err := buf.WriteTo(w)
 	return err
 }
@@ -1306,10 +1426,16 @@ type CreateBatch413JSONResponse struct{ RequestTooLargeJSONResponse }
 func (response CreateBatch413JSONResponse) VisitCreateBatchResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(413)
 	_, err := buf.WriteTo(w)
 	return err
@@ -1357,11 +1483,40 @@ type CreateBatch500JSONResponse struct{ InternalErrorJSONResponse }
 func (response CreateBatch500JSONResponse) VisitCreateBatchResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(500)
+	_, err := buf.WriteTo(w)
+	return err
+}
+
+type CreateBatch503JSONResponse struct{ ServiceUnavailableJSONResponse }
+
+func (response CreateBatch503JSONResponse) VisitCreateBatchResponse(w http.ResponseWriter) error {
+
+	var buf bytes.Buffer
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
+		return err
+	}
+	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.RetryAfter != nil {
+		w.Header().Set("Retry-After", fmt.Sprint(*response.Headers.RetryAfter))
+	}
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
+	w.WriteHeader(503)
 	_, err := buf.WriteTo(w)
 	return err
 }
@@ -1416,10 +1571,16 @@ type GetBatch403JSONResponse struct{ ForbiddenJSONResponse }
 func (response GetBatch403JSONResponse) VisitGetBatchResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(403)
 	_, err := buf.WriteTo(w)
 	return err
@@ -1430,10 +1591,16 @@ type GetBatch404JSONResponse struct{ NotFoundJSONResponse }
 func (response GetBatch404JSONResponse) VisitGetBatchResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(404)
 	_, err := buf.WriteTo(w)
 	return err
@@ -1467,11 +1634,40 @@ type GetBatch500JSONResponse struct{ InternalErrorJSONResponse }
 func (response GetBatch500JSONResponse) VisitGetBatchResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(500)
+	_, err := buf.WriteTo(w)
+	return err
+}
+
+type GetBatch503JSONResponse struct{ ServiceUnavailableJSONResponse }
+
+func (response GetBatch503JSONResponse) VisitGetBatchResponse(w http.ResponseWriter) error {
+
+	var buf bytes.Buffer
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
+		return err
+	}
+	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.RetryAfter != nil {
+		w.Header().Set("Retry-After", fmt.Sprint(*response.Headers.RetryAfter))
+	}
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
+	w.WriteHeader(503)
 	_, err := buf.WriteTo(w)
 	return err
 }
@@ -1526,10 +1722,16 @@ type CancelBatch403JSONResponse struct{ ForbiddenJSONResponse }
 func (response CancelBatch403JSONResponse) VisitCancelBatchResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(403)
 	_, err := buf.WriteTo(w)
 	return err
@@ -1540,10 +1742,16 @@ type CancelBatch404JSONResponse struct{ NotFoundJSONResponse }
 func (response CancelBatch404JSONResponse) VisitCancelBatchResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(404)
 	_, err := buf.WriteTo(w)
 	return err
@@ -1591,11 +1799,40 @@ type CancelBatch500JSONResponse struct{ InternalErrorJSONResponse }
 func (response CancelBatch500JSONResponse) VisitCancelBatchResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(500)
+	_, err := buf.WriteTo(w)
+	return err
+}
+
+type CancelBatch503JSONResponse struct{ ServiceUnavailableJSONResponse }
+
+func (response CancelBatch503JSONResponse) VisitCancelBatchResponse(w http.ResponseWriter) error {
+
+	var buf bytes.Buffer
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
+		return err
+	}
+	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.RetryAfter != nil {
+		w.Header().Set("Retry-After", fmt.Sprint(*response.Headers.RetryAfter))
+	}
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
+	w.WriteHeader(503)
 	_, err := buf.WriteTo(w)
 	return err
 }
@@ -1658,10 +1895,16 @@ type GetBatchResults403JSONResponse struct{ ForbiddenJSONResponse }
 func (response GetBatchResults403JSONResponse) VisitGetBatchResultsResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(403)
 	_, err := buf.WriteTo(w)
 	return err
@@ -1672,10 +1915,16 @@ type GetBatchResults404JSONResponse struct{ NotFoundJSONResponse }
 func (response GetBatchResults404JSONResponse) VisitGetBatchResultsResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(404)
 	_, err := buf.WriteTo(w)
 	return err
@@ -1709,11 +1958,40 @@ type GetBatchResults500JSONResponse struct{ InternalErrorJSONResponse }
 func (response GetBatchResults500JSONResponse) VisitGetBatchResultsResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(500)
+	_, err := buf.WriteTo(w)
+	return err
+}
+
+type GetBatchResults503JSONResponse struct{ ServiceUnavailableJSONResponse }
+
+func (response GetBatchResults503JSONResponse) VisitGetBatchResultsResponse(w http.ResponseWriter) error {
+
+	var buf bytes.Buffer
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
+		return err
+	}
+	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.RetryAfter != nil {
+		w.Header().Set("Retry-After", fmt.Sprint(*response.Headers.RetryAfter))
+	}
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
+	w.WriteHeader(503)
 	_, err := buf.WriteTo(w)
 	return err
 }
@@ -1759,10 +2037,16 @@ type ListBatches400JSONResponse struct{ BadRequestJSONResponse }
 func (response ListBatches400JSONResponse) VisitListBatchesResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(400)
 	_, err := buf.WriteTo(w)
 	return err
@@ -1790,10 +2074,16 @@ type ListBatches403JSONResponse struct{ ForbiddenJSONResponse }
 func (response ListBatches403JSONResponse) VisitListBatchesResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(403)
 	_, err := buf.WriteTo(w)
 	return err
@@ -1827,11 +2117,40 @@ type ListBatches500JSONResponse struct{ InternalErrorJSONResponse }
 func (response ListBatches500JSONResponse) VisitListBatchesResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(500)
+	_, err := buf.WriteTo(w)
+	return err
+}
+
+type ListBatches503JSONResponse struct{ ServiceUnavailableJSONResponse }
+
+func (response ListBatches503JSONResponse) VisitListBatchesResponse(w http.ResponseWriter) error {
+
+	var buf bytes.Buffer
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
+		return err
+	}
+	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.RetryAfter != nil {
+		w.Header().Set("Retry-After", fmt.Sprint(*response.Headers.RetryAfter))
+	}
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
+	w.WriteHeader(503)
 	_, err := buf.WriteTo(w)
 	return err
 }
@@ -1935,10 +2254,16 @@ type CreateChat400JSONResponse struct{ BadRequestJSONResponse }
 func (response CreateChat400JSONResponse) VisitCreateChatResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(400)
 	_, err := buf.WriteTo(w)
 	return err
@@ -1966,10 +2291,16 @@ type CreateChat402JSONResponse struct{ BudgetExceededJSONResponse }
 func (response CreateChat402JSONResponse) VisitCreateChatResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(402)
 	_, err := buf.WriteTo(w)
 	return err
@@ -1980,11 +2311,37 @@ type CreateChat403JSONResponse struct{ ForbiddenJSONResponse }
 func (response CreateChat403JSONResponse) VisitCreateChatResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(403)
+	_, err := buf.WriteTo(w)
+	return err
+}
+
+type CreateChat408JSONResponse struct{ RequestTimeoutJSONResponse }
+
+func (response CreateChat408JSONResponse) VisitCreateChatResponse(w http.ResponseWriter) error {
+
+	var buf bytes.Buffer
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
+		return err
+	}
+	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
+	w.WriteHeader(408)
 	_, err := buf.WriteTo(w)
 	return err
 }
@@ -1994,10 +2351,16 @@ type CreateChat413JSONResponse struct{ RequestTooLargeJSONResponse }
 func (response CreateChat413JSONResponse) VisitCreateChatResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(413)
 	_, err := buf.WriteTo(w)
 	return err
@@ -2031,10 +2394,16 @@ type CreateChat500JSONResponse struct{ InternalErrorJSONResponse }
 func (response CreateChat500JSONResponse) VisitCreateChatResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(500)
 	_, err := buf.WriteTo(w)
 	return err
@@ -2051,6 +2420,12 @@ func (response CreateChat503JSONResponse) VisitCreateChatResponse(w http.Respons
 	w.Header().Set("Content-Type", "application/json")
 	if response.Headers.RetryAfter != nil {
 		w.Header().Set("Retry-After", fmt.Sprint(*response.Headers.RetryAfter))
+	}
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
 	}
 	w.WriteHeader(503)
 	_, err := buf.WriteTo(w)
@@ -2156,10 +2531,16 @@ type CreateResponse400JSONResponse struct{ BadRequestJSONResponse }
 func (response CreateResponse400JSONResponse) VisitCreateResponseResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(400)
 	_, err := buf.WriteTo(w)
 	return err
@@ -2187,10 +2568,16 @@ type CreateResponse402JSONResponse struct{ BudgetExceededJSONResponse }
 func (response CreateResponse402JSONResponse) VisitCreateResponseResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(402)
 	_, err := buf.WriteTo(w)
 	return err
@@ -2201,11 +2588,37 @@ type CreateResponse403JSONResponse struct{ ForbiddenJSONResponse }
 func (response CreateResponse403JSONResponse) VisitCreateResponseResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(403)
+	_, err := buf.WriteTo(w)
+	return err
+}
+
+type CreateResponse408JSONResponse struct{ RequestTimeoutJSONResponse }
+
+func (response CreateResponse408JSONResponse) VisitCreateResponseResponse(w http.ResponseWriter) error {
+
+	var buf bytes.Buffer
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
+		return err
+	}
+	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
+	w.WriteHeader(408)
 	_, err := buf.WriteTo(w)
 	return err
 }
@@ -2215,10 +2628,16 @@ type CreateResponse413JSONResponse struct{ RequestTooLargeJSONResponse }
 func (response CreateResponse413JSONResponse) VisitCreateResponseResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(413)
 	_, err := buf.WriteTo(w)
 	return err
@@ -2252,10 +2671,16 @@ type CreateResponse500JSONResponse struct{ InternalErrorJSONResponse }
 func (response CreateResponse500JSONResponse) VisitCreateResponseResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(500)
 	_, err := buf.WriteTo(w)
 	return err
@@ -2272,6 +2697,12 @@ func (response CreateResponse503JSONResponse) VisitCreateResponseResponse(w http
 	w.Header().Set("Content-Type", "application/json")
 	if response.Headers.RetryAfter != nil {
 		w.Header().Set("Retry-After", fmt.Sprint(*response.Headers.RetryAfter))
+	}
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
 	}
 	w.WriteHeader(503)
 	_, err := buf.WriteTo(w)
@@ -2328,10 +2759,16 @@ type GetResponseSources403JSONResponse struct{ ForbiddenJSONResponse }
 func (response GetResponseSources403JSONResponse) VisitGetResponseSourcesResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(403)
 	_, err := buf.WriteTo(w)
 	return err
@@ -2342,10 +2779,16 @@ type GetResponseSources404JSONResponse struct{ NotFoundJSONResponse }
 func (response GetResponseSources404JSONResponse) VisitGetResponseSourcesResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(404)
 	_, err := buf.WriteTo(w)
 	return err
@@ -2379,11 +2822,40 @@ type GetResponseSources500JSONResponse struct{ InternalErrorJSONResponse }
 func (response GetResponseSources500JSONResponse) VisitGetResponseSourcesResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(500)
+	_, err := buf.WriteTo(w)
+	return err
+}
+
+type GetResponseSources503JSONResponse struct{ ServiceUnavailableJSONResponse }
+
+func (response GetResponseSources503JSONResponse) VisitGetResponseSourcesResponse(w http.ResponseWriter) error {
+
+	var buf bytes.Buffer
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
+		return err
+	}
+	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.RetryAfter != nil {
+		w.Header().Set("Retry-After", fmt.Sprint(*response.Headers.RetryAfter))
+	}
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
+	w.WriteHeader(503)
 	_, err := buf.WriteTo(w)
 	return err
 }
@@ -2438,10 +2910,16 @@ type GetSources403JSONResponse struct{ ForbiddenJSONResponse }
 func (response GetSources403JSONResponse) VisitGetSourcesResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(403)
 	_, err := buf.WriteTo(w)
 	return err
@@ -2452,10 +2930,16 @@ type GetSources404JSONResponse struct{ NotFoundJSONResponse }
 func (response GetSources404JSONResponse) VisitGetSourcesResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(404)
 	_, err := buf.WriteTo(w)
 	return err
@@ -2489,11 +2973,40 @@ type GetSources500JSONResponse struct{ InternalErrorJSONResponse }
 func (response GetSources500JSONResponse) VisitGetSourcesResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(500)
+	_, err := buf.WriteTo(w)
+	return err
+}
+
+type GetSources503JSONResponse struct{ ServiceUnavailableJSONResponse }
+
+func (response GetSources503JSONResponse) VisitGetSourcesResponse(w http.ResponseWriter) error {
+
+	var buf bytes.Buffer
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
+		return err
+	}
+	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.RetryAfter != nil {
+		w.Header().Set("Retry-After", fmt.Sprint(*response.Headers.RetryAfter))
+	}
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
+	w.WriteHeader(503)
 	_, err := buf.WriteTo(w)
 	return err
 }
@@ -2539,10 +3052,16 @@ type GetUsage400JSONResponse struct{ BadRequestJSONResponse }
 func (response GetUsage400JSONResponse) VisitGetUsageResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(400)
 	_, err := buf.WriteTo(w)
 	return err
@@ -2570,10 +3089,16 @@ type GetUsage403JSONResponse struct{ ForbiddenJSONResponse }
 func (response GetUsage403JSONResponse) VisitGetUsageResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(403)
 	_, err := buf.WriteTo(w)
 	return err
@@ -2607,11 +3132,40 @@ type GetUsage500JSONResponse struct{ InternalErrorJSONResponse }
 func (response GetUsage500JSONResponse) VisitGetUsageResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
 	w.WriteHeader(500)
+	_, err := buf.WriteTo(w)
+	return err
+}
+
+type GetUsage503JSONResponse struct{ ServiceUnavailableJSONResponse }
+
+func (response GetUsage503JSONResponse) VisitGetUsageResponse(w http.ResponseWriter) error {
+
+	var buf bytes.Buffer
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
+		return err
+	}
+	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.RetryAfter != nil {
+		w.Header().Set("Retry-After", fmt.Sprint(*response.Headers.RetryAfter))
+	}
+	if response.Headers.XRatelimitLimit != nil {
+		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
+	}
+	if response.Headers.XRatelimitRemaining != nil {
+		w.Header().Set("x-ratelimit-remaining", fmt.Sprint(*response.Headers.XRatelimitRemaining))
+	}
+	w.WriteHeader(503)
 	_, err := buf.WriteTo(w)
 	return err
 }

@@ -1,0 +1,39 @@
+package metrics_test
+
+import (
+	"io"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway/metrics"
+)
+
+// TestLabelsComeFromFixedSets: no caller can grow the metrics (D11).
+func TestLabelsComeFromFixedSets(t *testing.T) {
+	t.Parallel()
+	m := metrics.New()
+	for i := range 1000 {
+		m.Request("/api/v1/responses", strings.Repeat("X", 100)+string(rune('A'+i%26))+strings.Repeat("Y", i), 404, time.Millisecond)
+	}
+	m.Request("/api/v1/responses", "GET", 99999, time.Millisecond)
+	rec := httptest.NewRecorder()
+	m.Handler().ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
+	raw, err := io.ReadAll(rec.Body)
+	require.NoError(t, err)
+	var lines []string
+	for _, l := range strings.Split(string(raw), "\n") {
+		if strings.HasPrefix(l, "gateway_http_requests_total{") {
+			lines = append(lines, l)
+		}
+	}
+	require.Equal(t, []string{
+		`gateway_http_requests_total{method="GET",route="/api/v1/responses",status="0"} 1`,
+		`gateway_http_requests_total{method="other",route="/api/v1/responses",status="404"} 1000`,
+	}, lines)
+	require.Equal(t, "POST", metrics.Method("POST"))
+	require.Equal(t, metrics.Other, metrics.Method("post"))
+}

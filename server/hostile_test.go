@@ -1,0 +1,218 @@
+package server_test
+
+import (
+	"bufio"
+	"encoding/json"
+	"fmt"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/gen/api"
+	"github.com/rungworks/gateway/metrics"
+	"github.com/rungworks/gateway/server"
+	"github.com/rungworks/gateway/store"
+)
+
+func (r reply) message(t *testing.T) string {
+	t.Helper()
+	var env api.ErrorEnvelope
+	require.NoError(t, json.Unmarshal(r.body, &env), string(r.body))
+	return env.Error.Message
+}
+
+// TestNULIsRefusedOnEveryPath pins D11: a string field holding U+0000 is 400
+// INVALID_REQUEST naming the field, interactive, streamed or batched alike.
+func TestNULIsRefusedOnEveryPath(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	for _, field := range []string{"prompt", "custom_instructions", "studio_id", "model"} {
+		item := map[string]any{"prompt": "fine", field: "a\x00b"}
+		for _, path := range []string{"/api/v1/responses", "/api/v1/chat"} {
+			r := b.post(path, b.key, item)
+			require.Equal(t, http.StatusBadRequest, r.status, "%s %s", path, field)
+			require.Equal(t, gateway.EInvalidRequest, r.errorCode(t))
+			require.Contains(t, r.message(t), field)
+		}
+		_, s := b.stream("/api/v1/responses", map[string]any{"prompt": "fine", field: "a\x00b"})
+		require.Len(t, s.Events, 1)
+		var env api.ErrorEnvelope
+		s.Events[0].Decode(t, &env)
+		require.Equal(t, api.ErrorCode("INVALID_REQUEST"), env.Error.Code)
+
+		r := b.post("/api/v1/batch", b.key, map[string]any{"requests": []any{map[string]any{"prompt": "ok"}, map[string]any{"prompt": "fine", field: "a\x00b"}}})
+		require.Equal(t, http.StatusBadRequest, r.status, "batch %s", field)
+		require.Equal(t, gateway.EInvalidRequest, r.errorCode(t))
+		require.Equal(t, "1", r.header.Get("x-service-batch-index"))
+	}
+	require.Zero(t, b.upstream.callCount(), "nothing reached the upstream")
+}
+
+func TestIdempotencyKeyMustBePrintableASCII(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	body := map[string]any{"requests": items(1)}
+	for _, key := range []string{"\xff\xfe", "has space", "tab\there", strings.Repeat("k", 256), "é"} {
+		r := b.postWith("/api/v1/batch", b.key, body, http.Header{"Idempotency-Key": {key}})
+		require.Equal(t, http.StatusBadRequest, r.status, "%q", key)
+		require.Equal(t, gateway.EInvalidRequest, r.errorCode(t))
+		require.Contains(t, r.message(t), "Idempotency-Key")
+	}
+	r := b.postWith("/api/v1/batch", b.key, body, http.Header{"Idempotency-Key": {"~ok-Key_1!" + strings.Repeat("k", 245)}})
+	require.Equal(t, http.StatusAccepted, r.status)
+}
+
+// TestParameterErrorsSpeakPlainly: a malformed parameter is named with the
+// form it takes, never with a parser's text.
+func TestParameterErrorsSpeakPlainly(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	for path, want := range map[string]string{
+		"/api/v1/batches?limit=1.5":          "parameter limit must be a whole number from 1 to 50",
+		"/api/v1/batches?limit=x":            "parameter limit must be a whole number from 1 to 50",
+		"/api/v1/usage?start=tomorrow":       "parameter start must be an RFC 3339 timestamp",
+		"/api/v1/usage?end=2026-13-45T00:00": "parameter end must be an RFC 3339 timestamp",
+	} {
+		r := b.do(http.MethodGet, path, b.key, "", nil)
+		require.Equal(t, http.StatusBadRequest, r.status, path)
+		require.Equal(t, gateway.EInvalidRequest, r.errorCode(t))
+		msg := r.message(t)
+		require.Contains(t, msg, want, path)
+		for _, leak := range []string{"strconv", "ParseInt", "parsing time", "2006-01-02", "error binding"} {
+			require.NotContains(t, msg, leak, path)
+		}
+	}
+}
+
+// TestFieldNamesMatchExactly pins D11: a name differing only in case is an
+// unknown field, ignored, on every body.
+func TestFieldNamesMatchExactly(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	post := func(body string) reply {
+		return b.do(http.MethodPost, "/api/v1/responses", b.key, "application/json", []byte(body))
+	}
+	r := post(`{"prompt":"","Prompt":"hi"}`)
+	require.Equal(t, http.StatusBadRequest, r.status)
+	require.Equal(t, gateway.EEmptyPrompt, r.errorCode(t))
+
+	r = post(`{"prompt":"hi","Stream":true,"MODEL":"reasoning","\u0050rompt":"smuggled","ſtream":true}`)
+	require.Equal(t, http.StatusOK, r.status)
+	require.Equal(t, "application/json", r.header.Get("Content-Type"), "Stream is not stream")
+	require.Equal(t, "instant", r.json(t)["model"], "MODEL is not model")
+
+	huge := strings.Repeat("x", 2*gateway.MaxPromptBytes)
+	r = post(fmt.Sprintf(`{"prompt":"small","Prompt":%q}`, huge))
+	require.Equal(t, http.StatusOK, r.status, "an oversized Prompt is an ignored field, not the prompt")
+	calls := b.upstream.calls
+	require.Equal(t, "small", calls[len(calls)-1].Prompt)
+
+	r = b.do(http.MethodPost, "/api/v1/batch", b.key, "application/json", []byte(`{"Requests":[{"prompt":"a"}],"requests":[{"PROMPT":"x","prompt":"y"}]}`))
+	require.Equal(t, http.StatusAccepted, r.status)
+	res := b.do(http.MethodGet, "/api/v1/batch/"+r.batch(t).Id.String(), b.key, "", nil)
+	require.Equal(t, 1, res.batch(t).TotalRequests)
+}
+
+func TestCharsetMustBeUTF8(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	body := []byte(`{"prompt":"hi"}`)
+	r := b.do(http.MethodPost, "/api/v1/responses", b.key, "application/json; charset=utf-16", body)
+	require.Equal(t, http.StatusBadRequest, r.status)
+	require.Equal(t, gateway.EInvalidRequest, r.errorCode(t))
+	require.Contains(t, r.message(t), "UTF-8")
+	for _, ct := range []string{"application/json; charset=UTF-8", "application/json;charset=utf8", "application/json"} {
+		require.Equal(t, http.StatusOK, b.do(http.MethodPost, "/api/v1/responses", b.key, ct, body).status, ct)
+	}
+}
+
+// TestForbiddenRepliesCarryRateHeaders: the request was counted, so the
+// reply says how many remain (D5).
+func TestForbiddenRepliesCarryRateHeaders(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	usageOnly := b.newKey("acme", gateway.TierDeveloper, gateway.ScopeUsage)
+	r := b.post("/api/v1/responses", usageOnly, map[string]any{"prompt": "hi"})
+	require.Equal(t, http.StatusForbidden, r.status)
+	require.Equal(t, gateway.EInsufficientScope, r.errorCode(t))
+	require.NotEmpty(t, r.header.Get("x-ratelimit-limit"))
+	require.NotEmpty(t, r.header.Get("x-ratelimit-remaining"))
+}
+
+// TestSlowBodyIsRequestTimeout: a body that trickles in is cut at the body
+// timeout with 408 in the envelope, and the message names no address.
+func TestSlowBodyIsRequestTimeout(t *testing.T) {
+	t.Parallel()
+	b := setupWith(t, options{server: func(c *server.Config) { c.BodyTimeout = 200 * time.Millisecond }})
+	conn, err := net.Dial("tcp", strings.TrimPrefix(b.http.URL, "http://"))
+	require.NoError(t, err)
+	defer conn.Close()
+	_, err = fmt.Fprintf(conn, "POST /api/v1/responses HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\":", b.key)
+	require.NoError(t, err)
+	require.NoError(t, conn.SetReadDeadline(time.Now().Add(10*time.Second)))
+	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	require.Equal(t, http.StatusRequestTimeout, resp.StatusCode)
+	var env api.ErrorEnvelope
+	require.NoError(t, json.NewDecoder(resp.Body).Decode(&env))
+	require.Equal(t, api.ErrorCode("REQUEST_TIMEOUT"), env.Error.Code)
+	require.NotContains(t, env.Error.Message, "127.0.0.1")
+	require.NotContains(t, env.Error.Message, "i/o timeout")
+}
+
+// TestDatabaseAwayIsServiceUnavailable pins D12: with PostgreSQL out of
+// reach, requests are 503 SERVICE_UNAVAILABLE with Retry-After, not 500.
+func TestDatabaseAwayIsServiceUnavailable(t *testing.T) {
+	t.Parallel()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	addr := l.Addr().String()
+	require.NoError(t, l.Close())
+	pool, err := pgxpool.New(t.Context(), "postgres://nobody@"+addr+"/none?connect_timeout=2")
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	away := store.New(pool, store.Options{})
+	b := setupWith(t, options{server: func(c *server.Config) {
+		c.Auth, c.Unavailable = away, store.Transient
+	}})
+	for _, path := range []string{"/api/v1/responses", "/api/v1/batch"} {
+		r := b.post(path, b.key, map[string]any{"prompt": "hi", "requests": items(1)})
+		require.Equal(t, http.StatusServiceUnavailable, r.status, path)
+		require.Equal(t, gateway.EServiceUnavailable, r.errorCode(t))
+		require.NotEmpty(t, r.header.Get("Retry-After"))
+		require.NotContains(t, r.message(t), addr)
+	}
+}
+
+// TestMetricsCannotBeGrownByCallers: unauthenticated requests with made-up
+// methods and paths all land in one series (D11).
+func TestMetricsCannotBeGrownByCallers(t *testing.T) {
+	t.Parallel()
+	m := metrics.New()
+	b := setupWith(t, options{server: func(c *server.Config) { c.Metrics = m }})
+	for i := range 50 {
+		req, err := http.NewRequest(fmt.Sprintf("M%dETHOD", i), fmt.Sprintf("%s/nowhere/%d", b.http.URL, i), nil)
+		require.NoError(t, err)
+		resp, err := http.DefaultClient.Do(req)
+		require.NoError(t, err)
+		resp.Body.Close()
+	}
+	rec := httptest.NewRecorder()
+	m.Handler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil))
+	series := 0
+	for _, l := range strings.Split(rec.Body.String(), "\n") {
+		if strings.HasPrefix(l, "gateway_http_requests_total{") {
+			series++
+			require.Contains(t, l, `method="other",route="other"`)
+		}
+	}
+	require.Equal(t, 1, series)
+}
