@@ -40,6 +40,7 @@ type Config struct {
 	MetricsListen     string        `env:"GATEWAY_METRICS_LISTEN" envDefault:":9090"`
 	ShutdownGrace     time.Duration `env:"GATEWAY_SHUTDOWN_GRACE" envDefault:"30s"`
 	BodyTimeout       time.Duration `env:"GATEWAY_BODY_TIMEOUT" envDefault:"30s"`
+	DrainDelay        time.Duration `env:"GATEWAY_DRAIN_DELAY" envDefault:"5s"`
 	CORSOrigins       []string      `env:"GATEWAY_CORS_ORIGINS" envSeparator:","`
 }
 
@@ -66,6 +67,9 @@ func Load() (Config, error) {
 	}
 	if cfg.ShutdownGrace <= 0 {
 		return Config{}, fmt.Errorf("GATEWAY_SHUTDOWN_GRACE must be positive")
+	}
+	if cfg.DrainDelay < 0 {
+		return Config{}, fmt.Errorf("GATEWAY_DRAIN_DELAY must not be negative")
 	}
 	if cfg.BodyTimeout <= 0 {
 		return Config{}, fmt.Errorf("GATEWAY_BODY_TIMEOUT must be positive")

@@ -35,6 +35,21 @@ type Ledger interface {
 // held before recovery presumes its replica dead and releases it.
 const DefaultReservationLease = 15 * time.Minute
 
+// DefaultSettleWindow is how long a finished request retries its settlement
+// while the database is away (a restart takes a second or two) before it gives
+// up, answers SERVICE_UNAVAILABLE and bills nothing.
+const DefaultSettleWindow = 10 * time.Second
+
+// ErrShutdown is the cause with which the server cancels calls still running
+// when its shutdown grace ends: they end as an upstream failure would, with
+// what was produced billed and the caller told (decisions D12).
+var ErrShutdown = errors.New("the gateway is shutting down")
+
+// ErrCallerGone marks a stream the caller abandoned: nobody reads its reply.
+var ErrCallerGone = errors.New("the caller went away")
+
+const retryMin = 100 * time.Millisecond
+
 // Service runs interactive requests.
 type Service struct {
 	Provider  upstream.Provider
@@ -48,6 +63,12 @@ type Service struct {
 	// ReservationLease bounds how long a reservation outlives a dead replica;
 	// zero means DefaultReservationLease.
 	ReservationLease time.Duration
+	// SettleWindow bounds the retries of a settlement while the database is
+	// away; zero means DefaultSettleWindow.
+	SettleWindow time.Duration
+	// Unavailable reports whether an error means the database is away for the
+	// moment (worth retrying); nil means never.
+	Unavailable func(error) bool
 	// Logger reports failures that do not change the reply.
 	Logger *slog.Logger
 	// Metrics, when set, records upstream calls, rungs and refusals.
@@ -144,19 +165,24 @@ func (s *Service) Complete(ctx context.Context, call *Call) (*Result, error) {
 	res, err := s.Provider.Complete(ctx, s.upstreamRequest(call))
 	s.Metrics.Upstream(string(call.Request.Model), upstream.Kind(err), time.Since(start))
 	if err != nil {
-		s.release(ctx, call)
+		s.release(call)
 		return nil, s.upstreamError(ctx, err)
 	}
 	return s.settle(ctx, call, res, false)
 }
 
 // Stream runs an admitted call upstream, passing each piece of output to emit, and commits
-// the usage before returning. Three outcomes:
+// the usage before returning. Four outcomes:
 //   - success: the committed result, nil;
 //   - failure before any output: nil, INFERENCE_BUSY (nothing billed);
-//   - failure after output, or the caller gone (emit failed or ctx ended): the
-//     committed result of what was produced, and the error (INFERENCE_BUSY for
-//     an upstream failure).
+//   - failure after output (the upstream's, or the server's shutdown): the
+//     committed result of what was produced, and INFERENCE_BUSY;
+//   - the caller gone (emit failed or ctx ended): the committed result and
+//     ErrCallerGone.
+//
+// When the settlement itself fails, nothing is billed and the result, with zero
+// usage, comes with the settlement's error: the caller is told it was not
+// billed (decisions D12: never billed without being sent the usage).
 func (s *Service) Stream(ctx context.Context, call *Call, emit func(upstream.Delta) error) (*Result, error) {
 	started := false
 	start := time.Now()
@@ -165,22 +191,26 @@ func (s *Service) Stream(ctx context.Context, call *Call, emit func(upstream.Del
 		return emit(d)
 	})
 	s.Metrics.Upstream(string(call.Request.Model), upstream.Kind(err), time.Since(start))
-	if err == nil {
-		return s.settle(ctx, call, res, false)
-	}
-	if !started {
-		s.release(ctx, call)
+	if err != nil && !started {
+		s.release(call)
 		return nil, s.upstreamError(ctx, err)
 	}
-	committed, settleErr := s.settle(ctx, call, res, true)
+	committed, settleErr := s.settle(ctx, call, res, err != nil)
 	if settleErr != nil {
-		return nil, settleErr
+		return s.result(call, upstream.Result{}, gateway.Usage{}), settleErr
 	}
-	if ctx.Err() != nil || !isUpstreamFailure(err) {
-		return committed, fmt.Errorf("stream abandoned by the caller: %w", err)
+	switch {
+	case err == nil:
+		return committed, nil
+	case shuttingDown(ctx):
+		return committed, s.upstreamError(ctx, err)
+	case ctx.Err() != nil || !isUpstreamFailure(err):
+		return committed, fmt.Errorf("%w: %w", ErrCallerGone, err)
 	}
 	return committed, s.upstreamError(ctx, err)
 }
+
+func shuttingDown(ctx context.Context) bool { return errors.Is(context.Cause(ctx), ErrShutdown) }
 
 func (s *Service) upstreamRequest(call *Call) upstream.Request {
 	req := call.Request
@@ -196,13 +226,18 @@ func (s *Service) upstreamRequest(call *Call) upstream.Request {
 
 // settle prices what the upstream produced and commits it with the evidence.
 // The commit survives the caller's cancellation: output produced is billed.
+// While the database is away it retries, for SettleWindow; a settlement that
+// cannot be stored releases the reservation instead (in the background, until
+// the database answers), bills nothing, and is SERVICE_UNAVAILABLE (or
+// INTERNAL when the database refused it).
 func (s *Service) settle(ctx context.Context, call *Call, res upstream.Result, failed bool) (*Result, error) {
 	usage, err := s.Estimator.Actual(call.Request, call.Route.Entry, res)
 	if err != nil {
+		s.release(call)
 		return nil, fmt.Errorf("error pricing usage: %w", err)
 	}
 	completed := time.Now().UTC()
-	err = s.Ledger.Settle(context.WithoutCancel(ctx), gateway.UsageRecord{
+	record := gateway.UsageRecord{
 		RequestID:         call.RequestID,
 		Principal:         call.Principal,
 		Model:             call.Request.Model,
@@ -214,11 +249,25 @@ func (s *Service) settle(ctx context.Context, call *Call, res upstream.Result, f
 		Sources:           res.Sources,
 		Verdict:           res.Verdict,
 		EvidenceExpiresAt: completed.Add(s.EvidenceRetention),
-	})
-	if err != nil {
-		return nil, fmt.Errorf("error committing usage: %w", err)
+	}
+	window := s.SettleWindow
+	if window <= 0 {
+		window = DefaultSettleWindow
+	}
+	if err := s.retry(ctx, window, func(ctx context.Context) error { return s.Ledger.Settle(ctx, record) }); err != nil {
+		s.release(call)
+		if s.unavailable(err) {
+			return nil, &gateway.Error{Code: gateway.EServiceUnavailable, RetryAfter: s.RetryAfter, Cause: err,
+				Message: "the response could not be recorded because the gateway's database is away; nothing was billed, retry later"}
+		}
+		return nil, &gateway.Error{Code: gateway.EInternal, Cause: err, Message: "the response could not be recorded; nothing was billed"}
 	}
 	s.Metrics.Rungs(string(call.Request.Model), string(call.Route.Entry), usage.InputRungs, usage.OutputRungs)
+	return s.result(call, res, usage), nil
+}
+
+// result is the reply of a call whose usage is committed.
+func (s *Service) result(call *Call, res upstream.Result, usage gateway.Usage) *Result {
 	result := &Result{
 		RequestID: call.RequestID,
 		Model:     call.Request.Model,
@@ -232,16 +281,53 @@ func (s *Service) settle(ctx context.Context, call *Call, res upstream.Result, f
 		zero := 0
 		result.RegionsActivated = &zero
 	}
-	return result, nil
+	return result
 }
 
-// release gives back the call's charge and reservation. Should that fail, the
-// reservation's lease runs out and recovery releases it.
-func (s *Service) release(ctx context.Context, call *Call) {
-	if err := s.Ledger.Release(context.WithoutCancel(ctx), call.RequestID); err != nil && s.Logger != nil {
+// release gives back the call's charge and reservation. While the database is
+// away it keeps trying in the background, for up to the reservation's lease
+// (then recovery releases it).
+func (s *Service) release(call *Call) {
+	release := func(ctx context.Context) error { return s.Ledger.Release(ctx, call.RequestID) }
+	err := release(context.Background())
+	if err != nil && s.unavailable(err) {
+		lease := s.ReservationLease
+		if lease <= 0 {
+			lease = DefaultReservationLease
+		}
+		go func() {
+			if err := s.retry(context.Background(), lease, release); err != nil {
+				s.logReleaseError(call, err)
+			}
+		}()
+		return
+	}
+	if err != nil {
+		s.logReleaseError(call, err)
+	}
+}
+
+func (s *Service) logReleaseError(call *Call, err error) {
+	if s.Logger != nil {
 		s.Logger.Warn("error releasing reservation; recovery will release it", "request_id", call.RequestID, "error", err)
 	}
 }
+
+// retry runs fn (whatever ctx's cancellation) until it succeeds, fails for a
+// reason other than the database being away, or window has passed.
+func (s *Service) retry(ctx context.Context, window time.Duration, fn func(context.Context) error) error {
+	ctx = context.WithoutCancel(ctx)
+	deadline := time.Now().Add(window)
+	for backoff := retryMin; ; backoff = min(2*backoff, 2*time.Second) {
+		err := fn(ctx)
+		if err == nil || !s.unavailable(err) || time.Now().Add(backoff).After(deadline) {
+			return err
+		}
+		time.Sleep(backoff)
+	}
+}
+
+func (s *Service) unavailable(err error) bool { return s.Unavailable != nil && s.Unavailable(err) }
 
 func isUpstreamFailure(err error) bool {
 	switch upstream.Kind(err) {
@@ -254,16 +340,20 @@ func isUpstreamFailure(err error) bool {
 // upstreamError turns a provider failure into INFERENCE_BUSY, keeping the
 // upstream's own message when it rejected the request.
 func (s *Service) upstreamError(ctx context.Context, err error) error {
-	if ctx.Err() != nil {
-		return fmt.Errorf("request abandoned by the caller: %w", ctx.Err())
+	if ctx.Err() != nil && !shuttingDown(ctx) {
+		return fmt.Errorf("%w: %w", ErrCallerGone, ctx.Err())
 	}
 	e := &gateway.Error{Code: gateway.EInferenceBusy, RetryAfter: s.RetryAfter, Cause: err}
 	var rejected *upstream.RejectedError
 	switch {
+	case shuttingDown(ctx):
+		e.Message = "the gateway is shutting down; the output so far, if any, is billed; retry"
 	case errors.As(err, &rejected):
 		e.Message = "the inference provider rejected the request: " + rejected.Message
 	case errors.Is(err, upstream.ErrUnavailable):
 		e.Message = "inference is unavailable; retry later"
+	case errors.Is(err, upstream.ErrFailed):
+		e.Message = "the inference request failed; retry later"
 	case errors.Is(err, upstream.ErrStreamBroken):
 		e.Message = "the inference stream broke off; the output so far is billed"
 	default:

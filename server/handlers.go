@@ -41,6 +41,8 @@ func (s *Server) CreateChat(ctx context.Context, req api.CreateChatRequestObject
 func isStream(body *api.ResponseRequest) bool { return body.Stream != nil && *body.Stream }
 
 func (s *Server) respond(ctx context.Context, entry gateway.EntryPoint, body *api.ResponseRequest) (api.ResponseCreatedJSONResponse, error) {
+	ctx, done := s.callContext(ctx)
+	defer done()
 	call, err := s.admit(ctx, entry, body)
 	if err != nil {
 		return api.ResponseCreatedJSONResponse{}, err
@@ -73,8 +75,9 @@ func (s *Server) admit(ctx context.Context, entry gateway.EntryPoint, body *api.
 // stream prepares a streamed request; whatever fails from here on is reported
 // inside the stream, after its 200 head.
 func (s *Server) stream(ctx context.Context, entry gateway.EntryPoint, body *api.ResponseRequest) streamReply {
+	ctx, done := s.callContext(ctx)
 	call, err := s.admit(ctx, entry, body)
-	return streamReply{ctx: ctx, inference: s.inference, metrics: s.metrics, keepalive: s.keepalive, envelope: s.errorEnvelope, call: call, err: err}
+	return streamReply{ctx: ctx, done: done, inference: s.inference, metrics: s.metrics, keepalive: s.keepalive, envelope: s.errorEnvelope, call: call, err: err}
 }
 
 // GetSources implements GET /api/v1/sources/{request_id}.

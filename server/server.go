@@ -89,16 +89,20 @@ const unavailableRetryAfter = 2 * time.Second
 
 // Server serves the public API.
 type Server struct {
-	echo        *echo.Echo
-	auth        Authenticator
-	inference   *inference.Service
-	evidence    EvidenceReader
-	usage       UsageReader
-	batches     BatchCreator
-	batchData   BatchStore
-	ready       ReadinessChecker
-	metrics     *metrics.Metrics
-	draining    atomic.Bool
+	echo      *echo.Echo
+	auth      Authenticator
+	inference *inference.Service
+	evidence  EvidenceReader
+	usage     UsageReader
+	batches   BatchCreator
+	batchData BatchStore
+	ready     ReadinessChecker
+	metrics   *metrics.Metrics
+	draining  atomic.Bool
+	// abort ends with inference.ErrShutdown when the shutdown grace is over:
+	// every upstream call still running is cancelled with that cause.
+	abort       context.Context
+	abortCalls  context.CancelCauseFunc
 	logger      *slog.Logger
 	keepalive   time.Duration
 	unavailable func(error) bool
@@ -155,6 +159,7 @@ func New(cfg Config) (*Server, error) {
 		openAPI:     doc,
 		schema:      schema,
 	}
+	s.abort, s.abortCalls = context.WithCancelCause(context.Background())
 	s.echo.HideBanner = true
 	s.echo.HidePort = true
 	s.echo.HTTPErrorHandler = s.handleError
@@ -211,6 +216,19 @@ func checkRoutes(routes []*echo.Route, policies map[string]openapi.Policy) error
 }
 
 var pathParam = regexp.MustCompile(`\{([^}]+)\}`)
+
+// Abort cancels every upstream call still running, as at the end of the
+// shutdown grace: JSON requests are answered INFERENCE_BUSY, streams end with
+// response.error then response.completed carrying what was billed (D12).
+func (s *Server) Abort() { s.abortCalls(inference.ErrShutdown) }
+
+// callContext is the context of a request's upstream call: ctx, ended also by
+// Abort. The returned func releases it.
+func (s *Server) callContext(ctx context.Context) (context.Context, func()) {
+	ctx, cancel := context.WithCancelCause(ctx)
+	stop := context.AfterFunc(s.abort, func() { cancel(context.Cause(s.abort)) })
+	return ctx, func() { stop(); cancel(nil) }
+}
 
 // ServeHTTP implements http.Handler.
 func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) { s.echo.ServeHTTP(w, r) }

@@ -35,7 +35,7 @@ type scripted struct {
 	calls []upstream.Request
 	// Streams: wait firstDelay before the first piece; break with
 	// ErrStreamBroken after breakAfter pieces; or, with hang, stop after the first
-	// piece until the caller goes away.
+	// piece until the caller goes away (Complete: answer nothing until then).
 	firstDelay time.Duration
 	breakAfter int
 	hang       bool
@@ -80,12 +80,17 @@ func (s *scripted) Stream(ctx context.Context, req upstream.Request, emit func(u
 	return whole, nil
 }
 
-func (s *scripted) Complete(_ context.Context, req upstream.Request) (upstream.Result, error) {
+func (s *scripted) Complete(ctx context.Context, req upstream.Request) (upstream.Result, error) {
 	s.mu.Lock()
-	defer s.mu.Unlock()
 	s.calls = append(s.calls, req)
-	if s.err != nil {
-		return upstream.Result{}, s.err
+	err, hang := s.err, s.hang
+	s.mu.Unlock()
+	if err != nil {
+		return upstream.Result{}, err
+	}
+	if hang {
+		<-ctx.Done()
+		return upstream.Result{}, ctx.Err()
 	}
 	return answer(req), nil
 }

@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"errors"
 	"net/http"
 	"strconv"
 	"time"
@@ -17,7 +18,9 @@ import (
 // goes out before inference starts; every failure after it is a response.error
 // event (interface §6), with the code the JSON path would give.
 type streamReply struct {
+	// ctx is the call's context (see callContext); done releases it.
 	ctx       context.Context
+	done      func()
 	inference *inference.Service
 	metrics   *metrics.Metrics
 	keepalive time.Duration
@@ -35,6 +38,7 @@ func (r streamReply) VisitCreateResponseResponse(w http.ResponseWriter) error { 
 func (r streamReply) VisitCreateChatResponse(w http.ResponseWriter) error { return r.serve(w) }
 
 func (r streamReply) serve(w http.ResponseWriter) error {
+	defer r.done()
 	var estimate int64
 	if r.call != nil {
 		estimate = r.call.Estimate.InputRungs
@@ -68,8 +72,8 @@ func (r streamReply) serve(w http.ResponseWriter) error {
 		return sse.Event(eventError, r.envelope(err))
 	}
 	if err != nil {
-		if gateway.ErrorCodeOf(err) != gateway.EInferenceBusy {
-			return nil // the client went away; its output is billed, nobody is listening
+		if errors.Is(err, inference.ErrCallerGone) {
+			return nil // its output is billed; nobody is listening
 		}
 		if werr := sse.Event(eventError, r.envelope(err)); werr != nil {
 			return nil

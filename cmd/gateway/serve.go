@@ -105,6 +105,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 			Ledger:            st,
 			EvidenceRetention: cfg.EvidenceRetention,
 			RetryAfter:        5 * time.Second,
+			Unavailable:       store.Transient,
 			Logger:            logger,
 			Metrics:           m,
 		},
@@ -166,19 +167,41 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	case <-ctx.Done():
 	}
 
-	logger.Info("shutting down", "grace", cfg.ShutdownGrace.String())
-	srv.Drain()
-	shutdownCtx, cancel := context.WithTimeout(context.Background(), cfg.ShutdownGrace)
-	defer cancel()
-	for _, s := range servers {
-		if err := s.Shutdown(shutdownCtx); err != nil {
-			logger.Warn("requests still open at the end of the grace period; closing them", "error", err)
-			_ = s.Close()
-		}
-	}
+	shutdown(cfg, srv, servers, logger)
 	<-drained
 	logger.Info("gateway stopped")
 	return nil
+}
+
+// finalWindow is how long, past the grace, calls cut at its end have to send
+// their last events before connections are closed.
+const finalWindow = 5 * time.Second
+
+// shutdown stops serving within the grace period plus finalWindow: /readyz
+// answers 503 at once and, for the drain delay (within the grace), the listener
+// still accepts, so load balancers stop sending work first; then the listener
+// closes and requests in flight may finish until the grace ends. Calls still
+// running then are cut (server.Abort): JSON requests get INFERENCE_BUSY and
+// streams response.error then response.completed with what was billed.
+func shutdown(cfg config.Config, srv *server.Server, servers []*http.Server, logger *slog.Logger) {
+	logger.Info("shutting down", "grace", cfg.ShutdownGrace.String(), "drain_delay", cfg.DrainDelay.String())
+	deadline := time.Now().Add(cfg.ShutdownGrace)
+	srv.Drain()
+	time.Sleep(min(cfg.DrainDelay, cfg.ShutdownGrace/2))
+	graceCtx, cancel := context.WithDeadline(context.Background(), deadline)
+	defer cancel()
+	if err := servers[0].Shutdown(graceCtx); err != nil {
+		logger.Warn("requests still open at the end of the grace period; cutting their upstream calls", "error", err)
+		srv.Abort()
+		finalCtx, cancelFinal := context.WithTimeout(context.Background(), finalWindow)
+		defer cancelFinal()
+		if err := servers[0].Shutdown(finalCtx); err != nil {
+			_ = servers[0].Close()
+		}
+	}
+	for _, s := range servers[1:] {
+		_ = s.Close()
+	}
 }
 
 // newHTTPServer applies the server limits: headers must arrive within 10 s and
