@@ -49,7 +49,19 @@ type Server struct {
 	chunkDelay time.Duration
 	breakAfter int
 	hostile    map[string]Hostile
+	slow       map[string]time.Duration
 	calls      []Call
+}
+
+// SetSlow makes every call whose prompt contains marker wait d before it
+// answers (on top of SetDelay).
+func (s *Server) SetSlow(marker string, d time.Duration) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.slow == nil {
+		s.slow = map[string]time.Duration{}
+	}
+	s.slow[marker] = d
 }
 
 // Hostile is a reply an upstream should never send: text the gateway cannot
@@ -182,6 +194,11 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 	for marker, h := range s.hostile {
 		if strings.Contains(call.Prompt, marker) {
 			hostile = &h
+		}
+	}
+	for marker, d := range s.slow {
+		if strings.Contains(call.Prompt, marker) {
+			delay += d
 		}
 	}
 	s.calls = append(s.calls, call)

@@ -1,0 +1,160 @@
+package drainer_test
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/drainer"
+	"github.com/rungworks/gateway/internal/fakeupstream"
+	"github.com/rungworks/gateway/internal/testdb"
+	"github.com/rungworks/gateway/metering"
+	"github.com/rungworks/gateway/store"
+	"github.com/rungworks/gateway/upstream"
+	"github.com/rungworks/gateway/upstream/openai"
+)
+
+func TestMain(m *testing.M) { testdb.Main(m) }
+
+type testBundle struct {
+	ctx       context.Context
+	store     *store.Store
+	fake      *fakeupstream.Server
+	principal *gateway.Principal
+	provider  upstream.Provider
+	estimator *metering.Estimator
+}
+
+func setup(t *testing.T) *testBundle {
+	t.Helper()
+	ctx := context.Background()
+	st := store.New(testdb.New(t), store.Options{})
+	tier := gateway.TierDeveloper
+	token, err := st.CreateKey(ctx, store.CreateKeyParams{Account: "acme", Project: "default", Tier: &tier, Scopes: []gateway.Scope{gateway.ScopeInference}})
+	require.NoError(t, err)
+	p, err := st.Authenticate(ctx, token)
+	require.NoError(t, err)
+	fake := fakeupstream.New()
+	t.Cleanup(fake.Close)
+	tok, err := metering.DefaultTokenizer()
+	require.NoError(t, err)
+	rc, err := metering.NewRateCard(map[gateway.Model]string{"instant": "1", "reasoning": "4", "elements": "2"}, "0.5")
+	require.NoError(t, err)
+	return &testBundle{
+		ctx: ctx, store: st, fake: fake, principal: p,
+		provider:  upstream.Guard(openai.New(openai.Config{BaseURL: fake.BaseURL(), Timeout: 5 * time.Second}), nil),
+		estimator: &metering.Estimator{Tokenizer: tok, RateCard: rc},
+	}
+}
+
+func (b *testBundle) newBatch(t *testing.T, prefix string, n int) uuid.UUID {
+	t.Helper()
+	items := make([]store.NewItem, n)
+	for i := range items {
+		items[i] = store.NewItem{Request: store.ItemRequest{Prompt: fmt.Sprintf("%s %d", prefix, i), Model: gateway.ModelInstant, MaxOutputRungs: 100}, Estimate: 60}
+	}
+	now := time.Now().UTC()
+	res, err := b.store.CreateBatch(b.ctx, store.NewBatch{Principal: b.principal, RequestHash: []byte(prefix), Items: items, CreatedAt: now, ExpiresAt: now.Add(time.Hour)})
+	require.NoError(t, err)
+	return res.BatchID
+}
+
+// run starts a drainer on st until the test ends.
+func (b *testBundle) run(t *testing.T, st drainer.Store, cfg drainer.Config) {
+	t.Helper()
+	cfg.PollInterval, cfg.Grace, cfg.EvidenceRetention = 50*time.Millisecond, time.Second, time.Hour
+	d := drainer.New(cfg, st, b.provider, upstream.DefaultModelMap(), b.estimator, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	ctx, cancel := context.WithCancel(b.ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); d.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+}
+
+func (b *testBundle) items(t *testing.T, id uuid.UUID) []gateway.BatchItem {
+	t.Helper()
+	_, items, err := b.store.BatchResults(b.ctx, b.principal.AccountID, id)
+	require.NoError(t, err)
+	return items
+}
+
+// TestOrphanedClaimRunsOutItsLease: an item leased to a live replica that
+// does not hold it (a claim whose reply it never got) is not renewed by its
+// heartbeat, so the rescuer takes it when its lease runs out (D12), while the
+// items the replica holds are renewed and finish.
+func TestOrphanedClaimRunsOutItsLease(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetSlow("held", 2*time.Second)
+	owner := uuid.Must(uuid.NewV7())
+	orphanBatch := b.newBatch(t, "orphan", 1)
+	// The orphan: leased to owner, as by a claim whose reply was lost.
+	orphan, err := b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: owner, ClaimID: uuid.Must(uuid.NewV7()), Max: 1, PerAccount: 1, Lease: 600 * time.Millisecond})
+	require.NoError(t, err)
+	require.Len(t, orphan, 1)
+	heldBatch := b.newBatch(t, "held", 1)
+	b.run(t, b.store, drainer.Config{Owner: owner, Lease: 600 * time.Millisecond})
+
+	require.Eventually(t, func() bool {
+		_, err := b.store.RescueExpiredLeases(b.ctx, 100)
+		require.NoError(t, err)
+		return b.items(t, orphanBatch)[0].Status == gateway.ItemFailed
+	}, 10*time.Second, 100*time.Millisecond)
+	require.Equal(t, gateway.EInterrupted, b.items(t, orphanBatch)[0].Error.Code)
+	require.Eventually(t, func() bool {
+		_, err := b.store.RescueExpiredLeases(b.ctx, 100)
+		require.NoError(t, err)
+		return b.items(t, heldBatch)[0].Status == gateway.ItemCompleted
+	}, 10*time.Second, 100*time.Millisecond, "a held item outlives three leases: its lease is renewed")
+	require.Len(t, b.fake.Calls(), 1, "the orphan never reached the upstream")
+}
+
+// lossyStore loses the reply of the first claims: they commit, but the
+// drainer sees an error, as when PostgreSQL restarts after the commit.
+type lossyStore struct {
+	*store.Store
+	lose atomic.Int32
+}
+
+func (s *lossyStore) ClaimItems(ctx context.Context, p store.ClaimParams) ([]store.ClaimedItem, error) {
+	items, err := s.Store.ClaimItems(ctx, p)
+	if err == nil && len(items) > 0 && s.lose.Add(-1) >= 0 {
+		return nil, fmt.Errorf("error claiming batch items: %w", io.ErrUnexpectedEOF)
+	}
+	return items, err
+}
+
+// TestLostClaimReplyIsHandedBack: the items of a claim whose reply was lost
+// go back to the queue at once (they were never dispatched) and then run,
+// each exactly once.
+func TestLostClaimReplyIsHandedBack(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	id := b.newBatch(t, "lost", 4)
+	lossy := &lossyStore{Store: b.store}
+	lossy.lose.Store(2)
+	b.run(t, lossy, drainer.Config{Lease: time.Minute})
+	require.Eventually(t, func() bool {
+		for _, it := range b.items(t, id) {
+			if it.Status != gateway.ItemCompleted {
+				return false
+			}
+		}
+		return true
+	}, 20*time.Second, 100*time.Millisecond, "handed back long before the minute-long lease runs out")
+	calls := map[string]int{}
+	for _, c := range b.fake.Calls() {
+		calls[c.Prompt]++
+	}
+	require.Len(t, calls, 4)
+	for p, n := range calls {
+		require.Equal(t, 1, n, p)
+	}
+}

@@ -1,0 +1,221 @@
+package e2e
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway/gen/api"
+	"github.com/rungworks/gateway/internal/fakeupstream"
+	"github.com/rungworks/gateway/pglocal"
+)
+
+// atMostOnce fails t when a prompt with prefix reached the upstream more than once.
+func atMostOnce(t *testing.T, f *fakeupstream.Server, prefix string) {
+	t.Helper()
+	for p, n := range callsPerPrompt(f) {
+		if strings.HasPrefix(p, prefix) {
+			require.LessOrEqual(t, n, 1, "prompt %q reached the upstream %d times", p, n)
+		}
+	}
+}
+
+// TestDispatchedItemsAreNeverRetried pins D12: a timeout or a 5xx after the
+// request was written fails the item INFERENCE_BUSY, once.
+func TestDispatchedItemsAreNeverRetried(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetSlow("slow", 1500*time.Millisecond)
+	g := serve(t, b.db, b.fake.BaseURL(), map[string]string{"GATEWAY_UPSTREAM_TIMEOUT": "1s"})
+	slow := g.createBatch(b.key, prompts("slow", 3))
+	res := g.waitTerminal(b.key, slow.Id.String(), 30*time.Second)
+	require.Equal(t, api.BatchStatus("failed"), res.Status)
+	for _, it := range res.Results {
+		require.Equal(t, api.ErrorCode("INFERENCE_BUSY"), it.Error.Code)
+		require.Equal(t, api.RungUsage{}, it.Usage)
+	}
+
+	b.fake.SetStatus(http.StatusBadGateway)
+	broken := g.createBatch(b.key, prompts("badgateway", 3))
+	res = g.waitTerminal(b.key, broken.Id.String(), 30*time.Second)
+	require.Equal(t, api.BatchStatus("failed"), res.Status)
+	time.Sleep(2 * time.Second) // a retry would show by now
+	for _, prefix := range []string{"slow", "badgateway"} {
+		atMostOnce(t, b.fake, prefix)
+	}
+	require.Len(t, b.fake.Calls(), 6, "each prompt exactly once")
+	settledExactly(t, g, b.key, received{})
+}
+
+// TestCancelDuringAnOutage pins D12: an item handed back while its batch is
+// being cancelled ends cancelled, and no item of a cancelling or cancelled
+// batch is claimed again, even once the upstream is back.
+func TestCancelDuringAnOutage(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetMode(fakeupstream.Down)
+	b.fake.SetDelay(2 * time.Second)
+	g := serve(t, b.db, b.fake.BaseURL(), nil)
+	batch := g.createBatch(b.key, prompts("cancelme", 5))
+	require.Eventually(t, func() bool { return len(b.fake.Calls()) >= 1 }, 10*time.Second, 10*time.Millisecond, "a probe is out")
+	r := g.call(http.MethodPost, "/api/v1/batch/"+batch.Id.String()+"/cancel", b.key, nil)
+	require.Equal(t, http.StatusOK, r.status, string(r.body))
+	res := g.waitTerminal(b.key, batch.Id.String(), 30*time.Second)
+	require.Equal(t, api.BatchStatus("cancelled"), res.Status)
+	for _, it := range res.Results {
+		require.Equal(t, api.BatchItemStatus("cancelled"), it.Status)
+	}
+	before := len(b.fake.Calls())
+	b.fake.SetMode(fakeupstream.OK)
+	b.fake.SetDelay(0)
+	time.Sleep(3 * time.Second)
+	require.Equal(t, before, len(b.fake.Calls()), "nothing of a cancelled batch runs after the outage")
+	require.Equal(t, res, g.results(b.key, batch.Id.String()))
+	settledExactly(t, g, b.key, received{})
+}
+
+// TestBatchStaysQueuedUntilDispatched: while the upstream refuses connections
+// no item is dispatched, so the batch stays queued (interface 3.1), and a
+// cancel leaves no item queued or running.
+func TestBatchStaysQueuedUntilDispatched(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	refused := "http://" + l.Addr().String() + "/v1"
+	require.NoError(t, l.Close())
+	g := serve(t, b.db, refused, nil)
+	batch := g.createBatch(b.key, prompts("refused", 4))
+	time.Sleep(2 * time.Second) // several probes
+	res := g.results(b.key, batch.Id.String())
+	require.Equal(t, api.BatchStatus("queued"), res.Status)
+	r := g.call(http.MethodPost, "/api/v1/batch/"+batch.Id.String()+"/cancel", b.key, nil)
+	require.Equal(t, http.StatusOK, r.status)
+	res = g.waitTerminal(b.key, batch.Id.String(), 30*time.Second)
+	require.Equal(t, api.BatchStatus("cancelled"), res.Status)
+	for _, it := range res.Results {
+		require.Equal(t, api.BatchItemStatus("cancelled"), it.Status)
+	}
+}
+
+// TestShutdownPastGraceRunsNothingTwice pins D12: items still running when the
+// grace ends are INTERRUPTED, not handed to another replica, and every open
+// stream ends with response.error then response.completed carrying what was
+// billed; the usage view equals what clients were sent.
+func TestShutdownPastGraceRunsNothingTwice(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	mustCLI(t, b.db, "limits", "set", "--account", "acme", "--project", "default", "--budget-rungs", "100000000")
+	b.fake.SetSlow("long", 6*time.Second)
+	b.fake.SetChunkDelay(700 * time.Millisecond)
+	env := map[string]string{"GATEWAY_SHUTDOWN_GRACE": "1s", "GATEWAY_DRAIN_CONCURRENCY": "8", "GATEWAY_LEASE": "3s"}
+	victim := serve(t, b.db, b.fake.BaseURL(), env)
+	batch := victim.createBatch(b.key, prompts("long", 6))
+	require.Eventually(t, func() bool { return len(b.fake.Calls()) >= 6 }, 10*time.Second, 10*time.Millisecond, "all in flight at the victim")
+
+	var wg sync.WaitGroup
+	bodies := make([][]byte, 3)
+	for i := range bodies {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			bodies[i] = streamUntilEnd(t, victim, b.key, fmt.Sprintf("a stream that takes its time %d", i))
+		}()
+	}
+	require.Eventually(t, func() bool { return len(b.fake.Calls()) >= 9 }, 10*time.Second, 10*time.Millisecond)
+	time.Sleep(time.Second) // some output is out
+	survivor := serve(t, b.db, b.fake.BaseURL(), env)
+	require.NoError(t, victim.stop())
+	wg.Wait()
+
+	var want received
+	for _, body := range bodies {
+		events := string(body)
+		require.Contains(t, events, "event: response.error", "a stream cut by the shutdown says so")
+		require.Contains(t, events, "INFERENCE_BUSY")
+		require.Less(t, strings.Index(events, "event: response.error"), strings.Index(events, "event: response.completed"))
+		want.add(finalUsage(t, body))
+	}
+	res := survivor.waitTerminal(b.key, batch.Id.String(), 30*time.Second)
+	for _, it := range res.Results {
+		require.Equal(t, api.BatchItemStatus("failed"), it.Status)
+		require.Equal(t, api.ErrorCode("INTERRUPTED"), it.Error.Code)
+	}
+	time.Sleep(2 * time.Second)
+	atMostOnce(t, b.fake, "long")
+	settledExactly(t, survivor, b.key, want)
+}
+
+// streamUntilEnd posts a streamed request and reads its reply to the end.
+func streamUntilEnd(t *testing.T, g *gateway, key, prompt string) []byte {
+	req, err := http.NewRequestWithContext(context.Background(), http.MethodPost, g.base+"/api/v1/responses", strings.NewReader(fmt.Sprintf(`{"prompt": %q, "stream": true}`, prompt)))
+	if err != nil {
+		return nil
+	}
+	req.Header.Set("Authorization", "Bearer "+key)
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return nil
+	}
+	defer resp.Body.Close()
+	var out strings.Builder
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		out.WriteString(sc.Text() + "\n")
+	}
+	return []byte(out.String())
+}
+
+// TestDatabaseRestartIsServiceUnavailable pins D12: while PostgreSQL restarts,
+// requests get 503 SERVICE_UNAVAILABLE with Retry-After, never 500, and the
+// gateway serves again once it is back.
+func TestDatabaseRestartIsServiceUnavailable(t *testing.T) {
+	t.Parallel()
+	parent, err := os.MkdirTemp("", "gateway-pg-restart-")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = os.RemoveAll(parent) })
+	require.NoError(t, os.Chmod(parent, 0o755)) // the postgres user enters it when the tests run as root
+	dir := filepath.Join(parent, "pg")
+	ctx := context.Background()
+	cluster, err := pglocal.Start(ctx, pglocal.Options{Dir: dir})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = cluster.Stop() })
+	require.NoError(t, cluster.CreateDatabase(ctx, "gw"))
+	db := cluster.URL("gw")
+	mustCLI(t, db, "migrate")
+	key := strings.TrimSpace(mustCLI(t, db, "keys", "create", "--account", "acme"))
+	fake := fakeupstream.New()
+	t.Cleanup(fake.Close)
+	g := serve(t, db, fake.BaseURL(), nil)
+	require.Equal(t, http.StatusOK, g.call(http.MethodPost, "/api/v1/responses", key, map[string]any{"prompt": "before"}).status)
+
+	require.NoError(t, cluster.Stop())
+	for range 5 {
+		r := g.call(http.MethodPost, "/api/v1/responses", key, map[string]any{"prompt": "during"})
+		require.Equal(t, http.StatusServiceUnavailable, r.status, string(r.body))
+		require.Equal(t, "SERVICE_UNAVAILABLE", r.code(t))
+		require.NotEmpty(t, r.header.Get("Retry-After"))
+		r = g.call(http.MethodGet, "/api/v1/usage", key, nil)
+		require.Equal(t, http.StatusServiceUnavailable, r.status, string(r.body))
+	}
+	cluster, err = pglocal.Start(ctx, pglocal.Options{Dir: dir, Port: cluster.Port()})
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		return g.call(http.MethodPost, "/api/v1/responses", key, map[string]any{"prompt": "after"}).status == http.StatusOK
+	}, 30*time.Second, 200*time.Millisecond)
+	var v api.UsageView
+	require.NoError(t, json.Unmarshal(g.call(http.MethodGet, "/api/v1/usage", key, nil).body, &v))
+	require.Positive(t, v.Totals.Requests)
+}
