@@ -5,7 +5,7 @@ TOOLS := $(GO) tool -modfile=tools.mod
 # cluster (unless TEST_DATABASE_URL or DATABASE_URL is already set).
 WITH_PG := $(GO) run ./internal/testdb/testpg
 
-.PHONY: all generate check-generated build run test lint bench clean
+.PHONY: all generate check-generated build run test fuzz lint bench clean
 
 all: build
 
@@ -31,6 +31,15 @@ run: build
 ## test: every test, on a real PostgreSQL
 test:
 	$(WITH_PG) $(GO) test -race -count=1 ./...
+
+## fuzz: each fuzz target for FUZZTIME (request decoding, upstream replies and streams)
+FUZZTIME ?= 5s
+fuzz:
+	$(GO) test -run '^$$' -fuzz '^FuzzBind$$' -fuzztime $(FUZZTIME) ./server
+	$(GO) test -run '^$$' -fuzz '^FuzzExactFieldNames$$' -fuzztime $(FUZZTIME) ./server
+	$(GO) test -run '^$$' -fuzz '^FuzzParseCompletion$$' -fuzztime $(FUZZTIME) ./upstream/openai
+	$(GO) test -run '^$$' -fuzz '^FuzzReadStream$$' -fuzztime $(FUZZTIME) ./upstream/openai
+	$(GO) test -run '^$$' -fuzz '^FuzzPrice$$' -fuzztime $(FUZZTIME) ./metering
 
 ## lint: go vet, gofmt and the OpenAPI lint
 lint:

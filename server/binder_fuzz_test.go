@@ -1,0 +1,92 @@
+package server
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"net/http/httptest"
+	"reflect"
+	"strings"
+	"testing"
+
+	"github.com/labstack/echo/v4"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/gen/api"
+)
+
+// FuzzBind feeds arbitrary bodies to the request decoder: it never panics,
+// every refusal is a domain error (the contract's envelope, never a parser's
+// text), and no field is ever filled from a name that differs from it in case.
+func FuzzBind(f *testing.F) {
+	for _, seed := range []string{
+		`{"prompt":"hi"}`, `{"prompt":"","Prompt":"hi"}`, `{"prompt":"hi","Stream":true}`,
+		`{"requests":[{"prompt":"a","PROMPT":"b"}]}`, `{"\u0050rompt":"x","prompt":"y"}`, `{"ſtream":true,"prompt":"p"}`,
+		`{"prompt":1}`, `[]`, `{"prompt":"a"} {}`, `{"max_output_rungs":-1,"prompt":"x"}`, `{"prompt":"a\u0000b"}`, "",
+	} {
+		f.Add([]byte(seed), false)
+		f.Add([]byte(seed), true)
+	}
+	f.Fuzz(func(t *testing.T, body []byte, batch bool) {
+		var target any = &api.ResponseRequest{}
+		if batch {
+			target = &api.BatchRequest{}
+		}
+		req := httptest.NewRequest("POST", "/api/v1/responses", bytes.NewReader(body))
+		req.Header.Set("Content-Type", "application/json")
+		c := echo.New().NewContext(req, httptest.NewRecorder())
+		err := jsonBinder{}.Bind(target, c)
+		var e *gateway.Error
+		if err != nil {
+			if !errors.As(err, &e) {
+				t.Fatalf("a refusal that is not a domain error: %v", err)
+			}
+			for _, leak := range []string{"json:", "Go ", "reflect", "struct"} {
+				if strings.Contains(e.Message, leak) {
+					t.Fatalf("message leaks internals: %q", e.Message)
+				}
+			}
+			return
+		}
+		if !batch {
+			checkExactNames(t, body, target.(*api.ResponseRequest))
+		}
+	})
+}
+
+// checkExactNames: the prompt is what the body holds under the exact name
+// "prompt" (the last one, as JSON decoders take it), and nothing else.
+func checkExactNames(t *testing.T, body []byte, got *api.ResponseRequest) {
+	t.Helper()
+	var raw map[string]json.RawMessage
+	if json.Unmarshal(body, &raw) != nil {
+		return
+	}
+	var want string
+	if v, ok := raw["prompt"]; ok {
+		_ = json.Unmarshal(v, &want)
+	}
+	if got.Prompt != want {
+		t.Fatalf("prompt %q, want %q from %q", got.Prompt, want, body)
+	}
+}
+
+// FuzzExactFieldNames: rewriting keys keeps a valid body valid, changes
+// nothing else, and leaves no key that folds to a field name without being it.
+func FuzzExactFieldNames(f *testing.F) {
+	for _, seed := range []string{`{"Prompt":"x"}`, `{"a":{"MODEL":[1,{"Stream":2}]}}`, `{"\u0070ROMPT":1}`, `[{"Prompt":{}}]`, `{"":""}`} {
+		f.Add([]byte(seed))
+	}
+	names := fieldNames(reflect.TypeOf(&api.BatchRequest{}))
+	f.Fuzz(func(t *testing.T, body []byte) {
+		valid := json.Valid(body)
+		out := append([]byte(nil), body...)
+		exactFieldNames(out, names)
+		if json.Valid(out) != valid {
+			t.Fatalf("validity changed: %q -> %q", body, out)
+		}
+		if len(out) != len(body) {
+			t.Fatalf("length changed")
+		}
+	})
+}

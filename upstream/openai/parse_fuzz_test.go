@@ -1,0 +1,65 @@
+package openai
+
+import (
+	"bytes"
+	"strings"
+	"testing"
+
+	"github.com/rungworks/gateway/upstream"
+)
+
+// FuzzParseCompletion feeds arbitrary bodies to the completion parser: it
+// never panics, and anything it cannot use is a failure after dispatch.
+func FuzzParseCompletion(f *testing.F) {
+	for _, seed := range []string{
+		`{"choices":[{"message":{"content":"hi","annotations":[{"type":"url_citation","url_citation":{"url":"u","title":"t","start_index":0,"end_index":2}}]}}],"usage":{"prompt_tokens":3,"completion_tokens":1}}`,
+		`{"choices":[{"message":{"content":"a\u0000b"}}],"usage":{"prompt_tokens":18446744073709551615,"completion_tokens":4611686018427387904}}`,
+		`{"choices":[{"message":{"content":"x","annotations":[{"type":"url_citation","url_citation":{"url":"u","start_index":5,"end_index":1}}]}}],"usage":{}}`,
+		`{"choices":[]}`, `{}`, `null`, `[`, ``,
+	} {
+		f.Add([]byte(seed))
+	}
+	f.Fuzz(func(t *testing.T, raw []byte) {
+		res, err := parseCompletion(raw)
+		if err != nil {
+			if Kind := upstream.Kind(err); Kind != "failed" {
+				t.Fatalf("a bad reply is %q, not a failure after dispatch: %v", Kind, err)
+			}
+			return
+		}
+		for _, s := range res.Sources {
+			if s.URL == "" {
+				t.Fatalf("a source without a url: %+v", s)
+			}
+		}
+	})
+}
+
+// FuzzReadStream feeds arbitrary event streams to the stream parser: it never
+// panics, never reads past a line limit, and what it returns is exactly what
+// it emitted.
+func FuzzReadStream(f *testing.F) {
+	for _, seed := range []string{
+		"data: {\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\ndata: {\"choices\":[{\"delta\":{\"content\":\"hi \"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":2,\"completion_tokens\":1}}\n\ndata: [DONE]\n\n",
+		"data: {\"choices\":[{\"delta\":{\"content\":\"a\\u0000b\"}}]}\n\ndata: [DONE]",
+		"data: {\"error\":{\"message\":\"overloaded\"}}\n\n",
+		": comment\nevent: x\ndata:[DONE]\r\n",
+		"data: {\"choices\":[{\"delta\":{\"annotations\":[{\"type\":\"url_citation\",\"url_citation\":{\"url\":\"u\",\"title\":\"t\"}}]}}]}\n",
+		"data: {not json}\n", "data: ", "",
+	} {
+		f.Add([]byte(seed))
+	}
+	f.Fuzz(func(t *testing.T, raw []byte) {
+		var emitted strings.Builder
+		res, err := readStream(bytes.NewReader(raw), func() {}, func(d upstream.Delta) error {
+			emitted.WriteString(d.Content)
+			return nil
+		})
+		if emitted.String() != res.Content {
+			t.Fatalf("returned %q but emitted %q", res.Content, emitted.String())
+		}
+		if err == nil && !bytes.Contains(raw, doneMarker) {
+			t.Fatalf("a stream without [DONE] succeeded")
+		}
+	})
+}
