@@ -104,3 +104,21 @@ func TestRollingRestartLosesNothing(t *testing.T) {
 		}
 	}
 }
+
+// TestReadyzDrainsBeforeTheListenerCloses: from SIGTERM, /readyz answers 503
+// while the replica still serves, for the drain delay, so a load balancer
+// stops sending work before connections are refused.
+func TestReadyzDrainsBeforeTheListenerCloses(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	g := serve(t, b.db, b.fake.BaseURL(), map[string]string{"GATEWAY_DRAIN_DELAY": "3s"})
+	require.Equal(t, http.StatusOK, g.call(http.MethodGet, "/readyz", "", nil).status)
+	require.NoError(t, g.cmd.Process.Signal(syscall.SIGTERM))
+	require.Eventually(t, func() bool {
+		return g.call(http.MethodGet, "/readyz", "", nil).status == http.StatusServiceUnavailable
+	}, 2*time.Second, 20*time.Millisecond)
+	r := g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "still served"})
+	require.Equal(t, http.StatusOK, r.status, "the listener is open during the drain delay")
+	require.NoError(t, <-g.done)
+	g.done <- nil
+}
