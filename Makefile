@@ -40,6 +40,7 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzParseCompletion$$' -fuzztime $(FUZZTIME) ./upstream/openai
 	$(GO) test -run '^$$' -fuzz '^FuzzReadStream$$' -fuzztime $(FUZZTIME) ./upstream/openai
 	$(GO) test -run '^$$' -fuzz '^FuzzPrice$$' -fuzztime $(FUZZTIME) ./metering
+	$(GO) test -run '^$$' -fuzz '^FuzzCounterMatchesTheCodec$$' -fuzztime $(FUZZTIME) ./metering
 
 ## lint: go vet, gofmt and the OpenAPI lint
 lint:

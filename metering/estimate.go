@@ -14,6 +14,7 @@ import (
 // Tokenizer counts tokens with the o200k_base vocabulary, compiled into the binary.
 type Tokenizer struct {
 	codec tokenizer.Codec
+	fast  *counter
 }
 
 var (
@@ -30,7 +31,7 @@ func DefaultTokenizer() (*Tokenizer, error) {
 			defaultTokenizerErr = fmt.Errorf("error loading o200k_base vocabulary: %w", err)
 			return
 		}
-		defaultTokenizer = &Tokenizer{codec: codec}
+		defaultTokenizer = &Tokenizer{codec: codec, fast: newCounter(codec)}
 	})
 	return defaultTokenizer, defaultTokenizerErr
 }
@@ -93,6 +94,9 @@ func past(n, limit uint64) uint64 {
 func (t *Tokenizer) count(s string) uint64 {
 	if s == "" {
 		return 0
+	}
+	if utf8.ValidString(s) {
+		return t.fast.count(s)
 	}
 	n, err := t.codec.Count(s)
 	if err != nil {

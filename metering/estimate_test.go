@@ -25,6 +25,34 @@ var adversarial = map[string]string{
 	"tabs":       strings.Repeat(" \t", gateway.MaxPromptBytes/2),
 	"prose":      strings.Repeat("The quick brown fox jumps over the lazy dog, said Tom. ", gateway.MaxPromptBytes/55),
 	"random":     randomText(gateway.MaxPromptBytes),
+	"words":      randomWords(gateway.MaxPromptBytes),
+}
+
+// randomWords is text of common words in an order that never repeats a segment.
+func randomWords(n int) string {
+	words := strings.Fields(`the of and to in is that for it as was with be by on not he this are or his from at which
+		but have an they you were her she there would their we him been has when who will more no if out so said what up
+		its about into than them can only other new some could time these two may then do first any my now such like our
+		over man me even most made after also did many before must through back years where much your way well down should
+		because each just those people Mr how too little state good very make world still own see men work long get here
+		between both life being under never day same another know while last might us great old year off come since against
+		go came right used take three gateway metering rungs budget ceiling replica stream batch upstream PostgreSQL ledger`)
+	rng := rand.New(rand.NewPCG(3, 4))
+	var b strings.Builder
+	for b.Len() < n-16 {
+		b.WriteString(words[rng.IntN(len(words))])
+		switch rng.IntN(12) {
+		case 0:
+			b.WriteString(". ")
+		case 1:
+			b.WriteString(", ")
+		case 2:
+			b.WriteString("\n")
+		default:
+			b.WriteByte(' ')
+		}
+	}
+	return b.String()
 }
 
 // randomText is text that never repeats a segment: words of random letters,
@@ -127,16 +155,34 @@ func TestActualClampsUpstreamCounts(t *testing.T) {
 
 // BenchmarkEstimateAdversarial prices the slowest prompts the API accepts; each
 // must cost a few milliseconds at most (see docs/benchmarks.md).
+// BenchmarkCountReference counts the same prompts with the library's codec,
+// for a same-run comparison.
 func BenchmarkEstimateAdversarial(b *testing.B) {
 	tok, err := metering.DefaultTokenizer()
 	require.NoError(b, err)
 	est := &metering.Estimator{Tokenizer: tok, RateCard: defaultCard(b)}
-	for _, name := range []string{"prose", "random", "whitespace", "newlines", "one word", "emoji", "digits", "tabs"} {
+	for _, name := range []string{"prose", "words", "random", "whitespace", "newlines", "one word", "emoji", "digits", "tabs"} {
 		req := gateway.Request{Prompt: adversarial[name], Model: gateway.ModelInstant, MaxOutputRungs: 32000}
 		b.Run(strings.ReplaceAll(name, " ", "_"), func(b *testing.B) {
 			b.SetBytes(int64(len(req.Prompt)))
 			for b.Loop() {
 				if _, err := est.Estimate(req, gateway.EntryBatch); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
+func BenchmarkCountReference(b *testing.B) {
+	codec, err := tokenizer.Get(tokenizer.O200kBase)
+	require.NoError(b, err)
+	for _, name := range []string{"prose", "words", "random", "whitespace", "newlines", "one word", "emoji", "digits", "tabs"} {
+		text := adversarial[name]
+		b.Run(strings.ReplaceAll(name, " ", "_"), func(b *testing.B) {
+			b.SetBytes(int64(len(text)))
+			for b.Loop() {
+				if _, err := codec.Count(text); err != nil {
 					b.Fatal(err)
 				}
 			}

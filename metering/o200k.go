@@ -1,0 +1,264 @@
+package metering
+
+import (
+	"unicode"
+	"unicode/utf8"
+
+	"github.com/tiktoken-go/tokenizer"
+)
+
+// counter counts o200k_base tokens without a regular-expression engine: a
+// hand-written scanner splits text exactly as the vocabulary's pre-tokenizer
+// pattern does,
+//
+//	[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?
+//	|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?
+//	|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+
+//
+// with that pattern's backtracking semantics, and each piece is merged by
+// byte-pair ranks taken from the library's vocabulary. The library's codec is
+// the reference (TestCounterMatchesTheCodec, FuzzCounterMatchesTheCodec) and
+// counts the rare long piece itself.
+type counter struct {
+	ranks map[string]uint32
+	codec tokenizer.Codec
+}
+
+// maxMergeBytes bounds the pieces the counter merges itself; a longer piece
+// (a long run) is counted by the codec, whose merge is O(n log n).
+const maxMergeBytes = 256
+
+// newCounter reads the ranks of every token of codec.
+func newCounter(codec tokenizer.Codec) *counter {
+	c := &counter{ranks: make(map[string]uint32, 200_000), codec: codec}
+	for id := uint(0); id < 200_000; id++ {
+		if piece, err := codec.Decode([]uint{id}); err == nil {
+			c.ranks[piece] = uint32(id)
+		}
+	}
+	return c
+}
+
+// count returns the number of tokens of s, which must be valid UTF-8.
+func (c *counter) count(s string) uint64 {
+	var n uint64
+	for p := 0; p < len(s); {
+		end := nextPiece(s, p)
+		n += c.pieceTokens(s[p:end])
+		p = end
+	}
+	return n
+}
+
+// pieceTokens merges one piece by byte-pair ranks and counts the parts.
+func (c *counter) pieceTokens(piece string) uint64 {
+	if _, ok := c.ranks[piece]; ok {
+		return 1
+	}
+	if len(piece) > maxMergeBytes {
+		n, err := c.codec.Count(piece)
+		if err != nil {
+			return uint64(len(piece))
+		}
+		return uint64(n)
+	}
+	const none = ^uint32(0)
+	type part struct {
+		start int
+		rank  uint32
+	}
+	var buf [maxMergeBytes + 1]part
+	parts := buf[:0]
+	rank := func(parts []part, i int) uint32 {
+		if i+2 < len(parts) {
+			if r, ok := c.ranks[piece[parts[i].start:parts[i+2].start]]; ok {
+				return r
+			}
+		}
+		return none
+	}
+	for i := range len(piece) + 1 {
+		parts = append(parts, part{start: i, rank: none})
+	}
+	for i := range len(parts) - 2 {
+		parts[i].rank = rank(parts, i)
+	}
+	for {
+		best, at := none, -1
+		for i, p := range parts[:len(parts)-1] {
+			if p.rank < best {
+				best, at = p.rank, i
+			}
+		}
+		if at < 0 {
+			return uint64(len(parts) - 1)
+		}
+		parts = append(parts[:at+1], parts[at+2:]...)
+		parts[at].rank = rank(parts, at)
+		if at > 0 {
+			parts[at-1].rank = rank(parts, at-1)
+		}
+	}
+}
+
+// nextPiece returns where the pre-tokenizer's piece starting at p ends: the
+// alternatives of the pattern tried in order, each with its backtracking.
+func nextPiece(s string, p int) int {
+	if end, ok := letters(s, p, true); ok {
+		return end
+	}
+	if end, ok := letters(s, p, false); ok {
+		return end
+	}
+	r, size := utf8.DecodeRuneInString(s[p:])
+	if isNumber(r) { // \p{N}{1,3}
+		end := p + size
+		for k := 1; k < 3 && end < len(s); k++ {
+			r, size := utf8.DecodeRuneInString(s[end:])
+			if !isNumber(r) {
+				break
+			}
+			end += size
+		}
+		return end
+	}
+	// ` ?[^\s\p{L}\p{N}]+[\r\n/]*`, its space atomic.
+	q := p
+	if r == ' ' {
+		q++
+	}
+	if end := runOf(s, q, isPunct); end > q {
+		for end < len(s) && (s[end] == '\r' || s[end] == '\n' || s[end] == '/') {
+			end++
+		}
+		return end
+	}
+	// Whitespace: the run [p, e). \s*[\r\n]+ ends after the line breaks that
+	// follow the run's first one: the vocabulary's reference implementation
+	// backtracks \s* to the first line break (where PCRE would take the last),
+	// and the counts here are to be the reference's.
+	e := runOf(s, p, unicode.IsSpace)
+	for k := p; k < e; k++ {
+		if s[k] == '\r' || s[k] == '\n' {
+			for k < len(s) && (s[k] == '\r' || s[k] == '\n') {
+				k++
+			}
+			return k
+		}
+	}
+	if e == len(s) { // \s+(?!\S)
+		return e
+	}
+	if _, last := utf8.DecodeLastRuneInString(s[p:e]); e-last > p {
+		return e - last // the run but its last character, which is followed by \S
+	}
+	return e // \s+
+}
+
+// letters matches the first (upperFirst false: `U*L+`) or second (`U+L*`)
+// letter alternative at p, each tried with and then without its optional
+// leading character, and its optional contraction.
+func letters(s string, p int, lowerRequired bool) (int, bool) {
+	if r, size := utf8.DecodeRuneInString(s[p:]); r != '\r' && r != '\n' && !isLetter(r) && !isNumber(r) {
+		if end, ok := upperLower(s, p+size, lowerRequired); ok {
+			return contraction(s, end), true
+		}
+	}
+	if end, ok := upperLower(s, p, lowerRequired); ok {
+		return contraction(s, end), true
+	}
+	return 0, false
+}
+
+// upperLower matches [\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]* then [\p{Ll}\p{Lm}\p{Lo}\p{M}]+
+// (lowerRequired) or [..]+ then [..]* at start, backtracking as the pattern does.
+func upperLower(s string, start int, lowerRequired bool) (int, bool) {
+	q := runOf(s, start, isUpperish)
+	if !lowerRequired {
+		if q == start {
+			return 0, false
+		}
+		return runOf(s, q, isLowerish), true
+	}
+	if r := runOf(s, q, isLowerish); r > q {
+		return r, true
+	}
+	// Give back characters of the upper run until one can start the lower run.
+	for k := q; k > start; {
+		r, size := utf8.DecodeLastRuneInString(s[start:k])
+		k -= size
+		if isLowerish(r) {
+			return k + size, true
+		}
+	}
+	return 0, false
+}
+
+// contraction matches (?i:'s|'t|'re|'ve|'m|'ll|'d) at p, if there is one.
+func contraction(s string, p int) int {
+	if p >= len(s) || s[p] != '\'' {
+		return p
+	}
+	rest := s[p+1:]
+	r, size := utf8.DecodeRuneInString(rest)
+	switch r {
+	case 's', 'S', 't', 'T', 'ſ', 'm', 'M', 'd', 'D':
+		return p + 1 + size
+	case 'r', 'R', 'v', 'V':
+		if len(rest) > 1 && (rest[1] == 'e' || rest[1] == 'E') {
+			return p + 3
+		}
+	case 'l', 'L':
+		if len(rest) > 1 && (rest[1] == 'l' || rest[1] == 'L') {
+			return p + 3
+		}
+	}
+	return p
+}
+
+// runOf returns the end of the run of runes in set starting at p.
+func runOf(s string, p int, in func(rune) bool) int {
+	for p < len(s) {
+		r, size := utf8.DecodeRuneInString(s[p:])
+		if !in(r) {
+			break
+		}
+		p += size
+	}
+	return p
+}
+
+func isLetter(r rune) bool {
+	if r < utf8.RuneSelf {
+		return r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z'
+	}
+	return unicode.IsLetter(r)
+}
+
+func isNumber(r rune) bool {
+	if r < utf8.RuneSelf {
+		return r >= '0' && r <= '9'
+	}
+	return unicode.IsNumber(r)
+}
+
+// isUpperish is [\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}].
+func isUpperish(r rune) bool {
+	if r < utf8.RuneSelf {
+		return r >= 'A' && r <= 'Z'
+	}
+	return unicode.In(r, unicode.Lu, unicode.Lt, unicode.Lm, unicode.Lo, unicode.M)
+}
+
+// isLowerish is [\p{Ll}\p{Lm}\p{Lo}\p{M}].
+func isLowerish(r rune) bool {
+	if r < utf8.RuneSelf {
+		return r >= 'a' && r <= 'z'
+	}
+	return unicode.In(r, unicode.Ll, unicode.Lm, unicode.Lo, unicode.M)
+}
+
+// isPunct is [^\s\p{L}\p{N}].
+func isPunct(r rune) bool {
+	return !unicode.IsSpace(r) && !isLetter(r) && !isNumber(r)
+}
