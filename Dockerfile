@@ -11,6 +11,6 @@ FROM gcr.io/distroless/static-debian12:nonroot
 COPY --from=build /out/gateway /usr/local/bin/gateway
 USER nonroot:nonroot
 # API and metrics.
-EXPOSE 8080 9090
+EXPOSE 8080 9810
 ENTRYPOINT ["/usr/local/bin/gateway"]
 CMD ["serve"]

@@ -24,9 +24,9 @@ check-generated: generate
 build:
 	$(GO) build -o bin/gateway ./cmd/gateway
 
-## run: the embedded default (private PostgreSQL, simulator, a ready key)
+## run: the embedded default (private PostgreSQL, simulator, a ready key); flags in ARGS, e.g. ARGS="--pg-port 0"
 run: build
-	./bin/gateway dev
+	./bin/gateway dev $(ARGS)
 
 ## test: every test, on a real PostgreSQL
 test:

@@ -147,6 +147,9 @@ func TestCLI(t *testing.T) {
 	require.Error(t, err, "--account is required")
 
 	mustCLI(t, b.db, "limits", "set", "--account", "acme", "--daily-rungs", "5000")
+	_, err = cli(t, b.db, "limits", "set", "--account", "acme", "--project", "research", "--budget-rungs", "100")
+	require.ErrorContains(t, err, `no such project "research"`, "limits never create what they limit")
+	mustCLI(t, b.db, "keys", "create", "--account", "acme", "--project", "research")
 	mustCLI(t, b.db, "limits", "set", "--account", "acme", "--project", "research", "--budget-rungs", "100")
 	_, err = cli(t, b.db, "limits", "set", "--account", "nobody", "--daily-rungs", "1")
 	require.ErrorContains(t, err, "no such account")

@@ -24,6 +24,9 @@ import (
 // ErrNoBinaries says what to install when no PostgreSQL server binaries are found.
 var ErrNoBinaries = errors.New("no PostgreSQL server binaries (initdb, pg_ctl) found on PATH or in /usr/lib/postgresql/*/bin, /usr/local/opt/postgresql*/bin, /opt/homebrew/opt/postgresql*/bin; install PostgreSQL (Debian/Ubuntu: apt-get install postgresql; macOS: brew install postgresql@16) or set DATABASE_URL")
 
+// ErrPortInUse is returned when the cluster's port is taken.
+var ErrPortInUse = errors.New("the PostgreSQL port is in use")
+
 // Options configure a cluster.
 type Options struct {
 	// Dir holds the data folder, the socket and the log.
@@ -96,6 +99,10 @@ func Start(ctx context.Context, opts Options) (*Cluster, error) {
 		if port, err = freePort(); err != nil {
 			return nil, err
 		}
+	} else if l, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", port)); err != nil {
+		return nil, fmt.Errorf("%w: 127.0.0.1:%d", ErrPortInUse, port)
+	} else {
+		_ = l.Close()
 	}
 	c := &Cluster{dir: dir, port: port, bin: bin}
 	if os.Geteuid() == 0 {

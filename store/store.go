@@ -188,13 +188,16 @@ type SetLimitsParams struct {
 // ErrAccountNotFound is returned when setting limits of an unknown account.
 var ErrAccountNotFound = errors.New("no such account")
 
+// ErrProjectNotFound is returned when setting the budget of an unknown project.
+var ErrProjectNotFound = errors.New("no such project")
+
 // SetLimits sets an account's daily rung ceiling and/or a project's budget cap
-// (creating the project on first use).
+// of an existing account and project; a missing one is named in the error.
 func (s *Store) SetLimits(ctx context.Context, p SetLimitsParams) error {
 	return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
 		account, err := s.queries.GetAccountByName(ctx, tx, p.Account)
 		if errors.Is(err, pgx.ErrNoRows) {
-			return ErrAccountNotFound
+			return fmt.Errorf("%w %q (accounts are created with their first key: gateway keys create --account %s)", ErrAccountNotFound, p.Account, p.Account)
 		}
 		if err != nil {
 			return fmt.Errorf("error reading account: %w", err)
@@ -205,9 +208,13 @@ func (s *Store) SetLimits(ctx context.Context, p SetLimitsParams) error {
 			}
 		}
 		if p.BudgetRungs != nil {
-			project, err := s.queries.UpsertProject(ctx, tx, db.UpsertProjectParams{ID: newID(), AccountID: account.ID, Name: p.Project})
+			project, err := s.queries.GetProjectByName(ctx, tx, db.GetProjectByNameParams{AccountID: account.ID, Name: p.Project})
+			if errors.Is(err, pgx.ErrNoRows) {
+				return fmt.Errorf("%w %q in account %q (projects are created with their first key: gateway keys create --account %s --project %s)",
+					ErrProjectNotFound, p.Project, p.Account, p.Account, p.Project)
+			}
 			if err != nil {
-				return fmt.Errorf("error upserting project: %w", err)
+				return fmt.Errorf("error reading project: %w", err)
 			}
 			if _, err := s.queries.SetProjectBudget(ctx, tx, db.SetProjectBudgetParams{ID: project.ID, BudgetCapRungs: p.BudgetRungs}); err != nil {
 				return fmt.Errorf("error setting budget: %w", err)

@@ -159,8 +159,13 @@ func TestSetLimits(t *testing.T) {
 	b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
 	daily, budget := int64(5000), int64(700)
 	require.NoError(t, b.store.SetLimits(b.ctx, store.SetLimitsParams{Account: "acme", DailyRungs: &daily}))
-	require.NoError(t, b.store.SetLimits(b.ctx, store.SetLimitsParams{Account: "acme", Project: "research", BudgetRungs: &budget}))
-	require.ErrorIs(t, b.store.SetLimits(b.ctx, store.SetLimitsParams{Account: "nobody", DailyRungs: &daily}), store.ErrAccountNotFound)
+	require.NoError(t, b.store.SetLimits(b.ctx, store.SetLimitsParams{Account: "acme", Project: "default", BudgetRungs: &budget}))
+	err := b.store.SetLimits(b.ctx, store.SetLimitsParams{Account: "acme", Project: "research", BudgetRungs: &budget})
+	require.ErrorIs(t, err, store.ErrProjectNotFound, "limits never create a project")
+	require.ErrorContains(t, err, `"research"`)
+	err = b.store.SetLimits(b.ctx, store.SetLimitsParams{Account: "nobody", DailyRungs: &daily})
+	require.ErrorIs(t, err, store.ErrAccountNotFound)
+	require.ErrorContains(t, err, `"nobody"`)
 }
 
 func TestMigrateConcurrently(t *testing.T) {

@@ -4,6 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"os"
+	"path/filepath"
 	"strings"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -14,20 +17,46 @@ import (
 	"github.com/rungworks/gateway/store"
 )
 
-// withStore runs fn with a store over DATABASE_URL (no migrations applied).
-func withStore(ctx context.Context, fn func(*store.Store) error) error {
+// databaseHelp is the part of every operator command's help about the database.
+const databaseHelp = `
+The database is DATABASE_URL (postgres://user:password@host:5432/db). When it is
+unset and the current folder holds the data folder of gateway dev (.gateway/),
+the dev database is used (gateway dev must be running).`
+
+// devDataDir is the data folder gateway dev uses by default.
+const devDataDir = ".gateway"
+
+// databaseURLFile names the file in the dev data folder that holds the dev
+// database's connection string, for the operator commands to find.
+const databaseURLFile = "database-url"
+
+// withStore runs fn with a store over DATABASE_URL, or over the dev database
+// when it is unset in a folder holding .gateway/ (no migrations applied).
+func withStore(ctx context.Context, stderr io.Writer, fn func(*store.Store) error) error {
 	cfg, err := config.Load()
 	if err != nil {
 		return err
 	}
+	dev := false
 	if cfg.DatabaseURL == "" {
-		return errors.New("DATABASE_URL is required")
+		raw, err := os.ReadFile(filepath.Join(devDataDir, databaseURLFile))
+		if err != nil {
+			return errors.New("DATABASE_URL is required: set it to your PostgreSQL (postgres://user:password@host:5432/db), or run this in the folder where gateway dev (make run) keeps .gateway/")
+		}
+		cfg.DatabaseURL, dev = strings.TrimSpace(string(raw)), true
+		fmt.Fprintf(stderr, "DATABASE_URL is unset: using the dev database of %s/ (%s)\n", devDataDir, cfg.DatabaseURL)
 	}
 	pool, err := pgxpool.New(ctx, cfg.DatabaseURL)
 	if err != nil {
 		return fmt.Errorf("error connecting to PostgreSQL: %w", err)
 	}
 	defer pool.Close()
+	if err := pool.Ping(ctx); err != nil {
+		if dev {
+			return fmt.Errorf("the dev database does not answer; is gateway dev (make run) running? %w", err)
+		}
+		return fmt.Errorf("error connecting to PostgreSQL (DATABASE_URL): %w", err)
+	}
 	return fn(store.New(pool, store.Options{}))
 }
 
@@ -35,9 +64,10 @@ func migrateCmd() *cobra.Command {
 	return &cobra.Command{
 		Use:   "migrate",
 		Short: "Apply pending migrations and exit",
+		Long:  "Applies pending migrations, under a PostgreSQL advisory lock, and exits.\n" + databaseHelp,
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			return withStore(cmd.Context(), func(st *store.Store) error {
+			return withStore(cmd.Context(), cmd.ErrOrStderr(), func(st *store.Store) error {
 				n, err := store.Migrate(cmd.Context(), st.Pool())
 				if err != nil {
 					return err
@@ -50,13 +80,14 @@ func migrateCmd() *cobra.Command {
 }
 
 func keysCmd() *cobra.Command {
-	keys := &cobra.Command{Use: "keys", Short: "Issue and revoke API keys"}
+	keys := &cobra.Command{Use: "keys", Short: "Issue and revoke API keys", Long: "Issues and revokes API keys.\n" + databaseHelp}
 
 	var p store.CreateKeyParams
 	var tier, scopes string
 	create := &cobra.Command{
 		Use:   "create",
 		Short: "Create a key (account and project are created on first use); prints the key alone",
+		Long:  "Creates a key and prints it alone on stdout (it is shown once). The account and the project are created on first use.\n" + databaseHelp,
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if cmd.Flags().Changed("tier") {
@@ -68,7 +99,7 @@ func keysCmd() *cobra.Command {
 					p.Scopes = append(p.Scopes, gateway.Scope(s))
 				}
 			}
-			return withStore(cmd.Context(), func(st *store.Store) error {
+			return withStore(cmd.Context(), cmd.ErrOrStderr(), func(st *store.Store) error {
 				token, err := st.CreateKey(cmd.Context(), p)
 				if err != nil {
 					return err
@@ -87,9 +118,10 @@ func keysCmd() *cobra.Command {
 	revoke := &cobra.Command{
 		Use:   "revoke KEY_PREFIX_OR_ID",
 		Short: "Revoke a key by its prefix (igw_xxxxxxxx) or id",
+		Long:  "Revokes a key: every replica refuses it from its next request.\n" + databaseHelp,
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			return withStore(cmd.Context(), func(st *store.Store) error {
+			return withStore(cmd.Context(), cmd.ErrOrStderr(), func(st *store.Store) error {
 				if err := st.RevokeKey(cmd.Context(), args[0]); err != nil {
 					return err
 				}
@@ -103,12 +135,13 @@ func keysCmd() *cobra.Command {
 }
 
 func limitsCmd() *cobra.Command {
-	limits := &cobra.Command{Use: "limits", Short: "Set daily rung ceilings and project budgets"}
+	limits := &cobra.Command{Use: "limits", Short: "Set daily rung ceilings and project budgets", Long: "Sets daily rung ceilings and project budgets.\n" + databaseHelp}
 	var p store.SetLimitsParams
 	var daily, budget int64
 	set := &cobra.Command{
 		Use:   "set",
 		Short: "Set an account's daily rung ceiling and/or a project's budget cap",
+		Long:  "Sets an account's daily rung ceiling and/or a project's budget cap. The account and the project must exist (gateway keys create creates them).\n" + databaseHelp,
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if cmd.Flags().Changed("daily-rungs") {
@@ -123,7 +156,7 @@ func limitsCmd() *cobra.Command {
 			if (p.DailyRungs != nil && daily < 0) || (p.BudgetRungs != nil && budget < 0) {
 				return errors.New("limits must not be negative")
 			}
-			return withStore(cmd.Context(), func(st *store.Store) error {
+			return withStore(cmd.Context(), cmd.ErrOrStderr(), func(st *store.Store) error {
 				return st.SetLimits(cmd.Context(), p)
 			})
 		},

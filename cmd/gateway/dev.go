@@ -28,7 +28,15 @@ func devCmd(logger *slog.Logger) *cobra.Command {
 		Long: `dev is the embedded default: without DATABASE_URL it starts a private PostgreSQL
 from the machine's own binaries in the data folder, migrates, creates a developer
 key on first start, prints it with a ready curl line, and serves (with the built-in
-simulator unless GATEWAY_UPSTREAM says otherwise). Running it again reuses the data.`,
+simulator unless GATEWAY_UPSTREAM says otherwise). Running it again reuses the data.
+
+The private database's connection string is printed and saved in the data folder,
+so gateway keys and gateway limits, run in the same folder without DATABASE_URL,
+find it. With DATABASE_URL set, that database is used instead.
+
+Ports: the API listens on GATEWAY_LISTEN (:8080), metrics on
+GATEWAY_METRICS_LISTEN (:9810, or off), PostgreSQL on --pg-port (54329; 0 picks
+any free port). A port in use is reported at once with what moves it.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			cfg, err := config.Load()
@@ -38,6 +46,9 @@ simulator unless GATEWAY_UPSTREAM says otherwise). Running it again reuses the d
 			ctx := cmd.Context()
 			if cfg.DatabaseURL == "" {
 				cluster, err := pglocal.Start(ctx, pglocal.Options{Dir: filepath.Join(dataDir, "postgres"), Port: pgPort, Durable: true})
+				if errors.Is(err, pglocal.ErrPortInUse) {
+					return fmt.Errorf("%w: pass --pg-port N to use another (make run ARGS=\"--pg-port N\"), or --pg-port 0 for any free port", err)
+				}
 				if err != nil {
 					return err
 				}
@@ -50,6 +61,9 @@ simulator unless GATEWAY_UPSTREAM says otherwise). Running it again reuses the d
 					return err
 				}
 				cfg.DatabaseURL = cluster.URL("gateway")
+				if err := os.WriteFile(filepath.Join(dataDir, databaseURLFile), []byte(cfg.DatabaseURL+"\n"), 0o600); err != nil {
+					return fmt.Errorf("error saving the dev database's address: %w", err)
+				}
 			}
 			st, err := openStore(ctx, cfg)
 			if err != nil {
@@ -61,12 +75,12 @@ simulator unless GATEWAY_UPSTREAM says otherwise). Running it again reuses the d
 				return err
 			}
 			return serve(ctx, cfg, st, logger, func(addr string) {
-				printWelcome(cmd.OutOrStdout(), addr, key, cfg.Upstream)
+				printWelcome(cmd.OutOrStdout(), addr, key, cfg.Upstream, cfg.DatabaseURL)
 			})
 		},
 	}
-	cmd.Flags().StringVar(&dataDir, "data", ".gateway", "folder for the private PostgreSQL and the developer key")
-	cmd.Flags().IntVar(&pgPort, "pg-port", 54329, "port of the private PostgreSQL on 127.0.0.1")
+	cmd.Flags().StringVar(&dataDir, "data", devDataDir, "folder for the private PostgreSQL and the developer key")
+	cmd.Flags().IntVar(&pgPort, "pg-port", 54329, "port of the private PostgreSQL on 127.0.0.1; 0 picks any free port")
 	return cmd
 }
 
@@ -98,7 +112,7 @@ func devKey(ctx context.Context, st *store.Store, path string) (string, error) {
 	return token, nil
 }
 
-func printWelcome(w io.Writer, addr, key, upstreamName string) {
+func printWelcome(w io.Writer, addr, key, upstreamName, databaseURL string) {
 	host, port, _ := net.SplitHostPort(addr)
 	if host == "" || host == "::" || host == "0.0.0.0" {
 		host = "127.0.0.1"
@@ -107,6 +121,8 @@ func printWelcome(w io.Writer, addr, key, upstreamName string) {
 	fmt.Fprintf(w, `
 Gateway ready on %s (upstream: %s)
 API key: %s
+Database: %s
+  (gateway keys and gateway limits find it when run here; elsewhere: export DATABASE_URL='%s')
 
 Try it:
   curl -s %s/api/v1/responses \
@@ -115,5 +131,5 @@ Try it:
     -d '{"prompt": "Explain rungs in one sentence.", "web_search": true}'
 
 OpenAPI document: %s/openapi.json   (Ctrl-C stops the gateway and its database)
-`, base, upstreamName, key, base, key, base)
+`, base, upstreamName, key, databaseURL, databaseURL, base, key, base)
 }

@@ -28,6 +28,7 @@ func serveCmd(logger *slog.Logger) *cobra.Command {
 	return &cobra.Command{
 		Use:   "serve",
 		Short: "Run the HTTP server (applies pending migrations first, under a lock)",
+		Long:  "Serves the API and drains batches; applies pending migrations first, under a PostgreSQL advisory lock. Reads DATABASE_URL (required) and the GATEWAY_* variables (see the README).",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			cfg, err := config.Load()
@@ -127,7 +128,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 
 	ln, err := net.Listen("tcp", cfg.Listen)
 	if err != nil {
-		return fmt.Errorf("error listening on %s: %w", cfg.Listen, err)
+		return fmt.Errorf("cannot listen on %s: %w; set GATEWAY_LISTEN to another address (another gateway on this host?)", cfg.Listen, err)
 	}
 	httpServer := newHTTPServer(srv)
 	servers := []*http.Server{httpServer}
@@ -137,7 +138,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 		metricsLn, err := net.Listen("tcp", cfg.MetricsListen)
 		if err != nil {
 			ln.Close()
-			return fmt.Errorf("error listening for metrics on %s: %w", cfg.MetricsListen, err)
+			return fmt.Errorf("cannot listen for metrics on %s: %w; set GATEWAY_METRICS_LISTEN to another address, or off (each replica on a host needs its own)", cfg.MetricsListen, err)
 		}
 		metricsServer := newHTTPServer(m.Handler())
 		servers = append(servers, metricsServer)

@@ -28,6 +28,30 @@ func (q *Queries) GetAccountByName(ctx context.Context, db DBTX, name string) (A
 	return i, err
 }
 
+const getProjectByName = `-- name: GetProjectByName :one
+SELECT id, account_id, name, budget_cap_rungs, created_at, spent_rungs, reserved_rungs FROM projects WHERE account_id = $1 AND name = $2
+`
+
+type GetProjectByNameParams struct {
+	AccountID uuid.UUID
+	Name      string
+}
+
+func (q *Queries) GetProjectByName(ctx context.Context, db DBTX, arg GetProjectByNameParams) (Project, error) {
+	row := db.QueryRow(ctx, getProjectByName, arg.AccountID, arg.Name)
+	var i Project
+	err := row.Scan(
+		&i.ID,
+		&i.AccountID,
+		&i.Name,
+		&i.BudgetCapRungs,
+		&i.CreatedAt,
+		&i.SpentRungs,
+		&i.ReservedRungs,
+	)
+	return i, err
+}
+
 const insertAPIKey = `-- name: InsertAPIKey :one
 INSERT INTO api_keys (id, project_id, prefix, hash, scopes)
 VALUES ($1, $2, $3, $4, $5)

@@ -31,3 +31,6 @@ UPDATE projects SET budget_cap_rungs = @budget_cap_rungs WHERE id = @id;
 
 -- name: GetAccountByName :one
 SELECT * FROM accounts WHERE name = @name;
+
+-- name: GetProjectByName :one
+SELECT * FROM projects WHERE account_id = @account_id AND name = @name;
