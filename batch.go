@@ -159,6 +159,7 @@ type Batch struct {
 	Total       int
 	Completed   int
 	Failed      int
+	Cancelled   int
 	Usage       Usage
 	CreatedAt   time.Time
 	StartedAt   *time.Time

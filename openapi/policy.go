@@ -7,8 +7,8 @@ import (
 )
 
 // Policy is what an operation demands of its caller, read from the document:
-// its security requirements, the x-required-tier extension and the
-// x-max-body-bytes extension.
+// its security requirements, the x-required-scopes, x-required-tier and
+// x-max-body-bytes extensions.
 type Policy struct {
 	OperationID string
 	Method      string
@@ -53,12 +53,12 @@ func Policies() (map[string]Policy, error) {
 				security = s
 			}
 			p.Public = len(security) == 0
-			for _, req := range security {
-				reqMap, _ := req.(map[string]any)
-				scopes, _ := reqMap["bearerAuth"].([]any)
-				for _, sc := range scopes {
-					p.AnyScope = append(p.AnyScope, fmt.Sprint(sc))
-				}
+			scopes, _ := op["x-required-scopes"].([]any)
+			for _, sc := range scopes {
+				p.AnyScope = append(p.AnyScope, fmt.Sprint(sc))
+			}
+			if !p.Public && len(p.AnyScope) == 0 {
+				return nil, fmt.Errorf("operation %s needs a key but declares no x-required-scopes", id)
 			}
 			p.Tier, _ = op["x-required-tier"].(string)
 			if n, ok := op["x-max-body-bytes"].(float64); ok {

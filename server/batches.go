@@ -102,11 +102,14 @@ func (s *Server) ListBatches(ctx context.Context, req api.ListBatchesRequestObje
 			return nil, gateway.Errorf(gateway.EInvalidRequest, "limit must be between 1 and %d", DefaultBatchListLimit)
 		}
 	}
-	batches, err := s.batchData.Batches(ctx, gateway.PrincipalFrom(ctx).AccountID, limit)
+	// One more than asked tells whether more follow.
+	batches, err := s.batchData.Batches(ctx, gateway.PrincipalFrom(ctx).AccountID, req.Params.After, limit+1)
 	if err != nil {
 		return nil, err
 	}
-	body := api.BatchList{Data: make([]api.Batch, len(batches)), HasMore: false}
+	more := len(batches) > limit
+	batches = batches[:min(len(batches), limit)]
+	body := api.BatchList{Data: make([]api.Batch, len(batches)), HasMore: more}
 	for i, b := range batches {
 		body.Data[i] = apiBatch(b)
 	}
@@ -125,7 +128,7 @@ func batchID(raw string) (uuid.UUID, error) {
 func apiBatch(b *gateway.Batch) api.Batch {
 	out := api.Batch{
 		Id: b.ID, Status: api.BatchStatus(b.Status), TotalRequests: b.Total,
-		CompletedRequests: b.Completed, FailedRequests: b.Failed, Usage: rungUsage(b.Usage),
+		CompletedRequests: b.Completed, FailedRequests: b.Failed, CancelledRequests: b.Cancelled, Usage: rungUsage(b.Usage),
 		CreatedAt: b.CreatedAt.UTC(), StartedAt: utc(b.StartedAt), CompletedAt: utc(b.CompletedAt), ExpiresAt: b.ExpiresAt.UTC(),
 	}
 	if b.Error != nil {

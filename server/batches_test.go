@@ -129,6 +129,7 @@ func TestBatchReadsAndCancel(t *testing.T) {
 	require.Equal(t, http.StatusOK, cancelled.status)
 	require.Equal(t, api.BatchStatus("cancelled"), cancelled.batch(t).Status)
 	require.NotNil(t, cancelled.batch(t).CompletedAt)
+	require.Equal(t, cancelled.batch(t).TotalRequests, cancelled.batch(t).CancelledRequests, "every item is counted as cancelled")
 	again := b.do(http.MethodPost, path+"/cancel", b.key, "", nil)
 	require.Equal(t, http.StatusConflict, again.status)
 	require.Equal(t, gateway.EBatchNotCancellable, again.errorCode(t))
@@ -163,4 +164,41 @@ func TestBatchPastDailyCeiling(t *testing.T) {
 	r = b.post("/api/v1/batch", b.key, map[string]any{"requests": items(1)})
 	require.Equal(t, http.StatusTooManyRequests, r.status)
 	require.NotEmpty(t, r.header.Get("Retry-After"), "fits tomorrow")
+}
+
+// TestListBatchesPages: has_more says when older batches follow, and after
+// pages through all of them, newest first, each once.
+func TestListBatchesPages(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	var created []string
+	for range 5 {
+		r := b.post("/api/v1/batch", b.key, map[string]any{"requests": items(1)})
+		require.Equal(t, http.StatusAccepted, r.status)
+		created = append([]string{r.batch(t).Id.String()}, created...) // newest first
+	}
+	var seen []string
+	after := ""
+	for page := 0; ; page++ {
+		path := "/api/v1/batches?limit=2"
+		if after != "" {
+			path += "&after=" + after
+		}
+		r := b.do(http.MethodGet, path, b.key, "", nil)
+		require.Equal(t, http.StatusOK, r.status)
+		var l api.BatchList
+		require.NoError(t, json.Unmarshal(r.body, &l))
+		for _, bt := range l.Data {
+			seen = append(seen, bt.Id.String())
+		}
+		if !l.HasMore {
+			require.Equal(t, 2, page, "pages of 2, 2 and 1")
+			break
+		}
+		after = l.Data[len(l.Data)-1].Id.String()
+	}
+	require.Equal(t, created, seen)
+	r := b.do(http.MethodGet, "/api/v1/batches?after=not-a-uuid", b.key, "", nil)
+	require.Equal(t, http.StatusBadRequest, r.status)
+	require.Contains(t, r.message(t), "parameter after must be a UUID")
 }

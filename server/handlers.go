@@ -69,6 +69,9 @@ func (s *Server) admit(ctx context.Context, entry gateway.EntryPoint, body *api.
 	if err != nil {
 		return nil, err
 	}
+	if id, ok := generatedRequestID(ctx); ok {
+		call.RequestID = id
+	}
 	return call, s.inference.Admit(ctx, call)
 }
 
@@ -210,19 +213,20 @@ func responseBody(res *inference.Result) api.Response {
 			TotalRungs:       res.Usage.TotalRungs,
 			RegionsActivated: res.RegionsActivated,
 		},
-		Route: &api.Route{
+		Route: &api.RouteInfo{
 			RouteId:            res.Route.ID,
-			SelectedEntryPoint: api.RouteSelectedEntryPoint(res.Route.Entry),
-			PrimaryModel:       api.RoutePrimaryModel(res.Route.Primary),
+			SelectedEntryPoint: api.RouteInfoSelectedEntryPoint(res.Route.Entry),
+			PrimaryModel:       api.RouteInfoPrimaryModel(res.Route.Primary),
 			RouteClass:         api.Auto,
 			DecidedAtNs:        res.Route.DecidedAt.UnixNano(),
+			DecidedAt:          res.Route.DecidedAt.UTC(),
 		},
 	}
 	if res.Route.Explicit {
 		body.Route.RouteClass = api.Explicit
 	}
 	if res.Route.EvidenceModel != "" {
-		m := api.RouteEvidenceModel(res.Route.EvidenceModel)
+		m := api.RouteInfoEvidenceModel(res.Route.EvidenceModel)
 		body.Route.EvidenceModel = &m
 	}
 	if res.Verdict != "" {

@@ -1,6 +1,7 @@
 package server
 
 import (
+	"context"
 	"log/slog"
 	"time"
 
@@ -12,7 +13,8 @@ import (
 )
 
 // RequestIDHeader carries a request's id: echoed when the client sends a
-// usable one, generated otherwise.
+// usable one, generated otherwise; a generated one is also the request_id of
+// the response made (body, sources, logs and header agree).
 const RequestIDHeader = "x-request-id"
 
 const maxRequestIDLen = 128
@@ -26,7 +28,10 @@ func (s *Server) observe(next echo.HandlerFunc) echo.HandlerFunc {
 		start := time.Now()
 		id := c.Request().Header.Get(RequestIDHeader)
 		if !usableRequestID(id) {
-			id = uuid.Must(uuid.NewV7()).String()
+			generated := uuid.Must(uuid.NewV7())
+			id = generated.String()
+			// A response made for this request takes this id as its request_id.
+			c.SetRequest(c.Request().WithContext(context.WithValue(c.Request().Context(), generatedIDKey{}, generated)))
 		}
 		c.Response().Header().Set(RequestIDHeader, id)
 		if err := next(c); err != nil {
@@ -53,6 +58,15 @@ func (s *Server) observe(next echo.HandlerFunc) echo.HandlerFunc {
 		s.logger.LogAttrs(c.Request().Context(), slog.LevelInfo, "request", attrs...)
 		return nil
 	}
+}
+
+type generatedIDKey struct{}
+
+// generatedRequestID is the request id observe generated for a request whose
+// client sent none.
+func generatedRequestID(ctx context.Context) (uuid.UUID, bool) {
+	id, ok := ctx.Value(generatedIDKey{}).(uuid.UUID)
+	return id, ok
 }
 
 // usableRequestID accepts short printable ASCII ids.

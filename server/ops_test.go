@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/gen/api"
 	"github.com/rungworks/gateway/internal/syncbuf"
 	"github.com/rungworks/gateway/server"
 	"github.com/rungworks/gateway/upstream"
@@ -107,4 +108,24 @@ func TestCORS(t *testing.T) {
 	h := preflight(on)
 	require.Equal(t, "https://app.example.com", h.Get("Access-Control-Allow-Origin"))
 	require.Contains(t, h.Get("Access-Control-Allow-Headers"), "Authorization")
+}
+
+// TestOneRequestID: without an X-Request-Id from the client, the reply's header
+// and its request_id are the same id (so logs, headers, bodies and the sources
+// endpoint agree); a client's own id is echoed in the header.
+func TestOneRequestID(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	r := b.post("/api/v1/responses", b.key, map[string]any{"prompt": "hi"})
+	require.Equal(t, http.StatusOK, r.status)
+	require.Equal(t, r.header.Get("x-request-id"), r.json(t)["request_id"])
+
+	sr, s := b.stream("/api/v1/responses", map[string]any{"prompt": "hi"})
+	var first api.StreamChunk
+	s.Events[0].Decode(t, &first)
+	require.Equal(t, sr.header.Get("x-request-id"), first.RequestId.String())
+
+	r = b.postWith("/api/v1/responses", b.key, map[string]any{"prompt": "hi"}, http.Header{"X-Request-Id": {"client-chosen-1"}})
+	require.Equal(t, "client-chosen-1", r.header.Get("x-request-id"))
+	require.NotEqual(t, "client-chosen-1", r.json(t)["request_id"], "the body's id is always a UUID")
 }

@@ -47,7 +47,7 @@ type BatchCreator interface {
 // BatchStore reads and cancels an account's batches.
 type BatchStore interface {
 	Batch(ctx context.Context, accountID, id uuid.UUID) (*gateway.Batch, error)
-	Batches(ctx context.Context, accountID uuid.UUID, limit int) ([]*gateway.Batch, error)
+	Batches(ctx context.Context, accountID uuid.UUID, after *uuid.UUID, limit int) ([]*gateway.Batch, error)
 	BatchResults(ctx context.Context, accountID, id uuid.UUID) (*gateway.Batch, []gateway.BatchItem, error)
 	CancelBatch(ctx context.Context, accountID, id uuid.UUID) error
 }

@@ -177,9 +177,10 @@ func (s *Store) Batch(ctx context.Context, accountID, id uuid.UUID) (*gateway.Ba
 	return batchOf(db.ListBatchesRow(row)), nil
 }
 
-// Batches returns the account's most recent batches, newest first.
-func (s *Store) Batches(ctx context.Context, accountID uuid.UUID, limit int) ([]*gateway.Batch, error) {
-	rows, err := s.queries.ListBatches(ctx, s.pool, db.ListBatchesParams{AccountID: accountID, MaxRows: int32(limit)})
+// Batches returns up to limit of the account's batches, newest first, older
+// than the batch after when it is set.
+func (s *Store) Batches(ctx context.Context, accountID uuid.UUID, after *uuid.UUID, limit int) ([]*gateway.Batch, error) {
+	rows, err := s.queries.ListBatches(ctx, s.pool, db.ListBatchesParams{AccountID: accountID, After: after, MaxRows: int32(limit)})
 	if err != nil {
 		return nil, fmt.Errorf("error listing batches: %w", err)
 	}
@@ -193,7 +194,7 @@ func (s *Store) Batches(ctx context.Context, accountID uuid.UUID, limit int) ([]
 func batchOf(r db.ListBatchesRow) *gateway.Batch {
 	b := &gateway.Batch{
 		ID: r.ID, Status: gateway.BatchStatus(r.Status), Total: int(r.TotalRequests),
-		Completed: int(r.CompletedRequests), Failed: int(r.FailedRequests),
+		Completed: int(r.CompletedRequests), Failed: int(r.FailedRequests), Cancelled: int(r.CancelledRequests),
 		Usage:     gateway.Usage{InputRungs: r.InputRungs, OutputRungs: r.OutputRungs, TotalRungs: r.TotalRungs},
 		CreatedAt: r.CreatedAt, StartedAt: r.StartedAt, CompletedAt: r.CompletedAt, ExpiresAt: r.ExpiresAt,
 	}

@@ -102,10 +102,10 @@ func TestCreateBatch(t *testing.T) {
 
 	// Newest first, limited.
 	second := b.newBatch(t, p, 1, 1, "", day())
-	list, err := b.store.Batches(b.ctx, p.AccountID, 50)
+	list, err := b.store.Batches(b.ctx, p.AccountID, nil, 50)
 	require.NoError(t, err)
 	require.Equal(t, []uuid.UUID{second, id}, []uuid.UUID{list[0].ID, list[1].ID})
-	list, err = b.store.Batches(b.ctx, p.AccountID, 1)
+	list, err = b.store.Batches(b.ctx, p.AccountID, nil, 1)
 	require.NoError(t, err)
 	require.Len(t, list, 1)
 }
@@ -117,7 +117,7 @@ func TestCreateBatchPastDailyCeiling(t *testing.T) {
 	b.limits(t, "acme", ptr(int64(100)), nil)
 	_, err := b.store.CreateBatch(b.ctx, b.batchOf(p, 3, 50, "key-1", day()))
 	require.Equal(t, gateway.ERateLimited, gateway.ErrorCodeOf(err))
-	list, err := b.store.Batches(b.ctx, p.AccountID, 50)
+	list, err := b.store.Batches(b.ctx, p.AccountID, nil, 50)
 	require.NoError(t, err)
 	require.Empty(t, list, "nothing is stored")
 	require.Zero(t, b.view(t, p).Daily.Charged)
@@ -157,7 +157,7 @@ func TestIdempotencyKey(t *testing.T) {
 		}
 	}
 	require.Equal(t, 1, created)
-	list, err := b.store.Batches(b.ctx, p.AccountID, 50)
+	list, err := b.store.Batches(b.ctx, p.AccountID, nil, 50)
 	require.NoError(t, err)
 	require.Len(t, list, 1)
 	require.Equal(t, int64(20), b.view(t, p).Daily.Charged, "charged once")

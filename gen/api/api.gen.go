@@ -245,56 +245,56 @@ func (e ResponseModel) Valid() bool {
 	}
 }
 
-// Defines values for RouteEvidenceModel.
+// Defines values for RouteInfoEvidenceModel.
 const (
-	RouteEvidenceModelElements  RouteEvidenceModel = "elements"
-	RouteEvidenceModelInstant   RouteEvidenceModel = "instant"
-	RouteEvidenceModelReasoning RouteEvidenceModel = "reasoning"
+	RouteInfoEvidenceModelElements  RouteInfoEvidenceModel = "elements"
+	RouteInfoEvidenceModelInstant   RouteInfoEvidenceModel = "instant"
+	RouteInfoEvidenceModelReasoning RouteInfoEvidenceModel = "reasoning"
 )
 
-// Valid indicates whether the value is a known member of the RouteEvidenceModel enum.
-func (e RouteEvidenceModel) Valid() bool {
+// Valid indicates whether the value is a known member of the RouteInfoEvidenceModel enum.
+func (e RouteInfoEvidenceModel) Valid() bool {
 	switch e {
-	case RouteEvidenceModelElements:
+	case RouteInfoEvidenceModelElements:
 		return true
-	case RouteEvidenceModelInstant:
+	case RouteInfoEvidenceModelInstant:
 		return true
-	case RouteEvidenceModelReasoning:
+	case RouteInfoEvidenceModelReasoning:
 		return true
 	default:
 		return false
 	}
 }
 
-// Defines values for RoutePrimaryModel.
+// Defines values for RouteInfoPrimaryModel.
 const (
-	RoutePrimaryModelElements  RoutePrimaryModel = "elements"
-	RoutePrimaryModelInstant   RoutePrimaryModel = "instant"
-	RoutePrimaryModelReasoning RoutePrimaryModel = "reasoning"
+	RouteInfoPrimaryModelElements  RouteInfoPrimaryModel = "elements"
+	RouteInfoPrimaryModelInstant   RouteInfoPrimaryModel = "instant"
+	RouteInfoPrimaryModelReasoning RouteInfoPrimaryModel = "reasoning"
 )
 
-// Valid indicates whether the value is a known member of the RoutePrimaryModel enum.
-func (e RoutePrimaryModel) Valid() bool {
+// Valid indicates whether the value is a known member of the RouteInfoPrimaryModel enum.
+func (e RouteInfoPrimaryModel) Valid() bool {
 	switch e {
-	case RoutePrimaryModelElements:
+	case RouteInfoPrimaryModelElements:
 		return true
-	case RoutePrimaryModelInstant:
+	case RouteInfoPrimaryModelInstant:
 		return true
-	case RoutePrimaryModelReasoning:
+	case RouteInfoPrimaryModelReasoning:
 		return true
 	default:
 		return false
 	}
 }
 
-// Defines values for RouteRouteClass.
+// Defines values for RouteInfoRouteClass.
 const (
-	Auto     RouteRouteClass = "auto"
-	Explicit RouteRouteClass = "explicit"
+	Auto     RouteInfoRouteClass = "auto"
+	Explicit RouteInfoRouteClass = "explicit"
 )
 
-// Valid indicates whether the value is a known member of the RouteRouteClass enum.
-func (e RouteRouteClass) Valid() bool {
+// Valid indicates whether the value is a known member of the RouteInfoRouteClass enum.
+func (e RouteInfoRouteClass) Valid() bool {
 	switch e {
 	case Auto:
 		return true
@@ -305,21 +305,21 @@ func (e RouteRouteClass) Valid() bool {
 	}
 }
 
-// Defines values for RouteSelectedEntryPoint.
+// Defines values for RouteInfoSelectedEntryPoint.
 const (
-	RouteSelectedEntryPointBatch     RouteSelectedEntryPoint = "batch"
-	RouteSelectedEntryPointChat      RouteSelectedEntryPoint = "chat"
-	RouteSelectedEntryPointResponses RouteSelectedEntryPoint = "responses"
+	RouteInfoSelectedEntryPointBatch     RouteInfoSelectedEntryPoint = "batch"
+	RouteInfoSelectedEntryPointChat      RouteInfoSelectedEntryPoint = "chat"
+	RouteInfoSelectedEntryPointResponses RouteInfoSelectedEntryPoint = "responses"
 )
 
-// Valid indicates whether the value is a known member of the RouteSelectedEntryPoint enum.
-func (e RouteSelectedEntryPoint) Valid() bool {
+// Valid indicates whether the value is a known member of the RouteInfoSelectedEntryPoint enum.
+func (e RouteInfoSelectedEntryPoint) Valid() bool {
 	switch e {
-	case RouteSelectedEntryPointBatch:
+	case RouteInfoSelectedEntryPointBatch:
 		return true
-	case RouteSelectedEntryPointChat:
+	case RouteInfoSelectedEntryPointChat:
 		return true
-	case RouteSelectedEntryPointResponses:
+	case RouteInfoSelectedEntryPointResponses:
 		return true
 	default:
 		return false
@@ -349,6 +349,11 @@ func (e StreamChunkModel) Valid() bool {
 
 // Batch defines model for Batch.
 type Batch struct {
+	// CancelledRequests Items cancelled before they ran (by a cancel or the end of the window).
+	// `total_requests` = completed + failed + cancelled + those still queued
+	// or in progress.
+	CancelledRequests int `json:"cancelled_requests"`
+
 	// CompletedAt Omitted until the batch is terminal.
 	CompletedAt       *time.Time `json:"completed_at,omitempty"`
 	CompletedRequests int        `json:"completed_requests"`
@@ -379,7 +384,7 @@ type BatchList struct {
 	// Data Newest first.
 	Data []Batch `json:"data"`
 
-	// HasMore Always false (the list is the most recent batches only).
+	// HasMore True when older batches follow; fetch them with `after` set to the last `id` of `data`.
 	HasMore bool `json:"has_more"`
 }
 
@@ -499,8 +504,11 @@ type Response struct {
 	Model     ResponseModel      `json:"model"`
 	RequestId openapi_types.UUID `json:"request_id"`
 
-	// Route Route metadata decided by the gateway, which is the inference edge. Omitted when absent (never null).
-	Route *Route `json:"route,omitempty"`
+	// Route Route metadata decided by the gateway, which is the inference edge (the
+	// `route` field of a response). Omitted when absent (never null). Named
+	// `RouteInfo` so that no client generator's own `Route` type clashes with it;
+	// schema names are not part of the wire format.
+	Route *RouteInfo `json:"route,omitempty"`
 
 	// Sources Evidence entries (possibly empty).
 	Sources []Source `json:"sources"`
@@ -534,10 +542,17 @@ type ResponseRequest struct {
 	// IncludeRegions When true, `usage.regions_activated` is reported (currently always 0); otherwise it is null.
 	IncludeRegions *bool `json:"include_regions,omitempty"`
 
-	// MaxOutputRungs Output ceiling, sent upstream as the token limit. Default and limit per
-	// model: `instant` 32000, `reasoning` 64000, `elements` 64000. 0 or a value
-	// above the selected model's limit is `INVALID_REQUEST`. The accepted value
-	// is used as given for the budget reservation and the daily charge.
+	// MaxOutputRungs Output ceiling, in **tokens**: it is sent upstream as
+	// `max_completion_tokens`, and bounds the output tokens billed (an upstream
+	// that reports more is clamped to it). Rungs are tokens times the model's
+	// multiplier (times 1 − the batch discount for batch items), so the output
+	// rungs can exceed this number: `max_output_rungs: 40` on `reasoning`
+	// (multiplier 4) allows at most 40 output tokens, that is at most 160
+	// output rungs, or 80 in a batch at the default discount of 0.5. Default
+	// and limit per model: `instant` 32000, `reasoning` 64000, `elements`
+	// 64000. 0 or a value above the selected model's limit is
+	// `INVALID_REQUEST`. The accepted value, priced, is the output part of the
+	// estimate reserved on the budget and charged to the day.
 	MaxOutputRungs *uint64 `json:"max_output_rungs,omitempty"`
 
 	// Model `instant`, `reasoning` or `elements`, or an alias (`fast`; `think`,
@@ -547,7 +562,10 @@ type ResponseRequest struct {
 	// model (`code_mode` or `image_mode` → `elements`, otherwise `instant`).
 	Model *string `json:"model,omitempty"`
 
-	// Prompt The prompt. Non-empty (`EMPTY_PROMPT`), at most 100000 bytes of UTF-8 (`PROMPT_TOO_LARGE`).
+	// Prompt The prompt. Non-empty (`EMPTY_PROMPT`), at most 100000 **bytes** of UTF-8
+	// (`PROMPT_TOO_LARGE`). `maxLength` counts characters, as JSON Schema does,
+	// so a client-side check against it lets through prompts of many-byte
+	// characters that the server refuses: the server's byte count decides.
 	Prompt string `json:"prompt"`
 
 	// Stream Enables server-sent event streaming on the same route. Ignored in batch items.
@@ -560,40 +578,48 @@ type ResponseRequest struct {
 	WebSearch *bool `json:"web_search,omitempty"`
 }
 
-// Route Route metadata decided by the gateway, which is the inference edge. Omitted when absent (never null).
-type Route struct {
+// RouteInfo Route metadata decided by the gateway, which is the inference edge (the
+// `route` field of a response). Omitted when absent (never null). Named
+// `RouteInfo` so that no client generator's own `Route` type clashes with it;
+// schema names are not part of the wire format.
+type RouteInfo struct {
 	// ApprovalRequired Always false.
 	ApprovalRequired bool `json:"approval_required"`
 
-	// DecidedAtNs When the route was decided, in Unix nanoseconds.
+	// DecidedAt When the route was decided, RFC 3339 UTC with nanoseconds (the same instant as `decided_at_ns`).
+	DecidedAt time.Time `json:"decided_at"`
+
+	// DecidedAtNs When the route was decided, in Unix nanoseconds: a 64-bit integer
+	// (about 1.8e18), beyond the 2^53 that JavaScript numbers hold exactly;
+	// JavaScript clients should read `decided_at` instead.
 	DecidedAtNs int64 `json:"decided_at_ns"`
 
 	// EvidenceModel The model that produced the evidence; omitted when the request asked for no retrieval.
-	EvidenceModel *RouteEvidenceModel `json:"evidence_model,omitempty"`
-	PrimaryModel  RoutePrimaryModel   `json:"primary_model"`
+	EvidenceModel *RouteInfoEvidenceModel `json:"evidence_model,omitempty"`
+	PrimaryModel  RouteInfoPrimaryModel   `json:"primary_model"`
 
 	// RouteClass `explicit` when the request named a model, `auto` when the gateway picked it.
-	RouteClass RouteRouteClass    `json:"route_class"`
-	RouteId    openapi_types.UUID `json:"route_id"`
+	RouteClass RouteInfoRouteClass `json:"route_class"`
+	RouteId    openapi_types.UUID  `json:"route_id"`
 
 	// SelectedEntryPoint The route the request came in by.
-	SelectedEntryPoint RouteSelectedEntryPoint `json:"selected_entry_point"`
+	SelectedEntryPoint RouteInfoSelectedEntryPoint `json:"selected_entry_point"`
 
 	// StudioRequired Always false.
 	StudioRequired bool `json:"studio_required"`
 }
 
-// RouteEvidenceModel The model that produced the evidence; omitted when the request asked for no retrieval.
-type RouteEvidenceModel string
+// RouteInfoEvidenceModel The model that produced the evidence; omitted when the request asked for no retrieval.
+type RouteInfoEvidenceModel string
 
-// RoutePrimaryModel defines model for Route.PrimaryModel.
-type RoutePrimaryModel string
+// RouteInfoPrimaryModel defines model for RouteInfo.PrimaryModel.
+type RouteInfoPrimaryModel string
 
-// RouteRouteClass `explicit` when the request named a model, `auto` when the gateway picked it.
-type RouteRouteClass string
+// RouteInfoRouteClass `explicit` when the request named a model, `auto` when the gateway picked it.
+type RouteInfoRouteClass string
 
-// RouteSelectedEntryPoint The route the request came in by.
-type RouteSelectedEntryPoint string
+// RouteInfoSelectedEntryPoint The route the request came in by.
+type RouteInfoSelectedEntryPoint string
 
 // RungUsage Rungs of a streamed response, of a batch, or of a batch item.
 type RungUsage struct {
@@ -758,6 +784,11 @@ type CreateBatchParams struct {
 type ListBatchesParams struct {
 	// Limit How many batches to return (default and maximum 50).
 	Limit *int `form:"limit,omitempty" json:"limit,omitempty"`
+
+	// After A cursor: list only batches older than the batch with this id (the
+	// `id` of the last batch of the previous page). A batch that no longer
+	// exists still works as a cursor.
+	After *openapi_types.UUID `form:"after,omitempty" json:"after,omitempty"`
 }
 
 // GetUsageParams defines parameters for GetUsage.
@@ -926,6 +957,13 @@ func (w *ServerInterfaceWrapper) ListBatches(ctx echo.Context) error {
 	err = runtime.BindQueryParameterWithOptions("form", true, false, "limit", ctx.QueryParams(), &params.Limit, runtime.BindQueryParameterOptions{Type: "integer", Format: ""})
 	if err != nil {
 		return echo.NewHTTPError(http.StatusBadRequest, fmt.Sprintf("Invalid format for parameter limit: %s", err))
+	}
+
+	// ------------- Optional query parameter "after" -------------
+
+	err = runtime.BindQueryParameterWithOptions("form", true, false, "after", ctx.QueryParams(), &params.After, runtime.BindQueryParameterOptions{Type: "string", Format: "uuid"})
+	if err != nil {
+		return echo.NewHTTPError(http.StatusBadRequest, fmt.Sprintf("Invalid format for parameter after: %s", err))
 	}
 
 	// Invoke the callback with all the unmarshaled arguments

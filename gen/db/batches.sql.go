@@ -224,6 +224,7 @@ SELECT b.id, b.status, b.total_requests, b.error_code, b.error_message,
        b.created_at, b.started_at, b.completed_at, b.expires_at,
        count(*) FILTER (WHERE i.status = 'completed')::integer AS completed_requests,
        count(*) FILTER (WHERE i.status = 'failed')::integer AS failed_requests,
+       count(*) FILTER (WHERE i.status = 'cancelled')::integer AS cancelled_requests,
        coalesce(sum(i.input_rungs), 0)::bigint AS input_rungs,
        coalesce(sum(i.output_rungs), 0)::bigint AS output_rungs,
        coalesce(sum(i.total_rungs), 0)::bigint AS total_rungs
@@ -250,6 +251,7 @@ type GetBatchRow struct {
 	ExpiresAt         time.Time
 	CompletedRequests int32
 	FailedRequests    int32
+	CancelledRequests int32
 	InputRungs        int64
 	OutputRungs       int64
 	TotalRungs        int64
@@ -271,6 +273,7 @@ func (q *Queries) GetBatch(ctx context.Context, db DBTX, arg GetBatchParams) (Ge
 		&i.ExpiresAt,
 		&i.CompletedRequests,
 		&i.FailedRequests,
+		&i.CancelledRequests,
 		&i.InputRungs,
 		&i.OutputRungs,
 		&i.TotalRungs,
@@ -416,17 +419,21 @@ SELECT b.id, b.status, b.total_requests, b.error_code, b.error_message,
        b.created_at, b.started_at, b.completed_at, b.expires_at,
        count(*) FILTER (WHERE i.status = 'completed')::integer AS completed_requests,
        count(*) FILTER (WHERE i.status = 'failed')::integer AS failed_requests,
+       count(*) FILTER (WHERE i.status = 'cancelled')::integer AS cancelled_requests,
        coalesce(sum(i.input_rungs), 0)::bigint AS input_rungs,
        coalesce(sum(i.output_rungs), 0)::bigint AS output_rungs,
        coalesce(sum(i.total_rungs), 0)::bigint AS total_rungs
-FROM (SELECT x.id, x.account_id, x.project_id, x.status, x.total_requests, x.idempotency_key, x.request_hash, x.error_code, x.error_message, x.created_at, x.started_at, x.completed_at, x.expires_at FROM batches x WHERE x.account_id = $1 ORDER BY x.created_at DESC, x.id DESC LIMIT $2) b
+FROM (SELECT x.id, x.account_id, x.project_id, x.status, x.total_requests, x.idempotency_key, x.request_hash, x.error_code, x.error_message, x.created_at, x.started_at, x.completed_at, x.expires_at FROM batches x
+       WHERE x.account_id = $1 AND ($2::uuid IS NULL OR x.id < $2::uuid)
+       ORDER BY x.id DESC LIMIT $3) b
 LEFT JOIN batch_items i ON i.batch_id = b.id
 GROUP BY b.id, b.status, b.total_requests, b.error_code, b.error_message, b.created_at, b.started_at, b.completed_at, b.expires_at
-ORDER BY b.created_at DESC, b.id DESC
+ORDER BY b.id DESC
 `
 
 type ListBatchesParams struct {
 	AccountID uuid.UUID
+	After     *uuid.UUID
 	MaxRows   int32
 }
 
@@ -442,13 +449,16 @@ type ListBatchesRow struct {
 	ExpiresAt         time.Time
 	CompletedRequests int32
 	FailedRequests    int32
+	CancelledRequests int32
 	InputRungs        int64
 	OutputRungs       int64
 	TotalRungs        int64
 }
 
+// The account's batches, newest first by id (UUIDv7: creation order), older
+// than the cursor @after when it is set.
 func (q *Queries) ListBatches(ctx context.Context, db DBTX, arg ListBatchesParams) ([]ListBatchesRow, error) {
-	rows, err := db.Query(ctx, listBatches, arg.AccountID, arg.MaxRows)
+	rows, err := db.Query(ctx, listBatches, arg.AccountID, arg.After, arg.MaxRows)
 	if err != nil {
 		return nil, err
 	}
@@ -468,6 +478,7 @@ func (q *Queries) ListBatches(ctx context.Context, db DBTX, arg ListBatchesParam
 			&i.ExpiresAt,
 			&i.CompletedRequests,
 			&i.FailedRequests,
+			&i.CancelledRequests,
 			&i.InputRungs,
 			&i.OutputRungs,
 			&i.TotalRungs,

@@ -32,6 +32,7 @@ SELECT b.id, b.status, b.total_requests, b.error_code, b.error_message,
        b.created_at, b.started_at, b.completed_at, b.expires_at,
        count(*) FILTER (WHERE i.status = 'completed')::integer AS completed_requests,
        count(*) FILTER (WHERE i.status = 'failed')::integer AS failed_requests,
+       count(*) FILTER (WHERE i.status = 'cancelled')::integer AS cancelled_requests,
        coalesce(sum(i.input_rungs), 0)::bigint AS input_rungs,
        coalesce(sum(i.output_rungs), 0)::bigint AS output_rungs,
        coalesce(sum(i.total_rungs), 0)::bigint AS total_rungs
@@ -41,17 +42,22 @@ WHERE b.id = @id AND b.account_id = @account_id
 GROUP BY b.id;
 
 -- name: ListBatches :many
+-- The account's batches, newest first by id (UUIDv7: creation order), older
+-- than the cursor @after when it is set.
 SELECT b.id, b.status, b.total_requests, b.error_code, b.error_message,
        b.created_at, b.started_at, b.completed_at, b.expires_at,
        count(*) FILTER (WHERE i.status = 'completed')::integer AS completed_requests,
        count(*) FILTER (WHERE i.status = 'failed')::integer AS failed_requests,
+       count(*) FILTER (WHERE i.status = 'cancelled')::integer AS cancelled_requests,
        coalesce(sum(i.input_rungs), 0)::bigint AS input_rungs,
        coalesce(sum(i.output_rungs), 0)::bigint AS output_rungs,
        coalesce(sum(i.total_rungs), 0)::bigint AS total_rungs
-FROM (SELECT x.* FROM batches x WHERE x.account_id = @account_id ORDER BY x.created_at DESC, x.id DESC LIMIT @max_rows) b
+FROM (SELECT x.* FROM batches x
+       WHERE x.account_id = @account_id AND (sqlc.narg(after)::uuid IS NULL OR x.id < sqlc.narg(after)::uuid)
+       ORDER BY x.id DESC LIMIT @max_rows) b
 LEFT JOIN batch_items i ON i.batch_id = b.id
 GROUP BY b.id, b.status, b.total_requests, b.error_code, b.error_message, b.created_at, b.started_at, b.completed_at, b.expires_at
-ORDER BY b.created_at DESC, b.id DESC;
+ORDER BY b.id DESC;
 
 -- name: GetBatchItems :many
 SELECT idx, status, request_id, model, content, input_rungs, output_rungs, total_rungs, error_code, error_message
