@@ -42,13 +42,14 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzPrice$$' -fuzztime $(FUZZTIME) ./metering
 	$(GO) test -run '^$$' -fuzz '^FuzzCounterMatchesTheCodec$$' -fuzztime $(FUZZTIME) ./metering
 
-## lint: go vet, gofmt and the OpenAPI lint
+## lint: go vet, gofmt and the OpenAPI lints (Redocly, Spectral's spectral:oas)
 lint:
 	$(GO) vet ./...
 	@out=$$(gofmt -l $$(git ls-files '*.go' | grep -v '^gen/')); \
 		if [ -n "$$out" ]; then echo "gofmt would change: $$out" >&2; exit 1; fi
 	npm ci --no-audit --no-fund --loglevel=error
 	npx redocly lint openapi/openapi.yaml
+	npx spectral lint --fail-severity=hint openapi/openapi.yaml
 
 ## bench: Go benchmarks, then gateway vs. upstream-direct load (see docs/benchmarks.md)
 bench: build
