@@ -1177,6 +1177,8 @@ type ForbiddenJSONResponse struct {
 	Headers ForbiddenResponseHeaders
 }
 
+type HeadersTooLargeTextResponse string
+
 type InferenceBusyResponseHeaders struct {
 	RetryAfter          *int
 	XRatelimitLimit     *int
@@ -1516,6 +1518,17 @@ func (response CreateBatch429JSONResponse) VisitCreateBatchResponse(w http.Respo
 	return err
 }
 
+type CreateBatch431TextResponse HeadersTooLargeTextResponse
+
+func (response CreateBatch431TextResponse) VisitCreateBatchResponse(w http.ResponseWriter) error {
+
+	w.Header().Set("Content-Type", "text/plain")
+	w.WriteHeader(431)
+
+	_, err := w.Write([]byte(fmt.Sprint(response)))
+	return err
+}
+
 type CreateBatch500JSONResponse struct{ InternalErrorJSONResponse }
 
 func (response CreateBatch500JSONResponse) VisitCreateBatchResponse(w http.ResponseWriter) error {
@@ -1664,6 +1677,17 @@ func (response GetBatch429JSONResponse) VisitGetBatchResponse(w http.ResponseWri
 	}
 	w.WriteHeader(429)
 	_, err := buf.WriteTo(w)
+	return err
+}
+
+type GetBatch431TextResponse HeadersTooLargeTextResponse
+
+func (response GetBatch431TextResponse) VisitGetBatchResponse(w http.ResponseWriter) error {
+
+	w.Header().Set("Content-Type", "text/plain")
+	w.WriteHeader(431)
+
+	_, err := w.Write([]byte(fmt.Sprint(response)))
 	return err
 }
 
@@ -1832,6 +1856,17 @@ func (response CancelBatch429JSONResponse) VisitCancelBatchResponse(w http.Respo
 	return err
 }
 
+type CancelBatch431TextResponse HeadersTooLargeTextResponse
+
+func (response CancelBatch431TextResponse) VisitCancelBatchResponse(w http.ResponseWriter) error {
+
+	w.Header().Set("Content-Type", "text/plain")
+	w.WriteHeader(431)
+
+	_, err := w.Write([]byte(fmt.Sprint(response)))
+	return err
+}
+
 type CancelBatch500JSONResponse struct{ InternalErrorJSONResponse }
 
 func (response CancelBatch500JSONResponse) VisitCancelBatchResponse(w http.ResponseWriter) error {
@@ -1991,6 +2026,17 @@ func (response GetBatchResults429JSONResponse) VisitGetBatchResultsResponse(w ht
 	return err
 }
 
+type GetBatchResults431TextResponse HeadersTooLargeTextResponse
+
+func (response GetBatchResults431TextResponse) VisitGetBatchResultsResponse(w http.ResponseWriter) error {
+
+	w.Header().Set("Content-Type", "text/plain")
+	w.WriteHeader(431)
+
+	_, err := w.Write([]byte(fmt.Sprint(response)))
+	return err
+}
+
 type GetBatchResults500JSONResponse struct{ InternalErrorJSONResponse }
 
 func (response GetBatchResults500JSONResponse) VisitGetBatchResultsResponse(w http.ResponseWriter) error {
@@ -2147,6 +2193,17 @@ func (response ListBatches429JSONResponse) VisitListBatchesResponse(w http.Respo
 	}
 	w.WriteHeader(429)
 	_, err := buf.WriteTo(w)
+	return err
+}
+
+type ListBatches431TextResponse HeadersTooLargeTextResponse
+
+func (response ListBatches431TextResponse) VisitListBatchesResponse(w http.ResponseWriter) error {
+
+	w.Header().Set("Content-Type", "text/plain")
+	w.WriteHeader(431)
+
+	_, err := w.Write([]byte(fmt.Sprint(response)))
 	return err
 }
 
@@ -2427,6 +2484,17 @@ func (response CreateChat429JSONResponse) VisitCreateChatResponse(w http.Respons
 	return err
 }
 
+type CreateChat431TextResponse HeadersTooLargeTextResponse
+
+func (response CreateChat431TextResponse) VisitCreateChatResponse(w http.ResponseWriter) error {
+
+	w.Header().Set("Content-Type", "text/plain")
+	w.WriteHeader(431)
+
+	_, err := w.Write([]byte(fmt.Sprint(response)))
+	return err
+}
+
 type CreateChat500JSONResponse struct{ InternalErrorJSONResponse }
 
 func (response CreateChat500JSONResponse) VisitCreateChatResponse(w http.ResponseWriter) error {
@@ -2704,6 +2772,17 @@ func (response CreateResponse429JSONResponse) VisitCreateResponseResponse(w http
 	return err
 }
 
+type CreateResponse431TextResponse HeadersTooLargeTextResponse
+
+func (response CreateResponse431TextResponse) VisitCreateResponseResponse(w http.ResponseWriter) error {
+
+	w.Header().Set("Content-Type", "text/plain")
+	w.WriteHeader(431)
+
+	_, err := w.Write([]byte(fmt.Sprint(response)))
+	return err
+}
+
 type CreateResponse500JSONResponse struct{ InternalErrorJSONResponse }
 
 func (response CreateResponse500JSONResponse) VisitCreateResponseResponse(w http.ResponseWriter) error {
@@ -2855,6 +2934,17 @@ func (response GetResponseSources429JSONResponse) VisitGetResponseSourcesRespons
 	return err
 }
 
+type GetResponseSources431TextResponse HeadersTooLargeTextResponse
+
+func (response GetResponseSources431TextResponse) VisitGetResponseSourcesResponse(w http.ResponseWriter) error {
+
+	w.Header().Set("Content-Type", "text/plain")
+	w.WriteHeader(431)
+
+	_, err := w.Write([]byte(fmt.Sprint(response)))
+	return err
+}
+
 type GetResponseSources500JSONResponse struct{ InternalErrorJSONResponse }
 
 func (response GetResponseSources500JSONResponse) VisitGetResponseSourcesResponse(w http.ResponseWriter) error {
@@ -3003,6 +3093,17 @@ func (response GetSources429JSONResponse) VisitGetSourcesResponse(w http.Respons
 	}
 	w.WriteHeader(429)
 	_, err := buf.WriteTo(w)
+	return err
+}
+
+type GetSources431TextResponse HeadersTooLargeTextResponse
+
+func (response GetSources431TextResponse) VisitGetSourcesResponse(w http.ResponseWriter) error {
+
+	w.Header().Set("Content-Type", "text/plain")
+	w.WriteHeader(431)
+
+	_, err := w.Write([]byte(fmt.Sprint(response)))
 	return err
 }
 
@@ -3162,6 +3263,17 @@ func (response GetUsage429JSONResponse) VisitGetUsageResponse(w http.ResponseWri
 	}
 	w.WriteHeader(429)
 	_, err := buf.WriteTo(w)
+	return err
+}
+
+type GetUsage431TextResponse HeadersTooLargeTextResponse
+
+func (response GetUsage431TextResponse) VisitGetUsageResponse(w http.ResponseWriter) error {
+
+	w.Header().Set("Content-Type", "text/plain")
+	w.WriteHeader(431)
+
+	_, err := w.Write([]byte(fmt.Sprint(response)))
 	return err
 }
 
