@@ -143,8 +143,8 @@ func (d *Drainer) Run(ctx context.Context) {
 	var running sync.WaitGroup
 	slots := make(chan struct{}, d.cfg.Concurrency)
 	for ctx.Err() == nil {
-		if wait := d.cfg.Health.Pause(); wait > 0 {
-			sleep(ctx, wait)
+		if d.cfg.Health.Pause() > 0 {
+			d.cfg.Health.Wait(ctx) // an answer to anyone ends it at once
 			continue
 		}
 		free := d.cfg.Concurrency - len(slots)

@@ -123,3 +123,22 @@ func TestKind(t *testing.T) {
 	require.Equal(t, "other", upstream.Kind(errors.New("x")))
 	require.Empty(t, upstream.Kind(nil))
 }
+
+// TestAnAnswerEndsThePauseAtOnce: whoever waits out an outage's pause is woken
+// by the first answer the upstream gives anyone.
+func TestAnAnswerEndsThePauseAtOnce(t *testing.T) {
+	t.Parallel()
+	h := upstream.NewHealth(time.Hour)
+	h.Down() // a pause of MinProbeInterval
+	require.Greater(t, upstream.MinProbeInterval, 100*time.Millisecond)
+	woke := make(chan struct{})
+	go func() { h.Wait(context.Background()); close(woke) }()
+	select {
+	case <-woke:
+		t.Fatal("Wait returned during the pause")
+	case <-time.After(50 * time.Millisecond): // well within the pause
+	}
+	_, _ = upstream.Guard(scripted{}, h).Complete(context.Background(), upstream.Request{})
+	<-woke // an interactive answer ended the pause
+	require.False(t, h.Probing())
+}

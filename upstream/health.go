@@ -1,6 +1,7 @@
 package upstream
 
 import (
+	"context"
 	"sync"
 	"time"
 )
@@ -23,6 +24,8 @@ type Health struct {
 	max     time.Duration
 	backoff time.Duration
 	until   time.Time
+	// up is closed (and replaced) by Up: it wakes whoever waits out a pause.
+	up chan struct{}
 }
 
 // NewHealth returns an upstream in good health whose probe pause grows to at
@@ -31,7 +34,7 @@ func NewHealth(maxPause time.Duration) *Health {
 	if maxPause <= 0 {
 		maxPause = DefaultMaxProbeInterval
 	}
-	return &Health{max: maxPause}
+	return &Health{max: maxPause, up: make(chan struct{})}
 }
 
 // Down records a failure that says the upstream is down. While a pause runs,
@@ -56,7 +59,33 @@ func (h *Health) Up() {
 	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
+	if h.backoff == 0 {
+		return
+	}
 	h.backoff, h.until = 0, time.Time{}
+	close(h.up)
+	h.up = make(chan struct{})
+}
+
+// Wait waits out the current pause: until it ends, an answer ends the outage
+// (Up), or ctx ends. It returns at once when there is no pause.
+func (h *Health) Wait(ctx context.Context) {
+	if h == nil {
+		return
+	}
+	h.mu.Lock()
+	wait, up := time.Until(h.until), h.up
+	h.mu.Unlock()
+	if wait <= 0 {
+		return
+	}
+	timer := time.NewTimer(wait)
+	defer timer.Stop()
+	select {
+	case <-ctx.Done():
+	case <-up:
+	case <-timer.C:
+	}
 }
 
 // Pause is how long to wait before the next probe; zero or less when none.
