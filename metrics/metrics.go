@@ -4,6 +4,7 @@ package metrics
 
 import (
 	"net/http"
+	httppprof "net/http/pprof"
 	"strconv"
 	"time"
 
@@ -80,9 +81,19 @@ func New() *Metrics {
 	return m
 }
 
-// Handler serves the metrics in the Prometheus text format.
-func (m *Metrics) Handler() http.Handler {
-	return promhttp.HandlerFor(m.registry, promhttp.HandlerOpts{})
+// Handler serves the metrics listener: /metrics in the Prometheus text format,
+// Go's profiler under /debug/pprof/ when pprof is true, and 404 elsewhere.
+func (m *Metrics) Handler(pprof bool) http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", promhttp.HandlerFor(m.registry, promhttp.HandlerOpts{}))
+	if pprof {
+		mux.HandleFunc("/debug/pprof/", httppprof.Index)
+		mux.HandleFunc("/debug/pprof/cmdline", httppprof.Cmdline)
+		mux.HandleFunc("/debug/pprof/profile", httppprof.Profile)
+		mux.HandleFunc("/debug/pprof/symbol", httppprof.Symbol)
+		mux.HandleFunc("/debug/pprof/trace", httppprof.Trace)
+	}
+	return mux
 }
 
 // Other is the label value of anything outside a label's fixed set (D11).

@@ -2,6 +2,7 @@ package metrics_test
 
 import (
 	"io"
+	"net/http"
 	"net/http/httptest"
 	"strings"
 	"testing"
@@ -21,7 +22,7 @@ func TestLabelsComeFromFixedSets(t *testing.T) {
 	}
 	m.Request("/api/v1/responses", "GET", 99999, time.Millisecond)
 	rec := httptest.NewRecorder()
-	m.Handler().ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
+	m.Handler(false).ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
 	raw, err := io.ReadAll(rec.Body)
 	require.NoError(t, err)
 	var lines []string
@@ -36,4 +37,21 @@ func TestLabelsComeFromFixedSets(t *testing.T) {
 	}, lines)
 	require.Equal(t, "POST", metrics.Method("POST"))
 	require.Equal(t, metrics.Other, metrics.Method("post"))
+}
+
+// TestListenerServesOnlyWhatItShould: /metrics, and the profiler only when
+// asked for; every other path is 404, not the metrics text.
+func TestListenerServesOnlyWhatItShould(t *testing.T) {
+	t.Parallel()
+	get := func(h http.Handler, path string) int {
+		rec := httptest.NewRecorder()
+		h.ServeHTTP(rec, httptest.NewRequest("GET", path, nil))
+		return rec.Code
+	}
+	m := metrics.New()
+	require.Equal(t, http.StatusOK, get(m.Handler(false), "/metrics"))
+	require.Equal(t, http.StatusNotFound, get(m.Handler(false), "/debug/pprof/"))
+	require.Equal(t, http.StatusNotFound, get(m.Handler(false), "/anything"))
+	require.Equal(t, http.StatusOK, get(m.Handler(true), "/debug/pprof/"))
+	require.Equal(t, http.StatusOK, get(m.Handler(true), "/debug/pprof/cmdline"))
 }

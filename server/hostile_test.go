@@ -206,7 +206,7 @@ func TestMetricsCannotBeGrownByCallers(t *testing.T) {
 		resp.Body.Close()
 	}
 	rec := httptest.NewRecorder()
-	m.Handler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil))
+	m.Handler(false).ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil))
 	series := 0
 	for _, l := range strings.Split(rec.Body.String(), "\n") {
 		if strings.HasPrefix(l, "gateway_http_requests_total{") {

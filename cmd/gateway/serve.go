@@ -140,7 +140,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 			ln.Close()
 			return fmt.Errorf("cannot listen for metrics on %s: %w; set GATEWAY_METRICS_LISTEN to another address, or off (each replica on a host needs its own)", cfg.MetricsListen, err)
 		}
-		metricsServer := newHTTPServer(m.Handler())
+		metricsServer := newHTTPServer(m.Handler(cfg.Pprof))
 		servers = append(servers, metricsServer)
 		go func() { errc <- metricsServer.Serve(metricsLn) }()
 		logger.Info("metrics listening", "addr", metricsLn.Addr().String())
