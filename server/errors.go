@@ -57,7 +57,7 @@ func (s *Server) handleError(err error, c echo.Context) {
 	if !ok {
 		status = http.StatusInternalServerError
 	}
-	if status >= 500 && e.Code != gateway.EInferenceBusy || e.Code == gateway.EServiceUnavailable {
+	if status >= 500 && e.Code != gateway.EInferenceBusy {
 		s.logger.Error("request failed", "method", c.Request().Method, "path", c.Path(), "error", err)
 	}
 	h := c.Response().Header()
