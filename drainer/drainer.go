@@ -203,14 +203,16 @@ func (d *Drainer) Run(ctx context.Context) {
 }
 
 // claim claims up to n items and finishes the batches whose items the budget
-// refused. Should the claim's reply be lost, its items are handed back (they
-// were never dispatched) in the background.
+// refused. Should the claim's reply have been lost after it committed, its
+// items are handed back (they were never dispatched) in the background.
 func (d *Drainer) claim(ctx, commits context.Context, n int) ([]store.ClaimedItem, error) {
 	start := time.Now()
 	claimID := uuid.Must(uuid.NewV7())
 	items, err := d.store.ClaimItems(ctx, store.ClaimParams{Owner: d.cfg.Owner, ClaimID: claimID, Max: n, PerAccount: max(1, n/2), Lease: d.cfg.Lease})
 	if err != nil {
-		go d.releaseClaim(commits, claimID)
+		if store.MayHaveCommitted(err) {
+			go d.releaseClaim(commits, claimID)
+		}
 		return nil, err
 	}
 	d.cfg.Metrics.Claim(time.Since(start))

@@ -45,6 +45,20 @@ func Transient(err error) bool {
 		errors.Is(err, context.DeadlineExceeded)
 }
 
+// MayHaveCommitted reports whether a statement that failed with err may still
+// have committed: its reply was lost (the connection broke or timed out after
+// the statement was sent). Not when nothing was sent (the connection could not
+// be made) or when the server answered with an error (it rolled back).
+func MayHaveCommitted(err error) bool {
+	var pgErr *pgconn.PgError
+	var connectErr *pgconn.ConnectError
+	switch {
+	case err == nil, errors.As(err, &pgErr), errors.As(err, &connectErr), pgconn.SafeToRetry(err):
+		return false
+	}
+	return Transient(err) || errors.Is(err, context.Canceled)
+}
+
 // quarantinePeriod is how long a member whose rows fail a group operation is
 // left out of it before it is tried again.
 const quarantinePeriod = time.Minute

@@ -1,6 +1,7 @@
 package store_test
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -65,6 +66,18 @@ func TestTransient(t *testing.T) {
 	require.False(t, store.Transient(&pgconn.PgError{Code: "22003"}), "numeric value out of range")
 	require.False(t, store.Transient(gateway.Errorf(gateway.EBatchNotFound, "x")))
 	require.False(t, store.Transient(nil))
+}
+
+// TestMayHaveCommitted: only a reply lost after the statement was sent leaves
+// its outcome unknown.
+func TestMayHaveCommitted(t *testing.T) {
+	t.Parallel()
+	require.True(t, store.MayHaveCommitted(fmt.Errorf("error claiming batch items: %w", io.ErrUnexpectedEOF)))
+	require.True(t, store.MayHaveCommitted(context.Canceled), "cancelled while waiting for the reply")
+	require.False(t, store.MayHaveCommitted(&pgconn.ConnectError{}), "never sent")
+	require.False(t, store.MayHaveCommitted(&pgconn.PgError{Code: "57P01"}), "the server answered: rolled back")
+	require.False(t, store.MayHaveCommitted(errors.New("json: unsupported value")))
+	require.False(t, store.MayHaveCommitted(nil))
 }
 
 // TestCompleteItemsRefusesUnstorableOutput: an outcome PostgreSQL cannot hold
