@@ -331,7 +331,7 @@ func (s *Service) unavailable(err error) bool { return s.Unavailable != nil && s
 
 func isUpstreamFailure(err error) bool {
 	switch upstream.Kind(err) {
-	case "unavailable", "rejected", "broken":
+	case "unavailable", "failed", "rejected", "broken":
 		return true
 	}
 	return false

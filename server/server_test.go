@@ -38,6 +38,7 @@ type scripted struct {
 	// piece until the caller goes away (Complete: answer nothing until then).
 	firstDelay time.Duration
 	breakAfter int
+	breakWith  error // what a break returns; ErrStreamBroken when nil
 	hang       bool
 }
 
@@ -47,7 +48,10 @@ func streamPieces(prompt string) []string { return []string{"answer ", "to ", pr
 func (s *scripted) Stream(ctx context.Context, req upstream.Request, emit func(upstream.Delta) error) (upstream.Result, error) {
 	s.mu.Lock()
 	s.calls = append(s.calls, req)
-	err, firstDelay, breakAfter, hang := s.err, s.firstDelay, s.breakAfter, s.hang
+	err, firstDelay, breakAfter, breakWith, hang := s.err, s.firstDelay, s.breakAfter, s.breakWith, s.hang
+	if breakWith == nil {
+		breakWith = upstream.ErrStreamBroken
+	}
 	s.mu.Unlock()
 	if err != nil {
 		return upstream.Result{}, err
@@ -61,7 +65,7 @@ func (s *scripted) Stream(ctx context.Context, req upstream.Request, emit func(u
 	var sent upstream.Result
 	for i, piece := range streamPieces(req.Prompt) {
 		if breakAfter > 0 && i == breakAfter {
-			return sent, upstream.ErrStreamBroken
+			return sent, breakWith
 		}
 		d := upstream.Delta{Content: piece}
 		if i == 0 {

@@ -125,8 +125,16 @@ func TestStreamFailsToStart(t *testing.T) {
 
 func TestStreamBreaksMidway(t *testing.T) {
 	t.Parallel()
+	for _, cause := range []error{upstream.ErrStreamBroken, upstream.ErrFailed} {
+		streamBreaksMidway(t, cause)
+	}
+}
+
+// streamBreaksMidway: an upstream failure after output, of any kind, ends the
+// stream with response.error then response.completed with what was billed.
+func streamBreaksMidway(t *testing.T, cause error) {
 	b := setup(t, nil)
-	b.upstream.configure(func(s *scripted) { s.breakAfter = 2 })
+	b.upstream.configure(func(s *scripted) { s.breakAfter, s.breakWith = 2, cause })
 	_, s := b.stream("/api/v1/responses", map[string]any{"prompt": "p"})
 	require.Equal(t, []string{"response.output_text.delta", "response.output_text.delta", "response.error", "response.completed"},
 		[]string{s.Events[0].Name, s.Events[1].Name, s.Events[2].Name, s.Events[3].Name})
