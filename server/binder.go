@@ -142,7 +142,7 @@ func exactFieldNames(body []byte, names map[string]bool) {
 		}
 		stack[top].wantKey = false
 		key, _ := tok.(string)
-		if names[key] || !names[strings.ToLower(key)] && !foldsToAny(key, names) {
+		if names[key] || !foldsToAny(key, names) {
 			continue
 		}
 		if q := bytes.IndexByte(body[before:], '"'); q >= 0 && int(before)+q+1 < len(body) {
