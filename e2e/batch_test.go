@@ -161,7 +161,10 @@ func TestBatchSurvivesKill9(t *testing.T) {
 		}
 	}
 	require.Positive(t, interrupted, "kills landed on running items")
-	require.LessOrEqual(t, interrupted, 2*kills, "at most the victims' items in flight")
+	// A victim holds, per slot, an item at the upstream and one whose outcome
+	// waits in the completer's buffer, plus the group being committed (with a
+	// 400 ms upstream, never more than its two slots' worth): 3 × 2 per kill.
+	require.LessOrEqual(t, interrupted, 3*2*kills, "at most the victims' items not yet committed")
 	atMostOnce(t, b.fake, "crash")
 	settledExactly(t, survivor, b.key, want)
 
