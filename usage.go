@@ -1,6 +1,7 @@
 package gateway
 
 import (
+	"fmt"
 	"time"
 
 	"github.com/google/uuid"
@@ -39,9 +40,44 @@ type Admission struct {
 	Estimate int64
 	// Day is the UTC day charged.
 	Day time.Time
-	// ExpiresAt is when recovery may release the reservation (the request's
-	// replica is presumed dead).
-	ExpiresAt time.Time
+}
+
+// Admission outcomes of the store's admission statements: admitted, or the
+// refusal (a daily ceiling or budget cap that cannot cover the estimate now,
+// or can never cover it).
+const (
+	AdmitOK          = "ok"
+	AdmitDaily       = "daily"
+	AdmitDailyNever  = "daily_never"
+	AdmitBudget      = "budget"
+	AdmitBudgetNever = "budget_never"
+)
+
+// AdmissionError is the refusal an admission outcome stands for (nil for
+// AdmitOK) of a request or batch (what) of estimate rungs by p on day. A
+// refusal that waiting cannot cure, an estimate larger than the whole ceiling
+// or cap, carries no Retry-After and says what to change (D11).
+func AdmissionError(outcome, what string, estimate int64, p *Principal, day time.Time) error {
+	switch outcome {
+	case AdmitOK:
+		return nil
+	case AdmitDaily:
+		return &Error{
+			Code:       ERateLimited,
+			Message:    fmt.Sprintf("the account's daily rung ceiling cannot cover this %s's estimate of %d rungs; it resets at 00:00 UTC", what, estimate),
+			RetryAfter: day.Add(24 * time.Hour).Sub(time.Now()),
+		}
+	case AdmitDailyNever:
+		return Errorf(ERateLimited,
+			"this %s's estimate of %d rungs is larger than the account's whole daily rung ceiling, so waiting will not help: lower max_output_rungs (the estimate prices it in full), send less, or ask the operator for a higher ceiling", what, estimate)
+	case AdmitBudget:
+		return Errorf(EBudgetExceeded, "the budget cap of project %q cannot cover this %s's estimate of %d rungs", p.ProjectName, what, estimate)
+	case AdmitBudgetNever:
+		return Errorf(EBudgetExceeded,
+			"this %s's estimate of %d rungs is larger than the whole budget cap of project %q: lower max_output_rungs (the estimate prices it in full), send less, or raise the cap", what, estimate, p.ProjectName)
+	default:
+		return fmt.Errorf("unexpected admission outcome %q", outcome)
+	}
 }
 
 // ModelUsage is committed usage of one model (or of all, in totals).

@@ -36,11 +36,11 @@ type testBundle struct {
 func setup(t *testing.T) *testBundle {
 	t.Helper()
 	ctx := context.Background()
-	st := store.New(testdb.New(t), store.Options{})
+	st := store.New(testdb.New(t))
 	tier := gateway.TierDeveloper
 	token, err := st.CreateKey(ctx, store.CreateKeyParams{Account: "acme", Project: "default", Tier: &tier, Scopes: []gateway.Scope{gateway.ScopeInference}})
 	require.NoError(t, err)
-	p, err := st.Authenticate(ctx, token)
+	p, err := st.LookupKey(ctx, token)
 	require.NoError(t, err)
 	fake := fakeupstream.New()
 	t.Cleanup(fake.Close)

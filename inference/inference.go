@@ -28,12 +28,8 @@ type Ledger interface {
 	// Settle commits usage and evidence and reconciles the charge and reservation.
 	Settle(ctx context.Context, r gateway.UsageRecord) error
 	// Release gives back the charge and reservation of a request that cost nothing.
-	Release(ctx context.Context, requestID uuid.UUID) error
+	Release(requestID uuid.UUID)
 }
-
-// DefaultReservationLease is how long an interactive request's reservation is
-// held before recovery presumes its replica dead and releases it.
-const DefaultReservationLease = 15 * time.Minute
 
 // DefaultSettleWindow is how long a finished request retries its settlement
 // while the database is away (a restart takes a second or two) before it gives
@@ -60,9 +56,6 @@ type Service struct {
 	EvidenceRetention time.Duration
 	// RetryAfter is suggested to callers when the upstream is unavailable.
 	RetryAfter time.Duration
-	// ReservationLease bounds how long a reservation outlives a dead replica;
-	// zero means DefaultReservationLease.
-	ReservationLease time.Duration
 	// SettleWindow bounds the retries of a settlement while the database is
 	// away; zero means DefaultSettleWindow.
 	SettleWindow time.Duration
@@ -138,16 +131,11 @@ func (s *Service) Prepare(p *gateway.Principal, entry gateway.EntryPoint, in gat
 // Admit charges the call's estimate to the daily ceiling and reserves it on the
 // project budget before it is dispatched.
 func (s *Service) Admit(ctx context.Context, call *Call) error {
-	lease := s.ReservationLease
-	if lease <= 0 {
-		lease = DefaultReservationLease
-	}
 	err := s.Ledger.Admit(ctx, gateway.Admission{
 		RequestID: call.RequestID,
 		Principal: call.Principal,
 		Estimate:  call.Estimate.Total(),
 		Day:       call.Route.DecidedAt,
-		ExpiresAt: time.Now().Add(lease),
 	})
 	switch gateway.ErrorCodeOf(err) {
 	case gateway.ERateLimited:
@@ -227,9 +215,8 @@ func (s *Service) upstreamRequest(call *Call) upstream.Request {
 // settle prices what the upstream produced and commits it with the evidence.
 // The commit survives the caller's cancellation: output produced is billed.
 // While the database is away it retries, for SettleWindow; a settlement that
-// cannot be stored releases the reservation instead (in the background, until
-// the database answers), bills nothing, and is SERVICE_UNAVAILABLE (or
-// INTERNAL when the database refused it).
+// cannot be stored releases the reservation instead, bills nothing, and is
+// SERVICE_UNAVAILABLE (or INTERNAL when the database refused it).
 func (s *Service) settle(ctx context.Context, call *Call, res upstream.Result, failed bool) (*Result, error) {
 	usage, err := s.Estimator.Actual(call.Request, call.Route.Entry, res)
 	if err != nil {
@@ -284,34 +271,8 @@ func (s *Service) result(call *Call, res upstream.Result, usage gateway.Usage) *
 	return result
 }
 
-// release gives back the call's charge and reservation. While the database is
-// away it keeps trying in the background, for up to the reservation's lease
-// (then recovery releases it).
-func (s *Service) release(call *Call) {
-	release := func(ctx context.Context) error { return s.Ledger.Release(ctx, call.RequestID) }
-	err := release(context.Background())
-	if err != nil && s.unavailable(err) {
-		lease := s.ReservationLease
-		if lease <= 0 {
-			lease = DefaultReservationLease
-		}
-		go func() {
-			if err := s.retry(context.Background(), lease, release); err != nil {
-				s.logReleaseError(call, err)
-			}
-		}()
-		return
-	}
-	if err != nil {
-		s.logReleaseError(call, err)
-	}
-}
-
-func (s *Service) logReleaseError(call *Call, err error) {
-	if s.Logger != nil {
-		s.Logger.Warn("error releasing reservation; recovery will release it", "request_id", call.RequestID, "error", err)
-	}
-}
+// release gives back the call's charge and reservation.
+func (s *Service) release(call *Call) { s.Ledger.Release(call.RequestID) }
 
 // retry runs fn (whatever ctx's cancellation) until it succeeds, fails for a
 // reason other than the database being away, or window has passed.

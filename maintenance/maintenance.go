@@ -24,6 +24,7 @@ type Store interface {
 	DeleteOldRateWindows(ctx context.Context, before time.Time) (int64, error)
 	DeleteExpiredEvidence(ctx context.Context, maxRows int32) (int64, error)
 	RescueExpiredLeases(ctx context.Context, maxRows int32) (int64, error)
+	FoldExpiredQuotaLeases(ctx context.Context, maxRows int) (int64, error)
 	ExpireBatches(ctx context.Context, maxRows int32) (int64, error)
 	FinishStrandedBatches(ctx context.Context, maxRows int32) (int64, error)
 	DeleteOldBatches(ctx context.Context, before time.Time, maxRows int32) (int64, error)
@@ -73,6 +74,9 @@ func Jobs(st Store, set Settings, m *metrics.Metrics) []Job {
 			n, err := st.RescueExpiredLeases(ctx, batchRows)
 			m.LeaseRescues(n)
 			return n, err
+		}},
+		{"fold expired quota leases", max(set.Lease/2, time.Second), func(ctx context.Context) (int64, error) {
+			return st.FoldExpiredQuotaLeases(ctx, batchRows)
 		}},
 		{"sample queue depth", queueDepthInterval, func(ctx context.Context) (int64, error) {
 			n, err := st.QueueDepth(ctx)

@@ -28,7 +28,7 @@ func TestRunFitsASmallPool(t *testing.T) {
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
-	st := store.New(pool, store.Options{})
+	st := store.New(pool)
 
 	runs := make([]atomic.Int64, 5)
 	jobs := make([]maintenance.Job, len(runs))

@@ -8,15 +8,15 @@ import (
 	"testing"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/ratelimit"
 	"github.com/rungworks/gateway/server"
-	"github.com/rungworks/gateway/store"
 )
 
 // BenchmarkCreateResponse is one non-streaming request through the whole server
 // (auth, validation, pricing, commit) on a real PostgreSQL, with an instant upstream.
 func BenchmarkCreateResponse(b *testing.B) {
 	bundle := setupWith(b, options{
-		store:  store.Options{RateLimits: gateway.RateLimits{Free: 1 << 30, Developer: 1 << 30}},
+		rates:  ratelimit.Config{Limits: gateway.RateLimits{Free: 1 << 30, Developer: 1 << 30}},
 		server: func(c *server.Config) { c.Logger = slog.New(slog.DiscardHandler) },
 	})
 	bundle.setLimits(b, ptr(int64(1<<50)), nil)

@@ -15,8 +15,10 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/access"
 	"github.com/rungworks/gateway/gen/api"
 	"github.com/rungworks/gateway/metrics"
+	"github.com/rungworks/gateway/ratelimit"
 	"github.com/rungworks/gateway/server"
 	"github.com/rungworks/gateway/store"
 )
@@ -179,9 +181,10 @@ func TestDatabaseAwayIsServiceUnavailable(t *testing.T) {
 	pool, err := pgxpool.New(t.Context(), "postgres://nobody@"+addr+"/none?connect_timeout=2")
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
-	away := store.New(pool, store.Options{})
+	away := store.New(pool)
 	b := setupWith(t, options{server: func(c *server.Config) {
-		c.Auth, c.Unavailable = away, store.Transient
+		c.Auth = &access.Authenticator{Keys: access.NewKeys(access.Config{}, away), Rates: ratelimit.New(ratelimit.Config{}, away)}
+		c.Unavailable = store.Transient
 	}})
 	for _, path := range []string{"/api/v1/responses", "/api/v1/batch"} {
 		r := b.post(path, b.key, map[string]any{"prompt": "hi", "requests": items(1)})

@@ -14,6 +14,7 @@ import (
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/gen/api"
+	"github.com/rungworks/gateway/ratelimit"
 	"github.com/rungworks/gateway/store"
 )
 
@@ -35,7 +36,7 @@ func TestRateLimitHeadersAndRefusal(t *testing.T) {
 	t.Parallel()
 	// A fixed clock keeps every request in one rate window.
 	at := time.Now().Truncate(time.Minute).Add(30 * time.Second)
-	b := setupWith(t, options{store: store.Options{Clock: func() time.Time { return at }}})
+	b := setupWith(t, options{rates: ratelimit.Config{Clock: func() time.Time { return at }}})
 	free := b.newKey("freeco", gateway.TierFree, gateway.ScopeInference, gateway.ScopeUsage)
 	r := b.post("/api/v1/responses", free, map[string]any{"prompt": "p"})
 	require.Equal(t, "60", r.header.Get("x-ratelimit-limit"), "the free tier's default")

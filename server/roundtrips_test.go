@@ -3,75 +3,95 @@ package server_test
 import (
 	"context"
 	"net/http"
-	"sync/atomic"
+	"strings"
+	"sync"
 	"testing"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
-	"github.com/rungworks/gateway/inference"
 	"github.com/rungworks/gateway/internal/testdb"
-	"github.com/rungworks/gateway/metering"
-	"github.com/rungworks/gateway/server"
-	"github.com/rungworks/gateway/store"
-	"github.com/rungworks/gateway/upstream"
+	"github.com/rungworks/gateway/ratelimit"
 )
 
-// queryCounter counts the statements sent to PostgreSQL.
-type queryCounter struct{ n atomic.Int64 }
+// statementCounter counts the statements sent to PostgreSQL by the function
+// they call.
+type statementCounter struct {
+	mu     sync.Mutex
+	n      map[string]int
+	others []string
+}
 
-func (c *queryCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
-	c.n.Add(1)
+// counted are the statements of the hot path.
+var counted = []string{"lookupkey", "lease_rate", "grant_quota", "settle_requests", "fold_quota_leases", "renew_quota_leases"}
+
+func (c *statementCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	sql := strings.ToLower(d.SQL)
+	for _, name := range counted {
+		if strings.Contains(sql, name) {
+			c.n[name]++
+			return ctx
+		}
+	}
+	c.n["other"]++
+	c.others = append(c.others, d.SQL)
 	return ctx
 }
 
-func (c *queryCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+func (c *statementCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
 
-// TestHotPathRoundTrips proves what a response costs in database round trips:
-// one to authenticate the key and count it against the rate limit, one to admit
-// it (daily charge and budget reservation), one to settle it (usage, evidence,
-// reconciliation) — admission and settlement together two.
+func (c *statementCounter) snapshot() map[string]int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	out := make(map[string]int, len(c.n))
+	for k, v := range c.n {
+		out[k] = v
+	}
+	return out
+}
+
+// TestHotPathRoundTrips proves what a response costs in database work in the
+// steady state: nothing to authenticate, count the rate or admit it (the key
+// is cached, the rate and the quota come from slices held in memory), and one
+// statement, one commit, to settle it; a request without inference costs
+// only its own statement.
 func TestHotPathRoundTrips(t *testing.T) {
 	t.Parallel()
 	cfg, err := pgxpool.ParseConfig(testdb.URL(t))
 	require.NoError(t, err)
-	counter := &queryCounter{}
+	counter := &statementCounter{n: map[string]int{}}
 	cfg.ConnConfig.Tracer = counter
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
-	st := store.New(pool, store.Options{})
+	b := setupWith(t, options{pool: pool, rates: ratelimit.Config{Limits: gateway.RateLimits{Free: 1 << 20, Developer: 1 << 20}}})
+	b.waitListening(t)
 
-	tok, err := metering.DefaultTokenizer()
-	require.NoError(t, err)
-	rc, err := metering.NewRateCard(map[gateway.Model]string{"instant": "1", "reasoning": "4", "elements": "2"}, "0.5")
-	require.NoError(t, err)
-	srv, err := server.New(server.Config{
-		Auth: st,
-		Inference: &inference.Service{
-			Provider: &scripted{}, Models: upstream.DefaultModelMap(), Estimator: &metering.Estimator{Tokenizer: tok, RateCard: rc},
-			Ledger: st, EvidenceRetention: time.Hour,
-		},
-		Evidence: st,
-		Usage:    st,
-	})
-	require.NoError(t, err)
-	b := &testBundle{t: t, store: st}
-	key := b.newKey("acme", gateway.TierDeveloper, gateway.ScopeInference)
-	b.http = newHTTPServer(t, srv)
+	// The first request fills the cache and leases the slices.
+	r := b.post("/api/v1/responses", b.key, map[string]any{"prompt": "warm up"})
+	require.Equal(t, http.StatusOK, r.status)
 
-	for _, stream := range []bool{false, true, false, true} {
-		before := counter.n.Load()
-		r := b.post("/api/v1/responses", key, map[string]any{"prompt": "count my queries", "web_search": true, "stream": stream})
+	before := counter.snapshot()
+	const n = 40
+	for i := range n {
+		r := b.post("/api/v1/responses", b.key, map[string]any{"prompt": "count my queries", "web_search": true, "stream": i%2 == 1})
 		require.Equal(t, http.StatusOK, r.status)
-		require.Equal(t, int64(3), counter.n.Load()-before, "stream=%v", stream)
 	}
-	// Authentication alone (with the rate count) is one statement.
-	before := counter.n.Load()
-	r := b.do(http.MethodGet, "/api/v1/sources/01900000-0000-7000-8000-000000000000", key, "", nil)
+	after := counter.snapshot()
+	for _, name := range []string{"lookupkey", "lease_rate", "grant_quota"} {
+		require.Zero(t, after[name]-before[name], "%s on the steady-state path", name)
+	}
+	require.Equal(t, n, after["settle_requests"]-before["settle_requests"], "one settlement statement per request sent one at a time")
+	require.Zero(t, after["other"]-before["other"], "no other statement: %q", counter.others)
+
+	before = counter.snapshot()
+	r = b.do(http.MethodGet, "/api/v1/sources/01900000-0000-7000-8000-000000000000", b.key, "", nil)
 	require.Equal(t, http.StatusNotFound, r.status)
-	require.Equal(t, int64(2), counter.n.Load()-before, "authenticate, then the evidence lookup")
+	after = counter.snapshot()
+	require.Equal(t, 1, after["other"]-before["other"], "only the evidence lookup")
+	require.Zero(t, after["lookupkey"]-before["lookupkey"])
 }

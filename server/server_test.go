@@ -13,14 +13,18 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/access"
 	"github.com/rungworks/gateway/batch"
 	"github.com/rungworks/gateway/inference"
 	"github.com/rungworks/gateway/internal/apitest"
 	"github.com/rungworks/gateway/internal/testdb"
+	"github.com/rungworks/gateway/ledger"
 	"github.com/rungworks/gateway/metering"
+	"github.com/rungworks/gateway/ratelimit"
 	"github.com/rungworks/gateway/server"
 	"github.com/rungworks/gateway/store"
 	"github.com/rungworks/gateway/upstream"
@@ -129,7 +133,15 @@ type testBundle struct {
 	upstream *scripted
 	server   *server.Server
 	http     *httptest.Server
+	keys     *access.Keys
 	key      string // developer, inference + usage
+}
+
+// waitListening waits until the key cache listens for changes (it caches
+// nothing before).
+func (b *testBundle) waitListening(t testing.TB) {
+	t.Helper()
+	require.Eventually(t, b.keys.Listening, 5*time.Second, 5*time.Millisecond)
 }
 
 func setup(t testing.TB, models upstream.ModelMap) *testBundle {
@@ -141,14 +153,28 @@ func setup(t testing.TB, models upstream.ModelMap) *testBundle {
 type options struct {
 	models    upstream.ModelMap
 	keepalive time.Duration
-	store     store.Options
+	rates     ratelimit.Config
+	pool      *pgxpool.Pool // nil: a fresh database
 	provider  upstream.Provider
 	server    func(*server.Config)
 }
 
 func setupWith(t testing.TB, o options) *testBundle {
 	t.Helper()
-	st := store.New(testdb.New(t), o.store)
+	if o.pool == nil {
+		o.pool = testdb.New(t)
+	}
+	st := store.New(o.pool)
+	ctx, stop := context.WithCancel(context.Background())
+	ledge := ledger.New(ledger.Config{Unavailable: store.Transient}, st)
+	keys := access.NewKeys(access.Config{OnChange: func(string) { ledge.Invalidate() }}, st)
+	rates := ratelimit.New(o.rates, st)
+	var wg sync.WaitGroup
+	for _, run := range []func(context.Context){ledge.Run, keys.Run, rates.Run} {
+		wg.Add(1)
+		go func() { defer wg.Done(); run(ctx) }()
+	}
+	t.Cleanup(func() { stop(); wg.Wait() })
 	tok, err := metering.DefaultTokenizer()
 	require.NoError(t, err)
 	rc, err := metering.NewRateCard(map[gateway.Model]string{"instant": "1", "reasoning": "4", "elements": "2"}, "0.5")
@@ -166,10 +192,10 @@ func setupWith(t testing.TB, o options) *testBundle {
 	}
 	estimator := &metering.Estimator{Tokenizer: tok, RateCard: rc}
 	cfg := server.Config{
-		Auth: st,
+		Auth: &access.Authenticator{Keys: keys, Rates: rates},
 		Inference: &inference.Service{
 			Provider: provider, Models: o.models, Estimator: estimator,
-			Ledger: st, EvidenceRetention: time.Hour, RetryAfter: 5 * time.Second,
+			Ledger: ledge, EvidenceRetention: time.Hour, RetryAfter: 5 * time.Second,
 		},
 		Evidence:     st,
 		Usage:        st,
@@ -183,7 +209,7 @@ func setupWith(t testing.TB, o options) *testBundle {
 	}
 	srv, err := server.New(cfg)
 	require.NoError(t, err)
-	b := &testBundle{t: t, store: st, upstream: up, server: srv, http: newHTTPServer(t, srv)}
+	b := &testBundle{t: t, store: st, upstream: up, server: srv, http: newHTTPServer(t, srv), keys: keys}
 	b.key = b.newKey("acme", gateway.TierDeveloper, gateway.ScopeInference, gateway.ScopeUsage)
 	return b
 }

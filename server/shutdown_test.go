@@ -13,15 +13,16 @@ import (
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/gen/api"
+	"github.com/rungworks/gateway/inference"
 	"github.com/rungworks/gateway/internal/apitest"
 	"github.com/rungworks/gateway/server"
 	"github.com/rungworks/gateway/store"
 )
 
-// failingLedger is the real store whose settlements fail as told first:
+// failingLedger is the real ledger whose settlements fail as told first:
 // fault injection in front of a real database.
 type failingLedger struct {
-	*store.Store
+	inference.Ledger
 	mu    sync.Mutex
 	fails int   // settlements still to fail
 	err   error // how they fail
@@ -35,12 +36,12 @@ func (l *failingLedger) Settle(ctx context.Context, r gateway.UsageRecord) error
 		return l.err
 	}
 	l.mu.Unlock()
-	return l.Store.Settle(ctx, r)
+	return l.Ledger.Settle(ctx, r)
 }
 
 func withLedger(l *failingLedger) options {
 	return options{server: func(c *server.Config) {
-		l.Store = c.Usage.(*store.Store)
+		l.Ledger = c.Inference.Ledger
 		c.Inference.Ledger, c.Inference.Unavailable, c.Unavailable = l, store.Transient, store.Transient
 		c.Inference.SettleWindow = 2 * time.Second
 	}}

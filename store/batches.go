@@ -114,7 +114,7 @@ func (s *Store) CreateBatch(ctx context.Context, nb NewBatch) (CreateResult, err
 		if err != nil {
 			return fmt.Errorf("error charging batch estimate: %w", err)
 		}
-		if err := admissionError(outcome, "batch", total, p, day); err != nil {
+		if err := gateway.AdmissionError(outcome, "batch", total, p, day); err != nil {
 			return err
 		}
 		items := make([]db.InsertBatchItemsParams, len(nb.Items))

@@ -26,16 +26,15 @@ func TestReconcileIsolatesAFailingAccount(t *testing.T) {
 	_, bad := b.key(t, "bad", gateway.TierDeveloper, gateway.ScopeInference)
 	_, good := b.key(t, "good", gateway.TierDeveloper, gateway.ScopeInference)
 	b.limits(t, "bad", ptr(int64(math.MaxInt64)), nil)
-	badID, err := b.admit(bad, 10, time.Now().Add(time.Hour))
-	require.NoError(t, err)
+	b.newBatch(t, bad, 1, 10, "", day())
 	// Fault injection: the bad account's day is one rung short of overflowing.
-	_, err = b.store.Pool().Exec(b.ctx, `UPDATE daily_charges SET charged_rungs = $1 WHERE account_id = $2`, int64(math.MaxInt64-1), bad.AccountID)
+	_, err := b.store.Pool().Exec(b.ctx, `UPDATE daily_charges SET charged_rungs = $1 WHERE account_id = $2`, int64(math.MaxInt64-1), bad.AccountID)
 	require.NoError(t, err)
-	b.settle(t, bad, badID, 20) // folds +10 into a day at MaxInt64-1: overflow
+	owner := uuid.Must(uuid.NewV7())
+	b.complete(t, owner, b.claim(t, owner, 10, time.Minute), 20) // folds +10 into a day at MaxInt64-1: overflow
 
-	goodID, err := b.admit(good, 100, time.Now().Add(time.Hour))
-	require.NoError(t, err)
-	b.settle(t, good, goodID, 40)
+	b.newBatch(t, good, 1, 100, "", day())
+	b.complete(t, owner, b.claim(t, owner, 10, time.Minute), 40)
 
 	n, err := b.store.ReconcileSettlements(b.ctx, 1000)
 	require.Error(t, err, "the failing account is reported")
@@ -44,13 +43,43 @@ func TestReconcileIsolatesAFailingAccount(t *testing.T) {
 	require.Equal(t, int64(40), b.view(t, good).Daily.Charged)
 
 	// The failing account is set aside: later runs fold everyone else at once.
-	goodID, err = b.admit(good, 100, time.Now().Add(time.Hour))
-	require.NoError(t, err)
-	b.settle(t, good, goodID, 5)
+	b.newBatch(t, good, 1, 100, "", day())
+	b.complete(t, owner, b.claim(t, owner, 10, time.Minute), 5)
 	n, err = b.store.ReconcileSettlements(b.ctx, 1000)
 	require.NoError(t, err)
 	require.Equal(t, int64(1), n)
 	require.Equal(t, int64(45), b.view(t, good).Daily.Charged)
+}
+
+// TestFoldIsolatesAFailingLease: an expired quota lease whose project's spend
+// cannot take it does not stop the other expired leases from coming back.
+func TestFoldIsolatesAFailingLease(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, bad := b.key(t, "bad", gateway.TierDeveloper, gateway.ScopeInference)
+	_, good := b.key(t, "good", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "good", nil, ptr(int64(1000)))
+	badLease, goodLease := uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7())
+	b.grant(t, bad, badLease, 10, 1<<30, time.Now().Add(-time.Second))
+	b.grant(t, good, goodLease, 100, 1<<30, time.Now().Add(-time.Second))
+	b.settle(t, bad, &badLease, 50)
+	b.settle(t, good, &goodLease, 30)
+	// Fault injection: the bad project's spend overflows when the fold adds 50.
+	_, err := b.store.Pool().Exec(b.ctx, `UPDATE projects SET spent_rungs = $1 WHERE id = $2`, int64(math.MaxInt64-1), bad.ProjectID)
+	require.NoError(t, err)
+
+	n, err := b.store.FoldExpiredQuotaLeases(b.ctx, 100)
+	require.Error(t, err)
+	require.Contains(t, err.Error(), badLease.String())
+	require.Equal(t, int64(1), n)
+	v := b.view(t, good)
+	require.Equal(t, int64(30), v.Daily.Charged)
+	require.Equal(t, int64(30), v.Budget.Spent)
+	require.Zero(t, v.Budget.Reserved)
+
+	n, err = b.store.FoldExpiredQuotaLeases(b.ctx, 100)
+	require.NoError(t, err, "the failing lease is set aside")
+	require.Zero(t, n)
 }
 
 // TestTransient tells the database being away from a statement it refused.
@@ -208,32 +237,17 @@ func TestRefusalsWaitingCannotCure(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
-	b.limits(t, "acme", ptr(int64(100)), ptr(int64(60)))
-
-	_, err := b.admit(p, 101, time.Now().Add(time.Hour))
+	b.limits(t, "acme", ptr(int64(100)), nil)
 	var e *gateway.Error
-	require.ErrorAs(t, err, &e)
-	require.Equal(t, gateway.EBudgetExceeded, e.Code, "the cap is checked first: it is the smaller")
-	require.Zero(t, e.RetryAfter)
-	require.Contains(t, e.Message, "max_output_rungs")
-
-	_, p = b.key(t, "other", gateway.TierDeveloper, gateway.ScopeInference)
-	b.limits(t, "other", ptr(int64(100)), nil)
-	_, err = b.admit(p, 101, time.Now().Add(time.Hour))
-	require.ErrorAs(t, err, &e)
-	require.Equal(t, gateway.ERateLimited, e.Code)
-	require.Zero(t, e.RetryAfter)
-	require.Contains(t, e.Message, "max_output_rungs")
-
-	_, err = b.admit(p, 60, time.Now().Add(time.Hour))
-	require.NoError(t, err)
-	_, err = b.admit(p, 60, time.Now().Add(time.Hour))
-	require.ErrorAs(t, err, &e)
-	require.Equal(t, gateway.ERateLimited, e.Code)
-	require.Positive(t, e.RetryAfter, "the day resets: waiting helps")
-
-	_, err = b.store.CreateBatch(b.ctx, b.batchOf(p, 3, 50, "", day()))
+	_, err := b.store.CreateBatch(b.ctx, b.batchOf(p, 3, 50, "", day()))
 	require.ErrorAs(t, err, &e)
 	require.Equal(t, gateway.ERateLimited, e.Code)
 	require.Zero(t, e.RetryAfter, "a batch larger than the whole ceiling")
+	require.Contains(t, e.Message, "max_output_rungs")
+
+	b.newBatch(t, p, 1, 60, "", day())
+	_, err = b.store.CreateBatch(b.ctx, b.batchOf(p, 1, 50, "", day()))
+	require.ErrorAs(t, err, &e)
+	require.Equal(t, gateway.ERateLimited, e.Code)
+	require.Positive(t, e.RetryAfter, "the day resets: waiting helps")
 }

@@ -2,120 +2,15 @@ package store
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"time"
 
-	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/gen/db"
 )
-
-// Admit charges a request's estimate to the account's daily ceiling and
-// reserves it on the project budget, atomically, in one round trip. Refusals
-// are RATE_LIMITED (daily ceiling, Retry-After to the next UTC day) and
-// BUDGET_EXCEEDED.
-func (s *Store) Admit(ctx context.Context, a gateway.Admission) error {
-	day := gateway.UTCDay(a.Day)
-	outcome, err := s.queries.AdmitRequest(ctx, s.pool, db.AdmitRequestParams{
-		RequestID:      a.RequestID,
-		AccountID:      a.Principal.AccountID,
-		ProjectID:      a.Principal.ProjectID,
-		Day:            day,
-		DefaultCeiling: a.Principal.Tier.DefaultDailyCeiling(),
-		Estimate:       a.Estimate,
-		ExpiresAt:      a.ExpiresAt,
-	})
-	if err != nil {
-		return fmt.Errorf("error admitting request: %w", err)
-	}
-	return admissionError(outcome, "request", a.Estimate, a.Principal, day)
-}
-
-// admissionError is the refusal an admission outcome stands for (nil for
-// "ok"). A refusal that waiting cannot cure, an estimate larger than the whole
-// ceiling or cap, carries no Retry-After and says what to change (D11).
-func admissionError(outcome, what string, estimate int64, p *gateway.Principal, day time.Time) error {
-	switch outcome {
-	case "ok":
-		return nil
-	case "daily":
-		return &gateway.Error{
-			Code:       gateway.ERateLimited,
-			Message:    fmt.Sprintf("the account's daily rung ceiling cannot cover this %s's estimate of %d rungs; it resets at 00:00 UTC", what, estimate),
-			RetryAfter: day.Add(24 * time.Hour).Sub(time.Now()),
-		}
-	case "daily_never":
-		return gateway.Errorf(gateway.ERateLimited,
-			"this %s's estimate of %d rungs is larger than the account's whole daily rung ceiling, so waiting will not help: lower max_output_rungs (the estimate prices it in full), send less, or ask the operator for a higher ceiling", what, estimate)
-	case "budget":
-		return gateway.Errorf(gateway.EBudgetExceeded, "the budget cap of project %q cannot cover this %s's estimate of %d rungs", p.ProjectName, what, estimate)
-	case "budget_never":
-		return gateway.Errorf(gateway.EBudgetExceeded,
-			"this %s's estimate of %d rungs is larger than the whole budget cap of project %q: lower max_output_rungs (the estimate prices it in full), send less, or raise the cap", what, estimate, p.ProjectName)
-	default:
-		return fmt.Errorf("unexpected admission outcome %q", outcome)
-	}
-}
-
-// Settle commits a finished request durably in one round trip: its usage and
-// evidence, and its actual cost on its reservation, which ReconcileSettlements
-// later folds into the daily and budget counters (the usage view counts it at
-// once).
-func (s *Store) Settle(ctx context.Context, r gateway.UsageRecord) error {
-	sources := r.Sources
-	if sources == nil {
-		sources = []gateway.Source{}
-	}
-	sourcesJSON, err := json.Marshal(sources)
-	if err != nil {
-		return fmt.Errorf("error encoding sources: %w", err)
-	}
-	status := "completed"
-	if r.Failed {
-		status = "failed"
-	}
-	var verdict *string
-	if r.Verdict != "" {
-		verdict = &r.Verdict
-	}
-	err = s.queries.SettleRequest(ctx, s.pool, db.SettleRequestParams{
-		ID:                r.RequestID,
-		AccountID:         r.Principal.AccountID,
-		ProjectID:         r.Principal.ProjectID,
-		ApiKeyID:          r.Principal.KeyID,
-		Model:             string(r.Model),
-		EntryPoint:        string(r.Entry),
-		Status:            status,
-		InputTokens:       r.Usage.InputTokens,
-		OutputTokens:      r.Usage.OutputTokens,
-		InputRungs:        r.Usage.InputRungs,
-		OutputRungs:       r.Usage.OutputRungs,
-		TotalRungs:        r.Usage.TotalRungs,
-		CreatedAt:         r.CreatedAt,
-		CompletedAt:       r.CompletedAt,
-		Sources:           sourcesJSON,
-		Verdict:           verdict,
-		EvidenceExpiresAt: r.EvidenceExpiresAt,
-		Day:               gateway.UTCDay(r.CompletedAt),
-	})
-	if err != nil {
-		return fmt.Errorf("error settling request: %w", err)
-	}
-	return nil
-}
-
-// Release gives back the charge and reservation of a request that ended
-// without cost (refused or failed upstream before producing anything).
-func (s *Store) Release(ctx context.Context, requestID uuid.UUID) error {
-	if err := s.queries.ReleaseReservation(ctx, s.pool, requestID); err != nil {
-		return fmt.Errorf("error releasing reservation: %w", err)
-	}
-	return nil
-}
 
 // ReleaseExpiredReservations releases up to maxRows reservations whose lease ran
 // out, returning how many.

@@ -15,20 +15,36 @@ import (
 	"github.com/rungworks/gateway/store"
 )
 
-func (b *testBundle) admit(p *gateway.Principal, estimate int64, expires time.Time) (uuid.UUID, error) {
+// settle commits one request of cost total under lease (nil: none).
+func (b *testBundle) settle(t *testing.T, p *gateway.Principal, lease *uuid.UUID, total int64) uuid.UUID {
+	t.Helper()
 	id := uuid.Must(uuid.NewV7())
-	return id, b.store.Admit(b.ctx, gateway.Admission{RequestID: id, Principal: p, Estimate: estimate, Day: time.Now(), ExpiresAt: expires})
+	require.NoError(t, b.store.SettleRequests(b.ctx, []store.Settlement{{Record: record(p, id, total), LeaseID: lease}}))
+	return id
 }
 
-func (b *testBundle) settle(t *testing.T, p *gateway.Principal, id uuid.UUID, total int64) {
-	t.Helper()
+func record(p *gateway.Principal, id uuid.UUID, total int64) gateway.UsageRecord {
 	now := time.Now().UTC()
-	require.NoError(t, b.store.Settle(b.ctx, gateway.UsageRecord{
+	return gateway.UsageRecord{
 		RequestID: id, Principal: p, Model: gateway.ModelInstant, Entry: gateway.EntryResponses,
 		Usage:     gateway.Usage{InputTokens: 1, OutputTokens: 1, InputRungs: 1, OutputRungs: total - 1, TotalRungs: total},
 		CreatedAt: now, CompletedAt: now, EvidenceExpiresAt: now.Add(time.Hour),
-	}))
+	}
 }
+
+// grant asks for a slice of at least need (1/share of what is left) on lease.
+func (b *testBundle) grant(t *testing.T, p *gateway.Principal, lease uuid.UUID, need int64, share int, expires time.Time) store.QuotaGrant {
+	t.Helper()
+	g, err := b.store.GrantQuota(b.ctx, store.QuotaRequest{
+		LeaseID: lease, Owner: owner, AccountID: p.AccountID, ProjectID: p.ProjectID, Day: time.Now(),
+		DefaultCeiling: p.Tier.DefaultDailyCeiling(), Need: need, Share: share, ExpiresAt: expires,
+	})
+	require.NoError(t, err)
+	return g
+}
+
+// owner is the replica the tests' leases belong to.
+var owner = uuid.MustParse("01900000-0000-7000-8000-00000000000a")
 
 func (b *testBundle) view(t *testing.T, p *gateway.Principal) *gateway.UsageView {
 	t.Helper()
@@ -45,203 +61,210 @@ func (b *testBundle) limits(t *testing.T, account string, daily, budget *int64) 
 
 func ptr[T any](v T) *T { return &v }
 
-func TestAdmitSettleRelease(t *testing.T) {
+// TestQuotaLeaseLifecycle: a slice is charged and reserved when granted; the
+// view counts what was used under it, never its unused part; folding it moves
+// the day and the budget to what was used.
+func TestQuotaLeaseLifecycle(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
-	b.limits(t, "acme", nil, ptr(int64(1000)))
+	b.limits(t, "acme", ptr(int64(2000)), ptr(int64(1000)))
+	lease := uuid.Must(uuid.NewV7())
 
-	id, err := b.admit(p, 100, time.Now().Add(time.Hour))
-	require.NoError(t, err)
+	g := b.grant(t, p, lease, 100, 4, time.Now().Add(time.Hour))
+	require.Equal(t, store.QuotaGrant{Outcome: gateway.AdmitOK, Granted: 250, Capped: true, Ceiling: 2000, Cap: 1000, Left: 750}, g,
+		"a quarter of what the cap leaves, the smaller of the two")
+	g = b.grant(t, p, lease, 10, 4, time.Now().Add(time.Hour))
+	require.Equal(t, int64(187), g.Granted, "slices shrink as the remainder does")
 	v := b.view(t, p)
-	require.Equal(t, int64(100), v.Daily.Charged, "the estimate is charged at admission")
-	require.Equal(t, int64(100), v.Budget.Reserved)
+	require.Zero(t, v.Daily.Charged, "an unused slice is no charge")
+	require.Zero(t, v.Budget.Reserved)
 
-	b.settle(t, p, id, 30)
+	b.settle(t, p, &lease, 30)
+	b.settle(t, p, &lease, 50)
 	v = b.view(t, p)
-	require.Equal(t, int64(30), v.Daily.Charged, "reconciled to the actual cost")
-	require.Equal(t, int64(0), v.Budget.Reserved)
-	require.Equal(t, int64(30), v.Budget.Spent)
-	require.Equal(t, int64(1), v.Totals.Requests)
-	require.Equal(t, int64(30), v.Totals.TotalRungs)
+	require.Equal(t, int64(80), v.Daily.Charged)
+	require.Equal(t, int64(80), v.Budget.Spent)
+	require.Equal(t, int64(2), v.Totals.Requests)
 
-	id, err = b.admit(p, 100, time.Now().Add(time.Hour))
+	n, err := b.store.FoldQuotaLeases(b.ctx, owner, []uuid.UUID{lease})
 	require.NoError(t, err)
-	require.NoError(t, b.store.Release(b.ctx, id))
-	v = b.view(t, p)
-	require.Equal(t, int64(30), v.Daily.Charged, "a released request costs nothing")
-	require.Equal(t, int64(0), v.Budget.Reserved)
-	require.Equal(t, int64(1), v.Totals.Requests)
-	require.NoError(t, b.store.Release(b.ctx, id), "releasing twice is harmless")
-	require.Equal(t, int64(30), b.view(t, p).Daily.Charged)
+	require.Equal(t, int64(1), n)
+	require.Equal(t, v, b.view(t, p), "folding changes nothing the view shows")
+	g = b.grant(t, p, uuid.Must(uuid.NewV7()), 920, 4, time.Now().Add(time.Hour))
+	require.Equal(t, int64(920), g.Granted, "everything the cap leaves after the fold")
 }
 
-func TestAdmitRefusals(t *testing.T) {
+func TestGrantQuotaRefusals(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
 	b.limits(t, "acme", ptr(int64(250)), nil)
-	for range 2 {
-		_, err := b.admit(p, 100, time.Now().Add(time.Hour))
-		require.NoError(t, err)
-	}
-	_, err := b.admit(p, 100, time.Now().Add(time.Hour))
-	require.Equal(t, gateway.ERateLimited, gateway.ErrorCodeOf(err))
-	var e *gateway.Error
-	require.ErrorAs(t, err, &e)
-	require.Positive(t, e.RetryAfter)
-	require.LessOrEqual(t, e.RetryAfter, 24*time.Hour)
-	require.Equal(t, int64(200), b.view(t, p).Daily.Charged, "a refused request charges nothing")
+	g := b.grant(t, p, uuid.Must(uuid.NewV7()), 200, 1, time.Now().Add(time.Hour))
+	require.Equal(t, int64(250), g.Granted)
+	require.False(t, g.Capped)
+	g = b.grant(t, p, uuid.Must(uuid.NewV7()), 1, 1, time.Now().Add(time.Hour))
+	require.Equal(t, gateway.AdmitDaily, g.Outcome)
+	require.Zero(t, g.Granted)
+	require.Equal(t, int64(250), g.Ceiling)
 
 	_, q := b.key(t, "budgeted", gateway.TierDeveloper, gateway.ScopeInference)
-	b.limits(t, "budgeted", nil, ptr(int64(250)))
-	for range 2 {
-		_, err := b.admit(q, 100, time.Now().Add(time.Hour))
-		require.NoError(t, err)
-	}
-	_, err = b.admit(q, 100, time.Now().Add(time.Hour))
-	require.Equal(t, gateway.EBudgetExceeded, gateway.ErrorCodeOf(err))
+	b.limits(t, "budgeted", ptr(int64(100)), ptr(int64(60)))
+	g = b.grant(t, q, uuid.Must(uuid.NewV7()), 101, 1, time.Now().Add(time.Hour))
+	require.Equal(t, gateway.AdmitBudget, g.Outcome, "the cap is checked first")
+	require.Equal(t, int64(60), g.Cap)
+	g = b.grant(t, q, uuid.Must(uuid.NewV7()), 60, 1, time.Now().Add(time.Hour))
+	require.Equal(t, gateway.AdmitOK, g.Outcome)
 	v := b.view(t, q)
-	require.Equal(t, int64(200), v.Budget.Reserved)
-	require.Equal(t, int64(200), v.Daily.Charged, "a budget refusal leaves the daily charge untouched")
-	require.Equal(t, int64(10_000_000), v.Daily.Ceiling, "developer default")
+	require.Zero(t, v.Daily.Charged)
+	_, d := b.key(t, "plain", gateway.TierDeveloper, gateway.ScopeInference)
+	require.Equal(t, int64(10_000_000), b.view(t, d).Daily.Ceiling, "developer default")
 
 	_, f := b.key(t, "freeco", gateway.TierFree, gateway.ScopeInference)
 	require.Equal(t, int64(1_000_000), b.view(t, f).Daily.Ceiling, "free default")
 }
 
-// TestAdmitConcurrently: 200 concurrent admissions against a budget and a
-// ceiling that fit exactly 10 never admit an eleventh.
-func TestAdmitConcurrently(t *testing.T) {
+// TestGrantsNeverPassTheCap: 200 concurrent grants against a cap that fits
+// 10 never grant an eleventh.
+func TestGrantsNeverPassTheCap(t *testing.T) {
 	t.Parallel()
-	for name, limit := range map[string]func(b *testBundle, account string){
-		"budget": func(b *testBundle, account string) { b.limits(t, account, nil, ptr(int64(1000))) },
-		"daily":  func(b *testBundle, account string) { b.limits(t, account, ptr(int64(1000)), nil) },
-	} {
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			b := setup(t)
-			_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
-			limit(b, "acme")
-			var admitted, refused atomic.Int64
-			var wg sync.WaitGroup
-			for range 200 {
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					_, err := b.admit(p, 100, time.Now().Add(time.Hour))
-					if err == nil {
-						admitted.Add(1)
-					} else {
-						require.Contains(t, []gateway.ErrorCode{gateway.EBudgetExceeded, gateway.ERateLimited}, gateway.ErrorCodeOf(err), err)
-						refused.Add(1)
-					}
-				}()
-			}
-			wg.Wait()
-			require.Equal(t, int64(10), admitted.Load())
-			require.Equal(t, int64(190), refused.Load())
-			v := b.view(t, p)
-			require.Equal(t, int64(1000), v.Daily.Charged)
-		})
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "acme", ptr(int64(1000)), ptr(int64(1000)))
+	var granted atomic.Int64
+	var wg sync.WaitGroup
+	for range 200 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			g := b.grant(t, p, uuid.Must(uuid.NewV7()), 100, 100, time.Now().Add(time.Hour))
+			granted.Add(g.Granted)
+		}()
 	}
+	wg.Wait()
+	require.Equal(t, int64(1000), granted.Load())
 }
 
-func TestRateLimitAcrossReplicas(t *testing.T) {
+// TestSettleRequestsTwice: a group sent again (its reply was lost after the
+// commit) is stored and billed once.
+func TestSettleRequestsTwice(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	lease := uuid.Must(uuid.NewV7())
+	b.grant(t, p, lease, 100, 16, time.Now().Add(time.Hour))
+	group := []store.Settlement{
+		{Record: record(p, uuid.Must(uuid.NewV7()), 10), LeaseID: &lease},
+		{Record: record(p, uuid.Must(uuid.NewV7()), 20), LeaseID: &lease},
+		{Record: record(p, uuid.Must(uuid.NewV7()), 40)},
+	}
+	require.NoError(t, b.store.SettleRequests(b.ctx, group))
+	require.NoError(t, b.store.SettleRequests(b.ctx, group))
+	v := b.view(t, p)
+	require.Equal(t, int64(3), v.Totals.Requests)
+	require.Equal(t, int64(70), v.Totals.TotalRungs)
+	require.Equal(t, int64(70), v.Daily.Charged)
+	require.Equal(t, int64(70), v.Budget.Spent)
+}
+
+// TestSettleUnderAFoldedLease: a request settling after its lease was folded
+// (its replica lost the database past the lease) is charged directly, once.
+func TestSettleUnderAFoldedLease(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "acme", nil, ptr(int64(1000)))
+	lease := uuid.Must(uuid.NewV7())
+	b.grant(t, p, lease, 100, 1, time.Now().Add(-time.Second))
+	b.settle(t, p, &lease, 25)
+	n, err := b.store.FoldExpiredQuotaLeases(b.ctx, 100)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
+	v := b.view(t, p)
+	require.Equal(t, int64(25), v.Daily.Charged)
+	require.Equal(t, int64(25), v.Budget.Spent)
+	require.Zero(t, v.Budget.Reserved, "the dead replica's slice came back")
+
+	b.settle(t, p, &lease, 35)
+	v = b.view(t, p)
+	require.Equal(t, int64(60), v.Daily.Charged)
+	require.Equal(t, int64(60), v.Budget.Spent)
+	require.Zero(t, v.Budget.Reserved)
+}
+
+// TestRenewAndFoldOnlyOwnLeases: a replica renews and returns its own leases,
+// never another's; expired leases of anyone are folded.
+func TestRenewAndFoldOnlyOwnLeases(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	mine, theirs := uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7())
+	b.grant(t, p, mine, 10, 16, time.Now().Add(time.Hour))
+	_, err := b.store.GrantQuota(b.ctx, store.QuotaRequest{
+		LeaseID: theirs, Owner: uuid.Must(uuid.NewV7()), AccountID: p.AccountID, ProjectID: p.ProjectID, Day: time.Now(),
+		DefaultCeiling: 1000, Need: 10, Share: 16, ExpiresAt: time.Now().Add(time.Hour),
+	})
+	require.NoError(t, err)
+	held, err := b.store.RenewQuotaLeases(b.ctx, owner, []uuid.UUID{mine, theirs}, time.Now().Add(2*time.Hour))
+	require.NoError(t, err)
+	require.Equal(t, []uuid.UUID{mine}, held)
+	n, err := b.store.FoldQuotaLeases(b.ctx, owner, []uuid.UUID{mine, theirs})
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
+	n, err = b.store.FoldExpiredQuotaLeases(b.ctx, 100)
+	require.NoError(t, err)
+	require.Zero(t, n, "theirs is alive")
+}
+
+// TestLeaseRateNeverPassesTheLimit: concurrent slices from two replicas sum
+// to the limit exactly; returned counts can be leased again.
+func TestLeaseRateNeverPassesTheLimit(t *testing.T) {
 	t.Parallel()
 	url := testdb.URL(t)
-	// A fixed clock keeps every request in one window, so the count is exact.
+	a, c := store.New(testdb.Connect(t, url)), store.New(testdb.Connect(t, url))
+	key := uuid.Must(uuid.NewV7())
 	at := time.Now().Truncate(time.Minute).Add(30 * time.Second)
-	limits := store.Options{RateLimits: gateway.RateLimits{Free: 3, Developer: 8}, Clock: func() time.Time { return at }}
-	// Two stores with their own pools stand for two replicas.
-	a := store.New(testdb.Connect(t, url), limits)
-	b := store.New(testdb.Connect(t, url), limits)
-	ctx := context.Background()
-	token, err := a.CreateKey(ctx, store.CreateKeyParams{Account: "acme", Project: "default", Scopes: []gateway.Scope{gateway.ScopeInference}})
-	require.NoError(t, err)
-
-	var admitted atomic.Int64
+	var granted atomic.Int64
 	var wg sync.WaitGroup
-	for i := range 20 {
+	for i := range 60 {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			st := a
 			if i%2 == 1 {
-				st = b
+				st = c
 			}
-			p, err := st.Authenticate(ctx, token)
+			g, err := st.LeaseRate(context.Background(), key, at, 50, 3)
 			require.NoError(t, err)
-			require.Equal(t, 8, p.Rate.Limit)
-			if p.Rate.Admitted {
-				admitted.Add(1)
-			} else {
-				require.Zero(t, p.Rate.Remaining)
-				require.Positive(t, p.Rate.Reset)
-			}
+			require.LessOrEqual(t, g.Used, float64(50))
+			granted.Add(int64(g.Granted))
 		}()
 	}
 	wg.Wait()
-	require.Equal(t, int64(8), admitted.Load(), "two replicas together admit the limit, not twice it")
-
-	free, err := a.CreateKey(ctx, store.CreateKeyParams{Account: "freeco", Project: "default", Tier: ptr(gateway.TierFree), Scopes: []gateway.Scope{gateway.ScopeInference}})
+	require.Equal(t, int64(50), granted.Load())
+	require.NoError(t, a.ReturnRate(context.Background(), []store.RateReturn{{KeyID: key, Window: at.Truncate(time.Minute), Count: 4}}))
+	g, err := c.LeaseRate(context.Background(), key, at, 50, 1)
 	require.NoError(t, err)
-	p, err := a.Authenticate(ctx, free)
-	require.NoError(t, err)
-	require.Equal(t, 3, p.Rate.Limit)
-	require.Equal(t, 2, p.Rate.Remaining)
+	require.Equal(t, store.RateGrant{Granted: 4, Used: 50}, g)
 }
 
-func TestRateLimitSlidingWindow(t *testing.T) {
+// TestLeaseRateSlidingWindow: the previous minute counts by how much of it
+// still overlaps the last 60 s.
+func TestLeaseRateSlidingWindow(t *testing.T) {
 	t.Parallel()
-	url := testdb.URL(t)
-	ctx := context.Background()
+	st := store.New(testdb.New(t))
+	key := uuid.Must(uuid.NewV7())
 	minute := time.Now().Truncate(time.Minute)
-	var now time.Time
-	st := store.New(testdb.Connect(t, url), store.Options{RateLimits: gateway.RateLimits{Free: 10, Developer: 10}, Clock: func() time.Time { return now }})
-	token, err := st.CreateKey(ctx, store.CreateKeyParams{Account: "acme", Project: "default", Scopes: []gateway.Scope{gateway.ScopeInference}})
-	require.NoError(t, err)
-	count := func(at time.Time, n int) (admitted int) {
-		now = at
-		for range n {
-			p, err := st.Authenticate(ctx, token)
-			require.NoError(t, err)
-			if p.Rate.Admitted {
-				admitted++
-			}
-		}
-		return admitted
+	lease := func(at time.Time) int {
+		g, err := st.LeaseRate(context.Background(), key, at, 10, 1)
+		require.NoError(t, err)
+		return g.Granted
 	}
-	require.Equal(t, 10, count(minute.Add(50*time.Second), 12), "the limit within a minute")
+	require.Equal(t, 10, lease(minute.Add(50*time.Second)))
+	require.Zero(t, lease(minute.Add(55*time.Second)))
 	// 15 s into the next minute, 3/4 of the previous minute still counts: 7.5 used.
-	require.Equal(t, 2, count(minute.Add(75*time.Second), 5))
-	// A minute later only the new window's own requests count.
-	require.Equal(t, 8, count(minute.Add(180*time.Second), 8))
-}
-
-func TestReleaseExpiredReservations(t *testing.T) {
-	t.Parallel()
-	b := setup(t)
-	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
-	b.limits(t, "acme", nil, ptr(int64(1000)))
-	dead, err := b.admit(p, 100, time.Now().Add(-time.Second))
-	require.NoError(t, err)
-	_, err = b.admit(p, 50, time.Now().Add(time.Hour))
-	require.NoError(t, err)
-
-	n, err := b.store.ReleaseExpiredReservations(b.ctx, 100)
-	require.NoError(t, err)
-	require.Equal(t, int64(1), n, "only the lapsed lease is released")
-	v := b.view(t, p)
-	require.Equal(t, int64(50), v.Daily.Charged)
-	require.Equal(t, int64(50), v.Budget.Reserved)
-
-	// A request settling after recovery released it is charged its actual cost once.
-	b.settle(t, p, dead, 20)
-	v = b.view(t, p)
-	require.Equal(t, int64(70), v.Daily.Charged)
-	require.Equal(t, int64(50), v.Budget.Reserved)
-	require.Equal(t, int64(20), v.Budget.Spent)
+	require.Equal(t, 2, lease(minute.Add(75*time.Second)))
+	require.Equal(t, 10, lease(minute.Add(180*time.Second)))
 }
 
 func TestUsageView(t *testing.T) {
@@ -251,11 +274,11 @@ func TestUsageView(t *testing.T) {
 	_, other := b.key(t, "other", gateway.TierDeveloper, gateway.ScopeInference)
 	now := time.Now().UTC()
 	record := func(who *gateway.Principal, model gateway.Model, in, out int64, at time.Time) {
-		require.NoError(t, b.store.Settle(b.ctx, gateway.UsageRecord{
+		require.NoError(t, b.store.SettleRequests(b.ctx, []store.Settlement{{Record: gateway.UsageRecord{
 			RequestID: uuid.Must(uuid.NewV7()), Principal: who, Model: model, Entry: gateway.EntryResponses,
 			Usage:     gateway.Usage{InputRungs: in, OutputRungs: out, TotalRungs: in + out},
 			CreatedAt: at, CompletedAt: at, EvidenceExpiresAt: at.Add(time.Hour),
-		}))
+		}}}))
 	}
 	record(p, gateway.ModelInstant, 1, 2, now)
 	record(p, gateway.ModelInstant, 3, 4, now)
@@ -278,94 +301,4 @@ func TestUsageView(t *testing.T) {
 	require.NoError(t, err)
 	require.Empty(t, empty.ByModel)
 	require.NotNil(t, empty.ByModel, "an empty list, not null")
-}
-
-// TestLedgerUnderConcurrency races admissions, settlements, releases, the
-// reconciler and recovery on one account and project; no statement may fail
-// (a deadlock would) and the books must balance afterwards.
-func TestLedgerUnderConcurrency(t *testing.T) {
-	t.Parallel()
-	b := setup(t)
-	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
-	b.limits(t, "acme", nil, ptr(int64(1_000_000)))
-	ctx, stop := context.WithCancel(b.ctx)
-	var background sync.WaitGroup
-	for _, job := range []func() error{
-		func() error { _, err := b.store.ReconcileSettlements(ctx, 50); return err },
-		func() error { _, err := b.store.ReleaseExpiredReservations(ctx, 50); return err },
-	} {
-		background.Add(1)
-		go func() {
-			defer background.Done()
-			for ctx.Err() == nil {
-				if err := job(); err != nil && ctx.Err() == nil {
-					t.Errorf("background job: %v", err)
-				}
-			}
-		}()
-	}
-
-	var settled atomic.Int64
-	var wg sync.WaitGroup
-	for i := range 300 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			expires := time.Now().Add(time.Hour)
-			if i%10 == 0 {
-				expires = time.Now().Add(-time.Second) // a dead replica's request: recovery releases it
-			}
-			id, err := b.admit(p, 100, expires)
-			require.NoError(t, err)
-			switch i % 3 {
-			case 0:
-				require.NoError(t, b.store.Release(b.ctx, id))
-			default:
-				cost := int64(i%50 + 1)
-				b.settle(t, p, id, cost)
-				settled.Add(cost)
-			}
-		}()
-	}
-	wg.Wait()
-	stop()
-	background.Wait()
-	for {
-		n, err := b.store.ReconcileSettlements(b.ctx, 1000)
-		require.NoError(t, err)
-		if n == 0 {
-			break
-		}
-	}
-	v := b.view(t, p)
-	require.Equal(t, settled.Load(), v.Totals.TotalRungs)
-	require.Equal(t, settled.Load(), v.Daily.Charged, "every charge reconciled to actual, none twice")
-	require.Equal(t, settled.Load(), v.Budget.Spent)
-	require.Zero(t, v.Budget.Reserved)
-}
-
-func TestReconcileKeepsTheView(t *testing.T) {
-	t.Parallel()
-	b := setup(t)
-	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
-	b.limits(t, "acme", nil, ptr(int64(10_000)))
-	for _, cost := range []int64{10, 20, 30} {
-		id, err := b.admit(p, 100, time.Now().Add(time.Hour))
-		require.NoError(t, err)
-		b.settle(t, p, id, cost)
-	}
-	_, err := b.admit(p, 100, time.Now().Add(time.Hour)) // still running
-	require.NoError(t, err)
-	before := b.view(t, p)
-	require.Equal(t, int64(160), before.Daily.Charged)
-	require.Equal(t, int64(100), before.Budget.Reserved)
-	require.Equal(t, int64(60), before.Budget.Spent)
-
-	n, err := b.store.ReconcileSettlements(b.ctx, 1000)
-	require.NoError(t, err)
-	require.Equal(t, int64(3), n, "the running reservation stays")
-	require.Equal(t, before, b.view(t, p))
-	n, err = b.store.ReconcileSettlements(b.ctx, 1000)
-	require.NoError(t, err)
-	require.Zero(t, n)
 }

@@ -10,7 +10,6 @@ import (
 	"fmt"
 	"slices"
 	"strings"
-	"time"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
@@ -23,77 +22,21 @@ import (
 
 // Store reads and writes the gateway's state in PostgreSQL.
 type Store struct {
-	pool       *pgxpool.Pool
-	queries    *db.Queries
-	rateLimits gateway.RateLimits
-	now        func() time.Time
+	pool    *pgxpool.Pool
+	queries *db.Queries
 	// quarantine holds accounts whose settlements fail reconciliation.
 	quarantine quarantine
-}
-
-// Options configure a store.
-type Options struct {
-	// RateLimits are the requests per minute per key; zero means the defaults.
-	RateLimits gateway.RateLimits
-	// Clock is the time rate-limit windows are counted at; nil means time.Now.
-	Clock func() time.Time
+	// foldQuarantine holds expired quota leases that fail to fold.
+	foldQuarantine quarantine
 }
 
 // New returns a store over pool.
-func New(pool *pgxpool.Pool, opts Options) *Store {
-	if opts.RateLimits == (gateway.RateLimits{}) {
-		opts.RateLimits = gateway.DefaultRateLimits
-	}
-	if opts.Clock == nil {
-		opts.Clock = time.Now
-	}
-	return &Store{pool: pool, queries: db.New(), rateLimits: opts.RateLimits, now: opts.Clock}
+func New(pool *pgxpool.Pool) *Store {
+	return &Store{pool: pool, queries: db.New()}
 }
 
 // Pool returns the connection pool.
 func (s *Store) Pool() *pgxpool.Pool { return s.pool }
-
-// Authenticate resolves a bearer token to its principal and counts the request
-// against the key's rate limit, in one round trip. A malformed, unknown or
-// revoked key is UNAUTHORIZED; the rate outcome is in the principal's Rate.
-func (s *Store) Authenticate(ctx context.Context, token string) (*gateway.Principal, error) {
-	prefix, err := apikey.Parse(token)
-	if err != nil {
-		return nil, gateway.UnauthorizedError()
-	}
-	row, err := s.queries.AuthenticateKey(ctx, s.pool, db.AuthenticateKeyParams{
-		Prefix:         prefix,
-		Hash:           apikey.Hash(token),
-		Now:            s.now(),
-		LimitFree:      int32(s.rateLimits.Free),
-		LimitDeveloper: int32(s.rateLimits.Developer),
-	})
-	if errors.Is(err, pgx.ErrNoRows) {
-		return nil, gateway.UnauthorizedError()
-	}
-	if err != nil {
-		return nil, fmt.Errorf("error authenticating API key: %w", err)
-	}
-	scopes := make([]gateway.Scope, len(row.Scopes))
-	for i, sc := range row.Scopes {
-		scopes[i] = gateway.Scope(sc)
-	}
-	return &gateway.Principal{
-		KeyID:       row.KeyID,
-		ProjectID:   row.ProjectID,
-		ProjectName: row.ProjectName,
-		AccountID:   row.AccountID,
-		AccountName: row.AccountName,
-		Tier:        gateway.Tier(row.Tier),
-		Scopes:      scopes,
-		Rate: gateway.RateStatus{
-			Limit:     int(row.RateLimit),
-			Remaining: int(row.Remaining),
-			Admitted:  row.Admitted,
-			Reset:     time.Duration(row.ResetSeconds) * time.Second,
-		},
-	}, nil
-}
 
 // CreateKeyParams names the owner and rights of a new key.
 type CreateKeyParams struct {

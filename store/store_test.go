@@ -26,14 +26,14 @@ type testBundle struct {
 
 func setup(t *testing.T) *testBundle {
 	t.Helper()
-	return &testBundle{ctx: context.Background(), store: store.New(testdb.New(t), store.Options{})}
+	return &testBundle{ctx: context.Background(), store: store.New(testdb.New(t))}
 }
 
 func (b *testBundle) key(t *testing.T, account string, tier gateway.Tier, scopes ...gateway.Scope) (string, *gateway.Principal) {
 	t.Helper()
 	token, err := b.store.CreateKey(b.ctx, store.CreateKeyParams{Account: account, Project: "default", Tier: &tier, Scopes: scopes})
 	require.NoError(t, err)
-	p, err := b.store.Authenticate(b.ctx, token)
+	p, err := b.store.LookupKey(b.ctx, token)
 	require.NoError(t, err)
 	return token, p
 }
@@ -57,17 +57,17 @@ func TestCreateKeyAndAuthenticate(t *testing.T) {
 	// Without a tier, an existing account keeps its tier and a new one is developer.
 	t3, err := b.store.CreateKey(b.ctx, store.CreateKeyParams{Account: "acme", Project: "other", Scopes: []gateway.Scope{gateway.ScopeInference}})
 	require.NoError(t, err)
-	p3, err := b.store.Authenticate(b.ctx, t3)
+	p3, err := b.store.LookupKey(b.ctx, t3)
 	require.NoError(t, err)
 	require.Equal(t, gateway.TierFree, p3.Tier)
 	require.NotEqual(t, p.ProjectID, p3.ProjectID)
 	t4, err := b.store.CreateKey(b.ctx, store.CreateKeyParams{Account: "newco", Project: "default", Scopes: []gateway.Scope{gateway.ScopeInference}})
 	require.NoError(t, err)
-	p4, err := b.store.Authenticate(b.ctx, t4)
+	p4, err := b.store.LookupKey(b.ctx, t4)
 	require.NoError(t, err)
 	require.Equal(t, gateway.TierDeveloper, p4.Tier)
 
-	_, err = b.store.Authenticate(b.ctx, token)
+	_, err = b.store.LookupKey(b.ctx, token)
 	require.NoError(t, err, "the first key still works")
 }
 
@@ -93,19 +93,19 @@ func TestAuthenticateRejects(t *testing.T) {
 
 	wrongSecret := token[:12] + "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa"
 	for _, bad := range []string{"", "garbage", wrongSecret} {
-		_, err := b.store.Authenticate(b.ctx, bad)
+		_, err := b.store.LookupKey(b.ctx, bad)
 		require.Equal(t, gateway.EUnauthorized, gateway.ErrorCodeOf(err), bad)
 	}
 
 	require.NoError(t, b.store.RevokeKey(b.ctx, token[:12]))
-	_, err := b.store.Authenticate(b.ctx, token)
+	_, err := b.store.LookupKey(b.ctx, token)
 	require.Equal(t, gateway.EUnauthorized, gateway.ErrorCodeOf(err))
 	require.ErrorIs(t, b.store.RevokeKey(b.ctx, token[:12]), store.ErrKeyNotFound)
 
 	// Revoking by id works too.
 	token2, p2 := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
 	require.NoError(t, b.store.RevokeKey(b.ctx, p2.KeyID.String()))
-	_, err = b.store.Authenticate(b.ctx, token2)
+	_, err = b.store.LookupKey(b.ctx, token2)
 	require.Equal(t, gateway.EUnauthorized, gateway.ErrorCodeOf(err))
 	require.NotEqual(t, p.KeyID, p2.KeyID)
 }
@@ -119,11 +119,11 @@ func TestRecordRequestAndEvidence(t *testing.T) {
 	now := time.Now().UTC()
 	record := func(sources []gateway.Source, verdict string, expires time.Time) uuid.UUID {
 		id := uuid.Must(uuid.NewV7())
-		require.NoError(t, b.store.Settle(b.ctx, gateway.UsageRecord{
+		require.NoError(t, b.store.SettleRequests(b.ctx, []store.Settlement{{Record: gateway.UsageRecord{
 			RequestID: id, Principal: owner, Model: gateway.ModelInstant, Entry: gateway.EntryResponses,
 			Usage:     gateway.Usage{InputTokens: 3, OutputTokens: 4, InputRungs: 3, OutputRungs: 4, TotalRungs: 7},
 			CreatedAt: now, CompletedAt: now, Sources: sources, Verdict: verdict, EvidenceExpiresAt: expires,
-		}))
+		}}}))
 		return id
 	}
 	src := []gateway.Source{{Title: "T", URL: "https://x", Snippet: "s"}, {Title: "U", URL: "https://y"}}

@@ -57,7 +57,7 @@ func withStore(ctx context.Context, stderr io.Writer, fn func(*store.Store) erro
 		}
 		return fmt.Errorf("error connecting to PostgreSQL (DATABASE_URL): %w", err)
 	}
-	return fn(store.New(pool, store.Options{}))
+	return fn(store.New(pool))
 }
 
 func migrateCmd() *cobra.Command {

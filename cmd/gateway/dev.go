@@ -89,7 +89,7 @@ any free port). A port in use is reported at once with what moves it.`,
 func devKey(ctx context.Context, st *store.Store, path string) (string, error) {
 	if b, err := os.ReadFile(path); err == nil {
 		token := strings.TrimSpace(string(b))
-		if _, err := st.Authenticate(ctx, token); err == nil {
+		if _, err := st.LookupKey(ctx, token); err == nil {
 			return token, nil
 		}
 	} else if !errors.Is(err, os.ErrNotExist) {

@@ -9,16 +9,20 @@ import (
 	"net/http"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/spf13/cobra"
 
+	"github.com/rungworks/gateway/access"
 	"github.com/rungworks/gateway/batch"
 	"github.com/rungworks/gateway/config"
 	"github.com/rungworks/gateway/drainer"
 	"github.com/rungworks/gateway/inference"
+	"github.com/rungworks/gateway/ledger"
 	"github.com/rungworks/gateway/maintenance"
 	"github.com/rungworks/gateway/metering"
 	"github.com/rungworks/gateway/metrics"
+	"github.com/rungworks/gateway/ratelimit"
 	"github.com/rungworks/gateway/server"
 	"github.com/rungworks/gateway/store"
 	"github.com/rungworks/gateway/upstream"
@@ -63,7 +67,7 @@ func openStore(ctx context.Context, cfg config.Config) (*store.Store, error) {
 		pool.Close()
 		return nil, err
 	}
-	return store.New(pool, store.Options{RateLimits: cfg.RateLimits()}), nil
+	return store.New(pool), nil
 }
 
 // serve wires the gateway and serves until ctx ends; ready, when set, is called
@@ -97,13 +101,24 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 		logger.Warn("upstream usage clamped", "model", c.Model, "side", c.Side, "reported", c.Reported, "bound", c.Bound)
 		m.Clamp(string(c.Model), c.Side)
 	}}
+	// The hot path from memory: keys cached (dropped on every change to keys,
+	// accounts or projects), rates and quota from leased slices, settlements
+	// committed in groups. Every replica runs these with its own leases.
+	owner := uuid.Must(uuid.NewV7())
+	ledge := ledger.New(ledger.Config{Owner: owner, Lease: cfg.Lease, Unavailable: store.Transient, Logger: logger}, st)
+	keys := access.NewKeys(access.Config{Logger: logger, OnChange: func(table string) {
+		if table != "api_keys" {
+			ledge.Invalidate()
+		}
+	}}, st)
+	rates := ratelimit.New(ratelimit.Config{Limits: cfg.RateLimits(), Logger: logger}, st)
 	srv, err := server.New(server.Config{
-		Auth: st,
+		Auth: &access.Authenticator{Keys: keys, Rates: rates},
 		Inference: &inference.Service{
 			Provider:          provider,
 			Models:            models,
 			Estimator:         estimator,
-			Ledger:            st,
+			Ledger:            ledge,
 			EvidenceRetention: cfg.EvidenceRetention,
 			RetryAfter:        5 * time.Second,
 			Unavailable:       store.Transient,
@@ -148,11 +163,19 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 
 	background, stopBackground := context.WithCancel(ctx)
 	defer stopBackground()
+	// The ledger outlives the requests it serves: it folds back its slices
+	// once the server has finished every request.
+	ledgerCtx, stopLedger := context.WithCancel(context.WithoutCancel(ctx))
+	ledgerDone := make(chan struct{})
+	go func() { defer close(ledgerDone); ledge.Run(ledgerCtx) }()
+	defer func() { stopLedger(); <-ledgerDone }()
+	go keys.Run(background)
+	go rates.Run(background)
 	go maintenance.Run(background, st, maintenance.Jobs(st, maintenance.Settings{
 		BatchWindow: cfg.BatchWindow, BatchRetention: cfg.BatchRetention, Lease: cfg.Lease,
 	}, m), logger)
 	drain := drainer.New(drainer.Config{
-		Concurrency: cfg.DrainConcurrency, Lease: cfg.Lease, Grace: cfg.ShutdownGrace,
+		Owner: owner, Concurrency: cfg.DrainConcurrency, Lease: cfg.Lease, Grace: cfg.ShutdownGrace,
 		EvidenceRetention: cfg.EvidenceRetention, Health: health, Metrics: m,
 	}, st, provider, models, estimator, logger)
 	drained := make(chan struct{})

@@ -12,100 +12,19 @@ import (
 	"github.com/google/uuid"
 )
 
-const admitRequest = `-- name: AdmitRequest :one
-SELECT admit_request($1, $2, $3, $4, $5, $6, $7)::text AS outcome
-`
-
-type AdmitRequestParams struct {
-	RequestID      uuid.UUID
-	AccountID      uuid.UUID
-	ProjectID      uuid.UUID
-	Day            time.Time
-	DefaultCeiling int64
-	Estimate       int64
-	ExpiresAt      time.Time
-}
-
-func (q *Queries) AdmitRequest(ctx context.Context, db DBTX, arg AdmitRequestParams) (string, error) {
-	row := db.QueryRow(ctx, admitRequest,
-		arg.RequestID,
-		arg.AccountID,
-		arg.ProjectID,
-		arg.Day,
-		arg.DefaultCeiling,
-		arg.Estimate,
-		arg.ExpiresAt,
-	)
-	var outcome string
-	err := row.Scan(&outcome)
-	return outcome, err
-}
-
-const authenticateKey = `-- name: AuthenticateKey :one
-SELECT a.key_id::uuid AS key_id, a.scopes::text[] AS scopes,
-       a.project_id::uuid AS project_id, a.project_name::text AS project_name,
-       a.account_id::uuid AS account_id, a.account_name::text AS account_name, a.tier::text AS tier,
-       a.rate_limit::integer AS rate_limit, a.admitted::boolean AS admitted,
-       a.remaining::integer AS remaining, a.reset_seconds::integer AS reset_seconds
-FROM authenticate_key($1::text, $2::bytea, $3::timestamptz, $4::integer, $5::integer) AS a
-`
-
-type AuthenticateKeyParams struct {
-	Prefix         string
-	Hash           []byte
-	Now            time.Time
-	LimitFree      int32
-	LimitDeveloper int32
-}
-
-type AuthenticateKeyRow struct {
-	KeyID        uuid.UUID
-	Scopes       []string
-	ProjectID    uuid.UUID
-	ProjectName  string
-	AccountID    uuid.UUID
-	AccountName  string
-	Tier         string
-	RateLimit    int32
-	Admitted     bool
-	Remaining    int32
-	ResetSeconds int32
-}
-
-func (q *Queries) AuthenticateKey(ctx context.Context, db DBTX, arg AuthenticateKeyParams) (AuthenticateKeyRow, error) {
-	row := db.QueryRow(ctx, authenticateKey,
-		arg.Prefix,
-		arg.Hash,
-		arg.Now,
-		arg.LimitFree,
-		arg.LimitDeveloper,
-	)
-	var i AuthenticateKeyRow
-	err := row.Scan(
-		&i.KeyID,
-		&i.Scopes,
-		&i.ProjectID,
-		&i.ProjectName,
-		&i.AccountID,
-		&i.AccountName,
-		&i.Tier,
-		&i.RateLimit,
-		&i.Admitted,
-		&i.Remaining,
-		&i.ResetSeconds,
-	)
-	return i, err
-}
-
 const budgetState = `-- name: BudgetState :one
 SELECT p.name, p.budget_cap_rungs,
-       (p.spent_rungs + coalesce(pending.spent, 0))::bigint AS spent_rungs,
-       (p.reserved_rungs - coalesce(pending.reserved, 0))::bigint AS reserved_rungs
+       (p.spent_rungs + coalesce(pending.spent, 0) + coalesce(leased.spent, 0))::bigint AS spent_rungs,
+       (p.reserved_rungs - coalesce(pending.reserved, 0) - coalesce(leased.reserved, 0))::bigint AS reserved_rungs
 FROM projects p
 LEFT JOIN LATERAL (
     SELECT sum(r.settled_rungs) AS spent, sum(r.reserved_rungs) AS reserved
     FROM reservations r WHERE r.project_id = p.id AND r.settled_rungs IS NOT NULL
 ) pending ON true
+LEFT JOIN LATERAL (
+    SELECT sum(q.used_rungs) AS spent, sum(q.budget_rungs) AS reserved
+    FROM quota_leases q WHERE q.project_id = p.id
+) leased ON true
 WHERE p.id = $1
 `
 
@@ -116,7 +35,8 @@ type BudgetStateRow struct {
 	ReservedRungs  int64
 }
 
-// The project's budget, with settlements not yet folded in moved from reserved to spent.
+// The project's budget, with settlements not yet folded in moved from reserved
+// to spent, and replicas' quota leases counted at what was used under them.
 func (q *Queries) BudgetState(ctx context.Context, db DBTX, id uuid.UUID) (BudgetStateRow, error) {
 	row := db.QueryRow(ctx, budgetState, id)
 	var i BudgetStateRow
@@ -133,7 +53,9 @@ const dailyState = `-- name: DailyState :one
 SELECT coalesce(a.daily_rung_ceiling, $1::bigint)::bigint AS ceiling_rungs,
        (coalesce((SELECT d.charged_rungs FROM daily_charges d WHERE d.account_id = a.id AND d.day = $2::date), 0)
         + coalesce((SELECT sum(r.settled_rungs - r.charged_rungs) FROM reservations r
-                     WHERE r.account_id = a.id AND r.day = $2::date AND r.settled_rungs IS NOT NULL), 0))::bigint AS charged_rungs
+                     WHERE r.account_id = a.id AND r.day = $2::date AND r.settled_rungs IS NOT NULL), 0)
+        + coalesce((SELECT sum(q.used_rungs - q.daily_rungs) FROM quota_leases q
+                     WHERE q.account_id = a.id AND q.day = $2::date), 0))::bigint AS charged_rungs
 FROM accounts a
 WHERE a.id = $3
 `
@@ -150,7 +72,8 @@ type DailyStateRow struct {
 }
 
 // The account's ceiling and today's charge, with settlements not yet folded in
-// counted at their actual cost.
+// counted at their actual cost and replicas' quota leases at what was used
+// under them (the unused part of a slice is not a charge).
 func (q *Queries) DailyState(ctx context.Context, db DBTX, arg DailyStateParams) (DailyStateRow, error) {
 	row := db.QueryRow(ctx, dailyState, arg.DefaultCeiling, arg.Day, arg.AccountID)
 	var i DailyStateRow
@@ -168,6 +91,202 @@ func (q *Queries) DeleteOldRateWindows(ctx context.Context, db DBTX, before time
 		return 0, err
 	}
 	return result.RowsAffected(), nil
+}
+
+const expiredQuotaLeases = `-- name: ExpiredQuotaLeases :many
+SELECT q.id, q.owner FROM quota_leases q
+WHERE q.expires_at < now() AND NOT (q.id = ANY ($1::uuid[]))
+ORDER BY q.expires_at
+LIMIT $2
+`
+
+type ExpiredQuotaLeasesParams struct {
+	Skip    []uuid.UUID
+	MaxRows int32
+}
+
+type ExpiredQuotaLeasesRow struct {
+	ID    uuid.UUID
+	Owner uuid.UUID
+}
+
+// Leases whose time ran out, apart from @skip.
+func (q *Queries) ExpiredQuotaLeases(ctx context.Context, db DBTX, arg ExpiredQuotaLeasesParams) ([]ExpiredQuotaLeasesRow, error) {
+	rows, err := db.Query(ctx, expiredQuotaLeases, arg.Skip, arg.MaxRows)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []ExpiredQuotaLeasesRow
+	for rows.Next() {
+		var i ExpiredQuotaLeasesRow
+		if err := rows.Scan(&i.ID, &i.Owner); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const foldQuotaLeases = `-- name: FoldQuotaLeases :one
+SELECT fold_quota_leases($1::uuid, $2::uuid[], $3::integer, $4::uuid[])::bigint AS folded
+`
+
+type FoldQuotaLeasesParams struct {
+	Owner   uuid.UUID
+	Ids     []uuid.UUID
+	Expired int32
+	Skip    []uuid.UUID
+}
+
+func (q *Queries) FoldQuotaLeases(ctx context.Context, db DBTX, arg FoldQuotaLeasesParams) (int64, error) {
+	row := db.QueryRow(ctx, foldQuotaLeases,
+		arg.Owner,
+		arg.Ids,
+		arg.Expired,
+		arg.Skip,
+	)
+	var folded int64
+	err := row.Scan(&folded)
+	return folded, err
+}
+
+const grantQuota = `-- name: GrantQuota :one
+SELECT g.outcome::text AS outcome, g.daily_granted::bigint AS daily_granted, g.budget_granted::bigint AS budget_granted,
+       coalesce(g.capped, false)::boolean AS capped, g.ceiling::bigint AS ceiling, g.daily_left::bigint AS daily_left,
+       coalesce(g.cap, 0)::bigint AS cap, coalesce(g.budget_left, 0)::bigint AS budget_left
+FROM grant_quota($1::uuid, $2::uuid, $3::uuid, $4::uuid, $5::date,
+                 $6::bigint, $7::bigint, $8::integer, $9::timestamptz) AS g
+`
+
+type GrantQuotaParams struct {
+	ID             uuid.UUID
+	Owner          uuid.UUID
+	AccountID      uuid.UUID
+	ProjectID      uuid.UUID
+	Day            time.Time
+	DefaultCeiling int64
+	Need           int64
+	Share          int32
+	ExpiresAt      time.Time
+}
+
+type GrantQuotaRow struct {
+	Outcome       string
+	DailyGranted  int64
+	BudgetGranted int64
+	Capped        bool
+	Ceiling       int64
+	DailyLeft     int64
+	Cap           int64
+	BudgetLeft    int64
+}
+
+func (q *Queries) GrantQuota(ctx context.Context, db DBTX, arg GrantQuotaParams) (GrantQuotaRow, error) {
+	row := db.QueryRow(ctx, grantQuota,
+		arg.ID,
+		arg.Owner,
+		arg.AccountID,
+		arg.ProjectID,
+		arg.Day,
+		arg.DefaultCeiling,
+		arg.Need,
+		arg.Share,
+		arg.ExpiresAt,
+	)
+	var i GrantQuotaRow
+	err := row.Scan(
+		&i.Outcome,
+		&i.DailyGranted,
+		&i.BudgetGranted,
+		&i.Capped,
+		&i.Ceiling,
+		&i.DailyLeft,
+		&i.Cap,
+		&i.BudgetLeft,
+	)
+	return i, err
+}
+
+const leaseRate = `-- name: LeaseRate :one
+SELECT l.granted::integer AS granted, l.used::double precision AS used
+FROM lease_rate($1::uuid, $2::timestamptz, $3::integer, $4::integer) AS l
+`
+
+type LeaseRateParams struct {
+	KeyID     uuid.UUID
+	Now       time.Time
+	RateLimit int32
+	Share     int32
+}
+
+type LeaseRateRow struct {
+	Granted int32
+	Used    float64
+}
+
+func (q *Queries) LeaseRate(ctx context.Context, db DBTX, arg LeaseRateParams) (LeaseRateRow, error) {
+	row := db.QueryRow(ctx, leaseRate,
+		arg.KeyID,
+		arg.Now,
+		arg.RateLimit,
+		arg.Share,
+	)
+	var i LeaseRateRow
+	err := row.Scan(&i.Granted, &i.Used)
+	return i, err
+}
+
+const listenPrincipals = `-- name: ListenPrincipals :exec
+LISTEN gateway_principals
+`
+
+func (q *Queries) ListenPrincipals(ctx context.Context, db DBTX) error {
+	_, err := db.Exec(ctx, listenPrincipals)
+	return err
+}
+
+const lookupKey = `-- name: LookupKey :one
+SELECT k.id AS key_id, k.scopes, p.id AS project_id, p.name AS project_name,
+       a.id AS account_id, a.name AS account_name, a.tier
+FROM api_keys k
+JOIN projects p ON p.id = k.project_id
+JOIN accounts a ON a.id = p.account_id
+WHERE k.prefix = $1 AND k.hash = $2 AND k.revoked_at IS NULL
+`
+
+type LookupKeyParams struct {
+	Prefix string
+	Hash   []byte
+}
+
+type LookupKeyRow struct {
+	KeyID       uuid.UUID
+	Scopes      []string
+	ProjectID   uuid.UUID
+	ProjectName string
+	AccountID   uuid.UUID
+	AccountName string
+	Tier        string
+}
+
+// The principal of an active key (prefix and hash); no row: unknown or revoked.
+func (q *Queries) LookupKey(ctx context.Context, db DBTX, arg LookupKeyParams) (LookupKeyRow, error) {
+	row := db.QueryRow(ctx, lookupKey, arg.Prefix, arg.Hash)
+	var i LookupKeyRow
+	err := row.Scan(
+		&i.KeyID,
+		&i.Scopes,
+		&i.ProjectID,
+		&i.ProjectName,
+		&i.AccountID,
+		&i.AccountName,
+		&i.Tier,
+	)
+	return i, err
 }
 
 const reconcileSettlements = `-- name: ReconcileSettlements :one
@@ -198,66 +317,73 @@ func (q *Queries) ReleaseExpiredReservations(ctx context.Context, db DBTX, maxRo
 	return released, err
 }
 
-const releaseReservation = `-- name: ReleaseReservation :exec
-SELECT release_reservation($1)
+const renewQuotaLeases = `-- name: RenewQuotaLeases :many
+SELECT renew_quota_leases($1::uuid, $2::uuid[], $3::timestamptz)::uuid AS id
 `
 
-func (q *Queries) ReleaseReservation(ctx context.Context, db DBTX, requestID uuid.UUID) error {
-	_, err := db.Exec(ctx, releaseReservation, requestID)
+type RenewQuotaLeasesParams struct {
+	Owner     uuid.UUID
+	Ids       []uuid.UUID
+	ExpiresAt time.Time
+}
+
+func (q *Queries) RenewQuotaLeases(ctx context.Context, db DBTX, arg RenewQuotaLeasesParams) ([]uuid.UUID, error) {
+	rows, err := db.Query(ctx, renewQuotaLeases, arg.Owner, arg.Ids, arg.ExpiresAt)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []uuid.UUID
+	for rows.Next() {
+		var id uuid.UUID
+		if err := rows.Scan(&id); err != nil {
+			return nil, err
+		}
+		items = append(items, id)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const returnRate = `-- name: ReturnRate :exec
+SELECT return_rate($1::uuid[], $2::timestamptz[], $3::integer[])
+`
+
+type ReturnRateParams struct {
+	KeyIds  []uuid.UUID
+	Windows []time.Time
+	Counts  []int32
+}
+
+func (q *Queries) ReturnRate(ctx context.Context, db DBTX, arg ReturnRateParams) error {
+	_, err := db.Exec(ctx, returnRate, arg.KeyIds, arg.Windows, arg.Counts)
 	return err
 }
 
-const settleRequest = `-- name: SettleRequest :exec
-SELECT settle_request(
-    $1, $2, $3, $4, $5, $6, $7,
-    $8, $9, $10, $11, $12,
-    $13, $14, $15, $16, $17, $18
-)
+const settleRequests = `-- name: SettleRequests :many
+SELECT settle_requests($1::jsonb)::uuid AS id
 `
 
-type SettleRequestParams struct {
-	ID                uuid.UUID
-	AccountID         uuid.UUID
-	ProjectID         uuid.UUID
-	ApiKeyID          uuid.UUID
-	Model             string
-	EntryPoint        string
-	Status            string
-	InputTokens       int64
-	OutputTokens      int64
-	InputRungs        int64
-	OutputRungs       int64
-	TotalRungs        int64
-	CreatedAt         time.Time
-	CompletedAt       time.Time
-	Sources           []byte
-	Verdict           *string
-	EvidenceExpiresAt time.Time
-	Day               time.Time
-}
-
-func (q *Queries) SettleRequest(ctx context.Context, db DBTX, arg SettleRequestParams) error {
-	_, err := db.Exec(ctx, settleRequest,
-		arg.ID,
-		arg.AccountID,
-		arg.ProjectID,
-		arg.ApiKeyID,
-		arg.Model,
-		arg.EntryPoint,
-		arg.Status,
-		arg.InputTokens,
-		arg.OutputTokens,
-		arg.InputRungs,
-		arg.OutputRungs,
-		arg.TotalRungs,
-		arg.CreatedAt,
-		arg.CompletedAt,
-		arg.Sources,
-		arg.Verdict,
-		arg.EvidenceExpiresAt,
-		arg.Day,
-	)
-	return err
+func (q *Queries) SettleRequests(ctx context.Context, db DBTX, requests []byte) ([]uuid.UUID, error) {
+	rows, err := db.Query(ctx, settleRequests, requests)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []uuid.UUID
+	for rows.Next() {
+		var id uuid.UUID
+		if err := rows.Scan(&id); err != nil {
+			return nil, err
+		}
+		items = append(items, id)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
 }
 
 const settledAccounts = `-- name: SettledAccounts :many

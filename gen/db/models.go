@@ -95,6 +95,18 @@ type Project struct {
 	ReservedRungs  int64
 }
 
+type QuotaLease struct {
+	ID          uuid.UUID
+	Owner       uuid.UUID
+	AccountID   uuid.UUID
+	ProjectID   uuid.UUID
+	Day         time.Time
+	DailyRungs  int64
+	BudgetRungs int64
+	UsedRungs   int64
+	ExpiresAt   time.Time
+}
+
 type RateWindow struct {
 	KeyID       uuid.UUID
 	WindowStart time.Time

@@ -1,23 +1,44 @@
--- name: AuthenticateKey :one
-SELECT a.key_id::uuid AS key_id, a.scopes::text[] AS scopes,
-       a.project_id::uuid AS project_id, a.project_name::text AS project_name,
-       a.account_id::uuid AS account_id, a.account_name::text AS account_name, a.tier::text AS tier,
-       a.rate_limit::integer AS rate_limit, a.admitted::boolean AS admitted,
-       a.remaining::integer AS remaining, a.reset_seconds::integer AS reset_seconds
-FROM authenticate_key(@prefix::text, @hash::bytea, @now::timestamptz, @limit_free::integer, @limit_developer::integer) AS a;
+-- name: LookupKey :one
+-- The principal of an active key (prefix and hash); no row: unknown or revoked.
+SELECT k.id AS key_id, k.scopes, p.id AS project_id, p.name AS project_name,
+       a.id AS account_id, a.name AS account_name, a.tier
+FROM api_keys k
+JOIN projects p ON p.id = k.project_id
+JOIN accounts a ON a.id = p.account_id
+WHERE k.prefix = @prefix AND k.hash = @hash AND k.revoked_at IS NULL;
 
--- name: AdmitRequest :one
-SELECT admit_request(@request_id, @account_id, @project_id, @day, @default_ceiling, @estimate, @expires_at)::text AS outcome;
+-- name: ListenPrincipals :exec
+LISTEN gateway_principals;
 
--- name: SettleRequest :exec
-SELECT settle_request(
-    @id, @account_id, @project_id, @api_key_id, @model, @entry_point, @status,
-    @input_tokens, @output_tokens, @input_rungs, @output_rungs, @total_rungs,
-    @created_at, @completed_at, @sources, sqlc.narg(verdict), @evidence_expires_at, @day
-);
+-- name: LeaseRate :one
+SELECT l.granted::integer AS granted, l.used::double precision AS used
+FROM lease_rate(@key_id::uuid, @now::timestamptz, @rate_limit::integer, @share::integer) AS l;
 
--- name: ReleaseReservation :exec
-SELECT release_reservation(@request_id);
+-- name: ReturnRate :exec
+SELECT return_rate(@key_ids::uuid[], @windows::timestamptz[], @counts::integer[]);
+
+-- name: GrantQuota :one
+SELECT g.outcome::text AS outcome, g.daily_granted::bigint AS daily_granted, g.budget_granted::bigint AS budget_granted,
+       coalesce(g.capped, false)::boolean AS capped, g.ceiling::bigint AS ceiling, g.daily_left::bigint AS daily_left,
+       coalesce(g.cap, 0)::bigint AS cap, coalesce(g.budget_left, 0)::bigint AS budget_left
+FROM grant_quota(@id::uuid, @owner::uuid, @account_id::uuid, @project_id::uuid, @day::date,
+                 @default_ceiling::bigint, @need::bigint, @share::integer, @expires_at::timestamptz) AS g;
+
+-- name: FoldQuotaLeases :one
+SELECT fold_quota_leases(@owner::uuid, @ids::uuid[], @expired::integer, @skip::uuid[])::bigint AS folded;
+
+-- name: ExpiredQuotaLeases :many
+-- Leases whose time ran out, apart from @skip.
+SELECT q.id, q.owner FROM quota_leases q
+WHERE q.expires_at < now() AND NOT (q.id = ANY (@skip::uuid[]))
+ORDER BY q.expires_at
+LIMIT @max_rows;
+
+-- name: RenewQuotaLeases :many
+SELECT renew_quota_leases(@owner::uuid, @ids::uuid[], @expires_at::timestamptz)::uuid AS id;
+
+-- name: SettleRequests :many
+SELECT settle_requests(@requests::jsonb)::uuid AS id;
 
 -- name: ReleaseExpiredReservations :one
 SELECT release_expired_reservations(@max_rows)::bigint AS released;
@@ -48,22 +69,30 @@ ORDER BY model;
 
 -- name: DailyState :one
 -- The account's ceiling and today's charge, with settlements not yet folded in
--- counted at their actual cost.
+-- counted at their actual cost and replicas' quota leases at what was used
+-- under them (the unused part of a slice is not a charge).
 SELECT coalesce(a.daily_rung_ceiling, @default_ceiling::bigint)::bigint AS ceiling_rungs,
        (coalesce((SELECT d.charged_rungs FROM daily_charges d WHERE d.account_id = a.id AND d.day = @day::date), 0)
         + coalesce((SELECT sum(r.settled_rungs - r.charged_rungs) FROM reservations r
-                     WHERE r.account_id = a.id AND r.day = @day::date AND r.settled_rungs IS NOT NULL), 0))::bigint AS charged_rungs
+                     WHERE r.account_id = a.id AND r.day = @day::date AND r.settled_rungs IS NOT NULL), 0)
+        + coalesce((SELECT sum(q.used_rungs - q.daily_rungs) FROM quota_leases q
+                     WHERE q.account_id = a.id AND q.day = @day::date), 0))::bigint AS charged_rungs
 FROM accounts a
 WHERE a.id = @account_id;
 
 -- name: BudgetState :one
--- The project's budget, with settlements not yet folded in moved from reserved to spent.
+-- The project's budget, with settlements not yet folded in moved from reserved
+-- to spent, and replicas' quota leases counted at what was used under them.
 SELECT p.name, p.budget_cap_rungs,
-       (p.spent_rungs + coalesce(pending.spent, 0))::bigint AS spent_rungs,
-       (p.reserved_rungs - coalesce(pending.reserved, 0))::bigint AS reserved_rungs
+       (p.spent_rungs + coalesce(pending.spent, 0) + coalesce(leased.spent, 0))::bigint AS spent_rungs,
+       (p.reserved_rungs - coalesce(pending.reserved, 0) - coalesce(leased.reserved, 0))::bigint AS reserved_rungs
 FROM projects p
 LEFT JOIN LATERAL (
     SELECT sum(r.settled_rungs) AS spent, sum(r.reserved_rungs) AS reserved
     FROM reservations r WHERE r.project_id = p.id AND r.settled_rungs IS NOT NULL
 ) pending ON true
+LEFT JOIN LATERAL (
+    SELECT sum(q.used_rungs) AS spent, sum(q.budget_rungs) AS reserved
+    FROM quota_leases q WHERE q.project_id = p.id
+) leased ON true
 WHERE p.id = @id;

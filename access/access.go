@@ -1,0 +1,179 @@
+// Package access authenticates callers from memory: each replica caches the
+// principals of the keys it has seen, drops them all whenever PostgreSQL
+// announces a change to a key, an account or a project (LISTEN/NOTIFY), and
+// serves from the cache only while it is listening, so a revoked key is
+// refused by every replica as soon as the notification arrives. A TTL bounds
+// the life of an entry as a backstop. Each request is then counted against the
+// key's rate limit.
+package access
+
+import (
+	"context"
+	"crypto/sha256"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/rungworks/gateway"
+)
+
+// KeyStore resolves keys and announces changes to them.
+type KeyStore interface {
+	LookupKey(ctx context.Context, token string) (*gateway.Principal, error)
+	ListenPrincipals(ctx context.Context, listening func(), changed func(table string)) error
+}
+
+// RateLimiter counts a request against its key's limit.
+type RateLimiter interface {
+	Take(ctx context.Context, keyID uuid.UUID, tier gateway.Tier) (gateway.RateStatus, error)
+}
+
+// Defaults of a Config.
+const (
+	DefaultTTL        = 30 * time.Second
+	DefaultMaxEntries = 100_000
+	// relistenDelay is the pause before listening again after a failure.
+	relistenDelay = time.Second
+)
+
+// Config configures a Keys cache; zero fields take the defaults.
+type Config struct {
+	// TTL bounds how long an entry is served without a lookup.
+	TTL time.Duration
+	// MaxEntries bounds the cache; when full it starts over.
+	MaxEntries int
+	// OnChange, when set, is called on every announced change (after the
+	// cache is dropped), with the changed table's name; "" when changes may
+	// have been missed (the listener reconnected).
+	OnChange func(table string)
+	Logger   *slog.Logger
+}
+
+// Keys caches principals by the hash of their key.
+type Keys struct {
+	cfg   Config
+	store KeyStore
+
+	mu        sync.RWMutex
+	entries   map[[sha256.Size]byte]entry
+	listening bool
+	// generation changes whenever the cache is dropped, so a lookup that
+	// raced a change does not store what it read before it.
+	generation uint64
+}
+
+type entry struct {
+	principal *gateway.Principal
+	expires   time.Time
+}
+
+// NewKeys returns a cache over st; it caches only while Run listens.
+func NewKeys(cfg Config, st KeyStore) *Keys {
+	if cfg.TTL <= 0 {
+		cfg.TTL = DefaultTTL
+	}
+	if cfg.MaxEntries <= 0 {
+		cfg.MaxEntries = DefaultMaxEntries
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	return &Keys{cfg: cfg, store: st, entries: map[[sha256.Size]byte]entry{}}
+}
+
+// Lookup returns the principal of token (Rate unset), from the cache when it
+// holds it, or UNAUTHORIZED. Unknown keys are never cached.
+func (k *Keys) Lookup(ctx context.Context, token string) (*gateway.Principal, error) {
+	sum := sha256.Sum256([]byte(token))
+	now := time.Now()
+	k.mu.RLock()
+	e, ok := k.entries[sum]
+	listening, generation := k.listening, k.generation
+	k.mu.RUnlock()
+	if ok && listening && now.Before(e.expires) {
+		return e.principal, nil
+	}
+	p, err := k.store.LookupKey(ctx, token)
+	if err != nil {
+		return nil, err
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.listening && k.generation == generation {
+		if len(k.entries) >= k.cfg.MaxEntries {
+			k.entries = map[[sha256.Size]byte]entry{}
+		}
+		k.entries[sum] = entry{principal: p, expires: now.Add(k.cfg.TTL)}
+	}
+	return p, nil
+}
+
+// Listening reports whether changes are being listened for (and so whether
+// the cache is in use).
+func (k *Keys) Listening() bool {
+	k.mu.RLock()
+	defer k.mu.RUnlock()
+	return k.listening
+}
+
+// drop empties the cache and sets whether it may fill again.
+func (k *Keys) drop(listening bool) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.entries = map[[sha256.Size]byte]entry{}
+	k.listening = listening
+	k.generation++
+}
+
+// Run listens for changes until ctx ends, reconnecting after failures; while
+// it is not listening nothing is served from the cache.
+func (k *Keys) Run(ctx context.Context) {
+	for ctx.Err() == nil {
+		err := k.store.ListenPrincipals(ctx, func() {
+			k.drop(true)
+			k.changed("")
+		}, func(table string) {
+			k.drop(true)
+			k.changed(table)
+		})
+		k.drop(false)
+		if ctx.Err() != nil {
+			return
+		}
+		k.cfg.Logger.Warn("key change notifications interrupted; authenticating every request against the database until they resume", "error", err)
+		select {
+		case <-ctx.Done():
+		case <-time.After(relistenDelay):
+		}
+	}
+}
+
+func (k *Keys) changed(table string) {
+	if k.cfg.OnChange != nil {
+		k.cfg.OnChange(table)
+	}
+}
+
+// Authenticator resolves a token to its principal and counts the request
+// against the key's rate limit.
+type Authenticator struct {
+	Keys  *Keys
+	Rates RateLimiter
+}
+
+// Authenticate returns the caller's principal with the request's rate outcome.
+func (a *Authenticator) Authenticate(ctx context.Context, token string) (*gateway.Principal, error) {
+	p, err := a.Keys.Lookup(ctx, token)
+	if err != nil {
+		return nil, err
+	}
+	rate, err := a.Rates.Take(ctx, p.KeyID, p.Tier)
+	if err != nil {
+		return nil, err
+	}
+	counted := *p
+	counted.Rate = rate
+	return &counted, nil
+}

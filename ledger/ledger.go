@@ -1,0 +1,463 @@
+// Package ledger admits and settles interactive requests against the daily
+// ceiling and the project budget without a database round trip on admission.
+//
+// A replica leases a slice of an account-day's ceiling (and of a capped
+// project's budget) in one statement and admits requests from it in memory;
+// the slice was charged to the day and reserved on the budget when granted,
+// so the sum of all replicas' slices never passes either cap, and an admitted
+// estimate is always covered. Slices are sized to a share of what the caps
+// leave, so they shrink as the remainder does; a request that the slice and
+// the remainder together cannot cover is refused exactly as before.
+//
+// Finished requests are settled in groups: those that finish together are
+// committed in one statement and one transaction (usage, evidence, and their
+// actual cost on their lease), and each caller waits for its group's commit,
+// so usage is durable before it is sent. A group that fails for its data is
+// split so that one bad member stops no one else.
+//
+// A replica renews its leases while it holds them and folds a lease back
+// (the day charged what was used under it, the budget moved from reserved to
+// spent) when it goes idle, at shutdown, or when limits change. A replica that
+// dies forfeits its slices until their lease runs out; then any replica folds
+// them, and requests settled under them stay billed exactly once.
+package ledger
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/google/uuid"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/store"
+)
+
+// Store grants, renews and folds quota leases and settles requests.
+type Store interface {
+	GrantQuota(ctx context.Context, r store.QuotaRequest) (store.QuotaGrant, error)
+	RenewQuotaLeases(ctx context.Context, owner uuid.UUID, ids []uuid.UUID, expiresAt time.Time) ([]uuid.UUID, error)
+	FoldQuotaLeases(ctx context.Context, owner uuid.UUID, ids []uuid.UUID) (int64, error)
+	SettleRequests(ctx context.Context, group []store.Settlement) error
+}
+
+// Defaults of a Config.
+const (
+	// DefaultLease is how long a slice outlives a replica that stopped renewing it.
+	DefaultLease = 30 * time.Second
+	// DefaultShare sizes a slice as 1/16 of what the ceiling and cap leave.
+	DefaultShare = 16
+	// DefaultIdle is how long an unused slice is kept before it is folded back.
+	DefaultIdle = 2 * time.Second
+	// DefaultMaxGroup bounds the requests settled in one transaction.
+	DefaultMaxGroup = 256
+	// statementTimeout bounds one grant, renewal, fold or group commit.
+	statementTimeout = 5 * time.Second
+)
+
+// Config configures a Ledger; zero fields take the defaults.
+type Config struct {
+	// Owner identifies this replica's leases.
+	Owner    uuid.UUID
+	Lease    time.Duration
+	Share    int
+	Idle     time.Duration
+	MaxGroup int
+	// Unavailable reports whether an error means the database is away for
+	// the moment; a group failing so is not split. Nil means never.
+	Unavailable func(error) bool
+	Logger      *slog.Logger
+}
+
+// Ledger is one replica's view of its leases and the requests admitted under them.
+type Ledger struct {
+	cfg   Config
+	store Store
+
+	// group is the settlements waiting for a commit, and whether one is in
+	// flight: the request that finds none in flight commits the group (its
+	// own and every one waiting), then hands the next group to one of those
+	// that arrived meanwhile.
+	groupMu  sync.Mutex
+	pending  []*settling
+	inFlight bool
+
+	mu         sync.Mutex
+	current    map[sliceKey]*lease
+	leases     map[uuid.UUID]*lease
+	admitted   map[uuid.UUID]ticket
+	generation uint64
+}
+
+// sliceKey is what a lease is a slice of: an account-day and a project.
+type sliceKey struct {
+	account, project uuid.UUID
+	day              time.Time
+}
+
+// lease is a slice held by this replica.
+type lease struct {
+	id  uuid.UUID
+	key sliceKey
+	// avail is what admissions may still take: granted, minus the estimates
+	// of requests running, minus the actual cost of those settled.
+	avail int64
+	// stored is set once a grant statement created the lease's row.
+	stored   bool
+	capped   bool
+	inflight int
+	// validUntil is when the lease may have run out in the database unless
+	// renewed; nothing is admitted from it after.
+	validUntil time.Time
+	touched    time.Time
+	generation uint64
+	granting   chan struct{} // closed when the grant in flight ends
+}
+
+// ticket is what an admitted request took from which lease.
+type ticket struct {
+	lease    *lease
+	estimate int64
+}
+
+// settling is a request waiting for its group's commit.
+type settling struct {
+	settlement store.Settlement
+	done       chan error
+	lead       chan struct{} // closed when it is this one's turn to commit
+}
+
+// New returns a ledger over st; Run renews and folds back its leases.
+func New(cfg Config, st Store) *Ledger {
+	if cfg.Lease <= 0 {
+		cfg.Lease = DefaultLease
+	}
+	if cfg.Share <= 0 {
+		cfg.Share = DefaultShare
+	}
+	if cfg.Idle <= 0 {
+		cfg.Idle = DefaultIdle
+	}
+	if cfg.MaxGroup <= 0 {
+		cfg.MaxGroup = DefaultMaxGroup
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	return &Ledger{
+		cfg: cfg, store: st,
+		current: map[sliceKey]*lease{}, leases: map[uuid.UUID]*lease{}, admitted: map[uuid.UUID]ticket{},
+	}
+}
+
+// Admit takes the request's estimate from the slice of its account-day and
+// project, leasing a new slice when this one cannot cover it. A refusal is
+// RATE_LIMITED (daily ceiling) or BUDGET_EXCEEDED, worded as D5 and D11 say.
+func (l *Ledger) Admit(ctx context.Context, a gateway.Admission) error {
+	key := sliceKey{account: a.Principal.AccountID, project: a.Principal.ProjectID, day: gateway.UTCDay(a.Day)}
+	for {
+		l.mu.Lock()
+		ls := l.slice(key, time.Now())
+		if ls.stored && ls.avail >= a.Estimate {
+			ls.avail -= a.Estimate
+			ls.inflight++
+			ls.touched = time.Now()
+			l.admitted[a.RequestID] = ticket{lease: ls, estimate: a.Estimate}
+			l.mu.Unlock()
+			return nil
+		}
+		if wait := ls.granting; wait != nil {
+			l.mu.Unlock()
+			select {
+			case <-wait:
+				continue
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+		done := make(chan struct{})
+		ls.granting = done
+		need := a.Estimate - max(0, ls.avail)
+		l.mu.Unlock()
+
+		start := time.Now()
+		grant, err := l.grant(ctx, ls, a.Principal, need, start)
+
+		l.mu.Lock()
+		ls.granting = nil
+		close(done)
+		if err == nil {
+			ls.stored = true
+			ls.validUntil = start.Add(l.cfg.Lease * 2 / 3)
+			if grant.Outcome == gateway.AdmitOK {
+				ls.avail += grant.Granted
+				ls.capped = grant.Capped
+			}
+		}
+		l.mu.Unlock()
+		if err != nil {
+			return err
+		}
+		if grant.Outcome != gateway.AdmitOK {
+			return gateway.AdmissionError(refusal(grant, a.Estimate), "request", a.Estimate, a.Principal, key.day)
+		}
+	}
+}
+
+// refusal tells a refusal waiting may cure from one it cannot.
+func refusal(g store.QuotaGrant, estimate int64) string {
+	switch {
+	case g.Outcome == gateway.AdmitDaily && estimate > g.Ceiling:
+		return gateway.AdmitDailyNever
+	case g.Outcome == gateway.AdmitBudget && estimate > g.Cap:
+		return gateway.AdmitBudgetNever
+	}
+	return g.Outcome
+}
+
+func (l *Ledger) grant(ctx context.Context, ls *lease, p *gateway.Principal, need int64, start time.Time) (store.QuotaGrant, error) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), statementTimeout)
+	defer cancel()
+	g, err := l.store.GrantQuota(ctx, store.QuotaRequest{
+		LeaseID: ls.id, Owner: l.cfg.Owner, AccountID: ls.key.account, ProjectID: ls.key.project, Day: ls.key.day,
+		DefaultCeiling: p.Tier.DefaultDailyCeiling(), Need: need, Share: l.cfg.Share, ExpiresAt: start.Add(l.cfg.Lease),
+	})
+	if err != nil {
+		return g, fmt.Errorf("error admitting request: %w", err)
+	}
+	return g, nil
+}
+
+// slice returns the lease admissions of key draw on, starting a new one when
+// there is none or the current one may no longer be used (its lease may have
+// run out, or limits changed since it was granted). Called with l.mu held.
+func (l *Ledger) slice(key sliceKey, now time.Time) *lease {
+	ls := l.current[key]
+	if ls != nil && ls.granting == nil && (ls.generation != l.generation || (ls.stored && !now.Before(ls.validUntil))) {
+		ls = nil
+	}
+	if ls == nil {
+		ls = &lease{id: uuid.Must(uuid.NewV7()), key: key, generation: l.generation, touched: now}
+		l.current[key] = ls
+		l.leases[ls.id] = ls
+	}
+	return ls
+}
+
+// Settle commits a finished request with its group and gives what its
+// estimate did not use back to its slice. It waits for the commit, whatever
+// ctx says: a request's usage is stored before its reply is sent.
+func (l *Ledger) Settle(_ context.Context, r gateway.UsageRecord) error {
+	l.mu.Lock()
+	t, ok := l.admitted[r.RequestID]
+	l.mu.Unlock()
+	s := &settling{settlement: store.Settlement{Record: r}, done: make(chan error, 1), lead: make(chan struct{})}
+	if ok {
+		s.settlement.LeaseID = &t.lease.id
+	}
+	l.groupMu.Lock()
+	l.pending = append(l.pending, s)
+	if !l.inFlight {
+		l.inFlight = true
+		close(s.lead)
+	}
+	l.groupMu.Unlock()
+	select {
+	case err := <-s.done:
+		if err != nil {
+			return err
+		}
+	case <-s.lead:
+		l.commitPending()
+		if err := <-s.done; err != nil {
+			return err
+		}
+	}
+	l.end(r.RequestID, r.Usage.TotalRungs)
+	return nil
+}
+
+// commitPending commits the settlements waiting (up to MaxGroup) in one
+// transaction, then hands the turn to one that is still waiting, if any.
+func (l *Ledger) commitPending() {
+	l.groupMu.Lock()
+	n := min(len(l.pending), l.cfg.MaxGroup)
+	group := l.pending[:n:n]
+	l.pending = l.pending[n:]
+	l.groupMu.Unlock()
+
+	l.commit(context.Background(), group)
+
+	l.groupMu.Lock()
+	defer l.groupMu.Unlock()
+	if len(l.pending) == 0 {
+		l.inFlight = false
+		return
+	}
+	close(l.pending[0].lead)
+}
+
+// Release ends an admitted request that cost nothing: its estimate goes back
+// to its slice, in memory.
+func (l *Ledger) Release(requestID uuid.UUID) {
+	l.end(requestID, 0)
+}
+
+// end closes a request's ticket, its actual cost taken instead of its estimate.
+func (l *Ledger) end(requestID uuid.UUID, cost int64) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	t, ok := l.admitted[requestID]
+	if !ok {
+		return
+	}
+	delete(l.admitted, requestID)
+	t.lease.avail += t.estimate - cost
+	t.lease.inflight--
+	t.lease.touched = time.Now()
+}
+
+// Invalidate stops admissions from every slice held: limits may have changed.
+// Requests running under them settle as usual; the slices are folded back once
+// idle, and new ones are granted under the new limits.
+func (l *Ledger) Invalidate() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.generation++
+}
+
+// Run, until ctx ends, folds back idle slices and, every third of a lease,
+// renews those held; then it folds back every slice nothing runs under.
+func (l *Ledger) Run(ctx context.Context) {
+	tick := time.NewTicker(min(l.cfg.Idle, l.cfg.Lease/3))
+	defer tick.Stop()
+	lastRenewal := time.Now()
+	for {
+		select {
+		case <-ctx.Done():
+			l.foldIdle(context.WithoutCancel(ctx), true)
+			return
+		case <-tick.C:
+			l.foldIdle(ctx, false)
+			if time.Since(lastRenewal) >= l.cfg.Lease/3 {
+				lastRenewal = time.Now()
+				l.renew(ctx)
+			}
+		}
+	}
+}
+
+// commit stores a group in one transaction and tells each member the outcome.
+// When the database is away every member is told so (and retries). When the
+// group fails for its data, its members are committed one by one, so that the
+// one at fault fails alone (D11).
+func (l *Ledger) commit(ctx context.Context, group []*settling) {
+	settlements := make([]store.Settlement, len(group))
+	for i, s := range group {
+		settlements[i] = s.settlement
+	}
+	cctx, cancel := context.WithTimeout(ctx, statementTimeout)
+	err := l.store.SettleRequests(cctx, settlements)
+	cancel()
+	if err != nil && len(group) > 1 && !l.unavailable(err) {
+		l.cfg.Logger.Warn("a group of settlements failed; committing them one by one", "requests", len(group), "error", err)
+		for _, s := range group {
+			l.commit(ctx, []*settling{s})
+		}
+		return
+	}
+	for _, s := range group {
+		s.done <- err
+	}
+}
+
+func (l *Ledger) unavailable(err error) bool {
+	return l.cfg.Unavailable != nil && l.cfg.Unavailable(err)
+}
+
+// renew extends the leases held; one the database no longer holds (it ran
+// out, and another replica folded it) is used no more.
+func (l *Ledger) renew(ctx context.Context) {
+	l.mu.Lock()
+	ids := make([]uuid.UUID, 0, len(l.leases))
+	for id, ls := range l.leases {
+		if ls.stored {
+			ids = append(ids, id)
+		}
+	}
+	l.mu.Unlock()
+	if len(ids) == 0 {
+		return
+	}
+	start := time.Now()
+	rctx, cancel := context.WithTimeout(ctx, statementTimeout)
+	held, err := l.store.RenewQuotaLeases(rctx, l.cfg.Owner, ids, start.Add(l.cfg.Lease))
+	cancel()
+	if err != nil {
+		if ctx.Err() == nil {
+			l.cfg.Logger.Warn("error renewing quota leases; admissions will lease anew once they run out", "error", err)
+		}
+		return
+	}
+	still := make(map[uuid.UUID]bool, len(held))
+	for _, id := range held {
+		still[id] = true
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, id := range ids {
+		ls := l.leases[id]
+		if ls == nil {
+			continue
+		}
+		if still[id] {
+			ls.validUntil = start.Add(l.cfg.Lease * 2 / 3)
+			continue
+		}
+		// Folded elsewhere: what settles under it is charged directly.
+		ls.validUntil = time.Time{}
+		if l.current[ls.key] == ls {
+			delete(l.current, ls.key)
+		}
+		if ls.inflight == 0 {
+			delete(l.leases, id)
+		}
+	}
+}
+
+// foldIdle folds back the slices nothing runs under that are idle or may no
+// longer be used (all of them when all is set).
+func (l *Ledger) foldIdle(ctx context.Context, all bool) {
+	now := time.Now()
+	l.mu.Lock()
+	var ids []uuid.UUID
+	for id, ls := range l.leases {
+		if ls.inflight > 0 || ls.granting != nil {
+			continue
+		}
+		stale := l.current[ls.key] != ls || ls.generation != l.generation || !now.Before(ls.validUntil)
+		if !all && !stale && now.Sub(ls.touched) < l.cfg.Idle {
+			continue
+		}
+		delete(l.leases, id)
+		if l.current[ls.key] == ls {
+			delete(l.current, ls.key)
+		}
+		if ls.stored {
+			ids = append(ids, id)
+		}
+	}
+	l.mu.Unlock()
+	if len(ids) == 0 {
+		return
+	}
+	fctx, cancel := context.WithTimeout(ctx, statementTimeout)
+	defer cancel()
+	// A fold that fails leaves the lease to run out and be folded by any replica.
+	if _, err := l.store.FoldQuotaLeases(fctx, l.cfg.Owner, ids); err != nil && !errors.Is(err, context.Canceled) {
+		l.cfg.Logger.Warn("error folding back quota leases; they are folded once they run out", "leases", len(ids), "error", err)
+	}
+}

@@ -1,0 +1,287 @@
+package store
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/apikey"
+	"github.com/rungworks/gateway/gen/db"
+)
+
+// LookupKey resolves a bearer token to its principal (its Rate left unset). A
+// malformed, unknown or revoked key is UNAUTHORIZED.
+func (s *Store) LookupKey(ctx context.Context, token string) (*gateway.Principal, error) {
+	prefix, err := apikey.Parse(token)
+	if err != nil {
+		return nil, gateway.UnauthorizedError()
+	}
+	row, err := s.queries.LookupKey(ctx, s.pool, db.LookupKeyParams{Prefix: prefix, Hash: apikey.Hash(token)})
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, gateway.UnauthorizedError()
+	}
+	if err != nil {
+		return nil, fmt.Errorf("error looking up API key: %w", err)
+	}
+	scopes := make([]gateway.Scope, len(row.Scopes))
+	for i, sc := range row.Scopes {
+		scopes[i] = gateway.Scope(sc)
+	}
+	return &gateway.Principal{
+		KeyID:       row.KeyID,
+		ProjectID:   row.ProjectID,
+		ProjectName: row.ProjectName,
+		AccountID:   row.AccountID,
+		AccountName: row.AccountName,
+		Tier:        gateway.Tier(row.Tier),
+		Scopes:      scopes,
+	}, nil
+}
+
+// ListenPrincipals calls listening once it listens for changes to keys,
+// accounts and projects, then changed (with the table's name) on every change,
+// until ctx ends, on a connection of its own. It returns when the connection
+// fails, for the caller to retry; changes made while it was not listening are
+// not reported.
+func (s *Store) ListenPrincipals(ctx context.Context, listening func(), changed func(table string)) error {
+	conn, err := s.pool.Acquire(ctx)
+	if err != nil {
+		return fmt.Errorf("error acquiring listen connection: %w", err)
+	}
+	defer conn.Release()
+	if err := s.queries.ListenPrincipals(ctx, conn); err != nil {
+		return fmt.Errorf("error listening: %w", err)
+	}
+	listening()
+	for {
+		n, err := conn.Conn().WaitForNotification(ctx)
+		if err != nil {
+			// The session still LISTENs; drop it rather than return it to the pool.
+			_ = conn.Conn().Close(context.WithoutCancel(ctx))
+			return err
+		}
+		changed(n.Payload)
+	}
+}
+
+// RateGrant is a slice of a key's requests for one minute.
+type RateGrant struct {
+	// Granted is how many requests the slice holds (0: the limit is reached).
+	Granted int
+	// Used is the key's sliding-window count after the grant, slices included.
+	Used float64
+}
+
+// LeaseRate grants a slice of key's requests of the minute of now: 1/share of
+// what the sliding window leaves under limit, at least one while any is left.
+func (s *Store) LeaseRate(ctx context.Context, keyID uuid.UUID, now time.Time, limit, share int) (RateGrant, error) {
+	row, err := s.queries.LeaseRate(ctx, s.pool, db.LeaseRateParams{KeyID: keyID, Now: now, RateLimit: int32(limit), Share: int32(share)})
+	if err != nil {
+		return RateGrant{}, fmt.Errorf("error leasing rate: %w", err)
+	}
+	return RateGrant{Granted: int(row.Granted), Used: row.Used}, nil
+}
+
+// RateReturn is the unused part of a key's slice of one minute.
+type RateReturn struct {
+	KeyID  uuid.UUID
+	Window time.Time
+	Count  int
+}
+
+// ReturnRate gives back unused parts of rate slices, in one statement.
+func (s *Store) ReturnRate(ctx context.Context, returns []RateReturn) error {
+	if len(returns) == 0 {
+		return nil
+	}
+	p := db.ReturnRateParams{}
+	for _, r := range returns {
+		p.KeyIds = append(p.KeyIds, r.KeyID)
+		p.Windows = append(p.Windows, r.Window)
+		p.Counts = append(p.Counts, int32(r.Count))
+	}
+	if err := s.queries.ReturnRate(ctx, s.pool, p); err != nil {
+		return fmt.Errorf("error returning rate slices: %w", err)
+	}
+	return nil
+}
+
+// QuotaRequest asks for a slice of an account-day's ceiling and, when the
+// project is capped, of its budget, added to a replica's lease.
+type QuotaRequest struct {
+	LeaseID   uuid.UUID
+	Owner     uuid.UUID
+	AccountID uuid.UUID
+	ProjectID uuid.UUID
+	Day       time.Time
+	// DefaultCeiling applies to an account without a ceiling of its own.
+	DefaultCeiling int64
+	// Need is the least grant of use; less is refused.
+	Need int64
+	// Share sizes the slice: 1/Share of what the caps leave (at least Need).
+	Share int
+	// ExpiresAt is when the lease runs out unless renewed.
+	ExpiresAt time.Time
+}
+
+// QuotaGrant is the outcome of a QuotaRequest.
+type QuotaGrant struct {
+	// Outcome is gateway.AdmitOK, AdmitDaily or AdmitBudget.
+	Outcome string
+	// Granted rungs, added to the lease (the same on the day and, when Capped,
+	// on the budget).
+	Granted int64
+	Capped  bool
+	// Ceiling and Cap (when Capped) are the account's and project's limits.
+	Ceiling, Cap int64
+	// Left is what the ceiling (and cap) leave after the grant.
+	Left int64
+}
+
+// GrantQuota adds a slice to a lease (created on first use), or refuses.
+func (s *Store) GrantQuota(ctx context.Context, r QuotaRequest) (QuotaGrant, error) {
+	row, err := s.queries.GrantQuota(ctx, s.pool, db.GrantQuotaParams{
+		ID: r.LeaseID, Owner: r.Owner, AccountID: r.AccountID, ProjectID: r.ProjectID, Day: gateway.UTCDay(r.Day),
+		DefaultCeiling: r.DefaultCeiling, Need: r.Need, Share: int32(r.Share), ExpiresAt: r.ExpiresAt,
+	})
+	if err != nil {
+		return QuotaGrant{}, fmt.Errorf("error granting quota: %w", err)
+	}
+	g := QuotaGrant{Outcome: row.Outcome, Granted: row.DailyGranted, Capped: row.Capped, Ceiling: row.Ceiling, Cap: row.Cap, Left: row.DailyLeft}
+	if row.Capped {
+		g.Left = min(row.DailyLeft, row.BudgetLeft)
+	}
+	return g, nil
+}
+
+// FoldQuotaLeases folds and deletes owner's leases ids (returned by their
+// replica), returning how many were folded.
+func (s *Store) FoldQuotaLeases(ctx context.Context, owner uuid.UUID, ids []uuid.UUID) (int64, error) {
+	return s.foldQuotaLeases(ctx, owner, ids, 0, []uuid.UUID{})
+}
+
+func (s *Store) foldQuotaLeases(ctx context.Context, owner uuid.UUID, ids []uuid.UUID, expired int, skip []uuid.UUID) (int64, error) {
+	if ids == nil {
+		ids = []uuid.UUID{}
+	}
+	n, err := s.queries.FoldQuotaLeases(ctx, s.pool, db.FoldQuotaLeasesParams{Owner: owner, Ids: ids, Expired: int32(expired), Skip: skip})
+	if err != nil {
+		return 0, fmt.Errorf("error folding quota leases: %w", err)
+	}
+	return n, nil
+}
+
+// FoldExpiredQuotaLeases folds up to maxRows leases, of any replica, whose
+// time ran out (their replica died or lost the database), returning how many.
+// One lease that cannot be folded stops no other (D11): after a failure for
+// the data, leases are folded one by one, and one failing alone is set aside
+// for quarantinePeriod (named in the error).
+func (s *Store) FoldExpiredQuotaLeases(ctx context.Context, maxRows int) (int64, error) {
+	skip := s.foldQuarantine.members()
+	n, err := s.foldQuotaLeases(ctx, uuid.Nil, nil, maxRows, skip)
+	if err == nil || Transient(err) {
+		return n, err
+	}
+	expired, lerr := s.queries.ExpiredQuotaLeases(ctx, s.pool, db.ExpiredQuotaLeasesParams{Skip: skip, MaxRows: int32(maxRows)})
+	if lerr != nil {
+		return 0, fmt.Errorf("%w (listing expired leases: %v)", err, lerr)
+	}
+	var failures []error
+	for _, l := range expired {
+		m, err := s.foldQuotaLeases(ctx, l.Owner, []uuid.UUID{l.ID}, 0, skip)
+		if err != nil {
+			if !Transient(err) {
+				s.foldQuarantine.add(l.ID)
+			}
+			failures = append(failures, fmt.Errorf("error folding quota lease %s (set aside for %s): %w", l.ID, quarantinePeriod, err))
+			continue
+		}
+		n += m
+	}
+	return n, errors.Join(failures...)
+}
+
+// RenewQuotaLeases extends owner's leases ids to expiresAt, returning those it
+// still holds.
+func (s *Store) RenewQuotaLeases(ctx context.Context, owner uuid.UUID, ids []uuid.UUID, expiresAt time.Time) ([]uuid.UUID, error) {
+	held, err := s.queries.RenewQuotaLeases(ctx, s.pool, db.RenewQuotaLeasesParams{Owner: owner, Ids: ids, ExpiresAt: expiresAt})
+	if err != nil {
+		return nil, fmt.Errorf("error renewing quota leases: %w", err)
+	}
+	return held, nil
+}
+
+// Settlement is a finished request to commit, with the lease it was admitted
+// under (nil: none).
+type Settlement struct {
+	Record  gateway.UsageRecord
+	LeaseID *uuid.UUID
+}
+
+type settlementRow struct {
+	ID                uuid.UUID        `json:"id"`
+	AccountID         uuid.UUID        `json:"account_id"`
+	ProjectID         uuid.UUID        `json:"project_id"`
+	APIKeyID          uuid.UUID        `json:"api_key_id"`
+	Model             string           `json:"model"`
+	EntryPoint        string           `json:"entry_point"`
+	Status            string           `json:"status"`
+	InputTokens       int64            `json:"input_tokens"`
+	OutputTokens      int64            `json:"output_tokens"`
+	InputRungs        int64            `json:"input_rungs"`
+	OutputRungs       int64            `json:"output_rungs"`
+	TotalRungs        int64            `json:"total_rungs"`
+	CreatedAt         time.Time        `json:"created_at"`
+	CompletedAt       time.Time        `json:"completed_at"`
+	Sources           []gateway.Source `json:"sources"`
+	Verdict           *string          `json:"verdict"`
+	EvidenceExpiresAt time.Time        `json:"evidence_expires_at"`
+	LeaseID           *uuid.UUID       `json:"lease_id"`
+	Day               string           `json:"day"`
+}
+
+// SettleRequests commits a group of finished requests durably in one
+// statement and one transaction: their usage and evidence, and their actual
+// cost on their leases. A request already stored is skipped, so a group whose
+// reply was lost may be sent again. The group commits whole or not at all.
+func (s *Store) SettleRequests(ctx context.Context, group []Settlement) error {
+	rows := make([]settlementRow, len(group))
+	for i, st := range group {
+		r := st.Record
+		status := "completed"
+		if r.Failed {
+			status = "failed"
+		}
+		sources := r.Sources
+		if sources == nil {
+			sources = []gateway.Source{}
+		}
+		var verdict *string
+		if r.Verdict != "" {
+			verdict = &r.Verdict
+		}
+		rows[i] = settlementRow{
+			ID: r.RequestID, AccountID: r.Principal.AccountID, ProjectID: r.Principal.ProjectID, APIKeyID: r.Principal.KeyID,
+			Model: string(r.Model), EntryPoint: string(r.Entry), Status: status,
+			InputTokens: r.Usage.InputTokens, OutputTokens: r.Usage.OutputTokens,
+			InputRungs: r.Usage.InputRungs, OutputRungs: r.Usage.OutputRungs, TotalRungs: r.Usage.TotalRungs,
+			CreatedAt: r.CreatedAt, CompletedAt: r.CompletedAt, Sources: sources, Verdict: verdict,
+			EvidenceExpiresAt: r.EvidenceExpiresAt, LeaseID: st.LeaseID,
+			Day: gateway.UTCDay(r.CreatedAt).Format(time.DateOnly),
+		}
+	}
+	payload, err := json.Marshal(rows)
+	if err != nil {
+		return fmt.Errorf("error encoding settlements: %w", err)
+	}
+	if _, err := s.queries.SettleRequests(ctx, s.pool, payload); err != nil {
+		return fmt.Errorf("error settling requests: %w", err)
+	}
+	return nil
+}
