@@ -1,0 +1,132 @@
+package access_test
+
+import (
+	"context"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/access"
+	"github.com/rungworks/gateway/internal/testdb"
+	"github.com/rungworks/gateway/store"
+)
+
+func TestMain(m *testing.M) { testdb.Main(m) }
+
+// countingStore counts key lookups that reach the database.
+type countingStore struct {
+	*store.Store
+	lookups atomic.Int64
+}
+
+func (c *countingStore) LookupKey(ctx context.Context, token string) (*gateway.Principal, error) {
+	c.lookups.Add(1)
+	return c.Store.LookupKey(ctx, token)
+}
+
+// replica is one replica's key cache, listening until the test ends; changes
+// it hears of are sent on the returned channel.
+func replica(t *testing.T, st access.KeyStore) (*access.Keys, <-chan string) {
+	t.Helper()
+	changes := make(chan string, 100)
+	keys := access.NewKeys(access.Config{OnChange: func(table string) {
+		if table != "" {
+			changes <- table
+		}
+	}}, st)
+	ctx, stop := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); keys.Run(ctx) }()
+	t.Cleanup(func() { stop(); <-done })
+	require.Eventually(t, keys.Listening, 5*time.Second, 5*time.Millisecond)
+	return keys, changes
+}
+
+func newKey(t *testing.T, st *store.Store, account string, tier gateway.Tier) string {
+	t.Helper()
+	token, err := st.CreateKey(context.Background(), store.CreateKeyParams{Account: account, Project: "default", Tier: &tier, Scopes: []gateway.Scope{gateway.ScopeInference}})
+	require.NoError(t, err)
+	return token
+}
+
+// TestKeysAreServedFromMemory: a key is looked up once, then served from the
+// cache; an unknown key is never cached.
+func TestKeysAreServedFromMemory(t *testing.T) {
+	t.Parallel()
+	st := &countingStore{Store: store.New(testdb.New(t))}
+	keys, _ := replica(t, st)
+	token := newKey(t, st.Store, "acme", gateway.TierDeveloper)
+	for range 50 {
+		p, err := keys.Lookup(context.Background(), token)
+		require.NoError(t, err)
+		require.Equal(t, "acme", p.AccountName)
+	}
+	require.Equal(t, int64(1), st.lookups.Load())
+	for range 3 {
+		_, err := keys.Lookup(context.Background(), "igw_unknown0_"+token[13:])
+		require.Equal(t, gateway.EUnauthorized, gateway.ErrorCodeOf(err))
+	}
+	require.Equal(t, int64(4), st.lookups.Load(), "unknown keys are looked up every time")
+}
+
+// TestNothingIsCachedWithoutListening: a replica that cannot hear of changes
+// asks the database every time.
+func TestNothingIsCachedWithoutListening(t *testing.T) {
+	t.Parallel()
+	st := &countingStore{Store: store.New(testdb.New(t))}
+	keys := access.NewKeys(access.Config{}, st)
+	token := newKey(t, st.Store, "acme", gateway.TierDeveloper)
+	for range 5 {
+		_, err := keys.Lookup(context.Background(), token)
+		require.NoError(t, err)
+	}
+	require.Equal(t, int64(5), st.lookups.Load())
+}
+
+// TestRevokedKeyIsRefusedByEveryReplica: two replicas have the key cached;
+// once the revocation is announced, both refuse it.
+func TestRevokedKeyIsRefusedByEveryReplica(t *testing.T) {
+	t.Parallel()
+	url := testdb.URL(t)
+	admin := store.New(testdb.Connect(t, url))
+	a, aChanges := replica(t, store.New(testdb.Connect(t, url)))
+	b, bChanges := replica(t, store.New(testdb.Connect(t, url)))
+	token := newKey(t, admin, "acme", gateway.TierDeveloper)
+	for _, keys := range []*access.Keys{a, b} {
+		_, err := keys.Lookup(context.Background(), token)
+		require.NoError(t, err)
+	}
+	require.NoError(t, admin.RevokeKey(context.Background(), token[:12]))
+	for _, changes := range []<-chan string{aChanges, bChanges} {
+		select {
+		case table := <-changes:
+			require.Equal(t, "api_keys", table)
+		case <-time.After(10 * time.Second):
+			t.Fatal("the revocation was never announced")
+		}
+	}
+	for _, keys := range []*access.Keys{a, b} {
+		_, err := keys.Lookup(context.Background(), token)
+		require.Equal(t, gateway.EUnauthorized, gateway.ErrorCodeOf(err))
+	}
+}
+
+// TestTierChangeReachesTheCache: a changed tier (and so rate limit) is seen
+// once the change is announced.
+func TestTierChangeReachesTheCache(t *testing.T) {
+	t.Parallel()
+	st := store.New(testdb.New(t))
+	keys, changes := replica(t, st)
+	token := newKey(t, st, "acme", gateway.TierDeveloper)
+	p, err := keys.Lookup(context.Background(), token)
+	require.NoError(t, err)
+	require.Equal(t, gateway.TierDeveloper, p.Tier)
+	newKey(t, st, "acme", gateway.TierFree) // an explicit tier changes the account's
+	require.Equal(t, "accounts", <-changes)
+	p, err = keys.Lookup(context.Background(), token)
+	require.NoError(t, err)
+	require.Equal(t, gateway.TierFree, p.Tier)
+}

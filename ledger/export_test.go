@@ -1,0 +1,8 @@
+package ledger
+
+// Waiting is how many settlements wait for a commit.
+func (l *Ledger) Waiting() int {
+	l.groupMu.Lock()
+	defer l.groupMu.Unlock()
+	return len(l.pending)
+}

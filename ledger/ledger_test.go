@@ -1,0 +1,353 @@
+package ledger_test
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/internal/testdb"
+	"github.com/rungworks/gateway/ledger"
+	"github.com/rungworks/gateway/store"
+)
+
+func TestMain(m *testing.M) { testdb.Main(m) }
+
+type testBundle struct {
+	ctx   context.Context
+	url   string
+	store *store.Store
+}
+
+func setup(t *testing.T) *testBundle {
+	t.Helper()
+	url := testdb.URL(t)
+	return &testBundle{ctx: context.Background(), url: url, store: store.New(testdb.Connect(t, url))}
+}
+
+// replica is a ledger over its own pool, running until the test ends.
+func (b *testBundle) replica(t *testing.T, cfg ledger.Config) *ledger.Ledger {
+	t.Helper()
+	l := ledger.New(cfg, store.New(testdb.Connect(t, b.url)))
+	b.run(t, l)
+	return l
+}
+
+func (b *testBundle) run(t *testing.T, l *ledger.Ledger) {
+	ctx, stop := context.WithCancel(b.ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); l.Run(ctx) }()
+	t.Cleanup(func() { stop(); <-done })
+}
+
+func (b *testBundle) principal(t *testing.T, account string, daily, budget *int64) *gateway.Principal {
+	t.Helper()
+	token, err := b.store.CreateKey(b.ctx, store.CreateKeyParams{Account: account, Project: "default", Scopes: []gateway.Scope{gateway.ScopeInference}})
+	require.NoError(t, err)
+	require.NoError(t, b.store.SetLimits(b.ctx, store.SetLimitsParams{Account: account, DailyRungs: daily, Project: "default", BudgetRungs: budget}))
+	p, err := b.store.LookupKey(b.ctx, token)
+	require.NoError(t, err)
+	return p
+}
+
+func (b *testBundle) view(t *testing.T, p *gateway.Principal) *gateway.UsageView {
+	t.Helper()
+	day := gateway.UTCDay(time.Now())
+	v, err := b.store.Usage(b.ctx, p, day, day.Add(24*time.Hour))
+	require.NoError(t, err)
+	return v
+}
+
+func admit(l *ledger.Ledger, p *gateway.Principal, estimate int64) (uuid.UUID, error) {
+	id := uuid.Must(uuid.NewV7())
+	return id, l.Admit(context.Background(), gateway.Admission{RequestID: id, Principal: p, Estimate: estimate, Day: time.Now()})
+}
+
+func record(p *gateway.Principal, id uuid.UUID, total int64) gateway.UsageRecord {
+	now := time.Now().UTC()
+	return gateway.UsageRecord{
+		RequestID: id, Principal: p, Model: gateway.ModelInstant, Entry: gateway.EntryResponses,
+		Usage:     gateway.Usage{InputTokens: 1, OutputTokens: 1, InputRungs: 1, OutputRungs: total - 1, TotalRungs: total},
+		CreatedAt: now, CompletedAt: now, EvidenceExpiresAt: now.Add(time.Hour),
+	}
+}
+
+func ptr[T any](v T) *T { return &v }
+
+func TestAdmitSettleRelease(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	l := b.replica(t, ledger.Config{})
+	p := b.principal(t, "acme", nil, ptr(int64(1000)))
+
+	id, err := admit(l, p, 100)
+	require.NoError(t, err)
+	require.NoError(t, l.Settle(b.ctx, record(p, id, 30)))
+	id, err = admit(l, p, 100)
+	require.NoError(t, err)
+	l.Release(id)
+	l.Release(id) // twice is harmless
+	v := b.view(t, p)
+	require.Equal(t, int64(30), v.Daily.Charged, "what was used, never the slice")
+	require.Equal(t, int64(30), v.Budget.Spent)
+	require.Zero(t, v.Budget.Reserved)
+	require.Equal(t, int64(1), v.Totals.Requests)
+
+	// The whole remainder is still admissible from one replica: a released
+	// estimate and an unused one go back to the slice.
+	id, err = admit(l, p, 970)
+	require.NoError(t, err)
+	_, err = admit(l, p, 1)
+	require.Equal(t, gateway.EBudgetExceeded, gateway.ErrorCodeOf(err))
+	require.NoError(t, l.Settle(b.ctx, record(p, id, 970)))
+	require.Equal(t, int64(1000), b.view(t, p).Budget.Spent)
+}
+
+// TestRefusalsWaitingCannotCure: an estimate larger than the whole daily
+// ceiling or the whole budget cap is refused without Retry-After, saying what
+// to change (D11); one that only does not fit now keeps Retry-After.
+func TestRefusalsWaitingCannotCure(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	l := b.replica(t, ledger.Config{})
+	p := b.principal(t, "acme", ptr(int64(100)), ptr(int64(60)))
+	var e *gateway.Error
+	_, err := admit(l, p, 101)
+	require.ErrorAs(t, err, &e)
+	require.Equal(t, gateway.EBudgetExceeded, e.Code, "the cap is checked first")
+	require.Zero(t, e.RetryAfter)
+	require.Contains(t, e.Message, "max_output_rungs")
+
+	q := b.principal(t, "other", ptr(int64(100)), nil)
+	_, err = admit(l, q, 101)
+	require.ErrorAs(t, err, &e)
+	require.Equal(t, gateway.ERateLimited, e.Code)
+	require.Zero(t, e.RetryAfter)
+	require.Contains(t, e.Message, "max_output_rungs")
+
+	_, err = admit(l, q, 60)
+	require.NoError(t, err)
+	_, err = admit(l, q, 60)
+	require.ErrorAs(t, err, &e)
+	require.Equal(t, gateway.ERateLimited, e.Code)
+	require.Positive(t, e.RetryAfter, "the day resets: waiting helps")
+	require.LessOrEqual(t, e.RetryAfter, 24*time.Hour)
+}
+
+// TestConcurrentAdmissionsNeverPassTheCap: 200 concurrent requests against a
+// budget and a ceiling that fit 10, over 1 and 3 replicas, with usage
+// reported above the estimate: exactly 10 are admitted, and what is billed is
+// what they used — the overspend is the difference between their estimates
+// and the upstream's counts, and no more (D5).
+func TestConcurrentAdmissionsNeverPassTheCap(t *testing.T) {
+	t.Parallel()
+	for _, replicas := range []int{1, 3} {
+		for name, limits := range map[string][2]*int64{
+			"budget": {nil, ptr(int64(1000))},
+			"daily":  {ptr(int64(1000)), nil},
+		} {
+			t.Run(name, func(t *testing.T) {
+				t.Parallel()
+				b := setup(t)
+				ledgers := make([]*ledger.Ledger, replicas)
+				for i := range ledgers {
+					ledgers[i] = b.replica(t, ledger.Config{Owner: uuid.Must(uuid.NewV7())})
+				}
+				p := b.principal(t, "acme", limits[0], limits[1])
+				// All admissions race first, then the admitted settle concurrently.
+				type running struct {
+					l  *ledger.Ledger
+					id uuid.UUID
+				}
+				var mu sync.Mutex
+				var admittedRequests []running
+				var wg sync.WaitGroup
+				for i := range 200 {
+					wg.Add(1)
+					go func() {
+						defer wg.Done()
+						l := ledgers[i%replicas]
+						id, err := admit(l, p, 100)
+						if err != nil {
+							require.Contains(t, []gateway.ErrorCode{gateway.EBudgetExceeded, gateway.ERateLimited}, gateway.ErrorCodeOf(err), err)
+							return
+						}
+						mu.Lock()
+						admittedRequests = append(admittedRequests, running{l, id})
+						mu.Unlock()
+					}()
+				}
+				wg.Wait()
+				var admitted, billed atomic.Int64
+				admitted.Store(int64(len(admittedRequests)))
+				for i, r := range admittedRequests {
+					wg.Add(1)
+					go func() {
+						defer wg.Done()
+						cost := int64(100 + i%7) // the upstream counted more than estimated
+						require.NoError(t, r.l.Settle(b.ctx, record(p, r.id, cost)))
+						billed.Add(cost)
+					}()
+				}
+				wg.Wait()
+				require.Equal(t, int64(10), admitted.Load(), "replicas=%d", replicas)
+				v := b.view(t, p)
+				require.Equal(t, billed.Load(), v.Totals.TotalRungs)
+				require.Equal(t, billed.Load(), v.Daily.Charged)
+				require.Equal(t, billed.Load(), v.Budget.Spent)
+				require.LessOrEqual(t, billed.Load(), int64(1000)+6*10, "the cap plus what the upstream counted above the estimates")
+			})
+		}
+	}
+}
+
+// gatedStore holds the first group commit until released, counting groups.
+type gatedStore struct {
+	*store.Store
+	gate   chan struct{}
+	once   sync.Once
+	mu     sync.Mutex
+	groups []int
+}
+
+func (g *gatedStore) SettleRequests(ctx context.Context, group []store.Settlement) error {
+	g.once.Do(func() { <-g.gate })
+	g.mu.Lock()
+	g.groups = append(g.groups, len(group))
+	g.mu.Unlock()
+	return g.Store.SettleRequests(ctx, group)
+}
+
+// TestSettlementsCommitInGroups: requests that finish while a commit is in
+// flight are committed together, in one statement, when it ends; a member
+// whose data the database refuses fails alone (D11).
+func TestSettlementsCommitInGroups(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	gated := &gatedStore{Store: b.store, gate: make(chan struct{})}
+	l := ledger.New(ledger.Config{}, gated)
+	b.run(t, l)
+	p := b.principal(t, "acme", nil, nil)
+
+	settle := func(r gateway.UsageRecord, errs chan<- error) {
+		id, err := admit(l, p, 100)
+		require.NoError(t, err)
+		r.RequestID = id
+		errs <- l.Settle(b.ctx, r)
+	}
+	first := make(chan error, 1)
+	go settle(record(p, uuid.Nil, 10), first)
+	require.Eventually(t, func() bool { return l.Waiting() == 0 && len(first) == 0 }, 5*time.Second, time.Millisecond)
+	errs := make(chan error, 20)
+	for i := range 20 {
+		r := record(p, uuid.Nil, 10)
+		if i == 7 {
+			r.Model = "no such model" // refused by the requests table's check
+		}
+		go settle(r, errs)
+	}
+	require.Eventually(t, func() bool { return l.Waiting() == 20 }, 5*time.Second, time.Millisecond)
+	close(gated.gate)
+	require.NoError(t, <-first)
+	failed := 0
+	for range 20 {
+		if err := <-errs; err != nil {
+			failed++
+		}
+	}
+	require.Equal(t, 1, failed, "only the bad member fails")
+	gated.mu.Lock()
+	groups := append([]int(nil), gated.groups...)
+	gated.mu.Unlock()
+	require.Equal(t, 1, groups[0])
+	require.Equal(t, 20, groups[1], "the twenty that waited went in one statement")
+	require.Len(t, groups, 2+20, "the failed group, then each member alone")
+	v := b.view(t, p)
+	require.Equal(t, int64(20), v.Totals.Requests)
+	require.Equal(t, int64(200), v.Daily.Charged)
+}
+
+// TestDeadReplicaSlicesComeBack: a replica that dies holding a slice (never
+// folded, never renewed) keeps it from others only until its lease runs out;
+// then the fold gives it back, and what it settled stays billed once.
+func TestDeadReplicaSlicesComeBack(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	p := b.principal(t, "acme", nil, ptr(int64(1000)))
+	// The dead replica: not running, so never renewing or folding.
+	dead := ledger.New(ledger.Config{Owner: uuid.Must(uuid.NewV7()), Lease: time.Second, Share: 1}, store.New(testdb.Connect(t, b.url)))
+	id, err := admit(dead, p, 100)
+	require.NoError(t, err)
+	require.NoError(t, dead.Settle(b.ctx, record(p, id, 40)))
+	_, err = admit(dead, p, 100) // running when it dies
+	require.NoError(t, err)
+
+	alive := b.replica(t, ledger.Config{Owner: uuid.Must(uuid.NewV7())})
+	_, err = admit(alive, p, 100)
+	require.Equal(t, gateway.EBudgetExceeded, gateway.ErrorCodeOf(err), "the whole cap is the dead replica's slice")
+
+	require.Eventually(t, func() bool {
+		n, err := b.store.FoldExpiredQuotaLeases(b.ctx, 100)
+		require.NoError(t, err)
+		return n == 1
+	}, 10*time.Second, 50*time.Millisecond)
+	v := b.view(t, p)
+	require.Equal(t, int64(40), v.Budget.Spent, "what it settled, once")
+	require.Zero(t, v.Budget.Reserved)
+	id, err = admit(alive, p, 960)
+	require.NoError(t, err, "everything but what was used came back")
+	require.NoError(t, alive.Settle(b.ctx, record(p, id, 960)))
+	require.Equal(t, int64(1000), b.view(t, p).Budget.Spent)
+}
+
+// TestLimitChangesApply: after Invalidate (a change to limits was announced)
+// nothing more is admitted from the old slices; the new cap applies.
+func TestLimitChangesApply(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	l := b.replica(t, ledger.Config{})
+	p := b.principal(t, "acme", nil, ptr(int64(100_000)))
+	id, err := admit(l, p, 100)
+	require.NoError(t, err)
+	require.NoError(t, b.store.SetLimits(b.ctx, store.SetLimitsParams{Account: "acme", Project: "default", BudgetRungs: ptr(int64(150))}))
+	l.Invalidate()
+	_, err = admit(l, p, 100)
+	require.Equal(t, gateway.EBudgetExceeded, gateway.ErrorCodeOf(err), "the old slice (6,250) is not used under the new cap")
+	require.NoError(t, l.Settle(b.ctx, record(p, id, 50)))
+	require.Eventually(t, func() bool {
+		_, err := admit(l, p, 100)
+		return err == nil
+	}, 10*time.Second, 20*time.Millisecond, "once the old slice is folded back, the new cap has room")
+	require.Equal(t, int64(50), b.view(t, p).Budget.Spent)
+}
+
+// TestHeldLeasesAreRenewedAndIdleOnesFolded: a replica renews the slices it
+// uses past their first lease, and folds back those it stops using.
+func TestHeldLeasesAreRenewedAndIdleOnesFolded(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	l := b.replica(t, ledger.Config{Lease: 600 * time.Millisecond, Idle: time.Hour})
+	p := b.principal(t, "acme", nil, ptr(int64(1000)))
+	id, err := admit(l, p, 100)
+	require.NoError(t, err)
+	time.Sleep(1500 * time.Millisecond) // two and a half leases
+	n, err := b.store.FoldExpiredQuotaLeases(b.ctx, 100)
+	require.NoError(t, err)
+	require.Zero(t, n, "the lease is renewed while the request runs")
+	require.NoError(t, l.Settle(b.ctx, record(p, id, 10)))
+
+	idle := b.replica(t, ledger.Config{Idle: 50 * time.Millisecond})
+	q := b.principal(t, "other", nil, ptr(int64(1000)))
+	id, err = admit(idle, q, 100)
+	require.NoError(t, err)
+	require.NoError(t, idle.Settle(b.ctx, record(q, id, 10)))
+	require.Eventually(t, func() bool {
+		_, err := admit(ledger.New(ledger.Config{Share: 1}, b.store), q, 990)
+		return err == nil
+	}, 10*time.Second, 20*time.Millisecond, "the idle slice came back")
+}
