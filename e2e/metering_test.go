@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"strings"
 	"sync"
@@ -26,22 +27,24 @@ func (g *gateway) usage(key string) api.UsageView {
 	return v
 }
 
+// TestRateLimitHoldsAcrossReplicas: three replicas counting one key from
+// their own slices admit its limit per minute together, never more.
 func TestRateLimitHoldsAcrossReplicas(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	env := map[string]string{"GATEWAY_RATE_LIMIT": "10"}
-	replicas := []*gateway{serve(t, b.db, b.fake.BaseURL(), env), serve(t, b.db, b.fake.BaseURL(), env)}
+	replicas := []*gateway{serve(t, b.db, b.fake.BaseURL(), env), serve(t, b.db, b.fake.BaseURL(), env), serve(t, b.db, b.fake.BaseURL(), env)}
 	// Wait for a fresh minute's first half, so the burst stays in one window.
-	if s := time.Now().Second(); s > 50 {
+	if s := time.Now().Second(); s > 45 {
 		time.Sleep(time.Duration(61-s) * time.Second)
 	}
 	var ok, limited atomic.Int64
 	var wg sync.WaitGroup
-	for i := range 30 {
+	for i := range 45 {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			r := replicas[i%2].call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "p"})
+			r := replicas[i%3].call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "p"})
 			switch r.status {
 			case http.StatusOK:
 				ok.Add(1)
@@ -54,46 +57,127 @@ func TestRateLimitHoldsAcrossReplicas(t *testing.T) {
 		}()
 	}
 	wg.Wait()
-	require.Equal(t, int64(10), ok.Load(), "two replicas admit N per minute, not 2N")
-	require.Equal(t, int64(20), limited.Load())
+	require.Equal(t, int64(10), ok.Load(), "three replicas admit N per minute, not 3N")
+	require.Equal(t, int64(35), limited.Load())
 }
 
+// TestBudgetHoldsUnderConcurrency: 200 concurrent requests against a cap that
+// fits 10, over one and over three replicas, with an upstream that reports
+// far more usage than it could have produced: exactly 10 are served, and the
+// spend passes the cap only by what the clamped counts exceed the estimates
+// (D5, D11), with the usage view equal to what the callers received.
 func TestBudgetHoldsUnderConcurrency(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
-	// Each request reserves its prompt estimate plus 1000 output rungs: the cap fits 10.
-	prompt := "how many fit"
-	mustCLI(t, b.db, "limits", "set", "--account", "acme", "--budget-rungs", "10050")
-	replicas := []*gateway{serve(t, b.db, b.fake.BaseURL(), nil), serve(t, b.db, b.fake.BaseURL(), nil)}
-	b.fake.SetDelay(50 * time.Millisecond) // keep reservations outstanding together
+	for _, n := range []int{1, 3} {
+		t.Run(fmt.Sprintf("replicas=%d", n), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			// Each request reserves its prompt estimate plus 1000 output rungs: the cap fits 10.
+			prompt := "how many fit"
+			mustCLI(t, b.db, "limits", "set", "--account", "acme", "--budget-rungs", "10050")
+			replicas := make([]*gateway, n)
+			for i := range replicas {
+				replicas[i] = serve(t, b.db, b.fake.BaseURL(), nil)
+			}
+			b.fake.SetDelay(time.Second) // every admission happens before any settlement
+			b.fake.SetHostile(prompt, fakeupstream.Hostile{Content: "answer", PromptTokens: 1 << 40, CompletionTokens: 1 << 40})
 
-	var ok, refused atomic.Int64
-	var wg sync.WaitGroup
-	for i := range 200 {
-		wg.Add(1)
+			var ok, refused, received atomic.Int64
+			var wg sync.WaitGroup
+			for i := range 200 {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					r := replicas[i%n].call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": prompt, "max_output_rungs": 1000})
+					switch r.status {
+					case http.StatusOK:
+						ok.Add(1)
+						var resp api.Response
+						require.NoError(t, json.Unmarshal(r.body, &resp))
+						received.Add(resp.Usage.TotalRungs)
+					case http.StatusPaymentRequired:
+						refused.Add(1)
+						require.Equal(t, "BUDGET_EXCEEDED", r.code(t))
+					default:
+						t.Errorf("unexpected status %d: %s", r.status, r.body)
+					}
+				}()
+			}
+			wg.Wait()
+			require.Equal(t, int64(10), ok.Load())
+			require.Equal(t, int64(190), refused.Load())
+			v := replicas[0].usage(b.key)
+			require.NotNil(t, v.Budget.CapRungs)
+			// Input is clamped to the bytes sent plus 16 per message: 28 here.
+			require.LessOrEqual(t, v.Budget.SpentRungs, *v.Budget.CapRungs+ok.Load()*28, "the cap, plus what the clamped counts exceed the estimates")
+			require.Equal(t, received.Load(), v.Totals.TotalRungs)
+			require.Equal(t, ok.Load(), v.Totals.Requests)
+			require.Equal(t, v.Totals.TotalRungs, v.Budget.SpentRungs)
+			require.Equal(t, v.Totals.TotalRungs, v.Daily.ChargedRungs)
+		})
+	}
+}
+
+// TestRevokedKeyIsRefusedByEveryReplica: a key both replicas have cached is
+// refused by both once it is revoked.
+func TestRevokedKeyIsRefusedByEveryReplica(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	replicas := []*gateway{serve(t, b.db, b.fake.BaseURL(), nil), serve(t, b.db, b.fake.BaseURL(), nil)}
+	for _, g := range replicas {
+		require.Equal(t, http.StatusOK, g.call(http.MethodGet, "/api/v1/usage", b.key, nil).status)
+	}
+	mustCLI(t, b.db, "keys", "revoke", b.key[:12])
+	for _, g := range replicas {
+		require.Eventually(t, func() bool {
+			return g.call(http.MethodGet, "/api/v1/usage", b.key, nil).status == http.StatusUnauthorized
+		}, 5*time.Second, 20*time.Millisecond, "a revoked key is refused")
+	}
+}
+
+// TestKilledReplicasSlicesComeBack: a replica killed while it holds the whole
+// budget in slices keeps it from the others only until its lease runs out;
+// nothing it ran without answering is billed, and the usage view stays equal
+// to what callers received.
+func TestKilledReplicasSlicesComeBack(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	mustCLI(t, b.db, "limits", "set", "--account", "acme", "--budget-rungs", "3015")
+	env := map[string]string{"GATEWAY_LEASE": "2s"}
+	victim := serve(t, b.db, b.fake.BaseURL(), env)
+	b.fake.SetSlow("hold", time.Minute)
+	for range 3 {
 		go func() {
-			defer wg.Done()
-			r := replicas[i%2].call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": prompt, "max_output_rungs": 1000})
-			switch r.status {
-			case http.StatusOK:
-				ok.Add(1)
-			case http.StatusPaymentRequired:
-				refused.Add(1)
-				require.Equal(t, "BUDGET_EXCEEDED", r.code(t))
-			default:
-				t.Errorf("unexpected status %d: %s", r.status, r.body)
+			// Never answered: the replica dies first.
+			req, err := http.NewRequest(http.MethodPost, victim.base+"/api/v1/responses", strings.NewReader(`{"prompt": "hold the budget", "max_output_rungs": 1000}`))
+			if err != nil {
+				return
+			}
+			req.Header.Set("Authorization", "Bearer "+b.key)
+			req.Header.Set("Content-Type", "application/json")
+			if resp, err := http.DefaultClient.Do(req); err == nil {
+				resp.Body.Close()
+				t.Errorf("the killed replica answered: %d", resp.StatusCode)
 			}
 		}()
 	}
-	wg.Wait()
-	require.Equal(t, int64(200), ok.Load()+refused.Load())
-	require.GreaterOrEqual(t, ok.Load(), int64(10))
-	v := replicas[0].usage(b.key)
-	require.NotNil(t, v.Budget.CapRungs)
-	require.LessOrEqual(t, v.Budget.SpentRungs, *v.Budget.CapRungs, "committed spend never passes the cap")
-	require.Zero(t, v.Budget.ReservedRungs, "every reservation was settled or released")
-	require.Equal(t, ok.Load(), v.Totals.Requests)
-	require.Equal(t, v.Totals.TotalRungs, v.Budget.SpentRungs)
+	require.Eventually(t, func() bool { return len(b.fake.Calls()) == 3 }, 10*time.Second, 10*time.Millisecond)
+	require.NoError(t, victim.cmd.Process.Kill())
+
+	survivor := serve(t, b.db, b.fake.BaseURL(), env)
+	r := survivor.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "now", "max_output_rungs": 1000})
+	require.Equal(t, http.StatusPaymentRequired, r.status, "the dead replica's slices still hold the cap")
+	var served api.Response
+	require.Eventually(t, func() bool {
+		r = survivor.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "now", "max_output_rungs": 1000})
+		return r.status == http.StatusOK
+	}, 20*time.Second, 100*time.Millisecond, "the slices come back once their lease runs out")
+	require.NoError(t, json.Unmarshal(r.body, &served))
+	v := survivor.usage(b.key)
+	require.Equal(t, int64(1), v.Totals.Requests, "the killed replica's unanswered calls are not billed")
+	require.Equal(t, served.Usage.TotalRungs, v.Totals.TotalRungs)
+	require.Equal(t, served.Usage.TotalRungs, v.Budget.SpentRungs)
+	require.Equal(t, served.Usage.TotalRungs, v.Daily.ChargedRungs)
 }
 
 func TestUsageViewEqualsReceivedUsage(t *testing.T) {
