@@ -239,9 +239,13 @@ $$;
 -- was admitted under (or, when that lease was already folded, straight onto
 -- the counters). A request already stored (a retry after a reply lost past the
 -- commit) is skipped, so a group may be sent again safely. Returns the ids of
--- the group, all of which are stored when it commits.
+-- the group, all of which are stored when it commits. PL/pgSQL, not SQL: its
+-- plan is cached for the session instead of made again on every call (five
+-- times the cost).
 -- +goose StatementBegin
-CREATE FUNCTION settle_requests(p_requests jsonb) RETURNS SETOF uuid LANGUAGE sql AS $$
+CREATE FUNCTION settle_requests(p_requests jsonb) RETURNS SETOF uuid LANGUAGE plpgsql AS $$
+BEGIN
+    RETURN QUERY
     WITH r AS (
         SELECT * FROM jsonb_to_recordset(p_requests) AS x(
             id uuid, account_id uuid, project_id uuid, api_key_id uuid, model text, entry_point text, status text,
@@ -252,11 +256,11 @@ CREATE FUNCTION settle_requests(p_requests jsonb) RETURNS SETOF uuid LANGUAGE sq
         INSERT INTO requests (
             id, account_id, project_id, api_key_id, model, entry_point, status,
             input_tokens, output_tokens, input_rungs, output_rungs, total_rungs, created_at, completed_at)
-        SELECT id, account_id, project_id, api_key_id, model, entry_point, status,
-               input_tokens, output_tokens, input_rungs, output_rungs, total_rungs, created_at, completed_at
+        SELECT r.id, r.account_id, r.project_id, r.api_key_id, r.model, r.entry_point, r.status,
+               r.input_tokens, r.output_tokens, r.input_rungs, r.output_rungs, r.total_rungs, r.created_at, r.completed_at
           FROM r
         ON CONFLICT (id) DO NOTHING
-        RETURNING id
+        RETURNING requests.id
     ), ev AS (
         INSERT INTO evidence (request_id, account_id, sources, verdict, expires_at)
         SELECT r.id, r.account_id, r.sources, r.verdict, r.evidence_expires_at FROM r JOIN stored USING (id)
@@ -280,7 +284,8 @@ CREATE FUNCTION settle_requests(p_requests jsonb) RETURNS SETOF uuid LANGUAGE sq
           FROM (SELECT project_id, sum(cost) AS cost FROM direct GROUP BY project_id ORDER BY project_id) s
          WHERE p.id = s.project_id
     )
-    SELECT id FROM r;
+    SELECT r.id FROM r;
+END;
 $$;
 -- +goose StatementEnd
 

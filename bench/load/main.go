@@ -1,7 +1,9 @@
-// Command load measures the latency the gateway adds: it drives the
-// non-streaming responses route and the same fake upstream directly, side by
-// side in one run, with an open-loop load at fixed request rates, and prints
-// req/s and p50/p90/p99 for both and their difference.
+// Command load measures what the gateway adds: it drives the non-streaming
+// responses route and the same fake upstream directly, side by side in one
+// run, with an open-loop load at fixed request rates, and prints req/s and
+// p50/p90/p99 for both and their difference, the CPU each request cost the
+// gateway and PostgreSQL, and the database commits and WAL flushes per
+// request; then the saturation point of both under a closed loop.
 //
 // It starts everything it needs (see benchenv): a private PostgreSQL with
 // production durability, the fake upstream, and the gateway binary.
@@ -9,6 +11,7 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"flag"
 	"fmt"
 	"io"
@@ -21,23 +24,27 @@ import (
 	"sync"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"github.com/rungworks/gateway/bench/internal/benchenv"
 	"github.com/rungworks/gateway/internal/fakeupstream"
+	"github.com/rungworks/gateway/store"
 )
 
 func main() {
 	binary := flag.String("binary", "bin/gateway", "gateway binary")
-	rates := flag.String("rates", "500,1000", "request rates to measure (req/s)")
+	rates := flag.String("rates", "250,500,1000,2000", "request rates to measure (req/s)")
 	duration := flag.Duration("duration", 10*time.Second, "measured time per rate and target")
 	warmup := flag.Duration("warmup", 2*time.Second, "unmeasured load before each measurement")
+	connections := flag.Int("connections", 64, "closed-loop connections for the saturation point (0: skip)")
 	flag.Parse()
-	if err := run(*binary, *rates, *duration, *warmup); err != nil {
+	if err := run(*binary, *rates, *duration, *warmup, *connections); err != nil {
 		fmt.Fprintln(os.Stderr, "load:", err)
 		os.Exit(1)
 	}
 }
 
-func run(binary, rateList string, duration, warmup time.Duration) error {
+func run(binary, rateList string, duration, warmup time.Duration, connections int) error {
 	env, err := benchenv.Start(binary)
 	if err != nil {
 		return err
@@ -49,10 +56,15 @@ func run(binary, rateList string, duration, warmup time.Duration) error {
 	if err != nil {
 		return err
 	}
-	base, err := env.Serve(vars)
+	base, pid, err := env.ServeProcess(vars)
 	if err != nil {
 		return err
 	}
+	st, err := openStore(vars)
+	if err != nil {
+		return err
+	}
+	defer st.Pool().Close()
 
 	client := &http.Client{Transport: &http.Transport{MaxIdleConns: 4096, MaxIdleConnsPerHost: 4096, IdleConnTimeout: time.Minute}}
 	prompt := "Summarise the benefits of metering inference in rungs for a platform team."
@@ -69,8 +81,8 @@ func run(binary, rateList string, duration, warmup time.Duration) error {
 	}
 
 	fmt.Printf("gateway vs. upstream direct, open loop, %s per rate (after %s warm-up), %d cores\n\n", duration, warmup, runtime.NumCPU())
-	fmt.Println("| rate (req/s) | target | achieved req/s | errors | p50 | p90 | p99 |")
-	fmt.Println("|---|---|---|---|---|---|---|")
+	fmt.Println("| rate (req/s) | target | achieved req/s | errors | p50 | p90 | p99 | CPU/req gateway | CPU/req PostgreSQL | commits/req | WAL flushes/req |")
+	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|")
 	for _, field := range strings.Split(rateList, ",") {
 		rate, err := strconv.Atoi(strings.TrimSpace(field))
 		if err != nil || rate <= 0 {
@@ -79,14 +91,124 @@ func run(binary, rateList string, duration, warmup time.Duration) error {
 		var results [2]result
 		for i, t := range []target{direct, viaGateway} {
 			drive(client, t, rate, warmup)
+			before, err := sample(st, pid)
+			if err != nil {
+				return err
+			}
 			results[i] = drive(client, t, rate, duration)
-			fmt.Printf("| %d | %s | %.0f | %d | %s | %s | %s |\n", rate, t.name, results[i].achieved, results[i].errors,
-				ms(results[i].pct(50)), ms(results[i].pct(90)), ms(results[i].pct(99)))
+			after, err := sample(st, pid)
+			if err != nil {
+				return err
+			}
+			cost := after.since(before, len(results[i].latencies)+results[i].errors)
+			fmt.Printf("| %d | %s | %.0f | %d | %s | %s | %s | %s |\n", rate, t.name, results[i].achieved, results[i].errors,
+				ms(results[i].pct(50)), ms(results[i].pct(90)), ms(results[i].pct(99)), cost)
 		}
-		fmt.Printf("| %d | **added by gateway** | | | %s | %s | %s |\n", rate,
+		fmt.Printf("| %d | **added by gateway** | | | %s | %s | %s | | | | |\n", rate,
 			ms(results[1].pct(50)-results[0].pct(50)), ms(results[1].pct(90)-results[0].pct(90)), ms(results[1].pct(99)-results[0].pct(99)))
 	}
+	if connections > 0 {
+		fmt.Printf("\nsaturation, closed loop, %d connections, %s each\n\n", connections, duration)
+		fmt.Println("| target | req/s | errors | p50 | p99 |")
+		fmt.Println("|---|---|---|---|---|")
+		for _, t := range []target{direct, viaGateway} {
+			saturate(client, t, connections, warmup)
+			r := saturate(client, t, connections, duration)
+			fmt.Printf("| %s | %.0f | %d | %s | %s |\n", t.name, r.achieved, r.errors, ms(r.pct(50)), ms(r.pct(99)))
+		}
+	}
 	return nil
+}
+
+// openStore connects to the gateway's database to read its activity.
+func openStore(vars []string) (*store.Store, error) {
+	for _, v := range vars {
+		if url, ok := strings.CutPrefix(v, "DATABASE_URL="); ok {
+			pool, err := pgxpool.New(context.Background(), url)
+			if err != nil {
+				return nil, err
+			}
+			return store.New(pool), nil
+		}
+	}
+	return nil, fmt.Errorf("no DATABASE_URL")
+}
+
+// counters are the cumulative costs a measurement takes the difference of.
+type counters struct {
+	gatewayCPU, postgresCPU time.Duration
+	activity                store.Activity
+}
+
+func sample(st *store.Store, pid int) (counters, error) {
+	// PostgreSQL publishes its counters at most once a second.
+	time.Sleep(1100 * time.Millisecond)
+	var c counters
+	var err error
+	if c.gatewayCPU, err = benchenv.ProcessCPU(pid); err != nil {
+		return c, err
+	}
+	if c.postgresCPU, err = benchenv.PostgresCPU(); err != nil {
+		return c, err
+	}
+	c.activity, err = st.Activity(context.Background())
+	return c, err
+}
+
+// since formats the cost per request of n requests between b and c.
+func (c counters) since(b counters, n int) string {
+	if n == 0 {
+		return "| | |"
+	}
+	per := func(d time.Duration) string { return fmt.Sprintf("%.3f ms", d.Seconds()*1000/float64(n)) }
+	return fmt.Sprintf("%s | %s | %.2f | %.2f", per(c.gatewayCPU-b.gatewayCPU), per(c.postgresCPU-b.postgresCPU),
+		float64(c.activity.Commits-b.activity.Commits)/float64(n), float64(c.activity.WALSyncs-b.activity.WALSyncs)/float64(n))
+}
+
+// saturate sends requests back to back on n connections for d.
+func saturate(client *http.Client, t target, n int, d time.Duration) result {
+	var mu sync.Mutex
+	var res result
+	var wg sync.WaitGroup
+	start := time.Now()
+	for range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for time.Since(start) < d {
+				begin := time.Now()
+				ok := send(client, t)
+				elapsed := time.Since(begin)
+				mu.Lock()
+				if ok {
+					res.latencies = append(res.latencies, elapsed)
+				} else {
+					res.errors++
+				}
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	res.achieved = float64(len(res.latencies)) / time.Since(start).Seconds()
+	slices.Sort(res.latencies)
+	return res
+}
+
+// send makes one request and reports whether it succeeded.
+func send(client *http.Client, t target) bool {
+	req, _ := http.NewRequest(http.MethodPost, t.url, bytes.NewReader(t.body))
+	req.Header.Set("Content-Type", "application/json")
+	for k, v := range t.header {
+		req.Header[k] = v
+	}
+	resp, err := client.Do(req)
+	if err != nil {
+		return false
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	return resp.StatusCode == http.StatusOK
 }
 
 type target struct {
@@ -127,18 +249,8 @@ func drive(client *http.Client, t target, rate int, d time.Duration) result {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			req, _ := http.NewRequest(http.MethodPost, t.url, bytes.NewReader(t.body))
-			req.Header.Set("Content-Type", "application/json")
-			for k, v := range t.header {
-				req.Header[k] = v
-			}
 			begin := time.Now()
-			resp, err := client.Do(req)
-			ok := err == nil && resp.StatusCode == http.StatusOK
-			if err == nil {
-				_, _ = io.Copy(io.Discard, resp.Body)
-				resp.Body.Close()
-			}
+			ok := send(client, t)
 			elapsed := time.Since(begin)
 			mu.Lock()
 			defer mu.Unlock()

@@ -144,3 +144,52 @@ func (e *Env) command(env []string, args ...string) *exec.Cmd {
 	cmd.Env = append(os.Environ(), env...)
 	return cmd
 }
+
+// clockTick is the unit of CPU times in /proc (USER_HZ, 100 on Linux).
+const clockTick = 10 * time.Millisecond
+
+// ProcessCPU is the CPU time (user and system) process pid has used so far.
+func ProcessCPU(pid int) (time.Duration, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, err
+	}
+	// The command name, in parentheses, may hold spaces: fields start after it.
+	s := string(b)
+	fields := strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
+	if len(fields) < 13 {
+		return 0, fmt.Errorf("short /proc/%d/stat", pid)
+	}
+	var utime, stime int64
+	if _, err := fmt.Sscan(fields[11], &utime); err != nil {
+		return 0, err
+	}
+	if _, err := fmt.Sscan(fields[12], &stime); err != nil {
+		return 0, err
+	}
+	return time.Duration(utime+stime) * clockTick, nil
+}
+
+// PostgresCPU is the CPU time every process named postgres on this machine has
+// used so far (benchmarks run on a machine whose only PostgreSQL is theirs).
+func PostgresCPU() (time.Duration, error) {
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return 0, err
+	}
+	var total time.Duration
+	for _, e := range entries {
+		var pid int
+		if _, err := fmt.Sscan(e.Name(), &pid); err != nil {
+			continue
+		}
+		comm, err := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid))
+		if err != nil || strings.TrimSpace(string(comm)) != "postgres" {
+			continue
+		}
+		if cpu, err := ProcessCPU(pid); err == nil {
+			total += cpu
+		}
+	}
+	return total, nil
+}

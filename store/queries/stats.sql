@@ -1,0 +1,4 @@
+-- name: DatabaseActivity :one
+-- Transactions committed in this database so far, and WAL flushes of the server.
+SELECT pg_stat_get_db_xact_commit((SELECT d.oid FROM pg_catalog.pg_database d WHERE d.datname = current_database()))::bigint AS commits,
+       (SELECT w.wal_sync FROM pg_stat_get_wal() AS w)::bigint AS wal_syncs;
