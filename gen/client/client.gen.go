@@ -699,15 +699,24 @@ type UsageTotals struct {
 type UsageView struct {
 	Budget struct {
 		// CapRungs Null when the project has no cap.
-		CapRungs      *int64 `json:"cap_rungs"`
-		Project       string `json:"project"`
-		ReservedRungs int64  `json:"reserved_rungs"`
-		SpentRungs    int64  `json:"spent_rungs"`
+		CapRungs *int64 `json:"cap_rungs"`
+		Project  string `json:"project"`
+
+		// ReservedRungs Estimates reserved by the project's batch items running now. Interactive requests draw on slices of the cap held by gateway replicas and are not shown here.
+		ReservedRungs int64 `json:"reserved_rungs"`
+
+		// SpentRungs What the project's committed requests and batch items cost.
+		SpentRungs int64 `json:"spent_rungs"`
 	} `json:"budget"`
 	ByModel []ModelUsage `json:"by_model"`
 	Daily   struct {
-		CeilingRungs   int64     `json:"ceiling_rungs"`
-		ChargedRungs   int64     `json:"charged_rungs"`
+		// CeilingRungs The account's daily rung ceiling.
+		CeilingRungs int64 `json:"ceiling_rungs"`
+
+		// ChargedRungs What the day's committed requests and batch items cost, plus the estimates of batches not yet finished (a batch is charged its whole estimate when created). Interactive requests still running are not included: they are admitted from slices of the ceiling that gateway replicas hold, which count here only for what was used under them.
+		ChargedRungs int64 `json:"charged_rungs"`
+
+		// RemainingRungs `ceiling_rungs` minus `charged_rungs`, never negative. Part of it may be held by replicas for requests about to run, so a request whose estimate fits may still be refused while those slices are in use.
 		RemainingRungs int64     `json:"remaining_rungs"`
 		ResetsAt       time.Time `json:"resets_at"`
 	} `json:"daily"`
