@@ -110,13 +110,6 @@ func (s *Store) CreateBatch(ctx context.Context, nb NewBatch) (CreateResult, err
 		if err != nil {
 			return fmt.Errorf("error inserting batch: %w", err)
 		}
-		outcome, err := s.queries.AdmitBatch(ctx, tx, db.AdmitBatchParams{AccountID: p.AccountID, Day: day, DefaultCeiling: p.Tier.DefaultDailyCeiling(), Estimate: total})
-		if err != nil {
-			return fmt.Errorf("error charging batch estimate: %w", err)
-		}
-		if err := gateway.AdmissionError(outcome, "batch", total, p, day); err != nil {
-			return err
-		}
 		items := make([]db.InsertBatchItemsParams, len(nb.Items))
 		reservations := make([]db.InsertReservationsParams, len(nb.Items))
 		for i, it := range nb.Items {
@@ -143,6 +136,16 @@ func (s *Store) CreateBatch(ctx context.Context, nb NewBatch) (CreateResult, err
 		}
 		if err := s.queries.NotifyBatchCreated(ctx, tx, id.String()); err != nil {
 			return fmt.Errorf("error notifying replicas: %w", err)
+		}
+		// The charge comes last: it locks the account-day row every batch and
+		// quota grant of the account needs, and holds it until the commit, so
+		// nothing else runs in between (a refusal rolls the rest back).
+		outcome, err := s.queries.AdmitBatch(ctx, tx, db.AdmitBatchParams{AccountID: p.AccountID, Day: day, DefaultCeiling: p.Tier.DefaultDailyCeiling(), Estimate: total})
+		if err != nil {
+			return fmt.Errorf("error charging batch estimate: %w", err)
+		}
+		if err := gateway.AdmissionError(outcome, "batch", total, p, day); err != nil {
+			return err
 		}
 		result = CreateResult{BatchID: id}
 		return nil
