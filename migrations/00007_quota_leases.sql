@@ -39,6 +39,9 @@ ALTER TABLE evidence
     DROP CONSTRAINT evidence_request_id_fkey,
     DROP CONSTRAINT evidence_account_id_fkey;
 ALTER TABLE rate_windows DROP CONSTRAINT rate_windows_key_id_fkey;
+-- It served the cascade from a deleted project; no query reads requests by
+-- project, and every insert paid for it.
+DROP INDEX requests_project_idx;
 -- +goose StatementBegin
 CREATE FUNCTION refuse_delete() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
