@@ -79,7 +79,7 @@ func TestBudgetHoldsUnderConcurrency(t *testing.T) {
 			for i := range replicas {
 				replicas[i] = serve(t, b.db, b.fake.BaseURL(), nil)
 			}
-			b.fake.SetDelay(time.Second) // every admission happens before any settlement
+			b.fake.SetDelay(3 * time.Second) // every admission happens before any settlement
 			b.fake.SetHostile(prompt, fakeupstream.Hostile{Content: "answer", PromptTokens: 1 << 40, CompletionTokens: 1 << 40})
 
 			var ok, refused, received atomic.Int64

@@ -6,3 +6,6 @@ func (l *Ledger) Waiting() int {
 	defer l.groupMu.Unlock()
 	return len(l.pending)
 }
+
+// RefusalMemory is how long a refusal answers for its lease.
+const RefusalMemory = refusalMemory

@@ -139,6 +139,43 @@ func TestRefusalsWaitingCannotCure(t *testing.T) {
 	require.LessOrEqual(t, e.RetryAfter, 24*time.Hour)
 }
 
+// countingStore counts grant statements.
+type countingStore struct {
+	*store.Store
+	grants atomic.Int64
+}
+
+func (c *countingStore) GrantQuota(ctx context.Context, r store.QuotaRequest) (store.QuotaGrant, error) {
+	c.grants.Add(1)
+	return c.Store.GrantQuota(ctx, r)
+}
+
+// TestRefusalsAreAnsweredFromMemory: a burst of requests past the cap costs
+// one grant statement per RefusalMemory, not one each; a request the slice
+// still covers is admitted meanwhile.
+func TestRefusalsAreAnsweredFromMemory(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	st := &countingStore{Store: b.store}
+	l := ledger.New(ledger.Config{}, st)
+	b.run(t, l)
+	p := b.principal(t, "acme", nil, ptr(int64(100)))
+	id, err := admit(l, p, 80)
+	require.NoError(t, err)
+	l.Release(id) // 80 of the slice's 100 back in memory
+	start := time.Now()
+	for range 50 {
+		_, err := admit(l, p, 200)
+		require.Equal(t, gateway.EBudgetExceeded, gateway.ErrorCodeOf(err))
+	}
+	elapsed := time.Since(start)
+	require.LessOrEqual(t, st.grants.Load(), int64(2+elapsed/ledger.RefusalMemory), "after %s", elapsed)
+	before := st.grants.Load()
+	_, err = admit(l, p, 80)
+	require.NoError(t, err, "what the slice holds is still admitted")
+	require.Equal(t, before, st.grants.Load(), "from memory")
+}
+
 // TestConcurrentAdmissionsNeverPassTheCap: 200 concurrent requests against a
 // budget and a ceiling that fit 10, over 1 and 3 replicas, with usage
 // reported above the estimate: exactly 10 are admitted, and what is billed is
