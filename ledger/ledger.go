@@ -185,14 +185,14 @@ func (l *Ledger) Admit(ctx context.Context, a gateway.Admission) error {
 				return ctx.Err()
 			}
 		}
-		if time.Now().Before(ls.refusedUntil) && a.Estimate-max(0, ls.avail) > ls.refused.Left {
+		if time.Now().Before(ls.refusedUntil) && a.Estimate-ls.avail > ls.refused.Left {
 			refused := ls.refused
 			l.mu.Unlock()
 			return gateway.AdmissionError(refusal(refused, a.Estimate), "request", a.Estimate, a.Principal, key.day)
 		}
 		done := make(chan struct{})
 		ls.granting = done
-		need := a.Estimate - max(0, ls.avail)
+		need := a.Estimate - ls.avail // more than the estimate when settlements cost more than theirs
 		l.mu.Unlock()
 
 		start := time.Now()
