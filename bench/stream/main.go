@@ -28,14 +28,15 @@ func main() {
 	binary := flag.String("binary", "bin/gateway", "gateway binary")
 	requests := flag.Int("requests", 200, "sequential streams for the first-token measurement")
 	idle := flag.Int("idle", 10000, "concurrent idle streams for the memory measurement")
+	release := flag.Duration("release", time.Minute, "how long to follow RSS after the idle streams close")
 	flag.Parse()
-	if err := run(*binary, *requests, *idle); err != nil {
+	if err := run(*binary, *requests, *idle, *release); err != nil {
 		fmt.Fprintln(os.Stderr, "stream:", err)
 		os.Exit(1)
 	}
 }
 
-func run(binary string, requests, idle int) error {
+func run(binary string, requests, idle int, release time.Duration) error {
 	// An idle stream costs two descriptors in the gateway (client and upstream
 	// connections) and two here (client, and the fake upstream's server side).
 	// Raise the soft limit to the hard one; fit the streams under it.
@@ -60,7 +61,7 @@ func run(binary string, requests, idle int) error {
 		return err
 	}
 	for _, h2c := range []bool{false, true} {
-		if err := idleStreams(env, idle, h2c); err != nil {
+		if err := idleStreams(env, idle, h2c, release); err != nil {
 			return err
 		}
 	}
@@ -134,11 +135,10 @@ func timeToMarker(client *http.Client, req *http.Request, marker string) (time.D
 	return 0, fmt.Errorf("no %q in the stream of %s", marker, req.URL)
 }
 
-func idleStreams(env *benchenv.Env, n int, h2c bool) error {
+func idleStreams(env *benchenv.Env, n int, h2c bool, release time.Duration) error {
 	defer env.StopServers()
 	fake := fakeupstream.New()
 	defer fake.Close()
-	fake.SetDelay(time.Hour) // the upstream never answers: every stream stays idle
 	vars, key, err := env.Fresh(fmt.Sprintf("idle_streams_%v", h2c), fake.BaseURL(), "GATEWAY_SSE_KEEPALIVE=5s", "GATEWAY_UPSTREAM_TIMEOUT=10m",
 		fmt.Sprintf("GATEWAY_UPSTREAM_H2C=%v", h2c))
 	if err != nil {
@@ -148,12 +148,26 @@ func idleStreams(env *benchenv.Env, n int, h2c bool) error {
 	if err != nil {
 		return err
 	}
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: -1}}
+	body := []byte(`{"stream":true,"prompt":"wait with me","max_output_rungs":100}`)
+	// Idle is a replica that has served: a few streams to the end first, so
+	// that what it builds on first use (the tokenizer's tables) is counted in
+	// its idle size, not against the streams.
+	for range 10 {
+		if err := drain(client, base, key, body); err != nil {
+			return err
+		}
+	}
+	fake.SetDelay(time.Hour) // from now on the upstream never answers: every stream stays idle
+	time.Sleep(time.Second)
 	before, err := rss(pid)
 	if err != nil {
 		return err
 	}
-	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: -1}}
-	body := []byte(`{"stream":true,"prompt":"wait with me","max_output_rungs":100}`)
+	anonBefore, err := anonymous(pid)
+	if err != nil {
+		return err
+	}
 	var mu sync.Mutex
 	var open []io.Closer
 	sem := make(chan struct{}, 200)
@@ -196,28 +210,70 @@ func idleStreams(env *benchenv.Env, n int, h2c bool) error {
 	}
 	fmt.Printf("idle streams, %s: %d open (%d failed) in %s, %d upstream calls held\n\n", protocol, len(open), failures, opened.Round(time.Millisecond), len(fake.Calls()))
 	perStream := float64(after-before) / float64(max(1, len(open)))
-	fmt.Println("| gateway RSS idle | RSS with the streams open | per stream | projected for 10,000 |")
-	fmt.Println("|---|---|---|---|")
-	fmt.Printf("| %.1f MiB | %.1f MiB | %.1f KiB | %.0f MiB |\n\n", mib(before), mib(after), perStream/1024, mib(before+int64(perStream*10000)))
 	for _, c := range open {
 		c.Close()
 	}
+	// How long until the memory of the closed streams is given back.
+	closed := time.Now()
+	var released, anonReleased int64
+	back := time.Duration(-1)
+	for time.Since(closed) < release {
+		time.Sleep(time.Second)
+		if released, err = rss(pid); err != nil {
+			return err
+		}
+		if anonReleased, err = anonymous(pid); err != nil {
+			return err
+		}
+		if back < 0 && float64(released) <= 1.2*float64(before) {
+			back = time.Since(closed)
+		}
+	}
+	within := "not within " + release.String()
+	if back >= 0 {
+		within = back.Round(time.Second).String()
+	}
+	fmt.Printf("| gateway RSS idle (anonymous) | RSS with the streams open | per stream | projected for 10,000 | RSS %s after closing (anonymous) | RSS back within 20%% of idle |\n", release)
+	fmt.Println("|---|---|---|---|---|---|")
+	fmt.Printf("| %.1f MiB (%.1f) | %.1f MiB | %.1f KiB | %.0f MiB | %.1f MiB (%.1f) | %s |\n\n", mib(before), mib(anonBefore), mib(after), perStream/1024,
+		mib(before+int64(perStream*10000)), mib(released), mib(anonReleased), within)
 	return nil
 }
 
+// drain makes one streamed request and reads it to the end.
+func drain(client *http.Client, base, key string, body []byte) error {
+	req, _ := http.NewRequest(http.MethodPost, base+"/api/v1/responses", bytes.NewReader(body))
+	req.Header.Set("Authorization", "Bearer "+key)
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := client.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	_, err = io.Copy(io.Discard, resp.Body)
+	return err
+}
+
 // rss is a process's resident set size in bytes.
-func rss(pid int) (int64, error) {
+func rss(pid int) (int64, error) { return status(pid, "VmRSS:") }
+
+// anonymous is the part of a process's resident set that is its own memory
+// (not pages of its executable and other files, which the kernel may drop).
+func anonymous(pid int) (int64, error) { return status(pid, "RssAnon:") }
+
+// status reads a size in kB from a process's /proc status, in bytes.
+func status(pid int, field string) (int64, error) {
 	raw, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
 	if err != nil {
 		return 0, err
 	}
 	for _, line := range strings.Split(string(raw), "\n") {
-		if rest, ok := strings.CutPrefix(line, "VmRSS:"); ok {
+		if rest, ok := strings.CutPrefix(line, field); ok {
 			kb, err := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(rest), "kB")), 10, 64)
 			return kb * 1024, err
 		}
 	}
-	return 0, fmt.Errorf("no VmRSS for process %d", pid)
+	return 0, fmt.Errorf("no %s for process %d", field, pid)
 }
 
 func pct(sorted []time.Duration, p int) time.Duration {

@@ -18,6 +18,7 @@ import (
 	"github.com/rungworks/gateway/config"
 	"github.com/rungworks/gateway/drainer"
 	"github.com/rungworks/gateway/inference"
+	"github.com/rungworks/gateway/internal/memrelease"
 	"github.com/rungworks/gateway/ledger"
 	"github.com/rungworks/gateway/maintenance"
 	"github.com/rungworks/gateway/metering"
@@ -171,6 +172,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	defer func() { stopLedger(); <-ledgerDone }()
 	go keys.Run(background)
 	go rates.Run(background)
+	go memrelease.New().Run(background)
 	go maintenance.Run(background, st, maintenance.Jobs(st, maintenance.Settings{
 		BatchWindow: cfg.BatchWindow, BatchRetention: cfg.BatchRetention, Lease: cfg.Lease,
 	}, m), logger)
