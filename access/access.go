@@ -10,8 +10,10 @@ package access
 import (
 	"context"
 	"crypto/sha256"
+	"errors"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/google/uuid"
@@ -59,6 +61,8 @@ type Keys struct {
 	mu        sync.RWMutex
 	entries   map[[sha256.Size]byte]entry
 	listening bool
+	// started is set once the first listen began.
+	started atomic.Bool
 	// generation changes whenever the cache is dropped, so a lookup that
 	// raced a change does not store what it read before it.
 	generation uint64
@@ -118,6 +122,20 @@ func (k *Keys) Listening() bool {
 	return k.listening
 }
 
+// ErrNotListening is the readiness of a replica that has not yet listened
+// for key changes.
+var ErrNotListening = errors.New("not yet listening for changes to keys and limits")
+
+// Ready reports whether changes have been listened for since the start: a
+// replica that begins to listen invalidates the quota slices it holds (it may
+// have missed a change), so it takes traffic only once it has.
+func (k *Keys) Ready(context.Context) error {
+	if !k.started.Load() {
+		return ErrNotListening
+	}
+	return nil
+}
+
 // drop empties the cache and sets whether it may fill again.
 func (k *Keys) drop(listening bool) {
 	k.mu.Lock()
@@ -133,6 +151,7 @@ func (k *Keys) Run(ctx context.Context) {
 	for ctx.Err() == nil {
 		err := k.store.ListenPrincipals(ctx, func() {
 			k.drop(true)
+			k.started.Store(true)
 			k.changed("")
 		}, func(table string) {
 			k.drop(true)

@@ -42,6 +42,7 @@ func replica(t *testing.T, st access.KeyStore) (*access.Keys, <-chan string) {
 	go func() { defer close(done); keys.Run(ctx) }()
 	t.Cleanup(func() { stop(); <-done })
 	require.Eventually(t, keys.Listening, 5*time.Second, 5*time.Millisecond)
+	require.NoError(t, keys.Ready(context.Background()))
 	return keys, changes
 }
 
@@ -73,11 +74,12 @@ func TestKeysAreServedFromMemory(t *testing.T) {
 }
 
 // TestNothingIsCachedWithoutListening: a replica that cannot hear of changes
-// asks the database every time.
+// asks the database every time, and is not ready until it has listened.
 func TestNothingIsCachedWithoutListening(t *testing.T) {
 	t.Parallel()
 	st := &countingStore{Store: store.New(testdb.New(t))}
 	keys := access.NewKeys(access.Config{}, st)
+	require.ErrorIs(t, keys.Ready(context.Background()), access.ErrNotListening)
 	token := newKey(t, st.Store, "acme", gateway.TierDeveloper)
 	for range 5 {
 		_, err := keys.Lookup(context.Background(), token)

@@ -126,9 +126,11 @@ func start(t *testing.T, env map[string]string, args ...string) *gateway {
 		}
 	})
 
+	// Ready, as a load balancer would wait for: the database answers and the
+	// key cache listens for changes.
 	deadline := time.Now().Add(60 * time.Second)
 	for {
-		resp, err := http.Get(g.base + "/openapi.json")
+		resp, err := http.Get(g.base + "/readyz")
 		if err == nil {
 			resp.Body.Close()
 			if resp.StatusCode == http.StatusOK {

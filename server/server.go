@@ -57,6 +57,20 @@ type ReadinessChecker interface {
 	Ready(ctx context.Context) error
 }
 
+// AllReady is ready when every one of its checkers is; the first that is
+// not says why.
+type AllReady []ReadinessChecker
+
+// Ready implements ReadinessChecker.
+func (a AllReady) Ready(ctx context.Context) error {
+	for _, c := range a {
+		if err := c.Ready(ctx); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // Config holds the server's dependencies.
 type Config struct {
 	Auth      Authenticator

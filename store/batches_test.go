@@ -481,3 +481,23 @@ func TestExpireBatches(t *testing.T) {
 	require.Equal(t, gateway.EBatchNotFound, gateway.ErrorCodeOf(err))
 	require.Equal(t, int64(25), b.view(t, p).Totals.TotalRungs)
 }
+
+// TestReleaseExpiredReservations: a batch item's reservation that outlived
+// its batch's window and slack (its batch was never finished) is released by
+// the backstop, and the day gets its estimate back.
+func TestReleaseExpiredReservations(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	b.newBatch(t, p, 2, 50, "", time.Now().Add(-2*time.Hour)) // past its window and the hour of slack
+	b.newBatch(t, p, 1, 30, "", day())
+	require.Equal(t, int64(130), b.view(t, p).Daily.Charged)
+
+	n, err := b.store.ReleaseExpiredReservations(b.ctx, 100)
+	require.NoError(t, err)
+	require.Equal(t, int64(2), n, "only the lapsed reservations")
+	require.Equal(t, int64(30), b.view(t, p).Daily.Charged, "the view counts released estimates at once")
+	_, err = b.store.ReconcileSettlements(b.ctx, 100)
+	require.NoError(t, err)
+	require.Equal(t, int64(30), b.view(t, p).Daily.Charged)
+}

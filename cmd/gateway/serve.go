@@ -130,7 +130,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 		Usage:        st,
 		Batches:      &batch.Service{Store: st, Models: models, Estimator: estimator, Window: cfg.BatchWindow},
 		BatchData:    st,
-		Readiness:    st,
+		Readiness:    server.AllReady{st, keys},
 		Metrics:      m,
 		Logger:       logger,
 		SSEKeepalive: cfg.SSEKeepalive,

@@ -1074,8 +1074,10 @@ type ClientInterface interface {
 
 	// GetReadiness Readiness
 	//
-	// 200 when this replica should receive traffic: the database answers and its
-	// schema has every migration this binary knows. 503 while it does not, and
+	// 200 when this replica should receive traffic: the database answers, its
+	// schema has every migration this binary knows, and the replica listens for
+	// changes to keys and limits (from its start until it first does, it would
+	// miss a revocation). 503 while it does not, and
 	// from the moment the replica starts shutting down (so a load balancer stops
 	// sending it new requests while it finishes the ones it has). No key.
 	//
@@ -1424,8 +1426,10 @@ func (c *Client) GetOpenAPI(ctx context.Context, reqEditors ...RequestEditorFn) 
 
 // GetReadiness Readiness
 //
-// 200 when this replica should receive traffic: the database answers and its
-// schema has every migration this binary knows. 503 while it does not, and
+// 200 when this replica should receive traffic: the database answers, its
+// schema has every migration this binary knows, and the replica listens for
+// changes to keys and limits (from its start until it first does, it would
+// miss a revocation). 503 while it does not, and
 // from the moment the replica starts shutting down (so a load balancer stops
 // sending it new requests while it finishes the ones it has). No key.
 //
@@ -2232,8 +2236,10 @@ type ClientWithResponsesInterface interface {
 
 	// GetReadinessWithResponse Readiness
 	//
-	// 200 when this replica should receive traffic: the database answers and its
-	// schema has every migration this binary knows. 503 while it does not, and
+	// 200 when this replica should receive traffic: the database answers, its
+	// schema has every migration this binary knows, and the replica listens for
+	// changes to keys and limits (from its start until it first does, it would
+	// miss a revocation). 503 while it does not, and
 	// from the moment the replica starts shutting down (so a load balancer stops
 	// sending it new requests while it finishes the ones it has). No key.
 	//
@@ -4266,8 +4272,10 @@ func (c *ClientWithResponses) GetOpenAPIWithResponse(ctx context.Context, reqEdi
 
 // GetReadinessWithResponse Readiness
 //
-// 200 when this replica should receive traffic: the database answers and its
-// schema has every migration this binary knows. 503 while it does not, and
+// 200 when this replica should receive traffic: the database answers, its
+// schema has every migration this binary knows, and the replica listens for
+// changes to keys and limits (from its start until it first does, it would
+// miss a revocation). 503 while it does not, and
 // from the moment the replica starts shutting down (so a load balancer stops
 // sending it new requests while it finishes the ones it has). No key.
 //

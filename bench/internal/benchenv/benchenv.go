@@ -85,7 +85,7 @@ func (e *Env) prepare(env []string) (string, error) {
 	return strings.TrimSpace(string(keyOut)), nil
 }
 
-// Serve starts `gateway serve` with env and returns its base URL once it serves.
+// Serve starts `gateway serve` with env and returns its base URL once it is ready.
 func (e *Env) Serve(env []string) (string, error) {
 	base, _, err := e.ServeProcess(env)
 	return base, err
@@ -113,9 +113,11 @@ func (e *Env) ServeProcess(env []string) (string, int, error) {
 	e.procs = append(e.procs, cmd)
 	base := "http://" + addr
 	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
-		if resp, err := http.Get(base + "/openapi.json"); err == nil {
+		if resp, err := http.Get(base + "/readyz"); err == nil {
 			resp.Body.Close()
-			return base, cmd.Process.Pid, nil
+			if resp.StatusCode == http.StatusOK {
+				return base, cmd.Process.Pid, nil
+			}
 		}
 	}
 	return "", 0, fmt.Errorf("gateway at %s did not start", base)
