@@ -27,9 +27,15 @@ func (b *testBundle) usage(t *testing.T, key string) api.UsageView {
 	return v
 }
 
+// setLimits changes acme's limits and waits until the replica has heard of
+// the change, as every replica does within moments (a test that asked at once
+// would race the notification).
 func (b *testBundle) setLimits(t testing.TB, daily, budget *int64) {
 	t.Helper()
+	b.waitListening(t)
+	before := b.changes.Load()
 	require.NoError(t, b.store.SetLimits(context.Background(), store.SetLimitsParams{Account: "acme", DailyRungs: daily, Project: "default", BudgetRungs: budget}))
+	require.Eventually(t, func() bool { return b.changes.Load() > before }, 10*time.Second, time.Millisecond, "the change is announced")
 }
 
 func TestRateLimitHeadersAndRefusal(t *testing.T) {

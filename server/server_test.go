@@ -10,6 +10,7 @@ import (
 	"net/http/httptest"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -134,6 +135,8 @@ type testBundle struct {
 	server   *server.Server
 	http     *httptest.Server
 	keys     *access.Keys
+	// changes counts the changes to keys and limits the replica has heard of.
+	changes *atomic.Int64
 	key      string // developer, inference + usage
 }
 
@@ -167,7 +170,11 @@ func setupWith(t testing.TB, o options) *testBundle {
 	st := store.New(o.pool)
 	ctx, stop := context.WithCancel(context.Background())
 	ledge := ledger.New(ledger.Config{Unavailable: store.Transient}, st)
-	keys := access.NewKeys(access.Config{OnChange: func(string) { ledge.Invalidate() }}, st)
+	var changes atomic.Int64
+	keys := access.NewKeys(access.Config{OnChange: func(string) {
+		ledge.Invalidate()
+		changes.Add(1)
+	}}, st)
 	rates := ratelimit.New(o.rates, st)
 	var wg sync.WaitGroup
 	for _, run := range []func(context.Context){ledge.Run, keys.Run, rates.Run} {
@@ -209,7 +216,7 @@ func setupWith(t testing.TB, o options) *testBundle {
 	}
 	srv, err := server.New(cfg)
 	require.NoError(t, err)
-	b := &testBundle{t: t, store: st, upstream: up, server: srv, http: newHTTPServer(t, srv), keys: keys}
+	b := &testBundle{t: t, store: st, upstream: up, server: srv, http: newHTTPServer(t, srv), keys: keys, changes: &changes}
 	b.key = b.newKey("acme", gateway.TierDeveloper, gateway.ScopeInference, gateway.ScopeUsage)
 	return b
 }
