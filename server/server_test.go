@@ -137,7 +137,7 @@ type testBundle struct {
 	keys     *access.Keys
 	// changes counts the changes to keys and limits the replica has heard of.
 	changes *atomic.Int64
-	key      string // developer, inference + usage
+	key     string // developer, inference + usage
 }
 
 // waitListening waits until the key cache listens for changes (it caches
