@@ -89,6 +89,9 @@ type Ledger struct {
 	pending  []*settling
 	inFlight bool
 
+	// stale wakes Run to fold back the slices Invalidate made unusable.
+	stale chan struct{}
+
 	mu         sync.Mutex
 	current    map[sliceKey]*lease
 	leases     map[uuid.UUID]*lease
@@ -155,7 +158,7 @@ func New(cfg Config, st Store) *Ledger {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
 	return &Ledger{
-		cfg: cfg, store: st,
+		cfg: cfg, store: st, stale: make(chan struct{}, 1),
 		current: map[sliceKey]*lease{}, leases: map[uuid.UUID]*lease{}, admitted: map[uuid.UUID]ticket{},
 	}
 }
@@ -334,12 +337,17 @@ func (l *Ledger) end(requestID uuid.UUID, cost int64) {
 }
 
 // Invalidate stops admissions from every slice held: limits may have changed.
-// Requests running under them settle as usual; the slices are folded back once
-// idle, and new ones are granted under the new limits.
+// Requests running under them settle as usual; the slices nothing runs under
+// are folded back at once (the others once idle), and new ones are granted
+// under the new limits.
 func (l *Ledger) Invalidate() {
 	l.mu.Lock()
-	defer l.mu.Unlock()
 	l.generation++
+	l.mu.Unlock()
+	select {
+	case l.stale <- struct{}{}:
+	default:
+	}
 }
 
 // Run, until ctx ends, folds back idle slices and, every third of a lease,
@@ -353,6 +361,8 @@ func (l *Ledger) Run(ctx context.Context) {
 		case <-ctx.Done():
 			l.foldIdle(context.WithoutCancel(ctx), true)
 			return
+		case <-l.stale:
+			l.foldIdle(ctx, false)
 		case <-tick.C:
 			l.foldIdle(ctx, false)
 			if time.Since(lastRenewal) >= l.cfg.Lease/3 {
