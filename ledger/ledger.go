@@ -24,7 +24,6 @@ package ledger
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"log/slog"
 	"sync"
@@ -92,7 +91,11 @@ type Ledger struct {
 	// stale wakes Run to fold back the slices Invalidate made unusable.
 	stale chan struct{}
 
-	mu         sync.Mutex
+	mu sync.Mutex
+	// folding holds, per slice key, a channel closed when the fold in
+	// flight of a lease of that key ends: admissions wait for it, so that a
+	// new grant sees what the old slice held given back.
+	folding    map[sliceKey]chan struct{}
 	current    map[sliceKey]*lease
 	leases     map[uuid.UUID]*lease
 	admitted   map[uuid.UUID]ticket
@@ -159,6 +162,7 @@ func New(cfg Config, st Store) *Ledger {
 	}
 	return &Ledger{
 		cfg: cfg, store: st, stale: make(chan struct{}, 1),
+		folding: map[sliceKey]chan struct{}{},
 		current: map[sliceKey]*lease{}, leases: map[uuid.UUID]*lease{}, admitted: map[uuid.UUID]ticket{},
 	}
 }
@@ -170,7 +174,29 @@ func (l *Ledger) Admit(ctx context.Context, a gateway.Admission) error {
 	key := sliceKey{account: a.Principal.AccountID, project: a.Principal.ProjectID, day: gateway.UTCDay(a.Day)}
 	for {
 		l.mu.Lock()
-		ls := l.slice(key, time.Now())
+		if wait := l.folding[key]; wait != nil {
+			l.mu.Unlock()
+			select {
+			case <-wait:
+				continue
+			case <-ctx.Done():
+				return ctx.Err()
+			}
+		}
+		ls, replaced := l.slice(key, time.Now())
+		if replaced != nil {
+			// Others wait for the fold as for a grant: a grant made before it
+			// would be refused what the old slice still holds.
+			done := make(chan struct{})
+			ls.granting = done
+			l.mu.Unlock()
+			l.fold(ctx, []uuid.UUID{replaced.id})
+			l.mu.Lock()
+			ls.granting = nil
+			close(done)
+			l.mu.Unlock()
+			continue
+		}
 		if ls.stored && ls.avail >= a.Estimate {
 			ls.avail -= a.Estimate
 			ls.inflight++
@@ -249,10 +275,19 @@ func (l *Ledger) grant(ctx context.Context, ls *lease, p *gateway.Principal, nee
 
 // slice returns the lease admissions of key draw on, starting a new one when
 // there is none or the current one may no longer be used (its lease may have
-// run out, or limits changed since it was granted). Called with l.mu held.
-func (l *Ledger) slice(key sliceKey, now time.Time) *lease {
-	ls := l.current[key]
+// run out, or limits changed since it was granted). A replaced lease nothing
+// runs under is returned too, for the caller to fold back before it asks for
+// a new slice (so the new grant sees what the old one held). Called with l.mu
+// held.
+func (l *Ledger) slice(key sliceKey, now time.Time) (ls, replaced *lease) {
+	ls = l.current[key]
 	if ls != nil && ls.granting == nil && (ls.generation != l.generation || (ls.stored && !now.Before(ls.validUntil))) {
+		if ls.inflight == 0 {
+			delete(l.leases, ls.id)
+			if ls.stored {
+				replaced = ls
+			}
+		}
 		ls = nil
 	}
 	if ls == nil {
@@ -260,7 +295,7 @@ func (l *Ledger) slice(key sliceKey, now time.Time) *lease {
 		l.current[key] = ls
 		l.leases[ls.id] = ls
 	}
-	return ls
+	return ls, replaced
 }
 
 // Settle commits a finished request with its group and gives what its
@@ -455,8 +490,11 @@ func (l *Ledger) renew(ctx context.Context) {
 // longer be used (all of them when all is set).
 func (l *Ledger) foldIdle(ctx context.Context, all bool) {
 	now := time.Now()
+	done := make(chan struct{})
+	defer close(done)
 	l.mu.Lock()
 	var ids []uuid.UUID
+	var keys []sliceKey
 	for id, ls := range l.leases {
 		if ls.inflight > 0 || ls.granting != nil {
 			continue
@@ -471,16 +509,30 @@ func (l *Ledger) foldIdle(ctx context.Context, all bool) {
 		}
 		if ls.stored {
 			ids = append(ids, id)
+			if l.folding[ls.key] == nil {
+				l.folding[ls.key] = done
+				keys = append(keys, ls.key)
+			}
 		}
 	}
 	l.mu.Unlock()
 	if len(ids) == 0 {
 		return
 	}
-	fctx, cancel := context.WithTimeout(ctx, statementTimeout)
+	l.fold(ctx, ids)
+	l.mu.Lock()
+	for _, k := range keys {
+		delete(l.folding, k)
+	}
+	l.mu.Unlock()
+}
+
+// fold folds back leases this replica no longer uses. One that fails is left
+// to run out and be folded by any replica.
+func (l *Ledger) fold(ctx context.Context, ids []uuid.UUID) {
+	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), statementTimeout)
 	defer cancel()
-	// A fold that fails leaves the lease to run out and be folded by any replica.
-	if _, err := l.store.FoldQuotaLeases(fctx, l.cfg.Owner, ids); err != nil && !errors.Is(err, context.Canceled) {
+	if _, err := l.store.FoldQuotaLeases(fctx, l.cfg.Owner, ids); err != nil {
 		l.cfg.Logger.Warn("error folding back quota leases; they are folded once they run out", "leases", len(ids), "error", err)
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
@@ -29,13 +30,16 @@ func (b *testBundle) usage(t *testing.T, key string) api.UsageView {
 
 // setLimits changes acme's limits and waits until the replica has heard of
 // the change, as every replica does within moments (a test that asked at once
-// would race the notification).
+// would race the notification): a marker sent after the change arrives after
+// it.
 func (b *testBundle) setLimits(t testing.TB, daily, budget *int64) {
 	t.Helper()
 	b.waitListening(t)
-	before := b.changes.Load()
 	require.NoError(t, b.store.SetLimits(context.Background(), store.SetLimitsParams{Account: "acme", DailyRungs: daily, Project: "default", BudgetRungs: budget}))
-	require.Eventually(t, func() bool { return b.changes.Load() > before }, 10*time.Second, time.Millisecond, "the change is announced")
+	marker := uuid.NewString()
+	_, err := b.store.Pool().Exec(context.Background(), "SELECT pg_notify('gateway_principals', $1)", marker)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return b.heard(marker) }, 10*time.Second, time.Millisecond, "the change is announced")
 }
 
 func TestRateLimitHeadersAndRefusal(t *testing.T) {
@@ -100,8 +104,24 @@ func TestBudgetAndDailyCeiling(t *testing.T) {
 	require.Empty(t, r.header.Get("Retry-After"))
 	require.Contains(t, r.message(t), "max_output_rungs", "the message says what to change")
 
-	// One that only does not fit today: retry when the day resets.
+	// One that only does not fit today, beside a request running with its
+	// estimate charged: retry when the day resets.
 	b.setLimits(t, ptr(int64(50_000)), ptr(int64(1_000_000)))
+	b.upstream.configure(func(s *scripted) { s.hang = true })
+	ctx, cancel := context.WithCancel(context.Background())
+	running := make(chan struct{})
+	go func() {
+		defer close(running)
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, b.http.URL+"/api/v1/responses", strings.NewReader(`{"prompt": "p"}`))
+		req.Header.Set("Authorization", "Bearer "+b.key)
+		req.Header.Set("Content-Type", "application/json")
+		if resp, err := http.DefaultClient.Do(req); err == nil {
+			resp.Body.Close()
+		}
+	}()
+	defer func() { cancel(); <-running }()
+	calls := b.upstream.callCount()
+	require.Eventually(t, func() bool { return b.upstream.callCount() > calls }, 5*time.Second, time.Millisecond, "the first request runs")
 	r = b.post("/api/v1/responses", b.key, map[string]any{"prompt": "p"})
 	require.Equal(t, http.StatusTooManyRequests, r.status)
 	retry, err := strconv.Atoi(r.header.Get("Retry-After"))

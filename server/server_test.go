@@ -10,7 +10,6 @@ import (
 	"net/http/httptest"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -135,9 +134,31 @@ type testBundle struct {
 	server   *server.Server
 	http     *httptest.Server
 	keys     *access.Keys
-	// changes counts the changes to keys and limits the replica has heard of.
-	changes *atomic.Int64
-	key     string // developer, inference + usage
+	// heardTables are the announcements of changes the replica has heard.
+	heardTables *heardTables
+	key         string // developer, inference + usage
+}
+
+// heardTables records the payloads of change announcements.
+type heardTables struct {
+	mu    sync.Mutex
+	heard map[string]bool
+}
+
+func (h *heardTables) add(table string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.heard == nil {
+		h.heard = map[string]bool{}
+	}
+	h.heard[table] = true
+}
+
+// heard reports whether the replica heard an announcement with payload.
+func (b *testBundle) heard(payload string) bool {
+	b.heardTables.mu.Lock()
+	defer b.heardTables.mu.Unlock()
+	return b.heardTables.heard[payload]
 }
 
 // waitListening waits until the key cache listens for changes (it caches
@@ -170,10 +191,10 @@ func setupWith(t testing.TB, o options) *testBundle {
 	st := store.New(o.pool)
 	ctx, stop := context.WithCancel(context.Background())
 	ledge := ledger.New(ledger.Config{Unavailable: store.Transient}, st)
-	var changes atomic.Int64
-	keys := access.NewKeys(access.Config{OnChange: func(string) {
+	heard := &heardTables{}
+	keys := access.NewKeys(access.Config{OnChange: func(table string) {
 		ledge.Invalidate()
-		changes.Add(1)
+		heard.add(table)
 	}}, st)
 	rates := ratelimit.New(o.rates, st)
 	var wg sync.WaitGroup
@@ -216,7 +237,7 @@ func setupWith(t testing.TB, o options) *testBundle {
 	}
 	srv, err := server.New(cfg)
 	require.NoError(t, err)
-	b := &testBundle{t: t, store: st, upstream: up, server: srv, http: newHTTPServer(t, srv), keys: keys, changes: &changes}
+	b := &testBundle{t: t, store: st, upstream: up, server: srv, http: newHTTPServer(t, srv), keys: keys, heardTables: heard}
 	b.key = b.newKey("acme", gateway.TierDeveloper, gateway.ScopeInference, gateway.ScopeUsage)
 	return b
 }
