@@ -129,7 +129,7 @@ func TestBatchSurvivesKill9(t *testing.T) {
 	b.fake.SetDelay(400 * time.Millisecond)
 	env := map[string]string{"GATEWAY_LEASE": "2s", "GATEWAY_DRAIN_CONCURRENCY": "2"}
 	replicas := []*gateway{serve(t, b.db, b.fake.BaseURL(), env), serve(t, b.db, b.fake.BaseURL(), env), serve(t, b.db, b.fake.BaseURL(), env)}
-	batch := replicas[0].createBatch(b.key, prompts("crash", 40))
+	batch := replicas[0].createBatch(b.key, prompts("crash", 80)) // outlasts the kills: each waits for items in flight
 
 	const kills = 4
 	for k := range kills {
