@@ -123,7 +123,7 @@ type lease struct {
 	validUntil time.Time
 	touched    time.Time
 	generation uint64
-	granting   chan struct{} // closed when the grant in flight ends
+	granting   chan struct{} // closed when the grant (or fold) in flight ends
 	// refused is the last refusal, answering until refusedUntil for what
 	// needs more than it said was left.
 	refused      store.QuotaGrant
@@ -176,24 +176,16 @@ func (l *Ledger) Admit(ctx context.Context, a gateway.Admission) error {
 		l.mu.Lock()
 		if wait := l.folding[key]; wait != nil {
 			l.mu.Unlock()
-			select {
-			case <-wait:
-				continue
-			case <-ctx.Done():
-				return ctx.Err()
+			if err := await(ctx, wait); err != nil {
+				return err
 			}
+			continue
 		}
 		ls, replaced := l.slice(key, time.Now())
 		if replaced != nil {
 			// Others wait for the fold as for a grant: a grant made before it
 			// would be refused what the old slice still holds.
-			done := make(chan struct{})
-			ls.granting = done
-			l.mu.Unlock()
-			l.fold(ctx, []uuid.UUID{replaced.id})
-			l.mu.Lock()
-			ls.granting = nil
-			close(done)
+			l.exclusively(ls, func() { l.fold(ctx, []uuid.UUID{replaced.id}) })
 			l.mu.Unlock()
 			continue
 		}
@@ -207,29 +199,21 @@ func (l *Ledger) Admit(ctx context.Context, a gateway.Admission) error {
 		}
 		if wait := ls.granting; wait != nil {
 			l.mu.Unlock()
-			select {
-			case <-wait:
-				continue
-			case <-ctx.Done():
-				return ctx.Err()
+			if err := await(ctx, wait); err != nil {
+				return err
 			}
+			continue
 		}
 		if time.Now().Before(ls.refusedUntil) && a.Estimate-ls.avail > ls.refused.Left {
 			refused := ls.refused
 			l.mu.Unlock()
 			return gateway.AdmissionError(refusal(refused, a.Estimate), "request", a.Estimate, a.Principal, key.day)
 		}
-		done := make(chan struct{})
-		ls.granting = done
 		need := a.Estimate - ls.avail // more than the estimate when settlements cost more than theirs
-		l.mu.Unlock()
-
 		start := time.Now()
-		grant, err := l.grant(ctx, ls, a.Principal, need, start)
-
-		l.mu.Lock()
-		ls.granting = nil
-		close(done)
+		var grant store.QuotaGrant
+		var err error
+		l.exclusively(ls, func() { grant, err = l.grant(ctx, ls, a.Principal, need, start) })
 		if err == nil {
 			ls.stored = true
 			ls.validUntil = start.Add(l.cfg.Lease * 2 / 3)
@@ -246,6 +230,30 @@ func (l *Ledger) Admit(ctx context.Context, a gateway.Admission) error {
 		if grant.Outcome != gateway.AdmitOK {
 			return gateway.AdmissionError(refusal(grant, a.Estimate), "request", a.Estimate, a.Principal, key.day)
 		}
+	}
+}
+
+// exclusively runs fn without l.mu (held on entry and on return) while ls is
+// marked busy: admissions of its key wait for fn instead of running beside it.
+func (l *Ledger) exclusively(ls *lease, fn func()) {
+	done := make(chan struct{})
+	ls.granting = done
+	l.mu.Unlock()
+	defer func() {
+		l.mu.Lock()
+		ls.granting = nil
+		close(done)
+	}()
+	fn()
+}
+
+// await waits until ch is closed or ctx ends.
+func await(ctx context.Context, ch <-chan struct{}) error {
+	select {
+	case <-ch:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
 	}
 }
 
