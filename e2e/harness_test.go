@@ -161,8 +161,11 @@ func serve(t *testing.T, dbURL, upstreamURL string, extra map[string]string) *ga
 
 // stop sends SIGTERM and waits for the process to end.
 func (g *gateway) stop() error {
-	if g.cmd.ProcessState != nil {
-		return nil
+	select {
+	case err := <-g.done: // it has ended already
+		g.done <- err
+		return err
+	default:
 	}
 	_ = g.cmd.Process.Signal(syscall.SIGTERM)
 	select {
