@@ -56,7 +56,7 @@ CREATE TRIGGER api_keys_kept BEFORE DELETE ON api_keys FOR EACH ROW EXECUTE FUNC
 
 -- 3. Rate limits in leased slices: a replica takes a slice of a key's count
 --    for the current minute and admits from it in memory. The sum of slices
---    never passes the limit (the sliding window of authenticate_key), so no
+--    never passes the limit (in the sliding window counted before), so no
 --    number of replicas admits more than the limit.
 -- lease_rate grants a slice of the key's current minute: 1/p_share of what the
 -- sliding window leaves under p_limit, at least 1 while anything is left; it
