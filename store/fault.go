@@ -3,6 +3,7 @@ package store
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"sync"
@@ -77,6 +78,27 @@ func (q *quarantine) add(id uuid.UUID) {
 		q.until = map[uuid.UUID]time.Time{}
 	}
 	q.until[id] = time.Now().Add(quarantinePeriod)
+}
+
+// each runs fn for every member alone, after a group operation failed for its
+// data: a member that fails for its own rows is set aside (one the database
+// was away for is not), and named in the joined error as the kind of what it
+// is; the others go on. It returns the sum of what fn counted.
+func (q *quarantine) each(members []uuid.UUID, what string, fn func(uuid.UUID) (int64, error)) (int64, error) {
+	var n int64
+	var failures []error
+	for _, m := range members {
+		c, err := fn(m)
+		if err != nil {
+			if !Transient(err) {
+				q.add(m)
+			}
+			failures = append(failures, fmt.Errorf("%s %s (set aside for %s): %w", what, m, quarantinePeriod, err))
+			continue
+		}
+		n += c
+	}
+	return n, errors.Join(failures...)
 }
 
 // members returns the members still set aside, never nil.

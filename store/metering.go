@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 
 	"github.com/rungworks/gateway"
@@ -95,17 +96,7 @@ func (s *Store) ReconcileSettlements(ctx context.Context, maxRows int32) (int64,
 	if lerr != nil {
 		return 0, fmt.Errorf("error reconciling settlements: %w (listing accounts: %v)", err, lerr)
 	}
-	var failures []error
-	for _, account := range accounts {
-		m, err := s.queries.ReconcileSettlements(ctx, s.pool, db.ReconcileSettlementsParams{MaxRows: maxRows, Skip: skip, AccountID: &account})
-		if err != nil {
-			if !Transient(err) {
-				s.quarantine.add(account)
-			}
-			failures = append(failures, fmt.Errorf("error reconciling settlements of account %s (set aside for %s): %w", account, quarantinePeriod, err))
-			continue
-		}
-		n += m
-	}
-	return n, errors.Join(failures...)
+	return s.quarantine.each(accounts, "error reconciling settlements of account", func(account uuid.UUID) (int64, error) {
+		return s.queries.ReconcileSettlements(ctx, s.pool, db.ReconcileSettlementsParams{MaxRows: maxRows, Skip: skip, AccountID: &account})
+	})
 }

@@ -192,19 +192,14 @@ func (s *Store) FoldExpiredQuotaLeases(ctx context.Context, maxRows int) (int64,
 	if lerr != nil {
 		return 0, fmt.Errorf("%w (listing expired leases: %v)", err, lerr)
 	}
-	var failures []error
-	for _, l := range expired {
-		m, err := s.foldQuotaLeases(ctx, l.Owner, []uuid.UUID{l.ID}, 0, skip)
-		if err != nil {
-			if !Transient(err) {
-				s.foldQuarantine.add(l.ID)
-			}
-			failures = append(failures, fmt.Errorf("error folding quota lease %s (set aside for %s): %w", l.ID, quarantinePeriod, err))
-			continue
-		}
-		n += m
+	owners := make(map[uuid.UUID]uuid.UUID, len(expired))
+	ids := make([]uuid.UUID, len(expired))
+	for i, l := range expired {
+		owners[l.ID], ids[i] = l.Owner, l.ID
 	}
-	return n, errors.Join(failures...)
+	return s.foldQuarantine.each(ids, "error folding quota lease", func(id uuid.UUID) (int64, error) {
+		return s.foldQuotaLeases(ctx, owners[id], []uuid.UUID{id}, 0, skip)
+	})
 }
 
 // RenewQuotaLeases extends owner's leases ids to expiresAt, returning those it
