@@ -93,8 +93,7 @@ type Ledger struct {
 
 	mu sync.Mutex
 	// folding holds, per slice key, a channel closed when the fold in
-	// flight of a lease of that key ends: admissions wait for it, so that a
-	// new grant sees what the old slice held given back.
+	// flight of a lease of that key ends (see fold).
 	folding    map[sliceKey]chan struct{}
 	current    map[sliceKey]*lease
 	leases     map[uuid.UUID]*lease
@@ -123,7 +122,7 @@ type lease struct {
 	validUntil time.Time
 	touched    time.Time
 	generation uint64
-	granting   chan struct{} // closed when the grant (or fold) in flight ends
+	granting   chan struct{} // closed when the grant in flight ends
 	// refused is the last refusal, answering until refusedUntil for what
 	// needs more than it said was left.
 	refused      store.QuotaGrant
@@ -183,10 +182,7 @@ func (l *Ledger) Admit(ctx context.Context, a gateway.Admission) error {
 		}
 		ls, replaced := l.slice(key, time.Now())
 		if replaced != nil {
-			// Others wait for the fold as for a grant: a grant made before it
-			// would be refused what the old slice still holds.
-			l.exclusively(ls, func() { l.fold(ctx, []uuid.UUID{replaced.id}) })
-			l.mu.Unlock()
+			l.fold(ctx, []*lease{replaced})
 			continue
 		}
 		if ls.stored && ls.avail >= a.Estimate {
@@ -209,11 +205,17 @@ func (l *Ledger) Admit(ctx context.Context, a gateway.Admission) error {
 			l.mu.Unlock()
 			return gateway.AdmissionError(refusal(refused, a.Estimate), "request", a.Estimate, a.Principal, key.day)
 		}
+		done := make(chan struct{})
+		ls.granting = done
 		need := a.Estimate - ls.avail // more than the estimate when settlements cost more than theirs
+		l.mu.Unlock()
+
 		start := time.Now()
-		var grant store.QuotaGrant
-		var err error
-		l.exclusively(ls, func() { grant, err = l.grant(ctx, ls, a.Principal, need, start) })
+		grant, err := l.grant(ctx, ls, a.Principal, need, start)
+
+		l.mu.Lock()
+		ls.granting = nil
+		close(done)
 		if err == nil {
 			ls.stored = true
 			ls.validUntil = start.Add(l.cfg.Lease * 2 / 3)
@@ -231,20 +233,6 @@ func (l *Ledger) Admit(ctx context.Context, a gateway.Admission) error {
 			return gateway.AdmissionError(refusal(grant, a.Estimate), "request", a.Estimate, a.Principal, key.day)
 		}
 	}
-}
-
-// exclusively runs fn without l.mu (held on entry and on return) while ls is
-// marked busy: admissions of its key wait for fn instead of running beside it.
-func (l *Ledger) exclusively(ls *lease, fn func()) {
-	done := make(chan struct{})
-	ls.granting = done
-	l.mu.Unlock()
-	defer func() {
-		l.mu.Lock()
-		ls.granting = nil
-		close(done)
-	}()
-	fn()
 }
 
 // await waits until ch is closed or ctx ends.
@@ -498,11 +486,8 @@ func (l *Ledger) renew(ctx context.Context) {
 // longer be used (all of them when all is set).
 func (l *Ledger) foldIdle(ctx context.Context, all bool) {
 	now := time.Now()
-	done := make(chan struct{})
-	defer close(done)
 	l.mu.Lock()
-	var ids []uuid.UUID
-	var keys []sliceKey
+	var idle []*lease
 	for id, ls := range l.leases {
 		if ls.inflight > 0 || ls.granting != nil {
 			continue
@@ -516,31 +501,41 @@ func (l *Ledger) foldIdle(ctx context.Context, all bool) {
 			delete(l.current, ls.key)
 		}
 		if ls.stored {
-			ids = append(ids, id)
-			if l.folding[ls.key] == nil {
-				l.folding[ls.key] = done
-				keys = append(keys, ls.key)
-			}
+			idle = append(idle, ls)
+		}
+	}
+	if len(idle) == 0 {
+		l.mu.Unlock()
+		return
+	}
+	l.fold(ctx, idle)
+}
+
+// fold folds back leases this replica no longer uses, with l.mu held on
+// entry and released on return. Admissions of their keys wait until it ends,
+// so that a new grant sees what the old slices held given back. A lease that
+// fails to fold is left to run out and be folded by any replica.
+func (l *Ledger) fold(ctx context.Context, leases []*lease) {
+	done := make(chan struct{})
+	defer close(done)
+	ids := make([]uuid.UUID, len(leases))
+	var keys []sliceKey
+	for i, ls := range leases {
+		ids[i] = ls.id
+		if l.folding[ls.key] == nil {
+			l.folding[ls.key] = done
+			keys = append(keys, ls.key)
 		}
 	}
 	l.mu.Unlock()
-	if len(ids) == 0 {
-		return
-	}
-	l.fold(ctx, ids)
-	l.mu.Lock()
-	for _, k := range keys {
-		delete(l.folding, k)
-	}
-	l.mu.Unlock()
-}
-
-// fold folds back leases this replica no longer uses. One that fails is left
-// to run out and be folded by any replica.
-func (l *Ledger) fold(ctx context.Context, ids []uuid.UUID) {
 	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), statementTimeout)
 	defer cancel()
 	if _, err := l.store.FoldQuotaLeases(fctx, l.cfg.Owner, ids); err != nil {
 		l.cfg.Logger.Warn("error folding back quota leases; they are folded once they run out", "leases", len(ids), "error", err)
 	}
+	l.mu.Lock()
+	for _, k := range keys {
+		delete(l.folding, k)
+	}
+	l.mu.Unlock()
 }
