@@ -176,7 +176,15 @@ type BatchItem struct {
 	Model     Model      // completed items
 	Content   string     // completed items
 	Usage     Usage
-	Error     *Error // failed items
+	Route     *ItemRoute // completed items
+	Error     *Error     // failed items
+}
+
+// ItemRoute is the upstream target that ran a batch item.
+type ItemRoute struct {
+	Provider      string
+	UpstreamModel string
+	Attempts      int
 }
 
 // Limits of a batch.

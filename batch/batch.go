@@ -13,7 +13,6 @@ import (
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/metering"
 	"github.com/rungworks/gateway/store"
-	"github.com/rungworks/gateway/upstream"
 )
 
 // Store is what creating and reading batches needs.
@@ -28,7 +27,7 @@ const DefaultWindow = 24 * time.Hour
 // Service creates batches.
 type Service struct {
 	Store     Store
-	Models    upstream.ModelMap
+	Models    gateway.Catalog
 	Estimator *metering.Estimator
 	// Window is the completion window; zero means DefaultWindow.
 	Window time.Duration

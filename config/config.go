@@ -1,17 +1,21 @@
 // Package config reads the gateway's configuration from the environment
-// (decisions D2) and builds the pieces it describes: the upstream provider, the
-// model map and the rate card.
+// (decisions D2) and, when GATEWAY_CONFIG names one, from a file of providers
+// and routes, and builds the pieces they describe: the upstream router and
+// the rate card.
 package config
 
 import (
 	"fmt"
 	"net/url"
+	"os"
 	"time"
 
 	"github.com/caarlos0/env/v11"
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/metering"
+	"github.com/rungworks/gateway/metrics"
+	"github.com/rungworks/gateway/routing"
 	"github.com/rungworks/gateway/upstream"
 	"github.com/rungworks/gateway/upstream/openai"
 	"github.com/rungworks/gateway/upstream/sim"
@@ -21,7 +25,8 @@ import (
 type Config struct {
 	DatabaseURL       string        `env:"DATABASE_URL"`
 	Listen            string        `env:"GATEWAY_LISTEN" envDefault:":8080"`
-	Upstream          string        `env:"GATEWAY_UPSTREAM" envDefault:"sim"`
+	File              string        `env:"GATEWAY_CONFIG"`
+	Upstream          string        `env:"GATEWAY_UPSTREAM"`
 	UpstreamKey       string        `env:"GATEWAY_UPSTREAM_KEY"`
 	UpstreamTimeout   time.Duration `env:"GATEWAY_UPSTREAM_TIMEOUT" envDefault:"120s"`
 	UpstreamH2C       bool          `env:"GATEWAY_UPSTREAM_H2C"`
@@ -43,6 +48,7 @@ type Config struct {
 	BodyTimeout       time.Duration `env:"GATEWAY_BODY_TIMEOUT" envDefault:"30s"`
 	DrainDelay        time.Duration `env:"GATEWAY_DRAIN_DELAY" envDefault:"5s"`
 	CORSOrigins       []string      `env:"GATEWAY_CORS_ORIGINS" envSeparator:","`
+	TraceContent      bool          `env:"GATEWAY_TRACE_CONTENT"`
 }
 
 // Load reads the configuration from the environment.
@@ -78,6 +84,9 @@ func Load() (Config, error) {
 	if cfg.RateLimit < 0 {
 		return Config{}, fmt.Errorf("GATEWAY_RATE_LIMIT must not be negative")
 	}
+	if cfg.File != "" && (cfg.Upstream != "" || cfg.UpstreamKey != "" || cfg.ModelMap != "" || cfg.UpstreamH2C) {
+		return Config{}, fmt.Errorf("GATEWAY_CONFIG names a file of providers: leave GATEWAY_UPSTREAM, GATEWAY_UPSTREAM_KEY, GATEWAY_UPSTREAM_H2C and GATEWAY_MODEL_MAP unset (they are the one-provider shorthand)")
+	}
 	if cfg.DBMaxConns < 2 {
 		return Config{}, fmt.Errorf("GATEWAY_DB_MAX_CONNS must be at least 2")
 	}
@@ -93,19 +102,6 @@ func (c Config) RateLimits() gateway.RateLimits {
 	return gateway.DefaultRateLimits
 }
 
-// Models returns the model map: GATEWAY_MODEL_MAP when set (models left out are
-// unavailable), otherwise each canonical name mapped to itself.
-func (c Config) Models() (upstream.ModelMap, error) {
-	if c.ModelMap == "" {
-		return upstream.DefaultModelMap(), nil
-	}
-	pairs, err := upstream.ParseModelPairs(c.ModelMap)
-	if err != nil {
-		return nil, fmt.Errorf("GATEWAY_MODEL_MAP: %w", err)
-	}
-	return upstream.ModelMap(pairs), nil
-}
-
 // RateCard returns the rate card of GATEWAY_MULTIPLIERS and GATEWAY_BATCH_DISCOUNT.
 func (c Config) RateCard() (*metering.RateCard, error) {
 	pairs, err := upstream.ParseModelPairs(c.Multipliers)
@@ -119,15 +115,86 @@ func (c Config) RateCard() (*metering.RateCard, error) {
 	return rc, nil
 }
 
-// Provider returns the upstream: the built-in simulator for "sim", otherwise an
-// OpenAI-compatible client of the URL.
-func (c Config) Provider(tok *metering.Tokenizer) (upstream.Provider, error) {
-	if c.Upstream == "sim" {
-		return &sim.Provider{Tokenizer: tok, TokenLatency: c.SimTokenLatency}, nil
+// UpstreamName is what the log says of the upstream: the file, or the URL.
+func (c Config) UpstreamName() string {
+	switch {
+	case c.File != "":
+		return c.File
+	case c.Upstream == "":
+		return "sim"
 	}
-	u, err := url.Parse(c.Upstream)
-	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-		return nil, fmt.Errorf("GATEWAY_UPSTREAM must be sim or an http(s) base URL, got %q", c.Upstream)
+	return c.Upstream
+}
+
+// Router builds the upstream router: from GATEWAY_CONFIG's file when set,
+// otherwise from the one-provider shorthand (GATEWAY_UPSTREAM, sim by default,
+// each model of GATEWAY_MODEL_MAP, or every canonical model under its own
+// name, served by that provider).
+func (c Config) Router(tok *metering.Tokenizer, m *metrics.Metrics) (*routing.Router, error) {
+	f, err := c.routes()
+	if err != nil {
+		return nil, err
 	}
-	return openai.New(openai.Config{BaseURL: c.Upstream, APIKey: c.UpstreamKey, Timeout: c.UpstreamTimeout, H2C: c.UpstreamH2C}), nil
+	if err := f.CheckSecrets(os.Getenv); err != nil {
+		return nil, err
+	}
+	return f.Router(tok, c.SimTokenLatency, m)
+}
+
+// routes returns the file, or the shorthand as if it were one.
+func (c Config) routes() (*File, error) {
+	if c.File != "" {
+		return LoadFile(c.File)
+	}
+	name, spec := "sim", ProviderSpec{Type: "sim"}
+	if c.Upstream != "" && c.Upstream != "sim" {
+		u, err := url.Parse(c.Upstream)
+		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+			return nil, fmt.Errorf("GATEWAY_UPSTREAM must be sim or an http(s) base URL, got %q", c.Upstream)
+		}
+		name, spec = "upstream", ProviderSpec{Type: "openai", BaseURL: c.Upstream, Timeout: c.UpstreamTimeout, H2C: c.UpstreamH2C}
+		if c.UpstreamKey != "" {
+			spec.APIKeyEnv = "GATEWAY_UPSTREAM_KEY"
+		}
+	}
+	models := map[gateway.Model]string{}
+	for _, m := range gateway.Models {
+		models[m] = string(m)
+	}
+	if c.ModelMap != "" {
+		pairs, err := upstream.ParseModelPairs(c.ModelMap)
+		if err != nil {
+			return nil, fmt.Errorf("GATEWAY_MODEL_MAP: %w", err)
+		}
+		models = pairs
+	}
+	f := &File{path: "environment", Providers: map[string]ProviderSpec{name: spec}, Models: map[gateway.Model]RouteSpec{}}
+	for m, upstreamModel := range models {
+		f.Models[m] = RouteSpec{Strategy: routing.Ordered, Targets: []TargetSpec{{Provider: name, UpstreamModel: upstreamModel, Weight: 1}}}
+	}
+	return f, nil
+}
+
+// Router builds the router the file describes; keys are read from the
+// environment variables the file names.
+func (f *File) Router(tok *metering.Tokenizer, simLatency time.Duration, m *metrics.Metrics) (*routing.Router, error) {
+	clients := map[string]upstream.Provider{}
+	for name, pr := range f.Providers {
+		if pr.Type == "sim" {
+			clients[name] = &sim.Provider{Tokenizer: tok, TokenLatency: simLatency}
+			continue
+		}
+		clients[name] = openai.New(openai.Config{
+			BaseURL: pr.BaseURL, APIKey: os.Getenv(pr.APIKeyEnv), Timeout: pr.Timeout, H2C: pr.H2C, Headers: pr.Headers,
+		})
+	}
+	routes := map[gateway.Model]routing.Route{}
+	for model, spec := range f.Models {
+		rt := routing.Route{Strategy: spec.Strategy}
+		for _, t := range spec.Targets {
+			rt.Targets = append(rt.Targets, routing.Target{Provider: t.Provider, UpstreamModel: t.UpstreamModel, Weight: t.Weight, Client: clients[t.Provider]})
+		}
+		routes[model] = rt
+	}
+	return routing.New(routing.Config{Routes: routes, MaxAttempts: f.MaxAttempts, MaxTime: f.MaxTime, Circuit: f.Circuit, Metrics: m})
 }

@@ -3,8 +3,9 @@
 // the upstream, and commits their outcomes in groups. Leases, renewed for the
 // items the replica really holds, tell a slow item from a dead replica. An item
 // reaches the upstream at most once (decisions D12): it goes back to the queue
-// only when the upstream certainly did not process it, and then claiming
-// pauses and probes, one item at a time, until the upstream answers again.
+// only when the upstream certainly did not process it. Claims take only items
+// of models with a target taking calls; a model whose targets are all cooling
+// down gets one item at a time, as a probe, while the other models drain.
 package drainer
 
 import (
@@ -21,6 +22,7 @@ import (
 	"github.com/rungworks/gateway/metering"
 	"github.com/rungworks/gateway/metrics"
 	"github.com/rungworks/gateway/store"
+	"github.com/rungworks/gateway/tracing"
 	"github.com/rungworks/gateway/upstream"
 )
 
@@ -34,6 +36,16 @@ type Store interface {
 	StartBatches(ctx context.Context, ids []uuid.UUID) error
 	FinishBatches(ctx context.Context, ids []uuid.UUID) error
 	ListenBatchCreated(ctx context.Context, wake func()) error
+}
+
+// Health is what the drainer needs to know of the upstream targets (see
+// routing.Router).
+type Health interface {
+	// Health returns the models with a target taking calls (serving) and
+	// those whose targets only take a probe now (probing).
+	Health() (serving, probing []gateway.Model)
+	// Wait returns when that may have changed, or after maxWait.
+	Wait(ctx context.Context, maxWait time.Duration)
 }
 
 // Defaults of Config.
@@ -75,9 +87,9 @@ type Config struct {
 	Grace time.Duration
 	// EvidenceRetention is how long a completed item's evidence is held.
 	EvidenceRetention time.Duration
-	// Health is the upstream's health, shared with interactive requests (the
-	// provider reports to it; see upstream.Guard). Nil: never paused.
-	Health *upstream.Health
+	// Health says which models have a target taking calls, shared with
+	// interactive requests (the router). Nil: every model, always.
+	Health Health
 	// Metrics, when set, records claims, upstream calls, rungs and outcomes.
 	Metrics *metrics.Metrics
 }
@@ -87,17 +99,19 @@ type Drainer struct {
 	cfg       Config
 	store     Store
 	provider  upstream.Provider
-	models    upstream.ModelMap
 	estimator *metering.Estimator
 	logger    *slog.Logger
 
 	results chan store.ItemResult
 	held    heldItems
 	starts  batchSet
+	// probes counts the items running as probes of a model with no target
+	// taking calls: one at a time.
+	probes atomic.Int32
 }
 
 // New returns a drainer; zero Config fields take their defaults.
-func New(cfg Config, st Store, provider upstream.Provider, models upstream.ModelMap, estimator *metering.Estimator, logger *slog.Logger) *Drainer {
+func New(cfg Config, st Store, provider upstream.Provider, estimator *metering.Estimator, logger *slog.Logger) *Drainer {
 	if cfg.Owner == uuid.Nil {
 		cfg.Owner = uuid.Must(uuid.NewV7())
 	}
@@ -114,7 +128,7 @@ func New(cfg Config, st Store, provider upstream.Provider, models upstream.Model
 		cfg.Grace = DefaultGrace
 	}
 	return &Drainer{
-		cfg: cfg, store: st, provider: provider, models: models, estimator: estimator, logger: logger,
+		cfg: cfg, store: st, provider: provider, estimator: estimator, logger: logger,
 		results: make(chan store.ItemResult, cfg.Concurrency),
 		starts:  batchSet{wake: make(chan struct{}, 1)},
 	}
@@ -143,15 +157,7 @@ func (d *Drainer) Run(ctx context.Context) {
 	var running sync.WaitGroup
 	slots := make(chan struct{}, d.cfg.Concurrency)
 	for ctx.Err() == nil {
-		if d.cfg.Health.Pause() > 0 {
-			d.cfg.Health.Wait(ctx) // an answer to anyone ends it at once
-			continue
-		}
 		free := d.cfg.Concurrency - len(slots)
-		if d.cfg.Health.Probing() {
-			// One probe at a time: wait for the one out to tell.
-			free = min(free, 1-min(len(slots), 1))
-		}
 		if free == 0 {
 			select {
 			case <-ctx.Done():
@@ -160,24 +166,44 @@ func (d *Drainer) Run(ctx context.Context) {
 			}
 			continue
 		}
-		items, err := d.claim(ctx, commits, free)
-		if err != nil {
-			if ctx.Err() == nil {
-				d.logger.Error("error claiming batch items", "error", err)
-			}
+		serving, probing := d.health()
+		probe := len(probing) > 0 && d.probes.Load() == 0
+		if !probe && len(serving) == 0 {
+			// No target takes calls: wait for a cool-down to end, a probe to
+			// tell, or an answer to anyone.
+			d.cfg.Health.Wait(ctx, d.cfg.PollInterval)
+			continue
+		}
+		var items, probes []store.ClaimedItem
+		failed := false
+		if probe {
+			probes, failed = d.claim(ctx, commits, 1, probing)
+			free -= len(probes)
+		}
+		if len(serving) > 0 && !failed {
+			items, failed = d.claim(ctx, commits, free, serving)
+		}
+		if failed {
 			sleep(ctx, d.cfg.PollInterval)
 			continue
 		}
-		for _, it := range items {
+		for i, it := range append(probes, items...) {
+			isProbe := i < len(probes)
+			if isProbe {
+				d.probes.Add(1)
+			}
 			slots <- struct{}{}
 			running.Add(1)
 			go func() {
 				defer running.Done()
 				defer func() { <-slots }()
+				if isProbe {
+					defer d.probes.Add(-1)
+				}
 				d.run(work, commits, it)
 			}()
 		}
-		if len(items) == 0 {
+		if len(items)+len(probes) == 0 {
 			select {
 			case <-ctx.Done():
 			case <-wake:
@@ -202,18 +228,32 @@ func (d *Drainer) Run(ctx context.Context) {
 	background.Wait()
 }
 
-// claim claims up to n items and finishes the batches whose items the budget
-// refused. Should the claim's reply have been lost after it committed, its
-// items are handed back (they were never dispatched) in the background.
-func (d *Drainer) claim(ctx, commits context.Context, n int) ([]store.ClaimedItem, error) {
+// health returns the models to claim items of, and those to probe.
+func (d *Drainer) health() (serving, probing []gateway.Model) {
+	if d.cfg.Health == nil {
+		return gateway.Models, nil
+	}
+	return d.cfg.Health.Health()
+}
+
+// claim claims up to n items of models and finishes the batches whose items
+// the budget refused; failed says the claim failed (it is logged). Should the
+// claim's reply have been lost after it committed, its items are handed back
+// (they were never dispatched) in the background.
+func (d *Drainer) claim(ctx, commits context.Context, n int, models []gateway.Model) (items []store.ClaimedItem, failed bool) {
 	start := time.Now()
 	claimID := uuid.Must(uuid.NewV7())
-	items, err := d.store.ClaimItems(ctx, store.ClaimParams{Owner: d.cfg.Owner, ClaimID: claimID, Max: n, PerAccount: max(1, n/2), Lease: d.cfg.Lease})
+	items, err := d.store.ClaimItems(ctx, store.ClaimParams{
+		Owner: d.cfg.Owner, ClaimID: claimID, Max: n, PerAccount: max(1, n/2), Lease: d.cfg.Lease, Models: models,
+	})
 	if err != nil {
 		if store.MayHaveCommitted(err) {
 			go d.releaseClaim(commits, claimID)
 		}
-		return nil, err
+		if ctx.Err() == nil {
+			d.logger.Error("error claiming batch items", "error", err)
+		}
+		return nil, true
 	}
 	d.cfg.Metrics.Claim(time.Since(start))
 	var refused []uuid.UUID
@@ -230,7 +270,7 @@ func (d *Drainer) claim(ctx, commits context.Context, n int) ([]store.ClaimedIte
 	if err := d.store.FinishBatches(ctx, unique(refused)); err != nil {
 		d.logger.Error("error finishing batches", "error", err)
 	}
-	return runnable, nil
+	return runnable, false
 }
 
 // releaseClaim hands back the items of a claim whose reply was lost, retrying
@@ -257,10 +297,12 @@ func (d *Drainer) releaseClaim(ctx context.Context, claimID uuid.UUID) {
 func (d *Drainer) run(ctx, commits context.Context, it store.ClaimedItem) {
 	req := it.Request.Request()
 	var dispatched atomic.Bool
+	ctx, span := tracing.BatchItem(ctx, it.BatchID.String(), it.Index, string(req.Model))
+	defer span.End()
 	start := time.Now()
 	res, err := d.provider.Complete(ctx, upstream.Request{
-		Model: req.Model, UpstreamModel: d.models[req.Model], System: req.CustomInstructions, Prompt: req.Prompt,
-		MaxOutputTokens: req.MaxOutputRungs, Hints: req.Hints,
+		Model: req.Model, System: req.CustomInstructions, Prompt: req.Prompt,
+		MaxOutputTokens: req.MaxOutputRungs, Hints: req.Hints, AtMostOnce: true,
 		OnDispatch: func() {
 			dispatched.Store(true)
 			if it.BatchQueued {
@@ -269,6 +311,7 @@ func (d *Drainer) run(ctx, commits context.Context, it store.ClaimedItem) {
 		},
 	})
 	d.cfg.Metrics.Upstream(string(req.Model), upstream.Kind(err), time.Since(start))
+	tracing.Fail(ctx, upstream.Kind(err))
 	result := store.ItemResult{BatchID: it.BatchID, Index: it.Index, Model: req.Model}
 	var rejected *upstream.RejectedError
 	switch {
@@ -282,6 +325,8 @@ func (d *Drainer) run(ctx, commits context.Context, it store.ClaimedItem) {
 		result.InputTokens, result.OutputTokens = usage.InputTokens, usage.OutputTokens
 		result.InputRungs, result.OutputRungs, result.TotalRungs = usage.InputRungs, usage.OutputRungs, usage.TotalRungs
 		result.EvidenceExpiresAt = time.Now().Add(d.cfg.EvidenceRetention)
+		result.Provider, result.UpstreamModel, result.Attempts = res.Provider, res.UpstreamModel, res.Attempts
+		tracing.Usage(ctx, usage.InputTokens, usage.OutputTokens, usage.InputRungs, usage.OutputRungs, res.Content)
 	case errors.Is(err, upstream.ErrUnavailable), ctx.Err() != nil && !dispatched.Load():
 		d.requeue(commits, it)
 		return

@@ -50,7 +50,7 @@ func setup(t *testing.T) *testBundle {
 	require.NoError(t, err)
 	return &testBundle{
 		ctx: ctx, store: st, fake: fake, principal: p,
-		provider:  upstream.Guard(openai.New(openai.Config{BaseURL: fake.BaseURL(), Timeout: 5 * time.Second}), nil),
+		provider:  upstream.Guard(openai.New(openai.Config{BaseURL: fake.BaseURL(), Timeout: 5 * time.Second})),
 		estimator: &metering.Estimator{Tokenizer: tok, RateCard: rc},
 	}
 }
@@ -71,7 +71,7 @@ func (b *testBundle) newBatch(t *testing.T, prefix string, n int) uuid.UUID {
 func (b *testBundle) run(t *testing.T, st drainer.Store, cfg drainer.Config) {
 	t.Helper()
 	cfg.PollInterval, cfg.Grace, cfg.EvidenceRetention = 50*time.Millisecond, time.Second, time.Hour
-	d := drainer.New(cfg, st, b.provider, upstream.DefaultModelMap(), b.estimator, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	d := drainer.New(cfg, st, b.provider, b.estimator, slog.New(slog.NewTextHandler(io.Discard, nil)))
 	ctx, cancel := context.WithCancel(b.ctx)
 	done := make(chan struct{})
 	go func() { defer close(done); d.Run(ctx) }()

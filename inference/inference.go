@@ -16,6 +16,7 @@ import (
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/metering"
 	"github.com/rungworks/gateway/metrics"
+	"github.com/rungworks/gateway/tracing"
 	"github.com/rungworks/gateway/upstream"
 )
 
@@ -48,8 +49,9 @@ const retryMin = 100 * time.Millisecond
 
 // Service runs interactive requests.
 type Service struct {
-	Provider  upstream.Provider
-	Models    upstream.ModelMap
+	Provider upstream.Provider
+	// Models says which canonical models are served (the router's routes).
+	Models    gateway.Catalog
 	Estimator *metering.Estimator
 	Ledger    Ledger
 	// EvidenceRetention is how long evidence is held.
@@ -76,6 +78,11 @@ type Route struct {
 	EvidenceModel gateway.Model // empty when no retrieval was asked for
 	Explicit      bool
 	DecidedAt     time.Time
+	// Provider and UpstreamModel name the target that answered, Attempts the
+	// targets tried; set once the call has run.
+	Provider      string
+	UpstreamModel string
+	Attempts      int
 }
 
 // Call is a validated, routed and estimated request, ready to dispatch.
@@ -149,10 +156,12 @@ func (s *Service) Admit(ctx context.Context, call *Call) error {
 // Complete runs an admitted call upstream and commits its usage. An upstream
 // failure is INFERENCE_BUSY and bills nothing.
 func (s *Service) Complete(ctx context.Context, call *Call) (*Result, error) {
+	s.trace(ctx, call)
 	start := time.Now()
 	res, err := s.Provider.Complete(ctx, s.upstreamRequest(call))
 	s.Metrics.Upstream(string(call.Request.Model), upstream.Kind(err), time.Since(start))
 	if err != nil {
+		tracing.Fail(ctx, upstream.Kind(err))
 		s.release(call)
 		return nil, s.upstreamError(ctx, err)
 	}
@@ -172,6 +181,7 @@ func (s *Service) Complete(ctx context.Context, call *Call) (*Result, error) {
 // usage, comes with the settlement's error: the caller is told it was not
 // billed (decisions D12: never billed without being sent the usage).
 func (s *Service) Stream(ctx context.Context, call *Call, emit func(upstream.Delta) error) (*Result, error) {
+	s.trace(ctx, call)
 	started := false
 	start := time.Now()
 	res, err := s.Provider.Stream(ctx, s.upstreamRequest(call), func(d upstream.Delta) error {
@@ -179,6 +189,7 @@ func (s *Service) Stream(ctx context.Context, call *Call, emit func(upstream.Del
 		return emit(d)
 	})
 	s.Metrics.Upstream(string(call.Request.Model), upstream.Kind(err), time.Since(start))
+	tracing.Fail(ctx, upstream.Kind(err))
 	if err != nil && !started {
 		s.release(call)
 		return nil, s.upstreamError(ctx, err)
@@ -198,13 +209,18 @@ func (s *Service) Stream(ctx context.Context, call *Call, emit func(upstream.Del
 	return committed, s.upstreamError(ctx, err)
 }
 
+// trace describes the call on the request's span.
+func (s *Service) trace(ctx context.Context, call *Call) {
+	req := call.Request
+	tracing.Inference(ctx, call.RequestID.String(), string(req.Model), req.MaxOutputRungs, req.CustomInstructions, req.Prompt)
+}
+
 func shuttingDown(ctx context.Context) bool { return errors.Is(context.Cause(ctx), ErrShutdown) }
 
 func (s *Service) upstreamRequest(call *Call) upstream.Request {
 	req := call.Request
 	return upstream.Request{
 		Model:           req.Model,
-		UpstreamModel:   s.Models[req.Model],
 		System:          req.CustomInstructions,
 		Prompt:          req.Prompt,
 		MaxOutputTokens: req.MaxOutputRungs,
@@ -250,6 +266,7 @@ func (s *Service) settle(ctx context.Context, call *Call, res upstream.Result, f
 		return nil, &gateway.Error{Code: gateway.EInternal, Cause: err, Message: "the response could not be recorded; nothing was billed"}
 	}
 	s.Metrics.Rungs(string(call.Request.Model), string(call.Route.Entry), usage.InputRungs, usage.OutputRungs)
+	tracing.Usage(ctx, usage.InputTokens, usage.OutputTokens, usage.InputRungs, usage.OutputRungs, res.Content)
 	return s.result(call, res, usage), nil
 }
 
@@ -264,6 +281,7 @@ func (s *Service) result(call *Call, res upstream.Result, usage gateway.Usage) *
 		Usage:     usage,
 		Route:     call.Route,
 	}
+	result.Route.Provider, result.Route.UpstreamModel, result.Route.Attempts = res.Provider, res.UpstreamModel, res.Attempts
 	if call.Request.IncludeRegions {
 		zero := 0
 		result.RegionsActivated = &zero

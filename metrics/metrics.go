@@ -28,6 +28,10 @@ type Metrics struct {
 	leaseRescues     prometheus.Counter
 	refusals         *prometheus.CounterVec
 	clamps           *prometheus.CounterVec
+	attempts         *prometheus.CounterVec
+	attemptDuration  *prometheus.HistogramVec
+	circuitState     *prometheus.GaugeVec
+	fallbacks        *prometheus.CounterVec
 }
 
 // New registers the gateway's metrics (and the Go and process collectors) on a
@@ -74,8 +78,22 @@ func New() *Metrics {
 		clamps: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "gateway_upstream_usage_clamped_total", Help: "Upstream token counts cut to their bound (output ceiling sent, or input bytes sent), by model and side.",
 		}, []string{"model", "side"}),
+		attempts: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "gateway_upstream_attempts_total", Help: "Upstream attempts by provider, upstream model and outcome: ok, or the failure's kind (unavailable, failed, rejected, broken, cancelled, other).",
+		}, []string{"provider", "upstream_model", "outcome"}),
+		attemptDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "gateway_upstream_attempt_duration_seconds", Help: "Latency of one upstream attempt by provider and upstream model (streams: until the stream ends).",
+			Buckets: prometheus.ExponentialBuckets(0.005, 2.5, 12),
+		}, []string{"provider", "upstream_model"}),
+		circuitState: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "gateway_upstream_circuit_state", Help: "Circuit of a target: 0 closed (taking calls), 1 half-open (one probe), 2 open (cooling down).",
+		}, []string{"provider", "upstream_model"}),
+		fallbacks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "gateway_upstream_fallbacks_total", Help: "Calls of a canonical model that moved on from a failed target to the next one.",
+		}, []string{"model"}),
 	}
-	m.registry.MustRegister(m.requests, m.requestDuration, m.rungs, m.upstreamDuration, m.upstreamErrors,
+	m.registry.MustRegister(m.attempts, m.attemptDuration, m.circuitState, m.fallbacks,
+		m.requests, m.requestDuration, m.rungs, m.upstreamDuration, m.upstreamErrors,
 		m.openStreams, m.batchItems, m.claimDuration, m.queueDepth, m.leaseRescues, m.refusals, m.clamps,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
@@ -200,5 +218,64 @@ func (m *Metrics) Refusal(reason string) {
 func (m *Metrics) Clamp(model, side string) {
 	if m != nil {
 		m.clamps.WithLabelValues(model, side).Inc()
+	}
+}
+
+// Target holds the instruments of one upstream target, resolved once so that
+// an attempt records without looking labels up. A nil *Target records nothing.
+type Target struct {
+	outcomes map[string]prometheus.Counter
+	other    prometheus.Counter
+	duration prometheus.Observer
+	circuit  prometheus.Gauge
+}
+
+// attemptOutcomes are the outcome label values of an attempt.
+var attemptOutcomes = []string{"ok", "unavailable", "failed", "rejected", "broken", "cancelled", Other}
+
+// Target returns the instruments of a provider's upstream model.
+func (m *Metrics) Target(provider, upstreamModel string) *Target {
+	if m == nil {
+		return nil
+	}
+	t := &Target{
+		outcomes: make(map[string]prometheus.Counter, len(attemptOutcomes)),
+		duration: m.attemptDuration.WithLabelValues(provider, upstreamModel),
+		circuit:  m.circuitState.WithLabelValues(provider, upstreamModel),
+	}
+	for _, o := range attemptOutcomes {
+		t.outcomes[o] = m.attempts.WithLabelValues(provider, upstreamModel, o)
+	}
+	t.other = t.outcomes[Other]
+	return t
+}
+
+// Attempt records one attempt; kind is empty on success.
+func (t *Target) Attempt(kind string, d time.Duration) {
+	if t == nil {
+		return
+	}
+	if kind == "" {
+		kind = "ok"
+	}
+	c, ok := t.outcomes[kind]
+	if !ok {
+		c = t.other
+	}
+	c.Inc()
+	t.duration.Observe(d.Seconds())
+}
+
+// Circuit records the target's circuit state: 0 closed, 1 half-open, 2 open.
+func (t *Target) Circuit(state int) {
+	if t != nil {
+		t.circuit.Set(float64(state))
+	}
+}
+
+// Fallback records a call of model moving on to its next target.
+func (m *Metrics) Fallback(model string) {
+	if m != nil {
+		m.fallbacks.WithLabelValues(model).Inc()
 	}
 }

@@ -68,6 +68,9 @@ func (s *Server) GetBatchResults(ctx context.Context, req api.GetBatchResultsReq
 			content := it.Content
 			r.RequestId, r.Model, r.Content = it.RequestID, &model, &content
 		}
+		if it.Route != nil {
+			r.Route = &api.UpstreamRoute{Provider: it.Route.Provider, UpstreamModel: it.Route.UpstreamModel, Attempts: it.Route.Attempts}
+		}
 		if it.Error != nil {
 			r.Error = &api.Error{Code: api.ErrorCode(it.Error.Code), Message: it.Error.Message}
 		}

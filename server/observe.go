@@ -10,6 +10,7 @@ import (
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/metrics"
+	"github.com/rungworks/gateway/tracing"
 )
 
 // RequestIDHeader carries a request's id: echoed when the client sends a
@@ -34,15 +35,20 @@ func (s *Server) observe(next echo.HandlerFunc) echo.HandlerFunc {
 			c.SetRequest(c.Request().WithContext(context.WithValue(c.Request().Context(), generatedIDKey{}, generated)))
 		}
 		c.Response().Header().Set(RequestIDHeader, id)
-		if err := next(c); err != nil {
-			c.Error(err)
-		}
 		route := c.Path()
 		if !s.routes[route] {
 			route = metrics.Other // only the document's routes are label values (D11)
 		}
+		ctx, span := tracing.Request(c.Request().Context(), c.Request(), route)
+		if span.IsRecording() {
+			c.SetRequest(c.Request().WithContext(ctx))
+		}
+		if err := next(c); err != nil {
+			c.Error(err)
+		}
 		method := metrics.Method(c.Request().Method)
 		status, elapsed := c.Response().Status, time.Since(start)
+		tracing.EndRequest(span, status)
 		s.metrics.Request(route, method, status, elapsed)
 		attrs := []slog.Attr{
 			slog.String("request_id", id),

@@ -25,6 +25,7 @@ import (
 	"github.com/rungworks/gateway/ledger"
 	"github.com/rungworks/gateway/metering"
 	"github.com/rungworks/gateway/ratelimit"
+	"github.com/rungworks/gateway/routing"
 	"github.com/rungworks/gateway/server"
 	"github.com/rungworks/gateway/store"
 	"github.com/rungworks/gateway/upstream"
@@ -168,14 +169,16 @@ func (b *testBundle) waitListening(t testing.TB) {
 	require.Eventually(t, b.keys.Listening, 5*time.Second, 5*time.Millisecond)
 }
 
-func setup(t testing.TB, models upstream.ModelMap) *testBundle {
+func setup(t testing.TB, models map[gateway.Model]string) *testBundle {
 	t.Helper()
 	return setupWith(t, options{models: models})
 }
 
 // options vary the server a test runs against.
 type options struct {
-	models    upstream.ModelMap
+	// models maps the models served to upstream model names; nil: every
+	// model under its own name.
+	models    map[gateway.Model]string
 	keepalive time.Duration
 	rates     ratelimit.Config
 	pool      *pgxpool.Pool // nil: a fresh database
@@ -208,7 +211,10 @@ func setupWith(t testing.TB, o options) *testBundle {
 	rc, err := metering.NewRateCard(map[gateway.Model]string{"instant": "1", "reasoning": "4", "elements": "2"}, "0.5")
 	require.NoError(t, err)
 	if o.models == nil {
-		o.models = upstream.DefaultModelMap()
+		o.models = map[gateway.Model]string{}
+		for _, m := range gateway.Models {
+			o.models[m] = string(m)
+		}
 	}
 	if o.keepalive == 0 {
 		o.keepalive = time.Minute
@@ -218,16 +224,22 @@ func setupWith(t testing.TB, o options) *testBundle {
 	if o.provider != nil {
 		provider = o.provider
 	}
+	routes := map[gateway.Model]routing.Route{}
+	for m, name := range o.models {
+		routes[m] = routing.Route{Targets: []routing.Target{{Provider: "test", UpstreamModel: name, Client: provider}}}
+	}
+	router, err := routing.New(routing.Config{Routes: routes})
+	require.NoError(t, err)
 	estimator := &metering.Estimator{Tokenizer: tok, RateCard: rc}
 	cfg := server.Config{
 		Auth: &access.Authenticator{Keys: keys, Rates: rates},
 		Inference: &inference.Service{
-			Provider: provider, Models: o.models, Estimator: estimator,
+			Provider: router, Models: router, Estimator: estimator,
 			Ledger: ledge, EvidenceRetention: time.Hour, RetryAfter: 5 * time.Second,
 		},
 		Evidence:     st,
 		Usage:        st,
-		Batches:      &batch.Service{Store: st, Models: o.models, Estimator: estimator},
+		Batches:      &batch.Service{Store: st, Models: router, Estimator: estimator},
 		BatchData:    st,
 		Readiness:    st,
 		SSEKeepalive: o.keepalive,
@@ -393,7 +405,7 @@ func TestCreateResponseAbsentFieldsAreOmitted(t *testing.T) {
 
 func TestCreateResponseValidation(t *testing.T) {
 	t.Parallel()
-	b := setup(t, upstream.ModelMap{gateway.ModelInstant: "small", gateway.ModelElements: "big"})
+	b := setup(t, map[gateway.Model]string{gateway.ModelInstant: "small", gateway.ModelElements: "big"})
 	tests := []struct {
 		name string
 		body string

@@ -235,6 +235,9 @@ func (s *Store) BatchResults(ctx context.Context, accountID, id uuid.UUID) (*gat
 			case gateway.ItemCompleted:
 				requestID := r.RequestID
 				it.RequestID, it.Model, it.Content = &requestID, gateway.Model(r.Model), deref(r.Content)
+				if r.Provider != nil && r.UpstreamModel != nil && r.Attempts != nil {
+					it.Route = &gateway.ItemRoute{Provider: *r.Provider, UpstreamModel: *r.UpstreamModel, Attempts: int(*r.Attempts)}
+				}
 			case gateway.ItemFailed:
 				it.Error = &gateway.Error{Code: gateway.ErrorCode(deref(r.ErrorCode)), Message: deref(r.ErrorMessage)}
 			}
@@ -440,6 +443,8 @@ type ClaimParams struct {
 	Max        int
 	PerAccount int
 	Lease      time.Duration
+	// Models limits the claim to items of these models; nil means every model.
+	Models []gateway.Model
 }
 
 // ClaimItems claims up to p.Max queued items in one statement (see
@@ -447,7 +452,7 @@ type ClaimParams struct {
 func (s *Store) ClaimItems(ctx context.Context, p ClaimParams) ([]ClaimedItem, error) {
 	rows, err := s.queries.ClaimBatchItems(ctx, s.pool, db.ClaimBatchItemsParams{
 		Owner: p.Owner, MaxItems: int32(p.Max), PerAccount: int32(p.PerAccount),
-		Lease: interval(p.Lease), Pivot: uuid.Must(uuid.NewRandom()), ClaimID: p.ClaimID,
+		Lease: interval(p.Lease), Pivot: uuid.Must(uuid.NewRandom()), ClaimID: p.ClaimID, Models: modelNames(p.Models),
 	})
 	if err != nil {
 		return nil, fmt.Errorf("error claiming batch items: %w", err)
@@ -469,6 +474,18 @@ func (s *Store) ClaimItems(ctx context.Context, p ClaimParams) ([]ClaimedItem, e
 	return out, nil
 }
 
+// modelNames is models as text; nil stays nil (NULL: every model).
+func modelNames(models []gateway.Model) []string {
+	if models == nil {
+		return nil
+	}
+	out := make([]string, len(models))
+	for i, m := range models {
+		out[i] = string(m)
+	}
+	return out
+}
+
 // ItemResult is a leased item's outcome.
 type ItemResult struct {
 	BatchID           uuid.UUID        `json:"batch_id"`
@@ -485,6 +502,10 @@ type ItemResult struct {
 	Sources           []gateway.Source `json:"sources,omitempty"`
 	Verdict           string           `json:"verdict,omitempty"`
 	EvidenceExpiresAt time.Time        `json:"evidence_expires_at"`
+	// Provider, UpstreamModel and Attempts are the route of a completed item.
+	Provider      string `json:"provider,omitempty"`
+	UpstreamModel string `json:"upstream_model,omitempty"`
+	Attempts      int    `json:"attempts,omitempty"`
 	// Model is the item's model, for the caller's metrics; not stored.
 	Model gateway.Model `json:"-"`
 }

@@ -2,7 +2,6 @@ package upstream
 
 import (
 	"context"
-	"errors"
 	"strings"
 	"unicode/utf8"
 
@@ -28,22 +27,18 @@ func cleanSources(sources []gateway.Source) {
 }
 
 // Guard wraps a provider so that everything it returns is untrusted input made
-// safe (D11): text is cleaned before anyone stores or sends it, and every
-// outcome is reported to health, so one upstream answer ends an outage for
-// interactive requests and the batch drainer alike.
-func Guard(p Provider, health *Health) Provider {
-	return &guarded{next: p, health: health}
+// safe (D11): text is cleaned before anyone stores or sends it.
+func Guard(p Provider) Provider {
+	return &guarded{next: p}
 }
 
 type guarded struct {
-	next   Provider
-	health *Health
+	next Provider
 }
 
 // Complete implements Provider.
 func (g *guarded) Complete(ctx context.Context, req Request) (Result, error) {
 	res, err := g.next.Complete(ctx, req)
-	g.observe(err)
 	return cleanResult(res), err
 }
 
@@ -54,18 +49,7 @@ func (g *guarded) Stream(ctx context.Context, req Request, emit func(Delta) erro
 		cleanSources(d.Sources)
 		return emit(d)
 	})
-	g.observe(err)
 	return cleanResult(res), err
-}
-
-func (g *guarded) observe(err error) {
-	var rejected *RejectedError
-	switch {
-	case err == nil, errors.As(err, &rejected):
-		g.health.Up() // it answered
-	case errors.Is(err, ErrUnavailable), errors.Is(err, ErrFailed):
-		g.health.Down()
-	}
 }
 
 func cleanResult(res Result) Result {

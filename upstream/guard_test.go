@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"testing"
-	"time"
 	"unicode/utf8"
 
 	"github.com/stretchr/testify/require"
@@ -55,7 +54,7 @@ func TestGuardCleansEverythingReturned(t *testing.T) {
 		Content: "a\x00b\xff", Verdict: "v\x00",
 		Sources: []gateway.Source{{Title: "t\x00", URL: "u\x00\xfe", Snippet: "s\x00"}},
 	}
-	p := upstream.Guard(scripted{res: hostile, deltas: []upstream.Delta{{Content: "d\x00", Sources: []gateway.Source{{Title: "x\x00"}}}}}, nil)
+	p := upstream.Guard(scripted{res: hostile, deltas: []upstream.Delta{{Content: "d\x00", Sources: []gateway.Source{{Title: "x\x00"}}}}})
 
 	res, err := p.Complete(context.Background(), upstream.Request{})
 	require.NoError(t, err)
@@ -72,47 +71,6 @@ func TestGuardCleansEverythingReturned(t *testing.T) {
 	require.Equal(t, []upstream.Delta{{Content: "d", Sources: []gateway.Source{{Title: "x"}}}}, got)
 }
 
-func TestGuardReportsHealth(t *testing.T) {
-	t.Parallel()
-	h := upstream.NewHealth(0)
-	down := upstream.Guard(scripted{err: upstream.ErrUnavailable}, h)
-	_, _ = down.Complete(context.Background(), upstream.Request{})
-	require.True(t, h.Probing())
-	require.Positive(t, h.Pause())
-
-	// Any answer ends the outage at once, a rejection included.
-	rejecting := upstream.Guard(scripted{err: &upstream.RejectedError{Status: 400}}, h)
-	_, _ = rejecting.Complete(context.Background(), upstream.Request{})
-	require.False(t, h.Probing())
-	require.LessOrEqual(t, h.Pause(), time.Duration(0))
-
-	failed := upstream.Guard(scripted{err: upstream.ErrFailed}, h)
-	_, _ = failed.Stream(context.Background(), upstream.Request{}, func(upstream.Delta) error { return nil })
-	require.True(t, h.Probing(), "a failure after dispatch also says the upstream is in trouble")
-
-	ok := upstream.Guard(scripted{}, h)
-	_, _ = ok.Stream(context.Background(), upstream.Request{}, func(upstream.Delta) error { return nil })
-	require.False(t, h.Probing())
-
-	cancelled := upstream.Guard(scripted{err: context.Canceled}, h)
-	_, _ = cancelled.Complete(context.Background(), upstream.Request{})
-	require.False(t, h.Probing(), "a caller going away says nothing of the upstream")
-}
-
-func TestHealthBackoffIsBounded(t *testing.T) {
-	t.Parallel()
-	h := upstream.NewHealth(upstream.MinProbeInterval * 2)
-	for range 10 {
-		h.Up()
-		h.Down()
-		require.LessOrEqual(t, h.Pause(), upstream.MinProbeInterval)
-	}
-	var nilHealth *upstream.Health
-	nilHealth.Down()
-	require.False(t, nilHealth.Probing())
-	require.Zero(t, nilHealth.Pause())
-}
-
 func TestKind(t *testing.T) {
 	t.Parallel()
 	require.Equal(t, "unavailable", upstream.Kind(upstream.ErrUnavailable))
@@ -122,23 +80,4 @@ func TestKind(t *testing.T) {
 	require.Equal(t, "cancelled", upstream.Kind(context.Canceled))
 	require.Equal(t, "other", upstream.Kind(errors.New("x")))
 	require.Empty(t, upstream.Kind(nil))
-}
-
-// TestAnAnswerEndsThePauseAtOnce: whoever waits out an outage's pause is woken
-// by the first answer the upstream gives anyone.
-func TestAnAnswerEndsThePauseAtOnce(t *testing.T) {
-	t.Parallel()
-	h := upstream.NewHealth(time.Hour)
-	h.Down() // a pause of MinProbeInterval
-	require.Greater(t, upstream.MinProbeInterval, 100*time.Millisecond)
-	woke := make(chan struct{})
-	go func() { h.Wait(context.Background()); close(woke) }()
-	select {
-	case <-woke:
-		t.Fatal("Wait returned during the pause")
-	case <-time.After(50 * time.Millisecond): // well within the pause
-	}
-	_, _ = upstream.Guard(scripted{}, h).Complete(context.Background(), upstream.Request{})
-	<-woke // an interactive answer ended the pause
-	require.False(t, h.Probing())
 }

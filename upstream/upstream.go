@@ -1,8 +1,7 @@
 // Package upstream defines the inference provider interface that everything
 // running inference uses, the error classes that tell a call the upstream never
-// processed from one it may have (decisions D12), the guard that makes what a
-// provider returns safe to store (D11), the shared health signal, and the
-// operator's model map.
+// processed from one it may have (decisions D12), and the guard that makes what
+// a provider returns safe to store (D11).
 package upstream
 
 import (
@@ -24,6 +23,10 @@ type Request struct {
 	// MaxOutputTokens is the accepted max_output_rungs.
 	MaxOutputTokens uint64
 	Hints           gateway.Hints
+	// AtMostOnce says the prompt may reach at most one upstream (a batch item,
+	// D12): a failed attempt moves to another target only when the first
+	// certainly did not process it. Interactive calls leave it false.
+	AtMostOnce bool
 	// OnDispatch, when set, is called once the request is about to be written to
 	// the upstream: from then on the call may be processed, so it must never be
 	// retried (D12).
@@ -48,6 +51,11 @@ type Result struct {
 	UsageReported bool
 	InputTokens   uint64
 	OutputTokens  uint64
+	// Provider and UpstreamModel name the target that produced the result,
+	// and Attempts counts the targets tried for it (set by a router).
+	Provider      string
+	UpstreamModel string
+	Attempts      int
 }
 
 // Delta is a piece of a streamed reply: text, evidence, or both.
@@ -92,25 +100,6 @@ type RejectedError struct {
 // Error implements error.
 func (e *RejectedError) Error() string {
 	return fmt.Sprintf("upstream rejected the request (status %d): %s", e.Status, e.Message)
-}
-
-// ModelMap maps canonical models to the names the upstream knows. A canonical
-// model missing from the map is unavailable.
-type ModelMap map[gateway.Model]string
-
-// DefaultModelMap maps each canonical model to itself.
-func DefaultModelMap() ModelMap {
-	m := ModelMap{}
-	for _, model := range gateway.Models {
-		m[model] = string(model)
-	}
-	return m
-}
-
-// Available implements gateway.Catalog.
-func (m ModelMap) Available(model gateway.Model) bool {
-	_, ok := m[model]
-	return ok
 }
 
 // ParseModelPairs parses "instant=a,reasoning=b" into values per canonical model.

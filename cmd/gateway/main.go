@@ -1,5 +1,5 @@
 // Command gateway is the inference gateway: the HTTP server and its operator
-// commands (serve, dev, migrate, keys, limits). It only parses configuration and
+// commands (serve, dev, migrate, keys, limits, config). It only parses configuration and
 // wires the packages that do the work.
 package main
 
@@ -26,7 +26,7 @@ func main() {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(serveCmd(logger), devCmd(logger), migrateCmd(), keysCmd(), limitsCmd(), probeCmd())
+	root.AddCommand(serveCmd(logger), devCmd(logger), migrateCmd(), keysCmd(), limitsCmd(), probeCmd(), configCmd())
 	if err := root.ExecuteContext(ctx); err != nil {
 		fmt.Fprintln(os.Stderr, "gateway:", err)
 		os.Exit(1)

@@ -26,7 +26,7 @@ import (
 	"github.com/rungworks/gateway/ratelimit"
 	"github.com/rungworks/gateway/server"
 	"github.com/rungworks/gateway/store"
-	"github.com/rungworks/gateway/upstream"
+	"github.com/rungworks/gateway/tracing"
 )
 
 func serveCmd(logger *slog.Logger) *cobra.Command {
@@ -85,19 +85,25 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	if err != nil {
 		return err
 	}
-	models, err := cfg.Models()
-	if err != nil {
-		return err
-	}
-	provider, err := cfg.Provider(tok)
-	if err != nil {
-		return err
-	}
 	m := metrics.New()
-	// Everything the upstream returns is untrusted (D11); its answers and
-	// outages are seen by interactive requests and the drainer alike.
-	health := upstream.NewHealth(0)
-	provider = upstream.Guard(provider, health)
+	// One router for interactive requests and the drainer alike: what one
+	// learns of a target's health, the other uses. It guards every target
+	// (D11: what an upstream returns is untrusted).
+	router, err := cfg.Router(tok, m)
+	if err != nil {
+		return err
+	}
+	stopTracing, err := tracing.Setup(ctx, tracing.Options{Content: cfg.TraceContent})
+	if err != nil {
+		return err
+	}
+	defer func() {
+		flushCtx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		if err := stopTracing(flushCtx); err != nil {
+			logger.Warn("error flushing traces", "error", err)
+		}
+	}()
 	estimator := &metering.Estimator{Tokenizer: tok, RateCard: rateCard, OnClamp: func(c metering.Clamp) {
 		logger.Warn("upstream usage clamped", "model", c.Model, "side", c.Side, "reported", c.Reported, "bound", c.Bound)
 		m.Clamp(string(c.Model), c.Side)
@@ -116,8 +122,8 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	srv, err := server.New(server.Config{
 		Auth: &access.Authenticator{Keys: keys, Rates: rates},
 		Inference: &inference.Service{
-			Provider:          provider,
-			Models:            models,
+			Provider:          router,
+			Models:            router,
 			Estimator:         estimator,
 			Ledger:            ledge,
 			EvidenceRetention: cfg.EvidenceRetention,
@@ -128,7 +134,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 		},
 		Evidence:     st,
 		Usage:        st,
-		Batches:      &batch.Service{Store: st, Models: models, Estimator: estimator, Window: cfg.BatchWindow},
+		Batches:      &batch.Service{Store: st, Models: router, Estimator: estimator, Window: cfg.BatchWindow},
 		BatchData:    st,
 		Readiness:    server.AllReady{st, keys},
 		Metrics:      m,
@@ -178,12 +184,12 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	}, m), logger)
 	drain := drainer.New(drainer.Config{
 		Owner: owner, Concurrency: cfg.DrainConcurrency, Lease: cfg.Lease, Grace: cfg.ShutdownGrace,
-		EvidenceRetention: cfg.EvidenceRetention, Health: health, Metrics: m,
-	}, st, provider, models, estimator, logger)
+		EvidenceRetention: cfg.EvidenceRetention, Health: router, Metrics: m,
+	}, st, router, estimator, logger)
 	drained := make(chan struct{})
 	go func() { defer close(drained); drain.Run(ctx) }()
 
-	logger.Info("gateway listening", "addr", ln.Addr().String(), "upstream", cfg.Upstream)
+	logger.Info("gateway listening", "addr", ln.Addr().String(), "upstream", cfg.UpstreamName())
 	if ready != nil {
 		ready(ln.Addr().String())
 	}

@@ -408,7 +408,12 @@ type BatchResultItem struct {
 
 	// RequestId On completed items; use it with the sources endpoint.
 	RequestId *openapi_types.UUID `json:"request_id,omitempty"`
-	Status    BatchItemStatus     `json:"status"`
+
+	// Route The upstream target that ran a batch item (on completed items). A batch
+	// item reaches at most one upstream: it moves to another target only when
+	// the first certainly did not process it (connection refused, 429 or 503).
+	Route  *UpstreamRoute  `json:"route,omitempty"`
+	Status BatchItemStatus `json:"status"`
 
 	// Usage Rungs of a streamed response, of a batch, or of a batch item.
 	Usage RungUsage `json:"usage"`
@@ -586,6 +591,13 @@ type RouteInfo struct {
 	// ApprovalRequired Always false.
 	ApprovalRequired bool `json:"approval_required"`
 
+	// Attempts How many targets were tried, this one included. A model may be
+	// served by several targets; an attempt that fails before any output
+	// reaches the caller moves on to the next (fallback). A failed
+	// attempt is never billed: the usage is what the target that answered
+	// reported, priced by the gateway's rate card.
+	Attempts *int `json:"attempts,omitempty"`
+
 	// DecidedAt When the route was decided, RFC 3339 UTC with nanoseconds (the same instant as `decided_at_ns`).
 	DecidedAt time.Time `json:"decided_at"`
 
@@ -598,6 +610,11 @@ type RouteInfo struct {
 	EvidenceModel *RouteInfoEvidenceModel `json:"evidence_model,omitempty"`
 	PrimaryModel  RouteInfoPrimaryModel   `json:"primary_model"`
 
+	// Provider The upstream provider that produced the response, as the operator
+	// named it in the gateway's configuration (`upstream` for the
+	// one-provider shorthand, `sim` for the built-in simulator).
+	Provider *string `json:"provider,omitempty"`
+
 	// RouteClass `explicit` when the request named a model, `auto` when the gateway picked it.
 	RouteClass RouteInfoRouteClass `json:"route_class"`
 	RouteId    openapi_types.UUID  `json:"route_id"`
@@ -607,6 +624,9 @@ type RouteInfo struct {
 
 	// StudioRequired Always false.
 	StudioRequired bool `json:"studio_required"`
+
+	// UpstreamModel The provider's model that produced the response.
+	UpstreamModel *string `json:"upstream_model,omitempty"`
 }
 
 // RouteInfoEvidenceModel The model that produced the evidence; omitted when the request asked for no retrieval.
@@ -673,6 +693,20 @@ type StreamChunk struct {
 
 // StreamChunkModel Omitted when absent.
 type StreamChunkModel string
+
+// UpstreamRoute The upstream target that ran a batch item (on completed items). A batch
+// item reaches at most one upstream: it moves to another target only when
+// the first certainly did not process it (connection refused, 429 or 503).
+type UpstreamRoute struct {
+	// Attempts How many targets were tried, this one included.
+	Attempts int `json:"attempts"`
+
+	// Provider The upstream provider, as named in the gateway's configuration.
+	Provider string `json:"provider"`
+
+	// UpstreamModel The provider's model.
+	UpstreamModel string `json:"upstream_model"`
+}
 
 // Usage Usage of one non-streaming response.
 type Usage struct {

@@ -91,7 +91,7 @@ func (q *Queries) CancelQueuedItems(ctx context.Context, db DBTX, arg CancelQueu
 const claimBatchItems = `-- name: ClaimBatchItems :many
 SELECT c.batch_id::uuid AS batch_id, c.idx::integer AS idx, c.account_id::uuid AS account_id,
        c.request::jsonb AS request, c.batch_status::text AS batch_status, c.claimed::boolean AS claimed
-FROM claim_batch_items($1::uuid, $2::integer, $3::integer, $4::interval, $5::uuid, $6::uuid) AS c
+FROM claim_batch_items($1::uuid, $2::integer, $3::integer, $4::interval, $5::uuid, $6::uuid, $7::text[]) AS c
 `
 
 type ClaimBatchItemsParams struct {
@@ -101,6 +101,7 @@ type ClaimBatchItemsParams struct {
 	Lease      pgtype.Interval
 	Pivot      uuid.UUID
 	ClaimID    uuid.UUID
+	Models     []string
 }
 
 type ClaimBatchItemsRow struct {
@@ -120,6 +121,7 @@ func (q *Queries) ClaimBatchItems(ctx context.Context, db DBTX, arg ClaimBatchIt
 		arg.Lease,
 		arg.Pivot,
 		arg.ClaimID,
+		arg.Models,
 	)
 	if err != nil {
 		return nil, err
@@ -303,23 +305,27 @@ func (q *Queries) GetBatchByIdempotencyKey(ctx context.Context, db DBTX, arg Get
 }
 
 const getBatchItems = `-- name: GetBatchItems :many
-SELECT idx, status, request_id, model, content, input_rungs, output_rungs, total_rungs, error_code, error_message
+SELECT idx, status, request_id, model, content, input_rungs, output_rungs, total_rungs, error_code, error_message,
+       provider, upstream_model, attempts
 FROM batch_items
 WHERE batch_id = $1
 ORDER BY idx
 `
 
 type GetBatchItemsRow struct {
-	Idx          int32
-	Status       string
-	RequestID    uuid.UUID
-	Model        string
-	Content      *string
-	InputRungs   int64
-	OutputRungs  int64
-	TotalRungs   int64
-	ErrorCode    *string
-	ErrorMessage *string
+	Idx           int32
+	Status        string
+	RequestID     uuid.UUID
+	Model         string
+	Content       *string
+	InputRungs    int64
+	OutputRungs   int64
+	TotalRungs    int64
+	ErrorCode     *string
+	ErrorMessage  *string
+	Provider      *string
+	UpstreamModel *string
+	Attempts      *int16
 }
 
 func (q *Queries) GetBatchItems(ctx context.Context, db DBTX, batchID uuid.UUID) ([]GetBatchItemsRow, error) {
@@ -342,6 +348,9 @@ func (q *Queries) GetBatchItems(ctx context.Context, db DBTX, batchID uuid.UUID)
 			&i.TotalRungs,
 			&i.ErrorCode,
 			&i.ErrorMessage,
+			&i.Provider,
+			&i.UpstreamModel,
+			&i.Attempts,
 		); err != nil {
 			return nil, err
 		}

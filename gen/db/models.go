@@ -69,6 +69,9 @@ type BatchItem struct {
 	StartedAt      *time.Time
 	CompletedAt    *time.Time
 	ClaimID        *uuid.UUID
+	Provider       *string
+	UpstreamModel  *string
+	Attempts       *int16
 }
 
 type DailyCharge struct {

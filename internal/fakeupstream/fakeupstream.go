@@ -34,6 +34,8 @@ type Call struct {
 	MaxCompletionTokens uint64
 	Hints               string
 	Authorization       string
+	// Traceparent is the W3C trace context the call carried, if any.
+	Traceparent string
 	// At is when the call arrived.
 	At time.Time
 }
@@ -179,7 +181,7 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, `{"error":{"message":"bad json"}}`, http.StatusBadRequest)
 		return
 	}
-	call := Call{Model: req.Model, MaxCompletionTokens: req.MaxCompletionTokens, Hints: r.Header.Get("X-Gateway-Hints"), Authorization: r.Header.Get("Authorization"), At: time.Now()}
+	call := Call{Model: req.Model, MaxCompletionTokens: req.MaxCompletionTokens, Hints: r.Header.Get("X-Gateway-Hints"), Authorization: r.Header.Get("Authorization"), Traceparent: r.Header.Get("Traceparent"), At: time.Now()}
 	for _, m := range req.Messages {
 		switch m.Role {
 		case "system":

@@ -60,7 +60,8 @@ GROUP BY b.id, b.status, b.total_requests, b.error_code, b.error_message, b.crea
 ORDER BY b.id DESC;
 
 -- name: GetBatchItems :many
-SELECT idx, status, request_id, model, content, input_rungs, output_rungs, total_rungs, error_code, error_message
+SELECT idx, status, request_id, model, content, input_rungs, output_rungs, total_rungs, error_code, error_message,
+       provider, upstream_model, attempts
 FROM batch_items
 WHERE batch_id = @batch_id
 ORDER BY idx;
@@ -100,7 +101,7 @@ UPDATE reservations r SET settled_rungs = 0
 -- name: ClaimBatchItems :many
 SELECT c.batch_id::uuid AS batch_id, c.idx::integer AS idx, c.account_id::uuid AS account_id,
        c.request::jsonb AS request, c.batch_status::text AS batch_status, c.claimed::boolean AS claimed
-FROM claim_batch_items(@owner::uuid, @max_items::integer, @per_account::integer, @lease::interval, @pivot::uuid, @claim_id::uuid) AS c;
+FROM claim_batch_items(@owner::uuid, @max_items::integer, @per_account::integer, @lease::interval, @pivot::uuid, @claim_id::uuid, sqlc.narg('models')::text[]) AS c;
 
 -- name: CompleteBatchItems :many
 SELECT c.batch_id::uuid AS batch_id, c.idx::integer AS idx

@@ -18,6 +18,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/tracing"
 	"github.com/rungworks/gateway/upstream"
 )
 
@@ -39,6 +40,8 @@ type Config struct {
 	// that supports it, so concurrent calls share connections. HTTPS upstreams
 	// negotiate HTTP/2 on their own.
 	H2C bool
+	// Headers are sent with every call (e.g. an organisation or project id).
+	Headers map[string]string
 }
 
 // Client calls POST {BaseURL}/chat/completions.
@@ -191,6 +194,10 @@ func (c *Client) post(ctx context.Context, req upstream.Request, stream bool) (*
 	if err != nil {
 		return nil, false, fmt.Errorf("error building chat request: %w", err)
 	}
+	for k, v := range c.cfg.Headers {
+		httpReq.Header.Set(k, v)
+	}
+	tracing.Inject(ctx, httpReq.Header)
 	httpReq.Header.Set("Content-Type", "application/json")
 	httpReq.Header.Set("Accept", accept)
 	if c.cfg.APIKey != "" {

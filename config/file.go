@@ -1,0 +1,366 @@
+package config
+
+import (
+	"errors"
+	"fmt"
+	"net/http"
+	"net/url"
+	"os"
+	"slices"
+	"strings"
+	"time"
+
+	"go.yaml.in/yaml/v3"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/routing"
+)
+
+// File is a parsed configuration file (GATEWAY_CONFIG): named providers, the
+// targets of each canonical model, and the bounds of fallback and circuits.
+type File struct {
+	path      string
+	Providers map[string]ProviderSpec
+	Models    map[gateway.Model]RouteSpec
+	// MaxAttempts, MaxTime and Circuit are zero where the file leaves them out.
+	MaxAttempts int
+	MaxTime     time.Duration
+	Circuit     routing.CircuitConfig
+}
+
+// ProviderSpec is one upstream provider of the file.
+type ProviderSpec struct {
+	// Type is "openai" (an OpenAI-compatible API, the default) or "sim".
+	Type    string
+	BaseURL string
+	// APIKeyEnv names the environment variable holding the key: the file
+	// never holds a secret.
+	APIKeyEnv string
+	Timeout   time.Duration
+	H2C       bool
+	Headers   map[string]string
+	line      int
+}
+
+// RouteSpec is the targets of one canonical model.
+type RouteSpec struct {
+	Strategy routing.Strategy
+	Targets  []TargetSpec
+}
+
+// TargetSpec is "provider/upstream-model", with its weight.
+type TargetSpec struct {
+	Provider      string
+	UpstreamModel string
+	Weight        int
+	line          int
+}
+
+// LoadFile reads and checks a configuration file. Every problem found is
+// reported, each with the line it is on.
+func LoadFile(path string) (*File, error) {
+	raw, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("error reading the configuration file: %w", err)
+	}
+	return ParseFile(path, raw)
+}
+
+// ParseFile parses a configuration file's content; path names it in messages.
+func ParseFile(path string, raw []byte) (*File, error) {
+	p := &fileParser{f: &File{path: path, Providers: map[string]ProviderSpec{}, Models: map[gateway.Model]RouteSpec{}}}
+	var doc yaml.Node
+	if err := yaml.Unmarshal(raw, &doc); err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	if len(doc.Content) == 0 {
+		return nil, fmt.Errorf("%s: the file is empty; it needs providers and models", path)
+	}
+	p.root(doc.Content[0])
+	if len(p.errs) > 0 {
+		return nil, errors.Join(p.errs...)
+	}
+	return p.f, nil
+}
+
+// CheckSecrets reports every provider whose key variable is not set.
+func (f *File) CheckSecrets(getenv func(string) string) error {
+	var errs []error
+	for _, name := range f.providerNames() {
+		pr := f.Providers[name]
+		if pr.APIKeyEnv != "" && getenv(pr.APIKeyEnv) == "" {
+			errs = append(errs, fmt.Errorf("%s:%d: provider %q: the environment variable %s (api_key_env) is not set", f.path, pr.line, name, pr.APIKeyEnv))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func (f *File) providerNames() []string {
+	names := make([]string, 0, len(f.Providers))
+	for name := range f.Providers {
+		names = append(names, name)
+	}
+	slices.Sort(names)
+	return names
+}
+
+type fileParser struct {
+	f    *File
+	errs []error
+}
+
+func (p *fileParser) errorf(n *yaml.Node, format string, args ...any) {
+	p.errs = append(p.errs, fmt.Errorf("%s:%d: %s", p.f.path, n.Line, fmt.Sprintf(format, args...)))
+}
+
+// mapping calls fn for each key of a mapping node, refusing keys not in known.
+func (p *fileParser) mapping(n *yaml.Node, what string, known []string, fn func(key string, k, v *yaml.Node)) {
+	if n.Kind != yaml.MappingNode {
+		p.errorf(n, "%s must be a mapping", what)
+		return
+	}
+	seen := map[string]bool{}
+	for i := 0; i+1 < len(n.Content); i += 2 {
+		k, v := n.Content[i], n.Content[i+1]
+		switch {
+		case known != nil && !slices.Contains(known, k.Value):
+			p.errorf(k, "unknown key %q in %s (known: %s)", k.Value, what, strings.Join(known, ", "))
+		case seen[k.Value]:
+			p.errorf(k, "key %q appears twice in %s", k.Value, what)
+		default:
+			seen[k.Value] = true
+			fn(k.Value, k, v)
+		}
+	}
+}
+
+func (p *fileParser) root(n *yaml.Node) {
+	var providers, models *yaml.Node
+	p.mapping(n, "the file", []string{"providers", "models", "fallback", "circuit"}, func(key string, _, v *yaml.Node) {
+		switch key {
+		case "providers":
+			providers = v
+		case "models":
+			models = v
+		case "fallback":
+			p.mapping(v, "fallback", []string{"max_attempts", "max_time"}, func(key string, _, v *yaml.Node) {
+				if key == "max_attempts" {
+					p.f.MaxAttempts = p.positiveInt(v, "fallback.max_attempts")
+				} else {
+					p.f.MaxTime = p.duration(v, "fallback.max_time")
+				}
+			})
+		case "circuit":
+			p.mapping(v, "circuit", []string{"failures", "cooldown", "max_cooldown"}, func(key string, _, v *yaml.Node) {
+				switch key {
+				case "failures":
+					p.f.Circuit.Failures = p.positiveInt(v, "circuit.failures")
+				case "cooldown":
+					p.f.Circuit.Cooldown = p.duration(v, "circuit.cooldown")
+				default:
+					p.f.Circuit.MaxCooldown = p.duration(v, "circuit.max_cooldown")
+				}
+			})
+		}
+	})
+	if providers == nil || models == nil {
+		p.errorf(n, "the file needs both providers and models")
+		return
+	}
+	p.mapping(providers, "providers", nil, func(name string, k, v *yaml.Node) { p.provider(name, k, v) })
+	p.mapping(models, "models", nil, func(name string, k, v *yaml.Node) { p.model(name, k, v) })
+	if len(p.f.Models) == 0 && len(p.errs) == 0 {
+		p.errorf(models, "models must route at least one canonical model (instant, reasoning, elements)")
+	}
+	if c := p.f.Circuit; c.MaxCooldown > 0 && c.Cooldown > c.MaxCooldown {
+		p.errorf(n, "circuit.cooldown (%s) must not exceed circuit.max_cooldown (%s)", c.Cooldown, c.MaxCooldown)
+	}
+}
+
+func (p *fileParser) provider(name string, k, v *yaml.Node) {
+	if name == "" || strings.ContainsAny(name, "/ \t") {
+		p.errorf(k, "provider name %q must be non-empty, without '/' or spaces", name)
+		return
+	}
+	spec := ProviderSpec{Type: "openai", line: k.Line}
+	what := fmt.Sprintf("provider %q", name)
+	p.mapping(v, what, []string{"type", "base_url", "api_key_env", "timeout", "h2c", "headers"}, func(key string, _, v *yaml.Node) {
+		switch key {
+		case "type":
+			spec.Type = p.str(v, what+" type")
+			if spec.Type != "openai" && spec.Type != "sim" {
+				p.errorf(v, "%s: type must be openai or sim, got %q", what, spec.Type)
+			}
+		case "base_url":
+			spec.BaseURL = p.str(v, what+" base_url")
+			if u, err := url.Parse(spec.BaseURL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+				p.errorf(v, "%s: base_url must be an http(s) URL such as https://api.openai.com/v1, got %q", what, spec.BaseURL)
+			}
+		case "api_key_env":
+			spec.APIKeyEnv = p.str(v, what+" api_key_env")
+			if strings.HasPrefix(spec.APIKeyEnv, "sk-") || strings.ContainsAny(spec.APIKeyEnv, " =$") {
+				p.errorf(v, "%s: api_key_env names an environment variable (e.g. OPENAI_API_KEY); never put the key itself in the file", what)
+			}
+		case "timeout":
+			spec.Timeout = p.duration(v, what+" timeout")
+		case "h2c":
+			spec.H2C = p.boolean(v, what+" h2c")
+		case "headers":
+			spec.Headers = map[string]string{}
+			p.mapping(v, what+" headers", nil, func(h string, k, v *yaml.Node) {
+				switch canonical := http.CanonicalHeaderKey(h); {
+				case !validHeaderName(h):
+					p.errorf(k, "%s: %q is not a valid header name", what, h)
+				case canonical == "Authorization" || canonical == "Content-Type" || canonical == "Accept" || canonical == "Traceparent" || canonical == "Tracestate":
+					p.errorf(k, "%s: header %s is set by the gateway (use api_key_env for the key)", what, canonical)
+				default:
+					spec.Headers[h] = p.str(v, what+" header "+h)
+				}
+			})
+		}
+	})
+	if spec.Type == "openai" && spec.BaseURL == "" {
+		p.errorf(k, "%s needs a base_url", what)
+	}
+	p.f.Providers[name] = spec
+}
+
+func (p *fileParser) model(name string, k, v *yaml.Node) {
+	model, err := gateway.ParseModel(name)
+	if err != nil || string(model) != name {
+		p.errorf(k, "models: %q is not a canonical model (instant, reasoning, elements)", name)
+		return
+	}
+	spec := RouteSpec{Strategy: routing.Ordered}
+	what := "model " + name
+	var targets *yaml.Node
+	p.mapping(v, what, []string{"strategy", "targets"}, func(key string, _, v *yaml.Node) {
+		if key == "strategy" {
+			spec.Strategy = routing.Strategy(p.str(v, what+" strategy"))
+			if spec.Strategy != routing.Ordered && spec.Strategy != routing.Weighted {
+				p.errorf(v, "%s: strategy must be ordered or weighted, got %q", what, spec.Strategy)
+			}
+			return
+		}
+		targets = v
+	})
+	if targets == nil || targets.Kind != yaml.SequenceNode || len(targets.Content) == 0 {
+		p.errorf(k, "%s needs a non-empty list of targets (provider/upstream-model)", what)
+		return
+	}
+	seen := map[string]bool{}
+	for _, t := range targets.Content {
+		ts := p.target(t, what, spec.Strategy)
+		if ts.Provider == "" {
+			continue
+		}
+		if id := ts.Provider + "/" + ts.UpstreamModel; seen[id] {
+			p.errorf(t, "%s: target %s is listed twice", what, id)
+		} else {
+			seen[id] = true
+		}
+		spec.Targets = append(spec.Targets, ts)
+	}
+	p.f.Models[model] = spec
+}
+
+// target parses "provider/upstream-model" or {target: ..., weight: N}.
+func (p *fileParser) target(n *yaml.Node, what string, strategy routing.Strategy) TargetSpec {
+	ts := TargetSpec{Weight: 1, line: n.Line}
+	ref, refNode := "", n
+	if n.Kind == yaml.MappingNode {
+		weightSet := false
+		p.mapping(n, what+" target", []string{"target", "weight"}, func(key string, _, v *yaml.Node) {
+			if key == "target" {
+				ref, refNode = p.str(v, what+" target"), v
+			} else {
+				ts.Weight, weightSet = p.positiveInt(v, what+" weight"), true
+			}
+		})
+		if weightSet && strategy != routing.Weighted {
+			p.errorf(n, "%s: weight is only used with strategy: weighted", what)
+		}
+	} else {
+		ref = p.str(n, what+" target")
+	}
+	provider, model, ok := strings.Cut(ref, "/")
+	if !ok || provider == "" || model == "" {
+		if ref != "" {
+			p.errorf(refNode, "%s: target %q must be provider/upstream-model", what, ref)
+		}
+		return TargetSpec{}
+	}
+	if _, known := p.f.Providers[provider]; !known {
+		p.errorf(refNode, "%s: target %q names provider %q, which providers does not define", what, ref, provider)
+		return TargetSpec{}
+	}
+	ts.Provider, ts.UpstreamModel = provider, model
+	return ts
+}
+
+func (p *fileParser) str(n *yaml.Node, what string) string {
+	if n.Kind != yaml.ScalarNode || n.Tag == "!!null" {
+		p.errorf(n, "%s must be a string", what)
+		return ""
+	}
+	return n.Value
+}
+
+func (p *fileParser) positiveInt(n *yaml.Node, what string) int {
+	var v int
+	if n.Kind != yaml.ScalarNode || n.Decode(&v) != nil || v < 1 {
+		p.errorf(n, "%s must be a whole number of at least 1, got %q", what, n.Value)
+		return 0
+	}
+	return v
+}
+
+func (p *fileParser) duration(n *yaml.Node, what string) time.Duration {
+	d, err := time.ParseDuration(n.Value)
+	if n.Kind != yaml.ScalarNode || err != nil || d <= 0 {
+		p.errorf(n, "%s must be a positive duration such as 30s or 2m, got %q", what, n.Value)
+		return 0
+	}
+	return d
+}
+
+func (p *fileParser) boolean(n *yaml.Node, what string) bool {
+	var v bool
+	if n.Kind != yaml.ScalarNode || n.Decode(&v) != nil {
+		p.errorf(n, "%s must be true or false, got %q", what, n.Value)
+	}
+	return v
+}
+
+func validHeaderName(h string) bool {
+	if h == "" {
+		return false
+	}
+	for _, c := range h {
+		if c > 0x7e || c <= ' ' || strings.ContainsRune(`"(),/:;<=>?@[\]{}`, c) {
+			return false
+		}
+	}
+	return true
+}
+
+// Describe lists the file's routes, one model per line, for operators.
+func (f *File) Describe() string {
+	var b strings.Builder
+	for _, model := range gateway.Models {
+		spec, ok := f.Models[model]
+		if !ok {
+			fmt.Fprintf(&b, "%-9s not served\n", model)
+			continue
+		}
+		fmt.Fprintf(&b, "%-9s %s:", model, spec.Strategy)
+		for _, t := range spec.Targets {
+			fmt.Fprintf(&b, " %s/%s", t.Provider, t.UpstreamModel)
+			if spec.Strategy == routing.Weighted {
+				fmt.Fprintf(&b, " (weight %d)", t.Weight)
+			}
+		}
+		b.WriteString("\n")
+	}
+	return b.String()
+}

@@ -1,0 +1,338 @@
+// Package routing sends each call of a canonical model to the upstream targets
+// the operator configured for it (a provider's model), in order or spread by
+// weight, moving on from a target that failed to the next one within bounds,
+// and skipping targets whose circuit is open. Interactive calls and the batch
+// drainer share one Router, so they share what it learns of each target.
+//
+// Fallback keeps the gateway's guarantees: a call moves on only while nothing
+// of its output reached anyone, a failed attempt is never billed (the caller
+// bills the result of the target that answered, which the result names), and
+// a call marked AtMostOnce (a batch item, decisions D12) moves on only from a
+// target that certainly did not process it.
+package routing
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/metrics"
+	"github.com/rungworks/gateway/tracing"
+	"github.com/rungworks/gateway/upstream"
+)
+
+// Strategy is how a model's targets are tried.
+type Strategy string
+
+// The strategies.
+const (
+	// Ordered tries the targets in the order listed.
+	Ordered Strategy = "ordered"
+	// Weighted picks the first target at random in proportion to the weights,
+	// then the next among those left, and so on.
+	Weighted Strategy = "weighted"
+)
+
+// Target is a provider's model serving a canonical model.
+type Target struct {
+	Provider      string
+	UpstreamModel string
+	// Weight is the target's share under Weighted (at least 1).
+	Weight int
+	Client upstream.Provider
+}
+
+// Route is how a canonical model is served.
+type Route struct {
+	Strategy Strategy
+	Targets  []Target
+}
+
+// Config configures a Router.
+type Config struct {
+	Routes map[gateway.Model]Route
+	// MaxAttempts bounds the targets tried per call (DefaultMaxAttempts when zero).
+	MaxAttempts int
+	// MaxTime bounds a call's fallback: no attempt starts once it has passed
+	// since the first (DefaultMaxTime when zero). A running attempt is not cut.
+	MaxTime time.Duration
+	Circuit CircuitConfig
+	Metrics *metrics.Metrics
+}
+
+// Defaults of Config.
+const (
+	DefaultMaxAttempts = 3
+	DefaultMaxTime     = 30 * time.Second
+)
+
+// Router implements upstream.Provider over the configured routes.
+type Router struct {
+	routes      map[gateway.Model]*route
+	targets     []*target
+	maxAttempts int
+	maxTime     time.Duration
+	metrics     *metrics.Metrics
+
+	mu      sync.Mutex
+	changed chan struct{} // closed and replaced when a circuit changes state
+}
+
+type route struct {
+	model    gateway.Model
+	strategy Strategy
+	targets  []*target
+}
+
+// target is a Target with its circuit; targets of the same provider and
+// upstream model share one, whatever canonical models they serve.
+type target struct {
+	Target
+	circuit *circuit
+	metrics *metrics.Target
+}
+
+var _ upstream.Provider = (*Router)(nil)
+
+// New returns a router over cfg's routes. Every target's client is guarded
+// (upstream.Guard): what it returns is cleaned before anyone sees it.
+func New(cfg Config) (*Router, error) {
+	if cfg.MaxAttempts <= 0 {
+		cfg.MaxAttempts = DefaultMaxAttempts
+	}
+	if cfg.MaxTime <= 0 {
+		cfg.MaxTime = DefaultMaxTime
+	}
+	circuitCfg := cfg.Circuit.withDefaults()
+	r := &Router{
+		routes: map[gateway.Model]*route{}, maxAttempts: cfg.MaxAttempts, maxTime: cfg.MaxTime,
+		metrics: cfg.Metrics, changed: make(chan struct{}),
+	}
+	shared := map[[2]string]*target{}
+	for model, rt := range cfg.Routes {
+		if len(rt.Targets) == 0 {
+			return nil, fmt.Errorf("model %s has no targets", model)
+		}
+		if rt.Strategy == "" {
+			rt.Strategy = Ordered
+		}
+		if rt.Strategy != Ordered && rt.Strategy != Weighted {
+			return nil, fmt.Errorf("model %s: unknown strategy %q", model, rt.Strategy)
+		}
+		out := &route{model: model, strategy: rt.Strategy}
+		for _, t := range rt.Targets {
+			if t.Client == nil {
+				return nil, fmt.Errorf("model %s: target %s/%s has no client", model, t.Provider, t.UpstreamModel)
+			}
+			key := [2]string{t.Provider, t.UpstreamModel}
+			tt, ok := shared[key]
+			if !ok {
+				tt = &target{Target: t, metrics: cfg.Metrics.Target(t.Provider, t.UpstreamModel)}
+				tt.Client = upstream.Guard(t.Client)
+				tt.circuit = newCircuit(circuitCfg, func(state int) { tt.metrics.Circuit(state); r.notify() })
+				tt.metrics.Circuit(stateClosed)
+				shared[key] = tt
+				r.targets = append(r.targets, tt)
+			}
+			// The weight is the route's: a shared target may weigh differently in each.
+			entry := &target{Target: tt.Target, circuit: tt.circuit, metrics: tt.metrics}
+			entry.Weight = max(t.Weight, 1)
+			out.targets = append(out.targets, entry)
+		}
+		r.routes[model] = out
+	}
+	return r, nil
+}
+
+// Available implements gateway.Catalog: the model has a route.
+func (r *Router) Available(model gateway.Model) bool { return r.routes[model] != nil }
+
+// Complete implements upstream.Provider.
+func (r *Router) Complete(ctx context.Context, req upstream.Request) (upstream.Result, error) {
+	return r.run(ctx, req, nil, func(ctx context.Context, t *target, req upstream.Request) (upstream.Result, error) {
+		return t.Client.Complete(ctx, req)
+	})
+}
+
+// Stream implements upstream.Provider. A stream moves to the next target only
+// while nothing of it has been emitted; after that, a failure is the stream's.
+func (r *Router) Stream(ctx context.Context, req upstream.Request, emit func(upstream.Delta) error) (upstream.Result, error) {
+	var emitted bool
+	return r.run(ctx, req, &emitted, func(ctx context.Context, t *target, req upstream.Request) (upstream.Result, error) {
+		return t.Client.Stream(ctx, req, func(d upstream.Delta) error {
+			emitted = true
+			return emit(d)
+		})
+	})
+}
+
+// run tries the model's targets until one answers, a failure may not move on,
+// or the attempts or the time run out, and returns the last attempt's outcome.
+func (r *Router) run(ctx context.Context, req upstream.Request, emitted *bool,
+	attempt func(context.Context, *target, upstream.Request) (upstream.Result, error)) (upstream.Result, error) {
+	rt := r.routes[req.Model]
+	if rt == nil {
+		return upstream.Result{}, fmt.Errorf("%w: model %s has no route", upstream.ErrUnavailable, req.Model)
+	}
+	// req.OnDispatch is told once, at the first attempt that reaches a target.
+	if onDispatch := req.OnDispatch; onDispatch != nil {
+		var once atomic.Bool
+		req.OnDispatch = func() {
+			if once.CompareAndSwap(false, true) {
+				onDispatch()
+			}
+		}
+	}
+	var buf [8]*target
+	order := rt.order(buf[:0])
+	deadline := time.Now().Add(r.maxTime)
+	attempts := 0
+	var last error
+	for _, t := range order {
+		now := time.Now()
+		if attempts == r.maxAttempts || (attempts > 0 && now.After(deadline)) {
+			break
+		}
+		if !t.circuit.allow(now) {
+			continue
+		}
+		if attempts > 0 {
+			r.metrics.Fallback(string(rt.model))
+		}
+		attempts++
+		areq := req
+		areq.UpstreamModel = t.UpstreamModel
+		actx, span := tracing.StartAttempt(ctx, t.Provider, t.UpstreamModel, attempts)
+		res, err := attempt(actx, t, areq)
+		kind := upstream.Kind(err)
+		t.metrics.Attempt(kind, time.Since(now))
+		tracing.EndAttempt(span, t.UpstreamModel, res.UsageReported, res.InputTokens, res.OutputTokens, kind)
+		t.observe(kind)
+		if err == nil || ctx.Err() != nil || !mayMoveOn(kind, req.AtMostOnce, emitted) {
+			res.Provider, res.UpstreamModel, res.Attempts = t.Provider, t.UpstreamModel, attempts
+			return res, err
+		}
+		last = err
+	}
+	if attempts == 0 {
+		return upstream.Result{}, fmt.Errorf("%w: no target of model %s is taking calls (their circuits are open)", upstream.ErrUnavailable, req.Model)
+	}
+	return upstream.Result{Attempts: attempts}, last
+}
+
+// mayMoveOn says whether a failed attempt may be followed by one at the next
+// target: never once output was emitted; a target that certainly did not
+// process the call (unavailable) always; one that may have (failed after
+// dispatch, a stream broken before any output) only when the call may reach
+// more than one upstream.
+func mayMoveOn(kind string, atMostOnce bool, emitted *bool) bool {
+	if emitted != nil && *emitted {
+		return false
+	}
+	switch kind {
+	case "unavailable":
+		return true
+	case "failed", "broken":
+		return !atMostOnce
+	}
+	return false
+}
+
+// observe reports an attempt's outcome to the target's circuit: an answer
+// (a rejection of the request included) says it is up, a failure that it is
+// in trouble, anything else (the caller went away) nothing.
+func (t *target) observe(kind string) {
+	switch kind {
+	case "", "rejected":
+		t.circuit.succeeded()
+	case "unavailable", "failed", "broken":
+		t.circuit.failed(time.Now())
+	default:
+		t.circuit.released()
+	}
+}
+
+// order returns the targets in the order to try them, appended to buf.
+func (rt *route) order(buf []*target) []*target {
+	buf = append(buf, rt.targets...)
+	if rt.strategy != Weighted || len(buf) < 2 {
+		return buf
+	}
+	// A weighted shuffle: each position is drawn among those left, by weight.
+	for i := range buf[:len(buf)-1] {
+		total := 0
+		for _, t := range buf[i:] {
+			total += t.Weight
+		}
+		pick := rand.IntN(total)
+		for j := i; j < len(buf); j++ {
+			if pick < buf[j].Weight {
+				buf[i], buf[j] = buf[j], buf[i]
+				break
+			}
+			pick -= buf[j].Weight
+		}
+	}
+	return buf
+}
+
+// Health says which models can be run now: serving are those with a target
+// whose circuit is closed, probing those whose targets only let a probe
+// through (the batch drainer sends them one item at a time).
+func (r *Router) Health() (serving, probing []gateway.Model) {
+	now := time.Now()
+	for _, model := range gateway.Models {
+		rt := r.routes[model]
+		if rt == nil {
+			continue
+		}
+		anyReady, anyFull := false, false
+		for _, t := range rt.targets {
+			ready, full := t.circuit.ready(now)
+			anyReady, anyFull = anyReady || ready, anyFull || full
+		}
+		switch {
+		case anyFull:
+			serving = append(serving, model)
+		case anyReady:
+			probing = append(probing, model)
+		}
+	}
+	return serving, probing
+}
+
+// Wait returns when a circuit changes state, when the soonest cool-down ends,
+// after at most maxWait, or when ctx ends.
+func (r *Router) Wait(ctx context.Context, maxWait time.Duration) {
+	r.mu.Lock()
+	changed := r.changed
+	r.mu.Unlock()
+	wait := maxWait
+	for _, t := range r.targets {
+		if at := t.circuit.reopensAt(); !at.IsZero() {
+			wait = min(wait, time.Until(at))
+		}
+	}
+	if wait <= 0 {
+		return
+	}
+	timer := time.NewTimer(wait)
+	defer timer.Stop()
+	select {
+	case <-ctx.Done():
+	case <-changed:
+	case <-timer.C:
+	}
+}
+
+// notify wakes whoever waits for a circuit to change.
+func (r *Router) notify() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	close(r.changed)
+	r.changed = make(chan struct{})
+}

@@ -1,0 +1,311 @@
+package routing_test
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/internal/fakeupstream"
+	"github.com/rungworks/gateway/routing"
+	"github.com/rungworks/gateway/upstream"
+	"github.com/rungworks/gateway/upstream/openai"
+)
+
+// testBundle is a router over fake upstreams a, b and c (in that order) for
+// the instant model, each with a real OpenAI-compatible client.
+type testBundle struct {
+	router *routing.Router
+	fakes  map[string]*fakeupstream.Server
+}
+
+func setup(t *testing.T, cfg routing.Config) *testBundle {
+	t.Helper()
+	b := &testBundle{fakes: map[string]*fakeupstream.Server{}}
+	var targets []routing.Target
+	for _, name := range []string{"a", "b", "c"} {
+		fake := fakeupstream.New()
+		t.Cleanup(fake.Close)
+		b.fakes[name] = fake
+		client := openai.New(openai.Config{BaseURL: fake.BaseURL(), Timeout: 300 * time.Millisecond})
+		targets = append(targets, routing.Target{Provider: name, UpstreamModel: name + "-model", Client: client})
+	}
+	cfg.Routes = map[gateway.Model]routing.Route{gateway.ModelInstant: {Targets: targets}}
+	r, err := routing.New(cfg)
+	require.NoError(t, err)
+	b.router = r
+	return b
+}
+
+func (b *testBundle) calls(name string) int { return len(b.fakes[name].Calls()) }
+
+func request(prompt string) upstream.Request {
+	return upstream.Request{Model: gateway.ModelInstant, Prompt: prompt, MaxOutputTokens: 100}
+}
+
+func TestFallsBackWhenATargetIsUnavailable(t *testing.T) {
+	t.Parallel()
+	for name, breakA := range map[string]func(*fakeupstream.Server){
+		"refused": func(f *fakeupstream.Server) { f.Close() },
+		"503":     func(f *fakeupstream.Server) { f.SetStatus(http.StatusServiceUnavailable) },
+		"429":     func(f *fakeupstream.Server) { f.SetStatus(http.StatusTooManyRequests) },
+		"500":     func(f *fakeupstream.Server) { f.SetStatus(http.StatusInternalServerError) },
+		"408":     func(f *fakeupstream.Server) { f.SetStatus(http.StatusRequestTimeout) },
+		"timeout": func(f *fakeupstream.Server) { f.SetDelay(2 * time.Second) },
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, routing.Config{})
+			breakA(b.fakes["a"])
+			res, err := b.router.Complete(context.Background(), request("hello there"))
+			require.NoError(t, err)
+			require.Equal(t, fakeupstream.Reply("hello there"), res.Content)
+			require.Equal(t, "b", res.Provider)
+			require.Equal(t, "b-model", res.UpstreamModel)
+			require.Equal(t, 2, res.Attempts)
+			pt, ct := fakeupstream.Usage("hello there")
+			require.Equal(t, []uint64{pt, ct}, []uint64{res.InputTokens, res.OutputTokens}, "the usage is the answering target's")
+			require.Equal(t, "b-model", b.fakes["b"].Calls()[0].Model)
+			require.Zero(t, b.calls("c"))
+		})
+	}
+}
+
+func TestARejectionDoesNotFallBack(t *testing.T) {
+	t.Parallel()
+	b := setup(t, routing.Config{})
+	b.fakes["a"].SetMode(fakeupstream.Reject)
+	_, err := b.router.Complete(context.Background(), request("p"))
+	var rejected *upstream.RejectedError
+	require.ErrorAs(t, err, &rejected)
+	require.Equal(t, 1, b.calls("a"))
+	require.Zero(t, b.calls("b"), "a request the upstream refused is not sent elsewhere")
+}
+
+// TestAtMostOnceMovesOnOnlyWhenNotProcessed: a batch item (D12) goes to the
+// next target only when the first certainly did not process it.
+func TestAtMostOnceMovesOnOnlyWhenNotProcessed(t *testing.T) {
+	t.Parallel()
+	b := setup(t, routing.Config{})
+	req := request("item")
+	req.AtMostOnce = true
+
+	b.fakes["a"].SetStatus(http.StatusInternalServerError)
+	_, err := b.router.Complete(context.Background(), req)
+	require.ErrorIs(t, err, upstream.ErrFailed)
+	require.Zero(t, b.calls("b"), "a 500 may have been processed: not sent again")
+
+	b.fakes["a"].SetDelay(2 * time.Second) // a timeout after dispatch
+	b.fakes["a"].SetStatus(0)
+	_, err = b.router.Complete(context.Background(), req)
+	require.ErrorIs(t, err, upstream.ErrFailed)
+	require.Zero(t, b.calls("b"))
+
+	b.fakes["a"].SetDelay(0)
+	b.fakes["a"].SetStatus(http.StatusServiceUnavailable)
+	var dispatches int
+	req.OnDispatch = func() { dispatches++ }
+	res, err := b.router.Complete(context.Background(), req)
+	require.NoError(t, err)
+	require.Equal(t, "b", res.Provider)
+	require.Equal(t, 1, dispatches, "the caller hears of the dispatch once")
+}
+
+func TestStreamFallsBackOnlyBeforeTheFirstByte(t *testing.T) {
+	t.Parallel()
+	b := setup(t, routing.Config{})
+	prompt := "one two three four"
+	collect := func() (string, upstream.Result, error) {
+		var got string
+		res, err := b.router.Stream(context.Background(), request(prompt), func(d upstream.Delta) error {
+			got += d.Content
+			return nil
+		})
+		return got, res, err
+	}
+
+	b.fakes["a"].SetMode(fakeupstream.Down)
+	got, res, err := collect()
+	require.NoError(t, err)
+	require.Equal(t, fakeupstream.Reply(prompt), got)
+	require.Equal(t, "b", res.Provider)
+	require.Equal(t, 2, res.Attempts)
+
+	b.fakes["a"].SetMode(fakeupstream.OK)
+	b.fakes["a"].SetBreakAfter(2)
+	before := b.calls("b")
+	got, res, err = collect()
+	require.ErrorIs(t, err, upstream.ErrStreamBroken)
+	require.Equal(t, fakeupstream.StreamPieces(prompt)[0]+fakeupstream.StreamPieces(prompt)[1], got, "what was sent stays the stream's")
+	require.Equal(t, got, res.Content)
+	require.Equal(t, "a", res.Provider)
+	require.Equal(t, before, b.calls("b"), "no fallback once output reached the caller")
+}
+
+func TestAttemptsAreBounded(t *testing.T) {
+	t.Parallel()
+	b := setup(t, routing.Config{MaxAttempts: 2, Circuit: routing.CircuitConfig{Failures: 100}})
+	for _, name := range []string{"a", "b", "c"} {
+		b.fakes[name].SetMode(fakeupstream.Down)
+	}
+	res, err := b.router.Complete(context.Background(), request("p"))
+	require.ErrorIs(t, err, upstream.ErrUnavailable)
+	require.Equal(t, 2, res.Attempts)
+	require.Zero(t, b.calls("c"))
+
+	// And in time: no attempt starts once MaxTime has passed.
+	b = setup(t, routing.Config{MaxTime: 50 * time.Millisecond, Circuit: routing.CircuitConfig{Failures: 100}})
+	b.fakes["a"].SetDelay(100 * time.Millisecond)
+	b.fakes["a"].SetStatus(http.StatusServiceUnavailable)
+	res, err = b.router.Complete(context.Background(), request("p"))
+	require.ErrorIs(t, err, upstream.ErrUnavailable)
+	require.Equal(t, 1, res.Attempts)
+	require.Zero(t, b.calls("b"))
+}
+
+func TestCircuitOpensThenProbes(t *testing.T) {
+	t.Parallel()
+	cooldown := 200 * time.Millisecond
+	b := setup(t, routing.Config{Circuit: routing.CircuitConfig{Failures: 2, Cooldown: cooldown, MaxCooldown: time.Hour}})
+	b.fakes["a"].SetMode(fakeupstream.Down)
+	for range 2 {
+		res, err := b.router.Complete(context.Background(), request("p"))
+		require.NoError(t, err)
+		require.Equal(t, 2, res.Attempts)
+	}
+	require.Equal(t, 2, b.calls("a"))
+
+	// Open: a is skipped, b answers at the first attempt.
+	res, err := b.router.Complete(context.Background(), request("p"))
+	require.NoError(t, err)
+	require.Equal(t, "b", res.Provider)
+	require.Equal(t, 1, res.Attempts)
+	require.Equal(t, 2, b.calls("a"))
+
+	// After the cool-down one probe goes to a; it fails: open again, for
+	// twice as long.
+	time.Sleep(cooldown)
+	_, err = b.router.Complete(context.Background(), request("p"))
+	require.NoError(t, err)
+	require.Equal(t, 3, b.calls("a"))
+	time.Sleep(cooldown)
+	_, err = b.router.Complete(context.Background(), request("p"))
+	require.NoError(t, err)
+	require.Equal(t, 3, b.calls("a"), "the second cool-down is longer")
+
+	// A probe that succeeds closes the circuit.
+	b.fakes["a"].SetMode(fakeupstream.OK)
+	time.Sleep(cooldown)
+	res, err = b.router.Complete(context.Background(), request("p"))
+	require.NoError(t, err)
+	require.Equal(t, "a", res.Provider)
+	res, err = b.router.Complete(context.Background(), request("p"))
+	require.NoError(t, err)
+	require.Equal(t, "a", res.Provider)
+}
+
+func TestHealthAndWait(t *testing.T) {
+	t.Parallel()
+	cooldown := 300 * time.Millisecond
+	b := setup(t, routing.Config{Circuit: routing.CircuitConfig{Failures: 1, Cooldown: cooldown}})
+	serving, probing := b.router.Health()
+	require.Equal(t, []gateway.Model{gateway.ModelInstant}, serving)
+	require.Empty(t, probing)
+
+	for _, name := range []string{"a", "b", "c"} {
+		b.fakes[name].SetMode(fakeupstream.Down)
+	}
+	_, err := b.router.Complete(context.Background(), request("p"))
+	require.ErrorIs(t, err, upstream.ErrUnavailable)
+	serving, probing = b.router.Health()
+	require.Empty(t, serving)
+	require.Empty(t, probing, "every target is cooling down")
+
+	// No target takes calls: refused at once, nothing sent.
+	calls := b.calls("a") + b.calls("b") + b.calls("c")
+	_, err = b.router.Complete(context.Background(), request("p"))
+	require.ErrorIs(t, err, upstream.ErrUnavailable)
+	require.Equal(t, calls, b.calls("a")+b.calls("b")+b.calls("c"))
+
+	// Wait returns when the first cool-down ends; then the model takes a probe.
+	start := time.Now()
+	b.router.Wait(context.Background(), time.Minute)
+	require.Less(t, time.Since(start), 30*time.Second, "Wait ends with the cool-down, not at maxWait")
+	serving, probing = b.router.Health()
+	require.Empty(t, serving)
+	require.Equal(t, []gateway.Model{gateway.ModelInstant}, probing)
+
+	// A successful probe closes its circuit and wakes whoever waits.
+	b.fakes["a"].SetMode(fakeupstream.OK)
+	woke := make(chan struct{})
+	var once sync.Once
+	go func() {
+		b.router.Wait(context.Background(), time.Minute)
+		once.Do(func() { close(woke) })
+	}()
+	_, err = b.router.Complete(context.Background(), request("p"))
+	require.NoError(t, err)
+	<-woke
+	serving, _ = b.router.Health()
+	require.Equal(t, []gateway.Model{gateway.ModelInstant}, serving)
+}
+
+// counting is an in-process provider that answers at once and counts calls.
+type counting struct {
+	mu sync.Mutex
+	n  int
+}
+
+func (c *counting) Complete(context.Context, upstream.Request) (upstream.Result, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.n++
+	return upstream.Result{Content: "ok", UsageReported: true}, nil
+}
+
+func (c *counting) Stream(ctx context.Context, req upstream.Request, _ func(upstream.Delta) error) (upstream.Result, error) {
+	return c.Complete(ctx, req)
+}
+
+// TestWeightedSpread: with weights 3:1, the first target gets 75 % of 4,000
+// calls within ±5 points (seven standard deviations).
+func TestWeightedSpread(t *testing.T) {
+	t.Parallel()
+	heavy, light := &counting{}, &counting{}
+	r, err := routing.New(routing.Config{Routes: map[gateway.Model]routing.Route{gateway.ModelInstant: {
+		Strategy: routing.Weighted,
+		Targets: []routing.Target{
+			{Provider: "heavy", UpstreamModel: "m", Weight: 3, Client: heavy},
+			{Provider: "light", UpstreamModel: "m", Weight: 1, Client: light},
+		},
+	}}})
+	require.NoError(t, err)
+	const n = 4000
+	for range n {
+		_, err := r.Complete(context.Background(), request("p"))
+		require.NoError(t, err)
+	}
+	require.Equal(t, n, heavy.n+light.n)
+	require.InDelta(t, 0.75, float64(heavy.n)/n, 0.05)
+}
+
+func TestNewRefusesBadRoutes(t *testing.T) {
+	t.Parallel()
+	_, err := routing.New(routing.Config{Routes: map[gateway.Model]routing.Route{gateway.ModelInstant: {}}})
+	require.ErrorContains(t, err, "no targets")
+	_, err = routing.New(routing.Config{Routes: map[gateway.Model]routing.Route{gateway.ModelInstant: {Targets: []routing.Target{{Provider: "p", UpstreamModel: "m"}}}}})
+	require.ErrorContains(t, err, "no client")
+	_, err = routing.New(routing.Config{Routes: map[gateway.Model]routing.Route{gateway.ModelInstant: {Strategy: "random", Targets: []routing.Target{{Provider: "p", UpstreamModel: "m", Client: &counting{}}}}}})
+	require.ErrorContains(t, err, "unknown strategy")
+	r, err := routing.New(routing.Config{Routes: map[gateway.Model]routing.Route{gateway.ModelInstant: {Targets: []routing.Target{{Provider: "p", UpstreamModel: "m", Client: &counting{}}}}}})
+	require.NoError(t, err)
+	require.True(t, r.Available(gateway.ModelInstant))
+	require.False(t, r.Available(gateway.ModelReasoning))
+	_, err = r.Complete(context.Background(), upstream.Request{Model: gateway.ModelReasoning})
+	require.True(t, errors.Is(err, upstream.ErrUnavailable))
+}
