@@ -187,6 +187,12 @@ type reply struct {
 // call sends a request and validates the reply against the OpenAPI document.
 func (g *gateway) call(method, path, key string, body any) reply {
 	g.t.Helper()
+	return g.callWith(method, path, key, body, nil)
+}
+
+// callWith is call with extra request headers.
+func (g *gateway) callWith(method, path, key string, body any, header http.Header) reply {
+	g.t.Helper()
 	var raw []byte
 	if body != nil {
 		var err error
@@ -201,6 +207,9 @@ func (g *gateway) call(method, path, key string, body any) reply {
 		}
 		if body != nil {
 			req.Header.Set("Content-Type", "application/json")
+		}
+		for k, v := range header {
+			req.Header[k] = v
 		}
 		return req
 	}

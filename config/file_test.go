@@ -1,0 +1,177 @@
+package config_test
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/config"
+	"github.com/rungworks/gateway/routing"
+)
+
+// example is the worked example of the README.
+const example = `# OpenAI first, a self-hosted vLLM when OpenAI is down.
+providers:
+  openai:
+    base_url: https://api.openai.com/v1
+    api_key_env: OPENAI_API_KEY
+    timeout: 60s
+    headers:
+      OpenAI-Project: proj_123
+  vllm:
+    base_url: http://vllm.internal:8000/v1
+    timeout: 120s
+    h2c: true
+models:
+  instant:
+    targets:
+      - openai/gpt-4.1-mini
+      - vllm/meta-llama/Llama-3.1-8B-Instruct
+  reasoning:
+    strategy: weighted
+    targets:
+      - target: openai/o4-mini
+        weight: 3
+      - target: vllm/Qwen/Qwen3-32B
+        weight: 1
+fallback:
+  max_attempts: 2
+  max_time: 20s
+circuit:
+  failures: 5
+  cooldown: 2s
+  max_cooldown: 30s
+`
+
+func TestParseWorkedExample(t *testing.T) {
+	t.Parallel()
+	f, err := config.ParseFile("gateway.yaml", []byte(example))
+	require.NoError(t, err)
+	require.Equal(t, config.ProviderSpec{
+		Type: "openai", BaseURL: "https://api.openai.com/v1", APIKeyEnv: "OPENAI_API_KEY", Timeout: time.Minute,
+		Headers: map[string]string{"OpenAI-Project": "proj_123"},
+	}, withoutLine(f.Providers["openai"]))
+	require.True(t, f.Providers["vllm"].H2C)
+	require.Equal(t, routing.Ordered, f.Models[gateway.ModelInstant].Strategy)
+	require.Equal(t, "meta-llama/Llama-3.1-8B-Instruct", f.Models[gateway.ModelInstant].Targets[1].UpstreamModel, "model names keep their slashes")
+	require.Equal(t, 3, f.Models[gateway.ModelReasoning].Targets[0].Weight)
+	require.NotContains(t, f.Models, gateway.ModelElements)
+	require.Equal(t, 2, f.MaxAttempts)
+	require.Equal(t, 20*time.Second, f.MaxTime)
+	require.Equal(t, routing.CircuitConfig{Failures: 5, Cooldown: 2 * time.Second, MaxCooldown: 30 * time.Second}, f.Circuit)
+	require.Equal(t, "instant   ordered: openai/gpt-4.1-mini vllm/meta-llama/Llama-3.1-8B-Instruct\n"+
+		"reasoning weighted: openai/o4-mini (weight 3) vllm/Qwen/Qwen3-32B (weight 1)\n"+
+		"elements  not served\n", f.Describe())
+
+	require.ErrorContains(t, f.CheckSecrets(func(string) string { return "" }), `gateway.yaml:3: provider "openai": the environment variable OPENAI_API_KEY (api_key_env) is not set`)
+	require.NoError(t, f.CheckSecrets(func(string) string { return "sk-x" }))
+}
+
+func withoutLine(p config.ProviderSpec) config.ProviderSpec {
+	return config.ProviderSpec{Type: p.Type, BaseURL: p.BaseURL, APIKeyEnv: p.APIKeyEnv, Timeout: p.Timeout, H2C: p.H2C, Headers: p.Headers}
+}
+
+// TestErrorsNameTheirLine: every problem is reported at once, each with its line.
+func TestErrorsNameTheirLine(t *testing.T) {
+	t.Parallel()
+	bad := `providers:
+  openai:
+    base_url: ftp://x
+    api_key_env: sk-live-123
+    timeout: soon
+    colour: blue
+    headers:
+      Authorization: Bearer x
+  "a/b":
+    type: sim
+models:
+  instant:
+    targets:
+      - openai/gpt
+      - nobody/model
+      - openai
+      - openai/gpt
+  turbo:
+    targets: [openai/x]
+  elements:
+    targets:
+      - target: openai/y
+        weight: 2
+  reasoning:
+    strategy: random
+    targets: []
+circuit:
+  cooldown: 10s
+  max_cooldown: 1s
+`
+	_, err := config.ParseFile("g.yaml", []byte(bad))
+	require.Error(t, err)
+	for _, want := range []string{
+		`g.yaml:3: provider "openai": base_url must be an http(s) URL`,
+		`g.yaml:4: provider "openai": api_key_env names an environment variable`,
+		`g.yaml:5: provider "openai" timeout must be a positive duration`,
+		`g.yaml:6: unknown key "colour" in provider "openai"`,
+		`g.yaml:8: provider "openai": header Authorization is set by the gateway`,
+		`g.yaml:9: provider name "a/b" must be non-empty, without '/'`,
+		`g.yaml:15: model instant: target "nobody/model" names provider "nobody", which providers does not define`,
+		`g.yaml:16: model instant: target "openai" must be provider/upstream-model`,
+		`g.yaml:17: model instant: target openai/gpt is listed twice`,
+		`g.yaml:18: models: "turbo" is not a canonical model`,
+		`g.yaml:22: model elements: weight is only used with strategy: weighted`,
+		`g.yaml:25: model reasoning: strategy must be ordered or weighted`,
+		`g.yaml:24: model reasoning needs a non-empty list of targets`,
+		`g.yaml:1: circuit.cooldown (10s) must not exceed circuit.max_cooldown (1s)`,
+	} {
+		require.ErrorContains(t, err, want)
+	}
+
+	for content, want := range map[string]string{
+		"":                            "the file is empty",
+		"providers: {}\n":             "g.yaml:1: the file needs both providers and models",
+		"providers: [\n":              "g.yaml: yaml:",
+		"providers: {}\nmodels: {}\n": "models must route at least one canonical model",
+		"providers:\n  p: {type: sim}\nmodels:\n  instant: {targets: [p/m]}\nfallback: {max_attempts: 0}\n": "g.yaml:5: fallback.max_attempts must be a whole number of at least 1",
+		"providers:\n  p: {type: openai}\nmodels:\n  instant: {targets: [p/m]}\n":                           `g.yaml:2: provider "p" needs a base_url`,
+		"providers:\n  p: {type: sim}\n  p: {type: sim}\nmodels:\n  instant: {targets: [p/m]}\n":            `g.yaml:3: key "p" appears twice in providers`,
+	} {
+		_, err := config.ParseFile("g.yaml", []byte(content))
+		require.ErrorContains(t, err, want, "content %q", content)
+	}
+}
+
+func TestRouterFromFile(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "gateway.yaml")
+	require.NoError(t, os.WriteFile(path, []byte("providers:\n  local: {type: sim}\nmodels:\n  instant: {targets: [local/tiny]}\n"), 0o600))
+	t.Setenv("GATEWAY_CONFIG", path)
+	cfg, err := config.Load()
+	require.NoError(t, err)
+	r, err := cfg.Router(nil, nil)
+	require.NoError(t, err)
+	require.True(t, r.Available(gateway.ModelInstant))
+	require.False(t, r.Available(gateway.ModelReasoning), "models the file leaves out are not served")
+
+	t.Setenv("GATEWAY_UPSTREAM", "http://127.0.0.1:1/v1")
+	_, err = config.Load()
+	require.ErrorContains(t, err, "leave GATEWAY_UPSTREAM")
+}
+
+func TestShorthandServesEveryModel(t *testing.T) {
+	t.Setenv("GATEWAY_UPSTREAM", "http://127.0.0.1:1/v1")
+	t.Setenv("GATEWAY_MODEL_MAP", "instant=small")
+	cfg, err := config.Load()
+	require.NoError(t, err)
+	r, err := cfg.Router(nil, nil)
+	require.NoError(t, err)
+	require.True(t, r.Available(gateway.ModelInstant))
+	require.False(t, r.Available(gateway.ModelElements))
+
+	t.Setenv("GATEWAY_UPSTREAM", "ftp://x")
+	cfg, err = config.Load()
+	require.NoError(t, err)
+	_, err = cfg.Router(nil, nil)
+	require.ErrorContains(t, err, "GATEWAY_UPSTREAM must be sim or an http(s) base URL")
+}

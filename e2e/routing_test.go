@@ -1,0 +1,340 @@
+package e2e
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	collectortrace "go.opentelemetry.io/proto/otlp/collector/trace/v1"
+	commonpb "go.opentelemetry.io/proto/otlp/common/v1"
+	tracepb "go.opentelemetry.io/proto/otlp/trace/v1"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/rungworks/gateway/gen/api"
+	"github.com/rungworks/gateway/internal/fakeupstream"
+)
+
+// routed is a gateway over two fake providers from a configuration file:
+// instant goes to primary then backup, reasoning to primary only, elements to
+// backup only.
+type routed struct {
+	*testBundle
+	primary, backup *fakeupstream.Server
+	g               *gateway
+}
+
+func serveRouted(t *testing.T, extra map[string]string) *routed {
+	t.Helper()
+	b := setup(t)
+	backup := fakeupstream.New()
+	t.Cleanup(backup.Close)
+	file := filepath.Join(t.TempDir(), "gateway.yaml")
+	require.NoError(t, os.WriteFile(file, []byte(fmt.Sprintf(`providers:
+  primary:
+    base_url: %s
+    api_key_env: PRIMARY_KEY
+    timeout: 2s
+    headers:
+      X-Tenant: acme
+  backup:
+    base_url: %s
+    timeout: 2s
+models:
+  instant:
+    targets: [primary/p-instant, backup/b-instant]
+  reasoning:
+    targets: [primary/p-reasoning]
+  elements:
+    targets: [backup/b-elements]
+circuit:
+  failures: 3
+  cooldown: 300ms
+  max_cooldown: 1s
+`, b.fake.BaseURL(), backup.BaseURL())), 0o600))
+	env := map[string]string{"DATABASE_URL": b.db, "GATEWAY_CONFIG": file, "PRIMARY_KEY": "sk-primary"}
+	for k, v := range extra {
+		env[k] = v
+	}
+	return &routed{testBundle: b, primary: b.fake, backup: backup, g: start(t, env, "serve")}
+}
+
+func TestFallbackAcrossProviders(t *testing.T) {
+	t.Parallel()
+	r := serveRouted(t, nil)
+	var got received
+
+	r.primary.SetMode(fakeupstream.Down)
+	res := r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "fall back please"})
+	require.Equal(t, http.StatusOK, res.status)
+	var body api.Response
+	require.NoError(t, json.Unmarshal(res.body, &body))
+	require.Equal(t, fakeupstream.Reply("fall back please"), body.Content)
+	require.Equal(t, "backup", *body.Route.Provider)
+	require.Equal(t, "b-instant", *body.Route.UpstreamModel)
+	require.Equal(t, 2, *body.Route.Attempts)
+	got.add(api.RungUsage{InputRungs: body.Usage.InputRungs, OutputRungs: body.Usage.OutputRungs, TotalRungs: body.Usage.TotalRungs})
+	primaryCall := r.primary.Calls()[0]
+	require.Equal(t, "p-instant", primaryCall.Model)
+	require.Equal(t, "Bearer sk-primary", primaryCall.Authorization, "the key comes from the variable the file names")
+	require.Empty(t, r.backup.Calls()[0].Authorization)
+
+	// A stream falls back before its first byte.
+	r.primary.SetMode(fakeupstream.Down)
+	_, s := r.g.stream(r.key, map[string]any{"prompt": "stream fall back"})
+	require.Equal(t, "response.completed", names(s)[len(s.Events)-1])
+	require.NotContains(t, names(s), "response.error")
+	got.add(finalUsage(t, s.Events[len(s.Events)-1].Data))
+
+	// A model whose only target is down: INFERENCE_BUSY, nothing billed.
+	res = r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "think", "model": "reasoning"})
+	require.Equal(t, http.StatusServiceUnavailable, res.status)
+	require.Equal(t, "INFERENCE_BUSY", res.code(t))
+
+	// A rejection is not sent elsewhere.
+	r.primary.SetMode(fakeupstream.Reject)
+	backupCalls := len(r.backup.Calls())
+	res = r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "rejected"})
+	require.Equal(t, http.StatusServiceUnavailable, res.status)
+	require.Contains(t, string(res.body), "content policy violation")
+	require.Len(t, r.backup.Calls(), backupCalls)
+
+	// Once output reached the caller, a failure is the stream's: no fallback.
+	r.primary.SetMode(fakeupstream.OK)
+	r.primary.SetBreakAfter(2)
+	_, s = r.g.stream(r.key, map[string]any{"prompt": "one two three four five"})
+	require.Contains(t, names(s), "response.error")
+	require.Len(t, r.backup.Calls(), backupCalls)
+	got.add(finalUsage(t, s.Events[len(s.Events)-1].Data))
+
+	settledExactly(t, r.g, r.key, got)
+
+	metrics := r.g.scrape()
+	require.Contains(t, metrics, `gateway_upstream_attempts_total{outcome="unavailable",provider="primary",upstream_model="p-instant"}`)
+	require.Contains(t, metrics, `gateway_upstream_attempts_total{outcome="ok",provider="backup",upstream_model="b-instant"} 2`)
+	require.Contains(t, metrics, `gateway_upstream_fallbacks_total{model="instant"} 2`)
+	require.Contains(t, metrics, `gateway_upstream_circuit_state{provider="backup",upstream_model="b-instant"} 0`)
+}
+
+// TestCircuitSkipsADownTarget: after three failures the primary is skipped
+// (its circuit is open) until a probe finds it back.
+func TestCircuitSkipsADownTarget(t *testing.T) {
+	t.Parallel()
+	r := serveRouted(t, nil)
+	r.primary.SetMode(fakeupstream.Down)
+	for i := range 6 {
+		res := r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": fmt.Sprintf("p%d", i)})
+		require.Equal(t, http.StatusOK, res.status)
+	}
+	require.Len(t, r.primary.Calls(), 3, "the circuit opened after three failures")
+	require.Contains(t, r.g.scrape(), `gateway_upstream_circuit_state{provider="primary",upstream_model="p-instant"} 2`)
+
+	r.primary.SetMode(fakeupstream.OK)
+	require.Eventually(t, func() bool {
+		res := r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "probe"})
+		var body api.Response
+		require.NoError(t, json.Unmarshal(res.body, &body))
+		return *body.Route.Provider == "primary"
+	}, 10*time.Second, 50*time.Millisecond, "a probe closes the circuit")
+}
+
+// TestBatchDrainsThroughTheSecondTarget: the first target refuses
+// connections; every item runs once, on the second.
+func TestBatchDrainsThroughTheSecondTarget(t *testing.T) {
+	t.Parallel()
+	r := serveRouted(t, nil)
+	r.primary.Close()
+	batch := r.g.createBatch(r.key, prompts("drain", 20))
+	res := r.g.waitTerminal(r.key, batch.Id.String(), 60*time.Second)
+	require.Equal(t, api.BatchStatus("completed"), res.Status)
+	for _, it := range res.Results {
+		require.Equal(t, api.BatchItemStatus("completed"), it.Status)
+		require.Equal(t, api.UpstreamRoute{Provider: "backup", UpstreamModel: "b-instant", Attempts: it.Route.Attempts}, *it.Route)
+		require.Contains(t, []int{1, 2}, it.Route.Attempts, "tried the primary, or skipped it once its circuit opened")
+	}
+	atMostOnce(t, r.backup, "drain")
+	require.Len(t, callsPerPrompt(r.backup), 20)
+	require.Equal(t, sumItems(res), r.g.usage(r.key).Totals.TotalRungs)
+}
+
+// TestOtherModelsDrainWhileOneHasNoTarget: reasoning's only target is down;
+// instant and elements items keep draining, and reasoning's wait (unfailed)
+// until it is back.
+func TestOtherModelsDrainWhileOneHasNoTarget(t *testing.T) {
+	t.Parallel()
+	r := serveRouted(t, nil)
+	r.primary.SetMode(fakeupstream.Down)
+	reasoning := prompts("deep", 10)
+	for _, p := range reasoning {
+		p["model"] = "reasoning"
+	}
+	stuck := r.g.createBatch(r.key, reasoning)
+	elements := prompts("elem", 10)
+	for _, p := range elements {
+		p["model"] = "elements"
+	}
+	flowing := r.g.createBatch(r.key, append(elements, prompts("inst", 10)...))
+	done := r.g.waitTerminal(r.key, flowing.Id.String(), 60*time.Second)
+	require.Equal(t, api.BatchStatus("completed"), done.Status)
+	for _, it := range r.g.results(r.key, stuck.Id.String()).Results {
+		require.Contains(t, []api.BatchItemStatus{"queued", "in_progress"}, it.Status, "an outage fails nothing")
+	}
+	require.Positive(t, len(r.primary.Calls()), "the reasoning target was probed")
+	// Its items are not claimed only to be handed back: the first ones
+	// failed, then one probe at a time (cool-downs of 0.3 s growing to 1 s).
+	requeued := metricValue(t, r.g.scrape(), `gateway_batch_items_total{outcome="requeued"}`)
+	require.Less(t, requeued, 40.0, "items of a model with no target taking calls stay in the queue")
+
+	r.primary.SetMode(fakeupstream.OK)
+	res := r.g.waitTerminal(r.key, stuck.Id.String(), 60*time.Second)
+	require.Equal(t, api.BatchStatus("completed"), res.Status)
+	for _, it := range res.Results {
+		require.Equal(t, "primary", it.Route.Provider)
+	}
+	atMostOnce(t, r.backup, "elem")
+	atMostOnce(t, r.backup, "inst")
+	require.Equal(t, sumItems(done, res), r.g.usage(r.key).Totals.TotalRungs, "billed once")
+}
+
+// otlpReceiver is an in-process OTLP/HTTP trace receiver.
+type otlpReceiver struct {
+	mu    sync.Mutex
+	spans []*tracepb.Span
+}
+
+func (o *otlpReceiver) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	raw, err := io.ReadAll(r.Body)
+	var req collectortrace.ExportTraceServiceRequest
+	if err != nil || r.URL.Path != "/v1/traces" || proto.Unmarshal(raw, &req) != nil {
+		http.Error(w, "bad export", http.StatusBadRequest)
+		return
+	}
+	o.mu.Lock()
+	for _, rs := range req.ResourceSpans {
+		for _, ss := range rs.ScopeSpans {
+			o.spans = append(o.spans, ss.Spans...)
+		}
+	}
+	o.mu.Unlock()
+	w.Header().Set("Content-Type", "application/x-protobuf")
+	out, _ := proto.Marshal(&collectortrace.ExportTraceServiceResponse{})
+	_, _ = w.Write(out)
+}
+
+func (o *otlpReceiver) named(name string) []*tracepb.Span {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	var out []*tracepb.Span
+	for _, s := range o.spans {
+		if s.Name == name {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
+func attr(s *tracepb.Span, key string) *commonpb.AnyValue {
+	for _, a := range s.Attributes {
+		if a.Key == key {
+			return a.Value
+		}
+	}
+	return nil
+}
+
+// TestTracesFollowTheRequest: a request carrying a traceparent yields a server
+// span in that trace with a client span per upstream attempt, GenAI attributes
+// on both, and the trace context sent upstream; no prompt text.
+func TestTracesFollowTheRequest(t *testing.T) {
+	t.Parallel()
+	receiver := &otlpReceiver{}
+	collector := httptest.NewServer(receiver)
+	t.Cleanup(collector.Close)
+	r := serveRouted(t, map[string]string{
+		"OTEL_EXPORTER_OTLP_ENDPOINT": collector.URL, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+		"OTEL_BSP_SCHEDULE_DELAY": "50",
+	})
+	r.primary.SetMode(fakeupstream.Down)
+	const traceID, parentID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+	res := r.g.callWith(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "secret prompt text"},
+		http.Header{"Traceparent": {"00-" + traceID + "-" + parentID + "-01"}})
+	require.Equal(t, http.StatusOK, res.status)
+
+	var server *tracepb.Span
+	require.Eventually(t, func() bool {
+		spans := receiver.named("POST /api/v1/responses")
+		if len(spans) == 1 {
+			server = spans[0]
+		}
+		return server != nil && len(receiver.named("chat b-instant")) == 1
+	}, 10*time.Second, 50*time.Millisecond)
+	require.Equal(t, traceID, fmt.Sprintf("%x", server.TraceId), "the caller's trace continues")
+	require.Equal(t, parentID, fmt.Sprintf("%x", server.ParentSpanId))
+	require.Equal(t, tracepb.Span_SPAN_KIND_SERVER, server.Kind)
+	require.Equal(t, "chat", attr(server, "gen_ai.operation.name").GetStringValue())
+	require.Equal(t, "instant", attr(server, "gen_ai.request.model").GetStringValue())
+	pt, ct := fakeupstream.Usage("secret prompt text")
+	require.Equal(t, int64(pt), attr(server, "gen_ai.usage.input_tokens").GetIntValue())
+	require.Equal(t, int64(ct), attr(server, "gen_ai.usage.output_tokens").GetIntValue())
+
+	failed, answered := receiver.named("chat p-instant")[0], receiver.named("chat b-instant")[0]
+	for i, s := range []*tracepb.Span{failed, answered} {
+		require.Equal(t, server.SpanId, s.ParentSpanId, "attempts are children of the request")
+		require.Equal(t, tracepb.Span_SPAN_KIND_CLIENT, s.Kind)
+		require.Equal(t, int64(i+1), attr(s, "gateway.attempt").GetIntValue())
+	}
+	require.Equal(t, "primary", attr(failed, "gen_ai.system").GetStringValue())
+	require.Equal(t, "unavailable", attr(failed, "error.type").GetStringValue())
+	require.Equal(t, tracepb.Status_STATUS_CODE_ERROR, failed.Status.Code)
+	require.Equal(t, "backup", attr(answered, "gen_ai.system").GetStringValue())
+	require.Equal(t, "b-instant", attr(answered, "gen_ai.response.model").GetStringValue())
+	require.Equal(t, int64(pt), attr(answered, "gen_ai.usage.input_tokens").GetIntValue())
+
+	sent := r.backup.Calls()[0].Traceparent
+	require.Equal(t, "00-"+traceID+"-"+fmt.Sprintf("%x", answered.SpanId)+"-01", sent, "the attempt's context goes upstream")
+	receiver.mu.Lock()
+	defer receiver.mu.Unlock()
+	for _, s := range receiver.spans {
+		for _, a := range s.Attributes {
+			require.NotContains(t, a.Value.GetStringValue(), "secret prompt", "no prompt text in spans unless opted in")
+		}
+	}
+}
+
+// TestConfigCheck: the operator's check names each problem's line.
+func TestConfigCheck(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	good := filepath.Join(dir, "good.yaml")
+	require.NoError(t, os.WriteFile(good, []byte("providers:\n  local: {type: sim}\nmodels:\n  instant: {targets: [local/tiny]}\n"), 0o600))
+	out, err := cli(t, "", "config", "check", good)
+	require.NoError(t, err)
+	require.Equal(t, "instant   ordered: local/tiny\nreasoning not served\nelements  not served\n", out)
+
+	bad := filepath.Join(dir, "bad.yaml")
+	require.NoError(t, os.WriteFile(bad, []byte("providers:\n  local: {type: sim}\nmodels:\n  instant: {targets: [remote/tiny]}\n"), 0o600))
+	_, err = cli(t, "", "config", "check", bad)
+	require.ErrorContains(t, err, `bad.yaml:4: model instant: target "remote/tiny" names provider "remote"`)
+}
+
+// metricValue is the value of one sample of a scrape; zero when absent.
+func metricValue(t *testing.T, scrape, sample string) float64 {
+	t.Helper()
+	for _, line := range strings.Split(scrape, "\n") {
+		if rest, ok := strings.CutPrefix(line, sample+" "); ok {
+			v, err := strconv.ParseFloat(rest, 64)
+			require.NoError(t, err)
+			return v
+		}
+	}
+	return 0
+}
