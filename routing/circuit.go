@@ -2,6 +2,7 @@ package routing
 
 import (
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -49,6 +50,9 @@ func (c CircuitConfig) withDefaults() CircuitConfig {
 type circuit struct {
 	cfg      CircuitConfig
 	onChange func(state int)
+	// healthy is true while the circuit is closed with no failure counted:
+	// the common case, answered without the lock.
+	healthy atomic.Bool
 
 	mu       sync.Mutex
 	state    int
@@ -59,12 +63,17 @@ type circuit struct {
 }
 
 func newCircuit(cfg CircuitConfig, onChange func(state int)) *circuit {
-	return &circuit{cfg: cfg, onChange: onChange}
+	c := &circuit{cfg: cfg, onChange: onChange}
+	c.healthy.Store(true)
+	return c
 }
 
 // allow says whether a call may go to the target now; when it lets a probe
 // through, the circuit holds its one probe slot until the outcome is reported.
 func (c *circuit) allow(now time.Time) bool {
+	if c.healthy.Load() {
+		return true
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	switch {
@@ -105,16 +114,21 @@ func (c *circuit) reopensAt() time.Time {
 // succeeded records an answer (a rejection of the request included): the
 // target is up.
 func (c *circuit) succeeded() {
+	if c.healthy.Load() {
+		return
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.failures, c.cooldown, c.probing = 0, 0, false
 	c.setState(stateClosed)
+	c.healthy.Store(true)
 }
 
 // failed records a failure that says the target is in trouble.
 func (c *circuit) failed(now time.Time) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	c.healthy.Store(false)
 	c.failures++
 	switch c.state {
 	case stateOpen:
@@ -134,6 +148,9 @@ func (c *circuit) failed(now time.Time) {
 // released records an attempt that says nothing of the target (the caller
 // went away): a probe slot it held is free again.
 func (c *circuit) released() {
+	if c.healthy.Load() {
+		return
+	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.probing = false
