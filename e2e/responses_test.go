@@ -205,6 +205,7 @@ func TestDevRunsAndReusesItsData(t *testing.T) {
 		line := waitForLine(t, g.stdout, "API key:")
 		key := strings.TrimSpace(strings.TrimPrefix(line, "API key:"))
 		require.Contains(t, g.stdout.String(), "curl -s "+g.base+"/api/v1/responses")
+		require.Contains(t, g.stdout.String(), "(upstream: sim)")
 		r := g.call(http.MethodPost, "/api/v1/responses", key, map[string]any{"prompt": "hello", "web_search": true})
 		require.Equal(t, http.StatusOK, r.status, string(r.body))
 		require.Equal(t, "supported", r.object(t)["evidence_verdict"])

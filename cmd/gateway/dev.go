@@ -75,7 +75,7 @@ any free port). A port in use is reported at once with what moves it.`,
 				return err
 			}
 			return serve(ctx, cfg, st, logger, func(addr string) {
-				printWelcome(cmd.OutOrStdout(), addr, key, cfg.Upstream, cfg.DatabaseURL)
+				printWelcome(cmd.OutOrStdout(), addr, key, cfg.UpstreamName(), cfg.DatabaseURL)
 			})
 		},
 	}
