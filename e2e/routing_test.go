@@ -310,6 +310,26 @@ func TestTracesFollowTheRequest(t *testing.T) {
 	}
 }
 
+// TestTraceContentWhenOptedIn: GATEWAY_TRACE_CONTENT puts the prompt and the
+// output in the request's span, as GenAI messages.
+func TestTraceContentWhenOptedIn(t *testing.T) {
+	t.Parallel()
+	receiver := &otlpReceiver{}
+	collector := httptest.NewServer(receiver)
+	t.Cleanup(collector.Close)
+	r := serveRouted(t, map[string]string{
+		"OTEL_EXPORTER_OTLP_ENDPOINT": collector.URL, "OTEL_BSP_SCHEDULE_DELAY": "50", "GATEWAY_TRACE_CONTENT": "true",
+	})
+	res := r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "visible prompt", "custom_instructions": "be brief"})
+	require.Equal(t, http.StatusOK, res.status)
+	require.Eventually(t, func() bool { return len(receiver.named("POST /api/v1/responses")) == 1 }, 10*time.Second, 50*time.Millisecond)
+	span := receiver.named("POST /api/v1/responses")[0]
+	require.JSONEq(t, `[{"role":"system","parts":[{"type":"text","content":"be brief"}]},{"role":"user","parts":[{"type":"text","content":"visible prompt"}]}]`,
+		attr(span, "gen_ai.input.messages").GetStringValue())
+	require.JSONEq(t, `[{"role":"assistant","parts":[{"type":"text","content":"`+fakeupstream.Reply("visible prompt")+`"}]}]`,
+		attr(span, "gen_ai.output.messages").GetStringValue())
+}
+
 // TestConfigCheck: the operator's check names each problem's line.
 func TestConfigCheck(t *testing.T) {
 	t.Parallel()
