@@ -230,6 +230,22 @@ func (o *otlpReceiver) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	_, _ = w.Write(out)
 }
 
+// serveTraced is serveRouted exporting its spans (flushed every 50 ms) to an
+// in-process OTLP/HTTP receiver.
+func serveTraced(t *testing.T, extra map[string]string) (*routed, *otlpReceiver) {
+	t.Helper()
+	receiver := &otlpReceiver{}
+	collector := httptest.NewServer(receiver)
+	t.Cleanup(collector.Close)
+	env := map[string]string{
+		"OTEL_EXPORTER_OTLP_ENDPOINT": collector.URL, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_BSP_SCHEDULE_DELAY": "50",
+	}
+	for k, v := range extra {
+		env[k] = v
+	}
+	return serveRouted(t, env), receiver
+}
+
 func (o *otlpReceiver) named(name string) []*tracepb.Span {
 	o.mu.Lock()
 	defer o.mu.Unlock()
@@ -256,13 +272,7 @@ func attr(s *tracepb.Span, key string) *commonpb.AnyValue {
 // on both, and the trace context sent upstream; no prompt text.
 func TestTracesFollowTheRequest(t *testing.T) {
 	t.Parallel()
-	receiver := &otlpReceiver{}
-	collector := httptest.NewServer(receiver)
-	t.Cleanup(collector.Close)
-	r := serveRouted(t, map[string]string{
-		"OTEL_EXPORTER_OTLP_ENDPOINT": collector.URL, "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
-		"OTEL_BSP_SCHEDULE_DELAY": "50",
-	})
+	r, receiver := serveTraced(t, nil)
 	r.primary.SetMode(fakeupstream.Down)
 	const traceID, parentID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 	res := r.g.callWith(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "secret prompt text"},
@@ -314,12 +324,7 @@ func TestTracesFollowTheRequest(t *testing.T) {
 // output in the request's span, as GenAI messages.
 func TestTraceContentWhenOptedIn(t *testing.T) {
 	t.Parallel()
-	receiver := &otlpReceiver{}
-	collector := httptest.NewServer(receiver)
-	t.Cleanup(collector.Close)
-	r := serveRouted(t, map[string]string{
-		"OTEL_EXPORTER_OTLP_ENDPOINT": collector.URL, "OTEL_BSP_SCHEDULE_DELAY": "50", "GATEWAY_TRACE_CONTENT": "true",
-	})
+	r, receiver := serveTraced(t, map[string]string{"GATEWAY_TRACE_CONTENT": "true"})
 	res := r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "visible prompt", "custom_instructions": "be brief"})
 	require.Equal(t, http.StatusOK, res.status)
 	require.Eventually(t, func() bool { return len(receiver.named("POST /api/v1/responses")) == 1 }, 10*time.Second, 50*time.Millisecond)
