@@ -180,7 +180,7 @@ func (d *Drainer) Run(ctx context.Context) {
 			probes, failed = d.claim(ctx, commits, 1, probing)
 			free -= len(probes)
 		}
-		if len(serving) > 0 && !failed {
+		if len(serving) > 0 && free > 0 && !failed {
 			items, failed = d.claim(ctx, commits, free, serving)
 		}
 		if failed {
