@@ -310,8 +310,9 @@ func (d *Drainer) run(ctx, commits context.Context, it store.ClaimedItem) {
 			}
 		},
 	})
-	d.cfg.Metrics.Upstream(string(req.Model), upstream.Kind(err), time.Since(start))
-	tracing.Fail(ctx, upstream.Kind(err))
+	kind := upstream.Kind(err)
+	d.cfg.Metrics.Upstream(string(req.Model), kind, time.Since(start))
+	tracing.Fail(ctx, kind)
 	result := store.ItemResult{BatchID: it.BatchID, Index: it.Index, Model: req.Model}
 	var rejected *upstream.RejectedError
 	switch {

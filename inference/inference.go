@@ -159,9 +159,8 @@ func (s *Service) Complete(ctx context.Context, call *Call) (*Result, error) {
 	s.trace(ctx, call)
 	start := time.Now()
 	res, err := s.Provider.Complete(ctx, s.upstreamRequest(call))
-	s.Metrics.Upstream(string(call.Request.Model), upstream.Kind(err), time.Since(start))
+	s.observe(ctx, call, err, start)
 	if err != nil {
-		tracing.Fail(ctx, upstream.Kind(err))
 		s.release(call)
 		return nil, s.upstreamError(ctx, err)
 	}
@@ -188,8 +187,7 @@ func (s *Service) Stream(ctx context.Context, call *Call, emit func(upstream.Del
 		started = true
 		return emit(d)
 	})
-	s.Metrics.Upstream(string(call.Request.Model), upstream.Kind(err), time.Since(start))
-	tracing.Fail(ctx, upstream.Kind(err))
+	s.observe(ctx, call, err, start)
 	if err != nil && !started {
 		s.release(call)
 		return nil, s.upstreamError(ctx, err)
@@ -207,6 +205,14 @@ func (s *Service) Stream(ctx context.Context, call *Call, emit func(upstream.Del
 		return committed, fmt.Errorf("%w: %w", ErrCallerGone, err)
 	}
 	return committed, s.upstreamError(ctx, err)
+}
+
+// observe records the outcome of a call's upstream run, begun at start, in
+// the metrics and on the request's span.
+func (s *Service) observe(ctx context.Context, call *Call, err error, start time.Time) {
+	kind := upstream.Kind(err)
+	s.Metrics.Upstream(string(call.Request.Model), kind, time.Since(start))
+	tracing.Fail(ctx, kind)
 }
 
 // trace describes the call on the request's span.

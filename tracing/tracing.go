@@ -41,7 +41,6 @@ const (
 	OutputMessages    = attribute.Key("gen_ai.output.messages")
 	ErrorType         = attribute.Key("error.type")
 	Attempt           = attribute.Key("gateway.attempt")
-	Attempts          = attribute.Key("gateway.attempts")
 	InputRungs        = attribute.Key("gateway.usage.input_rungs")
 	OutputRungs       = attribute.Key("gateway.usage.output_rungs")
 	RequestID         = attribute.Key("gateway.request_id")
@@ -66,18 +65,18 @@ type Options struct {
 	Version string
 }
 
-// Configured reports whether the environment names an OTLP endpoint.
-func Configured() bool {
+// configured reports whether the environment names an OTLP endpoint.
+func configured() bool {
 	return os.Getenv("OTEL_EXPORTER_OTLP_ENDPOINT") != "" || os.Getenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") != ""
 }
 
-// Setup starts exporting spans over OTLP/HTTP when Configured (the exporter
+// Setup starts exporting spans over OTLP/HTTP when configured (the exporter
 // reads the standard OTEL_EXPORTER_OTLP_* variables, the SDK OTEL_TRACES_SAMPLER
 // and OTEL_RESOURCE_ATTRIBUTES; OTEL_SERVICE_NAME defaults to "gateway"). The
 // returned func flushes and stops the exporter; it is a no-op when tracing is
 // off.
 func Setup(ctx context.Context, opts Options) (func(context.Context) error, error) {
-	if !Configured() {
+	if !configured() {
 		return func(context.Context) error { return nil }, nil
 	}
 	exporter, err := otlptracehttp.New(ctx)
