@@ -248,6 +248,85 @@ func TestClaimIsFair(t *testing.T) {
 	}
 }
 
+// TestClaimShares: an account's share of a claim is the claim divided among
+// the accounts with work, and at least PerAccount.
+func TestClaimShares(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	perAccount := func(items []store.ClaimedItem) map[uuid.UUID]int {
+		n := map[uuid.UUID]int{}
+		for _, it := range items {
+			n[it.AccountID]++
+		}
+		return n
+	}
+	_, alone := b.key(t, "alone", gateway.TierDeveloper, gateway.ScopeInference)
+	b.newBatch(t, alone, 30, 1, "", day())
+	items, err := b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: uuid.Must(uuid.NewV7()), Max: 10, PerAccount: 5, Lease: time.Minute})
+	require.NoError(t, err)
+	require.Len(t, items, 10, "an account alone with work takes the whole claim")
+
+	var others []*gateway.Principal
+	for _, name := range []string{"second", "third"} {
+		_, p := b.key(t, name, gateway.TierDeveloper, gateway.ScopeInference)
+		b.newBatch(t, p, 30, 1, "", day())
+		others = append(others, p)
+	}
+	items, err = b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: uuid.Must(uuid.NewV7()), Max: 9, PerAccount: 1, Lease: time.Minute})
+	require.NoError(t, err)
+	require.Equal(t, map[uuid.UUID]int{alone.AccountID: 3, others[0].AccountID: 3, others[1].AccountID: 3}, perAccount(items),
+		"three accounts share a claim of nine")
+	items, err = b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: uuid.Must(uuid.NewV7()), Max: 9, PerAccount: 4, Lease: time.Minute})
+	require.NoError(t, err)
+	require.Len(t, items, 9)
+	for account, n := range perAccount(items) {
+		require.LessOrEqual(t, n, 4, "account %s", account)
+	}
+}
+
+// TestClaimMixesCappedAndUncapped: in one claim, items of an uncapped project
+// are claimed as they are, and those of a capped project reserve their
+// estimates in order until the cap refuses one, which fails the rest of its
+// batch.
+func TestClaimMixesCappedAndUncapped(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, capped := b.key(t, "capped", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "capped", nil, ptr(int64(250)))
+	_, free := b.key(t, "free", gateway.TierDeveloper, gateway.ScopeInference)
+	cappedID := b.newBatch(t, capped, 5, 100, "", day())
+	freeID := b.newBatch(t, free, 5, 100, "", day())
+
+	items, err := b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: uuid.Must(uuid.NewV7()), Max: 10, PerAccount: 5, Lease: time.Minute})
+	require.NoError(t, err)
+	claimed := map[uuid.UUID][]int{}
+	refused := map[uuid.UUID][]int{}
+	for _, it := range items {
+		require.True(t, it.BatchQueued)
+		if it.BudgetRefused {
+			refused[it.BatchID] = append(refused[it.BatchID], it.Index)
+		} else {
+			claimed[it.BatchID] = append(claimed[it.BatchID], it.Index)
+		}
+	}
+	require.ElementsMatch(t, []int{0, 1, 2, 3, 4}, claimed[freeID])
+	require.Equal(t, []int{0, 1}, claimed[cappedID], "the cap fits the first two, in order")
+	require.Equal(t, []int{2}, refused[cappedID])
+	require.Empty(t, refused[freeID])
+	require.Equal(t, int64(200), b.view(t, capped).Budget.Reserved)
+
+	_, results := b.batch(t, capped, cappedID)
+	for _, r := range results[2:] {
+		require.Equal(t, gateway.ItemFailed, r.Status)
+		require.Equal(t, gateway.EBudgetExceeded, r.Error.Code)
+	}
+	_, results = b.batch(t, free, freeID)
+	for _, r := range results {
+		require.Equal(t, gateway.ItemInProgress, r.Status)
+	}
+	require.Empty(t, b.claim(t, uuid.Must(uuid.NewV7()), 10, time.Minute), "nothing is left to claim")
+}
+
 func TestCompleteItemsAndBatchLifecycle(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
