@@ -327,9 +327,18 @@ func (s *Store) finishIfDone(ctx context.Context, tx pgx.Tx, id uuid.UUID) error
 }
 
 // FinishBatches makes each batch terminal whose items all reached an outcome.
-// A batch that fails is reported and the others are still finished.
+// One read picks the batches with nothing left to run; only those are locked
+// and finished, each in its own transaction (a lock is a durable commit), and
+// one that fails is reported while the others are still finished.
 func (s *Store) FinishBatches(ctx context.Context, ids []uuid.UUID) error {
-	return eachBatch(ids, func(id uuid.UUID) error {
+	if len(ids) == 0 {
+		return nil
+	}
+	done, err := s.queries.DoneBatches(ctx, s.pool, ids)
+	if err != nil {
+		return fmt.Errorf("error finding finished batches: %w", err)
+	}
+	return eachBatch(done, func(id uuid.UUID) error {
 		return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error { return s.finishIfDone(ctx, tx, id) })
 	})
 }

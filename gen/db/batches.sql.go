@@ -203,6 +203,35 @@ func (q *Queries) DeleteOldBatches(ctx context.Context, db DBTX, arg DeleteOldBa
 	return result.RowsAffected(), nil
 }
 
+const doneBatches = `-- name: DoneBatches :many
+SELECT b.id::uuid AS id FROM unnest($1::uuid[]) AS b(id)
+WHERE NOT EXISTS (
+    SELECT 1 FROM batch_items i WHERE i.batch_id = b.id AND i.status IN ('queued', 'in_progress')
+)
+`
+
+// Of the batches given, those with no item queued or running, read without
+// locks: only these can be finished (the finish locks and counts again).
+func (q *Queries) DoneBatches(ctx context.Context, db DBTX, ids []uuid.UUID) ([]uuid.UUID, error) {
+	rows, err := db.Query(ctx, doneBatches, ids)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []uuid.UUID
+	for rows.Next() {
+		var id uuid.UUID
+		if err := rows.Scan(&id); err != nil {
+			return nil, err
+		}
+		items = append(items, id)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const expireIdempotencyKeys = `-- name: ExpireIdempotencyKeys :execrows
 UPDATE batches SET idempotency_key = NULL
 WHERE batches.id IN (SELECT x.id FROM batches x WHERE x.idempotency_key IS NOT NULL AND x.created_at < $1 LIMIT $2)

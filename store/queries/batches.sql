@@ -66,6 +66,14 @@ FROM batch_items
 WHERE batch_id = @batch_id
 ORDER BY idx;
 
+-- name: DoneBatches :many
+-- Of the batches given, those with no item queued or running, read without
+-- locks: only these can be finished (the finish locks and counts again).
+SELECT b.id::uuid AS id FROM unnest(@ids::uuid[]) AS b(id)
+WHERE NOT EXISTS (
+    SELECT 1 FROM batch_items i WHERE i.batch_id = b.id AND i.status IN ('queued', 'in_progress')
+);
+
 -- name: LockBatch :one
 -- The batch's status, locked for a transition, with the facts of its items.
 SELECT b.status, f.unfinished, f.running, f.succeeded, f.expired_items, f.first_error
