@@ -44,18 +44,19 @@ func run(binary, replicaList string, batches, probes int) error {
 	defer fake.Close()
 
 	fmt.Printf("batch drain, instant upstream, %d batches × 100 items per run, %d cores\n\n", batches, runtime.NumCPU())
-	fmt.Println("| replicas | items | seconds | items/s |")
-	fmt.Println("|---|---|---|---|")
+	fmt.Println("| replicas | items | seconds | items/s | CPU/item gateway | CPU/item PostgreSQL |")
+	fmt.Println("|---|---|---|---|---|---|")
 	for _, field := range strings.Split(replicaList, ",") {
 		n, err := strconv.Atoi(strings.TrimSpace(field))
 		if err != nil || n < 1 {
 			return fmt.Errorf("bad replica count %q", field)
 		}
-		items, secs, err := drain(env, fake, n, batches)
+		r, err := drain(env, fake, n, batches)
 		if err != nil {
 			return err
 		}
-		fmt.Printf("| %d | %d | %.2f | %.0f |\n", n, items, secs, float64(items)/secs)
+		fmt.Printf("| %d | %d | %.2f | %.0f | %s | %s |\n", n, r.items, r.seconds, float64(r.items)/r.seconds,
+			perItem(r.gatewayCPU, r.items), perItem(r.postgresCPU, r.items))
 	}
 
 	p50, p99, err := dispatchLatency(env, fake, probes)
@@ -66,18 +67,49 @@ func run(binary, replicaList string, batches, probes int) error {
 	return nil
 }
 
+// result is one drain run: the items, the seconds from the first creation to
+// the last batch completed, and the CPU the gateway replicas and PostgreSQL
+// spent in that time (creating the batches included).
+type result struct {
+	items                   int
+	seconds                 float64
+	gatewayCPU, postgresCPU time.Duration
+}
+
+// cpu is the CPU time the gateway processes pids and PostgreSQL have used so far.
+func cpu(pids []int) (gateway, postgres time.Duration, err error) {
+	for _, pid := range pids {
+		c, err := benchenv.ProcessCPU(pid)
+		if err != nil {
+			return 0, 0, err
+		}
+		gateway += c
+	}
+	postgres, err = benchenv.PostgresCPU()
+	return gateway, postgres, err
+}
+
+func perItem(d time.Duration, items int) string {
+	return fmt.Sprintf("%.3f ms", float64(d.Microseconds())/1000/float64(items))
+}
+
 // drain creates the batches through n replicas and times until all are terminal.
-func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, batches int) (int, float64, error) {
+func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, batches int) (result, error) {
 	defer env.StopServers()
 	vars, key, err := env.Fresh(fmt.Sprintf("drain_%d", replicas), fake.BaseURL())
 	if err != nil {
-		return 0, 0, err
+		return result{}, err
 	}
 	bases := make([]string, replicas)
+	pids := make([]int, replicas)
 	for i := range bases {
-		if bases[i], err = env.Serve(vars); err != nil {
-			return 0, 0, err
+		if bases[i], pids[i], err = env.ServeProcess(vars); err != nil {
+			return result{}, err
 		}
+	}
+	gatewayBefore, postgresBefore, err := cpu(pids)
+	if err != nil {
+		return result{}, err
 	}
 	requests := make([]map[string]any, 100)
 	for i := range requests {
@@ -106,24 +138,30 @@ func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, batches int) 
 	wg.Wait()
 	close(errs)
 	if err := <-errs; err != nil {
-		return 0, 0, err
+		return result{}, err
 	}
 	for _, id := range ids {
 		for {
 			var b struct{ Status string }
 			if err := get(bases[0]+"/api/v1/batch/"+id, key, &b); err != nil {
-				return 0, 0, err
+				return result{}, err
 			}
 			if b.Status == "completed" {
 				break
 			}
 			if b.Status == "failed" || b.Status == "expired" || b.Status == "cancelled" {
-				return 0, 0, fmt.Errorf("batch %s ended %s", id, b.Status)
+				return result{}, fmt.Errorf("batch %s ended %s", id, b.Status)
 			}
 			time.Sleep(20 * time.Millisecond)
 		}
 	}
-	return batches * 100, time.Since(start).Seconds(), nil
+	r := result{items: batches * 100, seconds: time.Since(start).Seconds()}
+	gatewayAfter, postgresAfter, err := cpu(pids)
+	if err != nil {
+		return result{}, err
+	}
+	r.gatewayCPU, r.postgresCPU = gatewayAfter-gatewayBefore, postgresAfter-postgresBefore
+	return r, nil
 }
 
 // dispatchLatency creates one-item batches on an idle replica and measures
