@@ -44,7 +44,7 @@ func run(binary, replicaList string, batches, probes int) error {
 	defer fake.Close()
 
 	fmt.Printf("batch drain, instant upstream, %d batches × 100 items per run, %d cores\n\n", batches, runtime.NumCPU())
-	fmt.Println("| replicas | items | seconds | items/s | CPU/item gateway | CPU/item PostgreSQL |")
+	fmt.Println("| replicas | items | seconds (creating) | items/s | CPU/item gateway (creating) | CPU/item PostgreSQL (creating) |")
 	fmt.Println("|---|---|---|---|---|---|")
 	for _, field := range strings.Split(replicaList, ",") {
 		n, err := strconv.Atoi(strings.TrimSpace(field))
@@ -55,8 +55,8 @@ func run(binary, replicaList string, batches, probes int) error {
 		if err != nil {
 			return err
 		}
-		fmt.Printf("| %d | %d | %.2f | %.0f | %s | %s |\n", n, r.items, r.seconds, float64(r.items)/r.seconds,
-			perItem(r.gatewayCPU, r.items), perItem(r.postgresCPU, r.items))
+		fmt.Printf("| %d | %d | %.2f (%.2f) | %.0f | %s (%s) | %s (%s) |\n", n, r.items, r.seconds, r.created.seconds, float64(r.items)/r.seconds,
+			perItem(r.gatewayCPU, r.items), perItem(r.created.gatewayCPU, r.items), perItem(r.postgresCPU, r.items), perItem(r.created.postgresCPU, r.items))
 	}
 
 	p50, p99, err := dispatchLatency(env, fake, probes)
@@ -69,11 +69,25 @@ func run(binary, replicaList string, batches, probes int) error {
 
 // result is one drain run: the items, the seconds from the first creation to
 // the last batch completed, and the CPU the gateway replicas and PostgreSQL
-// spent in that time (creating the batches included).
+// spent in that time; created is the same until the last batch was created
+// (the replicas drain while batches are being created).
 type result struct {
+	phase
+	created phase
+}
+
+type phase struct {
 	items                   int
 	seconds                 float64
 	gatewayCPU, postgresCPU time.Duration
+}
+
+// since is the phase from start and the CPU times before to now.
+func since(start time.Time, items int, pids []int, gatewayBefore, postgresBefore time.Duration) (phase, error) {
+	p := phase{items: items, seconds: time.Since(start).Seconds()}
+	gateway, postgres, err := cpu(pids)
+	p.gatewayCPU, p.postgresCPU = gateway-gatewayBefore, postgres-postgresBefore
+	return p, err
 }
 
 // cpu is the CPU time the gateway processes pids and PostgreSQL have used so far.
@@ -140,6 +154,10 @@ func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, batches int) 
 	if err := <-errs; err != nil {
 		return result{}, err
 	}
+	var r result
+	if r.created, err = since(start, batches*100, pids, gatewayBefore, postgresBefore); err != nil {
+		return result{}, err
+	}
 	for _, id := range ids {
 		for {
 			var b struct{ Status string }
@@ -155,13 +173,8 @@ func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, batches int) 
 			time.Sleep(20 * time.Millisecond)
 		}
 	}
-	r := result{items: batches * 100, seconds: time.Since(start).Seconds()}
-	gatewayAfter, postgresAfter, err := cpu(pids)
-	if err != nil {
-		return result{}, err
-	}
-	r.gatewayCPU, r.postgresCPU = gatewayAfter-gatewayBefore, postgresAfter-postgresBefore
-	return r, nil
+	r.phase, err = since(start, batches*100, pids, gatewayBefore, postgresBefore)
+	return r, err
 }
 
 // dispatchLatency creates one-item batches on an idle replica and measures
