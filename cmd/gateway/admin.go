@@ -9,7 +9,6 @@ import (
 	"path/filepath"
 	"strings"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/spf13/cobra"
 
 	"github.com/rungworks/gateway"
@@ -46,9 +45,9 @@ func withStore(ctx context.Context, stderr io.Writer, fn func(*store.Store) erro
 		cfg.DatabaseURL, dev = strings.TrimSpace(string(raw)), true
 		fmt.Fprintf(stderr, "DATABASE_URL is unset: using the dev database of %s/ (%s)\n", devDataDir, cfg.DatabaseURL)
 	}
-	pool, err := pgxpool.New(ctx, cfg.DatabaseURL)
+	pool, err := store.Connect(ctx, cfg.DatabaseURL, 0)
 	if err != nil {
-		return fmt.Errorf("error connecting to PostgreSQL: %w", err)
+		return err
 	}
 	defer pool.Close()
 	if err := pool.Ping(ctx); err != nil {

@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/spf13/cobra"
 
 	"github.com/rungworks/gateway/access"
@@ -55,14 +54,9 @@ func serveCmd(logger *slog.Logger) *cobra.Command {
 
 // openStore connects to PostgreSQL and applies pending migrations.
 func openStore(ctx context.Context, cfg config.Config) (*store.Store, error) {
-	poolCfg, err := pgxpool.ParseConfig(cfg.DatabaseURL)
+	pool, err := store.Connect(ctx, cfg.DatabaseURL, cfg.DBMaxConns)
 	if err != nil {
-		return nil, fmt.Errorf("error parsing DATABASE_URL: %w", err)
-	}
-	poolCfg.MaxConns = cfg.DBMaxConns
-	pool, err := pgxpool.NewWithConfig(ctx, poolCfg)
-	if err != nil {
-		return nil, fmt.Errorf("error connecting to PostgreSQL: %w", err)
+		return nil, err
 	}
 	if _, err := store.Migrate(ctx, pool); err != nil {
 		pool.Close()

@@ -25,6 +25,7 @@ import (
 
 	"github.com/rungworks/gateway/migrations"
 	"github.com/rungworks/gateway/pglocal"
+	"github.com/rungworks/gateway/store"
 )
 
 var (
@@ -75,7 +76,7 @@ func New(t testing.TB) *pgxpool.Pool {
 // Connect returns a pool on url, closed when the test ends.
 func Connect(t testing.TB, url string) *pgxpool.Pool {
 	t.Helper()
-	pool, err := pgxpool.New(context.Background(), url)
+	pool, err := store.Connect(context.Background(), url, 0)
 	if err != nil {
 		t.Fatalf("error connecting to test database: %v", err)
 	}
