@@ -66,6 +66,13 @@ func New(cfg Config) *Client {
 		IdleConnTimeout:       90 * time.Second,
 		TLSHandshakeTimeout:   5 * time.Second,
 		ResponseHeaderTimeout: cfg.Timeout,
+		// An HTTP/1.1 connection keeps its buffers while its call waits, up to
+		// minutes for a stream's first token: 4 KiB each way by default. The
+		// request's head and an event of a stream fit in 1 KiB; a larger body
+		// or reply is read and written past the buffer, straight from and to
+		// the caller's slice.
+		ReadBufferSize:  1 << 10,
+		WriteBufferSize: 1 << 10,
 		// A custom DialContext turns HTTP/2 off unless asked for: HTTPS upstreams
 		// multiplex calls over few connections instead of one per call.
 		ForceAttemptHTTP2: true,

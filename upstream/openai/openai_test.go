@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net"
+	"strings"
 	"testing"
 	"time"
 
@@ -166,6 +167,28 @@ func TestStream(t *testing.T) {
 	require.Equal(t, pt, res.InputTokens)
 	require.Equal(t, ct, res.OutputTokens)
 	require.Len(t, res.Sources, 1)
+}
+
+// TestLargeBodiesPassTheSmallBuffers: the connection buffers are 1 KiB; a
+// 100 KB prompt, its reply and a stream event of 3 KB pass whole.
+func TestLargeBodiesPassTheSmallBuffers(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	large := req
+	large.Prompt = strings.Repeat("word ", 20000) + strings.Repeat("x", 3000)
+	res, err := b.client.Complete(context.Background(), large)
+	require.NoError(t, err)
+	require.Equal(t, fakeupstream.Reply(large.Prompt), res.Content)
+	require.Equal(t, large.Prompt, b.fake.Calls()[0].Prompt)
+
+	var longest int
+	res, err = b.client.Stream(context.Background(), large, func(d upstream.Delta) error {
+		longest = max(longest, len(d.Content))
+		return nil
+	})
+	require.NoError(t, err)
+	require.Equal(t, fakeupstream.Reply(large.Prompt), res.Content)
+	require.Equal(t, 3000, longest, "the last piece, one event of 3 KB")
 }
 
 func TestStreamBrokenMidway(t *testing.T) {
