@@ -59,13 +59,15 @@ func New(cfg Config) *Client {
 	}
 	cfg.BaseURL = strings.TrimRight(cfg.BaseURL, "/")
 	transport := &http.Transport{
-		Proxy:                 http.ProxyFromEnvironment,
-		DialContext:           (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
-		MaxIdleConns:          1024,
-		MaxIdleConnsPerHost:   512,
-		IdleConnTimeout:       90 * time.Second,
-		TLSHandshakeTimeout:   5 * time.Second,
-		ResponseHeaderTimeout: cfg.Timeout,
+		Proxy:               http.ProxyFromEnvironment,
+		DialContext:         (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+		MaxIdleConns:        1024,
+		MaxIdleConnsPerHost: 512,
+		IdleConnTimeout:     90 * time.Second,
+		TLSHandshakeTimeout: 5 * time.Second,
+		// No ResponseHeaderTimeout: Complete's deadline and Stream's watchdog
+		// already bound the wait for the reply, and it would cost every call a
+		// timer of its own for as long as it waits.
 		// An HTTP/1.1 connection keeps its buffers while its call waits, up to
 		// minutes for a stream's first token: 4 KiB each way by default. The
 		// request's head and an event of a stream fit in 1 KiB; a larger body
