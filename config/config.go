@@ -25,6 +25,7 @@ import (
 type Config struct {
 	DatabaseURL       string        `env:"DATABASE_URL"`
 	Listen            string        `env:"GATEWAY_LISTEN" envDefault:":8080"`
+	H2C               bool          `env:"GATEWAY_H2C"`
 	File              string        `env:"GATEWAY_CONFIG"`
 	Upstream          string        `env:"GATEWAY_UPSTREAM"`
 	UpstreamKey       string        `env:"GATEWAY_UPSTREAM_KEY"`

@@ -99,6 +99,8 @@ type gateway struct {
 	stderr  *syncbuf.Buffer
 	stdout  *syncbuf.Buffer
 	done    chan error
+	// client sends call's requests; nil is http.DefaultClient.
+	client *http.Client
 }
 
 // start runs the binary with args and env, and waits until it serves.
@@ -180,6 +182,7 @@ func (g *gateway) stop() error {
 
 type reply struct {
 	status int
+	proto  int // the HTTP major version it came over
 	header http.Header
 	body   []byte
 }
@@ -213,11 +216,15 @@ func (g *gateway) callWith(method, path, key string, body any, header http.Heade
 		}
 		return req
 	}
-	resp, err := http.DefaultClient.Do(newReq())
+	client := g.client
+	if client == nil {
+		client = http.DefaultClient
+	}
+	resp, err := client.Do(newReq())
 	require.NoError(g.t, err)
 	defer resp.Body.Close()
 	got := apitest.Validate(g.t, newReq(), resp)
-	return reply{status: resp.StatusCode, header: resp.Header, body: got}
+	return reply{status: resp.StatusCode, proto: resp.ProtoMajor, header: resp.Header, body: got}
 }
 
 func jsonBody(t *testing.T, v any) io.Reader {

@@ -48,9 +48,12 @@ func run(binary string, requests, idle int, release time.Duration) error {
 	if err := syscall.Setrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
 		return fmt.Errorf("raising the open-file limit: %w", err)
 	}
+	// Over HTTP/2 both ways streams share a few connections; otherwise each
+	// costs a descriptor or two.
+	fitting := idle
 	if fit := int(lim.Max-1024) / 2; idle > fit {
-		fmt.Printf("open-file limit %d: measuring %d idle streams instead of %d\n\n", lim.Max, fit, idle)
-		idle = fit
+		fmt.Printf("open-file limit %d: measuring %d idle streams instead of %d where each needs a connection\n\n", lim.Max, fit, idle)
+		fitting = fit
 	}
 	env, err := benchenv.Start(binary)
 	if err != nil {
@@ -60,12 +63,30 @@ func run(binary string, requests, idle int, release time.Duration) error {
 	if err := firstToken(env, requests); err != nil {
 		return err
 	}
-	for _, h2c := range []bool{false, true} {
-		if err := idleStreams(env, idle, h2c, release); err != nil {
+	for _, p := range []protocols{{}, {upstream: true}, {upstream: true, inbound: true}} {
+		n := fitting
+		if p.inbound {
+			n = idle
+		}
+		if err := idleStreams(env, n, p, release); err != nil {
 			return err
 		}
 	}
 	return nil
+}
+
+// protocols says where HTTP/2 without TLS (h2c) is spoken: from the gateway to
+// the upstream, and from the clients (a load balancer) to the gateway.
+type protocols struct{ upstream, inbound bool }
+
+func (p protocols) String() string {
+	switch {
+	case p.inbound:
+		return "HTTP/2 both ways (h2c from the clients, as a load balancer would, and to the upstream)"
+	case p.upstream:
+		return "HTTP/2 upstream (h2c, calls multiplexed)"
+	}
+	return "HTTP/1.1 upstream (a connection per call)"
 }
 
 func firstToken(env *benchenv.Env, n int) error {
@@ -135,12 +156,12 @@ func timeToMarker(client *http.Client, req *http.Request, marker string) (time.D
 	return 0, fmt.Errorf("no %q in the stream of %s", marker, req.URL)
 }
 
-func idleStreams(env *benchenv.Env, n int, h2c bool, release time.Duration) error {
+func idleStreams(env *benchenv.Env, n int, p protocols, release time.Duration) error {
 	defer env.StopServers()
 	fake := fakeupstream.New()
 	defer fake.Close()
-	vars, key, err := env.Fresh(fmt.Sprintf("idle_streams_%v", h2c), fake.BaseURL(), "GATEWAY_SSE_KEEPALIVE=5s", "GATEWAY_UPSTREAM_TIMEOUT=10m",
-		fmt.Sprintf("GATEWAY_UPSTREAM_H2C=%v", h2c))
+	vars, key, err := env.Fresh(fmt.Sprintf("idle_streams_%v_%v", p.upstream, p.inbound), fake.BaseURL(), "GATEWAY_SSE_KEEPALIVE=5s", "GATEWAY_UPSTREAM_TIMEOUT=10m",
+		fmt.Sprintf("GATEWAY_UPSTREAM_H2C=%v", p.upstream), fmt.Sprintf("GATEWAY_H2C=%v", p.inbound))
 	if err != nil {
 		return err
 	}
@@ -148,7 +169,12 @@ func idleStreams(env *benchenv.Env, n int, h2c bool, release time.Duration) erro
 	if err != nil {
 		return err
 	}
-	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: -1}}
+	transport := &http.Transport{MaxIdleConnsPerHost: -1}
+	if p.inbound {
+		transport.Protocols = new(http.Protocols)
+		transport.Protocols.SetUnencryptedHTTP2(true)
+	}
+	client := &http.Client{Transport: transport}
 	body := []byte(`{"stream":true,"prompt":"wait with me","max_output_rungs":100}`)
 	// Idle is a replica that has served: a few streams to the end first, so
 	// that what it builds on first use (the tokenizer's tables) is counted in
@@ -204,11 +230,7 @@ func idleStreams(env *benchenv.Env, n int, h2c bool, release time.Duration) erro
 	if err != nil {
 		return err
 	}
-	protocol := "HTTP/1.1 upstream (a connection per call)"
-	if h2c {
-		protocol = "HTTP/2 upstream (h2c, calls multiplexed)"
-	}
-	fmt.Printf("idle streams, %s: %d open (%d failed) in %s, %d upstream calls held\n\n", protocol, len(open), failures, opened.Round(time.Millisecond), len(fake.Calls()))
+	fmt.Printf("idle streams, %s: %d open (%d failed) in %s, %d upstream calls held\n\n", p, len(open), failures, opened.Round(time.Millisecond), len(fake.Calls()))
 	perStream := float64(after-before) / float64(max(1, len(open)))
 	for _, c := range open {
 		c.Close()

@@ -146,7 +146,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	if err != nil {
 		return fmt.Errorf("cannot listen on %s: %w; set GATEWAY_LISTEN to another address (another gateway on this host?)", cfg.Listen, err)
 	}
-	httpServer := newHTTPServer(srv)
+	httpServer := newHTTPServer(srv, cfg.H2C)
 	servers := []*http.Server{httpServer}
 	errc := make(chan error, 2)
 	go func() { errc <- httpServer.Serve(ln) }()
@@ -156,7 +156,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 			ln.Close()
 			return fmt.Errorf("cannot listen for metrics on %s: %w; set GATEWAY_METRICS_LISTEN to another address, or off (each replica on a host needs its own)", cfg.MetricsListen, err)
 		}
-		metricsServer := newHTTPServer(m.Handler(cfg.Pprof))
+		metricsServer := newHTTPServer(m.Handler(cfg.Pprof), false)
 		servers = append(servers, metricsServer)
 		go func() { errc <- metricsServer.Serve(metricsLn) }()
 		logger.Info("metrics listening", "addr", metricsLn.Addr().String())
@@ -234,12 +234,20 @@ func shutdown(cfg config.Config, srv *server.Server, servers []*http.Server, log
 // stay under 64 KiB, idle connections close after 2 minutes. Bodies are bounded
 // per route (GATEWAY_BODY_TIMEOUT, answered 408), not by a whole-request read
 // timeout, which would also cut streams that outlive it. There is no write
-// timeout: streams last as long as inference does.
-func newHTTPServer(h http.Handler) *http.Server {
-	return &http.Server{
+// timeout: streams last as long as inference does. With h2c, HTTP/2 without
+// TLS (prior knowledge, as a load balancer speaks it) is served beside
+// HTTP/1.1: many requests share a connection instead of one connection each.
+func newHTTPServer(h http.Handler, h2c bool) *http.Server {
+	s := &http.Server{
 		Handler:           h,
 		ReadHeaderTimeout: 10 * time.Second,
 		IdleTimeout:       2 * time.Minute,
 		MaxHeaderBytes:    64 << 10,
 	}
+	if h2c {
+		s.Protocols = new(http.Protocols)
+		s.Protocols.SetHTTP1(true)
+		s.Protocols.SetUnencryptedHTTP2(true)
+	}
+	return s
 }
