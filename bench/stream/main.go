@@ -26,17 +26,18 @@ import (
 
 func main() {
 	binary := flag.String("binary", "bin/gateway", "gateway binary")
-	requests := flag.Int("requests", 200, "sequential streams for the first-token measurement")
+	requests := flag.Int("requests", 1000, "sequential streams for the first-token measurement")
+	warmup := flag.Int("warmup", 1000, "sequential streams before the first-token measurement, not counted")
 	idle := flag.Int("idle", 10000, "concurrent idle streams for the memory measurement")
 	release := flag.Duration("release", time.Minute, "how long to follow RSS after the idle streams close")
 	flag.Parse()
-	if err := run(*binary, *requests, *idle, *release); err != nil {
+	if err := run(*binary, *warmup, *requests, *idle, *release); err != nil {
 		fmt.Fprintln(os.Stderr, "stream:", err)
 		os.Exit(1)
 	}
 }
 
-func run(binary string, requests, idle int, release time.Duration) error {
+func run(binary string, warmup, requests, idle int, release time.Duration) error {
 	// An idle stream costs two descriptors in the gateway (client and upstream
 	// connections) and two here (client, and the fake upstream's server side).
 	// Raise the soft limit to the hard one; fit the streams under it.
@@ -60,7 +61,7 @@ func run(binary string, requests, idle int, release time.Duration) error {
 		return err
 	}
 	defer env.Close()
-	if err := firstToken(env, requests); err != nil {
+	if err := firstToken(env, warmup, requests); err != nil {
 		return err
 	}
 	for _, p := range []protocols{{}, {upstream: true}, {upstream: true, inbound: true}} {
@@ -89,7 +90,10 @@ func (p protocols) String() string {
 	return "HTTP/1.1 upstream (a connection per call)"
 }
 
-func firstToken(env *benchenv.Env, n int) error {
+// firstToken times n sequential streams, directly and through the gateway in
+// turn, after warmup of each that are not counted: the replica's first
+// requests fill its connection pools, caches and the tokenizer's tables.
+func firstToken(env *benchenv.Env, warmup, n int) error {
 	defer env.StopServers()
 	fake := fakeupstream.New()
 	defer fake.Close()
@@ -114,7 +118,7 @@ func firstToken(env *benchenv.Env, n int) error {
 	}
 	client := &http.Client{}
 	var results [2][]time.Duration
-	for i := 0; i < n; i++ {
+	for i := 0; i < warmup+n; i++ {
 		for j, build := range []func() (*http.Request, string){direct, gateway} {
 			req, marker := build()
 			req.Header.Set("Content-Type", "application/json")
@@ -122,10 +126,12 @@ func firstToken(env *benchenv.Env, n int) error {
 			if err != nil {
 				return err
 			}
-			results[j] = append(results[j], d)
+			if i >= warmup {
+				results[j] = append(results[j], d)
+			}
 		}
 	}
-	fmt.Printf("first token, %d sequential streams each, %d cores\n\n", n, runtime.NumCPU())
+	fmt.Printf("first token, %d sequential streams each after %d not counted, %d cores\n\n", n, warmup, runtime.NumCPU())
 	fmt.Println("| target | p50 | p90 | p99 |")
 	fmt.Println("|---|---|---|---|")
 	for j, name := range []string{"upstream direct", "through gateway"} {
