@@ -25,7 +25,7 @@ import (
 func main() {
 	binary := flag.String("binary", "bin/gateway", "gateway binary")
 	replicaList := flag.String("replicas", "1,2,4", "replica counts to measure")
-	batches := flag.Int("batches", 50, "batches of 100 items per run")
+	batches := flag.Int("batches", 100, "batches of 100 items per run")
 	probes := flag.Int("probes", 30, "single-item batches for the dispatch latency")
 	flag.Parse()
 	if err := run(*binary, *replicaList, *batches, *probes); err != nil {
