@@ -68,6 +68,15 @@ func (b *testBundle) batch(t *testing.T, p *gateway.Principal, id uuid.UUID) (*g
 
 func day() time.Time { return time.Now().Add(24 * time.Hour) }
 
+// perAccount counts claimed items by account.
+func perAccount(items []store.ClaimedItem) map[uuid.UUID]int {
+	n := map[uuid.UUID]int{}
+	for _, it := range items {
+		n[it.AccountID]++
+	}
+	return n
+}
+
 func keysOf(items []store.ClaimedItem) []store.ItemKey {
 	keys := make([]store.ItemKey, len(items))
 	for i, it := range items {
@@ -234,12 +243,9 @@ func TestClaimIsFair(t *testing.T) {
 	items, err := b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: uuid.Must(uuid.NewV7()), Max: 8, PerAccount: 4, Lease: time.Minute})
 	require.NoError(t, err)
 	require.Len(t, items, 8)
-	perAccount := map[uuid.UUID]int{}
-	for _, it := range items {
-		perAccount[it.AccountID]++
-	}
-	require.Equal(t, 4, perAccount[small.AccountID])
-	require.Equal(t, 4, perAccount[big.AccountID])
+	counts := perAccount(items)
+	require.Equal(t, 4, counts[small.AccountID])
+	require.Equal(t, 4, counts[big.AccountID])
 	// Within an account, the oldest batch comes first.
 	for _, it := range items {
 		if it.AccountID == big.AccountID {
@@ -253,13 +259,6 @@ func TestClaimIsFair(t *testing.T) {
 func TestClaimShares(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	perAccount := func(items []store.ClaimedItem) map[uuid.UUID]int {
-		n := map[uuid.UUID]int{}
-		for _, it := range items {
-			n[it.AccountID]++
-		}
-		return n
-	}
 	_, alone := b.key(t, "alone", gateway.TierDeveloper, gateway.ScopeInference)
 	b.newBatch(t, alone, 30, 1, "", day())
 	items, err := b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: uuid.Must(uuid.NewV7()), Max: 10, PerAccount: 5, Lease: time.Minute})

@@ -56,7 +56,7 @@ func run(binary, replicaList string, batches, probes int) error {
 			return err
 		}
 		fmt.Printf("| %d | %d | %.2f (%.2f) | %.0f | %s (%s) | %s (%s) |\n", n, r.items, r.seconds, r.created.seconds, float64(r.items)/r.seconds,
-			perItem(r.gatewayCPU, r.items), perItem(r.created.gatewayCPU, r.items), perItem(r.postgresCPU, r.items), perItem(r.created.postgresCPU, r.items))
+			benchenv.PerUnit(r.gatewayCPU, r.items), benchenv.PerUnit(r.created.gatewayCPU, r.items), benchenv.PerUnit(r.postgresCPU, r.items), benchenv.PerUnit(r.created.postgresCPU, r.items))
 	}
 
 	p50, p99, err := dispatchLatency(env, fake, probes)
@@ -85,26 +85,9 @@ type phase struct {
 // since is the phase from start and the CPU times before to now.
 func since(start time.Time, items int, pids []int, gatewayBefore, postgresBefore time.Duration) (phase, error) {
 	p := phase{items: items, seconds: time.Since(start).Seconds()}
-	gateway, postgres, err := cpu(pids)
+	gateway, postgres, err := benchenv.CPU(pids...)
 	p.gatewayCPU, p.postgresCPU = gateway-gatewayBefore, postgres-postgresBefore
 	return p, err
-}
-
-// cpu is the CPU time the gateway processes pids and PostgreSQL have used so far.
-func cpu(pids []int) (gateway, postgres time.Duration, err error) {
-	for _, pid := range pids {
-		c, err := benchenv.ProcessCPU(pid)
-		if err != nil {
-			return 0, 0, err
-		}
-		gateway += c
-	}
-	postgres, err = benchenv.PostgresCPU()
-	return gateway, postgres, err
-}
-
-func perItem(d time.Duration, items int) string {
-	return fmt.Sprintf("%.3f ms", float64(d.Microseconds())/1000/float64(items))
 }
 
 // drain creates the batches through n replicas and times until all are terminal.
@@ -121,7 +104,7 @@ func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, batches int) 
 			return result{}, err
 		}
 	}
-	gatewayBefore, postgresBefore, err := cpu(pids)
+	gatewayBefore, postgresBefore, err := benchenv.CPU(pids...)
 	if err != nil {
 		return result{}, err
 	}

@@ -145,10 +145,7 @@ func sample(st *store.Store, pid int) (counters, error) {
 	time.Sleep(1100 * time.Millisecond)
 	var c counters
 	var err error
-	if c.gatewayCPU, err = benchenv.ProcessCPU(pid); err != nil {
-		return c, err
-	}
-	if c.postgresCPU, err = benchenv.PostgresCPU(); err != nil {
+	if c.gatewayCPU, c.postgresCPU, err = benchenv.CPU(pid); err != nil {
 		return c, err
 	}
 	c.activity, err = st.Activity(context.Background())
@@ -160,8 +157,7 @@ func (c counters) since(b counters, n int) string {
 	if n == 0 {
 		return "| | |"
 	}
-	per := func(d time.Duration) string { return fmt.Sprintf("%.3f ms", d.Seconds()*1000/float64(n)) }
-	return fmt.Sprintf("%s | %s | %.2f | %.2f", per(c.gatewayCPU-b.gatewayCPU), per(c.postgresCPU-b.postgresCPU),
+	return fmt.Sprintf("%s | %s | %.2f | %.2f", benchenv.PerUnit(c.gatewayCPU-b.gatewayCPU, n), benchenv.PerUnit(c.postgresCPU-b.postgresCPU, n),
 		float64(c.activity.Commits-b.activity.Commits)/float64(n), float64(c.activity.WALSyncs-b.activity.WALSyncs)/float64(n))
 }
 

@@ -172,6 +172,25 @@ func ProcessCPU(pid int) (time.Duration, error) {
 	return time.Duration(utime+stime) * clockTick, nil
 }
 
+// CPU is the CPU time the gateway processes pids, and every PostgreSQL
+// process (see PostgresCPU), have used so far.
+func CPU(pids ...int) (gateway, postgres time.Duration, err error) {
+	for _, pid := range pids {
+		c, err := ProcessCPU(pid)
+		if err != nil {
+			return 0, 0, err
+		}
+		gateway += c
+	}
+	postgres, err = PostgresCPU()
+	return gateway, postgres, err
+}
+
+// PerUnit formats d spread over n units (requests, items) in milliseconds.
+func PerUnit(d time.Duration, n int) string {
+	return fmt.Sprintf("%.3f ms", d.Seconds()*1000/float64(n))
+}
+
 // PostgresCPU is the CPU time every process named postgres on this machine has
 // used so far (benchmarks run on a machine whose only PostgreSQL is theirs).
 func PostgresCPU() (time.Duration, error) {
