@@ -1,8 +1,9 @@
 // Package maintenance runs the gateway's periodic jobs in every replica:
-// folding settled requests into the daily and budget counters, failing batch
-// items whose replica died (lease rescuer), ending batches past their window
-// (expiry sweeper), releasing reservations whose replica died, and removing
-// batches, idempotency keys, rate-limit windows and evidence past retention. Every job is one statement or function that is safe to run on
+// folding settled batch items into the daily and budget counters, failing
+// batch items whose replica died (lease rescuer), ending batches past their
+// window (expiry sweeper), and removing batches, idempotency keys, rate-limit
+// windows and evidence past retention. Every job is one statement or function
+// that is safe to run on
 // several replicas at once (SKIP LOCKED, or idempotent deletes), so no leader
 // is needed.
 package maintenance
@@ -20,7 +21,6 @@ import (
 // Store is what the jobs need.
 type Store interface {
 	ReconcileSettlements(ctx context.Context, maxRows int32) (int64, error)
-	ReleaseExpiredReservations(ctx context.Context, maxRows int32) (int64, error)
 	DeleteOldRateWindows(ctx context.Context, before time.Time) (int64, error)
 	DeleteExpiredEvidence(ctx context.Context, maxRows int32) (int64, error)
 	RescueExpiredLeases(ctx context.Context, maxRows int32) (int64, error)
@@ -94,7 +94,6 @@ func Jobs(st Store, set Settings, m *metrics.Metrics) []Job {
 			return st.ExpireIdempotencyKeys(ctx, time.Now().Add(-set.BatchWindow), batchRows)
 		}},
 		{"reconcile settlements", ReconcileInterval, func(ctx context.Context) (int64, error) { return st.ReconcileSettlements(ctx, batchRows) }},
-		{"release expired reservations", HousekeepingInterval, func(ctx context.Context) (int64, error) { return st.ReleaseExpiredReservations(ctx, batchRows) }},
 		{"delete old rate windows", HousekeepingInterval, func(ctx context.Context) (int64, error) {
 			return st.DeleteOldRateWindows(ctx, time.Now().Add(-rateWindowKeep))
 		}},

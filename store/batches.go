@@ -68,13 +68,9 @@ type CreateResult struct {
 	Replayed bool
 }
 
-// reservationSlack keeps a batch item's reservation beyond the batch's window,
-// so the expiry sweeper, not reservation recovery, releases unrun items.
-const reservationSlack = time.Hour
-
 // CreateBatch stores a batch durably in one transaction: the batch, its items,
-// the charge of its whole estimate to the account's day and one reservation per
-// item. The daily ceiling refusing it is RATE_LIMITED and stores nothing; an
+// the charge of its whole estimate to the account's day (each item settles its
+// part when it finishes). The daily ceiling refusing it is RATE_LIMITED and stores nothing; an
 // idempotency key already used returns that batch (Replayed) when the body is
 // the same and IDEMPOTENCY_KEY_REUSED otherwise. Concurrent creates with one key
 // create one batch. Replicas are woken by a notification on commit.
@@ -111,28 +107,19 @@ func (s *Store) CreateBatch(ctx context.Context, nb NewBatch) (CreateResult, err
 			return fmt.Errorf("error inserting batch: %w", err)
 		}
 		items := make([]db.InsertBatchItemsParams, len(nb.Items))
-		reservations := make([]db.InsertReservationsParams, len(nb.Items))
 		for i, it := range nb.Items {
 			raw, err := json.Marshal(it.Request)
 			if err != nil {
 				return fmt.Errorf("error encoding item request: %w", err)
 			}
-			requestID := newID()
 			items[i] = db.InsertBatchItemsParams{
 				BatchID: id, Idx: int32(i), AccountID: p.AccountID, ProjectID: p.ProjectID, ApiKeyID: p.KeyID,
-				RequestID: requestID, Status: string(gateway.ItemQueued), Request: raw, Model: string(it.Request.Model),
+				RequestID: newID(), Status: string(gateway.ItemQueued), Request: raw, Model: string(it.Request.Model),
 				EstimateRungs: it.Estimate, QueuedAt: nb.CreatedAt, ExpiresAt: nb.ExpiresAt,
-			}
-			reservations[i] = db.InsertReservationsParams{
-				RequestID: requestID, AccountID: p.AccountID, ProjectID: p.ProjectID, Day: day,
-				ChargedRungs: it.Estimate, ExpiresAt: nb.ExpiresAt.Add(reservationSlack),
 			}
 		}
 		if _, err := s.queries.InsertBatchItems(ctx, tx, items); err != nil {
 			return fmt.Errorf("error inserting batch items: %w", err)
-		}
-		if _, err := s.queries.InsertReservations(ctx, tx, reservations); err != nil {
-			return fmt.Errorf("error inserting batch reservations: %w", err)
 		}
 		if err := s.queries.NotifyBatchCreated(ctx, tx, id.String()); err != nil {
 			return fmt.Errorf("error notifying replicas: %w", err)

@@ -433,6 +433,56 @@ func TestRequeueReturnsBudget(t *testing.T) {
 	require.Equal(t, items[0].Index, again[0].Index)
 }
 
+// TestEveryWayOutSettlesOnce: on a capped project, each way an item leaves
+// its run (completed, completed again by a replay, failed, put back in the
+// queue, interrupted, cancelled) settles its day charge and budget reservation
+// exactly once, and once folded the counters agree with the view.
+func TestEveryWayOutSettlesOnce(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "acme", nil, ptr(int64(1000)))
+	id := b.newBatch(t, p, 4, 100, "", day())
+	owner := uuid.Must(uuid.NewV7())
+	items := b.claim(t, owner, 10, time.Minute)
+	require.Len(t, items, 4)
+	require.Equal(t, int64(400), b.view(t, p).Budget.Reserved)
+
+	b.complete(t, owner, items[:1], 30)
+	require.Empty(t, b.complete(t, owner, items[:1], 30), "a replayed outcome changes nothing")
+	failed, err := b.store.CompleteItems(b.ctx, owner, []store.ItemResult{{BatchID: id, Index: items[1].Index, Status: "failed", ErrorCode: "INFERENCE_FAILED", ErrorMessage: "no"}})
+	require.NoError(t, err)
+	require.Len(t, failed, 1)
+	_, err = b.store.RequeueItems(b.ctx, owner, keysOf(items[2:3]))
+	require.NoError(t, err)
+	v := b.view(t, p)
+	require.Equal(t, gateway.BudgetState{Project: "default", Cap: ptr(int64(1000)), Spent: 30, Reserved: 100}, v.Budget, "only the item still running holds its reservation")
+	require.Equal(t, int64(400-70-100), v.Daily.Charged, "the requeued item is still charged its estimate")
+
+	// The last running item's replica dies; the requeued one is cancelled.
+	_, err = b.store.RenewLeases(b.ctx, owner, keysOf(items[3:]), time.Millisecond)
+	require.NoError(t, err)
+	time.Sleep(10 * time.Millisecond)
+	n, err := b.store.RescueExpiredLeases(b.ctx, 100)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
+	require.NoError(t, b.store.CancelBatch(b.ctx, p.AccountID, id))
+	want := gateway.BudgetState{Project: "default", Cap: ptr(int64(1000)), Spent: 30, Reserved: 0}
+	v = b.view(t, p)
+	require.Equal(t, want, v.Budget)
+	require.Equal(t, int64(30), v.Daily.Charged)
+
+	folded, err := b.store.ReconcileSettlements(b.ctx, 100)
+	require.NoError(t, err)
+	require.Positive(t, folded)
+	folded, err = b.store.ReconcileSettlements(b.ctx, 100)
+	require.NoError(t, err)
+	require.Zero(t, folded, "nothing settles twice")
+	v = b.view(t, p)
+	require.Equal(t, want, v.Budget)
+	require.Equal(t, int64(30), v.Daily.Charged)
+}
+
 func TestBudgetExhaustedMidBatch(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -558,24 +608,4 @@ func TestExpireBatches(t *testing.T) {
 	_, err = b.store.Batch(b.ctx, p.AccountID, running)
 	require.Equal(t, gateway.EBatchNotFound, gateway.ErrorCodeOf(err))
 	require.Equal(t, int64(25), b.view(t, p).Totals.TotalRungs)
-}
-
-// TestReleaseExpiredReservations: a batch item's reservation that outlived
-// its batch's window and slack (its batch was never finished) is released by
-// the backstop, and the day gets its estimate back.
-func TestReleaseExpiredReservations(t *testing.T) {
-	t.Parallel()
-	b := setup(t)
-	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
-	b.newBatch(t, p, 2, 50, "", time.Now().Add(-2*time.Hour)) // past its window and the hour of slack
-	b.newBatch(t, p, 1, 30, "", day())
-	require.Equal(t, int64(130), b.view(t, p).Daily.Charged)
-
-	n, err := b.store.ReleaseExpiredReservations(b.ctx, 100)
-	require.NoError(t, err)
-	require.Equal(t, int64(2), n, "only the lapsed reservations")
-	require.Equal(t, int64(30), b.view(t, p).Daily.Charged, "the view counts released estimates at once")
-	_, err = b.store.ReconcileSettlements(b.ctx, 100)
-	require.NoError(t, err)
-	require.Equal(t, int64(30), b.view(t, p).Daily.Charged)
 }

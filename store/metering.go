@@ -13,16 +13,6 @@ import (
 	"github.com/rungworks/gateway/gen/db"
 )
 
-// ReleaseExpiredReservations releases up to maxRows reservations whose lease ran
-// out, returning how many.
-func (s *Store) ReleaseExpiredReservations(ctx context.Context, maxRows int32) (int64, error) {
-	n, err := s.queries.ReleaseExpiredReservations(ctx, s.pool, maxRows)
-	if err != nil {
-		return 0, fmt.Errorf("error releasing expired reservations: %w", err)
-	}
-	return n, nil
-}
-
 // DeleteOldRateWindows removes rate-limit windows that ended before before.
 func (s *Store) DeleteOldRateWindows(ctx context.Context, before time.Time) (int64, error) {
 	n, err := s.queries.DeleteOldRateWindows(ctx, s.pool, before)
@@ -77,8 +67,8 @@ func (s *Store) Usage(ctx context.Context, p *gateway.Principal, start, end time
 	return view, nil
 }
 
-// ReconcileSettlements folds up to maxRows settled reservations into the daily
-// and budget counters, returning how many. One account's rows never stop the
+// ReconcileSettlements folds up to maxRows batch settlements into the daily and
+// budget counters, returning how many. One account's rows never stop the
 // others' (D11): when a run fails for a reason other than the database being
 // away, it folds account by account, and an account that fails alone is set
 // aside for quarantinePeriod (reported in the error, which names it) while

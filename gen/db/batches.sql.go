@@ -65,13 +65,8 @@ func (q *Queries) BatchesPastWindow(ctx context.Context, db DBTX, maxRows int32)
 }
 
 const cancelQueuedItems = `-- name: CancelQueuedItems :execrows
-WITH cancelled AS (
-    UPDATE batch_items SET status = 'cancelled', cancel_reason = $1, completed_at = now()
-     WHERE batch_id = $2 AND status = 'queued'
-    RETURNING request_id
-)
-UPDATE reservations r SET settled_rungs = 0
-  FROM cancelled c WHERE r.request_id = c.request_id AND r.settled_rungs IS NULL
+UPDATE batch_items SET status = 'cancelled', cancel_reason = $1, completed_at = now()
+WHERE batch_id = $2 AND status = 'queued'
 `
 
 type CancelQueuedItemsParams struct {
@@ -79,7 +74,8 @@ type CancelQueuedItemsParams struct {
 	BatchID uuid.UUID
 }
 
-// Cancels a batch's items that have not started, releasing their reservations.
+// Cancels a batch's items that have not started; their estimates go back to
+// the day (settle_batch_items).
 func (q *Queries) CancelQueuedItems(ctx context.Context, db DBTX, arg CancelQueuedItemsParams) (int64, error) {
 	result, err := db.Exec(ctx, cancelQueuedItems, arg.Reason, arg.BatchID)
 	if err != nil {
@@ -439,16 +435,6 @@ type InsertBatchItemsParams struct {
 	Model         string
 	EstimateRungs int64
 	QueuedAt      time.Time
-	ExpiresAt     time.Time
-}
-
-type InsertReservationsParams struct {
-	RequestID     uuid.UUID
-	AccountID     uuid.UUID
-	ProjectID     uuid.UUID
-	Day           time.Time
-	ChargedRungs  int64
-	ReservedRungs int64
 	ExpiresAt     time.Time
 }
 

@@ -18,8 +18,8 @@ SELECT p.name, p.budget_cap_rungs,
        (p.reserved_rungs - coalesce(pending.reserved, 0) - coalesce(leased.reserved, 0))::bigint AS reserved_rungs
 FROM projects p
 LEFT JOIN LATERAL (
-    SELECT sum(r.settled_rungs) AS spent, sum(r.reserved_rungs) AS reserved
-    FROM reservations r WHERE r.project_id = p.id AND r.settled_rungs IS NOT NULL
+    SELECT sum(s.spent_rungs) AS spent, sum(s.reserved_rungs) AS reserved
+    FROM batch_settlements s WHERE s.project_id = p.id
 ) pending ON true
 LEFT JOIN LATERAL (
     SELECT sum(q.used_rungs) AS spent, sum(q.budget_rungs) AS reserved
@@ -52,8 +52,8 @@ func (q *Queries) BudgetState(ctx context.Context, db DBTX, id uuid.UUID) (Budge
 const dailyState = `-- name: DailyState :one
 SELECT coalesce(a.daily_rung_ceiling, $1::bigint)::bigint AS ceiling_rungs,
        (coalesce((SELECT d.charged_rungs FROM daily_charges d WHERE d.account_id = a.id AND d.day = $2::date), 0)
-        + coalesce((SELECT sum(r.settled_rungs - r.charged_rungs) FROM reservations r
-                     WHERE r.account_id = a.id AND r.day = $2::date AND r.settled_rungs IS NOT NULL), 0)
+        + coalesce((SELECT sum(s.day_rungs) FROM batch_settlements s
+                     WHERE s.account_id = a.id AND s.day = $2::date), 0)
         + coalesce((SELECT sum(q.used_rungs - q.daily_rungs) FROM quota_leases q
                      WHERE q.account_id = a.id AND q.day = $2::date), 0))::bigint AS charged_rungs
 FROM accounts a
@@ -306,17 +306,6 @@ func (q *Queries) ReconcileSettlements(ctx context.Context, db DBTX, arg Reconci
 	return reconciled, err
 }
 
-const releaseExpiredReservations = `-- name: ReleaseExpiredReservations :one
-SELECT release_expired_reservations($1)::bigint AS released
-`
-
-func (q *Queries) ReleaseExpiredReservations(ctx context.Context, db DBTX, maxRows int32) (int64, error) {
-	row := db.QueryRow(ctx, releaseExpiredReservations, maxRows)
-	var released int64
-	err := row.Scan(&released)
-	return released, err
-}
-
 const renewQuotaLeases = `-- name: RenewQuotaLeases :many
 SELECT renew_quota_leases($1::uuid, $2::uuid[], $3::timestamptz)::uuid AS id
 `
@@ -387,8 +376,8 @@ func (q *Queries) SettleRequests(ctx context.Context, db DBTX, requests []byte) 
 }
 
 const settledAccounts = `-- name: SettledAccounts :many
-SELECT DISTINCT r.account_id FROM reservations r
-WHERE r.settled_rungs IS NOT NULL AND NOT (r.account_id = ANY ($1::uuid[]))
+SELECT DISTINCT s.account_id FROM batch_settlements s
+WHERE NOT (s.account_id = ANY ($1::uuid[]))
 LIMIT $2
 `
 

@@ -45,16 +45,17 @@ type Batch struct {
 }
 
 type BatchItem struct {
-	BatchID        uuid.UUID
-	Idx            int32
-	AccountID      uuid.UUID
-	ProjectID      uuid.UUID
-	ApiKeyID       uuid.UUID
-	RequestID      uuid.UUID
-	Status         string
-	Request        []byte
-	Model          string
-	EstimateRungs  int64
+	BatchID       uuid.UUID
+	Idx           int32
+	AccountID     uuid.UUID
+	ProjectID     uuid.UUID
+	ApiKeyID      uuid.UUID
+	RequestID     uuid.UUID
+	Status        string
+	Request       []byte
+	Model         string
+	EstimateRungs int64
+	// When the batch was created; its estimate is charged to this UTC day. Never changes.
 	QueuedAt       time.Time
 	ExpiresAt      time.Time
 	Content        *string
@@ -72,6 +73,18 @@ type BatchItem struct {
 	Provider       *string
 	UpstreamModel  *string
 	Attempts       *int16
+	// What the item holds on its project's budget while in_progress (its estimate on a capped project); 0 otherwise.
+	ReservedRungs int64
+}
+
+type BatchSettlement struct {
+	ID            int64
+	AccountID     uuid.UUID
+	Day           time.Time
+	ProjectID     uuid.UUID
+	DayRungs      int64
+	SpentRungs    int64
+	ReservedRungs int64
 }
 
 type DailyCharge struct {
@@ -131,15 +144,4 @@ type Request struct {
 	TotalRungs   int64
 	CreatedAt    time.Time
 	CompletedAt  time.Time
-}
-
-type Reservation struct {
-	RequestID     uuid.UUID
-	AccountID     uuid.UUID
-	ProjectID     uuid.UUID
-	Day           time.Time
-	ChargedRungs  int64
-	ReservedRungs int64
-	ExpiresAt     time.Time
-	SettledRungs  *int64
 }

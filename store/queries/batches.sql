@@ -16,10 +16,6 @@ SELECT admit_batch(@account_id, @day, @default_ceiling, @estimate)::text AS outc
 INSERT INTO batch_items (batch_id, idx, account_id, project_id, api_key_id, request_id, status, request, model, estimate_rungs, queued_at, expires_at)
 VALUES (@batch_id, @idx, @account_id, @project_id, @api_key_id, @request_id, @status, @request, @model, @estimate_rungs, @queued_at, @expires_at);
 
--- name: InsertReservations :copyfrom
-INSERT INTO reservations (request_id, account_id, project_id, day, charged_rungs, reserved_rungs, expires_at)
-VALUES (@request_id, @account_id, @project_id, @day, @charged_rungs, @reserved_rungs, @expires_at);
-
 -- name: NotifyBatchCreated :exec
 SELECT pg_notify('batch_created', @batch_id::text);
 
@@ -97,14 +93,10 @@ UPDATE batches SET status = @status,
 WHERE id = @id;
 
 -- name: CancelQueuedItems :execrows
--- Cancels a batch's items that have not started, releasing their reservations.
-WITH cancelled AS (
-    UPDATE batch_items SET status = 'cancelled', cancel_reason = @reason, completed_at = now()
-     WHERE batch_id = @batch_id AND status = 'queued'
-    RETURNING request_id
-)
-UPDATE reservations r SET settled_rungs = 0
-  FROM cancelled c WHERE r.request_id = c.request_id AND r.settled_rungs IS NULL;
+-- Cancels a batch's items that have not started; their estimates go back to
+-- the day (settle_batch_items).
+UPDATE batch_items SET status = 'cancelled', cancel_reason = @reason, completed_at = now()
+WHERE batch_id = @batch_id AND status = 'queued';
 
 -- name: ClaimBatchItems :many
 SELECT c.batch_id::uuid AS batch_id, c.idx::integer AS idx, c.account_id::uuid AS account_id,

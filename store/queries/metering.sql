@@ -40,16 +40,13 @@ SELECT renew_quota_leases(@owner::uuid, @ids::uuid[], @expires_at::timestamptz):
 -- name: SettleRequests :many
 SELECT settle_requests(@requests::jsonb)::uuid AS id;
 
--- name: ReleaseExpiredReservations :one
-SELECT release_expired_reservations(@max_rows)::bigint AS released;
-
 -- name: ReconcileSettlements :one
 SELECT reconcile_settlements(@max_rows, @skip::uuid[], sqlc.narg(account_id)::uuid)::bigint AS reconciled;
 
 -- name: SettledAccounts :many
 -- Accounts with settlements to fold, apart from @skip.
-SELECT DISTINCT r.account_id FROM reservations r
-WHERE r.settled_rungs IS NOT NULL AND NOT (r.account_id = ANY (@skip::uuid[]))
+SELECT DISTINCT s.account_id FROM batch_settlements s
+WHERE NOT (s.account_id = ANY (@skip::uuid[]))
 LIMIT @max_rows;
 
 -- name: DeleteOldRateWindows :execrows
@@ -73,8 +70,8 @@ ORDER BY model;
 -- under them (the unused part of a slice is not a charge).
 SELECT coalesce(a.daily_rung_ceiling, @default_ceiling::bigint)::bigint AS ceiling_rungs,
        (coalesce((SELECT d.charged_rungs FROM daily_charges d WHERE d.account_id = a.id AND d.day = @day::date), 0)
-        + coalesce((SELECT sum(r.settled_rungs - r.charged_rungs) FROM reservations r
-                     WHERE r.account_id = a.id AND r.day = @day::date AND r.settled_rungs IS NOT NULL), 0)
+        + coalesce((SELECT sum(s.day_rungs) FROM batch_settlements s
+                     WHERE s.account_id = a.id AND s.day = @day::date), 0)
         + coalesce((SELECT sum(q.used_rungs - q.daily_rungs) FROM quota_leases q
                      WHERE q.account_id = a.id AND q.day = @day::date), 0))::bigint AS charged_rungs
 FROM accounts a
@@ -88,8 +85,8 @@ SELECT p.name, p.budget_cap_rungs,
        (p.reserved_rungs - coalesce(pending.reserved, 0) - coalesce(leased.reserved, 0))::bigint AS reserved_rungs
 FROM projects p
 LEFT JOIN LATERAL (
-    SELECT sum(r.settled_rungs) AS spent, sum(r.reserved_rungs) AS reserved
-    FROM reservations r WHERE r.project_id = p.id AND r.settled_rungs IS NOT NULL
+    SELECT sum(s.spent_rungs) AS spent, sum(s.reserved_rungs) AS reserved
+    FROM batch_settlements s WHERE s.project_id = p.id
 ) pending ON true
 LEFT JOIN LATERAL (
     SELECT sum(q.used_rungs) AS spent, sum(q.budget_rungs) AS reserved

@@ -1,0 +1,78 @@
+package store_test
+
+import (
+	"context"
+	_ "embed"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/pressly/goose/v3"
+	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/internal/testdb"
+	"github.com/rungworks/gateway/migrations"
+	"github.com/rungworks/gateway/store"
+)
+
+//go:embed testdata/reservations_00010.sql
+var reservations00010 string
+
+// batch00010 is the batch of that fixture.
+var batch00010 = uuid.MustParse("01900000-0000-7000-8000-0000000000b1")
+
+// TestMigrationMovesReservations: migration 00011 replaces the reservation rows
+// of batch items. A running item keeps its budget reservation on the item, a
+// settled reservation not yet folded becomes a settlement, and a reservation
+// no unfinished item holds is refunded; the counters then come out as if the
+// items had settled under the old ledger.
+func TestMigrationMovesReservations(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := testdb.Connect(t, testdb.EmptyURL(t))
+	sqlDB := stdlib.OpenDBFromPool(pool)
+	t.Cleanup(func() { _ = sqlDB.Close() })
+	provider, err := goose.NewProvider(goose.DialectPostgres, sqlDB, migrations.FS)
+	require.NoError(t, err)
+	_, err = provider.UpTo(ctx, 10)
+	require.NoError(t, err)
+
+	b := &testBundle{ctx: ctx, store: store.New(pool)}
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	budget := int64(1000)
+	b.limits(t, "acme", nil, &budget)
+	_, err = pool.Exec(ctx, reservations00010)
+	require.NoError(t, err)
+	// Under 00010 the view read 350-60 charged (the settled item at its cost),
+	// 40 spent and 100 reserved.
+	_, err = provider.Up(ctx)
+	require.NoError(t, err)
+	v := b.view(t, p)
+	require.Equal(t, int64(350-60-50), v.Daily.Charged, "the reservation no item held is refunded")
+	require.Equal(t, gateway.BudgetState{Project: "default", Cap: &budget, Spent: 40, Reserved: 100}, v.Budget, "the running item still holds its reservation")
+
+	// The running item completes under the new ledger, the queued one is
+	// claimed (reserving on the cap) and completes too.
+	running := store.ClaimedItem{BatchID: batch00010, Index: 0, Request: store.ItemRequest{Prompt: "item 0"}}
+	require.Len(t, b.complete(t, owner, []store.ClaimedItem{running}, 70), 1)
+	v = b.view(t, p)
+	require.Equal(t, int64(350-60-50-30), v.Daily.Charged)
+	require.Equal(t, gateway.BudgetState{Project: "default", Cap: &budget, Spent: 110, Reserved: 0}, v.Budget)
+	claimed := b.claim(t, owner, 10, time.Minute)
+	require.Len(t, claimed, 1)
+	require.Equal(t, 2, claimed[0].Index)
+	require.Equal(t, int64(100), b.view(t, p).Budget.Reserved)
+	b.complete(t, owner, claimed, 20)
+
+	n, err := b.store.ReconcileSettlements(ctx, 100)
+	require.NoError(t, err)
+	require.Positive(t, n)
+	v = b.view(t, p)
+	require.Equal(t, int64(350-60-50-30-80), v.Daily.Charged)
+	require.Equal(t, gateway.BudgetState{Project: "default", Cap: &budget, Spent: 130, Reserved: 0}, v.Budget)
+	batch, _ := b.batch(t, p, batch00010)
+	require.Equal(t, gateway.BatchCompleted, batch.Status)
+	require.Equal(t, int64(40+70+20), batch.Usage.TotalRungs)
+}
