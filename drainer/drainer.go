@@ -159,9 +159,30 @@ func (d *Drainer) Run(ctx context.Context) {
 	completerDone := make(chan struct{})
 	go func() { defer close(completerDone); d.complete(commits) }()
 
-	var running sync.WaitGroup
+	// A fixed set of workers runs the items, so their stacks, grown by the
+	// upstream call, are kept from one item to the next instead of grown
+	// again for each.
 	slots := make(chan struct{}, d.cfg.Concurrency)
 	freed := make(chan struct{}, 1) // told when an item leaves its slot
+	jobs := make(chan job, d.cfg.Concurrency)
+	var running sync.WaitGroup
+	running.Add(d.cfg.Concurrency)
+	for range d.cfg.Concurrency {
+		go func() {
+			defer running.Done()
+			for j := range jobs {
+				d.run(work, commits, j.item)
+				if j.probe {
+					d.probes.Add(-1)
+				}
+				<-slots
+				select {
+				case freed <- struct{}{}:
+				default:
+				}
+			}
+		}()
+	}
 	var lastClaim time.Time
 	for ctx.Err() == nil {
 		free := d.cfg.Concurrency - len(slots)
@@ -205,21 +226,7 @@ func (d *Drainer) Run(ctx context.Context) {
 				d.probes.Add(1)
 			}
 			slots <- struct{}{}
-			running.Add(1)
-			go func() {
-				defer running.Done()
-				defer func() {
-					<-slots
-					select {
-					case freed <- struct{}{}:
-					default:
-					}
-				}()
-				if isProbe {
-					defer d.probes.Add(-1)
-				}
-				d.run(work, commits, it)
-			}()
+			jobs <- job{item: it, probe: isProbe}
 		}
 		if len(items)+len(probes) == 0 {
 			select {
@@ -230,6 +237,7 @@ func (d *Drainer) Run(ctx context.Context) {
 		}
 	}
 
+	close(jobs)
 	stopCommits := time.AfterFunc(d.cfg.Grace+FinalCommitWindow, cancelCommits)
 	defer stopCommits.Stop()
 	finished := make(chan struct{})
@@ -244,6 +252,13 @@ func (d *Drainer) Run(ctx context.Context) {
 	<-completerDone
 	cancelCommits()
 	background.Wait()
+}
+
+// job is a claimed item handed to a worker; probe: it was claimed as its
+// model's probe.
+type job struct {
+	item  store.ClaimedItem
+	probe bool
 }
 
 // health returns the models to claim items of, and those to probe.
