@@ -2,7 +2,10 @@ package e2e
 
 import (
 	"bytes"
+	"encoding/json"
+	"io"
 	"net/http"
+	"net/http/httptrace"
 	"strings"
 	"testing"
 	"time"
@@ -95,6 +98,67 @@ func TestH2C(t *testing.T) {
 	require.NoError(t, err)
 	_, err = (&http.Client{Transport: h2c}).Do(req)
 	require.Error(t, err, "HTTP/2 without TLS is off unless asked for")
+}
+
+// TestH2CSlowBodyStallsNoOtherStream: over HTTP/2 from a load balancer, many
+// clients share a connection. A body that trickles in is cut at the body
+// timeout with 408 in the envelope, and the other requests multiplexed on the
+// same connection are served meanwhile.
+func TestH2CSlowBodyStallsNoOtherStream(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	h2c := &http.Transport{Protocols: new(http.Protocols)}
+	h2c.Protocols.SetUnencryptedHTTP2(true)
+	t.Cleanup(h2c.CloseIdleConnections)
+	g := serve(t, b.db, b.fake.BaseURL(), map[string]string{"GATEWAY_H2C": "true", "GATEWAY_BODY_TIMEOUT": "500ms"})
+	g.client = &http.Client{Transport: h2c}
+
+	body, feed := io.Pipe()
+	t.Cleanup(func() { _ = feed.Close() })
+	req, err := http.NewRequest(http.MethodPost, g.base+"/api/v1/responses", body)
+	require.NoError(t, err)
+	req.Header.Set("Authorization", "Bearer "+b.key)
+	req.Header.Set("Content-Type", "application/json")
+	slow := make(chan *http.Response, 1)
+	go func() {
+		resp, err := g.client.Do(req)
+		if err != nil {
+			close(slow)
+			return
+		}
+		slow <- resp
+	}()
+	_, err = feed.Write([]byte(`{"prompt":`))
+	require.NoError(t, err)
+
+	// The first write is on the wire once the slow request's connection is
+	// up; a second request is multiplexed on it and served.
+	var reused bool
+	trace := &httptrace.ClientTrace{GotConn: func(c httptrace.GotConnInfo) { reused = c.Reused }}
+	fast, err := http.NewRequestWithContext(httptrace.WithClientTrace(t.Context(), trace), http.MethodPost, g.base+"/api/v1/responses",
+		strings.NewReader(`{"prompt": "beside a slow one"}`))
+	require.NoError(t, err)
+	fast.Header.Set("Authorization", "Bearer "+b.key)
+	fast.Header.Set("Content-Type", "application/json")
+	resp, err := g.client.Do(fast)
+	require.NoError(t, err)
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	require.Equal(t, 2, resp.ProtoMajor)
+	require.True(t, reused, "on the slow request's connection")
+	require.NoError(t, resp.Body.Close())
+
+	var ok bool
+	select {
+	case resp, ok = <-slow:
+		require.True(t, ok, "the slow request gets a reply")
+	case <-time.After(30 * time.Second):
+		t.Fatal("the slow body was never cut")
+	}
+	defer resp.Body.Close()
+	require.Equal(t, http.StatusRequestTimeout, resp.StatusCode)
+	var env api.ErrorEnvelope
+	require.NoError(t, json.NewDecoder(resp.Body).Decode(&env))
+	require.Equal(t, api.ErrorCode("REQUEST_TIMEOUT"), env.Error.Code)
 }
 
 func TestStreamFailures(t *testing.T) {
