@@ -69,22 +69,28 @@ func TestStreamEndToEnd(t *testing.T) {
 	require.Len(t, ev.object(t)["sources"], 1)
 }
 
+// h2cClient speaks HTTP/2 without TLS (prior knowledge), as a load balancer
+// does to its backends.
+func h2cClient(t *testing.T) *http.Client {
+	h2c := &http.Transport{Protocols: new(http.Protocols)}
+	h2c.Protocols.SetUnencryptedHTTP2(true)
+	t.Cleanup(h2c.CloseIdleConnections)
+	return &http.Client{Transport: h2c}
+}
+
 // TestH2C: with GATEWAY_H2C a load balancer may speak HTTP/2 without TLS to
 // the gateway (many requests on one connection); JSON replies and streams
 // arrive over it, and HTTP/1.1 is still served. Without it, HTTP/2 is refused.
 func TestH2C(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	h2c := &http.Transport{Protocols: new(http.Protocols)}
-	h2c.Protocols.SetUnencryptedHTTP2(true)
-	t.Cleanup(h2c.CloseIdleConnections)
-
+	h2c := h2cClient(t)
 	g := serve(t, b.db, b.fake.BaseURL(), map[string]string{"GATEWAY_H2C": "true"})
 	r := g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "over one"})
 	require.Equal(t, http.StatusOK, r.status)
 	require.Equal(t, 1, r.proto)
 
-	g.client = &http.Client{Transport: h2c}
+	g.client = h2c
 	r = g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "over two"})
 	require.Equal(t, http.StatusOK, r.status)
 	require.Equal(t, 2, r.proto)
@@ -96,7 +102,7 @@ func TestH2C(t *testing.T) {
 	plain := serve(t, b.db, b.fake.BaseURL(), nil)
 	req, err := http.NewRequest(http.MethodGet, plain.base+"/healthz", nil)
 	require.NoError(t, err)
-	_, err = (&http.Client{Transport: h2c}).Do(req)
+	_, err = h2c.Do(req)
 	require.Error(t, err, "HTTP/2 without TLS is off unless asked for")
 }
 
@@ -107,11 +113,8 @@ func TestH2C(t *testing.T) {
 func TestH2CSlowBodyStallsNoOtherStream(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	h2c := &http.Transport{Protocols: new(http.Protocols)}
-	h2c.Protocols.SetUnencryptedHTTP2(true)
-	t.Cleanup(h2c.CloseIdleConnections)
 	g := serve(t, b.db, b.fake.BaseURL(), map[string]string{"GATEWAY_H2C": "true", "GATEWAY_BODY_TIMEOUT": "500ms"})
-	g.client = &http.Client{Transport: h2c}
+	g.client = h2cClient(t)
 
 	body, feed := io.Pipe()
 	t.Cleanup(func() { _ = feed.Close() })
