@@ -85,6 +85,26 @@ func (b *testBundle) items(t *testing.T, id uuid.UUID) []gateway.BatchItem {
 	return items
 }
 
+// TestConcurrencyBoundsUpstreamCalls: a replica never has more items at the
+// upstream than its drain concurrency, and its workers run every item.
+func TestConcurrencyBoundsUpstreamCalls(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetDelay(100 * time.Millisecond) // long enough for every slot to overlap
+	id := b.newBatch(t, "bounded", 30)
+	b.run(t, b.store, drainer.Config{Concurrency: 4, Lease: time.Minute})
+	require.Eventually(t, func() bool {
+		for _, it := range b.items(t, id) {
+			if it.Status != gateway.ItemCompleted {
+				return false
+			}
+		}
+		return true
+	}, 20*time.Second, 20*time.Millisecond)
+	require.Len(t, b.fake.Calls(), 30, "each item reaches the upstream once")
+	require.Equal(t, 4, b.fake.PeakInFlight(), "four at a time, no more")
+}
+
 // TestOrphanedClaimRunsOutItsLease: an item leased to a live replica that
 // does not hold it (a claim whose reply it never got) is not renewed by its
 // heartbeat, so the rescuer takes it when its lease runs out (D12), while the

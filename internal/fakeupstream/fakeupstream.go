@@ -53,6 +53,8 @@ type Server struct {
 	hostile    map[string]Hostile
 	slow       map[string]time.Duration
 	calls      []Call
+	inFlight   int
+	peak       int
 }
 
 // SetSlow makes every call whose prompt contains marker wait d before it
@@ -150,6 +152,14 @@ func (s *Server) Calls() []Call {
 	return append([]Call(nil), s.calls...)
 }
 
+// PeakInFlight returns the most chat completion calls the server has been
+// answering at once.
+func (s *Server) PeakInFlight() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.peak
+}
+
 // Reply is the deterministic completion text for a prompt.
 func Reply(prompt string) string {
 	return "echo: " + prompt
@@ -204,7 +214,14 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	s.calls = append(s.calls, call)
+	s.inFlight++
+	s.peak = max(s.peak, s.inFlight)
 	s.mu.Unlock()
+	defer func() {
+		s.mu.Lock()
+		s.inFlight--
+		s.mu.Unlock()
+	}()
 
 	if delay > 0 {
 		select {
