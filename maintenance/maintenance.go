@@ -3,9 +3,8 @@
 // batch items whose replica died (lease rescuer), ending batches past their
 // window (expiry sweeper), and removing batches, idempotency keys, rate-limit
 // windows and evidence past retention. Every job is one statement or function
-// that is safe to run on
-// several replicas at once (SKIP LOCKED, or idempotent deletes), so no leader
-// is needed.
+// that is safe to run on several replicas at once (SKIP LOCKED, or idempotent
+// deletes), so no leader is needed.
 package maintenance
 
 import (

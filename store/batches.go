@@ -68,12 +68,13 @@ type CreateResult struct {
 	Replayed bool
 }
 
-// CreateBatch stores a batch durably in one transaction: the batch, its items,
-// the charge of its whole estimate to the account's day (each item settles its
-// part when it finishes). The daily ceiling refusing it is RATE_LIMITED and stores nothing; an
-// idempotency key already used returns that batch (Replayed) when the body is
-// the same and IDEMPOTENCY_KEY_REUSED otherwise. Concurrent creates with one key
-// create one batch. Replicas are woken by a notification on commit.
+// CreateBatch stores a batch durably in one transaction: the batch, its items
+// and the charge of its whole estimate to the account's day (each item settles
+// its part when it finishes). The daily ceiling refusing it is RATE_LIMITED and
+// stores nothing; an idempotency key already used returns that batch (Replayed)
+// when the body is the same and IDEMPOTENCY_KEY_REUSED otherwise. Concurrent
+// creates with one key create one batch. Replicas are woken by a notification
+// on commit.
 func (s *Store) CreateBatch(ctx context.Context, nb NewBatch) (CreateResult, error) {
 	p := nb.Principal
 	id := newID()
