@@ -46,9 +46,30 @@ SELECT r.account_id, r.day, r.project_id,
  WHERE r.settled_rungs IS NOT NULL
     OR NOT EXISTS (SELECT 1 FROM batch_items i WHERE i.request_id = r.request_id AND i.status IN ('queued', 'in_progress'))
  GROUP BY r.account_id, r.day, r.project_id;
-DROP FUNCTION release_expired_reservations(integer);
+DELETE FROM reservations;
 DROP FUNCTION reconcile_settlements(integer, uuid[], uuid);
-DROP TABLE reservations;
+
+-- Replicas of earlier releases still running during a rolling upgrade write
+-- a reservation per batch item they create, cancel through it, and run the
+-- job that released lapsed ones. Their items settle through the trigger like
+-- any other; the table stays, empty (what they write into it is dropped), and
+-- the job finds nothing, until a later release removes both.
+-- +goose StatementBegin
+CREATE FUNCTION ignore_retired_write() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    RETURN NULL;
+END;
+$$;
+-- +goose StatementEnd
+CREATE TRIGGER reservations_retired BEFORE INSERT ON reservations
+    FOR EACH ROW EXECUTE FUNCTION ignore_retired_write();
+-- +goose StatementBegin
+CREATE OR REPLACE FUNCTION release_expired_reservations(p_max integer) RETURNS bigint LANGUAGE plpgsql AS $$
+BEGIN
+    RETURN 0;
+END;
+$$;
+-- +goose StatementEnd
 
 -- Only a running item holds a reservation: every statement that moves an item
 -- out of in_progress gives it back by setting reserved_rungs to 0.

@@ -20,6 +20,9 @@ import (
 //go:embed testdata/reservations_00010.sql
 var reservations00010 string
 
+//go:embed testdata/earlier_release_writes.sql
+var earlierReleaseWrites string
+
 // batch00010 is the batch of that fixture.
 var batch00010 = uuid.MustParse("01900000-0000-7000-8000-0000000000b1")
 
@@ -27,7 +30,8 @@ var batch00010 = uuid.MustParse("01900000-0000-7000-8000-0000000000b1")
 // of batch items. A running item keeps its budget reservation on the item, a
 // settled reservation not yet folded becomes a settlement, and a reservation
 // no unfinished item holds is refunded; the counters then come out as if the
-// items had settled under the old ledger.
+// items had settled under the old ledger. Replicas of the earlier release may
+// still write reservations meanwhile: nothing comes of it.
 func TestMigrationMovesReservations(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -52,6 +56,12 @@ func TestMigrationMovesReservations(t *testing.T) {
 	v := b.view(t, p)
 	require.Equal(t, int64(350-60-50), v.Daily.Charged, "the reservation no item held is refunded")
 	require.Equal(t, gateway.BudgetState{Project: "default", Cap: &budget, Spent: 40, Reserved: 100}, v.Budget, "the running item still holds its reservation")
+
+	// A replica of the earlier release, still running during the upgrade,
+	// writes into the retired table without error and without effect.
+	_, err = pool.Exec(ctx, earlierReleaseWrites)
+	require.NoError(t, err)
+	require.Equal(t, v, b.view(t, p))
 
 	// The running item completes under the new ledger, the queued one is
 	// claimed (reserving on the cap) and completes too.

@@ -145,3 +145,14 @@ type Request struct {
 	CreatedAt    time.Time
 	CompletedAt  time.Time
 }
+
+type Reservation struct {
+	RequestID     uuid.UUID
+	AccountID     uuid.UUID
+	ProjectID     uuid.UUID
+	Day           time.Time
+	ChargedRungs  int64
+	ReservedRungs int64
+	ExpiresAt     time.Time
+	SettledRungs  *int64
+}
