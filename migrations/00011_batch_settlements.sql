@@ -141,8 +141,16 @@ END;
 $$;
 -- +goose StatementEnd
 
--- claim_batch_items: as in 00010; an item of a capped project holds its
--- reservation itself (reserved_rungs), and failing items settle by the trigger.
+-- claim_batch_items: as in 00010, with two changes. An item of a capped
+-- project holds its reservation itself (reserved_rungs), and failing items
+-- settle by the trigger. Each account's scan of the claim index starts at its
+-- oldest open batch (queued or in progress: the only batches with claimable
+-- items; an item's queued_at is its batch's created_at) instead of at the
+-- account's first entry, and the accounts with work are found from the open
+-- batches, not by walking the index account by account: the entries of items
+-- claimed in finished batches, which stay in the index until a vacuum, are no
+-- longer read by every claim.
+CREATE INDEX batches_drainable_idx ON batches (account_id, created_at) WHERE status IN ('queued', 'in_progress');
 -- +goose StatementBegin
 CREATE OR REPLACE FUNCTION claim_batch_items(p_owner uuid, p_max integer, p_per_account integer, p_lease interval, p_pivot uuid, p_claim_id uuid, p_models text[])
 RETURNS TABLE (batch_id uuid, idx integer, account_id uuid, request jsonb, batch_status text, claimed boolean)
@@ -156,27 +164,27 @@ DECLARE
     v_estimate bigint;
     v_ok       boolean;
 BEGIN
-    WITH RECURSIVE accounts_with_work(account_id) AS (
-        (SELECT i.account_id FROM batch_items i
-          WHERE i.status = 'queued' AND (p_models IS NULL OR i.model = ANY (p_models))
-          ORDER BY i.account_id LIMIT 1)
-        UNION ALL
-        SELECT (SELECT i.account_id FROM batch_items i
-                 WHERE i.status = 'queued' AND i.account_id > a.account_id
-                   AND (p_models IS NULL OR i.model = ANY (p_models))
-                 ORDER BY i.account_id LIMIT 1)
-          FROM accounts_with_work a WHERE a.account_id IS NOT NULL
+    WITH open_since AS (
+        -- Where each account's queued items can start: its oldest open batch.
+        SELECT b.account_id, min(b.created_at) AS since
+          FROM batches b WHERE b.status IN ('queued', 'in_progress')
+         GROUP BY b.account_id
+    ), accounts_with_work AS (
+        SELECT o.account_id, o.since FROM open_since o
+         WHERE EXISTS (SELECT 1 FROM batch_items i
+                        WHERE i.status = 'queued' AND i.account_id = o.account_id AND i.queued_at >= o.since
+                          AND (p_models IS NULL OR i.model = ANY (p_models)))
     ), chosen AS (
-        SELECT a.account_id, greatest(p_per_account, ceil(p_max::numeric / count(*) OVER ())::integer) AS share
+        SELECT a.account_id, a.since, greatest(p_per_account, ceil(p_max::numeric / count(*) OVER ())::integer) AS share
           FROM accounts_with_work a
-         WHERE a.account_id IS NOT NULL
          ORDER BY (a.account_id <= p_pivot), a.account_id
          LIMIT p_max
     ), candidates AS (
         SELECT c.batch_id, c.idx FROM chosen ch
         CROSS JOIN LATERAL (
             SELECT i.batch_id, i.idx FROM batch_items i
-             WHERE i.status = 'queued' AND i.account_id = ch.account_id AND i.expires_at > now()
+             WHERE i.status = 'queued' AND i.account_id = ch.account_id AND i.queued_at >= ch.since
+               AND i.expires_at > now()
                AND (p_models IS NULL OR i.model = ANY (p_models))
                AND EXISTS (SELECT 1 FROM batches b WHERE b.id = i.batch_id AND b.status IN ('queued', 'in_progress'))
              ORDER BY i.queued_at, i.batch_id, i.idx
