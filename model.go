@@ -17,6 +17,16 @@ const (
 // Models lists the canonical models.
 var Models = []Model{ModelInstant, ModelReasoning, ModelElements}
 
+// OwnNames maps every canonical model to its own name: the upstream model
+// names when the operator names none.
+func OwnNames() map[Model]string {
+	names := make(map[Model]string, len(Models))
+	for _, m := range Models {
+		names[m] = string(m)
+	}
+	return names
+}
+
 var modelAliases = map[string]Model{
 	"instant":   ModelInstant,
 	"fast":      ModelInstant,

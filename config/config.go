@@ -158,10 +158,7 @@ func (c Config) routes() (*File, error) {
 			spec.APIKeyEnv = "GATEWAY_UPSTREAM_KEY"
 		}
 	}
-	models := map[gateway.Model]string{}
-	for _, m := range gateway.Models {
-		models[m] = string(m)
-	}
+	models := gateway.OwnNames()
 	if c.ModelMap != "" {
 		pairs, err := upstream.ParseModelPairs(c.ModelMap)
 		if err != nil {

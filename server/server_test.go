@@ -211,10 +211,7 @@ func setupWith(t testing.TB, o options) *testBundle {
 	rc, err := metering.NewRateCard(map[gateway.Model]string{"instant": "1", "reasoning": "4", "elements": "2"}, "0.5")
 	require.NoError(t, err)
 	if o.models == nil {
-		o.models = map[gateway.Model]string{}
-		for _, m := range gateway.Models {
-			o.models[m] = string(m)
-		}
+		o.models = gateway.OwnNames()
 	}
 	if o.keepalive == 0 {
 		o.keepalive = time.Minute
