@@ -316,7 +316,7 @@ func (s *Service) unavailable(err error) bool { return s.Unavailable != nil && s
 
 func isUpstreamFailure(err error) bool {
 	switch upstream.Kind(err) {
-	case "unavailable", "failed", "rejected", "broken":
+	case upstream.KindUnavailable, upstream.KindFailed, upstream.KindRejected, upstream.KindBroken:
 		return true
 	}
 	return false

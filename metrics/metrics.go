@@ -11,6 +11,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/rungworks/gateway/upstream"
 )
 
 // Metrics are the gateway's instruments.
@@ -230,8 +232,10 @@ type Target struct {
 	circuit  prometheus.Gauge
 }
 
-// attemptOutcomes are the outcome label values of an attempt.
-var attemptOutcomes = []string{"ok", "unavailable", "failed", "rejected", "broken", "cancelled", Other}
+// attemptOutcomes are the outcome label values of an attempt: ok, or the
+// failure's upstream.Kind.
+var attemptOutcomes = []string{"ok", upstream.KindUnavailable, upstream.KindFailed, upstream.KindRejected,
+	upstream.KindBroken, upstream.KindCancelled, upstream.KindOther}
 
 // Target returns the instruments of a provider's upstream model.
 func (m *Metrics) Target(provider, upstreamModel string) *Target {
@@ -246,7 +250,7 @@ func (m *Metrics) Target(provider, upstreamModel string) *Target {
 	for _, o := range attemptOutcomes {
 		t.outcomes[o] = m.attempts.WithLabelValues(provider, upstreamModel, o)
 	}
-	t.other = t.outcomes[Other]
+	t.other = t.outcomes[upstream.KindOther]
 	return t
 }
 

@@ -234,9 +234,9 @@ func mayMoveOn(kind string, atMostOnce bool, emitted *bool) bool {
 		return false
 	}
 	switch kind {
-	case "unavailable":
+	case upstream.KindUnavailable:
 		return true
-	case "failed", "broken":
+	case upstream.KindFailed, upstream.KindBroken:
 		return !atMostOnce
 	}
 	return false
@@ -247,9 +247,9 @@ func mayMoveOn(kind string, atMostOnce bool, emitted *bool) bool {
 // in trouble, anything else (the caller went away) nothing.
 func (t *target) observe(kind string) {
 	switch kind {
-	case "", "rejected":
+	case "", upstream.KindRejected:
 		t.circuit.succeeded()
-	case "unavailable", "failed", "broken":
+	case upstream.KindUnavailable, upstream.KindFailed, upstream.KindBroken:
 		t.circuit.failed(time.Now())
 	default:
 		t.circuit.released()

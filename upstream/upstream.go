@@ -125,26 +125,35 @@ func ParseModelPairs(s string) (map[gateway.Model]string, error) {
 	return out, nil
 }
 
-// Kind names the class of an upstream failure, for metrics and logs:
-// "unavailable" (not processed), "failed" (after dispatch), "rejected",
-// "broken" (a stream cut short), "cancelled" (the caller went away), "other";
-// empty for nil. The values are a fixed set, fit for metric labels.
+// The kinds of upstream failure Kind names.
+const (
+	KindUnavailable = "unavailable" // certainly not processed
+	KindFailed      = "failed"      // failed after dispatch
+	KindRejected    = "rejected"    // the upstream refused the request
+	KindBroken      = "broken"      // a stream cut short
+	KindCancelled   = "cancelled"   // the caller went away
+	KindOther       = "other"
+)
+
+// Kind names the class of an upstream failure, for metrics, logs and
+// fallback decisions: one of the Kind constants, empty for nil. The values
+// are a fixed set, fit for metric labels.
 func Kind(err error) string {
 	var rejected *RejectedError
 	switch {
 	case err == nil:
 		return ""
 	case errors.Is(err, ErrUnavailable):
-		return "unavailable"
+		return KindUnavailable
 	case errors.Is(err, ErrFailed):
-		return "failed"
+		return KindFailed
 	case errors.As(err, &rejected):
-		return "rejected"
+		return KindRejected
 	case errors.Is(err, ErrStreamBroken):
-		return "broken"
+		return KindBroken
 	case errors.Is(err, context.Canceled):
-		return "cancelled"
+		return KindCancelled
 	default:
-		return "other"
+		return KindOther
 	}
 }
