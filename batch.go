@@ -176,12 +176,13 @@ type BatchItem struct {
 	Model     Model      // completed items
 	Content   string     // completed items
 	Usage     Usage
-	Route     *ItemRoute // completed items
-	Error     *Error     // failed items
+	Route     *UpstreamRoute // completed items
+	Error     *Error         // failed items
 }
 
-// ItemRoute is the upstream target that ran a batch item.
-type ItemRoute struct {
+// UpstreamRoute is the upstream target that answered a call (a request or a
+// batch item), and how many targets were tried for it.
+type UpstreamRoute struct {
 	Provider      string
 	UpstreamModel string
 	Attempts      int

@@ -359,7 +359,7 @@ func (d *Drainer) run(ctx, commits context.Context, it store.ClaimedItem) {
 		result.InputTokens, result.OutputTokens = usage.InputTokens, usage.OutputTokens
 		result.InputRungs, result.OutputRungs, result.TotalRungs = usage.InputRungs, usage.OutputRungs, usage.TotalRungs
 		result.EvidenceExpiresAt = time.Now().Add(d.cfg.EvidenceRetention)
-		result.Provider, result.UpstreamModel, result.Attempts = res.Provider, res.UpstreamModel, res.Attempts
+		result.Provider, result.UpstreamModel, result.Attempts = res.Route.Provider, res.Route.UpstreamModel, res.Route.Attempts
 		tracing.Usage(ctx, usage.InputTokens, usage.OutputTokens, usage.InputRungs, usage.OutputRungs, res.Content)
 	case errors.Is(err, upstream.ErrUnavailable), ctx.Err() != nil && !dispatched.Load():
 		d.requeue(commits, it)

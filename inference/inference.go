@@ -78,11 +78,8 @@ type Route struct {
 	EvidenceModel gateway.Model // empty when no retrieval was asked for
 	Explicit      bool
 	DecidedAt     time.Time
-	// Provider and UpstreamModel name the target that answered, Attempts the
-	// targets tried; set once the call has run.
-	Provider      string
-	UpstreamModel string
-	Attempts      int
+	// Upstream is the target that answered; set once the call has run.
+	Upstream gateway.UpstreamRoute
 }
 
 // Call is a validated, routed and estimated request, ready to dispatch.
@@ -287,7 +284,7 @@ func (s *Service) result(call *Call, res upstream.Result, usage gateway.Usage) *
 		Usage:     usage,
 		Route:     call.Route,
 	}
-	result.Route.Provider, result.Route.UpstreamModel, result.Route.Attempts = res.Provider, res.UpstreamModel, res.Attempts
+	result.Route.Upstream = res.Route
 	if call.Request.IncludeRegions {
 		zero := 0
 		result.RegionsActivated = &zero

@@ -213,7 +213,7 @@ func (r *Router) run(ctx context.Context, req upstream.Request, emitted *bool,
 		tracing.EndAttempt(span, t.UpstreamModel, res.UsageReported, res.InputTokens, res.OutputTokens, kind)
 		t.observe(kind)
 		if err == nil || ctx.Err() != nil || !mayMoveOn(kind, req.AtMostOnce, emitted) {
-			res.Provider, res.UpstreamModel, res.Attempts = t.Provider, t.UpstreamModel, attempts
+			res.Route = gateway.UpstreamRoute{Provider: t.Provider, UpstreamModel: t.UpstreamModel, Attempts: attempts}
 			return res, err
 		}
 		last = err
@@ -221,7 +221,7 @@ func (r *Router) run(ctx context.Context, req upstream.Request, emitted *bool,
 	if attempts == 0 {
 		return upstream.Result{}, fmt.Errorf("%w: no target of model %s is taking calls (their circuits are open)", upstream.ErrUnavailable, req.Model)
 	}
-	return upstream.Result{Attempts: attempts}, last
+	return upstream.Result{Route: gateway.UpstreamRoute{Attempts: attempts}}, last
 }
 
 // mayMoveOn says whether a failed attempt may be followed by one at the next

@@ -65,9 +65,9 @@ func TestFallsBackWhenATargetIsUnavailable(t *testing.T) {
 			res, err := b.router.Complete(context.Background(), request("hello there"))
 			require.NoError(t, err)
 			require.Equal(t, fakeupstream.Reply("hello there"), res.Content)
-			require.Equal(t, "b", res.Provider)
-			require.Equal(t, "b-model", res.UpstreamModel)
-			require.Equal(t, 2, res.Attempts)
+			require.Equal(t, "b", res.Route.Provider)
+			require.Equal(t, "b-model", res.Route.UpstreamModel)
+			require.Equal(t, 2, res.Route.Attempts)
 			pt, ct := fakeupstream.Usage("hello there")
 			require.Equal(t, []uint64{pt, ct}, []uint64{res.InputTokens, res.OutputTokens}, "the usage is the answering target's")
 			require.Equal(t, "b-model", b.fakes["b"].Calls()[0].Model)
@@ -112,7 +112,7 @@ func TestAtMostOnceMovesOnOnlyWhenNotProcessed(t *testing.T) {
 	req.OnDispatch = func() { dispatches++ }
 	res, err := b.router.Complete(context.Background(), req)
 	require.NoError(t, err)
-	require.Equal(t, "b", res.Provider)
+	require.Equal(t, "b", res.Route.Provider)
 	require.Equal(t, 1, dispatches, "the caller hears of the dispatch once")
 }
 
@@ -133,8 +133,8 @@ func TestStreamFallsBackOnlyBeforeTheFirstByte(t *testing.T) {
 	got, res, err := collect()
 	require.NoError(t, err)
 	require.Equal(t, fakeupstream.Reply(prompt), got)
-	require.Equal(t, "b", res.Provider)
-	require.Equal(t, 2, res.Attempts)
+	require.Equal(t, "b", res.Route.Provider)
+	require.Equal(t, 2, res.Route.Attempts)
 
 	b.fakes["a"].SetMode(fakeupstream.OK)
 	b.fakes["a"].SetBreakAfter(2)
@@ -143,7 +143,7 @@ func TestStreamFallsBackOnlyBeforeTheFirstByte(t *testing.T) {
 	require.ErrorIs(t, err, upstream.ErrStreamBroken)
 	require.Equal(t, fakeupstream.StreamPieces(prompt)[0]+fakeupstream.StreamPieces(prompt)[1], got, "what was sent stays the stream's")
 	require.Equal(t, got, res.Content)
-	require.Equal(t, "a", res.Provider)
+	require.Equal(t, "a", res.Route.Provider)
 	require.Equal(t, before, b.calls("b"), "no fallback once output reached the caller")
 }
 
@@ -155,7 +155,7 @@ func TestAttemptsAreBounded(t *testing.T) {
 	}
 	res, err := b.router.Complete(context.Background(), request("p"))
 	require.ErrorIs(t, err, upstream.ErrUnavailable)
-	require.Equal(t, 2, res.Attempts)
+	require.Equal(t, 2, res.Route.Attempts)
 	require.Zero(t, b.calls("c"))
 
 	// And in time: no attempt starts once MaxTime has passed.
@@ -164,7 +164,7 @@ func TestAttemptsAreBounded(t *testing.T) {
 	b.fakes["a"].SetStatus(http.StatusServiceUnavailable)
 	res, err = b.router.Complete(context.Background(), request("p"))
 	require.ErrorIs(t, err, upstream.ErrUnavailable)
-	require.Equal(t, 1, res.Attempts)
+	require.Equal(t, 1, res.Route.Attempts)
 	require.Zero(t, b.calls("b"))
 }
 
@@ -176,15 +176,15 @@ func TestCircuitOpensThenProbes(t *testing.T) {
 	for range 2 {
 		res, err := b.router.Complete(context.Background(), request("p"))
 		require.NoError(t, err)
-		require.Equal(t, 2, res.Attempts)
+		require.Equal(t, 2, res.Route.Attempts)
 	}
 	require.Equal(t, 2, b.calls("a"))
 
 	// Open: a is skipped, b answers at the first attempt.
 	res, err := b.router.Complete(context.Background(), request("p"))
 	require.NoError(t, err)
-	require.Equal(t, "b", res.Provider)
-	require.Equal(t, 1, res.Attempts)
+	require.Equal(t, "b", res.Route.Provider)
+	require.Equal(t, 1, res.Route.Attempts)
 	require.Equal(t, 2, b.calls("a"))
 
 	// After the cool-down one probe goes to a; it fails: open again, for
@@ -203,10 +203,10 @@ func TestCircuitOpensThenProbes(t *testing.T) {
 	time.Sleep(cooldown)
 	res, err = b.router.Complete(context.Background(), request("p"))
 	require.NoError(t, err)
-	require.Equal(t, "a", res.Provider)
+	require.Equal(t, "a", res.Route.Provider)
 	res, err = b.router.Complete(context.Background(), request("p"))
 	require.NoError(t, err)
-	require.Equal(t, "a", res.Provider)
+	require.Equal(t, "a", res.Route.Provider)
 }
 
 func TestHealthAndWait(t *testing.T) {

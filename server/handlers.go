@@ -229,9 +229,8 @@ func responseBody(res *inference.Result) api.Response {
 		m := api.RouteInfoEvidenceModel(res.Route.EvidenceModel)
 		body.Route.EvidenceModel = &m
 	}
-	if res.Route.Provider != "" {
-		body.Route.Provider, body.Route.UpstreamModel = &res.Route.Provider, &res.Route.UpstreamModel
-		body.Route.Attempts = &res.Route.Attempts
+	if u := res.Route.Upstream; u.Provider != "" {
+		body.Route.Provider, body.Route.UpstreamModel, body.Route.Attempts = &u.Provider, &u.UpstreamModel, &u.Attempts
 	}
 	if res.Verdict != "" {
 		body.EvidenceVerdict = &res.Verdict

@@ -224,7 +224,7 @@ func (s *Store) BatchResults(ctx context.Context, accountID, id uuid.UUID) (*gat
 				requestID := r.RequestID
 				it.RequestID, it.Model, it.Content = &requestID, gateway.Model(r.Model), deref(r.Content)
 				if r.Provider != nil && r.UpstreamModel != nil && r.Attempts != nil {
-					it.Route = &gateway.ItemRoute{Provider: *r.Provider, UpstreamModel: *r.UpstreamModel, Attempts: int(*r.Attempts)}
+					it.Route = &gateway.UpstreamRoute{Provider: *r.Provider, UpstreamModel: *r.UpstreamModel, Attempts: int(*r.Attempts)}
 				}
 			case gateway.ItemFailed:
 				it.Error = &gateway.Error{Code: gateway.ErrorCode(deref(r.ErrorCode)), Message: deref(r.ErrorMessage)}

@@ -51,11 +51,9 @@ type Result struct {
 	UsageReported bool
 	InputTokens   uint64
 	OutputTokens  uint64
-	// Provider and UpstreamModel name the target that produced the result,
-	// and Attempts counts the targets tried for it (set by a router).
-	Provider      string
-	UpstreamModel string
-	Attempts      int
+	// Route names the target that produced the result and counts the
+	// targets tried for it (set by a router).
+	Route gateway.UpstreamRoute
 }
 
 // Delta is a piece of a streamed reply: text, evidence, or both.
