@@ -76,15 +76,12 @@ func (c *circuit) allow(now time.Time) bool {
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	switch {
-	case c.state == stateClosed:
-		return true
-	case c.state == stateOpen && now.Before(c.until), c.probing:
-		return false
+	ready, full := c.readyLocked(now)
+	if ready && !full {
+		c.setState(stateHalfOpen)
+		c.probing = true
 	}
-	c.setState(stateHalfOpen)
-	c.probing = true
-	return true
+	return ready
 }
 
 // ready says whether allow would let a call through now, without taking the
@@ -92,6 +89,11 @@ func (c *circuit) allow(now time.Time) bool {
 func (c *circuit) ready(now time.Time) (ready, full bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	return c.readyLocked(now)
+}
+
+// readyLocked is ready with c.mu held.
+func (c *circuit) readyLocked(now time.Time) (ready, full bool) {
 	switch c.state {
 	case stateClosed:
 		return true, true
