@@ -6,7 +6,6 @@ package config
 
 import (
 	"fmt"
-	"net/url"
 	"os"
 	"time"
 
@@ -149,8 +148,7 @@ func (c Config) routes() (*File, error) {
 	}
 	name, spec := "sim", ProviderSpec{Type: "sim"}
 	if c.Upstream != "" && c.Upstream != "sim" {
-		u, err := url.Parse(c.Upstream)
-		if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		if !httpURL(c.Upstream) {
 			return nil, fmt.Errorf("GATEWAY_UPSTREAM must be sim or an http(s) base URL, got %q", c.Upstream)
 		}
 		name, spec = "upstream", ProviderSpec{Type: "openai", BaseURL: c.Upstream, Timeout: c.UpstreamTimeout, H2C: c.UpstreamH2C}

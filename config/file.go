@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"go.yaml.in/yaml/v3"
+	"golang.org/x/net/http/httpguts"
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/routing"
@@ -193,7 +194,7 @@ func (p *fileParser) provider(name string, k, v *yaml.Node) {
 			}
 		case "base_url":
 			spec.BaseURL = p.str(v, what+" base_url")
-			if u, err := url.Parse(spec.BaseURL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+			if !httpURL(spec.BaseURL) {
 				p.errorf(v, "%s: base_url must be an http(s) URL such as https://api.openai.com/v1, got %q", what, spec.BaseURL)
 			}
 		case "api_key_env":
@@ -209,7 +210,7 @@ func (p *fileParser) provider(name string, k, v *yaml.Node) {
 			spec.Headers = map[string]string{}
 			p.mapping(v, what+" headers", nil, func(h string, k, v *yaml.Node) {
 				switch canonical := http.CanonicalHeaderKey(h); {
-				case !validHeaderName(h):
+				case !httpguts.ValidHeaderFieldName(h):
 					p.errorf(k, "%s: %q is not a valid header name", what, h)
 				case canonical == "Authorization" || canonical == "Content-Type" || canonical == "Accept" || canonical == "Traceparent" || canonical == "Tracestate":
 					p.errorf(k, "%s: header %s is set by the gateway (use api_key_env for the key)", what, canonical)
@@ -298,6 +299,12 @@ func (p *fileParser) target(n *yaml.Node, what string, strategy routing.Strategy
 	return ts
 }
 
+// httpURL reports whether s is an absolute http(s) URL with a host.
+func httpURL(s string) bool {
+	u, err := url.Parse(s)
+	return err == nil && (u.Scheme == "http" || u.Scheme == "https") && u.Host != ""
+}
+
 func (p *fileParser) str(n *yaml.Node, what string) string {
 	if n.Kind != yaml.ScalarNode || n.Tag == "!!null" {
 		p.errorf(n, "%s must be a string", what)
@@ -330,18 +337,6 @@ func (p *fileParser) boolean(n *yaml.Node, what string) bool {
 		p.errorf(n, "%s must be true or false, got %q", what, n.Value)
 	}
 	return v
-}
-
-func validHeaderName(h string) bool {
-	if h == "" {
-		return false
-	}
-	for _, c := range h {
-		if c > 0x7e || c <= ' ' || strings.ContainsRune(`"(),/:;<=>?@[\]{}`, c) {
-			return false
-		}
-	}
-	return true
 }
 
 // Describe lists the file's routes, one model per line, for operators.

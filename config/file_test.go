@@ -137,6 +137,7 @@ circuit:
 		"providers:\n  p: {type: sim}\nmodels:\n  instant: {targets: [p/m]}\nfallback: {max_attempts: 0}\n": "g.yaml:5: fallback.max_attempts must be a whole number of at least 1",
 		"providers:\n  p: {type: openai}\nmodels:\n  instant: {targets: [p/m]}\n":                           `g.yaml:2: provider "p" needs a base_url`,
 		"providers:\n  p: {type: sim}\n  p: {type: sim}\nmodels:\n  instant: {targets: [p/m]}\n":            `g.yaml:3: key "p" appears twice in providers`,
+		"providers:\n  p: {type: sim, headers: {\"X Team\": a}}\nmodels:\n  instant: {targets: [p/m]}\n":    `g.yaml:2: provider "p": "X Team" is not a valid header name`,
 	} {
 		_, err := config.ParseFile("g.yaml", []byte(content))
 		require.ErrorContains(t, err, want, "content %q", content)
