@@ -199,11 +199,13 @@ func (s *Store) DeleteExpiredEvidence(ctx context.Context, maxRows int32) (int64
 func newID() uuid.UUID { return uuid.Must(uuid.NewV7()) }
 
 // Activity is what the database has done so far: transactions committed in
-// the gateway's database and WAL flushes (durable commits, grouped by the
-// server) of the whole server. Benchmarks read it before and after a run.
+// the gateway's database, and WAL flushes (durable commits, grouped by the
+// server) and WAL records of the whole server. Benchmarks read it before and
+// after a run.
 type Activity struct {
-	Commits  int64
-	WALSyncs int64
+	Commits    int64
+	WALSyncs   int64
+	WALRecords int64
 }
 
 // Activity reads the database's activity counters.
@@ -212,5 +214,5 @@ func (s *Store) Activity(ctx context.Context) (Activity, error) {
 	if err != nil {
 		return Activity{}, fmt.Errorf("error reading database activity: %w", err)
 	}
-	return Activity{Commits: row.Commits, WALSyncs: row.WalSyncs}, nil
+	return Activity{Commits: row.Commits, WALSyncs: row.WalSyncs, WALRecords: row.WalRecords}, nil
 }

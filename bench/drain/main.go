@@ -6,6 +6,7 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"flag"
 	"fmt"
@@ -20,6 +21,7 @@ import (
 
 	"github.com/rungworks/gateway/bench/internal/benchenv"
 	"github.com/rungworks/gateway/internal/fakeupstream"
+	"github.com/rungworks/gateway/store"
 )
 
 func main() {
@@ -44,8 +46,8 @@ func run(binary, replicaList string, batches, probes int) error {
 	defer fake.Close()
 
 	fmt.Printf("batch drain, instant upstream, %d batches × 100 items per run, %d cores\n\n", batches, runtime.NumCPU())
-	fmt.Println("| replicas | items | seconds (creating) | items/s | CPU/item gateway (creating) | CPU/item PostgreSQL (creating) |")
-	fmt.Println("|---|---|---|---|---|---|")
+	fmt.Println("| replicas | items | seconds (creating) | items/s | CPU/item gateway (creating) | CPU/item PostgreSQL (creating) | commits/item | WAL records/item |")
+	fmt.Println("|---|---|---|---|---|---|---|---|")
 	for _, field := range strings.Split(replicaList, ",") {
 		n, err := strconv.Atoi(strings.TrimSpace(field))
 		if err != nil || n < 1 {
@@ -55,8 +57,9 @@ func run(binary, replicaList string, batches, probes int) error {
 		if err != nil {
 			return err
 		}
-		fmt.Printf("| %d | %d | %.2f (%.2f) | %.0f | %s (%s) | %s (%s) |\n", n, r.items, r.seconds, r.created.seconds, float64(r.items)/r.seconds,
-			benchenv.PerUnit(r.gatewayCPU, r.items), benchenv.PerUnit(r.created.gatewayCPU, r.items), benchenv.PerUnit(r.postgresCPU, r.items), benchenv.PerUnit(r.created.postgresCPU, r.items))
+		fmt.Printf("| %d | %d | %.2f (%.2f) | %.0f | %s (%s) | %s (%s) | %.3f | %.1f |\n", n, r.items, r.seconds, r.created.seconds, float64(r.items)/r.seconds,
+			benchenv.PerUnit(r.gatewayCPU, r.items), benchenv.PerUnit(r.created.gatewayCPU, r.items), benchenv.PerUnit(r.postgresCPU, r.items), benchenv.PerUnit(r.created.postgresCPU, r.items),
+			float64(r.activity.Commits)/float64(r.items), float64(r.activity.WALRecords)/float64(r.items))
 	}
 
 	p50, p99, err := dispatchLatency(env, fake, probes)
@@ -70,10 +73,14 @@ func run(binary, replicaList string, batches, probes int) error {
 // result is one drain run: the items, the seconds from the first creation to
 // the last batch completed, and the CPU the gateway replicas and PostgreSQL
 // spent in that time; created is the same until the last batch was created
-// (the replicas drain while batches are being created).
+// (the replicas drain while batches are being created). activity is what the
+// database did in the run: commits in the gateway's database and WAL records
+// of the server, which, unlike times, do not depend on how busy the machine
+// is.
 type result struct {
 	phase
-	created phase
+	created  phase
+	activity store.Activity
 }
 
 type phase struct {
@@ -103,6 +110,15 @@ func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, batches int) 
 		if bases[i], pids[i], err = env.ServeProcess(vars); err != nil {
 			return result{}, err
 		}
+	}
+	st, err := benchenv.OpenStore(vars)
+	if err != nil {
+		return result{}, err
+	}
+	defer st.Pool().Close()
+	activityBefore, err := activity(st)
+	if err != nil {
+		return result{}, err
 	}
 	gatewayBefore, postgresBefore, err := benchenv.CPU(pids...)
 	if err != nil {
@@ -156,8 +172,19 @@ func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, batches int) 
 			time.Sleep(20 * time.Millisecond)
 		}
 	}
-	r.phase, err = since(start, batches*100, pids, gatewayBefore, postgresBefore)
+	if r.phase, err = since(start, batches*100, pids, gatewayBefore, postgresBefore); err != nil {
+		return result{}, err
+	}
+	after, err := activity(st)
+	r.activity = store.Activity{Commits: after.Commits - activityBefore.Commits, WALRecords: after.WALRecords - activityBefore.WALRecords}
 	return r, err
+}
+
+// activity reads the database's counters once PostgreSQL has published them
+// (at most once a second).
+func activity(st *store.Store) (store.Activity, error) {
+	time.Sleep(1100 * time.Millisecond)
+	return st.Activity(context.Background())
 }
 
 // dispatchLatency creates one-item batches on an idle replica and measures

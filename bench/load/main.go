@@ -24,8 +24,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
-
 	"github.com/rungworks/gateway/bench/internal/benchenv"
 	"github.com/rungworks/gateway/internal/fakeupstream"
 	"github.com/rungworks/gateway/store"
@@ -60,7 +58,7 @@ func run(binary, rateList string, duration, warmup time.Duration, connections in
 	if err != nil {
 		return err
 	}
-	st, err := openStore(vars)
+	st, err := benchenv.OpenStore(vars)
 	if err != nil {
 		return err
 	}
@@ -118,20 +116,6 @@ func run(binary, rateList string, duration, warmup time.Duration, connections in
 		}
 	}
 	return nil
-}
-
-// openStore connects to the gateway's database to read its activity.
-func openStore(vars []string) (*store.Store, error) {
-	for _, v := range vars {
-		if url, ok := strings.CutPrefix(v, "DATABASE_URL="); ok {
-			pool, err := pgxpool.New(context.Background(), url)
-			if err != nil {
-				return nil, err
-			}
-			return store.New(pool), nil
-		}
-	}
-	return nil, fmt.Errorf("no DATABASE_URL")
 }
 
 // counters are the cumulative costs a measurement takes the difference of.

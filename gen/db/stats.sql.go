@@ -11,18 +11,21 @@ import (
 
 const databaseActivity = `-- name: DatabaseActivity :one
 SELECT pg_stat_get_db_xact_commit((SELECT d.oid FROM pg_catalog.pg_database d WHERE d.datname = current_database()))::bigint AS commits,
-       (SELECT w.wal_sync FROM pg_stat_get_wal() AS w)::bigint AS wal_syncs
+       w.wal_sync::bigint AS wal_syncs, w.wal_records::bigint AS wal_records
+FROM pg_stat_get_wal() AS w
 `
 
 type DatabaseActivityRow struct {
-	Commits  int64
-	WalSyncs int64
+	Commits    int64
+	WalSyncs   int64
+	WalRecords int64
 }
 
-// Transactions committed in this database so far, and WAL flushes of the server.
+// Transactions committed in this database so far, and WAL flushes and records
+// of the server.
 func (q *Queries) DatabaseActivity(ctx context.Context, db DBTX) (DatabaseActivityRow, error) {
 	row := db.QueryRow(ctx, databaseActivity)
 	var i DatabaseActivityRow
-	err := row.Scan(&i.Commits, &i.WalSyncs)
+	err := row.Scan(&i.Commits, &i.WalSyncs, &i.WalRecords)
 	return i, err
 }

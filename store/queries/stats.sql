@@ -1,4 +1,6 @@
 -- name: DatabaseActivity :one
--- Transactions committed in this database so far, and WAL flushes of the server.
+-- Transactions committed in this database so far, and WAL flushes and records
+-- of the server.
 SELECT pg_stat_get_db_xact_commit((SELECT d.oid FROM pg_catalog.pg_database d WHERE d.datname = current_database()))::bigint AS commits,
-       (SELECT w.wal_sync FROM pg_stat_get_wal() AS w)::bigint AS wal_syncs;
+       w.wal_sync::bigint AS wal_syncs, w.wal_records::bigint AS wal_records
+FROM pg_stat_get_wal() AS w;

@@ -14,7 +14,10 @@ import (
 	"strings"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"github.com/rungworks/gateway/pglocal"
+	"github.com/rungworks/gateway/store"
 )
 
 // Env is a PostgreSQL server and the gateway binary.
@@ -213,4 +216,19 @@ func PostgresCPU() (time.Duration, error) {
 		}
 	}
 	return total, nil
+}
+
+// OpenStore connects to the database of a gateway's environment (from Fresh)
+// to read its activity; the caller closes its pool.
+func OpenStore(env []string) (*store.Store, error) {
+	for _, v := range env {
+		if url, ok := strings.CutPrefix(v, "DATABASE_URL="); ok {
+			pool, err := pgxpool.New(context.Background(), url)
+			if err != nil {
+				return nil, fmt.Errorf("error connecting to the gateway's database: %w", err)
+			}
+			return store.New(pool), nil
+		}
+	}
+	return nil, fmt.Errorf("no DATABASE_URL in the gateway's environment")
 }
