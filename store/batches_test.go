@@ -326,6 +326,43 @@ func TestClaimMixesCappedAndUncapped(t *testing.T) {
 	require.Empty(t, b.claim(t, uuid.Must(uuid.NewV7()), 10, time.Minute), "nothing is left to claim")
 }
 
+// TestClaimReturnsEachItemWithItsBatchStatus: a claim returns every item it
+// took with its own request, and its batch's status when it was claimed: the
+// first items of a batch find it queued, those claimed after it started do
+// not; items of two batches claimed together are not mixed up.
+func TestClaimReturnsEachItemWithItsBatchStatus(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	first := b.newBatch(t, p, 6, 10, "", day())
+	second := b.newBatch(t, p, 6, 10, "", day())
+	owner := uuid.Must(uuid.NewV7())
+
+	check := func(items []store.ClaimedItem, queued map[uuid.UUID]bool) {
+		t.Helper()
+		for _, it := range items {
+			require.Equal(t, fmt.Sprintf("item %d", it.Index), it.Request.Prompt, "item %s/%d", it.BatchID, it.Index)
+			require.Equal(t, queued[it.BatchID], it.BatchQueued, "item %s/%d", it.BatchID, it.Index)
+		}
+	}
+	items := b.claim(t, owner, 4, time.Minute)
+	require.Len(t, items, 4)
+	check(items, map[uuid.UUID]bool{first: true, second: true})
+	require.NoError(t, b.store.StartBatches(b.ctx, []uuid.UUID{first}))
+
+	rest := b.claim(t, owner, 20, time.Minute)
+	require.Len(t, rest, 8)
+	check(rest, map[uuid.UUID]bool{first: false, second: true})
+	seen := map[store.ItemKey]bool{}
+	for _, it := range append(items, rest...) {
+		key := store.ItemKey{BatchID: it.BatchID, Index: it.Index}
+		require.False(t, seen[key], "claimed twice: %v", key)
+		seen[key] = true
+	}
+	require.Len(t, seen, 12)
+	require.Empty(t, b.claim(t, owner, 20, time.Minute))
+}
+
 func TestCompleteItemsAndBatchLifecycle(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
