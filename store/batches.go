@@ -332,9 +332,19 @@ func (s *Store) FinishBatches(ctx context.Context, ids []uuid.UUID) error {
 }
 
 // StartBatches moves queued batches to in_progress (an item was dispatched).
-// A batch that fails is reported and the others are still started.
+// One read picks those still queued (replicas often start the same batch, and
+// a lock is a durable commit); only these are locked and started, each in its
+// own transaction. A batch that fails is reported and the others are still
+// started.
 func (s *Store) StartBatches(ctx context.Context, ids []uuid.UUID) error {
-	return eachBatch(ids, func(id uuid.UUID) error {
+	if len(ids) == 0 {
+		return nil
+	}
+	queued, err := s.queries.QueuedBatches(ctx, s.pool, ids)
+	if err != nil {
+		return fmt.Errorf("error finding queued batches: %w", err)
+	}
+	return eachBatch(queued, func(id uuid.UUID) error {
 		err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
 			return s.transition(ctx, tx, id, nil, gateway.EventDrainStarted)
 		})

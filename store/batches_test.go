@@ -1,12 +1,17 @@
 package store_test
 
 import (
+	"context"
 	"fmt"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
@@ -645,4 +650,66 @@ func TestExpireBatches(t *testing.T) {
 	_, err = b.store.Batch(b.ctx, p.AccountID, running)
 	require.Equal(t, gateway.EBatchNotFound, gateway.ErrorCodeOf(err))
 	require.Equal(t, int64(25), b.view(t, p).Totals.TotalRungs)
+}
+
+// lockCounter counts the statements that lock a batch for a transition.
+type lockCounter struct{ n atomic.Int32 }
+
+func (c *lockCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	if strings.Contains(d.SQL, "name: LockBatch") {
+		c.n.Add(1)
+	}
+	return ctx
+}
+
+func (c *lockCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// TestStartAndFinishLockOnlyBatchesThatCanMove: every lock of a batch is a
+// durable commit, and replicas often ask to start or finish the same batch:
+// StartBatches locks only batches still queued, FinishBatches only batches not
+// yet terminal whose items are all done.
+func TestStartAndFinishLockOnlyBatchesThatCanMove(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	queued := b.newBatch(t, p, 2, 10, "", day())
+	running := b.newBatch(t, p, 2, 10, "", day())
+	done := b.newBatch(t, p, 1, 10, "", day())
+	owner := uuid.Must(uuid.NewV7())
+	var items []store.ClaimedItem
+	for _, it := range b.claim(t, owner, 10, time.Minute) {
+		if it.BatchID != queued {
+			items = append(items, it)
+		}
+	}
+	require.Len(t, items, 3)
+	require.NoError(t, b.store.StartBatches(b.ctx, []uuid.UUID{running, done}))
+	for _, it := range items {
+		if it.BatchID == done {
+			b.complete(t, owner, []store.ClaimedItem{it}, 10)
+		}
+	}
+	batch, _ := b.batch(t, p, done)
+	require.Equal(t, gateway.BatchCompleted, batch.Status)
+
+	counter := &lockCounter{}
+	cfg := b.store.Pool().Config()
+	cfg.ConnConfig.Tracer = counter
+	pool, err := pgxpool.NewWithConfig(b.ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	traced := store.New(pool)
+	all := []uuid.UUID{queued, running, done}
+
+	require.NoError(t, traced.StartBatches(b.ctx, all))
+	require.Equal(t, int32(1), counter.n.Load(), "only the queued batch is locked to start")
+	batch, _ = b.batch(t, p, queued)
+	require.Equal(t, gateway.BatchInProgress, batch.Status)
+
+	require.NoError(t, traced.FinishBatches(b.ctx, all))
+	require.Equal(t, int32(1), counter.n.Load(), "no batch can finish: items unfinished, or already terminal")
+	for id, want := range map[uuid.UUID]gateway.BatchStatus{running: gateway.BatchInProgress, done: gateway.BatchCompleted} {
+		batch, _ = b.batch(t, p, id)
+		require.Equal(t, want, batch.Status)
+	}
 }

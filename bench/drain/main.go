@@ -46,7 +46,7 @@ func run(binary, replicaList string, batches, probes int) error {
 	defer fake.Close()
 
 	fmt.Printf("batch drain, instant upstream, %d batches × 100 items per run, %d cores\n\n", batches, runtime.NumCPU())
-	fmt.Println("| replicas | items | seconds (creating) | items/s | CPU/item gateway (creating) | CPU/item PostgreSQL (creating) | commits/item | WAL records/item |")
+	fmt.Println("| replicas | items | seconds (creating) | items/s | CPU/item gateway (creating) | CPU/item PostgreSQL (creating) | WAL flushes/item | WAL records/item |")
 	fmt.Println("|---|---|---|---|---|---|---|---|")
 	for _, field := range strings.Split(replicaList, ",") {
 		n, err := strconv.Atoi(strings.TrimSpace(field))
@@ -59,7 +59,7 @@ func run(binary, replicaList string, batches, probes int) error {
 		}
 		fmt.Printf("| %d | %d | %.2f (%.2f) | %.0f | %s (%s) | %s (%s) | %.3f | %.1f |\n", n, r.items, r.seconds, r.created.seconds, float64(r.items)/r.seconds,
 			benchenv.PerUnit(r.gatewayCPU, r.items), benchenv.PerUnit(r.created.gatewayCPU, r.items), benchenv.PerUnit(r.postgresCPU, r.items), benchenv.PerUnit(r.created.postgresCPU, r.items),
-			float64(r.activity.Commits)/float64(r.items), float64(r.activity.WALRecords)/float64(r.items))
+			float64(r.activity.WALSyncs)/float64(r.items), float64(r.activity.WALRecords)/float64(r.items))
 	}
 
 	p50, p99, err := dispatchLatency(env, fake, probes)
@@ -74,9 +74,9 @@ func run(binary, replicaList string, batches, probes int) error {
 // the last batch completed, and the CPU the gateway replicas and PostgreSQL
 // spent in that time; created is the same until the last batch was created
 // (the replicas drain while batches are being created). activity is what the
-// database did in the run: commits in the gateway's database and WAL records
-// of the server, which, unlike times, do not depend on how busy the machine
-// is.
+// server wrote in the run: WAL flushes (durable commits, as the server grouped
+// them) and WAL records, which, unlike times, do not depend on how busy the
+// machine is.
 type result struct {
 	phase
 	created  phase
@@ -176,7 +176,7 @@ func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, batches int) 
 		return result{}, err
 	}
 	after, err := activity(st)
-	r.activity = store.Activity{Commits: after.Commits - activityBefore.Commits, WALRecords: after.WALRecords - activityBefore.WALRecords}
+	r.activity = store.Activity{WALSyncs: after.WALSyncs - activityBefore.WALSyncs, WALRecords: after.WALRecords - activityBefore.WALRecords}
 	return r, err
 }
 

@@ -200,14 +200,16 @@ func (q *Queries) DeleteOldBatches(ctx context.Context, db DBTX, arg DeleteOldBa
 }
 
 const doneBatches = `-- name: DoneBatches :many
-SELECT b.id::uuid AS id FROM unnest($1::uuid[]) AS b(id)
-WHERE NOT EXISTS (
+SELECT b.id FROM batches b
+WHERE b.id = ANY ($1::uuid[]) AND b.status IN ('queued', 'in_progress', 'cancelling')
+  AND NOT EXISTS (
     SELECT 1 FROM batch_items i WHERE i.batch_id = b.id AND i.status IN ('queued', 'in_progress')
 )
 `
 
-// Of the batches given, those with no item queued or running, read without
-// locks: only these can be finished (the finish locks and counts again).
+// Of the batches given, those not yet terminal with no item queued or
+// running, read without locks: only these can be finished (the finish locks
+// and counts again).
 func (q *Queries) DoneBatches(ctx context.Context, db DBTX, ids []uuid.UUID) ([]uuid.UUID, error) {
 	rows, err := db.Query(ctx, doneBatches, ids)
 	if err != nil {
@@ -588,6 +590,32 @@ func (q *Queries) QueueDepth(ctx context.Context, db DBTX) (int64, error) {
 	var count int64
 	err := row.Scan(&count)
 	return count, err
+}
+
+const queuedBatches = `-- name: QueuedBatches :many
+SELECT b.id FROM batches b WHERE b.id = ANY ($1::uuid[]) AND b.status = 'queued'
+`
+
+// Of the batches given, those still queued, read without locks: only these
+// can be started (the start locks and reads again).
+func (q *Queries) QueuedBatches(ctx context.Context, db DBTX, ids []uuid.UUID) ([]uuid.UUID, error) {
+	rows, err := db.Query(ctx, queuedBatches, ids)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []uuid.UUID
+	for rows.Next() {
+		var id uuid.UUID
+		if err := rows.Scan(&id); err != nil {
+			return nil, err
+		}
+		items = append(items, id)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
 }
 
 const releaseJobLock = `-- name: ReleaseJobLock :exec

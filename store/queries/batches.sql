@@ -63,12 +63,19 @@ WHERE batch_id = @batch_id
 ORDER BY idx;
 
 -- name: DoneBatches :many
--- Of the batches given, those with no item queued or running, read without
--- locks: only these can be finished (the finish locks and counts again).
-SELECT b.id::uuid AS id FROM unnest(@ids::uuid[]) AS b(id)
-WHERE NOT EXISTS (
+-- Of the batches given, those not yet terminal with no item queued or
+-- running, read without locks: only these can be finished (the finish locks
+-- and counts again).
+SELECT b.id FROM batches b
+WHERE b.id = ANY (@ids::uuid[]) AND b.status IN ('queued', 'in_progress', 'cancelling')
+  AND NOT EXISTS (
     SELECT 1 FROM batch_items i WHERE i.batch_id = b.id AND i.status IN ('queued', 'in_progress')
 );
+
+-- name: QueuedBatches :many
+-- Of the batches given, those still queued, read without locks: only these
+-- can be started (the start locks and reads again).
+SELECT b.id FROM batches b WHERE b.id = ANY (@ids::uuid[]) AND b.status = 'queued';
 
 -- name: LockBatch :one
 -- The batch's status, locked for a transition, with the facts of its items.
