@@ -275,7 +275,7 @@ func (s *Store) SettleRequests(ctx context.Context, group []Settlement) error {
 	if err != nil {
 		return fmt.Errorf("error encoding settlements: %w", err)
 	}
-	if _, err := s.queries.SettleRequests(ctx, s.pool, payload); err != nil {
+	if err := s.queries.SettleRequests(ctx, s.pool, payload); err != nil {
 		return fmt.Errorf("error settling requests: %w", err)
 	}
 	return nil

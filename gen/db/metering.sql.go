@@ -351,28 +351,67 @@ func (q *Queries) ReturnRate(ctx context.Context, db DBTX, arg ReturnRateParams)
 	return err
 }
 
-const settleRequests = `-- name: SettleRequests :many
-SELECT settle_requests($1::jsonb)::uuid AS id
+const settleRequests = `-- name: SettleRequests :exec
+WITH r AS (
+    SELECT (e->>'id')::uuid AS id, (e->>'account_id')::uuid AS account_id,
+           (e->>'project_id')::uuid AS project_id, (e->>'api_key_id')::uuid AS api_key_id,
+           (e->>'model')::text AS model, (e->>'entry_point')::text AS entry_point,
+           (e->>'status')::text AS status, (e->>'input_tokens')::bigint AS input_tokens,
+           (e->>'output_tokens')::bigint AS output_tokens,
+           (e->>'input_rungs')::bigint AS input_rungs,
+           (e->>'output_rungs')::bigint AS output_rungs,
+           (e->>'total_rungs')::bigint AS total_rungs,
+           (e->>'created_at')::timestamptz AS created_at,
+           (e->>'completed_at')::timestamptz AS completed_at, e->'sources' AS sources,
+           (e->>'verdict')::text AS verdict,
+           (e->>'evidence_expires_at')::timestamptz AS evidence_expires_at,
+           (e->>'lease_id')::uuid AS lease_id, (e->>'day')::date AS day
+      FROM jsonb_array_elements($1::jsonb) AS e
+), stored AS (
+    INSERT INTO requests (
+        id, account_id, project_id, api_key_id, model, entry_point, status,
+        input_tokens, output_tokens, input_rungs, output_rungs, total_rungs, created_at, completed_at)
+    SELECT r.id, r.account_id, r.project_id, r.api_key_id, r.model, r.entry_point, r.status,
+           r.input_tokens, r.output_tokens, r.input_rungs, r.output_rungs, r.total_rungs, r.created_at, r.completed_at
+      FROM r
+    ON CONFLICT (id) DO NOTHING
+    RETURNING requests.id
+), ev AS (
+    INSERT INTO evidence (request_id, account_id, sources, verdict, expires_at)
+    SELECT r.id, r.account_id, r.sources, r.verdict, r.evidence_expires_at FROM r JOIN stored USING (id)
+), costs AS (
+    SELECT r.lease_id, r.account_id, r.project_id, r.day, sum(r.total_rungs) AS cost
+      FROM r JOIN stored USING (id) GROUP BY r.lease_id, r.account_id, r.project_id, r.day
+), leased AS (
+    UPDATE quota_leases q SET used_rungs = q.used_rungs + c.cost
+      FROM (SELECT lease_id, sum(cost) AS cost FROM costs WHERE lease_id IS NOT NULL
+             GROUP BY lease_id ORDER BY lease_id) c
+     WHERE q.id = c.lease_id
+    RETURNING q.id
+), direct AS (
+    SELECT lease_id, account_id, project_id, day, cost FROM costs WHERE lease_id IS NULL OR lease_id NOT IN (SELECT id FROM leased)
+), daily AS (
+    INSERT INTO daily_charges AS d (account_id, day, charged_rungs)
+    SELECT account_id, day, sum(cost) FROM direct GROUP BY account_id, day ORDER BY account_id, day
+    ON CONFLICT (account_id, day) DO UPDATE SET charged_rungs = d.charged_rungs + EXCLUDED.charged_rungs
+), budget AS (
+    UPDATE projects p SET spent_rungs = p.spent_rungs + s.cost
+      FROM (SELECT project_id, sum(cost) AS cost FROM direct GROUP BY project_id ORDER BY project_id) s
+     WHERE p.id = s.project_id
+)
+SELECT count(*) FROM r
 `
 
-func (q *Queries) SettleRequests(ctx context.Context, db DBTX, requests []byte) ([]uuid.UUID, error) {
-	rows, err := db.Query(ctx, settleRequests, requests)
-	if err != nil {
-		return nil, err
-	}
-	defer rows.Close()
-	var items []uuid.UUID
-	for rows.Next() {
-		var id uuid.UUID
-		if err := rows.Scan(&id); err != nil {
-			return nil, err
-		}
-		items = append(items, id)
-	}
-	if err := rows.Err(); err != nil {
-		return nil, err
-	}
-	return items, nil
+// Settles a group of finished requests (as the function settle_requests of
+// migration 00007 did, which replicas of the previous release still call):
+// their usage and evidence, once each (a request settled already is left as
+// it is), and their cost on their quota leases, or, for a request whose lease
+// is gone, on its account-day and project directly. A prepared statement
+// rather than a function call: PostgreSQL runs it without a PL/pgSQL frame
+// and without materialising its result.
+func (q *Queries) SettleRequests(ctx context.Context, db DBTX, requests []byte) error {
+	_, err := db.Exec(ctx, settleRequests, requests)
+	return err
 }
 
 const settledAccounts = `-- name: SettledAccounts :many
