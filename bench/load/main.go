@@ -2,8 +2,8 @@
 // responses route and the same fake upstream directly, side by side in one
 // run, with an open-loop load at fixed request rates, and prints req/s and
 // p50/p90/p99 for both and their difference, the CPU each request cost the
-// gateway and PostgreSQL, and the database commits and WAL flushes per
-// request; then the saturation point of both under a closed loop.
+// gateway and PostgreSQL, and the database commits, WAL flushes and WAL
+// records per request; then the saturation point of both under a closed loop.
 //
 // It starts everything it needs (see benchenv): a private PostgreSQL with
 // production durability, the fake upstream, and the gateway binary.
@@ -79,8 +79,8 @@ func run(binary, rateList string, duration, warmup time.Duration, connections in
 	}
 
 	fmt.Printf("gateway vs. upstream direct, open loop, %s per rate (after %s warm-up), %d cores\n\n", duration, warmup, runtime.NumCPU())
-	fmt.Println("| rate (req/s) | target | achieved req/s | errors | p50 | p90 | p99 | CPU/req gateway | CPU/req PostgreSQL | commits/req | WAL flushes/req |")
-	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|")
+	fmt.Println("| rate (req/s) | target | achieved req/s | errors | p50 | p90 | p99 | CPU/req gateway | CPU/req PostgreSQL | commits/req | WAL flushes/req | WAL records/req |")
+	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|")
 	for _, field := range strings.Split(rateList, ",") {
 		rate, err := strconv.Atoi(strings.TrimSpace(field))
 		if err != nil || rate <= 0 {
@@ -102,7 +102,7 @@ func run(binary, rateList string, duration, warmup time.Duration, connections in
 			fmt.Printf("| %d | %s | %.0f | %d | %s | %s | %s | %s |\n", rate, t.name, results[i].achieved, results[i].errors,
 				ms(results[i].pct(50)), ms(results[i].pct(90)), ms(results[i].pct(99)), cost)
 		}
-		fmt.Printf("| %d | **added by gateway** | | | %s | %s | %s | | | | |\n", rate,
+		fmt.Printf("| %d | **added by gateway** | | | %s | %s | %s | | | | | |\n", rate,
 			ms(results[1].pct(50)-results[0].pct(50)), ms(results[1].pct(90)-results[0].pct(90)), ms(results[1].pct(99)-results[0].pct(99)))
 	}
 	if connections > 0 {
@@ -139,10 +139,11 @@ func sample(st *store.Store, pid int) (counters, error) {
 // since formats the cost per request of n requests between b and c.
 func (c counters) since(b counters, n int) string {
 	if n == 0 {
-		return "| | |"
+		return "| | | |"
 	}
-	return fmt.Sprintf("%s | %s | %.2f | %.2f", benchenv.PerUnit(c.gatewayCPU-b.gatewayCPU, n), benchenv.PerUnit(c.postgresCPU-b.postgresCPU, n),
-		float64(c.activity.Commits-b.activity.Commits)/float64(n), float64(c.activity.WALSyncs-b.activity.WALSyncs)/float64(n))
+	return fmt.Sprintf("%s | %s | %.2f | %.2f | %.1f", benchenv.PerUnit(c.gatewayCPU-b.gatewayCPU, n), benchenv.PerUnit(c.postgresCPU-b.postgresCPU, n),
+		float64(c.activity.Commits-b.activity.Commits)/float64(n), float64(c.activity.WALSyncs-b.activity.WALSyncs)/float64(n),
+		float64(c.activity.WALRecords-b.activity.WALRecords)/float64(n))
 }
 
 // saturate sends requests back to back on n connections for d.
