@@ -315,43 +315,38 @@ func (s *Store) finishIfDone(ctx context.Context, tx pgx.Tx, id uuid.UUID) error
 }
 
 // FinishBatches makes each batch terminal whose items all reached an outcome.
-// One read picks the batches with nothing left to run; only those are locked
-// and finished, each in its own transaction (a lock is a durable commit), and
-// one that fails is reported while the others are still finished.
 func (s *Store) FinishBatches(ctx context.Context, ids []uuid.UUID) error {
-	if len(ids) == 0 {
-		return nil
-	}
-	done, err := s.queries.DoneBatches(ctx, s.pool, ids)
-	if err != nil {
-		return fmt.Errorf("error finding finished batches: %w", err)
-	}
-	return eachBatch(done, func(id uuid.UUID) error {
-		return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error { return s.finishIfDone(ctx, tx, id) })
+	return s.moveBatches(ctx, ids, s.queries.DoneBatches, func(tx pgx.Tx, id uuid.UUID) error {
+		return s.finishIfDone(ctx, tx, id)
 	})
 }
 
 // StartBatches moves queued batches to in_progress (an item was dispatched).
-// One read picks those still queued (replicas often start the same batch, and
-// a lock is a durable commit); only these are locked and started, each in its
-// own transaction. A batch that fails is reported and the others are still
-// started.
 func (s *Store) StartBatches(ctx context.Context, ids []uuid.UUID) error {
-	if len(ids) == 0 {
-		return nil
-	}
-	queued, err := s.queries.QueuedBatches(ctx, s.pool, ids)
-	if err != nil {
-		return fmt.Errorf("error finding queued batches: %w", err)
-	}
-	return eachBatch(queued, func(id uuid.UUID) error {
-		err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
-			return s.transition(ctx, tx, id, nil, gateway.EventDrainStarted)
-		})
+	return s.moveBatches(ctx, ids, s.queries.QueuedBatches, func(tx pgx.Tx, id uuid.UUID) error {
+		err := s.transition(ctx, tx, id, nil, gateway.EventDrainStarted)
 		if errors.Is(err, gateway.ErrInvalidTransition) {
 			return nil
 		}
 		return err
+	})
+}
+
+// moveBatches moves, each in its own transaction, the batches of ids that one
+// read without locks (pick) finds able to move: each lock is a durable commit,
+// and replicas often ask to start or finish the same batch. One that fails is
+// reported while the others still move.
+func (s *Store) moveBatches(ctx context.Context, ids []uuid.UUID, pick func(context.Context, db.DBTX, []uuid.UUID) ([]uuid.UUID, error),
+	move func(pgx.Tx, uuid.UUID) error) error {
+	if len(ids) == 0 {
+		return nil
+	}
+	movable, err := pick(ctx, s.pool, ids)
+	if err != nil {
+		return fmt.Errorf("error finding the batches to move: %w", err)
+	}
+	return eachBatch(movable, func(id uuid.UUID) error {
+		return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error { return move(tx, id) })
 	})
 }
 
