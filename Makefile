@@ -32,8 +32,8 @@ run: build
 test:
 	$(WITH_PG) $(GO) test -race -count=1 ./...
 
-## fuzz: each fuzz target for FUZZTIME (request decoding, upstream replies and streams)
-FUZZTIME ?= 5s
+## fuzz: each fuzz target for FUZZTIME executions (request decoding, upstream replies and streams)
+FUZZTIME ?= 20000x
 fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzBind$$' -fuzztime $(FUZZTIME) ./server
 	$(GO) test -run '^$$' -fuzz '^FuzzExactFieldNames$$' -fuzztime $(FUZZTIME) ./server
