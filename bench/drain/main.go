@@ -42,6 +42,8 @@ func run(binary, replicaList string, batches, probes int) error {
 		return err
 	}
 	defer env.Close()
+	fmt.Printf("%s\n\n", benchenv.Pace("at the start"))
+	defer func() { fmt.Printf("\n%s\n", benchenv.Pace("at the end")) }()
 	fake := fakeupstream.New()
 	defer fake.Close()
 

@@ -48,6 +48,8 @@ func run(binary, rateList string, duration, warmup time.Duration, connections in
 		return err
 	}
 	defer env.Close()
+	fmt.Printf("%s\n\n", benchenv.Pace("at the start"))
+	defer func() { fmt.Printf("\n%s\n", benchenv.Pace("at the end")) }()
 	fake := fakeupstream.New()
 	defer fake.Close()
 	vars, key, err := env.Fresh("load", fake.BaseURL())
