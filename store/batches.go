@@ -577,7 +577,7 @@ func (s *Store) requeue(ctx context.Context, p db.RequeueBatchItemsParams) (Requ
 // RenewLeases extends the leases of the given items while owner holds them.
 func (s *Store) RenewLeases(ctx context.Context, owner uuid.UUID, keys []ItemKey, lease time.Duration) (int64, error) {
 	batchIDs, idxs := splitKeys(keys)
-	n, err := s.queries.RenewLeases(ctx, s.pool, db.RenewLeasesParams{Owner: &owner, BatchIds: batchIDs, Idxs: idxs, Lease: interval(lease)})
+	n, err := s.queries.RenewLeases(ctx, s.pool, db.RenewLeasesParams{Owner: owner, BatchIds: batchIDs, Idxs: idxs, Lease: interval(lease)})
 	if err != nil {
 		return 0, fmt.Errorf("error renewing leases: %w", err)
 	}

@@ -2,6 +2,7 @@ package store_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -11,10 +12,12 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/internal/testdb"
 	"github.com/rungworks/gateway/store"
 )
 
@@ -712,4 +715,79 @@ func TestStartAndFinishLockOnlyBatchesThatCanMove(t *testing.T) {
 		batch, _ = b.batch(t, p, id)
 		require.Equal(t, want, batch.Status)
 	}
+}
+
+// TestCompletionAndRenewalFindItemsByKey: completing outcomes and renewing
+// leases find each item by its primary key, never through the partial
+// indexes on running items. The lease owner's index keeps an entry for every
+// item the owner ran until the table is vacuumed; a completion that went
+// through it read them all, and a long drain slowed as it went. The plans
+// are read from auto_explain, sent back as notices.
+func TestCompletionAndRenewalFindItemsByKey(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	owner := uuid.Must(uuid.NewV7())
+	// History: the table holds a few thousand items, all run by owner.
+	for range 30 {
+		b.newBatch(t, p, 100, 10, "", day())
+		b.complete(t, owner, b.claim(t, owner, 100, time.Minute), 10)
+	}
+
+	var mu sync.Mutex
+	var plans []string
+	cfg, err := pgxpool.ParseConfig(testdb.AsAdmin(t, b.store.Pool().Config().ConnString()))
+	require.NoError(t, err)
+	cfg.MaxConns = 1
+	cfg.ConnConfig.OnNotice = func(_ *pgconn.PgConn, n *pgconn.Notice) {
+		mu.Lock()
+		defer mu.Unlock()
+		plans = append(plans, n.Message)
+	}
+	cfg.AfterConnect = func(ctx context.Context, c *pgx.Conn) error {
+		_, err := c.Exec(ctx, `LOAD 'auto_explain'; SET auto_explain.log_min_duration = 0;
+			SET auto_explain.log_nested_statements = on; SET auto_explain.log_level = notice`)
+		return err
+	}
+	pool, err := pgxpool.NewWithConfig(b.ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	if err := pool.Ping(b.ctx); err != nil {
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && pgErr.Code == "42501" {
+			t.Skipf("auto_explain needs a superuser on the test server: %v", err)
+		}
+		require.NoError(t, err)
+	}
+	explained := store.New(pool)
+
+	b.newBatch(t, p, 10, 10, "", day())
+	items := b.claim(t, owner, 10, time.Minute)
+	require.Len(t, items, 10)
+	keys := make([]store.ItemKey, len(items))
+	results := make([]store.ItemResult, len(items))
+	for i, it := range items {
+		keys[i] = store.ItemKey{BatchID: it.BatchID, Index: it.Index}
+		results[i] = store.ItemResult{BatchID: it.BatchID, Index: it.Index, Status: "failed", ErrorCode: "INFERENCE_BUSY", ErrorMessage: "x"}
+	}
+	renewed, err := explained.RenewLeases(b.ctx, owner, keys, time.Minute)
+	require.NoError(t, err)
+	require.Equal(t, int64(10), renewed)
+	applied, err := explained.CompleteItems(b.ctx, owner, results)
+	require.NoError(t, err)
+	require.Len(t, applied, 10)
+
+	mu.Lock()
+	defer mu.Unlock()
+	updates := 0
+	for _, plan := range plans {
+		if !strings.Contains(plan, "Update on batch_items") {
+			continue
+		}
+		updates++
+		require.Contains(t, plan, "batch_items_pkey", plan)
+		require.NotContains(t, plan, "batch_items_owner_idx", plan)
+		require.NotContains(t, plan, "batch_items_lease_idx", plan)
+	}
+	require.Equal(t, 2, updates, "the renewal's and the completion's plans: %q", plans)
 }

@@ -630,18 +630,21 @@ func (q *Queries) ReleaseJobLock(ctx context.Context, db DBTX, job string) error
 const renewLeases = `-- name: RenewLeases :execrows
 UPDATE batch_items SET lease_expires_at = now() + $1::interval
 WHERE (batch_id, idx) IN (SELECT unnest($2::uuid[]), unnest($3::integer[]))
-  AND lease_owner = $4 AND status = 'in_progress'
+  AND lease_owner IS NOT DISTINCT FROM $4::uuid AND status = 'in_progress'
 `
 
 type RenewLeasesParams struct {
 	Lease    pgtype.Interval
 	BatchIds []uuid.UUID
 	Idxs     []int32
-	Owner    *uuid.UUID
+	Owner    uuid.UUID
 }
 
 // Extends the leases of the given items, if still leased to @owner: only what
 // the replica really runs, so an item it does not hold runs out its lease.
+// Each item is found by its key; the owner is checked so that no index serves
+// it (migration 00016: the owner's index holds an entry for every item the
+// owner ran since the table was last vacuumed).
 func (q *Queries) RenewLeases(ctx context.Context, db DBTX, arg RenewLeasesParams) (int64, error) {
 	result, err := db.Exec(ctx, renewLeases,
 		arg.Lease,

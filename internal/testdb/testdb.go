@@ -8,6 +8,7 @@ package testdb
 import (
 	"context"
 	"fmt"
+	neturl "net/url"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -65,6 +66,19 @@ func create(t testing.TB, migrator pgtestdb.Migrator) string {
 		t.Fatalf("no PostgreSQL for tests: %v", setupErr)
 	}
 	return pgtestdb.Custom(t, base, migrator).URL()
+}
+
+// AsAdmin returns url (a database from URL) with the credentials the server
+// was reached with, for what a database's own role may not do (such as
+// loading auto_explain).
+func AsAdmin(t testing.TB, url string) string {
+	t.Helper()
+	pc, err := pgx.ParseConfig(url)
+	if err != nil {
+		t.Fatalf("error parsing test database URL: %v", err)
+	}
+	return fmt.Sprintf("postgres://%s:%s@%s:%d/%s?sslmode=disable", neturl.PathEscape(base.User), neturl.PathEscape(base.Password),
+		pc.Host, pc.Port, neturl.PathEscape(pc.Database))
 }
 
 // New returns a pool on a fresh migrated database, closed when the test ends.

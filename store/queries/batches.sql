@@ -121,9 +121,12 @@ FROM requeue_batch_items(@owner::uuid, @batch_ids::uuid[], @idxs::integer[], sql
 -- name: RenewLeases :execrows
 -- Extends the leases of the given items, if still leased to @owner: only what
 -- the replica really runs, so an item it does not hold runs out its lease.
+-- Each item is found by its key; the owner is checked so that no index serves
+-- it (migration 00016: the owner's index holds an entry for every item the
+-- owner ran since the table was last vacuumed).
 UPDATE batch_items SET lease_expires_at = now() + @lease::interval
 WHERE (batch_id, idx) IN (SELECT unnest(@batch_ids::uuid[]), unnest(@idxs::integer[]))
-  AND lease_owner = @owner AND status = 'in_progress';
+  AND lease_owner IS NOT DISTINCT FROM @owner::uuid AND status = 'in_progress';
 
 -- name: RescueExpiredLeases :many
 SELECT r.batch_id::uuid AS batch_id FROM rescue_expired_leases(@max_rows::integer) AS r;
