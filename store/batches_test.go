@@ -717,9 +717,9 @@ func TestStartAndFinishLockOnlyBatchesThatCanMove(t *testing.T) {
 	}
 }
 
-// TestCompletionAndRenewalFindItemsByKey: completing outcomes and renewing
-// leases find each item by its primary key, never through the partial
-// indexes on running items. The lease owner's index keeps an entry for every
+// TestCompletionAndRenewalFindItemsByKey: completing outcomes, renewing
+// leases and handing items back find each item by its primary key, never
+// through the partial indexes on running items. The lease owner's index keeps an entry for every
 // item the owner ran until the table is vacuumed; a completion that went
 // through it read them all, and a long drain slowed as it went. The plans
 // are read from auto_explain, sent back as notices.
@@ -776,18 +776,28 @@ func TestCompletionAndRenewalFindItemsByKey(t *testing.T) {
 	applied, err := explained.CompleteItems(b.ctx, owner, results)
 	require.NoError(t, err)
 	require.Len(t, applied, 10)
+	b.newBatch(t, p, 5, 10, "", day())
+	handBack := b.claim(t, owner, 5, time.Minute)
+	require.Len(t, handBack, 5)
+	keys = keys[:0]
+	for _, it := range handBack {
+		keys = append(keys, store.ItemKey{BatchID: it.BatchID, Index: it.Index})
+	}
+	requeued, err := explained.RequeueItems(b.ctx, owner, keys)
+	require.NoError(t, err)
+	require.Len(t, requeued.Queued, 5)
 
 	mu.Lock()
 	defer mu.Unlock()
-	updates := 0
+	lookups := 0
 	for _, plan := range plans {
-		if !strings.Contains(plan, "Update on batch_items") {
+		if !strings.Contains(plan, "Update on batch_items") && !strings.Contains(plan, "LockRows") {
 			continue
 		}
-		updates++
+		lookups++
 		require.Contains(t, plan, "batch_items_pkey", plan)
 		require.NotContains(t, plan, "batch_items_owner_idx", plan)
 		require.NotContains(t, plan, "batch_items_lease_idx", plan)
 	}
-	require.Equal(t, 2, updates, "the renewal's and the completion's plans: %q", plans)
+	require.Equal(t, 4, lookups, "the renewal's, the completion's and the requeue's lock and update: %q", plans)
 }
