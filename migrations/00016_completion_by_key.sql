@@ -7,9 +7,9 @@
 -- 18 in one drain of 100,000). The completion now finds each item by its
 -- primary key:
 -- - the two partial indexes on running items are keyed on what only the
---   requeue, the heartbeat and the rescuer ask for (the lease's owner, its end
---   being set), which the completion's conditions do not imply, and the
---   completion checks the owner with IS NOT DISTINCT FROM (p_owner is never
+--   requeue and the rescuer ask for (the lease's owner, its end being set),
+--   which the completion's conditions do not imply, and the completion (and
+--   the heartbeat) check the owner with IS NOT DISTINCT FROM (p_owner is never
 --   null: it means =), which no index serves;
 -- - the keys come as arrays, whose size the planner estimates at ten, not
 --   as the 100 rows it assumes of jsonb_to_recordset, so probing the key per
