@@ -103,8 +103,25 @@ type gateway struct {
 	client *http.Client
 }
 
-// start runs the binary with args and env, and waits until it serves.
+// start runs the binary with args and env, and waits until it serves. The
+// ports are picked free and handed over, so another process may take one
+// first: a replica that cannot bind is started again on other ports, and a
+// replica is ready only once it has said that it listens on its own address
+// (another test's gateway could answer on that port meanwhile).
 func start(t *testing.T, env map[string]string, args ...string) *gateway {
+	t.Helper()
+	for attempt := 1; ; attempt++ {
+		g, err := startOnce(t, env, args...)
+		if err == nil {
+			return g
+		}
+		if !strings.Contains(g.stderr.String(), "address already in use") || attempt == 3 {
+			t.Fatalf("%v\nstderr: %s", err, g.stderr.String())
+		}
+	}
+}
+
+func startOnce(t *testing.T, env map[string]string, args ...string) (*gateway, error) {
 	t.Helper()
 	port, metricsPort := freePort(t), freePort(t)
 	env["GATEWAY_LISTEN"] = fmt.Sprintf("127.0.0.1:%d", port)
@@ -132,23 +149,36 @@ func start(t *testing.T, env map[string]string, args ...string) *gateway {
 	// key cache listens for changes.
 	deadline := time.Now().Add(60 * time.Second)
 	for {
-		resp, err := http.Get(g.base + "/readyz")
-		if err == nil {
-			resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
-				return g
+		if g.listening(port) {
+			resp, err := http.Get(g.base + "/readyz")
+			if err == nil {
+				resp.Body.Close()
+				if resp.StatusCode == http.StatusOK {
+					return g, nil
+				}
 			}
 		}
 		select {
 		case err := <-g.done:
 			g.done <- err
-			t.Fatalf("gateway exited before serving: %v\nstderr: %s", err, g.stderr.String())
+			return g, fmt.Errorf("gateway exited before serving: %v", err)
 		case <-time.After(50 * time.Millisecond):
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("gateway did not serve within 60s\nstderr: %s", g.stderr.String())
+			return g, fmt.Errorf("gateway did not serve within 60s")
 		}
 	}
+}
+
+// listening reports whether the gateway has logged that it listens on port.
+func (g *gateway) listening(port int) bool {
+	addr := fmt.Sprintf("127.0.0.1:%d", port)
+	for _, line := range strings.Split(g.stderr.String(), "\n") {
+		if strings.Contains(line, "gateway listening") && strings.Contains(line, addr) {
+			return true
+		}
+	}
+	return false
 }
 
 // serve starts `gateway serve` on dbURL with the upstream and extra settings.
