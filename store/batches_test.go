@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
@@ -800,4 +801,46 @@ func TestCompletionAndRenewalFindItemsByKey(t *testing.T) {
 		require.NotContains(t, plan, "batch_items_lease_idx", plan)
 	}
 	require.Equal(t, 4, lookups, "the renewal's, the completion's and the requeue's lock and update: %q", plans)
+}
+
+// TestRequeueWaitsForACancelOfItsBatch: an item handed back while its batch
+// is being cancelled waits for the cancel and is cancelled with it, instead of
+// going back to the queue of a batch no claim drains again. The cancel is
+// played by hand: it holds the batch's row while it cancels the queued items.
+func TestRequeueWaitsForACancelOfItsBatch(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	id := b.newBatch(t, p, 3, 10, "", day())
+	owner := uuid.Must(uuid.NewV7())
+	items := b.claim(t, owner, 1, time.Minute)
+	require.Len(t, items, 1)
+	key := store.ItemKey{BatchID: items[0].BatchID, Index: items[0].Index}
+
+	cancel, err := b.store.Pool().Begin(b.ctx)
+	require.NoError(t, err)
+	defer func() { _ = cancel.Rollback(b.ctx) }()
+	_, err = cancel.Exec(b.ctx, `SELECT 1 FROM batches WHERE id = $1 FOR UPDATE`, id)
+	require.NoError(t, err)
+
+	done := make(chan store.Requeued, 1)
+	go func() {
+		r, err := b.store.RequeueItems(b.ctx, owner, []store.ItemKey{key})
+		assert.NoError(t, err)
+		done <- r
+	}()
+	time.Sleep(300 * time.Millisecond) // a requeue that does not wait has finished by now
+	_, err = cancel.Exec(b.ctx, `UPDATE batch_items SET status = 'cancelled', cancel_reason = 'owner', completed_at = now() WHERE batch_id = $1 AND status = 'queued'`, id)
+	require.NoError(t, err)
+	_, err = cancel.Exec(b.ctx, `UPDATE batches SET status = 'cancelling' WHERE id = $1`, id)
+	require.NoError(t, err)
+	require.NoError(t, cancel.Commit(b.ctx))
+
+	r := <-done
+	require.Empty(t, r.Queued, "handed back to the queue of a batch being cancelled")
+	require.Equal(t, []store.ItemKey{key}, r.Cancelled)
+	_, results := b.batch(t, p, id)
+	for _, it := range results {
+		require.Equal(t, gateway.ItemCancelled, it.Status)
+	}
 }
