@@ -363,8 +363,7 @@ func TestClaimReturnsEachItemWithItsBatchStatus(t *testing.T) {
 	require.Len(t, rest, 8)
 	check(rest, map[uuid.UUID]bool{first: false, second: true})
 	seen := map[store.ItemKey]bool{}
-	for _, it := range append(items, rest...) {
-		key := store.ItemKey{BatchID: it.BatchID, Index: it.Index}
+	for _, key := range keysOf(append(items, rest...)) {
 		require.False(t, seen[key], "claimed twice: %v", key)
 		seen[key] = true
 	}
@@ -765,13 +764,11 @@ func TestCompletionAndRenewalFindItemsByKey(t *testing.T) {
 	b.newBatch(t, p, 10, 10, "", day())
 	items := b.claim(t, owner, 10, time.Minute)
 	require.Len(t, items, 10)
-	keys := make([]store.ItemKey, len(items))
 	results := make([]store.ItemResult, len(items))
 	for i, it := range items {
-		keys[i] = store.ItemKey{BatchID: it.BatchID, Index: it.Index}
 		results[i] = store.ItemResult{BatchID: it.BatchID, Index: it.Index, Status: "failed", ErrorCode: "INFERENCE_BUSY", ErrorMessage: "x"}
 	}
-	renewed, err := explained.RenewLeases(b.ctx, owner, keys, time.Minute)
+	renewed, err := explained.RenewLeases(b.ctx, owner, keysOf(items), time.Minute)
 	require.NoError(t, err)
 	require.Equal(t, int64(10), renewed)
 	applied, err := explained.CompleteItems(b.ctx, owner, results)
@@ -780,11 +777,7 @@ func TestCompletionAndRenewalFindItemsByKey(t *testing.T) {
 	b.newBatch(t, p, 5, 10, "", day())
 	handBack := b.claim(t, owner, 5, time.Minute)
 	require.Len(t, handBack, 5)
-	keys = keys[:0]
-	for _, it := range handBack {
-		keys = append(keys, store.ItemKey{BatchID: it.BatchID, Index: it.Index})
-	}
-	requeued, err := explained.RequeueItems(b.ctx, owner, keys)
+	requeued, err := explained.RequeueItems(b.ctx, owner, keysOf(handBack))
 	require.NoError(t, err)
 	require.Len(t, requeued.Queued, 5)
 
@@ -815,7 +808,7 @@ func TestRequeueWaitsForACancelOfItsBatch(t *testing.T) {
 	owner := uuid.Must(uuid.NewV7())
 	items := b.claim(t, owner, 1, time.Minute)
 	require.Len(t, items, 1)
-	key := store.ItemKey{BatchID: items[0].BatchID, Index: items[0].Index}
+	keys := keysOf(items)
 
 	cancel, err := b.store.Pool().Begin(b.ctx)
 	require.NoError(t, err)
@@ -825,7 +818,7 @@ func TestRequeueWaitsForACancelOfItsBatch(t *testing.T) {
 
 	done := make(chan store.Requeued, 1)
 	go func() {
-		r, err := b.store.RequeueItems(b.ctx, owner, []store.ItemKey{key})
+		r, err := b.store.RequeueItems(b.ctx, owner, keys)
 		assert.NoError(t, err)
 		done <- r
 	}()
@@ -838,7 +831,7 @@ func TestRequeueWaitsForACancelOfItsBatch(t *testing.T) {
 
 	r := <-done
 	require.Empty(t, r.Queued, "handed back to the queue of a batch being cancelled")
-	require.Equal(t, []store.ItemKey{key}, r.Cancelled)
+	require.Equal(t, keys, r.Cancelled)
 	_, results := b.batch(t, p, id)
 	for _, it := range results {
 		require.Equal(t, gateway.ItemCancelled, it.Status)
