@@ -208,6 +208,11 @@ type Activity struct {
 	WALRecords int64
 }
 
+// Since is what was done between before and a.
+func (a Activity) Since(before Activity) Activity {
+	return Activity{Commits: a.Commits - before.Commits, WALSyncs: a.WALSyncs - before.WALSyncs, WALRecords: a.WALRecords - before.WALRecords}
+}
+
 // Activity reads the database's activity counters.
 func (s *Store) Activity(ctx context.Context) (Activity, error) {
 	row, err := s.queries.DatabaseActivity(ctx, s.pool)

@@ -6,7 +6,6 @@ package main
 
 import (
 	"bytes"
-	"context"
 	"encoding/json"
 	"flag"
 	"fmt"
@@ -42,8 +41,6 @@ func run(binary, replicaList string, batches, probes int) error {
 		return err
 	}
 	defer env.Close()
-	fmt.Printf("%s\n\n", benchenv.Pace("at the start"))
-	defer func() { fmt.Printf("\n%s\n", benchenv.Pace("at the end")) }()
 	fake := fakeupstream.New()
 	defer fake.Close()
 
@@ -118,7 +115,7 @@ func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, batches int) 
 		return result{}, err
 	}
 	defer st.Pool().Close()
-	activityBefore, err := activity(st)
+	activityBefore, err := benchenv.Activity(st)
 	if err != nil {
 		return result{}, err
 	}
@@ -177,16 +174,9 @@ func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, batches int) 
 	if r.phase, err = since(start, batches*100, pids, gatewayBefore, postgresBefore); err != nil {
 		return result{}, err
 	}
-	after, err := activity(st)
-	r.activity = store.Activity{WALSyncs: after.WALSyncs - activityBefore.WALSyncs, WALRecords: after.WALRecords - activityBefore.WALRecords}
+	after, err := benchenv.Activity(st)
+	r.activity = after.Since(activityBefore)
 	return r, err
-}
-
-// activity reads the database's counters once PostgreSQL has published them
-// (at most once a second).
-func activity(st *store.Store) (store.Activity, error) {
-	time.Sleep(1100 * time.Millisecond)
-	return st.Activity(context.Background())
 }
 
 // dispatchLatency creates one-item batches on an idle replica and measures

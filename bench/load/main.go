@@ -11,7 +11,6 @@ package main
 
 import (
 	"bytes"
-	"context"
 	"flag"
 	"fmt"
 	"io"
@@ -48,8 +47,6 @@ func run(binary, rateList string, duration, warmup time.Duration, connections in
 		return err
 	}
 	defer env.Close()
-	fmt.Printf("%s\n\n", benchenv.Pace("at the start"))
-	defer func() { fmt.Printf("\n%s\n", benchenv.Pace("at the end")) }()
 	fake := fakeupstream.New()
 	defer fake.Close()
 	vars, key, err := env.Fresh("load", fake.BaseURL())
@@ -127,14 +124,12 @@ type counters struct {
 }
 
 func sample(st *store.Store, pid int) (counters, error) {
-	// PostgreSQL publishes its counters at most once a second.
-	time.Sleep(1100 * time.Millisecond)
 	var c counters
 	var err error
-	if c.gatewayCPU, c.postgresCPU, err = benchenv.CPU(pid); err != nil {
+	if c.activity, err = benchenv.Activity(st); err != nil {
 		return c, err
 	}
-	c.activity, err = st.Activity(context.Background())
+	c.gatewayCPU, c.postgresCPU, err = benchenv.CPU(pid)
 	return c, err
 }
 
@@ -143,9 +138,9 @@ func (c counters) since(b counters, n int) string {
 	if n == 0 {
 		return "| | | |"
 	}
+	a := c.activity.Since(b.activity)
 	return fmt.Sprintf("%s | %s | %.2f | %.2f | %.1f", benchenv.PerUnit(c.gatewayCPU-b.gatewayCPU, n), benchenv.PerUnit(c.postgresCPU-b.postgresCPU, n),
-		float64(c.activity.Commits-b.activity.Commits)/float64(n), float64(c.activity.WALSyncs-b.activity.WALSyncs)/float64(n),
-		float64(c.activity.WALRecords-b.activity.WALRecords)/float64(n))
+		float64(a.Commits)/float64(n), float64(a.WALSyncs)/float64(n), float64(a.WALRecords)/float64(n))
 }
 
 // saturate sends requests back to back on n connections for d.

@@ -61,8 +61,6 @@ func run(binary string, warmup, requests, idle int, release time.Duration) error
 		return err
 	}
 	defer env.Close()
-	fmt.Printf("%s\n\n", benchenv.Pace("at the start"))
-	defer func() { fmt.Printf("\n%s\n", benchenv.Pace("at the end")) }()
 	if err := firstToken(env, warmup, requests); err != nil {
 		return err
 	}

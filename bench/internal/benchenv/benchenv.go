@@ -29,8 +29,10 @@ type Env struct {
 	procs   []*exec.Cmd
 }
 
-// Start starts a durable private PostgreSQL (not when DATABASE_URL is set).
+// Start starts a durable private PostgreSQL (not when DATABASE_URL is set),
+// after printing the machine's pace (see Pace).
 func Start(binary string) (*Env, error) {
+	fmt.Printf("%s\n\n", Pace("at the start"))
 	e := &Env{Binary: binary}
 	if os.Getenv("DATABASE_URL") != "" {
 		return e, nil
@@ -138,6 +140,7 @@ func (e *Env) StopServers() {
 
 // Close stops everything.
 func (e *Env) Close() {
+	fmt.Printf("\n%s\n", Pace("at the end"))
 	e.StopServers()
 	if e.cluster != nil {
 		_ = e.cluster.Stop()
@@ -220,7 +223,7 @@ func PostgresCPU() (time.Duration, error) {
 }
 
 // OpenStore connects to the database of a gateway's environment (from Fresh)
-// to read its activity; the caller closes its pool.
+// to read its activity (see Activity); the caller closes its pool.
 func OpenStore(env []string) (*store.Store, error) {
 	for _, v := range env {
 		if url, ok := strings.CutPrefix(v, "DATABASE_URL="); ok {
@@ -237,8 +240,8 @@ func OpenStore(env []string) (*store.Store, error) {
 // Pace times a fixed single-threaded piece of work (hashing 64 MiB) and
 // returns a line saying how long it took. On a shared machine the CPU time a
 // unit of work costs moves with the neighbours (the same binary has drained
-// 3,500 and 5,400 items/s minutes apart); a benchmark prints its pace at the
-// start and the end, so that runs made at different moments can be told apart.
+// 3,500 and 5,400 items/s minutes apart); Start and Close print the pace, so
+// that runs made at different moments can be told apart.
 func Pace(when string) string {
 	buf := make([]byte, 1<<20)
 	h := sha256.New()
@@ -248,4 +251,12 @@ func Pace(when string) string {
 	}
 	h.Sum(nil)
 	return fmt.Sprintf("machine pace %s: 64 MiB hashed in %.0f ms", when, float64(time.Since(start).Microseconds())/1000)
+}
+
+// Activity reads the counters of st's database (see OpenStore) once
+// PostgreSQL has published what was done so far, which it does at most once a
+// second.
+func Activity(st *store.Store) (store.Activity, error) {
+	time.Sleep(1100 * time.Millisecond)
+	return st.Activity(context.Background())
 }
