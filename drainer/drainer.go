@@ -209,11 +209,11 @@ func (d *Drainer) Run(ctx context.Context) {
 		var items, probes []store.ClaimedItem
 		failed := false
 		if probe {
-			probes, failed = d.claim(ctx, commits, 1, probing)
+			probes, failed = d.claim(commits, 1, probing)
 			free -= len(probes)
 		}
 		if len(serving) > 0 && free > 0 && !failed {
-			items, failed = d.claim(ctx, commits, free, serving)
+			items, failed = d.claim(commits, free, serving)
 		}
 		if failed {
 			sleep(ctx, d.cfg.PollInterval)
@@ -270,22 +270,23 @@ func (d *Drainer) health() (serving, probing []gateway.Model) {
 }
 
 // claim claims up to n items of models and finishes the batches whose items
-// the budget refused; failed says the claim failed (it is logged). Should the
-// claim's reply have been lost after it committed, its items are handed back
-// (they were never dispatched) in the background.
-func (d *Drainer) claim(ctx, commits context.Context, n int, models []gateway.Model) (items []store.ClaimedItem, failed bool) {
+// the budget refused; failed says the claim failed (it is logged). The claim
+// runs on commits, not on the context that stopping the drainer cancels: a
+// shutdown that begins while it runs lets it finish and its items run within
+// the grace, instead of cancelling it at a moment it may have committed. Should the claim's reply have been lost after
+// it committed, its items are handed back (they were never dispatched) in the
+// background.
+func (d *Drainer) claim(commits context.Context, n int, models []gateway.Model) (items []store.ClaimedItem, failed bool) {
 	start := time.Now()
 	claimID := uuid.Must(uuid.NewV7())
-	items, err := d.store.ClaimItems(ctx, store.ClaimParams{
+	items, err := d.store.ClaimItems(commits, store.ClaimParams{
 		Owner: d.cfg.Owner, ClaimID: claimID, Max: n, PerAccount: max(1, n/2), Lease: d.cfg.Lease, Models: models,
 	})
 	if err != nil {
 		if store.MayHaveCommitted(err) {
 			go d.releaseClaim(commits, claimID)
 		}
-		if ctx.Err() == nil {
-			d.logger.Error("error claiming batch items", "error", err)
-		}
+		d.logger.Error("error claiming batch items", "error", err)
 		return nil, true
 	}
 	d.cfg.Metrics.Claim(time.Since(start))
@@ -300,7 +301,7 @@ func (d *Drainer) claim(ctx, commits context.Context, n int, models []gateway.Mo
 		d.held.add(store.ItemKey{BatchID: it.BatchID, Index: it.Index})
 		runnable = append(runnable, it)
 	}
-	if err := d.store.FinishBatches(ctx, unique(refused)); err != nil {
+	if err := d.store.FinishBatches(commits, unique(refused)); err != nil {
 		d.logger.Error("error finishing batches", "error", err)
 	}
 	return runnable, false

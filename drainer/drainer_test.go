@@ -178,3 +178,41 @@ func TestLostClaimReplyIsHandedBack(t *testing.T) {
 		require.Equal(t, 1, n, p)
 	}
 }
+
+// stoppingStore stops the drainer while its first claim runs, as a SIGTERM
+// arriving at that moment would.
+type stoppingStore struct {
+	*store.Store
+	stop func()
+	once atomic.Bool
+}
+
+func (s *stoppingStore) ClaimItems(ctx context.Context, p store.ClaimParams) ([]store.ClaimedItem, error) {
+	if s.once.CompareAndSwap(false, true) {
+		s.stop()
+		select { // a claim on the stopped context would be cancelled by now
+		case <-ctx.Done():
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+	return s.Store.ClaimItems(ctx, p)
+}
+
+// TestClaimInFlightAtShutdownRuns: a shutdown that begins while a claim runs
+// does not cancel it (it may commit while its reply is lost, and its items
+// would wait for their lease to run out and fail INTERRUPTED); the claim
+// finishes and its items run within the grace, each once.
+func TestClaimInFlightAtShutdownRuns(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	id := b.newBatch(t, "shutdown", 3)
+	ctx, cancel := context.WithCancel(b.ctx)
+	defer cancel()
+	d := drainer.New(drainer.Config{PollInterval: 50 * time.Millisecond, Grace: 10 * time.Second, EvidenceRetention: time.Hour, Lease: time.Minute},
+		&stoppingStore{Store: b.store, stop: cancel}, b.provider, b.estimator, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	d.Run(ctx)
+	for _, it := range b.items(t, id) {
+		require.Equal(t, gateway.ItemCompleted, it.Status, "item %d", it.Index)
+	}
+	require.Len(t, b.fake.Calls(), 3)
+}
