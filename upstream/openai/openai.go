@@ -12,6 +12,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptrace"
+	"net/url"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -20,6 +21,7 @@ import (
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/tracing"
 	"github.com/rungworks/gateway/upstream"
+	"github.com/rungworks/gateway/upstream/http1"
 )
 
 // HintsHeader carries the request's mode hints (web_search, code_mode,
@@ -46,7 +48,10 @@ type Config struct {
 
 // Client calls POST {BaseURL}/chat/completions.
 type Client struct {
-	cfg  Config
+	cfg Config
+	// Calls to a plain-text HTTP/1.1 upstream reached without a proxy go
+	// through h1, on the caller's goroutine; all others through http.
+	h1   *http1.Client
 	http *http.Client
 }
 
@@ -58,6 +63,11 @@ func New(cfg Config) *Client {
 		cfg.Timeout = 120 * time.Second
 	}
 	cfg.BaseURL = strings.TrimRight(cfg.BaseURL, "/")
+	if plainHTTP1(cfg) {
+		// http1's defaults are the transport's below: 5 s to connect, 512
+		// idle connections kept 90 s, 1 KiB buffers.
+		return &Client{cfg: cfg, h1: http1.New(http1.Config{})}
+	}
 	transport := &http.Transport{
 		Proxy:               http.ProxyFromEnvironment,
 		DialContext:         (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
@@ -84,6 +94,19 @@ func New(cfg Config) *Client {
 		transport.Protocols.SetUnencryptedHTTP2(true)
 	}
 	return &Client{cfg: cfg, http: &http.Client{Transport: transport}}
+}
+
+// plainHTTP1 reports whether calls go to an http:// upstream over HTTP/1.1
+// without a proxy: package http1 makes those, without the two goroutines
+// net/http's Transport keeps per connection, which a call waiting for a
+// stream's first token holds for as long as it waits.
+func plainHTTP1(cfg Config) bool {
+	u, err := url.Parse(cfg.BaseURL)
+	if err != nil || u.Scheme != "http" || cfg.H2C {
+		return false
+	}
+	proxy, err := http.ProxyFromEnvironment(&http.Request{URL: u})
+	return err == nil && proxy == nil
 }
 
 type message struct {
@@ -191,15 +214,7 @@ func (c *Client) post(ctx context.Context, req upstream.Request, stream bool) (*
 	if err != nil {
 		return nil, false, fmt.Errorf("error encoding chat request: %w", err)
 	}
-	var dispatched atomic.Bool
-	traced := httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
-		GotConn: func(httptrace.GotConnInfo) {
-			if dispatched.CompareAndSwap(false, true) {
-				req.Dispatched()
-			}
-		},
-	})
-	httpReq, err := http.NewRequestWithContext(traced, http.MethodPost, c.cfg.BaseURL+"/chat/completions", bytes.NewReader(body))
+	httpReq, err := http.NewRequestWithContext(ctx, http.MethodPost, c.cfg.BaseURL+"/chat/completions", bytes.NewReader(body))
 	if err != nil {
 		return nil, false, fmt.Errorf("error building chat request: %w", err)
 	}
@@ -215,7 +230,21 @@ func (c *Client) post(ctx context.Context, req upstream.Request, stream bool) (*
 	if h := hints(req.Hints); h != "" {
 		httpReq.Header.Set(HintsHeader, h)
 	}
-	resp, err := c.http.Do(httpReq)
+	var dispatched atomic.Bool
+	connected := func() {
+		if dispatched.CompareAndSwap(false, true) {
+			req.Dispatched()
+		}
+	}
+	var resp *http.Response
+	if c.h1 != nil {
+		resp, err = c.h1.Do(httpReq, connected)
+	} else {
+		httpReq = httpReq.WithContext(httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
+			GotConn: func(httptrace.GotConnInfo) { connected() },
+		}))
+		resp, err = c.http.Do(httpReq)
+	}
 	if err != nil {
 		return nil, dispatched.Load(), transportError(ctx, err, dispatched.Load())
 	}

@@ -19,13 +19,34 @@ import (
 type testBundle struct {
 	fake   *fakeupstream.Server
 	client *openai.Client
+	h2c    bool
 }
 
-func setup(t *testing.T) *testBundle {
+// eachTransport runs test against both ways calls are made: package http1
+// for a plain HTTP/1.1 upstream, net/http's Transport for the others (here
+// HTTP/2 without TLS).
+func eachTransport(t *testing.T, test func(t *testing.T, b *testBundle)) {
 	t.Helper()
-	fake := fakeupstream.New()
-	t.Cleanup(fake.Close)
-	return &testBundle{fake: fake, client: openai.New(openai.Config{BaseURL: fake.BaseURL(), APIKey: "up-key", Timeout: 2 * time.Second})}
+	for _, h2c := range []bool{false, true} {
+		t.Run(map[bool]string{false: "HTTP1", true: "H2C"}[h2c], func(t *testing.T) {
+			t.Parallel()
+			fake := fakeupstream.New()
+			t.Cleanup(fake.Close)
+			b := &testBundle{fake: fake, h2c: h2c}
+			b.client = b.newClient(openai.Config{APIKey: "up-key", Timeout: 2 * time.Second})
+			test(t, b)
+		})
+	}
+}
+
+// newClient returns a client over the bundle's transport, by default to its
+// fake upstream.
+func (b *testBundle) newClient(cfg openai.Config) *openai.Client {
+	if cfg.BaseURL == "" {
+		cfg.BaseURL = b.fake.BaseURL()
+	}
+	cfg.H2C = b.h2c
+	return openai.New(cfg)
 }
 
 var req = upstream.Request{
@@ -35,109 +56,118 @@ var req = upstream.Request{
 
 func TestComplete(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
-	res, err := b.client.Complete(context.Background(), req)
-	require.NoError(t, err)
-	require.Equal(t, fakeupstream.Reply(req.Prompt), res.Content)
-	pt, ct := fakeupstream.Usage(req.Prompt)
-	require.Equal(t, pt, res.InputTokens)
-	require.Equal(t, ct, res.OutputTokens)
-	require.Equal(t, []gateway.Source{{Title: "Example doc", URL: "https://example.org/doc", Snippet: "echo"}}, res.Sources)
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		res, err := b.client.Complete(context.Background(), req)
+		require.NoError(t, err)
+		require.Equal(t, fakeupstream.Reply(req.Prompt), res.Content)
+		pt, ct := fakeupstream.Usage(req.Prompt)
+		require.Equal(t, pt, res.InputTokens)
+		require.Equal(t, ct, res.OutputTokens)
+		require.Equal(t, []gateway.Source{{Title: "Example doc", URL: "https://example.org/doc", Snippet: "echo"}}, res.Sources)
 
-	calls := b.fake.Calls()
-	require.Len(t, calls, 1)
-	calls[0].At = time.Time{}
-	require.Equal(t, fakeupstream.Call{
-		Model: "o3-mini", System: "Be brief.", Prompt: req.Prompt, MaxCompletionTokens: 123,
-		Hints: "web_search,code_mode", Authorization: "Bearer up-key",
-	}, calls[0])
+		calls := b.fake.Calls()
+		require.Len(t, calls, 1)
+		calls[0].At = time.Time{}
+		require.Equal(t, fakeupstream.Call{
+			Model: "o3-mini", System: "Be brief.", Prompt: req.Prompt, MaxCompletionTokens: 123,
+			Hints: "web_search,code_mode", Authorization: "Bearer up-key",
+		}, calls[0])
+	})
 }
 
 func TestUnavailable(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
-	b.fake.SetMode(fakeupstream.Down)
-	_, err := b.client.Complete(context.Background(), req)
-	require.ErrorIs(t, err, upstream.ErrUnavailable)
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		b.fake.SetMode(fakeupstream.Down)
+		_, err := b.client.Complete(context.Background(), req)
+		require.ErrorIs(t, err, upstream.ErrUnavailable)
+	})
 }
 
 // TestStatusClasses pins D12: only 429 and 503 say the call was not processed.
 func TestStatusClasses(t *testing.T) {
 	t.Parallel()
-	for status, want := range map[int]error{
-		429: upstream.ErrUnavailable, 503: upstream.ErrUnavailable,
-		500: upstream.ErrFailed, 502: upstream.ErrFailed, 504: upstream.ErrFailed, 408: upstream.ErrFailed,
-	} {
-		b := setup(t)
-		b.fake.SetStatus(status)
-		_, err := b.client.Complete(context.Background(), req)
-		require.ErrorIs(t, err, want, "status %d", status)
-		_, _, err = collect(t, b.client, context.Background())
-		require.ErrorIs(t, err, want, "stream, status %d", status)
-	}
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		for status, want := range map[int]error{
+			429: upstream.ErrUnavailable, 503: upstream.ErrUnavailable,
+			500: upstream.ErrFailed, 502: upstream.ErrFailed, 504: upstream.ErrFailed, 408: upstream.ErrFailed,
+		} {
+			b.fake.SetStatus(status)
+			_, err := b.client.Complete(context.Background(), req)
+			require.ErrorIs(t, err, want, "status %d", status)
+			_, _, err = collect(t, b.client, context.Background())
+			require.ErrorIs(t, err, want, "stream, status %d", status)
+		}
+	})
 }
 
 func TestDispatchIsReported(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
-	var dispatched int
-	r := req
-	r.OnDispatch = func() { dispatched++ }
-	_, err := b.client.Complete(context.Background(), r)
-	require.NoError(t, err)
-	require.Equal(t, 1, dispatched)
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		var dispatched int
+		r := req
+		r.OnDispatch = func() { dispatched++ }
+		_, err := b.client.Complete(context.Background(), r)
+		require.NoError(t, err)
+		require.Equal(t, 1, dispatched)
+	})
 }
 
 func TestRejected(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
-	b.fake.SetMode(fakeupstream.Reject)
-	_, err := b.client.Complete(context.Background(), req)
-	var rejected *upstream.RejectedError
-	require.ErrorAs(t, err, &rejected)
-	require.Equal(t, 400, rejected.Status)
-	require.Equal(t, "content policy violation", rejected.Message)
-	require.NotErrorIs(t, err, upstream.ErrUnavailable)
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		b.fake.SetMode(fakeupstream.Reject)
+		_, err := b.client.Complete(context.Background(), req)
+		var rejected *upstream.RejectedError
+		require.ErrorAs(t, err, &rejected)
+		require.Equal(t, 400, rejected.Status)
+		require.Equal(t, "content policy violation", rejected.Message)
+		require.NotErrorIs(t, err, upstream.ErrUnavailable)
+	})
 }
 
 func TestConnectionRefusedIsUnavailable(t *testing.T) {
 	t.Parallel()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	addr := l.Addr().String()
-	require.NoError(t, l.Close())
-	client := openai.New(openai.Config{BaseURL: "http://" + addr + "/v1"})
-	r := req
-	r.OnDispatch = func() { t.Error("a refused connection was reported dispatched") }
-	_, err = client.Complete(context.Background(), r)
-	require.ErrorIs(t, err, upstream.ErrUnavailable)
-	_, err = client.Stream(context.Background(), r, func(upstream.Delta) error { return nil })
-	require.ErrorIs(t, err, upstream.ErrUnavailable)
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		require.NoError(t, err)
+		addr := l.Addr().String()
+		require.NoError(t, l.Close())
+		client := b.newClient(openai.Config{BaseURL: "http://" + addr + "/v1"})
+		r := req
+		r.OnDispatch = func() { t.Error("a refused connection was reported dispatched") }
+		_, err = client.Complete(context.Background(), r)
+		require.ErrorIs(t, err, upstream.ErrUnavailable)
+		_, err = client.Stream(context.Background(), r, func(upstream.Delta) error { return nil })
+		require.ErrorIs(t, err, upstream.ErrUnavailable)
+	})
 }
 
 // TestTimeoutAfterDispatchIsFailed: the upstream got the call and may process
 // it, so it must never be retried (D12).
 func TestTimeoutAfterDispatchIsFailed(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
-	b.fake.SetDelay(time.Second)
-	client := openai.New(openai.Config{BaseURL: b.fake.BaseURL(), Timeout: 50 * time.Millisecond})
-	_, err := client.Complete(context.Background(), req)
-	require.ErrorIs(t, err, upstream.ErrFailed)
-	require.NotErrorIs(t, err, upstream.ErrUnavailable)
-	_, _, err = collect(t, client, context.Background())
-	require.ErrorIs(t, err, upstream.ErrFailed)
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		b.fake.SetDelay(time.Second)
+		client := b.newClient(openai.Config{Timeout: 50 * time.Millisecond})
+		_, err := client.Complete(context.Background(), req)
+		require.ErrorIs(t, err, upstream.ErrFailed)
+		require.NotErrorIs(t, err, upstream.ErrUnavailable)
+		_, _, err = collect(t, client, context.Background())
+		require.ErrorIs(t, err, upstream.ErrFailed)
+	})
 }
 
 func TestCallerCancellationIsNotAnOutage(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
-	b.fake.SetDelay(time.Second)
-	ctx, cancel := context.WithCancel(context.Background())
-	time.AfterFunc(20*time.Millisecond, cancel)
-	_, err := b.client.Complete(ctx, req)
-	require.True(t, errors.Is(err, context.Canceled), "got %v", err)
-	require.NotErrorIs(t, err, upstream.ErrUnavailable)
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		b.fake.SetDelay(time.Second)
+		ctx, cancel := context.WithCancel(context.Background())
+		time.AfterFunc(20*time.Millisecond, cancel)
+		_, err := b.client.Complete(ctx, req)
+		require.True(t, errors.Is(err, context.Canceled), "got %v", err)
+		require.NotErrorIs(t, err, upstream.ErrUnavailable)
+	})
 }
 
 func collect(t *testing.T, client *openai.Client, ctx context.Context) ([]upstream.Delta, upstream.Result, error) {
@@ -152,96 +182,103 @@ func collect(t *testing.T, client *openai.Client, ctx context.Context) ([]upstre
 
 func TestStream(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
-	deltas, res, err := collect(t, b.client, context.Background())
-	require.NoError(t, err)
-	pieces := fakeupstream.StreamPieces(req.Prompt)
-	require.Len(t, deltas, len(pieces)+1, "one delta per piece plus the evidence; role-only deltas are skipped")
-	for i, p := range pieces {
-		require.Equal(t, p, deltas[i].Content)
-	}
-	require.Equal(t, []gateway.Source{{Title: "Example doc", URL: "https://example.org/doc"}}, deltas[len(pieces)].Sources)
-	require.Equal(t, fakeupstream.Reply(req.Prompt), res.Content)
-	require.True(t, res.UsageReported)
-	pt, ct := fakeupstream.Usage(req.Prompt)
-	require.Equal(t, pt, res.InputTokens)
-	require.Equal(t, ct, res.OutputTokens)
-	require.Len(t, res.Sources, 1)
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		deltas, res, err := collect(t, b.client, context.Background())
+		require.NoError(t, err)
+		pieces := fakeupstream.StreamPieces(req.Prompt)
+		require.Len(t, deltas, len(pieces)+1, "one delta per piece plus the evidence; role-only deltas are skipped")
+		for i, p := range pieces {
+			require.Equal(t, p, deltas[i].Content)
+		}
+		require.Equal(t, []gateway.Source{{Title: "Example doc", URL: "https://example.org/doc"}}, deltas[len(pieces)].Sources)
+		require.Equal(t, fakeupstream.Reply(req.Prompt), res.Content)
+		require.True(t, res.UsageReported)
+		pt, ct := fakeupstream.Usage(req.Prompt)
+		require.Equal(t, pt, res.InputTokens)
+		require.Equal(t, ct, res.OutputTokens)
+		require.Len(t, res.Sources, 1)
+	})
 }
 
 // TestLargeBodiesPassTheSmallBuffers: the connection buffers are 1 KiB; a
 // 100 KB prompt, its reply and a stream event of 3 KB pass whole.
 func TestLargeBodiesPassTheSmallBuffers(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
-	large := req
-	large.Prompt = strings.Repeat("word ", 20000) + strings.Repeat("x", 3000)
-	res, err := b.client.Complete(context.Background(), large)
-	require.NoError(t, err)
-	require.Equal(t, fakeupstream.Reply(large.Prompt), res.Content)
-	require.Equal(t, large.Prompt, b.fake.Calls()[0].Prompt)
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		large := req
+		large.Prompt = strings.Repeat("word ", 20000) + strings.Repeat("x", 3000)
+		res, err := b.client.Complete(context.Background(), large)
+		require.NoError(t, err)
+		require.Equal(t, fakeupstream.Reply(large.Prompt), res.Content)
+		require.Equal(t, large.Prompt, b.fake.Calls()[0].Prompt)
 
-	var longest int
-	res, err = b.client.Stream(context.Background(), large, func(d upstream.Delta) error {
-		longest = max(longest, len(d.Content))
-		return nil
+		var longest int
+		res, err = b.client.Stream(context.Background(), large, func(d upstream.Delta) error {
+			longest = max(longest, len(d.Content))
+			return nil
+		})
+		require.NoError(t, err)
+		require.Equal(t, fakeupstream.Reply(large.Prompt), res.Content)
+		require.Equal(t, 3000, longest, "the last piece, one event of 3 KB")
 	})
-	require.NoError(t, err)
-	require.Equal(t, fakeupstream.Reply(large.Prompt), res.Content)
-	require.Equal(t, 3000, longest, "the last piece, one event of 3 KB")
 }
 
 func TestStreamBrokenMidway(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
-	b.fake.SetBreakAfter(2)
-	deltas, res, err := collect(t, b.client, context.Background())
-	require.ErrorIs(t, err, upstream.ErrStreamBroken)
-	require.Len(t, deltas, 2)
-	pieces := fakeupstream.StreamPieces(req.Prompt)
-	require.Equal(t, pieces[0]+pieces[1], res.Content, "what was received is returned for billing")
-	require.False(t, res.UsageReported)
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		b.fake.SetBreakAfter(2)
+		deltas, res, err := collect(t, b.client, context.Background())
+		require.ErrorIs(t, err, upstream.ErrStreamBroken)
+		require.Len(t, deltas, 2)
+		pieces := fakeupstream.StreamPieces(req.Prompt)
+		require.Equal(t, pieces[0]+pieces[1], res.Content, "what was received is returned for billing")
+		require.False(t, res.UsageReported)
+	})
 }
 
 func TestStreamRefusedAtStart(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
-	b.fake.SetMode(fakeupstream.Down)
-	deltas, _, err := collect(t, b.client, context.Background())
-	require.ErrorIs(t, err, upstream.ErrUnavailable)
-	require.Empty(t, deltas)
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		b.fake.SetMode(fakeupstream.Down)
+		deltas, _, err := collect(t, b.client, context.Background())
+		require.ErrorIs(t, err, upstream.ErrUnavailable)
+		require.Empty(t, deltas)
+	})
 }
 
 func TestStreamSilenceIsBroken(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
-	b.fake.SetChunkDelay(time.Second)
-	client := openai.New(openai.Config{BaseURL: b.fake.BaseURL(), Timeout: 100 * time.Millisecond})
-	_, _, err := collect(t, client, context.Background())
-	require.ErrorIs(t, err, upstream.ErrStreamBroken)
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		b.fake.SetChunkDelay(time.Second)
+		client := b.newClient(openai.Config{Timeout: 100 * time.Millisecond})
+		_, _, err := collect(t, client, context.Background())
+		require.ErrorIs(t, err, upstream.ErrStreamBroken)
+	})
 }
 
 func TestStreamCallerCancels(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
-	b.fake.SetChunkDelay(50 * time.Millisecond)
-	ctx, cancel := context.WithCancel(context.Background())
-	n := 0
-	res, err := b.client.Stream(ctx, req, func(upstream.Delta) error {
-		if n++; n == 2 {
-			cancel()
-		}
-		return nil
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		b.fake.SetChunkDelay(50 * time.Millisecond)
+		ctx, cancel := context.WithCancel(context.Background())
+		n := 0
+		res, err := b.client.Stream(ctx, req, func(upstream.Delta) error {
+			if n++; n == 2 {
+				cancel()
+			}
+			return nil
+		})
+		require.ErrorIs(t, err, context.Canceled)
+		require.NotEmpty(t, res.Content)
 	})
-	require.ErrorIs(t, err, context.Canceled)
-	require.NotEmpty(t, res.Content)
 }
 
 func TestStreamEmitErrorStops(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
-	stop := errors.New("client gone")
-	res, err := b.client.Stream(context.Background(), req, func(upstream.Delta) error { return stop })
-	require.ErrorIs(t, err, stop)
-	require.Equal(t, fakeupstream.StreamPieces(req.Prompt)[0], res.Content)
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		stop := errors.New("client gone")
+		res, err := b.client.Stream(context.Background(), req, func(upstream.Delta) error { return stop })
+		require.ErrorIs(t, err, stop)
+		require.Equal(t, fakeupstream.StreamPieces(req.Prompt)[0], res.Content)
+	})
 }

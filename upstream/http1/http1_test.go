@@ -1,0 +1,382 @@
+package http1_test
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway/upstream/http1"
+)
+
+// testBundle is an upstream that records the connections its calls came on.
+type testBundle struct {
+	server *httptest.Server
+	client *http1.Client
+
+	mu      sync.Mutex
+	remotes []string // the client's address of each call, in order
+	closed  atomic.Int32
+}
+
+func setup(t *testing.T, cfg http1.Config, handler http.HandlerFunc) *testBundle {
+	t.Helper()
+	b := &testBundle{client: http1.New(cfg)}
+	b.server = httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b.mu.Lock()
+		b.remotes = append(b.remotes, r.RemoteAddr)
+		b.mu.Unlock()
+		handler(w, r)
+	}))
+	b.server.Config.ConnState = func(_ net.Conn, s http.ConnState) {
+		if s == http.StateClosed {
+			b.closed.Add(1)
+		}
+	}
+	b.server.Start()
+	t.Cleanup(b.server.Close)
+	t.Cleanup(b.client.CloseIdleConnections)
+	return b
+}
+
+func (b *testBundle) calls() []string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return append([]string(nil), b.remotes...)
+}
+
+func echo(w http.ResponseWriter, r *http.Request) {
+	body, _ := io.ReadAll(r.Body)
+	w.Header().Set("X-Path", r.URL.Path)
+	_, _ = fmt.Fprintf(w, "%s %s", r.Header.Get("Authorization"), body)
+}
+
+// call makes a POST and returns the reply's body read to its end.
+func call(t *testing.T, ctx context.Context, c *http1.Client, url, body string) (*http.Response, string) {
+	t.Helper()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, strings.NewReader(body))
+	require.NoError(t, err)
+	req.Header.Set("Authorization", "Bearer k")
+	resp, err := c.Do(req, nil)
+	require.NoError(t, err)
+	raw, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	require.NoError(t, resp.Body.Close())
+	return resp, string(raw)
+}
+
+func TestCallsReuseTheirConnection(t *testing.T) {
+	t.Parallel()
+	b := setup(t, http1.Config{}, echo)
+	for i := range 3 {
+		resp, got := call(t, context.Background(), b.client, b.server.URL+"/v1/chat", fmt.Sprintf("body %d", i))
+		require.Equal(t, http.StatusOK, resp.StatusCode)
+		require.Equal(t, "/v1/chat", resp.Header.Get("X-Path"))
+		require.Equal(t, fmt.Sprintf("Bearer k body %d", i), got)
+	}
+	calls := b.calls()
+	require.Len(t, calls, 3)
+	require.Equal(t, calls[0], calls[1])
+	require.Equal(t, calls[0], calls[2])
+}
+
+func TestLargeBodiesAndChunkedRepliesPassTheSmallBuffer(t *testing.T) {
+	t.Parallel()
+	b := setup(t, http1.Config{BufferSize: 16}, func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		for i := 0; i < len(body); i += 1000 {
+			_, _ = w.Write(body[i:min(i+1000, len(body))])
+			w.(http.Flusher).Flush() // chunked
+		}
+	})
+	big := strings.Repeat("0123456789", 10_000)
+	resp, got := call(t, context.Background(), b.client, b.server.URL, big)
+	require.Equal(t, []string{"chunked"}, resp.TransferEncoding)
+	require.Equal(t, big, got)
+	call(t, context.Background(), b.client, b.server.URL, "again")
+	calls := b.calls()
+	require.Equal(t, calls[0], calls[1])
+}
+
+func TestConnectedIsCalledOnlyWithAConnection(t *testing.T) {
+	t.Parallel()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	addr := ln.Addr().String()
+	require.NoError(t, ln.Close())
+
+	client := http1.New(http1.Config{})
+	req, err := http.NewRequest(http.MethodPost, "http://"+addr+"/", strings.NewReader("x"))
+	require.NoError(t, err)
+	connected := false
+	_, err = client.Do(req, func() { connected = true })
+	require.ErrorIs(t, err, syscall.ECONNREFUSED)
+	require.False(t, connected)
+
+	b := setup(t, http1.Config{}, echo)
+	req, err = http.NewRequest(http.MethodPost, b.server.URL, strings.NewReader("x"))
+	require.NoError(t, err)
+	resp, err := b.client.Do(req, func() { connected = true })
+	require.NoError(t, err)
+	require.NoError(t, resp.Body.Close())
+	require.True(t, connected)
+}
+
+func TestAConnectionTheUpstreamClosedIsNotUsed(t *testing.T) {
+	t.Parallel()
+	b := setup(t, http1.Config{}, echo)
+	call(t, context.Background(), b.client, b.server.URL, "first")
+	b.server.CloseClientConnections()
+	require.Eventually(t, func() bool { return b.closed.Load() == 1 }, 5*time.Second, time.Millisecond)
+
+	_, got := call(t, context.Background(), b.client, b.server.URL, "second")
+	require.Equal(t, "Bearer k second", got)
+	calls := b.calls()
+	require.Len(t, calls, 2)
+	require.NotEqual(t, calls[0], calls[1])
+}
+
+func TestConnectionCloseIsHonoured(t *testing.T) {
+	t.Parallel()
+	b := setup(t, http1.Config{}, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Connection", "close")
+		echo(w, r)
+	})
+	call(t, context.Background(), b.client, b.server.URL, "one")
+	call(t, context.Background(), b.client, b.server.URL, "two")
+	calls := b.calls()
+	require.NotEqual(t, calls[0], calls[1])
+}
+
+func TestABodyClosedEarlyClosesItsConnectionWithoutReadingOn(t *testing.T) {
+	t.Parallel()
+	release := make(chan struct{})
+	b := setup(t, http1.Config{}, func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path == "/endless" {
+			_, _ = w.Write([]byte("a first piece"))
+			w.(http.Flusher).Flush()
+			select { // the server sees the client close the connection
+			case <-release:
+			case <-r.Context().Done():
+			}
+			return
+		}
+		echo(w, r)
+	})
+	t.Cleanup(func() { close(release) })
+	req, err := http.NewRequest(http.MethodPost, b.server.URL+"/endless", strings.NewReader("x"))
+	require.NoError(t, err)
+	resp, err := b.client.Do(req, nil)
+	require.NoError(t, err)
+	buf := make([]byte, 5)
+	_, err = io.ReadFull(resp.Body, buf)
+	require.NoError(t, err)
+	require.NoError(t, resp.Body.Close()) // returns although the reply never ends
+	require.Eventually(t, func() bool { return b.closed.Load() == 1 }, 5*time.Second, time.Millisecond)
+
+	call(t, context.Background(), b.client, b.server.URL, "next")
+	calls := b.calls()
+	require.NotEqual(t, calls[0], calls[1])
+}
+
+func TestCancellingWakesTheCall(t *testing.T) {
+	t.Parallel()
+	release := make(chan struct{})
+	b := setup(t, http1.Config{}, func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body) // the server watches the connection from then on
+		if r.URL.Path == "/body" {
+			_, _ = w.Write([]byte("head sent"))
+			w.(http.Flusher).Flush()
+		}
+		select { // the server sees the client close the connection
+		case <-release:
+		case <-r.Context().Done():
+		}
+	})
+	t.Cleanup(func() { close(release) })
+
+	t.Run("WaitingForTheHead", func(t *testing.T) {
+		ctx, cancel := context.WithCancel(context.Background())
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, b.server.URL+"/head", strings.NewReader("x"))
+		require.NoError(t, err)
+		time.AfterFunc(20*time.Millisecond, cancel)
+		_, err = b.client.Do(req, nil)
+		require.ErrorIs(t, err, context.Canceled)
+	})
+	t.Run("ReadingTheBody", func(t *testing.T) {
+		ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+		defer cancel()
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, b.server.URL+"/body", strings.NewReader("x"))
+		require.NoError(t, err)
+		resp, err := b.client.Do(req, nil)
+		require.NoError(t, err)
+		_, err = io.ReadAll(resp.Body)
+		require.ErrorIs(t, err, context.DeadlineExceeded)
+		require.NoError(t, resp.Body.Close())
+	})
+	require.Eventually(t, func() bool { return b.closed.Load() == 2 }, 5*time.Second, time.Millisecond)
+}
+
+// rawUpstream answers every connection with reply, whatever it was sent.
+func rawUpstream(t *testing.T, reply func(c net.Conn)) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				// Read the request's head and its body of one byte.
+				r := bufio.NewReader(c)
+				req, err := http.ReadRequest(r)
+				if err != nil {
+					return
+				}
+				_, _ = io.Copy(io.Discard, req.Body)
+				reply(c)
+			}()
+		}
+	}()
+	return "http://" + ln.Addr().String()
+}
+
+func TestHostileReplies(t *testing.T) {
+	t.Parallel()
+	t.Run("EndlessHead", func(t *testing.T) {
+		t.Parallel()
+		url := rawUpstream(t, func(c net.Conn) {
+			_, _ = io.WriteString(c, "HTTP/1.1 200 OK\r\n")
+			line := "X-Junk: " + strings.Repeat("j", 1000) + "\r\n"
+			for {
+				if _, err := io.WriteString(c, line); err != nil {
+					return
+				}
+			}
+		})
+		client := http1.New(http1.Config{MaxHeaderBytes: 64 << 10})
+		req, err := http.NewRequest(http.MethodPost, url, strings.NewReader("x"))
+		require.NoError(t, err)
+		_, err = client.Do(req, nil)
+		require.ErrorIs(t, err, http1.ErrHeaderTooLarge)
+	})
+	t.Run("InformationalRepliesFirst", func(t *testing.T) {
+		t.Parallel()
+		url := rawUpstream(t, func(c net.Conn) {
+			_, _ = io.WriteString(c, "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+		})
+		_, got := call(t, context.Background(), http1.New(http1.Config{}), url, "x")
+		require.Equal(t, "ok", got)
+	})
+	t.Run("EndlessInformationalReplies", func(t *testing.T) {
+		t.Parallel()
+		url := rawUpstream(t, func(c net.Conn) {
+			for {
+				if _, err := io.WriteString(c, "HTTP/1.1 100 Continue\r\n\r\n"); err != nil {
+					return
+				}
+			}
+		})
+		req, err := http.NewRequest(http.MethodPost, url, strings.NewReader("x"))
+		require.NoError(t, err)
+		_, err = http1.New(http1.Config{}).Do(req, nil)
+		require.ErrorContains(t, err, "informational replies")
+	})
+	t.Run("SwitchingProtocols", func(t *testing.T) {
+		t.Parallel()
+		url := rawUpstream(t, func(c net.Conn) {
+			_, _ = io.WriteString(c, "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\r\n")
+		})
+		req, err := http.NewRequest(http.MethodPost, url, strings.NewReader("x"))
+		require.NoError(t, err)
+		_, err = http1.New(http1.Config{}).Do(req, nil)
+		require.ErrorContains(t, err, "101")
+	})
+	t.Run("NotHTTP", func(t *testing.T) {
+		t.Parallel()
+		url := rawUpstream(t, func(c net.Conn) { _, _ = io.WriteString(c, "SSH-2.0-OpenSSH_9.6\r\n") })
+		req, err := http.NewRequest(http.MethodPost, url, strings.NewReader("x"))
+		require.NoError(t, err)
+		_, err = http1.New(http1.Config{}).Do(req, nil)
+		require.ErrorContains(t, err, "malformed HTTP")
+	})
+	t.Run("BodyShorterThanAnnounced", func(t *testing.T) {
+		t.Parallel()
+		url := rawUpstream(t, func(c net.Conn) {
+			_, _ = io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+		})
+		req, err := http.NewRequest(http.MethodPost, url, strings.NewReader("x"))
+		require.NoError(t, err)
+		resp, err := http1.New(http1.Config{}).Do(req, nil)
+		require.NoError(t, err)
+		_, err = io.ReadAll(resp.Body)
+		require.ErrorIs(t, err, io.ErrUnexpectedEOF)
+		require.NoError(t, resp.Body.Close())
+	})
+	t.Run("BytesAfterTheReplyAreNotTrusted", func(t *testing.T) {
+		t.Parallel()
+		var conns atomic.Int32
+		url := rawUpstream(t, func(c net.Conn) {
+			conns.Add(1)
+			_, _ = io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokHTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nfake")
+			time.Sleep(time.Second) // keep the connection open
+		})
+		client := http1.New(http1.Config{})
+		for range 2 {
+			_, got := call(t, context.Background(), client, url, "x")
+			require.Equal(t, "ok", got)
+		}
+		require.Equal(t, int32(2), conns.Load())
+	})
+}
+
+func TestIdleConnectionsAreBoundedAndExpire(t *testing.T) {
+	t.Parallel()
+	release := make(chan struct{})
+	var waiting sync.WaitGroup
+	b := setup(t, http1.Config{MaxIdlePerHost: 1, IdleTimeout: 100 * time.Millisecond}, func(w http.ResponseWriter, r *http.Request) {
+		waiting.Done()
+		<-release
+		echo(w, r)
+	})
+	// Three calls at once take three connections; one is kept idle after.
+	waiting.Add(3)
+	var calls sync.WaitGroup
+	for range 3 {
+		calls.Go(func() {
+			req, err := http.NewRequest(http.MethodPost, b.server.URL, strings.NewReader("x"))
+			if err != nil {
+				panic(err)
+			}
+			resp, err := b.client.Do(req, nil)
+			if err == nil {
+				_, err = io.Copy(io.Discard, resp.Body)
+				_ = resp.Body.Close()
+			}
+			if err != nil {
+				panic(err)
+			}
+		})
+	}
+	waiting.Wait()
+	close(release)
+	calls.Wait()
+	require.Eventually(t, func() bool { return b.closed.Load() == 2 }, 5*time.Second, time.Millisecond)
+	// The kept one is closed once it has been idle for IdleTimeout.
+	require.Eventually(t, func() bool { return b.closed.Load() == 3 }, 5*time.Second, 10*time.Millisecond)
+}
