@@ -261,7 +261,7 @@ func (cn *conn) Read(p []byte) (int, error) {
 	return n, err
 }
 
-// roundTrip writes req and reads the final reply's head, skipping 1xx replies.
+// roundTrip writes req and reads the final reply's head.
 func (cn *conn) roundTrip(req *http.Request) (*http.Response, error) {
 	bw, _ := writers.Get().(*bufio.Writer)
 	if bw == nil {
@@ -269,15 +269,12 @@ func (cn *conn) roundTrip(req *http.Request) (*http.Response, error) {
 	} else {
 		bw.Reset(cn.nc)
 	}
-	err := req.Write(bw)
-	if err == nil {
-		err = bw.Flush()
+	werr := req.Write(bw)
+	if werr == nil {
+		werr = bw.Flush()
 	}
 	bw.Reset(nil)
 	writers.Put(bw)
-	if err != nil {
-		return nil, fmt.Errorf("error writing request: %w", err)
-	}
 	// The reply is read without the request, which is not kept (nor is its
 	// body, the prompt) while a stream waits for its first token: only a
 	// reply to HEAD is read differently.
@@ -285,6 +282,21 @@ func (cn *conn) roundTrip(req *http.Request) (*http.Response, error) {
 	if req.Method == http.MethodHead {
 		head = req
 	}
+	resp, rerr := cn.readReply(head)
+	switch {
+	case werr != nil && rerr == nil:
+		// The upstream answered (a 413, say) and closed before it read the
+		// whole request: its answer is the outcome.
+		resp.Close = true
+		return resp, nil
+	case werr != nil:
+		return nil, fmt.Errorf("error writing request: %w", werr)
+	}
+	return resp, rerr
+}
+
+// readReply reads the final reply's head, skipping 1xx replies.
+func (cn *conn) readReply(head *http.Request) (*http.Response, error) {
 	// A read buffer is taken only once the reply begins.
 	if err := waitReadable(cn.nc); err != nil {
 		return nil, fmt.Errorf("error reading reply: %w", err)

@@ -328,6 +328,31 @@ func TestHostileReplies(t *testing.T) {
 		require.ErrorIs(t, err, io.ErrUnexpectedEOF)
 		require.NoError(t, resp.Body.Close())
 	})
+	t.Run("AnswerBeforeTheWholeRequest", func(t *testing.T) {
+		t.Parallel()
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = ln.Close() })
+		go func() {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			// Read the head only, refuse the body's size, and leave.
+			_, _ = http.ReadRequest(bufio.NewReader(c))
+			_, _ = io.WriteString(c, "HTTP/1.1 413 Payload Too Large\r\nContent-Length: 8\r\n\r\ntoo long")
+			_ = c.Close()
+		}()
+		req, err := http.NewRequest(http.MethodPost, "http://"+ln.Addr().String(), strings.NewReader(strings.Repeat("x", 32<<20)))
+		require.NoError(t, err)
+		resp, err := http1.New(http1.Config{}).Do(req, nil)
+		require.NoError(t, err)
+		require.Equal(t, http.StatusRequestEntityTooLarge, resp.StatusCode)
+		body, err := io.ReadAll(resp.Body)
+		require.NoError(t, err)
+		require.Equal(t, "too long", string(body))
+		require.NoError(t, resp.Body.Close())
+	})
 	t.Run("BytesAfterTheReplyAreNotTrusted", func(t *testing.T) {
 		t.Parallel()
 		var conns atomic.Int32
