@@ -28,11 +28,12 @@ type testBundle struct {
 	mu      sync.Mutex
 	remotes []string // the client's address of each call, in order
 	closed  atomic.Int32
+	release chan struct{} // closed when the test ends
 }
 
 func setup(t *testing.T, cfg http1.Config, handler http.HandlerFunc) *testBundle {
 	t.Helper()
-	b := &testBundle{client: http1.New(cfg)}
+	b := &testBundle{client: http1.New(cfg), release: make(chan struct{})}
 	b.server = httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		b.mu.Lock()
 		b.remotes = append(b.remotes, r.RemoteAddr)
@@ -47,7 +48,17 @@ func setup(t *testing.T, cfg http1.Config, handler http.HandlerFunc) *testBundle
 	b.server.Start()
 	t.Cleanup(b.server.Close)
 	t.Cleanup(b.client.CloseIdleConnections)
+	t.Cleanup(func() { close(b.release) })
 	return b
+}
+
+// hold keeps a handler until the client closes its connection (the server
+// sees it once the request's body was read) or the test ends.
+func (b *testBundle) hold(r *http.Request) {
+	select {
+	case <-b.release:
+	case <-r.Context().Done():
+	}
 }
 
 func (b *testBundle) calls() []string {
@@ -161,20 +172,16 @@ func TestConnectionCloseIsHonoured(t *testing.T) {
 
 func TestABodyClosedEarlyClosesItsConnectionWithoutReadingOn(t *testing.T) {
 	t.Parallel()
-	release := make(chan struct{})
-	b := setup(t, http1.Config{}, func(w http.ResponseWriter, r *http.Request) {
+	var b *testBundle
+	b = setup(t, http1.Config{}, func(w http.ResponseWriter, r *http.Request) {
 		if r.URL.Path == "/endless" {
 			_, _ = w.Write([]byte("a first piece"))
 			w.(http.Flusher).Flush()
-			select { // the server sees the client close the connection
-			case <-release:
-			case <-r.Context().Done():
-			}
+			b.hold(r)
 			return
 		}
 		echo(w, r)
 	})
-	t.Cleanup(func() { close(release) })
 	req, err := http.NewRequest(http.MethodPost, b.server.URL+"/endless", strings.NewReader("x"))
 	require.NoError(t, err)
 	resp, err := b.client.Do(req, nil)
@@ -192,19 +199,15 @@ func TestABodyClosedEarlyClosesItsConnectionWithoutReadingOn(t *testing.T) {
 
 func TestCancellingWakesTheCall(t *testing.T) {
 	t.Parallel()
-	release := make(chan struct{})
-	b := setup(t, http1.Config{}, func(w http.ResponseWriter, r *http.Request) {
-		_, _ = io.Copy(io.Discard, r.Body) // the server watches the connection from then on
+	var b *testBundle
+	b = setup(t, http1.Config{}, func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
 		if r.URL.Path == "/body" {
 			_, _ = w.Write([]byte("head sent"))
 			w.(http.Flusher).Flush()
 		}
-		select { // the server sees the client close the connection
-		case <-release:
-		case <-r.Context().Done():
-		}
+		b.hold(r)
 	})
-	t.Cleanup(func() { close(release) })
 
 	t.Run("WaitingForTheHead", func(t *testing.T) {
 		ctx, cancel := context.WithCancel(context.Background())
@@ -228,12 +231,24 @@ func TestCancellingWakesTheCall(t *testing.T) {
 	require.Eventually(t, func() bool { return b.closed.Load() == 2 }, 5*time.Second, time.Millisecond)
 }
 
-// rawUpstream answers every connection with reply, whatever it was sent.
+// rawUpstream answers the first request of every connection with reply,
+// whatever it was sent, then closes the connection.
 func rawUpstream(t *testing.T, reply func(c net.Conn)) string {
 	t.Helper()
+	return serveRaw(t, func(c net.Conn, _ *http.Request) bool {
+		reply(c)
+		return false
+	})
+}
+
+// serveRaw listens until the test ends and, on each connection, reads
+// requests (head and body) and hands each to answer, which writes what it
+// likes and says whether to read another.
+func serveRaw(tb testing.TB, answer func(c net.Conn, req *http.Request) bool) string {
+	tb.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = ln.Close() })
+	require.NoError(tb, err)
+	tb.Cleanup(func() { _ = ln.Close() })
 	go func() {
 		for {
 			c, err := ln.Accept()
@@ -242,18 +257,29 @@ func rawUpstream(t *testing.T, reply func(c net.Conn)) string {
 			}
 			go func() {
 				defer c.Close()
-				// Read the request's head and its body of one byte.
 				r := bufio.NewReader(c)
-				req, err := http.ReadRequest(r)
-				if err != nil {
-					return
+				for {
+					req, err := http.ReadRequest(r)
+					if err != nil {
+						return
+					}
+					_, _ = io.Copy(io.Discard, req.Body)
+					if !answer(c, req) {
+						return
+					}
 				}
-				_, _ = io.Copy(io.Discard, req.Body)
-				reply(c)
 			}()
 		}
 	}()
 	return "http://" + ln.Addr().String()
+}
+
+// post sends a small POST to url with a new client.
+func post(t *testing.T, url string) (*http.Response, error) {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodPost, url, strings.NewReader("x"))
+	require.NoError(t, err)
+	return http1.New(http1.Config{}).Do(req, nil)
 }
 
 func TestHostileReplies(t *testing.T) {
@@ -292,9 +318,7 @@ func TestHostileReplies(t *testing.T) {
 				}
 			}
 		})
-		req, err := http.NewRequest(http.MethodPost, url, strings.NewReader("x"))
-		require.NoError(t, err)
-		_, err = http1.New(http1.Config{}).Do(req, nil)
+		_, err := post(t, url)
 		require.ErrorContains(t, err, "informational replies")
 	})
 	t.Run("SwitchingProtocols", func(t *testing.T) {
@@ -302,17 +326,13 @@ func TestHostileReplies(t *testing.T) {
 		url := rawUpstream(t, func(c net.Conn) {
 			_, _ = io.WriteString(c, "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\r\n")
 		})
-		req, err := http.NewRequest(http.MethodPost, url, strings.NewReader("x"))
-		require.NoError(t, err)
-		_, err = http1.New(http1.Config{}).Do(req, nil)
+		_, err := post(t, url)
 		require.ErrorContains(t, err, "101")
 	})
 	t.Run("NotHTTP", func(t *testing.T) {
 		t.Parallel()
 		url := rawUpstream(t, func(c net.Conn) { _, _ = io.WriteString(c, "SSH-2.0-OpenSSH_9.6\r\n") })
-		req, err := http.NewRequest(http.MethodPost, url, strings.NewReader("x"))
-		require.NoError(t, err)
-		_, err = http1.New(http1.Config{}).Do(req, nil)
+		_, err := post(t, url)
 		require.ErrorContains(t, err, "malformed HTTP")
 	})
 	t.Run("BodyShorterThanAnnounced", func(t *testing.T) {
@@ -320,9 +340,7 @@ func TestHostileReplies(t *testing.T) {
 		url := rawUpstream(t, func(c net.Conn) {
 			_, _ = io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
 		})
-		req, err := http.NewRequest(http.MethodPost, url, strings.NewReader("x"))
-		require.NoError(t, err)
-		resp, err := http1.New(http1.Config{}).Do(req, nil)
+		resp, err := post(t, url)
 		require.NoError(t, err)
 		_, err = io.ReadAll(resp.Body)
 		require.ErrorIs(t, err, io.ErrUnexpectedEOF)

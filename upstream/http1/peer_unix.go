@@ -14,39 +14,43 @@ import (
 // next call. One non-blocking read; a byte it takes belongs to a connection
 // that is discarded anyway.
 func peerSilent(nc net.Conn) bool {
-	sc, ok := nc.(syscall.Conn)
-	if !ok {
-		return true
-	}
-	raw, err := sc.SyscallConn()
-	if err != nil {
-		return false
-	}
 	silent := false
-	err = raw.Read(func(fd uintptr) bool {
+	raw, err := readRaw(nc, func(fd uintptr) bool {
 		var b [1]byte
 		_, rerr := syscall.Read(int(fd), b[:])
-		silent = errors.Is(rerr, syscall.EAGAIN) || errors.Is(rerr, syscall.EWOULDBLOCK)
+		silent = wouldBlock(rerr)
 		return true
 	})
-	return err == nil && silent
+	return !raw || err == nil && silent
 }
 
 // waitReadable waits, without a buffer, until the upstream has sent something
 // (or closed the connection, or the connection's deadline passed): a call
 // waiting minutes for a stream's first token holds no read buffer.
 func waitReadable(nc net.Conn) error {
-	sc, ok := nc.(syscall.Conn)
-	if !ok {
-		return nil
-	}
-	raw, err := sc.SyscallConn()
-	if err != nil {
-		return err
-	}
-	return raw.Read(func(fd uintptr) bool {
+	_, err := readRaw(nc, func(fd uintptr) bool {
 		var b [1]byte
 		_, _, rerr := syscall.Recvfrom(int(fd), b[:], syscall.MSG_PEEK)
-		return !errors.Is(rerr, syscall.EAGAIN) && !errors.Is(rerr, syscall.EWOULDBLOCK)
+		return !wouldBlock(rerr)
 	})
+	return err
+}
+
+// readRaw runs f on nc's descriptor as syscall.RawConn.Read does: again each
+// time the poller says it is readable, until f returns true. raw is false for
+// a connection without a descriptor, which f is not run on.
+func readRaw(nc net.Conn, f func(fd uintptr) bool) (raw bool, err error) {
+	sc, ok := nc.(syscall.Conn)
+	if !ok {
+		return false, nil
+	}
+	rc, err := sc.SyscallConn()
+	if err != nil {
+		return true, err
+	}
+	return true, rc.Read(f)
+}
+
+func wouldBlock(err error) bool {
+	return errors.Is(err, syscall.EAGAIN) || errors.Is(err, syscall.EWOULDBLOCK)
 }

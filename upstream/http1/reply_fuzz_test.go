@@ -1,7 +1,6 @@
 package http1_test
 
 import (
-	"bufio"
 	"context"
 	"io"
 	"net"
@@ -38,39 +37,15 @@ func FuzzReply(f *testing.F) {
 	} {
 		f.Add([]byte(seed))
 	}
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		f.Fatal(err)
-	}
-	f.Cleanup(func() { _ = ln.Close() })
 	var current atomic.Pointer[[]byte]
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer c.Close()
-				r := bufio.NewReader(c)
-				for {
-					req, err := http.ReadRequest(r)
-					if err != nil {
-						return
-					}
-					_, _ = io.Copy(io.Discard, req.Body)
-					reply := []byte(goodReply)
-					if req.Header.Get("X-Fuzzed") != "" {
-						reply = *current.Load()
-					}
-					if _, err := c.Write(reply); err != nil {
-						return
-					}
-				}
-			}()
+	url := serveRaw(f, func(c net.Conn, req *http.Request) bool {
+		reply := []byte(goodReply)
+		if req.Header.Get("X-Fuzzed") != "" {
+			reply = *current.Load()
 		}
-	}()
-	url := "http://" + ln.Addr().String() + "/v1/chat/completions"
+		_, err := c.Write(reply)
+		return err == nil
+	}) + "/v1/chat/completions"
 	call := func(client *http1.Client, fuzzed bool, timeout time.Duration) (*http.Response, []byte, error) {
 		ctx, cancel := context.WithTimeout(context.Background(), timeout)
 		defer cancel()
