@@ -98,11 +98,12 @@ var ErrHeaderTooLarge = errors.New("http1: reply header too large")
 const maxInformational = 8
 
 // Do sends req, an http:// request, and returns the reply once its head has
-// been read; the reply's Request is nil unless req is a HEAD. connected is called once a connection is obtained, before any of
-// the request is written: from then on the upstream may see the call. The
-// request's context bounds the whole call, the body's reads included. The
-// caller must close the reply's body; a connection goes back to the pool only
-// when its body was read to the end.
+// been read; the reply's Request is nil unless req is a HEAD. connected is
+// called once a connection is obtained, before any of the request is written:
+// from then on the upstream may see the call. The request's context bounds the
+// whole call, the body's reads included. The caller must close the reply's
+// body; a connection goes back to the pool only when its body was read to the
+// end.
 func (c *Client) Do(req *http.Request, connected func()) (*http.Response, error) {
 	if req.URL.Scheme != "http" {
 		return nil, fmt.Errorf("http1: unsupported scheme %q", req.URL.Scheme)
