@@ -273,9 +273,9 @@ func (d *Drainer) health() (serving, probing []gateway.Model) {
 // the budget refused; failed says the claim failed (it is logged). The claim
 // runs on commits, not on the context that stopping the drainer cancels: a
 // shutdown that begins while it runs lets it finish and its items run within
-// the grace, instead of cancelling it at a moment it may have committed. Should the claim's reply have been lost after
-// it committed, its items are handed back (they were never dispatched) in the
-// background.
+// the grace, instead of cancelling it at a moment it may have committed.
+// Should the claim's reply have been lost after it committed, its items are
+// handed back (they were never dispatched) in the background.
 func (d *Drainer) claim(commits context.Context, n int, models []gateway.Model) (items []store.ClaimedItem, failed bool) {
 	start := time.Now()
 	claimID := uuid.Must(uuid.NewV7())

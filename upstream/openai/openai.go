@@ -214,7 +214,17 @@ func (c *Client) post(ctx context.Context, req upstream.Request, stream bool) (*
 	if err != nil {
 		return nil, false, fmt.Errorf("error encoding chat request: %w", err)
 	}
-	httpReq, err := http.NewRequestWithContext(ctx, http.MethodPost, c.cfg.BaseURL+"/chat/completions", bytes.NewReader(body))
+	var dispatched atomic.Bool
+	connected := func() {
+		if dispatched.CompareAndSwap(false, true) {
+			req.Dispatched()
+		}
+	}
+	callCtx := ctx
+	if c.h1 == nil {
+		callCtx = httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{GotConn: func(httptrace.GotConnInfo) { connected() }})
+	}
+	httpReq, err := http.NewRequestWithContext(callCtx, http.MethodPost, c.cfg.BaseURL+"/chat/completions", bytes.NewReader(body))
 	if err != nil {
 		return nil, false, fmt.Errorf("error building chat request: %w", err)
 	}
@@ -230,19 +240,10 @@ func (c *Client) post(ctx context.Context, req upstream.Request, stream bool) (*
 	if h := hints(req.Hints); h != "" {
 		httpReq.Header.Set(HintsHeader, h)
 	}
-	var dispatched atomic.Bool
-	connected := func() {
-		if dispatched.CompareAndSwap(false, true) {
-			req.Dispatched()
-		}
-	}
 	var resp *http.Response
 	if c.h1 != nil {
 		resp, err = c.h1.Do(httpReq, connected)
 	} else {
-		httpReq = httpReq.WithContext(httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
-			GotConn: func(httptrace.GotConnInfo) { connected() },
-		}))
 		resp, err = c.http.Do(httpReq)
 	}
 	if err != nil {
