@@ -67,6 +67,10 @@ const (
 	// claims are larger and fewer (each claim costs a statement and a commit
 	// whatever its size); a free slot stays empty at most this long.
 	claimGather = 2 * time.Millisecond
+	// claimTimeout bounds a claim, which stopping the drainer does not
+	// cancel: a claim takes milliseconds, and one a hung database holds
+	// longer must not hold up a shutdown.
+	claimTimeout = 5 * time.Second
 )
 
 // Messages of the item errors the drainer records.
@@ -271,17 +275,20 @@ func (d *Drainer) health() (serving, probing []gateway.Model) {
 
 // claim claims up to n items of models and finishes the batches whose items
 // the budget refused; failed says the claim failed (it is logged). The claim
-// runs on commits, not on the context that stopping the drainer cancels: a
-// shutdown that begins while it runs lets it finish and its items run within
-// the grace, instead of cancelling it at a moment it may have committed.
+// runs on commits (within claimTimeout), not on the context that stopping the
+// drainer cancels: a shutdown that begins while it runs lets it finish and its
+// items run within the grace, instead of cancelling it at a moment it may have
+// committed.
 // Should the claim's reply have been lost after it committed, its items are
 // handed back (they were never dispatched) in the background.
 func (d *Drainer) claim(commits context.Context, n int, models []gateway.Model) (items []store.ClaimedItem, failed bool) {
 	start := time.Now()
 	claimID := uuid.Must(uuid.NewV7())
-	items, err := d.store.ClaimItems(commits, store.ClaimParams{
+	cctx, cancel := context.WithTimeout(commits, claimTimeout)
+	items, err := d.store.ClaimItems(cctx, store.ClaimParams{
 		Owner: d.cfg.Owner, ClaimID: claimID, Max: n, PerAccount: max(1, n/2), Lease: d.cfg.Lease, Models: models,
 	})
+	cancel()
 	if err != nil {
 		if store.MayHaveCommitted(err) {
 			go d.releaseClaim(commits, claimID)

@@ -180,15 +180,18 @@ func TestLostClaimReplyIsHandedBack(t *testing.T) {
 }
 
 // stoppingStore stops the drainer while its first claim runs, as a SIGTERM
-// arriving at that moment would.
+// arriving at that moment would, and notes whether that claim was bounded.
 type stoppingStore struct {
 	*store.Store
-	stop func()
-	once atomic.Bool
+	stop    func()
+	once    atomic.Bool
+	bounded atomic.Bool
 }
 
 func (s *stoppingStore) ClaimItems(ctx context.Context, p store.ClaimParams) ([]store.ClaimedItem, error) {
 	if s.once.CompareAndSwap(false, true) {
+		_, bounded := ctx.Deadline()
+		s.bounded.Store(bounded)
 		s.stop()
 		select { // a claim on the stopped context would be cancelled by now
 		case <-ctx.Done():
@@ -201,18 +204,21 @@ func (s *stoppingStore) ClaimItems(ctx context.Context, p store.ClaimParams) ([]
 // TestClaimInFlightAtShutdownRuns: a shutdown that begins while a claim runs
 // does not cancel it (it may commit while its reply is lost, and its items
 // would wait for their lease to run out and fail INTERRUPTED); the claim
-// finishes and its items run within the grace, each once.
+// finishes and its items run within the grace, each once. The claim has a
+// deadline of its own, so a hung database cannot hold up the shutdown.
 func TestClaimInFlightAtShutdownRuns(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	id := b.newBatch(t, "shutdown", 3)
 	ctx, cancel := context.WithCancel(b.ctx)
 	defer cancel()
+	st := &stoppingStore{Store: b.store, stop: cancel}
 	d := drainer.New(drainer.Config{PollInterval: 50 * time.Millisecond, Grace: 10 * time.Second, EvidenceRetention: time.Hour, Lease: time.Minute},
-		&stoppingStore{Store: b.store, stop: cancel}, b.provider, b.estimator, slog.New(slog.NewTextHandler(io.Discard, nil)))
+		st, b.provider, b.estimator, slog.New(slog.NewTextHandler(io.Discard, nil)))
 	d.Run(ctx)
 	for _, it := range b.items(t, id) {
 		require.Equal(t, gateway.ItemCompleted, it.Status, "item %d", it.Index)
 	}
 	require.Len(t, b.fake.Calls(), 3)
+	require.True(t, st.bounded.Load(), "the claim has a deadline")
 }
