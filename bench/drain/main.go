@@ -1,7 +1,9 @@
 // Command drain measures batch draining: items per second for 1, 2 and 4
 // replicas draining the same queue with an instant upstream, and the latency
 // from a batch's creation to its first item reaching the upstream on an idle
-// replica.
+// replica. With -rounds above 1 the replica counts are measured in turn that
+// many times, and the median of each is printed: on a shared machine, runs
+// minutes apart differ more than the counts compared.
 package main
 
 import (
@@ -28,14 +30,26 @@ func main() {
 	replicaList := flag.String("replicas", "1,2,4", "replica counts to measure")
 	batches := flag.Int("batches", 100, "batches of 100 items per run")
 	probes := flag.Int("probes", 30, "single-item batches for the dispatch latency")
+	rounds := flag.Int("rounds", 1, "times each replica count is measured, in turn")
 	flag.Parse()
-	if err := run(*binary, *replicaList, *batches, *probes); err != nil {
+	if err := run(*binary, *replicaList, *batches, *probes, *rounds); err != nil {
 		fmt.Fprintln(os.Stderr, "drain:", err)
 		os.Exit(1)
 	}
 }
 
-func run(binary, replicaList string, batches, probes int) error {
+func run(binary, replicaList string, batches, probes, rounds int) error {
+	var counts []int
+	for _, field := range strings.Split(replicaList, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(field))
+		if err != nil || n < 1 {
+			return fmt.Errorf("bad replica count %q", field)
+		}
+		counts = append(counts, n)
+	}
+	if rounds < 1 {
+		return fmt.Errorf("bad round count %d", rounds)
+	}
 	env, err := benchenv.Start(binary)
 	if err != nil {
 		return err
@@ -45,20 +59,29 @@ func run(binary, replicaList string, batches, probes int) error {
 	defer fake.Close()
 
 	fmt.Printf("batch drain, instant upstream, %d batches × 100 items per run, %d cores\n\n", batches, runtime.NumCPU())
-	fmt.Println("| replicas | items | seconds (creating) | items/s | CPU/item gateway (creating) | CPU/item PostgreSQL (creating) | WAL flushes/item | WAL records/item |")
-	fmt.Println("|---|---|---|---|---|---|---|---|")
-	for _, field := range strings.Split(replicaList, ",") {
-		n, err := strconv.Atoi(strings.TrimSpace(field))
-		if err != nil || n < 1 {
-			return fmt.Errorf("bad replica count %q", field)
+	fmt.Println("| round | replicas | items | seconds (creating) | items/s | CPU/item gateway (creating) | CPU/item PostgreSQL (creating) | WAL flushes/item | WAL records/item |")
+	fmt.Println("|---|---|---|---|---|---|---|---|---|")
+	rates := map[int][]float64{}
+	for round := 1; round <= rounds; round++ {
+		for _, n := range counts {
+			r, err := drain(env, fake, n, batches, round)
+			if err != nil {
+				return err
+			}
+			rate := float64(r.items) / r.seconds
+			rates[n] = append(rates[n], rate)
+			fmt.Printf("| %d | %d | %d | %.2f (%.2f) | %.0f | %s (%s) | %s (%s) | %.3f | %.1f |\n", round, n, r.items, r.seconds, r.created.seconds, rate,
+				benchenv.PerUnit(r.gatewayCPU, r.items), benchenv.PerUnit(r.created.gatewayCPU, r.items), benchenv.PerUnit(r.postgresCPU, r.items), benchenv.PerUnit(r.created.postgresCPU, r.items),
+				float64(r.activity.WALSyncs)/float64(r.items), float64(r.activity.WALRecords)/float64(r.items))
 		}
-		r, err := drain(env, fake, n, batches)
-		if err != nil {
-			return err
+	}
+	if rounds > 1 {
+		fmt.Println("\n| replicas | median items/s | lowest | highest |")
+		fmt.Println("|---|---|---|---|")
+		for _, n := range counts {
+			v := slices.Sorted(slices.Values(rates[n]))
+			fmt.Printf("| %d | %.0f | %.0f | %.0f |\n", n, median(v), v[0], v[len(v)-1])
 		}
-		fmt.Printf("| %d | %d | %.2f (%.2f) | %.0f | %s (%s) | %s (%s) | %.3f | %.1f |\n", n, r.items, r.seconds, r.created.seconds, float64(r.items)/r.seconds,
-			benchenv.PerUnit(r.gatewayCPU, r.items), benchenv.PerUnit(r.created.gatewayCPU, r.items), benchenv.PerUnit(r.postgresCPU, r.items), benchenv.PerUnit(r.created.postgresCPU, r.items),
-			float64(r.activity.WALSyncs)/float64(r.items), float64(r.activity.WALRecords)/float64(r.items))
 	}
 
 	p50, p99, err := dispatchLatency(env, fake, probes)
@@ -96,10 +119,11 @@ func since(start time.Time, items int, pids []int, gatewayBefore, postgresBefore
 	return p, err
 }
 
-// drain creates the batches through n replicas and times until all are terminal.
-func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, batches int) (result, error) {
+// drain creates the batches through n replicas and times until all are
+// terminal, in a database of its own.
+func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, batches, round int) (result, error) {
 	defer env.StopServers()
-	vars, key, err := env.Fresh(fmt.Sprintf("drain_%d", replicas), fake.BaseURL())
+	vars, key, err := env.Fresh(fmt.Sprintf("drain_%d_%d", replicas, round), fake.BaseURL())
 	if err != nil {
 		return result{}, err
 	}
@@ -208,6 +232,12 @@ func dispatchLatency(env *benchenv.Env, fake *fakeupstream.Server, probes int) (
 	}
 	slices.Sort(latencies)
 	return latencies[len(latencies)/2], latencies[len(latencies)*99/100], nil
+}
+
+// median is the middle of sorted values (the mean of the two middle ones).
+func median(sorted []float64) float64 {
+	n := len(sorted)
+	return (sorted[(n-1)/2] + sorted[n/2]) / 2
 }
 
 // waitForCall waits until the upstream received prompt and returns when.
