@@ -62,10 +62,11 @@ const (
 	completeWindow = 2 * time.Millisecond
 	completeBatch  = 64
 	minRetry       = 100 * time.Millisecond
-	// claimGather is how long after a claim the drainer waits for half its
-	// slots to be free before it claims for fewer: when items finish fast,
-	// claims are larger and fewer (each claim costs a statement and a commit
-	// whatever its size); a free slot stays empty at most this long.
+	// claimGather is how long after a claim the drainer, with no claimed
+	// item left waiting for a worker, waits for half its slots to be free
+	// before it claims for fewer: when items finish fast, claims are larger
+	// and fewer (each claim costs a statement and a commit whatever its
+	// size); a worker stays idle at most this long.
 	claimGather = 2 * time.Millisecond
 	// claimTimeout bounds a claim, which stopping the drainer does not
 	// cancel: a claim takes milliseconds, and one a hung database holds
@@ -84,7 +85,9 @@ const (
 type Config struct {
 	// Owner identifies this replica's leases.
 	Owner uuid.UUID
-	// Concurrency is the number of items in flight.
+	// Concurrency is the number of items in flight at the upstream. Up to as
+	// many more may be claimed ahead, waiting for a worker, when items take
+	// less time than a claim (see lookahead).
 	Concurrency int
 	// Lease is how long a claimed item is held without a heartbeat.
 	Lease time.Duration
@@ -114,6 +117,7 @@ type Drainer struct {
 	results chan store.ItemResult
 	held    heldItems
 	starts  batchSet
+	ahead   lookahead
 	// probes counts the items running as probes of a model with no target
 	// taking calls: one at a time.
 	probes atomic.Int32
@@ -165,17 +169,20 @@ func (d *Drainer) Run(ctx context.Context) {
 
 	// A fixed set of workers runs the items, so their stacks, grown by the
 	// upstream call, are kept from one item to the next instead of grown
-	// again for each.
-	slots := make(chan struct{}, d.cfg.Concurrency)
+	// again for each. A slot is an item held: running, or claimed and waiting
+	// for a worker (see lookahead).
+	slots := make(chan struct{}, 2*d.cfg.Concurrency)
 	freed := make(chan struct{}, 1) // told when an item leaves its slot
-	jobs := make(chan job, d.cfg.Concurrency)
+	jobs := make(chan job, 2*d.cfg.Concurrency)
 	var running sync.WaitGroup
 	running.Add(d.cfg.Concurrency)
 	for range d.cfg.Concurrency {
 		go func() {
 			defer running.Done()
 			for j := range jobs {
+				start := time.Now()
 				d.run(work, commits, j.item)
+				d.ahead.observeItem(time.Since(start))
 				if j.probe {
 					d.probes.Add(-1)
 				}
@@ -189,10 +196,15 @@ func (d *Drainer) Run(ctx context.Context) {
 	}
 	var lastClaim time.Time
 	for ctx.Err() == nil {
-		free := d.cfg.Concurrency - len(slots)
-		if wait := claimGather - time.Since(lastClaim); free == 0 || free < (d.cfg.Concurrency+1)/2 && wait > 0 {
+		// While claimed items wait for a worker, the next claim waits for half
+		// the slots; when none waits, for half or claimGather, whichever
+		// comes first. A worker finishing an item wakes the loop.
+		capacity := d.cfg.Concurrency + d.ahead.items(d.cfg.Concurrency)
+		free := capacity - len(slots)
+		waiting := len(jobs) > 0
+		if wait := claimGather - time.Since(lastClaim); free <= 0 || free < (capacity+1)/2 && (waiting || wait > 0) {
 			timeout := d.cfg.PollInterval
-			if free > 0 {
+			if free > 0 && !waiting {
 				timeout = wait
 			}
 			select {
@@ -296,7 +308,9 @@ func (d *Drainer) claim(commits context.Context, n int, models []gateway.Model) 
 		d.logger.Error("error claiming batch items", "error", err)
 		return nil, true
 	}
-	d.cfg.Metrics.Claim(time.Since(start))
+	elapsed := time.Since(start)
+	d.cfg.Metrics.Claim(elapsed)
+	d.ahead.observeClaim(elapsed)
 	var refused []uuid.UUID
 	runnable := items[:0]
 	for _, it := range items {

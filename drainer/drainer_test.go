@@ -222,3 +222,65 @@ func TestClaimInFlightAtShutdownRuns(t *testing.T) {
 	require.Len(t, b.fake.Calls(), 3)
 	require.True(t, st.bounded.Load(), "the claim has a deadline")
 }
+
+// claimStore records the most items a claim asked for, and makes every claim
+// take at least delay.
+type claimStore struct {
+	*store.Store
+	delay   time.Duration
+	largest atomic.Int64
+}
+
+func (s *claimStore) ClaimItems(ctx context.Context, p store.ClaimParams) ([]store.ClaimedItem, error) {
+	time.Sleep(s.delay)
+	for {
+		old := s.largest.Load()
+		if int64(p.Max) <= old || s.largest.CompareAndSwap(old, int64(p.Max)) {
+			break
+		}
+	}
+	return s.Store.ClaimItems(ctx, p)
+}
+
+// completed waits until every item of batch id is completed.
+func (b *testBundle) completed(t *testing.T, id uuid.UUID) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		for _, it := range b.items(t, id) {
+			if it.Status != gateway.ItemCompleted {
+				return false
+			}
+		}
+		return true
+	}, 30*time.Second, 20*time.Millisecond)
+}
+
+// TestFastItemsAreClaimedAhead: when items take less time than a claim, a
+// replica claims more items than it has workers (the rest wait for one), and
+// still has no more items at the upstream than workers.
+func TestFastItemsAreClaimedAhead(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	id := b.newBatch(t, "ahead", 100)
+	st := &claimStore{Store: b.store, delay: 50 * time.Millisecond}
+	b.run(t, st, drainer.Config{Concurrency: 4, Lease: time.Minute})
+	b.completed(t, id)
+	require.Greater(t, st.largest.Load(), int64(4), "a claim asked for more items than workers")
+	require.LessOrEqual(t, b.fake.PeakInFlight(), 4, "no more at the upstream than workers")
+	require.Len(t, b.fake.Calls(), 100, "each item reaches the upstream once")
+}
+
+// TestSlowItemsAreNotClaimedAhead: when its workers finish fewer than one
+// item during a claim, a replica claims no more items than it has workers,
+// so another replica idle meanwhile can take the rest of the queue.
+func TestSlowItemsAreNotClaimedAhead(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetDelay(time.Second)
+	id := b.newBatch(t, "behind", 6)
+	st := &claimStore{Store: b.store}
+	b.run(t, st, drainer.Config{Concurrency: 2, Lease: time.Minute})
+	b.completed(t, id)
+	require.LessOrEqual(t, st.largest.Load(), int64(2), "none to wait for a worker")
+	require.Len(t, b.fake.Calls(), 6, "each item reaches the upstream once")
+}
