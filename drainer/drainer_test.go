@@ -93,14 +93,7 @@ func TestConcurrencyBoundsUpstreamCalls(t *testing.T) {
 	b.fake.SetDelay(100 * time.Millisecond) // long enough for every slot to overlap
 	id := b.newBatch(t, "bounded", 30)
 	b.run(t, b.store, drainer.Config{Concurrency: 4, Lease: time.Minute})
-	require.Eventually(t, func() bool {
-		for _, it := range b.items(t, id) {
-			if it.Status != gateway.ItemCompleted {
-				return false
-			}
-		}
-		return true
-	}, 20*time.Second, 20*time.Millisecond)
+	b.completed(t, id)
 	require.Len(t, b.fake.Calls(), 30, "each item reaches the upstream once")
 	require.Equal(t, 4, b.fake.PeakInFlight(), "four at a time, no more")
 }
