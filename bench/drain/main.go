@@ -31,14 +31,15 @@ func main() {
 	batches := flag.Int("batches", 100, "batches of 100 items per run")
 	probes := flag.Int("probes", 30, "single-item batches for the dispatch latency")
 	rounds := flag.Int("rounds", 1, "times each replica count is measured, in turn")
+	warmup := flag.Int("warmup", 20, "batches drained before each measured run, not counted")
 	flag.Parse()
-	if err := run(*binary, *replicaList, *batches, *probes, *rounds); err != nil {
+	if err := run(*binary, *replicaList, *batches, *probes, *rounds, *warmup); err != nil {
 		fmt.Fprintln(os.Stderr, "drain:", err)
 		os.Exit(1)
 	}
 }
 
-func run(binary, replicaList string, batches, probes, rounds int) error {
+func run(binary, replicaList string, batches, probes, rounds, warmup int) error {
 	var counts []int
 	for _, field := range strings.Split(replicaList, ",") {
 		n, err := strconv.Atoi(strings.TrimSpace(field))
@@ -58,13 +59,13 @@ func run(binary, replicaList string, batches, probes, rounds int) error {
 	fake := fakeupstream.New()
 	defer fake.Close()
 
-	fmt.Printf("batch drain, instant upstream, %d batches × 100 items per run, %d cores\n\n", batches, runtime.NumCPU())
+	fmt.Printf("batch drain, instant upstream, %d batches × 100 items per run after %d not counted, %d cores\n\n", batches, warmup, runtime.NumCPU())
 	fmt.Println("| round | replicas | items | seconds (creating) | items/s | CPU/item gateway (creating) | CPU/item PostgreSQL (creating) | WAL flushes/item | WAL records/item |")
 	fmt.Println("|---|---|---|---|---|---|---|---|---|")
 	rates := map[int][]float64{}
 	for round := 1; round <= rounds; round++ {
 		for _, n := range counts {
-			r, err := drain(env, fake, n, batches, round)
+			r, err := drain(env, fake, n, batches, warmup, round)
 			if err != nil {
 				return err
 			}
@@ -121,7 +122,7 @@ func since(start time.Time, items int, pids []int, gatewayBefore, postgresBefore
 
 // drain creates the batches through n replicas and times until all are
 // terminal, in a database of its own.
-func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, batches, round int) (result, error) {
+func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, batches, warmup, round int) (result, error) {
 	defer env.StopServers()
 	vars, key, err := env.Fresh(fmt.Sprintf("drain_%d_%d", replicas, round), fake.BaseURL())
 	if err != nil {
@@ -133,6 +134,21 @@ func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, batches, roun
 		if bases[i], pids[i], err = env.ServeProcess(vars); err != nil {
 			return result{}, err
 		}
+	}
+	requests := make([]map[string]any, 100)
+	for i := range requests {
+		requests[i] = map[string]any{"prompt": fmt.Sprintf("drain benchmark item %d", i), "max_output_rungs": 50}
+	}
+	body, _ := json.Marshal(map[string]any{"requests": requests})
+	// Warm-up, not measured: replicas that have drained before, with their
+	// database connections open and their plans and tables loaded, as a
+	// replica serving for a while is.
+	warm, err := create(bases, key, body, warmup)
+	if err != nil {
+		return result{}, err
+	}
+	if err := await(bases[0], key, warm); err != nil {
+		return result{}, err
 	}
 	st, err := benchenv.OpenStore(vars)
 	if err != nil {
@@ -147,16 +163,33 @@ func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, batches, roun
 	if err != nil {
 		return result{}, err
 	}
-	requests := make([]map[string]any, 100)
-	for i := range requests {
-		requests[i] = map[string]any{"prompt": fmt.Sprintf("drain benchmark item %d", i), "max_output_rungs": 50}
-	}
-	body, _ := json.Marshal(map[string]any{"requests": requests})
 
 	start := time.Now()
-	ids := make([]string, batches)
+	ids, err := create(bases, key, body, batches)
+	if err != nil {
+		return result{}, err
+	}
+	var r result
+	if r.created, err = since(start, batches*100, pids, gatewayBefore, postgresBefore); err != nil {
+		return result{}, err
+	}
+	if err := await(bases[0], key, ids); err != nil {
+		return result{}, err
+	}
+	if r.phase, err = since(start, batches*100, pids, gatewayBefore, postgresBefore); err != nil {
+		return result{}, err
+	}
+	after, err := benchenv.Activity(st)
+	r.activity = after.Since(activityBefore)
+	return r, err
+}
+
+// create makes n batches of body at once, through the replicas in turn, and
+// returns their ids.
+func create(bases []string, key string, body []byte, n int) ([]string, error) {
+	ids := make([]string, n)
 	var wg sync.WaitGroup
-	errs := make(chan error, batches)
+	errs := make(chan error, n)
 	for i := range ids {
 		wg.Add(1)
 		go func() {
@@ -164,7 +197,7 @@ func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, batches, roun
 			var b struct {
 				ID string `json:"id"`
 			}
-			if err := post(bases[i%replicas]+"/api/v1/batch", key, body, &b); err != nil {
+			if err := post(bases[i%len(bases)]+"/api/v1/batch", key, body, &b); err != nil {
 				errs <- err
 				return
 			}
@@ -173,34 +206,27 @@ func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, batches, roun
 	}
 	wg.Wait()
 	close(errs)
-	if err := <-errs; err != nil {
-		return result{}, err
-	}
-	var r result
-	if r.created, err = since(start, batches*100, pids, gatewayBefore, postgresBefore); err != nil {
-		return result{}, err
-	}
+	return ids, <-errs
+}
+
+// await waits until every batch of ids is completed.
+func await(base, key string, ids []string) error {
 	for _, id := range ids {
 		for {
 			var b struct{ Status string }
-			if err := get(bases[0]+"/api/v1/batch/"+id, key, &b); err != nil {
-				return result{}, err
+			if err := get(base+"/api/v1/batch/"+id, key, &b); err != nil {
+				return err
 			}
 			if b.Status == "completed" {
 				break
 			}
 			if b.Status == "failed" || b.Status == "expired" || b.Status == "cancelled" {
-				return result{}, fmt.Errorf("batch %s ended %s", id, b.Status)
+				return fmt.Errorf("batch %s ended %s", id, b.Status)
 			}
 			time.Sleep(20 * time.Millisecond)
 		}
 	}
-	if r.phase, err = since(start, batches*100, pids, gatewayBefore, postgresBefore); err != nil {
-		return result{}, err
-	}
-	after, err := benchenv.Activity(st)
-	r.activity = after.Since(activityBefore)
-	return r, err
+	return nil
 }
 
 // dispatchLatency creates one-item batches on an idle replica and measures
