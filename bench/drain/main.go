@@ -48,8 +48,8 @@ func run(binary, replicaList string, batches, probes, rounds, warmup int) error 
 		}
 		counts = append(counts, n)
 	}
-	if rounds < 1 {
-		return fmt.Errorf("bad round count %d", rounds)
+	if rounds < 1 || warmup < 0 {
+		return fmt.Errorf("bad round count %d or warm-up %d", rounds, warmup)
 	}
 	env, err := benchenv.Start(binary)
 	if err != nil {
