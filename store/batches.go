@@ -265,34 +265,35 @@ func (s *Store) CancelBatch(ctx context.Context, accountID, id uuid.UUID) error 
 		if _, err := s.queries.CancelQueuedItems(ctx, tx, db.CancelQueuedItemsParams{BatchID: id, Reason: &reason}); err != nil {
 			return fmt.Errorf("error cancelling items: %w", err)
 		}
-		if err := s.transition(ctx, tx, id, &accountID, gateway.EventCancel); err != nil {
+		if _, err := s.transition(ctx, tx, id, &accountID, gateway.EventCancel); err != nil {
 			return err
 		}
-		return s.finishIfDone(ctx, tx, id)
+		_, err = s.finishIfDone(ctx, tx, id)
+		return err
 	})
 }
 
 // transition applies ev to a batch under its row lock, through the state
-// machine in gateway.NextBatchStatus.
-func (s *Store) transition(ctx context.Context, tx pgx.Tx, id uuid.UUID, accountID *uuid.UUID, ev gateway.BatchEvent) error {
+// machine in gateway.NextBatchStatus; moved says whether its status changed.
+func (s *Store) transition(ctx context.Context, tx pgx.Tx, id uuid.UUID, accountID *uuid.UUID, ev gateway.BatchEvent) (moved bool, err error) {
 	row, err := s.queries.LockBatch(ctx, tx, db.LockBatchParams{ID: id, AccountID: accountID})
 	if errors.Is(err, pgx.ErrNoRows) {
-		return errBatchNotFound(id)
+		return false, errBatchNotFound(id)
 	}
 	if err != nil {
-		return fmt.Errorf("error locking batch: %w", err)
+		return false, fmt.Errorf("error locking batch: %w", err)
 	}
 	from := gateway.BatchStatus(row.Status)
 	outcome := gateway.ItemsOutcome{AnySucceeded: row.Succeeded > 0, WindowElapsed: row.ExpiredItems > 0, Running: row.Running > 0}
 	if ev == gateway.EventItemsDone && row.Unfinished > 0 {
-		return nil
+		return false, nil
 	}
 	to, err := gateway.NextBatchStatus(from, ev, outcome)
 	if err != nil {
-		return err
+		return false, err
 	}
 	if to == from {
-		return nil
+		return false, nil
 	}
 	params := db.SetBatchStatusParams{ID: id, Status: string(to)}
 	if e := gateway.BatchError(to, gateway.ErrorCode(row.FirstError)); e != nil {
@@ -300,44 +301,51 @@ func (s *Store) transition(ctx context.Context, tx pgx.Tx, id uuid.UUID, account
 		params.ErrorCode, params.ErrorMessage = &code, &e.Message
 	}
 	if err := s.queries.SetBatchStatus(ctx, tx, params); err != nil {
-		return fmt.Errorf("error setting batch status: %w", err)
+		return false, fmt.Errorf("error setting batch status: %w", err)
 	}
-	return nil
+	return true, nil
 }
 
-// finishIfDone makes a batch terminal when none of its items is unfinished.
-func (s *Store) finishIfDone(ctx context.Context, tx pgx.Tx, id uuid.UUID) error {
-	err := s.transition(ctx, tx, id, nil, gateway.EventItemsDone)
+// finishIfDone makes a batch terminal when none of its items is unfinished;
+// moved says whether it did.
+func (s *Store) finishIfDone(ctx context.Context, tx pgx.Tx, id uuid.UUID) (moved bool, err error) {
+	moved, err = s.transition(ctx, tx, id, nil, gateway.EventItemsDone)
 	if errors.Is(err, gateway.ErrInvalidTransition) {
-		return nil // already terminal
+		return false, nil // already terminal
 	}
-	return err
+	return moved, err
 }
 
 // FinishBatches makes each batch terminal whose items all reached an outcome.
 func (s *Store) FinishBatches(ctx context.Context, ids []uuid.UUID) error {
-	return s.moveBatches(ctx, ids, s.queries.DoneBatches, func(tx pgx.Tx, id uuid.UUID) error {
+	return s.moveBatches(ctx, ids, s.queries.DoneBatches, func(tx pgx.Tx, id uuid.UUID) (bool, error) {
 		return s.finishIfDone(ctx, tx, id)
 	})
 }
 
 // StartBatches moves queued batches to in_progress (an item was dispatched).
 func (s *Store) StartBatches(ctx context.Context, ids []uuid.UUID) error {
-	return s.moveBatches(ctx, ids, s.queries.QueuedBatches, func(tx pgx.Tx, id uuid.UUID) error {
-		err := s.transition(ctx, tx, id, nil, gateway.EventDrainStarted)
+	return s.moveBatches(ctx, ids, s.queries.QueuedBatches, func(tx pgx.Tx, id uuid.UUID) (bool, error) {
+		moved, err := s.transition(ctx, tx, id, nil, gateway.EventDrainStarted)
 		if errors.Is(err, gateway.ErrInvalidTransition) {
-			return nil
+			return false, nil
 		}
-		return err
+		return moved, err
 	})
 }
 
+// errNotMoved ends the transaction of a batch that move left as it was.
+var errNotMoved = errors.New("batch not moved")
+
 // moveBatches moves, each in its own transaction, the batches of ids that one
 // read without locks (pick) finds able to move: each lock is a durable commit,
-// and replicas often ask to start or finish the same batch. One that fails is
-// reported while the others still move.
+// and replicas often ask to start or finish the same batch. The transaction
+// of a batch that another replica moved meanwhile (move reports it unmoved)
+// is rolled back instead of committed: it wrote nothing, and a commit would
+// wait for a disk sync. One that fails is reported while the others still
+// move.
 func (s *Store) moveBatches(ctx context.Context, ids []uuid.UUID, pick func(context.Context, db.DBTX, []uuid.UUID) ([]uuid.UUID, error),
-	move func(pgx.Tx, uuid.UUID) error) error {
+	move func(pgx.Tx, uuid.UUID) (bool, error)) error {
 	if len(ids) == 0 {
 		return nil
 	}
@@ -346,7 +354,17 @@ func (s *Store) moveBatches(ctx context.Context, ids []uuid.UUID, pick func(cont
 		return fmt.Errorf("error finding the batches to move: %w", err)
 	}
 	return eachBatch(movable, func(id uuid.UUID) error {
-		return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error { return move(tx, id) })
+		err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+			moved, err := move(tx, id)
+			if err == nil && !moved {
+				return errNotMoved
+			}
+			return err
+		})
+		if errors.Is(err, errNotMoved) {
+			return nil
+		}
+		return err
 	})
 }
 
@@ -376,10 +394,11 @@ func (s *Store) ExpireBatches(ctx context.Context, maxRows int32) (int64, error)
 			if _, err := s.queries.CancelQueuedItems(ctx, tx, db.CancelQueuedItemsParams{BatchID: id, Reason: &reason}); err != nil {
 				return fmt.Errorf("error cancelling expired items: %w", err)
 			}
-			if err := s.transition(ctx, tx, id, nil, gateway.EventWindowElapsed); err != nil && !errors.Is(err, gateway.ErrInvalidTransition) {
+			if _, err := s.transition(ctx, tx, id, nil, gateway.EventWindowElapsed); err != nil && !errors.Is(err, gateway.ErrInvalidTransition) {
 				return err
 			}
-			return s.finishIfDone(ctx, tx, id)
+			_, err := s.finishIfDone(ctx, tx, id)
+			return err
 		})
 	})
 	return int64(len(ids)), err

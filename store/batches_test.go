@@ -696,12 +696,7 @@ func TestStartAndFinishLockOnlyBatchesThatCanMove(t *testing.T) {
 	require.Equal(t, gateway.BatchCompleted, batch.Status)
 
 	counter := &lockCounter{}
-	cfg := b.store.Pool().Config()
-	cfg.ConnConfig.Tracer = counter
-	pool, err := pgxpool.NewWithConfig(b.ctx, cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
-	traced := store.New(pool)
+	traced := b.traced(t, counter)
 	all := []uuid.UUID{queued, running, done}
 
 	require.NoError(t, traced.StartBatches(b.ctx, all))
@@ -715,6 +710,79 @@ func TestStartAndFinishLockOnlyBatchesThatCanMove(t *testing.T) {
 		batch, _ = b.batch(t, p, id)
 		require.Equal(t, want, batch.Status)
 	}
+}
+
+// traced is a store on a pool of its own whose statements tracer sees.
+func (b *testBundle) traced(t *testing.T, tracer pgx.QueryTracer) *store.Store {
+	t.Helper()
+	cfg := b.store.Pool().Config()
+	cfg.ConnConfig.Tracer = tracer
+	pool, err := pgxpool.NewWithConfig(b.ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return store.New(pool)
+}
+
+// holdingTracer holds a transition that locked its batch before it writes
+// the new status, until released.
+type holdingTracer struct {
+	holding, release chan struct{}
+}
+
+func (h *holdingTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	if strings.Contains(d.SQL, "name: SetBatchStatus") {
+		close(h.holding)
+		<-h.release
+	}
+	return ctx
+}
+
+func (h *holdingTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// endTracer tells when a transition begins to lock its batch, and records how
+// transactions end.
+type endTracer struct {
+	locking chan struct{}
+	once    sync.Once
+	mu      sync.Mutex
+	ends    []string
+}
+
+func (e *endTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	switch sql := strings.ToLower(strings.TrimSpace(d.SQL)); {
+	case strings.Contains(d.SQL, "name: LockBatch"):
+		e.once.Do(func() { close(e.locking) })
+	case sql == "commit" || sql == "rollback":
+		e.mu.Lock()
+		e.ends = append(e.ends, sql)
+		e.mu.Unlock()
+	}
+	return ctx
+}
+
+func (e *endTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// TestMoveAnotherReplicaMadeIsRolledBack: two replicas start the same batch at
+// once; the one that finds it started when it gets the lock wrote nothing,
+// and rolls back instead of waiting for a durable commit.
+func TestMoveAnotherReplicaMadeIsRolledBack(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	id := b.newBatch(t, p, 1, 10, "", day())
+	first := &holdingTracer{holding: make(chan struct{}), release: make(chan struct{})}
+	second := &endTracer{locking: make(chan struct{})}
+	firstDone, secondDone := make(chan error, 1), make(chan error, 1)
+	go func() { firstDone <- b.traced(t, first).StartBatches(b.ctx, []uuid.UUID{id}) }()
+	<-first.holding // the first holds the batch's lock, about to start it
+	go func() { secondDone <- b.traced(t, second).StartBatches(b.ctx, []uuid.UUID{id}) }()
+	<-second.locking // the second found it queued, and waits for the lock
+	close(first.release)
+	require.NoError(t, <-firstDone)
+	require.NoError(t, <-secondDone)
+	require.Equal(t, []string{"rollback"}, second.ends, "nothing to commit")
+	batch, _ := b.batch(t, p, id)
+	require.Equal(t, gateway.BatchInProgress, batch.Status)
 }
 
 // TestCompletionAndRenewalFindItemsByKey: completing outcomes, renewing
