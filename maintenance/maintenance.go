@@ -105,8 +105,10 @@ func Jobs(st Store, set Settings, m *metrics.Metrics) []Job {
 }
 
 // spaced returns run, made to skip its turns until spacing times as long as
-// its last run took has passed since that run began: a job whose cost grows
-// with the data then takes at most 1/spacing of the time.
+// its last successful run took has passed since that run began: a job whose
+// cost grows with the data then takes at most 1/spacing of the time. A failed
+// run (the database away, a timeout) tells nothing of that cost: the next
+// turn runs.
 func spaced(spacing int, run func(ctx context.Context) (int64, error)) func(ctx context.Context) (int64, error) {
 	var next time.Time
 	return func(ctx context.Context) (int64, error) {
@@ -115,7 +117,9 @@ func spaced(spacing int, run func(ctx context.Context) (int64, error)) func(ctx 
 			return 0, nil
 		}
 		n, err := run(ctx)
-		next = start.Add(time.Duration(spacing) * time.Since(start))
+		if err == nil {
+			next = start.Add(time.Duration(spacing) * time.Since(start))
+		}
 		return n, err
 	}
 }
