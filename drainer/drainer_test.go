@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -57,12 +58,22 @@ func setup(t *testing.T) *testBundle {
 
 func (b *testBundle) newBatch(t *testing.T, prefix string, n int) uuid.UUID {
 	t.Helper()
-	items := make([]store.NewItem, n)
-	for i := range items {
-		items[i] = store.NewItem{Request: store.ItemRequest{Prompt: fmt.Sprintf("%s %d", prefix, i), Model: gateway.ModelInstant, MaxOutputRungs: 100}, Estimate: 60}
+	prompts := make([]string, n)
+	for i := range prompts {
+		prompts[i] = fmt.Sprintf("%s %d", prefix, i)
+	}
+	return b.newBatchOf(t, prompts)
+}
+
+// newBatchOf creates a batch of one item per prompt, in their order.
+func (b *testBundle) newBatchOf(t *testing.T, prompts []string) uuid.UUID {
+	t.Helper()
+	items := make([]store.NewItem, len(prompts))
+	for i, prompt := range prompts {
+		items[i] = store.NewItem{Request: store.ItemRequest{Prompt: prompt, Model: gateway.ModelInstant, MaxOutputRungs: 100}, Estimate: 60}
 	}
 	now := time.Now().UTC()
-	res, err := b.store.CreateBatch(b.ctx, store.NewBatch{Principal: b.principal, RequestHash: []byte(prefix), Items: items, CreatedAt: now, ExpiresAt: now.Add(time.Hour)})
+	res, err := b.store.CreateBatch(b.ctx, store.NewBatch{Principal: b.principal, RequestHash: []byte(strings.Join(prompts, "\n")), Items: items, CreatedAt: now, ExpiresAt: now.Add(time.Hour)})
 	require.NoError(t, err)
 	return res.BatchID
 }
@@ -276,4 +287,69 @@ func TestSlowItemsAreNotClaimedAhead(t *testing.T) {
 	b.completed(t, id)
 	require.LessOrEqual(t, st.largest.Load(), int64(2), "none to wait for a worker")
 	require.Len(t, b.fake.Calls(), 6, "each item reaches the upstream once")
+}
+
+// TestItemsClaimedAheadGoBackAtShutdown: items claimed ahead, still waiting
+// for a worker when a shutdown's grace ends, were never dispatched: they go
+// back to the queue, while the items at the upstream then fail INTERRUPTED,
+// and no prompt reaches the upstream twice (D12).
+func TestItemsClaimedAheadGoBackAtShutdown(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetSlow("slow", time.Minute)
+	var prompts []string
+	for i := range 30 {
+		prompts = append(prompts, fmt.Sprintf("first %d", i))
+	}
+	prompts = append(prompts, "slow a", "slow b")
+	for i := range 10 {
+		prompts = append(prompts, fmt.Sprintf("after %d", i))
+	}
+	id := b.newBatchOf(t, prompts)
+	// Claims slower than items: the replica claims ahead.
+	st := &claimStore{Store: b.store, delay: 200 * time.Millisecond}
+	ctx, cancel := context.WithCancel(b.ctx)
+	defer cancel()
+	d := drainer.New(drainer.Config{Concurrency: 2, PollInterval: 50 * time.Millisecond, Grace: 500 * time.Millisecond, EvidenceRetention: time.Hour, Lease: time.Minute},
+		st, b.provider, b.estimator, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	done := make(chan struct{})
+	go func() { defer close(done); d.Run(ctx) }()
+	// Both workers at the slow items, and an item after them claimed,
+	// waiting for one.
+	require.Eventually(t, func() bool {
+		slow := 0
+		for _, c := range b.fake.Calls() {
+			if strings.HasPrefix(c.Prompt, "slow") {
+				slow++
+			}
+		}
+		for i, it := range b.items(t, id) {
+			if slow == 2 && strings.HasPrefix(prompts[i], "after") && it.Status == gateway.ItemInProgress {
+				return true
+			}
+		}
+		return false
+	}, 30*time.Second, 20*time.Millisecond)
+	cancel()
+	<-done
+
+	calls := map[string]int{}
+	for _, c := range b.fake.Calls() {
+		calls[c.Prompt]++
+	}
+	for p, n := range calls {
+		require.Equal(t, 1, n, "%s reached the upstream once", p)
+	}
+	for i, it := range b.items(t, id) {
+		switch prompt := prompts[i]; {
+		case strings.HasPrefix(prompt, "first"):
+			require.Equal(t, gateway.ItemCompleted, it.Status, prompt)
+		case strings.HasPrefix(prompt, "slow"):
+			require.Equal(t, gateway.ItemFailed, it.Status, prompt)
+			require.Equal(t, gateway.EInterrupted, it.Error.Code, prompt)
+		default:
+			require.Equal(t, gateway.ItemQueued, it.Status, "%s, never dispatched, is queued again", prompt)
+			require.Zero(t, calls[prompt], prompt)
+		}
+	}
 }
