@@ -655,8 +655,16 @@ func TestExpireBatches(t *testing.T) {
 	require.Equal(t, int64(25), b.view(t, p).Totals.TotalRungs)
 }
 
+// startTracer is a pgx.QueryTracer that looks only at statements' starts.
+type startTracer struct{}
+
+func (startTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
 // lockCounter counts the statements that lock a batch for a transition.
-type lockCounter struct{ n atomic.Int32 }
+type lockCounter struct {
+	startTracer
+	n atomic.Int32
+}
 
 func (c *lockCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
 	if strings.Contains(d.SQL, "name: LockBatch") {
@@ -664,8 +672,6 @@ func (c *lockCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.Tr
 	}
 	return ctx
 }
-
-func (c *lockCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
 
 // TestStartAndFinishLockOnlyBatchesThatCanMove: every lock of a batch is a
 // durable commit, and replicas often ask to start or finish the same batch:
@@ -726,6 +732,7 @@ func (b *testBundle) traced(t *testing.T, tracer pgx.QueryTracer) *store.Store {
 // holdingTracer holds a transition that locked its batch before it writes
 // the new status, until released.
 type holdingTracer struct {
+	startTracer
 	holding, release chan struct{}
 }
 
@@ -737,11 +744,10 @@ func (h *holdingTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.
 	return ctx
 }
 
-func (h *holdingTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
-
 // endTracer tells when a transition begins to lock its batch, and records how
 // transactions end.
 type endTracer struct {
+	startTracer
 	locking chan struct{}
 	once    sync.Once
 	mu      sync.Mutex
@@ -759,8 +765,6 @@ func (e *endTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.Trac
 	}
 	return ctx
 }
-
-func (e *endTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
 
 // TestMoveAnotherReplicaMadeIsRolledBack: two replicas start the same batch at
 // once; the one that finds it started when it gets the lock wrote nothing,
