@@ -266,7 +266,7 @@ func TestFastItemsAreClaimedAhead(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	id := b.newBatch(t, "ahead", 100)
-	st := &claimStore{Store: b.store, delay: 50 * time.Millisecond}
+	st := &claimStore{Store: b.store, delay: 200 * time.Millisecond}
 	b.run(t, st, drainer.Config{Concurrency: 4, Lease: time.Minute})
 	b.completed(t, id)
 	require.Greater(t, st.largest.Load(), int64(4), "a claim asked for more items than workers")
