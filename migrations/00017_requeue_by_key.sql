@@ -5,46 +5,38 @@
 -- completion does since 00016: the lease owner's index holds an entry for
 -- every item the owner ran until the table is vacuumed. Only the items of a
 -- lost claim are found through it. The items are locked first, in key order,
--- with a share lock on their batches, then handed back. The batch's status
--- decides between the queue and cancelled, and is read under that lock: a
--- cancel holds its batch's row while it cancels the queued items, so an item
--- handed back meanwhile waited for it, read "cancelling" and was cancelled,
--- instead of going back to the queue of a batch that no claim would drain
--- again (before, the status was read without a lock).
+-- then handed back.
 -- +goose StatementBegin
 CREATE OR REPLACE FUNCTION requeue_batch_items(p_owner uuid, p_batch_ids uuid[], p_idxs integer[], p_claim_id uuid)
 RETURNS TABLE (batch_id uuid, idx integer, status text) LANGUAGE plpgsql AS $$
 #variable_conflict use_column
 DECLARE
-    v_batches  uuid[];
-    v_indexes  integer[];
-    v_statuses text[];
+    v_batches uuid[];
+    v_indexes integer[];
 BEGIN
     IF p_claim_id IS NULL THEN
-        SELECT array_agg(x.batch_id), array_agg(x.idx), array_agg(x.status) INTO v_batches, v_indexes, v_statuses FROM (
-            SELECT i.batch_id, i.idx, b.status FROM unnest(p_batch_ids, p_idxs) AS k(batch_id, idx)
+        SELECT array_agg(x.batch_id), array_agg(x.idx) INTO v_batches, v_indexes FROM (
+            SELECT i.batch_id, i.idx FROM unnest(p_batch_ids, p_idxs) AS k(batch_id, idx)
               JOIN batch_items i ON i.batch_id = k.batch_id AND i.idx = k.idx
-              JOIN batches b ON b.id = i.batch_id
              WHERE i.status = 'in_progress'
                AND i.lease_owner IS NOT DISTINCT FROM p_owner -- no index condition: see above
              ORDER BY i.batch_id, i.idx
-             FOR UPDATE OF i FOR KEY SHARE OF b) x;
+             FOR UPDATE OF i) x;
     ELSE
-        SELECT array_agg(x.batch_id), array_agg(x.idx), array_agg(x.status) INTO v_batches, v_indexes, v_statuses FROM (
-            SELECT i.batch_id, i.idx, b.status FROM batch_items i
-              JOIN batches b ON b.id = i.batch_id
+        SELECT array_agg(x.batch_id), array_agg(x.idx) INTO v_batches, v_indexes FROM (
+            SELECT i.batch_id, i.idx FROM batch_items i
              WHERE i.status = 'in_progress' AND i.lease_owner = p_owner
                AND ((i.batch_id, i.idx) IN (SELECT k.batch_id, k.idx FROM unnest(p_batch_ids, p_idxs) AS k(batch_id, idx))
                     OR i.claim_id = p_claim_id)
              ORDER BY i.batch_id, i.idx
-             FOR UPDATE OF i FOR KEY SHARE OF b) x;
+             FOR UPDATE OF i) x;
     END IF;
 
     RETURN QUERY
     WITH mine AS (
-        SELECT k.batch_id, k.idx, k.status IN ('queued', 'in_progress') AS requeue,
-               CASE WHEN k.status = 'expired' THEN 'expiry' ELSE 'owner' END AS reason
-          FROM unnest(v_batches, v_indexes, v_statuses) AS k(batch_id, idx, status)
+        SELECT k.batch_id, k.idx, b.status IN ('queued', 'in_progress') AS requeue,
+               CASE WHEN b.status = 'expired' THEN 'expiry' ELSE 'owner' END AS reason
+          FROM unnest(v_batches, v_indexes) AS k(batch_id, idx) JOIN batches b ON b.id = k.batch_id
     )
     UPDATE batch_items i
        SET status = CASE WHEN m.requeue THEN 'queued' ELSE 'cancelled' END,
