@@ -165,11 +165,28 @@ func (c *Client) get(ctx context.Context, addr string) (*conn, error) {
 		}
 		cn.close()
 	}
-	nc, err := c.dialer.DialContext(ctx, "tcp", addr)
+	nc, err := c.dial(ctx, addr)
 	if err != nil {
 		return nil, err
 	}
 	return &conn{nc: nc, readers: &c.readers, headLeft: -1, maxHead: c.cfg.MaxHeaderBytes}, nil
+}
+
+// dial connects to addr on a goroutine of its own, which ends with it: the
+// dialer's frames are deep, and the caller's goroutine, which then waits for
+// the reply (for a stream, often long), keeps the smaller stack it had.
+func (c *Client) dial(ctx context.Context, addr string) (net.Conn, error) {
+	type dialed struct {
+		nc  net.Conn
+		err error
+	}
+	ch := make(chan dialed, 1)
+	go func() {
+		nc, err := c.dialer.DialContext(ctx, "tcp", addr)
+		ch <- dialed{nc, err}
+	}()
+	d := <-ch
+	return d.nc, d.err
 }
 
 // put keeps cn for the next call to addr, or closes it when the pool is full.
