@@ -67,7 +67,9 @@ func TestRollingRestartLosesNothing(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	b.fake.SetDelay(300 * time.Millisecond)
-	env := map[string]string{"GATEWAY_DRAIN_CONCURRENCY": "4", "GATEWAY_SHUTDOWN_GRACE": "20s"}
+	// Streams outlive the drain delay: shutdown must wait for them.
+	b.fake.SetSlow("streamed in flight", 2*time.Second)
+	env := map[string]string{"GATEWAY_DRAIN_CONCURRENCY": "4", "GATEWAY_SHUTDOWN_GRACE": "20s", "GATEWAY_DRAIN_DELAY": "200ms"}
 	stopping := serve(t, b.db, b.fake.BaseURL(), env)
 	staying := serve(t, b.db, b.fake.BaseURL(), env)
 	batch := staying.createBatch(b.key, prompts("rolling", 40))
@@ -83,6 +85,15 @@ func TestRollingRestartLosesNothing(t *testing.T) {
 			statuses[i] = stopping.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "in flight"}).status
 		}()
 	}
+	// And streams, which the replica serves off their connections' goroutines.
+	streams := make([][]byte, 2)
+	for i := range streams {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			streams[i] = streamUntilEnd(t, stopping, b.key, "streamed in flight")
+		}()
+	}
 	time.Sleep(100 * time.Millisecond)
 	require.NoError(t, stopping.cmd.Process.Signal(syscall.SIGTERM))
 	require.NoError(t, <-stopping.done, "a clean exit: %s", stopping.stderr.String())
@@ -90,6 +101,10 @@ func TestRollingRestartLosesNothing(t *testing.T) {
 	wg.Wait()
 	for _, s := range statuses {
 		require.Equal(t, http.StatusOK, s, "requests in flight at SIGTERM are answered")
+	}
+	for _, body := range streams {
+		require.Contains(t, string(body), "event: response.completed", "streams in flight at SIGTERM finish")
+		require.NotContains(t, string(body), "event: response.error")
 	}
 
 	restarted := serve(t, b.db, b.fake.BaseURL(), env)
@@ -99,7 +114,7 @@ func TestRollingRestartLosesNothing(t *testing.T) {
 		require.Equal(t, api.BatchItemStatus("completed"), it.Status, "item %d: %+v", it.Index, it.Error)
 	}
 	for p, n := range callsPerPrompt(b.fake) {
-		if p != "in flight" {
+		if p != "in flight" && p != "streamed in flight" {
 			require.Equal(t, 1, n, "prompt %q reached the upstream %d times", p, n)
 		}
 	}

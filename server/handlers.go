@@ -80,7 +80,7 @@ func (s *Server) admit(ctx context.Context, entry gateway.EntryPoint, body *api.
 func (s *Server) stream(ctx context.Context, entry gateway.EntryPoint, body *api.ResponseRequest) streamReply {
 	ctx, done := s.callContext(ctx)
 	call, err := s.admit(ctx, entry, body)
-	return streamReply{ctx: ctx, done: done, inference: s.inference, metrics: s.metrics, keepalive: s.keepalive, envelope: s.errorEnvelope, call: call, err: err}
+	return streamReply{s: s, ctx: ctx, done: done, call: call, err: err}
 }
 
 // GetSources implements GET /api/v1/sources/{request_id}.

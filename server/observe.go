@@ -3,10 +3,12 @@ package server
 import (
 	"context"
 	"log/slog"
+	"net/http"
 	"time"
 
 	"github.com/google/uuid"
 	"github.com/labstack/echo/v4"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/metrics"
@@ -21,49 +23,79 @@ const RequestIDHeader = "x-request-id"
 const maxRequestIDLen = 128
 
 // observe gives every request an id, and once it is answered writes one JSON
-// log line (id, method, route, status, duration, account; never a key or a
-// prompt) and records it in the metrics. Errors are answered here, through the
-// error handler, so the status is known.
+// log line (id, method, route, status, duration, bytes, account; never a key
+// or a prompt) and records it in the metrics. Errors are answered here,
+// through the error handler, so the status is known. A stream served off the
+// connection's goroutine (see detach) is logged when it ends.
 func (s *Server) observe(next echo.HandlerFunc) echo.HandlerFunc {
 	return func(c echo.Context) error {
-		start := time.Now()
-		id := c.Request().Header.Get(RequestIDHeader)
-		if !usableRequestID(id) {
+		x := &exchange{s: s, req: c.Request(), start: time.Now(), method: metrics.Method(c.Request().Method)}
+		x.id = c.Request().Header.Get(RequestIDHeader)
+		ctx := context.WithValue(c.Request().Context(), exchangeKey{}, x)
+		if !usableRequestID(x.id) {
 			generated := uuid.Must(uuid.NewV7())
-			id = generated.String()
+			x.id = generated.String()
 			// A response made for this request takes this id as its request_id.
-			c.SetRequest(c.Request().WithContext(context.WithValue(c.Request().Context(), generatedIDKey{}, generated)))
+			ctx = context.WithValue(ctx, generatedIDKey{}, generated)
 		}
-		c.Response().Header().Set(RequestIDHeader, id)
-		route := c.Path()
-		if !s.routes[route] {
-			route = metrics.Other // only the document's routes are label values (D11)
+		c.Response().Header().Set(RequestIDHeader, x.id)
+		x.route = c.Path()
+		if !s.routes[x.route] {
+			x.route = metrics.Other // only the document's routes are label values (D11)
 		}
-		ctx, span := tracing.Request(c.Request().Context(), c.Request(), route)
-		if span.IsRecording() {
-			c.SetRequest(c.Request().WithContext(ctx))
-		}
+		ctx, x.span = tracing.Request(ctx, c.Request(), x.route)
+		c.SetRequest(c.Request().WithContext(ctx))
 		if err := next(c); err != nil {
 			c.Error(err)
 		}
-		method := metrics.Method(c.Request().Method)
-		status, elapsed := c.Response().Status, time.Since(start)
-		tracing.EndRequest(span, status)
-		s.metrics.Request(route, method, status, elapsed)
-		attrs := []slog.Attr{
-			slog.String("request_id", id),
-			slog.String("method", method),
-			slog.String("route", route),
-			slog.Int("status", status),
-			slog.Float64("duration_ms", float64(elapsed.Microseconds())/1000),
-			slog.Int64("bytes", c.Response().Size),
+		if !x.detached {
+			x.finish(c.Request().Context(), c.Response().Status, c.Response().Size)
 		}
-		if p := gateway.PrincipalFrom(c.Request().Context()); p != nil {
-			attrs = append(attrs, slog.String("account", p.AccountName), slog.String("key_id", p.KeyID.String()))
-		}
-		s.logger.LogAttrs(c.Request().Context(), slog.LevelInfo, "request", attrs...)
 		return nil
 	}
+}
+
+// exchange is what observe knows of a request, kept in its context until its
+// log line is written.
+type exchange struct {
+	s      *Server
+	req    *http.Request
+	start  time.Time
+	id     string
+	method string
+	route  string
+	span   trace.Span
+	// detached says the response goes on after the handler returned: whoever
+	// serves it calls finish.
+	detached bool
+}
+
+type exchangeKey struct{}
+
+// exchangeFrom is the exchange of the request whose context is ctx.
+func exchangeFrom(ctx context.Context) *exchange {
+	x, _ := ctx.Value(exchangeKey{}).(*exchange)
+	return x
+}
+
+// finish records the answered request: span, metrics and log line. ctx is the
+// request's context as the handler saw it (with its principal).
+func (x *exchange) finish(ctx context.Context, status int, size int64) {
+	elapsed := time.Since(x.start)
+	tracing.EndRequest(x.span, status)
+	x.s.metrics.Request(x.route, x.method, status, elapsed)
+	attrs := []slog.Attr{
+		slog.String("request_id", x.id),
+		slog.String("method", x.method),
+		slog.String("route", x.route),
+		slog.Int("status", status),
+		slog.Float64("duration_ms", float64(elapsed.Microseconds())/1000),
+		slog.Int64("bytes", size),
+	}
+	if p := gateway.PrincipalFrom(ctx); p != nil {
+		attrs = append(attrs, slog.String("account", p.AccountName), slog.String("key_id", p.KeyID.String()))
+	}
+	x.s.logger.LogAttrs(ctx, slog.LevelInfo, "request", attrs...)
 }
 
 type generatedIDKey struct{}

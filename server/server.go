@@ -125,6 +125,10 @@ type Server struct {
 	routes  map[string]bool
 	openAPI []byte
 	schema  []byte
+	// relisten takes connections back from detached streams (see Listener);
+	// streams are the detached streams open.
+	relisten atomic.Pointer[relistener]
+	streams  streamSet
 }
 
 // New builds the server: routes come from the generated RegisterHandlers, and

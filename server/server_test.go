@@ -246,7 +246,7 @@ func setupWith(t testing.TB, o options) *testBundle {
 	}
 	srv, err := server.New(cfg)
 	require.NoError(t, err)
-	b := &testBundle{t: t, store: st, upstream: up, server: srv, http: newHTTPServer(t, srv), keys: keys, heardTables: heard}
+	b := &testBundle{t: t, store: st, upstream: up, server: srv, http: serveAPI(t, srv), keys: keys, heardTables: heard}
 	b.key = b.newKey("acme", gateway.TierDeveloper, gateway.ScopeInference, gateway.ScopeUsage)
 	return b
 }
@@ -258,10 +258,18 @@ func (b *testBundle) newKey(account string, tier gateway.Tier, scopes ...gateway
 	return token
 }
 
-func newHTTPServer(t testing.TB, h http.Handler) *httptest.Server {
+// serveAPI serves srv as a replica does: through its listener, which takes
+// back the connections of streams that ended.
+func serveAPI(t testing.TB, srv *server.Server) *httptest.Server {
 	t.Helper()
-	ts := httptest.NewServer(h)
-	t.Cleanup(ts.Close)
+	ts := httptest.NewUnstartedServer(srv)
+	ts.Listener = srv.Listener(ts.Listener)
+	ts.Start()
+	t.Cleanup(func() {
+		srv.Abort()
+		srv.CloseStreams()
+		ts.Close()
+	})
 	return ts
 }
 

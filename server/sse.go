@@ -22,8 +22,7 @@ const (
 // to write concurrently; after the first write error every write fails.
 type sseWriter struct {
 	mu        sync.Mutex
-	w         http.ResponseWriter
-	rc        *http.ResponseController
+	out       sink
 	keepalive time.Duration
 	timer     *time.Timer
 	err       error
@@ -31,18 +30,42 @@ type sseWriter struct {
 	buf       bytes.Buffer
 }
 
-// startSSE writes the head of a stream (status 200 and the headers already
-// set on w), flushes it, and starts the keep-alive timer.
-func startSSE(w http.ResponseWriter, keepalive time.Duration) *sseWriter {
-	h := w.Header()
+// sink is where a stream's bytes go: written, then flushed to the client.
+type sink interface {
+	Write(p []byte) (int, error)
+	Flush() error
+}
+
+// responseSink writes through net/http's response writer.
+type responseSink struct {
+	http.ResponseWriter
+	rc *http.ResponseController
+}
+
+// Flush implements sink.
+func (r responseSink) Flush() error { return r.rc.Flush() }
+
+// setSSEHeaders sets the headers of a stream's head.
+func setSSEHeaders(h http.Header) {
 	h.Set("Content-Type", "text/event-stream")
 	h.Set("Cache-Control", "no-cache")
 	h.Set("X-Accel-Buffering", "no") // no buffering in nginx-like proxies
+}
+
+// startSSE writes the head of a stream through w (status 200 and the headers
+// already set on w), flushes it, and starts the keep-alive timer.
+func startSSE(w http.ResponseWriter, keepalive time.Duration) *sseWriter {
+	setSSEHeaders(w.Header())
 	w.WriteHeader(http.StatusOK)
-	s := &sseWriter{w: w, rc: http.NewResponseController(w), keepalive: keepalive}
+	return newSSE(responseSink{w, http.NewResponseController(w)}, keepalive)
+}
+
+// newSSE flushes out, whose head is written, and starts the keep-alive timer.
+func newSSE(out sink, keepalive time.Duration) *sseWriter {
+	s := &sseWriter{out: out, keepalive: keepalive}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	s.err = s.rc.Flush()
+	s.err = s.out.Flush()
 	if keepalive > 0 {
 		// Under the lock: the first ping may fire before AfterFunc returns.
 		s.timer = time.AfterFunc(keepalive, s.ping)
@@ -80,11 +103,11 @@ func (s *sseWriter) writeLocked(b []byte) error {
 	if s.err != nil {
 		return s.err
 	}
-	if _, err := s.w.Write(b); err != nil {
+	if _, err := s.out.Write(b); err != nil {
 		s.err = err
 		return err
 	}
-	if err := s.rc.Flush(); err != nil {
+	if err := s.out.Flush(); err != nil {
 		s.err = err
 		return err
 	}

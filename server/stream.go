@@ -5,12 +5,10 @@ import (
 	"errors"
 	"net/http"
 	"strconv"
-	"time"
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/gen/api"
 	"github.com/rungworks/gateway/inference"
-	"github.com/rungworks/gateway/metrics"
 	"github.com/rungworks/gateway/upstream"
 )
 
@@ -18,14 +16,10 @@ import (
 // goes out before inference starts; every failure after it is a response.error
 // event (interface §6), with the code the JSON path would give.
 type streamReply struct {
+	s *Server
 	// ctx is the call's context (see callContext); done releases it.
-	ctx       context.Context
-	done      func()
-	inference *inference.Service
-	metrics   *metrics.Metrics
-	keepalive time.Duration
-	// envelope is the error body of a response.error event.
-	envelope func(error) api.ErrorEnvelope
+	ctx  context.Context
+	done func()
 	// call is the prepared request; err, when set, is why it cannot run.
 	call *inference.Call
 	err  error
@@ -37,19 +31,28 @@ func (r streamReply) VisitCreateResponseResponse(w http.ResponseWriter) error { 
 // VisitCreateChatResponse implements api.CreateChatResponseObject.
 func (r streamReply) VisitCreateChatResponse(w http.ResponseWriter) error { return r.serve(w) }
 
+// serve streams the reply: off the connection's goroutine when it can (see
+// detach), through w otherwise.
 func (r streamReply) serve(w http.ResponseWriter) error {
-	defer r.done()
 	var estimate int64
 	if r.call != nil {
 		estimate = r.call.Estimate.InputRungs
 	}
 	w.Header().Set("x-service-input-rungs", strconv.FormatInt(estimate, 10))
-	sse := startSSE(w, r.keepalive)
+	if r.err == nil && r.s.detach(r, w) {
+		return nil
+	}
+	defer r.done()
+	return r.run(r.ctx, startSSE(w, r.s.keepalive))
+}
+
+// run streams the call, whose context is ctx, as events on sse, and closes it.
+func (r streamReply) run(ctx context.Context, sse *sseWriter) error {
 	defer sse.Close()
-	r.metrics.StreamOpened()
-	defer r.metrics.StreamClosed()
+	r.s.metrics.StreamOpened()
+	defer r.s.metrics.StreamClosed()
 	if r.err != nil {
-		return sse.Event(eventError, r.envelope(r.err))
+		return sse.Event(eventError, r.s.errorEnvelope(r.err))
 	}
 
 	requestID := r.call.RequestID
@@ -64,18 +67,18 @@ func (r streamReply) serve(w http.ResponseWriter) error {
 		index++
 		return c
 	}
-	res, err := r.inference.Stream(r.ctx, r.call, func(d upstream.Delta) error {
+	res, err := r.s.inference.Stream(ctx, r.call, func(d upstream.Delta) error {
 		return sse.Event(eventDelta, chunk(d.Content, d.Sources))
 	})
 	if err != nil && res == nil {
 		// Nothing was produced: the stream failed to start.
-		return sse.Event(eventError, r.envelope(err))
+		return sse.Event(eventError, r.s.errorEnvelope(err))
 	}
 	if err != nil {
 		if errors.Is(err, inference.ErrCallerGone) {
 			return nil // its output is billed; nobody is listening
 		}
-		if werr := sse.Event(eventError, r.envelope(err)); werr != nil {
+		if werr := sse.Event(eventError, r.s.errorEnvelope(err)); werr != nil {
 			return nil
 		}
 	}

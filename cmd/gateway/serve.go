@@ -149,7 +149,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	httpServer := newHTTPServer(srv, cfg.H2C)
 	servers := []*http.Server{httpServer}
 	errc := make(chan error, 2)
-	go func() { errc <- httpServer.Serve(ln) }()
+	go func() { errc <- httpServer.Serve(srv.Listener(ln)) }()
 	if cfg.MetricsListen != "" && cfg.MetricsListen != "off" {
 		metricsLn, err := net.Listen("tcp", cfg.MetricsListen)
 		if err != nil {
@@ -216,18 +216,28 @@ func shutdown(cfg config.Config, srv *server.Server, servers []*http.Server, log
 	time.Sleep(min(cfg.DrainDelay, cfg.ShutdownGrace/2))
 	graceCtx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
-	if err := servers[0].Shutdown(graceCtx); err != nil {
+	if err := finish(graceCtx, srv, servers[0]); err != nil {
 		logger.Warn("requests still open at the end of the grace period; cutting their upstream calls", "error", err)
 		srv.Abort()
 		finalCtx, cancelFinal := context.WithTimeout(context.Background(), finalWindow)
 		defer cancelFinal()
-		if err := servers[0].Shutdown(finalCtx); err != nil {
+		if err := finish(finalCtx, srv, servers[0]); err != nil {
 			_ = servers[0].Close()
+			srv.CloseStreams()
 		}
 	}
 	for _, s := range servers[1:] {
 		_ = s.Close()
 	}
+}
+
+// finish stops the HTTP server and waits, until ctx ends, for its requests,
+// the streams served off their connections' goroutines included.
+func finish(ctx context.Context, srv *server.Server, hs *http.Server) error {
+	if err := hs.Shutdown(ctx); err != nil {
+		return err
+	}
+	return srv.WaitStreams(ctx)
 }
 
 // newHTTPServer applies the server limits: headers must arrive within 10 s and
@@ -241,7 +251,7 @@ func newHTTPServer(h http.Handler, h2c bool) *http.Server {
 	s := &http.Server{
 		Handler:           h,
 		ReadHeaderTimeout: 10 * time.Second,
-		IdleTimeout:       2 * time.Minute,
+		IdleTimeout:       server.IdleTimeout,
 		MaxHeaderBytes:    64 << 10,
 	}
 	if h2c {

@@ -1,0 +1,427 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"runtime/debug"
+	"strconv"
+	"sync"
+	"time"
+)
+
+// IdleTimeout is how long a client connection may wait for its next request
+// (the HTTP server's, and a detached stream's connection's once it ended).
+const IdleTimeout = 2 * time.Minute
+
+// A stream waits for its upstream for seconds to minutes. Served by net/http,
+// a waiting stream holds its connection's goroutine with the deep stack of the
+// server, the middleware and the handler, the connection's read and write
+// buffers, and the request; a replica holding tens of thousands of streams
+// spends most of its memory on them. So an HTTP/1.1 stream is detached: once
+// admitted, its connection is taken over (http.Hijacker), the handler returns,
+// and the stream is written as chunked server-sent events by a goroutine of
+// its own that starts with a small stack; the connection's client is watched
+// for going away by a one-byte read, as net/http does. When the stream ends,
+// the connection goes back to the HTTP server, through the listener, for the
+// client's next request (keep-alive), unless the client asked to close it or
+// the server is draining. HTTP/2 streams share their connection and stay on
+// net/http's path.
+
+// detach serves r off the connection's goroutine and reports whether it does;
+// when it does not, nothing was written to w.
+func (s *Server) detach(r streamReply, w http.ResponseWriter) bool {
+	x := exchangeFrom(r.ctx)
+	if x == nil || x.req.ProtoMajor != 1 || x.req.ProtoMinor != 1 {
+		return false // HTTP/2 multiplexes its connection; HTTP/1.0 has no chunks
+	}
+	keep := !x.req.Close && !s.draining.Load() && s.relisten.Load() != nil
+	h := w.Header()
+	setSSEHeaders(h)
+	head := make([]byte, 0, 512)
+	head = append(head, "HTTP/1.1 200 OK\r\nDate: "...)
+	head = time.Now().UTC().AppendFormat(head, http.TimeFormat)
+	head = append(head, "\r\nTransfer-Encoding: chunked\r\n"...)
+	if !keep {
+		head = append(head, "Connection: close\r\n"...)
+	}
+	conn, brw, err := http.NewResponseController(w).Hijack()
+	if err != nil {
+		return false
+	}
+	x.detached = true
+	d := &detached{s: s, conn: conn}
+	if n := brw.Reader.Buffered(); n > 0 {
+		// The client's next request, sent ahead (pipelined).
+		ahead, _ := brw.Reader.Peek(n)
+		d.next, d.read = append([]byte(nil), ahead...), true
+	}
+	_ = conn.SetDeadline(time.Time{})
+	headers := &headWriter{buf: head}
+	_ = h.Write(headers)
+	head = append(headers.buf, "\r\n"...)
+	// The call's context so far is the request's, which net/http cancels when
+	// the handler returns; the stream's keeps its values and ends with Abort.
+	ctx, done := s.callContext(context.WithoutCancel(r.ctx))
+	r.done()
+	s.streams.add(d)
+	go d.serve(ctx, done, r, x, head, keep)
+	return true
+}
+
+// headWriter gathers header lines into buf.
+type headWriter struct{ buf []byte }
+
+func (h *headWriter) Write(p []byte) (int, error) {
+	h.buf = append(h.buf, p...)
+	return len(p), nil
+}
+
+// detached is a stream served off its connection's goroutine.
+type detached struct {
+	s    *Server
+	conn net.Conn
+
+	mu sync.Mutex
+	// ended: the response is written; keep: the connection may serve the
+	// client's next request.
+	ended, keep bool
+	// read: the watching read returned, with next (the next request's first
+	// bytes) or with an error (the client went away).
+	read bool
+	next []byte
+}
+
+// serve writes the stream, then ends the connection's part in it.
+func (d *detached) serve(ctx context.Context, done func(), r streamReply, x *exchange, head []byte, keep bool) {
+	defer d.s.streams.remove(d)
+	defer done()
+	out := &chunkedSink{conn: d.conn, buf: head}
+	defer func() {
+		if p := recover(); p != nil {
+			d.s.logger.Error("panic serving a stream", "request_id", x.id, "error", fmt.Sprint(p), "stack", string(debug.Stack()))
+			keep = false
+			out.failed = true
+		}
+		// Logged before the last chunk: the client that has it finds the line.
+		x.finish(r.ctx, http.StatusOK, out.size)
+		if !out.failed {
+			out.failed = out.finish() != nil
+		}
+		d.end(keep && !out.failed)
+	}()
+	if !d.read {
+		go d.watch(done)
+	}
+	_ = r.run(ctx, newSSE(out, d.s.keepalive))
+}
+
+// watch reads one byte from the client: an error says it went away (gone
+// cancels the call), a byte is the start of its next request.
+func (d *detached) watch(gone func()) {
+	var b [1]byte
+	n, _ := d.conn.Read(b[:])
+	d.mu.Lock()
+	d.read = true
+	d.next = append(d.next, b[:n]...)
+	ended := d.ended
+	d.mu.Unlock()
+	if !ended {
+		if n == 0 {
+			gone()
+		}
+		return
+	}
+	d.release()
+}
+
+// end is called once the response is written: the connection closes, or
+// waits up to IdleTimeout for the client's next request and goes back to the
+// HTTP server with it.
+func (d *detached) end(keep bool) {
+	if keep && d.s.relisten.Load().hold(d.conn) {
+		_ = d.conn.SetReadDeadline(time.Now().Add(IdleTimeout))
+	} else {
+		keep = false
+		closeConn(d.conn)
+	}
+	d.mu.Lock()
+	d.ended, d.keep = true, keep
+	read := d.read
+	d.mu.Unlock()
+	if read {
+		d.release()
+	}
+}
+
+// release hands the connection, with the bytes of the next request read ahead,
+// back to the HTTP server, or closes it when there is none to serve.
+func (d *detached) release() {
+	d.mu.Lock()
+	keep, next := d.keep, d.next
+	d.mu.Unlock()
+	if !keep {
+		return // closed by end
+	}
+	l := d.s.relisten.Load()
+	l.unhold(d.conn)
+	if len(next) == 0 {
+		_ = d.conn.Close()
+		return
+	}
+	_ = d.conn.SetReadDeadline(time.Time{})
+	l.give(withPrefix(d.conn, next))
+}
+
+// closeConn closes c after its pending writes, without discarding them for
+// unread input (a TCP reset would).
+func closeConn(c net.Conn) {
+	if cw, ok := c.(interface{ CloseWrite() error }); ok {
+		_ = cw.CloseWrite()
+	}
+	_ = c.Close()
+}
+
+// chunkedSink writes an HTTP/1.1 chunked body to a connection: the head, then
+// each write as a chunk, gathered until Flush sends them in one write.
+type chunkedSink struct {
+	conn   net.Conn
+	buf    []byte
+	size   int64 // body bytes written
+	failed bool
+}
+
+// Write implements sink.
+func (c *chunkedSink) Write(p []byte) (int, error) {
+	if len(p) == 0 {
+		return 0, nil
+	}
+	c.buf = strconv.AppendInt(c.buf, int64(len(p)), 16)
+	c.buf = append(c.buf, "\r\n"...)
+	c.buf = append(c.buf, p...)
+	c.buf = append(c.buf, "\r\n"...)
+	c.size += int64(len(p))
+	return len(p), nil
+}
+
+// Flush implements sink.
+func (c *chunkedSink) Flush() error {
+	if len(c.buf) == 0 {
+		return nil
+	}
+	_, err := c.conn.Write(c.buf)
+	if cap(c.buf) > 4<<10 {
+		c.buf = nil // a waiting stream keeps no large buffer
+	} else {
+		c.buf = c.buf[:0]
+	}
+	return err
+}
+
+// finish writes the last chunk.
+func (c *chunkedSink) finish() error {
+	c.buf = append(c.buf, "0\r\n\r\n"...)
+	return c.Flush()
+}
+
+// prefixedConn is a connection whose first reads return prefix.
+type prefixedConn struct {
+	net.Conn
+	prefix []byte
+}
+
+func withPrefix(c net.Conn, prefix []byte) net.Conn {
+	if p, ok := c.(*prefixedConn); ok {
+		p.prefix = append(p.prefix, prefix...)
+		return p
+	}
+	return &prefixedConn{Conn: c, prefix: prefix}
+}
+
+// Read implements net.Conn.
+func (c *prefixedConn) Read(p []byte) (int, error) {
+	if len(c.prefix) > 0 {
+		n := copy(p, c.prefix)
+		c.prefix = c.prefix[n:]
+		return n, nil
+	}
+	return c.Conn.Read(p)
+}
+
+// CloseWrite shuts down the writing side, as net/http does before closing.
+func (c *prefixedConn) CloseWrite() error {
+	if cw, ok := c.Conn.(interface{ CloseWrite() error }); ok {
+		return cw.CloseWrite()
+	}
+	return nil
+}
+
+// streamSet tracks the detached streams, for shutdown to wait for them and,
+// past its grace, to cut them.
+type streamSet struct {
+	mu   sync.Mutex
+	open map[*detached]struct{}
+	idle chan struct{} // closed while none is open; nil: none open yet
+}
+
+func (s *streamSet) add(d *detached) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.open == nil {
+		s.open = map[*detached]struct{}{}
+	}
+	if len(s.open) == 0 {
+		s.idle = make(chan struct{})
+	}
+	s.open[d] = struct{}{}
+}
+
+func (s *streamSet) remove(d *detached) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	delete(s.open, d)
+	if len(s.open) == 0 {
+		close(s.idle)
+	}
+}
+
+// WaitStreams waits until no detached stream is open, or ctx ends.
+func (s *Server) WaitStreams(ctx context.Context) error {
+	s.streams.mu.Lock()
+	idle := s.streams.idle
+	n := len(s.streams.open)
+	s.streams.mu.Unlock()
+	if n == 0 {
+		return nil
+	}
+	select {
+	case <-idle:
+		// Streams started since may be open; wait for them too.
+		return s.WaitStreams(ctx)
+	case <-ctx.Done():
+		return fmt.Errorf("%d streams still open: %w", n, ctx.Err())
+	}
+}
+
+// CloseStreams closes the connections of the streams still open.
+func (s *Server) CloseStreams() {
+	s.streams.mu.Lock()
+	defer s.streams.mu.Unlock()
+	for d := range s.streams.open {
+		_ = d.conn.Close()
+	}
+}
+
+// Listener wraps ln for the HTTP server to accept, besides new connections,
+// those whose detached streams ended, for their clients' next requests.
+func (s *Server) Listener(ln net.Listener) net.Listener {
+	l := &relistener{Listener: ln, back: make(chan net.Conn), accepted: make(chan accepted), closed: make(chan struct{})}
+	s.relisten.Store(l)
+	return l
+}
+
+// relistener is a listener that also accepts connections given back.
+type relistener struct {
+	net.Listener
+	back      chan net.Conn
+	accepted  chan accepted
+	closed    chan struct{}
+	closeOnce sync.Once
+	startOnce sync.Once
+
+	mu sync.Mutex
+	// held are connections waiting for their client's next request; Close
+	// closes them, as net/http closes its idle connections.
+	held map[net.Conn]struct{}
+}
+
+type accepted struct {
+	conn net.Conn
+	err  error
+}
+
+// Accept implements net.Listener.
+func (l *relistener) Accept() (net.Conn, error) {
+	l.startOnce.Do(func() { go l.acceptNew() })
+	select {
+	case c := <-l.back:
+		return c, nil
+	case a := <-l.accepted:
+		return a.conn, a.err
+	case <-l.closed:
+		return nil, net.ErrClosed
+	}
+}
+
+// acceptNew accepts new connections until the listener closes.
+func (l *relistener) acceptNew() {
+	for {
+		c, err := l.Listener.Accept()
+		select {
+		case l.accepted <- accepted{c, err}:
+		case <-l.closed:
+			if c != nil {
+				_ = c.Close()
+			}
+			return
+		}
+		if errors.Is(err, net.ErrClosed) {
+			return
+		}
+	}
+}
+
+// give hands c to the server, or closes it once the listener is closed.
+func (l *relistener) give(c net.Conn) {
+	select {
+	case l.back <- c:
+	case <-l.closed:
+		_ = c.Close()
+	}
+}
+
+// hold records c as waiting for its client's next request, unless the
+// listener is closed (nil included: nothing accepts it back).
+func (l *relistener) hold(c net.Conn) bool {
+	if l == nil {
+		return false
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	select {
+	case <-l.closed:
+		return false
+	default:
+	}
+	if l.held == nil {
+		l.held = map[net.Conn]struct{}{}
+	}
+	l.held[c] = struct{}{}
+	return true
+}
+
+// unhold forgets c as waiting.
+func (l *relistener) unhold(c net.Conn) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	delete(l.held, c)
+}
+
+// Close implements net.Listener: it also closes the connections waiting for
+// their next request.
+func (l *relistener) Close() error {
+	err := net.ErrClosed
+	l.closeOnce.Do(func() {
+		l.mu.Lock()
+		close(l.closed)
+		for c := range l.held {
+			_ = c.Close()
+		}
+		l.held = nil
+		l.mu.Unlock()
+		err = l.Listener.Close()
+	})
+	return err
+}

@@ -1,0 +1,210 @@
+package server_test
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway/internal/apitest"
+	"github.com/rungworks/gateway/internal/syncbuf"
+	"github.com/rungworks/gateway/server"
+)
+
+// rawRequest is an HTTP/1.x request as written on the wire.
+func (b *testBundle) rawRequest(method, path, proto, body string, header ...string) string {
+	var sb strings.Builder
+	sb.WriteString(method + " " + path + " " + proto + "\r\nHost: test\r\n")
+	if body != "" {
+		sb.WriteString("Authorization: Bearer " + b.key + "\r\nContent-Type: application/json\r\n")
+		sb.WriteString("Content-Length: " + strconv.Itoa(len(body)) + "\r\n")
+	}
+	for _, h := range header {
+		sb.WriteString(h + "\r\n")
+	}
+	sb.WriteString("\r\n" + body)
+	return sb.String()
+}
+
+// dialRaw opens a connection to the test server.
+func (b *testBundle) dialRaw(t *testing.T) (net.Conn, *bufio.Reader) {
+	t.Helper()
+	conn, err := net.Dial("tcp", b.http.Listener.Addr().String())
+	require.NoError(t, err)
+	t.Cleanup(func() { conn.Close() })
+	require.NoError(t, conn.SetDeadline(time.Now().Add(30*time.Second)))
+	return conn, bufio.NewReader(conn)
+}
+
+// readStream reads a stream's reply from r and checks its events.
+func readStream(t *testing.T, r *bufio.Reader) (*http.Response, apitest.Stream) {
+	t.Helper()
+	resp, err := http.ReadResponse(r, nil)
+	require.NoError(t, err)
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	require.Equal(t, "text/event-stream", resp.Header.Get("Content-Type"))
+	body, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	s := apitest.ParseEvents(t, strings.NewReader(string(body)))
+	apitest.ValidateEvents(t, s)
+	require.Equal(t, "response.completed", s.Events[len(s.Events)-1].Name)
+	return resp, s
+}
+
+// TestStreamsKeepTheirConnection: a stream is served off its connection's
+// goroutine, as chunks, and the connection then serves the client's next
+// requests, streamed or not: one connection for all of them.
+func TestStreamsKeepTheirConnection(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	var dials atomic.Int32
+	client := &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+		dials.Add(1)
+		return (&net.Dialer{}).DialContext(ctx, network, addr)
+	}}}
+	for i, streamed := range []bool{true, true, false, true} {
+		body := `{"prompt":"again"}`
+		if streamed {
+			body = `{"prompt":"again","stream":true}`
+		}
+		req, err := http.NewRequest(http.MethodPost, b.http.URL+"/api/v1/responses", strings.NewReader(body))
+		require.NoError(t, err)
+		req.Header.Set("Authorization", "Bearer "+b.key)
+		req.Header.Set("Content-Type", "application/json")
+		resp, err := client.Do(req)
+		require.NoError(t, err)
+		raw, err := io.ReadAll(resp.Body)
+		require.NoError(t, err)
+		resp.Body.Close()
+		require.Equal(t, http.StatusOK, resp.StatusCode, "request %d", i)
+		if streamed {
+			require.Equal(t, []string{"chunked"}, resp.TransferEncoding)
+			require.False(t, resp.Close, "the connection stays open")
+			s := apitest.ParseEvents(t, strings.NewReader(string(raw)))
+			apitest.ValidateEvents(t, s)
+			require.NotEmpty(t, resp.Header.Get(server.RequestIDHeader), "the middleware's headers are in the head")
+			require.NotEmpty(t, resp.Header.Get("Date"))
+		}
+	}
+	require.Equal(t, int32(1), dials.Load(), "one connection served every request")
+}
+
+// TestStreamThenPipelinedRequest: a request the client sent behind a stream's,
+// before the stream ended, is answered after it on the same connection.
+func TestStreamThenPipelinedRequest(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	b.upstream.configure(func(s *scripted) { s.firstDelay = 50 * time.Millisecond })
+	conn, r := b.dialRaw(t)
+	_, err := io.WriteString(conn, b.rawRequest(http.MethodPost, "/api/v1/responses", "HTTP/1.1", `{"prompt":"first","stream":true}`)+
+		b.rawRequest(http.MethodGet, "/healthz", "HTTP/1.1", ""))
+	require.NoError(t, err)
+	readStream(t, r)
+	resp, err := http.ReadResponse(r, nil)
+	require.NoError(t, err)
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	_, err = io.Copy(io.Discard, resp.Body)
+	require.NoError(t, err)
+
+	// And a request sent once the stream is over is served too.
+	_, err = io.WriteString(conn, b.rawRequest(http.MethodPost, "/api/v1/responses", "HTTP/1.1", `{"prompt":"second","stream":true}`))
+	require.NoError(t, err)
+	readStream(t, r)
+}
+
+// TestStreamConnectionClose: a client that asks to close gets its stream, told
+// the connection closes, and then it does.
+func TestStreamConnectionClose(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	conn, r := b.dialRaw(t)
+	_, err := io.WriteString(conn, b.rawRequest(http.MethodPost, "/api/v1/responses", "HTTP/1.1", `{"prompt":"bye","stream":true}`, "Connection: close"))
+	require.NoError(t, err)
+	resp, _ := readStream(t, r)
+	require.True(t, resp.Close)
+	_, err = r.ReadByte()
+	require.ErrorIs(t, err, io.EOF, "the server closed the connection")
+}
+
+// TestStreamHTTP10: an HTTP/1.0 client, which has no chunks, gets its stream
+// delimited by the connection's end.
+func TestStreamHTTP10(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	conn, r := b.dialRaw(t)
+	_, err := io.WriteString(conn, b.rawRequest(http.MethodPost, "/api/v1/responses", "HTTP/1.0", `{"prompt":"old","stream":true}`))
+	require.NoError(t, err)
+	resp, _ := readStream(t, r)
+	require.Empty(t, resp.TransferEncoding)
+	require.True(t, resp.Close)
+}
+
+// TestStreamIsLoggedWhenItEnds: the access log line of a stream is written
+// when it ends, with its whole duration and size.
+func TestStreamIsLoggedWhenItEnds(t *testing.T) {
+	t.Parallel()
+	logs := &syncbuf.Buffer{}
+	b := setupWith(t, options{server: func(c *server.Config) { c.Logger = slog.New(slog.NewJSONHandler(logs, nil)) }})
+	b.upstream.configure(func(s *scripted) { s.firstDelay = 200 * time.Millisecond })
+	r, _ := b.stream("/api/v1/responses", map[string]any{"prompt": "log me"})
+	var line struct {
+		Msg        string  `json:"msg"`
+		RequestID  string  `json:"request_id"`
+		Route      string  `json:"route"`
+		Status     int     `json:"status"`
+		DurationMS float64 `json:"duration_ms"`
+		Bytes      int     `json:"bytes"`
+		Account    string  `json:"account"`
+	}
+	var found bool
+	for _, l := range strings.Split(strings.TrimSpace(logs.String()), "\n") {
+		require.NoError(t, json.Unmarshal([]byte(l), &line))
+		if line.Msg == "request" && line.RequestID == r.header.Get(server.RequestIDHeader) {
+			found = true
+			break
+		}
+	}
+	require.True(t, found, "the stream's log line:\n%s", logs.String())
+	require.Equal(t, "/api/v1/responses", line.Route)
+	require.Equal(t, http.StatusOK, line.Status)
+	require.Equal(t, len(r.body), line.Bytes, "the bytes of the events sent")
+	require.GreaterOrEqual(t, line.DurationMS, 200.0, "the stream's whole duration")
+	require.Equal(t, "acme", line.Account)
+}
+
+// TestWaitStreams: shutdown can wait for the streams served off their
+// connections' goroutines, and cut those still open past its grace.
+func TestWaitStreams(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	b.upstream.configure(func(s *scripted) { s.hang = true })
+	conn, r := b.dialRaw(t)
+	_, err := io.WriteString(conn, b.rawRequest(http.MethodPost, "/api/v1/responses", "HTTP/1.1", `{"prompt":"hang on","stream":true}`))
+	require.NoError(t, err)
+	resp, err := http.ReadResponse(r, nil)
+	require.NoError(t, err)
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	require.ErrorIs(t, b.server.WaitStreams(ctx), context.DeadlineExceeded, "the stream is still open")
+
+	b.server.CloseStreams()
+	_, err = io.ReadAll(resp.Body)
+	require.ErrorIs(t, err, io.ErrUnexpectedEOF, "the stream was cut before its last chunk")
+	require.NoError(t, b.server.WaitStreams(context.Background()))
+	require.Eventually(t, func() bool {
+		v := b.usage(t, b.key)
+		return v.Totals.Requests == 1 && v.Budget.ReservedRungs == 0
+	}, 5*time.Second, 10*time.Millisecond, "the output sent is billed, the reservation settled")
+}
