@@ -51,7 +51,9 @@ func (s *Server) detach(r streamReply, w http.ResponseWriter) bool {
 	if err != nil {
 		return false
 	}
-	x.detached = true
+	// The request holds the connection's read buffer (through its body) and
+	// net/http's state of the connection: none of it is needed any more.
+	x.detached, x.req = true, nil
 	d := &detached{s: s, conn: conn}
 	if n := brw.Reader.Buffered(); n > 0 {
 		// The client's next request, sent ahead (pipelined).

@@ -58,7 +58,8 @@ func (s *Server) observe(next echo.HandlerFunc) echo.HandlerFunc {
 // exchange is what observe knows of a request, kept in its context until its
 // log line is written.
 type exchange struct {
-	s      *Server
+	s *Server
+	// req is the request until a stream is detached.
 	req    *http.Request
 	start  time.Time
 	id     string

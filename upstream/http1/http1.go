@@ -397,6 +397,21 @@ func (b *body) Read(p []byte) (int, error) {
 	return n, err
 }
 
+// WaitReadable waits until the body can be read without blocking on the
+// connection: its read buffer holds bytes, or the upstream sent more, closed
+// the connection, or the call ended. It holds no buffer of its own while it
+// waits, so neither need the caller: a stream waiting for its next token
+// takes its line buffer once there is something to read.
+func (b *body) WaitReadable() error {
+	if b.closed || b.eof || b.conn.br == nil || b.conn.br.Buffered() > 0 {
+		return nil
+	}
+	if err := waitReadable(b.conn.nc); err != nil {
+		return contextError(b.ctx, err)
+	}
+	return nil
+}
+
 // Close implements io.Closer. It never reads what is left of the body.
 func (b *body) Close() error {
 	if b.closed {

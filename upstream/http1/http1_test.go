@@ -423,3 +423,60 @@ func TestIdleConnectionsAreBoundedAndExpire(t *testing.T) {
 	// The kept one is closed once it has been idle for IdleTimeout.
 	require.Eventually(t, func() bool { return b.closed.Load() == 3 }, 5*time.Second, 10*time.Millisecond)
 }
+
+// TestWaitReadableWaitsForTheUpstream: a body's WaitReadable returns at once
+// while its buffer holds bytes, waits while the upstream is silent, returns
+// once it sends more, and returns the call's end when it is cancelled.
+func TestWaitReadableWaitsForTheUpstream(t *testing.T) {
+	t.Parallel()
+	more := make(chan struct{})
+	var b *testBundle
+	b = setup(t, http1.Config{}, func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.WriteString(w, "first,second,")
+		w.(http.Flusher).Flush()
+		select {
+		case <-more:
+		case <-r.Context().Done():
+			return
+		}
+		_, _ = io.WriteString(w, "third")
+		w.(http.Flusher).Flush()
+		b.hold(r)
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, b.server.URL, strings.NewReader("x"))
+	require.NoError(t, err)
+	resp, err := b.client.Do(req, nil)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	waiter, ok := resp.Body.(interface{ WaitReadable() error })
+	require.True(t, ok, "bodies can wait without a buffer")
+	require.NoError(t, waiter.WaitReadable())
+	buf := make([]byte, 7)
+	_, err = io.ReadFull(resp.Body, buf[:6])
+	require.NoError(t, err)
+	require.Equal(t, "first,", string(buf[:6]))
+	require.NoError(t, waiter.WaitReadable(), "bytes are buffered: at once")
+	_, err = io.ReadFull(resp.Body, buf[:7])
+	require.NoError(t, err)
+	require.Equal(t, "second,", string(buf[:7]))
+
+	waited := make(chan error, 1)
+	go func() { waited <- waiter.WaitReadable() }()
+	select {
+	case err := <-waited:
+		t.Fatalf("WaitReadable returned %v while the upstream was silent", err)
+	case <-time.After(100 * time.Millisecond):
+	}
+	close(more)
+	require.NoError(t, <-waited)
+	rest := make([]byte, 5)
+	_, err = io.ReadFull(resp.Body, rest)
+	require.NoError(t, err)
+	require.Equal(t, "third", string(rest))
+
+	go func() { waited <- waiter.WaitReadable() }()
+	cancel()
+	require.ErrorIs(t, <-waited, context.Canceled)
+}

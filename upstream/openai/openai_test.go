@@ -3,7 +3,10 @@ package openai_test
 import (
 	"context"
 	"errors"
+	"io"
 	"net"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
 	"time"
@@ -221,6 +224,42 @@ func TestLargeBodiesPassTheSmallBuffers(t *testing.T) {
 		require.Equal(t, fakeupstream.Reply(large.Prompt), res.Content)
 		require.Equal(t, 3000, longest, "the last piece, one event of 3 KB")
 	})
+}
+
+// TestStreamLinesSplitAcrossPauses: events whose lines arrive in pieces, with
+// pauses between them, are read whole (the reader's buffer is let go only
+// between lines).
+func TestStreamLinesSplitAcrossPauses(t *testing.T) {
+	t.Parallel()
+	events := []string{
+		"data: {\"choices\":[{\"delta\":{\"content\":\"split \"}}]}\n\n",
+		"data: {\"choices\":[{\"delta\":{\"content\":\"in pieces\"}}]}\n\n",
+		"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":4}}\n\n",
+		"data: [DONE]\n\n",
+	}
+	server := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		w.Header().Set("Content-Type", "text/event-stream")
+		for _, e := range events {
+			third := len(e) / 3
+			for _, piece := range []string{e[:third], e[third : 2*third], e[2*third:]} {
+				_, _ = io.WriteString(w, piece)
+				w.(http.Flusher).Flush()
+				time.Sleep(10 * time.Millisecond)
+			}
+		}
+	}))
+	t.Cleanup(server.Close)
+	client := openai.New(openai.Config{BaseURL: server.URL, Timeout: 5 * time.Second})
+	var got []string
+	res, err := client.Stream(context.Background(), req, func(d upstream.Delta) error {
+		got = append(got, d.Content)
+		return nil
+	})
+	require.NoError(t, err)
+	require.Equal(t, []string{"split ", "in pieces"}, got)
+	require.Equal(t, "split in pieces", res.Content)
+	require.Equal(t, uint64(4), res.OutputTokens)
 }
 
 func TestStreamBrokenMidway(t *testing.T) {

@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -77,6 +78,14 @@ func (e emitError) Error() string        { return e.err.Error() }
 func (e emitError) Unwrap() error        { return e.err }
 func (e emitError) Is(target error) bool { return target == errEmit }
 
+// readWaiter is a body that can wait, without a buffer of the caller's,
+// until it can be read without blocking (upstream/http1's bodies).
+type readWaiter interface{ WaitReadable() error }
+
+// lineReaders are the stream readers' buffers. Small: longer lines are
+// gathered below.
+var lineReaders = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, 4<<10) }}
+
 // maxLineBytes bounds one data: line; a longer one breaks the stream.
 const maxLineBytes = 8 << 20
 
@@ -93,10 +102,30 @@ func readStream(body io.Reader, progress func(), emit func(upstream.Delta) error
 		res.Content = content.String()
 		return res, err
 	}
-	// Small: an idle stream holds it, and longer lines are gathered below.
-	reader := bufio.NewReaderSize(body, 4<<10)
+	// Over upstream/http1 the buffer is held only while there is something
+	// to read: a stream waiting for its next token holds none.
+	waiter, _ := body.(readWaiter)
+	var reader *bufio.Reader
+	release := func() {
+		if reader != nil {
+			reader.Reset(nil)
+			lineReaders.Put(reader)
+			reader = nil
+		}
+	}
+	defer release()
 	for {
 		progress()
+		if waiter != nil && (reader == nil || reader.Buffered() == 0) {
+			release()
+			if err := waiter.WaitReadable(); err != nil {
+				return finish(err)
+			}
+		}
+		if reader == nil {
+			reader = lineReaders.Get().(*bufio.Reader)
+			reader.Reset(body)
+		}
 		line, err := reader.ReadSlice('\n')
 		if errors.Is(err, bufio.ErrBufferFull) {
 			// A data line longer than the buffer: gather the rest of it.
