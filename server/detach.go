@@ -25,10 +25,10 @@ const IdleTimeout = 2 * time.Minute
 // and the stream is written as chunked server-sent events by a goroutine of
 // its own that starts with a small stack; the connection's client is watched
 // for going away by a one-byte read, as net/http does. When the stream ends,
-// the connection goes back to the HTTP server, through the listener, for the
-// client's next request (keep-alive), unless the client asked to close it or
-// the server is draining. HTTP/2 streams share their connection and stay on
-// net/http's path.
+// the connection goes back at once to the HTTP server, through the listener,
+// which waits on it for the client's next request (keep-alive), unless the
+// client asked to close it or the server is draining. HTTP/2 streams share
+// their connection and stay on net/http's path.
 
 // detach serves r off the connection's goroutine and reports whether it does;
 // when it does not, nothing was written to w.
@@ -87,13 +87,14 @@ type detached struct {
 	conn net.Conn
 
 	mu sync.Mutex
-	// ended: the response is written; keep: the connection may serve the
-	// client's next request.
-	ended, keep bool
-	// read: the watching read returned, with next (the next request's first
-	// bytes) or with an error (the client went away).
+	// ended: the response is written (a read that fails then is not the
+	// client going away).
+	ended bool
+	// read: the client sent the next request's first bytes, next.
 	read bool
 	next []byte
+	// watched is closed when the watching read returns.
+	watched chan struct{}
 }
 
 // serve writes the stream, then ends the connection's part in it.
@@ -115,6 +116,7 @@ func (d *detached) serve(ctx context.Context, done func(), r streamReply, x *exc
 		d.end(keep && !out.failed)
 	}()
 	if !d.read {
+		d.watched = make(chan struct{})
 		go d.watch(done)
 	}
 	_ = r.run(ctx, newSSE(out, d.s.keepalive))
@@ -123,58 +125,41 @@ func (d *detached) serve(ctx context.Context, done func(), r streamReply, x *exc
 // watch reads one byte from the client: an error says it went away (gone
 // cancels the call), a byte is the start of its next request.
 func (d *detached) watch(gone func()) {
+	defer close(d.watched)
 	var b [1]byte
 	n, _ := d.conn.Read(b[:])
 	d.mu.Lock()
-	d.read = true
+	d.read = n > 0
 	d.next = append(d.next, b[:n]...)
 	ended := d.ended
 	d.mu.Unlock()
-	if !ended {
-		if n == 0 {
-			gone()
-		}
-		return
+	if n == 0 && !ended {
+		gone()
 	}
-	d.release()
 }
 
-// end is called once the response is written: the connection closes, or
-// waits up to IdleTimeout for the client's next request and goes back to the
-// HTTP server with it.
+// aLongTimeAgo is a deadline that wakes a blocked read at once.
+var aLongTimeAgo = time.Unix(1, 0)
+
+// end is called once the response is written: the connection closes, or goes
+// back at once to the HTTP server, which waits for the client's next request
+// on it as on any connection (see handedConn).
 func (d *detached) end(keep bool) {
-	if keep && d.s.relisten.Load().hold(d.conn) {
-		_ = d.conn.SetReadDeadline(time.Now().Add(IdleTimeout))
-	} else {
-		keep = false
-		closeConn(d.conn)
-	}
 	d.mu.Lock()
-	d.ended, d.keep = true, keep
-	read := d.read
-	d.mu.Unlock()
-	if read {
-		d.release()
-	}
-}
-
-// release hands the connection, with the bytes of the next request read ahead,
-// back to the HTTP server, or closes it when there is none to serve.
-func (d *detached) release() {
-	d.mu.Lock()
-	keep, next := d.keep, d.next
+	d.ended = true
 	d.mu.Unlock()
 	if !keep {
-		return // closed by end
-	}
-	l := d.s.relisten.Load()
-	l.unhold(d.conn)
-	if len(next) == 0 {
-		_ = d.conn.Close()
+		closeConn(d.conn)
 		return
 	}
+	if d.watched != nil {
+		// Stop the watching read, as net/http does before it hands a
+		// connection on; a byte it took goes back with the connection.
+		_ = d.conn.SetReadDeadline(aLongTimeAgo)
+		<-d.watched
+	}
 	_ = d.conn.SetReadDeadline(time.Time{})
-	l.give(withPrefix(d.conn, next))
+	d.s.relisten.Load().give(handBack(d.conn, d.next))
 }
 
 // closeConn closes c after its pending writes, without discarding them for
@@ -228,32 +213,74 @@ func (c *chunkedSink) finish() error {
 	return c.Flush()
 }
 
-// prefixedConn is a connection whose first reads return prefix.
-type prefixedConn struct {
+// handedConn is a connection handed back to the HTTP server after a stream:
+// its first reads return the bytes read ahead. Until the client's next
+// request begins, the server's header timeout (which net/http counts from a
+// connection's start) waits instead as long as an idle connection may, and
+// counts from the request's first byte.
+type handedConn struct {
 	net.Conn
 	prefix []byte
+	// idle: no byte of the next request has arrived; until one does, read
+	// deadlines are idleUntil, and the one asked for (header after now)
+	// applies from the first byte.
+	idle      bool
+	idleUntil time.Time
+	header    time.Duration
 }
 
-func withPrefix(c net.Conn, prefix []byte) net.Conn {
-	if p, ok := c.(*prefixedConn); ok {
-		p.prefix = append(p.prefix, prefix...)
-		return p
+// handBack readies c, with the next request's bytes read ahead, for the
+// HTTP server (reusing the wrapper of a connection handed back before).
+func handBack(c net.Conn, next []byte) *handedConn {
+	h, ok := c.(*handedConn)
+	if !ok {
+		h = &handedConn{Conn: c}
 	}
-	return &prefixedConn{Conn: c, prefix: prefix}
+	h.prefix = append(h.prefix, next...)
+	h.idle = len(h.prefix) == 0
+	h.idleUntil, h.header = time.Now().Add(IdleTimeout), 0
+	return h
 }
 
 // Read implements net.Conn.
-func (c *prefixedConn) Read(p []byte) (int, error) {
+func (c *handedConn) Read(p []byte) (int, error) {
 	if len(c.prefix) > 0 {
 		n := copy(p, c.prefix)
 		c.prefix = c.prefix[n:]
 		return n, nil
 	}
-	return c.Conn.Read(p)
+	n, err := c.Conn.Read(p)
+	if c.idle && n > 0 {
+		c.idle = false
+		if c.header > 0 {
+			_ = c.Conn.SetReadDeadline(time.Now().Add(c.header))
+		}
+	}
+	return n, err
+}
+
+// SetReadDeadline implements net.Conn.
+func (c *handedConn) SetReadDeadline(t time.Time) error {
+	if !c.idle {
+		return c.Conn.SetReadDeadline(t)
+	}
+	c.header = 0
+	if !t.IsZero() {
+		c.header = time.Until(t)
+	}
+	return c.Conn.SetReadDeadline(c.idleUntil)
+}
+
+// SetDeadline implements net.Conn.
+func (c *handedConn) SetDeadline(t time.Time) error {
+	if err := c.Conn.SetWriteDeadline(t); err != nil {
+		return err
+	}
+	return c.SetReadDeadline(t)
 }
 
 // CloseWrite shuts down the writing side, as net/http does before closing.
-func (c *prefixedConn) CloseWrite() error {
+func (c *handedConn) CloseWrite() error {
 	if cw, ok := c.Conn.(interface{ CloseWrite() error }); ok {
 		return cw.CloseWrite()
 	}
@@ -332,11 +359,6 @@ type relistener struct {
 	closed    chan struct{}
 	closeOnce sync.Once
 	startOnce sync.Once
-
-	mu sync.Mutex
-	// held are connections waiting for their client's next request; Close
-	// closes them, as net/http closes its idle connections.
-	held map[net.Conn]struct{}
 }
 
 type accepted struct {
@@ -375,8 +397,13 @@ func (l *relistener) acceptNew() {
 	}
 }
 
-// give hands c to the server, or closes it once the listener is closed.
+// give hands c to the server, or closes it once the listener is closed (nil
+// included: nothing accepts it back).
 func (l *relistener) give(c net.Conn) {
+	if l == nil {
+		closeConn(c)
+		return
+	}
 	select {
 	case l.back <- c:
 	case <-l.closed:
@@ -384,45 +411,11 @@ func (l *relistener) give(c net.Conn) {
 	}
 }
 
-// hold records c as waiting for its client's next request, unless the
-// listener is closed (nil included: nothing accepts it back).
-func (l *relistener) hold(c net.Conn) bool {
-	if l == nil {
-		return false
-	}
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	select {
-	case <-l.closed:
-		return false
-	default:
-	}
-	if l.held == nil {
-		l.held = map[net.Conn]struct{}{}
-	}
-	l.held[c] = struct{}{}
-	return true
-}
-
-// unhold forgets c as waiting.
-func (l *relistener) unhold(c net.Conn) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	delete(l.held, c)
-}
-
-// Close implements net.Listener: it also closes the connections waiting for
-// their next request.
+// Close implements net.Listener.
 func (l *relistener) Close() error {
 	err := net.ErrClosed
 	l.closeOnce.Do(func() {
-		l.mu.Lock()
 		close(l.closed)
-		for c := range l.held {
-			_ = c.Close()
-		}
-		l.held = nil
-		l.mu.Unlock()
 		err = l.Listener.Close()
 	})
 	return err

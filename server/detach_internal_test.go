@@ -1,0 +1,85 @@
+package server
+
+import (
+	"errors"
+	"io"
+	"net"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// TestHandedConnWaitsLikeAnIdleConnection: on a connection handed back after
+// a stream, the HTTP server's header timeout does not run while the client
+// has not begun its next request; it runs from the request's first byte.
+func TestHandedConnWaitsLikeAnIdleConnection(t *testing.T) {
+	t.Parallel()
+	server, client := net.Pipe()
+	t.Cleanup(func() { server.Close(); client.Close() })
+	h := handBack(server, nil)
+	const header = 100 * time.Millisecond
+	require.NoError(t, h.SetReadDeadline(time.Now().Add(header)), "as net/http does on a new connection")
+
+	go func() {
+		time.Sleep(3 * header) // past the header timeout, within the idle one
+		_, _ = client.Write([]byte("G"))
+	}()
+	buf := make([]byte, 8)
+	n, err := h.Read(buf)
+	require.NoError(t, err, "the idle wait outlasts the header timeout")
+	require.Equal(t, "G", string(buf[:n]))
+
+	// From the first byte the header timeout runs: a client that stalls
+	// mid-request is cut.
+	_, err = h.Read(buf)
+	require.True(t, errors.Is(err, os.ErrDeadlineExceeded), "got %v", err)
+}
+
+// TestHandedConnReturnsTheBytesReadAhead: the next request's bytes read while
+// the stream ran come first, then the connection's.
+func TestHandedConnReturnsTheBytesReadAhead(t *testing.T) {
+	t.Parallel()
+	server, client := net.Pipe()
+	t.Cleanup(func() { server.Close(); client.Close() })
+	h := handBack(server, []byte("GET"))
+	require.False(t, h.idle, "a request has begun")
+	require.Same(t, h, handBack(h, nil), "a connection handed back again keeps its wrapper")
+	go func() { _, _ = client.Write([]byte(" /healthz")) }()
+	got := make([]byte, 12)
+	_, err := io.ReadFull(h, got)
+	require.NoError(t, err)
+	require.Equal(t, "GET /healthz", string(got))
+}
+
+// TestRelistener: it accepts new connections and those given back; once
+// closed, it accepts nothing and closes what is given back.
+func TestRelistener(t *testing.T) {
+	t.Parallel()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	s := &Server{}
+	l := s.Listener(ln)
+
+	dialed, err := net.Dial("tcp", ln.Addr().String())
+	require.NoError(t, err)
+	defer dialed.Close()
+	fresh, err := l.Accept()
+	require.NoError(t, err)
+	require.Equal(t, dialed.LocalAddr().String(), fresh.RemoteAddr().String())
+
+	back := handBack(fresh, nil)
+	go s.relisten.Load().give(back)
+	again, err := l.Accept()
+	require.NoError(t, err)
+	require.Same(t, back, again)
+
+	require.NoError(t, l.Close())
+	_, err = l.Accept()
+	require.ErrorIs(t, err, net.ErrClosed)
+	s.relisten.Load().give(again)
+	_ = dialed.SetReadDeadline(time.Now().Add(5 * time.Second))
+	_, err = dialed.Read(make([]byte, 1))
+	require.ErrorIs(t, err, io.EOF, "a connection given back after the close is closed")
+}
