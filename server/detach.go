@@ -16,75 +16,77 @@ import (
 // (the HTTP server's, and a detached stream's connection's once it ended).
 const IdleTimeout = 2 * time.Minute
 
+// DefaultDetachAfter is how long an HTTP/1.1 stream runs before it is
+// detached, unless Config.DetachAfter says otherwise.
+const DefaultDetachAfter = 100 * time.Millisecond
+
 // A stream waits for its upstream for seconds to minutes. Served by net/http,
 // a waiting stream holds its connection's goroutine with the deep stack of the
 // server, the middleware and the handler, the connection's read and write
 // buffers, and the request; a replica holding tens of thousands of streams
-// spends most of its memory on them. So an HTTP/1.1 stream is detached: once
-// admitted, its connection is taken over (http.Hijacker), the handler returns,
-// and the stream is written as chunked server-sent events by a goroutine of
-// its own that starts with a small stack; the connection's client is watched
-// for going away by a one-byte read, as net/http does. When the stream ends,
-// the connection goes back at once to the HTTP server, through the listener,
-// which waits on it for the client's next request (keep-alive), unless the
-// client asked to close it or the server is draining. HTTP/2 streams share
-// their connection and stay on net/http's path.
+// spends most of its memory on them. So an HTTP/1.1 stream runs on a
+// goroutine of its own, which starts with a small stack, writing through the
+// handler's response; once it has run for DetachAfter, it is detached: its
+// connection is taken over (http.Hijacker), the handler returns, and the
+// stream goes on writing chunks on the connection itself, whose client is
+// watched for going away by a one-byte read, as net/http does. When a
+// detached stream ends, its connection goes back at once to the HTTP server,
+// through the listener, which waits on it for the client's next request
+// (keep-alive), unless the client asked to close it or the server is
+// draining. A stream that ends sooner is answered by net/http as any reply.
+// HTTP/2 streams share their connection and stay on the handler's goroutine.
 
-// detach serves r off the connection's goroutine and reports whether it does;
-// when it does not, nothing was written to w.
-func (s *Server) detach(r streamReply, w http.ResponseWriter) bool {
-	x := exchangeFrom(r.ctx)
-	if x == nil || x.req.ProtoMajor != 1 || x.req.ProtoMinor != 1 {
-		return false // HTTP/2 multiplexes its connection; HTTP/1.0 has no chunks
-	}
-	keep := !x.req.Close && !s.draining.Load() && s.relisten.Load() != nil
-	h := w.Header()
-	setSSEHeaders(h)
-	head := make([]byte, 0, 512)
-	head = append(head, "HTTP/1.1 200 OK\r\nDate: "...)
-	head = time.Now().UTC().AppendFormat(head, http.TimeFormat)
-	head = append(head, "\r\nTransfer-Encoding: chunked\r\n"...)
-	if !keep {
-		head = append(head, "Connection: close\r\n"...)
-	}
-	conn, brw, err := http.NewResponseController(w).Hijack()
-	if err != nil {
-		return false
-	}
-	// The request holds the connection's read buffer (through its body) and
-	// net/http's state of the connection: none of it is needed any more.
-	x.detached, x.req = true, nil
-	d := &detached{s: s, conn: conn}
-	if n := brw.Reader.Buffered(); n > 0 {
-		// The client's next request, sent ahead (pipelined).
-		ahead, _ := brw.Reader.Peek(n)
-		d.next, d.read = append([]byte(nil), ahead...), true
-	}
-	_ = conn.SetDeadline(time.Time{})
-	headers := &headWriter{buf: head}
-	_ = h.Write(headers)
-	head = append(headers.buf, "\r\n"...)
-	// The call's context so far is the request's, which net/http cancels when
-	// the handler returns; the stream's keeps its values and ends with Abort.
+// serveDetachable serves the stream r through w, and detaches it if it runs
+// for DetachAfter.
+func (s *Server) serveDetachable(r streamReply, w http.ResponseWriter, x *exchange) error {
+	sse := startSSE(w, s.keepalive)
+	// The stream's context keeps the call's values and ends with Abort; until
+	// the stream is detached, also with the request's (the client went away).
 	ctx, done := s.callContext(context.WithoutCancel(r.ctx))
+	unwatch := context.AfterFunc(r.ctx, done)
+	d := &detached{s: s, sse: sse, x: x, done: done, closeAsked: x.req.Close, finished: make(chan struct{})}
+	go d.run(ctx, r)
+	timer := time.NewTimer(s.detachAfter)
+	defer timer.Stop()
+	select {
+	case <-d.finished:
+	case <-timer.C:
+		if unwatch() {
+			if d.take(w) {
+				// The request holds the connection's read buffer (through
+				// its body) and net/http's state of it: none is needed now.
+				x.detached, x.req = true, nil
+				r.done()
+				return nil
+			}
+			context.AfterFunc(r.ctx, done)
+		}
+		<-d.finished
+	}
 	r.done()
-	s.streams.add(d)
-	go d.serve(ctx, done, r, x, head, keep)
-	return true
+	if d.panicked != nil {
+		panic(d.panicked) // for the recover middleware, as on any handler
+	}
+	return nil
 }
 
-// headWriter gathers header lines into buf.
-type headWriter struct{ buf []byte }
-
-func (h *headWriter) Write(p []byte) (int, error) {
-	h.buf = append(h.buf, p...)
-	return len(p), nil
-}
-
-// detached is a stream served off its connection's goroutine.
+// detached is a stream that may be served off its connection's goroutine.
 type detached struct {
-	s    *Server
-	conn net.Conn
+	s   *Server
+	sse *sseWriter
+	x   *exchange
+	// done ends the stream's call; closeAsked: the client asked to close the
+	// connection after the reply.
+	done       func()
+	closeAsked bool
+	// finished is closed when the stream ends; panicked is what it panicked
+	// with, if it did before it was detached.
+	finished chan struct{}
+	panicked any
+
+	// Set by take, under sse.mu: taken says the stream is detached.
+	taken bool
+	conn  net.Conn
 
 	mu sync.Mutex
 	// ended: the response is written (a read that fails then is not the
@@ -97,29 +99,63 @@ type detached struct {
 	watched chan struct{}
 }
 
-// serve writes the stream, then ends the connection's part in it.
-func (d *detached) serve(ctx context.Context, done func(), r streamReply, x *exchange, head []byte, keep bool) {
-	defer d.s.streams.remove(d)
-	defer done()
-	out := &chunkedSink{conn: d.conn, buf: head}
+// run runs the stream, and ends the connection's part in it if it was
+// detached.
+func (d *detached) run(ctx context.Context, r streamReply) {
+	defer close(d.finished)
+	defer d.done()
 	defer func() {
-		if p := recover(); p != nil {
-			d.s.logger.Error("panic serving a stream", "request_id", x.id, "error", fmt.Sprint(p), "stack", string(debug.Stack()))
+		p := recover()
+		d.sse.mu.Lock()
+		taken := d.taken
+		d.sse.mu.Unlock()
+		if !taken {
+			d.panicked = p
+			return
+		}
+		defer d.s.streams.remove(d)
+		keep := !d.closeAsked
+		if p != nil {
+			d.s.logger.Error("panic serving a stream", "request_id", d.x.id, "error", fmt.Sprint(p), "stack", string(debug.Stack()))
 			keep = false
-			out.failed = true
 		}
 		// Logged before the last chunk: the client that has it finds the line.
-		x.finish(r.ctx, http.StatusOK, out.size)
-		if !out.failed {
-			out.failed = out.finish() != nil
+		d.x.finish(r.ctx, http.StatusOK, d.sse.size)
+		if out := d.sse.out.(*chunkedSink); p != nil || out.finish() != nil {
+			keep = false
 		}
-		d.end(keep && !out.failed)
+		d.end(keep && !d.s.draining.Load())
 	}()
+	_ = r.run(ctx, d.sse)
+}
+
+// take detaches the stream, unless it has ended: the connection is taken
+// over and the stream's events go on as chunks written on it.
+func (d *detached) take(w http.ResponseWriter) bool {
+	d.sse.mu.Lock()
+	defer d.sse.mu.Unlock()
+	if d.sse.closed {
+		return false
+	}
+	// net/http has written the head and every event, flushed, as chunks.
+	conn, brw, err := http.NewResponseController(w).Hijack()
+	if err != nil {
+		return false
+	}
+	_ = conn.SetDeadline(time.Time{})
+	if n := brw.Reader.Buffered(); n > 0 {
+		// The client's next request, sent ahead (pipelined).
+		ahead, _ := brw.Reader.Peek(n)
+		d.next, d.read = append([]byte(nil), ahead...), true
+	}
+	d.taken, d.conn = true, conn
+	d.sse.out = &chunkedSink{conn: conn}
+	d.s.streams.add(d)
 	if !d.read {
 		d.watched = make(chan struct{})
-		go d.watch(done)
+		go d.watch(d.done)
 	}
-	_ = r.run(ctx, newSSE(out, d.s.keepalive))
+	return true
 }
 
 // watch reads one byte from the client: an error says it went away (gone
@@ -171,13 +207,11 @@ func closeConn(c net.Conn) {
 	_ = c.Close()
 }
 
-// chunkedSink writes an HTTP/1.1 chunked body to a connection: the head, then
-// each write as a chunk, gathered until Flush sends them in one write.
+// chunkedSink writes an HTTP/1.1 chunked body on a connection: each write as
+// a chunk, gathered until Flush sends them in one write.
 type chunkedSink struct {
-	conn   net.Conn
-	buf    []byte
-	size   int64 // body bytes written
-	failed bool
+	conn net.Conn
+	buf  []byte
 }
 
 // Write implements sink.
@@ -189,7 +223,6 @@ func (c *chunkedSink) Write(p []byte) (int, error) {
 	c.buf = append(c.buf, "\r\n"...)
 	c.buf = append(c.buf, p...)
 	c.buf = append(c.buf, "\r\n"...)
-	c.size += int64(len(p))
 	return len(p), nil
 }
 

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"errors"
 	"io"
 	"log/slog"
 	"net"
@@ -61,9 +62,10 @@ func readStream(t *testing.T, r *bufio.Reader) (*http.Response, apitest.Stream) 
 	return resp, s
 }
 
-// TestStreamsKeepTheirConnection: a stream is served off its connection's
-// goroutine, as chunks, and the connection then serves the client's next
-// requests, streamed or not: one connection for all of them.
+// TestStreamsKeepTheirConnection: streams slower than DetachAfter are served
+// off their connection's goroutine, quicker ones by net/http, both as chunks,
+// and the connection then serves the client's next requests, streamed or
+// not: one connection for all of them.
 func TestStreamsKeepTheirConnection(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -73,6 +75,11 @@ func TestStreamsKeepTheirConnection(t *testing.T) {
 		return (&net.Dialer{}).DialContext(ctx, network, addr)
 	}}}
 	for i, streamed := range []bool{true, true, false, true} {
+		delay := 50 * time.Millisecond // detached
+		if i == 1 {
+			delay = 0 // done before DetachAfter, most likely
+		}
+		b.upstream.configure(func(s *scripted) { s.firstDelay = delay })
 		body := `{"prompt":"again"}`
 		if streamed {
 			body = `{"prompt":"again","stream":true}`
@@ -127,6 +134,7 @@ func TestStreamThenPipelinedRequest(t *testing.T) {
 func TestStreamConnectionClose(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
+	b.upstream.configure(func(s *scripted) { s.firstDelay = 50 * time.Millisecond })
 	conn, r := b.dialRaw(t)
 	_, err := io.WriteString(conn, b.rawRequest(http.MethodPost, "/api/v1/responses", "HTTP/1.1", `{"prompt":"bye","stream":true}`, "Connection: close"))
 	require.NoError(t, err)
@@ -195,9 +203,11 @@ func TestWaitStreams(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, http.StatusOK, resp.StatusCode)
 
-	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
-	defer cancel()
-	require.ErrorIs(t, b.server.WaitStreams(ctx), context.DeadlineExceeded, "the stream is still open")
+	require.Eventually(t, func() bool {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Millisecond)
+		defer cancel()
+		return errors.Is(b.server.WaitStreams(ctx), context.DeadlineExceeded)
+	}, 5*time.Second, 10*time.Millisecond, "the stream is detached, and open")
 
 	b.server.CloseStreams()
 	_, err = io.ReadAll(resp.Body)

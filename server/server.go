@@ -87,6 +87,10 @@ type Config struct {
 	CORSOrigins []string
 	// SSEKeepalive is the idle time before a keep-alive comment in a stream.
 	SSEKeepalive time.Duration
+	// DetachAfter is how long an HTTP/1.1 stream runs before it is served
+	// off its connection's goroutine (see serveDetachable); zero means
+	// DefaultDetachAfter, a negative value never.
+	DetachAfter time.Duration
 	// BodyTimeout bounds the time to receive a request body (REQUEST_TIMEOUT);
 	// zero means DefaultBodyTimeout.
 	BodyTimeout time.Duration
@@ -119,6 +123,7 @@ type Server struct {
 	abortCalls  context.CancelCauseFunc
 	logger      *slog.Logger
 	keepalive   time.Duration
+	detachAfter time.Duration
 	unavailable func(error) bool
 	paramForms  map[string]string
 	// routes are the route templates served, the only route label values.
@@ -153,6 +158,9 @@ func New(cfg Config) (*Server, error) {
 	if cfg.BodyTimeout <= 0 {
 		cfg.BodyTimeout = DefaultBodyTimeout
 	}
+	if cfg.DetachAfter == 0 {
+		cfg.DetachAfter = DefaultDetachAfter
+	}
 	if cfg.Unavailable == nil {
 		cfg.Unavailable = func(error) bool { return false }
 	}
@@ -172,6 +180,7 @@ func New(cfg Config) (*Server, error) {
 		metrics:     cfg.Metrics,
 		logger:      logger,
 		keepalive:   cfg.SSEKeepalive,
+		detachAfter: cfg.DetachAfter,
 		unavailable: cfg.Unavailable,
 		paramForms:  paramForms,
 		openAPI:     doc,

@@ -240,6 +240,9 @@ func setupWith(t testing.TB, o options) *testBundle {
 		BatchData:    st,
 		Readiness:    st,
 		SSEKeepalive: o.keepalive,
+		// Streams slower than this are detached from their connections'
+		// goroutines: the tests see both ways.
+		DetachAfter: 10 * time.Millisecond,
 	}
 	if o.server != nil {
 		o.server(&cfg)

@@ -28,6 +28,8 @@ type sseWriter struct {
 	err       error
 	closed    bool
 	buf       bytes.Buffer
+	// size counts the bytes written, keep-alives included.
+	size int64
 }
 
 // sink is where a stream's bytes go: written, then flushed to the client.
@@ -103,7 +105,9 @@ func (s *sseWriter) writeLocked(b []byte) error {
 	if s.err != nil {
 		return s.err
 	}
-	if _, err := s.out.Write(b); err != nil {
+	n, err := s.out.Write(b)
+	s.size += int64(n)
+	if err != nil {
 		s.err = err
 		return err
 	}

@@ -31,16 +31,18 @@ func (r streamReply) VisitCreateResponseResponse(w http.ResponseWriter) error { 
 // VisitCreateChatResponse implements api.CreateChatResponseObject.
 func (r streamReply) VisitCreateChatResponse(w http.ResponseWriter) error { return r.serve(w) }
 
-// serve streams the reply: off the connection's goroutine when it can (see
-// detach), through w otherwise.
+// serve streams the reply through w; an HTTP/1.1 stream that runs long is
+// detached from its connection's goroutine (see serveDetachable).
 func (r streamReply) serve(w http.ResponseWriter) error {
 	var estimate int64
 	if r.call != nil {
 		estimate = r.call.Estimate.InputRungs
 	}
 	w.Header().Set("x-service-input-rungs", strconv.FormatInt(estimate, 10))
-	if r.err == nil && r.s.detach(r, w) {
-		return nil
+	x := exchangeFrom(r.ctx)
+	if r.err == nil && r.s.detachAfter > 0 && x != nil && x.req.ProtoMajor == 1 && x.req.ProtoMinor == 1 {
+		// HTTP/2 multiplexes its connection; HTTP/1.0 has no chunks.
+		return r.s.serveDetachable(r, w, x)
 	}
 	defer r.done()
 	return r.run(r.ctx, startSSE(w, r.s.keepalive))
