@@ -218,3 +218,28 @@ func TestWaitStreams(t *testing.T) {
 		return v.Totals.Requests == 1 && v.Budget.ReservedRungs == 0
 	}, 5*time.Second, 10*time.Millisecond, "the output sent is billed, the reservation settled")
 }
+
+// TestStreamNotYetDetachedEndsWithItsClient: before a stream is detached, the
+// client going away (seen by net/http) ends its call too; what it produced is
+// billed.
+func TestStreamNotYetDetachedEndsWithItsClient(t *testing.T) {
+	t.Parallel()
+	b := setupWith(t, options{server: func(c *server.Config) { c.DetachAfter = time.Hour }})
+	b.upstream.configure(func(s *scripted) { s.hang = true })
+	conn, r := b.dialRaw(t)
+	_, err := io.WriteString(conn, b.rawRequest(http.MethodPost, "/api/v1/responses", "HTTP/1.1", `{"prompt":"leave","stream":true}`))
+	require.NoError(t, err)
+	resp, err := http.ReadResponse(r, nil)
+	require.NoError(t, err)
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	line, err := bufio.NewReader(resp.Body).ReadString('\n')
+	require.NoError(t, err)
+	require.Equal(t, "event: response.output_text.delta\n", line, "the first piece is out")
+	require.NoError(t, conn.Close())
+
+	require.Eventually(t, func() bool {
+		v := b.usage(t, b.key)
+		return v.Totals.Requests == 1 && v.Budget.ReservedRungs == 0
+	}, 5*time.Second, 10*time.Millisecond, "the call ended, its output billed, its reservation settled")
+	require.NoError(t, b.server.WaitStreams(context.Background()), "it was never detached")
+}
