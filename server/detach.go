@@ -377,7 +377,9 @@ func (s *Server) CloseStreams() {
 }
 
 // Listener wraps ln for the HTTP server to accept, besides new connections,
-// those whose detached streams ended, for their clients' next requests.
+// those whose detached streams ended, for their clients' next requests. A
+// server whose listener is not wrapped keeps every stream on its
+// connection's goroutine.
 func (s *Server) Listener(ln net.Listener) net.Listener {
 	l := &relistener{Listener: ln, back: make(chan net.Conn), accepted: make(chan accepted), closed: make(chan struct{})}
 	s.relisten.Store(l)
@@ -430,13 +432,8 @@ func (l *relistener) acceptNew() {
 	}
 }
 
-// give hands c to the server, or closes it once the listener is closed (nil
-// included: nothing accepts it back).
+// give hands c to the server, or closes it once the listener is closed.
 func (l *relistener) give(c net.Conn) {
-	if l == nil {
-		closeConn(c)
-		return
-	}
 	select {
 	case l.back <- c:
 	case <-l.closed:

@@ -243,3 +243,24 @@ func TestStreamNotYetDetachedEndsWithItsClient(t *testing.T) {
 	}, 5*time.Second, 10*time.Millisecond, "the call ended, its output billed, its reservation settled")
 	require.NoError(t, b.server.WaitStreams(context.Background()), "it was never detached")
 }
+
+// TestStreamsStayWithoutTheListener: a server whose listener is not wrapped
+// (nothing would take connections back) keeps its streams on their
+// connections' goroutines, however long they run.
+func TestStreamsStayWithoutTheListener(t *testing.T) {
+	t.Parallel()
+	b := setupWith(t, options{plainListener: true})
+	b.upstream.configure(func(s *scripted) { s.firstDelay = 100 * time.Millisecond })
+	streamed := make(chan apitest.Stream, 1)
+	go func() {
+		_, s := b.stream("/api/v1/responses", map[string]any{"prompt": "stay"})
+		streamed <- s
+	}()
+	require.Eventually(t, func() bool { return b.upstream.callCount() == 1 }, 5*time.Second, time.Millisecond)
+	time.Sleep(30 * time.Millisecond) // past DetachAfter, before the first piece
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+	defer cancel()
+	require.NoError(t, b.server.WaitStreams(ctx), "no stream is detached")
+	s := <-streamed
+	require.Equal(t, "response.completed", s.Events[len(s.Events)-1].Name)
+}

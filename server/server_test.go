@@ -184,6 +184,8 @@ type options struct {
 	pool      *pgxpool.Pool // nil: a fresh database
 	provider  upstream.Provider
 	server    func(*server.Config)
+	// plainListener serves without the server's listener wrapper.
+	plainListener bool
 }
 
 func setupWith(t testing.TB, o options) *testBundle {
@@ -249,7 +251,7 @@ func setupWith(t testing.TB, o options) *testBundle {
 	}
 	srv, err := server.New(cfg)
 	require.NoError(t, err)
-	b := &testBundle{t: t, store: st, upstream: up, server: srv, http: serveAPI(t, srv), keys: keys, heardTables: heard}
+	b := &testBundle{t: t, store: st, upstream: up, server: srv, http: serveAPI(t, srv, !o.plainListener), keys: keys, heardTables: heard}
 	b.key = b.newKey("acme", gateway.TierDeveloper, gateway.ScopeInference, gateway.ScopeUsage)
 	return b
 }
@@ -261,12 +263,14 @@ func (b *testBundle) newKey(account string, tier gateway.Tier, scopes ...gateway
 	return token
 }
 
-// serveAPI serves srv as a replica does: through its listener, which takes
-// back the connections of streams that ended.
-func serveAPI(t testing.TB, srv *server.Server) *httptest.Server {
+// serveAPI serves srv as a replica does, wrapped: through its listener,
+// which takes back the connections of streams that ended.
+func serveAPI(t testing.TB, srv *server.Server, wrapped bool) *httptest.Server {
 	t.Helper()
 	ts := httptest.NewUnstartedServer(srv)
-	ts.Listener = srv.Listener(ts.Listener)
+	if wrapped {
+		ts.Listener = srv.Listener(ts.Listener)
+	}
 	ts.Start()
 	t.Cleanup(func() {
 		srv.Abort()

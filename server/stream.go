@@ -40,8 +40,10 @@ func (r streamReply) serve(w http.ResponseWriter) error {
 	}
 	w.Header().Set("x-service-input-rungs", strconv.FormatInt(estimate, 10))
 	x := exchangeFrom(r.ctx)
-	if r.err == nil && r.s.detachAfter > 0 && x != nil && x.req.ProtoMajor == 1 && x.req.ProtoMinor == 1 {
-		// HTTP/2 multiplexes its connection; HTTP/1.0 has no chunks.
+	if r.err == nil && r.s.detachAfter > 0 && r.s.relisten.Load() != nil && x != nil && x.req.ProtoMajor == 1 && x.req.ProtoMinor == 1 {
+		// HTTP/2 multiplexes its connection; HTTP/1.0 has no chunks; a
+		// connection taken over goes back to the server through its
+		// listener (Listener).
 		return r.s.serveDetachable(r, w, x)
 	}
 	defer r.done()
