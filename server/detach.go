@@ -12,8 +12,9 @@ import (
 	"time"
 )
 
-// IdleTimeout is how long a client connection may wait for its next request
-// (the HTTP server's, and a detached stream's connection's once it ended).
+// IdleTimeout is how long a client connection may wait for its next request:
+// the HTTP server's idle timeout, which a connection handed back after a
+// detached stream keeps too (see handedConn).
 const IdleTimeout = 2 * time.Minute
 
 // DefaultDetachAfter is how long an HTTP/1.1 stream runs before it is

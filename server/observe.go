@@ -25,8 +25,8 @@ const maxRequestIDLen = 128
 // observe gives every request an id, and once it is answered writes one JSON
 // log line (id, method, route, status, duration, bytes, account; never a key
 // or a prompt) and records it in the metrics. Errors are answered here,
-// through the error handler, so the status is known. A stream served off the
-// connection's goroutine (see detach) is logged when it ends.
+// through the error handler, so the status is known. A stream detached from
+// its connection's goroutine (see serveDetachable) is logged when it ends.
 func (s *Server) observe(next echo.HandlerFunc) echo.HandlerFunc {
 	return func(c echo.Context) error {
 		x := &exchange{s: s, req: c.Request(), start: time.Now(), method: metrics.Method(c.Request().Method)}

@@ -21,7 +21,9 @@ const (
 // writes a `:` comment line. It is safe for the keep-alive timer and the stream
 // to write concurrently; after the first write error every write fails.
 type sseWriter struct {
-	mu        sync.Mutex
+	mu sync.Mutex
+	// out is where the bytes go: the response, then, once the stream is
+	// detached, its connection (swapped under mu).
 	out       sink
 	keepalive time.Duration
 	timer     *time.Timer
@@ -47,24 +49,15 @@ type responseSink struct {
 // Flush implements sink.
 func (r responseSink) Flush() error { return r.rc.Flush() }
 
-// setSSEHeaders sets the headers of a stream's head.
-func setSSEHeaders(h http.Header) {
-	h.Set("Content-Type", "text/event-stream")
-	h.Set("Cache-Control", "no-cache")
-	h.Set("X-Accel-Buffering", "no") // no buffering in nginx-like proxies
-}
-
 // startSSE writes the head of a stream through w (status 200 and the headers
 // already set on w), flushes it, and starts the keep-alive timer.
 func startSSE(w http.ResponseWriter, keepalive time.Duration) *sseWriter {
-	setSSEHeaders(w.Header())
+	h := w.Header()
+	h.Set("Content-Type", "text/event-stream")
+	h.Set("Cache-Control", "no-cache")
+	h.Set("X-Accel-Buffering", "no") // no buffering in nginx-like proxies
 	w.WriteHeader(http.StatusOK)
-	return newSSE(responseSink{w, http.NewResponseController(w)}, keepalive)
-}
-
-// newSSE flushes out, whose head is written, and starts the keep-alive timer.
-func newSSE(out sink, keepalive time.Duration) *sseWriter {
-	s := &sseWriter{out: out, keepalive: keepalive}
+	s := &sseWriter{out: responseSink{w, http.NewResponseController(w)}, keepalive: keepalive}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.err = s.out.Flush()
