@@ -355,7 +355,7 @@ func (d *Drainer) run(ctx, commits context.Context, it store.ClaimedItem) {
 	ctx, span := tracing.BatchItem(ctx, it.BatchID.String(), it.Index, string(req.Model))
 	defer span.End()
 	start := time.Now()
-	res, err := d.provider.Complete(ctx, upstream.Request{
+	res, err := d.provider.Complete(ctx, &upstream.Request{
 		Model: req.Model, System: req.CustomInstructions, Prompt: req.Prompt,
 		MaxOutputTokens: req.MaxOutputRungs, Hints: req.Hints, AtMostOnce: true,
 		OnDispatch: func() {

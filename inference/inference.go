@@ -184,12 +184,19 @@ func (s *Service) Stream(ctx context.Context, call *Call, emit func(upstream.Del
 		started = true
 		return emit(d)
 	})
+	return s.streamed(ctx, call, &res, err, started, start)
+}
+
+// streamed settles a stream the upstream ran (begun at start; started says
+// it emitted output) and says how it ended. Apart from Stream, whose frame
+// is under the upstream call while it waits, often long, for a first token.
+func (s *Service) streamed(ctx context.Context, call *Call, res *upstream.Result, err error, started bool, start time.Time) (*Result, error) {
 	s.observe(ctx, call, err, start)
 	if err != nil && !started {
 		s.release(call)
 		return nil, s.upstreamError(ctx, err)
 	}
-	committed, settleErr := s.settle(ctx, call, res, err != nil)
+	committed, settleErr := s.settle(ctx, call, *res, err != nil)
 	if settleErr != nil {
 		return s.result(call, upstream.Result{}, gateway.Usage{}), settleErr
 	}
@@ -220,9 +227,9 @@ func (s *Service) trace(ctx context.Context, call *Call) {
 
 func shuttingDown(ctx context.Context) bool { return errors.Is(context.Cause(ctx), ErrShutdown) }
 
-func (s *Service) upstreamRequest(call *Call) upstream.Request {
+func (s *Service) upstreamRequest(call *Call) *upstream.Request {
 	req := call.Request
-	return upstream.Request{
+	return &upstream.Request{
 		Model:           req.Model,
 		System:          req.CustomInstructions,
 		Prompt:          req.Prompt,

@@ -152,17 +152,17 @@ func New(cfg Config) (*Router, error) {
 func (r *Router) Available(model gateway.Model) bool { return r.routes[model] != nil }
 
 // Complete implements upstream.Provider.
-func (r *Router) Complete(ctx context.Context, req upstream.Request) (upstream.Result, error) {
-	return r.run(ctx, req, nil, func(ctx context.Context, t *target, req upstream.Request) (upstream.Result, error) {
+func (r *Router) Complete(ctx context.Context, req *upstream.Request) (upstream.Result, error) {
+	return r.run(ctx, req, nil, func(ctx context.Context, t *target, req *upstream.Request) (upstream.Result, error) {
 		return t.Client.Complete(ctx, req)
 	})
 }
 
 // Stream implements upstream.Provider. A stream moves to the next target only
 // while nothing of it has been emitted; after that, a failure is the stream's.
-func (r *Router) Stream(ctx context.Context, req upstream.Request, emit func(upstream.Delta) error) (upstream.Result, error) {
+func (r *Router) Stream(ctx context.Context, req *upstream.Request, emit func(upstream.Delta) error) (upstream.Result, error) {
 	var emitted bool
-	return r.run(ctx, req, &emitted, func(ctx context.Context, t *target, req upstream.Request) (upstream.Result, error) {
+	return r.run(ctx, req, &emitted, func(ctx context.Context, t *target, req *upstream.Request) (upstream.Result, error) {
 		return t.Client.Stream(ctx, req, func(d upstream.Delta) error {
 			emitted = true
 			return emit(d)
@@ -172,8 +172,11 @@ func (r *Router) Stream(ctx context.Context, req upstream.Request, emit func(ups
 
 // run tries the model's targets until one answers, a failure may not move on,
 // or the attempts or the time run out, and returns the last attempt's outcome.
-func (r *Router) run(ctx context.Context, req upstream.Request, emitted *bool,
-	attempt func(context.Context, *target, upstream.Request) (upstream.Result, error)) (upstream.Result, error) {
+func (r *Router) run(ctx context.Context, original *upstream.Request, emitted *bool,
+	attempt func(context.Context, *target, *upstream.Request) (upstream.Result, error)) (upstream.Result, error) {
+	// Each attempt is sent this copy, with its target's upstream model; the
+	// caller's request is not changed.
+	req := *original
 	rt := r.routes[req.Model]
 	if rt == nil {
 		return upstream.Result{}, fmt.Errorf("%w: model %s has no route", upstream.ErrUnavailable, req.Model)
@@ -204,10 +207,9 @@ func (r *Router) run(ctx context.Context, req upstream.Request, emitted *bool,
 			r.metrics.Fallback(string(rt.model))
 		}
 		attempts++
-		areq := req
-		areq.UpstreamModel = t.UpstreamModel
+		req.UpstreamModel = t.UpstreamModel
 		actx, span := tracing.StartAttempt(ctx, t.Provider, t.UpstreamModel, attempts)
-		res, err := attempt(actx, t, areq)
+		res, err := attempt(actx, t, &req)
 		kind := upstream.Kind(err)
 		t.metrics.Attempt(kind, time.Since(now))
 		tracing.EndAttempt(span, t.UpstreamModel, res.UsageReported, res.InputTokens, res.OutputTokens, kind)

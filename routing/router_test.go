@@ -44,8 +44,8 @@ func setup(t *testing.T, cfg routing.Config) *testBundle {
 
 func (b *testBundle) calls(name string) int { return len(b.fakes[name].Calls()) }
 
-func request(prompt string) upstream.Request {
-	return upstream.Request{Model: gateway.ModelInstant, Prompt: prompt, MaxOutputTokens: 100}
+func request(prompt string) *upstream.Request {
+	return &upstream.Request{Model: gateway.ModelInstant, Prompt: prompt, MaxOutputTokens: 100}
 }
 
 func TestFallsBackWhenATargetIsUnavailable(t *testing.T) {
@@ -114,6 +114,7 @@ func TestAtMostOnceMovesOnOnlyWhenNotProcessed(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, "b", res.Route.Provider)
 	require.Equal(t, 1, dispatches, "the caller hears of the dispatch once")
+	require.Empty(t, req.UpstreamModel, "the caller's request is not changed by the attempts")
 }
 
 func TestStreamFallsBackOnlyBeforeTheFirstByte(t *testing.T) {
@@ -261,14 +262,14 @@ type counting struct {
 	n  int
 }
 
-func (c *counting) Complete(context.Context, upstream.Request) (upstream.Result, error) {
+func (c *counting) Complete(context.Context, *upstream.Request) (upstream.Result, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.n++
 	return upstream.Result{Content: "ok", UsageReported: true}, nil
 }
 
-func (c *counting) Stream(ctx context.Context, req upstream.Request, _ func(upstream.Delta) error) (upstream.Result, error) {
+func (c *counting) Stream(ctx context.Context, req *upstream.Request, _ func(upstream.Delta) error) (upstream.Result, error) {
 	return c.Complete(ctx, req)
 }
 
@@ -306,6 +307,6 @@ func TestNewRefusesBadRoutes(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, r.Available(gateway.ModelInstant))
 	require.False(t, r.Available(gateway.ModelReasoning))
-	_, err = r.Complete(context.Background(), upstream.Request{Model: gateway.ModelReasoning})
+	_, err = r.Complete(context.Background(), &upstream.Request{Model: gateway.ModelReasoning})
 	require.True(t, errors.Is(err, upstream.ErrUnavailable))
 }

@@ -73,7 +73,7 @@ func TestAccessLogNeverLeaksSecrets(t *testing.T) {
 // panicking is an upstream that panics.
 type panicking struct{ upstream.Provider }
 
-func (panicking) Complete(context.Context, upstream.Request) (upstream.Result, error) {
+func (panicking) Complete(context.Context, *upstream.Request) (upstream.Result, error) {
 	panic("upstream client bug")
 }
 

@@ -50,9 +50,9 @@ type scripted struct {
 // streamPieces is what a scripted stream sends for a prompt.
 func streamPieces(prompt string) []string { return []string{"answer ", "to ", prompt} }
 
-func (s *scripted) Stream(ctx context.Context, req upstream.Request, emit func(upstream.Delta) error) (upstream.Result, error) {
+func (s *scripted) Stream(ctx context.Context, req *upstream.Request, emit func(upstream.Delta) error) (upstream.Result, error) {
 	s.mu.Lock()
-	s.calls = append(s.calls, req)
+	s.calls = append(s.calls, *req)
 	err, firstDelay, breakAfter, breakWith, hang := s.err, s.firstDelay, s.breakAfter, s.breakWith, s.hang
 	if breakWith == nil {
 		breakWith = upstream.ErrStreamBroken
@@ -89,9 +89,9 @@ func (s *scripted) Stream(ctx context.Context, req upstream.Request, emit func(u
 	return whole, nil
 }
 
-func (s *scripted) Complete(ctx context.Context, req upstream.Request) (upstream.Result, error) {
+func (s *scripted) Complete(ctx context.Context, req *upstream.Request) (upstream.Result, error) {
 	s.mu.Lock()
-	s.calls = append(s.calls, req)
+	s.calls = append(s.calls, *req)
 	err, hang := s.err, s.hang
 	s.mu.Unlock()
 	if err != nil {
@@ -105,7 +105,7 @@ func (s *scripted) Complete(ctx context.Context, req upstream.Request) (upstream
 }
 
 // answer is the scripted upstream's reply: 11 input and 5 output tokens.
-func answer(req upstream.Request) upstream.Result {
+func answer(req *upstream.Request) upstream.Result {
 	res := upstream.Result{Content: "answer to " + req.Prompt, UsageReported: true, InputTokens: 11, OutputTokens: 5}
 	if req.Hints.WebSearch {
 		res.Sources = []gateway.Source{{Title: "Doc", URL: "https://example.org", Snippet: "snip"}, {Title: "Other", URL: "https://example.com"}}

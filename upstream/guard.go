@@ -37,13 +37,13 @@ type guarded struct {
 }
 
 // Complete implements Provider.
-func (g *guarded) Complete(ctx context.Context, req Request) (Result, error) {
+func (g *guarded) Complete(ctx context.Context, req *Request) (Result, error) {
 	res, err := g.next.Complete(ctx, req)
 	return cleanResult(res), err
 }
 
 // Stream implements Provider: each delta is cleaned before emit sees it.
-func (g *guarded) Stream(ctx context.Context, req Request, emit func(Delta) error) (Result, error) {
+func (g *guarded) Stream(ctx context.Context, req *Request, emit func(Delta) error) (Result, error) {
 	res, err := g.next.Stream(ctx, req, func(d Delta) error {
 		d.Content = Clean(d.Content)
 		cleanSources(d.Sources)

@@ -19,11 +19,11 @@ type scripted struct {
 	err    error
 }
 
-func (p scripted) Complete(context.Context, upstream.Request) (upstream.Result, error) {
+func (p scripted) Complete(context.Context, *upstream.Request) (upstream.Result, error) {
 	return p.res, p.err
 }
 
-func (p scripted) Stream(_ context.Context, _ upstream.Request, emit func(upstream.Delta) error) (upstream.Result, error) {
+func (p scripted) Stream(_ context.Context, _ *upstream.Request, emit func(upstream.Delta) error) (upstream.Result, error) {
 	for _, d := range p.deltas {
 		if err := emit(d); err != nil {
 			return p.res, err
@@ -56,14 +56,14 @@ func TestGuardCleansEverythingReturned(t *testing.T) {
 	}
 	p := upstream.Guard(scripted{res: hostile, deltas: []upstream.Delta{{Content: "d\x00", Sources: []gateway.Source{{Title: "x\x00"}}}}})
 
-	res, err := p.Complete(context.Background(), upstream.Request{})
+	res, err := p.Complete(context.Background(), &upstream.Request{})
 	require.NoError(t, err)
 	require.Equal(t, "ab\uFFFD", res.Content)
 	require.Equal(t, "v", res.Verdict)
 	require.Equal(t, []gateway.Source{{Title: "t", URL: "u\uFFFD", Snippet: "s"}}, res.Sources)
 
 	var got []upstream.Delta
-	_, err = p.Stream(context.Background(), upstream.Request{}, func(d upstream.Delta) error {
+	_, err = p.Stream(context.Background(), &upstream.Request{}, func(d upstream.Delta) error {
 		got = append(got, d)
 		return nil
 	})

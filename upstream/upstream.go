@@ -34,7 +34,7 @@ type Request struct {
 }
 
 // Dispatched calls r.OnDispatch, if set.
-func (r Request) Dispatched() {
+func (r *Request) Dispatched() {
 	if r.OnDispatch != nil {
 		r.OnDispatch()
 	}
@@ -69,11 +69,11 @@ type Delta struct {
 // refused this request, ErrStreamBroken when a stream ended early.
 type Provider interface {
 	// Complete runs the request and returns the whole reply.
-	Complete(ctx context.Context, req Request) (Result, error)
+	Complete(ctx context.Context, req *Request) (Result, error)
 	// Stream runs the request, calling emit for each piece of output as it
 	// arrives. It returns what was produced, also when it fails part-way (the
 	// caller bills that); an error from emit stops the stream and is returned.
-	Stream(ctx context.Context, req Request, emit func(Delta) error) (Result, error)
+	Stream(ctx context.Context, req *Request, emit func(Delta) error) (Result, error)
 }
 
 // ErrStreamBroken marks a stream that ended before the upstream finished it.

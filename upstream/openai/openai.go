@@ -158,7 +158,7 @@ type errorBody struct {
 }
 
 // Complete implements upstream.Provider.
-func (c *Client) Complete(ctx context.Context, req upstream.Request) (upstream.Result, error) {
+func (c *Client) Complete(ctx context.Context, req *upstream.Request) (upstream.Result, error) {
 	ctx, cancel := context.WithTimeout(ctx, c.cfg.Timeout)
 	defer cancel()
 
@@ -200,7 +200,7 @@ func parseCompletion(raw []byte) (upstream.Result, error) {
 // post sends the chat request and returns a 2xx reply, or the classified
 // error, and whether the request was dispatched: a connection was obtained to
 // write it on (req.Dispatched is called then).
-func (c *Client) post(ctx context.Context, req upstream.Request, stream bool) (*http.Response, bool, error) {
+func (c *Client) post(ctx context.Context, req *upstream.Request, stream bool) (*http.Response, bool, error) {
 	cr := chatRequest{
 		Model:               req.UpstreamModel,
 		Messages:            messages(req),
@@ -257,7 +257,7 @@ func (c *Client) post(ctx context.Context, req upstream.Request, stream bool) (*
 	return resp, true, nil
 }
 
-func messages(req upstream.Request) []message {
+func messages(req *upstream.Request) []message {
 	msgs := make([]message, 0, 2)
 	if req.System != "" {
 		msgs = append(msgs, message{Role: "system", Content: req.System})

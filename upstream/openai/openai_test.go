@@ -60,7 +60,7 @@ var req = upstream.Request{
 func TestComplete(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {
-		res, err := b.client.Complete(context.Background(), req)
+		res, err := b.client.Complete(context.Background(), &req)
 		require.NoError(t, err)
 		require.Equal(t, fakeupstream.Reply(req.Prompt), res.Content)
 		pt, ct := fakeupstream.Usage(req.Prompt)
@@ -82,7 +82,7 @@ func TestUnavailable(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {
 		b.fake.SetMode(fakeupstream.Down)
-		_, err := b.client.Complete(context.Background(), req)
+		_, err := b.client.Complete(context.Background(), &req)
 		require.ErrorIs(t, err, upstream.ErrUnavailable)
 	})
 }
@@ -96,7 +96,7 @@ func TestStatusClasses(t *testing.T) {
 			500: upstream.ErrFailed, 502: upstream.ErrFailed, 504: upstream.ErrFailed, 408: upstream.ErrFailed,
 		} {
 			b.fake.SetStatus(status)
-			_, err := b.client.Complete(context.Background(), req)
+			_, err := b.client.Complete(context.Background(), &req)
 			require.ErrorIs(t, err, want, "status %d", status)
 			_, _, err = collect(t, b.client, context.Background())
 			require.ErrorIs(t, err, want, "stream, status %d", status)
@@ -110,7 +110,7 @@ func TestDispatchIsReported(t *testing.T) {
 		var dispatched int
 		r := req
 		r.OnDispatch = func() { dispatched++ }
-		_, err := b.client.Complete(context.Background(), r)
+		_, err := b.client.Complete(context.Background(), &r)
 		require.NoError(t, err)
 		require.Equal(t, 1, dispatched)
 	})
@@ -120,7 +120,7 @@ func TestRejected(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {
 		b.fake.SetMode(fakeupstream.Reject)
-		_, err := b.client.Complete(context.Background(), req)
+		_, err := b.client.Complete(context.Background(), &req)
 		var rejected *upstream.RejectedError
 		require.ErrorAs(t, err, &rejected)
 		require.Equal(t, 400, rejected.Status)
@@ -139,9 +139,9 @@ func TestConnectionRefusedIsUnavailable(t *testing.T) {
 		client := b.newClient(openai.Config{BaseURL: "http://" + addr + "/v1"})
 		r := req
 		r.OnDispatch = func() { t.Error("a refused connection was reported dispatched") }
-		_, err = client.Complete(context.Background(), r)
+		_, err = client.Complete(context.Background(), &r)
 		require.ErrorIs(t, err, upstream.ErrUnavailable)
-		_, err = client.Stream(context.Background(), r, func(upstream.Delta) error { return nil })
+		_, err = client.Stream(context.Background(), &r, func(upstream.Delta) error { return nil })
 		require.ErrorIs(t, err, upstream.ErrUnavailable)
 	})
 }
@@ -153,7 +153,7 @@ func TestTimeoutAfterDispatchIsFailed(t *testing.T) {
 	eachTransport(t, func(t *testing.T, b *testBundle) {
 		b.fake.SetDelay(time.Second)
 		client := b.newClient(openai.Config{Timeout: 50 * time.Millisecond})
-		_, err := client.Complete(context.Background(), req)
+		_, err := client.Complete(context.Background(), &req)
 		require.ErrorIs(t, err, upstream.ErrFailed)
 		require.NotErrorIs(t, err, upstream.ErrUnavailable)
 		_, _, err = collect(t, client, context.Background())
@@ -167,7 +167,7 @@ func TestCallerCancellationIsNotAnOutage(t *testing.T) {
 		b.fake.SetDelay(time.Second)
 		ctx, cancel := context.WithCancel(context.Background())
 		time.AfterFunc(20*time.Millisecond, cancel)
-		_, err := b.client.Complete(ctx, req)
+		_, err := b.client.Complete(ctx, &req)
 		require.True(t, errors.Is(err, context.Canceled), "got %v", err)
 		require.NotErrorIs(t, err, upstream.ErrUnavailable)
 	})
@@ -176,7 +176,7 @@ func TestCallerCancellationIsNotAnOutage(t *testing.T) {
 func collect(t *testing.T, client *openai.Client, ctx context.Context) ([]upstream.Delta, upstream.Result, error) {
 	t.Helper()
 	var deltas []upstream.Delta
-	res, err := client.Stream(ctx, req, func(d upstream.Delta) error {
+	res, err := client.Stream(ctx, &req, func(d upstream.Delta) error {
 		deltas = append(deltas, d)
 		return nil
 	})
@@ -210,13 +210,13 @@ func TestLargeBodiesPassTheSmallBuffers(t *testing.T) {
 	eachTransport(t, func(t *testing.T, b *testBundle) {
 		large := req
 		large.Prompt = strings.Repeat("word ", 20000) + strings.Repeat("x", 3000)
-		res, err := b.client.Complete(context.Background(), large)
+		res, err := b.client.Complete(context.Background(), &large)
 		require.NoError(t, err)
 		require.Equal(t, fakeupstream.Reply(large.Prompt), res.Content)
 		require.Equal(t, large.Prompt, b.fake.Calls()[0].Prompt)
 
 		var longest int
-		res, err = b.client.Stream(context.Background(), large, func(d upstream.Delta) error {
+		res, err = b.client.Stream(context.Background(), &large, func(d upstream.Delta) error {
 			longest = max(longest, len(d.Content))
 			return nil
 		})
@@ -252,7 +252,7 @@ func TestStreamLinesSplitAcrossPauses(t *testing.T) {
 	t.Cleanup(server.Close)
 	client := openai.New(openai.Config{BaseURL: server.URL, Timeout: 5 * time.Second})
 	var got []string
-	res, err := client.Stream(context.Background(), req, func(d upstream.Delta) error {
+	res, err := client.Stream(context.Background(), &req, func(d upstream.Delta) error {
 		got = append(got, d.Content)
 		return nil
 	})
@@ -301,7 +301,7 @@ func TestStreamCallerCancels(t *testing.T) {
 		b.fake.SetChunkDelay(50 * time.Millisecond)
 		ctx, cancel := context.WithCancel(context.Background())
 		n := 0
-		res, err := b.client.Stream(ctx, req, func(upstream.Delta) error {
+		res, err := b.client.Stream(ctx, &req, func(upstream.Delta) error {
 			if n++; n == 2 {
 				cancel()
 			}
@@ -316,7 +316,7 @@ func TestStreamEmitErrorStops(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {
 		stop := errors.New("client gone")
-		res, err := b.client.Stream(context.Background(), req, func(upstream.Delta) error { return stop })
+		res, err := b.client.Stream(context.Background(), &req, func(upstream.Delta) error { return stop })
 		require.ErrorIs(t, err, stop)
 		require.Equal(t, fakeupstream.StreamPieces(req.Prompt)[0], res.Content)
 	})

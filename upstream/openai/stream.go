@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/http"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -36,33 +37,52 @@ var doneMarker = []byte("[DONE]")
 // in-stream error, or Timeout of silence as broken (ErrStreamBroken, with what
 // was received). A stream that ends with [DONE] but without usage succeeds with
 // UsageReported false, for the caller to count.
-func (c *Client) Stream(ctx context.Context, req upstream.Request, emit func(upstream.Delta) error) (upstream.Result, error) {
+//
+// The reply is waited for in post, under this function's frame only: what
+// follows it (reading, classifying) is in receive, so that the goroutine
+// waiting, often long, for an upstream's first byte waits shallow and keeps a
+// small stack.
+func (c *Client) Stream(ctx context.Context, req *upstream.Request, emit func(upstream.Delta) error) (upstream.Result, error) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	var idle atomic.Bool
-	watchdog := time.AfterFunc(c.cfg.Timeout, func() { idle.Store(true); cancel() })
-	defer watchdog.Stop()
-
+	w := &watchdog{}
+	w.timer = time.AfterFunc(c.cfg.Timeout, func() { w.idle.Store(true); cancel() })
+	defer w.timer.Stop()
 	resp, dispatched, err := c.post(ctx, req, true)
 	if err != nil {
-		if idle.Load() {
-			class := upstream.ErrFailed
-			if !dispatched {
-				class = upstream.ErrUnavailable
-			}
-			return upstream.Result{}, fmt.Errorf("%w: no reply within %s", class, c.cfg.Timeout)
-		}
-		return upstream.Result{}, err
+		return upstream.Result{}, c.postError(w, dispatched, err)
 	}
-	defer resp.Body.Close()
+	return c.receive(ctx, w, resp, emit)
+}
 
-	res, err := readStream(resp.Body, func() { watchdog.Reset(c.cfg.Timeout) }, emit)
+// watchdog cancels a stream's call after Timeout of silence.
+type watchdog struct {
+	timer *time.Timer
+	idle  atomic.Bool // it fired
+}
+
+// postError is the error of a stream whose request failed.
+func (c *Client) postError(w *watchdog, dispatched bool, err error) error {
+	if w.idle.Load() {
+		class := upstream.ErrFailed
+		if !dispatched {
+			class = upstream.ErrUnavailable
+		}
+		return fmt.Errorf("%w: no reply within %s", class, c.cfg.Timeout)
+	}
+	return err
+}
+
+// receive reads a stream's reply and classifies how it ended.
+func (c *Client) receive(ctx context.Context, w *watchdog, resp *http.Response, emit func(upstream.Delta) error) (upstream.Result, error) {
+	defer resp.Body.Close()
+	res, err := readStream(resp.Body, func() { w.timer.Reset(c.cfg.Timeout) }, emit)
 	switch {
 	case err == nil, errors.Is(err, errEmit):
 		return res, errors.Unwrap(err)
-	case ctx.Err() != nil && !idle.Load():
+	case ctx.Err() != nil && !w.idle.Load():
 		return res, ctx.Err() // the caller went away
-	case idle.Load():
+	case w.idle.Load():
 		return res, fmt.Errorf("%w: no data for %s", upstream.ErrStreamBroken, c.cfg.Timeout)
 	default:
 		return res, fmt.Errorf("%w: %v", upstream.ErrStreamBroken, err)

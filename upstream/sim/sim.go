@@ -35,7 +35,7 @@ type Provider struct {
 var _ upstream.Provider = (*Provider)(nil)
 
 // Complete implements upstream.Provider.
-func (p *Provider) Complete(ctx context.Context, req upstream.Request) (upstream.Result, error) {
+func (p *Provider) Complete(ctx context.Context, req *upstream.Request) (upstream.Result, error) {
 	req.Dispatched()
 	res := p.answer(req)
 	if err := p.pace(ctx, res.OutputTokens); err != nil {
@@ -46,7 +46,7 @@ func (p *Provider) Complete(ctx context.Context, req upstream.Request) (upstream
 
 // Stream implements upstream.Provider: the same answer as Complete, a word at a
 // time, paced per token, with the evidence on the first piece.
-func (p *Provider) Stream(ctx context.Context, req upstream.Request, emit func(upstream.Delta) error) (upstream.Result, error) {
+func (p *Provider) Stream(ctx context.Context, req *upstream.Request, emit func(upstream.Delta) error) (upstream.Result, error) {
 	req.Dispatched()
 	res := p.answer(req)
 	sent := upstream.Result{Verdict: res.Verdict}
@@ -73,7 +73,7 @@ func (p *Provider) Stream(ctx context.Context, req upstream.Request, emit func(u
 }
 
 // partial is what a cut-short stream produced, with the simulator's own counts.
-func (p *Provider) partial(req upstream.Request, sent upstream.Result) upstream.Result {
+func (p *Provider) partial(req *upstream.Request, sent upstream.Result) upstream.Result {
 	sent.UsageReported = true
 	sent.InputTokens = p.Tokenizer.Count(req.System) + p.Tokenizer.Count(req.Prompt)
 	sent.OutputTokens = p.Tokenizer.Count(sent.Content)
@@ -96,7 +96,7 @@ func (p *Provider) pace(ctx context.Context, n uint64) error {
 }
 
 // answer derives the whole reply from the request, deterministically.
-func (p *Provider) answer(req upstream.Request) upstream.Result {
+func (p *Provider) answer(req *upstream.Request) upstream.Result {
 	h := fnv.New64a()
 	_, _ = h.Write([]byte(req.Model))
 	_, _ = h.Write([]byte{0})

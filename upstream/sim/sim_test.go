@@ -24,9 +24,9 @@ func TestDeterministicAndCounted(t *testing.T) {
 	t.Parallel()
 	p := provider(t, 0)
 	req := upstream.Request{Model: gateway.ModelInstant, Prompt: "hello there", System: "be kind", MaxOutputTokens: 32000}
-	a, err := p.Complete(context.Background(), req)
+	a, err := p.Complete(context.Background(), &req)
 	require.NoError(t, err)
-	b, err := p.Complete(context.Background(), req)
+	b, err := p.Complete(context.Background(), &req)
 	require.NoError(t, err)
 	require.Equal(t, a, b)
 	require.NotEmpty(t, a.Content)
@@ -35,7 +35,7 @@ func TestDeterministicAndCounted(t *testing.T) {
 	require.Empty(t, a.Sources)
 	require.Empty(t, a.Verdict)
 
-	other, err := p.Complete(context.Background(), upstream.Request{Model: gateway.ModelInstant, Prompt: "something else", MaxOutputTokens: 32000})
+	other, err := p.Complete(context.Background(), &upstream.Request{Model: gateway.ModelInstant, Prompt: "something else", MaxOutputTokens: 32000})
 	require.NoError(t, err)
 	require.NotEqual(t, a.Content, other.Content)
 }
@@ -44,7 +44,7 @@ func TestRespectsOutputCeiling(t *testing.T) {
 	t.Parallel()
 	p := provider(t, 0)
 	for _, limit := range []uint64{1, 3, 10} {
-		res, err := p.Complete(context.Background(), upstream.Request{Model: gateway.ModelElements, Prompt: "long answer please", MaxOutputTokens: limit})
+		res, err := p.Complete(context.Background(), &upstream.Request{Model: gateway.ModelElements, Prompt: "long answer please", MaxOutputTokens: limit})
 		require.NoError(t, err)
 		require.LessOrEqual(t, res.OutputTokens, limit)
 	}
@@ -52,7 +52,7 @@ func TestRespectsOutputCeiling(t *testing.T) {
 
 func TestWebSearchGivesEvidence(t *testing.T) {
 	t.Parallel()
-	res, err := provider(t, 0).Complete(context.Background(), upstream.Request{Model: gateway.ModelInstant, Prompt: "news", MaxOutputTokens: 100, Hints: gateway.Hints{WebSearch: true}})
+	res, err := provider(t, 0).Complete(context.Background(), &upstream.Request{Model: gateway.ModelInstant, Prompt: "news", MaxOutputTokens: 100, Hints: gateway.Hints{WebSearch: true}})
 	require.NoError(t, err)
 	require.Len(t, res.Sources, 2)
 	require.NotEmpty(t, res.Sources[0].URL)
@@ -63,7 +63,7 @@ func TestCancellation(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	_, err := provider(t, time.Second).Complete(ctx, upstream.Request{Model: gateway.ModelInstant, Prompt: "x", MaxOutputTokens: 100})
+	_, err := provider(t, time.Second).Complete(ctx, &upstream.Request{Model: gateway.ModelInstant, Prompt: "x", MaxOutputTokens: 100})
 	require.ErrorIs(t, err, context.Canceled)
 }
 
@@ -71,11 +71,11 @@ func TestStreamMatchesComplete(t *testing.T) {
 	t.Parallel()
 	p := provider(t, 0)
 	req := upstream.Request{Model: gateway.ModelInstant, Prompt: "stream me", MaxOutputTokens: 32000, Hints: gateway.Hints{WebSearch: true}}
-	whole, err := p.Complete(context.Background(), req)
+	whole, err := p.Complete(context.Background(), &req)
 	require.NoError(t, err)
 	var text string
 	var deltas []upstream.Delta
-	res, err := p.Stream(context.Background(), req, func(d upstream.Delta) error {
+	res, err := p.Stream(context.Background(), &req, func(d upstream.Delta) error {
 		deltas = append(deltas, d)
 		text += d.Content
 		return nil
@@ -95,7 +95,7 @@ func TestStreamCancelledReturnsPartial(t *testing.T) {
 	p := provider(t, time.Millisecond)
 	ctx, cancel := context.WithCancel(context.Background())
 	n := 0
-	res, err := p.Stream(ctx, upstream.Request{Model: gateway.ModelInstant, Prompt: "cut me short", MaxOutputTokens: 32000}, func(upstream.Delta) error {
+	res, err := p.Stream(ctx, &upstream.Request{Model: gateway.ModelInstant, Prompt: "cut me short", MaxOutputTokens: 32000}, func(upstream.Delta) error {
 		if n++; n == 3 {
 			cancel()
 		}
