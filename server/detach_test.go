@@ -195,13 +195,7 @@ func TestStreamIsLoggedWhenItEnds(t *testing.T) {
 func TestWaitStreams(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
-	b.upstream.configure(func(s *scripted) { s.hang = true })
-	conn, r := b.dialRaw(t)
-	_, err := io.WriteString(conn, b.rawRequest(http.MethodPost, "/api/v1/responses", "HTTP/1.1", `{"prompt":"hang on","stream":true}`))
-	require.NoError(t, err)
-	resp, err := http.ReadResponse(r, nil)
-	require.NoError(t, err)
-	require.Equal(t, http.StatusOK, resp.StatusCode)
+	_, resp := b.hangingStream(t)
 
 	require.Eventually(t, func() bool {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Millisecond)
@@ -210,9 +204,30 @@ func TestWaitStreams(t *testing.T) {
 	}, 5*time.Second, 10*time.Millisecond, "the stream is detached, and open")
 
 	b.server.CloseStreams()
-	_, err = io.ReadAll(resp.Body)
+	_, err := io.ReadAll(resp.Body)
 	require.ErrorIs(t, err, io.ErrUnexpectedEOF, "the stream was cut before its last chunk")
 	require.NoError(t, b.server.WaitStreams(context.Background()))
+	b.requireBilledOnce(t)
+}
+
+// hangingStream opens a stream whose upstream stops after its first piece,
+// on a connection of its own, and returns them once the head is in.
+func (b *testBundle) hangingStream(t *testing.T) (net.Conn, *http.Response) {
+	t.Helper()
+	b.upstream.configure(func(s *scripted) { s.hang = true })
+	conn, r := b.dialRaw(t)
+	_, err := io.WriteString(conn, b.rawRequest(http.MethodPost, "/api/v1/responses", "HTTP/1.1", `{"prompt":"hang on","stream":true}`))
+	require.NoError(t, err)
+	resp, err := http.ReadResponse(r, nil)
+	require.NoError(t, err)
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	return conn, resp
+}
+
+// requireBilledOnce waits until one request is billed and nothing is
+// reserved any more.
+func (b *testBundle) requireBilledOnce(t *testing.T) {
+	t.Helper()
 	require.Eventually(t, func() bool {
 		v := b.usage(t, b.key)
 		return v.Totals.Requests == 1 && v.Budget.ReservedRungs == 0
@@ -225,22 +240,13 @@ func TestWaitStreams(t *testing.T) {
 func TestStreamNotYetDetachedEndsWithItsClient(t *testing.T) {
 	t.Parallel()
 	b := setupWith(t, options{server: func(c *server.Config) { c.DetachAfter = time.Hour }})
-	b.upstream.configure(func(s *scripted) { s.hang = true })
-	conn, r := b.dialRaw(t)
-	_, err := io.WriteString(conn, b.rawRequest(http.MethodPost, "/api/v1/responses", "HTTP/1.1", `{"prompt":"leave","stream":true}`))
-	require.NoError(t, err)
-	resp, err := http.ReadResponse(r, nil)
-	require.NoError(t, err)
-	require.Equal(t, http.StatusOK, resp.StatusCode)
+	conn, resp := b.hangingStream(t)
 	line, err := bufio.NewReader(resp.Body).ReadString('\n')
 	require.NoError(t, err)
 	require.Equal(t, "event: response.output_text.delta\n", line, "the first piece is out")
 	require.NoError(t, conn.Close())
 
-	require.Eventually(t, func() bool {
-		v := b.usage(t, b.key)
-		return v.Totals.Requests == 1 && v.Budget.ReservedRungs == 0
-	}, 5*time.Second, 10*time.Millisecond, "the call ended, its output billed, its reservation settled")
+	b.requireBilledOnce(t)
 	require.NoError(t, b.server.WaitStreams(context.Background()), "it was never detached")
 }
 
