@@ -2,10 +2,12 @@ package e2e
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"io"
 	"net/http"
 	"net/http/httptrace"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -199,4 +201,68 @@ func TestStreamKeepAliveWithSlowUpstream(t *testing.T) {
 	_, s := g.stream(b.key, map[string]any{"prompt": "slow"})
 	require.GreaterOrEqual(t, s.Comments, 3, "keep-alives while the upstream is silent")
 	require.Equal(t, "response.completed", s.Events[len(s.Events)-1].Name)
+}
+
+// TestWaitingStreamsKeepSmallStacks guards what a stream waiting for its
+// upstream's first token holds in goroutine stacks: its own goroutine, whose
+// stack stays at 8 KiB because it waits shallow enough (a frame added under
+// the upstream call can double it), and the read watching its client. It
+// counts the replica's stack memory (the Go collector's
+// go_memstats_stack_inuse_bytes) before and with the streams open, over
+// HTTP/1.1 and HTTP/2 (h2c) upstreams: 11 and 15 KiB a stream (HTTP/2 adds
+// a goroutine of its client's); 16 KiB stacks would make it 19 and 23.
+func TestWaitingStreamsKeepSmallStacks(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		upstream string
+		h2c      bool
+		bound    float64 // stack bytes a stream, at most
+	}{{"HTTP1", false, 15 << 10}, {"H2C", true, 19 << 10}} {
+		t.Run(c.upstream, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			g := serve(t, b.db, b.fake.BaseURL(), map[string]string{"GATEWAY_UPSTREAM_H2C": strconv.FormatBool(c.h2c), "GATEWAY_UPSTREAM_TIMEOUT": "10m"})
+			for range 5 {
+				g.stream(b.key, map[string]any{"prompt": "warm up"})
+			}
+			before := metricValue(t, g.scrape(), "go_memstats_stack_inuse_bytes")
+
+			const streams = 200
+			b.fake.SetDelay(time.Hour)
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: -1}}
+			defer client.CloseIdleConnections()
+			heads := make(chan error, streams)
+			for range streams {
+				go func() {
+					req, err := http.NewRequestWithContext(ctx, http.MethodPost, g.base+"/api/v1/responses", strings.NewReader(`{"prompt":"wait","stream":true}`))
+					if err != nil {
+						heads <- err
+						return
+					}
+					req.Header.Set("Authorization", "Bearer "+b.key)
+					req.Header.Set("Content-Type", "application/json")
+					resp, err := client.Do(req)
+					heads <- err
+					if err == nil {
+						_, _ = io.Copy(io.Discard, resp.Body)
+						resp.Body.Close()
+					}
+				}()
+			}
+			for range streams {
+				require.NoError(t, <-heads)
+			}
+			require.Eventually(t, func() bool { return b.fake.PeakInFlight() >= streams }, 10*time.Second, 10*time.Millisecond)
+			// Once past DetachAfter every stream is detached, its handler gone.
+			var perStream float64
+			for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
+				if perStream = (metricValue(t, g.scrape(), "go_memstats_stack_inuse_bytes") - before) / streams; perStream <= c.bound {
+					break
+				}
+			}
+			require.LessOrEqual(t, perStream, c.bound, "stack bytes a waiting stream")
+		})
+	}
 }
