@@ -202,10 +202,16 @@ func (d *detached) end(keep bool) {
 // closeConn closes c after its pending writes, without discarding them for
 // unread input (a TCP reset would).
 func closeConn(c net.Conn) {
-	if cw, ok := c.(interface{ CloseWrite() error }); ok {
-		_ = cw.CloseWrite()
-	}
+	_ = closeWrite(c)
 	_ = c.Close()
+}
+
+// closeWrite shuts down c's writing side, where it has one to shut.
+func closeWrite(c net.Conn) error {
+	if cw, ok := c.(interface{ CloseWrite() error }); ok {
+		return cw.CloseWrite()
+	}
+	return nil
 }
 
 // chunkedSink writes an HTTP/1.1 chunked body on a connection: each write as
@@ -314,12 +320,7 @@ func (c *handedConn) SetDeadline(t time.Time) error {
 }
 
 // CloseWrite shuts down the writing side, as net/http does before closing.
-func (c *handedConn) CloseWrite() error {
-	if cw, ok := c.Conn.(interface{ CloseWrite() error }); ok {
-		return cw.CloseWrite()
-	}
-	return nil
-}
+func (c *handedConn) CloseWrite() error { return closeWrite(c.Conn) }
 
 // streamSet tracks the detached streams, for shutdown to wait for them and,
 // past its grace, to cut them.
