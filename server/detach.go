@@ -35,16 +35,27 @@ const DefaultDetachAfter = 100 * time.Millisecond
 // through the listener, which waits on it for the client's next request
 // (keep-alive), unless the client asked to close it or the server is
 // draining. A stream that ends sooner is answered by net/http as any reply.
-// HTTP/2 streams share their connection and stay on the handler's goroutine.
+//
+// An HTTP/2 stream shares its connection, which cannot be taken over, and
+// net/http ends the stream when its handler returns. What can go is the deep
+// stack of echo, the middleware and the handler: net/http's goroutine waits
+// in Server.ServeHTTP, with a small stack, while the request is served on a
+// goroutine of its own, which ends once the stream has run for DetachAfter
+// (the handler returns through echo); the stream goes on on its own
+// goroutine, writing through net/http's response writer, and net/http's
+// goroutine waits for it.
 
 // serveDetachable serves the stream r through w, and detaches it if it runs
 // for DetachAfter.
 func (s *Server) serveDetachable(r streamReply, w http.ResponseWriter, x *exchange) error {
 	sse := startSSE(w, s.keepalive)
-	// The stream's context keeps the call's values and ends with Abort; until
-	// the stream is detached, also with the request's (the client went away).
+	// The stream's context keeps the call's values and ends with Abort, and
+	// with the request's (the client went away) until its connection is
+	// taken over; over HTTP/2 for good (net/http's request context tells
+	// until ServeHTTP returns).
 	ctx, done := s.callContext(context.WithoutCancel(r.ctx))
-	unwatch := context.AfterFunc(r.ctx, done)
+	client := x.req.Context()
+	unwatch := context.AfterFunc(client, done)
 	d := &detached{s: s, sse: sse, x: x, done: done, closeAsked: x.req.Close, finished: make(chan struct{})}
 	go d.run(ctx, r)
 	timer := time.NewTimer(s.detachAfter)
@@ -52,7 +63,13 @@ func (s *Server) serveDetachable(r streamReply, w http.ResponseWriter, x *exchan
 	select {
 	case <-d.finished:
 	case <-timer.C:
-		if unwatch() {
+		if t := topOf(r.ctx); t != nil {
+			if d.rise(t) {
+				x.detached, x.req = true, nil
+				r.done()
+				return nil
+			}
+		} else if unwatch() {
 			if d.take(w) {
 				// The request holds the connection's read buffer (through
 				// its body) and net/http's state of it: none is needed now.
@@ -60,7 +77,7 @@ func (s *Server) serveDetachable(r streamReply, w http.ResponseWriter, x *exchan
 				r.done()
 				return nil
 			}
-			context.AfterFunc(r.ctx, done)
+			context.AfterFunc(client, done)
 		}
 		<-d.finished
 	}
@@ -85,7 +102,9 @@ type detached struct {
 	finished chan struct{}
 	panicked any
 
-	// Set by take, under sse.mu: taken says the stream is detached.
+	// Set by take or rise, under sse.mu: taken says the stream is
+	// detached; conn is its connection, taken over (HTTP/1.1), nil when it
+	// waits for ServeHTTP to end it (HTTP/2).
 	taken bool
 	conn  net.Conn
 
@@ -114,14 +133,18 @@ func (d *detached) run(ctx context.Context, r streamReply) {
 			d.panicked = p
 			return
 		}
-		defer d.s.streams.remove(d)
-		keep := !d.closeAsked
 		if p != nil {
 			d.s.logger.Error("panic serving a stream", "request_id", d.x.id, "error", fmt.Sprint(p), "stack", string(debug.Stack()))
-			keep = false
 		}
-		// Logged before the last chunk: the client that has it finds the line.
+		// Logged before the response ends: the client that has its end
+		// finds the line.
 		d.x.finish(r.ctx, http.StatusOK, d.sse.size)
+		if d.conn == nil {
+			d.panicked = p // ServeHTTP ends the response, or resets it
+			return
+		}
+		defer d.s.streams.remove(d)
+		keep := !d.closeAsked && p == nil
 		if out := d.sse.out.(*chunkedSink); p != nil || out.finish() != nil {
 			keep = false
 		}
@@ -156,6 +179,73 @@ func (d *detached) take(w http.ResponseWriter) bool {
 		d.watched = make(chan struct{})
 		go d.watch(d.done)
 	}
+	return true
+}
+
+// top is where net/http's goroutine of an HTTP/2 request waits, in
+// Server.ServeHTTP, while the request is served on a goroutine of its own
+// (whose stack grows deep, and goes when it returns), then for the stream it
+// left running, if any (see rise).
+type top struct {
+	s *Server
+	w http.ResponseWriter
+	// served is closed when the request's goroutine returns; panicked: it
+	// panicked (logged there).
+	served   chan struct{}
+	panicked bool
+	// d is the stream left running, set by rise.
+	d *detached
+}
+
+type topKey struct{}
+
+// topOf is the top the request whose context is ctx can rise to, if any.
+func topOf(ctx context.Context) *top {
+	t, _ := ctx.Value(topKey{}).(*top)
+	return t
+}
+
+// serve serves r through echo.
+func (t *top) serve(r *http.Request) {
+	defer close(t.served)
+	defer func() {
+		if p := recover(); p != nil {
+			t.panicked = true
+			if p != http.ErrAbortHandler {
+				t.s.logger.Error("panic serving request", "method", r.Method, "path", r.URL.Path, "error", fmt.Sprint(p), "stack", string(debug.Stack()))
+			}
+		}
+	}()
+	t.s.echo.ServeHTTP(t.w, r)
+}
+
+// wait waits for the request to be served, and for the stream it left
+// running, if any. After a panic the response is reset, not ended as if
+// whole.
+func (t *top) wait() {
+	<-t.served
+	if t.d != nil {
+		<-t.d.finished
+		t.panicked = t.d.panicked != nil
+	}
+	if t.panicked {
+		panic(http.ErrAbortHandler)
+	}
+}
+
+// rise detaches the stream from the request's goroutine, unless it has
+// ended: the goroutine returns through echo and ends, and t waits for the
+// stream. The stream writes through net/http's response writer from now on,
+// not echo's (which echo hands to its next request).
+func (d *detached) rise(t *top) bool {
+	d.sse.mu.Lock()
+	defer d.sse.mu.Unlock()
+	if d.sse.closed {
+		return false
+	}
+	d.taken = true
+	d.sse.out = responseSink{t.w, http.NewResponseController(t.w)}
+	t.d = d
 	return true
 }
 

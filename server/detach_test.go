@@ -20,6 +20,7 @@ import (
 	"github.com/rungworks/gateway/internal/apitest"
 	"github.com/rungworks/gateway/internal/syncbuf"
 	"github.com/rungworks/gateway/server"
+	"github.com/rungworks/gateway/upstream"
 )
 
 // rawRequest is an HTTP/1.x request as written on the wire.
@@ -157,37 +158,158 @@ func TestStreamHTTP10(t *testing.T) {
 	require.True(t, resp.Close)
 }
 
-// TestStreamIsLoggedWhenItEnds: the access log line of a stream is written
-// when it ends, with its whole duration and size.
+// TestStreamIsLoggedWhenItEnds: the access log line of a detached stream is
+// written when it ends, with its whole duration and size.
 func TestStreamIsLoggedWhenItEnds(t *testing.T) {
 	t.Parallel()
-	logs := &syncbuf.Buffer{}
-	b := setupWith(t, options{server: func(c *server.Config) { c.Logger = slog.New(slog.NewJSONHandler(logs, nil)) }})
-	b.upstream.configure(func(s *scripted) { s.firstDelay = 200 * time.Millisecond })
-	r, _ := b.stream("/api/v1/responses", map[string]any{"prompt": "log me"})
-	var line struct {
-		Msg        string  `json:"msg"`
-		RequestID  string  `json:"request_id"`
-		Route      string  `json:"route"`
-		Status     int     `json:"status"`
-		DurationMS float64 `json:"duration_ms"`
-		Bytes      int     `json:"bytes"`
-		Account    string  `json:"account"`
+	for _, h2c := range []bool{false, true} {
+		t.Run(protoName(h2c), func(t *testing.T) {
+			t.Parallel()
+			logs := &syncbuf.Buffer{}
+			b := setupWith(t, options{h2c: h2c, server: func(c *server.Config) { c.Logger = slog.New(slog.NewJSONHandler(logs, nil)) }})
+			b.upstream.configure(func(s *scripted) { s.firstDelay = 200 * time.Millisecond })
+			r, _ := b.stream("/api/v1/responses", map[string]any{"prompt": "log me"})
+			require.Equal(t, protoName(h2c), r.proto)
+			var line struct {
+				Msg        string  `json:"msg"`
+				RequestID  string  `json:"request_id"`
+				Route      string  `json:"route"`
+				Status     int     `json:"status"`
+				DurationMS float64 `json:"duration_ms"`
+				Bytes      int     `json:"bytes"`
+				Account    string  `json:"account"`
+			}
+			var found bool
+			for _, l := range strings.Split(strings.TrimSpace(logs.String()), "\n") {
+				require.NoError(t, json.Unmarshal([]byte(l), &line))
+				if line.Msg == "request" && line.RequestID == r.header.Get(server.RequestIDHeader) {
+					found = true
+					break
+				}
+			}
+			require.True(t, found, "the stream's log line:\n%s", logs.String())
+			require.Equal(t, "/api/v1/responses", line.Route)
+			require.Equal(t, http.StatusOK, line.Status)
+			require.Equal(t, len(r.body), line.Bytes, "the bytes of the events sent")
+			require.GreaterOrEqual(t, line.DurationMS, 200.0, "the stream's whole duration")
+			require.Equal(t, "acme", line.Account)
+		})
 	}
-	var found bool
-	for _, l := range strings.Split(strings.TrimSpace(logs.String()), "\n") {
-		require.NoError(t, json.Unmarshal([]byte(l), &line))
-		if line.Msg == "request" && line.RequestID == r.header.Get(server.RequestIDHeader) {
-			found = true
-			break
+}
+
+// protoName is the protocol the bundle's client speaks, as a response
+// names it.
+func protoName(h2c bool) string {
+	if h2c {
+		return "HTTP/2.0"
+	}
+	return "HTTP/1.1"
+}
+
+// TestHTTP2StreamsLeaveTheirHandlers: over HTTP/2, streams slower than
+// DetachAfter go on after their handlers returned through echo (whose
+// response objects then serve other requests), each writing only its own
+// response, beside quick streams and JSON replies on the same connection.
+func TestHTTP2StreamsLeaveTheirHandlers(t *testing.T) {
+	t.Parallel()
+	b := setupWith(t, options{h2c: true})
+	b.upstream.configure(func(s *scripted) { s.firstDelay = 50 * time.Millisecond })
+	const n = 20
+	type result struct {
+		r reply
+		s apitest.Stream
+	}
+	results := make(chan result, n)
+	for range n {
+		go func() {
+			r, s := b.stream("/api/v1/responses", map[string]any{"prompt": "mine"})
+			results <- result{r, s}
+		}()
+	}
+	// Meanwhile, echo's contexts serve other requests.
+	for range n {
+		r := b.post("/api/v1/responses", b.key, map[string]any{"prompt": "json"})
+		require.Equal(t, http.StatusOK, r.status)
+		require.Equal(t, "HTTP/2.0", r.proto)
+	}
+	for range n {
+		res := <-results
+		require.Equal(t, "HTTP/2.0", res.r.proto)
+		id := res.r.header.Get(server.RequestIDHeader)
+		require.NotEmpty(t, id)
+		chunks := chunks(t, res.s)
+		require.True(t, chunks[len(chunks)-1].Done, "the stream ends whole")
+		for _, c := range chunks {
+			require.Equal(t, id, c.RequestId.String(), "every event is of this stream's request")
 		}
 	}
-	require.True(t, found, "the stream's log line:\n%s", logs.String())
-	require.Equal(t, "/api/v1/responses", line.Route)
-	require.Equal(t, http.StatusOK, line.Status)
-	require.Equal(t, len(r.body), line.Bytes, "the bytes of the events sent")
-	require.GreaterOrEqual(t, line.DurationMS, 200.0, "the stream's whole duration")
-	require.Equal(t, "acme", line.Account)
+	require.EqualValues(t, 2*n, b.usage(t, b.key).Totals.Requests)
+}
+
+// TestHTTP2StreamEndsWithItsClient: a client that resets its HTTP/2 stream
+// after it was detached from its handler ends its call; what it produced is
+// billed.
+func TestHTTP2StreamEndsWithItsClient(t *testing.T) {
+	t.Parallel()
+	b := setupWith(t, options{h2c: true})
+	b.upstream.configure(func(s *scripted) { s.hang = true })
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, b.http.URL+"/api/v1/responses", strings.NewReader(`{"prompt":"hang on","stream":true}`))
+	require.NoError(t, err)
+	req.Header.Set("Authorization", "Bearer "+b.key)
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := b.client.Do(req)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	require.Equal(t, "HTTP/2.0", resp.Proto)
+	line, err := bufio.NewReader(resp.Body).ReadString('\n')
+	require.NoError(t, err)
+	require.Equal(t, "event: response.output_text.delta\n", line, "the first piece is out")
+	time.Sleep(30 * time.Millisecond) // past DetachAfter
+	cancel()
+
+	b.requireBilledOnce(t)
+}
+
+// panicsMidStream is an upstream whose streams panic after their first piece,
+// once past DetachAfter.
+type panicsMidStream struct{ upstream.Provider }
+
+func (panicsMidStream) Stream(_ context.Context, _ *upstream.Request, emit func(upstream.Delta) error) (upstream.Result, error) {
+	_ = emit(upstream.Delta{Content: "half"})
+	time.Sleep(50 * time.Millisecond)
+	panic("upstream client bug")
+}
+
+// TestDetachedStreamPanics: a stream that panics after it was detached is
+// logged and cut (the connection closed before the last chunk, the HTTP/2
+// stream reset), never ended as if whole; the server goes on.
+func TestDetachedStreamPanics(t *testing.T) {
+	t.Parallel()
+	for _, h2c := range []bool{false, true} {
+		t.Run(protoName(h2c), func(t *testing.T) {
+			t.Parallel()
+			logs := &syncbuf.Buffer{}
+			b := setupWith(t, options{h2c: h2c, provider: panicsMidStream{}, server: func(c *server.Config) {
+				c.Logger = slog.New(slog.NewJSONHandler(logs, nil))
+			}})
+			req, err := http.NewRequest(http.MethodPost, b.http.URL+"/api/v1/responses", strings.NewReader(`{"prompt":"p","stream":true}`))
+			require.NoError(t, err)
+			req.Header.Set("Authorization", "Bearer "+b.key)
+			req.Header.Set("Content-Type", "application/json")
+			resp, err := b.client.Do(req)
+			require.NoError(t, err)
+			defer resp.Body.Close()
+			require.Equal(t, http.StatusOK, resp.StatusCode)
+			body, err := io.ReadAll(resp.Body)
+			require.Error(t, err, "the stream is cut, not ended")
+			require.Contains(t, string(body), "half", "what was sent before the panic arrived")
+			require.NotContains(t, string(body), "response.completed")
+			require.Eventually(t, func() bool { return strings.Contains(logs.String(), "panic serving a stream") }, 5*time.Second, 10*time.Millisecond)
+			require.Equal(t, http.StatusOK, b.do(http.MethodGet, "/healthz", "", "", nil).status, "the server lives on")
+		})
+	}
 }
 
 // TestWaitStreams: shutdown can wait for the streams served off their

@@ -257,8 +257,18 @@ func (s *Server) callContext(ctx context.Context) (context.Context, func()) {
 	return ctx, func() { stop(); cancel(nil) }
 }
 
-// ServeHTTP implements http.Handler.
-func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) { s.echo.ServeHTTP(w, r) }
+// ServeHTTP implements http.Handler. An HTTP/2 request that may stream is
+// served on a goroutine of its own, while net/http's waits here for it, or
+// for the stream it leaves running (see serveDetachable).
+func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if r.ProtoMajor != 2 || r.Method != http.MethodPost || s.detachAfter <= 0 {
+		s.echo.ServeHTTP(w, r)
+		return
+	}
+	t := &top{s: s, w: w, served: make(chan struct{})}
+	go t.serve(r.WithContext(context.WithValue(r.Context(), topKey{}, t)))
+	t.wait()
+}
 
 func (s *Server) logPanic(c echo.Context, err error, stack []byte) error {
 	s.logger.Error("panic serving request", "method", c.Request().Method, "path", c.Path(), "error", err, "stack", string(stack))

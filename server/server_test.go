@@ -134,7 +134,9 @@ type testBundle struct {
 	upstream *scripted
 	server   *server.Server
 	http     *httptest.Server
-	keys     *access.Keys
+	// client speaks to http: HTTP/1.1, or HTTP/2 only with options.h2c.
+	client *http.Client
+	keys   *access.Keys
 	// heardTables are the announcements of changes the replica has heard.
 	heardTables *heardTables
 	key         string // developer, inference + usage
@@ -186,6 +188,9 @@ type options struct {
 	server    func(*server.Config)
 	// plainListener serves without the server's listener wrapper.
 	plainListener bool
+	// h2c serves HTTP/2 without TLS beside HTTP/1.1, as behind a load
+	// balancer that speaks it, and the bundle's client speaks only HTTP/2.
+	h2c bool
 }
 
 func setupWith(t testing.TB, o options) *testBundle {
@@ -251,7 +256,11 @@ func setupWith(t testing.TB, o options) *testBundle {
 	}
 	srv, err := server.New(cfg)
 	require.NoError(t, err)
-	b := &testBundle{t: t, store: st, upstream: up, server: srv, http: serveAPI(t, srv, !o.plainListener), keys: keys, heardTables: heard}
+	b := &testBundle{t: t, store: st, upstream: up, server: srv, http: serveAPI(t, srv, o), client: http.DefaultClient, keys: keys, heardTables: heard}
+	if o.h2c {
+		b.client = &http.Client{Transport: &http.Transport{Protocols: unencryptedHTTP2()}}
+		t.Cleanup(b.client.CloseIdleConnections)
+	}
 	b.key = b.newKey("acme", gateway.TierDeveloper, gateway.ScopeInference, gateway.ScopeUsage)
 	return b
 }
@@ -263,13 +272,18 @@ func (b *testBundle) newKey(account string, tier gateway.Tier, scopes ...gateway
 	return token
 }
 
-// serveAPI serves srv as a replica does, wrapped: through its listener,
-// which takes back the connections of streams that ended.
-func serveAPI(t testing.TB, srv *server.Server, wrapped bool) *httptest.Server {
+// serveAPI serves srv as a replica does: through its listener, which takes
+// back the connections of streams that ended (unless o.plainListener), and
+// with HTTP/2 beside HTTP/1.1 when o.h2c.
+func serveAPI(t testing.TB, srv *server.Server, o options) *httptest.Server {
 	t.Helper()
 	ts := httptest.NewUnstartedServer(srv)
-	if wrapped {
+	if !o.plainListener {
 		ts.Listener = srv.Listener(ts.Listener)
+	}
+	if o.h2c {
+		ts.Config.Protocols = unencryptedHTTP2()
+		ts.Config.Protocols.SetHTTP1(true)
 	}
 	ts.Start()
 	t.Cleanup(func() {
@@ -280,7 +294,15 @@ func serveAPI(t testing.TB, srv *server.Server, wrapped bool) *httptest.Server {
 	return ts
 }
 
+// unencryptedHTTP2 is HTTP/2 without TLS, alone.
+func unencryptedHTTP2() *http.Protocols {
+	p := new(http.Protocols)
+	p.SetUnencryptedHTTP2(true)
+	return p
+}
+
 type reply struct {
+	proto  string
 	status int
 	header http.Header
 	body   []byte
@@ -305,14 +327,14 @@ func (b *testBundle) doWith(method, path, key, contentType string, body []byte, 
 	if contentType != "" {
 		req.Header.Set("Content-Type", contentType)
 	}
-	resp, err := http.DefaultClient.Do(req)
+	resp, err := b.client.Do(req)
 	require.NoError(b.t, err)
 	defer resp.Body.Close()
 	// Re-create the request for validation (its body was consumed).
 	vreq, _ := http.NewRequest(method, b.http.URL+path, bytes.NewReader(body))
 	vreq.Header = req.Header
 	raw := apitest.Validate(b.t, vreq, resp)
-	return reply{status: resp.StatusCode, header: resp.Header, body: raw}
+	return reply{proto: resp.Proto, status: resp.StatusCode, header: resp.Header, body: raw}
 }
 
 func (b *testBundle) post(path, key string, body any) reply {

@@ -31,23 +31,35 @@ func (r streamReply) VisitCreateResponseResponse(w http.ResponseWriter) error { 
 // VisitCreateChatResponse implements api.CreateChatResponseObject.
 func (r streamReply) VisitCreateChatResponse(w http.ResponseWriter) error { return r.serve(w) }
 
-// serve streams the reply through w; an HTTP/1.1 stream that runs long is
-// detached from its connection's goroutine (see serveDetachable).
+// serve streams the reply through w; a stream that runs long is detached
+// from its connection's goroutine (HTTP/1.1) or from its handler's stack
+// (HTTP/2; see serveDetachable).
 func (r streamReply) serve(w http.ResponseWriter) error {
 	var estimate int64
 	if r.call != nil {
 		estimate = r.call.Estimate.InputRungs
 	}
 	w.Header().Set("x-service-input-rungs", strconv.FormatInt(estimate, 10))
-	x := exchangeFrom(r.ctx)
-	if r.err == nil && r.s.detachAfter > 0 && r.s.relisten.Load() != nil && x != nil && x.req.ProtoMajor == 1 && x.req.ProtoMinor == 1 {
-		// HTTP/2 multiplexes its connection; HTTP/1.0 has no chunks; a
-		// connection taken over goes back to the server through its
-		// listener (Listener).
+	if x := exchangeFrom(r.ctx); r.err == nil && x != nil && r.s.detachable(r.ctx, x.req) {
 		return r.s.serveDetachable(r, w, x)
 	}
 	defer r.done()
 	return r.run(r.ctx, startSSE(w, r.s.keepalive))
+}
+
+// detachable says whether a stream of req, whose context is ctx, can be
+// detached: over HTTP/1.1 when the connection taken over can go back to the
+// server through its listener (Listener), over HTTP/2 when ServeHTTP waits
+// at the top. HTTP/1.0 has no chunks.
+func (s *Server) detachable(ctx context.Context, req *http.Request) bool {
+	switch {
+	case s.detachAfter <= 0:
+		return false
+	case req.ProtoMajor == 1 && req.ProtoMinor == 1:
+		return s.relisten.Load() != nil
+	default:
+		return topOf(ctx) != nil
+	}
 }
 
 // run streams the call, whose context is ctx, as events on sse, and closes it.
