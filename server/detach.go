@@ -9,7 +9,10 @@ import (
 	"runtime/debug"
 	"strconv"
 	"sync"
+	"syscall"
 	"time"
+
+	"github.com/rungworks/gateway/internal/connwatch"
 )
 
 // IdleTimeout is how long a client connection may wait for its next request:
@@ -30,7 +33,8 @@ const DefaultDetachAfter = 100 * time.Millisecond
 // handler's response; once it has run for DetachAfter, it is detached: its
 // connection is taken over (http.Hijacker), the handler returns, and the
 // stream goes on writing chunks on the connection itself, whose client is
-// watched for going away by a one-byte read, as net/http does. When a
+// watched for going away (connwatch: on Linux one epoll instance watches
+// every detached stream's client, with no goroutine each). When a
 // detached stream ends, its connection goes back at once to the HTTP server,
 // through the listener, which waits on it for the client's next request
 // (keep-alive), unless the client asked to close it or the server is
@@ -115,8 +119,8 @@ type detached struct {
 	// read: the client sent the next request's first bytes, next.
 	read bool
 	next []byte
-	// watched is closed when the watching read returns.
-	watched chan struct{}
+	// unwatch stops the watch on the client, if there is one.
+	unwatch func()
 }
 
 // run runs the stream, and ends the connection's part in it if it was
@@ -176,8 +180,7 @@ func (d *detached) take(w http.ResponseWriter) bool {
 	d.sse.out = &chunkedSink{conn: conn}
 	d.s.streams.add(d)
 	if !d.read {
-		d.watched = make(chan struct{})
-		go d.watch(d.done)
+		d.unwatch = connwatch.Watch(conn, d.heard)
 	}
 	return true
 }
@@ -249,24 +252,20 @@ func (d *detached) rise(t *top) bool {
 	return true
 }
 
-// watch reads one byte from the client: an error says it went away (gone
-// cancels the call), a byte is the start of its next request.
-func (d *detached) watch(gone func()) {
-	defer close(d.watched)
-	var b [1]byte
-	n, _ := d.conn.Read(b[:])
+// heard is what the watch on the client read: nothing, it went away (the
+// call ends), or a byte, the start of its next request.
+func (d *detached) heard(n int, b byte, _ error) {
 	d.mu.Lock()
 	d.read = n > 0
-	d.next = append(d.next, b[:n]...)
+	if n > 0 {
+		d.next = append(d.next, b)
+	}
 	ended := d.ended
 	d.mu.Unlock()
 	if n == 0 && !ended {
-		gone()
+		d.done()
 	}
 }
-
-// aLongTimeAgo is a deadline that wakes a blocked read at once.
-var aLongTimeAgo = time.Unix(1, 0)
 
 // end is called once the response is written: the connection closes, or goes
 // back at once to the HTTP server, which waits for the client's next request
@@ -275,17 +274,15 @@ func (d *detached) end(keep bool) {
 	d.mu.Lock()
 	d.ended = true
 	d.mu.Unlock()
+	if d.unwatch != nil {
+		// As net/http stops its background read before it hands a
+		// connection on; a byte it took goes back with the connection.
+		d.unwatch()
+	}
 	if !keep {
 		closeConn(d.conn)
 		return
 	}
-	if d.watched != nil {
-		// Stop the watching read, as net/http does before it hands a
-		// connection on; a byte it took goes back with the connection.
-		_ = d.conn.SetReadDeadline(aLongTimeAgo)
-		<-d.watched
-	}
-	_ = d.conn.SetReadDeadline(time.Time{})
 	d.s.relisten.Load().give(handBack(d.conn, d.next))
 }
 
@@ -412,6 +409,23 @@ func (c *handedConn) SetDeadline(t time.Time) error {
 // CloseWrite shuts down the writing side, as net/http does before closing.
 func (c *handedConn) CloseWrite() error { return closeWrite(c.Conn) }
 
+// errReadAhead: the bytes read ahead are what a reader gets first, not the
+// descriptor's.
+var errReadAhead = errors.New("bytes read ahead are not consumed yet")
+
+// SyscallConn implements syscall.Conn, for the watch on a detached stream's
+// client (connwatch), once the bytes read ahead are consumed.
+func (c *handedConn) SyscallConn() (syscall.RawConn, error) {
+	if len(c.prefix) > 0 {
+		return nil, errReadAhead
+	}
+	sc, ok := c.Conn.(syscall.Conn)
+	if !ok {
+		return nil, errors.ErrUnsupported
+	}
+	return sc.SyscallConn()
+}
+
 // streamSet tracks the detached streams, for shutdown to wait for them and,
 // past its grace, to cut them.
 type streamSet struct {
@@ -459,11 +473,14 @@ func (s *Server) WaitStreams(ctx context.Context) error {
 	}
 }
 
-// CloseStreams closes the connections of the streams still open.
+// CloseStreams ends the streams still open, and closes their connections.
 func (s *Server) CloseStreams() {
 	s.streams.mu.Lock()
 	defer s.streams.mu.Unlock()
 	for d := range s.streams.open {
+		// The watch on a closed connection hears nothing: the call is
+		// ended here.
+		d.done()
 		_ = d.conn.Close()
 	}
 }

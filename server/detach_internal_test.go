@@ -83,3 +83,33 @@ func TestRelistener(t *testing.T) {
 	_, err = dialed.Read(make([]byte, 1))
 	require.ErrorIs(t, err, io.EOF, "a connection given back after the close is closed")
 }
+
+// TestHandedConnGivesItsDescriptorOnceTheBytesReadAheadAreRead: the watch on
+// a detached stream's client may wait on the descriptor only when nothing
+// read ahead is pending (it would come first).
+func TestHandedConnGivesItsDescriptorOnceTheBytesReadAheadAreRead(t *testing.T) {
+	t.Parallel()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	defer ln.Close()
+	dialed, err := net.Dial("tcp", ln.Addr().String())
+	require.NoError(t, err)
+	defer dialed.Close()
+	accepted, err := ln.Accept()
+	require.NoError(t, err)
+	h := handBack(accepted, []byte("G"))
+	defer h.Close()
+
+	_, err = h.SyscallConn()
+	require.ErrorIs(t, err, errReadAhead)
+	_, err = h.Read(make([]byte, 1))
+	require.NoError(t, err)
+	rc, err := h.SyscallConn()
+	require.NoError(t, err)
+	require.NotNil(t, rc)
+
+	inMemory, peer := net.Pipe()
+	defer peer.Close()
+	_, err = handBack(inMemory, nil).SyscallConn()
+	require.ErrorIs(t, err, errors.ErrUnsupported, "a connection without a descriptor")
+}

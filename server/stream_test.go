@@ -166,8 +166,13 @@ func TestStreamKeepAlive(t *testing.T) {
 // call is cancelled, the output so far is committed, and nothing is left running.
 func TestStreamClientDisconnect(t *testing.T) {
 	b := setupWith(t, options{keepalive: 10 * time.Millisecond})
-	// Warm up (database connections, HTTP keep-alives), then settle, then count.
+	// Warm up (database connections, HTTP keep-alives, and the process's one
+	// watch on detached streams' clients, which starts with the first), then
+	// settle, then count.
 	require.Equal(t, http.StatusOK, b.post("/api/v1/responses", b.key, map[string]any{"prompt": "warm up"}).status)
+	b.upstream.configure(func(s *scripted) { s.firstDelay = 30 * time.Millisecond })
+	b.stream("/api/v1/responses", map[string]any{"prompt": "warm up, detached"})
+	b.upstream.configure(func(s *scripted) { s.firstDelay = 0 })
 	quiesce := func() {
 		http.DefaultClient.CloseIdleConnections()
 		b.http.CloseClientConnections()
