@@ -255,13 +255,7 @@ func TestHTTP2StreamEndsWithItsClient(t *testing.T) {
 	b.upstream.configure(func(s *scripted) { s.hang = true })
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, b.http.URL+"/api/v1/responses", strings.NewReader(`{"prompt":"hang on","stream":true}`))
-	require.NoError(t, err)
-	req.Header.Set("Authorization", "Bearer "+b.key)
-	req.Header.Set("Content-Type", "application/json")
-	resp, err := b.client.Do(req)
-	require.NoError(t, err)
-	defer resp.Body.Close()
+	resp := b.openStream(ctx, t, `{"prompt":"hang on","stream":true}`)
 	require.Equal(t, "HTTP/2.0", resp.Proto)
 	line, err := bufio.NewReader(resp.Body).ReadString('\n')
 	require.NoError(t, err)
@@ -270,6 +264,21 @@ func TestHTTP2StreamEndsWithItsClient(t *testing.T) {
 	cancel()
 
 	b.requireBilledOnce(t)
+}
+
+// openStream posts a streamed request (body, JSON) through the bundle's
+// client, ended by ctx, and returns the response once its head is in; its
+// body is closed when the test ends.
+func (b *testBundle) openStream(ctx context.Context, t *testing.T, body string) *http.Response {
+	t.Helper()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, b.http.URL+"/api/v1/responses", strings.NewReader(body))
+	require.NoError(t, err)
+	req.Header.Set("Authorization", "Bearer "+b.key)
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := b.client.Do(req)
+	require.NoError(t, err)
+	t.Cleanup(func() { resp.Body.Close() })
+	return resp
 }
 
 // panicsMidStream is an upstream whose streams panic after their first piece,
@@ -294,13 +303,7 @@ func TestDetachedStreamPanics(t *testing.T) {
 			b := setupWith(t, options{h2c: h2c, provider: panicsMidStream{}, server: func(c *server.Config) {
 				c.Logger = slog.New(slog.NewJSONHandler(logs, nil))
 			}})
-			req, err := http.NewRequest(http.MethodPost, b.http.URL+"/api/v1/responses", strings.NewReader(`{"prompt":"p","stream":true}`))
-			require.NoError(t, err)
-			req.Header.Set("Authorization", "Bearer "+b.key)
-			req.Header.Set("Content-Type", "application/json")
-			resp, err := b.client.Do(req)
-			require.NoError(t, err)
-			defer resp.Body.Close()
+			resp := b.openStream(context.Background(), t, `{"prompt":"p","stream":true}`)
 			require.Equal(t, http.StatusOK, resp.StatusCode)
 			body, err := io.ReadAll(resp.Body)
 			require.Error(t, err, "the stream is cut, not ended")

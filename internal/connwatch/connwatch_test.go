@@ -34,101 +34,101 @@ func pair(t *testing.T) (watched, peer net.Conn) {
 	return watched, peer
 }
 
-// watchers are the ways a connection is watched: Watch (the poller on
-// Linux) and a goroutine each.
-var watchers = map[string]func(net.Conn, Done) func(){"Watch": Watch, "Goroutine": watchByGoroutine}
+// eachWatcher runs test, in parallel, with each way a connection is watched:
+// Watch (the poller, on Linux) and a goroutine each.
+func eachWatcher(t *testing.T, test func(t *testing.T, watch func(net.Conn, Done) func())) {
+	t.Parallel()
+	for name, watch := range map[string]func(net.Conn, Done) func(){"Watch": Watch, "Goroutine": watchByGoroutine} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			test(t, watch)
+		})
+	}
+}
 
+// record sends what a watch read to results.
 func record(results chan<- result) Done {
 	return func(n int, b byte, err error) { results <- result{n, b, err} }
 }
 
 func TestWatchReadsTheFirstByte(t *testing.T) {
-	t.Parallel()
-	for name, watch := range watchers {
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			c, peer := pair(t)
-			results := make(chan result, 1)
-			stop := watch(c, record(results))
-			_, err := peer.Write([]byte("GET"))
-			require.NoError(t, err)
-			got := <-results
-			require.Equal(t, result{n: 1, b: 'G'}, got)
-			stop()
-			// The rest is the caller's to read.
-			rest := make([]byte, 2)
-			_, err = io.ReadFull(c, rest)
-			require.NoError(t, err)
-			require.Equal(t, "ET", string(rest))
-		})
-	}
+	eachWatcher(t, func(t *testing.T, watch func(net.Conn, Done) func()) {
+		c, peer := pair(t)
+		results := make(chan result, 1)
+		stop := watch(c, record(results))
+		_, err := peer.Write([]byte("GET"))
+		require.NoError(t, err)
+		got := <-results
+		require.Equal(t, result{n: 1, b: 'G'}, got)
+		stop()
+		// The rest is the caller's to read.
+		rest := make([]byte, 2)
+		_, err = io.ReadFull(c, rest)
+		require.NoError(t, err)
+		require.Equal(t, "ET", string(rest))
+	})
 }
 
 func TestWatchSeesThePeerGo(t *testing.T) {
-	t.Parallel()
-	for name, watch := range watchers {
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			c, peer := pair(t)
-			results := make(chan result, 1)
-			stop := watch(c, record(results))
-			require.NoError(t, peer.Close())
-			got := <-results
-			require.Zero(t, got.n)
-			require.ErrorIs(t, got.err, io.EOF)
-			stop()
-		})
-	}
+	eachWatcher(t, func(t *testing.T, watch func(net.Conn, Done) func()) {
+		c, peer := pair(t)
+		results := make(chan result, 1)
+		stop := watch(c, record(results))
+		require.NoError(t, peer.Close())
+		got := <-results
+		require.Zero(t, got.n)
+		require.ErrorIs(t, got.err, io.EOF)
+		stop()
+	})
 }
 
 // TestStopBeforeAnything: a watch stopped before the peer sends reads
 // nothing; the connection can be read, and watched again.
 func TestStopBeforeAnything(t *testing.T) {
-	t.Parallel()
-	for name, watch := range watchers {
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			c, peer := pair(t)
-			results := make(chan result, 2)
-			stop := watch(c, record(results))
-			time.Sleep(10 * time.Millisecond)
-			stop()
-			select {
-			case r := <-results:
-				// A goroutine's read cut by stop tells so.
-				require.Zero(t, r.n)
-				require.Error(t, r.err)
-			default:
-			}
-			_, err := peer.Write([]byte("x"))
-			require.NoError(t, err)
-			b := make([]byte, 1)
-			_, err = io.ReadFull(c, b)
-			require.NoError(t, err, "the read deadline is unset")
-			require.Equal(t, "x", string(b))
+	eachWatcher(t, func(t *testing.T, watch func(net.Conn, Done) func()) {
+		c, peer := pair(t)
+		results := make(chan result, 2)
+		stop := watch(c, record(results))
+		time.Sleep(10 * time.Millisecond)
+		stop()
+		select {
+		case r := <-results:
+			// A goroutine's read cut by stop tells so.
+			require.Zero(t, r.n)
+			require.Error(t, r.err)
+		default:
+		}
+		_, err := peer.Write([]byte("x"))
+		require.NoError(t, err)
+		b := make([]byte, 1)
+		_, err = io.ReadFull(c, b)
+		require.NoError(t, err, "the read deadline is unset")
+		require.Equal(t, "x", string(b))
 
-			stop = watch(c, record(results))
-			_, err = peer.Write([]byte("y"))
-			require.NoError(t, err)
-			require.Equal(t, result{n: 1, b: 'y'}, <-results)
-			stop()
-		})
-	}
+		stop = watch(c, record(results))
+		_, err = peer.Write([]byte("y"))
+		require.NoError(t, err)
+		require.Equal(t, result{n: 1, b: 'y'}, <-results)
+		stop()
+	})
 }
 
 // TestStopAfterClose: a connection closed while watched (a server cutting
-// its streams) still stops.
+// its streams) still stops, having read nothing.
 func TestStopAfterClose(t *testing.T) {
-	t.Parallel()
-	for name, watch := range watchers {
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			c, _ := pair(t)
-			stop := watch(c, func(int, byte, error) {})
-			require.NoError(t, c.Close())
-			stop()
-		})
-	}
+	eachWatcher(t, func(t *testing.T, watch func(net.Conn, Done) func()) {
+		c, _ := pair(t)
+		results := make(chan result, 1)
+		stop := watch(c, record(results))
+		require.NoError(t, c.Close())
+		stop()
+		select {
+		case r := <-results:
+			require.Zero(t, r.n)
+			require.ErrorIs(t, r.err, net.ErrClosed)
+		default:
+		}
+	})
 }
 
 // TestWatchWithoutDescriptor: a connection without a file descriptor is
