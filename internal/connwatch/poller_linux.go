@@ -5,16 +5,23 @@ import (
 	"os"
 	"sync"
 	"syscall"
+	"time"
 )
 
 // poller is an epoll instance in which watched connections wait, one shot
 // each, for something to read. The instance is itself read through the
 // runtime's poller, by one goroutine.
 type poller struct {
-	fd      int
-	mu      sync.Mutex
-	next    uint64
+	// fd is the instance's descriptor, file the same read through the
+	// runtime's poller.
+	fd   int
+	file *os.File
+	mu   sync.Mutex
+	next uint64
+	// pending are the watches waiting in the instance; dead: it can no
+	// longer be read, and takes no more.
 	pending map[uint64]*watch
+	dead    bool
 }
 
 // watch is a connection in the poller.
@@ -46,32 +53,48 @@ func watchByPoller(c net.Conn, done Done) (func(), bool) {
 	return shared.add(c, rc, done)
 }
 
-// start creates the process's poller and its goroutine.
+// start creates the process's poller, if the system lets it.
 func start() {
+	if p, err := newPoller(); err == nil {
+		shared = p
+	}
+}
+
+// newPoller creates a poller and starts its goroutine.
+func newPoller() (*poller, error) {
 	fd, err := syscall.EpollCreate1(syscall.EPOLL_CLOEXEC)
 	if err != nil {
-		return
+		return nil, err
 	}
 	if err := syscall.SetNonblock(fd, true); err != nil {
 		_ = syscall.Close(fd)
-		return
+		return nil, err
 	}
-	// Non-blocking, the file is read through the runtime's poller: it is
-	// readable when some watched connection is.
+	// Non-blocking, the file is read through the runtime's poller (it is
+	// readable when some watched connection is), which takes deadlines only
+	// for the files it polls.
 	f := os.NewFile(uintptr(fd), "connwatch")
 	rc, err := f.SyscallConn()
+	if err == nil {
+		err = f.SetReadDeadline(time.Time{})
+	}
 	if err != nil {
 		_ = f.Close()
-		return
+		return nil, err
 	}
-	shared = &poller{fd: fd, pending: map[uint64]*watch{}}
-	go shared.run(rc)
+	p := &poller{fd: fd, file: f, pending: map[uint64]*watch{}}
+	go p.run(rc)
+	return p, nil
 }
 
 // add puts c in the poller.
 func (p *poller) add(c net.Conn, rc syscall.RawConn, done Done) (func(), bool) {
 	w := &watch{c: c, done: done, read: make(chan struct{})}
 	p.mu.Lock()
+	if p.dead {
+		p.mu.Unlock()
+		return nil, false
+	}
 	p.next++
 	id := p.next
 	p.pending[id] = w
@@ -96,18 +119,22 @@ func (p *poller) remove(id uint64, w *watch, rc syscall.RawConn) {
 	p.mu.Lock()
 	_, pending := p.pending[id]
 	delete(p.pending, id)
+	dead := p.dead
 	p.mu.Unlock()
-	// Taken out while the descriptor is open (a closed one left the
-	// instance with it): its number may be another connection's next.
-	_ = rc.Control(func(fd uintptr) {
-		_ = syscall.EpollCtl(p.fd, syscall.EPOLL_CTL_DEL, int(fd), nil)
-	})
+	if !dead {
+		// Taken out while the descriptor is open (a closed one left the
+		// instance with it): its number may be another connection's next.
+		_ = rc.Control(func(fd uintptr) {
+			_ = syscall.EpollCtl(p.fd, syscall.EPOLL_CTL_DEL, int(fd), nil)
+		})
+	}
 	if !pending {
 		cut(w.c, w.read)
 	}
 }
 
-// run reads the instance's events until it fails, which it does not.
+// run reads the instance's events until it cannot (its file closed). Then
+// the watches still pending are read by goroutines, as new ones are.
 func (p *poller) run(rc syscall.RawConn) {
 	events := make([]syscall.EpollEvent, 128)
 	for {
@@ -117,6 +144,16 @@ func (p *poller) run(rc syscall.RawConn) {
 			return n > 0
 		})
 		if err != nil {
+			p.mu.Lock()
+			p.dead = true
+			ids := make([]uint64, 0, len(p.pending))
+			for id := range p.pending {
+				ids = append(ids, id)
+			}
+			p.mu.Unlock()
+			for _, id := range ids {
+				p.fire(id)
+			}
 			return
 		}
 		for _, ev := range events[:n] {
