@@ -34,14 +34,15 @@ func main() {
 	duration := flag.Duration("duration", 10*time.Second, "measured time per rate and target")
 	warmup := flag.Duration("warmup", 2*time.Second, "unmeasured load before each measurement")
 	connections := flag.Int("connections", 64, "closed-loop connections for the saturation point (0: skip)")
+	h2c := flag.Bool("h2c", false, "speak HTTP/2 without TLS to the gateway (GATEWAY_H2C), as a load balancer may")
 	flag.Parse()
-	if err := run(*binary, *rates, *duration, *warmup, *connections); err != nil {
+	if err := run(*binary, *rates, *duration, *warmup, *connections, *h2c); err != nil {
 		fmt.Fprintln(os.Stderr, "load:", err)
 		os.Exit(1)
 	}
 }
 
-func run(binary, rateList string, duration, warmup time.Duration, connections int) error {
+func run(binary, rateList string, duration, warmup time.Duration, connections int, h2c bool) error {
 	env, err := benchenv.Start(binary)
 	if err != nil {
 		return err
@@ -49,7 +50,7 @@ func run(binary, rateList string, duration, warmup time.Duration, connections in
 	defer env.Close()
 	fake := fakeupstream.New()
 	defer fake.Close()
-	vars, key, err := env.Fresh("load", fake.BaseURL())
+	vars, key, err := env.Fresh("load", fake.BaseURL(), "GATEWAY_H2C="+strconv.FormatBool(h2c))
 	if err != nil {
 		return err
 	}
@@ -64,20 +65,28 @@ func run(binary, rateList string, duration, warmup time.Duration, connections in
 	defer st.Pool().Close()
 
 	client := &http.Client{Transport: &http.Transport{MaxIdleConns: 4096, MaxIdleConnsPerHost: 4096, IdleConnTimeout: time.Minute}}
+	gatewayClient, protocol := client, "HTTP/1.1"
+	if h2c {
+		transport := &http.Transport{Protocols: new(http.Protocols)}
+		transport.Protocols.SetUnencryptedHTTP2(true)
+		gatewayClient, protocol = &http.Client{Transport: transport}, "HTTP/2 (h2c)"
+	}
 	prompt := "Summarise the benefits of metering inference in rungs for a platform team."
 	direct := target{
-		name: "upstream direct",
-		url:  fake.BaseURL() + "/chat/completions",
-		body: []byte(`{"model":"instant","max_completion_tokens":200,"messages":[{"role":"user","content":"` + prompt + `"}]}`),
+		name:   "upstream direct",
+		client: client,
+		url:    fake.BaseURL() + "/chat/completions",
+		body:   []byte(`{"model":"instant","max_completion_tokens":200,"messages":[{"role":"user","content":"` + prompt + `"}]}`),
 	}
 	viaGateway := target{
 		name:   "through gateway",
+		client: gatewayClient,
 		url:    base + "/api/v1/responses",
 		body:   []byte(`{"prompt":"` + prompt + `","max_output_rungs":200}`),
 		header: http.Header{"Authorization": {"Bearer " + key}},
 	}
 
-	fmt.Printf("gateway vs. upstream direct, open loop, %s per rate (after %s warm-up), %d cores\n\n", duration, warmup, runtime.NumCPU())
+	fmt.Printf("gateway (%s) vs. upstream direct, open loop, %s per rate (after %s warm-up), %d cores\n\n", protocol, duration, warmup, runtime.NumCPU())
 	fmt.Println("| rate (req/s) | target | achieved req/s | errors | p50 | p90 | p99 | CPU/req gateway | CPU/req PostgreSQL | commits/req | WAL flushes/req | WAL records/req |")
 	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|")
 	for _, field := range strings.Split(rateList, ",") {
@@ -87,12 +96,12 @@ func run(binary, rateList string, duration, warmup time.Duration, connections in
 		}
 		var results [2]result
 		for i, t := range []target{direct, viaGateway} {
-			drive(client, t, rate, warmup)
+			drive(t, rate, warmup)
 			before, err := sample(st, pid)
 			if err != nil {
 				return err
 			}
-			results[i] = drive(client, t, rate, duration)
+			results[i] = drive(t, rate, duration)
 			after, err := sample(st, pid)
 			if err != nil {
 				return err
@@ -109,8 +118,8 @@ func run(binary, rateList string, duration, warmup time.Duration, connections in
 		fmt.Println("| target | req/s | errors | p50 | p99 |")
 		fmt.Println("|---|---|---|---|---|")
 		for _, t := range []target{direct, viaGateway} {
-			saturate(client, t, connections, warmup)
-			r := saturate(client, t, connections, duration)
+			saturate(t, connections, warmup)
+			r := saturate(t, connections, duration)
 			fmt.Printf("| %s | %.0f | %d | %s | %s |\n", t.name, r.achieved, r.errors, ms(r.pct(50)), ms(r.pct(99)))
 		}
 	}
@@ -144,7 +153,7 @@ func (c counters) since(b counters, n int) string {
 }
 
 // saturate sends requests back to back on n connections for d.
-func saturate(client *http.Client, t target, n int, d time.Duration) result {
+func saturate(t target, n int, d time.Duration) result {
 	var mu sync.Mutex
 	var res result
 	var wg sync.WaitGroup
@@ -155,7 +164,7 @@ func saturate(client *http.Client, t target, n int, d time.Duration) result {
 			defer wg.Done()
 			for time.Since(start) < d {
 				begin := time.Now()
-				ok := send(client, t)
+				ok := send(t)
 				elapsed := time.Since(begin)
 				mu.Lock()
 				if ok {
@@ -174,13 +183,13 @@ func saturate(client *http.Client, t target, n int, d time.Duration) result {
 }
 
 // send makes one request and reports whether it succeeded.
-func send(client *http.Client, t target) bool {
+func send(t target) bool {
 	req, _ := http.NewRequest(http.MethodPost, t.url, bytes.NewReader(t.body))
 	req.Header.Set("Content-Type", "application/json")
 	for k, v := range t.header {
 		req.Header[k] = v
 	}
-	resp, err := client.Do(req)
+	resp, err := t.client.Do(req)
 	if err != nil {
 		return false
 	}
@@ -191,6 +200,7 @@ func send(client *http.Client, t target) bool {
 
 type target struct {
 	name   string
+	client *http.Client
 	url    string
 	body   []byte
 	header http.Header
@@ -212,7 +222,7 @@ func (r result) pct(p float64) time.Duration {
 
 // drive sends requests at a fixed rate for d, each on its own goroutine, so a
 // slow reply never delays the next request (no coordinated omission).
-func drive(client *http.Client, t target, rate int, d time.Duration) result {
+func drive(t target, rate int, d time.Duration) result {
 	var mu sync.Mutex
 	var res result
 	var wg sync.WaitGroup
@@ -228,7 +238,7 @@ func drive(client *http.Client, t target, rate int, d time.Duration) result {
 		go func() {
 			defer wg.Done()
 			begin := time.Now()
-			ok := send(client, t)
+			ok := send(t)
 			elapsed := time.Since(begin)
 			mu.Lock()
 			defer mu.Unlock()
