@@ -165,7 +165,7 @@ func streamUntilEnd(t *testing.T, g *gateway, key, prompt string) []byte {
 	}
 	req.Header.Set("Authorization", "Bearer "+key)
 	req.Header.Set("Content-Type", "application/json")
-	resp, err := http.DefaultClient.Do(req)
+	resp, err := g.httpClient().Do(req)
 	if err != nil {
 		return nil
 	}

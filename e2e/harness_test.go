@@ -246,15 +246,19 @@ func (g *gateway) callWith(method, path, key string, body any, header http.Heade
 		}
 		return req
 	}
-	client := g.client
-	if client == nil {
-		client = http.DefaultClient
-	}
-	resp, err := client.Do(newReq())
+	resp, err := g.httpClient().Do(newReq())
 	require.NoError(g.t, err)
 	defer resp.Body.Close()
 	got := apitest.Validate(g.t, newReq(), resp)
 	return reply{status: resp.StatusCode, proto: resp.ProtoMajor, header: resp.Header, body: got}
+}
+
+// httpClient is the client that sends g's requests.
+func (g *gateway) httpClient() *http.Client {
+	if g.client == nil {
+		return http.DefaultClient
+	}
+	return g.client
 }
 
 func jsonBody(t *testing.T, v any) io.Reader {
