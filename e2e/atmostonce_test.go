@@ -178,6 +178,24 @@ func streamUntilEnd(t *testing.T, g *gateway, key, prompt string) []byte {
 	return []byte(out.String())
 }
 
+// streamsUntilEnd starts n streams of prompt on g; wait returns their bodies
+// once every one has ended.
+func streamsUntilEnd(t *testing.T, g *gateway, key, prompt string, n int) (wait func() [][]byte) {
+	bodies := make([][]byte, n)
+	var wg sync.WaitGroup
+	for i := range bodies {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			bodies[i] = streamUntilEnd(t, g, key, prompt)
+		}()
+	}
+	return func() [][]byte {
+		wg.Wait()
+		return bodies
+	}
+}
+
 // TestDatabaseRestartIsServiceUnavailable pins D12: while PostgreSQL restarts,
 // requests get 503 SERVICE_UNAVAILABLE with Retry-After, never 500, and the
 // gateway serves again once it is back.

@@ -86,14 +86,7 @@ func TestRollingRestartLosesNothing(t *testing.T) {
 		}()
 	}
 	// And streams, which the replica serves off their connections' goroutines.
-	streams := make([][]byte, 2)
-	for i := range streams {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			streams[i] = streamUntilEnd(t, stopping, b.key, "streamed in flight")
-		}()
-	}
+	streams := streamsUntilEnd(t, stopping, b.key, "streamed in flight", 2)
 	time.Sleep(100 * time.Millisecond)
 	require.NoError(t, stopping.cmd.Process.Signal(syscall.SIGTERM))
 	require.NoError(t, <-stopping.done, "a clean exit: %s", stopping.stderr.String())
@@ -102,7 +95,7 @@ func TestRollingRestartLosesNothing(t *testing.T) {
 	for _, s := range statuses {
 		require.Equal(t, http.StatusOK, s, "requests in flight at SIGTERM are answered")
 	}
-	for _, body := range streams {
+	for _, body := range streams() {
 		require.Contains(t, string(body), "event: response.completed", "streams in flight at SIGTERM finish")
 		require.NotContains(t, string(body), "event: response.error")
 	}

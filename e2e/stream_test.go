@@ -9,7 +9,6 @@ import (
 	"net/http/httptrace"
 	"strconv"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -119,23 +118,14 @@ func TestH2CStreamsFinishAcrossShutdown(t *testing.T) {
 	b.fake.SetSlow("h2 streamed in flight", 2*time.Second)
 	g := serve(t, b.db, b.fake.BaseURL(), map[string]string{"GATEWAY_H2C": "true", "GATEWAY_SHUTDOWN_GRACE": "20s", "GATEWAY_DRAIN_DELAY": "200ms"})
 	g.client = h2cClient(t)
-	streams := make([][]byte, 2)
-	var wg sync.WaitGroup
-	for i := range streams {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			streams[i] = streamUntilEnd(t, g, b.key, "h2 streamed in flight")
-		}()
-	}
+	wait := streamsUntilEnd(t, g, b.key, "h2 streamed in flight", 2)
 	// Past DetachAfter: the streams run off their handlers' stacks.
-	require.Eventually(t, func() bool { return len(b.fake.Calls()) == len(streams) }, 10*time.Second, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return len(b.fake.Calls()) == 2 }, 10*time.Second, 10*time.Millisecond)
 	time.Sleep(300 * time.Millisecond)
 	require.NoError(t, g.cmd.Process.Signal(syscall.SIGTERM))
 	require.NoError(t, <-g.done, "a clean exit: %s", g.stderr.String())
 	g.done <- nil
-	wg.Wait()
-	for _, body := range streams {
+	for _, body := range wait() {
 		require.Contains(t, string(body), "event: response.completed", "streams in flight at SIGTERM finish")
 		require.NotContains(t, string(body), "event: response.error")
 	}
