@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"errors"
 	"io"
-	"log/slog"
 	"net"
 	"net/http"
 	"strconv"
@@ -166,7 +165,7 @@ func TestStreamIsLoggedWhenItEnds(t *testing.T) {
 		t.Run(protoName(h2c), func(t *testing.T) {
 			t.Parallel()
 			logs := &syncbuf.Buffer{}
-			b := setupWith(t, options{h2c: h2c, server: func(c *server.Config) { c.Logger = slog.New(slog.NewJSONHandler(logs, nil)) }})
+			b := setupWith(t, options{h2c: h2c, logs: logs})
 			b.upstream.configure(func(s *scripted) { s.firstDelay = 200 * time.Millisecond })
 			r, _ := b.stream("/api/v1/responses", map[string]any{"prompt": "log me"})
 			require.Equal(t, protoName(h2c), r.proto)
@@ -300,9 +299,7 @@ func TestDetachedStreamPanics(t *testing.T) {
 		t.Run(protoName(h2c), func(t *testing.T) {
 			t.Parallel()
 			logs := &syncbuf.Buffer{}
-			b := setupWith(t, options{h2c: h2c, provider: panicsMidStream{}, server: func(c *server.Config) {
-				c.Logger = slog.New(slog.NewJSONHandler(logs, nil))
-			}})
+			b := setupWith(t, options{h2c: h2c, provider: panicsMidStream{}, logs: logs})
 			resp := b.openStream(context.Background(), t, `{"prompt":"p","stream":true}`)
 			require.Equal(t, http.StatusOK, resp.StatusCode)
 			body, err := io.ReadAll(resp.Body)

@@ -2,7 +2,6 @@ package server_test
 
 import (
 	"context"
-	"log/slog"
 	"net/http"
 	"strings"
 	"testing"
@@ -49,9 +48,7 @@ func TestRequestID(t *testing.T) {
 func TestAccessLogNeverLeaksSecrets(t *testing.T) {
 	t.Parallel()
 	logs := &syncbuf.Buffer{}
-	b := setupWith(t, options{server: func(c *server.Config) {
-		c.Logger = slog.New(slog.NewJSONHandler(logs, nil))
-	}})
+	b := setupWith(t, options{logs: logs})
 	prompt := "my very private prompt about payroll"
 	r := b.postWith("/api/v1/responses", b.key, map[string]any{"prompt": prompt, "stream": true}, http.Header{"X-Request-Id": {"log-me"}})
 	require.Equal(t, http.StatusOK, r.status)
@@ -79,9 +76,7 @@ func (panicking) Complete(context.Context, *upstream.Request) (upstream.Result, 
 
 func TestPanicBecomesInternalError(t *testing.T) {
 	t.Parallel()
-	b := setupWith(t, options{provider: panicking{}, server: func(c *server.Config) {
-		c.Logger = slog.New(slog.NewJSONHandler(&syncbuf.Buffer{}, nil))
-	}})
+	b := setupWith(t, options{provider: panicking{}, logs: &syncbuf.Buffer{}})
 	r := b.post("/api/v1/responses", b.key, map[string]any{"prompt": "p"})
 	require.Equal(t, http.StatusInternalServerError, r.status)
 	require.Equal(t, gateway.EInternal, r.errorCode(t))

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"io"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -21,6 +22,7 @@ import (
 	"github.com/rungworks/gateway/batch"
 	"github.com/rungworks/gateway/inference"
 	"github.com/rungworks/gateway/internal/apitest"
+	"github.com/rungworks/gateway/internal/syncbuf"
 	"github.com/rungworks/gateway/internal/testdb"
 	"github.com/rungworks/gateway/ledger"
 	"github.com/rungworks/gateway/metering"
@@ -191,6 +193,8 @@ type options struct {
 	// h2c serves HTTP/2 without TLS beside HTTP/1.1, as behind a load
 	// balancer that speaks it, and the bundle's client speaks only HTTP/2.
 	h2c bool
+	// logs, when set, receives the server's log as JSON lines.
+	logs *syncbuf.Buffer
 }
 
 func setupWith(t testing.TB, o options) *testBundle {
@@ -250,6 +254,9 @@ func setupWith(t testing.TB, o options) *testBundle {
 		// Streams slower than this are detached from their connections'
 		// goroutines: the tests see both ways.
 		DetachAfter: 10 * time.Millisecond,
+	}
+	if o.logs != nil {
+		cfg.Logger = slog.New(slog.NewJSONHandler(o.logs, nil))
 	}
 	if o.server != nil {
 		o.server(&cfg)
