@@ -34,18 +34,19 @@ func Watch(c net.Conn, done Done) (stop func()) {
 // watchByGoroutine watches c with a goroutine blocked in a one-byte read.
 func watchByGoroutine(c net.Conn, done Done) (stop func()) {
 	read := make(chan struct{})
-	go func() {
-		defer close(read)
-		readOne(c, done)
-	}()
+	readInBackground(c, done, read)
 	return func() { cut(c, read) }
 }
 
-// readOne reads one byte from c and tells done.
-func readOne(c net.Conn, done Done) {
-	var b [1]byte
-	n, err := c.Read(b[:])
-	done(n, b[0], err)
+// readInBackground reads one byte from c on a goroutine of its own, tells
+// done, and then closes read.
+func readInBackground(c net.Conn, done Done, read chan<- struct{}) {
+	go func() {
+		defer close(read)
+		var b [1]byte
+		n, err := c.Read(b[:])
+		done(n, b[0], err)
+	}()
 }
 
 // cut wakes the read on c, waits until read is closed, and unsets c's read

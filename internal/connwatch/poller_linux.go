@@ -146,13 +146,11 @@ func (p *poller) run(rc syscall.RawConn) {
 		if err != nil {
 			p.mu.Lock()
 			p.dead = true
-			ids := make([]uint64, 0, len(p.pending))
-			for id := range p.pending {
-				ids = append(ids, id)
-			}
+			left := p.pending
+			p.pending = map[uint64]*watch{}
 			p.mu.Unlock()
-			for _, id := range ids {
-				p.fire(id)
+			for _, w := range left {
+				readInBackground(w.c, w.done, w.read)
 			}
 			return
 		}
@@ -168,11 +166,7 @@ func (p *poller) fire(id uint64) {
 	w := p.pending[id]
 	delete(p.pending, id)
 	p.mu.Unlock()
-	if w == nil {
-		return
+	if w != nil {
+		readInBackground(w.c, w.done, w.read)
 	}
-	go func() {
-		defer close(w.read)
-		readOne(w.c, w.done)
-	}()
 }
