@@ -102,7 +102,8 @@ type Config struct {
 	// Health says which models have a target taking calls, shared with
 	// interactive requests (the router). Nil: every model, always.
 	Health Health
-	// Metrics, when set, records claims, upstream calls, rungs and outcomes.
+	// Metrics, when set, records claims, upstream calls, rungs, outcomes and
+	// their group commits.
 	Metrics *metrics.Metrics
 }
 
@@ -450,7 +451,11 @@ func (d *Drainer) complete(ctx context.Context) {
 func (d *Drainer) commit(ctx context.Context, group []store.ItemResult) {
 	var applied []store.ItemKey
 	err := d.retry(ctx, func(ctx context.Context) (err error) {
+		start := time.Now()
 		applied, err = d.store.CompleteItems(ctx, d.cfg.Owner, group)
+		if err == nil {
+			d.cfg.Metrics.GroupCommit(metrics.WorkBatchOutcomes, len(group), time.Since(start))
+		}
 		return err
 	})
 	switch {

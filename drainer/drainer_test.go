@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -18,6 +20,7 @@ import (
 	"github.com/rungworks/gateway/internal/fakeupstream"
 	"github.com/rungworks/gateway/internal/testdb"
 	"github.com/rungworks/gateway/metering"
+	"github.com/rungworks/gateway/metrics"
 	"github.com/rungworks/gateway/store"
 	"github.com/rungworks/gateway/upstream"
 	"github.com/rungworks/gateway/upstream/openai"
@@ -97,16 +100,25 @@ func (b *testBundle) items(t *testing.T, id uuid.UUID) []gateway.BatchItem {
 }
 
 // TestConcurrencyBoundsUpstreamCalls: a replica never has more items at the
-// upstream than its drain concurrency, and its workers run every item.
+// upstream than its drain concurrency, and its workers run every item, whose
+// outcomes the metrics count once each, in their groups.
 func TestConcurrencyBoundsUpstreamCalls(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	b.fake.SetDelay(100 * time.Millisecond) // long enough for every slot to overlap
 	id := b.newBatch(t, "bounded", 30)
-	b.run(t, b.store, drainer.Config{Concurrency: 4, Lease: time.Minute})
+	m := metrics.New()
+	b.run(t, b.store, drainer.Config{Concurrency: 4, Lease: time.Minute, Metrics: m})
 	b.completed(t, id)
 	require.Len(t, b.fake.Calls(), 30, "each item reaches the upstream once")
 	require.Equal(t, 4, b.fake.PeakInFlight(), "four at a time, no more")
+	// The items are seen completed as their commit ends, a moment before
+	// the drainer measures it.
+	require.Eventually(t, func() bool {
+		rec := httptest.NewRecorder()
+		m.Handler(false).ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil))
+		return strings.Contains(rec.Body.String(), `gateway_group_commit_size_sum{work="batch_outcomes"} 30`+"\n")
+	}, 5*time.Second, 10*time.Millisecond)
 }
 
 // TestOrphanedClaimRunsOutItsLease: an item leased to a live replica that

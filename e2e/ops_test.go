@@ -47,6 +47,8 @@ func TestMetrics(t *testing.T) {
 			`gateway_open_streams 0`,
 			`gateway_batch_items_total{outcome="completed"} 3`,
 			`gateway_batch_claim_duration_seconds_count`,
+			`gateway_group_commit_duration_seconds_count{work="settlement"} 2`,
+			`gateway_group_commit_size_sum{work="batch_outcomes"} 3`,
 			`gateway_batch_queue_depth`,
 			`process_resident_memory_bytes`,
 		} {

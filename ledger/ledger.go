@@ -32,6 +32,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/metrics"
 	"github.com/rungworks/gateway/store"
 )
 
@@ -73,6 +74,8 @@ type Config struct {
 	// the moment; a group failing so is not split. Nil means never.
 	Unavailable func(error) bool
 	Logger      *slog.Logger
+	// Metrics, when set, records each group's commit.
+	Metrics *metrics.Metrics
 }
 
 // Ledger is one replica's view of its leases and the requests admitted under them.
@@ -414,8 +417,12 @@ func (l *Ledger) commit(ctx context.Context, group []*settling) {
 		settlements[i] = s.settlement
 	}
 	cctx, cancel := context.WithTimeout(ctx, statementTimeout)
+	start := time.Now()
 	err := l.store.SettleRequests(cctx, settlements)
 	cancel()
+	if err == nil {
+		l.cfg.Metrics.GroupCommit(metrics.WorkSettlement, len(group), time.Since(start))
+	}
 	if err != nil && len(group) > 1 && !l.unavailable(err) {
 		l.cfg.Logger.Warn("a group of settlements failed; committing them one by one", "requests", len(group), "error", err)
 		for _, s := range group {

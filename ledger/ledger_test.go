@@ -2,6 +2,8 @@ package ledger_test
 
 import (
 	"context"
+	"net/http"
+	"net/http/httptest"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -13,6 +15,7 @@ import (
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/internal/testdb"
 	"github.com/rungworks/gateway/ledger"
+	"github.com/rungworks/gateway/metrics"
 	"github.com/rungworks/gateway/store"
 )
 
@@ -252,6 +255,13 @@ type gatedStore struct {
 	groups []int
 }
 
+// sizes are the sizes of the groups committed so far, in order.
+func (g *gatedStore) sizes() []int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return append([]int(nil), g.groups...)
+}
+
 func (g *gatedStore) SettleRequests(ctx context.Context, group []store.Settlement) error {
 	g.once.Do(func() { <-g.gate })
 	g.mu.Lock()
@@ -262,12 +272,14 @@ func (g *gatedStore) SettleRequests(ctx context.Context, group []store.Settlemen
 
 // TestSettlementsCommitInGroups: requests that finish while a commit is in
 // flight are committed together, in one statement, when it ends; a member
-// whose data the database refuses fails alone (D11).
+// whose data the database refuses fails alone (D11). The metrics count the
+// groups stored, not those that failed.
 func TestSettlementsCommitInGroups(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	gated := &gatedStore{Store: b.store, gate: make(chan struct{})}
-	l := ledger.New(ledger.Config{}, gated)
+	m := metrics.New()
+	l := ledger.New(ledger.Config{Metrics: m}, gated)
 	b.run(t, l)
 	p := b.principal(t, "acme", nil, nil)
 
@@ -298,15 +310,60 @@ func TestSettlementsCommitInGroups(t *testing.T) {
 		}
 	}
 	require.Equal(t, 1, failed, "only the bad member fails")
-	gated.mu.Lock()
-	groups := append([]int(nil), gated.groups...)
-	gated.mu.Unlock()
+	groups := gated.sizes()
 	require.Equal(t, 1, groups[0])
 	require.Equal(t, 20, groups[1], "the twenty that waited went in one statement")
 	require.Len(t, groups, 2+20, "the failed group, then each member alone")
 	v := b.view(t, p)
 	require.Equal(t, int64(20), v.Totals.Requests)
 	require.Equal(t, int64(200), v.Daily.Charged)
+
+	// The first alone, then the nineteen good members alone; the groups that
+	// failed stored nothing.
+	scrape := scrapeMetrics(m)
+	require.Contains(t, scrape, `gateway_group_commit_size_count{work="settlement"} 20`+"\n")
+	require.Contains(t, scrape, `gateway_group_commit_duration_seconds_count{work="settlement"} 20`+"\n")
+}
+
+// TestGroupCommitsAreMeasured: each stored group is measured once, with its
+// size.
+func TestGroupCommitsAreMeasured(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	gated := &gatedStore{Store: b.store, gate: make(chan struct{})}
+	m := metrics.New()
+	l := ledger.New(ledger.Config{Metrics: m}, gated)
+	b.run(t, l)
+	p := b.principal(t, "acme", nil, nil)
+	errs := make(chan error, 6)
+	settle := func() {
+		id, err := admit(l, p, 100)
+		require.NoError(t, err)
+		errs <- l.Settle(b.ctx, record(p, id, 10))
+	}
+	go settle()
+	require.Eventually(t, func() bool { return l.Waiting() == 0 && len(errs) == 0 }, 5*time.Second, time.Millisecond)
+	for range 5 {
+		go settle()
+	}
+	require.Eventually(t, func() bool { return l.Waiting() == 5 }, 5*time.Second, time.Millisecond)
+	close(gated.gate)
+	for range 6 {
+		require.NoError(t, <-errs)
+	}
+	require.Equal(t, []int{1, 5}, gated.sizes())
+
+	scrape := scrapeMetrics(m)
+	require.Contains(t, scrape, `gateway_group_commit_size_count{work="settlement"} 2`+"\n")
+	require.Contains(t, scrape, `gateway_group_commit_size_sum{work="settlement"} 6`+"\n")
+	require.Contains(t, scrape, `gateway_group_commit_duration_seconds_count{work="settlement"} 2`+"\n")
+}
+
+// scrapeMetrics returns what m's listener serves on /metrics.
+func scrapeMetrics(m *metrics.Metrics) string {
+	rec := httptest.NewRecorder()
+	m.Handler(false).ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil))
+	return rec.Body.String()
 }
 
 // TestDeadReplicaSlicesComeBack: a replica that dies holding a slice (never

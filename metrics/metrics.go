@@ -26,6 +26,8 @@ type Metrics struct {
 	openStreams      prometheus.Gauge
 	batchItems       *prometheus.CounterVec
 	claimDuration    prometheus.Histogram
+	commitDuration   *prometheus.HistogramVec
+	commitSize       *prometheus.HistogramVec
 	queueDepth       prometheus.Gauge
 	leaseRescues     prometheus.Counter
 	refusals         *prometheus.CounterVec
@@ -68,6 +70,15 @@ func New() *Metrics {
 			Name: "gateway_batch_claim_duration_seconds", Help: "Latency of one claim of batch items.",
 			Buckets: prometheus.ExponentialBuckets(0.0005, 2, 14),
 		}),
+		commitDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "gateway_group_commit_duration_seconds",
+			Help:    "Latency of one transaction that stored a group of outcomes, by work: settlement (finished requests' usage and evidence; their replies wait for it) or batch_outcomes (batch items').",
+			Buckets: []float64{.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10},
+		}, []string{"work"}),
+		commitSize: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "gateway_group_commit_size", Help: "Outcomes stored by one group transaction, by work (see gateway_group_commit_duration_seconds).",
+			Buckets: prometheus.ExponentialBuckets(1, 2, 9),
+		}, []string{"work"}),
 		queueDepth: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "gateway_batch_queue_depth", Help: "Batch items queued, across all replicas (sampled).",
 		}),
@@ -96,7 +107,7 @@ func New() *Metrics {
 	}
 	m.registry.MustRegister(m.attempts, m.attemptDuration, m.circuitState, m.fallbacks,
 		m.requests, m.requestDuration, m.rungs, m.upstreamDuration, m.upstreamErrors,
-		m.openStreams, m.batchItems, m.claimDuration, m.queueDepth, m.leaseRescues, m.refusals, m.clamps,
+		m.openStreams, m.batchItems, m.claimDuration, m.commitDuration, m.commitSize, m.queueDepth, m.leaseRescues, m.refusals, m.clamps,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
@@ -192,6 +203,21 @@ func (m *Metrics) BatchItem(outcome string) {
 func (m *Metrics) Claim(d time.Duration) {
 	if m != nil {
 		m.claimDuration.Observe(d.Seconds())
+	}
+}
+
+// Work stored by group transactions, the label values of GroupCommit.
+const (
+	WorkSettlement    = "settlement"
+	WorkBatchOutcomes = "batch_outcomes"
+)
+
+// GroupCommit records one group transaction of work (WorkSettlement or
+// WorkBatchOutcomes): how many outcomes it stored and how long it took.
+func (m *Metrics) GroupCommit(work string, size int, d time.Duration) {
+	if m != nil {
+		m.commitDuration.WithLabelValues(work).Observe(d.Seconds())
+		m.commitSize.WithLabelValues(work).Observe(float64(size))
 	}
 }
 

@@ -106,7 +106,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	// accounts or projects), rates and quota from leased slices, settlements
 	// committed in groups. Every replica runs these with its own leases.
 	owner := uuid.Must(uuid.NewV7())
-	ledge := ledger.New(ledger.Config{Owner: owner, Lease: cfg.Lease, Unavailable: store.Transient, Logger: logger}, st)
+	ledge := ledger.New(ledger.Config{Owner: owner, Lease: cfg.Lease, Unavailable: store.Transient, Logger: logger, Metrics: m}, st)
 	keys := access.NewKeys(access.Config{Logger: logger, OnChange: func(table string) {
 		if table != "api_keys" {
 			ledge.Invalidate()
