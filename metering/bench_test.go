@@ -36,3 +36,27 @@ func BenchmarkEstimate(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkEstimateVaried prices prompts of about 2 KiB of words, a
+// different stretch of text each time, as a replica serving many clients
+// sees them.
+func BenchmarkEstimateVaried(b *testing.B) {
+	tok, err := metering.DefaultTokenizer()
+	require.NoError(b, err)
+	est := &metering.Estimator{Tokenizer: tok, RateCard: defaultCard(b)}
+	text := randomWords(1 << 20)
+	var prompts []string
+	for start := 0; start+4096 < len(text) && len(prompts) < 256; start += 4093 {
+		from := start + strings.IndexByte(text[start:], ' ') + 1
+		prompts = append(prompts, text[from:from+2048])
+	}
+	b.SetBytes(2048)
+	i := 0
+	for b.Loop() {
+		req := gateway.Request{Prompt: prompts[i%len(prompts)], Model: gateway.ModelInstant, MaxOutputRungs: 32000}
+		if _, err := est.Estimate(req, gateway.EntryResponses); err != nil {
+			b.Fatal(err)
+		}
+		i++
+	}
+}

@@ -18,22 +18,62 @@ import (
 // with that pattern's backtracking semantics, and each piece is merged by
 // byte-pair ranks taken from the library's vocabulary. The library's codec is
 // the reference (TestCounterMatchesTheCodec, FuzzCounterMatchesTheCodec) and
-// counts the rare long piece itself.
+// counts the rare long piece itself. The counts of pieces merged lately are
+// cached (see mergeCache).
 type counter struct {
-	ranks map[string]uint32
-	codec tokenizer.Codec
+	// short holds the ranks of tokens of up to shortBytes bytes, keyed by
+	// shortKey: most lookups, faster than by string, and a table the
+	// garbage collector need not scan; long holds the others.
+	short  map[uint64]uint32
+	long   map[string]uint32
+	codec  tokenizer.Codec
+	merged *mergeCache
+}
+
+// shortBytes is the longest token held in counter.short.
+const shortBytes = 7
+
+// shortKey packs s, of up to shortBytes bytes, and its length in a word.
+func shortKey(s string) uint64 {
+	k := uint64(len(s)) << 56
+	for i := range len(s) {
+		k |= uint64(s[i]) << (8 * i)
+	}
+	return k
+}
+
+// rank returns the rank of token s, if s is one.
+func (c *counter) rank(s string) (uint32, bool) {
+	if len(s) <= shortBytes {
+		r, ok := c.short[shortKey(s)]
+		return r, ok
+	}
+	r, ok := c.long[s]
+	return r, ok
 }
 
 // maxMergeBytes bounds the pieces the counter merges itself; a longer piece
 // (a long run) is counted by the codec, whose merge is O(n log n).
 const maxMergeBytes = 256
 
-// newCounter reads the ranks of every token of codec.
+// The merge cache's size: 64 shards of 256 entries, 16,384 pieces in 512 KiB.
+const (
+	mergeCacheShardBits = 6
+	mergeCacheSlotBits  = 8
+)
+
+// newCounter reads the ranks of every token of codec (o200k_base has 132,360
+// of up to shortBytes bytes, and 67,638 longer).
 func newCounter(codec tokenizer.Codec) *counter {
-	c := &counter{ranks: make(map[string]uint32, 200_000), codec: codec}
+	c := &counter{short: make(map[uint64]uint32, 132_360), long: make(map[string]uint32, 67_638), codec: codec, merged: newMergeCache(mergeCacheShardBits, mergeCacheSlotBits)}
 	for id := uint(0); id < 200_000; id++ {
-		if piece, err := codec.Decode([]uint{id}); err == nil {
-			c.ranks[piece] = uint32(id)
+		piece, err := codec.Decode([]uint{id})
+		switch {
+		case err != nil:
+		case len(piece) <= shortBytes:
+			c.short[shortKey(piece)] = uint32(id)
+		default:
+			c.long[piece] = uint32(id)
 		}
 	}
 	return c
@@ -50,9 +90,10 @@ func (c *counter) count(s string) uint64 {
 	return n
 }
 
-// pieceTokens merges one piece by byte-pair ranks and counts the parts.
+// pieceTokens counts the tokens of one piece: one if it is a token, else
+// what merging it makes.
 func (c *counter) pieceTokens(piece string) uint64 {
-	if _, ok := c.ranks[piece]; ok {
+	if _, ok := c.rank(piece); ok {
 		return 1
 	}
 	if len(piece) > maxMergeBytes {
@@ -62,6 +103,17 @@ func (c *counter) pieceTokens(piece string) uint64 {
 		}
 		return uint64(n)
 	}
+	if n, ok := c.merged.get(piece); ok {
+		return n
+	}
+	n := c.merge(piece)
+	c.merged.put(piece, n)
+	return n
+}
+
+// merge merges piece, of up to maxMergeBytes, by byte-pair ranks and counts
+// the parts.
+func (c *counter) merge(piece string) uint64 {
 	const none = ^uint32(0)
 	type part struct {
 		start int
@@ -71,7 +123,7 @@ func (c *counter) pieceTokens(piece string) uint64 {
 	parts := buf[:0]
 	rank := func(parts []part, i int) uint32 {
 		if i+2 < len(parts) {
-			if r, ok := c.ranks[piece[parts[i].start:parts[i+2].start]]; ok {
+			if r, ok := c.rank(piece[parts[i].start:parts[i+2].start]); ok {
 				return r
 			}
 		}
