@@ -30,12 +30,8 @@ type jsonBinder struct{}
 // Bind implements echo.Binder.
 func (jsonBinder) Bind(i any, c echo.Context) error {
 	r := c.Request()
-	mt, params, err := mime.ParseMediaType(r.Header.Get("Content-Type"))
-	if err != nil || (mt != "application/json" && !strings.HasSuffix(mt, "+json")) {
-		return gateway.Errorf(gateway.EInvalidRequest, "Content-Type must be application/json")
-	}
-	if cs, ok := params["charset"]; ok && !strings.EqualFold(cs, "utf-8") && !strings.EqualFold(cs, "utf8") {
-		return gateway.Errorf(gateway.EInvalidRequest, "the body must be UTF-8; charset %q is not accepted", cs)
+	if err := checkContentType(r.Header.Get("Content-Type")); err != nil {
+		return err
 	}
 	body, err := io.ReadAll(r.Body)
 	if err != nil {
@@ -50,6 +46,23 @@ func (jsonBinder) Bind(i any, c echo.Context) error {
 	exactFieldNames(body, fieldNames(reflect.TypeOf(i)))
 	if err := json.Unmarshal(body, i); err != nil {
 		return decodeError(err)
+	}
+	return nil
+}
+
+// checkContentType accepts JSON in UTF-8: application/json (most clients'
+// exact value, taken without parsing), or a +json type, with no charset or
+// UTF-8's.
+func checkContentType(ct string) error {
+	if ct == "application/json" {
+		return nil
+	}
+	mt, params, err := mime.ParseMediaType(ct)
+	if err != nil || (mt != "application/json" && !strings.HasSuffix(mt, "+json")) {
+		return gateway.Errorf(gateway.EInvalidRequest, "Content-Type must be application/json")
+	}
+	if cs, ok := params["charset"]; ok && !strings.EqualFold(cs, "utf-8") && !strings.EqualFold(cs, "utf8") {
+		return gateway.Errorf(gateway.EInvalidRequest, "the body must be UTF-8; charset %q is not accepted", cs)
 	}
 	return nil
 }
@@ -108,46 +121,73 @@ func jsonType(goType string) string {
 // exactFieldNames makes every object key of body that equals one of names only
 // when case is ignored an unknown field, in place: its first byte becomes '~',
 // which no field name holds. encoding/json matches names case-insensitively;
-// the contract matches them exactly. A body that is not valid JSON is left for
-// the decoder to report.
+// the contract matches them exactly. One pass over the bytes, no value
+// decoded: a prompt of 100 KB is skipped, not copied. A body that is not
+// valid JSON is left for the decoder to report.
 func exactFieldNames(body []byte, names map[string]bool) {
-	type frame struct{ object, wantKey bool }
-	var stack []frame
-	dec := json.NewDecoder(bytes.NewReader(body))
-	for {
-		before := dec.InputOffset()
-		tok, err := dec.Token()
-		if err != nil {
+	// objects holds, per open container, whether it is an object; wantKey:
+	// the next string of the innermost object is a key.
+	var objects []bool
+	wantKey := false
+	for i := 0; i < len(body); i++ {
+		switch body[i] {
+		case '{':
+			objects = append(objects, true)
+			wantKey = true
+		case '[':
+			objects = append(objects, false)
+			wantKey = false
+		case '}', ']':
+			if len(objects) == 0 {
+				return
+			}
+			objects = objects[:len(objects)-1]
+			wantKey = false
+		case ',':
+			wantKey = len(objects) > 0 && objects[len(objects)-1]
+		case '"':
+			end, escaped := stringEnd(body, i+1)
+			if end < 0 {
+				return
+			}
+			if wantKey {
+				wantKey = false
+				markFolded(body[i+1:end], escaped, names)
+			}
+			i = end
+		}
+	}
+}
+
+// stringEnd returns the index of the quote ending the JSON string whose
+// contents start at from, or -1, and whether the string holds an escape.
+func stringEnd(body []byte, from int) (int, bool) {
+	escaped := false
+	for i := from; i < len(body); i++ {
+		switch body[i] {
+		case '\\':
+			escaped = true
+			i++
+		case '"':
+			return i, escaped
+		}
+	}
+	return -1, escaped
+}
+
+// markFolded writes '~' over the first byte of key, the contents of a JSON
+// object key, when the key folds to one of names without being it.
+func markFolded(key []byte, escaped bool, names map[string]bool) {
+	name := string(key)
+	if escaped {
+		quoted := make([]byte, 0, len(key)+2)
+		quoted = append(append(append(quoted, '"'), key...), '"')
+		if json.Unmarshal(quoted, &name) != nil {
 			return
 		}
-		top := len(stack) - 1
-		if d, ok := tok.(json.Delim); ok {
-			switch d {
-			case '{', '[':
-				if top >= 0 && stack[top].object {
-					stack[top].wantKey = true // after this value, a key
-				}
-				stack = append(stack, frame{object: d == '{', wantKey: d == '{'})
-			default:
-				stack = stack[:top]
-			}
-			continue
-		}
-		if top < 0 || !stack[top].object {
-			continue
-		}
-		if !stack[top].wantKey {
-			stack[top].wantKey = true // a value; a key comes next
-			continue
-		}
-		stack[top].wantKey = false
-		key, _ := tok.(string)
-		if names[key] || !foldsToAny(key, names) {
-			continue
-		}
-		if q := bytes.IndexByte(body[before:], '"'); q >= 0 && int(before)+q+1 < len(body) {
-			body[int(before)+q+1] = '~'
-		}
+	}
+	if len(key) > 0 && !names[name] && foldsToAny(name, names) {
+		key[0] = '~'
 	}
 }
 

@@ -72,9 +72,12 @@ func checkExactNames(t *testing.T, body []byte, got *api.ResponseRequest) {
 }
 
 // FuzzExactFieldNames: rewriting keys keeps a valid body valid, changes
-// nothing else, and leaves no key that folds to a field name without being it.
+// nothing else, and leaves no key that folds to a field name without being it:
+// its output is, byte for byte, that of a rewrite driven by encoding/json's
+// own tokenizer.
 func FuzzExactFieldNames(f *testing.F) {
-	for _, seed := range []string{`{"Prompt":"x"}`, `{"a":{"MODEL":[1,{"Stream":2}]}}`, `{"\u0070ROMPT":1}`, `[{"Prompt":{}}]`, `{"":""}`} {
+	for _, seed := range []string{`{"Prompt":"x"}`, `{"a":{"MODEL":[1,{"Stream":2}]}}`, `{"\u0070ROMPT":1}`, `[{"Prompt":{}}]`, `{"":""}`,
+		`{"a\"Prompt":1,"Prompt\\":2,"x":"\"Prompt\":"}`, `{"a":[1,"Model",{"MODEL":[]}],"Stream":{"Prompt":1}}`, `{"ſtream":true,"\u0050rompt":"x"}`} {
 		f.Add([]byte(seed))
 	}
 	names := fieldNames(reflect.TypeOf(&api.BatchRequest{}))
@@ -88,5 +91,56 @@ func FuzzExactFieldNames(f *testing.F) {
 		if len(out) != len(body) {
 			t.Fatalf("length changed")
 		}
+		if !valid {
+			return
+		}
+		want := append([]byte(nil), body...)
+		exactFieldNamesByTokens(want, names)
+		if !bytes.Equal(out, want) {
+			t.Fatalf("%q became %q, want %q", body, out, want)
+		}
 	})
+}
+
+// exactFieldNamesByTokens is exactFieldNames done with encoding/json's
+// tokenizer: the reference it is checked against.
+func exactFieldNamesByTokens(body []byte, names map[string]bool) {
+	type frame struct{ object, wantKey bool }
+	var stack []frame
+	dec := json.NewDecoder(bytes.NewReader(body))
+	for {
+		before := dec.InputOffset()
+		tok, err := dec.Token()
+		if err != nil {
+			return
+		}
+		top := len(stack) - 1
+		if d, ok := tok.(json.Delim); ok {
+			switch d {
+			case '{', '[':
+				if top >= 0 && stack[top].object {
+					stack[top].wantKey = true // after this value, a key
+				}
+				stack = append(stack, frame{object: d == '{', wantKey: d == '{'})
+			default:
+				stack = stack[:top]
+			}
+			continue
+		}
+		if top < 0 || !stack[top].object {
+			continue
+		}
+		if !stack[top].wantKey {
+			stack[top].wantKey = true // a value; a key comes next
+			continue
+		}
+		stack[top].wantKey = false
+		key, _ := tok.(string)
+		if names[key] || !foldsToAny(key, names) {
+			continue
+		}
+		if q := bytes.IndexByte(body[before:], '"'); q >= 0 && int(before)+q+1 < len(body) {
+			body[int(before)+q+1] = '~'
+		}
+	}
 }
