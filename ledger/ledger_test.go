@@ -249,7 +249,9 @@ func TestConcurrentAdmissionsNeverPassTheCap(t *testing.T) {
 // gatedStore holds the first group commit until released, counting groups.
 type gatedStore struct {
 	*store.Store
-	gate   chan struct{}
+	gate chan struct{}
+	// held is set once the first commit waits at the gate.
+	held   atomic.Bool
 	once   sync.Once
 	mu     sync.Mutex
 	groups []int
@@ -263,11 +265,25 @@ func (g *gatedStore) sizes() []int {
 }
 
 func (g *gatedStore) SettleRequests(ctx context.Context, group []store.Settlement) error {
-	g.once.Do(func() { <-g.gate })
+	g.once.Do(func() {
+		g.held.Store(true)
+		<-g.gate
+	})
 	g.mu.Lock()
 	g.groups = append(g.groups, len(group))
 	g.mu.Unlock()
 	return g.Store.SettleRequests(ctx, group)
+}
+
+// gatedLedger is a running ledger whose first group commit waits until
+// gated.gate is closed, its metrics, and a principal to settle under.
+func (b *testBundle) gatedLedger(t *testing.T) (*ledger.Ledger, *gatedStore, *metrics.Metrics, *gateway.Principal) {
+	t.Helper()
+	gated := &gatedStore{Store: b.store, gate: make(chan struct{})}
+	m := metrics.New()
+	l := ledger.New(ledger.Config{Metrics: m}, gated)
+	b.run(t, l)
+	return l, gated, m, b.principal(t, "acme", nil, nil)
 }
 
 // TestSettlementsCommitInGroups: requests that finish while a commit is in
@@ -277,11 +293,7 @@ func (g *gatedStore) SettleRequests(ctx context.Context, group []store.Settlemen
 func TestSettlementsCommitInGroups(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	gated := &gatedStore{Store: b.store, gate: make(chan struct{})}
-	m := metrics.New()
-	l := ledger.New(ledger.Config{Metrics: m}, gated)
-	b.run(t, l)
-	p := b.principal(t, "acme", nil, nil)
+	l, gated, m, p := b.gatedLedger(t)
 
 	settle := func(r gateway.UsageRecord, errs chan<- error) {
 		id, err := admit(l, p, 100)
@@ -291,7 +303,7 @@ func TestSettlementsCommitInGroups(t *testing.T) {
 	}
 	first := make(chan error, 1)
 	go settle(record(p, uuid.Nil, 10), first)
-	require.Eventually(t, func() bool { return l.Waiting() == 0 && len(first) == 0 }, 5*time.Second, time.Millisecond)
+	require.Eventually(t, gated.held.Load, 5*time.Second, time.Millisecond, "the first request commits first")
 	errs := make(chan error, 20)
 	for i := range 20 {
 		r := record(p, uuid.Nil, 10)
@@ -330,11 +342,7 @@ func TestSettlementsCommitInGroups(t *testing.T) {
 func TestGroupCommitsAreMeasured(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	gated := &gatedStore{Store: b.store, gate: make(chan struct{})}
-	m := metrics.New()
-	l := ledger.New(ledger.Config{Metrics: m}, gated)
-	b.run(t, l)
-	p := b.principal(t, "acme", nil, nil)
+	l, gated, m, p := b.gatedLedger(t)
 	errs := make(chan error, 6)
 	settle := func() {
 		id, err := admit(l, p, 100)
@@ -342,7 +350,7 @@ func TestGroupCommitsAreMeasured(t *testing.T) {
 		errs <- l.Settle(b.ctx, record(p, id, 10))
 	}
 	go settle()
-	require.Eventually(t, func() bool { return l.Waiting() == 0 && len(errs) == 0 }, 5*time.Second, time.Millisecond)
+	require.Eventually(t, gated.held.Load, 5*time.Second, time.Millisecond, "the first request commits first")
 	for range 5 {
 		go settle()
 	}
