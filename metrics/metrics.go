@@ -76,7 +76,7 @@ func New() *Metrics {
 			Buckets: []float64{.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10},
 		}, []string{"work"}),
 		commitSize: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name: "gateway_group_commit_size", Help: "Outcomes stored by one group transaction, by work (see gateway_group_commit_duration_seconds).",
+			Name: "gateway_group_commit_size", Help: "Outcomes in one group transaction that committed, by work (see gateway_group_commit_duration_seconds).",
 			Buckets: prometheus.ExponentialBuckets(1, 2, 9),
 		}, []string{"work"}),
 		queueDepth: prometheus.NewGauge(prometheus.GaugeOpts{
@@ -213,7 +213,8 @@ const (
 )
 
 // GroupCommit records one group transaction of work (WorkSettlement or
-// WorkBatchOutcomes): how many outcomes it stored and how long it took.
+// WorkBatchOutcomes) that committed: how many outcomes it held and how long
+// it took.
 func (m *Metrics) GroupCommit(work string, size int, d time.Duration) {
 	if m != nil {
 		m.commitDuration.WithLabelValues(work).Observe(d.Seconds())
