@@ -14,6 +14,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"net/http"
 	"os"
 	"runtime"
@@ -35,14 +36,15 @@ func main() {
 	warmup := flag.Duration("warmup", 2*time.Second, "unmeasured load before each measurement")
 	connections := flag.Int("connections", 64, "closed-loop connections for the saturation point (0: skip)")
 	h2c := flag.Bool("h2c", false, "speak HTTP/2 without TLS to the gateway (GATEWAY_H2C), as a load balancer may")
+	promptBytes := flag.Int("prompt-bytes", 0, "prompts of about this many bytes of words, a different one each request (0: one short prompt)")
 	flag.Parse()
-	if err := run(*binary, *rates, *duration, *warmup, *connections, *h2c); err != nil {
+	if err := run(*binary, *rates, *duration, *warmup, *connections, *h2c, *promptBytes); err != nil {
 		fmt.Fprintln(os.Stderr, "load:", err)
 		os.Exit(1)
 	}
 }
 
-func run(binary, rateList string, duration, warmup time.Duration, connections int, h2c bool) error {
+func run(binary, rateList string, duration, warmup time.Duration, connections int, h2c bool, promptBytes int) error {
 	env, err := benchenv.Start(binary)
 	if err != nil {
 		return err
@@ -71,19 +73,15 @@ func run(binary, rateList string, duration, warmup time.Duration, connections in
 		transport.Protocols.SetUnencryptedHTTP2(true)
 		gatewayClient, protocol = &http.Client{Transport: transport}, "HTTP/2 (h2c)"
 	}
-	prompt := "Summarise the benefits of metering inference in rungs for a platform team."
-	direct := target{
-		name:   "upstream direct",
-		client: client,
-		url:    fake.BaseURL() + "/chat/completions",
-		body:   []byte(`{"model":"instant","max_completion_tokens":200,"messages":[{"role":"user","content":"` + prompt + `"}]}`),
+	prompts := []string{"Summarise the benefits of metering inference in rungs for a platform team."}
+	if promptBytes > 0 {
+		prompts = wordPrompts(promptBytes, 256)
 	}
-	viaGateway := target{
-		name:   "through gateway",
-		client: gatewayClient,
-		url:    base + "/api/v1/responses",
-		body:   []byte(`{"prompt":"` + prompt + `","max_output_rungs":200}`),
-		header: http.Header{"Authorization": {"Bearer " + key}},
+	direct := target{name: "upstream direct", client: client, url: fake.BaseURL() + "/chat/completions"}
+	viaGateway := target{name: "through gateway", client: gatewayClient, url: base + "/api/v1/responses", header: http.Header{"Authorization": {"Bearer " + key}}}
+	for _, prompt := range prompts {
+		direct.bodies = append(direct.bodies, []byte(`{"model":"instant","max_completion_tokens":200,"messages":[{"role":"user","content":"`+prompt+`"}]}`))
+		viaGateway.bodies = append(viaGateway.bodies, []byte(`{"prompt":"`+prompt+`","max_output_rungs":200}`))
 	}
 
 	fmt.Printf("gateway (%s) vs. upstream direct, open loop, %s per rate (after %s warm-up), %d cores\n\n", protocol, duration, warmup, runtime.NumCPU())
@@ -158,13 +156,13 @@ func saturate(t target, n int, d time.Duration) result {
 	var res result
 	var wg sync.WaitGroup
 	start := time.Now()
-	for range n {
+	for c := range n {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			for time.Since(start) < d {
+			for k := c; time.Since(start) < d; k += n {
 				begin := time.Now()
-				ok := send(t)
+				ok := send(t, k)
 				elapsed := time.Since(begin)
 				mu.Lock()
 				if ok {
@@ -182,9 +180,9 @@ func saturate(t target, n int, d time.Duration) result {
 	return res
 }
 
-// send makes one request and reports whether it succeeded.
-func send(t target) bool {
-	req, _ := http.NewRequest(http.MethodPost, t.url, bytes.NewReader(t.body))
+// send makes the target's nth request and reports whether it succeeded.
+func send(t target, n int) bool {
+	req, _ := http.NewRequest(http.MethodPost, t.url, bytes.NewReader(t.bodies[n%len(t.bodies)]))
 	req.Header.Set("Content-Type", "application/json")
 	for k, v := range t.header {
 		req.Header[k] = v
@@ -198,12 +196,38 @@ func send(t target) bool {
 	return resp.StatusCode == http.StatusOK
 }
 
+// target is where requests go; its requests carry its bodies in turn.
 type target struct {
 	name   string
 	client *http.Client
 	url    string
-	body   []byte
+	bodies [][]byte
 	header http.Header
+}
+
+// wordPrompts returns n prompts of about size bytes each, different stretches
+// of text made of common words and of words the tokenizer splits.
+func wordPrompts(size, n int) []string {
+	words := strings.Fields(`the of and to in is that for it as was with be by on not he this are or his from at which
+		but have an they you were her she there would their we him been has when who will more no if out so said what up
+		its about into than them can only other new some could time these two may then do first any my now such like our
+		gateway metering rungs budget ceiling replica stream batch upstream PostgreSQL ledger tokenizer idempotency
+		summarise reconciliation throughput latency percentile asynchronous multiplexed observability`)
+	rng := rand.New(rand.NewPCG(5, 6))
+	prompts := make([]string, n)
+	for i := range prompts {
+		var b strings.Builder
+		for b.Len() < size {
+			b.WriteString(words[rng.IntN(len(words))])
+			if rng.IntN(10) == 0 {
+				b.WriteString(". ")
+			} else {
+				b.WriteByte(' ')
+			}
+		}
+		prompts[i] = b.String()
+	}
+	return prompts
 }
 
 type result struct {
@@ -238,7 +262,7 @@ func drive(t target, rate int, d time.Duration) result {
 		go func() {
 			defer wg.Done()
 			begin := time.Now()
-			ok := send(t)
+			ok := send(t, n)
 			elapsed := time.Since(begin)
 			mu.Lock()
 			defer mu.Unlock()
