@@ -131,9 +131,11 @@ func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, batches, warm
 	bases := make([]string, replicas)
 	pids := make([]int, replicas)
 	for i := range bases {
-		if bases[i], pids[i], err = env.ServeProcess(vars); err != nil {
+		p, err := env.ServeProcess(vars)
+		if err != nil {
 			return result{}, err
 		}
+		bases[i], pids[i] = p.Base, p.PID
 	}
 	requests := make([]map[string]any, 100)
 	for i := range requests {

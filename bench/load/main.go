@@ -56,10 +56,11 @@ func run(binary, rateList string, duration, warmup time.Duration, connections in
 	if err != nil {
 		return err
 	}
-	base, pid, err := env.ServeProcess(vars)
+	gateway, err := env.ServeProcess(vars)
 	if err != nil {
 		return err
 	}
+	base, pid := gateway.Base, gateway.PID
 	st, err := benchenv.OpenStore(vars)
 	if err != nil {
 		return err

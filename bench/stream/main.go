@@ -171,10 +171,11 @@ func idleStreams(env *benchenv.Env, n int, p protocols, release time.Duration) e
 	if err != nil {
 		return err
 	}
-	base, pid, err := env.ServeProcess(vars)
+	gateway, err := env.ServeProcess(vars)
 	if err != nil {
 		return err
 	}
+	base, pid := gateway.Base, gateway.PID
 	transport := &http.Transport{MaxIdleConnsPerHost: -1}
 	if p.inbound {
 		transport.Protocols = new(http.Protocols)
@@ -197,6 +198,10 @@ func idleStreams(env *benchenv.Env, n int, p protocols, release time.Duration) e
 		return err
 	}
 	anonBefore, err := anonymous(pid)
+	if err != nil {
+		return err
+	}
+	statsBefore, err := runtimeStats(gateway.Metrics)
 	if err != nil {
 		return err
 	}
@@ -257,6 +262,10 @@ func idleStreams(env *benchenv.Env, n int, p protocols, release time.Duration) e
 			back = time.Since(closed)
 		}
 	}
+	statsAfter, err := runtimeStats(gateway.Metrics)
+	if err != nil {
+		return err
+	}
 	within := "not within " + release.String()
 	if back >= 0 {
 		within = back.Round(time.Second).String()
@@ -265,7 +274,59 @@ func idleStreams(env *benchenv.Env, n int, p protocols, release time.Duration) e
 	fmt.Println("|---|---|---|---|---|---|")
 	fmt.Printf("| %.1f MiB (%.1f) | %.1f MiB | %.1f KiB | %.0f MiB | %.1f MiB (%.1f) | %s |\n\n", mib(before), mib(anonBefore), mib(after), perStream/1024,
 		mib(before+int64(perStream*10000)), mib(released), mib(anonReleased), within)
+	printRuntimeStats(statsBefore, statsAfter, release)
 	return nil
+}
+
+// memStats are the runtime's accounts of its memory (runtime.MemStats, as the
+// gateway's /metrics exports them), in the order printed.
+var memStats = []struct{ metric, name string }{
+	{"go_memstats_other_sys_bytes", "OtherSys (the runtime's own: poll descriptors, ...)"},
+	{"go_memstats_heap_inuse_bytes", "HeapInuse (spans with objects)"},
+	{"go_memstats_heap_alloc_bytes", "HeapAlloc (objects, live or not yet collected)"},
+	{"go_memstats_mspan_sys_bytes", "MSpanSys (span structures)"},
+	{"go_memstats_stack_inuse_bytes", "StackInuse"},
+	{"go_memstats_gc_sys_bytes", "GCSys (the collector's metadata)"},
+}
+
+// printRuntimeStats prints what the runtime holds idle and after the streams
+// closed: where the RSS that stays goes.
+func printRuntimeStats(before, after map[string]float64, release time.Duration) {
+	fmt.Printf("| runtime.MemStats | idle | %s after closing | kept |\n", release)
+	fmt.Println("|---|---|---|---|")
+	for _, m := range memStats {
+		fmt.Printf("| %s | %.1f MB | %.1f MB | %.1f MB |\n", m.name, before[m.metric]/1e6, after[m.metric]/1e6, (after[m.metric]-before[m.metric])/1e6)
+	}
+	fmt.Println()
+}
+
+// runtimeStats reads the go_memstats_ figures of a gateway's metrics.
+func runtimeStats(url string) (map[string]float64, error) {
+	resp, err := http.Get(url)
+	if err != nil {
+		return nil, fmt.Errorf("error reading the gateway's metrics: %w", err)
+	}
+	defer resp.Body.Close()
+	raw, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return nil, fmt.Errorf("error reading the gateway's metrics: %w", err)
+	}
+	stats := map[string]float64{}
+	for _, line := range strings.Split(string(raw), "\n") {
+		name, value, ok := strings.Cut(line, " ")
+		if !ok || !strings.HasPrefix(name, "go_memstats_") {
+			continue
+		}
+		if stats[name], err = strconv.ParseFloat(value, 64); err != nil {
+			return nil, fmt.Errorf("error reading metric %s: %w", name, err)
+		}
+	}
+	for _, m := range memStats {
+		if _, ok := stats[m.metric]; !ok {
+			return nil, fmt.Errorf("the gateway's metrics have no %s", m.metric)
+		}
+	}
+	return stats, nil
 }
 
 // drain makes one streamed request and reads it to the end.

@@ -93,40 +93,60 @@ func (e *Env) prepare(env []string) (string, error) {
 
 // Serve starts `gateway serve` with env and returns its base URL once it is ready.
 func (e *Env) Serve(env []string) (string, error) {
-	base, _, err := e.ServeProcess(env)
-	return base, err
+	p, err := e.ServeProcess(env)
+	return p.Base, err
 }
 
-// ServeProcess is Serve that also returns the process id.
-func (e *Env) ServeProcess(env []string) (string, int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+// Process is a started `gateway serve`.
+type Process struct {
+	// Base is the base URL of its API, Metrics of its metrics listener.
+	Base, Metrics string
+	PID           int
+}
+
+// ServeProcess is Serve that also returns the process id and the metrics
+// listener's URL.
+func (e *Env) ServeProcess(env []string) (Process, error) {
+	addr, err := freeAddr()
 	if err != nil {
-		return "", 0, err
+		return Process{}, err
 	}
-	addr := l.Addr().String()
-	l.Close()
-	cmd := e.command(append(env, "GATEWAY_LISTEN="+addr, "GATEWAY_METRICS_LISTEN=127.0.0.1:0", "GATEWAY_RATE_LIMIT=100000000"), "serve")
+	metricsAddr, err := freeAddr()
+	if err != nil {
+		return Process{}, err
+	}
+	cmd := e.command(append(env, "GATEWAY_LISTEN="+addr, "GATEWAY_METRICS_LISTEN="+metricsAddr, "GATEWAY_RATE_LIMIT=100000000"), "serve")
 	// The log goes to /dev/null as a file: no pipe for this process to drain.
 	devNull, err := os.OpenFile(os.DevNull, os.O_WRONLY, 0)
 	if err != nil {
-		return "", 0, err
+		return Process{}, err
 	}
 	defer devNull.Close()
 	cmd.Stderr = devNull
 	if err := cmd.Start(); err != nil {
-		return "", 0, err
+		return Process{}, err
 	}
 	e.procs = append(e.procs, cmd)
-	base := "http://" + addr
+	p := Process{Base: "http://" + addr, Metrics: "http://" + metricsAddr + "/metrics", PID: cmd.Process.Pid}
 	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
-		if resp, err := http.Get(base + "/readyz"); err == nil {
+		if resp, err := http.Get(p.Base + "/readyz"); err == nil {
 			resp.Body.Close()
 			if resp.StatusCode == http.StatusOK {
-				return base, cmd.Process.Pid, nil
+				return p, nil
 			}
 		}
 	}
-	return "", 0, fmt.Errorf("gateway at %s did not start", base)
+	return Process{}, fmt.Errorf("gateway at %s did not start", p.Base)
+}
+
+// freeAddr is a local address no one listens on now.
+func freeAddr() (string, error) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return "", err
+	}
+	defer l.Close()
+	return l.Addr().String(), nil
 }
 
 // StopServers stops every gateway process started so far.
