@@ -66,7 +66,7 @@ func (q *Queries) BatchesPastWindow(ctx context.Context, db DBTX, maxRows int32)
 
 const cancelQueuedItems = `-- name: CancelQueuedItems :execrows
 UPDATE batch_items SET status = 'cancelled', cancel_reason = $1, completed_at = now()
-WHERE batch_id = $2 AND status = 'queued'
+WHERE batch_id = $2 AND status IS NOT DISTINCT FROM 'queued'
 `
 
 type CancelQueuedItemsParams struct {
@@ -75,7 +75,10 @@ type CancelQueuedItemsParams struct {
 }
 
 // Cancels a batch's items that have not started; their estimates go back to
-// the day (settle_batch_items).
+// the day (settle_batch_items). The items are found by the batch's key: the
+// status check is one the claim index does not serve (IS NOT DISTINCT FROM,
+// see migration 00019), or statistics taken while the queue was empty would
+// have the cancel read every queued item through it.
 func (q *Queries) CancelQueuedItems(ctx context.Context, db DBTX, arg CancelQueuedItemsParams) (int64, error) {
 	result, err := db.Exec(ctx, cancelQueuedItems, arg.Reason, arg.BatchID)
 	if err != nil {

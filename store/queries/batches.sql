@@ -101,9 +101,12 @@ WHERE id = @id;
 
 -- name: CancelQueuedItems :execrows
 -- Cancels a batch's items that have not started; their estimates go back to
--- the day (settle_batch_items).
+-- the day (settle_batch_items). The items are found by the batch's key: the
+-- status check is one the claim index does not serve (IS NOT DISTINCT FROM,
+-- see migration 00019), or statistics taken while the queue was empty would
+-- have the cancel read every queued item through it.
 UPDATE batch_items SET status = 'cancelled', cancel_reason = @reason, completed_at = now()
-WHERE batch_id = @batch_id AND status = 'queued';
+WHERE batch_id = @batch_id AND status IS NOT DISTINCT FROM 'queued';
 
 -- name: ClaimBatchItems :many
 SELECT c.batch_id::uuid AS batch_id, c.idx::integer AS idx, c.account_id::uuid AS account_id,
