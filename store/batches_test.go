@@ -839,8 +839,10 @@ func (b *testBundle) explained(t *testing.T) (*store.Store, func() []string) {
 // through it to find the few it had locked (42 ms a claim, 650 items/s, in a
 // drain of 20,000 items started after such an ANALYZE). It finds them by
 // address, and nothing but the claim's choice of items reads that index: not
-// the claim's look-ups by key of a capped project's items, nor a cancel.
-func TestClaimUpdatesByAddressAfterAnEmptyQueueWasAnalyzed(t *testing.T) {
+// the claim's look-ups by key of a capped project's items, nor a cancel; and
+// the drainer's check for a finished batch reads the batch's items (not every
+// item, which the few batches such statistics counted made look cheaper).
+func TestQueueStatementsFindRowsByKeyAfterAnEmptyQueueWasAnalyzed(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
@@ -866,29 +868,76 @@ func TestClaimUpdatesByAddressAfterAnEmptyQueueWasAnalyzed(t *testing.T) {
 	require.Len(t, items, 2)
 	require.True(t, items[1].BudgetRefused)
 
-	var last uuid.UUID
-	for range 10 {
-		last = b.newBatch(t, p, 100, 10, "", day())
+	// The queue grows past what was analyzed: many more batches, in a table
+	// large enough that reading it all costs more than a batch's items.
+	ids := make([]uuid.UUID, 40)
+	for i := range ids {
+		ids[i] = b.newBatch(t, p, 100, 10, "", day())
 	}
 	items, err = explained.ClaimItems(b.ctx, store.ClaimParams{Owner: owner, Max: 32, PerAccount: 32, Lease: time.Minute})
 	require.NoError(t, err)
 	require.Len(t, items, 32)
-	require.NoError(t, explained.CancelBatch(b.ctx, p.AccountID, last))
+	// The drainer's moves of the batches it dispatched and finished items of
+	// read the batches by key and their items by batch.
+	require.NoError(t, explained.StartBatches(b.ctx, ids[:1]))
+	require.NoError(t, explained.FinishBatches(b.ctx, ids[:1]))
+	require.NoError(t, explained.CancelBatch(b.ctx, p.AccountID, ids[len(ids)-1]))
 
-	chose, byAddress := 0, 0
+	chose, byAddress, moves := 0, 0, 0
 	for _, plan := range plans() {
 		switch {
 		case strings.Contains(plan, "open_since"):
 			chose++ // the claim's choice of items, through the claim index
+			continue
 		case strings.Contains(plan, "Update on batch_items") && strings.Contains(plan, "Tid Scan on batch_items"):
 			byAddress++
-			fallthrough
-		default:
-			require.NotContains(t, plan, "batch_items_claim_idx", plan)
+		case strings.Contains(plan, "name: DoneBatches"):
+			moves++
+			require.NotContains(t, plan, "Seq Scan on batch_items", plan)
 		}
+		require.NotContains(t, plan, "batch_items_claim_idx", plan)
 	}
 	require.Equal(t, 2, chose, "both claims' choices of items were explained: %q", plans())
 	require.Equal(t, 2, byAddress, "both claims updated the items they locked by address: %q", plans())
+	require.Equal(t, 1, moves, "the finish's choice of batches was explained: %q", plans())
+}
+
+// TestBatchMovesFindBatchesByKeyAfterNoneWasOpen: statistics of the batches
+// taken while none was open make the index of open batches look empty; the
+// drainer's choices of batches to start and to finish read every open batch
+// through it to find the few they were given. They find them by key (or, in a
+// table this small, read it whole).
+func TestBatchMovesFindBatchesByKeyAfterNoneWasOpen(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	owner := uuid.Must(uuid.NewV7())
+	explained, plans := b.explained(t)
+	_, err := explained.Pool().Exec(b.ctx, `ALTER TABLE batches SET (autovacuum_enabled = false)`)
+	require.NoError(t, err)
+	for range 300 {
+		b.newBatch(t, p, 1, 10, "", day())
+	}
+	b.complete(t, owner, b.claim(t, owner, 300, time.Minute), 10)
+	_, err = explained.Pool().Exec(b.ctx, `ANALYZE batches`)
+	require.NoError(t, err)
+	ids := make([]uuid.UUID, 40)
+	for i := range ids {
+		ids[i] = b.newBatch(t, p, 2, 10, "", day())
+	}
+
+	require.NoError(t, explained.StartBatches(b.ctx, ids[:2]))
+	require.NoError(t, explained.FinishBatches(b.ctx, ids[:2]))
+	moves := 0
+	for _, plan := range plans() {
+		if !strings.Contains(plan, "name: QueuedBatches") && !strings.Contains(plan, "name: DoneBatches") {
+			continue
+		}
+		moves++
+		require.NotContains(t, plan, "batches_open_expires_idx", plan)
+		require.NotContains(t, plan, "batches_drainable_idx", plan)
+	}
+	require.Equal(t, 2, moves, "the start's and the finish's choices of batches were explained: %q", plans())
 }
 
 func TestCompletionAndRenewalFindItemsByKey(t *testing.T) {

@@ -213,6 +213,15 @@ func (a Activity) Since(before Activity) Activity {
 	return Activity{Commits: a.Commits - before.Commits, WALSyncs: a.WALSyncs - before.WALSyncs, WALRecords: a.WALRecords - before.WALRecords}
 }
 
+// AnalyzeQueue takes the statistics of the batch tables now, as autovacuum
+// does after a drain: benchmarks measure the drain that follows.
+func (s *Store) AnalyzeQueue(ctx context.Context) error {
+	if err := s.queries.AnalyzeQueue(ctx, s.pool); err != nil {
+		return fmt.Errorf("error analyzing the batch tables: %w", err)
+	}
+	return nil
+}
+
 // Activity reads the database's activity counters.
 func (s *Store) Activity(ctx context.Context) (Activity, error) {
 	row, err := s.queries.DatabaseActivity(ctx, s.pool)

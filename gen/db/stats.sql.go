@@ -9,6 +9,17 @@ import (
 	"context"
 )
 
+const analyzeQueue = `-- name: AnalyzeQueue :exec
+ANALYZE batches, batch_items
+`
+
+// Takes the statistics of the batch tables now, as autovacuum does after a
+// drain, when every item has finished (bench/drain).
+func (q *Queries) AnalyzeQueue(ctx context.Context, db DBTX) error {
+	_, err := db.Exec(ctx, analyzeQueue)
+	return err
+}
+
 const databaseActivity = `-- name: DatabaseActivity :one
 SELECT pg_stat_get_db_xact_commit((SELECT d.oid FROM pg_catalog.pg_database d WHERE d.datname = current_database()))::bigint AS commits,
        w.wal_sync::bigint AS wal_syncs, w.wal_records::bigint AS wal_records

@@ -4,3 +4,8 @@
 SELECT pg_stat_get_db_xact_commit((SELECT d.oid FROM pg_catalog.pg_database d WHERE d.datname = current_database()))::bigint AS commits,
        w.wal_sync::bigint AS wal_syncs, w.wal_records::bigint AS wal_records
 FROM pg_stat_get_wal() AS w;
+
+-- name: AnalyzeQueue :exec
+-- Takes the statistics of the batch tables now, as autovacuum does after a
+-- drain, when every item has finished (bench/drain).
+ANALYZE batches, batch_items;
