@@ -2,15 +2,15 @@
 -- claim_batch_items: as in 00015, but the items a claim locked are looked up
 -- again (by address, and in the loop over capped projects' items by key, as
 -- are the rest of a batch the budget refuses) with a status check the claim
--- index does not serve. Statistics taken while the
--- queue was empty (every item finished, as after a drain: autovacuum analyzes
--- then) make the claim index look empty, and the planner read every queued
--- item through it, filtered by address, to update the few the claim had
--- locked: 42 ms a claim and 650 items/s, instead of 1.2 ms and 6,900, in a
--- drain of 20,000 items that followed such an ANALYZE, until the next one.
--- IS NOT DISTINCT FROM means = here (the status is never null) but is no
--- condition an index predicate answers, as in 00016. The check itself only
--- guards: the items were locked as queued by this same statement.
+-- index does not serve. Statistics taken while the queue was empty (every
+-- item finished, as after a drain: autovacuum analyzes then) make the claim
+-- index look empty, and the planner read every queued item through it,
+-- filtered by address, to update the few the claim had locked: 42 ms a claim
+-- and 650 items/s, instead of 1.2 ms and 6,900, in a drain of 20,000 items
+-- that followed such an ANALYZE, until the next one. IS NOT DISTINCT FROM
+-- means = here (the status is never null) but is no condition an index
+-- predicate answers, as in 00016. The check itself only guards: the items
+-- were locked as queued by this same statement.
 -- +goose StatementBegin
 CREATE OR REPLACE FUNCTION claim_batch_items(p_owner uuid, p_max integer, p_per_account integer, p_lease interval, p_pivot uuid, p_claim_id uuid, p_models text[])
 RETURNS TABLE (batch_id uuid, idx integer, account_id uuid, request jsonb, batch_status text, claimed boolean)
