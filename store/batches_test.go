@@ -789,12 +789,6 @@ func TestMoveAnotherReplicaMadeIsRolledBack(t *testing.T) {
 	require.Equal(t, gateway.BatchInProgress, batch.Status)
 }
 
-// TestCompletionAndRenewalFindItemsByKey: completing outcomes, renewing
-// leases and handing items back find each item by its primary key, never
-// through the partial indexes on running items. The lease owner's index keeps an entry for every
-// item the owner ran until the table is vacuumed; a completion that went
-// through it read them all, and a long drain slowed as it went. The plans
-// are read from auto_explain, sent back as notices.
 // explained returns a store on the test's database, as its owner, whose
 // every statement, nested ones included, has its plan logged by auto_explain,
 // and the plans logged so far. It skips the test where the server has no
@@ -833,10 +827,10 @@ func (b *testBundle) explained(t *testing.T) (*store.Store, func() []string) {
 	}
 }
 
-// TestClaimUpdatesByAddressAfterAnEmptyQueueWasAnalyzed: statistics taken
-// while the queue was empty (every item finished, as after a drain) make the
-// claim index look empty; the claim's update then read every queued item
-// through it to find the few it had locked (42 ms a claim, 650 items/s, in a
+// TestQueueStatementsFindRowsByKeyAfterAnEmptyQueueWasAnalyzed: statistics
+// taken while the queue was empty (every item finished, as after a drain)
+// make the claim index look empty; the claim's update then read every queued
+// item through it to find the few it had locked (42 ms a claim, 650 items/s, in a
 // drain of 20,000 items started after such an ANALYZE). It finds them by
 // address, and nothing but the claim's choice of items reads that index: not
 // the claim's look-ups by key of a capped project's items, nor a cancel; and
@@ -940,6 +934,12 @@ func TestBatchMovesFindBatchesByKeyAfterNoneWasOpen(t *testing.T) {
 	require.Equal(t, 2, moves, "the start's and the finish's choices of batches were explained: %q", plans())
 }
 
+// TestCompletionAndRenewalFindItemsByKey: completing outcomes, renewing
+// leases and handing items back find each item by its primary key, never
+// through the partial indexes on running items. The lease owner's index keeps an entry for every
+// item the owner ran until the table is vacuumed; a completion that went
+// through it read them all, and a long drain slowed as it went. The plans
+// are read from auto_explain, sent back as notices.
 func TestCompletionAndRenewalFindItemsByKey(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
