@@ -828,9 +828,9 @@ func (b *testBundle) explained(t *testing.T) (*store.Store, func() []string) {
 }
 
 // TestQueueStatementsFindRowsByKeyAfterAnEmptyQueueWasAnalyzed: statistics
-// taken while the queue was empty (every item finished, as after a drain)
-// make the claim index look empty; the claim's update then read every queued
-// item through it to find the few it had locked (42 ms a claim, 650 items/s, in a
+// taken while the queue was empty (every item finished, as after a drain) make
+// the claim index look empty; the claim's update then read every queued item
+// through it to find the few it had locked (42 ms a claim, 650 items/s, in a
 // drain of 20,000 items started after such an ANALYZE). It finds them by
 // address, and nothing but the claim's choice of items reads that index: not
 // the claim's look-ups by key of a capped project's items, nor a cancel; and
