@@ -1,16 +1,26 @@
 -- +goose Up
--- claim_batch_items: as in 00015, but the items a claim locked are looked up
--- again (by address, and in the loop over capped projects' items by key, as
--- are the rest of a batch the budget refuses) with a status check the claim
--- index does not serve. Statistics taken while the queue was empty (every
--- item finished, as after a drain: autovacuum analyzes then) make the claim
--- index look empty, and the planner read every queued item through it,
--- filtered by address, to update the few the claim had locked: 42 ms a claim
--- and 650 items/s, instead of 1.2 ms and 6,900, in a drain of 20,000 items
--- that followed such an ANALYZE, until the next one. IS NOT DISTINCT FROM
--- means = here (the status is never null) but is no condition an index
--- predicate answers, as in 00016. The check itself only guards: the items
--- were locked as queued by this same statement.
+-- claim_batch_items: as in 00015, planned to hold after the queue was
+-- analyzed empty. Statistics taken while no item was queued and no batch open
+-- (as after a drain: autovacuum analyzes then) make the claim index and the
+-- index of open batches look empty, and the planner read them whole where a
+-- key was at hand:
+-- - to update the items the claim had locked, it read every queued item
+--   through the claim index, filtered by address (42 ms a claim and 650
+--   items/s, instead of 1.2 ms and 6,900, in a drain of 20,000 items that
+--   followed such an ANALYZE);
+-- - to find the accounts with work, it read the whole claim index once for
+--   each account with an open batch, instead of each account's items from
+--   where they start (a semi-join flattened from EXISTS);
+-- - for each item considered, it read every open batch to find the item's.
+-- Now the items locked are looked up again (by address, and in the loop over
+-- capped projects' items by key, as are the rest of a batch the budget
+-- refuses) and each item's batch is joined by key, with status checks no index
+-- predicate answers: IS NOT DISTINCT FROM means = here (the status is never
+-- null) but is no condition a partial index is chosen for, as in 00016 (the
+-- re-checks only guard: the items were locked as queued by this same
+-- statement). The accounts with work are found with a lateral subquery with a
+-- limit, which the planner cannot flatten into a join and so runs for each
+-- account with its bounds.
 -- +goose StatementBegin
 CREATE OR REPLACE FUNCTION claim_batch_items(p_owner uuid, p_max integer, p_per_account integer, p_lease interval, p_pivot uuid, p_claim_id uuid, p_models text[])
 RETURNS TABLE (batch_id uuid, idx integer, account_id uuid, request jsonb, batch_status text, claimed boolean)
@@ -32,10 +42,15 @@ BEGIN
           FROM batches b WHERE b.status IN ('queued', 'in_progress')
          GROUP BY b.account_id
     ), accounts_with_work AS (
+        -- Each account's first queued item, looked for from where its items
+        -- start (a lateral subquery with a limit, which the planner runs for
+        -- each account with the account's bounds: see above).
         SELECT o.account_id, o.since FROM open_since o
-         WHERE EXISTS (SELECT 1 FROM batch_items i
-                        WHERE i.status = 'queued' AND i.account_id = o.account_id AND i.queued_at >= o.since
-                          AND (p_models IS NULL OR i.model = ANY (p_models)))
+         CROSS JOIN LATERAL (
+            SELECT 1 FROM batch_items i
+             WHERE i.status = 'queued' AND i.account_id = o.account_id AND i.queued_at >= o.since
+               AND (p_models IS NULL OR i.model = ANY (p_models))
+             LIMIT 1) w
     ), chosen AS (
         SELECT a.account_id, a.since, greatest(p_per_account, ceil(p_max::numeric / count(*) OVER ())::integer) AS share
           FROM accounts_with_work a
@@ -44,8 +59,9 @@ BEGIN
     ), candidates AS (
         SELECT c.tid, c.batch_id, c.idx, c.batch_status FROM chosen ch
         CROSS JOIN LATERAL (
-            SELECT i.ctid AS tid, i.batch_id, i.idx, b.status AS batch_status FROM batch_items i
-              JOIN batches b ON b.id = i.batch_id AND b.status IN ('queued', 'in_progress')
+            SELECT i.ctid AS tid, i.batch_id, i.idx, ib.status AS batch_status FROM batch_items i
+              JOIN batches ib ON ib.id = i.batch_id -- by key: see above
+                   AND (ib.status IS NOT DISTINCT FROM 'queued' OR ib.status IS NOT DISTINCT FROM 'in_progress')
              WHERE i.status = 'queued' AND i.account_id = ch.account_id AND i.queued_at >= ch.since
                AND i.expires_at > now()
                AND (p_models IS NULL OR i.model = ANY (p_models))

@@ -882,7 +882,9 @@ func TestQueueStatementsFindRowsByKeyAfterAnEmptyQueueWasAnalyzed(t *testing.T) 
 	for _, plan := range plans() {
 		switch {
 		case strings.Contains(plan, "open_since"):
-			chose++ // the claim's choice of items, through the claim index
+			chose++ // the claim's choice of items, through the claim index,
+			// each account's from where its items start
+			require.Empty(t, scansWithoutCond(plan, "batch_items_claim_idx"), plan)
 			continue
 		case strings.Contains(plan, "Update on batch_items") && strings.Contains(plan, "Tid Scan on batch_items"):
 			byAddress++
@@ -925,6 +927,29 @@ func TestBatchMovesFindBatchesByKeyAfterNoneWasOpen(t *testing.T) {
 	require.NoError(t, explained.FinishBatches(b.ctx, ids[:2]))
 	moves := plansOf(t, plans(), []string{"name: QueuedBatches", "name: DoneBatches"}, "batches_open_expires_idx", "batches_drainable_idx")
 	require.Len(t, moves, 2, "the start's and the finish's choices of batches were explained: %q", plans())
+
+	// A claim reads each item's batch by key too (ib, in claim_batch_items).
+	items, err := explained.ClaimItems(b.ctx, store.ClaimParams{Owner: owner, Max: 32, PerAccount: 32, Lease: time.Minute})
+	require.NoError(t, err)
+	require.Len(t, items, 32)
+	claims := plansOf(t, plans(), []string{"open_since"}, "using batches_open_expires_idx on batches ib", "using batches_drainable_idx on batches ib")
+	require.Len(t, claims, 1, "the claim's choice of items was explained: %q", plans())
+}
+
+// scansWithoutCond returns the lines of plan that scan index with no index
+// condition: the whole index, read once for each row of the outer side.
+func scansWithoutCond(plan, index string) []string {
+	var bare []string
+	lines := strings.Split(plan, "\n")
+	for i, line := range lines {
+		if !strings.Contains(line, "using "+index) {
+			continue
+		}
+		if i+1 == len(lines) || !strings.Contains(lines[i+1], "Index Cond:") {
+			bare = append(bare, line)
+		}
+	}
+	return bare
 }
 
 // plansOf returns the plans that hold any of the strings in match, having
