@@ -833,10 +833,12 @@ func (b *testBundle) explained(t *testing.T) (*store.Store, func() []string) {
 // the claim index look empty; the claim's update then read every queued item
 // through it to find the few it had locked (42 ms a claim, 650 items/s, in a
 // drain of 20,000 items started after such an ANALYZE). It finds them by
-// address, and nothing but the claim's choice of items reads that index: not
-// the claim's look-ups by key of a capped project's items, nor a cancel; and
-// the drainer's check for a finished batch reads the batch's items (not every
-// item, which the few batches such statistics counted made look cheaper).
+// address; the claim reads that index only with each account's bounds (not
+// whole, once for each account, to tell which have work); and nothing else
+// reads it: not the claim's look-ups by key of a capped project's items, nor a
+// cancel. The drainer's check for a finished batch reads the batch's items
+// (not every item, which the few batches such statistics counted made look
+// cheaper).
 func TestQueueStatementsFindRowsByKeyAfterAnEmptyQueueWasAnalyzed(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -902,8 +904,9 @@ func TestQueueStatementsFindRowsByKeyAfterAnEmptyQueueWasAnalyzed(t *testing.T) 
 // TestBatchMovesFindBatchesByKeyAfterNoneWasOpen: statistics of the batches
 // taken while none was open make the index of open batches look empty; the
 // drainer's choices of batches to start and to finish read every open batch
-// through it to find the few they were given. They find them by key (or, in a
-// table this small, read it whole).
+// through it to find the few they were given, and a claim did so for each item
+// it considered. They find them by key (or, in a table this small, read it
+// whole).
 func TestBatchMovesFindBatchesByKeyAfterNoneWasOpen(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
