@@ -33,14 +33,19 @@ func main() {
 	probes := flag.Int("probes", 30, "single-item batches for the dispatch latency")
 	rounds := flag.Int("rounds", 1, "times each replica count is measured, in turn")
 	warmup := flag.Int("warmup", 20, "batches drained before each measured run, not counted")
+	accounts := flag.Int("accounts", 1, "accounts the batches are spread over, in turn (each claim shares out its items among the accounts with work)")
 	flag.Parse()
-	if err := run(*binary, *replicaList, *batches, *probes, *rounds, *warmup); err != nil {
+	if err := run(*binary, *replicaList, *probes, *rounds, runOptions{batches: *batches, warmup: *warmup, accounts: *accounts}); err != nil {
 		fmt.Fprintln(os.Stderr, "drain:", err)
 		os.Exit(1)
 	}
 }
 
-func run(binary, replicaList string, batches, probes, rounds, warmup int) error {
+// runOptions shape each drain run: batches measured, after warmup drained,
+// spread over accounts.
+type runOptions struct{ batches, warmup, accounts int }
+
+func run(binary, replicaList string, probes, rounds int, o runOptions) error {
 	var counts []int
 	for _, field := range strings.Split(replicaList, ",") {
 		n, err := strconv.Atoi(strings.TrimSpace(field))
@@ -49,8 +54,8 @@ func run(binary, replicaList string, batches, probes, rounds, warmup int) error 
 		}
 		counts = append(counts, n)
 	}
-	if rounds < 1 || warmup < 0 {
-		return fmt.Errorf("bad round count %d or warm-up %d", rounds, warmup)
+	if rounds < 1 || o.warmup < 0 || o.accounts < 1 {
+		return fmt.Errorf("bad round count %d, warm-up %d or account count %d", rounds, o.warmup, o.accounts)
 	}
 	env, err := benchenv.Start(binary)
 	if err != nil {
@@ -60,13 +65,13 @@ func run(binary, replicaList string, batches, probes, rounds, warmup int) error 
 	fake := fakeupstream.New()
 	defer fake.Close()
 
-	fmt.Printf("batch drain, instant upstream, %d batches × 100 items per run after %d not counted and the tables analyzed, %d cores\n\n", batches, warmup, runtime.NumCPU())
+	fmt.Printf("batch drain, instant upstream, %d batches × 100 items of %d accounts per run after %d not counted and the tables analyzed, %d cores\n\n", o.batches, o.accounts, o.warmup, runtime.NumCPU())
 	fmt.Println("| round | replicas | items | seconds (creating) | items/s | CPU/item gateway (creating) | CPU/item PostgreSQL (creating) | WAL flushes/item | WAL records/item |")
 	fmt.Println("|---|---|---|---|---|---|---|---|---|")
 	rates := map[int][]float64{}
 	for round := 1; round <= rounds; round++ {
 		for _, n := range counts {
-			r, err := drain(env, fake, n, batches, warmup, round)
+			r, err := drain(env, fake, n, round, o)
 			if err != nil {
 				return err
 			}
@@ -123,11 +128,19 @@ func since(start time.Time, items int, pids []int, gatewayBefore, postgresBefore
 
 // drain creates the batches through n replicas and times until all are
 // terminal, in a database of its own.
-func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, batches, warmup, round int) (result, error) {
+func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, round int, o runOptions) (result, error) {
 	defer env.StopServers()
 	vars, key, err := env.Fresh(fmt.Sprintf("drain_%d_%d", replicas, round), fake.BaseURL())
 	if err != nil {
 		return result{}, err
+	}
+	keys := []string{key}
+	for i := 1; i < o.accounts; i++ {
+		k, err := env.Key(vars, fmt.Sprintf("bench%d", i))
+		if err != nil {
+			return result{}, err
+		}
+		keys = append(keys, k)
 	}
 	bases := make([]string, replicas)
 	pids := make([]int, replicas)
@@ -146,11 +159,11 @@ func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, batches, warm
 	// Warm-up, not measured: replicas that have drained before, with their
 	// database connections open and their plans and tables loaded, as a
 	// replica serving for a while is.
-	warm, err := create(bases, key, body, warmup)
+	warm, err := create(bases, keys, body, o.warmup)
 	if err != nil {
 		return result{}, err
 	}
-	if err := await(bases[0], key, warm); err != nil {
+	if err := await(bases[0], warm); err != nil {
 		return result{}, err
 	}
 	st, err := benchenv.OpenStore(vars)
@@ -174,18 +187,18 @@ func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, batches, warm
 	}
 
 	start := time.Now()
-	ids, err := create(bases, key, body, batches)
+	created, err := create(bases, keys, body, o.batches)
 	if err != nil {
 		return result{}, err
 	}
 	var r result
-	if r.created, err = since(start, batches*100, pids, gatewayBefore, postgresBefore); err != nil {
+	if r.created, err = since(start, o.batches*100, pids, gatewayBefore, postgresBefore); err != nil {
 		return result{}, err
 	}
-	if err := await(bases[0], key, ids); err != nil {
+	if err := await(bases[0], created); err != nil {
 		return result{}, err
 	}
-	if r.phase, err = since(start, batches*100, pids, gatewayBefore, postgresBefore); err != nil {
+	if r.phase, err = since(start, o.batches*100, pids, gatewayBefore, postgresBefore); err != nil {
 		return result{}, err
 	}
 	after, err := benchenv.Activity(st)
@@ -193,44 +206,48 @@ func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, batches, warm
 	return r, err
 }
 
-// create makes n batches of body at once, through the replicas in turn, and
-// returns their ids.
-func create(bases []string, key string, body []byte, n int) ([]string, error) {
-	ids := make([]string, n)
+// batch is a batch created, and the key of its account.
+type batch struct{ id, key string }
+
+// create makes n batches of body at once, through the replicas and with the
+// keys in turn, and returns them.
+func create(bases, keys []string, body []byte, n int) ([]batch, error) {
+	batches := make([]batch, n)
 	var wg sync.WaitGroup
 	errs := make(chan error, n)
-	for i := range ids {
+	for i := range batches {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
 			var b struct {
 				ID string `json:"id"`
 			}
+			key := keys[i%len(keys)]
 			if err := post(bases[i%len(bases)]+"/api/v1/batch", key, body, &b); err != nil {
 				errs <- err
 				return
 			}
-			ids[i] = b.ID
+			batches[i] = batch{id: b.ID, key: key}
 		}()
 	}
 	wg.Wait()
 	close(errs)
-	return ids, <-errs
+	return batches, <-errs
 }
 
-// await waits until every batch of ids is completed.
-func await(base, key string, ids []string) error {
-	for _, id := range ids {
+// await waits until every batch is completed.
+func await(base string, batches []batch) error {
+	for _, bt := range batches {
 		for {
 			var b struct{ Status string }
-			if err := get(base+"/api/v1/batch/"+id, key, &b); err != nil {
+			if err := get(base+"/api/v1/batch/"+bt.id, bt.key, &b); err != nil {
 				return err
 			}
 			if b.Status == "completed" {
 				break
 			}
 			if b.Status == "failed" || b.Status == "expired" || b.Status == "cancelled" {
-				return fmt.Errorf("batch %s ended %s", id, b.Status)
+				return fmt.Errorf("batch %s ended %s", bt.id, b.Status)
 			}
 			time.Sleep(20 * time.Millisecond)
 		}

@@ -73,19 +73,21 @@ func (e *Env) Fresh(name, upstreamURL string, extra ...string) (env []string, ke
 		return nil, "", err
 	}
 	env = append([]string{"DATABASE_URL=" + dbURL, "GATEWAY_UPSTREAM=" + upstreamURL}, extra...)
-	key, err = e.prepare(env)
+	if out, err := e.command(env, "migrate").CombinedOutput(); err != nil {
+		return nil, "", fmt.Errorf("migrate: %w: %s", err, out)
+	}
+	key, err = e.Key(env, "bench")
 	return env, key, err
 }
 
-func (e *Env) prepare(env []string) (string, error) {
-	if out, err := e.command(env, "migrate").CombinedOutput(); err != nil {
-		return "", fmt.Errorf("migrate: %w: %s", err, out)
-	}
-	keyOut, err := e.command(env, "keys", "create", "--account", "bench").Output()
+// Key creates a key of account (created if new) in the database of env (from
+// Fresh), with the account's daily ceiling lifted.
+func (e *Env) Key(env []string, account string) (string, error) {
+	keyOut, err := e.command(env, "keys", "create", "--account", account).Output()
 	if err != nil {
 		return "", fmt.Errorf("keys create: %w", err)
 	}
-	if out, err := e.command(env, "limits", "set", "--account", "bench", "--daily-rungs", "1000000000000").CombinedOutput(); err != nil {
+	if out, err := e.command(env, "limits", "set", "--account", account, "--daily-rungs", "1000000000000").CombinedOutput(); err != nil {
 		return "", fmt.Errorf("limits set: %w: %s", err, out)
 	}
 	return strings.TrimSpace(string(keyOut)), nil
