@@ -386,7 +386,7 @@ WITH r AS (
     UPDATE quota_leases q SET used_rungs = q.used_rungs + c.cost
       FROM (SELECT lease_id, sum(cost) AS cost FROM costs WHERE lease_id IS NOT NULL
              GROUP BY lease_id ORDER BY lease_id) c
-     WHERE q.id = c.lease_id
+     WHERE q.id = c.lease_id AND q.id = ANY (ARRAY(SELECT lease_id FROM costs))
     RETURNING q.id
 ), direct AS (
     SELECT lease_id, account_id, project_id, day, cost FROM costs WHERE lease_id IS NULL OR lease_id NOT IN (SELECT id FROM leased)
@@ -397,7 +397,7 @@ WITH r AS (
 ), budget AS (
     UPDATE projects p SET spent_rungs = p.spent_rungs + s.cost
       FROM (SELECT project_id, sum(cost) AS cost FROM direct GROUP BY project_id ORDER BY project_id) s
-     WHERE p.id = s.project_id
+     WHERE p.id = s.project_id AND p.id = ANY (ARRAY(SELECT project_id FROM direct))
 )
 SELECT count(*) FROM r
 `
@@ -408,7 +408,10 @@ SELECT count(*) FROM r
 // it is), and their cost on their quota leases, or, for a request whose lease
 // is gone, on its account-day and project directly. A prepared statement
 // rather than a function call: PostgreSQL runs it without a PL/pgSQL frame
-// and without materialising its result.
+// and without materialising its result. The leases and projects it charges
+// are named by key (= ANY (ARRAY(...))): joined to the group alone, which the
+// planner takes for a hundred rows, they were read whole (2 ms a settlement at
+// 20,000 leases).
 func (q *Queries) SettleRequests(ctx context.Context, db DBTX, requests []byte) error {
 	_, err := db.Exec(ctx, settleRequests, requests)
 	return err
