@@ -135,13 +135,15 @@ func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, round int, o 
 		return result{}, err
 	}
 	keys := []string{key}
-	for i := 1; i < o.accounts; i++ {
-		k, err := env.Key(vars, fmt.Sprintf("bench%d", i))
-		if err != nil {
-			return result{}, err
-		}
-		keys = append(keys, k)
+	accounts := make([]string, o.accounts-1)
+	for i := range accounts {
+		accounts[i] = fmt.Sprintf("bench%d", i+1)
 	}
+	more, err := benchenv.Keys(vars, accounts...)
+	if err != nil {
+		return result{}, err
+	}
+	keys = append(keys, more...)
 	bases := make([]string, replicas)
 	pids := make([]int, replicas)
 	for i := range bases {

@@ -37,14 +37,15 @@ func main() {
 	connections := flag.Int("connections", 64, "closed-loop connections for the saturation point (0: skip)")
 	h2c := flag.Bool("h2c", false, "speak HTTP/2 without TLS to the gateway (GATEWAY_H2C), as a load balancer may")
 	promptBytes := flag.Int("prompt-bytes", 0, "prompts of about this many bytes of words, a different one each request (0: one short prompt)")
+	tenants := flag.Int("tenants", 1, "accounts the requests are spread over, each with its key, in turn")
 	flag.Parse()
-	if err := run(*binary, *rates, *duration, *warmup, *connections, *h2c, *promptBytes); err != nil {
+	if err := run(*binary, *rates, *duration, *warmup, *connections, *h2c, *promptBytes, *tenants); err != nil {
 		fmt.Fprintln(os.Stderr, "load:", err)
 		os.Exit(1)
 	}
 }
 
-func run(binary, rateList string, duration, warmup time.Duration, connections int, h2c bool, promptBytes int) error {
+func run(binary, rateList string, duration, warmup time.Duration, connections int, h2c bool, promptBytes, tenants int) error {
 	env, err := benchenv.Start(binary)
 	if err != nil {
 		return err
@@ -56,6 +57,18 @@ func run(binary, rateList string, duration, warmup time.Duration, connections in
 	if err != nil {
 		return err
 	}
+	if tenants < 1 {
+		return fmt.Errorf("-tenants must be at least 1, not %d", tenants)
+	}
+	accounts := make([]string, tenants-1)
+	for i := range accounts {
+		accounts[i] = fmt.Sprintf("tenant%d", i+1)
+	}
+	more, err := benchenv.Keys(vars, accounts...)
+	if err != nil {
+		return err
+	}
+	keys := append([]string{key}, more...)
 	gateway, err := env.ServeProcess(vars)
 	if err != nil {
 		return err
@@ -79,13 +92,13 @@ func run(binary, rateList string, duration, warmup time.Duration, connections in
 		prompts = wordPrompts(promptBytes, 256)
 	}
 	direct := target{name: "upstream direct", client: client, url: fake.BaseURL() + "/chat/completions"}
-	viaGateway := target{name: "through gateway", client: gatewayClient, url: base + "/api/v1/responses", header: http.Header{"Authorization": {"Bearer " + key}}}
+	viaGateway := target{name: "through gateway", client: gatewayClient, url: base + "/api/v1/responses", keys: keys}
 	for _, prompt := range prompts {
 		direct.bodies = append(direct.bodies, []byte(`{"model":"instant","max_completion_tokens":200,"messages":[{"role":"user","content":"`+prompt+`"}]}`))
 		viaGateway.bodies = append(viaGateway.bodies, []byte(`{"prompt":"`+prompt+`","max_output_rungs":200}`))
 	}
 
-	fmt.Printf("gateway (%s) vs. upstream direct, open loop, %s per rate (after %s warm-up), %d cores\n\n", protocol, duration, warmup, runtime.NumCPU())
+	fmt.Printf("gateway (%s) vs. upstream direct, open loop, %s per rate (after %s warm-up), %d cores, %d tenants\n\n", protocol, duration, warmup, runtime.NumCPU(), len(keys))
 	fmt.Println("| rate (req/s) | target | achieved req/s | errors | p50 | p90 | p99 | CPU/req gateway | CPU/req PostgreSQL | commits/req | WAL flushes/req | WAL records/req |")
 	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|")
 	for _, field := range strings.Split(rateList, ",") {
@@ -185,8 +198,8 @@ func saturate(t target, n int, d time.Duration) result {
 func send(t target, n int) bool {
 	req, _ := http.NewRequest(http.MethodPost, t.url, bytes.NewReader(t.bodies[n%len(t.bodies)]))
 	req.Header.Set("Content-Type", "application/json")
-	for k, v := range t.header {
-		req.Header[k] = v
+	if len(t.keys) > 0 {
+		req.Header.Set("Authorization", "Bearer "+t.keys[n%len(t.keys)])
 	}
 	resp, err := t.client.Do(req)
 	if err != nil {
@@ -197,13 +210,14 @@ func send(t target, n int) bool {
 	return resp.StatusCode == http.StatusOK
 }
 
-// target is where requests go; its requests carry its bodies in turn.
+// target is where requests go; its requests carry its bodies, and its keys
+// (if any), in turn.
 type target struct {
 	name   string
 	client *http.Client
 	url    string
 	bodies [][]byte
-	header http.Header
+	keys   []string
 }
 
 // wordPrompts returns n prompts of about size bytes each, different stretches

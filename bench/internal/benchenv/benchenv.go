@@ -17,6 +17,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/pglocal"
 	"github.com/rungworks/gateway/store"
 )
@@ -76,21 +77,33 @@ func (e *Env) Fresh(name, upstreamURL string, extra ...string) (env []string, ke
 	if out, err := e.command(env, "migrate").CombinedOutput(); err != nil {
 		return nil, "", fmt.Errorf("migrate: %w: %s", err, out)
 	}
-	key, err = e.Key(env, "bench")
-	return env, key, err
+	keys, err := Keys(env, "bench")
+	if err != nil {
+		return nil, "", err
+	}
+	return env, keys[0], nil
 }
 
-// Key creates a key of account (created if new) in the database of env (from
-// Fresh), with the account's daily ceiling lifted.
-func (e *Env) Key(env []string, account string) (string, error) {
-	keyOut, err := e.command(env, "keys", "create", "--account", account).Output()
+// Keys creates a key of each account (created if new, with its daily ceiling
+// lifted) in the database of env (from Fresh), and returns them in order.
+func Keys(env []string, accounts ...string) ([]string, error) {
+	st, err := OpenStore(env)
 	if err != nil {
-		return "", fmt.Errorf("keys create: %w", err)
+		return nil, err
 	}
-	if out, err := e.command(env, "limits", "set", "--account", account, "--daily-rungs", "1000000000000").CombinedOutput(); err != nil {
-		return "", fmt.Errorf("limits set: %w: %s", err, out)
+	defer st.Pool().Close()
+	ctx := context.Background()
+	lifted := int64(1_000_000_000_000)
+	keys := make([]string, len(accounts))
+	for i, account := range accounts {
+		if keys[i], err = st.CreateKey(ctx, store.CreateKeyParams{Account: account, Project: "default", Scopes: []gateway.Scope{gateway.ScopeInference, gateway.ScopeUsage}}); err != nil {
+			return nil, fmt.Errorf("error creating a key of %s: %w", account, err)
+		}
+		if err := st.SetLimits(ctx, store.SetLimitsParams{Account: account, DailyRungs: &lifted}); err != nil {
+			return nil, fmt.Errorf("error lifting the daily ceiling of %s: %w", account, err)
+		}
 	}
-	return strings.TrimSpace(string(keyOut)), nil
+	return keys, nil
 }
 
 // Serve starts `gateway serve` with env and returns its base URL once it is ready.
