@@ -50,8 +50,11 @@ const (
 	DefaultLease = 30 * time.Second
 	// DefaultShare sizes a slice as 1/16 of what the ceiling and cap leave.
 	DefaultShare = 16
-	// DefaultIdle is how long an unused slice is kept before it is folded back.
-	DefaultIdle = 2 * time.Second
+	// DefaultIdle is how long an unused slice is kept before it is folded
+	// back: a renewal period of the default lease, so that a tenant sending a
+	// request every few seconds keeps its slice (a slice folded between its
+	// requests cost each a grant, a durable commit before dispatch).
+	DefaultIdle = 10 * time.Second
 	// DefaultMaxGroup bounds the requests settled in one transaction.
 	DefaultMaxGroup = 256
 	// statementTimeout bounds one grant, renewal, fold or group commit.
@@ -368,12 +371,25 @@ func (l *Ledger) end(requestID uuid.UUID, cost int64) {
 	t.lease.avail += t.estimate - cost
 	t.lease.inflight--
 	t.lease.touched = time.Now()
+	if t.lease.inflight == 0 && l.retired(t.lease, t.lease.touched) {
+		select { // its last request ended: fold it back now, not once idle
+		case l.stale <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// retired reports whether nothing more is admitted from ls: it was replaced,
+// limits changed since it was granted, or it could not be renewed in time.
+// l.mu is held.
+func (l *Ledger) retired(ls *lease, now time.Time) bool {
+	return l.current[ls.key] != ls || ls.generation != l.generation || !now.Before(ls.validUntil)
 }
 
 // Invalidate stops admissions from every slice held: limits may have changed.
 // Requests running under them settle as usual; the slices nothing runs under
-// are folded back at once (the others once idle), and new ones are granted
-// under the new limits.
+// are folded back at once (the others when their last request ends), and new
+// ones are granted under the new limits.
 func (l *Ledger) Invalidate() {
 	l.mu.Lock()
 	l.generation++
@@ -499,8 +515,7 @@ func (l *Ledger) foldIdle(ctx context.Context, all bool) {
 		if ls.inflight > 0 || ls.granting != nil {
 			continue
 		}
-		stale := l.current[ls.key] != ls || ls.generation != l.generation || !now.Before(ls.validUntil)
-		if !all && !stale && now.Sub(ls.touched) < l.cfg.Idle {
+		if !all && !l.retired(ls, now) && now.Sub(ls.touched) < l.cfg.Idle {
 			continue
 		}
 		delete(l.leases, id)

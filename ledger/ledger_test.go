@@ -408,11 +408,13 @@ func TestDeadReplicaSlicesComeBack(t *testing.T) {
 }
 
 // TestLimitChangesApply: after Invalidate (a change to limits was announced)
-// nothing more is admitted from the old slices; the new cap applies.
+// nothing more is admitted from the old slices; the new cap applies. The old
+// slice is folded back when its last request ends, not once idle (never,
+// here) nor at the next round of renewals (10 s).
 func TestLimitChangesApply(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	l := b.replica(t, ledger.Config{})
+	l := b.replica(t, ledger.Config{Idle: time.Hour})
 	p := b.principal(t, "acme", nil, ptr(int64(100_000)))
 	id, err := admit(l, p, 100)
 	require.NoError(t, err)
@@ -424,7 +426,7 @@ func TestLimitChangesApply(t *testing.T) {
 	require.Eventually(t, func() bool {
 		_, err := admit(l, p, 100)
 		return err == nil
-	}, 10*time.Second, 20*time.Millisecond, "once the old slice is folded back, the new cap has room")
+	}, 5*time.Second, 20*time.Millisecond, "once the old slice is folded back, the new cap has room")
 	require.Equal(t, int64(50), b.view(t, p).Budget.Spent)
 }
 

@@ -30,8 +30,9 @@ type Store interface {
 const (
 	// DefaultShare sizes a slice as 1/16 of what the key's minute leaves.
 	DefaultShare = 16
-	// DefaultIdle is how long a key's unused slice is kept without a request.
-	DefaultIdle = 5 * time.Second
+	// DefaultIdle is how long a key's unused slice is kept without a request:
+	// a key used three times a minute keeps its slice until the minute turns.
+	DefaultIdle = 20 * time.Second
 	// DefaultRetryRefused is how long a refused key is answered from memory
 	// before the store is asked again.
 	DefaultRetryRefused = 250 * time.Millisecond
