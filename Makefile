@@ -56,6 +56,7 @@ lint:
 bench: build
 	$(WITH_PG) $(GO) test -run '^$$' -bench . -benchmem ./...
 	$(GO) run ./bench/load -binary bin/gateway
+	$(GO) run ./bench/load -binary bin/gateway -rates 1000 -connections 0 -tenants 5000 -warmup 12s
 	$(GO) run ./bench/drain -binary bin/gateway -rounds 3
 	$(GO) run ./bench/stream -binary bin/gateway
 
