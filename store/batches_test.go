@@ -4,7 +4,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -290,6 +292,48 @@ func TestClaimShares(t *testing.T) {
 	require.Len(t, items, 9)
 	for account, n := range perAccount(items) {
 		require.LessOrEqual(t, n, 4, "account %s", account)
+	}
+}
+
+// TestClaimAmongManyAccounts: with more accounts with work than a claim
+// takes items, a claim takes PerAccount items from each of Max accounts, and
+// looks for work in no more accounts than it needs: its cost does not grow
+// with the accounts that have work (it looked at every one). In turn, the
+// claims serve every account.
+func TestClaimAmongManyAccounts(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	const accounts, perBatch, max = 40, 3, 8
+	for i := range accounts {
+		_, p := b.key(t, fmt.Sprintf("tenant%d", i), gateway.TierDeveloper, gateway.ScopeInference)
+		b.newBatch(t, p, perBatch, 1, "", day())
+	}
+	explained, plans := b.explained(t)
+	_, err := explained.Pool().Exec(b.ctx, `SET auto_explain.log_analyze = on`)
+	require.NoError(t, err)
+
+	owner := uuid.Must(uuid.NewV7())
+	items, err := explained.ClaimItems(b.ctx, store.ClaimParams{Owner: owner, Max: max, PerAccount: 1, Lease: time.Minute})
+	require.NoError(t, err)
+	require.Len(t, items, max)
+	require.Len(t, perAccount(items), max, "one item of each of %d accounts", max)
+	chose := plansOf(t, plans(), []string{"open_since"})
+	require.Len(t, chose, 1, "the claim's choice was explained: %q", plans())
+	probes := regexp.MustCompile(`Index (?:Only )?Scan using batch_items_claim_idx on batch_items i .*loops=(\d+)\)`).FindStringSubmatch(chose[0])
+	require.NotNil(t, probes, chose[0])
+	require.Equal(t, strconv.Itoa(max), probes[1], "accounts looked at for work: %s", chose[0])
+
+	seen := map[store.ItemKey]bool{}
+	for _, k := range keysOf(items) {
+		seen[k] = true
+	}
+	for len(seen) < accounts*perBatch {
+		items := b.claim(t, owner, max, time.Minute)
+		require.NotEmpty(t, items, "every item is claimed in turn")
+		for _, k := range keysOf(items) {
+			require.False(t, seen[k], "claimed twice: %v", k)
+			seen[k] = true
+		}
 	}
 }
 
