@@ -1,6 +1,7 @@
 // Package access authenticates callers from memory: each replica caches the
-// principals of the keys it has seen, drops them all whenever PostgreSQL
-// announces a change to a key, an account or a project (LISTEN/NOTIFY), and
+// principals of the keys it has seen, drops an account's whenever PostgreSQL
+// announces a change to one of its keys, to it or to one of its projects
+// (LISTEN/NOTIFY; all of them when a change names no account), and
 // serves from the cache only while it is listening, so a revoked key is
 // refused by every replica as soon as the notification arrives. A TTL bounds
 // the life of an entry as a backstop. Each request is then counted against the
@@ -24,7 +25,7 @@ import (
 // KeyStore resolves keys and announces changes to them.
 type KeyStore interface {
 	LookupKey(ctx context.Context, token string) (*gateway.Principal, error)
-	ListenPrincipals(ctx context.Context, listening func(), changed func(table string)) error
+	ListenPrincipals(ctx context.Context, listening func(), changed func(table string, account uuid.UUID)) error
 }
 
 // RateLimiter counts a request against its key's limit.
@@ -47,9 +48,10 @@ type Config struct {
 	// MaxEntries bounds the cache; when full it starts over.
 	MaxEntries int
 	// OnChange, when set, is called on every announced change (after the
-	// cache is dropped), with the changed table's name; "" when changes may
-	// have been missed (the listener reconnected).
-	OnChange func(table string)
+	// cache dropped what it changes), with the changed table's name and
+	// account; "" and uuid.Nil when changes may have been missed (the
+	// listener reconnected), uuid.Nil alone when any account may have changed.
+	OnChange func(table string, account uuid.UUID)
 	Logger   *slog.Logger
 }
 
@@ -145,6 +147,22 @@ func (k *Keys) drop(listening bool) {
 	k.generation++
 }
 
+// dropAccount drops the keys of account (all keys when it is uuid.Nil).
+func (k *Keys) dropAccount(account uuid.UUID) {
+	if account == uuid.Nil {
+		k.drop(true)
+		return
+	}
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	for sum, e := range k.entries {
+		if e.principal.AccountID == account {
+			delete(k.entries, sum)
+		}
+	}
+	k.generation++
+}
+
 // Run listens for changes until ctx ends, reconnecting after failures; while
 // it is not listening nothing is served from the cache.
 func (k *Keys) Run(ctx context.Context) {
@@ -152,10 +170,10 @@ func (k *Keys) Run(ctx context.Context) {
 		err := k.store.ListenPrincipals(ctx, func() {
 			k.drop(true)
 			k.started.Store(true)
-			k.changed("")
-		}, func(table string) {
-			k.drop(true)
-			k.changed(table)
+			k.changed("", uuid.Nil)
+		}, func(table string, account uuid.UUID) {
+			k.dropAccount(account)
+			k.changed(table, account)
 		})
 		k.drop(false)
 		if ctx.Err() != nil {
@@ -169,9 +187,9 @@ func (k *Keys) Run(ctx context.Context) {
 	}
 }
 
-func (k *Keys) changed(table string) {
+func (k *Keys) changed(table string, account uuid.UUID) {
 	if k.cfg.OnChange != nil {
-		k.cfg.OnChange(table)
+		k.cfg.OnChange(table, account)
 	}
 }
 

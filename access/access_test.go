@@ -6,6 +6,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
@@ -32,7 +33,7 @@ func (c *countingStore) LookupKey(ctx context.Context, token string) (*gateway.P
 func replica(t *testing.T, st access.KeyStore) (*access.Keys, <-chan string) {
 	t.Helper()
 	changes := make(chan string, 100)
-	keys := access.NewKeys(access.Config{OnChange: func(table string) {
+	keys := access.NewKeys(access.Config{OnChange: func(table string, _ uuid.UUID) {
 		if table != "" {
 			changes <- table
 		}
@@ -114,6 +115,37 @@ func TestRevokedKeyIsRefusedByEveryReplica(t *testing.T) {
 		_, err := keys.Lookup(context.Background(), token)
 		require.Equal(t, gateway.EUnauthorized, gateway.ErrorCodeOf(err))
 	}
+}
+
+// TestAChangeDropsItsAccountsKeysOnly: a key revoked drops the cached keys
+// of its account, and the others' are served from memory still.
+func TestAChangeDropsItsAccountsKeysOnly(t *testing.T) {
+	t.Parallel()
+	url := testdb.URL(t)
+	admin := store.New(testdb.Connect(t, url))
+	st := &countingStore{Store: store.New(testdb.Connect(t, url))}
+	keys, changes := replica(t, st)
+	kept := newKey(t, admin, "acme", gateway.TierDeveloper)
+	dropped := newKey(t, admin, "globex", gateway.TierDeveloper)
+	revoked := newKey(t, admin, "globex", gateway.TierDeveloper)
+	for _, token := range []string{kept, dropped} {
+		_, err := keys.Lookup(context.Background(), token)
+		require.NoError(t, err)
+	}
+	require.Equal(t, int64(2), st.lookups.Load())
+	require.NoError(t, admin.RevokeKey(context.Background(), revoked[:12]))
+	select {
+	case table := <-changes:
+		require.Equal(t, "api_keys", table)
+	case <-time.After(10 * time.Second):
+		t.Fatal("the revocation was never announced")
+	}
+	_, err := keys.Lookup(context.Background(), kept)
+	require.NoError(t, err)
+	require.Equal(t, int64(2), st.lookups.Load(), "another account's key is served from memory")
+	_, err = keys.Lookup(context.Background(), dropped)
+	require.NoError(t, err)
+	require.Equal(t, int64(3), st.lookups.Load(), "the account's other key is looked up again")
 }
 
 // TestTierChangeReachesTheCache: a changed tier (and so rate limit) is seen

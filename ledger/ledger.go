@@ -128,7 +128,9 @@ type lease struct {
 	validUntil time.Time
 	touched    time.Time
 	generation uint64
-	granting   chan struct{} // closed when the grant in flight ends
+	// changed is set when its account's limits changed after it was granted.
+	changed  bool
+	granting chan struct{} // closed when the grant in flight ends
 	// refused is the last refusal, answering until refusedUntil for what
 	// needs more than it said was left.
 	refused      store.QuotaGrant
@@ -283,7 +285,7 @@ func (l *Ledger) grant(ctx context.Context, ls *lease, p *gateway.Principal, nee
 // held.
 func (l *Ledger) slice(key sliceKey, now time.Time) (ls, replaced *lease) {
 	ls = l.current[key]
-	if ls != nil && ls.granting == nil && (ls.generation != l.generation || (ls.stored && !now.Before(ls.validUntil))) {
+	if ls != nil && ls.granting == nil && (l.outdated(ls) || (ls.stored && !now.Before(ls.validUntil))) {
 		if ls.inflight == 0 {
 			delete(l.leases, ls.id)
 			if ls.stored {
@@ -383,16 +385,30 @@ func (l *Ledger) end(requestID uuid.UUID, cost int64) {
 // limits changed since it was granted, or it could not be renewed in time.
 // l.mu is held.
 func (l *Ledger) retired(ls *lease, now time.Time) bool {
-	return l.current[ls.key] != ls || ls.generation != l.generation || !now.Before(ls.validUntil)
+	return l.current[ls.key] != ls || l.outdated(ls) || !now.Before(ls.validUntil)
 }
 
-// Invalidate stops admissions from every slice held: limits may have changed.
-// Requests running under them settle as usual; the slices nothing runs under
-// are folded back at once (the others when their last request ends), and new
-// ones are granted under the new limits.
-func (l *Ledger) Invalidate() {
+// outdated reports whether limits changed since ls was granted. l.mu is held.
+func (l *Ledger) outdated(ls *lease) bool {
+	return ls.generation != l.generation || ls.changed
+}
+
+// Invalidate stops admissions from the slices held of account (of every
+// account when it is uuid.Nil): its limits may have changed. Requests running
+// under them settle as usual; the slices nothing runs under are folded back at
+// once (the others when their last request ends), and new ones are granted
+// under the new limits. Other accounts' slices are left as they are.
+func (l *Ledger) Invalidate(account uuid.UUID) {
 	l.mu.Lock()
-	l.generation++
+	if account == uuid.Nil {
+		l.generation++
+	} else {
+		for _, ls := range l.leases {
+			if ls.key.account == account {
+				ls.changed = true
+			}
+		}
+	}
 	l.mu.Unlock()
 	select {
 	case l.stale <- struct{}{}:

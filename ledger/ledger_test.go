@@ -419,7 +419,7 @@ func TestLimitChangesApply(t *testing.T) {
 	id, err := admit(l, p, 100)
 	require.NoError(t, err)
 	require.NoError(t, b.store.SetLimits(b.ctx, store.SetLimitsParams{Account: "acme", Project: "default", BudgetRungs: ptr(int64(150))}))
-	l.Invalidate()
+	l.Invalidate(p.AccountID)
 	_, err = admit(l, p, 100)
 	require.Equal(t, gateway.EBudgetExceeded, gateway.ErrorCodeOf(err), "the old slice (6,250) is not used under the new cap")
 	require.NoError(t, l.Settle(b.ctx, record(p, id, 50)))
@@ -428,6 +428,47 @@ func TestLimitChangesApply(t *testing.T) {
 		return err == nil
 	}, 5*time.Second, 20*time.Millisecond, "once the old slice is folded back, the new cap has room")
 	require.Equal(t, int64(50), b.view(t, p).Budget.Spent)
+}
+
+// grantCounter counts the grants a ledger asks its store for.
+type grantCounter struct {
+	*store.Store
+	grants atomic.Int64
+}
+
+func (g *grantCounter) GrantQuota(ctx context.Context, r store.QuotaRequest) (store.QuotaGrant, error) {
+	g.grants.Add(1)
+	return g.Store.GrantQuota(ctx, r)
+}
+
+// TestLimitChangesApplyToTheirAccountOnly: a change to one account's limits
+// retires that account's slices, not another's, whose requests go on from its
+// slice without a grant; a change that names no account retires them all.
+func TestLimitChangesApplyToTheirAccountOnly(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	st := &grantCounter{Store: b.store}
+	l := ledger.New(ledger.Config{Idle: time.Hour}, st)
+	b.run(t, l)
+	changed := b.principal(t, "changed", nil, ptr(int64(100_000)))
+	other := b.principal(t, "other", nil, ptr(int64(100_000)))
+	serve := func() {
+		t.Helper()
+		for _, p := range []*gateway.Principal{changed, other} {
+			id, err := admit(l, p, 100)
+			require.NoError(t, err)
+			require.NoError(t, l.Settle(b.ctx, record(p, id, 10)))
+		}
+	}
+	serve()
+	require.Equal(t, int64(2), st.grants.Load())
+	l.Invalidate(changed.AccountID)
+	serve()
+	require.Equal(t, int64(3), st.grants.Load(), "only the changed account's slice was granted again")
+	l.Invalidate(uuid.Nil)
+	serve()
+	require.Equal(t, int64(5), st.grants.Load(), "both were granted again")
+	require.Equal(t, int64(30), b.view(t, other).Budget.Spent)
 }
 
 // TestHeldLeasesAreRenewedAndIdleOnesFolded: a replica renews the slices it

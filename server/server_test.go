@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
@@ -206,8 +207,8 @@ func setupWith(t testing.TB, o options) *testBundle {
 	ctx, stop := context.WithCancel(context.Background())
 	ledge := ledger.New(ledger.Config{Unavailable: store.Transient}, st)
 	heard := &heardTables{}
-	keys := access.NewKeys(access.Config{OnChange: func(table string) {
-		ledge.Invalidate()
+	keys := access.NewKeys(access.Config{OnChange: func(table string, account uuid.UUID) {
+		ledge.Invalidate(account)
 		heard.add(table)
 	}}, st)
 	rates := ratelimit.New(o.rates, st)

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/google/uuid"
@@ -45,11 +46,12 @@ func (s *Store) LookupKey(ctx context.Context, token string) (*gateway.Principal
 }
 
 // ListenPrincipals calls listening once it listens for changes to keys,
-// accounts and projects, then changed (with the table's name) on every change,
-// until ctx ends, on a connection of its own. It returns when the connection
-// fails, for the caller to retry; changes made while it was not listening are
-// not reported.
-func (s *Store) ListenPrincipals(ctx context.Context, listening func(), changed func(table string)) error {
+// accounts and projects, then changed on every change, with the table's name
+// and the account the changed row belongs to (uuid.Nil when the notification
+// does not name one: any account may have changed), until ctx ends, on a
+// connection of its own. It returns when the connection fails, for the caller
+// to retry; changes made while it was not listening are not reported.
+func (s *Store) ListenPrincipals(ctx context.Context, listening func(), changed func(table string, account uuid.UUID)) error {
 	conn, err := s.pool.Acquire(ctx)
 	if err != nil {
 		return fmt.Errorf("error acquiring listen connection: %w", err)
@@ -66,7 +68,12 @@ func (s *Store) ListenPrincipals(ctx context.Context, listening func(), changed 
 			_ = conn.Conn().Close(context.WithoutCancel(ctx))
 			return err
 		}
-		changed(n.Payload)
+		table, account, _ := strings.Cut(n.Payload, ":")
+		id, err := uuid.Parse(account)
+		if err != nil {
+			id = uuid.Nil
+		}
+		changed(table, id)
 	}
 }
 

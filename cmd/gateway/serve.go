@@ -102,14 +102,16 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 		logger.Warn("upstream usage clamped", "model", c.Model, "side", c.Side, "reported", c.Reported, "bound", c.Bound)
 		m.Clamp(string(c.Model), c.Side)
 	}}
-	// The hot path from memory: keys cached (dropped on every change to keys,
-	// accounts or projects), rates and quota from leased slices, settlements
-	// committed in groups. Every replica runs these with its own leases.
+	// The hot path from memory: keys cached (an account's dropped on every
+	// change to its keys, to it or to its projects), rates and quota from
+	// leased slices (an account's given back on a change to it or to its
+	// projects), settlements committed in groups. Every replica runs these
+	// with its own leases.
 	owner := uuid.Must(uuid.NewV7())
 	ledge := ledger.New(ledger.Config{Owner: owner, Lease: cfg.Lease, Unavailable: store.Transient, Logger: logger, Metrics: m}, st)
-	keys := access.NewKeys(access.Config{Logger: logger, OnChange: func(table string) {
+	keys := access.NewKeys(access.Config{Logger: logger, OnChange: func(table string, account uuid.UUID) {
 		if table != "api_keys" {
-			ledge.Invalidate()
+			ledge.Invalidate(account)
 		}
 	}}, st)
 	rates := ratelimit.New(ratelimit.Config{Limits: cfg.RateLimits(), Logger: logger}, st)
