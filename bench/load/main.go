@@ -11,6 +11,7 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"flag"
 	"fmt"
 	"io"
@@ -38,14 +39,15 @@ func main() {
 	h2c := flag.Bool("h2c", false, "speak HTTP/2 without TLS to the gateway (GATEWAY_H2C), as a load balancer may")
 	promptBytes := flag.Int("prompt-bytes", 0, "prompts of about this many bytes of words, a different one each request (0: one short prompt)")
 	tenants := flag.Int("tenants", 1, "accounts the requests are spread over, each with its key, in turn")
+	limitChanges := flag.Duration("limit-changes", 0, "while measuring the gateway, change one tenant's daily ceiling this often, a tenant after another (0: never)")
 	flag.Parse()
-	if err := run(*binary, *rates, *duration, *warmup, *connections, *h2c, *promptBytes, *tenants); err != nil {
+	if err := run(*binary, *rates, *duration, *warmup, *connections, *h2c, *promptBytes, *tenants, *limitChanges); err != nil {
 		fmt.Fprintln(os.Stderr, "load:", err)
 		os.Exit(1)
 	}
 }
 
-func run(binary, rateList string, duration, warmup time.Duration, connections int, h2c bool, promptBytes, tenants int) error {
+func run(binary, rateList string, duration, warmup time.Duration, connections int, h2c bool, promptBytes, tenants int, limitChanges time.Duration) error {
 	env, err := benchenv.Start(binary)
 	if err != nil {
 		return err
@@ -113,7 +115,14 @@ func run(binary, rateList string, duration, warmup time.Duration, connections in
 			if err != nil {
 				return err
 			}
+			stop := func() error { return nil }
+			if t.name == viaGateway.name && limitChanges > 0 {
+				stop = changeLimits(st, append([]string{"bench"}, accounts...), limitChanges)
+			}
 			results[i] = drive(t, rate, duration)
+			if err := stop(); err != nil {
+				return err
+			}
 			after, err := sample(st, pid)
 			if err != nil {
 				return err
@@ -136,6 +145,35 @@ func run(binary, rateList string, duration, warmup time.Duration, connections in
 		}
 	}
 	return nil
+}
+
+// changeLimits sets the daily ceiling of one account after another, every
+// interval, as an operator's changes would, until the returned function is
+// called; that returns the first error.
+func changeLimits(st *store.Store, accounts []string, every time.Duration) func() error {
+	done := make(chan struct{})
+	errs := make(chan error, 1)
+	go func() {
+		defer close(errs)
+		tick := time.NewTicker(every)
+		defer tick.Stop()
+		for n := 0; ; n++ {
+			select {
+			case <-done:
+				return
+			case <-tick.C:
+			}
+			ceiling := int64(1_000_000_000_000 + n) // a new value each time: a change is announced
+			if err := st.SetLimits(context.Background(), store.SetLimitsParams{Account: accounts[n%len(accounts)], DailyRungs: &ceiling}); err != nil {
+				errs <- fmt.Errorf("error changing limits: %w", err)
+				return
+			}
+		}
+	}()
+	return func() error {
+		close(done)
+		return <-errs
+	}
 }
 
 // counters are the cumulative costs a measurement takes the difference of.
