@@ -430,24 +430,13 @@ func TestLimitChangesApply(t *testing.T) {
 	require.Equal(t, int64(50), b.view(t, p).Budget.Spent)
 }
 
-// grantCounter counts the grants a ledger asks its store for.
-type grantCounter struct {
-	*store.Store
-	grants atomic.Int64
-}
-
-func (g *grantCounter) GrantQuota(ctx context.Context, r store.QuotaRequest) (store.QuotaGrant, error) {
-	g.grants.Add(1)
-	return g.Store.GrantQuota(ctx, r)
-}
-
 // TestLimitChangesApplyToTheirAccountOnly: a change to one account's limits
 // retires that account's slices, not another's, whose requests go on from its
 // slice without a grant; a change that names no account retires them all.
 func TestLimitChangesApplyToTheirAccountOnly(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	st := &grantCounter{Store: b.store}
+	st := &countingStore{Store: b.store}
 	l := ledger.New(ledger.Config{Idle: time.Hour}, st)
 	b.run(t, l)
 	changed := b.principal(t, "changed", nil, ptr(int64(100_000)))
