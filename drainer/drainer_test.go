@@ -5,8 +5,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"net/http"
-	"net/http/httptest"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -18,6 +16,7 @@ import (
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/drainer"
 	"github.com/rungworks/gateway/internal/fakeupstream"
+	"github.com/rungworks/gateway/internal/metricstest"
 	"github.com/rungworks/gateway/internal/testdb"
 	"github.com/rungworks/gateway/metering"
 	"github.com/rungworks/gateway/metrics"
@@ -115,9 +114,7 @@ func TestConcurrencyBoundsUpstreamCalls(t *testing.T) {
 	// The items are seen completed as their commit ends, a moment before
 	// the drainer measures it.
 	require.Eventually(t, func() bool {
-		rec := httptest.NewRecorder()
-		m.Handler(false).ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil))
-		return strings.Contains(rec.Body.String(), `gateway_group_commit_size_sum{work="batch_outcomes"} 30`+"\n")
+		return strings.Contains(metricstest.Scrape(m), `gateway_group_commit_size_sum{work="batch_outcomes"} 30`+"\n")
 	}, 5*time.Second, 10*time.Millisecond)
 }
 

@@ -2,8 +2,6 @@ package ledger_test
 
 import (
 	"context"
-	"net/http"
-	"net/http/httptest"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -13,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/internal/metricstest"
 	"github.com/rungworks/gateway/internal/testdb"
 	"github.com/rungworks/gateway/ledger"
 	"github.com/rungworks/gateway/metrics"
@@ -332,7 +331,7 @@ func TestSettlementsCommitInGroups(t *testing.T) {
 
 	// The first alone, then the nineteen good members alone; the groups that
 	// failed stored nothing.
-	scrape := scrapeMetrics(m)
+	scrape := metricstest.Scrape(m)
 	require.Contains(t, scrape, `gateway_group_commit_size_count{work="settlement"} 20`+"\n")
 	require.Contains(t, scrape, `gateway_group_commit_duration_seconds_count{work="settlement"} 20`+"\n")
 }
@@ -361,17 +360,10 @@ func TestGroupCommitsAreMeasured(t *testing.T) {
 	}
 	require.Equal(t, []int{1, 5}, gated.sizes())
 
-	scrape := scrapeMetrics(m)
+	scrape := metricstest.Scrape(m)
 	require.Contains(t, scrape, `gateway_group_commit_size_count{work="settlement"} 2`+"\n")
 	require.Contains(t, scrape, `gateway_group_commit_size_sum{work="settlement"} 6`+"\n")
 	require.Contains(t, scrape, `gateway_group_commit_duration_seconds_count{work="settlement"} 2`+"\n")
-}
-
-// scrapeMetrics returns what m's listener serves on /metrics.
-func scrapeMetrics(m *metrics.Metrics) string {
-	rec := httptest.NewRecorder()
-	m.Handler(false).ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil))
-	return rec.Body.String()
 }
 
 // TestDeadReplicaSlicesComeBack: a replica that dies holding a slice (never

@@ -1,7 +1,6 @@
 package metrics_test
 
 import (
-	"io"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -10,6 +9,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/rungworks/gateway/internal/metricstest"
 	"github.com/rungworks/gateway/metrics"
 )
 
@@ -21,12 +21,8 @@ func TestLabelsComeFromFixedSets(t *testing.T) {
 		m.Request("/api/v1/responses", strings.Repeat("X", 100)+string(rune('A'+i%26))+strings.Repeat("Y", i), 404, time.Millisecond)
 	}
 	m.Request("/api/v1/responses", "GET", 99999, time.Millisecond)
-	rec := httptest.NewRecorder()
-	m.Handler(false).ServeHTTP(rec, httptest.NewRequest("GET", "/metrics", nil))
-	raw, err := io.ReadAll(rec.Body)
-	require.NoError(t, err)
 	var lines []string
-	for _, l := range strings.Split(string(raw), "\n") {
+	for _, l := range strings.Split(metricstest.Scrape(m), "\n") {
 		if strings.HasPrefix(l, "gateway_http_requests_total{") {
 			lines = append(lines, l)
 		}
