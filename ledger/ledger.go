@@ -100,11 +100,10 @@ type Ledger struct {
 	mu sync.Mutex
 	// folding holds, per slice key, a channel closed when the fold in
 	// flight of a lease of that key ends (see fold).
-	folding    map[sliceKey]chan struct{}
-	current    map[sliceKey]*lease
-	leases     map[uuid.UUID]*lease
-	admitted   map[uuid.UUID]ticket
-	generation uint64
+	folding  map[sliceKey]chan struct{}
+	current  map[sliceKey]*lease
+	leases   map[uuid.UUID]*lease
+	admitted map[uuid.UUID]ticket
 }
 
 // sliceKey is what a lease is a slice of: an account-day and a project.
@@ -127,8 +126,8 @@ type lease struct {
 	// renewed; nothing is admitted from it after.
 	validUntil time.Time
 	touched    time.Time
-	generation uint64
-	// changed is set when its account's limits changed after it was granted.
+	// changed is set when its account's limits may have changed after it
+	// was granted (Invalidate): nothing more is admitted from it.
 	changed  bool
 	granting chan struct{} // closed when the grant in flight ends
 	// refused is the last refusal, answering until refusedUntil for what
@@ -285,7 +284,7 @@ func (l *Ledger) grant(ctx context.Context, ls *lease, p *gateway.Principal, nee
 // held.
 func (l *Ledger) slice(key sliceKey, now time.Time) (ls, replaced *lease) {
 	ls = l.current[key]
-	if ls != nil && ls.granting == nil && (l.outdated(ls) || (ls.stored && !now.Before(ls.validUntil))) {
+	if ls != nil && ls.granting == nil && (ls.changed || (ls.stored && !now.Before(ls.validUntil))) {
 		if ls.inflight == 0 {
 			delete(l.leases, ls.id)
 			if ls.stored {
@@ -295,7 +294,7 @@ func (l *Ledger) slice(key sliceKey, now time.Time) (ls, replaced *lease) {
 		ls = nil
 	}
 	if ls == nil {
-		ls = &lease{id: uuid.Must(uuid.NewV7()), key: key, generation: l.generation, touched: now}
+		ls = &lease{id: uuid.Must(uuid.NewV7()), key: key, touched: now}
 		l.current[key] = ls
 		l.leases[ls.id] = ls
 	}
@@ -385,12 +384,7 @@ func (l *Ledger) end(requestID uuid.UUID, cost int64) {
 // limits changed since it was granted, or it could not be renewed in time.
 // l.mu is held.
 func (l *Ledger) retired(ls *lease, now time.Time) bool {
-	return l.current[ls.key] != ls || l.outdated(ls) || !now.Before(ls.validUntil)
-}
-
-// outdated reports whether limits changed since ls was granted. l.mu is held.
-func (l *Ledger) outdated(ls *lease) bool {
-	return ls.generation != l.generation || ls.changed
+	return l.current[ls.key] != ls || ls.changed || !now.Before(ls.validUntil)
 }
 
 // Invalidate stops admissions from the slices held of account (of every
@@ -400,13 +394,11 @@ func (l *Ledger) outdated(ls *lease) bool {
 // under the new limits. Other accounts' slices are left as they are.
 func (l *Ledger) Invalidate(account uuid.UUID) {
 	l.mu.Lock()
-	if account == uuid.Nil {
-		l.generation++
-	} else {
-		for _, ls := range l.leases {
-			if ls.key.account == account {
-				ls.changed = true
-			}
+	// Every lease is in l.leases, from its creation (its grant too) until it
+	// is folded or replaced with nothing running under it.
+	for _, ls := range l.leases {
+		if account == uuid.Nil || ls.key.account == account {
+			ls.changed = true
 		}
 	}
 	l.mu.Unlock()
