@@ -134,16 +134,10 @@ func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, round int, o 
 	if err != nil {
 		return result{}, err
 	}
-	keys := []string{key}
-	accounts := make([]string, o.accounts-1)
-	for i := range accounts {
-		accounts[i] = fmt.Sprintf("bench%d", i+1)
-	}
-	more, err := benchenv.Keys(vars, accounts...)
+	_, keys, err := benchenv.Tenants(vars, key, o.accounts)
 	if err != nil {
 		return result{}, err
 	}
-	keys = append(keys, more...)
 	bases := make([]string, replicas)
 	pids := make([]int, replicas)
 	for i := range bases {

@@ -59,18 +59,10 @@ func run(binary, rateList string, duration, warmup time.Duration, connections in
 	if err != nil {
 		return err
 	}
-	if tenants < 1 {
-		return fmt.Errorf("-tenants must be at least 1, not %d", tenants)
-	}
-	accounts := make([]string, tenants-1)
-	for i := range accounts {
-		accounts[i] = fmt.Sprintf("tenant%d", i+1)
-	}
-	more, err := benchenv.Keys(vars, accounts...)
+	accounts, keys, err := benchenv.Tenants(vars, key, tenants)
 	if err != nil {
 		return err
 	}
-	keys := append([]string{key}, more...)
 	gateway, err := env.ServeProcess(vars)
 	if err != nil {
 		return err
@@ -117,7 +109,7 @@ func run(binary, rateList string, duration, warmup time.Duration, connections in
 			}
 			stop := func() error { return nil }
 			if t.name == viaGateway.name && limitChanges > 0 {
-				stop = changeLimits(st, append([]string{"bench"}, accounts...), limitChanges)
+				stop = changeLimits(st, accounts, limitChanges)
 			}
 			results[i] = drive(t, rate, duration)
 			if err := stop(); err != nil {

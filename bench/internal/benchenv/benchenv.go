@@ -77,16 +77,37 @@ func (e *Env) Fresh(name, upstreamURL string, extra ...string) (env []string, ke
 	if out, err := e.command(env, "migrate").CombinedOutput(); err != nil {
 		return nil, "", fmt.Errorf("migrate: %w: %s", err, out)
 	}
-	keys, err := Keys(env, "bench")
+	keys, err := createKeys(env, freshAccount)
 	if err != nil {
 		return nil, "", err
 	}
 	return env, keys[0], nil
 }
 
-// Keys creates a key of each account (created if new, with its daily ceiling
-// lifted) in the database of env (from Fresh), and returns them in order.
-func Keys(env []string, accounts ...string) ([]string, error) {
+// freshAccount is the account of the key Fresh makes.
+const freshAccount = "bench"
+
+// Tenants returns n accounts and a key of each: Fresh's account and its key,
+// then n-1 accounts made in the database of env ("tenant1", …).
+func Tenants(env []string, key string, n int) (accounts, keys []string, err error) {
+	if n < 1 {
+		return nil, nil, fmt.Errorf("at least one tenant, not %d", n)
+	}
+	accounts = []string{freshAccount}
+	for i := 1; i < n; i++ {
+		accounts = append(accounts, fmt.Sprintf("tenant%d", i))
+	}
+	more, err := createKeys(env, accounts[1:]...)
+	if err != nil {
+		return nil, nil, err
+	}
+	return accounts, append([]string{key}, more...), nil
+}
+
+// createKeys creates a key of each account (created if new, with its daily
+// ceiling lifted) in the database of env (from Fresh), and returns them in
+// order.
+func createKeys(env []string, accounts ...string) ([]string, error) {
 	st, err := OpenStore(env)
 	if err != nil {
 		return nil, err
