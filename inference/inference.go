@@ -30,11 +30,15 @@ type Ledger interface {
 	Settle(ctx context.Context, r gateway.UsageRecord) error
 	// Release gives back the charge and reservation of a request that cost nothing.
 	Release(requestID uuid.UUID)
+	// Unconfirmed ends a request whose settlement may or may not be stored,
+	// its cost counted as a settled request's is.
+	Unconfirmed(requestID uuid.UUID, cost int64)
 }
 
 // DefaultSettleWindow is how long a finished request retries its settlement
 // while the database is away (a restart takes a second or two) before it gives
-// up, answers SERVICE_UNAVAILABLE and bills nothing.
+// up, answers SERVICE_UNAVAILABLE and bills nothing (unless the settlement may
+// be stored: see settle).
 const DefaultSettleWindow = 10 * time.Second
 
 // ErrShutdown is the cause with which the server cancels calls still running
@@ -64,7 +68,12 @@ type Service struct {
 	// Unavailable reports whether an error means the database is away for the
 	// moment (worth retrying); nil means never.
 	Unavailable func(error) bool
-	// Logger reports failures that do not change the reply.
+	// MayHaveCommitted reports whether a settlement that failed with an error
+	// may still have been stored (its reply was lost after it was sent); nil
+	// means never.
+	MayHaveCommitted func(error) bool
+	// Logger reports the settlements whose outcome was unknown (see settle);
+	// nil discards.
 	Logger *slog.Logger
 	// Metrics, when set, records upstream calls, rungs and refusals.
 	Metrics *metrics.Metrics
@@ -175,7 +184,8 @@ func (s *Service) Complete(ctx context.Context, call *Call) (*Result, error) {
 //
 // When the settlement itself fails, nothing is billed and the result, with zero
 // usage, comes with the settlement's error: the caller is told it was not
-// billed (decisions D12: never billed without being sent the usage).
+// billed (decisions D12: never billed without being sent the usage). A
+// settlement that may be stored counts as committed (see settle).
 func (s *Service) Stream(ctx context.Context, call *Call, emit func(upstream.Delta) error) (*Result, error) {
 	s.trace(ctx, call)
 	started := false
@@ -243,6 +253,16 @@ func (s *Service) upstreamRequest(call *Call) *upstream.Request {
 // While the database is away it retries, for SettleWindow; a settlement that
 // cannot be stored releases the reservation instead, bills nothing, and is
 // SERVICE_UNAVAILABLE (or INTERNAL when the database refused it).
+//
+// One exception: when an attempt's reply was lost after it was sent, it may
+// have been stored, and only the database can tell (a settlement sent again
+// is stored once). If the window ends before the database answers, the
+// caller gets the result with its usage, as if the commit had been
+// confirmed: were it stored, a caller told "nothing was billed" would have
+// been billed without the usage, and retrying, billed twice (D12). The
+// settlement is then sent again in the background until the database answers
+// (settleLater), so the database ends up holding exactly the usage the caller
+// was sent; the request is logged for the operator.
 func (s *Service) settle(ctx context.Context, call *Call, res upstream.Result, failed bool) (*Result, error) {
 	usage, err := s.Estimator.Actual(call.Request, call.Route.Entry, res)
 	if err != nil {
@@ -267,7 +287,21 @@ func (s *Service) settle(ctx context.Context, call *Call, res upstream.Result, f
 	if window <= 0 {
 		window = DefaultSettleWindow
 	}
-	if err := s.retry(ctx, window, func(ctx context.Context) error { return s.Ledger.Settle(ctx, record) }); err != nil {
+	unconfirmed := false
+	err = s.retry(ctx, window, func(ctx context.Context) error {
+		err := s.Ledger.Settle(ctx, record)
+		unconfirmed = unconfirmed || err != nil && s.MayHaveCommitted != nil && s.MayHaveCommitted(err)
+		return err
+	})
+	if err != nil && unconfirmed {
+		s.Ledger.Unconfirmed(call.RequestID, usage.TotalRungs)
+		s.logger().ErrorContext(ctx, "a settlement's reply was lost and the database stayed away: the response is sent with its usage, which may not be stored yet; it is sent again until the database answers",
+			"request_id", call.RequestID, "account_id", call.Principal.AccountID, "total_rungs", usage.TotalRungs, "error", err)
+		s.Metrics.Unconfirmed("sent")
+		go s.settleLater(record)
+		err = nil
+	}
+	if err != nil {
 		s.release(call)
 		if s.unavailable(err) {
 			return nil, &gateway.Error{Code: gateway.EServiceUnavailable, RetryAfter: s.RetryAfter, Cause: err,
@@ -278,6 +312,25 @@ func (s *Service) settle(ctx context.Context, call *Call, res upstream.Result, f
 	s.Metrics.Rungs(string(call.Request.Model), string(call.Route.Entry), usage.InputRungs, usage.OutputRungs)
 	tracing.Usage(ctx, usage.InputTokens, usage.OutputTokens, usage.InputRungs, usage.OutputRungs, res.Content)
 	return s.result(call, res, usage), nil
+}
+
+// lateSettleWindow bounds how long a settlement whose outcome is unknown is
+// sent again, in the background, after its reply went out.
+const lateSettleWindow = 10 * time.Minute
+
+// settleLater sends again, until the database answers, a settlement that may
+// or may not be stored: it is stored once either way, so the usage the
+// caller was sent ends up billed, exactly.
+func (s *Service) settleLater(record gateway.UsageRecord) {
+	err := s.retry(context.Background(), lateSettleWindow, func(ctx context.Context) error { return s.Ledger.Settle(ctx, record) })
+	if err != nil {
+		s.Metrics.Unconfirmed("missing")
+		s.logger().Error("a settlement sent with its usage could not be stored; its usage may be missing", "request_id", record.RequestID,
+			"account_id", record.Principal.AccountID, "total_rungs", record.Usage.TotalRungs, "error", err)
+		return
+	}
+	s.Metrics.Unconfirmed("stored")
+	s.logger().Info("a settlement sent with its usage is stored", "request_id", record.RequestID)
 }
 
 // result is the reply of a call whose usage is committed.
@@ -314,6 +367,13 @@ func (s *Service) retry(ctx context.Context, window time.Duration, fn func(conte
 		}
 		time.Sleep(backoff)
 	}
+}
+
+func (s *Service) logger() *slog.Logger {
+	if s.Logger == nil {
+		return slog.New(slog.DiscardHandler)
+	}
+	return s.Logger
 }
 
 func (s *Service) unavailable(err error) bool { return s.Unavailable != nil && s.Unavailable(err) }

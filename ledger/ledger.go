@@ -360,6 +360,17 @@ func (l *Ledger) Release(requestID uuid.UUID) {
 	l.end(requestID, 0)
 }
 
+// Unconfirmed ends an admitted request whose settlement may or may not be
+// stored (its reply was lost, and the database stayed away while it was sent
+// again): its cost stays counted against its slice, as a settled request's
+// does, so the slice admits no more than it would have either way. The
+// database's count of the lease, used when it is folded, holds the cost only
+// if that settlement was stored; sent again later, it is charged to the
+// account-day and the project directly, as a request whose lease is gone.
+func (l *Ledger) Unconfirmed(requestID uuid.UUID, cost int64) {
+	l.end(requestID, cost)
+}
+
 // end closes a request's ticket, its actual cost taken instead of its estimate.
 func (l *Ledger) end(requestID uuid.UUID, cost int64) {
 	l.mu.Lock()

@@ -110,6 +110,24 @@ func TestAdmitSettleRelease(t *testing.T) {
 	require.Equal(t, int64(1000), b.view(t, p).Budget.Spent)
 }
 
+// TestUnconfirmedKeepsItsCost: a request whose settlement may or may not be
+// stored keeps its cost counted against the slice, as a settled one does, and
+// gives back the rest of its estimate: the slice admits no more than it would
+// have had the settlement been stored.
+func TestUnconfirmedKeepsItsCost(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	l := b.replica(t, ledger.Config{})
+	p := b.principal(t, "acme", nil, ptr(int64(1000)))
+	id, err := admit(l, p, 100)
+	require.NoError(t, err)
+	l.Unconfirmed(id, 70)
+	_, err = admit(l, p, 931)
+	require.Equal(t, gateway.EBudgetExceeded, gateway.ErrorCodeOf(err), "its 70 stay counted")
+	_, err = admit(l, p, 930)
+	require.NoError(t, err, "the 30 of its estimate it did not use came back")
+}
+
 // TestRefusalsWaitingCannotCure: an estimate larger than the whole daily
 // ceiling or the whole budget cap is refused without Retry-After, saying what
 // to change (D11); one that only does not fit now keeps Retry-After.

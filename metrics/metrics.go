@@ -31,6 +31,7 @@ type Metrics struct {
 	queueDepth       prometheus.Gauge
 	leaseRescues     prometheus.Counter
 	refusals         *prometheus.CounterVec
+	unconfirmed      *prometheus.CounterVec
 	clamps           *prometheus.CounterVec
 	attempts         *prometheus.CounterVec
 	attemptDuration  *prometheus.HistogramVec
@@ -88,6 +89,10 @@ func New() *Metrics {
 		refusals: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "gateway_admission_refusals_total", Help: "Requests refused by admission: rate_limit, daily_ceiling, budget.",
 		}, []string{"reason"}),
+		unconfirmed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "gateway_settlements_unconfirmed_total",
+			Help: "Responses sent with their usage while its settlement's outcome was unknown (its reply lost, the database away), by what became of the settlement: sent (the reply went out), stored (sent again until stored, once), missing (given up on: the usage may be missing).",
+		}, []string{"outcome"}),
 		clamps: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "gateway_upstream_usage_clamped_total", Help: "Upstream token counts cut to their bound (output ceiling sent, or input bytes sent), by model and side.",
 		}, []string{"model", "side"}),
@@ -107,7 +112,7 @@ func New() *Metrics {
 	}
 	m.registry.MustRegister(m.attempts, m.attemptDuration, m.circuitState, m.fallbacks,
 		m.requests, m.requestDuration, m.rungs, m.upstreamDuration, m.upstreamErrors,
-		m.openStreams, m.batchItems, m.claimDuration, m.commitDuration, m.commitSize, m.queueDepth, m.leaseRescues, m.refusals, m.clamps,
+		m.openStreams, m.batchItems, m.claimDuration, m.commitDuration, m.commitSize, m.queueDepth, m.leaseRescues, m.refusals, m.unconfirmed, m.clamps,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
@@ -240,6 +245,14 @@ func (m *Metrics) LeaseRescues(n int64) {
 func (m *Metrics) Refusal(reason string) {
 	if m != nil {
 		m.refusals.WithLabelValues(reason).Inc()
+	}
+}
+
+// Unconfirmed records what became of a settlement whose outcome was unknown
+// when its reply was sent: sent, stored or missing.
+func (m *Metrics) Unconfirmed(outcome string) {
+	if m != nil {
+		m.unconfirmed.WithLabelValues(outcome).Inc()
 	}
 }
 

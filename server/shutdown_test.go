@@ -2,9 +2,14 @@ package server_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
+	"fmt"
+	"io"
 	"net/http"
+	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -15,6 +20,9 @@ import (
 	"github.com/rungworks/gateway/gen/api"
 	"github.com/rungworks/gateway/inference"
 	"github.com/rungworks/gateway/internal/apitest"
+	"github.com/rungworks/gateway/internal/metricstest"
+	"github.com/rungworks/gateway/internal/syncbuf"
+	"github.com/rungworks/gateway/metrics"
 	"github.com/rungworks/gateway/server"
 	"github.com/rungworks/gateway/store"
 )
@@ -95,6 +103,107 @@ func TestFailedSettlementBillsNothingAndReleases(t *testing.T) {
 	v := b.usage(t, b.key)
 	require.Zero(t, v.Totals.Requests)
 	require.Zero(t, v.Budget.ReservedRungs, "every reservation released")
+}
+
+// unconfirmedLedger is the real ledger whose settlements do not learn their
+// outcome: the first is sent (and stored when stored is set) and its reply
+// lost; the ones after it find the database away until back is set.
+type unconfirmedLedger struct {
+	inference.Ledger
+	stored bool
+	sent   atomic.Int32
+	back   atomic.Bool
+}
+
+func (l *unconfirmedLedger) Settle(ctx context.Context, r gateway.UsageRecord) error {
+	if l.sent.Add(1) > 1 {
+		if l.back.Load() {
+			return l.Ledger.Settle(ctx, r)
+		}
+		return dbAway
+	}
+	if l.stored {
+		if err := l.Ledger.Settle(ctx, r); err != nil {
+			return err
+		}
+	}
+	return fmt.Errorf("error settling requests: %w", io.ErrUnexpectedEOF)
+}
+
+// TestUnconfirmedSettlementIsSentWithItsUsage: a settlement whose reply was
+// lost may be stored, and the database stays away past the settlement
+// window. The reply is the normal one with its usage, JSON or streamed, never
+// "nothing was billed": the database holds that usage or none, never usage
+// the client was not sent (D12). The request is logged, and once the
+// database is back the settlement sent again leaves exactly that usage
+// billed, once.
+func TestUnconfirmedSettlementIsSentWithItsUsage(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name   string
+		stored bool
+		stream bool
+	}{
+		{"stored, JSON", true, false},
+		{"not stored, JSON", false, false},
+		{"stored, stream", true, true},
+		{"not stored, stream", false, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			l := &unconfirmedLedger{stored: tc.stored}
+			logs := &syncbuf.Buffer{}
+			m := metrics.New()
+			b := setupWith(t, options{logs: logs, server: func(c *server.Config) {
+				l.Ledger = c.Inference.Ledger
+				c.Inference.Ledger, c.Inference.Unavailable, c.Unavailable = l, store.Transient, store.Transient
+				c.Inference.MayHaveCommitted = store.MayHaveCommitted
+				c.Inference.Logger = c.Logger
+				c.Inference.Metrics = m
+				c.Inference.SettleWindow = 300 * time.Millisecond
+			}})
+			var sent int64 // the total rungs the client was sent
+			if tc.stream {
+				_, s := b.stream("/api/v1/responses", map[string]any{"prompt": "hi"})
+				require.GreaterOrEqual(t, len(s.Events), 2)
+				for _, e := range s.Events {
+					require.NotEqual(t, "response.error", e.Name)
+				}
+				last := s.Events[len(s.Events)-1]
+				require.Equal(t, "response.completed", last.Name)
+				var final api.StreamChunk
+				last.Decode(t, &final)
+				sent = final.Usage.TotalRungs
+			} else {
+				r := b.post("/api/v1/responses", b.key, map[string]any{"prompt": "hi"})
+				require.Equal(t, http.StatusOK, r.status, string(r.body))
+				var res api.Response
+				require.NoError(t, json.Unmarshal(r.body, &res))
+				sent = res.Usage.TotalRungs
+			}
+			require.Positive(t, sent, "the usage is sent")
+			require.GreaterOrEqual(t, l.sent.Load(), int32(2), "the settlement was sent again while the window lasted")
+
+			v := b.usage(t, b.key)
+			if tc.stored {
+				require.Equal(t, int64(1), v.Totals.Requests)
+				require.Equal(t, sent, v.Totals.TotalRungs, "billed is what the client was sent")
+			} else {
+				require.Zero(t, v.Totals.Requests, "not stored yet: billed less than sent, never more")
+			}
+			require.Contains(t, logs.String(), "which may not be stored yet")
+			require.Contains(t, metricstest.Scrape(m), `gateway_settlements_unconfirmed_total{outcome="sent"} 1`)
+
+			l.back.Store(true)
+			require.Eventually(t, func() bool { return strings.Contains(logs.String(), "a settlement sent with its usage is stored") },
+				10*time.Second, 20*time.Millisecond)
+			v = b.usage(t, b.key)
+			require.Equal(t, int64(1), v.Totals.Requests, "stored once")
+			require.Equal(t, sent, v.Totals.TotalRungs, "billed is what the client was sent")
+			require.Zero(t, v.Budget.ReservedRungs)
+			require.Contains(t, metricstest.Scrape(m), `gateway_settlements_unconfirmed_total{outcome="stored"} 1`)
+		})
+	}
 }
 
 // TestAbortEndsCallsInFlight: at the end of the shutdown grace, a stream in

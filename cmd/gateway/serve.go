@@ -125,6 +125,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 			EvidenceRetention: cfg.EvidenceRetention,
 			RetryAfter:        5 * time.Second,
 			Unavailable:       store.Transient,
+			MayHaveCommitted:  store.MayHaveCommitted,
 			Logger:            logger,
 			Metrics:           m,
 		},

@@ -1045,6 +1045,17 @@ type ClientInterface interface {
 	// below): every failure after authentication arrives as a `response.error`
 	// event. Requires the `inference` scope.
 	//
+	// The usage is recorded durably before the reply is sent (in a stream, before
+	// `response.completed`). When the gateway's database goes away at that moment,
+	// recording is retried for up to 10 s; if it still fails, the reply is
+	// `503 SERVICE_UNAVAILABLE` (in a stream, `response.error` then
+	// `response.completed` with zero usage) and nothing is billed. One exception:
+	// when the database's answer to a recording was lost, the usage may already
+	// be recorded and only the database can tell; the reply is then the normal
+	// one, with its usage, and the gateway goes on recording it until the
+	// database answers: that usage is billed once, never more. A client is never
+	// billed for a response it was not sent.
+	//
 	// Takes any type of body and a specified content type.
 	//
 	// Corresponds with POST /api/v1/responses (the `CreateResponse` operationId).
@@ -1057,6 +1068,17 @@ type ClientInterface interface {
 	// always `200` with `text/event-stream` (see the `text/event-stream` content
 	// below): every failure after authentication arrives as a `response.error`
 	// event. Requires the `inference` scope.
+	//
+	// The usage is recorded durably before the reply is sent (in a stream, before
+	// `response.completed`). When the gateway's database goes away at that moment,
+	// recording is retried for up to 10 s; if it still fails, the reply is
+	// `503 SERVICE_UNAVAILABLE` (in a stream, `response.error` then
+	// `response.completed` with zero usage) and nothing is billed. One exception:
+	// when the database's answer to a recording was lost, the usage may already
+	// be recorded and only the database can tell; the reply is then the normal
+	// one, with its usage, and the gateway goes on recording it until the
+	// database answers: that usage is billed once, never more. A client is never
+	// billed for a response it was not sent.
 	//
 	// Takes a body of the `application/json` content type.
 	//
@@ -1327,6 +1349,17 @@ func (c *Client) CreateChat(ctx context.Context, body CreateChatJSONRequestBody,
 // below): every failure after authentication arrives as a `response.error`
 // event. Requires the `inference` scope.
 //
+// The usage is recorded durably before the reply is sent (in a stream, before
+// `response.completed`). When the gateway's database goes away at that moment,
+// recording is retried for up to 10 s; if it still fails, the reply is
+// `503 SERVICE_UNAVAILABLE` (in a stream, `response.error` then
+// `response.completed` with zero usage) and nothing is billed. One exception:
+// when the database's answer to a recording was lost, the usage may already
+// be recorded and only the database can tell; the reply is then the normal
+// one, with its usage, and the gateway goes on recording it until the
+// database answers: that usage is billed once, never more. A client is never
+// billed for a response it was not sent.
+//
 // Takes any type of body and a specified content type.
 //
 // Corresponds with POST /api/v1/responses (the `CreateResponse` operationId).
@@ -1349,6 +1382,17 @@ func (c *Client) CreateResponseWithBody(ctx context.Context, contentType string,
 // always `200` with `text/event-stream` (see the `text/event-stream` content
 // below): every failure after authentication arrives as a `response.error`
 // event. Requires the `inference` scope.
+//
+// The usage is recorded durably before the reply is sent (in a stream, before
+// `response.completed`). When the gateway's database goes away at that moment,
+// recording is retried for up to 10 s; if it still fails, the reply is
+// `503 SERVICE_UNAVAILABLE` (in a stream, `response.error` then
+// `response.completed` with zero usage) and nothing is billed. One exception:
+// when the database's answer to a recording was lost, the usage may already
+// be recorded and only the database can tell; the reply is then the normal
+// one, with its usage, and the gateway goes on recording it until the
+// database answers: that usage is billed once, never more. A client is never
+// billed for a response it was not sent.
 //
 // Takes a body of the `application/json` content type.
 //
@@ -2197,6 +2241,17 @@ type ClientWithResponsesInterface interface {
 	// below): every failure after authentication arrives as a `response.error`
 	// event. Requires the `inference` scope.
 	//
+	// The usage is recorded durably before the reply is sent (in a stream, before
+	// `response.completed`). When the gateway's database goes away at that moment,
+	// recording is retried for up to 10 s; if it still fails, the reply is
+	// `503 SERVICE_UNAVAILABLE` (in a stream, `response.error` then
+	// `response.completed` with zero usage) and nothing is billed. One exception:
+	// when the database's answer to a recording was lost, the usage may already
+	// be recorded and only the database can tell; the reply is then the normal
+	// one, with its usage, and the gateway goes on recording it until the
+	// database answers: that usage is billed once, never more. A client is never
+	// billed for a response it was not sent.
+	//
 	// Takes any type of body and a specified content type, and returns a wrapper object for the known response body format(s).
 	//
 	// Corresponds with POST /api/v1/responses (the `CreateResponse` operationId).
@@ -2209,6 +2264,17 @@ type ClientWithResponsesInterface interface {
 	// always `200` with `text/event-stream` (see the `text/event-stream` content
 	// below): every failure after authentication arrives as a `response.error`
 	// event. Requires the `inference` scope.
+	//
+	// The usage is recorded durably before the reply is sent (in a stream, before
+	// `response.completed`). When the gateway's database goes away at that moment,
+	// recording is retried for up to 10 s; if it still fails, the reply is
+	// `503 SERVICE_UNAVAILABLE` (in a stream, `response.error` then
+	// `response.completed` with zero usage) and nothing is billed. One exception:
+	// when the database's answer to a recording was lost, the usage may already
+	// be recorded and only the database can tell; the reply is then the normal
+	// one, with its usage, and the gateway goes on recording it until the
+	// database answers: that usage is billed once, never more. A client is never
+	// billed for a response it was not sent.
 	//
 	// Takes a body of the `application/json` content type, and returns a wrapper object for the known response body format(s).
 	//
@@ -4191,6 +4257,17 @@ func (c *ClientWithResponses) CreateChatWithResponse(ctx context.Context, body C
 // below): every failure after authentication arrives as a `response.error`
 // event. Requires the `inference` scope.
 //
+// The usage is recorded durably before the reply is sent (in a stream, before
+// `response.completed`). When the gateway's database goes away at that moment,
+// recording is retried for up to 10 s; if it still fails, the reply is
+// `503 SERVICE_UNAVAILABLE` (in a stream, `response.error` then
+// `response.completed` with zero usage) and nothing is billed. One exception:
+// when the database's answer to a recording was lost, the usage may already
+// be recorded and only the database can tell; the reply is then the normal
+// one, with its usage, and the gateway goes on recording it until the
+// database answers: that usage is billed once, never more. A client is never
+// billed for a response it was not sent.
+//
 // Takes any type of body and a specified content type, and returns a wrapper object for the known response body format(s).
 //
 // Corresponds with POST /api/v1/responses (the `CreateResponse` operationId).
@@ -4209,6 +4286,17 @@ func (c *ClientWithResponses) CreateResponseWithBodyWithResponse(ctx context.Con
 // always `200` with `text/event-stream` (see the `text/event-stream` content
 // below): every failure after authentication arrives as a `response.error`
 // event. Requires the `inference` scope.
+//
+// The usage is recorded durably before the reply is sent (in a stream, before
+// `response.completed`). When the gateway's database goes away at that moment,
+// recording is retried for up to 10 s; if it still fails, the reply is
+// `503 SERVICE_UNAVAILABLE` (in a stream, `response.error` then
+// `response.completed` with zero usage) and nothing is billed. One exception:
+// when the database's answer to a recording was lost, the usage may already
+// be recorded and only the database can tell; the reply is then the normal
+// one, with its usage, and the gateway goes on recording it until the
+// database answers: that usage is billed once, never more. A client is never
+// billed for a response it was not sent.
 //
 // Takes a body of the `application/json` content type, and returns a wrapper object for the known response body format(s).
 //
