@@ -1048,8 +1048,9 @@ type ClientInterface interface {
 	// The usage is recorded durably before the reply is sent (in a stream, before
 	// `response.completed`). When the gateway's database goes away at that moment,
 	// recording is retried for up to 10 s; if it still fails, the reply is
-	// `503 SERVICE_UNAVAILABLE` (in a stream, `response.error` then
-	// `response.completed` with zero usage) and nothing is billed. One exception:
+	// `503 SERVICE_UNAVAILABLE` (`500 INTERNAL` when the database refused it; in
+	// a stream, `response.error` then `response.completed` with zero usage) and
+	// nothing is billed. One exception:
 	// when the database's answer to a recording was lost, the usage may already
 	// be recorded and only the database can tell; the reply is then the normal
 	// one, with its usage, and the gateway goes on recording it until the
@@ -1072,8 +1073,9 @@ type ClientInterface interface {
 	// The usage is recorded durably before the reply is sent (in a stream, before
 	// `response.completed`). When the gateway's database goes away at that moment,
 	// recording is retried for up to 10 s; if it still fails, the reply is
-	// `503 SERVICE_UNAVAILABLE` (in a stream, `response.error` then
-	// `response.completed` with zero usage) and nothing is billed. One exception:
+	// `503 SERVICE_UNAVAILABLE` (`500 INTERNAL` when the database refused it; in
+	// a stream, `response.error` then `response.completed` with zero usage) and
+	// nothing is billed. One exception:
 	// when the database's answer to a recording was lost, the usage may already
 	// be recorded and only the database can tell; the reply is then the normal
 	// one, with its usage, and the gateway goes on recording it until the
@@ -1352,8 +1354,9 @@ func (c *Client) CreateChat(ctx context.Context, body CreateChatJSONRequestBody,
 // The usage is recorded durably before the reply is sent (in a stream, before
 // `response.completed`). When the gateway's database goes away at that moment,
 // recording is retried for up to 10 s; if it still fails, the reply is
-// `503 SERVICE_UNAVAILABLE` (in a stream, `response.error` then
-// `response.completed` with zero usage) and nothing is billed. One exception:
+// `503 SERVICE_UNAVAILABLE` (`500 INTERNAL` when the database refused it; in
+// a stream, `response.error` then `response.completed` with zero usage) and
+// nothing is billed. One exception:
 // when the database's answer to a recording was lost, the usage may already
 // be recorded and only the database can tell; the reply is then the normal
 // one, with its usage, and the gateway goes on recording it until the
@@ -1386,8 +1389,9 @@ func (c *Client) CreateResponseWithBody(ctx context.Context, contentType string,
 // The usage is recorded durably before the reply is sent (in a stream, before
 // `response.completed`). When the gateway's database goes away at that moment,
 // recording is retried for up to 10 s; if it still fails, the reply is
-// `503 SERVICE_UNAVAILABLE` (in a stream, `response.error` then
-// `response.completed` with zero usage) and nothing is billed. One exception:
+// `503 SERVICE_UNAVAILABLE` (`500 INTERNAL` when the database refused it; in
+// a stream, `response.error` then `response.completed` with zero usage) and
+// nothing is billed. One exception:
 // when the database's answer to a recording was lost, the usage may already
 // be recorded and only the database can tell; the reply is then the normal
 // one, with its usage, and the gateway goes on recording it until the
@@ -2244,8 +2248,9 @@ type ClientWithResponsesInterface interface {
 	// The usage is recorded durably before the reply is sent (in a stream, before
 	// `response.completed`). When the gateway's database goes away at that moment,
 	// recording is retried for up to 10 s; if it still fails, the reply is
-	// `503 SERVICE_UNAVAILABLE` (in a stream, `response.error` then
-	// `response.completed` with zero usage) and nothing is billed. One exception:
+	// `503 SERVICE_UNAVAILABLE` (`500 INTERNAL` when the database refused it; in
+	// a stream, `response.error` then `response.completed` with zero usage) and
+	// nothing is billed. One exception:
 	// when the database's answer to a recording was lost, the usage may already
 	// be recorded and only the database can tell; the reply is then the normal
 	// one, with its usage, and the gateway goes on recording it until the
@@ -2268,8 +2273,9 @@ type ClientWithResponsesInterface interface {
 	// The usage is recorded durably before the reply is sent (in a stream, before
 	// `response.completed`). When the gateway's database goes away at that moment,
 	// recording is retried for up to 10 s; if it still fails, the reply is
-	// `503 SERVICE_UNAVAILABLE` (in a stream, `response.error` then
-	// `response.completed` with zero usage) and nothing is billed. One exception:
+	// `503 SERVICE_UNAVAILABLE` (`500 INTERNAL` when the database refused it; in
+	// a stream, `response.error` then `response.completed` with zero usage) and
+	// nothing is billed. One exception:
 	// when the database's answer to a recording was lost, the usage may already
 	// be recorded and only the database can tell; the reply is then the normal
 	// one, with its usage, and the gateway goes on recording it until the
@@ -4260,8 +4266,9 @@ func (c *ClientWithResponses) CreateChatWithResponse(ctx context.Context, body C
 // The usage is recorded durably before the reply is sent (in a stream, before
 // `response.completed`). When the gateway's database goes away at that moment,
 // recording is retried for up to 10 s; if it still fails, the reply is
-// `503 SERVICE_UNAVAILABLE` (in a stream, `response.error` then
-// `response.completed` with zero usage) and nothing is billed. One exception:
+// `503 SERVICE_UNAVAILABLE` (`500 INTERNAL` when the database refused it; in
+// a stream, `response.error` then `response.completed` with zero usage) and
+// nothing is billed. One exception:
 // when the database's answer to a recording was lost, the usage may already
 // be recorded and only the database can tell; the reply is then the normal
 // one, with its usage, and the gateway goes on recording it until the
@@ -4290,8 +4297,9 @@ func (c *ClientWithResponses) CreateResponseWithBodyWithResponse(ctx context.Con
 // The usage is recorded durably before the reply is sent (in a stream, before
 // `response.completed`). When the gateway's database goes away at that moment,
 // recording is retried for up to 10 s; if it still fails, the reply is
-// `503 SERVICE_UNAVAILABLE` (in a stream, `response.error` then
-// `response.completed` with zero usage) and nothing is billed. One exception:
+// `503 SERVICE_UNAVAILABLE` (`500 INTERNAL` when the database refused it; in
+// a stream, `response.error` then `response.completed` with zero usage) and
+// nothing is billed. One exception:
 // when the database's answer to a recording was lost, the usage may already
 // be recorded and only the database can tell; the reply is then the normal
 // one, with its usage, and the gateway goes on recording it until the
