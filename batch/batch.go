@@ -24,6 +24,14 @@ type Store interface {
 // DefaultWindow is the completion window of a batch.
 const DefaultWindow = 24 * time.Hour
 
+// DefaultResendWindow is how long a creation whose reply was lost is sent
+// again while the database is away, to learn whether it was stored.
+const DefaultResendWindow = 10 * time.Second
+
+// resendRetryAfter is the Retry-After of a creation whose outcome stayed
+// unknown.
+const resendRetryAfter = 5 * time.Second
+
 // Service creates batches.
 type Service struct {
 	Store     Store
@@ -31,6 +39,9 @@ type Service struct {
 	Estimator *metering.Estimator
 	// Window is the completion window; zero means DefaultWindow.
 	Window time.Duration
+	// ResendWindow bounds the resending of a creation whose reply was lost;
+	// zero means DefaultResendWindow.
+	ResendWindow time.Duration
 }
 
 // Create validates and stores a batch. body identifies the request for
@@ -73,10 +84,11 @@ func (s *Service) Create(ctx context.Context, p *gateway.Principal, items []gate
 	if window <= 0 {
 		window = DefaultWindow
 	}
+	nb.ID = uuid.Must(uuid.NewV7())
 	nb.RequestHash = hash
 	nb.CreatedAt = time.Now().UTC().Truncate(time.Microsecond)
 	nb.ExpiresAt = nb.CreatedAt.Add(window)
-	res, err := s.Store.CreateBatch(ctx, nb)
+	res, err := s.create(ctx, nb)
 	if err != nil {
 		return nil, false, err
 	}
@@ -85,4 +97,37 @@ func (s *Service) Create(ctx context.Context, p *gateway.Principal, items []gate
 		return nil, false, err
 	}
 	return b, res.Replayed, nil
+}
+
+// create stores nb. A creation whose reply was lost (the connection broke
+// after it was sent) may have been stored: it is sent again, with the same
+// batch id, until the database answers or ResendWindow passes. Sent again, it
+// is stored at most once: the id's index makes the second wait for the first
+// to end, then find it stored, or store it. Only when the window passes is
+// the outcome unknown, and the caller is told so instead of "nothing was
+// changed": a client that retried without an Idempotency-Key would otherwise
+// create, and pay for, the batch twice. A caller gone is not resolved for.
+func (s *Service) create(ctx context.Context, nb store.NewBatch) (store.CreateResult, error) {
+	res, err := s.Store.CreateBatch(ctx, nb)
+	if err == nil || !store.MayHaveCommitted(err) {
+		return res, err
+	}
+	window := s.ResendWindow
+	if window <= 0 {
+		window = DefaultResendWindow
+	}
+	deadline := time.Now().Add(window)
+	for backoff := 100 * time.Millisecond; time.Now().Add(backoff).Before(deadline); backoff = min(2*backoff, 2*time.Second) {
+		select {
+		case <-ctx.Done():
+			return store.CreateResult{}, ctx.Err()
+		case <-time.After(backoff):
+		}
+		res, err = s.Store.CreateBatch(ctx, nb)
+		if err == nil || !store.Transient(err) {
+			return res, err
+		}
+	}
+	return store.CreateResult{}, &gateway.Error{Code: gateway.EServiceUnavailable, RetryAfter: resendRetryAfter, Cause: err,
+		Message: "the gateway's database went away while the batch was being stored, and it may have been: list your batches before creating it again, or send it again with the same Idempotency-Key, which creates it at most once"}
 }

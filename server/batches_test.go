@@ -1,15 +1,23 @@
 package server_test
 
 import (
+	"context"
 	"encoding/json"
+	"fmt"
+	"io"
 	"net/http"
 	"strings"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/batch"
 	"github.com/rungworks/gateway/gen/api"
+	"github.com/rungworks/gateway/server"
+	"github.com/rungworks/gateway/store"
 )
 
 func items(n int) []map[string]any {
@@ -85,6 +93,78 @@ func TestBatchIdempotency(t *testing.T) {
 	other := b.postWith("/api/v1/batch", b.key, map[string]any{"requests": items(3)}, key)
 	require.Equal(t, http.StatusUnprocessableEntity, other.status)
 	require.Equal(t, gateway.EIdempotencyKeyReused, other.errorCode(t))
+}
+
+// lostReplyStore is the real store whose first batch creation loses its
+// reply, after storing the batch when stored is set; the creations after it
+// find the database away while away is set.
+type lostReplyStore struct {
+	batch.Store
+	stored bool
+	away   bool
+	sent   atomic.Int32
+}
+
+func (s *lostReplyStore) CreateBatch(ctx context.Context, nb store.NewBatch) (store.CreateResult, error) {
+	if s.sent.Add(1) == 1 {
+		if s.stored {
+			if _, err := s.Store.CreateBatch(ctx, nb); err != nil {
+				return store.CreateResult{}, err
+			}
+		}
+		return store.CreateResult{}, fmt.Errorf("error creating batch: %w", io.ErrUnexpectedEOF)
+	}
+	if s.away {
+		return store.CreateResult{}, dbAway
+	}
+	return s.Store.CreateBatch(ctx, nb)
+}
+
+// TestBatchCreationWhoseReplyWasLost: a creation whose reply was lost is
+// sent again until the database answers: stored or not the first time, the
+// client gets its batch, stored once and charged once. When the database
+// stays away past the window, the client is told the batch may exist, not
+// that nothing changed.
+func TestBatchCreationWhoseReplyWasLost(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name         string
+		stored, away bool
+	}{
+		{"stored", true, false},
+		{"not stored", false, false},
+		{"stored, the database away", true, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			st := &lostReplyStore{stored: tc.stored, away: tc.away}
+			b := setupWith(t, options{server: func(c *server.Config) {
+				svc := c.Batches.(*batch.Service)
+				st.Store, svc.Store = svc.Store, st
+				svc.ResendWindow = 300 * time.Millisecond
+			}})
+			r := b.post("/api/v1/batch", b.key, map[string]any{"requests": items(2)})
+			var list api.BatchList
+			require.NoError(t, json.Unmarshal(b.do(http.MethodGet, "/api/v1/batches", b.key, "", nil).body, &list))
+			require.Len(t, list.Data, 1, "stored once")
+			require.GreaterOrEqual(t, st.sent.Load(), int32(2), "sent again")
+			if tc.away {
+				require.Equal(t, http.StatusServiceUnavailable, r.status)
+				require.Equal(t, gateway.EServiceUnavailable, r.errorCode(t))
+				require.Contains(t, r.message(t), "may have been")
+				require.NotEmpty(t, r.header.Get("Retry-After"))
+				return
+			}
+			require.Equal(t, http.StatusAccepted, r.status, string(r.body))
+			require.Empty(t, r.header.Get("Idempotent-Replayed"))
+			require.Equal(t, list.Data[0].Id, r.batch(t).Id)
+			// Charged once: a second, identical batch doubles the charge.
+			once := b.usage(t, b.key).Daily.ChargedRungs
+			require.Positive(t, once)
+			require.Equal(t, http.StatusAccepted, b.post("/api/v1/batch", b.key, map[string]any{"requests": items(2)}).status)
+			require.Equal(t, 2*once, b.usage(t, b.key).Daily.ChargedRungs)
+		})
+	}
 }
 
 func TestBatchReadsAndCancel(t *testing.T) {

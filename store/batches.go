@@ -46,6 +46,10 @@ func (r ItemRequest) Request() gateway.Request {
 
 // NewBatch is a validated batch to store.
 type NewBatch struct {
+	// ID is the batch's id; uuid.Nil: a new one. A creation sent again with
+	// the id of one already stored (its reply was lost) stores nothing more
+	// and returns that batch as created.
+	ID             uuid.UUID
 	Principal      *gateway.Principal
 	IdempotencyKey string // empty: none
 	// RequestHash identifies the request body, to tell a replay from a reuse.
@@ -73,11 +77,15 @@ type CreateResult struct {
 // its part when it finishes). The daily ceiling refusing it is RATE_LIMITED and
 // stores nothing; an idempotency key already used returns that batch (Replayed)
 // when the body is the same and IDEMPOTENCY_KEY_REUSED otherwise. Concurrent
-// creates with one key create one batch. Replicas are woken by a notification
-// on commit.
+// creates with one key create one batch. A creation sent again with nb.ID
+// already stored returns it, created. Replicas are woken by a notification on
+// commit.
 func (s *Store) CreateBatch(ctx context.Context, nb NewBatch) (CreateResult, error) {
 	p := nb.Principal
-	id := newID()
+	id := nb.ID
+	if id == uuid.Nil {
+		id = newID()
+	}
 	day := gateway.UTCDay(nb.CreatedAt)
 	var key *string
 	if nb.IdempotencyKey != "" {
@@ -94,9 +102,18 @@ func (s *Store) CreateBatch(ctx context.Context, nb NewBatch) (CreateResult, err
 			IdempotencyKey: key, RequestHash: nb.RequestHash, CreatedAt: nb.CreatedAt, ExpiresAt: nb.ExpiresAt,
 		})
 		if errors.Is(err, pgx.ErrNoRows) {
+			if key == nil {
+				// Only the id was taken: by this same creation, sent before.
+				result = CreateResult{BatchID: id}
+				return nil
+			}
 			existing, err := s.queries.GetBatchByIdempotencyKey(ctx, tx, db.GetBatchByIdempotencyKeyParams{AccountID: p.AccountID, IdempotencyKey: key})
 			if err != nil {
 				return fmt.Errorf("error reading batch of idempotency key: %w", err)
+			}
+			if existing.ID == id {
+				result = CreateResult{BatchID: id}
+				return nil
 			}
 			if string(existing.RequestHash) != string(nb.RequestHash) {
 				return gateway.Errorf(gateway.EIdempotencyKeyReused, "the Idempotency-Key was already used for a different batch request")

@@ -150,6 +150,34 @@ func TestCreateBatchPastDailyCeiling(t *testing.T) {
 	require.False(t, res.Replayed)
 }
 
+// TestCreateBatchSentAgain: a creation sent again with the id of a batch it
+// stored (its reply was lost) stores nothing more and returns that batch as
+// created, with an idempotency key or without, and with concurrent resends.
+func TestCreateBatchSentAgain(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	for _, key := range []string{"", "key-1"} {
+		nb := b.batchOf(p, 2, 10, key, day())
+		nb.ID = uuid.Must(uuid.NewV7())
+		var wg sync.WaitGroup
+		for range 3 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				res, err := b.store.CreateBatch(b.ctx, nb)
+				require.NoError(t, err)
+				require.Equal(t, store.CreateResult{BatchID: nb.ID}, res, "created, not replayed (key %q)", key)
+			}()
+		}
+		wg.Wait()
+	}
+	list, err := b.store.Batches(b.ctx, p.AccountID, nil, 50)
+	require.NoError(t, err)
+	require.Len(t, list, 2, "one batch each")
+	require.Equal(t, int64(40), b.view(t, p).Daily.Charged, "each charged once")
+}
+
 func TestIdempotencyKey(t *testing.T) {
 	t.Parallel()
 	b := setup(t)

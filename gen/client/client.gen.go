@@ -950,6 +950,13 @@ type ClientInterface interface {
 	// `422 IDEMPOTENCY_KEY_REUSED`. A create refused by validation or admission
 	// stores no key. Requires the `inference` scope and the `developer` tier.
 	//
+	// When the gateway's database goes away while the batch is being stored and
+	// its answer is lost, the gateway sends the batch again (it is stored at most
+	// once) for up to 10 s, and replies as usual once the database answers. Past
+	// that, the reply is `503 SERVICE_UNAVAILABLE` saying the batch may have been
+	// stored: list your batches before creating it again, or send it again with
+	// the same `Idempotency-Key`, which creates it at most once.
+	//
 	// Takes any type of body and a specified content type.
 	//
 	// Corresponds with POST /api/v1/batch (the `CreateBatch` operationId).
@@ -969,6 +976,13 @@ type ClientInterface interface {
 	// create exactly one batch); the same key with a different body is
 	// `422 IDEMPOTENCY_KEY_REUSED`. A create refused by validation or admission
 	// stores no key. Requires the `inference` scope and the `developer` tier.
+	//
+	// When the gateway's database goes away while the batch is being stored and
+	// its answer is lost, the gateway sends the batch again (it is stored at most
+	// once) for up to 10 s, and replies as usual once the database answers. Past
+	// that, the reply is `503 SERVICE_UNAVAILABLE` saying the batch may have been
+	// stored: list your batches before creating it again, or send it again with
+	// the same `Idempotency-Key`, which creates it at most once.
 	//
 	// Takes a body of the `application/json` content type.
 	//
@@ -1176,6 +1190,13 @@ func (c *Client) GetJSONSchema(ctx context.Context, reqEditors ...RequestEditorF
 // `422 IDEMPOTENCY_KEY_REUSED`. A create refused by validation or admission
 // stores no key. Requires the `inference` scope and the `developer` tier.
 //
+// When the gateway's database goes away while the batch is being stored and
+// its answer is lost, the gateway sends the batch again (it is stored at most
+// once) for up to 10 s, and replies as usual once the database answers. Past
+// that, the reply is `503 SERVICE_UNAVAILABLE` saying the batch may have been
+// stored: list your batches before creating it again, or send it again with
+// the same `Idempotency-Key`, which creates it at most once.
+//
 // Takes any type of body and a specified content type.
 //
 // Corresponds with POST /api/v1/batch (the `CreateBatch` operationId).
@@ -1205,6 +1226,13 @@ func (c *Client) CreateBatchWithBody(ctx context.Context, params *CreateBatchPar
 // create exactly one batch); the same key with a different body is
 // `422 IDEMPOTENCY_KEY_REUSED`. A create refused by validation or admission
 // stores no key. Requires the `inference` scope and the `developer` tier.
+//
+// When the gateway's database goes away while the batch is being stored and
+// its answer is lost, the gateway sends the batch again (it is stored at most
+// once) for up to 10 s, and replies as usual once the database answers. Past
+// that, the reply is `503 SERVICE_UNAVAILABLE` saying the batch may have been
+// stored: list your batches before creating it again, or send it again with
+// the same `Idempotency-Key`, which creates it at most once.
 //
 // Takes a body of the `application/json` content type.
 //
@@ -2142,6 +2170,13 @@ type ClientWithResponsesInterface interface {
 	// `422 IDEMPOTENCY_KEY_REUSED`. A create refused by validation or admission
 	// stores no key. Requires the `inference` scope and the `developer` tier.
 	//
+	// When the gateway's database goes away while the batch is being stored and
+	// its answer is lost, the gateway sends the batch again (it is stored at most
+	// once) for up to 10 s, and replies as usual once the database answers. Past
+	// that, the reply is `503 SERVICE_UNAVAILABLE` saying the batch may have been
+	// stored: list your batches before creating it again, or send it again with
+	// the same `Idempotency-Key`, which creates it at most once.
+	//
 	// Takes any type of body and a specified content type, and returns a wrapper object for the known response body format(s).
 	//
 	// Corresponds with POST /api/v1/batch (the `CreateBatch` operationId).
@@ -2161,6 +2196,13 @@ type ClientWithResponsesInterface interface {
 	// create exactly one batch); the same key with a different body is
 	// `422 IDEMPOTENCY_KEY_REUSED`. A create refused by validation or admission
 	// stores no key. Requires the `inference` scope and the `developer` tier.
+	//
+	// When the gateway's database goes away while the batch is being stored and
+	// its answer is lost, the gateway sends the batch again (it is stored at most
+	// once) for up to 10 s, and replies as usual once the database answers. Past
+	// that, the reply is `503 SERVICE_UNAVAILABLE` saying the batch may have been
+	// stored: list your batches before creating it again, or send it again with
+	// the same `Idempotency-Key`, which creates it at most once.
 	//
 	// Takes a body of the `application/json` content type, and returns a wrapper object for the known response body format(s).
 	//
@@ -4112,6 +4154,13 @@ func (c *ClientWithResponses) GetJSONSchemaWithResponse(ctx context.Context, req
 // `422 IDEMPOTENCY_KEY_REUSED`. A create refused by validation or admission
 // stores no key. Requires the `inference` scope and the `developer` tier.
 //
+// When the gateway's database goes away while the batch is being stored and
+// its answer is lost, the gateway sends the batch again (it is stored at most
+// once) for up to 10 s, and replies as usual once the database answers. Past
+// that, the reply is `503 SERVICE_UNAVAILABLE` saying the batch may have been
+// stored: list your batches before creating it again, or send it again with
+// the same `Idempotency-Key`, which creates it at most once.
+//
 // Takes any type of body and a specified content type, and returns a wrapper object for the known response body format(s).
 //
 // Corresponds with POST /api/v1/batch (the `CreateBatch` operationId).
@@ -4137,6 +4186,13 @@ func (c *ClientWithResponses) CreateBatchWithBodyWithResponse(ctx context.Contex
 // create exactly one batch); the same key with a different body is
 // `422 IDEMPOTENCY_KEY_REUSED`. A create refused by validation or admission
 // stores no key. Requires the `inference` scope and the `developer` tier.
+//
+// When the gateway's database goes away while the batch is being stored and
+// its answer is lost, the gateway sends the batch again (it is stored at most
+// once) for up to 10 s, and replies as usual once the database answers. Past
+// that, the reply is `503 SERVICE_UNAVAILABLE` saying the batch may have been
+// stored: list your batches before creating it again, or send it again with
+// the same `Idempotency-Key`, which creates it at most once.
 //
 // Takes a body of the `application/json` content type, and returns a wrapper object for the known response body format(s).
 //

@@ -399,7 +399,7 @@ func (q *Queries) GetBatchItems(ctx context.Context, db DBTX, batchID uuid.UUID)
 const insertBatch = `-- name: InsertBatch :one
 INSERT INTO batches (id, account_id, project_id, status, total_requests, idempotency_key, request_hash, created_at, expires_at)
 VALUES ($1, $2, $3, 'queued', $4, $5, $6, $7, $8)
-ON CONFLICT (account_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+ON CONFLICT DO NOTHING
 RETURNING id
 `
 
@@ -414,7 +414,8 @@ type InsertBatchParams struct {
 	ExpiresAt      time.Time
 }
 
-// Creates a batch unless the account already used the idempotency key; then
+// Creates a batch unless the account already used the idempotency key, or the
+// id is taken (the same creation, sent again after its reply was lost); then
 // nothing is returned.
 func (q *Queries) InsertBatch(ctx context.Context, db DBTX, arg InsertBatchParams) (uuid.UUID, error) {
 	row := db.QueryRow(ctx, insertBatch,

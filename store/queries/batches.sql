@@ -1,9 +1,10 @@
 -- name: InsertBatch :one
--- Creates a batch unless the account already used the idempotency key; then
+-- Creates a batch unless the account already used the idempotency key, or the
+-- id is taken (the same creation, sent again after its reply was lost); then
 -- nothing is returned.
 INSERT INTO batches (id, account_id, project_id, status, total_requests, idempotency_key, request_hash, created_at, expires_at)
 VALUES (@id, @account_id, @project_id, 'queued', @total_requests, sqlc.narg(idempotency_key), @request_hash, @created_at, @expires_at)
-ON CONFLICT (account_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+ON CONFLICT DO NOTHING
 RETURNING id;
 
 -- name: GetBatchByIdempotencyKey :one
