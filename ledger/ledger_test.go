@@ -128,6 +128,39 @@ func TestUnconfirmedKeepsItsCost(t *testing.T) {
 	require.NoError(t, err, "the 30 of its estimate it did not use came back")
 }
 
+// TestCeilingResetsWithTheDay: a daily ceiling spent leaves the next UTC
+// day's whole, from the same replica: each day has slices of its own, and a
+// request is charged to the day it was admitted for.
+func TestCeilingResetsWithTheDay(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	l := b.replica(t, ledger.Config{})
+	p := b.principal(t, "acme", ptr(int64(100)), nil)
+	id, err := admit(l, p, 100)
+	require.NoError(t, err)
+	require.NoError(t, l.Settle(b.ctx, record(p, id, 100)))
+	_, err = admit(l, p, 1)
+	require.Equal(t, gateway.ERateLimited, gateway.ErrorCodeOf(err), "today's ceiling is spent")
+
+	tomorrow := time.Now().Add(24 * time.Hour)
+	id = uuid.Must(uuid.NewV7())
+	require.NoError(t, l.Admit(b.ctx, gateway.Admission{RequestID: id, Principal: p, Estimate: 100, Day: tomorrow}), "tomorrow's is whole")
+	r := record(p, id, 60)
+	r.CreatedAt, r.CompletedAt = tomorrow, tomorrow
+	require.NoError(t, l.Settle(b.ctx, r))
+	require.Equal(t, int64(100), b.view(t, p).Daily.Charged, "today's charge is today's alone")
+	day := gateway.UTCDay(tomorrow)
+	v, err := b.store.Usage(b.ctx, p, day, day.Add(24*time.Hour))
+	require.NoError(t, err)
+	require.Equal(t, int64(60), v.Totals.TotalRungs)
+
+	// Tomorrow has the 40 its ceiling leaves, no more.
+	next := gateway.Admission{RequestID: uuid.Must(uuid.NewV7()), Principal: p, Estimate: 41, Day: tomorrow}
+	require.Equal(t, gateway.ERateLimited, gateway.ErrorCodeOf(l.Admit(b.ctx, next)))
+	next.Estimate = 40
+	require.NoError(t, l.Admit(b.ctx, next))
+}
+
 // TestRefusalsWaitingCannotCure: an estimate larger than the whole daily
 // ceiling or the whole budget cap is refused without Retry-After, saying what
 // to change (D11); one that only does not fit now keeps Retry-After.
