@@ -141,7 +141,7 @@ func TestBatchCreationWhoseReplyWasLost(t *testing.T) {
 			b := setupWith(t, options{server: func(c *server.Config) {
 				svc := c.Batches.(*batch.Service)
 				st.Store, svc.Store = svc.Store, st
-				svc.ResendWindow = 300 * time.Millisecond
+				svc.ResendWindow = time.Second
 			}})
 			r := b.post("/api/v1/batch", b.key, map[string]any{"requests": items(2)})
 			var list api.BatchList

@@ -160,7 +160,7 @@ func TestUnconfirmedSettlementIsSentWithItsUsage(t *testing.T) {
 				c.Inference.MayHaveCommitted = store.MayHaveCommitted
 				c.Inference.Logger = c.Logger
 				c.Inference.Metrics = m
-				c.Inference.SettleWindow = 300 * time.Millisecond
+				c.Inference.SettleWindow = time.Second
 			}})
 			var sent int64 // the total rungs the client was sent
 			if tc.stream {
