@@ -116,17 +116,12 @@ func (s *Service) create(ctx context.Context, nb store.NewBatch) (store.CreateRe
 	if window <= 0 {
 		window = DefaultResendWindow
 	}
-	deadline := time.Now().Add(window)
-	for backoff := 100 * time.Millisecond; time.Now().Add(backoff).Before(deadline); backoff = min(2*backoff, 2*time.Second) {
-		select {
-		case <-ctx.Done():
-			return store.CreateResult{}, ctx.Err()
-		case <-time.After(backoff):
-		}
+	err = store.Retry(ctx, window, 2*time.Second, func(ctx context.Context) (err error) {
 		res, err = s.Store.CreateBatch(ctx, nb)
-		if err == nil || !store.Transient(err) {
-			return res, err
-		}
+		return err
+	})
+	if err == nil || !store.Transient(err) || ctx.Err() != nil {
+		return res, err
 	}
 	return store.CreateResult{}, &gateway.Error{Code: gateway.EServiceUnavailable, RetryAfter: resendRetryAfter, Cause: err,
 		Message: "the gateway's database went away while the batch was being stored, and it may have been: list your batches before creating it again, or send it again with the same Idempotency-Key, which creates it at most once"}

@@ -61,7 +61,6 @@ const (
 	// completer gathers before one commit.
 	completeWindow = 2 * time.Millisecond
 	completeBatch  = 64
-	minRetry       = 100 * time.Millisecond
 	// claimGather is how long after a claim the drainer, with no claimed
 	// item left waiting for a worker, waits for half its slots to be free
 	// before it claims for fewer: when items finish fast, claims are larger
@@ -526,14 +525,7 @@ func (d *Drainer) finish(ctx context.Context, keys []store.ItemKey) {
 // retry runs fn until it succeeds, fails for a reason other than the database
 // being away, a lease has passed, or ctx ends; it returns fn's last error.
 func (d *Drainer) retry(ctx context.Context, fn func(context.Context) error) error {
-	deadline := time.Now().Add(d.cfg.Lease)
-	for backoff := minRetry; ; backoff = min(2*backoff, d.cfg.Lease/4) {
-		err := fn(ctx)
-		if err == nil || !store.Transient(err) || ctx.Err() != nil || time.Now().Add(backoff).After(deadline) {
-			return err
-		}
-		sleep(ctx, backoff)
-	}
+	return store.Retry(ctx, d.cfg.Lease, d.cfg.Lease/4, fn)
 }
 
 // heartbeat renews, every third of a lease, the leases of the items this

@@ -60,6 +60,25 @@ func MayHaveCommitted(err error) bool {
 	return Transient(err) || errors.Is(err, context.Canceled)
 }
 
+// Retry calls fn until it succeeds, fails for a reason other than the
+// database being away (see Transient), ctx ends, or window has passed,
+// waiting between calls from 100 ms, doubled each time up to maxBackoff. It
+// returns fn's last error.
+func Retry(ctx context.Context, window, maxBackoff time.Duration, fn func(context.Context) error) error {
+	deadline := time.Now().Add(window)
+	for backoff := 100 * time.Millisecond; ; backoff = min(2*backoff, maxBackoff) {
+		err := fn(ctx)
+		if err == nil || !Transient(err) || ctx.Err() != nil || time.Now().Add(backoff).After(deadline) {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return err
+		case <-time.After(backoff):
+		}
+	}
+}
+
 // quarantinePeriod is how long a member whose rows fail a group operation is
 // left out of it before it is tried again.
 const quarantinePeriod = time.Minute
