@@ -12,6 +12,8 @@ import (
 	"syscall"
 
 	"github.com/spf13/cobra"
+
+	"github.com/rungworks/gateway/internal/logbuffer"
 )
 
 func main() {
@@ -19,6 +21,9 @@ func main() {
 	defer stop()
 	logger := slog.New(slog.NewJSONHandler(os.Stderr, nil))
 	slog.SetDefault(logger)
+	// A serving replica's lines (one a request) go out in groups; the other
+	// commands write theirs at once, in order with what they print.
+	serveLogs := logbuffer.New(os.Stderr, logbuffer.DefaultDelay)
 
 	root := &cobra.Command{
 		Use:           "gateway",
@@ -26,8 +31,10 @@ func main() {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(serveCmd(logger), devCmd(logger), migrateCmd(), keysCmd(), limitsCmd(), probeCmd(), configCmd())
-	if err := root.ExecuteContext(ctx); err != nil {
+	root.AddCommand(serveCmd(slog.New(slog.NewJSONHandler(serveLogs, nil))), devCmd(logger), migrateCmd(), keysCmd(), limitsCmd(), probeCmd(), configCmd())
+	err := root.ExecuteContext(ctx)
+	_ = serveLogs.Flush()
+	if err != nil {
 		fmt.Fprintln(os.Stderr, "gateway:", err)
 		os.Exit(1)
 	}
