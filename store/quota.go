@@ -226,63 +226,44 @@ type Settlement struct {
 	LeaseID *uuid.UUID
 }
 
-type settlementRow struct {
-	ID                uuid.UUID        `json:"id"`
-	AccountID         uuid.UUID        `json:"account_id"`
-	ProjectID         uuid.UUID        `json:"project_id"`
-	APIKeyID          uuid.UUID        `json:"api_key_id"`
-	Model             string           `json:"model"`
-	EntryPoint        string           `json:"entry_point"`
-	Status            string           `json:"status"`
-	InputTokens       int64            `json:"input_tokens"`
-	OutputTokens      int64            `json:"output_tokens"`
-	InputRungs        int64            `json:"input_rungs"`
-	OutputRungs       int64            `json:"output_rungs"`
-	TotalRungs        int64            `json:"total_rungs"`
-	CreatedAt         time.Time        `json:"created_at"`
-	CompletedAt       time.Time        `json:"completed_at"`
-	Sources           []gateway.Source `json:"sources"`
-	Verdict           *string          `json:"verdict"`
-	EvidenceExpiresAt time.Time        `json:"evidence_expires_at"`
-	LeaseID           *uuid.UUID       `json:"lease_id"`
-	Day               string           `json:"day"`
-}
-
 // SettleRequests commits a group of finished requests durably in one
 // statement and one transaction: their usage and evidence, and their actual
 // cost on their leases. A request already stored is skipped, so a group whose
 // reply was lost may be sent again. The group commits whole or not at all.
 func (s *Store) SettleRequests(ctx context.Context, group []Settlement) error {
-	rows := make([]settlementRow, len(group))
+	n := len(group)
+	p := db.SettleRequestsParams{
+		Ids: make([]uuid.UUID, n), AccountIds: make([]uuid.UUID, n), ProjectIds: make([]uuid.UUID, n),
+		ApiKeyIds: make([]uuid.UUID, n), Models: make([]string, n), EntryPoints: make([]string, n),
+		Statuses: make([]string, n), InputTokens: make([]int64, n), OutputTokens: make([]int64, n),
+		InputRungs: make([]int64, n), OutputRungs: make([]int64, n), TotalRungs: make([]int64, n),
+		CreatedAts: make([]time.Time, n), CompletedAts: make([]time.Time, n), Sources: make([][]byte, n),
+		Verdicts: make([]string, n), EvidenceExpiresAts: make([]time.Time, n), LeaseIds: make([]uuid.UUID, n),
+	}
 	for i, st := range group {
 		r := st.Record
-		status := "completed"
+		p.Ids[i], p.AccountIds[i], p.ProjectIds[i], p.ApiKeyIds[i] = r.RequestID, r.Principal.AccountID, r.Principal.ProjectID, r.Principal.KeyID
+		p.Models[i], p.EntryPoints[i], p.Statuses[i] = string(r.Model), string(r.Entry), "completed"
 		if r.Failed {
-			status = "failed"
+			p.Statuses[i] = "failed"
 		}
-		sources := r.Sources
-		if sources == nil {
-			sources = []gateway.Source{}
+		p.InputTokens[i], p.OutputTokens[i] = r.Usage.InputTokens, r.Usage.OutputTokens
+		p.InputRungs[i], p.OutputRungs[i], p.TotalRungs[i] = r.Usage.InputRungs, r.Usage.OutputRungs, r.Usage.TotalRungs
+		p.CreatedAts[i], p.CompletedAts[i], p.EvidenceExpiresAts[i] = r.CreatedAt, r.CompletedAt, r.EvidenceExpiresAt
+		p.Sources[i] = []byte("[]")
+		if len(r.Sources) > 0 {
+			sources, err := json.Marshal(r.Sources)
+			if err != nil {
+				return fmt.Errorf("error encoding sources: %w", err)
+			}
+			p.Sources[i] = sources
 		}
-		var verdict *string
-		if r.Verdict != "" {
-			verdict = &r.Verdict
-		}
-		rows[i] = settlementRow{
-			ID: r.RequestID, AccountID: r.Principal.AccountID, ProjectID: r.Principal.ProjectID, APIKeyID: r.Principal.KeyID,
-			Model: string(r.Model), EntryPoint: string(r.Entry), Status: status,
-			InputTokens: r.Usage.InputTokens, OutputTokens: r.Usage.OutputTokens,
-			InputRungs: r.Usage.InputRungs, OutputRungs: r.Usage.OutputRungs, TotalRungs: r.Usage.TotalRungs,
-			CreatedAt: r.CreatedAt, CompletedAt: r.CompletedAt, Sources: sources, Verdict: verdict,
-			EvidenceExpiresAt: r.EvidenceExpiresAt, LeaseID: st.LeaseID,
-			Day: gateway.UTCDay(r.CreatedAt).Format(time.DateOnly),
+		p.Verdicts[i] = r.Verdict // empty: none
+		if st.LeaseID != nil {
+			p.LeaseIds[i] = *st.LeaseID // nil: none
 		}
 	}
-	payload, err := json.Marshal(rows)
-	if err != nil {
-		return fmt.Errorf("error encoding settlements: %w", err)
-	}
-	if err := s.queries.SettleRequests(ctx, s.pool, payload); err != nil {
+	if err := s.queries.SettleRequests(ctx, s.pool, p); err != nil {
 		return fmt.Errorf("error settling requests: %w", err)
 	}
 	return nil

@@ -44,25 +44,30 @@ SELECT renew_quota_leases(@owner::uuid, @ids::uuid[], @expires_at::timestamptz):
 -- it is), and their cost on their quota leases, or, for a request whose lease
 -- is gone, on its account-day and project directly. A prepared statement
 -- rather than a function call: PostgreSQL runs it without a PL/pgSQL frame
--- and without materialising its result. The leases and projects it charges
--- are named by key (= ANY (ARRAY(...))): joined to the group alone, which the
--- planner takes for a hundred rows, they were read whole (2 ms a settlement at
--- 20,000 leases).
-WITH r AS (
-    SELECT (e->>'id')::uuid AS id, (e->>'account_id')::uuid AS account_id,
-           (e->>'project_id')::uuid AS project_id, (e->>'api_key_id')::uuid AS api_key_id,
-           (e->>'model')::text AS model, (e->>'entry_point')::text AS entry_point,
-           (e->>'status')::text AS status, (e->>'input_tokens')::bigint AS input_tokens,
-           (e->>'output_tokens')::bigint AS output_tokens,
-           (e->>'input_rungs')::bigint AS input_rungs,
-           (e->>'output_rungs')::bigint AS output_rungs,
-           (e->>'total_rungs')::bigint AS total_rungs,
-           (e->>'created_at')::timestamptz AS created_at,
-           (e->>'completed_at')::timestamptz AS completed_at, e->'sources' AS sources,
-           (e->>'verdict')::text AS verdict,
-           (e->>'evidence_expires_at')::timestamptz AS evidence_expires_at,
-           (e->>'lease_id')::uuid AS lease_id, (e->>'day')::date AS day
-      FROM jsonb_array_elements(@requests::jsonb) AS e
+-- and without materialising its result. The group comes as one array a
+-- column, in binary, so nothing of it is parsed but each request's sources
+-- (an empty verdict is none, a nil lease id no lease). The leases and projects
+-- it charges are named by key (= ANY (ARRAY(...))): joined to the group alone,
+-- which the planner takes for a hundred rows, they were read whole (2 ms a
+-- settlement at 20,000 leases).
+WITH u AS (
+    SELECT unnest(@ids::uuid[]) AS id, unnest(@account_ids::uuid[]) AS account_id,
+           unnest(@project_ids::uuid[]) AS project_id, unnest(@api_key_ids::uuid[]) AS api_key_id,
+           unnest(@models::text[]) AS model, unnest(@entry_points::text[]) AS entry_point,
+           unnest(@statuses::text[]) AS status, unnest(@input_tokens::bigint[]) AS input_tokens,
+           unnest(@output_tokens::bigint[]) AS output_tokens, unnest(@input_rungs::bigint[]) AS input_rungs,
+           unnest(@output_rungs::bigint[]) AS output_rungs, unnest(@total_rungs::bigint[]) AS total_rungs,
+           unnest(@created_ats::timestamptz[]) AS created_at, unnest(@completed_ats::timestamptz[]) AS completed_at,
+           unnest(@sources::jsonb[]) AS sources, unnest(@verdicts::text[]) AS verdict,
+           unnest(@evidence_expires_ats::timestamptz[]) AS evidence_expires_at,
+           unnest(@lease_ids::uuid[]) AS lease_id
+), r AS (
+    SELECT u.id, u.account_id, u.project_id, u.api_key_id, u.model, u.entry_point, u.status,
+           u.input_tokens, u.output_tokens, u.input_rungs, u.output_rungs, u.total_rungs,
+           u.created_at, u.completed_at, u.sources, nullif(u.verdict, '') AS verdict,
+           u.evidence_expires_at, nullif(u.lease_id, '00000000-0000-0000-0000-000000000000'::uuid) AS lease_id,
+           (u.created_at AT TIME ZONE 'UTC')::date AS day
+      FROM u
 ), stored AS (
     INSERT INTO requests (
         id, account_id, project_id, api_key_id, model, entry_point, status,
