@@ -1050,6 +1050,37 @@ func plansOf(t *testing.T, plans, match []string, avoid ...string) []string {
 // item the owner ran until the table is vacuumed; a completion that went
 // through it read them all, and a long drain slowed as it went. The plans
 // are read from auto_explain, sent back as notices.
+// TestRenewalSkipsItemsLockedElsewhere: a renewal does not wait for an item
+// another statement holds (the completion of a group that has it, which
+// locks its items in an order of its own): waiting, the two deadlocked.
+func TestRenewalSkipsItemsLockedElsewhere(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	b.newBatch(t, p, 3, 10, "", day())
+	owner := uuid.Must(uuid.NewV7())
+	items := b.claim(t, owner, 3, time.Minute)
+	require.Len(t, items, 3)
+
+	tx, err := b.store.Pool().Begin(b.ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(b.ctx) }()
+	_, err = tx.Exec(b.ctx, "SELECT 1 FROM batch_items WHERE batch_id = $1 AND idx = $2 FOR NO KEY UPDATE",
+		items[1].BatchID, items[1].Index)
+	require.NoError(t, err)
+
+	// Waiting for the locked item, the renewal would run into this deadline.
+	ctx, cancel := context.WithTimeout(b.ctx, 10*time.Second)
+	defer cancel()
+	renewed, err := b.store.RenewLeases(ctx, owner, keysOf(items), time.Minute)
+	require.NoError(t, err)
+	require.Equal(t, int64(2), renewed, "the two items no one else holds")
+	require.NoError(t, tx.Rollback(b.ctx))
+	renewed, err = b.store.RenewLeases(b.ctx, owner, keysOf(items), time.Minute)
+	require.NoError(t, err)
+	require.Equal(t, int64(3), renewed, "the next beat renews it")
+}
+
 func TestCompletionAndRenewalFindItemsByKey(t *testing.T) {
 	t.Parallel()
 	b := setup(t)

@@ -636,9 +636,14 @@ func (q *Queries) ReleaseJobLock(ctx context.Context, db DBTX, job string) error
 }
 
 const renewLeases = `-- name: RenewLeases :execrows
-UPDATE batch_items SET lease_expires_at = now() + $1::interval
-WHERE (batch_id, idx) IN (SELECT unnest($2::uuid[]), unnest($3::integer[]))
-  AND lease_owner IS NOT DISTINCT FROM $4::uuid AND status = 'in_progress'
+WITH held AS (
+    SELECT i.batch_id, i.idx FROM batch_items i
+    WHERE (i.batch_id, i.idx) IN (SELECT unnest($2::uuid[]), unnest($3::integer[]))
+      AND i.lease_owner IS NOT DISTINCT FROM $4::uuid AND i.status = 'in_progress'
+    FOR NO KEY UPDATE SKIP LOCKED
+)
+UPDATE batch_items i SET lease_expires_at = now() + $1::interval
+FROM held h WHERE i.batch_id = h.batch_id AND i.idx = h.idx
 `
 
 type RenewLeasesParams struct {
@@ -652,7 +657,11 @@ type RenewLeasesParams struct {
 // the replica really runs, so an item it does not hold runs out its lease.
 // Each item is found by its key; the owner is checked so that no index serves
 // it (migration 00016: the owner's index holds an entry for every item the
-// owner ran since the table was last vacuumed).
+// owner ran since the table was last vacuumed). An item another statement has
+// locked is skipped, not waited for: it is being completed or handed back, or
+// its renewal waits for the next beat, a third of a lease later. Waiting, the
+// renewal locked its items in an order of its own and deadlocked with the
+// completion of a group (PostgreSQL ended one of them after a second).
 func (q *Queries) RenewLeases(ctx context.Context, db DBTX, arg RenewLeasesParams) (int64, error) {
 	result, err := db.Exec(ctx, renewLeases,
 		arg.Lease,

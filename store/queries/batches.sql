@@ -131,10 +131,19 @@ FROM requeue_batch_items(@owner::uuid, @batch_ids::uuid[], @idxs::integer[], sql
 -- the replica really runs, so an item it does not hold runs out its lease.
 -- Each item is found by its key; the owner is checked so that no index serves
 -- it (migration 00016: the owner's index holds an entry for every item the
--- owner ran since the table was last vacuumed).
-UPDATE batch_items SET lease_expires_at = now() + @lease::interval
-WHERE (batch_id, idx) IN (SELECT unnest(@batch_ids::uuid[]), unnest(@idxs::integer[]))
-  AND lease_owner IS NOT DISTINCT FROM @owner::uuid AND status = 'in_progress';
+-- owner ran since the table was last vacuumed). An item another statement has
+-- locked is skipped, not waited for: it is being completed or handed back, or
+-- its renewal waits for the next beat, a third of a lease later. Waiting, the
+-- renewal locked its items in an order of its own and deadlocked with the
+-- completion of a group (PostgreSQL ended one of them after a second).
+WITH held AS (
+    SELECT i.batch_id, i.idx FROM batch_items i
+    WHERE (i.batch_id, i.idx) IN (SELECT unnest(@batch_ids::uuid[]), unnest(@idxs::integer[]))
+      AND i.lease_owner IS NOT DISTINCT FROM @owner::uuid AND i.status = 'in_progress'
+    FOR NO KEY UPDATE SKIP LOCKED
+)
+UPDATE batch_items i SET lease_expires_at = now() + @lease::interval
+FROM held h WHERE i.batch_id = h.batch_id AND i.idx = h.idx;
 
 -- name: RescueExpiredLeases :many
 SELECT r.batch_id::uuid AS batch_id FROM rescue_expired_leases(@max_rows::integer) AS r;
