@@ -92,8 +92,18 @@ func (s *Store) CreateBatch(ctx context.Context, nb NewBatch) (CreateResult, err
 		key = &nb.IdempotencyKey
 	}
 	var total int64
-	for _, it := range nb.Items {
+	items := make([]db.InsertBatchItemsParams, len(nb.Items))
+	for i, it := range nb.Items {
 		total += it.Estimate
+		raw, err := json.Marshal(it.Request)
+		if err != nil {
+			return CreateResult{}, fmt.Errorf("error encoding item request: %w", err)
+		}
+		items[i] = db.InsertBatchItemsParams{
+			BatchID: id, Idx: int32(i), AccountID: p.AccountID, ProjectID: p.ProjectID, ApiKeyID: p.KeyID,
+			RequestID: newID(), Status: string(gateway.ItemQueued), Request: raw, Model: string(it.Request.Model),
+			EstimateRungs: it.Estimate, QueuedAt: nb.CreatedAt, ExpiresAt: nb.ExpiresAt,
+		}
 	}
 	var result CreateResult
 	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
@@ -123,18 +133,6 @@ func (s *Store) CreateBatch(ctx context.Context, nb NewBatch) (CreateResult, err
 		}
 		if err != nil {
 			return fmt.Errorf("error inserting batch: %w", err)
-		}
-		items := make([]db.InsertBatchItemsParams, len(nb.Items))
-		for i, it := range nb.Items {
-			raw, err := json.Marshal(it.Request)
-			if err != nil {
-				return fmt.Errorf("error encoding item request: %w", err)
-			}
-			items[i] = db.InsertBatchItemsParams{
-				BatchID: id, Idx: int32(i), AccountID: p.AccountID, ProjectID: p.ProjectID, ApiKeyID: p.KeyID,
-				RequestID: newID(), Status: string(gateway.ItemQueued), Request: raw, Model: string(it.Request.Model),
-				EstimateRungs: it.Estimate, QueuedAt: nb.CreatedAt, ExpiresAt: nb.ExpiresAt,
-			}
 		}
 		if _, err := s.queries.InsertBatchItems(ctx, tx, items); err != nil {
 			return fmt.Errorf("error inserting batch items: %w", err)
