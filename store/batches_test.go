@@ -365,6 +365,43 @@ func TestClaimAmongManyAccounts(t *testing.T) {
 	}
 }
 
+// TestClaimReadsOnlyTheOpenBatchesItNeeds: with many batches open, a claim
+// finds where an account's queued items start through the index of open
+// batches, a probe an account, instead of reading every open batch.
+func TestClaimReadsOnlyTheOpenBatchesItNeeds(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	const open = 3000
+	b.newBatch(t, p, 4, 1, "", day())
+	// As a burst of creations leaves them: thousands open (copies of the
+	// first, without items of their own).
+	_, err := b.store.Pool().Exec(b.ctx, `INSERT INTO batches
+		SELECT (jsonb_populate_record(b, jsonb_build_object('id', gen_random_uuid()))).*
+		  FROM batches b, generate_series(2, $1)`, open)
+	require.NoError(t, err)
+	_, err = b.store.Pool().Exec(b.ctx, "ANALYZE batches")
+	require.NoError(t, err)
+	explained, plans := b.explained(t)
+	_, err = explained.Pool().Exec(b.ctx, `SET auto_explain.log_analyze = on`)
+	require.NoError(t, err)
+
+	items, err := explained.ClaimItems(b.ctx, store.ClaimParams{Owner: uuid.Must(uuid.NewV7()), Max: 4, PerAccount: 4, Lease: time.Minute})
+	require.NoError(t, err)
+	require.Len(t, items, 4)
+	chose := plansOf(t, plans(), []string{"open_since"})
+	require.Len(t, chose, 1, "the claim's choice was explained: %q", plans())
+	require.NotContains(t, chose[0], "Seq Scan on batches", chose[0])
+	read := 0
+	for _, m := range regexp.MustCompile(`Scan using batches_drainable_idx on batches b.*actual time=\S+ rows=(\d+) loops=(\d+)\)`).FindAllStringSubmatch(chose[0], -1) {
+		rows, _ := strconv.Atoi(m[1])
+		loops, _ := strconv.Atoi(m[2])
+		read += rows * loops
+	}
+	require.Positive(t, read, "open batches are found through their index: %s", chose[0])
+	require.Less(t, read, 10, "of %d open batches, those the claim needs: %s", open, chose[0])
+}
+
 // TestClaimMixesCappedAndUncapped: in one claim, items of an uncapped project
 // are claimed as they are, and those of a capped project reserve their
 // estimates in order until the cap refuses one, which fails the rest of its
