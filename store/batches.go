@@ -105,6 +105,12 @@ func (s *Store) CreateBatch(ctx context.Context, nb NewBatch) (CreateResult, err
 			EstimateRungs: it.Estimate, QueuedAt: nb.CreatedAt, ExpiresAt: nb.ExpiresAt,
 		}
 	}
+	select {
+	case s.creations <- struct{}{}:
+		defer func() { <-s.creations }()
+	case <-ctx.Done():
+		return CreateResult{}, notSent{fmt.Errorf("error waiting for a turn to store a batch: %w", ctx.Err())}
+	}
 	var result CreateResult
 	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
 		_, err := s.queries.InsertBatch(ctx, tx, db.InsertBatchParams{

@@ -178,6 +178,95 @@ func TestCreateBatchSentAgain(t *testing.T) {
 	require.Equal(t, int64(40), b.view(t, p).Daily.Charged, "each charged once")
 }
 
+// TestABurstOfCreationsLeavesConnections: batch creations waiting on the
+// database (here on a lock of the items' table) hold half the pool at most;
+// the rest wait their turn without a connection, so a settlement still gets
+// one. Without the bound, the creations took all four and the settlement
+// waited behind them.
+func TestABurstOfCreationsLeavesConnections(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	cfg := b.store.Pool().Config()
+	cfg.MaxConns = 4
+	pool, err := pgxpool.NewWithConfig(b.ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	small := store.New(pool)
+
+	lock, err := b.store.Pool().Begin(b.ctx)
+	require.NoError(t, err)
+	defer func() { _ = lock.Rollback(b.ctx) }()
+	_, err = lock.Exec(b.ctx, "LOCK TABLE batch_items IN SHARE MODE")
+	require.NoError(t, err)
+
+	const burst = 10
+	errs := make(chan error, burst)
+	for range burst {
+		go func() {
+			_, err := small.CreateBatch(b.ctx, b.batchOf(p, 2, 10, "", day()))
+			errs <- err
+		}()
+	}
+	require.Eventually(t, func() bool { return pool.Stat().AcquiredConns() >= 2 }, 10*time.Second, 5*time.Millisecond,
+		"creations hold connections, waiting on the lock")
+
+	ctx, cancel := context.WithTimeout(b.ctx, 10*time.Second)
+	defer cancel()
+	id := uuid.Must(uuid.NewV7())
+	require.NoError(t, small.SettleRequests(ctx, []store.Settlement{{Record: record(p, id, 5)}}),
+		"the settlement found a connection among the creations'")
+	require.Equal(t, int32(2), pool.Stat().AcquiredConns(), "the other creations wait without one")
+
+	require.NoError(t, lock.Rollback(b.ctx))
+	for range burst {
+		require.NoError(t, <-errs)
+	}
+	list, err := b.store.Batches(b.ctx, p.AccountID, nil, 50)
+	require.NoError(t, err)
+	require.Len(t, list, burst, "every creation stored its batch")
+}
+
+// TestACreationThatGaveUpWaitingSentNothing: a creation whose caller's
+// deadline passed while it waited for its turn is transient and certainly
+// not stored, so it is not sent again as one whose reply was lost.
+func TestACreationThatGaveUpWaitingSentNothing(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	cfg := b.store.Pool().Config()
+	cfg.MaxConns = 2
+	pool, err := pgxpool.NewWithConfig(b.ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	small := store.New(pool)
+
+	lock, err := b.store.Pool().Begin(b.ctx)
+	require.NoError(t, err)
+	defer func() { _ = lock.Rollback(b.ctx) }()
+	_, err = lock.Exec(b.ctx, "LOCK TABLE batch_items IN SHARE MODE")
+	require.NoError(t, err)
+	held := make(chan error, 1)
+	go func() {
+		_, err := small.CreateBatch(b.ctx, b.batchOf(p, 1, 10, "", day()))
+		held <- err
+	}()
+	require.Eventually(t, func() bool { return pool.Stat().AcquiredConns() == 1 }, 10*time.Second, 5*time.Millisecond)
+
+	ctx, cancel := context.WithTimeout(b.ctx, 50*time.Millisecond)
+	defer cancel()
+	_, err = small.CreateBatch(ctx, b.batchOf(p, 1, 10, "", day()))
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.True(t, store.Transient(err))
+	require.False(t, store.MayHaveCommitted(err))
+
+	require.NoError(t, lock.Rollback(b.ctx))
+	require.NoError(t, <-held)
+	list, err := b.store.Batches(b.ctx, p.AccountID, nil, 50)
+	require.NoError(t, err)
+	require.Len(t, list, 1, "the creation that gave up stored nothing")
+}
+
 func TestIdempotencyKey(t *testing.T) {
 	t.Parallel()
 	b := setup(t)

@@ -60,6 +60,16 @@ func MayHaveCommitted(err error) bool {
 	return Transient(err) || errors.Is(err, context.Canceled)
 }
 
+// notSent is the error of an operation that ended before it sent anything to
+// the database: transient, and certainly not committed (pgconn.SafeToRetry,
+// which Transient and MayHaveCommitted consult, says so).
+type notSent struct{ error }
+
+func (e notSent) Unwrap() error { return e.error }
+
+// SafeToRetry says that nothing was sent.
+func (notSent) SafeToRetry() bool { return true }
+
 // Retry calls fn until it succeeds, fails for a reason other than the
 // database being away (see Transient), ctx ends, or window has passed,
 // waiting between calls from 100 ms, doubled each time up to maxBackoff. It

@@ -28,11 +28,25 @@ type Store struct {
 	quarantine quarantine
 	// foldQuarantine holds expired quota leases that fail to fold.
 	foldQuarantine quarantine
+	// creations bounds the batch creations holding a connection at once (see
+	// creationSlots).
+	creations chan struct{}
 }
 
 // New returns a store over pool.
 func New(pool *pgxpool.Pool) *Store {
-	return &Store{pool: pool, queries: db.New()}
+	return &Store{pool: pool, queries: db.New(), creations: make(chan struct{}, creationSlots(pool.Config().MaxConns))}
+}
+
+// creationSlots is how many batch creations may hold a connection of a pool
+// of maxConns at once: half, at least one. A creation writes up to 100 items
+// in its transaction; a burst of them (3,000 at once from 300 accounts, in a
+// benchmark) held every connection for seconds, and the rate leases of other
+// keys, the settlements of interactive requests and the drain's claims waited
+// behind them, past their deadlines (503 for the requests). The other
+// creations wait their turn without a connection, in order of arrival.
+func creationSlots(maxConns int32) int {
+	return max(1, int(maxConns)/2)
 }
 
 // Pool returns the connection pool.
