@@ -267,6 +267,34 @@ func TestACreationThatGaveUpWaitingSentNothing(t *testing.T) {
 	require.Len(t, list, 1, "the creation that gave up stored nothing")
 }
 
+// TestItemsKeepTheirBatch: items name a batch that exists, and go when it is
+// deleted (migration 00025 keeps, a statement at a time, what the foreign key
+// kept a row at a time).
+func TestItemsKeepTheirBatch(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	old := b.newBatch(t, p, 3, 1, "", day())
+	kept := b.newBatch(t, p, 2, 1, "", day())
+
+	_, err := b.store.Pool().Exec(b.ctx, `INSERT INTO batch_items
+		SELECT (jsonb_populate_record(i, jsonb_build_object('batch_id', gen_random_uuid()))).*
+		  FROM batch_items i WHERE i.batch_id = $1`, old)
+	var pgErr *pgconn.PgError
+	require.ErrorAs(t, err, &pgErr)
+	require.Equal(t, "23503", pgErr.Code, "items of no batch are refused: %v", err)
+
+	_, err = b.store.Pool().Exec(b.ctx, `UPDATE batches SET status = 'completed', completed_at = now() - interval '2 days' WHERE id = $1`, old)
+	require.NoError(t, err)
+	n, err := b.store.DeleteOldBatches(b.ctx, time.Now().Add(-24*time.Hour), 10)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
+	var oldItems, keptItems int
+	require.NoError(t, b.store.Pool().QueryRow(b.ctx, `SELECT count(*) FILTER (WHERE batch_id = $1), count(*) FILTER (WHERE batch_id = $2) FROM batch_items`, old, kept).Scan(&oldItems, &keptItems))
+	require.Zero(t, oldItems, "the deleted batch's items went with it")
+	require.Equal(t, 2, keptItems, "another batch's stayed")
+}
+
 func TestIdempotencyKey(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
