@@ -178,6 +178,24 @@ func TestCreateBatchSentAgain(t *testing.T) {
 	require.Equal(t, int64(40), b.view(t, p).Daily.Charged, "each charged once")
 }
 
+// lockedItems returns a store over a pool of maxConns, and holds a lock that
+// keeps any insert of batch items waiting (creations hold their connections)
+// until unlock.
+func (b *testBundle) lockedItems(t *testing.T, maxConns int32) (*store.Store, *pgxpool.Pool, func()) {
+	t.Helper()
+	cfg := b.store.Pool().Config()
+	cfg.MaxConns = maxConns
+	pool, err := pgxpool.NewWithConfig(b.ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	lock, err := b.store.Pool().Begin(b.ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = lock.Rollback(b.ctx) })
+	_, err = lock.Exec(b.ctx, "LOCK TABLE batch_items IN SHARE MODE")
+	require.NoError(t, err)
+	return store.New(pool), pool, func() { require.NoError(t, lock.Rollback(b.ctx)) }
+}
+
 // TestABurstOfCreationsLeavesConnections: batch creations waiting on the
 // database (here on a lock of the items' table) hold half the pool at most;
 // the rest wait their turn without a connection, so a settlement still gets
@@ -187,18 +205,7 @@ func TestABurstOfCreationsLeavesConnections(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
-	cfg := b.store.Pool().Config()
-	cfg.MaxConns = 4
-	pool, err := pgxpool.NewWithConfig(b.ctx, cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
-	small := store.New(pool)
-
-	lock, err := b.store.Pool().Begin(b.ctx)
-	require.NoError(t, err)
-	defer func() { _ = lock.Rollback(b.ctx) }()
-	_, err = lock.Exec(b.ctx, "LOCK TABLE batch_items IN SHARE MODE")
-	require.NoError(t, err)
+	small, pool, unlock := b.lockedItems(t, 4)
 
 	const burst = 10
 	errs := make(chan error, burst)
@@ -218,7 +225,7 @@ func TestABurstOfCreationsLeavesConnections(t *testing.T) {
 		"the settlement found a connection among the creations'")
 	require.Equal(t, int32(2), pool.Stat().AcquiredConns(), "the other creations wait without one")
 
-	require.NoError(t, lock.Rollback(b.ctx))
+	unlock()
 	for range burst {
 		require.NoError(t, <-errs)
 	}
@@ -234,18 +241,7 @@ func TestACreationThatGaveUpWaitingSentNothing(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
-	cfg := b.store.Pool().Config()
-	cfg.MaxConns = 2
-	pool, err := pgxpool.NewWithConfig(b.ctx, cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
-	small := store.New(pool)
-
-	lock, err := b.store.Pool().Begin(b.ctx)
-	require.NoError(t, err)
-	defer func() { _ = lock.Rollback(b.ctx) }()
-	_, err = lock.Exec(b.ctx, "LOCK TABLE batch_items IN SHARE MODE")
-	require.NoError(t, err)
+	small, pool, unlock := b.lockedItems(t, 2)
 	held := make(chan error, 1)
 	go func() {
 		_, err := small.CreateBatch(b.ctx, b.batchOf(p, 1, 10, "", day()))
@@ -255,12 +251,12 @@ func TestACreationThatGaveUpWaitingSentNothing(t *testing.T) {
 
 	ctx, cancel := context.WithTimeout(b.ctx, 50*time.Millisecond)
 	defer cancel()
-	_, err = small.CreateBatch(ctx, b.batchOf(p, 1, 10, "", day()))
+	_, err := small.CreateBatch(ctx, b.batchOf(p, 1, 10, "", day()))
 	require.ErrorIs(t, err, context.DeadlineExceeded)
 	require.True(t, store.Transient(err))
 	require.False(t, store.MayHaveCommitted(err))
 
-	require.NoError(t, lock.Rollback(b.ctx))
+	unlock()
 	require.NoError(t, <-held)
 	list, err := b.store.Batches(b.ctx, p.AccountID, nil, 50)
 	require.NoError(t, err)
