@@ -4,7 +4,7 @@
 -- over all open batches, read whole by every claim: 0.7-1.0 ms a claim with
 -- 3,000 batches open, as a burst of creations leaves them, which the claim
 -- paid however few items it took. The accounts are now found one after the
--- other from the pivot through the index of open batches (two index probes
+-- other from the pivot through the index of open batches (an index probe
 -- an account), and only as many as the claim looks at.
 -- +goose StatementBegin
 CREATE OR REPLACE FUNCTION claim_batch_items(p_owner uuid, p_max integer, p_per_account integer, p_lease interval, p_pivot uuid, p_claim_id uuid, p_models text[])
