@@ -203,20 +203,12 @@ func (q *Queries) DeleteOldBatches(ctx context.Context, db DBTX, arg DeleteOldBa
 }
 
 const doneBatches = `-- name: DoneBatches :many
-SELECT b.id FROM batches b
-WHERE b.id = ANY ($1::uuid[])
-  AND (b.status IS NOT DISTINCT FROM 'queued' OR b.status IS NOT DISTINCT FROM 'in_progress'
-       OR b.status IS NOT DISTINCT FROM 'cancelling')
-  AND NOT EXISTS (
-    SELECT 1 FROM batch_items i WHERE i.batch_id = b.id AND i.status IN ('queued', 'in_progress')
-)
+SELECT d.id::uuid AS id FROM done_batches($1::uuid[]) AS d(id)
 `
 
 // Of the batches given, those not yet terminal with no item queued or
 // running, read without locks: only these can be finished (the finish locks
-// and counts again). The batches are found by key: the status checks are ones
-// no index of open batches serves (IS NOT DISTINCT FROM, see migration
-// 00019), which statistics taken while no batch was open make look empty.
+// and counts again). By key, whatever the statistics: see migration 00026.
 func (q *Queries) DoneBatches(ctx context.Context, db DBTX, ids []uuid.UUID) ([]uuid.UUID, error) {
 	rows, err := db.Query(ctx, doneBatches, ids)
 	if err != nil {
@@ -605,7 +597,9 @@ SELECT b.id FROM batches b WHERE b.id = ANY ($1::uuid[]) AND b.status IS NOT DIS
 `
 
 // Of the batches given, those still queued, read without locks: only these
-// can be started (the start locks and reads again). By key, as DoneBatches.
+// can be started (the start locks and reads again). By key: the status check
+// is one no index of open batches serves (IS NOT DISTINCT FROM, see migration
+// 00019), which statistics taken while no batch was open make look empty.
 func (q *Queries) QueuedBatches(ctx context.Context, db DBTX, ids []uuid.UUID) ([]uuid.UUID, error) {
 	rows, err := db.Query(ctx, queuedBatches, ids)
 	if err != nil {
