@@ -14,6 +14,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/internal/retry"
 	"github.com/rungworks/gateway/metering"
 	"github.com/rungworks/gateway/metrics"
 	"github.com/rungworks/gateway/tracing"
@@ -48,8 +49,6 @@ var ErrShutdown = errors.New("the gateway is shutting down")
 
 // ErrCallerGone marks a stream the caller abandoned: nobody reads its reply.
 var ErrCallerGone = errors.New("the caller went away")
-
-const retryMin = 100 * time.Millisecond
 
 // Service runs interactive requests.
 type Service struct {
@@ -358,15 +357,7 @@ func (s *Service) release(call *Call) { s.Ledger.Release(call.RequestID) }
 // retry runs fn (whatever ctx's cancellation) until it succeeds, fails for a
 // reason other than the database being away, or window has passed.
 func (s *Service) retry(ctx context.Context, window time.Duration, fn func(context.Context) error) error {
-	ctx = context.WithoutCancel(ctx)
-	deadline := time.Now().Add(window)
-	for backoff := retryMin; ; backoff = min(2*backoff, 2*time.Second) {
-		err := fn(ctx)
-		if err == nil || !s.unavailable(err) || time.Now().Add(backoff).After(deadline) {
-			return err
-		}
-		time.Sleep(backoff)
-	}
+	return retry.Until(context.WithoutCancel(ctx), window, 2*time.Second, s.unavailable, fn)
 }
 
 func (s *Service) logger() *slog.Logger {

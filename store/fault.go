@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/internal/retry"
 )
 
 // Transient reports whether err means the database did not answer (connection
@@ -75,18 +76,7 @@ func (notSent) SafeToRetry() bool { return true }
 // waiting between calls from 100 ms, doubled each time up to maxBackoff. It
 // returns fn's last error.
 func Retry(ctx context.Context, window, maxBackoff time.Duration, fn func(context.Context) error) error {
-	deadline := time.Now().Add(window)
-	for backoff := 100 * time.Millisecond; ; backoff = min(2*backoff, maxBackoff) {
-		err := fn(ctx)
-		if err == nil || !Transient(err) || ctx.Err() != nil || time.Now().Add(backoff).After(deadline) {
-			return err
-		}
-		select {
-		case <-ctx.Done():
-			return err
-		case <-time.After(backoff):
-		}
-	}
+	return retry.Until(ctx, window, maxBackoff, Transient, fn)
 }
 
 // quarantinePeriod is how long a member whose rows fail a group operation is

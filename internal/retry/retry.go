@@ -1,0 +1,29 @@
+// Package retry calls an operation again while it fails for a passing reason
+// (the database away for a moment), with doubling waits, within a window.
+package retry
+
+import (
+	"context"
+	"time"
+)
+
+// firstWait is the wait after the first failure.
+const firstWait = 100 * time.Millisecond
+
+// Until calls fn until it succeeds, fails with an error passing does not
+// report, ctx ends, or window has passed, waiting between calls from 100 ms,
+// doubled each time up to maxWait. It returns fn's last error.
+func Until(ctx context.Context, window, maxWait time.Duration, passing func(error) bool, fn func(context.Context) error) error {
+	deadline := time.Now().Add(window)
+	for wait := firstWait; ; wait = min(2*wait, maxWait) {
+		err := fn(ctx)
+		if err == nil || !passing(err) || ctx.Err() != nil || time.Now().Add(wait).After(deadline) {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+			return err
+		case <-time.After(wait):
+		}
+	}
+}

@@ -1,0 +1,64 @@
+package retry
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+var (
+	errAway    = errors.New("away")
+	errRefused = errors.New("refused")
+)
+
+func passing(err error) bool { return errors.Is(err, errAway) }
+
+// calls returns fn failing with errs in turn, then succeeding, and the count
+// of its calls.
+func calls(errs ...error) (func(context.Context) error, *int) {
+	n := 0
+	return func(context.Context) error {
+		n++
+		if n <= len(errs) {
+			return errs[n-1]
+		}
+		return nil
+	}, &n
+}
+
+func TestUntilSucceedsAfterPassingFailures(t *testing.T) {
+	t.Parallel()
+	fn, n := calls(errAway, errAway)
+	require.NoError(t, Until(context.Background(), time.Minute, time.Millisecond, passing, fn))
+	require.Equal(t, 3, *n)
+}
+
+func TestUntilStopsAtAnotherFailure(t *testing.T) {
+	t.Parallel()
+	fn, n := calls(errAway, errRefused, errAway)
+	require.ErrorIs(t, Until(context.Background(), time.Minute, time.Millisecond, passing, fn), errRefused)
+	require.Equal(t, 2, *n)
+}
+
+func TestUntilStopsWhenTheWindowWouldPass(t *testing.T) {
+	t.Parallel()
+	fn, n := calls(errAway, errAway, errAway)
+	require.ErrorIs(t, Until(context.Background(), 50*time.Millisecond, time.Second, passing, fn), errAway)
+	require.Equal(t, 1, *n, "the first wait, 100 ms, passes the window")
+}
+
+func TestUntilStopsWithItsContext(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(context.Background())
+	n := 0
+	err := Until(ctx, time.Minute, time.Second, passing, func(context.Context) error {
+		n++
+		cancel()
+		return errAway
+	})
+	require.ErrorIs(t, err, errAway)
+	require.Equal(t, 1, n)
+}
