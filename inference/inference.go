@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"sync"
 	"time"
 
 	"github.com/google/uuid"
@@ -76,6 +77,33 @@ type Service struct {
 	Logger *slog.Logger
 	// Metrics, when set, records upstream calls, rungs and refusals.
 	Metrics *metrics.Metrics
+
+	late lateSettlements
+}
+
+// lateSettlements tracks the settlements sent again in the background after
+// their replies went out (see settleLater).
+type lateSettlements struct {
+	mu      sync.Mutex
+	running sync.WaitGroup
+	stop    context.Context // ended by WaitLateSettlements when its ctx ends
+	cancel  context.CancelFunc
+}
+
+// start registers a late settlement; it reports false once the service has
+// stopped waiting for them (the settlement then is not sent again). ctx ends
+// when WaitLateSettlements gives up on them.
+func (l *lateSettlements) start() (context.Context, bool) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.stop == nil {
+		l.stop, l.cancel = context.WithCancel(context.Background())
+	}
+	if l.stop.Err() != nil {
+		return nil, false
+	}
+	l.running.Add(1)
+	return l.stop, true
 }
 
 // Route is the route decided for a request.
@@ -297,7 +325,7 @@ func (s *Service) settle(ctx context.Context, call *Call, res upstream.Result, f
 		s.logger().ErrorContext(ctx, "a settlement's reply was lost and the database stayed away: the response is sent with its usage, which may not be stored yet; it is sent again until the database answers",
 			"request_id", call.RequestID, "account_id", call.Principal.AccountID, "total_rungs", usage.TotalRungs, "error", err)
 		s.Metrics.Unconfirmed("sent")
-		go s.settleLater(record)
+		s.settleLater(record)
 		err = nil
 	}
 	if err != nil {
@@ -317,19 +345,55 @@ func (s *Service) settle(ctx context.Context, call *Call, res upstream.Result, f
 // sent again, in the background, after its reply went out.
 const lateSettleWindow = 10 * time.Minute
 
-// settleLater sends again, until the database answers, a settlement that may
-// or may not be stored: it is stored once either way, so the usage the
-// caller was sent ends up billed, exactly.
+// settleLater sends again, in the background until the database answers, a
+// settlement that may or may not be stored: it is stored once either way, so
+// the usage the caller was sent ends up billed, exactly. At shutdown,
+// WaitLateSettlements waits for these and logs those it gives up on.
 func (s *Service) settleLater(record gateway.UsageRecord) {
-	err := s.retry(context.Background(), lateSettleWindow, func(ctx context.Context) error { return s.Ledger.Settle(ctx, record) })
-	if err != nil {
-		s.Metrics.Unconfirmed("missing")
-		s.logger().Error("a settlement sent with its usage could not be stored; its usage may be missing", "request_id", record.RequestID,
-			"account_id", record.Principal.AccountID, "total_rungs", record.Usage.TotalRungs, "error", err)
+	ctx, ok := s.late.start()
+	if !ok {
+		s.lateMissing(record, errors.New("the gateway is stopping and no longer sends settlements again"))
 		return
 	}
-	s.Metrics.Unconfirmed("stored")
-	s.logger().Info("a settlement sent with its usage is stored", "request_id", record.RequestID)
+	go func() {
+		defer s.late.running.Done()
+		err := retry.Until(ctx, lateSettleWindow, 2*time.Second, s.unavailable, func(ctx context.Context) error { return s.Ledger.Settle(ctx, record) })
+		if err != nil {
+			s.lateMissing(record, err)
+			return
+		}
+		s.Metrics.Unconfirmed("stored")
+		s.logger().Info("a settlement sent with its usage is stored", "request_id", record.RequestID)
+	}()
+}
+
+// lateMissing reports a settlement sent with its usage that was given up on.
+func (s *Service) lateMissing(record gateway.UsageRecord, err error) {
+	s.Metrics.Unconfirmed("missing")
+	s.logger().Error("a settlement sent with its usage could not be stored; its usage may be missing", "request_id", record.RequestID,
+		"account_id", record.Principal.AccountID, "total_rungs", record.Usage.TotalRungs, "error", err)
+}
+
+// WaitLateSettlements waits, until ctx ends, for the settlements being sent
+// again in the background (see settle); at shutdown, call it once no request
+// is left. When ctx ends first, those still unconfirmed are given up on, each
+// logged with its request and usage, and it returns ctx's error. Settlements
+// whose reply is lost from then on are not sent again, and are logged alike.
+func (s *Service) WaitLateSettlements(ctx context.Context) error {
+	done := make(chan struct{})
+	go func() { s.late.running.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-ctx.Done():
+	}
+	s.late.mu.Lock()
+	if s.late.stop == nil {
+		s.late.stop, s.late.cancel = context.WithCancel(context.Background())
+	}
+	s.late.cancel()
+	s.late.mu.Unlock()
+	<-done
+	return ctx.Err()
 }
 
 // result is the reply of a call whose usage is committed.

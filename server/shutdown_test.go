@@ -242,3 +242,74 @@ func TestAbortEndsCallsInFlight(t *testing.T) {
 	require.Equal(t, final.Usage.TotalRungs, v.Totals.TotalRungs, "billed is what the client was sent")
 	require.Equal(t, int64(1), v.Totals.Requests, "the JSON request was billed nothing")
 }
+
+// TestShutdownWaitsForLateSettlements: a settlement sent again after its reply
+// went out (the database away) is waited for at shutdown. When the database
+// comes back within the wait, it is stored before the wait ends; when it does
+// not, it is given up on and logged with its usage, and a reply lost from
+// then on is not sent again but logged alike.
+func TestShutdownWaitsForLateSettlements(t *testing.T) {
+	t.Parallel()
+	setup := func(t *testing.T) (*testBundle, *unconfirmedLedger, *inference.Service, *syncbuf.Buffer, *metrics.Metrics) {
+		l := &unconfirmedLedger{}
+		logs := &syncbuf.Buffer{}
+		m := metrics.New()
+		var infer *inference.Service
+		b := setupWith(t, options{logs: logs, server: func(c *server.Config) {
+			l.Ledger = c.Inference.Ledger
+			c.Inference.Ledger, c.Inference.Unavailable, c.Unavailable = l, store.Transient, store.Transient
+			c.Inference.MayHaveCommitted = store.MayHaveCommitted
+			c.Inference.Logger = c.Logger
+			c.Inference.Metrics = m
+			c.Inference.SettleWindow = 300 * time.Millisecond
+			infer = c.Inference
+		}})
+		r := b.post("/api/v1/responses", b.key, map[string]any{"prompt": "hi"})
+		require.Equal(t, http.StatusOK, r.status, string(r.body))
+		require.Contains(t, metricstest.Scrape(m), `gateway_settlements_unconfirmed_total{outcome="sent"} 1`)
+		return b, l, infer, logs, m
+	}
+
+	t.Run("stored within the wait", func(t *testing.T) {
+		t.Parallel()
+		b, l, infer, _, m := setup(t)
+		waited := make(chan error, 1)
+		go func() {
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			waited <- infer.WaitLateSettlements(ctx)
+		}()
+		time.Sleep(200 * time.Millisecond)
+		select {
+		case err := <-waited:
+			t.Fatalf("the wait ended with the settlement unconfirmed: %v", err)
+		default:
+		}
+		l.back.Store(true)
+		require.NoError(t, <-waited)
+		require.Contains(t, metricstest.Scrape(m), `gateway_settlements_unconfirmed_total{outcome="stored"} 1`)
+		require.Equal(t, int64(1), b.usage(t, b.key).Totals.Requests, "stored once, before the wait ended")
+	})
+
+	t.Run("given up at the end of the wait", func(t *testing.T) {
+		t.Parallel()
+		b, l, infer, logs, m := setup(t)
+		ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+		defer cancel()
+		require.ErrorIs(t, infer.WaitLateSettlements(ctx), context.DeadlineExceeded)
+		require.Contains(t, metricstest.Scrape(m), `gateway_settlements_unconfirmed_total{outcome="missing"} 1`)
+		require.Contains(t, logs.String(), "its usage may be missing")
+		require.Contains(t, logs.String(), `"total_rungs"`)
+
+		sent := l.sent.Load()
+		l.sent.Store(0) // the next settlement's reply is lost too
+		r := b.post("/api/v1/responses", b.key, map[string]any{"prompt": "hi"})
+		require.Equal(t, http.StatusOK, r.status, string(r.body))
+		scrape := metricstest.Scrape(m)
+		require.Contains(t, scrape, `gateway_settlements_unconfirmed_total{outcome="sent"} 2`)
+		require.Contains(t, scrape, `gateway_settlements_unconfirmed_total{outcome="missing"} 2`, "not sent again once the wait is over")
+		require.NotContains(t, scrape, `outcome="stored"`)
+		require.Contains(t, logs.String(), "no longer sends settlements again")
+		require.Positive(t, sent)
+	})
+}

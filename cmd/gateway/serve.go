@@ -115,20 +115,21 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 		}
 	}}, st)
 	rates := ratelimit.New(ratelimit.Config{Limits: cfg.RateLimits(), Logger: logger}, st)
+	infer := &inference.Service{
+		Provider:          router,
+		Models:            router,
+		Estimator:         estimator,
+		Ledger:            ledge,
+		EvidenceRetention: cfg.EvidenceRetention,
+		RetryAfter:        5 * time.Second,
+		Unavailable:       store.Transient,
+		MayHaveCommitted:  store.MayHaveCommitted,
+		Logger:            logger,
+		Metrics:           m,
+	}
 	srv, err := server.New(server.Config{
-		Auth: &access.Authenticator{Keys: keys, Rates: rates},
-		Inference: &inference.Service{
-			Provider:          router,
-			Models:            router,
-			Estimator:         estimator,
-			Ledger:            ledge,
-			EvidenceRetention: cfg.EvidenceRetention,
-			RetryAfter:        5 * time.Second,
-			Unavailable:       store.Transient,
-			MayHaveCommitted:  store.MayHaveCommitted,
-			Logger:            logger,
-			Metrics:           m,
-		},
+		Auth:         &access.Authenticator{Keys: keys, Rates: rates},
+		Inference:    infer,
 		Evidence:     st,
 		Usage:        st,
 		Batches:      &batch.Service{Store: st, Models: router, Estimator: estimator, Window: cfg.BatchWindow},
@@ -197,6 +198,13 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	}
 
 	shutdown(cfg, srv, servers, logger)
+	// Settlements sent again after their replies went out get the final
+	// window too, while the ledger still commits.
+	lateCtx, cancelLate := context.WithTimeout(context.Background(), finalWindow)
+	defer cancelLate()
+	if err := infer.WaitLateSettlements(lateCtx); err != nil {
+		logger.Error("settlements sent with their usage were still unconfirmed at the end of the shutdown; each is logged", "error", err)
+	}
 	<-drained
 	logger.Info("gateway stopped")
 	return nil
