@@ -115,6 +115,23 @@ type unconfirmedLedger struct {
 	back   atomic.Bool
 }
 
+// withUnconfirmed serves with l in front of the real ledger, logging to logs
+// and counting in m, settlements retried for window; infer, when set, gets the
+// inference service.
+func withUnconfirmed(l *unconfirmedLedger, logs *syncbuf.Buffer, m *metrics.Metrics, window time.Duration, infer **inference.Service) options {
+	return options{logs: logs, server: func(c *server.Config) {
+		l.Ledger = c.Inference.Ledger
+		c.Inference.Ledger, c.Inference.Unavailable, c.Unavailable = l, store.Transient, store.Transient
+		c.Inference.MayHaveCommitted = store.MayHaveCommitted
+		c.Inference.Logger = c.Logger
+		c.Inference.Metrics = m
+		c.Inference.SettleWindow = window
+		if infer != nil {
+			*infer = c.Inference
+		}
+	}}
+}
+
 func (l *unconfirmedLedger) Settle(ctx context.Context, r gateway.UsageRecord) error {
 	if l.sent.Add(1) > 1 {
 		if l.back.Load() {
@@ -154,14 +171,7 @@ func TestUnconfirmedSettlementIsSentWithItsUsage(t *testing.T) {
 			l := &unconfirmedLedger{stored: tc.stored}
 			logs := &syncbuf.Buffer{}
 			m := metrics.New()
-			b := setupWith(t, options{logs: logs, server: func(c *server.Config) {
-				l.Ledger = c.Inference.Ledger
-				c.Inference.Ledger, c.Inference.Unavailable, c.Unavailable = l, store.Transient, store.Transient
-				c.Inference.MayHaveCommitted = store.MayHaveCommitted
-				c.Inference.Logger = c.Logger
-				c.Inference.Metrics = m
-				c.Inference.SettleWindow = time.Second
-			}})
+			b := setupWith(t, withUnconfirmed(l, logs, m, time.Second, nil))
 			var sent int64 // the total rungs the client was sent
 			if tc.stream {
 				_, s := b.stream("/api/v1/responses", map[string]any{"prompt": "hi"})
@@ -255,15 +265,7 @@ func TestShutdownWaitsForLateSettlements(t *testing.T) {
 		logs := &syncbuf.Buffer{}
 		m := metrics.New()
 		var infer *inference.Service
-		b := setupWith(t, options{logs: logs, server: func(c *server.Config) {
-			l.Ledger = c.Inference.Ledger
-			c.Inference.Ledger, c.Inference.Unavailable, c.Unavailable = l, store.Transient, store.Transient
-			c.Inference.MayHaveCommitted = store.MayHaveCommitted
-			c.Inference.Logger = c.Logger
-			c.Inference.Metrics = m
-			c.Inference.SettleWindow = 300 * time.Millisecond
-			infer = c.Inference
-		}})
+		b := setupWith(t, withUnconfirmed(l, logs, m, 300*time.Millisecond, &infer))
 		r := b.post("/api/v1/responses", b.key, map[string]any{"prompt": "hi"})
 		require.Equal(t, http.StatusOK, r.status, string(r.body))
 		require.Contains(t, metricstest.Scrape(m), `gateway_settlements_unconfirmed_total{outcome="sent"} 1`)
