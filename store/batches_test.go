@@ -1194,12 +1194,6 @@ func plansOf(t *testing.T, plans, match []string, avoid ...string) []string {
 	return of
 }
 
-// TestCompletionAndRenewalFindItemsByKey: completing outcomes, renewing
-// leases and handing items back find each item by its primary key, never
-// through the partial indexes on running items. The lease owner's index keeps an entry for every
-// item the owner ran until the table is vacuumed; a completion that went
-// through it read them all, and a long drain slowed as it went. The plans
-// are read from auto_explain, sent back as notices.
 // TestRenewalSkipsItemsLockedElsewhere: a renewal does not wait for an item
 // another statement holds (the completion of a group that has it, which
 // locks its items in an order of its own): waiting, the two deadlocked.
@@ -1231,6 +1225,12 @@ func TestRenewalSkipsItemsLockedElsewhere(t *testing.T) {
 	require.Equal(t, int64(3), renewed, "the next beat renews it")
 }
 
+// TestCompletionAndRenewalFindItemsByKey: completing outcomes, renewing
+// leases and handing items back find each item by its primary key, never
+// through the partial indexes on running items. The lease owner's index
+// keeps an entry for every item the owner ran until the table is vacuumed; a
+// completion that went through it read them all, and a long drain slowed as
+// it went. The plans are read from auto_explain, sent back as notices.
 func TestCompletionAndRenewalFindItemsByKey(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
