@@ -86,24 +86,37 @@ type Service struct {
 type lateSettlements struct {
 	mu      sync.Mutex
 	running sync.WaitGroup
-	stop    context.Context // ended by WaitLateSettlements when its ctx ends
+	stop    context.Context // ended by WaitLateSettlements
 	cancel  context.CancelFunc
 }
 
 // start registers a late settlement; it reports false once the service has
-// stopped waiting for them (the settlement then is not sent again). ctx ends
+// stopped sending them (the settlement then is not sent again). ctx ends
 // when WaitLateSettlements gives up on them.
 func (l *lateSettlements) start() (context.Context, bool) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	if l.stop == nil {
-		l.stop, l.cancel = context.WithCancel(context.Background())
-	}
+	l.init()
 	if l.stop.Err() != nil {
 		return nil, false
 	}
 	l.running.Add(1)
 	return l.stop, true
+}
+
+// stopSending ends the late settlements still running, and those to come.
+func (l *lateSettlements) stopSending() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.init()
+	l.cancel()
+}
+
+// init makes the context of late settlements; mu is held.
+func (l *lateSettlements) init() {
+	if l.stop == nil {
+		l.stop, l.cancel = context.WithCancel(context.Background())
+	}
 }
 
 // Route is the route decided for a request.
@@ -384,16 +397,13 @@ func (s *Service) WaitLateSettlements(ctx context.Context) error {
 	go func() { s.late.running.Wait(); close(done) }()
 	select {
 	case <-done:
+		s.late.stopSending()
+		return nil
 	case <-ctx.Done():
+		s.late.stopSending()
+		<-done
+		return ctx.Err()
 	}
-	s.late.mu.Lock()
-	if s.late.stop == nil {
-		s.late.stop, s.late.cancel = context.WithCancel(context.Background())
-	}
-	s.late.cancel()
-	s.late.mu.Unlock()
-	<-done
-	return ctx.Err()
 }
 
 // result is the reply of a call whose usage is committed.
