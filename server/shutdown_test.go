@@ -303,7 +303,7 @@ func TestShutdownWaitsForLateSettlements(t *testing.T) {
 		require.Contains(t, logs.String(), "its usage may be missing")
 		require.Contains(t, logs.String(), `"total_rungs"`)
 
-		sent := l.sent.Load()
+		require.GreaterOrEqual(t, l.sent.Load(), int32(2), "sent again before the wait gave up")
 		l.sent.Store(0) // the next settlement's reply is lost too
 		r := b.post("/api/v1/responses", b.key, map[string]any{"prompt": "hi"})
 		require.Equal(t, http.StatusOK, r.status, string(r.body))
@@ -312,6 +312,5 @@ func TestShutdownWaitsForLateSettlements(t *testing.T) {
 		require.Contains(t, scrape, `gateway_settlements_unconfirmed_total{outcome="missing"} 2`, "not sent again once the wait is over")
 		require.NotContains(t, scrape, `outcome="stored"`)
 		require.Contains(t, logs.String(), "no longer sends settlements again")
-		require.Positive(t, sent)
 	})
 }
