@@ -501,11 +501,11 @@ func TestClaimReadsOnlyTheOpenBatchesItNeeds(t *testing.T) {
 
 // TestClaimPlansHoldAsTheQueueGrows: a claim planned once, generically, while
 // few batches were open and known to be (analyzed then, as a replica's
-// connections plan it when a burst of creations begins after an ANALYZE) still finds where items start through
-// the index of open batches once thousands are open. With a plan that
-// scanned the then tiny table, each claim of a burst of 3,000 batches read
-// them all for each account it looked at, and the drain ran at half its
-// pace until an ANALYZE replanned it.
+// connections plan it when a burst of creations begins after an ANALYZE)
+// still finds where items start through the index of open batches once
+// thousands are open. With a plan that scanned the then tiny table, each
+// claim of a burst of 3,000 batches read them all for each account it looked
+// at, and the drain ran at half its pace until an ANALYZE replanned it.
 func TestClaimPlansHoldAsTheQueueGrows(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
