@@ -11,10 +11,11 @@
 -- caught so: each claim read every open batch for each account it looked at
 -- (over 8 ms a claim instead of about 2), and the drain ran at half its pace
 -- (2,721-3,333 items/s, PostgreSQL 0.30-0.34 ms an item, against 5,356-6,875
--- and 0.12-0.16) for over a minute, until autovacuum analyzed
--- the tables. Every read of the claim has an index made for it, so no plan
--- the claim wants needs a sequential scan, whatever the statistics say (as
--- done_batches, 00026).
+-- and 0.12-0.16) for over a minute, until autovacuum analyzed the tables.
+-- Every read of the claim has an index made for it, so no plan the claim
+-- wants needs a sequential scan, whatever the statistics say (as
+-- done_batches, 00026). A later CREATE OR REPLACE of the function drops the
+-- setting unless it states it again.
 ALTER FUNCTION claim_batch_items(uuid, integer, integer, interval, uuid, uuid, text[]) SET enable_seqscan = off;
 
 -- +goose Down
