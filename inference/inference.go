@@ -354,6 +354,9 @@ func (s *Service) settle(ctx context.Context, call *Call, res upstream.Result, f
 	return s.result(call, res, usage), nil
 }
 
+// maxRetryWait is the longest wait between two attempts of a settlement.
+const maxRetryWait = 2 * time.Second
+
 // lateSettleWindow bounds how long a settlement whose outcome is unknown is
 // sent again, in the background, after its reply went out.
 const lateSettleWindow = 10 * time.Minute
@@ -370,7 +373,7 @@ func (s *Service) settleLater(record gateway.UsageRecord) {
 	}
 	go func() {
 		defer s.late.running.Done()
-		err := retry.Until(ctx, lateSettleWindow, 2*time.Second, s.unavailable, func(ctx context.Context) error { return s.Ledger.Settle(ctx, record) })
+		err := retry.Until(ctx, lateSettleWindow, maxRetryWait, s.unavailable, func(ctx context.Context) error { return s.Ledger.Settle(ctx, record) })
 		if err != nil {
 			s.lateMissing(record, err)
 			return
@@ -431,7 +434,7 @@ func (s *Service) release(call *Call) { s.Ledger.Release(call.RequestID) }
 // retry runs fn (whatever ctx's cancellation) until it succeeds, fails for a
 // reason other than the database being away, or window has passed.
 func (s *Service) retry(ctx context.Context, window time.Duration, fn func(context.Context) error) error {
-	return retry.Until(context.WithoutCancel(ctx), window, 2*time.Second, s.unavailable, fn)
+	return retry.Until(context.WithoutCancel(ctx), window, maxRetryWait, s.unavailable, fn)
 }
 
 func (s *Service) logger() *slog.Logger {
