@@ -123,7 +123,7 @@ func (s *Store) CreateBatch(ctx context.Context, nb NewBatch) (CreateResult, err
 				result = CreateResult{BatchID: id}
 				return nil
 			}
-			existing, err := s.queries.GetBatchByIdempotencyKey(ctx, tx, db.GetBatchByIdempotencyKeyParams{AccountID: p.AccountID, IdempotencyKey: key})
+			existing, err := s.queries.GetBatchByIdempotencyKey(ctx, plannedPerCall{tx}, db.GetBatchByIdempotencyKeyParams{AccountID: p.AccountID, IdempotencyKey: key})
 			if err != nil {
 				return fmt.Errorf("error reading batch of idempotency key: %w", err)
 			}
@@ -192,7 +192,7 @@ func (s *Store) Batch(ctx context.Context, accountID, id uuid.UUID) (*gateway.Ba
 // Batches returns up to limit of the account's batches, newest first, older
 // than the batch after when it is set.
 func (s *Store) Batches(ctx context.Context, accountID uuid.UUID, after *uuid.UUID, limit int) ([]*gateway.Batch, error) {
-	rows, err := s.queries.ListBatches(ctx, s.pool, db.ListBatchesParams{AccountID: accountID, After: after, MaxRows: int32(limit)})
+	rows, err := s.queries.ListBatches(ctx, plannedPerCall{s.pool}, db.ListBatchesParams{AccountID: accountID, After: after, MaxRows: int32(limit)})
 	if err != nil {
 		return nil, fmt.Errorf("error listing batches: %w", err)
 	}
@@ -272,7 +272,7 @@ func (s *Store) BatchResults(ctx context.Context, accountID, id uuid.UUID) (*gat
 // terminal batch is left with items running.
 func (s *Store) CancelBatch(ctx context.Context, accountID, id uuid.UUID) error {
 	return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
-		row, err := s.queries.LockBatch(ctx, tx, db.LockBatchParams{ID: id, AccountID: &accountID})
+		row, err := s.queries.LockBatch(ctx, plannedPerCall{tx}, db.LockBatchParams{ID: id, AccountID: &accountID})
 		if errors.Is(err, pgx.ErrNoRows) {
 			return errBatchNotFound(id)
 		}
@@ -283,7 +283,7 @@ func (s *Store) CancelBatch(ctx context.Context, accountID, id uuid.UUID) error 
 			return err
 		}
 		reason := "owner"
-		if _, err := s.queries.CancelQueuedItems(ctx, tx, db.CancelQueuedItemsParams{BatchID: id, Reason: &reason}); err != nil {
+		if _, err := s.queries.CancelQueuedItems(ctx, plannedPerCall{tx}, db.CancelQueuedItemsParams{BatchID: id, Reason: &reason}); err != nil {
 			return fmt.Errorf("error cancelling items: %w", err)
 		}
 		if _, err := s.transition(ctx, tx, id, &accountID, gateway.EventCancel); err != nil {
@@ -297,7 +297,7 @@ func (s *Store) CancelBatch(ctx context.Context, accountID, id uuid.UUID) error 
 // transition applies ev to a batch under its row lock, through the state
 // machine in gateway.NextBatchStatus; moved says whether its status changed.
 func (s *Store) transition(ctx context.Context, tx pgx.Tx, id uuid.UUID, accountID *uuid.UUID, ev gateway.BatchEvent) (moved bool, err error) {
-	row, err := s.queries.LockBatch(ctx, tx, db.LockBatchParams{ID: id, AccountID: accountID})
+	row, err := s.queries.LockBatch(ctx, plannedPerCall{tx}, db.LockBatchParams{ID: id, AccountID: accountID})
 	if errors.Is(err, pgx.ErrNoRows) {
 		return false, errBatchNotFound(id)
 	}
@@ -321,7 +321,7 @@ func (s *Store) transition(ctx context.Context, tx pgx.Tx, id uuid.UUID, account
 		code := string(e.Code)
 		params.ErrorCode, params.ErrorMessage = &code, &e.Message
 	}
-	if err := s.queries.SetBatchStatus(ctx, tx, params); err != nil {
+	if err := s.queries.SetBatchStatus(ctx, plannedPerCall{tx}, params); err != nil {
 		return false, fmt.Errorf("error setting batch status: %w", err)
 	}
 	return true, nil
@@ -370,7 +370,7 @@ func (s *Store) moveBatches(ctx context.Context, ids []uuid.UUID, pick func(cont
 	if len(ids) == 0 {
 		return nil
 	}
-	movable, err := pick(ctx, s.pool, ids)
+	movable, err := pick(ctx, plannedPerCall{s.pool}, ids)
 	if err != nil {
 		return fmt.Errorf("error finding the batches to move: %w", err)
 	}
@@ -405,14 +405,14 @@ func eachBatch(ids []uuid.UUID, fn func(uuid.UUID) error) error {
 // open batches past it: unrun items are cancelled, and a batch with nothing
 // running becomes expired. It returns how many batches it looked at.
 func (s *Store) ExpireBatches(ctx context.Context, maxRows int32) (int64, error) {
-	ids, err := s.queries.BatchesPastWindow(ctx, s.pool, maxRows)
+	ids, err := s.queries.BatchesPastWindow(ctx, plannedPerCall{s.pool}, maxRows)
 	if err != nil {
 		return 0, fmt.Errorf("error finding expired batches: %w", err)
 	}
 	err = eachBatch(ids, func(id uuid.UUID) error {
 		return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
 			reason := "expiry"
-			if _, err := s.queries.CancelQueuedItems(ctx, tx, db.CancelQueuedItemsParams{BatchID: id, Reason: &reason}); err != nil {
+			if _, err := s.queries.CancelQueuedItems(ctx, plannedPerCall{tx}, db.CancelQueuedItemsParams{BatchID: id, Reason: &reason}); err != nil {
 				return fmt.Errorf("error cancelling expired items: %w", err)
 			}
 			if _, err := s.transition(ctx, tx, id, nil, gateway.EventWindowElapsed); err != nil && !errors.Is(err, gateway.ErrInvalidTransition) {
@@ -428,7 +428,7 @@ func (s *Store) ExpireBatches(ctx context.Context, maxRows int32) (int64, error)
 // FinishStrandedBatches finalizes open batches whose items all reached an
 // outcome but whose finalization was missed (a replica died in between).
 func (s *Store) FinishStrandedBatches(ctx context.Context, maxRows int32) (int64, error) {
-	ids, err := s.queries.UnfinishedBatches(ctx, s.pool, maxRows)
+	ids, err := s.queries.UnfinishedBatches(ctx, plannedPerCall{s.pool}, maxRows)
 	if err != nil {
 		return 0, fmt.Errorf("error finding stranded batches: %w", err)
 	}
@@ -447,7 +447,7 @@ func (s *Store) RescueExpiredLeases(ctx context.Context, maxRows int32) (int64, 
 
 // DeleteOldBatches removes up to maxRows terminal batches completed before before.
 func (s *Store) DeleteOldBatches(ctx context.Context, before time.Time, maxRows int32) (int64, error) {
-	n, err := s.queries.DeleteOldBatches(ctx, s.pool, db.DeleteOldBatchesParams{Before: &before, MaxRows: maxRows})
+	n, err := s.queries.DeleteOldBatches(ctx, plannedPerCall{s.pool}, db.DeleteOldBatchesParams{Before: &before, MaxRows: maxRows})
 	if err != nil {
 		return 0, fmt.Errorf("error deleting old batches: %w", err)
 	}
@@ -457,7 +457,7 @@ func (s *Store) DeleteOldBatches(ctx context.Context, before time.Time, maxRows 
 // ExpireIdempotencyKeys forgets up to maxRows idempotency keys of batches
 // created before before.
 func (s *Store) ExpireIdempotencyKeys(ctx context.Context, before time.Time, maxRows int32) (int64, error) {
-	n, err := s.queries.ExpireIdempotencyKeys(ctx, s.pool, db.ExpireIdempotencyKeysParams{Before: before, MaxRows: maxRows})
+	n, err := s.queries.ExpireIdempotencyKeys(ctx, plannedPerCall{s.pool}, db.ExpireIdempotencyKeysParams{Before: before, MaxRows: maxRows})
 	if err != nil {
 		return 0, fmt.Errorf("error expiring idempotency keys: %w", err)
 	}
@@ -617,7 +617,7 @@ func (s *Store) requeue(ctx context.Context, p db.RequeueBatchItemsParams) (Requ
 // RenewLeases extends the leases of the given items while owner holds them.
 func (s *Store) RenewLeases(ctx context.Context, owner uuid.UUID, keys []ItemKey, lease time.Duration) (int64, error) {
 	batchIDs, idxs := splitKeys(keys)
-	n, err := s.queries.RenewLeases(ctx, s.pool, db.RenewLeasesParams{Owner: owner, BatchIds: batchIDs, Idxs: idxs, Lease: interval(lease)})
+	n, err := s.queries.RenewLeases(ctx, plannedPerCall{s.pool}, db.RenewLeasesParams{Owner: owner, BatchIds: batchIDs, Idxs: idxs, Lease: interval(lease)})
 	if err != nil {
 		return 0, fmt.Errorf("error renewing leases: %w", err)
 	}
@@ -669,7 +669,7 @@ func deref[T any](p *T) T {
 
 // QueueDepth is the number of queued batch items across all replicas.
 func (s *Store) QueueDepth(ctx context.Context) (int64, error) {
-	n, err := s.queries.QueueDepth(ctx, s.pool)
+	n, err := s.queries.QueueDepth(ctx, plannedPerCall{s.pool})
 	if err != nil {
 		return 0, fmt.Errorf("error counting queued items: %w", err)
 	}

@@ -26,7 +26,7 @@ import (
 )
 
 // newBatch stores a batch of n items of estimate est each for p.
-func (b *testBundle) newBatch(t *testing.T, p *gateway.Principal, n int, est int64, key string, expires time.Time) uuid.UUID {
+func (b *testBundle) newBatch(t testing.TB, p *gateway.Principal, n int, est int64, key string, expires time.Time) uuid.UUID {
 	t.Helper()
 	res, err := b.store.CreateBatch(b.ctx, b.batchOf(p, n, est, key, expires))
 	require.NoError(t, err)
@@ -531,14 +531,147 @@ func TestClaimPlansHoldAsTheQueueGrows(t *testing.T) {
 	requireFewOpenBatchesRead(t, plans()[before:], 3000)
 }
 
+// TestBatchStatementsPlanForTheTablesAsTheyAre: the statements on the batch
+// tables that no drain function runs (a client's reads, creation replays,
+// cancels, batch transitions, maintenance) are planned for each call, from
+// the tables as they are then. Planned once and kept, generically, while the
+// tables were tiny and known to be, they read every batch, or every item, for
+// each call once thousands were there (GetBatch and QueuedBatches took
+// 8-12 ms a call in bursts of 3,000 batches, until the next ANALYZE).
+func TestBatchStatementsPlanForTheTablesAsTheyAre(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	first, second := b.batchOf(p, 4, 1, "first", day()), b.batchOf(p, 4, 1, "second", day())
+	ids := []uuid.UUID{b.newBatch(t, p, 4, 1, first.IdempotencyKey, day()), b.newBatch(t, p, 4, 1, second.IdempotencyKey, day())}
+	_, err := b.store.Pool().Exec(b.ctx, "ANALYZE batches, batch_items")
+	require.NoError(t, err)
+	explained, plans := b.explained(t)
+	_, err = explained.Pool().Exec(b.ctx, `SET plan_cache_mode = force_generic_plan`)
+	require.NoError(t, err)
+	// Every statement runs once on the tiny tables, then again on one of
+	// thousands of batches.
+	use := func(id uuid.UUID, replay store.NewBatch) {
+		t.Helper()
+		res, err := explained.CreateBatch(b.ctx, replay)
+		require.NoError(t, err)
+		require.Equal(t, store.CreateResult{BatchID: id, Replayed: true}, res)
+		_, err = explained.Batch(b.ctx, p.AccountID, id)
+		require.NoError(t, err)
+		_, err = explained.Batches(b.ctx, p.AccountID, &id, 10)
+		require.NoError(t, err)
+		_, items, err := explained.BatchResults(b.ctx, p.AccountID, id)
+		require.NoError(t, err)
+		require.Len(t, items, 4)
+		require.NoError(t, explained.StartBatches(b.ctx, []uuid.UUID{id}))
+		require.NoError(t, explained.CancelBatch(b.ctx, p.AccountID, id))
+		_, err = explained.ExpireBatches(b.ctx, 10)
+		require.NoError(t, err)
+		_, err = explained.FinishStrandedBatches(b.ctx, 10)
+		require.NoError(t, err)
+		_, err = explained.DeleteOldBatches(b.ctx, time.Now().Add(-time.Hour), 10)
+		require.NoError(t, err)
+		_, err = explained.ExpireIdempotencyKeys(b.ctx, time.Now().Add(-time.Hour), 10)
+		require.NoError(t, err)
+		_, err = explained.RenewLeases(b.ctx, uuid.Must(uuid.NewV7()), []store.ItemKey{{BatchID: id, Index: 0}}, time.Minute)
+		require.NoError(t, err)
+	}
+	use(ids[0], first)
+
+	b.openCopies(t, 1500) // of both batches: 3,000, with 12,000 items
+	b.copyItems(t, ids[1], ids)
+	_, err = explained.Pool().Exec(b.ctx, `SET auto_explain.log_analyze = on`)
+	require.NoError(t, err)
+	before := len(plans())
+	use(ids[1], second)
+	statements := []string{"GetBatchByIdempotencyKey", "ListBatches", "QueuedBatches", "LockBatch",
+		"CancelQueuedItems", "SetBatchStatus", "BatchesPastWindow", "DeleteOldBatches", "ExpireIdempotencyKeys", "RenewLeases"}
+	for i, name := range statements {
+		statements[i] = "-- name: " + name + " "
+	}
+	// GetBatch and GetBatchItems read through functions (migration 00028):
+	// their statements.
+	statements = append(statements, "SELECT b.* FROM batches b WHERE b.id = p_id",
+		"SELECT i.* FROM batch_items i WHERE i.batch_id = p_batch_id", "FILTER (WHERE i.status = 'cancelled')::integer,")
+	for _, statement := range statements {
+		ran := plansOf(t, plans()[before:], []string{statement}, "Seq Scan on batches", "Seq Scan on batch_items")
+		require.NotEmpty(t, ran, "%q ran on the grown tables", statement)
+	}
+}
+
 // openCopies opens n-1 more batches, as a burst of creations leaves them:
-// copies of the first, without items of their own.
-func (b *testBundle) openCopies(t *testing.T, n int) {
+// copies of the first (of each batch there is), without items or
+// idempotency keys of their own.
+func (b *testBundle) openCopies(t testing.TB, n int) {
 	t.Helper()
 	_, err := b.store.Pool().Exec(b.ctx, `INSERT INTO batches
-		SELECT (jsonb_populate_record(b, jsonb_build_object('id', gen_random_uuid()))).*
+		SELECT (jsonb_populate_record(b, jsonb_build_object('id', gen_random_uuid(), 'idempotency_key', null))).*
 		  FROM batches b, generate_series(2, $1)`, n)
 	require.NoError(t, err)
+}
+
+// copyItems gives every batch but the originals a copy of the items of
+// batch from, each batch's items together, as a creation writes them.
+func (b *testBundle) copyItems(t testing.TB, from uuid.UUID, originals []uuid.UUID) {
+	t.Helper()
+	_, err := b.store.Pool().Exec(b.ctx, `INSERT INTO batch_items
+		SELECT (jsonb_populate_record(i, jsonb_build_object('batch_id', c.id, 'request_id', gen_random_uuid()))).*
+		  FROM batches c JOIN batch_items i ON i.batch_id = $1 WHERE c.id <> ALL ($2) ORDER BY c.id, i.idx`, from, originals)
+	require.NoError(t, err)
+}
+
+// BenchmarkBatchReadsAfterABurst: a client's reads of a batch of the burst
+// (its status, its results, the list of the account's batches) on a
+// connection that made its plans while the tables held two batches, one of
+// them analyzed, once the burst has grown them to 3,000 batches of 100 items:
+// before any ANALYZE, then after one.
+func BenchmarkBatchReadsAfterABurst(b *testing.B) {
+	tb := &testBundle{ctx: context.Background(), store: store.New(testdb.New(b))}
+	_, p := tb.key(b, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	analyzed := tb.newBatch(b, p, 100, 1, "", day())
+	_, err := tb.store.Pool().Exec(tb.ctx, `ALTER TABLE batches SET (autovacuum_enabled = off);
+		ALTER TABLE batch_items SET (autovacuum_enabled = off); ANALYZE batches, batch_items`)
+	require.NoError(b, err)
+	id := tb.newBatch(b, p, 100, 1, "", day())
+	cfg := tb.store.Pool().Config()
+	cfg.MaxConns = 1
+	pool, err := pgxpool.NewWithConfig(tb.ctx, cfg)
+	require.NoError(b, err)
+	b.Cleanup(pool.Close)
+	st := store.New(pool)
+	reads := map[string]func() error{
+		"status": func() error { _, err := st.Batch(tb.ctx, p.AccountID, id); return err },
+		"results": func() error {
+			_, items, err := st.BatchResults(tb.ctx, p.AccountID, id)
+			if err == nil && len(items) != 100 {
+				err = fmt.Errorf("%d items", len(items))
+			}
+			return err
+		},
+		"list": func() error { _, err := st.Batches(tb.ctx, p.AccountID, nil, 50); return err },
+	}
+	for range 10 {
+		for _, read := range reads {
+			require.NoError(b, read())
+		}
+	}
+	tb.openCopies(b, 1500)
+	tb.copyItems(b, id, []uuid.UUID{analyzed, id})
+	measure := func(phase string) {
+		for _, name := range []string{"status", "results", "list"} {
+			b.Run(phase+"/"+name, func(b *testing.B) {
+				for b.Loop() {
+					if err := reads[name](); err != nil {
+						b.Fatal(err)
+					}
+				}
+			})
+		}
+	}
+	measure("burst")
+	_, err = tb.store.Pool().Exec(tb.ctx, `VACUUM ANALYZE batches, batch_items`)
+	require.NoError(b, err)
+	measure("analyzed")
 }
 
 // requireFewOpenBatchesRead checks, in the claim's explained plans, that it

@@ -29,7 +29,7 @@ func setup(t *testing.T) *testBundle {
 	return &testBundle{ctx: context.Background(), store: store.New(testdb.New(t))}
 }
 
-func (b *testBundle) key(t *testing.T, account string, tier gateway.Tier, scopes ...gateway.Scope) (string, *gateway.Principal) {
+func (b *testBundle) key(t testing.TB, account string, tier gateway.Tier, scopes ...gateway.Scope) (string, *gateway.Principal) {
 	t.Helper()
 	token, err := b.store.CreateKey(b.ctx, store.CreateKeyParams{Account: account, Project: "default", Tier: &tier, Scopes: scopes})
 	require.NoError(t, err)

@@ -250,16 +250,11 @@ func (q *Queries) ExpireIdempotencyKeys(ctx context.Context, db DBTX, arg Expire
 const getBatch = `-- name: GetBatch :one
 SELECT b.id, b.status, b.total_requests, b.error_code, b.error_message,
        b.created_at, b.started_at, b.completed_at, b.expires_at,
-       count(*) FILTER (WHERE i.status = 'completed')::integer AS completed_requests,
-       count(*) FILTER (WHERE i.status = 'failed')::integer AS failed_requests,
-       count(*) FILTER (WHERE i.status = 'cancelled')::integer AS cancelled_requests,
-       coalesce(sum(i.input_rungs), 0)::bigint AS input_rungs,
-       coalesce(sum(i.output_rungs), 0)::bigint AS output_rungs,
-       coalesce(sum(i.total_rungs), 0)::bigint AS total_rungs
-FROM batches b
-LEFT JOIN batch_items i ON i.batch_id = b.id
-WHERE b.id = $1 AND b.account_id = $2
-GROUP BY b.id
+       t.completed::integer AS completed_requests, t.failed::integer AS failed_requests,
+       t.cancelled::integer AS cancelled_requests, t.input_rungs::bigint AS input_rungs,
+       t.output_rungs::bigint AS output_rungs, t.total_rungs::bigint AS total_rungs
+FROM batch_of_account($1, $2) AS b
+CROSS JOIN LATERAL batch_item_totals(b.id) AS t
 `
 
 type GetBatchParams struct {
@@ -285,7 +280,8 @@ type GetBatchRow struct {
 	TotalRungs        int64
 }
 
-// A batch of the account with its counters and usage aggregated from its items.
+// A batch of the account with its counters and usage aggregated from its
+// items. By key, whatever the statistics: see migration 00028.
 func (q *Queries) GetBatch(ctx context.Context, db DBTX, arg GetBatchParams) (GetBatchRow, error) {
 	row := db.QueryRow(ctx, getBatch, arg.ID, arg.AccountID)
 	var i GetBatchRow
@@ -331,11 +327,10 @@ func (q *Queries) GetBatchByIdempotencyKey(ctx context.Context, db DBTX, arg Get
 }
 
 const getBatchItems = `-- name: GetBatchItems :many
-SELECT idx, status, request_id, model, content, input_rungs, output_rungs, total_rungs, error_code, error_message,
-       provider, upstream_model, attempts
-FROM batch_items
-WHERE batch_id = $1
-ORDER BY idx
+SELECT i.idx, i.status, i.request_id, i.model, i.content, i.input_rungs, i.output_rungs, i.total_rungs,
+       i.error_code, i.error_message, i.provider, i.upstream_model, i.attempts
+FROM items_of_batch($1) AS i
+ORDER BY i.idx
 `
 
 type GetBatchItemsRow struct {
@@ -354,6 +349,8 @@ type GetBatchItemsRow struct {
 	Attempts      *int16
 }
 
+// A batch's items, in order. By key, whatever the statistics: see migration
+// 00028.
 func (q *Queries) GetBatchItems(ctx context.Context, db DBTX, batchID uuid.UUID) ([]GetBatchItemsRow, error) {
 	rows, err := db.Query(ctx, getBatchItems, batchID)
 	if err != nil {
@@ -443,17 +440,13 @@ type InsertBatchItemsParams struct {
 const listBatches = `-- name: ListBatches :many
 SELECT b.id, b.status, b.total_requests, b.error_code, b.error_message,
        b.created_at, b.started_at, b.completed_at, b.expires_at,
-       count(*) FILTER (WHERE i.status = 'completed')::integer AS completed_requests,
-       count(*) FILTER (WHERE i.status = 'failed')::integer AS failed_requests,
-       count(*) FILTER (WHERE i.status = 'cancelled')::integer AS cancelled_requests,
-       coalesce(sum(i.input_rungs), 0)::bigint AS input_rungs,
-       coalesce(sum(i.output_rungs), 0)::bigint AS output_rungs,
-       coalesce(sum(i.total_rungs), 0)::bigint AS total_rungs
+       t.completed::integer AS completed_requests, t.failed::integer AS failed_requests,
+       t.cancelled::integer AS cancelled_requests, t.input_rungs::bigint AS input_rungs,
+       t.output_rungs::bigint AS output_rungs, t.total_rungs::bigint AS total_rungs
 FROM (SELECT x.id, x.account_id, x.project_id, x.status, x.total_requests, x.idempotency_key, x.request_hash, x.error_code, x.error_message, x.created_at, x.started_at, x.completed_at, x.expires_at FROM batches x
        WHERE x.account_id = $1 AND ($2::uuid IS NULL OR x.id < $2::uuid)
        ORDER BY x.id DESC LIMIT $3) b
-LEFT JOIN batch_items i ON i.batch_id = b.id
-GROUP BY b.id, b.status, b.total_requests, b.error_code, b.error_message, b.created_at, b.started_at, b.completed_at, b.expires_at
+CROSS JOIN LATERAL batch_item_totals(b.id) AS t
 ORDER BY b.id DESC
 `
 
@@ -482,7 +475,7 @@ type ListBatchesRow struct {
 }
 
 // The account's batches, newest first by id (UUIDv7: creation order), older
-// than the cursor @after when it is set.
+// than the cursor @after when it is set, each with its items' totals.
 func (q *Queries) ListBatches(ctx context.Context, db DBTX, arg ListBatchesParams) ([]ListBatchesRow, error) {
 	rows, err := db.Query(ctx, listBatches, arg.AccountID, arg.After, arg.MaxRows)
 	if err != nil {

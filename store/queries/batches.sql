@@ -24,44 +24,37 @@ SELECT pg_notify('batch_created', @batch_id::text);
 LISTEN batch_created;
 
 -- name: GetBatch :one
--- A batch of the account with its counters and usage aggregated from its items.
+-- A batch of the account with its counters and usage aggregated from its
+-- items. By key, whatever the statistics: see migration 00028.
 SELECT b.id, b.status, b.total_requests, b.error_code, b.error_message,
        b.created_at, b.started_at, b.completed_at, b.expires_at,
-       count(*) FILTER (WHERE i.status = 'completed')::integer AS completed_requests,
-       count(*) FILTER (WHERE i.status = 'failed')::integer AS failed_requests,
-       count(*) FILTER (WHERE i.status = 'cancelled')::integer AS cancelled_requests,
-       coalesce(sum(i.input_rungs), 0)::bigint AS input_rungs,
-       coalesce(sum(i.output_rungs), 0)::bigint AS output_rungs,
-       coalesce(sum(i.total_rungs), 0)::bigint AS total_rungs
-FROM batches b
-LEFT JOIN batch_items i ON i.batch_id = b.id
-WHERE b.id = @id AND b.account_id = @account_id
-GROUP BY b.id;
+       t.completed::integer AS completed_requests, t.failed::integer AS failed_requests,
+       t.cancelled::integer AS cancelled_requests, t.input_rungs::bigint AS input_rungs,
+       t.output_rungs::bigint AS output_rungs, t.total_rungs::bigint AS total_rungs
+FROM batch_of_account(@id, @account_id) AS b
+CROSS JOIN LATERAL batch_item_totals(b.id) AS t;
 
 -- name: ListBatches :many
 -- The account's batches, newest first by id (UUIDv7: creation order), older
--- than the cursor @after when it is set.
+-- than the cursor @after when it is set, each with its items' totals.
 SELECT b.id, b.status, b.total_requests, b.error_code, b.error_message,
        b.created_at, b.started_at, b.completed_at, b.expires_at,
-       count(*) FILTER (WHERE i.status = 'completed')::integer AS completed_requests,
-       count(*) FILTER (WHERE i.status = 'failed')::integer AS failed_requests,
-       count(*) FILTER (WHERE i.status = 'cancelled')::integer AS cancelled_requests,
-       coalesce(sum(i.input_rungs), 0)::bigint AS input_rungs,
-       coalesce(sum(i.output_rungs), 0)::bigint AS output_rungs,
-       coalesce(sum(i.total_rungs), 0)::bigint AS total_rungs
+       t.completed::integer AS completed_requests, t.failed::integer AS failed_requests,
+       t.cancelled::integer AS cancelled_requests, t.input_rungs::bigint AS input_rungs,
+       t.output_rungs::bigint AS output_rungs, t.total_rungs::bigint AS total_rungs
 FROM (SELECT x.* FROM batches x
        WHERE x.account_id = @account_id AND (sqlc.narg(after)::uuid IS NULL OR x.id < sqlc.narg(after)::uuid)
        ORDER BY x.id DESC LIMIT @max_rows) b
-LEFT JOIN batch_items i ON i.batch_id = b.id
-GROUP BY b.id, b.status, b.total_requests, b.error_code, b.error_message, b.created_at, b.started_at, b.completed_at, b.expires_at
+CROSS JOIN LATERAL batch_item_totals(b.id) AS t
 ORDER BY b.id DESC;
 
 -- name: GetBatchItems :many
-SELECT idx, status, request_id, model, content, input_rungs, output_rungs, total_rungs, error_code, error_message,
-       provider, upstream_model, attempts
-FROM batch_items
-WHERE batch_id = @batch_id
-ORDER BY idx;
+-- A batch's items, in order. By key, whatever the statistics: see migration
+-- 00028.
+SELECT i.idx, i.status, i.request_id, i.model, i.content, i.input_rungs, i.output_rungs, i.total_rungs,
+       i.error_code, i.error_message, i.provider, i.upstream_model, i.attempts
+FROM items_of_batch(@batch_id) AS i
+ORDER BY i.idx;
 
 -- name: DoneBatches :many
 -- Of the batches given, those not yet terminal with no item queued or
