@@ -65,7 +65,21 @@ func create(t testing.TB, migrator pgtestdb.Migrator) string {
 	if setupErr != nil {
 		t.Fatalf("no PostgreSQL for tests: %v", setupErr)
 	}
+	time.Sleep(untilTheDayTurns(time.Now()))
 	return pgtestdb.Custom(t, base, migrator).URL()
+}
+
+// untilTheDayTurns is how long a test starting at now waits so as not to
+// straddle two UTC days: the gateway meters by UTC day (the usage view's
+// default period, the daily ceiling), so a test that sent requests in a
+// day's last seconds and read its usage in the next day's first would find
+// none. Within a day's last minute, it waits until a second past its end.
+func untilTheDayTurns(now time.Time) time.Duration {
+	left := now.UTC().Truncate(24 * time.Hour).Add(24 * time.Hour).Sub(now)
+	if left > time.Minute {
+		return 0
+	}
+	return left + time.Second
 }
 
 // AsAdmin returns url (a database from URL) with the credentials the server
