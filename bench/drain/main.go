@@ -34,16 +34,20 @@ func main() {
 	rounds := flag.Int("rounds", 1, "times each replica count is measured, in turn")
 	warmup := flag.Int("warmup", 20, "batches drained before each measured run, not counted")
 	accounts := flag.Int("accounts", 1, "accounts the batches are spread over, in turn (each claim shares out its items among the accounts with work)")
+	capped := flag.Bool("capped", false, "give each account's project a budget cap (one that every item fits), so that each claimed item reserves its estimate")
 	flag.Parse()
-	if err := run(*binary, *replicaList, *probes, *rounds, runOptions{batches: *batches, warmup: *warmup, accounts: *accounts}); err != nil {
+	if err := run(*binary, *replicaList, *probes, *rounds, runOptions{batches: *batches, warmup: *warmup, accounts: *accounts, capped: *capped}); err != nil {
 		fmt.Fprintln(os.Stderr, "drain:", err)
 		os.Exit(1)
 	}
 }
 
 // runOptions shape each drain run: batches measured, after warmup drained,
-// spread over accounts.
-type runOptions struct{ batches, warmup, accounts int }
+// spread over accounts, whose projects are capped when capped is set.
+type runOptions struct {
+	batches, warmup, accounts int
+	capped                    bool
+}
 
 func run(binary, replicaList string, probes, rounds int, o runOptions) error {
 	var counts []int
@@ -65,7 +69,11 @@ func run(binary, replicaList string, probes, rounds int, o runOptions) error {
 	fake := fakeupstream.New()
 	defer fake.Close()
 
-	fmt.Printf("batch drain, instant upstream, %d batches × 100 items of %d accounts per run after %d not counted and the tables analyzed, %d cores\n\n", o.batches, o.accounts, o.warmup, runtime.NumCPU())
+	capped := ""
+	if o.capped {
+		capped = ", their projects' budgets capped"
+	}
+	fmt.Printf("batch drain, instant upstream, %d batches × 100 items of %d accounts%s per run after %d not counted and the tables analyzed, %d cores\n\n", o.batches, o.accounts, capped, o.warmup, runtime.NumCPU())
 	fmt.Println("| round | replicas | items | seconds (creating) | items/s | CPU/item gateway (creating) | CPU/item PostgreSQL (creating) | WAL flushes/item | WAL records/item |")
 	fmt.Println("|---|---|---|---|---|---|---|---|---|")
 	rates := map[int][]float64{}
@@ -134,9 +142,14 @@ func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, round int, o 
 	if err != nil {
 		return result{}, err
 	}
-	_, keys, err := benchenv.Tenants(vars, key, o.accounts)
+	accounts, keys, err := benchenv.Tenants(vars, key, o.accounts)
 	if err != nil {
 		return result{}, err
+	}
+	if o.capped {
+		if err := benchenv.CapBudgets(vars, accounts); err != nil {
+			return result{}, err
+		}
 	}
 	bases := make([]string, replicas)
 	pids := make([]int, replicas)

@@ -127,6 +127,24 @@ func createKeys(env []string, accounts ...string) ([]string, error) {
 	return keys, nil
 }
 
+// CapBudgets gives the default project of each account a budget cap that
+// no benchmark reaches, in the database of env (from Fresh): its requests and
+// batch items then reserve their estimates.
+func CapBudgets(env []string, accounts []string) error {
+	st, err := OpenStore(env)
+	if err != nil {
+		return err
+	}
+	defer st.Pool().Close()
+	budget := int64(1_000_000_000_000)
+	for _, account := range accounts {
+		if err := st.SetLimits(context.Background(), store.SetLimitsParams{Account: account, Project: "default", BudgetRungs: &budget}); err != nil {
+			return fmt.Errorf("error capping the budget of %s: %w", account, err)
+		}
+	}
+	return nil
+}
+
 // Serve starts `gateway serve` with env and returns its base URL once it is ready.
 func (e *Env) Serve(env []string) (string, error) {
 	p, err := e.ServeProcess(env)
