@@ -735,6 +735,94 @@ func TestClaimMixesCappedAndUncapped(t *testing.T) {
 	require.Empty(t, b.claim(t, uuid.Must(uuid.NewV7()), 10, time.Minute), "nothing is left to claim")
 }
 
+// TestClaimReservesCappedProjectsInClaimOrder: each capped project's items
+// reserve their estimates in claim order; a refused item fails the rest of
+// its batch's queue, and a later item of another batch still takes what is
+// left if it fits. Two projects in one claim each keep their own room.
+func TestClaimReservesCappedProjectsInClaimOrder(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, a := b.key(t, "a", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "a", nil, ptr(int64(250)))
+	_, c := b.key(t, "c", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "c", nil, ptr(int64(100)))
+	large := b.newBatch(t, a, 3, 100, "", day())
+	small := b.newBatch(t, a, 2, 30, "", day())
+	other := b.newBatch(t, c, 3, 60, "", day())
+
+	items, err := b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: uuid.Must(uuid.NewV7()), Max: 16, PerAccount: 8, Lease: time.Minute})
+	require.NoError(t, err)
+	claimed := map[uuid.UUID][]int{}
+	refused := map[uuid.UUID][]int{}
+	for _, it := range items {
+		if it.BudgetRefused {
+			refused[it.BatchID] = append(refused[it.BatchID], it.Index)
+		} else {
+			claimed[it.BatchID] = append(claimed[it.BatchID], it.Index)
+		}
+	}
+	require.Equal(t, map[uuid.UUID][]int{large: {0, 1}, small: {0}, other: {0}}, claimed,
+		"a's cap (250) fits two of 100 and one of 30; c's (100), one of 60")
+	require.Equal(t, map[uuid.UUID][]int{large: {2}, small: {1}, other: {1}}, refused, "the first item of each batch that did not fit")
+	require.Equal(t, int64(230), b.view(t, a).Budget.Reserved)
+	require.Equal(t, int64(60), b.view(t, c).Budget.Reserved)
+	_, results := b.batch(t, c, other)
+	require.Equal(t, gateway.ItemFailed, results[2].Status, "the rest of a refused batch's queue fails")
+	require.Equal(t, gateway.EBudgetExceeded, results[2].Error.Code)
+	require.Empty(t, b.claim(t, uuid.Must(uuid.NewV7()), 16, time.Minute), "nothing is left to claim")
+}
+
+// TestConcurrentClaimsNeverReservePastTheCap: claims racing for one capped
+// project's items reserve exactly what the cap holds, never more.
+func TestConcurrentClaimsNeverReservePastTheCap(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "acme", nil, ptr(int64(1000)))
+	ids := make([]uuid.UUID, 5)
+	for i := range ids {
+		ids[i] = b.newBatch(t, p, 100, 10, "", day())
+	}
+	var taken, refused atomic.Int64
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			owner := uuid.Must(uuid.NewV7())
+			for {
+				items, err := b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: owner, Max: 16, PerAccount: 16, Lease: time.Minute})
+				if !assert.NoError(t, err) || len(items) == 0 {
+					return
+				}
+				for _, it := range items {
+					if it.BudgetRefused {
+						refused.Add(1)
+					} else {
+						taken.Add(1)
+					}
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	require.Equal(t, int64(100), taken.Load(), "the cap holds 100 estimates of 10")
+	require.Equal(t, int64(1000), b.view(t, p).Budget.Reserved)
+	require.Positive(t, refused.Load())
+	failed := 0
+	for _, id := range ids {
+		_, results := b.batch(t, p, id)
+		for _, r := range results {
+			if r.Status != gateway.ItemInProgress {
+				require.Equal(t, gateway.ItemFailed, r.Status)
+				require.Equal(t, gateway.EBudgetExceeded, r.Error.Code)
+				failed++
+			}
+		}
+	}
+	require.Equal(t, 400, failed, "every item the cap did not hold failed")
+}
+
 // TestClaimReturnsEachItemWithItsBatchStatus: a claim returns every item it
 // took with its own request, and its batch's status when it was claimed: the
 // first items of a batch find it queued, those claimed after it started do
@@ -1256,8 +1344,9 @@ func TestQueueStatementsFindRowsByKeyAfterAnEmptyQueueWasAnalyzed(t *testing.T) 
 	_, err = explained.Pool().Exec(b.ctx, `ANALYZE batch_items`)
 	require.NoError(t, err)
 
-	// A capped project's items are reserved one by one: the first fits the
-	// cap, the second does not and fails with the rest of its batch.
+	// A capped project's items reserve their estimates in claim order: the
+	// first fits the cap, the second does not and fails with the rest of its
+	// batch.
 	b.newBatch(t, capped, 100, 100, "", day())
 	items, err := explained.ClaimItems(b.ctx, store.ClaimParams{Owner: owner, Max: 2, PerAccount: 2, Lease: time.Minute})
 	require.NoError(t, err)
@@ -1296,7 +1385,7 @@ func TestQueueStatementsFindRowsByKeyAfterAnEmptyQueueWasAnalyzed(t *testing.T) 
 		require.NotContains(t, plan, "batch_items_claim_idx", plan)
 	}
 	require.Equal(t, 2, chose, "both claims' choices of items were explained: %q", plans())
-	require.Equal(t, 2, byAddress, "both claims updated the items they locked by address: %q", plans())
+	require.Equal(t, 3, byAddress, "both claims updated the items they locked by address, the first its capped project's too: %q", plans())
 	require.Equal(t, 1, moves, "the finish's choice of batches was explained: %q", plans())
 }
 
