@@ -40,14 +40,25 @@ func main() {
 	promptBytes := flag.Int("prompt-bytes", 0, "prompts of about this many bytes of words, a different one each request (0: one short prompt)")
 	tenants := flag.Int("tenants", 1, "accounts the requests are spread over, each with its key, in turn")
 	limitChanges := flag.Duration("limit-changes", 0, "while measuring the gateway, change one tenant's daily ceiling this often, a tenant after another (0: never)")
+	capped := flag.Bool("capped", false, "give each tenant's project a budget cap (one that no request reaches), so that each request reserves its estimate on it")
 	flag.Parse()
-	if err := run(*binary, *rates, *duration, *warmup, *connections, *h2c, *promptBytes, *tenants, *limitChanges); err != nil {
+	o := options{duration: *duration, warmup: *warmup, connections: *connections, h2c: *h2c, promptBytes: *promptBytes,
+		tenants: *tenants, limitChanges: *limitChanges, capped: *capped}
+	if err := run(*binary, *rates, o); err != nil {
 		fmt.Fprintln(os.Stderr, "load:", err)
 		os.Exit(1)
 	}
 }
 
-func run(binary, rateList string, duration, warmup time.Duration, connections int, h2c bool, promptBytes, tenants int, limitChanges time.Duration) error {
+// options shape a run: see the flags of the same names.
+type options struct {
+	duration, warmup, limitChanges time.Duration
+	connections, promptBytes       int
+	tenants                        int
+	h2c, capped                    bool
+}
+
+func run(binary, rateList string, o options) error {
 	env, err := benchenv.Start(binary)
 	if err != nil {
 		return err
@@ -55,13 +66,18 @@ func run(binary, rateList string, duration, warmup time.Duration, connections in
 	defer env.Close()
 	fake := fakeupstream.New()
 	defer fake.Close()
-	vars, key, err := env.Fresh("load", fake.BaseURL(), "GATEWAY_H2C="+strconv.FormatBool(h2c))
+	vars, key, err := env.Fresh("load", fake.BaseURL(), "GATEWAY_H2C="+strconv.FormatBool(o.h2c))
 	if err != nil {
 		return err
 	}
-	accounts, keys, err := benchenv.Tenants(vars, key, tenants)
+	accounts, keys, err := benchenv.Tenants(vars, key, o.tenants)
 	if err != nil {
 		return err
+	}
+	if o.capped {
+		if err := benchenv.CapBudgets(vars, accounts); err != nil {
+			return err
+		}
 	}
 	gateway, err := env.ServeProcess(vars)
 	if err != nil {
@@ -76,14 +92,14 @@ func run(binary, rateList string, duration, warmup time.Duration, connections in
 
 	client := &http.Client{Transport: &http.Transport{MaxIdleConns: 4096, MaxIdleConnsPerHost: 4096, IdleConnTimeout: time.Minute}}
 	gatewayClient, protocol := client, "HTTP/1.1"
-	if h2c {
+	if o.h2c {
 		transport := &http.Transport{Protocols: new(http.Protocols)}
 		transport.Protocols.SetUnencryptedHTTP2(true)
 		gatewayClient, protocol = &http.Client{Transport: transport}, "HTTP/2 (h2c)"
 	}
 	prompts := []string{"Summarise the benefits of metering inference in rungs for a platform team."}
-	if promptBytes > 0 {
-		prompts = wordPrompts(promptBytes, 256)
+	if o.promptBytes > 0 {
+		prompts = wordPrompts(o.promptBytes, 256)
 	}
 	direct := target{name: "upstream direct", client: client, url: fake.BaseURL() + "/chat/completions"}
 	viaGateway := target{name: "through gateway", client: gatewayClient, url: base + "/api/v1/responses", keys: keys}
@@ -92,7 +108,11 @@ func run(binary, rateList string, duration, warmup time.Duration, connections in
 		viaGateway.bodies = append(viaGateway.bodies, []byte(`{"prompt":"`+prompt+`","max_output_rungs":200}`))
 	}
 
-	fmt.Printf("gateway (%s) vs. upstream direct, open loop, %s per rate (after %s warm-up), %d cores, %d tenants\n\n", protocol, duration, warmup, runtime.NumCPU(), len(keys))
+	capped := ""
+	if o.capped {
+		capped = ", their projects' budgets capped"
+	}
+	fmt.Printf("gateway (%s) vs. upstream direct, open loop, %s per rate (after %s warm-up), %d cores, %d tenants%s\n\n", protocol, o.duration, o.warmup, runtime.NumCPU(), len(keys), capped)
 	fmt.Println("| rate (req/s) | target | achieved req/s | errors | p50 | p90 | p99 | CPU/req gateway | CPU/req PostgreSQL | commits/req | WAL flushes/req | WAL records/req |")
 	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|")
 	for _, field := range strings.Split(rateList, ",") {
@@ -102,16 +122,16 @@ func run(binary, rateList string, duration, warmup time.Duration, connections in
 		}
 		var results [2]result
 		for i, t := range []target{direct, viaGateway} {
-			drive(t, rate, warmup)
+			drive(t, rate, o.warmup)
 			before, err := sample(st, pid)
 			if err != nil {
 				return err
 			}
 			stop := func() error { return nil }
-			if t.name == viaGateway.name && limitChanges > 0 {
-				stop = changeLimits(st, accounts, limitChanges)
+			if t.name == viaGateway.name && o.limitChanges > 0 {
+				stop = changeLimits(st, accounts, o.limitChanges)
 			}
-			results[i] = drive(t, rate, duration)
+			results[i] = drive(t, rate, o.duration)
 			if err := stop(); err != nil {
 				return err
 			}
@@ -126,13 +146,13 @@ func run(binary, rateList string, duration, warmup time.Duration, connections in
 		fmt.Printf("| %d | **added by gateway** | | | %s | %s | %s | | | | | |\n", rate,
 			ms(results[1].pct(50)-results[0].pct(50)), ms(results[1].pct(90)-results[0].pct(90)), ms(results[1].pct(99)-results[0].pct(99)))
 	}
-	if connections > 0 {
-		fmt.Printf("\nsaturation, closed loop, %d connections, %s each\n\n", connections, duration)
+	if o.connections > 0 {
+		fmt.Printf("\nsaturation, closed loop, %d connections, %s each\n\n", o.connections, o.duration)
 		fmt.Println("| target | req/s | errors | p50 | p99 |")
 		fmt.Println("|---|---|---|---|---|")
 		for _, t := range []target{direct, viaGateway} {
-			saturate(t, connections, warmup)
-			r := saturate(t, connections, duration)
+			saturate(t, o.connections, o.warmup)
+			r := saturate(t, o.connections, o.duration)
 			fmt.Printf("| %s | %.0f | %d | %s | %s |\n", t.name, r.achieved, r.errors, ms(r.pct(50)), ms(r.pct(99)))
 		}
 	}
