@@ -355,31 +355,38 @@ func TestClaimIsExclusive(t *testing.T) {
 	}
 	var mu sync.Mutex
 	seen := map[store.ItemKey]uuid.UUID{}
+	b.claimConcurrently(t, store.ClaimParams{Max: 7, PerAccount: 4, Lease: time.Minute}, func(owner uuid.UUID, items []store.ClaimedItem) {
+		mu.Lock()
+		defer mu.Unlock()
+		for _, it := range items {
+			key := store.ItemKey{BatchID: it.BatchID, Index: it.Index}
+			prev, dup := seen[key]
+			assert.False(t, dup, "item %v claimed by %s and %s", key, prev, owner)
+			seen[key] = owner
+		}
+	})
+	require.Len(t, seen, 450)
+}
+
+// claimConcurrently runs eight claimers, each with p under an owner of its
+// own, claiming until nothing is left, and hands what each claim took to got.
+func (b *testBundle) claimConcurrently(t *testing.T, p store.ClaimParams, got func(owner uuid.UUID, items []store.ClaimedItem)) {
+	t.Helper()
 	var wg sync.WaitGroup
 	for range 8 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			owner := uuid.Must(uuid.NewV7())
+		wg.Go(func() {
+			p := p
+			p.Owner = uuid.Must(uuid.NewV7())
 			for {
-				items, err := b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: owner, Max: 7, PerAccount: 4, Lease: time.Minute})
-				require.NoError(t, err)
-				if len(items) == 0 {
+				items, err := b.store.ClaimItems(b.ctx, p)
+				if !assert.NoError(t, err) || len(items) == 0 {
 					return
 				}
-				mu.Lock()
-				for _, it := range items {
-					key := store.ItemKey{BatchID: it.BatchID, Index: it.Index}
-					prev, dup := seen[key]
-					require.False(t, dup, "item %v claimed by %s and %s", key, prev, owner)
-					seen[key] = owner
-				}
-				mu.Unlock()
+				got(p.Owner, items)
 			}
-		}()
+		})
 	}
 	wg.Wait()
-	require.Len(t, seen, 450)
 }
 
 // TestClaimIsFair: an account with a small batch behind another account's
@@ -707,16 +714,10 @@ func TestClaimMixesCappedAndUncapped(t *testing.T) {
 
 	items, err := b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: uuid.Must(uuid.NewV7()), Max: 10, PerAccount: 5, Lease: time.Minute})
 	require.NoError(t, err)
-	claimed := map[uuid.UUID][]int{}
-	refused := map[uuid.UUID][]int{}
 	for _, it := range items {
 		require.True(t, it.BatchQueued)
-		if it.BudgetRefused {
-			refused[it.BatchID] = append(refused[it.BatchID], it.Index)
-		} else {
-			claimed[it.BatchID] = append(claimed[it.BatchID], it.Index)
-		}
 	}
+	claimed, refused := byOutcome(items)
 	require.ElementsMatch(t, []int{0, 1, 2, 3, 4}, claimed[freeID])
 	require.Equal(t, []int{0, 1}, claimed[cappedID], "the cap fits the first two, in order")
 	require.Equal(t, []int{2}, refused[cappedID])
@@ -752,15 +753,7 @@ func TestClaimReservesCappedProjectsInClaimOrder(t *testing.T) {
 
 	items, err := b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: uuid.Must(uuid.NewV7()), Max: 16, PerAccount: 8, Lease: time.Minute})
 	require.NoError(t, err)
-	claimed := map[uuid.UUID][]int{}
-	refused := map[uuid.UUID][]int{}
-	for _, it := range items {
-		if it.BudgetRefused {
-			refused[it.BatchID] = append(refused[it.BatchID], it.Index)
-		} else {
-			claimed[it.BatchID] = append(claimed[it.BatchID], it.Index)
-		}
-	}
+	claimed, refused := byOutcome(items)
 	require.Equal(t, map[uuid.UUID][]int{large: {0, 1}, small: {0}, other: {0}}, claimed,
 		"a's cap (250) fits two of 100 and one of 30; c's (100), one of 60")
 	require.Equal(t, map[uuid.UUID][]int{large: {2}, small: {1}, other: {1}}, refused, "the first item of each batch that did not fit")
@@ -770,6 +763,20 @@ func TestClaimReservesCappedProjectsInClaimOrder(t *testing.T) {
 	require.Equal(t, gateway.ItemFailed, results[2].Status, "the rest of a refused batch's queue fails")
 	require.Equal(t, gateway.EBudgetExceeded, results[2].Error.Code)
 	require.Empty(t, b.claim(t, uuid.Must(uuid.NewV7()), 16, time.Minute), "nothing is left to claim")
+}
+
+// byOutcome gives the indexes of a claim's items by batch: those claimed,
+// and those the budget refused.
+func byOutcome(items []store.ClaimedItem) (claimed, refused map[uuid.UUID][]int) {
+	claimed, refused = map[uuid.UUID][]int{}, map[uuid.UUID][]int{}
+	for _, it := range items {
+		if it.BudgetRefused {
+			refused[it.BatchID] = append(refused[it.BatchID], it.Index)
+		} else {
+			claimed[it.BatchID] = append(claimed[it.BatchID], it.Index)
+		}
+	}
+	return claimed, refused
 }
 
 // TestConcurrentClaimsNeverReservePastTheCap: claims racing for one capped
@@ -784,28 +791,15 @@ func TestConcurrentClaimsNeverReservePastTheCap(t *testing.T) {
 		ids[i] = b.newBatch(t, p, 100, 10, "", day())
 	}
 	var taken, refused atomic.Int64
-	var wg sync.WaitGroup
-	for range 8 {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			owner := uuid.Must(uuid.NewV7())
-			for {
-				items, err := b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: owner, Max: 16, PerAccount: 16, Lease: time.Minute})
-				if !assert.NoError(t, err) || len(items) == 0 {
-					return
-				}
-				for _, it := range items {
-					if it.BudgetRefused {
-						refused.Add(1)
-					} else {
-						taken.Add(1)
-					}
-				}
+	b.claimConcurrently(t, store.ClaimParams{Max: 16, PerAccount: 16, Lease: time.Minute}, func(_ uuid.UUID, items []store.ClaimedItem) {
+		for _, it := range items {
+			if it.BudgetRefused {
+				refused.Add(1)
+			} else {
+				taken.Add(1)
 			}
-		}()
-	}
-	wg.Wait()
+		}
+	})
 	require.Equal(t, int64(100), taken.Load(), "the cap holds 100 estimates of 10")
 	require.Equal(t, int64(1000), b.view(t, p).Budget.Reserved)
 	require.Positive(t, refused.Load())
