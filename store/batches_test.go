@@ -540,7 +540,9 @@ func TestClaimPlansHoldAsTheQueueGrows(t *testing.T) {
 
 // TestBatchStatementsPlanForTheTablesAsTheyAre: the statements on the batch
 // tables that no drain function runs (a client's reads, creation replays,
-// cancels, batch transitions, maintenance) are planned for each call, from
+// cancels, batch transitions, maintenance) read by key once the tables have
+// grown: a client's reads of a batch and its results through functions
+// planned with sequential scans off, the others planned for each call, from
 // the tables as they are then. Planned once and kept, generically, while the
 // tables were tiny and known to be, they read every batch, or every item, for
 // each call once thousands were there (GetBatch and QueuedBatches took
@@ -606,8 +608,8 @@ func TestBatchStatementsPlanForTheTablesAsTheyAre(t *testing.T) {
 	}
 }
 
-// openCopies opens n-1 more batches, as a burst of creations leaves them:
-// copies of the first (of each batch there is), without items or
+// openCopies opens more batches, as a burst of creations leaves them: n-1
+// copies of each batch there is (one, in most tests), without items or
 // idempotency keys of their own.
 func (b *testBundle) openCopies(t testing.TB, n int) {
 	t.Helper()
