@@ -29,24 +29,30 @@ import (
 func main() {
 	binary := flag.String("binary", "bin/gateway", "gateway binary")
 	replicaList := flag.String("replicas", "1,2,4", "replica counts to measure")
-	batches := flag.Int("batches", 100, "batches of 100 items per run")
+	batches := flag.Int("batches", 100, "batches per run")
+	items := flag.Int("items", 100, "items a batch (1 to 100)")
 	probes := flag.Int("probes", 30, "single-item batches for the dispatch latency")
 	rounds := flag.Int("rounds", 1, "times each replica count is measured, in turn")
 	warmup := flag.Int("warmup", 20, "batches drained before each measured run, not counted")
 	accounts := flag.Int("accounts", 1, "accounts the batches are spread over, in turn (each claim shares out its items among the accounts with work)")
 	capped := flag.Bool("capped", false, "give each account's project a budget cap (one that every item fits), so that each claimed item reserves its estimate")
 	flag.Parse()
-	if err := run(*binary, *replicaList, *probes, *rounds, runOptions{batches: *batches, warmup: *warmup, accounts: *accounts, capped: *capped}); err != nil {
+	if *items < 1 || *items > 100 {
+		fmt.Fprintln(os.Stderr, "drain: -items must be 1 to 100")
+		os.Exit(2)
+	}
+	if err := run(*binary, *replicaList, *probes, *rounds, runOptions{batches: *batches, items: *items, warmup: *warmup, accounts: *accounts, capped: *capped}); err != nil {
 		fmt.Fprintln(os.Stderr, "drain:", err)
 		os.Exit(1)
 	}
 }
 
-// runOptions shape each drain run: batches measured, after warmup drained,
-// spread over accounts, whose projects are capped when capped is set.
+// runOptions shape each drain run: batches of items measured, after warmup
+// drained, spread over accounts, whose projects are capped when capped is
+// set.
 type runOptions struct {
-	batches, warmup, accounts int
-	capped                    bool
+	batches, items, warmup, accounts int
+	capped                           bool
 }
 
 func run(binary, replicaList string, probes, rounds int, o runOptions) error {
@@ -73,7 +79,7 @@ func run(binary, replicaList string, probes, rounds int, o runOptions) error {
 	if o.capped {
 		capped = ", their projects' budgets capped"
 	}
-	fmt.Printf("batch drain, instant upstream, %d batches × 100 items of %d accounts%s per run after %d not counted and the tables analyzed, %d cores\n\n", o.batches, o.accounts, capped, o.warmup, runtime.NumCPU())
+	fmt.Printf("batch drain, instant upstream, %d batches × %d items of %d accounts%s per run after %d not counted and the tables analyzed, %d cores\n\n", o.batches, o.items, o.accounts, capped, o.warmup, runtime.NumCPU())
 	fmt.Println("| round | replicas | items | seconds (creating) | items/s | CPU/item gateway (creating) | CPU/item PostgreSQL (creating) | WAL flushes/item | WAL records/item |")
 	fmt.Println("|---|---|---|---|---|---|---|---|---|")
 	rates := map[int][]float64{}
@@ -160,7 +166,7 @@ func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, round int, o 
 		}
 		bases[i], pids[i] = p.Base, p.PID
 	}
-	requests := make([]map[string]any, 100)
+	requests := make([]map[string]any, o.items)
 	for i := range requests {
 		requests[i] = map[string]any{"prompt": fmt.Sprintf("drain benchmark item %d", i), "max_output_rungs": 50}
 	}
@@ -201,13 +207,13 @@ func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, round int, o 
 		return result{}, err
 	}
 	var r result
-	if r.created, err = since(start, o.batches*100, pids, gatewayBefore, postgresBefore); err != nil {
+	if r.created, err = since(start, o.batches*o.items, pids, gatewayBefore, postgresBefore); err != nil {
 		return result{}, err
 	}
 	if err := await(bases[0], created); err != nil {
 		return result{}, err
 	}
-	if r.phase, err = since(start, o.batches*100, pids, gatewayBefore, postgresBefore); err != nil {
+	if r.phase, err = since(start, o.batches*o.items, pids, gatewayBefore, postgresBefore); err != nil {
 		return result{}, err
 	}
 	after, err := benchenv.Activity(st)
