@@ -272,7 +272,7 @@ func (s *Store) BatchResults(ctx context.Context, accountID, id uuid.UUID) (*gat
 // terminal batch is left with items running.
 func (s *Store) CancelBatch(ctx context.Context, accountID, id uuid.UUID) error {
 	return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
-		row, err := s.queries.LockBatch(ctx, plannedPerCall{tx}, db.LockBatchParams{ID: id, AccountID: &accountID})
+		row, err := s.queries.LockBatch(ctx, tx, db.LockBatchParams{ID: id, AccountID: &accountID})
 		if errors.Is(err, pgx.ErrNoRows) {
 			return errBatchNotFound(id)
 		}
@@ -297,7 +297,7 @@ func (s *Store) CancelBatch(ctx context.Context, accountID, id uuid.UUID) error 
 // transition applies ev to a batch under its row lock, through the state
 // machine in gateway.NextBatchStatus; moved says whether its status changed.
 func (s *Store) transition(ctx context.Context, tx pgx.Tx, id uuid.UUID, accountID *uuid.UUID, ev gateway.BatchEvent) (moved bool, err error) {
-	row, err := s.queries.LockBatch(ctx, plannedPerCall{tx}, db.LockBatchParams{ID: id, AccountID: accountID})
+	row, err := s.queries.LockBatch(ctx, tx, db.LockBatchParams{ID: id, AccountID: accountID})
 	if errors.Is(err, pgx.ErrNoRows) {
 		return false, errBatchNotFound(id)
 	}
@@ -321,7 +321,7 @@ func (s *Store) transition(ctx context.Context, tx pgx.Tx, id uuid.UUID, account
 		code := string(e.Code)
 		params.ErrorCode, params.ErrorMessage = &code, &e.Message
 	}
-	if err := s.queries.SetBatchStatus(ctx, plannedPerCall{tx}, params); err != nil {
+	if err := s.queries.SetBatchStatus(ctx, tx, params); err != nil {
 		return false, fmt.Errorf("error setting batch status: %w", err)
 	}
 	return true, nil
@@ -370,7 +370,7 @@ func (s *Store) moveBatches(ctx context.Context, ids []uuid.UUID, pick func(cont
 	if len(ids) == 0 {
 		return nil
 	}
-	movable, err := pick(ctx, plannedPerCall{s.pool}, ids)
+	movable, err := pick(ctx, s.pool, ids)
 	if err != nil {
 		return fmt.Errorf("error finding the batches to move: %w", err)
 	}

@@ -18,12 +18,13 @@ import (
 // that plan until its tables' next ANALYZE. Made while the batch tables were
 // tiny and known to be, such a plan reads them whole once a burst of
 // creations has grown them by thousands of batches within seconds, on every
-// call until autovacuum analyzes them. The drain's statements per item and a
-// client's reads of a batch and its results, the frequent ones, run
-// functions planned with sequential scans off (migrations 00026-00028), whose
-// plans are kept; every other statement that reads the batch tables runs
-// through plannedPerCall and pays for a plan a call, about a fifth of a
-// millisecond.
+// call until autovacuum analyzes them. The frequent ones (the drain's
+// statements per item, a batch's start and finish, a client's reads of a
+// batch and its results) run functions planned with sequential scans off
+// (migrations 00026-00030), whose plans are kept; every other statement that
+// reads the batch tables (a client's list, a creation's replay, cancels,
+// lease renewals, maintenance) runs through plannedPerCall and pays for a
+// plan a call, a tenth to a fifth of a millisecond.
 type plannedPerCall struct{ db db.DBTX }
 
 // Exec runs sql with a plan made for this call.

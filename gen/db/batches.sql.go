@@ -522,18 +522,9 @@ func (q *Queries) ListenBatchCreated(ctx context.Context, db DBTX) error {
 }
 
 const lockBatch = `-- name: LockBatch :one
-SELECT b.status, f.unfinished, f.running, f.succeeded, f.expired_items, f.first_error
-FROM batches b
-CROSS JOIN LATERAL (
-    SELECT count(*) FILTER (WHERE i.status IN ('queued', 'in_progress'))::integer AS unfinished,
-           count(*) FILTER (WHERE i.status = 'in_progress')::integer AS running,
-           count(*) FILTER (WHERE i.status = 'completed')::integer AS succeeded,
-           count(*) FILTER (WHERE i.cancel_reason = 'expiry')::integer AS expired_items,
-           coalesce((array_agg(i.error_code ORDER BY i.idx) FILTER (WHERE i.status = 'failed'))[1], '')::text AS first_error
-    FROM batch_items i WHERE i.batch_id = b.id
-) f
-WHERE b.id = $1 AND ($2::uuid IS NULL OR b.account_id = $2::uuid)
-FOR UPDATE OF b
+SELECT l.status::text AS status, l.unfinished::integer AS unfinished, l.running::integer AS running,
+       l.succeeded::integer AS succeeded, l.expired_items::integer AS expired_items, l.first_error::text AS first_error
+FROM lock_batch($1::uuid, $2::uuid) AS l
 `
 
 type LockBatchParams struct {
@@ -551,6 +542,7 @@ type LockBatchRow struct {
 }
 
 // The batch's status, locked for a transition, with the facts of its items.
+// By key, whatever the statistics: see migration 00030.
 func (q *Queries) LockBatch(ctx context.Context, db DBTX, arg LockBatchParams) (LockBatchRow, error) {
 	row := db.QueryRow(ctx, lockBatch, arg.ID, arg.AccountID)
 	var i LockBatchRow
@@ -586,13 +578,12 @@ func (q *Queries) QueueDepth(ctx context.Context, db DBTX) (int64, error) {
 }
 
 const queuedBatches = `-- name: QueuedBatches :many
-SELECT b.id FROM batches b WHERE b.id = ANY ($1::uuid[]) AND b.status IS NOT DISTINCT FROM 'queued'
+SELECT q.id::uuid AS id FROM queued_batches($1::uuid[]) AS q(id)
 `
 
 // Of the batches given, those still queued, read without locks: only these
-// can be started (the start locks and reads again). By key: the status check
-// is one no index of open batches serves (IS NOT DISTINCT FROM, see migration
-// 00019), which statistics taken while no batch was open make look empty.
+// can be started (the start locks and reads again). By key, whatever the
+// statistics: see migration 00030.
 func (q *Queries) QueuedBatches(ctx context.Context, db DBTX, ids []uuid.UUID) ([]uuid.UUID, error) {
 	rows, err := db.Query(ctx, queuedBatches, ids)
 	if err != nil {
@@ -730,26 +721,23 @@ func (q *Queries) RescueExpiredLeases(ctx context.Context, db DBTX, maxRows int3
 }
 
 const setBatchStatus = `-- name: SetBatchStatus :exec
-UPDATE batches SET status = $1,
-       started_at = CASE WHEN $1 = 'in_progress' THEN coalesce(started_at, now()) ELSE started_at END,
-       completed_at = CASE WHEN $1 IN ('completed', 'failed', 'cancelled', 'expired') THEN now() ELSE completed_at END,
-       error_code = $2, error_message = $3
-WHERE id = $4
+SELECT set_batch_status($1::uuid, $2::text, $3::text, $4::text)
 `
 
 type SetBatchStatusParams struct {
+	ID           uuid.UUID
 	Status       string
 	ErrorCode    *string
 	ErrorMessage *string
-	ID           uuid.UUID
 }
 
+// By key, whatever the statistics: see migration 00030.
 func (q *Queries) SetBatchStatus(ctx context.Context, db DBTX, arg SetBatchStatusParams) error {
 	_, err := db.Exec(ctx, setBatchStatus,
+		arg.ID,
 		arg.Status,
 		arg.ErrorCode,
 		arg.ErrorMessage,
-		arg.ID,
 	)
 	return err
 }

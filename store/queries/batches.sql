@@ -64,32 +64,20 @@ SELECT d.id::uuid AS id FROM done_batches(@ids::uuid[]) AS d(id);
 
 -- name: QueuedBatches :many
 -- Of the batches given, those still queued, read without locks: only these
--- can be started (the start locks and reads again). By key: the status check
--- is one no index of open batches serves (IS NOT DISTINCT FROM, see migration
--- 00019), which statistics taken while no batch was open make look empty.
-SELECT b.id FROM batches b WHERE b.id = ANY (@ids::uuid[]) AND b.status IS NOT DISTINCT FROM 'queued';
+-- can be started (the start locks and reads again). By key, whatever the
+-- statistics: see migration 00030.
+SELECT q.id::uuid AS id FROM queued_batches(@ids::uuid[]) AS q(id);
 
 -- name: LockBatch :one
 -- The batch's status, locked for a transition, with the facts of its items.
-SELECT b.status, f.unfinished, f.running, f.succeeded, f.expired_items, f.first_error
-FROM batches b
-CROSS JOIN LATERAL (
-    SELECT count(*) FILTER (WHERE i.status IN ('queued', 'in_progress'))::integer AS unfinished,
-           count(*) FILTER (WHERE i.status = 'in_progress')::integer AS running,
-           count(*) FILTER (WHERE i.status = 'completed')::integer AS succeeded,
-           count(*) FILTER (WHERE i.cancel_reason = 'expiry')::integer AS expired_items,
-           coalesce((array_agg(i.error_code ORDER BY i.idx) FILTER (WHERE i.status = 'failed'))[1], '')::text AS first_error
-    FROM batch_items i WHERE i.batch_id = b.id
-) f
-WHERE b.id = @id AND (sqlc.narg(account_id)::uuid IS NULL OR b.account_id = sqlc.narg(account_id)::uuid)
-FOR UPDATE OF b;
+-- By key, whatever the statistics: see migration 00030.
+SELECT l.status::text AS status, l.unfinished::integer AS unfinished, l.running::integer AS running,
+       l.succeeded::integer AS succeeded, l.expired_items::integer AS expired_items, l.first_error::text AS first_error
+FROM lock_batch(@id::uuid, sqlc.narg(account_id)::uuid) AS l;
 
 -- name: SetBatchStatus :exec
-UPDATE batches SET status = @status,
-       started_at = CASE WHEN @status = 'in_progress' THEN coalesce(started_at, now()) ELSE started_at END,
-       completed_at = CASE WHEN @status IN ('completed', 'failed', 'cancelled', 'expired') THEN now() ELSE completed_at END,
-       error_code = sqlc.narg(error_code), error_message = sqlc.narg(error_message)
-WHERE id = @id;
+-- By key, whatever the statistics: see migration 00030.
+SELECT set_batch_status(@id::uuid, @status::text, sqlc.narg(error_code)::text, sqlc.narg(error_message)::text);
 
 -- name: CancelQueuedItems :execrows
 -- Cancels a batch's items that have not started; their estimates go back to
