@@ -3,10 +3,10 @@
 -- batch tables, with plans kept for the session. The drainer's choice of
 -- batches to start, the lock of a batch with the facts of its items, and
 -- the change of its status were prepared statements, planned for each call
--- since store.plannedPerCall (00028's stop): generic plans made while the
+-- through store.plannedPerCall with 00028: generic plans made while the
 -- tables were tiny read them whole once a burst had grown them. A plan a call
 -- costs a tenth of a millisecond or more, and a batch pays for six of these
--- statements: 0.3-0.5 ms of PostgreSQL more an item in drains of one-item
+-- statements: about 0.3 ms of PostgreSQL more an item in drains of one-item
 -- batches (bench/drain -items 1). Functions planned with sequential scans off
 -- read by key and keep their plans, as done_batches (00026) and the client's
 -- reads (00028) do.
