@@ -1,11 +1,13 @@
 package store
 
 import (
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"time"
 
 	"github.com/google/uuid"
@@ -355,16 +357,16 @@ func (s *Store) StartBatches(ctx context.Context, ids []uuid.UUID) error {
 	})
 }
 
-// errNotMoved ends the transaction of a batch that move left as it was.
+// errNotMoved ends a transaction that moved no batch.
 var errNotMoved = errors.New("batch not moved")
 
-// moveBatches moves, each in its own transaction, the batches of ids that one
-// read without locks (pick) finds able to move: each lock is a durable commit,
-// and replicas often ask to start or finish the same batch. The transaction
-// of a batch that another replica moved meanwhile (move reports it unmoved)
-// is rolled back instead of committed: it wrote nothing, and a commit would
-// wait for a disk sync. One that fails is reported while the others still
-// move.
+// moveBatches moves the batches of ids that one read without locks (pick)
+// finds able to move, together in one transaction: each commit is a disk
+// sync, and a drain of small batches starts and finishes dozens at once.
+// They are locked in key order, so that replicas moving overlapping sets of
+// batches wait for one another instead of deadlocking. When the group fails,
+// each batch is moved again in a transaction of its own, so that one that
+// fails is reported while the others still move (D11).
 func (s *Store) moveBatches(ctx context.Context, ids []uuid.UUID, pick func(context.Context, db.DBTX, []uuid.UUID) ([]uuid.UUID, error),
 	move func(pgx.Tx, uuid.UUID) (bool, error)) error {
 	if len(ids) == 0 {
@@ -374,19 +376,38 @@ func (s *Store) moveBatches(ctx context.Context, ids []uuid.UUID, pick func(cont
 	if err != nil {
 		return fmt.Errorf("error finding the batches to move: %w", err)
 	}
+	slices.SortFunc(movable, func(a, b uuid.UUID) int { return bytes.Compare(a[:], b[:]) })
+	if len(movable) > 1 && s.moveTogether(ctx, movable, move) == nil {
+		return nil
+	}
 	return eachBatch(movable, func(id uuid.UUID) error {
-		err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
-			moved, err := move(tx, id)
-			if err == nil && !moved {
-				return errNotMoved
-			}
-			return err
-		})
-		if errors.Is(err, errNotMoved) {
-			return nil
-		}
-		return err
+		return s.moveTogether(ctx, []uuid.UUID{id}, move)
 	})
+}
+
+// moveTogether moves batches in one transaction. Replicas often ask to move
+// the same batch: a transaction that moved none (another replica moved them
+// meanwhile; move reports them unmoved) is rolled back instead of committed,
+// since it wrote nothing and a commit would wait for a disk sync.
+func (s *Store) moveTogether(ctx context.Context, ids []uuid.UUID, move func(pgx.Tx, uuid.UUID) (bool, error)) error {
+	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		movedAny := false
+		for _, id := range ids {
+			moved, err := move(tx, id)
+			if err != nil {
+				return err
+			}
+			movedAny = movedAny || moved
+		}
+		if !movedAny {
+			return errNotMoved
+		}
+		return nil
+	})
+	if errors.Is(err, errNotMoved) {
+		return nil
+	}
+	return err
 }
 
 // eachBatch runs fn for every batch, going on past failures (D11), and returns

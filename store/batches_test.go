@@ -53,6 +53,19 @@ func (b *testBundle) claim(t *testing.T, owner uuid.UUID, n int, lease time.Dura
 
 func (b *testBundle) complete(t *testing.T, owner uuid.UUID, items []store.ClaimedItem, cost int64) []store.ItemKey {
 	t.Helper()
+	applied := b.completeItems(t, owner, items, cost)
+	ids := make([]uuid.UUID, len(applied))
+	for i, k := range applied {
+		ids[i] = k.BatchID
+	}
+	require.NoError(t, b.store.FinishBatches(b.ctx, ids))
+	return applied
+}
+
+// completeItems stores each item's outcome, completed at cost, without
+// finishing their batches.
+func (b *testBundle) completeItems(t *testing.T, owner uuid.UUID, items []store.ClaimedItem, cost int64) []store.ItemKey {
+	t.Helper()
 	results := make([]store.ItemResult, len(items))
 	for i, it := range items {
 		results[i] = store.ItemResult{
@@ -63,11 +76,6 @@ func (b *testBundle) complete(t *testing.T, owner uuid.UUID, items []store.Claim
 	}
 	applied, err := b.store.CompleteItems(b.ctx, owner, results)
 	require.NoError(t, err)
-	ids := make([]uuid.UUID, len(applied))
-	for i, k := range applied {
-		ids[i] = k.BatchID
-	}
-	require.NoError(t, b.store.FinishBatches(b.ctx, ids))
 	return applied
 }
 
@@ -1249,6 +1257,73 @@ func (e *endTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.Trac
 		e.mu.Unlock()
 	}
 	return ctx
+}
+
+// TestBatchesMoveTogether: the batches a start or a finish is given move in
+// one transaction, one disk sync for them all.
+func TestBatchesMoveTogether(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	ids := make([]uuid.UUID, 5)
+	for i := range ids {
+		ids[i] = b.newBatch(t, p, 1, 10, "", day())
+	}
+	owner := uuid.Must(uuid.NewV7())
+	items := b.claim(t, owner, 10, time.Minute)
+	require.Len(t, items, 5)
+	ends := &endTracer{locking: make(chan struct{})}
+	traced := b.traced(t, ends)
+
+	require.NoError(t, traced.StartBatches(b.ctx, ids))
+	require.Equal(t, []string{"commit"}, ends.ends, "five batches started in one transaction")
+	b.completeItems(t, owner, items, 10)
+	require.NoError(t, traced.FinishBatches(b.ctx, ids))
+	require.Equal(t, []string{"commit", "commit"}, ends.ends, "and finished in one")
+	for _, id := range ids {
+		batch, _ := b.batch(t, p, id)
+		require.Equal(t, gateway.BatchCompleted, batch.Status)
+	}
+}
+
+// TestAFailingMoveIsIsolated: when one batch of a group cannot move, the
+// group's transaction fails, and every batch moves again on its own: that
+// one is reported, the others move.
+func TestAFailingMoveIsIsolated(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	ids := make([]uuid.UUID, 3)
+	for i := range ids {
+		ids[i] = b.newBatch(t, p, 1, 10, "", day())
+	}
+	owner := uuid.Must(uuid.NewV7())
+	items := b.claim(t, owner, 10, time.Minute)
+	require.NoError(t, b.store.StartBatches(b.ctx, ids))
+	b.completeItems(t, owner, items, 10)
+	stuck := ids[1]
+	_, err := b.store.Pool().Exec(b.ctx, fmt.Sprintf(`CREATE FUNCTION refuse_batch() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN IF NEW.id = '%s' THEN RAISE EXCEPTION 'this batch cannot move'; END IF; RETURN NEW; END $$;
+		CREATE TRIGGER refuse_batch BEFORE UPDATE ON batches FOR EACH ROW EXECUTE FUNCTION refuse_batch()`, stuck))
+	require.NoError(t, err)
+
+	err = b.store.FinishBatches(b.ctx, ids)
+	require.ErrorContains(t, err, "batch "+stuck.String())
+	require.ErrorContains(t, err, "this batch cannot move")
+	for _, id := range ids {
+		want := gateway.BatchCompleted
+		if id == stuck {
+			want = gateway.BatchInProgress
+		}
+		batch, _ := b.batch(t, p, id)
+		require.Equal(t, want, batch.Status)
+	}
+
+	_, err = b.store.Pool().Exec(b.ctx, `DROP TRIGGER refuse_batch ON batches`)
+	require.NoError(t, err)
+	require.NoError(t, b.store.FinishBatches(b.ctx, ids))
+	batch, _ := b.batch(t, p, stuck)
+	require.Equal(t, gateway.BatchCompleted, batch.Status, "finished once it can move")
 }
 
 // TestMoveAnotherReplicaMadeIsRolledBack: two replicas start the same batch at
