@@ -1264,14 +1264,7 @@ func (e *endTracer) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.Trac
 func TestBatchesMoveTogether(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
-	ids := make([]uuid.UUID, 5)
-	for i := range ids {
-		ids[i] = b.newBatch(t, p, 1, 10, "", day())
-	}
-	owner := uuid.Must(uuid.NewV7())
-	items := b.claim(t, owner, 10, time.Minute)
-	require.Len(t, items, 5)
+	p, ids, owner, items := b.oneItemBatchesClaimed(t, 5)
 	ends := &endTracer{locking: make(chan struct{})}
 	traced := b.traced(t, ends)
 
@@ -1286,19 +1279,28 @@ func TestBatchesMoveTogether(t *testing.T) {
 	}
 }
 
+// oneItemBatchesClaimed creates n batches of one item for a key of its own,
+// and claims their items for owner.
+func (b *testBundle) oneItemBatchesClaimed(t *testing.T, n int) (p *gateway.Principal, ids []uuid.UUID, owner uuid.UUID, items []store.ClaimedItem) {
+	t.Helper()
+	_, p = b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	ids = make([]uuid.UUID, n)
+	for i := range ids {
+		ids[i] = b.newBatch(t, p, 1, 10, "", day())
+	}
+	owner = uuid.Must(uuid.NewV7())
+	items = b.claim(t, owner, n, time.Minute)
+	require.Len(t, items, n)
+	return p, ids, owner, items
+}
+
 // TestAFailingMoveIsIsolated: when one batch of a group cannot move, the
 // group's transaction fails, and every batch moves again on its own: that
 // one is reported, the others move.
 func TestAFailingMoveIsIsolated(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
-	ids := make([]uuid.UUID, 3)
-	for i := range ids {
-		ids[i] = b.newBatch(t, p, 1, 10, "", day())
-	}
-	owner := uuid.Must(uuid.NewV7())
-	items := b.claim(t, owner, 10, time.Minute)
+	p, ids, owner, items := b.oneItemBatchesClaimed(t, 3)
 	require.NoError(t, b.store.StartBatches(b.ctx, ids))
 	b.completeItems(t, owner, items, 10)
 	stuck := ids[1]
