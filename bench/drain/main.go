@@ -75,11 +75,8 @@ func run(binary, replicaList string, probes, rounds int, o runOptions) error {
 	fake := fakeupstream.New()
 	defer fake.Close()
 
-	capped := ""
-	if o.capped {
-		capped = ", their projects' budgets capped"
-	}
-	fmt.Printf("batch drain, instant upstream, %d batches × %d items of %d accounts%s per run after %d not counted and the tables analyzed, %d cores\n\n", o.batches, o.items, o.accounts, capped, o.warmup, runtime.NumCPU())
+	fmt.Printf("batch drain, instant upstream, %d batches × %d items of %d accounts%s per run after %d not counted and the tables analyzed, %d cores\n\n",
+		o.batches, o.items, o.accounts, benchenv.CappedNote(o.capped), o.warmup, runtime.NumCPU())
 	fmt.Println("| round | replicas | items | seconds (creating) | items/s | CPU/item gateway (creating) | CPU/item PostgreSQL (creating) | WAL flushes/item | WAL records/item |")
 	fmt.Println("|---|---|---|---|---|---|---|---|---|")
 	rates := map[int][]float64{}

@@ -52,10 +52,9 @@ func main() {
 
 // options shape a run: see the flags of the same names.
 type options struct {
-	duration, warmup, limitChanges time.Duration
-	connections, promptBytes       int
-	tenants                        int
-	h2c, capped                    bool
+	duration, warmup, limitChanges    time.Duration
+	connections, promptBytes, tenants int
+	h2c, capped                       bool
 }
 
 func run(binary, rateList string, o options) error {
@@ -108,11 +107,8 @@ func run(binary, rateList string, o options) error {
 		viaGateway.bodies = append(viaGateway.bodies, []byte(`{"prompt":"`+prompt+`","max_output_rungs":200}`))
 	}
 
-	capped := ""
-	if o.capped {
-		capped = ", their projects' budgets capped"
-	}
-	fmt.Printf("gateway (%s) vs. upstream direct, open loop, %s per rate (after %s warm-up), %d cores, %d tenants%s\n\n", protocol, o.duration, o.warmup, runtime.NumCPU(), len(keys), capped)
+	fmt.Printf("gateway (%s) vs. upstream direct, open loop, %s per rate (after %s warm-up), %d cores, %d tenants%s\n\n",
+		protocol, o.duration, o.warmup, runtime.NumCPU(), len(keys), benchenv.CappedNote(o.capped))
 	fmt.Println("| rate (req/s) | target | achieved req/s | errors | p50 | p90 | p99 | CPU/req gateway | CPU/req PostgreSQL | commits/req | WAL flushes/req | WAL records/req |")
 	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|")
 	for _, field := range strings.Split(rateList, ",") {

@@ -145,6 +145,14 @@ func CapBudgets(env []string, accounts []string) error {
 	return nil
 }
 
+// CappedNote is what a run's heading says of its tenants' budgets.
+func CappedNote(capped bool) string {
+	if capped {
+		return ", their projects' budgets capped"
+	}
+	return ""
+}
+
 // Serve starts `gateway serve` with env and returns its base URL once it is ready.
 func (e *Env) Serve(env []string) (string, error) {
 	p, err := e.ServeProcess(env)
