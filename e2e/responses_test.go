@@ -73,6 +73,16 @@ func TestResponsesEndToEnd(t *testing.T) {
 	require.Equal(t, "MODEL_UNAVAILABLE", r.code(t))
 	require.Len(t, b.fake.Calls(), 1)
 
+	// A reply citing nothing has empty evidence, served all the same.
+	b.fake.SetCitations(false)
+	r = g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": prompt})
+	require.Equal(t, http.StatusOK, r.status, string(r.body))
+	body = r.object(t)
+	require.Equal(t, []any{}, body["sources"])
+	ev = g.call(http.MethodGet, body["sources_url"].(string), b.key, nil)
+	require.Equal(t, http.StatusOK, ev.status, string(ev.body))
+	require.Equal(t, map[string]any{"request_id": body["request_id"], "sources": []any{}}, ev.object(t))
+
 	// Revoking the key through the CLI locks it out as soon as the replica
 	// hears of it.
 	mustCLI(t, b.db, "keys", "revoke", b.key[:12])

@@ -864,6 +864,49 @@ func TestClaimReturnsEachItemWithItsBatchStatus(t *testing.T) {
 	require.Empty(t, b.claim(t, owner, 20, time.Minute))
 }
 
+// TestCompletedItemsWriteEvidenceRowsOnlyWithEvidence: an item completed
+// with neither sources nor a verdict writes no row of evidence (migration
+// 00031); its empty evidence is served all the same.
+func TestCompletedItemsWriteEvidenceRowsOnlyWithEvidence(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	id := b.newBatch(t, p, 3, 50, "", day())
+	owner := uuid.Must(uuid.NewV7())
+	items := b.claim(t, owner, 10, time.Minute)
+	require.Len(t, items, 3)
+	src := []gateway.Source{{Title: "T", URL: "https://x"}}
+	none := []gateway.Source{}
+	evidence := []gateway.Evidence{{Sources: src, Verdict: "supported"}, {Sources: none, Verdict: "unsupported"}, {Sources: none}}
+	results := make([]store.ItemResult, len(items))
+	for i, it := range items {
+		ev := evidence[it.Index]
+		results[i] = store.ItemResult{
+			BatchID: it.BatchID, Index: it.Index, Status: "completed", Content: "done",
+			InputTokens: 1, OutputTokens: 1, InputRungs: 1, OutputRungs: 1, TotalRungs: 2,
+			Sources: ev.Sources, Verdict: ev.Verdict, EvidenceExpiresAt: time.Now().Add(time.Hour),
+		}
+	}
+	_, err := b.store.CompleteItems(b.ctx, owner, results)
+	require.NoError(t, err)
+
+	_, stored := b.batch(t, p, id)
+	require.Len(t, stored, 3)
+	withRows := map[uuid.UUID]bool{}
+	for _, item := range stored {
+		require.NotNil(t, item.RequestID)
+		ev, err := b.store.Evidence(b.ctx, p.AccountID, *item.RequestID)
+		require.NoError(t, err)
+		want := evidence[item.Index]
+		want.RequestID = *item.RequestID
+		require.Equal(t, &want, ev)
+		if item.Index < 2 {
+			withRows[*item.RequestID] = true
+		}
+	}
+	require.Equal(t, withRows, b.evidenceRows(t))
+}
+
 func TestCompleteItemsAndBatchLifecycle(t *testing.T) {
 	t.Parallel()
 	b := setup(t)

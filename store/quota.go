@@ -250,8 +250,7 @@ func (s *Store) SettleRequests(ctx context.Context, group []Settlement) error {
 		p.InputTokens[i], p.OutputTokens[i] = r.Usage.InputTokens, r.Usage.OutputTokens
 		p.InputRungs[i], p.OutputRungs[i], p.TotalRungs[i] = r.Usage.InputRungs, r.Usage.OutputRungs, r.Usage.TotalRungs
 		p.CreatedAts[i], p.CompletedAts[i], p.EvidenceExpiresAts[i] = r.CreatedAt, r.CompletedAt, r.EvidenceExpiresAt
-		p.Sources[i] = []byte("[]")
-		if len(r.Sources) > 0 {
+		if len(r.Sources) > 0 { // none: NULL
 			sources, err := json.Marshal(r.Sources)
 			if err != nil {
 				return fmt.Errorf("error encoding sources: %w", err)

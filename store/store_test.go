@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
@@ -128,29 +129,53 @@ func TestRecordRequestAndEvidence(t *testing.T) {
 	}
 	src := []gateway.Source{{Title: "T", URL: "https://x", Snippet: "s"}, {Title: "U", URL: "https://y"}}
 	withEvidence := record(src, "supported", now.Add(time.Hour))
+	verdictOnly := record(nil, "unsupported", now.Add(time.Hour))
 	withoutEvidence := record(nil, "", now.Add(time.Hour))
+	emptyList := record([]gateway.Source{}, "", now.Add(time.Hour))
 	expired := record(src, "supported", now.Add(-time.Second))
+	expiredEmpty := record(nil, "", now.Add(-time.Second))
 
 	ev, err := b.store.Evidence(b.ctx, owner.AccountID, withEvidence)
 	require.NoError(t, err)
 	require.Equal(t, &gateway.Evidence{RequestID: withEvidence, Sources: src, Verdict: "supported"}, ev)
-
-	ev, err = b.store.Evidence(b.ctx, owner.AccountID, withoutEvidence)
+	ev, err = b.store.Evidence(b.ctx, owner.AccountID, verdictOnly)
 	require.NoError(t, err)
-	require.Empty(t, ev.Sources)
-	require.Empty(t, ev.Verdict)
+	require.Equal(t, &gateway.Evidence{RequestID: verdictOnly, Sources: []gateway.Source{}, Verdict: "unsupported"}, ev)
+	for _, id := range []uuid.UUID{withoutEvidence, emptyList} {
+		ev, err = b.store.Evidence(b.ctx, owner.AccountID, id)
+		require.NoError(t, err, "empty evidence is held as long as any")
+		require.Equal(t, &gateway.Evidence{RequestID: id, Sources: []gateway.Source{}}, ev)
+	}
+	require.Equal(t, map[uuid.UUID]bool{withEvidence: true, verdictOnly: true, expired: true},
+		b.evidenceRows(t), "a request with neither sources nor a verdict writes no row of evidence")
 
 	for name, c := range map[string]struct {
 		account uuid.UUID
 		id      uuid.UUID
 	}{
-		"foreign": {stranger.AccountID, withEvidence},
-		"expired": {owner.AccountID, expired},
-		"unknown": {owner.AccountID, uuid.Must(uuid.NewV7())},
+		"foreign":       {stranger.AccountID, withEvidence},
+		"foreign empty": {stranger.AccountID, withoutEvidence},
+		"expired":       {owner.AccountID, expired},
+		"expired empty": {owner.AccountID, expiredEmpty},
+		"unknown":       {owner.AccountID, uuid.Must(uuid.NewV7())},
 	} {
 		_, err := b.store.Evidence(b.ctx, c.account, c.id)
 		require.Equal(t, gateway.ESourcesNotFound, gateway.ErrorCodeOf(err), name)
 	}
+}
+
+// evidenceRows is the set of requests with a row of evidence.
+func (b *testBundle) evidenceRows(t *testing.T) map[uuid.UUID]bool {
+	t.Helper()
+	rows, err := b.store.Pool().Query(b.ctx, `SELECT request_id FROM evidence`)
+	require.NoError(t, err)
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[uuid.UUID])
+	require.NoError(t, err)
+	set := make(map[uuid.UUID]bool, len(ids))
+	for _, id := range ids {
+		set[id] = true
+	}
+	return set
 }
 
 func TestSetLimits(t *testing.T) {

@@ -36,12 +36,13 @@ func main() {
 	warmup := flag.Int("warmup", 20, "batches drained before each measured run, not counted")
 	accounts := flag.Int("accounts", 1, "accounts the batches are spread over, in turn (each claim shares out its items among the accounts with work)")
 	capped := flag.Bool("capped", false, "give each account's project a budget cap (one that every item fits), so that each claimed item reserves its estimate")
+	uncited := flag.Bool("uncited", false, "replies cite no source (as most replies without a web search), so their evidence is empty")
 	flag.Parse()
 	if *items < 1 || *items > 100 {
 		fmt.Fprintln(os.Stderr, "drain: -items must be 1 to 100")
 		os.Exit(2)
 	}
-	if err := run(*binary, *replicaList, *probes, *rounds, runOptions{batches: *batches, items: *items, warmup: *warmup, accounts: *accounts, capped: *capped}); err != nil {
+	if err := run(*binary, *replicaList, *probes, *rounds, runOptions{batches: *batches, items: *items, warmup: *warmup, accounts: *accounts, capped: *capped, uncited: *uncited}); err != nil {
 		fmt.Fprintln(os.Stderr, "drain:", err)
 		os.Exit(1)
 	}
@@ -49,10 +50,10 @@ func main() {
 
 // runOptions shape each drain run: batches of items measured, after warmup
 // drained, spread over accounts, whose projects are capped when capped is
-// set.
+// set, answered without citations when uncited is.
 type runOptions struct {
 	batches, items, warmup, accounts int
-	capped                           bool
+	capped, uncited                  bool
 }
 
 func run(binary, replicaList string, probes, rounds int, o runOptions) error {
@@ -74,9 +75,10 @@ func run(binary, replicaList string, probes, rounds int, o runOptions) error {
 	defer env.Close()
 	fake := fakeupstream.New()
 	defer fake.Close()
+	fake.SetCitations(!o.uncited)
 
-	fmt.Printf("batch drain, instant upstream, %d batches × %d items of %d accounts%s per run after %d not counted and the tables analyzed, %d cores\n\n",
-		o.batches, o.items, o.accounts, benchenv.CappedNote(o.capped), o.warmup, runtime.NumCPU())
+	fmt.Printf("batch drain, instant upstream, %d batches × %d items of %d accounts%s%s per run after %d not counted and the tables analyzed, %d cores\n\n",
+		o.batches, o.items, o.accounts, benchenv.CappedNote(o.capped), benchenv.CitedNote(o.uncited), o.warmup, runtime.NumCPU())
 	fmt.Println("| round | replicas | items | seconds (creating) | items/s | CPU/item gateway (creating) | CPU/item PostgreSQL (creating) | WAL flushes/item | WAL records/item |")
 	fmt.Println("|---|---|---|---|---|---|---|---|---|")
 	rates := map[int][]float64{}

@@ -41,9 +41,10 @@ func main() {
 	tenants := flag.Int("tenants", 1, "accounts the requests are spread over, each with its key, in turn")
 	limitChanges := flag.Duration("limit-changes", 0, "while measuring the gateway, change one tenant's daily ceiling this often, a tenant after another (0: never)")
 	capped := flag.Bool("capped", false, "give each tenant's project a budget cap (one that no request reaches), so that each request reserves its estimate on it")
+	uncited := flag.Bool("uncited", false, "replies cite no source (as most replies without a web search), so their evidence is empty")
 	flag.Parse()
 	o := options{duration: *duration, warmup: *warmup, connections: *connections, h2c: *h2c, promptBytes: *promptBytes,
-		tenants: *tenants, limitChanges: *limitChanges, capped: *capped}
+		tenants: *tenants, limitChanges: *limitChanges, capped: *capped, uncited: *uncited}
 	if err := run(*binary, *rates, o); err != nil {
 		fmt.Fprintln(os.Stderr, "load:", err)
 		os.Exit(1)
@@ -54,7 +55,7 @@ func main() {
 type options struct {
 	duration, warmup, limitChanges    time.Duration
 	connections, promptBytes, tenants int
-	h2c, capped                       bool
+	h2c, capped, uncited              bool
 }
 
 func run(binary, rateList string, o options) error {
@@ -65,6 +66,7 @@ func run(binary, rateList string, o options) error {
 	defer env.Close()
 	fake := fakeupstream.New()
 	defer fake.Close()
+	fake.SetCitations(!o.uncited)
 	vars, key, err := env.Fresh("load", fake.BaseURL(), "GATEWAY_H2C="+strconv.FormatBool(o.h2c))
 	if err != nil {
 		return err
@@ -107,8 +109,8 @@ func run(binary, rateList string, o options) error {
 		viaGateway.bodies = append(viaGateway.bodies, []byte(`{"prompt":"`+prompt+`","max_output_rungs":200}`))
 	}
 
-	fmt.Printf("gateway (%s) vs. upstream direct, open loop, %s per rate (after %s warm-up), %d cores, %d tenants%s\n\n",
-		protocol, o.duration, o.warmup, runtime.NumCPU(), len(keys), benchenv.CappedNote(o.capped))
+	fmt.Printf("gateway (%s) vs. upstream direct, open loop, %s per rate (after %s warm-up), %d cores, %d tenants%s%s\n\n",
+		protocol, o.duration, o.warmup, runtime.NumCPU(), len(keys), benchenv.CappedNote(o.capped), benchenv.CitedNote(o.uncited))
 	fmt.Println("| rate (req/s) | target | achieved req/s | errors | p50 | p90 | p99 | CPU/req gateway | CPU/req PostgreSQL | commits/req | WAL flushes/req | WAL records/req |")
 	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|")
 	for _, field := range strings.Split(rateList, ",") {

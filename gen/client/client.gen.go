@@ -1113,7 +1113,8 @@ type ClientInterface interface {
 	//
 	// The sources and evidence verdict of a completed request of the caller's
 	// account. Evidence is held for the evidence retention period (default 168
-	// hours); after that, and for an unknown request or another account's request,
+	// hours), empty evidence (a reply that cited nothing) as long as any;
+	// after that, and for an unknown request or another account's request,
 	// the reply is `404 SOURCES_NOT_FOUND`. Requires the `inference` scope.
 	//
 	// Corresponds with GET /api/v1/sources/{request_id} (the `GetSources` operationId).
@@ -1463,7 +1464,8 @@ func (c *Client) GetResponseSources(ctx context.Context, requestId RequestID, re
 //
 // The sources and evidence verdict of a completed request of the caller's
 // account. Evidence is held for the evidence retention period (default 168
-// hours); after that, and for an unknown request or another account's request,
+// hours), empty evidence (a reply that cited nothing) as long as any;
+// after that, and for an unknown request or another account's request,
 // the reply is `404 SOURCES_NOT_FOUND`. Requires the `inference` scope.
 //
 // Corresponds with GET /api/v1/sources/{request_id} (the `GetSources` operationId).
@@ -2343,7 +2345,8 @@ type ClientWithResponsesInterface interface {
 	//
 	// The sources and evidence verdict of a completed request of the caller's
 	// account. Evidence is held for the evidence retention period (default 168
-	// hours); after that, and for an unknown request or another account's request,
+	// hours), empty evidence (a reply that cited nothing) as long as any;
+	// after that, and for an unknown request or another account's request,
 	// the reply is `404 SOURCES_NOT_FOUND`. Requires the `inference` scope.
 	//
 	// Returns a wrapper object for the known response body format(s).
@@ -4393,7 +4396,8 @@ func (c *ClientWithResponses) GetResponseSourcesWithResponse(ctx context.Context
 //
 // The sources and evidence verdict of a completed request of the caller's
 // account. Evidence is held for the evidence retention period (default 168
-// hours); after that, and for an unknown request or another account's request,
+// hours), empty evidence (a reply that cited nothing) as long as any;
+// after that, and for an unknown request or another account's request,
 // the reply is `404 SOURCES_NOT_FOUND`. Requires the `inference` scope.
 //
 // Returns a wrapper object for the known response body format(s).

@@ -368,20 +368,24 @@ WITH u AS (
            u.input_tokens, u.output_tokens, u.input_rungs, u.output_rungs, u.total_rungs,
            u.created_at, u.completed_at, u.sources, nullif(u.verdict, '') AS verdict,
            u.evidence_expires_at, nullif(u.lease_id, '00000000-0000-0000-0000-000000000000'::uuid) AS lease_id,
-           (u.created_at AT TIME ZONE 'UTC')::date AS day
+           (u.created_at AT TIME ZONE 'UTC')::date AS day,
+           coalesce(u.sources, '[]'::jsonb) = '[]'::jsonb AND u.verdict = '' AS empty_evidence
       FROM u
 ), stored AS (
     INSERT INTO requests (
         id, account_id, project_id, api_key_id, model, entry_point, status,
-        input_tokens, output_tokens, input_rungs, output_rungs, total_rungs, created_at, completed_at)
+        input_tokens, output_tokens, input_rungs, output_rungs, total_rungs, created_at, completed_at,
+        empty_evidence_expires_at)
     SELECT r.id, r.account_id, r.project_id, r.api_key_id, r.model, r.entry_point, r.status,
-           r.input_tokens, r.output_tokens, r.input_rungs, r.output_rungs, r.total_rungs, r.created_at, r.completed_at
+           r.input_tokens, r.output_tokens, r.input_rungs, r.output_rungs, r.total_rungs, r.created_at, r.completed_at,
+           CASE WHEN r.empty_evidence THEN r.evidence_expires_at END
       FROM r
     ON CONFLICT (id) DO NOTHING
     RETURNING requests.id
 ), ev AS (
     INSERT INTO evidence (request_id, account_id, sources, verdict, expires_at)
-    SELECT r.id, r.account_id, r.sources, r.verdict, r.evidence_expires_at FROM r JOIN stored USING (id)
+    SELECT r.id, r.account_id, coalesce(r.sources, '[]'::jsonb), r.verdict, r.evidence_expires_at
+      FROM r JOIN stored USING (id) WHERE NOT r.empty_evidence
 ), costs AS (
     SELECT r.lease_id, r.account_id, r.project_id, r.day, sum(r.total_rungs) AS cost
       FROM r JOIN stored USING (id) GROUP BY r.lease_id, r.account_id, r.project_id, r.day
@@ -434,7 +438,9 @@ type SettleRequestsParams struct {
 // rather than a function call: PostgreSQL runs it without a PL/pgSQL frame
 // and without materialising its result. The group comes as one array a
 // column, in binary, so nothing of it is parsed but each request's sources
-// (an empty verdict is none, a nil lease id no lease). The leases and projects
+// (no sources are NULL, an empty verdict is none, a nil lease id no lease). A
+// request with neither sources nor verdict writes no evidence row: its row of
+// requests says until when its empty evidence is held (migration 00031). The leases and projects
 // it charges are named by key (= ANY (ARRAY(...))): joined to the group alone,
 // which the planner takes for a hundred rows, they were read whole (2 ms a
 // settlement at 20,000 leases).

@@ -130,20 +130,21 @@ type RateWindow struct {
 }
 
 type Request struct {
-	ID           uuid.UUID
-	AccountID    uuid.UUID
-	ProjectID    uuid.UUID
-	ApiKeyID     *uuid.UUID
-	Model        string
-	EntryPoint   string
-	Status       string
-	InputTokens  int64
-	OutputTokens int64
-	InputRungs   int64
-	OutputRungs  int64
-	TotalRungs   int64
-	CreatedAt    time.Time
-	CompletedAt  time.Time
+	ID                     uuid.UUID
+	AccountID              uuid.UUID
+	ProjectID              uuid.UUID
+	ApiKeyID               *uuid.UUID
+	Model                  string
+	EntryPoint             string
+	Status                 string
+	InputTokens            int64
+	OutputTokens           int64
+	InputRungs             int64
+	OutputRungs            int64
+	TotalRungs             int64
+	CreatedAt              time.Time
+	CompletedAt            time.Time
+	EmptyEvidenceExpiresAt *time.Time
 }
 
 type Reservation struct {

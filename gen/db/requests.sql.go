@@ -28,9 +28,14 @@ func (q *Queries) DeleteExpiredEvidence(ctx context.Context, db DBTX, maxRows in
 }
 
 const getEvidence = `-- name: GetEvidence :one
-SELECT request_id, sources, verdict
-FROM evidence
-WHERE request_id = $1 AND account_id = $2 AND expires_at > now()
+SELECT e.request_id, e.sources, e.verdict
+FROM evidence e
+WHERE e.request_id = $1 AND e.account_id = $2 AND e.expires_at > now()
+UNION ALL
+SELECT r.id, '[]'::jsonb, NULL::text
+FROM requests r
+WHERE r.id = $1 AND r.account_id = $2 AND r.empty_evidence_expires_at > now()
+LIMIT 1
 `
 
 type GetEvidenceParams struct {
@@ -44,7 +49,9 @@ type GetEvidenceRow struct {
 	Verdict   *string
 }
 
-// Evidence of one request of the account, while it is held.
+// Evidence of one request of the account, while it is held: its row of
+// evidence, or, for a request whose evidence is empty (no sources, no
+// verdict; migration 00031), its row of requests.
 func (q *Queries) GetEvidence(ctx context.Context, db DBTX, arg GetEvidenceParams) (GetEvidenceRow, error) {
 	row := db.QueryRow(ctx, getEvidence, arg.RequestID, arg.AccountID)
 	var i GetEvidenceRow

@@ -50,6 +50,7 @@ type Server struct {
 	delay      time.Duration
 	chunkDelay time.Duration
 	breakAfter int
+	uncited    bool
 	hostile    map[string]Hostile
 	slow       map[string]time.Duration
 	calls      []Call
@@ -123,6 +124,14 @@ func (s *Server) SetDelay(d time.Duration) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.delay = d
+}
+
+// SetCitations says whether replies cite a source (an annotation, as a web
+// search's reply has), as they do unless told otherwise.
+func (s *Server) SetCitations(on bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.uncited = !on
 }
 
 // SetChunkDelay makes a stream wait d before each content chunk.
@@ -201,7 +210,7 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	s.mu.Lock()
-	mode, status, delay, chunkDelay, breakAfter := s.mode, s.status, s.delay, s.chunkDelay, s.breakAfter
+	mode, status, delay, chunkDelay, breakAfter, uncited := s.mode, s.status, s.delay, s.chunkDelay, s.breakAfter, s.uncited
 	var hostile *Hostile
 	for marker, h := range s.hostile {
 		if strings.Contains(call.Prompt, marker) {
@@ -247,7 +256,7 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	if req.Stream {
-		stream(w, r, call.Prompt, chunkDelay, breakAfter, hostile)
+		stream(w, r, call.Prompt, chunkDelay, breakAfter, uncited, hostile)
 		return
 	}
 	content, title := Reply(call.Prompt), "Example doc"
@@ -255,32 +264,29 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 	if hostile != nil {
 		content, title, pt, ct = hostile.Content, hostile.SourceTitle, hostile.PromptTokens, hostile.CompletionTokens
 	}
-	resp := map[string]any{
-		"id":     "chatcmpl-fake",
-		"object": "chat.completion",
-		"model":  req.Model,
-		"choices": []any{map[string]any{
-			"index":         0,
-			"finish_reason": "stop",
-			"message": map[string]any{
-				"role":    "assistant",
-				"content": content,
-				"annotations": []any{map[string]any{
-					"type": "url_citation",
-					"url_citation": map[string]any{
-						"url": "https://example.org/doc", "title": title, "start_index": 0, "end_index": 4,
-					},
-				}},
+	message := map[string]any{"role": "assistant", "content": content}
+	if !uncited {
+		message["annotations"] = []any{map[string]any{
+			"type": "url_citation",
+			"url_citation": map[string]any{
+				"url": "https://example.org/doc", "title": title, "start_index": 0, "end_index": 4,
 			},
-		}},
-		"usage": map[string]any{"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct},
+		}}
+	}
+	resp := map[string]any{
+		"id":      "chatcmpl-fake",
+		"object":  "chat.completion",
+		"model":   req.Model,
+		"choices": []any{map[string]any{"index": 0, "finish_reason": "stop", "message": message}},
+		"usage":   map[string]any{"prompt_tokens": pt, "completion_tokens": ct, "total_tokens": pt + ct},
 	}
 	_ = json.NewEncoder(w).Encode(resp)
 }
 
 // stream answers as OpenAI does with stream_options.include_usage: a role-only
-// delta, one delta per piece, an annotation delta, a usage chunk, then [DONE].
-func stream(w http.ResponseWriter, r *http.Request, prompt string, chunkDelay time.Duration, breakAfter int, hostile *Hostile) {
+// delta, one delta per piece, an annotation delta (unless uncited), a usage
+// chunk, then [DONE].
+func stream(w http.ResponseWriter, r *http.Request, prompt string, chunkDelay time.Duration, breakAfter int, uncited bool, hostile *Hostile) {
 	w.Header().Set("Content-Type", "text/event-stream")
 	flusher := w.(http.Flusher)
 	send := func(v any) {
@@ -310,9 +316,11 @@ func stream(w http.ResponseWriter, r *http.Request, prompt string, chunkDelay ti
 		}
 		send(delta(map[string]any{"content": piece}))
 	}
-	send(delta(map[string]any{"annotations": []any{map[string]any{
-		"type": "url_citation", "url_citation": map[string]any{"url": "https://example.org/doc", "title": title},
-	}}}))
+	if !uncited {
+		send(delta(map[string]any{"annotations": []any{map[string]any{
+			"type": "url_citation", "url_citation": map[string]any{"url": "https://example.org/doc", "title": title},
+		}}}))
+	}
 	send(map[string]any{"object": "chat.completion.chunk", "choices": []any{}, "usage": map[string]any{"prompt_tokens": pt, "completion_tokens": ct}})
 	fmt.Fprint(w, "data: [DONE]\n\n")
 	flusher.Flush()

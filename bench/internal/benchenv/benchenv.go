@@ -153,6 +153,15 @@ func CappedNote(capped bool) string {
 	return ""
 }
 
+// CitedNote says, for a heading, whether the fake upstream's replies cite a
+// source (each does unless uncited).
+func CitedNote(uncited bool) string {
+	if uncited {
+		return ", no reply citing a source"
+	}
+	return ", each reply citing a source"
+}
+
 // Serve starts `gateway serve` with env and returns its base URL once it is ready.
 func (e *Env) Serve(env []string) (string, error) {
 	p, err := e.ServeProcess(env)
