@@ -18,6 +18,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/internal/proccpu"
 	"github.com/rungworks/gateway/pglocal"
 	"github.com/rungworks/gateway/store"
 )
@@ -245,36 +246,11 @@ func (e *Env) command(env []string, args ...string) *exec.Cmd {
 	return cmd
 }
 
-// clockTick is the unit of CPU times in /proc (USER_HZ, 100 on Linux).
-const clockTick = 10 * time.Millisecond
-
-// ProcessCPU is the CPU time (user and system) process pid has used so far.
-func ProcessCPU(pid int) (time.Duration, error) {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return 0, err
-	}
-	// The command name, in parentheses, may hold spaces: fields start after it.
-	s := string(b)
-	fields := strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
-	if len(fields) < 13 {
-		return 0, fmt.Errorf("short /proc/%d/stat", pid)
-	}
-	var utime, stime int64
-	if _, err := fmt.Sscan(fields[11], &utime); err != nil {
-		return 0, err
-	}
-	if _, err := fmt.Sscan(fields[12], &stime); err != nil {
-		return 0, err
-	}
-	return time.Duration(utime+stime) * clockTick, nil
-}
-
 // CPU is the CPU time the gateway processes pids, and every PostgreSQL
 // process (see PostgresCPU), have used so far.
 func CPU(pids ...int) (gateway, postgres time.Duration, err error) {
 	for _, pid := range pids {
-		c, err := ProcessCPU(pid)
+		c, err := proccpu.Of(pid)
 		if err != nil {
 			return 0, 0, err
 		}
@@ -306,7 +282,7 @@ func PostgresCPU() (time.Duration, error) {
 		if err != nil || strings.TrimSpace(string(comm)) != "postgres" {
 			continue
 		}
-		if cpu, err := ProcessCPU(pid); err == nil {
+		if cpu, err := proccpu.Of(pid); err == nil {
 			total += cpu
 		}
 	}
