@@ -10,10 +10,12 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/gen/db"
+	"github.com/rungworks/gateway/internal/proccpu"
 	"github.com/rungworks/gateway/internal/testdb"
 	"github.com/rungworks/gateway/store"
 )
@@ -139,7 +141,7 @@ func TestMeteringStatementsReadTenantsByKey(t *testing.T) {
 		}
 	}
 	require.Empty(t, whole, "plans that read a tenant table or index whole")
-	for _, statement := range []string{"INSERT INTO requests", "fold_quota_leases", "reconcile_settlements", "lease_rate", "return_rate", "grant_quota"} {
+	for _, statement := range []string{"INSERT INTO requests", "charge_directly", "UPDATE projects p SET spent_rungs", "fold_quota_leases", "reconcile_settlements", "lease_rate", "return_rate", "grant_quota"} {
 		require.Contains(t, strings.Join(all, "\n"), statement, "%s was explained", statement)
 	}
 }
@@ -179,11 +181,18 @@ func BenchmarkMeteringAmongTenants(b *testing.B) {
 			b.Run("settle", func(b *testing.B) {
 				lease := uuid.Must(uuid.NewV7())
 				grant(lease)
+				// One connection, whose server process's CPU is counted.
+				one, err := store.Connect(ctx, st.Pool().Config().ConnString(), 1)
+				require.NoError(b, err)
+				defer one.Close()
+				single := store.New(one)
+				cpu := backendCPU(b, one)
 				for b.Loop() {
-					if err := st.SettleRequests(ctx, []store.Settlement{{Record: record(p, uuid.Must(uuid.NewV7()), 10), LeaseID: &lease}}); err != nil {
+					if err := single.SettleRequests(ctx, []store.Settlement{{Record: record(p, uuid.Must(uuid.NewV7()), 10), LeaseID: &lease}}); err != nil {
 						b.Fatal(err)
 					}
 				}
+				cpu.report(b)
 			})
 			b.Run("grant-fold", func(b *testing.B) {
 				for b.Loop() {
@@ -196,4 +205,36 @@ func BenchmarkMeteringAmongTenants(b *testing.B) {
 			})
 		})
 	}
+}
+
+// backendCPUCounter counts the CPU time of a connection's server process.
+type backendCPUCounter struct {
+	pid   int
+	start time.Duration
+}
+
+// backendCPU starts counting the CPU time of the server process behind pool's
+// one connection; nil when that process cannot be read (a server on another
+// machine, or in a container).
+func backendCPU(b *testing.B, pool *pgxpool.Pool) *backendCPUCounter {
+	b.Helper()
+	var pid int
+	require.NoError(b, pool.QueryRow(context.Background(), `SELECT pg_backend_pid()`).Scan(&pid))
+	start, err := proccpu.Of(pid)
+	if err != nil {
+		return nil
+	}
+	return &backendCPUCounter{pid: pid, start: start}
+}
+
+// report adds the server process's CPU time per operation to b's results
+// ("pg-µs/op"), to the clock tick: run enough operations for a few hundred
+// ticks (-benchtime 5000x).
+func (c *backendCPUCounter) report(b *testing.B) {
+	if c == nil {
+		return
+	}
+	end, err := proccpu.Of(c.pid)
+	require.NoError(b, err)
+	b.ReportMetric(float64((end-c.start).Microseconds())/float64(b.N), "pg-µs/op")
 }
