@@ -10,6 +10,7 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
@@ -176,6 +177,39 @@ func (b *testBundle) evidenceRows(t *testing.T) map[uuid.UUID]bool {
 		set[id] = true
 	}
 	return set
+}
+
+// TestRowsKeepTheirInvariants: a request row with a negative amount, or a
+// model, entry point or status the gateway does not know, or a total other
+// than its input and output, is refused, and so is a quota lease with a
+// negative amount (migration 00033 keeps these as domains); nothing of a
+// refused group is stored.
+func TestRowsKeepTheirInvariants(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	lease := uuid.Must(uuid.NewV7())
+	b.grant(t, p, lease, 100, 16, time.Now().Add(time.Hour))
+	for name, spoil := range map[string]func(r *gateway.UsageRecord){
+		"negative tokens":     func(r *gateway.UsageRecord) { r.Usage.InputTokens = -1 },
+		"negative rungs":      func(r *gateway.UsageRecord) { r.Usage.OutputRungs, r.Usage.TotalRungs = -5, r.Usage.InputRungs-5 },
+		"unknown model":       func(r *gateway.UsageRecord) { r.Model = "oracle" },
+		"unknown entry point": func(r *gateway.UsageRecord) { r.Entry = "fax" },
+		"wrong total":         func(r *gateway.UsageRecord) { r.Usage.TotalRungs++ },
+	} {
+		good, bad := record(p, uuid.Must(uuid.NewV7()), 10), record(p, uuid.Must(uuid.NewV7()), 10)
+		spoil(&bad)
+		err := b.store.SettleRequests(b.ctx, []store.Settlement{{Record: good, LeaseID: &lease}, {Record: bad, LeaseID: &lease}})
+		var pgErr *pgconn.PgError
+		require.ErrorAs(t, err, &pgErr, name)
+		require.Equal(t, "23514", pgErr.Code, "check_violation: %s", name)
+	}
+	require.Zero(t, b.view(t, p).Totals.Requests, "no refused group stored anything")
+
+	_, err := b.store.Pool().Exec(b.ctx, `UPDATE quota_leases SET used_rungs = -1 WHERE id = $1`, lease)
+	var pgErr *pgconn.PgError
+	require.ErrorAs(t, err, &pgErr)
+	require.Equal(t, "23514", pgErr.Code, "check_violation")
 }
 
 func TestSetLimits(t *testing.T) {
