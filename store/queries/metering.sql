@@ -49,12 +49,12 @@ SELECT renew_quota_leases(@owner::uuid, @ids::uuid[], @expires_at::timestamptz):
 -- (no sources are NULL, an empty verdict is none, a nil lease id no lease). A
 -- request with neither sources nor verdict writes no evidence row: its row of
 -- requests says until when its empty evidence is held (migration 00031). The
--- leases and projects it charges are named by key (= ANY (...)): joined to
--- the group alone, which the planner takes for a hundred rows, they were read
--- whole (2 ms a settlement at 20,000 leases). The requests charged directly
--- (no lease, or one gone) are charged by the function charge_directly
--- (migration 00032), called only when there are some: the statement does
--- not prepare that rarer work on every execution. Its result is not read.
+-- leases it charges are named by key (= ANY (...)): joined to the group
+-- alone, which the planner takes for a hundred rows, they were read whole (2
+-- ms a settlement at 20,000 leases). The requests charged directly (no lease,
+-- or one gone) are charged by the function charge_directly (migration 00032),
+-- called only when there are some: the statement does not prepare that rarer
+-- work on every execution. Its result (nearly always no row) is not read.
 WITH u AS (
     SELECT unnest(@ids::uuid[]) AS id, unnest(@account_ids::uuid[]) AS account_id,
            unnest(@project_ids::uuid[]) AS project_id, unnest(@api_key_ids::uuid[]) AS api_key_id,
@@ -89,21 +89,17 @@ WITH u AS (
     INSERT INTO evidence (request_id, account_id, sources, verdict, expires_at)
     SELECT r.id, r.account_id, coalesce(r.sources, '[]'::jsonb), r.verdict, r.evidence_expires_at
       FROM r JOIN stored USING (id) WHERE NOT r.empty_evidence
-), costs AS (
-    SELECT r.lease_id, r.account_id, r.project_id, r.day, sum(r.total_rungs) AS cost
-      FROM r JOIN stored USING (id) GROUP BY r.lease_id, r.account_id, r.project_id, r.day
 ), leased AS (
     UPDATE quota_leases q SET used_rungs = q.used_rungs + c.cost
-      FROM (SELECT lease_id, sum(cost) AS cost FROM costs WHERE lease_id IS NOT NULL
-             GROUP BY lease_id ORDER BY lease_id) c
-     WHERE q.id = c.lease_id AND q.id = ANY (ARRAY(SELECT lease_id FROM costs))
+      FROM (SELECT r.lease_id, sum(r.total_rungs) AS cost FROM r JOIN stored USING (id)
+             WHERE r.lease_id IS NOT NULL GROUP BY r.lease_id ORDER BY r.lease_id) c
+     WHERE q.id = c.lease_id AND q.id = ANY (@lease_ids::uuid[])
     RETURNING q.id
 ), direct AS (
-    SELECT * FROM costs WHERE lease_id IS NULL OR lease_id NOT IN (SELECT id FROM leased)
+    SELECT r.account_id, r.day, r.project_id, r.total_rungs FROM r JOIN stored USING (id)
+     WHERE r.lease_id IS NULL OR r.lease_id NOT IN (SELECT id FROM leased)
 )
-SELECT count(*) FROM r
-UNION ALL
-SELECT charge_directly(array_agg(account_id), array_agg(day), array_agg(project_id), array_agg(cost::bigint))
+SELECT charge_directly(array_agg(account_id), array_agg(day), array_agg(project_id), array_agg(total_rungs))
   FROM direct HAVING count(*) > 0;
 
 -- name: ReconcileSettlements :one
