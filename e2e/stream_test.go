@@ -70,6 +70,16 @@ func TestStreamEndToEnd(t *testing.T) {
 	ev := g.call(http.MethodGet, "/api/v1/sources/"+final.RequestId.String(), b.key, nil)
 	require.Equal(t, http.StatusOK, ev.status)
 	require.Len(t, ev.object(t)["sources"], 1)
+
+	// A stream that cited nothing has empty evidence, served as well.
+	b.fake.SetCitations(false)
+	_, s = g.stream(b.key, map[string]any{"prompt": prompt})
+	require.Len(t, s.Events, len(pieces)+1, "no evidence event")
+	s.Events[len(s.Events)-1].Decode(t, &final)
+	require.True(t, final.Done)
+	ev = g.call(http.MethodGet, "/api/v1/sources/"+final.RequestId.String(), b.key, nil)
+	require.Equal(t, http.StatusOK, ev.status, string(ev.body))
+	require.Equal(t, []any{}, ev.object(t)["sources"])
 }
 
 // h2cClient speaks HTTP/2 without TLS (prior knowledge), as a load balancer
