@@ -179,11 +179,11 @@ func (b *testBundle) evidenceRows(t *testing.T) map[uuid.UUID]bool {
 	return set
 }
 
-// TestRowsKeepTheirInvariants: a request row with a negative amount, or a
-// model, entry point or status the gateway does not know, or a total other
-// than its input and output, is refused, and so is a quota lease with a
-// negative amount (migration 00033 keeps these as domains); nothing of a
-// refused group is stored.
+// TestRowsKeepTheirInvariants: a request row with a negative amount, a model
+// or entry point the gateway does not know, or a total other than its input
+// and output, is refused, and so is a quota lease with a negative amount
+// (migration 00033 keeps these as domains); nothing of a refused group is
+// stored.
 func TestRowsKeepTheirInvariants(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
