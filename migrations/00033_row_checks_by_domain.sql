@@ -17,6 +17,13 @@
 -- table constraint on a column whose type changes would be checked again over
 -- the whole table, under an exclusive lock, so they are dropped first (the
 -- total's check too, added again NOT VALID).
+--
+-- Its exclusive locks on requests and quota_leases wait for the statements
+-- using them, and every settlement waits behind them meanwhile. Rather than
+-- hold settlements up behind a long read of requests, the migration gives up
+-- after five seconds without its locks (lock_timeout: the replica does not
+-- start, and the next start tries again).
+SET LOCAL lock_timeout = '5s';
 CREATE DOMAIN non_negative AS bigint;
 CREATE DOMAIN model_name AS text;
 CREATE DOMAIN entry_point_name AS text;
