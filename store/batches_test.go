@@ -66,6 +66,13 @@ func (b *testBundle) complete(t *testing.T, owner uuid.UUID, items []store.Claim
 // finishing their batches.
 func (b *testBundle) completeItems(t *testing.T, owner uuid.UUID, items []store.ClaimedItem, cost int64) []store.ItemKey {
 	t.Helper()
+	applied, err := b.store.CompleteItems(b.ctx, owner, itemResults(items, cost))
+	require.NoError(t, err)
+	return applied
+}
+
+// itemResults are the outcomes of items completed at cost, citing nothing.
+func itemResults(items []store.ClaimedItem, cost int64) []store.ItemResult {
 	results := make([]store.ItemResult, len(items))
 	for i, it := range items {
 		results[i] = store.ItemResult{
@@ -74,9 +81,7 @@ func (b *testBundle) completeItems(t *testing.T, owner uuid.UUID, items []store.
 			EvidenceExpiresAt: time.Now().Add(time.Hour),
 		}
 	}
-	applied, err := b.store.CompleteItems(b.ctx, owner, results)
-	require.NoError(t, err)
-	return applied
+	return results
 }
 
 func (b *testBundle) batch(t *testing.T, p *gateway.Principal, id uuid.UUID) (*gateway.Batch, []gateway.BatchItem) {
@@ -878,14 +883,9 @@ func TestCompletedItemsWriteEvidenceRowsOnlyWithEvidence(t *testing.T) {
 	src := []gateway.Source{{Title: "T", URL: "https://x"}}
 	none := []gateway.Source{}
 	evidence := []gateway.Evidence{{Sources: src, Verdict: "supported"}, {Sources: none, Verdict: "unsupported"}, {Sources: none}}
-	results := make([]store.ItemResult, len(items))
-	for i, it := range items {
-		ev := evidence[it.Index]
-		results[i] = store.ItemResult{
-			BatchID: it.BatchID, Index: it.Index, Status: "completed", Content: "done",
-			InputTokens: 1, OutputTokens: 1, InputRungs: 1, OutputRungs: 1, TotalRungs: 2,
-			Sources: ev.Sources, Verdict: ev.Verdict, EvidenceExpiresAt: time.Now().Add(time.Hour),
-		}
+	results := itemResults(items, 2)
+	for i, r := range results {
+		results[i].Sources, results[i].Verdict = evidence[r.Index].Sources, evidence[r.Index].Verdict
 	}
 	_, err := b.store.CompleteItems(b.ctx, owner, results)
 	require.NoError(t, err)

@@ -160,10 +160,7 @@ func TestSettlementKeepsItsPlan(t *testing.T) {
 	manyTenants(t, b.ctx, b.store, 10_000)
 	lease := uuid.Must(uuid.NewV7())
 	b.grant(t, p, lease, 100, 16, time.Now().Add(time.Hour))
-	one, err := store.Connect(b.ctx, b.store.Pool().Config().ConnString(), 1)
-	require.NoError(t, err)
-	t.Cleanup(one.Close)
-	single := store.New(one)
+	single, one := singleConnection(t, b.store)
 	for range 10 {
 		require.NoError(t, single.SettleRequests(b.ctx, []store.Settlement{{Record: record(p, uuid.Must(uuid.NewV7()), 10), LeaseID: &lease}}))
 	}
@@ -210,10 +207,7 @@ func BenchmarkMeteringAmongTenants(b *testing.B) {
 				lease := uuid.Must(uuid.NewV7())
 				grant(lease)
 				// One connection, whose server process's CPU is counted.
-				one, err := store.Connect(ctx, st.Pool().Config().ConnString(), 1)
-				require.NoError(b, err)
-				defer one.Close()
-				single := store.New(one)
+				single, one := singleConnection(b, st)
 				cpu := backendCPU(b, one)
 				for b.Loop() {
 					if err := single.SettleRequests(ctx, []store.Settlement{{Record: record(p, uuid.Must(uuid.NewV7()), 10), LeaseID: &lease}}); err != nil {
@@ -233,6 +227,17 @@ func BenchmarkMeteringAmongTenants(b *testing.B) {
 			})
 		})
 	}
+}
+
+// singleConnection is a store on a pool of one connection to st's database,
+// closed when the test ends: what it runs is on one server process, in one
+// session.
+func singleConnection(tb testing.TB, st *store.Store) (*store.Store, *pgxpool.Pool) {
+	tb.Helper()
+	pool, err := store.Connect(context.Background(), st.Pool().Config().ConnString(), 1)
+	require.NoError(tb, err)
+	tb.Cleanup(pool.Close)
+	return store.New(pool), pool
 }
 
 // backendCPUCounter counts the CPU time of a connection's server process.
