@@ -81,87 +81,29 @@ type CreateResult struct {
 // when the body is the same and IDEMPOTENCY_KEY_REUSED otherwise. Concurrent
 // creates with one key create one batch. A creation sent again with nb.ID
 // already stored returns it, created. Replicas are woken by a notification on
-// commit.
+// commit. Creations of one account-day that arrive together share their
+// transaction (see creationGroups); a caller whose ctx ends before its
+// creation was sent gets an error that says nothing was.
 func (s *Store) CreateBatch(ctx context.Context, nb NewBatch) (CreateResult, error) {
+	c := &creation{nb: nb, id: nb.ID, done: make(chan struct{}), lead: make(chan struct{})}
+	if c.id == uuid.Nil {
+		c.id = newID()
+	}
 	p := nb.Principal
-	id := nb.ID
-	if id == uuid.Nil {
-		id = newID()
-	}
-	day := gateway.UTCDay(nb.CreatedAt)
-	var key *string
-	if nb.IdempotencyKey != "" {
-		key = &nb.IdempotencyKey
-	}
-	var total int64
-	items := make([]db.InsertBatchItemsParams, len(nb.Items))
+	c.items = make([]db.InsertBatchItemsParams, len(nb.Items))
 	for i, it := range nb.Items {
-		total += it.Estimate
+		c.total += it.Estimate
 		raw, err := json.Marshal(it.Request)
 		if err != nil {
 			return CreateResult{}, fmt.Errorf("error encoding item request: %w", err)
 		}
-		items[i] = db.InsertBatchItemsParams{
-			BatchID: id, Idx: int32(i), AccountID: p.AccountID, ProjectID: p.ProjectID, ApiKeyID: p.KeyID,
+		c.items[i] = db.InsertBatchItemsParams{
+			BatchID: c.id, Idx: int32(i), AccountID: p.AccountID, ProjectID: p.ProjectID, ApiKeyID: p.KeyID,
 			RequestID: newID(), Status: string(gateway.ItemQueued), Request: raw, Model: string(it.Request.Model),
 			EstimateRungs: it.Estimate, QueuedAt: nb.CreatedAt, ExpiresAt: nb.ExpiresAt,
 		}
 	}
-	select {
-	case s.creations <- struct{}{}:
-		defer func() { <-s.creations }()
-	case <-ctx.Done():
-		return CreateResult{}, notSent{fmt.Errorf("error waiting for a turn to store a batch: %w", ctx.Err())}
-	}
-	var result CreateResult
-	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
-		_, err := s.queries.InsertBatch(ctx, tx, db.InsertBatchParams{
-			ID: id, AccountID: p.AccountID, ProjectID: p.ProjectID, TotalRequests: int32(len(nb.Items)),
-			IdempotencyKey: key, RequestHash: nb.RequestHash, CreatedAt: nb.CreatedAt, ExpiresAt: nb.ExpiresAt,
-		})
-		if errors.Is(err, pgx.ErrNoRows) {
-			if key == nil {
-				// Only the id was taken: by this same creation, sent before.
-				result = CreateResult{BatchID: id}
-				return nil
-			}
-			existing, err := s.queries.GetBatchByIdempotencyKey(ctx, plannedPerCall{tx}, db.GetBatchByIdempotencyKeyParams{AccountID: p.AccountID, IdempotencyKey: key})
-			if err != nil {
-				return fmt.Errorf("error reading batch of idempotency key: %w", err)
-			}
-			if existing.ID == id {
-				result = CreateResult{BatchID: id}
-				return nil
-			}
-			if string(existing.RequestHash) != string(nb.RequestHash) {
-				return gateway.Errorf(gateway.EIdempotencyKeyReused, "the Idempotency-Key was already used for a different batch request")
-			}
-			result = CreateResult{BatchID: existing.ID, Replayed: true}
-			return nil
-		}
-		if err != nil {
-			return fmt.Errorf("error inserting batch: %w", err)
-		}
-		if _, err := s.queries.InsertBatchItems(ctx, tx, items); err != nil {
-			return fmt.Errorf("error inserting batch items: %w", err)
-		}
-		if err := s.queries.NotifyBatchCreated(ctx, tx, id.String()); err != nil {
-			return fmt.Errorf("error notifying replicas: %w", err)
-		}
-		// The charge comes last: it locks the account-day row every batch and
-		// quota grant of the account needs, and holds it until the commit, so
-		// nothing else runs in between (a refusal rolls the rest back).
-		outcome, err := s.queries.AdmitBatch(ctx, tx, db.AdmitBatchParams{AccountID: p.AccountID, Day: day, DefaultCeiling: p.Tier.DefaultDailyCeiling(), Estimate: total})
-		if err != nil {
-			return fmt.Errorf("error charging batch estimate: %w", err)
-		}
-		if err := gateway.AdmissionError(outcome, "batch", total, p, day); err != nil {
-			return err
-		}
-		result = CreateResult{BatchID: id}
-		return nil
-	})
-	return result, err
+	return s.groups.create(ctx, s, c)
 }
 
 // HashRequest is the identity of a batch request body for idempotency: the

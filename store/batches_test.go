@@ -213,7 +213,8 @@ func (b *testBundle) lockedItems(t *testing.T, maxConns int32) (*store.Store, *p
 // database (here on a lock of the items' table) hold half the pool at most;
 // the rest wait their turn without a connection, so a settlement still gets
 // one. Without the bound, the creations took all four and the settlement
-// waited behind them.
+// waited behind them. (The creations are of different accounts: one
+// account's wait for each other without a connection anyway.)
 func TestABurstOfCreationsLeavesConnections(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -222,9 +223,10 @@ func TestABurstOfCreationsLeavesConnections(t *testing.T) {
 
 	const burst = 10
 	errs := make(chan error, burst)
-	for range burst {
+	for i := range burst {
+		_, owner := b.key(t, fmt.Sprintf("burst-%d", i), gateway.TierDeveloper, gateway.ScopeInference)
 		go func() {
-			_, err := small.CreateBatch(b.ctx, b.batchOf(p, 2, 10, "", day()))
+			_, err := small.CreateBatch(b.ctx, b.batchOf(owner, 2, 10, "", day()))
 			errs <- err
 		}()
 	}
@@ -242,18 +244,21 @@ func TestABurstOfCreationsLeavesConnections(t *testing.T) {
 	for range burst {
 		require.NoError(t, <-errs)
 	}
-	list, err := b.store.Batches(b.ctx, p.AccountID, nil, 50)
-	require.NoError(t, err)
-	require.Len(t, list, burst, "every creation stored its batch")
+	var stored int
+	require.NoError(t, b.store.Pool().QueryRow(b.ctx, "SELECT count(*) FROM batches").Scan(&stored))
+	require.Equal(t, burst, stored, "every creation stored its batch")
 }
 
 // TestACreationThatGaveUpWaitingSentNothing: a creation whose caller's
-// deadline passed while it waited for its turn is transient and certainly
-// not stored, so it is not sent again as one whose reply was lost.
+// deadline passed while it waited for its turn (behind a creation of its
+// account) or for a connection (the one slot of a pool of two held by
+// another account's) is transient and certainly not stored, so it is not
+// sent again as one whose reply was lost; one that waited behind it goes on.
 func TestACreationThatGaveUpWaitingSentNothing(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	_, other := b.key(t, "globex", gateway.TierDeveloper, gateway.ScopeInference)
 	small, pool, unlock := b.lockedItems(t, 2)
 	held := make(chan error, 1)
 	go func() {
@@ -262,18 +267,41 @@ func TestACreationThatGaveUpWaitingSentNothing(t *testing.T) {
 	}()
 	require.Eventually(t, func() bool { return pool.Stat().AcquiredConns() == 1 }, 10*time.Second, 5*time.Millisecond)
 
-	ctx, cancel := context.WithTimeout(b.ctx, 50*time.Millisecond)
+	for _, who := range []*gateway.Principal{p, other} {
+		ctx, cancel := context.WithTimeout(b.ctx, 50*time.Millisecond)
+		_, err := small.CreateBatch(ctx, b.batchOf(who, 1, 10, "", day()))
+		cancel()
+		require.ErrorIs(t, err, context.DeadlineExceeded)
+		require.True(t, store.Transient(err))
+		require.False(t, store.MayHaveCommitted(err))
+	}
+
+	// One that gives up waiting for a connection hands its turn on.
+	ctx, cancel := context.WithTimeout(b.ctx, 200*time.Millisecond)
 	defer cancel()
-	_, err := small.CreateBatch(ctx, b.batchOf(p, 1, 10, "", day()))
-	require.ErrorIs(t, err, context.DeadlineExceeded)
-	require.True(t, store.Transient(err))
-	require.False(t, store.MayHaveCommitted(err))
+	gaveUp := make(chan error, 1)
+	go func() {
+		_, err := small.CreateBatch(ctx, b.batchOf(other, 1, 10, "", day()))
+		gaveUp <- err
+	}()
+	require.Eventually(t, func() bool { return small.CreationsWaiting() == 1 }, 10*time.Second, time.Millisecond)
+	behind := make(chan error, 1)
+	go func() {
+		_, err := small.CreateBatch(b.ctx, b.batchOf(other, 2, 10, "", day()))
+		behind <- err
+	}()
+	require.Eventually(t, func() bool { return small.CreationsWaiting() == 2 }, 10*time.Second, time.Millisecond)
+	require.ErrorIs(t, <-gaveUp, context.DeadlineExceeded)
 
 	unlock()
 	require.NoError(t, <-held)
-	list, err := b.store.Batches(b.ctx, p.AccountID, nil, 50)
-	require.NoError(t, err)
-	require.Len(t, list, 1, "the creation that gave up stored nothing")
+	require.NoError(t, <-behind)
+	require.Len(t, b.storedItems(t, p.AccountID), 1, "the creation that gave up behind it stored nothing")
+	items := b.storedItems(t, other.AccountID)
+	require.Len(t, items, 1)
+	for _, n := range items {
+		require.Equal(t, 2, n, "only the one that waited behind them was stored")
+	}
 }
 
 // TestItemsKeepTheirBatch: items name a batch that exists, and go when it is

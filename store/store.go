@@ -31,6 +31,9 @@ type Store struct {
 	// creations bounds the batch creations holding a connection at once (see
 	// creationSlots).
 	creations chan struct{}
+	// groups gathers the batch creations of each account-day that arrive
+	// together into one transaction.
+	groups creationGroups
 }
 
 // New returns a store over pool.

@@ -13,27 +13,29 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
-const admitBatch = `-- name: AdmitBatch :one
-SELECT admit_batch($1, $2, $3, $4)::text AS outcome
+const admitBatches = `-- name: AdmitBatches :one
+SELECT admit_batches($1, $2, $3::bigint[], $4::bigint[])::text[] AS outcomes
 `
 
-type AdmitBatchParams struct {
-	AccountID      uuid.UUID
-	Day            time.Time
-	DefaultCeiling int64
-	Estimate       int64
+type AdmitBatchesParams struct {
+	AccountID       uuid.UUID
+	Day             time.Time
+	DefaultCeilings []int64
+	Estimates       []int64
 }
 
-func (q *Queries) AdmitBatch(ctx context.Context, db DBTX, arg AdmitBatchParams) (string, error) {
-	row := db.QueryRow(ctx, admitBatch,
+// Charges each batch's estimate to the account's day in turn, as far as the
+// ceiling allows, and returns each one's outcome.
+func (q *Queries) AdmitBatches(ctx context.Context, db DBTX, arg AdmitBatchesParams) ([]string, error) {
+	row := db.QueryRow(ctx, admitBatches,
 		arg.AccountID,
 		arg.Day,
-		arg.DefaultCeiling,
-		arg.Estimate,
+		arg.DefaultCeilings,
+		arg.Estimates,
 	)
-	var outcome string
-	err := row.Scan(&outcome)
-	return outcome, err
+	var outcomes []string
+	err := row.Scan(&outcomes)
+	return outcomes, err
 }
 
 const batchesPastWindow = `-- name: BatchesPastWindow :many
@@ -200,6 +202,17 @@ func (q *Queries) DeleteOldBatches(ctx context.Context, db DBTX, arg DeleteOldBa
 		return 0, err
 	}
 	return result.RowsAffected(), nil
+}
+
+const deleteRefusedBatches = `-- name: DeleteRefusedBatches :exec
+DELETE FROM batches WHERE id = ANY ($1::uuid[])
+`
+
+// Removes, with their items, the batches of a creation group that the
+// daily ceiling refused, in the transaction that inserted them.
+func (q *Queries) DeleteRefusedBatches(ctx context.Context, db DBTX, ids []uuid.UUID) error {
+	_, err := db.Exec(ctx, deleteRefusedBatches, ids)
+	return err
 }
 
 const doneBatches = `-- name: DoneBatches :many
@@ -385,43 +398,6 @@ func (q *Queries) GetBatchItems(ctx context.Context, db DBTX, batchID uuid.UUID)
 	return items, nil
 }
 
-const insertBatch = `-- name: InsertBatch :one
-INSERT INTO batches (id, account_id, project_id, status, total_requests, idempotency_key, request_hash, created_at, expires_at)
-VALUES ($1, $2, $3, 'queued', $4, $5, $6, $7, $8)
-ON CONFLICT DO NOTHING
-RETURNING id
-`
-
-type InsertBatchParams struct {
-	ID             uuid.UUID
-	AccountID      uuid.UUID
-	ProjectID      uuid.UUID
-	TotalRequests  int32
-	IdempotencyKey *string
-	RequestHash    []byte
-	CreatedAt      time.Time
-	ExpiresAt      time.Time
-}
-
-// Creates a batch unless the account already used the idempotency key, or the
-// id is taken (the same creation, sent again after its reply was lost); then
-// nothing is returned.
-func (q *Queries) InsertBatch(ctx context.Context, db DBTX, arg InsertBatchParams) (uuid.UUID, error) {
-	row := db.QueryRow(ctx, insertBatch,
-		arg.ID,
-		arg.AccountID,
-		arg.ProjectID,
-		arg.TotalRequests,
-		arg.IdempotencyKey,
-		arg.RequestHash,
-		arg.CreatedAt,
-		arg.ExpiresAt,
-	)
-	var id uuid.UUID
-	err := row.Scan(&id)
-	return id, err
-}
-
 type InsertBatchItemsParams struct {
 	BatchID       uuid.UUID
 	Idx           int32
@@ -435,6 +411,61 @@ type InsertBatchItemsParams struct {
 	EstimateRungs int64
 	QueuedAt      time.Time
 	ExpiresAt     time.Time
+}
+
+const insertBatches = `-- name: InsertBatches :many
+INSERT INTO batches (id, account_id, project_id, status, total_requests, idempotency_key, request_hash, created_at, expires_at)
+SELECT b.id, $1, b.project_id, 'queued', b.total_requests, nullif(b.idempotency_key, ''), b.request_hash, b.created_at, b.expires_at
+  FROM (SELECT unnest($2::uuid[]) AS id, unnest($3::uuid[]) AS project_id,
+               unnest($4::integer[]) AS total_requests, unnest($5::text[]) AS idempotency_key,
+               unnest($6::bytea[]) AS request_hash, unnest($7::timestamptz[]) AS created_at,
+               unnest($8::timestamptz[]) AS expires_at) b
+ON CONFLICT DO NOTHING
+RETURNING id
+`
+
+type InsertBatchesParams struct {
+	AccountID       uuid.UUID
+	Ids             []uuid.UUID
+	ProjectIds      []uuid.UUID
+	TotalRequests   []int32
+	IdempotencyKeys []string
+	RequestHashes   [][]byte
+	CreatedAts      []time.Time
+	ExpiresAts      []time.Time
+}
+
+// Creates batches of one account, each unless the account already used its
+// idempotency key (an empty key is none), or its id is taken (the same
+// creation, sent again after its reply was lost); the ids of those created
+// are returned.
+func (q *Queries) InsertBatches(ctx context.Context, db DBTX, arg InsertBatchesParams) ([]uuid.UUID, error) {
+	rows, err := db.Query(ctx, insertBatches,
+		arg.AccountID,
+		arg.Ids,
+		arg.ProjectIds,
+		arg.TotalRequests,
+		arg.IdempotencyKeys,
+		arg.RequestHashes,
+		arg.CreatedAts,
+		arg.ExpiresAts,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []uuid.UUID
+	for rows.Next() {
+		var id uuid.UUID
+		if err := rows.Scan(&id); err != nil {
+			return nil, err
+		}
+		items = append(items, id)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
 }
 
 const listBatches = `-- name: ListBatches :many

@@ -1,17 +1,29 @@
--- name: InsertBatch :one
--- Creates a batch unless the account already used the idempotency key, or the
--- id is taken (the same creation, sent again after its reply was lost); then
--- nothing is returned.
+-- name: InsertBatches :many
+-- Creates batches of one account, each unless the account already used its
+-- idempotency key (an empty key is none), or its id is taken (the same
+-- creation, sent again after its reply was lost); the ids of those created
+-- are returned.
 INSERT INTO batches (id, account_id, project_id, status, total_requests, idempotency_key, request_hash, created_at, expires_at)
-VALUES (@id, @account_id, @project_id, 'queued', @total_requests, sqlc.narg(idempotency_key), @request_hash, @created_at, @expires_at)
+SELECT b.id, @account_id, b.project_id, 'queued', b.total_requests, nullif(b.idempotency_key, ''), b.request_hash, b.created_at, b.expires_at
+  FROM (SELECT unnest(@ids::uuid[]) AS id, unnest(@project_ids::uuid[]) AS project_id,
+               unnest(@total_requests::integer[]) AS total_requests, unnest(@idempotency_keys::text[]) AS idempotency_key,
+               unnest(@request_hashes::bytea[]) AS request_hash, unnest(@created_ats::timestamptz[]) AS created_at,
+               unnest(@expires_ats::timestamptz[]) AS expires_at) b
 ON CONFLICT DO NOTHING
 RETURNING id;
 
 -- name: GetBatchByIdempotencyKey :one
 SELECT id, request_hash FROM batches WHERE account_id = @account_id AND idempotency_key = @idempotency_key;
 
--- name: AdmitBatch :one
-SELECT admit_batch(@account_id, @day, @default_ceiling, @estimate)::text AS outcome;
+-- name: AdmitBatches :one
+-- Charges each batch's estimate to the account's day in turn, as far as the
+-- ceiling allows, and returns each one's outcome.
+SELECT admit_batches(@account_id, @day, @default_ceilings::bigint[], @estimates::bigint[])::text[] AS outcomes;
+
+-- name: DeleteRefusedBatches :exec
+-- Removes, with their items, the batches of a creation group that the
+-- daily ceiling refused, in the transaction that inserted them.
+DELETE FROM batches WHERE id = ANY (@ids::uuid[]);
 
 -- name: InsertBatchItems :copyfrom
 INSERT INTO batch_items (batch_id, idx, account_id, project_id, api_key_id, request_id, status, request, model, estimate_rungs, queued_at, expires_at)

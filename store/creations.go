@@ -1,0 +1,313 @@
+package store
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/gen/db"
+)
+
+// Bounds of a group of batch creations.
+const (
+	// maxCreationGroup bounds the creations stored in one transaction (each
+	// up to 100 items).
+	maxCreationGroup = 16
+	// creationTimeout bounds the transaction that stores a group.
+	creationTimeout = 30 * time.Second
+)
+
+// creationGroups queues the batch creations of an account-day that arrive
+// while another of the same account-day is being stored, so that they are
+// stored together.
+//
+// Every creation charges its estimate to its account's day, a row that it
+// locks from the charge to its commit, so one account's creations commit one
+// after another on every replica. Sent each in a transaction of its own, a
+// burst of them (a client sending its batches at once) queued on that row
+// inside the database: a transaction, a lock wait and a flush each, and on two
+// replicas more waits than on one. They queue in the replica instead: the
+// creation that finds none of its account-day in flight stores every one
+// waiting (up to maxCreationGroup, no two with one idempotency key) in one
+// transaction, then hands the turn to one that arrived meanwhile, as the
+// ledger does with settlements. Creations of different account-days do not
+// wait for each other, only for a connection (see creationSlots).
+type creationGroups struct {
+	mu sync.Mutex
+	// queues holds, while a creation of the account-day leads, those waiting.
+	queues map[creationKey]*creationQueue
+}
+
+// creationKey is the account-day whose charge a creation takes.
+type creationKey struct {
+	account uuid.UUID
+	day     time.Time
+}
+
+// creationQueue is the creations of one account-day waiting for their turn,
+// in order of arrival; the first is the one leading.
+type creationQueue struct {
+	waiting []*creation
+}
+
+// creation is one batch creation on its way to the database.
+type creation struct {
+	nb    NewBatch
+	id    uuid.UUID
+	items []db.InsertBatchItemsParams
+	total int64
+	// result and err are its outcome, set before done is closed.
+	result CreateResult
+	err    error
+	done   chan struct{}
+	// lead is closed when it is this creation's turn to store a group;
+	// leading says so under creationGroups.mu.
+	lead    chan struct{}
+	leading bool
+}
+
+// create stores c with the creations of its account-day waiting with it, and
+// returns its outcome. A creation whose ctx ends while it waits for its turn
+// leaves the queue and returns a notSent error; once its group is sent, it
+// waits for the group's outcome.
+func (g *creationGroups) create(ctx context.Context, s *Store, c *creation) (CreateResult, error) {
+	key := creationKey{account: c.nb.Principal.AccountID, day: gateway.UTCDay(c.nb.CreatedAt)}
+	g.mu.Lock()
+	if g.queues == nil {
+		g.queues = map[creationKey]*creationQueue{}
+	}
+	q, ok := g.queues[key]
+	if !ok {
+		q = &creationQueue{}
+		g.queues[key] = q
+		c.takeTurn()
+	}
+	q.waiting = append(q.waiting, c)
+	g.mu.Unlock()
+
+	select {
+	case <-c.done:
+	case <-c.lead:
+		g.lead(ctx, s, key, q, c)
+	case <-ctx.Done():
+		if g.leave(q, c) {
+			return CreateResult{}, notSent{fmt.Errorf("error waiting for a turn to store a batch: %w", ctx.Err())}
+		}
+		g.mu.Lock()
+		leading := c.leading
+		g.mu.Unlock()
+		if leading {
+			g.lead(ctx, s, key, q, c)
+		}
+	}
+	<-c.done
+	return c.result, c.err
+}
+
+// leave takes c out of q, unless its turn came or its group was sent.
+func (g *creationGroups) leave(q *creationQueue, c *creation) bool {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	i := slices.Index(q.waiting, c)
+	if c.leading || i < 0 {
+		return false
+	}
+	q.waiting = slices.Delete(q.waiting, i, i+1)
+	return true
+}
+
+// takeTurn makes c the one that stores the next group of its account-day.
+// creationGroups.mu is held.
+func (c *creation) takeTurn() {
+	c.leading = true
+	close(c.lead)
+}
+
+// passOn hands the turn to the first creation waiting, or ends the queue.
+// g.mu is held.
+func (g *creationGroups) passOn(key creationKey, q *creationQueue) {
+	if len(q.waiting) == 0 {
+		delete(g.queues, key)
+		return
+	}
+	q.waiting[0].takeTurn()
+}
+
+// lead stores a group that begins with c, whose turn it is, once a
+// connection is free, then passes the turn on. When ctx ends before a
+// connection is free, c alone gives up, with a notSent error.
+func (g *creationGroups) lead(ctx context.Context, s *Store, key creationKey, q *creationQueue, c *creation) {
+	select {
+	case s.creations <- struct{}{}:
+	case <-ctx.Done():
+		g.mu.Lock()
+		q.waiting = slices.DeleteFunc(q.waiting, func(w *creation) bool { return w == c })
+		g.passOn(key, q)
+		g.mu.Unlock()
+		c.err = notSent{fmt.Errorf("error waiting for a connection to store a batch: %w", ctx.Err())}
+		close(c.done)
+		return
+	}
+	g.mu.Lock()
+	group := q.take(maxCreationGroup)
+	g.mu.Unlock()
+
+	s.storeCreations(context.WithoutCancel(ctx), group)
+	<-s.creations
+
+	g.mu.Lock()
+	g.passOn(key, q)
+	g.mu.Unlock()
+}
+
+// take removes and returns up to n of the creations waiting, in order, the
+// first always, leaving any that names an id or an idempotency key of one
+// taken before it for a later group: a group's creations are independent, so
+// that it stores exactly what they would store one after another.
+func (q *creationQueue) take(n int) []*creation {
+	var group, rest []*creation
+	ids := map[uuid.UUID]bool{}
+	keys := map[string]bool{}
+	for _, c := range q.waiting {
+		k := c.nb.IdempotencyKey
+		if len(group) == n || ids[c.id] || (k != "" && keys[k]) {
+			rest = append(rest, c)
+			continue
+		}
+		group = append(group, c)
+		ids[c.id] = true
+		if k != "" {
+			keys[k] = true
+		}
+	}
+	q.waiting = rest
+	return group
+}
+
+// storeCreations stores group in one transaction and closes each member's
+// done. When the database is away every member is told so. When the group
+// fails for its data, its members are stored one by one, so that the one at
+// fault fails alone (D11).
+func (s *Store) storeCreations(ctx context.Context, group []*creation) {
+	cctx, cancel := context.WithTimeout(ctx, creationTimeout)
+	err := s.createTogether(cctx, group)
+	cancel()
+	if err != nil && len(group) > 1 && !Transient(err) {
+		for _, c := range group {
+			s.storeCreations(ctx, []*creation{c})
+		}
+		return
+	}
+	for _, c := range group {
+		if err != nil {
+			c.result, c.err = CreateResult{}, err
+		}
+		close(c.done)
+	}
+}
+
+// createTogether stores the creations of one account-day in one transaction,
+// and sets the outcome of each: created, refused by the daily ceiling (its
+// batch removed again), or resolved to the batch that already holds its id
+// or its idempotency key.
+func (s *Store) createTogether(ctx context.Context, group []*creation) error {
+	first := group[0].nb
+	account, day := first.Principal.AccountID, gateway.UTCDay(first.CreatedAt)
+	batches := db.InsertBatchesParams{AccountID: account}
+	for _, c := range group {
+		batches.Ids = append(batches.Ids, c.id)
+		batches.ProjectIds = append(batches.ProjectIds, c.nb.Principal.ProjectID)
+		batches.TotalRequests = append(batches.TotalRequests, int32(len(c.nb.Items)))
+		batches.IdempotencyKeys = append(batches.IdempotencyKeys, c.nb.IdempotencyKey)
+		batches.RequestHashes = append(batches.RequestHashes, c.nb.RequestHash)
+		batches.CreatedAts = append(batches.CreatedAts, c.nb.CreatedAt)
+		batches.ExpiresAts = append(batches.ExpiresAts, c.nb.ExpiresAt)
+	}
+	return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		inserted, err := s.queries.InsertBatches(ctx, tx, batches)
+		if err != nil {
+			return fmt.Errorf("error inserting batches: %w", err)
+		}
+		var fresh []*creation
+		var items []db.InsertBatchItemsParams
+		var charge db.AdmitBatchesParams
+		for _, c := range group {
+			c.result, c.err = CreateResult{}, nil
+			if !slices.Contains(inserted, c.id) {
+				if err := s.resolveTaken(ctx, tx, c); err != nil {
+					return err
+				}
+				continue
+			}
+			fresh = append(fresh, c)
+			items = append(items, c.items...)
+			charge.DefaultCeilings = append(charge.DefaultCeilings, c.nb.Principal.Tier.DefaultDailyCeiling())
+			charge.Estimates = append(charge.Estimates, c.total)
+		}
+		if len(fresh) == 0 {
+			return nil
+		}
+		if _, err := s.queries.InsertBatchItems(ctx, tx, items); err != nil {
+			return fmt.Errorf("error inserting batch items: %w", err)
+		}
+		if err := s.queries.NotifyBatchCreated(ctx, tx, fresh[0].id.String()); err != nil {
+			return fmt.Errorf("error notifying replicas: %w", err)
+		}
+		// The charge comes last: it locks the account-day row every batch and
+		// quota grant of the account needs, and holds it until the commit.
+		charge.AccountID, charge.Day = account, day
+		outcomes, err := s.queries.AdmitBatches(ctx, tx, charge)
+		if err != nil {
+			return fmt.Errorf("error charging batch estimates: %w", err)
+		}
+		if len(outcomes) != len(fresh) {
+			return fmt.Errorf("error charging batch estimates: %d outcomes for %d batches", len(outcomes), len(fresh))
+		}
+		var refused []uuid.UUID
+		for i, c := range fresh {
+			if err := gateway.AdmissionError(outcomes[i], "batch", c.total, c.nb.Principal, day); err != nil {
+				c.err = err
+				refused = append(refused, c.id)
+				continue
+			}
+			c.result = CreateResult{BatchID: c.id}
+		}
+		if len(refused) > 0 {
+			if err := s.queries.DeleteRefusedBatches(ctx, tx, refused); err != nil {
+				return fmt.Errorf("error removing refused batches: %w", err)
+			}
+		}
+		return nil
+	})
+}
+
+// resolveTaken sets the outcome of a creation whose batch was not inserted:
+// its id, or the account's idempotency key it names, is taken.
+func (s *Store) resolveTaken(ctx context.Context, tx pgx.Tx, c *creation) error {
+	key := c.nb.IdempotencyKey
+	if key == "" {
+		// Only the id was taken: by this same creation, sent before.
+		c.result = CreateResult{BatchID: c.id}
+		return nil
+	}
+	existing, err := s.queries.GetBatchByIdempotencyKey(ctx, plannedPerCall{tx}, db.GetBatchByIdempotencyKeyParams{AccountID: c.nb.Principal.AccountID, IdempotencyKey: &key})
+	if err != nil {
+		return fmt.Errorf("error reading batch of idempotency key: %w", err)
+	}
+	switch {
+	case existing.ID == c.id:
+		c.result = CreateResult{BatchID: c.id}
+	case !bytes.Equal(existing.RequestHash, c.nb.RequestHash):
+		c.err = gateway.Errorf(gateway.EIdempotencyKeyReused, "the Idempotency-Key was already used for a different batch request")
+	default:
+		c.result = CreateResult{BatchID: existing.ID, Replayed: true}
+	}
+	return nil
+}

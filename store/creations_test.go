@@ -1,0 +1,239 @@
+package store_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/internal/testdb"
+	"github.com/rungworks/gateway/store"
+)
+
+// creationOutcome is what a CreateBatch returned.
+type creationOutcome struct {
+	res store.CreateResult
+	err error
+}
+
+// createBehindABlockedOne starts the creation first, which waits on a lock of
+// the items' table, then the creations queued one after another, each
+// waiting for its turn before the next starts, and returns the outcomes of
+// all (first's first) once the lock is released.
+func (b *testBundle) createBehindABlockedOne(t *testing.T, first store.NewBatch, queued ...store.NewBatch) []creationOutcome {
+	t.Helper()
+	small, pool, unlock := b.lockedItems(t, 4)
+	outs := make([]chan creationOutcome, 1+len(queued))
+	start := func(i int, nb store.NewBatch) {
+		outs[i] = make(chan creationOutcome, 1)
+		go func() {
+			res, err := small.CreateBatch(b.ctx, nb)
+			outs[i] <- creationOutcome{res, err}
+		}()
+	}
+	start(0, first)
+	require.Eventually(t, func() bool { return pool.Stat().AcquiredConns() == 1 }, 10*time.Second, time.Millisecond,
+		"the first creation is being stored")
+	for i, nb := range queued {
+		start(i+1, nb)
+		require.Eventually(t, func() bool { return small.CreationsWaiting() == i+1 }, 10*time.Second, time.Millisecond,
+			"creation %d waits for its turn", i+1)
+	}
+	unlock()
+	got := make([]creationOutcome, len(outs))
+	for i, ch := range outs {
+		got[i] = <-ch
+	}
+	return got
+}
+
+// transactions counts the transactions that stored the account's batches.
+func (b *testBundle) transactions(t *testing.T, account uuid.UUID) int {
+	t.Helper()
+	var n int
+	require.NoError(t, b.store.Pool().QueryRow(b.ctx,
+		"SELECT count(DISTINCT xmin::text) FROM batches WHERE account_id = $1", account).Scan(&n))
+	return n
+}
+
+// storedItems counts the items stored of each of the account's batches.
+func (b *testBundle) storedItems(t *testing.T, account uuid.UUID) map[uuid.UUID]int {
+	t.Helper()
+	rows, err := b.store.Pool().Query(b.ctx,
+		"SELECT b.id, count(i.idx) FROM batches b LEFT JOIN batch_items i ON i.batch_id = b.id WHERE b.account_id = $1 GROUP BY b.id", account)
+	require.NoError(t, err)
+	got := map[uuid.UUID]int{}
+	for rows.Next() {
+		var id uuid.UUID
+		var n int
+		require.NoError(t, rows.Scan(&id, &n))
+		got[id] = n
+	}
+	require.NoError(t, rows.Err())
+	var orphans int
+	require.NoError(t, b.store.Pool().QueryRow(b.ctx,
+		"SELECT count(*) FROM batch_items i WHERE NOT EXISTS (SELECT 1 FROM batches b WHERE b.id = i.batch_id)").Scan(&orphans))
+	require.Zero(t, orphans, "no item outlives its batch")
+	return got
+}
+
+// TestCreationsOfAnAccountCommitTogether: the creations of an account that
+// arrive while one of its creations is being stored are stored together, in
+// one transaction, each with its items and its charge.
+func TestCreationsOfAnAccountCommitTogether(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	_, other := b.key(t, "globex", gateway.TierDeveloper, gateway.ScopeInference)
+	sizes := []int{6, 1, 2, 3, 4, 5}
+	queued := make([]store.NewBatch, len(sizes)-1)
+	for i := range queued {
+		queued[i] = b.batchOf(p, sizes[i+1], 10, "", day())
+	}
+	got := b.createBehindABlockedOne(t, b.batchOf(p, sizes[0], 10, "", day()), queued...)
+
+	want := map[uuid.UUID]int{}
+	for i, o := range got {
+		require.NoError(t, o.err, "creation %d", i)
+		require.False(t, o.res.Replayed)
+		want[o.res.BatchID] = sizes[i]
+	}
+	require.Len(t, want, 6, "each its own batch")
+	require.Equal(t, want, b.storedItems(t, p.AccountID))
+	require.Equal(t, 2, b.transactions(t, p.AccountID), "the first alone, the five queued behind it together")
+	require.Equal(t, int64(10*(6+1+2+3+4+5)), b.view(t, p).Daily.Charged, "each charged its estimate")
+
+	// Another account's creation waits for none of them.
+	b.newBatch(t, other, 1, 10, "", day())
+	require.Equal(t, 1, b.transactions(t, other.AccountID))
+}
+
+// TestCreationsStoredTogetherKeepTheirOutcomes: creations stored together
+// end as they would one after another: the daily ceiling charges them in
+// turn (one it refuses does not stop a later one that fits), a refused one
+// stores nothing, and two naming one idempotency key are never in one group.
+func TestCreationsStoredTogetherKeepTheirOutcomes(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "acme", ptr(int64(100)), nil)
+	got := b.createBehindABlockedOne(t, b.batchOf(p, 1, 20, "", day()),
+		b.batchOf(p, 1, 30, "", day()),  // 1: fits (50)
+		b.batchOf(p, 1, 60, "", day()),  // 2: refused (110)
+		b.batchOf(p, 1, 30, "k", day()), // 3: fits (80)
+		b.batchOf(p, 1, 30, "k", day()), // 4: the same body, key k: a replay of 3
+		b.batchOf(p, 1, 10, "k", day()), // 5: another body, key k: refused
+		b.batchOf(p, 1, 150, "", day()), // 6: past the whole ceiling
+		b.batchOf(p, 1, 20, "", day()),  // 7: fits (100)
+		b.batchOf(p, 1, 10, "", day()),  // 8: refused (110)
+	)
+	created := map[uuid.UUID]int{}
+	for _, i := range []int{0, 1, 3, 7} {
+		require.NoError(t, got[i].err, "creation %d", i)
+		require.False(t, got[i].res.Replayed, "creation %d", i)
+		created[got[i].res.BatchID] = 1
+	}
+	for _, i := range []int{2, 6, 8} {
+		require.Equal(t, gateway.ERateLimited, gateway.ErrorCodeOf(got[i].err), "creation %d: %v", i, got[i].err)
+	}
+	require.Contains(t, got[6].err.Error(), "larger than the account's whole daily rung ceiling")
+	require.Contains(t, got[8].err.Error(), "cannot cover this batch's estimate of 10 rungs")
+	require.NoError(t, got[4].err)
+	require.Equal(t, store.CreateResult{BatchID: got[3].res.BatchID, Replayed: true}, got[4].res)
+	require.Equal(t, gateway.EIdempotencyKeyReused, gateway.ErrorCodeOf(got[5].err), "%v", got[5].err)
+
+	require.Equal(t, created, b.storedItems(t, p.AccountID), "the refused stored nothing")
+	require.Equal(t, int64(100), b.view(t, p).Daily.Charged)
+	require.Equal(t, 2, b.transactions(t, p.AccountID), "the first alone, the others that fit together")
+}
+
+// TestACreationFailingForItsDataFailsAlone: a group whose transaction fails
+// for one creation's data (here an item past the hundredth, which the
+// service never sends) is stored creation by creation, and only that one
+// fails.
+func TestACreationFailingForItsDataFailsAlone(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	got := b.createBehindABlockedOne(t, b.batchOf(p, 1, 10, "", day()),
+		b.batchOf(p, 2, 10, "", day()),
+		b.batchOf(p, 101, 10, "", day()),
+		b.batchOf(p, 3, 10, "", day()),
+	)
+	want := map[uuid.UUID]int{}
+	for _, i := range []int{0, 1, 3} {
+		require.NoError(t, got[i].err, "creation %d", i)
+		want[got[i].res.BatchID] = []int{1, 2, 0, 3}[i]
+	}
+	require.Error(t, got[2].err)
+	require.False(t, store.Transient(got[2].err), "its data fails, however often it is sent: %v", got[2].err)
+	require.Equal(t, want, b.storedItems(t, p.AccountID))
+	require.Equal(t, int64(10*(1+2+3)), b.view(t, p).Daily.Charged)
+}
+
+// TestCreationsOfManyAccountsInOneReplica: creations of many accounts at once,
+// several each, all stored with their charges.
+func TestCreationsOfManyAccountsInOneReplica(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	const accounts, each = 8, 6
+	principals := make([]*gateway.Principal, accounts)
+	for i := range principals {
+		_, principals[i] = b.key(t, fmt.Sprintf("tenant-%d", i), gateway.TierDeveloper, gateway.ScopeInference)
+	}
+	errs := make(chan error, accounts*each)
+	for _, p := range principals {
+		for j := range each {
+			go func() {
+				_, err := b.store.CreateBatch(b.ctx, b.batchOf(p, j+1, 10, fmt.Sprintf("key-%d", j), day()))
+				errs <- err
+			}()
+		}
+	}
+	for range accounts * each {
+		require.NoError(t, <-errs)
+	}
+	for _, p := range principals {
+		items := b.storedItems(t, p.AccountID)
+		require.Len(t, items, each)
+		require.Equal(t, int64(10*each*(each+1)/2), b.view(t, p).Daily.Charged)
+	}
+}
+
+// BenchmarkABurstOfCreations: 32 batches of 100 items created at once, as a
+// client sending its work in one go does, by one account or spread over 16.
+// One account's creations are stored in groups (transactions/burst).
+func BenchmarkABurstOfCreations(b *testing.B) {
+	for _, accounts := range []int{1, 16} {
+		b.Run(fmt.Sprintf("accounts=%d", accounts), func(b *testing.B) {
+			bundle := &testBundle{ctx: context.Background(), store: store.New(testdb.New(b))}
+			principals := make([]*gateway.Principal, accounts)
+			for i := range principals {
+				_, principals[i] = bundle.key(b, fmt.Sprintf("tenant-%d", i), gateway.TierDeveloper, gateway.ScopeInference)
+			}
+			const burst = 32
+			errs := make(chan error, burst)
+			for b.Loop() {
+				for i := range burst {
+					nb := bundle.batchOf(principals[i%accounts], 100, 10, "", day())
+					go func() {
+						_, err := bundle.store.CreateBatch(bundle.ctx, nb)
+						errs <- err
+					}()
+				}
+				for range burst {
+					if err := <-errs; err != nil {
+						b.Fatal(err)
+					}
+				}
+			}
+			var transactions int
+			require.NoError(b, bundle.store.Pool().QueryRow(bundle.ctx, "SELECT count(DISTINCT xmin::text) FROM batches").Scan(&transactions))
+			b.ReportMetric(float64(transactions)/float64(b.N), "transactions/burst")
+		})
+	}
+}
