@@ -49,6 +49,7 @@ func TestMetrics(t *testing.T) {
 			`gateway_batch_claim_duration_seconds_count`,
 			`gateway_group_commit_duration_seconds_count{work="settlement"} 2`,
 			`gateway_group_commit_size_sum{work="batch_outcomes"} 3`,
+			`gateway_group_commit_size_sum{work="batch_creations"} 1`,
 			`gateway_batch_queue_depth`,
 			`process_resident_memory_bytes`,
 		} {

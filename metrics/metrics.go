@@ -73,7 +73,7 @@ func New() *Metrics {
 		}),
 		commitDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "gateway_group_commit_duration_seconds",
-			Help:    "Latency of one transaction that stored a group of outcomes, by work: settlement (finished requests' usage and evidence; their replies wait for it) or batch_outcomes (batch items').",
+			Help:    "Latency of one transaction that stored a group of outcomes, by work: settlement (finished requests' usage and evidence; their replies wait for it), batch_outcomes (batch items') or batch_creations (batches of one account-day created together; their replies wait for it).",
 			Buckets: []float64{.0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10},
 		}, []string{"work"}),
 		commitSize: prometheus.NewHistogramVec(prometheus.HistogramOpts{
@@ -213,12 +213,13 @@ func (m *Metrics) Claim(d time.Duration) {
 
 // Work stored by group transactions, the label values of GroupCommit.
 const (
-	WorkSettlement    = "settlement"
-	WorkBatchOutcomes = "batch_outcomes"
+	WorkSettlement     = "settlement"
+	WorkBatchOutcomes  = "batch_outcomes"
+	WorkBatchCreations = "batch_creations"
 )
 
-// GroupCommit records one group transaction of work (WorkSettlement or
-// WorkBatchOutcomes) that committed: how many outcomes it held and how long
+// GroupCommit records one group transaction of work (WorkSettlement,
+// WorkBatchOutcomes or WorkBatchCreations) that committed: how many outcomes it held and how long
 // it took.
 func (m *Metrics) GroupCommit(work string, size int, d time.Duration) {
 	if m != nil {

@@ -13,6 +13,7 @@ import (
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/gen/db"
+	"github.com/rungworks/gateway/metrics"
 )
 
 // Bounds of a group of batch creations.
@@ -197,8 +198,12 @@ func (q *creationQueue) take(n int) []*creation {
 // fault fails alone (D11).
 func (s *Store) storeCreations(ctx context.Context, group []*creation) {
 	cctx, cancel := context.WithTimeout(ctx, creationTimeout)
+	start := time.Now()
 	err := s.createTogether(cctx, group)
 	cancel()
+	if err == nil {
+		s.metrics.GroupCommit(metrics.WorkBatchCreations, len(group), time.Since(start))
+	}
 	if err != nil && len(group) > 1 && !Transient(err) {
 		for _, c := range group {
 			s.storeCreations(ctx, []*creation{c})

@@ -18,6 +18,7 @@ import (
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/apikey"
 	"github.com/rungworks/gateway/gen/db"
+	"github.com/rungworks/gateway/metrics"
 )
 
 // Store reads and writes the gateway's state in PostgreSQL.
@@ -34,6 +35,8 @@ type Store struct {
 	// groups gathers the batch creations of each account-day that arrive
 	// together into one transaction.
 	groups creationGroups
+	// metrics, when set, records each group of creations that commits.
+	metrics *metrics.Metrics
 }
 
 // New returns a store over pool.
@@ -51,6 +54,10 @@ func New(pool *pgxpool.Pool) *Store {
 func creationSlots(maxConns int32) int {
 	return max(1, int(maxConns)/2)
 }
+
+// Observe records the store's group transactions (batch creations) in m.
+// Call it before the store is used.
+func (s *Store) Observe(m *metrics.Metrics) { s.metrics = m }
 
 // Pool returns the connection pool.
 func (s *Store) Pool() *pgxpool.Pool { return s.pool }
