@@ -237,3 +237,35 @@ func BenchmarkABurstOfCreations(b *testing.B) {
 		})
 	}
 }
+
+// TestCreationsOfTwoReplicasNeverPassTheCeiling: 40 creations of one account
+// at once, through two stores (two replicas' queues) over one database,
+// against a daily ceiling that fits 10 of them: exactly 10 are stored, the
+// day is charged exactly the ceiling, and the others are refused.
+func TestCreationsOfTwoReplicasNeverPassTheCeiling(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "acme", ptr(int64(100)), nil)
+	replicas := []*store.Store{b.store, store.New(b.store.Pool())}
+	const creations = 40
+	outs := make(chan creationOutcome, creations)
+	for i := range creations {
+		go func() {
+			res, err := replicas[i%2].CreateBatch(b.ctx, b.batchOf(p, 2, 5, "", day()))
+			outs <- creationOutcome{res, err}
+		}()
+	}
+	created := map[uuid.UUID]int{}
+	for range creations {
+		o := <-outs
+		if o.err != nil {
+			require.Equal(t, gateway.ERateLimited, gateway.ErrorCodeOf(o.err), "%v", o.err)
+			continue
+		}
+		created[o.res.BatchID] = 2
+	}
+	require.Len(t, created, 10)
+	require.Equal(t, created, b.storedItems(t, p.AccountID))
+	require.Equal(t, int64(100), b.view(t, p).Daily.Charged)
+}
