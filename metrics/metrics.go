@@ -219,8 +219,8 @@ const (
 )
 
 // GroupCommit records one group transaction of work (WorkSettlement,
-// WorkBatchOutcomes or WorkBatchCreations) that committed: how many outcomes it held and how long
-// it took.
+// WorkBatchOutcomes or WorkBatchCreations) that committed: how many outcomes
+// it held and how long it took.
 func (m *Metrics) GroupCommit(work string, size int, d time.Duration) {
 	if m != nil {
 		m.commitDuration.WithLabelValues(work).Observe(d.Seconds())
