@@ -53,7 +53,7 @@ type creationKey struct {
 }
 
 // creationQueue is the creations of one account-day waiting for their turn,
-// in order of arrival; the first is the one leading.
+// in order of arrival; the turn goes to the first.
 type creationQueue struct {
 	waiting []*creation
 }
@@ -98,12 +98,10 @@ func (g *creationGroups) create(ctx context.Context, s *Store, c *creation) (Cre
 	case <-c.lead:
 		g.lead(ctx, s, key, q, c)
 	case <-ctx.Done():
-		if g.leave(q, c) {
+		left, leading := g.leave(q, c)
+		if left {
 			return CreateResult{}, notSent{fmt.Errorf("error waiting for a turn to store a batch: %w", ctx.Err())}
 		}
-		g.mu.Lock()
-		leading := c.leading
-		g.mu.Unlock()
 		if leading {
 			g.lead(ctx, s, key, q, c)
 		}
@@ -112,16 +110,17 @@ func (g *creationGroups) create(ctx context.Context, s *Store, c *creation) (Cre
 	return c.result, c.err
 }
 
-// leave takes c out of q, unless its turn came or its group was sent.
-func (g *creationGroups) leave(q *creationQueue, c *creation) bool {
+// leave takes c out of q (left), unless its turn came (leading: it must
+// lead) or its group was sent (neither: it waits for the outcome).
+func (g *creationGroups) leave(q *creationQueue, c *creation) (left, leading bool) {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	i := slices.Index(q.waiting, c)
 	if c.leading || i < 0 {
-		return false
+		return false, c.leading
 	}
 	q.waiting = slices.Delete(q.waiting, i, i+1)
-	return true
+	return true, false
 }
 
 // takeTurn makes c the one that stores the next group of its account-day.
@@ -160,7 +159,7 @@ func (g *creationGroups) lead(ctx context.Context, s *Store, key creationKey, q 
 	group := q.take(maxCreationGroup)
 	g.mu.Unlock()
 
-	s.storeCreations(context.WithoutCancel(ctx), group)
+	s.storeCreations(context.WithoutCancel(ctx), key, group)
 	<-s.creations
 
 	g.mu.Lock()
@@ -196,17 +195,17 @@ func (q *creationQueue) take(n int) []*creation {
 // done. When the database is away every member is told so. When the group
 // fails for its data, its members are stored one by one, so that the one at
 // fault fails alone (D11).
-func (s *Store) storeCreations(ctx context.Context, group []*creation) {
+func (s *Store) storeCreations(ctx context.Context, key creationKey, group []*creation) {
 	cctx, cancel := context.WithTimeout(ctx, creationTimeout)
 	start := time.Now()
-	err := s.createTogether(cctx, group)
+	err := s.createTogether(cctx, key, group)
 	cancel()
 	if err == nil {
 		s.metrics.GroupCommit(metrics.WorkBatchCreations, len(group), time.Since(start))
 	}
 	if err != nil && len(group) > 1 && !Transient(err) {
 		for _, c := range group {
-			s.storeCreations(ctx, []*creation{c})
+			s.storeCreations(ctx, key, []*creation{c})
 		}
 		return
 	}
@@ -222,9 +221,8 @@ func (s *Store) storeCreations(ctx context.Context, group []*creation) {
 // and sets the outcome of each: created, refused by the daily ceiling (its
 // batch removed again), or resolved to the batch that already holds its id
 // or its idempotency key.
-func (s *Store) createTogether(ctx context.Context, group []*creation) error {
-	first := group[0].nb
-	account, day := first.Principal.AccountID, gateway.UTCDay(first.CreatedAt)
+func (s *Store) createTogether(ctx context.Context, key creationKey, group []*creation) error {
+	account, day := key.account, key.day
 	batches := db.InsertBatchesParams{AccountID: account}
 	for _, c := range group {
 		batches.Ids = append(batches.Ids, c.id)
@@ -262,6 +260,8 @@ func (s *Store) createTogether(ctx context.Context, group []*creation) error {
 		if _, err := s.queries.InsertBatchItems(ctx, tx, items); err != nil {
 			return fmt.Errorf("error inserting batch items: %w", err)
 		}
+		// One notification wakes the replicas (its payload is not read);
+		// should the ceiling refuse every batch, a wake finds nothing.
 		if err := s.queries.NotifyBatchCreated(ctx, tx, fresh[0].id.String()); err != nil {
 			return fmt.Errorf("error notifying replicas: %w", err)
 		}
