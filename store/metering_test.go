@@ -216,6 +216,50 @@ func TestRenewAndFoldOnlyOwnLeases(t *testing.T) {
 	require.Zero(t, n, "theirs is alive")
 }
 
+// TestAFoldTakesTheAccountDayBeforeTheProject: a fold locks a lease's
+// account-day before its project, as a grant and every other statement that
+// changes both do. A fold that took the project first, while a grant held the
+// account-day and waited for the project, deadlocked with it; PostgreSQL ended
+// one of the two after a second, and when that was the fold, the slice stayed
+// away until its lease ran out.
+func TestAFoldTakesTheAccountDayBeforeTheProject(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "acme", ptr(int64(2000)), ptr(int64(1000)))
+	lease := uuid.Must(uuid.NewV7())
+	b.grant(t, p, lease, 10, 4, time.Now().Add(time.Hour))
+
+	// A grant's first lock, held: its account-day.
+	grant, err := b.store.Pool().Begin(b.ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = grant.Rollback(b.ctx) })
+	_, err = grant.Exec(b.ctx, `UPDATE daily_charges SET charged_rungs = charged_rungs WHERE account_id = $1 AND day = $2`,
+		p.AccountID, gateway.UTCDay(time.Now()))
+	require.NoError(t, err)
+
+	folded := make(chan error, 1)
+	go func() {
+		_, err := b.store.FoldQuotaLeases(b.ctx, owner, []uuid.UUID{lease})
+		folded <- err
+	}()
+	require.Eventually(t, func() bool {
+		var waiting int
+		err := b.store.Pool().QueryRow(b.ctx, `SELECT count(*) FROM pg_stat_activity
+			WHERE datname = current_database() AND wait_event_type = 'Lock'`).Scan(&waiting)
+		return err == nil && waiting == 1
+	}, 10*time.Second, 5*time.Millisecond, "the fold waits for the account-day")
+
+	// The grant's next lock: its project, which the fold must not hold yet.
+	ctx, cancel := context.WithTimeout(b.ctx, 10*time.Second)
+	defer cancel()
+	_, err = grant.Exec(ctx, `SELECT 1 FROM projects WHERE id = $1 FOR NO KEY UPDATE`, p.ProjectID)
+	require.NoError(t, err, "the grant takes its project")
+	require.NoError(t, grant.Commit(b.ctx))
+	require.NoError(t, <-folded, "the fold ends once the grant has")
+	require.Zero(t, b.view(t, p).Budget.Reserved, "the slice is back")
+}
+
 // TestLeaseRateNeverPassesTheLimit: concurrent slices from two replicas sum
 // to the limit exactly; returned counts can be leased again.
 func TestLeaseRateNeverPassesTheLimit(t *testing.T) {
