@@ -260,6 +260,97 @@ func TestAFoldTakesTheAccountDayBeforeTheProject(t *testing.T) {
 	require.Zero(t, b.view(t, p).Budget.Reserved, "the slice is back")
 }
 
+// TestMeteringOfTwoTenantsAtOnceNeverDeadlocks: grants, settlements (under a
+// lease, and charged directly), folds of a replica's leases and folds of
+// expired ones, all at once on two tenants' rows from six replicas, never
+// fail (PostgreSQL fails one of two statements that deadlock), and every cost
+// is counted once.
+func TestMeteringOfTwoTenantsAtOnceNeverDeadlocks(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	var tenants [2]*gateway.Principal
+	for i, name := range []string{"acme", "globex"} {
+		_, tenants[i] = b.key(t, name, gateway.TierDeveloper, gateway.ScopeInference)
+		b.limits(t, name, ptr(int64(1_000_000_000)), ptr(int64(1_000_000_000)))
+	}
+	ctx, cancel := context.WithTimeout(b.ctx, time.Minute)
+	defer cancel()
+	errs := make(chan error, 8)
+	var spent [2]atomic.Int64
+	var replicas sync.WaitGroup
+	for r := range 6 {
+		replicas.Add(1)
+		go func() {
+			defer replicas.Done()
+			replica := uuid.Must(uuid.NewV7())
+			for i := range 40 {
+				n := (r + i) % 2
+				p, other := tenants[n], tenants[1-n]
+				lease, expires := uuid.Must(uuid.NewV7()), time.Now().Add(time.Hour)
+				if i%3 == 0 {
+					expires = time.Now().Add(-time.Second) // left to the folds of expired leases
+				}
+				_, err := b.store.GrantQuota(ctx, store.QuotaRequest{
+					LeaseID: lease, Owner: replica, AccountID: p.AccountID, ProjectID: p.ProjectID, Day: time.Now(),
+					DefaultCeiling: p.Tier.DefaultDailyCeiling(), Need: 10, Share: 8, ExpiresAt: expires,
+				})
+				if err == nil {
+					err = b.store.SettleRequests(ctx, []store.Settlement{
+						{Record: record(p, uuid.Must(uuid.NewV7()), 3), LeaseID: &lease},
+						{Record: record(other, uuid.Must(uuid.NewV7()), 5)},
+					})
+				}
+				if err == nil {
+					spent[n].Add(3)
+					spent[1-n].Add(5)
+				}
+				if err == nil && i%3 != 0 {
+					_, err = b.store.FoldQuotaLeases(ctx, replica, []uuid.UUID{lease})
+				}
+				if err != nil {
+					errs <- err
+					return
+				}
+			}
+		}()
+	}
+	stop := make(chan struct{})
+	folded := make(chan error, 1)
+	go func() {
+		for {
+			select {
+			case <-stop:
+				folded <- nil
+				return
+			default:
+			}
+			if _, err := b.store.FoldExpiredQuotaLeases(ctx, 100); err != nil {
+				folded <- err
+				return
+			}
+		}
+	}()
+	replicas.Wait()
+	close(stop)
+	close(errs)
+	for err := range errs {
+		require.NoError(t, err)
+	}
+	require.NoError(t, <-folded)
+
+	_, err := b.store.Pool().Exec(ctx, `UPDATE quota_leases SET expires_at = now() - interval '1 second'`)
+	require.NoError(t, err)
+	_, err = b.store.FoldExpiredQuotaLeases(ctx, 1000)
+	require.NoError(t, err)
+	for n, p := range tenants {
+		v := b.view(t, p)
+		require.Equal(t, spent[n].Load(), v.Daily.Charged, "every cost charged once")
+		require.Equal(t, spent[n].Load(), v.Budget.Spent)
+		require.Zero(t, v.Budget.Reserved, "every slice folded back")
+		require.Equal(t, int64(6*40), v.Totals.Requests)
+	}
+}
+
 // TestLeaseRateNeverPassesTheLimit: concurrent slices from two replicas sum
 // to the limit exactly; returned counts can be leased again.
 func TestLeaseRateNeverPassesTheLimit(t *testing.T) {
