@@ -1,0 +1,216 @@
+package store_test
+
+import (
+	"context"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/store"
+)
+
+// TestEverythingOfTwoTenantsAtOnce: two replicas (two stores, each with its
+// own queue of creations) create, claim, start, complete, finish and cancel
+// batches of two tenants with capped projects, while interactive requests
+// are granted slices, settled and folded back, and the maintenance jobs
+// reconcile batch settlements and fold expired leases — all at once. No
+// statement fails (PostgreSQL fails one of two that deadlock), every batch
+// ends, and each tenant's day and budget hold exactly what it used.
+func TestEverythingOfTwoTenantsAtOnce(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	var tenants [2]*gateway.Principal
+	for i, name := range []string{"acme", "globex"} {
+		_, tenants[i] = b.key(t, name, gateway.TierDeveloper, gateway.ScopeInference)
+		b.limits(t, name, ptr(int64(1_000_000_000)), ptr(int64(1_000_000_000)))
+	}
+	replicas := []*store.Store{b.store, store.New(b.store.Pool())}
+	ctx, cancel := context.WithTimeout(b.ctx, 2*time.Minute)
+	defer cancel()
+
+	const batchesEach, itemsEach, estimate, itemCost = 12, 10, 7, 3
+	var (
+		work    sync.WaitGroup // creators and interactive requests: they end
+		jobs    sync.WaitGroup // drainers and maintenance: they run until stop
+		stop    = make(chan struct{})
+		errs    = make(chan error, 16)
+		used    [2]atomic.Int64
+		batches sync.Map // batch id → tenant
+	)
+	fail := func(err error) {
+		select {
+		case errs <- err:
+		default:
+		}
+	}
+	stopped := func() bool {
+		select {
+		case <-stop:
+			return true
+		default:
+			return false
+		}
+	}
+	tenantOf := func(account uuid.UUID) int {
+		if account == tenants[0].AccountID {
+			return 0
+		}
+		return 1
+	}
+
+	for r, st := range replicas {
+		work.Add(1)
+		go func() { // a client creating batches, and cancelling every third
+			defer work.Done()
+			for i := range batchesEach {
+				n := (r + i) % 2
+				res, err := st.CreateBatch(ctx, b.batchOf(tenants[n], itemsEach, estimate, "", day()))
+				if err != nil {
+					fail(err)
+					return
+				}
+				batches.Store(res.BatchID, n)
+				if i%3 == 2 {
+					err := st.CancelBatch(ctx, tenants[n].AccountID, res.BatchID)
+					if err != nil && gateway.ErrorCodeOf(err) != gateway.EBatchNotCancellable {
+						fail(err)
+						return
+					}
+				}
+			}
+		}()
+		jobs.Add(1)
+		go func() { // a drainer
+			defer jobs.Done()
+			owner := uuid.Must(uuid.NewV7())
+			for !stopped() {
+				items, err := st.ClaimItems(ctx, store.ClaimParams{Owner: owner, ClaimID: uuid.Must(uuid.NewV7()), Max: 16, PerAccount: 8, Lease: time.Minute})
+				if err != nil {
+					fail(err)
+					return
+				}
+				var started []uuid.UUID
+				for _, it := range items {
+					if it.BatchQueued {
+						started = append(started, it.BatchID)
+					}
+				}
+				if err := st.StartBatches(ctx, started); err != nil {
+					fail(err)
+					return
+				}
+				applied, err := st.CompleteItems(ctx, owner, itemResults(items, itemCost))
+				if err != nil {
+					fail(err)
+					return
+				}
+				finished := make([]uuid.UUID, len(applied))
+				for i, k := range applied {
+					finished[i] = k.BatchID
+					n, _ := batches.Load(k.BatchID)
+					if n == nil { // its creation has not returned yet
+						for _, it := range items {
+							if it.BatchID == k.BatchID {
+								n = tenantOf(it.AccountID)
+							}
+						}
+					}
+					used[n.(int)].Add(itemCost)
+				}
+				if err := st.FinishBatches(ctx, finished); err != nil {
+					fail(err)
+					return
+				}
+				if len(items) == 0 {
+					time.Sleep(time.Millisecond)
+				}
+			}
+		}()
+		work.Add(1)
+		go func() { // interactive requests of both tenants
+			defer work.Done()
+			owner := uuid.Must(uuid.NewV7())
+			for i := range 30 {
+				n := (r + i) % 2
+				p, other := tenants[n], tenants[1-n]
+				lease, expires := uuid.Must(uuid.NewV7()), time.Now().Add(time.Hour)
+				if i%3 == 0 {
+					expires = time.Now().Add(-time.Second) // left to the folds of expired leases
+				}
+				_, err := st.GrantQuota(ctx, store.QuotaRequest{
+					LeaseID: lease, Owner: owner, AccountID: p.AccountID, ProjectID: p.ProjectID, Day: time.Now(),
+					DefaultCeiling: p.Tier.DefaultDailyCeiling(), Need: 10, Share: 8, ExpiresAt: expires,
+				})
+				if err == nil {
+					err = st.SettleRequests(ctx, []store.Settlement{
+						{Record: record(p, uuid.Must(uuid.NewV7()), 3), LeaseID: &lease},
+						{Record: record(other, uuid.Must(uuid.NewV7()), 5)},
+					})
+				}
+				if err == nil {
+					used[n].Add(3)
+					used[1-n].Add(5)
+				}
+				if err == nil && i%3 != 0 {
+					_, err = st.FoldQuotaLeases(ctx, owner, []uuid.UUID{lease})
+				}
+				if err != nil {
+					fail(err)
+					return
+				}
+			}
+		}()
+	}
+	jobs.Add(1)
+	go func() { // the maintenance jobs
+		defer jobs.Done()
+		for !stopped() {
+			if _, err := b.store.ReconcileSettlements(ctx, 100); err != nil {
+				fail(err)
+				return
+			}
+			if _, err := b.store.FoldExpiredQuotaLeases(ctx, 100); err != nil {
+				fail(err)
+				return
+			}
+		}
+	}()
+
+	work.Wait()
+	require.Eventually(t, func() bool {
+		var open int
+		err := b.store.Pool().QueryRow(ctx, `SELECT count(*) FROM batches WHERE status NOT IN ('completed', 'failed', 'cancelled', 'expired')`).Scan(&open)
+		return err == nil && open == 0
+	}, time.Minute, 10*time.Millisecond, "every batch ends")
+	close(stop)
+	jobs.Wait()
+	close(errs)
+	for err := range errs {
+		require.NoError(t, err)
+	}
+
+	var completed, cancelled int
+	require.NoError(t, b.store.Pool().QueryRow(ctx, `SELECT count(*) FILTER (WHERE status = 'completed'),
+		count(*) FILTER (WHERE status = 'cancelled') FROM batches`).Scan(&completed, &cancelled))
+	require.Positive(t, completed, "batches were drained")
+	require.Positive(t, cancelled, "batches were cancelled")
+
+	_, err := b.store.Pool().Exec(ctx, `UPDATE quota_leases SET expires_at = now() - interval '1 second'`)
+	require.NoError(t, err)
+	_, err = b.store.FoldExpiredQuotaLeases(ctx, 1000)
+	require.NoError(t, err)
+	_, err = b.store.ReconcileSettlements(ctx, 10_000)
+	require.NoError(t, err)
+	for n, p := range tenants {
+		v := b.view(t, p)
+		require.Equal(t, used[n].Load(), v.Daily.Charged, "the day holds what was used, once")
+		require.Equal(t, used[n].Load(), v.Budget.Spent, "the budget too")
+		require.Zero(t, v.Budget.Reserved, "nothing is left reserved")
+		require.Equal(t, used[n].Load(), v.Totals.TotalRungs)
+	}
+}
