@@ -15,10 +15,11 @@ import (
 )
 
 // TestEverythingOfTwoTenantsAtOnce: two replicas (two stores, each with its
-// own queue of creations) create, claim, start, complete, finish and cancel
-// batches of two tenants with capped projects, while interactive requests
-// are granted slices, settled and folded back, and the maintenance jobs
-// reconcile batch settlements and fold expired leases — all at once. No
+// own queue of creations) create, claim, start, complete, hand back, finish
+// and cancel batches of two tenants with capped projects, while interactive
+// requests are granted slices, settled and folded back, and the maintenance
+// jobs reconcile batch settlements, fold expired leases, rescue items whose
+// lease ran out and end stranded and expired batches — all at once. No
 // statement fails (PostgreSQL fails one of two that deadlock), every batch
 // ends, and each tenant's day and budget hold exactly what it used.
 func TestEverythingOfTwoTenantsAtOnce(t *testing.T) {
@@ -88,6 +89,7 @@ func TestEverythingOfTwoTenantsAtOnce(t *testing.T) {
 		go func() { // a drainer
 			defer jobs.Done()
 			owner := uuid.Must(uuid.NewV7())
+			claims := 0
 			for !stopped() {
 				items, err := st.ClaimItems(ctx, store.ClaimParams{Owner: owner, ClaimID: uuid.Must(uuid.NewV7()), Max: 16, PerAccount: 8, Lease: time.Minute})
 				if err != nil {
@@ -103,6 +105,14 @@ func TestEverythingOfTwoTenantsAtOnce(t *testing.T) {
 				if err := st.StartBatches(ctx, started); err != nil {
 					fail(err)
 					return
+				}
+				if claims++; claims%5 == 0 && len(items) > 0 { // the last one was never dispatched: back to the queue
+					last := items[len(items)-1]
+					items = items[:len(items)-1]
+					if _, err := st.RequeueItems(ctx, owner, []store.ItemKey{{BatchID: last.BatchID, Index: last.Index}}); err != nil {
+						fail(err)
+						return
+					}
 				}
 				applied, err := st.CompleteItems(ctx, owner, itemResults(items, itemCost))
 				if err != nil {
@@ -175,6 +185,18 @@ func TestEverythingOfTwoTenantsAtOnce(t *testing.T) {
 				return
 			}
 			if _, err := b.store.FoldExpiredQuotaLeases(ctx, 100); err != nil {
+				fail(err)
+				return
+			}
+			if _, err := b.store.RescueExpiredLeases(ctx, 100); err != nil {
+				fail(err)
+				return
+			}
+			if _, err := b.store.FinishStrandedBatches(ctx, 100); err != nil {
+				fail(err)
+				return
+			}
+			if _, err := b.store.ExpireBatches(ctx, 100); err != nil {
 				fail(err)
 				return
 			}
