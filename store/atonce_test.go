@@ -17,11 +17,12 @@ import (
 // TestEverythingOfTwoTenantsAtOnce: two replicas (two stores, each with its
 // own queue of creations) create, claim, start, complete, hand back, finish
 // and cancel batches of two tenants with capped projects, while interactive
-// requests are granted slices, settled and folded back, and the maintenance
-// jobs reconcile batch settlements, fold expired leases, rescue items whose
-// lease ran out and end stranded and expired batches — all at once. No
-// statement fails (PostgreSQL fails one of two that deadlock), every batch
-// ends, and each tenant's day and budget hold exactly what it used.
+// requests are granted slices, settled and folded back, an operator changes
+// the tenants' limits, and the maintenance jobs reconcile batch settlements,
+// fold expired leases, rescue items whose lease ran out and end stranded and
+// expired batches — all at once. No statement fails (PostgreSQL fails one of
+// two that deadlock), every batch ends, and each tenant's day and budget hold
+// exactly what it used.
 func TestEverythingOfTwoTenantsAtOnce(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -176,6 +177,18 @@ func TestEverythingOfTwoTenantsAtOnce(t *testing.T) {
 			}
 		}()
 	}
+	work.Add(1)
+	go func() { // an operator changing both tenants' limits (never low enough to refuse)
+		defer work.Done()
+		for i := range 20 {
+			limit := int64(1_000_000_000 + i)
+			err := b.store.SetLimits(ctx, store.SetLimitsParams{Account: []string{"acme", "globex"}[i%2], DailyRungs: &limit, Project: "default", BudgetRungs: &limit})
+			if err != nil {
+				fail(err)
+				return
+			}
+		}
+	}()
 	jobs.Add(1)
 	go func() { // the maintenance jobs
 		defer jobs.Done()
