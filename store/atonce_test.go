@@ -37,12 +37,11 @@ func TestEverythingOfTwoTenantsAtOnce(t *testing.T) {
 
 	const batchesEach, itemsEach, estimate, itemCost = 12, 10, 7, 3
 	var (
-		work    sync.WaitGroup // creators and interactive requests: they end
-		jobs    sync.WaitGroup // drainers and maintenance: they run until stop
-		stop    = make(chan struct{})
-		errs    = make(chan error, 16)
-		used    [2]atomic.Int64
-		batches sync.Map // batch id → tenant
+		work sync.WaitGroup // creators and interactive requests: they end
+		jobs sync.WaitGroup // drainers and maintenance: they run until stop
+		stop = make(chan struct{})
+		errs = make(chan error, 16)
+		used [2]atomic.Int64
 	)
 	fail := func(err error) {
 		select {
@@ -58,12 +57,6 @@ func TestEverythingOfTwoTenantsAtOnce(t *testing.T) {
 			return false
 		}
 	}
-	tenantOf := func(account uuid.UUID) int {
-		if account == tenants[0].AccountID {
-			return 0
-		}
-		return 1
-	}
 
 	for r, st := range replicas {
 		work.Add(1)
@@ -76,7 +69,6 @@ func TestEverythingOfTwoTenantsAtOnce(t *testing.T) {
 					fail(err)
 					return
 				}
-				batches.Store(res.BatchID, n)
 				if i%3 == 2 {
 					err := st.CancelBatch(ctx, tenants[n].AccountID, res.BatchID)
 					if err != nil && gateway.ErrorCodeOf(err) != gateway.EBatchNotCancellable {
@@ -98,7 +90,11 @@ func TestEverythingOfTwoTenantsAtOnce(t *testing.T) {
 					return
 				}
 				var started []uuid.UUID
+				tenantOf := map[uuid.UUID]int{} // batch → tenant: 0 unless it is the second's
 				for _, it := range items {
+					if it.AccountID == tenants[1].AccountID {
+						tenantOf[it.BatchID] = 1
+					}
 					if it.BatchQueued {
 						started = append(started, it.BatchID)
 					}
@@ -123,15 +119,7 @@ func TestEverythingOfTwoTenantsAtOnce(t *testing.T) {
 				finished := make([]uuid.UUID, len(applied))
 				for i, k := range applied {
 					finished[i] = k.BatchID
-					n, _ := batches.Load(k.BatchID)
-					if n == nil { // its creation has not returned yet
-						for _, it := range items {
-							if it.BatchID == k.BatchID {
-								n = tenantOf(it.AccountID)
-							}
-						}
-					}
-					used[n.(int)].Add(itemCost)
+					used[tenantOf[k.BatchID]].Add(itemCost)
 				}
 				if err := st.FinishBatches(ctx, finished); err != nil {
 					fail(err)
