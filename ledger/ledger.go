@@ -17,9 +17,11 @@
 //
 // A replica renews its leases while it holds them and folds a lease back
 // (the day charged what was used under it, the budget moved from reserved to
-// spent) when it goes idle, at shutdown, or when limits change. A replica that
-// dies forfeits its slices until their lease runs out; then any replica folds
-// them, and requests settled under them stay billed exactly once.
+// spent) when it goes idle, at shutdown, or when limits change; a fold that
+// fails (the database away) is tried again at each beat until its lease runs
+// out. A replica that dies forfeits its slices until their lease runs out;
+// then any replica folds them, and requests settled under them stay billed
+// exactly once.
 package ledger
 
 import (
@@ -100,7 +102,10 @@ type Ledger struct {
 	mu sync.Mutex
 	// folding holds, per slice key, a channel closed when the fold in
 	// flight of a lease of that key ends (see fold).
-	folding  map[sliceKey]chan struct{}
+	folding map[sliceKey]chan struct{}
+	// unfolded holds the leases whose fold failed, each with when it has
+	// run out in the database for certain (then any replica folds it).
+	unfolded map[uuid.UUID]time.Time
 	current  map[sliceKey]*lease
 	leases   map[uuid.UUID]*lease
 	admitted map[uuid.UUID]ticket
@@ -168,7 +173,7 @@ func New(cfg Config, st Store) *Ledger {
 	}
 	return &Ledger{
 		cfg: cfg, store: st, stale: make(chan struct{}, 1),
-		folding: map[sliceKey]chan struct{}{},
+		folding: map[sliceKey]chan struct{}{}, unfolded: map[uuid.UUID]time.Time{},
 		current: map[sliceKey]*lease{}, leases: map[uuid.UUID]*lease{}, admitted: map[uuid.UUID]ticket{},
 	}
 }
@@ -419,8 +424,9 @@ func (l *Ledger) Invalidate(account uuid.UUID) {
 	}
 }
 
-// Run, until ctx ends, folds back idle slices and, every third of a lease,
-// renews those held; then it folds back every slice nothing runs under.
+// Run, until ctx ends, folds back idle slices, tries again the folds that
+// failed and, every third of a lease, renews the slices held; then it folds
+// back every slice nothing runs under.
 func (l *Ledger) Run(ctx context.Context) {
 	tick := time.NewTicker(min(l.cfg.Idle, l.cfg.Lease/3))
 	defer tick.Stop()
@@ -429,11 +435,13 @@ func (l *Ledger) Run(ctx context.Context) {
 		select {
 		case <-ctx.Done():
 			l.foldIdle(context.WithoutCancel(ctx), true)
+			l.refold(context.WithoutCancel(ctx))
 			return
 		case <-l.stale:
 			l.foldIdle(ctx, false)
 		case <-tick.C:
 			l.foldIdle(ctx, false)
+			l.refold(ctx)
 			if time.Since(lastRenewal) >= l.cfg.Lease/3 {
 				lastRenewal = time.Now()
 				l.renew(ctx)
@@ -555,7 +563,7 @@ func (l *Ledger) foldIdle(ctx context.Context, all bool) {
 // fold folds back leases this replica no longer uses, with l.mu held on
 // entry and released on return. Admissions of their keys wait until it ends,
 // so that a new grant sees what the old slices held given back. A lease that
-// fails to fold is left to run out and be folded by any replica.
+// fails to fold is kept for refold, which tries again at each beat of Run.
 func (l *Ledger) fold(ctx context.Context, leases []*lease) {
 	done := make(chan struct{})
 	defer close(done)
@@ -571,12 +579,66 @@ func (l *Ledger) fold(ctx context.Context, leases []*lease) {
 	l.mu.Unlock()
 	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), statementTimeout)
 	defer cancel()
-	if _, err := l.store.FoldQuotaLeases(fctx, l.cfg.Owner, ids); err != nil {
-		l.cfg.Logger.Warn("error folding back quota leases; they are folded once they run out", "leases", len(ids), "error", err)
+	_, err := l.store.FoldQuotaLeases(fctx, l.cfg.Owner, ids)
+	if err != nil {
+		l.cfg.Logger.Warn("error folding back quota leases; trying again at the next beat", "leases", len(ids), "error", err)
 	}
 	l.mu.Lock()
 	for _, k := range keys {
 		delete(l.folding, k)
 	}
+	if err != nil {
+		// Renewed last before it was taken out of l.leases, each lease runs
+		// out in the database within a lease from now.
+		until := time.Now().Add(l.cfg.Lease)
+		for _, id := range ids {
+			l.unfolded[id] = until
+		}
+	}
 	l.mu.Unlock()
+}
+
+// refold tries again to fold back the leases whose fold failed; when they
+// fail together for their data (not because the database is away), each is
+// tried alone, so that one the database refuses keeps no other away (D11). A
+// lease that has run out in the database is left to the replicas' fold of
+// expired leases (store.FoldExpiredQuotaLeases).
+func (l *Ledger) refold(ctx context.Context) {
+	now := time.Now()
+	l.mu.Lock()
+	ids := make([]uuid.UUID, 0, len(l.unfolded))
+	for id, until := range l.unfolded {
+		if !now.Before(until) {
+			delete(l.unfolded, id)
+			continue
+		}
+		ids = append(ids, id)
+	}
+	l.mu.Unlock()
+	if len(ids) == 0 {
+		return
+	}
+	err := l.foldAgain(ctx, ids)
+	if err != nil && len(ids) > 1 && !l.unavailable(err) {
+		for _, id := range ids {
+			_ = l.foldAgain(ctx, []uuid.UUID{id})
+		}
+	}
+}
+
+// foldAgain folds back ids, which refold tries again, and forgets them once
+// folded.
+func (l *Ledger) foldAgain(ctx context.Context, ids []uuid.UUID) error {
+	fctx, cancel := context.WithTimeout(ctx, statementTimeout)
+	defer cancel()
+	if _, err := l.store.FoldQuotaLeases(fctx, l.cfg.Owner, ids); err != nil {
+		l.cfg.Logger.Warn("error folding back quota leases again; trying again at the next beat", "leases", ids, "error", err)
+		return err
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, id := range ids {
+		delete(l.unfolded, id)
+	}
+	return nil
 }

@@ -2,6 +2,8 @@ package ledger_test
 
 import (
 	"context"
+	"errors"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -527,4 +529,102 @@ func TestHeldLeasesAreRenewedAndIdleOnesFolded(t *testing.T) {
 		_, err := admit(ledger.New(ledger.Config{Share: 1}, b.store), q, 990)
 		return err == nil
 	}, 10*time.Second, 20*time.Millisecond, "the idle slice came back")
+}
+
+// foldFailingStore fails the first folds asked of it, as a database away for
+// a moment would, and, when refuse is set, every fold of a lease it names.
+type foldFailingStore struct {
+	*store.Store
+	failures atomic.Int32 // folds still to fail
+	folds    atomic.Int32 // folds asked
+	refuse   func(ids []uuid.UUID) bool
+}
+
+func (f *foldFailingStore) FoldQuotaLeases(ctx context.Context, owner uuid.UUID, ids []uuid.UUID) (int64, error) {
+	f.folds.Add(1)
+	if f.failures.Add(-1) >= 0 {
+		return 0, errors.New("connection refused")
+	}
+	if f.refuse != nil && f.refuse(ids) {
+		return 0, errors.New("refused for its data")
+	}
+	return f.Store.FoldQuotaLeases(ctx, owner, ids)
+}
+
+// TestAFailedFoldIsTriedAgain: a slice whose fold failed comes back at a
+// later beat of its replica, long before its lease (an hour here) runs out.
+func TestAFailedFoldIsTriedAgain(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	failing := &foldFailingStore{Store: b.store}
+	failing.failures.Store(2)
+	l := ledger.New(ledger.Config{Lease: time.Hour, Idle: 50 * time.Millisecond}, failing)
+	b.run(t, l)
+	p := b.principal(t, "acme", nil, ptr(int64(1000)))
+	id, err := admit(l, p, 100)
+	require.NoError(t, err)
+	require.NoError(t, l.Settle(b.ctx, record(p, id, 10)))
+
+	require.Eventually(t, func() bool {
+		_, err := admit(ledger.New(ledger.Config{Share: 1}, b.store), p, 990)
+		return err == nil
+	}, 10*time.Second, 20*time.Millisecond, "the slice came back")
+	require.GreaterOrEqual(t, failing.folds.Load(), int32(3), "two folds failed before one passed")
+	v := b.view(t, p)
+	require.Equal(t, int64(10), v.Budget.Spent, "what was used under the slice, once")
+}
+
+// TestAFoldRefusedForOneLeaseKeepsNoOtherAway: when leases of two tenants
+// that failed to fold together fail again, each is folded alone; the one the
+// database refuses stays away (until its lease runs out, an hour here), the
+// other comes back.
+func TestAFoldRefusedForOneLeaseKeepsNoOtherAway(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	failing := &foldFailingStore{Store: b.store}
+	failing.failures.Store(1) // the first fold, of both leases, fails
+	var (
+		mu       sync.Mutex
+		poisoned uuid.UUID // the first lease of the first fold, refused ever after
+	)
+	failing.refuse = func(ids []uuid.UUID) bool {
+		mu.Lock()
+		defer mu.Unlock()
+		if poisoned == uuid.Nil {
+			poisoned = ids[0]
+		}
+		return slices.Contains(ids, poisoned)
+	}
+	l := ledger.New(ledger.Config{Lease: time.Hour, Idle: 200 * time.Millisecond}, failing)
+	principals := []*gateway.Principal{
+		b.principal(t, "acme", nil, ptr(int64(1000))),
+		b.principal(t, "other", nil, ptr(int64(1000))),
+	}
+	for _, p := range principals {
+		id, err := admit(l, p, 100)
+		require.NoError(t, err)
+		require.NoError(t, l.Settle(b.ctx, record(p, id, 10)))
+	}
+	b.run(t, l) // both idle at its first beats: folded together
+
+	back := func(p *gateway.Principal) bool {
+		_, err := admit(ledger.New(ledger.Config{Share: 1}, b.store), p, 990)
+		return err == nil
+	}
+	var returned, kept *gateway.Principal
+	require.Eventually(t, func() bool {
+		for i, p := range principals {
+			if back(p) {
+				returned, kept = p, principals[1-i]
+				return true
+			}
+		}
+		return false
+	}, 10*time.Second, 20*time.Millisecond, "one slice came back")
+	require.False(t, back(kept), "the refused slice is still away")
+	require.Equal(t, int64(10), b.view(t, returned).Budget.Spent)
+	require.Equal(t, int64(10), b.view(t, kept).Budget.Spent, "what was used under the refused slice counts")
+	mu.Lock()
+	defer mu.Unlock()
+	require.NotEqual(t, uuid.Nil, poisoned)
 }
