@@ -194,7 +194,7 @@ func (l *Ledger) Admit(ctx context.Context, a gateway.Admission) error {
 		}
 		ls, replaced := l.slice(key, time.Now())
 		if replaced != nil {
-			l.fold(ctx, []*lease{replaced})
+			_ = l.fold(ctx, []*lease{replaced}) // tried again at a beat on failure
 			continue
 		}
 		if ls.stored && ls.avail >= a.Estimate {
@@ -434,13 +434,17 @@ func (l *Ledger) Run(ctx context.Context) {
 	for {
 		select {
 		case <-ctx.Done():
-			l.foldIdle(context.WithoutCancel(ctx), true)
-			l.refold(context.WithoutCancel(ctx))
+			// Past a failed fold, the database is likely away: the slices
+			// not folded are left to run out rather than the shutdown
+			// waiting for another statement timeout.
+			if l.foldIdle(context.WithoutCancel(ctx), true) == nil {
+				l.refold(context.WithoutCancel(ctx))
+			}
 			return
 		case <-l.stale:
-			l.foldIdle(ctx, false)
+			_ = l.foldIdle(ctx, false) // a failure is tried again at a beat
 		case <-tick.C:
-			l.foldIdle(ctx, false)
+			_ = l.foldIdle(ctx, false)
 			l.refold(ctx)
 			if time.Since(lastRenewal) >= l.cfg.Lease/3 {
 				lastRenewal = time.Now()
@@ -533,8 +537,8 @@ func (l *Ledger) renew(ctx context.Context) {
 }
 
 // foldIdle folds back the slices nothing runs under that are idle or may no
-// longer be used (all of them when all is set).
-func (l *Ledger) foldIdle(ctx context.Context, all bool) {
+// longer be used (all of them when all is set), and returns the fold's error.
+func (l *Ledger) foldIdle(ctx context.Context, all bool) error {
 	now := time.Now()
 	l.mu.Lock()
 	var idle []*lease
@@ -555,16 +559,16 @@ func (l *Ledger) foldIdle(ctx context.Context, all bool) {
 	}
 	if len(idle) == 0 {
 		l.mu.Unlock()
-		return
+		return nil
 	}
-	l.fold(ctx, idle)
+	return l.fold(ctx, idle)
 }
 
 // fold folds back leases this replica no longer uses, with l.mu held on
 // entry and released on return. Admissions of their keys wait until it ends,
 // so that a new grant sees what the old slices held given back. A lease that
 // fails to fold is kept for refold, which tries again at each beat of Run.
-func (l *Ledger) fold(ctx context.Context, leases []*lease) {
+func (l *Ledger) fold(ctx context.Context, leases []*lease) error {
 	done := make(chan struct{})
 	defer close(done)
 	ids := make([]uuid.UUID, len(leases))
@@ -596,6 +600,7 @@ func (l *Ledger) fold(ctx context.Context, leases []*lease) {
 		}
 	}
 	l.mu.Unlock()
+	return err
 }
 
 // refold tries again to fold back the leases whose fold failed; when they
