@@ -637,7 +637,11 @@ func (l *Ledger) foldAgain(ctx context.Context, ids []uuid.UUID) error {
 	fctx, cancel := context.WithTimeout(ctx, statementTimeout)
 	defer cancel()
 	if _, err := l.store.FoldQuotaLeases(fctx, l.cfg.Owner, ids); err != nil {
-		l.cfg.Logger.Warn("error folding back quota leases again; trying again at the next beat", "leases", ids, "error", err)
+		if len(ids) == 1 {
+			l.cfg.Logger.Warn("error folding back a quota lease again; trying again at the next beat", "lease", ids[0], "error", err)
+		} else {
+			l.cfg.Logger.Warn("error folding back quota leases again; trying again at the next beat", "leases", len(ids), "error", err)
+		}
 		return err
 	}
 	l.mu.Lock()
