@@ -1,0 +1,77 @@
+package maintenance_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/internal/metricstest"
+	"github.com/rungworks/gateway/internal/testdb"
+	"github.com/rungworks/gateway/maintenance"
+	"github.com/rungworks/gateway/metrics"
+	"github.com/rungworks/gateway/store"
+)
+
+// TestEveryJobRunsAgainstTheSchema: each job's statement runs on the
+// migrated database, and the jobs with work waiting do it: a quota lease that
+// ran out is folded, an item whose batch lease ran out is rescued (and
+// counted), the queue is sampled, a batch past its window ends, and what
+// they settled is folded into the counters. The jobs that run every 30 s in a
+// replica run here at once.
+func TestEveryJobRunsAgainstTheSchema(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	st := store.New(testdb.Connect(t, testdb.URL(t)))
+	token, err := st.CreateKey(ctx, store.CreateKeyParams{Account: "acme", Project: "default", Scopes: []gateway.Scope{gateway.ScopeInference}})
+	require.NoError(t, err)
+	p, err := st.LookupKey(ctx, token)
+	require.NoError(t, err)
+
+	now := time.Now().UTC()
+	grant, err := st.GrantQuota(ctx, store.QuotaRequest{
+		LeaseID: uuid.Must(uuid.NewV7()), Owner: uuid.Must(uuid.NewV7()), AccountID: p.AccountID, ProjectID: p.ProjectID,
+		Day: now, DefaultCeiling: 1000, Need: 10, Share: 1, ExpiresAt: now.Add(-time.Minute),
+	})
+	require.NoError(t, err)
+	require.Equal(t, gateway.AdmitOK, grant.Outcome)
+
+	batch := func(n int, expires time.Time) {
+		items := make([]store.NewItem, n)
+		for i := range items {
+			items[i] = store.NewItem{Request: store.ItemRequest{Prompt: fmt.Sprintf("item %d", i), Model: gateway.ModelInstant, MaxOutputRungs: 10}, Estimate: 1}
+		}
+		hash, err := store.HashRequest(map[string]any{"n": n, "expires": expires})
+		require.NoError(t, err)
+		_, err = st.CreateBatch(ctx, store.NewBatch{Principal: p, RequestHash: hash, Items: items, CreatedAt: time.Now().UTC(), ExpiresAt: expires})
+		require.NoError(t, err)
+	}
+	batch(1, now.Add(time.Hour))
+	claimed, err := st.ClaimItems(ctx, store.ClaimParams{Owner: uuid.Must(uuid.NewV7()), Max: 1, PerAccount: 1, Lease: time.Millisecond})
+	require.NoError(t, err)
+	require.Len(t, claimed, 1)
+	batch(2, now.Add(-time.Second))   // past its window, its items queued
+	time.Sleep(10 * time.Millisecond) // the claimed item's lease runs out
+
+	m := metrics.New()
+	jobs := maintenance.Jobs(st, maintenance.Settings{BatchWindow: 24 * time.Hour, BatchRetention: 24 * time.Hour, Lease: 30 * time.Second}, m)
+	done := map[string]int64{}
+	for _, job := range jobs {
+		require.Positive(t, job.Interval, job.Name)
+		require.NotContains(t, done, job.Name, "job names are their locks: each once")
+		n, err := job.Run(ctx)
+		require.NoError(t, err, job.Name)
+		done[job.Name] = n
+	}
+	require.Equal(t, int64(1), done["fold expired quota leases"])
+	require.Equal(t, int64(1), done["rescue expired leases"], "one batch rescued")
+	require.Equal(t, int64(1), done["expire batches"])
+	require.Positive(t, done["reconcile settlements"], "what the rescue and the expiry settled is folded into the counters")
+	scrape := metricstest.Scrape(m)
+	require.Contains(t, scrape, "gateway_batch_lease_rescues_total 1\n")
+	require.Contains(t, scrape, "gateway_batch_queue_depth 2\n", "the expired batch's items, sampled before it ended")
+}
