@@ -81,6 +81,13 @@ func record(p *gateway.Principal, id uuid.UUID, total int64) gateway.UsageRecord
 	}
 }
 
+// admits reports whether a new replica, whose slice is all that the caps
+// leave, admits estimate for p: whether the other replicas' slices came back.
+func (b *testBundle) admits(p *gateway.Principal, estimate int64) bool {
+	_, err := admit(ledger.New(ledger.Config{Share: 1}, b.store), p, estimate)
+	return err == nil
+}
+
 func ptr[T any](v T) *T { return &v }
 
 func TestAdmitSettleRelease(t *testing.T) {
@@ -525,10 +532,7 @@ func TestHeldLeasesAreRenewedAndIdleOnesFolded(t *testing.T) {
 	id, err = admit(idle, q, 100)
 	require.NoError(t, err)
 	require.NoError(t, idle.Settle(b.ctx, record(q, id, 10)))
-	require.Eventually(t, func() bool {
-		_, err := admit(ledger.New(ledger.Config{Share: 1}, b.store), q, 990)
-		return err == nil
-	}, 10*time.Second, 20*time.Millisecond, "the idle slice came back")
+	require.Eventually(t, func() bool { return b.admits(q, 990) }, 10*time.Second, 20*time.Millisecond, "the idle slice came back")
 }
 
 // foldFailingStore fails the first folds asked of it, as a database away for
@@ -565,10 +569,7 @@ func TestAFailedFoldIsTriedAgain(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, l.Settle(b.ctx, record(p, id, 10)))
 
-	require.Eventually(t, func() bool {
-		_, err := admit(ledger.New(ledger.Config{Share: 1}, b.store), p, 990)
-		return err == nil
-	}, 10*time.Second, 20*time.Millisecond, "the slice came back")
+	require.Eventually(t, func() bool { return b.admits(p, 990) }, 10*time.Second, 20*time.Millisecond, "the slice came back")
 	require.GreaterOrEqual(t, failing.folds.Load(), int32(3), "two folds failed before one passed")
 	v := b.view(t, p)
 	require.Equal(t, int64(10), v.Budget.Spent, "what was used under the slice, once")
@@ -607,21 +608,17 @@ func TestAFoldRefusedForOneLeaseKeepsNoOtherAway(t *testing.T) {
 	}
 	b.run(t, l) // both idle at its first beats: folded together
 
-	back := func(p *gateway.Principal) bool {
-		_, err := admit(ledger.New(ledger.Config{Share: 1}, b.store), p, 990)
-		return err == nil
-	}
 	var returned, kept *gateway.Principal
 	require.Eventually(t, func() bool {
 		for i, p := range principals {
-			if back(p) {
+			if b.admits(p, 990) {
 				returned, kept = p, principals[1-i]
 				return true
 			}
 		}
 		return false
 	}, 10*time.Second, 20*time.Millisecond, "one slice came back")
-	require.False(t, back(kept), "the refused slice is still away")
+	require.False(t, b.admits(kept, 990), "the refused slice is still away")
 	require.Equal(t, int64(10), b.view(t, returned).Budget.Spent)
 	require.Equal(t, int64(10), b.view(t, kept).Budget.Spent, "what was used under the refused slice counts")
 	mu.Lock()
