@@ -586,7 +586,7 @@ func TestAFoldRefusedForOneLeaseKeepsNoOtherAway(t *testing.T) {
 	failing.failures.Store(1) // the first fold, of both leases, fails
 	var (
 		mu       sync.Mutex
-		poisoned uuid.UUID // the first lease of the first fold, refused ever after
+		poisoned uuid.UUID // the first lease of the first fold not failed as transient, refused ever after
 	)
 	failing.refuse = func(ids []uuid.UUID) bool {
 		mu.Lock()
