@@ -95,6 +95,9 @@ func run(binary, replicaList string, probes, rounds int, o runOptions) error {
 				float64(r.activity.WALSyncs)/float64(r.items), float64(r.activity.WALRecords)/float64(r.items))
 		}
 	}
+	for _, n := range counts[1:] {
+		fmt.Printf("\n%s\n", paired(rates, counts[0], n))
+	}
 	if rounds > 1 {
 		fmt.Println("\n| replicas | median items/s | lowest | highest |")
 		fmt.Println("|---|---|---|---|")
@@ -110,6 +113,22 @@ func run(binary, replicaList string, probes, rounds int, o runOptions) error {
 	}
 	fmt.Printf("\ncreated → first item at the upstream, idle replica, %d batches: p50 %.1f ms, p99 %.1f ms\n", probes, p50, p99)
 	return nil
+}
+
+// paired compares, round by round, the rates of n replicas with those of base
+// replicas measured just before them: the goal is that more replicas never
+// drain slower.
+func paired(rates map[int][]float64, base, n int) string {
+	ratios := make([]string, len(rates[n]))
+	notSlower := 0
+	for i, r := range rates[n] {
+		ratios[i] = fmt.Sprintf("%.2f", r/rates[base][i])
+		if r >= rates[base][i] {
+			notSlower++
+		}
+	}
+	return fmt.Sprintf("%d replicas against %d, items/s round by round: × %s (as fast or faster in %d of %d)",
+		n, base, strings.Join(ratios, ", "), notSlower, len(ratios))
 }
 
 // result is one drain run: the items, the seconds from the first creation to
