@@ -309,6 +309,14 @@ func TestTracesFollowTheRequest(t *testing.T) {
 	require.Equal(t, "b-instant", attr(answered, "gen_ai.response.model").GetStringValue())
 	require.Equal(t, int64(pt), attr(answered, "gen_ai.usage.input_tokens").GetIntValue())
 
+	require.Eventually(t, func() bool { return len(receiver.named("settle usage")) == 1 }, 10*time.Second, 50*time.Millisecond)
+	settled := receiver.named("settle usage")[0]
+	require.Equal(t, server.SpanId, settled.ParentSpanId, "the settlement is a child of the request")
+	require.Equal(t, tracepb.Span_SPAN_KIND_INTERNAL, settled.Kind)
+	require.NotEqual(t, tracepb.Status_STATUS_CODE_ERROR, settled.GetStatus().GetCode(), "stored")
+	require.GreaterOrEqual(t, settled.StartTimeUnixNano, answered.EndTimeUnixNano, "settled once the upstream answered")
+	require.LessOrEqual(t, settled.EndTimeUnixNano, server.EndTimeUnixNano, "settled before the reply")
+
 	sent := r.backup.Calls()[0].Traceparent
 	require.Equal(t, "00-"+traceID+"-"+fmt.Sprintf("%x", answered.SpanId)+"-01", sent, "the attempt's context goes upstream")
 	receiver.mu.Lock()

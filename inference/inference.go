@@ -328,11 +328,13 @@ func (s *Service) settle(ctx context.Context, call *Call, res upstream.Result, f
 		window = DefaultSettleWindow
 	}
 	unconfirmed := false
+	span := tracing.StartSettlement(ctx)
 	err = s.retry(ctx, window, func(ctx context.Context) error {
 		err := s.Ledger.Settle(ctx, record)
 		unconfirmed = unconfirmed || err != nil && s.MayHaveCommitted != nil && s.MayHaveCommitted(err)
 		return err
 	})
+	tracing.EndSettlement(span, settlementOutcome(err, unconfirmed, s.unavailable))
 	if err != nil && unconfirmed {
 		s.Ledger.Unconfirmed(call.RequestID, usage.TotalRungs)
 		s.logger().ErrorContext(ctx, "a settlement's reply was lost and the database stayed away: the response is sent with its usage, which may not be stored yet; it is sent again until the database answers",
@@ -352,6 +354,22 @@ func (s *Service) settle(ctx context.Context, call *Call, res upstream.Result, f
 	s.Metrics.Rungs(string(call.Request.Model), string(call.Route.Entry), usage.InputRungs, usage.OutputRungs)
 	tracing.Usage(ctx, usage.InputTokens, usage.OutputTokens, usage.InputRungs, usage.OutputRungs, res.Content)
 	return s.result(call, res, usage), nil
+}
+
+// settlementOutcome names how a settlement that ended with err failed, for
+// its span: "" when it was stored, "unconfirmed" when it may have been (its
+// reply was lost), "unavailable" when the database stayed away, "refused"
+// when the database refused it.
+func settlementOutcome(err error, unconfirmed bool, unavailable func(error) bool) string {
+	switch {
+	case err == nil:
+		return ""
+	case unconfirmed:
+		return "unconfirmed"
+	case unavailable(err):
+		return "unavailable"
+	}
+	return "refused"
 }
 
 // maxRetryWait is the longest wait between two attempts of a settlement.

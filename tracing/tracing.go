@@ -1,8 +1,8 @@
 // Package tracing exports OpenTelemetry traces when an operator asks for them
 // (OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT): a span
 // per API request, continuing the caller's W3C trace context, a span per batch
-// item, and a child span per upstream attempt whose context travels upstream in
-// traceparent. Attributes follow the OpenTelemetry GenAI semantic conventions
+// item, a child span per upstream attempt whose context travels upstream in
+// traceparent, and a child span for the settlement of a request's usage. Attributes follow the OpenTelemetry GenAI semantic conventions
 // (gen_ai.*). Prompts and outputs stay out of spans unless the operator opts in
 // (GATEWAY_TRACE_CONTENT). Without an endpoint nothing is recorded and every
 // function here returns at once, without allocating.
@@ -202,6 +202,24 @@ func EndAttempt(span trace.Span, upstreamModel string, usageReported bool, input
 		}
 	}
 	fail(span, kind)
+	span.End()
+}
+
+// StartSettlement starts the span of a request's settlement: the wait for the
+// durable commit of its usage and evidence, with its group, and the retries
+// while the database is away.
+func StartSettlement(ctx context.Context) trace.Span {
+	if !enabled.Load() {
+		return noop
+	}
+	_, span := tracer.Start(ctx, "settle usage", trace.WithSpanKind(trace.SpanKindInternal))
+	return span
+}
+
+// EndSettlement ends a settlement's span, failed with outcome unless it is
+// empty (a fixed set: see inference).
+func EndSettlement(span trace.Span, outcome string) {
+	fail(span, outcome)
 	span.End()
 }
 
