@@ -2,8 +2,9 @@
 // (OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT): a span
 // per API request, continuing the caller's W3C trace context, a span per batch
 // item, a child span per upstream attempt whose context travels upstream in
-// traceparent, and a child span for the settlement of a request's usage. Attributes follow the OpenTelemetry GenAI semantic conventions
-// (gen_ai.*). Prompts and outputs stay out of spans unless the operator opts in
+// traceparent, and a child span for the settlement of a request's usage.
+// Attributes follow the OpenTelemetry GenAI semantic conventions (gen_ai.*).
+// Prompts and outputs stay out of spans unless the operator opts in
 // (GATEWAY_TRACE_CONTENT). Without an endpoint nothing is recorded and every
 // function here returns at once, without allocating.
 package tracing
