@@ -2,6 +2,7 @@ package store_test
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -11,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/maintenance"
 	"github.com/rungworks/gateway/store"
 )
 
@@ -18,9 +20,10 @@ import (
 // own queue of creations) create, claim, start, complete, hand back, finish
 // and cancel batches of two tenants with capped projects, while interactive
 // requests are granted slices, settled and folded back, an operator changes
-// the tenants' limits, and the maintenance jobs reconcile batch settlements,
-// fold expired leases, rescue items whose lease ran out and end stranded and
-// expired batches — all at once. No statement fails (PostgreSQL fails one of
+// the tenants' limits, and a replica's maintenance jobs reconcile batch
+// settlements, fold expired leases, rescue items whose lease ran out, end
+// stranded and expired batches and delete what is past retention — all at
+// once. No statement fails (PostgreSQL fails one of
 // two that deadlock), every batch ends, and each tenant's day and budget hold
 // exactly what it used.
 func TestEverythingOfTwoTenantsAtOnce(t *testing.T) {
@@ -178,28 +181,15 @@ func TestEverythingOfTwoTenantsAtOnce(t *testing.T) {
 		}
 	}()
 	jobs.Add(1)
-	go func() { // the maintenance jobs
+	go func() { // the maintenance jobs of a replica, one after another
 		defer jobs.Done()
+		all := maintenance.Jobs(b.store, maintenance.Settings{BatchWindow: 24 * time.Hour, BatchRetention: 24 * time.Hour, Lease: time.Minute}, nil)
 		for !stopped() {
-			if _, err := b.store.ReconcileSettlements(ctx, 100); err != nil {
-				fail(err)
-				return
-			}
-			if _, err := b.store.FoldExpiredQuotaLeases(ctx, 100); err != nil {
-				fail(err)
-				return
-			}
-			if _, err := b.store.RescueExpiredLeases(ctx, 100); err != nil {
-				fail(err)
-				return
-			}
-			if _, err := b.store.FinishStrandedBatches(ctx, 100); err != nil {
-				fail(err)
-				return
-			}
-			if _, err := b.store.ExpireBatches(ctx, 100); err != nil {
-				fail(err)
-				return
+			for _, job := range all {
+				if _, err := job.Run(ctx); err != nil {
+					fail(fmt.Errorf("error running %s: %w", job.Name, err))
+					return
+				}
 			}
 		}
 	}()
