@@ -6,6 +6,7 @@ package config
 
 import (
 	"fmt"
+	"log/slog"
 	"os"
 	"time"
 
@@ -129,8 +130,9 @@ func (c Config) UpstreamName() string {
 // Router builds the upstream router: from GATEWAY_CONFIG's file when set,
 // otherwise from the one-provider shorthand (GATEWAY_UPSTREAM, sim by default,
 // each model of GATEWAY_MODEL_MAP, or every canonical model under its own
-// name, served by that provider).
-func (c Config) Router(tok *metering.Tokenizer, m *metrics.Metrics) (*routing.Router, error) {
+// name, served by that provider). logger is told of targets that refuse the
+// gateway's access.
+func (c Config) Router(tok *metering.Tokenizer, m *metrics.Metrics, logger *slog.Logger) (*routing.Router, error) {
 	f, err := c.routes()
 	if err != nil {
 		return nil, err
@@ -138,7 +140,7 @@ func (c Config) Router(tok *metering.Tokenizer, m *metrics.Metrics) (*routing.Ro
 	if err := f.CheckSecrets(os.Getenv); err != nil {
 		return nil, err
 	}
-	return f.Router(tok, c.SimTokenLatency, m)
+	return f.Router(tok, c.SimTokenLatency, m, logger)
 }
 
 // routes returns the file, or the shorthand as if it were one.
@@ -172,8 +174,9 @@ func (c Config) routes() (*File, error) {
 }
 
 // Router builds the router the file describes; keys are read from the
-// environment variables the file names.
-func (f *File) Router(tok *metering.Tokenizer, simLatency time.Duration, m *metrics.Metrics) (*routing.Router, error) {
+// environment variables the file names. logger is told of targets that
+// refuse the gateway's access.
+func (f *File) Router(tok *metering.Tokenizer, simLatency time.Duration, m *metrics.Metrics, logger *slog.Logger) (*routing.Router, error) {
 	clients := map[string]upstream.Provider{}
 	for name, pr := range f.Providers {
 		if pr.Type == "sim" {
@@ -192,5 +195,5 @@ func (f *File) Router(tok *metering.Tokenizer, simLatency time.Duration, m *metr
 		}
 		routes[model] = rt
 	}
-	return routing.New(routing.Config{Routes: routes, MaxAttempts: f.MaxAttempts, MaxTime: f.MaxTime, Circuit: f.Circuit, Metrics: m})
+	return routing.New(routing.Config{Routes: routes, MaxAttempts: f.MaxAttempts, MaxTime: f.MaxTime, Circuit: f.Circuit, Metrics: m, Logger: logger})
 }

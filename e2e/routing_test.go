@@ -205,6 +205,57 @@ func TestOtherModelsDrainWhileOneHasNoTarget(t *testing.T) {
 	require.Equal(t, sumItems(done, res), r.g.usage(r.key).Totals.TotalRungs, "billed once")
 }
 
+// TestADeniedKeyIsAnOutageForTheOperator: the primary refuses the gateway's
+// key (401). Requests fall back to the backup; a model with no other target
+// is INFERENCE_BUSY without the upstream's message; its batch items wait in
+// the queue, none failed, and run once the key is mended, billed once; the
+// operator is told in the log and the metrics.
+func TestADeniedKeyIsAnOutageForTheOperator(t *testing.T) {
+	t.Parallel()
+	r := serveRouted(t, nil)
+	r.primary.SetStatus(http.StatusUnauthorized)
+
+	res := r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "falls back"})
+	require.Equal(t, http.StatusOK, res.status, string(res.body))
+	var body api.Response
+	require.NoError(t, json.Unmarshal(res.body, &body))
+	require.Equal(t, "backup", *body.Route.Provider)
+
+	res = r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "think", "model": "reasoning"})
+	require.Equal(t, http.StatusServiceUnavailable, res.status)
+	require.Equal(t, "INFERENCE_BUSY", res.code(t))
+	require.NotEmpty(t, res.header.Get("Retry-After"))
+	require.NotContains(t, string(res.body), "401", "the upstream's refusal is the operator's business")
+
+	items := prompts("denied", 10)
+	for _, p := range items {
+		p["model"] = "reasoning"
+	}
+	batch := r.g.createBatch(r.key, items)
+	deniedCalls := func() (n int) {
+		for p, calls := range callsPerPrompt(r.primary) {
+			if strings.HasPrefix(p, "denied") {
+				n += calls
+			}
+		}
+		return n
+	}
+	require.Eventually(t, func() bool { return deniedCalls() >= 3 }, 10*time.Second, 20*time.Millisecond, "the drainer probes the primary")
+	for _, it := range r.g.results(r.key, batch.Id.String()).Results {
+		require.Contains(t, []api.BatchItemStatus{"queued", "in_progress"}, it.Status, "a refused key fails no item")
+	}
+	require.Contains(t, r.g.stderr.String(), "refused the gateway's access")
+	require.Positive(t, metricValue(t, r.g.scrape(), `gateway_upstream_attempts_total{outcome="denied",provider="primary",upstream_model="p-reasoning"}`))
+
+	r.primary.SetStatus(0)
+	done := r.g.waitTerminal(r.key, batch.Id.String(), 60*time.Second)
+	require.Equal(t, api.BatchStatus("completed"), done.Status)
+	for _, it := range done.Results {
+		require.Equal(t, api.BatchItemStatus("completed"), it.Status)
+	}
+	require.Equal(t, body.Usage.TotalRungs+sumItems(done), r.g.usage(r.key).Totals.TotalRungs, "billed once")
+}
+
 // otlpReceiver is an in-process OTLP/HTTP trace receiver.
 type otlpReceiver struct {
 	mu    sync.Mutex

@@ -466,7 +466,7 @@ func (s *Service) unavailable(err error) bool { return s.Unavailable != nil && s
 
 func isUpstreamFailure(err error) bool {
 	switch upstream.Kind(err) {
-	case upstream.KindUnavailable, upstream.KindFailed, upstream.KindRejected, upstream.KindBroken:
+	case upstream.KindUnavailable, upstream.KindDenied, upstream.KindFailed, upstream.KindRejected, upstream.KindBroken:
 		return true
 	}
 	return false

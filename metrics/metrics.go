@@ -59,7 +59,7 @@ func New() *Metrics {
 			Buckets: prometheus.ExponentialBuckets(0.005, 2.5, 12),
 		}, []string{"model", "outcome"}),
 		upstreamErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "gateway_upstream_errors_total", Help: "Upstream failures by kind: unavailable, rejected, broken (mid-stream), other.",
+			Name: "gateway_upstream_errors_total", Help: "Upstream failures by kind: unavailable, denied (the gateway's key, base URL or model refused), failed (after dispatch), rejected, broken (mid-stream), cancelled, other.",
 		}, []string{"kind"}),
 		openStreams: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "gateway_open_streams", Help: "Server-sent event streams open now.",
@@ -97,7 +97,7 @@ func New() *Metrics {
 			Name: "gateway_upstream_usage_clamped_total", Help: "Upstream token counts cut to their bound (output ceiling sent, or input bytes sent), by model and side.",
 		}, []string{"model", "side"}),
 		attempts: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "gateway_upstream_attempts_total", Help: "Upstream attempts by provider, upstream model and outcome: ok, or the failure's kind (unavailable, failed, rejected, broken, cancelled, other).",
+			Name: "gateway_upstream_attempts_total", Help: "Upstream attempts by provider, upstream model and outcome: ok, or the failure's kind (unavailable, denied, failed, rejected, broken, cancelled, other).",
 		}, []string{"provider", "upstream_model", "outcome"}),
 		attemptDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "gateway_upstream_attempt_duration_seconds", Help: "Latency of one upstream attempt by provider and upstream model (streams: until the stream ends).",
@@ -275,7 +275,7 @@ type Target struct {
 
 // attemptOutcomes are the outcome label values of an attempt: ok, or the
 // failure's upstream.Kind.
-var attemptOutcomes = []string{"ok", upstream.KindUnavailable, upstream.KindFailed, upstream.KindRejected,
+var attemptOutcomes = []string{"ok", upstream.KindUnavailable, upstream.KindDenied, upstream.KindFailed, upstream.KindRejected,
 	upstream.KindBroken, upstream.KindCancelled, upstream.KindOther}
 
 // Target returns the instruments of a provider's upstream model.

@@ -14,6 +14,7 @@ package routing
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"math/rand/v2"
 	"sync"
 	"sync/atomic"
@@ -62,6 +63,9 @@ type Config struct {
 	MaxTime time.Duration
 	Circuit CircuitConfig
 	Metrics *metrics.Metrics
+	// Logger reports the targets that refuse the gateway's access (a wrong
+	// key, base URL or model: upstream.ErrDenied); nil discards.
+	Logger *slog.Logger
 }
 
 // Defaults of Config.
@@ -77,6 +81,7 @@ type Router struct {
 	maxAttempts int
 	maxTime     time.Duration
 	metrics     *metrics.Metrics
+	logger      *slog.Logger
 
 	mu      sync.Mutex
 	changed chan struct{} // closed and replaced when a circuit changes state
@@ -110,7 +115,10 @@ func New(cfg Config) (*Router, error) {
 	circuitCfg := cfg.Circuit.withDefaults()
 	r := &Router{
 		routes: map[gateway.Model]*route{}, maxAttempts: cfg.MaxAttempts, maxTime: cfg.MaxTime,
-		metrics: cfg.Metrics, changed: make(chan struct{}),
+		metrics: cfg.Metrics, logger: cfg.Logger, changed: make(chan struct{}),
+	}
+	if r.logger == nil {
+		r.logger = slog.New(slog.DiscardHandler)
 	}
 	shared := map[[2]string]*target{}
 	for model, rt := range cfg.Routes {
@@ -214,6 +222,10 @@ func (r *Router) run(ctx context.Context, original *upstream.Request, emitted *b
 		t.metrics.Attempt(kind, time.Since(now))
 		tracing.EndAttempt(span, t.UpstreamModel, res.UsageReported, res.InputTokens, res.OutputTokens, kind)
 		t.observe(kind)
+		if kind == upstream.KindDenied {
+			r.logger.ErrorContext(ctx, "the upstream refused the gateway's access: check the target's key, base URL and model in the configuration",
+				"provider", t.Provider, "upstream_model", t.UpstreamModel, "error", err)
+		}
 		if err == nil || ctx.Err() != nil || !mayMoveOn(kind, req.AtMostOnce, emitted) {
 			res.Route = gateway.UpstreamRoute{Provider: t.Provider, UpstreamModel: t.UpstreamModel, Attempts: attempts}
 			return res, err
@@ -230,13 +242,14 @@ func (r *Router) run(ctx context.Context, original *upstream.Request, emitted *b
 // target: never once output was emitted; a target that certainly did not
 // process the call (unavailable) always; one that may have (failed after
 // dispatch, a stream broken before any output) only when the call may reach
-// more than one upstream.
+// more than one upstream. A target that refused the gateway's access did not
+// process the call either.
 func mayMoveOn(kind string, atMostOnce bool, emitted *bool) bool {
 	if emitted != nil && *emitted {
 		return false
 	}
 	switch kind {
-	case upstream.KindUnavailable:
+	case upstream.KindUnavailable, upstream.KindDenied:
 		return true
 	case upstream.KindFailed, upstream.KindBroken:
 		return !atMostOnce
@@ -245,13 +258,14 @@ func mayMoveOn(kind string, atMostOnce bool, emitted *bool) bool {
 }
 
 // observe reports an attempt's outcome to the target's circuit: an answer
-// (a rejection of the request included) says it is up, a failure that it is
-// in trouble, anything else (the caller went away) nothing.
+// (a rejection of the request included) says it is up, a failure (a refusal
+// of the gateway's access included) that it is in trouble, anything else
+// (the caller went away) nothing.
 func (t *target) observe(kind string) {
 	switch kind {
 	case "", upstream.KindRejected:
 		t.circuit.succeeded()
-	case upstream.KindUnavailable, upstream.KindFailed, upstream.KindBroken:
+	case upstream.KindUnavailable, upstream.KindDenied, upstream.KindFailed, upstream.KindBroken:
 		t.circuit.failed(time.Now())
 	default:
 		t.circuit.released()

@@ -2,8 +2,11 @@ package routing_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
+	"log/slog"
 	"net/http"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -12,6 +15,7 @@ import (
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/internal/fakeupstream"
+	"github.com/rungworks/gateway/internal/syncbuf"
 	"github.com/rungworks/gateway/routing"
 	"github.com/rungworks/gateway/upstream"
 	"github.com/rungworks/gateway/upstream/openai"
@@ -54,6 +58,8 @@ func TestFallsBackWhenATargetIsUnavailable(t *testing.T) {
 		"refused": func(f *fakeupstream.Server) { f.Close() },
 		"503":     func(f *fakeupstream.Server) { f.SetStatus(http.StatusServiceUnavailable) },
 		"429":     func(f *fakeupstream.Server) { f.SetStatus(http.StatusTooManyRequests) },
+		"401":     func(f *fakeupstream.Server) { f.SetStatus(http.StatusUnauthorized) },
+		"404":     func(f *fakeupstream.Server) { f.SetStatus(http.StatusNotFound) },
 		"500":     func(f *fakeupstream.Server) { f.SetStatus(http.StatusInternalServerError) },
 		"408":     func(f *fakeupstream.Server) { f.SetStatus(http.StatusRequestTimeout) },
 		"timeout": func(f *fakeupstream.Server) { f.SetDelay(2 * time.Second) },
@@ -107,14 +113,47 @@ func TestAtMostOnceMovesOnOnlyWhenNotProcessed(t *testing.T) {
 	require.Zero(t, b.calls("b"))
 
 	b.fakes["a"].SetDelay(0)
+	b.fakes["a"].SetStatus(http.StatusUnauthorized)
+	res, err := b.router.Complete(context.Background(), req)
+	require.NoError(t, err)
+	require.Equal(t, "b", res.Route.Provider, "a refusal of the gateway's key did not process the item")
+
 	b.fakes["a"].SetStatus(http.StatusServiceUnavailable)
 	var dispatches int
 	req.OnDispatch = func() { dispatches++ }
-	res, err := b.router.Complete(context.Background(), req)
+	res, err = b.router.Complete(context.Background(), req)
 	require.NoError(t, err)
 	require.Equal(t, "b", res.Route.Provider)
 	require.Equal(t, 1, dispatches, "the caller hears of the dispatch once")
 	require.Empty(t, req.UpstreamModel, "the caller's request is not changed by the attempts")
+}
+
+// TestADeniedTargetIsReportedAndSkipped: a target that refuses the
+// gateway's key counts against its circuit, and each refusal is logged for
+// the operator with the upstream's message (which a caller never sees).
+func TestADeniedTargetIsReportedAndSkipped(t *testing.T) {
+	t.Parallel()
+	var log syncbuf.Buffer
+	b := setup(t, routing.Config{
+		Circuit: routing.CircuitConfig{Failures: 2, Cooldown: time.Hour},
+		Logger:  slog.New(slog.NewJSONHandler(&log, nil)),
+	})
+	b.fakes["a"].SetStatus(http.StatusUnauthorized)
+	for range 3 {
+		res, err := b.router.Complete(context.Background(), request("p"))
+		require.NoError(t, err)
+		require.Equal(t, "b", res.Route.Provider)
+	}
+	require.Equal(t, 2, b.calls("a"), "two refusals opened the circuit")
+	lines := strings.Split(strings.TrimSpace(log.String()), "\n")
+	require.Len(t, lines, 2)
+	var entry map[string]any
+	require.NoError(t, json.Unmarshal([]byte(lines[0]), &entry))
+	require.Equal(t, "ERROR", entry["level"])
+	require.Equal(t, "a", entry["provider"])
+	require.Equal(t, "a-model", entry["upstream_model"])
+	require.Contains(t, entry["msg"], "refused the gateway's access")
+	require.Contains(t, entry["error"], "status 401")
 }
 
 func TestStreamFallsBackOnlyBeforeTheFirstByte(t *testing.T) {

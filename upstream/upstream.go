@@ -80,16 +80,27 @@ type Provider interface {
 var ErrStreamBroken = errors.New("upstream stream ended early")
 
 // ErrUnavailable marks a call the upstream certainly did not process: the
-// connection could not be made (refused, DNS, TLS handshake), or the upstream
-// answered 429 or 503. Such a call may be retried (D12).
+// connection could not be made (refused, DNS, TLS handshake), the upstream
+// answered 429 or 503, or it refused the gateway (ErrDenied). Such a call may
+// be retried (D12).
 var ErrUnavailable = errors.New("upstream unavailable")
+
+// ErrDenied marks an upstream's refusal of the gateway itself rather than of
+// the request: its credentials (401, 407) or the address or model it was
+// configured with (404). No prompt causes it and the upstream did not run
+// the call, so it comes wrapped in ErrUnavailable and is handled as an
+// outage is: the next target, the target's circuit, a batch item back to
+// the queue. Its message may quote the credentials: it is for the
+// operator's log, never for a caller.
+var ErrDenied = errors.New("the upstream refused the gateway's credentials, address or model")
 
 // ErrFailed marks a call that failed after it was dispatched: a timeout, a
 // reset, any other 5xx, an unreadable reply. The upstream may have processed
 // it, so it is never retried (D12).
 var ErrFailed = errors.New("upstream call failed after dispatch")
 
-// RejectedError is an upstream's refusal of one request (a 4xx other than 408/429).
+// RejectedError is an upstream's refusal of one request (a 4xx other than
+// 408, 429 and those of ErrDenied).
 type RejectedError struct {
 	Status  int
 	Message string
@@ -126,6 +137,7 @@ func ParseModelPairs(s string) (map[gateway.Model]string, error) {
 // The kinds of upstream failure Kind names.
 const (
 	KindUnavailable = "unavailable" // certainly not processed
+	KindDenied      = "denied"      // the gateway's access refused: not processed
 	KindFailed      = "failed"      // failed after dispatch
 	KindRejected    = "rejected"    // the upstream refused the request
 	KindBroken      = "broken"      // a stream cut short
@@ -141,6 +153,8 @@ func Kind(err error) string {
 	switch {
 	case err == nil:
 		return ""
+	case errors.Is(err, ErrDenied):
+		return KindDenied
 	case errors.Is(err, ErrUnavailable):
 		return KindUnavailable
 	case errors.Is(err, ErrFailed):

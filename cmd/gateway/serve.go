@@ -84,7 +84,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	// One router for interactive requests and the drainer alike: what one
 	// learns of a target's health, the other uses. It guards every target
 	// (D11: what an upstream returns is untrusted).
-	router, err := cfg.Router(tok, m)
+	router, err := cfg.Router(tok, m, logger)
 	if err != nil {
 		return err
 	}

@@ -411,7 +411,8 @@ type BatchResultItem struct {
 
 	// Route The upstream target that ran a batch item (on completed items). A batch
 	// item reaches at most one upstream: it moves to another target only when
-	// the first certainly did not process it (connection refused, 429 or 503).
+	// the first certainly did not process it (connection refused, 429 or 503,
+	// or a refusal of the gateway's own key, address or model: 401, 404, 407).
 	Route  *UpstreamRoute  `json:"route,omitempty"`
 	Status BatchItemStatus `json:"status"`
 
@@ -696,7 +697,8 @@ type StreamChunkModel string
 
 // UpstreamRoute The upstream target that ran a batch item (on completed items). A batch
 // item reaches at most one upstream: it moves to another target only when
-// the first certainly did not process it (connection refused, 429 or 503).
+// the first certainly did not process it (connection refused, 429 or 503,
+// or a refusal of the gateway's own key, address or model: 401, 404, 407).
 type UpstreamRoute struct {
 	// Attempts How many targets were tried, this one included.
 	Attempts int `json:"attempts"`

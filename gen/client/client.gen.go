@@ -412,7 +412,8 @@ type BatchResultItem struct {
 
 	// Route The upstream target that ran a batch item (on completed items). A batch
 	// item reaches at most one upstream: it moves to another target only when
-	// the first certainly did not process it (connection refused, 429 or 503).
+	// the first certainly did not process it (connection refused, 429 or 503,
+	// or a refusal of the gateway's own key, address or model: 401, 404, 407).
 	Route  *UpstreamRoute  `json:"route,omitempty"`
 	Status BatchItemStatus `json:"status"`
 
@@ -697,7 +698,8 @@ type StreamChunkModel string
 
 // UpstreamRoute The upstream target that ran a batch item (on completed items). A batch
 // item reaches at most one upstream: it moves to another target only when
-// the first certainly did not process it (connection refused, 429 or 503).
+// the first certainly did not process it (connection refused, 429 or 503,
+// or a refusal of the gateway's own key, address or model: 401, 404, 407).
 type UpstreamRoute struct {
 	// Attempts How many targets were tried, this one included.
 	Attempts int `json:"attempts"`
@@ -943,6 +945,13 @@ type ClientInterface interface {
 	// charged against the daily rung ceiling at creation (`429 RATE_LIMITED`,
 	// nothing stored). A batch is accepted whole or not at all.
 	//
+	// While inference is unavailable (the provider cannot be reached, answers
+	// `429` or `503`, or refuses the gateway's own key, address or model with
+	// `401`, `404` or `407`), the items wait in the queue, none failed for it, and
+	// run when it is back. A prompt reaches the provider at most once: an item
+	// whose call fails after it was sent (a timeout, another `5xx`) fails
+	// `INFERENCE_BUSY` and is never run again.
+	//
 	// `Idempotency-Key` is scoped to the account and kept for the completion window
 	// (24 hours): a repeat with the same key and the same body returns the
 	// existing batch with `200` and `Idempotent-Replayed: true` (concurrent repeats
@@ -969,6 +978,13 @@ type ClientInterface interface {
 	// its code and the header `x-service-batch-index`. The whole batch estimate is
 	// charged against the daily rung ceiling at creation (`429 RATE_LIMITED`,
 	// nothing stored). A batch is accepted whole or not at all.
+	//
+	// While inference is unavailable (the provider cannot be reached, answers
+	// `429` or `503`, or refuses the gateway's own key, address or model with
+	// `401`, `404` or `407`), the items wait in the queue, none failed for it, and
+	// run when it is back. A prompt reaches the provider at most once: an item
+	// whose call fails after it was sent (a timeout, another `5xx`) fails
+	// `INFERENCE_BUSY` and is never run again.
 	//
 	// `Idempotency-Key` is scoped to the account and kept for the completion window
 	// (24 hours): a repeat with the same key and the same body returns the
@@ -1184,6 +1200,13 @@ func (c *Client) GetJSONSchema(ctx context.Context, reqEditors ...RequestEditorF
 // charged against the daily rung ceiling at creation (`429 RATE_LIMITED`,
 // nothing stored). A batch is accepted whole or not at all.
 //
+// While inference is unavailable (the provider cannot be reached, answers
+// `429` or `503`, or refuses the gateway's own key, address or model with
+// `401`, `404` or `407`), the items wait in the queue, none failed for it, and
+// run when it is back. A prompt reaches the provider at most once: an item
+// whose call fails after it was sent (a timeout, another `5xx`) fails
+// `INFERENCE_BUSY` and is never run again.
+//
 // `Idempotency-Key` is scoped to the account and kept for the completion window
 // (24 hours): a repeat with the same key and the same body returns the
 // existing batch with `200` and `Idempotent-Replayed: true` (concurrent repeats
@@ -1220,6 +1243,13 @@ func (c *Client) CreateBatchWithBody(ctx context.Context, params *CreateBatchPar
 // its code and the header `x-service-batch-index`. The whole batch estimate is
 // charged against the daily rung ceiling at creation (`429 RATE_LIMITED`,
 // nothing stored). A batch is accepted whole or not at all.
+//
+// While inference is unavailable (the provider cannot be reached, answers
+// `429` or `503`, or refuses the gateway's own key, address or model with
+// `401`, `404` or `407`), the items wait in the queue, none failed for it, and
+// run when it is back. A prompt reaches the provider at most once: an item
+// whose call fails after it was sent (a timeout, another `5xx`) fails
+// `INFERENCE_BUSY` and is never run again.
 //
 // `Idempotency-Key` is scoped to the account and kept for the completion window
 // (24 hours): a repeat with the same key and the same body returns the
@@ -2165,6 +2195,13 @@ type ClientWithResponsesInterface interface {
 	// charged against the daily rung ceiling at creation (`429 RATE_LIMITED`,
 	// nothing stored). A batch is accepted whole or not at all.
 	//
+	// While inference is unavailable (the provider cannot be reached, answers
+	// `429` or `503`, or refuses the gateway's own key, address or model with
+	// `401`, `404` or `407`), the items wait in the queue, none failed for it, and
+	// run when it is back. A prompt reaches the provider at most once: an item
+	// whose call fails after it was sent (a timeout, another `5xx`) fails
+	// `INFERENCE_BUSY` and is never run again.
+	//
 	// `Idempotency-Key` is scoped to the account and kept for the completion window
 	// (24 hours): a repeat with the same key and the same body returns the
 	// existing batch with `200` and `Idempotent-Replayed: true` (concurrent repeats
@@ -2191,6 +2228,13 @@ type ClientWithResponsesInterface interface {
 	// its code and the header `x-service-batch-index`. The whole batch estimate is
 	// charged against the daily rung ceiling at creation (`429 RATE_LIMITED`,
 	// nothing stored). A batch is accepted whole or not at all.
+	//
+	// While inference is unavailable (the provider cannot be reached, answers
+	// `429` or `503`, or refuses the gateway's own key, address or model with
+	// `401`, `404` or `407`), the items wait in the queue, none failed for it, and
+	// run when it is back. A prompt reaches the provider at most once: an item
+	// whose call fails after it was sent (a timeout, another `5xx`) fails
+	// `INFERENCE_BUSY` and is never run again.
 	//
 	// `Idempotency-Key` is scoped to the account and kept for the completion window
 	// (24 hours): a repeat with the same key and the same body returns the
@@ -4150,6 +4194,13 @@ func (c *ClientWithResponses) GetJSONSchemaWithResponse(ctx context.Context, req
 // charged against the daily rung ceiling at creation (`429 RATE_LIMITED`,
 // nothing stored). A batch is accepted whole or not at all.
 //
+// While inference is unavailable (the provider cannot be reached, answers
+// `429` or `503`, or refuses the gateway's own key, address or model with
+// `401`, `404` or `407`), the items wait in the queue, none failed for it, and
+// run when it is back. A prompt reaches the provider at most once: an item
+// whose call fails after it was sent (a timeout, another `5xx`) fails
+// `INFERENCE_BUSY` and is never run again.
+//
 // `Idempotency-Key` is scoped to the account and kept for the completion window
 // (24 hours): a repeat with the same key and the same body returns the
 // existing batch with `200` and `Idempotent-Replayed: true` (concurrent repeats
@@ -4182,6 +4233,13 @@ func (c *ClientWithResponses) CreateBatchWithBodyWithResponse(ctx context.Contex
 // its code and the header `x-service-batch-index`. The whole batch estimate is
 // charged against the daily rung ceiling at creation (`429 RATE_LIMITED`,
 // nothing stored). A batch is accepted whole or not at all.
+//
+// While inference is unavailable (the provider cannot be reached, answers
+// `429` or `503`, or refuses the gateway's own key, address or model with
+// `401`, `404` or `407`), the items wait in the queue, none failed for it, and
+// run when it is back. A prompt reaches the provider at most once: an item
+// whose call fails after it was sent (a timeout, another `5xx`) fails
+// `INFERENCE_BUSY` and is never run again.
 //
 // `Idempotency-Key` is scoped to the account and kept for the completion window
 // (24 hours): a repeat with the same key and the same body returns the

@@ -298,8 +298,9 @@ func transportError(ctx context.Context, err error, dispatched bool) error {
 const maxMessageBytes = 500
 
 // statusError classifies a non-2xx reply (D12): 429 and 503 say the call was
-// not processed; 408 and every other 5xx that it may have been; other 4xx
-// are a rejection of this request.
+// not processed, and so do 401, 407 and 404, which refuse the gateway's own
+// credentials, address or model (upstream.ErrDenied); 408 and every other 5xx
+// that it may have been; other 4xx are a rejection of this request.
 func statusError(status int, body []byte) error {
 	var eb errorBody
 	msg := strings.TrimSpace(string(body))
@@ -315,6 +316,8 @@ func statusError(status int, body []byte) error {
 	}
 	msg = upstream.Clean(msg)
 	switch {
+	case status == http.StatusUnauthorized || status == http.StatusProxyAuthRequired || status == http.StatusNotFound:
+		return fmt.Errorf("%w: %w: status %d: %s", upstream.ErrUnavailable, upstream.ErrDenied, status, msg)
 	case status == http.StatusTooManyRequests || status == http.StatusServiceUnavailable:
 		return fmt.Errorf("%w: status %d: %s", upstream.ErrUnavailable, status, msg)
 	case status == http.StatusRequestTimeout || status >= 500:

@@ -87,12 +87,14 @@ func TestUnavailable(t *testing.T) {
 	})
 }
 
-// TestStatusClasses pins D12: only 429 and 503 say the call was not processed.
+// TestStatusClasses pins D12: only 429 and 503, and the refusals of the
+// gateway's own access (401, 407, 404), say the call was not processed.
 func TestStatusClasses(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {
 		for status, want := range map[int]error{
 			429: upstream.ErrUnavailable, 503: upstream.ErrUnavailable,
+			401: upstream.ErrDenied, 407: upstream.ErrDenied, 404: upstream.ErrDenied,
 			500: upstream.ErrFailed, 502: upstream.ErrFailed, 504: upstream.ErrFailed, 408: upstream.ErrFailed,
 		} {
 			b.fake.SetStatus(status)
@@ -100,6 +102,31 @@ func TestStatusClasses(t *testing.T) {
 			require.ErrorIs(t, err, want, "status %d", status)
 			_, _, err = collect(t, b.client, context.Background())
 			require.ErrorIs(t, err, want, "stream, status %d", status)
+		}
+	})
+}
+
+// TestDeniedIsAnOutage: a refusal of the gateway's key is handled as an
+// outage (the call was not processed), of its own kind, and neither a
+// rejection of the request nor a failure after dispatch.
+func TestDeniedIsAnOutage(t *testing.T) {
+	t.Parallel()
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		b.fake.SetStatus(http.StatusUnauthorized)
+		_, err := b.client.Complete(context.Background(), &req)
+		require.ErrorIs(t, err, upstream.ErrUnavailable)
+		require.Equal(t, upstream.KindDenied, upstream.Kind(err))
+		var rejected *upstream.RejectedError
+		require.NotErrorAs(t, err, &rejected)
+		require.NotErrorIs(t, err, upstream.ErrFailed)
+
+		// 402 and 403 may refuse one request (credits for its size, a
+		// moderation flag): they stay the request's rejection.
+		for _, status := range []int{http.StatusPaymentRequired, http.StatusForbidden} {
+			b.fake.SetStatus(status)
+			_, err = b.client.Complete(context.Background(), &req)
+			require.ErrorAs(t, err, &rejected, "status %d", status)
+			require.Equal(t, upstream.KindRejected, upstream.Kind(err))
 		}
 	})
 }
