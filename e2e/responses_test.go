@@ -113,6 +113,23 @@ func TestUpstreamFailures(t *testing.T) {
 	b.fake.SetMode(fakeupstream.OK)
 	r = g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "p"})
 	require.Equal(t, http.StatusOK, r.status)
+
+	// An upstream that asks to wait: the caller is told how long; once the
+	// failures open the circuit (three), the upstream is left alone for as
+	// long as it asked, and the caller is told what is left of it.
+	b.fake.SetStatus(http.StatusTooManyRequests)
+	b.fake.SetReplyHeader("Retry-After", "8")
+	for range 3 {
+		r = g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "p"})
+		require.Equal(t, http.StatusServiceUnavailable, r.status)
+		require.Equal(t, "INFERENCE_BUSY", r.code(t))
+		require.Equal(t, "8", r.header.Get("Retry-After"))
+	}
+	calls := len(b.fake.Calls())
+	r = g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "p"})
+	require.Equal(t, http.StatusServiceUnavailable, r.status)
+	require.Contains(t, []string{"7", "8"}, r.header.Get("Retry-After"))
+	require.Len(t, b.fake.Calls(), calls, "not sent while the upstream asked to wait")
 }
 
 func TestUnreachableUpstream(t *testing.T) {

@@ -5,6 +5,7 @@
 package inference
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -60,7 +61,8 @@ type Service struct {
 	Ledger    Ledger
 	// EvidenceRetention is how long evidence is held.
 	EvidenceRetention time.Duration
-	// RetryAfter is suggested to callers when the upstream is unavailable.
+	// RetryAfter is suggested to callers when the upstream is unavailable
+	// and did not say how long to wait.
 	RetryAfter time.Duration
 	// SettleWindow bounds the retries of a settlement while the database is
 	// away; zero means DefaultSettleWindow.
@@ -478,7 +480,8 @@ func (s *Service) upstreamError(ctx context.Context, err error) error {
 	if ctx.Err() != nil && !shuttingDown(ctx) {
 		return fmt.Errorf("%w: %w", ErrCallerGone, ctx.Err())
 	}
-	e := &gateway.Error{Code: gateway.EInferenceBusy, RetryAfter: s.RetryAfter, Cause: err}
+	// The wait the upstream asked for, or its circuit's, when there is one.
+	e := &gateway.Error{Code: gateway.EInferenceBusy, RetryAfter: cmp.Or(upstream.RetryAfter(err), s.RetryAfter), Cause: err}
 	var rejected *upstream.RejectedError
 	switch {
 	case shuttingDown(ctx):

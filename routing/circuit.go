@@ -126,8 +126,13 @@ func (c *circuit) succeeded() {
 	c.healthy.Store(true)
 }
 
-// failed records a failure that says the target is in trouble.
-func (c *circuit) failed(now time.Time) {
+// failed records a failure that says the target is in trouble; wait is how
+// long the target asked callers to wait (its Retry-After), zero when it did
+// not. A cool-down the failure starts lasts at least that long, up to
+// MaxCooldown. One answer asking to wait does not open the circuit alone:
+// some providers give one request a 429 (a prompt larger than a per-minute
+// limit), and one tenant's request must not stop every tenant's calls.
+func (c *circuit) failed(now time.Time, wait time.Duration) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.healthy.Store(false)
@@ -143,7 +148,7 @@ func (c *circuit) failed(now time.Time) {
 	case stateHalfOpen:
 		c.cooldown = min(2*c.cooldown, c.cfg.MaxCooldown)
 	}
-	c.until, c.probing = now.Add(c.cooldown), false
+	c.until, c.probing = now.Add(max(c.cooldown, min(wait, c.cfg.MaxCooldown))), false
 	c.setState(stateOpen)
 }
 

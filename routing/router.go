@@ -221,7 +221,7 @@ func (r *Router) run(ctx context.Context, original *upstream.Request, emitted *b
 		kind := upstream.Kind(err)
 		t.metrics.Attempt(kind, time.Since(now))
 		tracing.EndAttempt(span, t.UpstreamModel, res.UsageReported, res.InputTokens, res.OutputTokens, kind)
-		t.observe(kind)
+		t.observe(kind, upstream.RetryAfter(err))
 		if kind == upstream.KindDenied {
 			r.logger.ErrorContext(ctx, "the upstream refused the gateway's access: check the target's key, base URL and model in the configuration",
 				"provider", t.Provider, "upstream_model", t.UpstreamModel, "error", err)
@@ -233,7 +233,8 @@ func (r *Router) run(ctx context.Context, original *upstream.Request, emitted *b
 		last = err
 	}
 	if attempts == 0 {
-		return upstream.Result{}, fmt.Errorf("%w: no target of model %s is taking calls (their circuits are open)", upstream.ErrUnavailable, req.Model)
+		err := fmt.Errorf("%w: no target of model %s is taking calls (their circuits are open)", upstream.ErrUnavailable, req.Model)
+		return upstream.Result{}, upstream.WithRetryAfter(err, time.Until(rt.reopensAt()))
 	}
 	return upstream.Result{Route: gateway.UpstreamRoute{Attempts: attempts}}, last
 }
@@ -260,16 +261,28 @@ func mayMoveOn(kind string, atMostOnce bool, emitted *bool) bool {
 // observe reports an attempt's outcome to the target's circuit: an answer
 // (a rejection of the request included) says it is up, a failure (a refusal
 // of the gateway's access included) that it is in trouble, anything else
-// (the caller went away) nothing.
-func (t *target) observe(kind string) {
+// (the caller went away) nothing. wait is how long the target asked to wait.
+func (t *target) observe(kind string, wait time.Duration) {
 	switch kind {
 	case "", upstream.KindRejected:
 		t.circuit.succeeded()
 	case upstream.KindUnavailable, upstream.KindDenied, upstream.KindFailed, upstream.KindBroken:
-		t.circuit.failed(time.Now())
+		t.circuit.failed(time.Now(), wait)
 	default:
 		t.circuit.released()
 	}
+}
+
+// reopensAt is the soonest a target of the route takes calls again: the
+// earliest end of its open circuits' cool-downs (zero when none is open).
+func (rt *route) reopensAt() time.Time {
+	var soonest time.Time
+	for _, t := range rt.targets {
+		if at := t.circuit.reopensAt(); !at.IsZero() && (soonest.IsZero() || at.Before(soonest)) {
+			soonest = at
+		}
+	}
+	return soonest
 }
 
 // order returns the targets in the order to try them, appended to buf.

@@ -156,6 +156,43 @@ func TestADeniedTargetIsReportedAndSkipped(t *testing.T) {
 	require.Contains(t, entry["error"], "status 401")
 }
 
+// TestATargetThatAsksToWaitIsWaitedFor: a 429 with Retry-After counts as a
+// failure (one alone opens nothing: a provider may give it to one request);
+// the cool-down it starts lasts as long as the target asked, at most the
+// longest cool-down; when no target takes calls, the error says when the
+// first one will.
+func TestATargetThatAsksToWaitIsWaitedFor(t *testing.T) {
+	t.Parallel()
+	b := setup(t, routing.Config{Circuit: routing.CircuitConfig{Failures: 2, Cooldown: 10 * time.Millisecond, MaxCooldown: time.Hour}})
+	b.fakes["a"].SetStatus(http.StatusTooManyRequests)
+	b.fakes["a"].SetReplyHeader("Retry-After", "30")
+	for range 2 {
+		res, err := b.router.Complete(context.Background(), request("p"))
+		require.NoError(t, err)
+		require.Equal(t, 2, res.Route.Attempts, "a is tried until its circuit opens")
+	}
+	time.Sleep(50 * time.Millisecond) // past the configured cool-down
+	res, err := b.router.Complete(context.Background(), request("p"))
+	require.NoError(t, err)
+	require.Equal(t, "b", res.Route.Provider)
+	require.Equal(t, 1, res.Route.Attempts, "a's circuit stays open for the 30 s it asked")
+	require.Equal(t, 2, b.calls("a"))
+
+	for _, name := range []string{"b", "c"} {
+		b.fakes[name].SetStatus(http.StatusServiceUnavailable)
+		b.fakes[name].SetReplyHeader("Retry-After", "20")
+	}
+	for range 2 {
+		_, err = b.router.Complete(context.Background(), request("p"))
+		require.ErrorIs(t, err, upstream.ErrUnavailable)
+		require.Equal(t, 20*time.Second, upstream.RetryAfter(err), "the last target's wait")
+	}
+	_, err = b.router.Complete(context.Background(), request("p"))
+	require.ErrorIs(t, err, upstream.ErrUnavailable)
+	require.InDelta(t, 20*time.Second, upstream.RetryAfter(err), float64(time.Second), "no target takes calls: the soonest reopens in 20 s")
+	require.Equal(t, []int{2, 2, 2}, []int{b.calls("a"), b.calls("b") - 3, b.calls("c")}, "b answered three before")
+}
+
 func TestStreamFallsBackOnlyBeforeTheFirstByte(t *testing.T) {
 	t.Parallel()
 	b := setup(t, routing.Config{})

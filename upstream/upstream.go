@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"time"
 
 	"github.com/rungworks/gateway"
 )
@@ -84,6 +85,39 @@ var ErrStreamBroken = errors.New("upstream stream ended early")
 // answered 429 or 503, or it refused the gateway (ErrDenied). Such a call may
 // be retried (D12).
 var ErrUnavailable = errors.New("upstream unavailable")
+
+// MaxRetryAfter bounds the wait an upstream may ask for (RetryAfter): a
+// longer one, or a hostile one, is taken as this.
+const MaxRetryAfter = time.Minute
+
+// retryAfterError is an outage whose upstream said how long to wait.
+type retryAfterError struct {
+	err   error
+	after time.Duration
+}
+
+func (e *retryAfterError) Error() string { return e.err.Error() }
+func (e *retryAfterError) Unwrap() error { return e.err }
+
+// WithRetryAfter returns err carrying how long the upstream asked callers to
+// wait before the next call (bounded by MaxRetryAfter); a wait of zero or
+// less returns err as it is.
+func WithRetryAfter(err error, after time.Duration) error {
+	if after <= 0 {
+		return err
+	}
+	return &retryAfterError{err: err, after: min(after, MaxRetryAfter)}
+}
+
+// RetryAfter is how long the upstream asked to wait before the next call,
+// when err carries it (see WithRetryAfter); zero otherwise.
+func RetryAfter(err error) time.Duration {
+	var e *retryAfterError
+	if errors.As(err, &e) {
+		return e.after
+	}
+	return 0
+}
 
 // ErrDenied marks an upstream's refusal of the gateway itself rather than of
 // the request: its credentials (401, 407) or the address or model it was

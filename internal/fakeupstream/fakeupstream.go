@@ -53,6 +53,7 @@ type Server struct {
 	uncited    bool
 	hostile    map[string]Hostile
 	slow       map[string]time.Duration
+	headers    http.Header
 	calls      []Call
 	inFlight   int
 	peak       int
@@ -95,6 +96,21 @@ func (s *Server) SetStatus(status int) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.status = status
+}
+
+// SetReplyHeader sets a header on every reply from now on (an empty value
+// removes it).
+func (s *Server) SetReplyHeader(name, value string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.headers == nil {
+		s.headers = http.Header{}
+	}
+	if value == "" {
+		s.headers.Del(name)
+		return
+	}
+	s.headers.Set(name, value)
 }
 
 // New starts a fake upstream; its base URL for GATEWAY_UPSTREAM is BaseURL().
@@ -211,6 +227,9 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 	}
 	s.mu.Lock()
 	mode, status, delay, chunkDelay, breakAfter, uncited := s.mode, s.status, s.delay, s.chunkDelay, s.breakAfter, s.uncited
+	for name, values := range s.headers {
+		w.Header()[name] = values
+	}
 	var hostile *Hostile
 	for marker, h := range s.hostile {
 		if strings.Contains(call.Prompt, marker) {

@@ -13,6 +13,7 @@ import (
 	"net/http"
 	"net/http/httptrace"
 	"net/url"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -252,7 +253,7 @@ func (c *Client) post(ctx context.Context, req *upstream.Request, stream bool) (
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
 		defer resp.Body.Close()
 		raw, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
-		return nil, true, statusError(resp.StatusCode, raw)
+		return nil, true, upstream.WithRetryAfter(statusError(resp.StatusCode, raw), retryAfter(resp, time.Now()))
 	}
 	return resp, true, nil
 }
@@ -324,6 +325,26 @@ func statusError(status int, body []byte) error {
 		return fmt.Errorf("%w: status %d: %s", upstream.ErrFailed, status, msg)
 	}
 	return &upstream.RejectedError{Status: status, Message: msg}
+}
+
+// retryAfter is the wait a busy upstream's reply (429 or 503) asks for: its
+// retry-after-ms header (OpenAI's), else Retry-After in seconds or as an HTTP
+// date; zero when there is none or it cannot be read.
+func retryAfter(resp *http.Response, now time.Time) time.Duration {
+	if resp.StatusCode != http.StatusTooManyRequests && resp.StatusCode != http.StatusServiceUnavailable {
+		return 0
+	}
+	if ms, err := strconv.ParseFloat(resp.Header.Get("Retry-After-Ms"), 64); err == nil && ms > 0 {
+		return time.Duration(min(ms, float64(upstream.MaxRetryAfter/time.Millisecond))) * time.Millisecond
+	}
+	v := strings.TrimSpace(resp.Header.Get("Retry-After"))
+	if secs, err := strconv.ParseInt(v, 10, 64); err == nil && secs > 0 {
+		return time.Duration(min(secs, int64(upstream.MaxRetryAfter/time.Second))) * time.Second
+	}
+	if at, err := http.ParseTime(v); err == nil {
+		return at.Sub(now)
+	}
+	return 0
 }
 
 // sources maps url_citation annotations to evidence; the cited span of the

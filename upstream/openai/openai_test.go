@@ -131,6 +131,54 @@ func TestDeniedIsAnOutage(t *testing.T) {
 	})
 }
 
+// TestRetryAfter: a busy upstream's wait is read from its reply, bounded,
+// on both paths; other failures carry none.
+func TestRetryAfter(t *testing.T) {
+	t.Parallel()
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		wait := func(status int, header, value string) (time.Duration, time.Duration) {
+			b.fake.SetStatus(status)
+			b.fake.SetReplyHeader(header, value)
+			defer b.fake.SetReplyHeader(header, "")
+			_, err := b.client.Complete(context.Background(), &req)
+			require.ErrorIs(t, err, upstream.ErrUnavailable)
+			_, _, streamErr := collect(t, b.client, context.Background())
+			return upstream.RetryAfter(err), upstream.RetryAfter(streamErr)
+		}
+		for _, tc := range []struct {
+			status        int
+			header, value string
+			want          time.Duration
+		}{
+			{429, "Retry-After", "7", 7 * time.Second},
+			{503, "Retry-After", " 2 ", 2 * time.Second},
+			{429, "Retry-After-Ms", "1500", 1500 * time.Millisecond},
+			{429, "Retry-After", "99999999999999999", upstream.MaxRetryAfter},
+			{429, "Retry-After-Ms", "1e300", upstream.MaxRetryAfter},
+			{429, "Retry-After", "-3", 0},
+			{429, "Retry-After", "soon", 0},
+			{429, "Retry-After-Ms", "NaN", 0},
+			{429, "Retry-After", "", 0},
+			{401, "Retry-After", "7", 0},
+		} {
+			complete, stream := wait(tc.status, tc.header, tc.value)
+			require.Equal(t, tc.want, complete, "%d %s: %q", tc.status, tc.header, tc.value)
+			require.Equal(t, tc.want, stream, "stream, %d %s: %q", tc.status, tc.header, tc.value)
+		}
+
+		// An HTTP date: the time left until it.
+		complete, _ := wait(429, "Retry-After", time.Now().Add(30*time.Second).UTC().Format(http.TimeFormat))
+		require.InDelta(t, 30*time.Second, complete, float64(2*time.Second))
+
+		// A 500 asks no wait, whatever its header: it is no outage.
+		b.fake.SetStatus(http.StatusInternalServerError)
+		b.fake.SetReplyHeader("Retry-After", "7")
+		_, err := b.client.Complete(context.Background(), &req)
+		require.ErrorIs(t, err, upstream.ErrFailed)
+		require.Zero(t, upstream.RetryAfter(err))
+	})
+}
+
 func TestDispatchIsReported(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {
