@@ -189,6 +189,19 @@ func TestCLI(t *testing.T) {
 	_, err = cli(t, b.db, "keys", "revoke", "igw_doesnotex")
 	require.Error(t, err)
 
+	// Listing finds a key to revoke, never its secret.
+	mustCLI(t, b.db, "keys", "revoke", free[:12])
+	listed := mustCLI(t, b.db, "keys", "list", "--account", "freeco")
+	lines := strings.Split(strings.TrimSpace(listed), "\n")
+	require.Len(t, lines, 2, listed)
+	require.Equal(t, []string{"PREFIX", "ACCOUNT", "TIER", "PROJECT", "SCOPES", "CREATED", "REVOKED", "ID"}, strings.Fields(lines[0]))
+	row := strings.Fields(lines[1])
+	require.Equal(t, []string{free[:12], "freeco", "free", "p1", "usage"}, row[:5])
+	require.NotEqual(t, "-", row[6], "revoked, with when")
+	require.NotContains(t, listed, free)
+	all := mustCLI(t, b.db, "keys", "list")
+	require.Len(t, strings.Split(strings.TrimSpace(all), "\n"), 4, "freeco's key and acme's two: "+all)
+
 	_, err = cli(t, "", "serve")
 	require.ErrorContains(t, err, "DATABASE_URL is required")
 

@@ -144,6 +144,23 @@ func (s *Store) RevokeKey(ctx context.Context, idOrPrefix string) error {
 	return nil
 }
 
+// Key is an issued key as ListKeys describes it: never its secret.
+type Key = db.ListAPIKeysRow
+
+// ListKeys returns every key with its account and project, newest first, or
+// only the named account's when account is not empty.
+func (s *Store) ListKeys(ctx context.Context, account string) ([]Key, error) {
+	var filter *string
+	if account != "" {
+		filter = &account
+	}
+	keys, err := s.queries.ListAPIKeys(ctx, s.pool, filter)
+	if err != nil {
+		return nil, fmt.Errorf("error listing keys: %w", err)
+	}
+	return keys, nil
+}
+
 // SetLimitsParams are the limits to set; nil fields are left as they are.
 type SetLimitsParams struct {
 	Account     string

@@ -112,6 +112,39 @@ func TestAuthenticateRejects(t *testing.T) {
 	require.NotEqual(t, p.KeyID, p2.KeyID)
 }
 
+func TestListKeys(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	first, p1 := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	_, p2 := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference, gateway.ScopeUsage)
+	_, p3 := b.key(t, "other", gateway.TierFree, gateway.ScopeUsage)
+	require.NoError(t, b.store.RevokeKey(b.ctx, first[:12]))
+
+	all, err := b.store.ListKeys(b.ctx, "")
+	require.NoError(t, err)
+	ids := make([]uuid.UUID, len(all))
+	for i, k := range all {
+		ids[i] = k.ID
+	}
+	require.Equal(t, []uuid.UUID{p3.KeyID, p2.KeyID, p1.KeyID}, ids, "newest first")
+	require.Equal(t, "other", all[0].Account)
+	require.Equal(t, "free", all[0].Tier)
+	require.Equal(t, []string{"usage"}, all[0].Scopes)
+	require.Nil(t, all[0].RevokedAt)
+	require.Equal(t, first[:12], all[2].Prefix)
+	require.NotNil(t, all[2].RevokedAt, "a revoked key is listed, with when")
+
+	acme, err := b.store.ListKeys(b.ctx, "acme")
+	require.NoError(t, err)
+	require.Len(t, acme, 2)
+	for _, k := range acme {
+		require.Equal(t, "acme", k.Account)
+	}
+	none, err := b.store.ListKeys(b.ctx, "nobody")
+	require.NoError(t, err)
+	require.Empty(t, none)
+}
+
 func TestRecordRequestAndEvidence(t *testing.T) {
 	t.Parallel()
 	b := setup(t)

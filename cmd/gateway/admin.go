@@ -8,6 +8,8 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"text/tabwriter"
+	"time"
 
 	"github.com/spf13/cobra"
 
@@ -79,7 +81,7 @@ func migrateCmd() *cobra.Command {
 }
 
 func keysCmd() *cobra.Command {
-	keys := &cobra.Command{Use: "keys", Short: "Issue and revoke API keys", Long: "Issues and revokes API keys.\n" + databaseHelp}
+	keys := &cobra.Command{Use: "keys", Short: "Issue, list and revoke API keys", Long: "Issues, lists and revokes API keys.\n" + databaseHelp}
 
 	var p store.CreateKeyParams
 	var tier, scopes string
@@ -129,8 +131,41 @@ func keysCmd() *cobra.Command {
 			})
 		},
 	}
-	keys.AddCommand(create, revoke)
+	var account string
+	list := &cobra.Command{
+		Use:   "list",
+		Short: "List keys (never their secrets), newest first, to find one to revoke",
+		Long:  "Lists the keys, newest first: prefix, account, tier, project, scopes, when created and revoked, id.\n" + databaseHelp,
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			return withStore(cmd.Context(), cmd.ErrOrStderr(), func(st *store.Store) error {
+				found, err := st.ListKeys(cmd.Context(), account)
+				if err != nil {
+					return err
+				}
+				printKeys(cmd.OutOrStdout(), found)
+				return nil
+			})
+		},
+	}
+	list.Flags().StringVar(&account, "account", "", "only this account's keys")
+	keys.AddCommand(create, list, revoke)
 	return keys
+}
+
+// printKeys writes keys as a table, one key a line.
+func printKeys(w io.Writer, keys []store.Key) {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "PREFIX\tACCOUNT\tTIER\tPROJECT\tSCOPES\tCREATED\tREVOKED\tID")
+	for _, k := range keys {
+		revoked := "-"
+		if k.RevokedAt != nil {
+			revoked = k.RevokedAt.UTC().Format(time.RFC3339)
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", k.Prefix, k.Account, k.Tier, k.Project,
+			strings.Join(k.Scopes, ","), k.CreatedAt.UTC().Format(time.RFC3339), revoked, k.ID)
+	}
+	_ = tw.Flush()
 }
 
 func limitsCmd() *cobra.Command {

@@ -7,6 +7,7 @@ package db
 
 import (
 	"context"
+	"time"
 
 	"github.com/google/uuid"
 )
@@ -85,6 +86,58 @@ func (q *Queries) InsertAPIKey(ctx context.Context, db DBTX, arg InsertAPIKeyPar
 		&i.RevokedAt,
 	)
 	return i, err
+}
+
+const listAPIKeys = `-- name: ListAPIKeys :many
+SELECT k.id, k.prefix, k.scopes, k.created_at, k.revoked_at,
+       a.name AS account, a.tier, p.name AS project
+FROM api_keys k
+JOIN projects p ON p.id = k.project_id
+JOIN accounts a ON a.id = p.account_id
+WHERE $1::text IS NULL OR a.name = $1::text
+ORDER BY k.created_at DESC, k.id DESC
+`
+
+type ListAPIKeysRow struct {
+	ID        uuid.UUID
+	Prefix    string
+	Scopes    []string
+	CreatedAt time.Time
+	RevokedAt *time.Time
+	Account   string
+	Tier      string
+	Project   string
+}
+
+// Every key with its account and project, newest first; only the account's
+// when one is named. Operators list keys to find the one to revoke.
+func (q *Queries) ListAPIKeys(ctx context.Context, db DBTX, account *string) ([]ListAPIKeysRow, error) {
+	rows, err := db.Query(ctx, listAPIKeys, account)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []ListAPIKeysRow
+	for rows.Next() {
+		var i ListAPIKeysRow
+		if err := rows.Scan(
+			&i.ID,
+			&i.Prefix,
+			&i.Scopes,
+			&i.CreatedAt,
+			&i.RevokedAt,
+			&i.Account,
+			&i.Tier,
+			&i.Project,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
 }
 
 const revokeAPIKey = `-- name: RevokeAPIKey :execrows

@@ -34,3 +34,14 @@ SELECT * FROM accounts WHERE name = @name;
 
 -- name: GetProjectByName :one
 SELECT * FROM projects WHERE account_id = @account_id AND name = @name;
+
+-- name: ListAPIKeys :many
+-- Every key with its account and project, newest first; only the account's
+-- when one is named. Operators list keys to find the one to revoke.
+SELECT k.id, k.prefix, k.scopes, k.created_at, k.revoked_at,
+       a.name AS account, a.tier, p.name AS project
+FROM api_keys k
+JOIN projects p ON p.id = k.project_id
+JOIN accounts a ON a.id = p.account_id
+WHERE sqlc.narg(account)::text IS NULL OR a.name = sqlc.narg(account)::text
+ORDER BY k.created_at DESC, k.id DESC;
