@@ -114,7 +114,7 @@ type Drainer struct {
 	estimator *metering.Estimator
 	logger    *slog.Logger
 
-	results chan store.ItemResult
+	results chan outcome
 	held    heldItems
 	starts  batchSet
 	ahead   lookahead
@@ -142,7 +142,7 @@ func New(cfg Config, st Store, provider upstream.Provider, estimator *metering.E
 	}
 	return &Drainer{
 		cfg: cfg, store: st, provider: provider, estimator: estimator, logger: logger,
-		results: make(chan store.ItemResult, cfg.Concurrency),
+		results: make(chan outcome, cfg.Concurrency),
 		starts:  batchSet{wake: make(chan struct{}, 1)},
 	}
 }
@@ -395,7 +395,14 @@ func (d *Drainer) run(ctx, commits context.Context, it store.ClaimedItem) {
 		result.Status, result.ErrorCode, result.ErrorMessage = string(gateway.ItemFailed), string(gateway.EInferenceBusy), msgFailedAfterDispatch
 		d.logger.Warn("batch item failed upstream", "batch_id", it.BatchID, "index", it.Index, "error", err)
 	}
-	d.results <- result
+	d.results <- outcome{result, tracing.ItemSpanOf(ctx)}
+}
+
+// outcome is an item's result on its way to the completer, with the item's
+// span for the commit's span to link to.
+type outcome struct {
+	store.ItemResult
+	span tracing.ItemSpan
 }
 
 // requeue hands an item the upstream never processed back to the queue (or
@@ -422,7 +429,7 @@ func (d *Drainer) requeue(ctx context.Context, it store.ClaimedItem) {
 // together) and finishes the batches they complete, until results is closed.
 func (d *Drainer) complete(ctx context.Context) {
 	for first := range d.results {
-		group := []store.ItemResult{first}
+		group, spans := []store.ItemResult{first.ItemResult}, []tracing.ItemSpan{first.span}
 		timer := time.NewTimer(completeWindow)
 	gather:
 		for len(group) < completeBatch {
@@ -431,13 +438,15 @@ func (d *Drainer) complete(ctx context.Context) {
 				if !ok {
 					break gather
 				}
-				group = append(group, r)
+				group, spans = append(group, r.ItemResult), append(spans, r.span)
 			case <-timer.C:
 				break gather
 			}
 		}
 		timer.Stop()
+		span := tracing.StartOutcomesCommit(spans)
 		d.commit(ctx, group)
+		span.End()
 	}
 }
 

@@ -379,6 +379,53 @@ func TestTracesFollowTheRequest(t *testing.T) {
 	}
 }
 
+// TestBatchItemTraces: each batch item has a span of its own (a consumer
+// span with its batch and index) with its upstream attempt as a child, and
+// the transactions that store the outcomes have spans linked to every item's.
+func TestBatchItemTraces(t *testing.T) {
+	t.Parallel()
+	r, receiver := serveTraced(t, nil)
+	batch := r.g.createBatch(r.key, prompts("traced", 3))
+	done := r.g.waitTerminal(r.key, batch.Id.String(), 60*time.Second)
+	require.Equal(t, api.BatchStatus("completed"), done.Status)
+
+	var items, commits []*tracepb.Span
+	require.Eventually(t, func() bool {
+		items, commits = receiver.named("chat instant"), receiver.named("commit batch outcomes")
+		linked := 0
+		for _, c := range commits {
+			linked += len(c.Links)
+		}
+		return len(items) == 3 && linked == 3
+	}, 10*time.Second, 50*time.Millisecond, "three items, each linked from a commit")
+	indexes := map[int64]bool{}
+	itemSpans := map[string]bool{}
+	for _, it := range items {
+		require.Equal(t, tracepb.Span_SPAN_KIND_CONSUMER, it.Kind)
+		require.Equal(t, batch.Id.String(), attr(it, "gateway.batch_id").GetStringValue())
+		indexes[attr(it, "gateway.batch_index").GetIntValue()] = true
+		itemSpans[fmt.Sprintf("%x/%x", it.TraceId, it.SpanId)] = true
+		attempts := 0
+		for _, a := range receiver.named("chat p-instant") {
+			if string(a.ParentSpanId) == string(it.SpanId) {
+				attempts++
+			}
+		}
+		require.Equal(t, 1, attempts, "the upstream attempt is the item's child")
+	}
+	require.Equal(t, map[int64]bool{0: true, 1: true, 2: true}, indexes)
+	items3 := int64(0)
+	for _, c := range commits {
+		require.Empty(t, c.ParentSpanId, "a commit is a trace of its own")
+		require.Equal(t, tracepb.Span_SPAN_KIND_INTERNAL, c.Kind)
+		items3 += attr(c, "gateway.batch_items").GetIntValue()
+		for _, l := range c.Links {
+			require.True(t, itemSpans[fmt.Sprintf("%x/%x", l.TraceId, l.SpanId)], "a commit links to the items it stores")
+		}
+	}
+	require.Equal(t, int64(3), items3)
+}
+
 // TestTraceContentWhenOptedIn: GATEWAY_TRACE_CONTENT puts the prompt and the
 // output in the request's span, as GenAI messages.
 func TestTraceContentWhenOptedIn(t *testing.T) {

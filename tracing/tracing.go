@@ -2,7 +2,8 @@
 // (OTEL_EXPORTER_OTLP_ENDPOINT or OTEL_EXPORTER_OTLP_TRACES_ENDPOINT): a span
 // per API request, continuing the caller's W3C trace context, a span per batch
 // item, a child span per upstream attempt whose context travels upstream in
-// traceparent, and a child span for the settlement of a request's usage.
+// traceparent, a child span for the settlement of a request's usage, and a
+// span for each commit of batch item outcomes, linked to their items' spans.
 // Attributes follow the OpenTelemetry GenAI semantic conventions (gen_ai.*).
 // Prompts and outputs stay out of spans unless the operator opts in
 // (GATEWAY_TRACE_CONTENT). Without an endpoint nothing is recorded and every
@@ -47,6 +48,7 @@ const (
 	RequestID         = attribute.Key("gateway.request_id")
 	BatchID           = attribute.Key("gateway.batch_id")
 	BatchIndex        = attribute.Key("gateway.batch_index")
+	BatchItems        = attribute.Key("gateway.batch_items")
 	operationChat     = "chat"
 	instrumentationID = "github.com/rungworks/gateway"
 )
@@ -222,6 +224,31 @@ func StartSettlement(ctx context.Context) trace.Span {
 func EndSettlement(span trace.Span, outcome string) {
 	fail(span, outcome)
 	span.End()
+}
+
+// ItemSpan identifies a batch item's span, for the commit that stores its
+// outcome to link to.
+type ItemSpan = trace.SpanContext
+
+// ItemSpanOf returns the span of ctx, a batch item's (see BatchItem).
+func ItemSpanOf(ctx context.Context) ItemSpan { return trace.SpanContextFromContext(ctx) }
+
+// StartOutcomesCommit starts the span of one transaction storing batch item
+// outcomes together: a trace of its own (each item runs in its own), linked
+// to the span of each item it stores.
+func StartOutcomesCommit(items []ItemSpan) trace.Span {
+	if !enabled.Load() {
+		return noop
+	}
+	links := make([]trace.Link, 0, len(items))
+	for _, sc := range items {
+		if sc.IsValid() {
+			links = append(links, trace.Link{SpanContext: sc})
+		}
+	}
+	_, span := tracer.Start(context.Background(), "commit batch outcomes", trace.WithNewRoot(),
+		trace.WithSpanKind(trace.SpanKindInternal), trace.WithLinks(links...), trace.WithAttributes(BatchItems.Int(len(items))))
+	return span
 }
 
 // Inject writes the trace context of ctx into an outgoing request's headers.
