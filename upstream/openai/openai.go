@@ -253,7 +253,7 @@ func (c *Client) post(ctx context.Context, req *upstream.Request, stream bool) (
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
 		defer resp.Body.Close()
 		raw, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
-		return nil, true, upstream.WithRetryAfter(statusError(resp.StatusCode, raw), retryAfter(resp, time.Now()))
+		return nil, true, statusError(resp.StatusCode, resp.Header, raw)
 	}
 	return resp, true, nil
 }
@@ -301,8 +301,9 @@ const maxMessageBytes = 500
 // statusError classifies a non-2xx reply (D12): 429 and 503 say the call was
 // not processed, and so do 401, 407 and 404, which refuse the gateway's own
 // credentials, address or model (upstream.ErrDenied); 408 and every other 5xx
-// that it may have been; other 4xx are a rejection of this request.
-func statusError(status int, body []byte) error {
+// that it may have been; other 4xx are a rejection of this request. A 429 or
+// 503 carries the wait its header asks for (upstream.RetryAfter).
+func statusError(status int, header http.Header, body []byte) error {
 	var eb errorBody
 	msg := strings.TrimSpace(string(body))
 	if json.Unmarshal(body, &eb) == nil && eb.Error.Message != "" {
@@ -320,24 +321,22 @@ func statusError(status int, body []byte) error {
 	case status == http.StatusUnauthorized || status == http.StatusProxyAuthRequired || status == http.StatusNotFound:
 		return fmt.Errorf("%w: %w: status %d: %s", upstream.ErrUnavailable, upstream.ErrDenied, status, msg)
 	case status == http.StatusTooManyRequests || status == http.StatusServiceUnavailable:
-		return fmt.Errorf("%w: status %d: %s", upstream.ErrUnavailable, status, msg)
+		return upstream.WithRetryAfter(fmt.Errorf("%w: status %d: %s", upstream.ErrUnavailable, status, msg), retryAfter(header, time.Now()))
 	case status == http.StatusRequestTimeout || status >= 500:
 		return fmt.Errorf("%w: status %d: %s", upstream.ErrFailed, status, msg)
 	}
 	return &upstream.RejectedError{Status: status, Message: msg}
 }
 
-// retryAfter is the wait a busy upstream's reply (429 or 503) asks for: its
+// retryAfter is the wait a busy upstream's reply asks for: its
 // retry-after-ms header (OpenAI's), else Retry-After in seconds or as an HTTP
-// date; zero when there is none or it cannot be read.
-func retryAfter(resp *http.Response, now time.Time) time.Duration {
-	if resp.StatusCode != http.StatusTooManyRequests && resp.StatusCode != http.StatusServiceUnavailable {
-		return 0
-	}
-	if ms, err := strconv.ParseFloat(resp.Header.Get("Retry-After-Ms"), 64); err == nil && ms > 0 {
+// date; zero when there is none or it cannot be read. Numbers are bounded
+// before they become durations, so none overflows.
+func retryAfter(header http.Header, now time.Time) time.Duration {
+	if ms, err := strconv.ParseFloat(header.Get("Retry-After-Ms"), 64); err == nil && ms > 0 {
 		return time.Duration(min(ms, float64(upstream.MaxRetryAfter/time.Millisecond))) * time.Millisecond
 	}
-	v := strings.TrimSpace(resp.Header.Get("Retry-After"))
+	v := strings.TrimSpace(header.Get("Retry-After"))
 	if secs, err := strconv.ParseInt(v, 10, 64); err == nil && secs > 0 {
 		return time.Duration(min(secs, int64(upstream.MaxRetryAfter/time.Second))) * time.Second
 	}
