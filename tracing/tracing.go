@@ -231,7 +231,12 @@ func EndSettlement(span trace.Span, outcome string) {
 type ItemSpan = trace.SpanContext
 
 // ItemSpanOf returns the span of ctx, a batch item's (see BatchItem).
-func ItemSpanOf(ctx context.Context) ItemSpan { return trace.SpanContextFromContext(ctx) }
+func ItemSpanOf(ctx context.Context) ItemSpan {
+	if !enabled.Load() {
+		return ItemSpan{}
+	}
+	return trace.SpanContextFromContext(ctx)
+}
 
 // StartOutcomesCommit starts the span of one transaction storing batch item
 // outcomes together: a trace of its own (each item runs in its own), linked
