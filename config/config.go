@@ -184,7 +184,7 @@ func (f *File) Router(tok *metering.Tokenizer, simLatency time.Duration, m *metr
 			continue
 		}
 		clients[name] = openai.New(openai.Config{
-			BaseURL: pr.BaseURL, APIKey: os.Getenv(pr.APIKeyEnv), Timeout: pr.Timeout, H2C: pr.H2C, Headers: pr.Headers,
+			BaseURL: pr.BaseURL, APIKey: os.Getenv(pr.APIKeyEnv), Timeout: pr.Timeout, IdleTimeout: pr.IdleTimeout, H2C: pr.H2C, Headers: pr.Headers,
 		})
 	}
 	routes := map[gateway.Model]routing.Route{}

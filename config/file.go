@@ -38,9 +38,12 @@ type ProviderSpec struct {
 	// never holds a secret.
 	APIKeyEnv string
 	Timeout   time.Duration
-	H2C       bool
-	Headers   map[string]string
-	line      int
+	// IdleTimeout is how long an idle connection is kept for the next call;
+	// zero takes openai.Config's default.
+	IdleTimeout time.Duration
+	H2C         bool
+	Headers     map[string]string
+	line        int
 }
 
 // RouteSpec is the targets of one canonical model.
@@ -185,7 +188,7 @@ func (p *fileParser) provider(name string, k, v *yaml.Node) {
 	}
 	spec := ProviderSpec{Type: "openai", line: k.Line}
 	what := fmt.Sprintf("provider %q", name)
-	p.mapping(v, what, []string{"type", "base_url", "api_key_env", "timeout", "h2c", "headers"}, func(key string, _, v *yaml.Node) {
+	p.mapping(v, what, []string{"type", "base_url", "api_key_env", "timeout", "idle_timeout", "h2c", "headers"}, func(key string, _, v *yaml.Node) {
 		switch key {
 		case "type":
 			spec.Type = p.str(v, what+" type")
@@ -204,6 +207,8 @@ func (p *fileParser) provider(name string, k, v *yaml.Node) {
 			}
 		case "timeout":
 			spec.Timeout = p.duration(v, what+" timeout")
+		case "idle_timeout":
+			spec.IdleTimeout = p.duration(v, what+" idle_timeout")
 		case "h2c":
 			spec.H2C = p.boolean(v, what+" h2c")
 		case "headers":

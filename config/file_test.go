@@ -25,6 +25,7 @@ providers:
   vllm:
     base_url: http://vllm.internal:8000/v1
     timeout: 120s
+    idle_timeout: 4s
     h2c: true
 models:
   instant:
@@ -56,6 +57,7 @@ func TestParseWorkedExample(t *testing.T) {
 		Headers: map[string]string{"OpenAI-Project": "proj_123"},
 	}, withoutLine(f.Providers["openai"]))
 	require.True(t, f.Providers["vllm"].H2C)
+	require.Equal(t, 4*time.Second, f.Providers["vllm"].IdleTimeout)
 	require.Equal(t, routing.Ordered, f.Models[gateway.ModelInstant].Strategy)
 	require.Equal(t, "meta-llama/Llama-3.1-8B-Instruct", f.Models[gateway.ModelInstant].Targets[1].UpstreamModel, "model names keep their slashes")
 	require.Equal(t, 3, f.Models[gateway.ModelReasoning].Targets[0].Weight)
@@ -72,7 +74,7 @@ func TestParseWorkedExample(t *testing.T) {
 }
 
 func withoutLine(p config.ProviderSpec) config.ProviderSpec {
-	return config.ProviderSpec{Type: p.Type, BaseURL: p.BaseURL, APIKeyEnv: p.APIKeyEnv, Timeout: p.Timeout, H2C: p.H2C, Headers: p.Headers}
+	return config.ProviderSpec{Type: p.Type, BaseURL: p.BaseURL, APIKeyEnv: p.APIKeyEnv, Timeout: p.Timeout, IdleTimeout: p.IdleTimeout, H2C: p.H2C, Headers: p.Headers}
 }
 
 // TestErrorsNameTheirLine: every problem is reported at once, each with its line.
@@ -136,6 +138,7 @@ circuit:
 		"providers: {}\nmodels: {}\n": "models must route at least one canonical model",
 		"providers:\n  p: {type: sim}\nmodels:\n  instant: {targets: [p/m]}\nfallback: {max_attempts: 0}\n": "g.yaml:5: fallback.max_attempts must be a whole number of at least 1",
 		"providers:\n  p: {type: openai}\nmodels:\n  instant: {targets: [p/m]}\n":                           `g.yaml:2: provider "p" needs a base_url`,
+		"providers:\n  p: {type: sim, idle_timeout: -1s}\nmodels:\n  instant: {targets: [p/m]}\n":           `g.yaml:2: provider "p" idle_timeout must be a positive duration`,
 		"providers:\n  p: {type: sim}\n  p: {type: sim}\nmodels:\n  instant: {targets: [p/m]}\n":            `g.yaml:3: key "p" appears twice in providers`,
 		"providers:\n  p: {type: sim, headers: {\"X Team\": a}}\nmodels:\n  instant: {targets: [p/m]}\n":    `g.yaml:2: provider "p": "X Team" is not a valid header name`,
 	} {

@@ -6,6 +6,7 @@ package fakeupstream
 import (
 	"encoding/json"
 	"fmt"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -57,6 +58,7 @@ type Server struct {
 	calls      []Call
 	inFlight   int
 	peak       int
+	conns      int
 }
 
 // SetSlow makes every call whose prompt contains marker wait d before it
@@ -121,8 +123,22 @@ func New() *Server {
 	s.Server.Config.Protocols = new(http.Protocols)
 	s.Server.Config.Protocols.SetHTTP1(true)
 	s.Server.Config.Protocols.SetUnencryptedHTTP2(true)
+	s.Server.Config.ConnState = func(_ net.Conn, state http.ConnState) {
+		if state == http.StateNew {
+			s.mu.Lock()
+			s.conns++
+			s.mu.Unlock()
+		}
+	}
 	s.Server.Start()
 	return s
+}
+
+// Connections is how many connections the server has accepted.
+func (s *Server) Connections() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.conns
 }
 
 // BaseURL is the API root (…/v1).

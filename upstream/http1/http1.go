@@ -23,6 +23,8 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 )
@@ -35,7 +37,10 @@ type Config struct {
 	KeepAlive time.Duration
 	// MaxIdlePerHost is how many idle connections are kept per host (default 512).
 	MaxIdlePerHost int
-	// IdleTimeout closes a connection idle for that long (default 90 s).
+	// IdleTimeout is how long a connection is kept for the next call after a
+	// reply that does not say how long the upstream keeps it (default 4 s,
+	// under the 5 s of uvicorn, Node.js and llama.cpp's server). A reply that
+	// says (Keep-Alive: timeout=N) sets it instead; see keepFor.
 	IdleTimeout time.Duration
 	// MaxHeaderBytes bounds a reply's head (default 1 MiB).
 	MaxHeaderBytes int64
@@ -55,7 +60,7 @@ func (c *Config) defaults() {
 		c.MaxIdlePerHost = 512
 	}
 	if c.IdleTimeout <= 0 {
-		c.IdleTimeout = 90 * time.Second
+		c.IdleTimeout = 4 * time.Second
 	}
 	if c.MaxHeaderBytes <= 0 {
 		c.MaxHeaderBytes = 1 << 20
@@ -75,6 +80,9 @@ type Client struct {
 	// is read.
 	readers sync.Pool
 
+	// now is the clock that ages idle connections.
+	now func() time.Time
+
 	mu      sync.Mutex
 	idle    map[string][]*conn // per host:port, oldest first
 	reaping bool               // a sweep of expired connections is scheduled
@@ -88,6 +96,7 @@ func New(cfg Config) *Client {
 		dialer:  net.Dialer{Timeout: cfg.DialTimeout, KeepAlive: cfg.KeepAlive},
 		readers: sync.Pool{New: func() any { return bufio.NewReaderSize(nil, cfg.BufferSize) }},
 		idle:    map[string][]*conn{},
+		now:     time.Now,
 	}
 }
 
@@ -132,7 +141,7 @@ func (c *Client) Do(req *http.Request, connected func()) (*http.Response, error)
 	}
 	resp.Body = &body{
 		src: resp.Body, ctx: ctx, client: c, addr: addr, conn: cn, stop: stop,
-		reuse: keepAlive && !resp.Close,
+		reuse: keepAlive && !resp.Close, keep: c.keepFor(resp.Header),
 	}
 	return resp, nil
 }
@@ -160,7 +169,7 @@ func (c *Client) get(ctx context.Context, addr string) (*conn, error) {
 		list[len(list)-1] = nil
 		c.idle[addr] = list[:len(list)-1]
 		c.mu.Unlock()
-		if time.Since(cn.idleSince) < c.cfg.IdleTimeout && cn.alive() {
+		if c.now().Before(cn.expires) && cn.alive() {
 			return cn, nil
 		}
 		cn.close()
@@ -189,9 +198,14 @@ func (c *Client) dial(ctx context.Context, addr string) (net.Conn, error) {
 	return d.nc, d.err
 }
 
-// put keeps cn for the next call to addr, or closes it when the pool is full.
-func (c *Client) put(addr string, cn *conn) {
-	cn.idleSince = time.Now()
+// put keeps cn for the next call to addr for keep, or closes it when keep is
+// not positive or the pool is full.
+func (c *Client) put(addr string, cn *conn, keep time.Duration) {
+	if keep <= 0 {
+		cn.close()
+		return
+	}
+	cn.expires = c.now().Add(keep)
 	c.mu.Lock()
 	list := c.idle[addr]
 	if len(list) >= c.cfg.MaxIdlePerHost {
@@ -202,39 +216,81 @@ func (c *Client) put(addr string, cn *conn) {
 	c.idle[addr] = append(list, cn)
 	if !c.reaping {
 		c.reaping = true
-		time.AfterFunc(c.cfg.IdleTimeout, c.reap)
+		time.AfterFunc(keep, c.reap)
 	}
 	c.mu.Unlock()
 }
 
-// reap closes the connections idle for longer than IdleTimeout and schedules
-// itself again while any connection is idle.
+// reap closes the idle connections past their time and schedules itself
+// again, for the soonest of the others, while any connection is idle.
 func (c *Client) reap() {
 	var expired []*conn
+	now := c.now()
+	next := time.Duration(0)
 	c.mu.Lock()
-	remaining := 0
 	for addr, list := range c.idle {
-		n := 0
-		for n < len(list) && time.Since(list[n].idleSince) >= c.cfg.IdleTimeout {
-			n++
+		kept := list[:0]
+		for _, cn := range list {
+			if left := cn.expires.Sub(now); left > 0 {
+				kept = append(kept, cn)
+				if next == 0 || left < next {
+					next = left
+				}
+			} else {
+				expired = append(expired, cn)
+			}
 		}
-		expired = append(expired, list[:n]...)
-		if n == len(list) {
+		clear(list[len(kept):])
+		if len(kept) == 0 {
 			delete(c.idle, addr)
-			continue
+		} else {
+			c.idle[addr] = kept
 		}
-		clear(list[:n])
-		c.idle[addr] = list[n:]
-		remaining += len(list) - n
 	}
-	c.reaping = remaining > 0
+	c.reaping = next > 0
 	if c.reaping {
-		time.AfterFunc(c.cfg.IdleTimeout/2, c.reap)
+		// Not sooner than every 100 ms, however the times are spread.
+		time.AfterFunc(max(next, 100*time.Millisecond), c.reap)
 	}
 	c.mu.Unlock()
 	for _, cn := range expired {
 		cn.close()
 	}
+}
+
+// keepAliveMargin is how long before the end of the keep-alive an upstream
+// announces a connection stops being used: a call sent on it later could
+// cross the upstream's close on the wire, and fail after dispatch.
+const keepAliveMargin = time.Second
+
+// maxAnnouncedKeep bounds the keep-alive an upstream may announce.
+const maxAnnouncedKeep = 10 * time.Minute
+
+// keepFor returns how long a connection may wait for its next call after a
+// reply with header h: what the upstream announces (Keep-Alive: timeout=N, the
+// least of several) less keepAliveMargin, at most maxAnnouncedKeep; or, when
+// it announces nothing readable, IdleTimeout.
+func (c *Client) keepFor(h http.Header) time.Duration {
+	announced := int64(-1)
+	for _, v := range h.Values("Keep-Alive") {
+		for param := range strings.SplitSeq(v, ",") {
+			name, value, ok := strings.Cut(param, "=")
+			if !ok || !strings.EqualFold(strings.TrimSpace(name), "timeout") {
+				continue
+			}
+			n, err := strconv.ParseInt(strings.Trim(strings.TrimSpace(value), `"`), 10, 64)
+			if err != nil || n < 0 {
+				continue
+			}
+			if announced < 0 || n < announced {
+				announced = n
+			}
+		}
+	}
+	if announced < 0 {
+		return c.cfg.IdleTimeout
+	}
+	return time.Duration(min(announced, int64(maxAnnouncedKeep/time.Second)))*time.Second - keepAliveMargin
 }
 
 // CloseIdleConnections closes the connections waiting for a call.
@@ -256,12 +312,12 @@ var writers sync.Pool
 // conn is one connection; it reads through itself so that the head of a reply
 // can be bounded.
 type conn struct {
-	nc        net.Conn
-	br        *bufio.Reader // from a reply's first byte to its end; nil otherwise
-	readers   *sync.Pool    // the client's read buffers
-	maxHead   int64
-	headLeft  int64 // bytes the reply's head may still read; negative: no bound
-	idleSince time.Time
+	nc       net.Conn
+	br       *bufio.Reader // from a reply's first byte to its end; nil otherwise
+	readers  *sync.Pool    // the client's read buffers
+	maxHead  int64
+	headLeft int64     // bytes the reply's head may still read; negative: no bound
+	expires  time.Time // while idle, when it stops being used
 }
 
 // Read reads from the connection, within the head's bound while one is set.
@@ -378,6 +434,7 @@ type body struct {
 	conn   *conn
 	stop   func() bool
 	reuse  bool
+	keep   time.Duration // how long the connection may then wait idle
 	eof    bool
 	closed bool
 }
@@ -421,7 +478,7 @@ func (b *body) Close() error {
 	// stop reports false once the call's context was done: its deadline may
 	// be set on the connection at any moment.
 	if b.stop() && b.eof && b.reuse && b.conn.idle() && b.conn.nc.SetDeadline(time.Time{}) == nil {
-		b.client.put(b.addr, b.conn)
+		b.client.put(b.addr, b.conn, b.keep)
 		return nil
 	}
 	b.conn.close()

@@ -480,3 +480,62 @@ func TestWaitReadableWaitsForTheUpstream(t *testing.T) {
 	cancel()
 	require.ErrorIs(t, <-waited, context.Canceled)
 }
+
+// TestAnnouncedKeepAliveIsHonoured: a connection is used for a later call only
+// while it is within what its upstream announced it keeps connections
+// (Keep-Alive: timeout=N) less a second, or within IdleTimeout when it announced
+// nothing readable; so no call is sent on a connection the upstream may be
+// closing at that moment.
+func TestAnnouncedKeepAliveIsHonoured(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name    string
+		headers []string      // the Keep-Alive headers of each reply
+		keep    time.Duration // how long the connection is kept idle; 0: never
+	}{
+		{name: "none announced: IdleTimeout", keep: 4 * time.Second},
+		{name: "uvicorn-like", headers: []string{"timeout=5"}, keep: 4 * time.Second},
+		{name: "with max", headers: []string{"timeout=60, max=100"}, keep: 59 * time.Second},
+		{name: "max first", headers: []string{"max=100, timeout=2"}, keep: time.Second},
+		{name: "spaces and case", headers: []string{" Timeout = 30 "}, keep: 29 * time.Second},
+		{name: "quoted", headers: []string{`timeout="7"`}, keep: 6 * time.Second},
+		{name: "the least of several", headers: []string{"timeout=30", "timeout=10"}, keep: 9 * time.Second},
+		{name: "a second: never kept", headers: []string{"timeout=1"}},
+		{name: "zero: never kept", headers: []string{"timeout=0"}},
+		{name: "a day: bounded", headers: []string{"timeout=86400"}, keep: 10*time.Minute - time.Second},
+		{name: "not a number", headers: []string{"timeout=soon"}, keep: 4 * time.Second},
+		{name: "negative", headers: []string{"timeout=-5"}, keep: 4 * time.Second},
+		{name: "past int64", headers: []string{"timeout=99999999999999999999"}, keep: 4 * time.Second},
+		{name: "unreadable beside readable", headers: []string{"timeout=x, timeout=3"}, keep: 2 * time.Second},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			url := serveRaw(t, func(c net.Conn, _ *http.Request) bool {
+				head := "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-Conn: " + c.RemoteAddr().String() + "\r\n"
+				for _, h := range tc.headers {
+					head += "Keep-Alive: " + h + "\r\n"
+				}
+				_, err := io.WriteString(c, head+"\r\nok")
+				return err == nil
+			})
+			// reusedAfter reports whether a call made idle later than the one
+			// before came on the same connection.
+			reusedAfter := func(idle time.Duration) bool {
+				var elapsed atomic.Int64
+				start := time.Now()
+				c := http1.New(http1.Config{})
+				http1.SetClock(c, func() time.Time { return start.Add(time.Duration(elapsed.Load())) })
+				defer c.CloseIdleConnections()
+				first, _ := call(t, context.Background(), c, url, "x")
+				elapsed.Store(int64(idle))
+				second, got := call(t, context.Background(), c, url, "x")
+				require.Equal(t, "ok", got)
+				return first.Header.Get("X-Conn") == second.Header.Get("X-Conn")
+			}
+			if tc.keep > 0 {
+				require.True(t, reusedAfter(tc.keep-time.Millisecond), "idle for just under %v", tc.keep)
+			}
+			require.False(t, reusedAfter(tc.keep), "idle for %v", tc.keep)
+		})
+	}
+}

@@ -4,6 +4,7 @@ package openai
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -45,6 +46,12 @@ type Config struct {
 	H2C bool
 	// Headers are sent with every call (e.g. an organisation or project id).
 	Headers map[string]string
+	// IdleTimeout is how long an idle connection is kept for the next call.
+	// Over plain-text HTTP/1.1 it applies when the upstream does not announce
+	// its own keep-alive (default 4 s, see http1.Config); otherwise it is the
+	// transport's (default 90 s: HTTP/2 upstreams close idle connections with
+	// GOAWAY, which says which calls they did not process).
+	IdleTimeout time.Duration
 }
 
 // Client calls POST {BaseURL}/chat/completions.
@@ -66,15 +73,16 @@ func New(cfg Config) *Client {
 	cfg.BaseURL = strings.TrimRight(cfg.BaseURL, "/")
 	if plainHTTP1(cfg) {
 		// http1's defaults are the transport's below: 5 s to connect, 512
-		// idle connections kept 90 s, 1 KiB buffers.
-		return &Client{cfg: cfg, h1: http1.New(http1.Config{})}
+		// idle connections, 1 KiB buffers; but idle connections are kept only
+		// as long as the upstream keeps them.
+		return &Client{cfg: cfg, h1: http1.New(http1.Config{IdleTimeout: cfg.IdleTimeout})}
 	}
 	transport := &http.Transport{
 		Proxy:               http.ProxyFromEnvironment,
 		DialContext:         (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
 		MaxIdleConns:        1024,
 		MaxIdleConnsPerHost: 512,
-		IdleConnTimeout:     90 * time.Second,
+		IdleConnTimeout:     cmp.Or(cfg.IdleTimeout, 90*time.Second),
 		TLSHandshakeTimeout: 5 * time.Second,
 		// No ResponseHeaderTimeout: Complete's deadline and Stream's watchdog
 		// already bound the wait for the reply, and it would cost every call a

@@ -179,6 +179,41 @@ func TestRetryAfter(t *testing.T) {
 	})
 }
 
+// TestIdleConnectionsLastAsLongAsTheUpstreamKeepsThem: a connection waits for
+// the next call no longer than IdleTimeout, on both transports, and, over
+// HTTP/1.1, no longer than the upstream announces it keeps it.
+func TestIdleConnectionsLastAsLongAsTheUpstreamKeepsThem(t *testing.T) {
+	t.Parallel()
+	completeTwice := func(t *testing.T, c *openai.Client, idle time.Duration) {
+		t.Helper()
+		for i := range 2 {
+			if i > 0 {
+				time.Sleep(idle)
+			}
+			_, err := c.Complete(context.Background(), &req)
+			require.NoError(t, err)
+		}
+	}
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		completeTwice(t, b.client, 0)
+		require.Equal(t, 1, b.fake.Connections(), "a connection is kept for the next call")
+		short := b.newClient(openai.Config{Timeout: 2 * time.Second, IdleTimeout: 50 * time.Millisecond})
+		completeTwice(t, short, 300*time.Millisecond)
+		require.Equal(t, 3, b.fake.Connections(), "a connection idle past IdleTimeout is not used")
+		if b.h2c {
+			return
+		}
+		// An upstream that keeps idle connections a second: within the
+		// margin, so none is used again.
+		b.fake.SetReplyHeader("Keep-Alive", "timeout=1")
+		completeTwice(t, b.newClient(openai.Config{Timeout: 2 * time.Second}), 0)
+		require.Equal(t, 5, b.fake.Connections(), "a connection the upstream may be closing is not used")
+		b.fake.SetReplyHeader("Keep-Alive", "timeout=30")
+		completeTwice(t, b.newClient(openai.Config{Timeout: 2 * time.Second, IdleTimeout: 50 * time.Millisecond}), 300*time.Millisecond)
+		require.Equal(t, 6, b.fake.Connections(), "what the upstream announces sets how long a connection is kept")
+	})
+}
+
 func TestDispatchIsReported(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {
