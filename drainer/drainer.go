@@ -395,14 +395,14 @@ func (d *Drainer) run(ctx, commits context.Context, it store.ClaimedItem) {
 		result.Status, result.ErrorCode, result.ErrorMessage = string(gateway.ItemFailed), string(gateway.EInferenceBusy), msgFailedAfterDispatch
 		d.logger.Warn("batch item failed upstream", "batch_id", it.BatchID, "index", it.Index, "error", err)
 	}
-	d.results <- outcome{result, tracing.ItemSpanOf(ctx)}
+	d.results <- outcome{result, tracing.SpanRefOf(ctx)}
 }
 
 // outcome is an item's result on its way to the completer, with the item's
 // span for the commit's span to link to.
 type outcome struct {
 	store.ItemResult
-	span tracing.ItemSpan
+	span tracing.SpanRef
 }
 
 // requeue hands an item the upstream never processed back to the queue (or
@@ -429,7 +429,7 @@ func (d *Drainer) requeue(ctx context.Context, it store.ClaimedItem) {
 // together) and finishes the batches they complete, until results is closed.
 func (d *Drainer) complete(ctx context.Context) {
 	for first := range d.results {
-		group, spans := []store.ItemResult{first.ItemResult}, []tracing.ItemSpan{first.span}
+		group, spans := []store.ItemResult{first.ItemResult}, []tracing.SpanRef{first.span}
 		timer := time.NewTimer(completeWindow)
 	gather:
 		for len(group) < completeBatch {

@@ -379,6 +379,51 @@ func TestTracesFollowTheRequest(t *testing.T) {
 	}
 }
 
+// TestSettlementCommitTraces: the transactions that store requests' usage
+// together have spans of their own, linked to the settlement span of every
+// request they store, each request's commit within its wait.
+func TestSettlementCommitTraces(t *testing.T) {
+	t.Parallel()
+	r, receiver := serveTraced(t, nil)
+	const n = 8
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			res := r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": fmt.Sprintf("settle together %d", i)})
+			require.Equal(t, http.StatusOK, res.status)
+		})
+	}
+	wg.Wait()
+
+	var settles, commits []*tracepb.Span
+	require.Eventually(t, func() bool {
+		settles, commits = receiver.named("settle usage"), receiver.named("commit settlements")
+		linked := 0
+		for _, c := range commits {
+			linked += len(c.Links)
+		}
+		return len(settles) == n && linked == n
+	}, 10*time.Second, 50*time.Millisecond, "every settlement linked from a commit")
+	settleSpans := map[string]*tracepb.Span{}
+	for _, s := range settles {
+		settleSpans[fmt.Sprintf("%x/%x", s.TraceId, s.SpanId)] = s
+	}
+	stored := int64(0)
+	for _, c := range commits {
+		require.Empty(t, c.ParentSpanId, "a commit is a trace of its own")
+		require.Equal(t, tracepb.Span_SPAN_KIND_INTERNAL, c.Kind)
+		require.NotEqual(t, tracepb.Status_STATUS_CODE_ERROR, c.GetStatus().GetCode())
+		stored += attr(c, "gateway.requests").GetIntValue()
+		for _, l := range c.Links {
+			settled := settleSpans[fmt.Sprintf("%x/%x", l.TraceId, l.SpanId)]
+			require.NotNil(t, settled, "a commit links to the settlements it stores")
+			require.GreaterOrEqual(t, c.EndTimeUnixNano, settled.StartTimeUnixNano)
+			require.LessOrEqual(t, c.EndTimeUnixNano, settled.EndTimeUnixNano, "a request's settlement ends once its commit has")
+		}
+	}
+	require.Equal(t, int64(n), stored)
+}
+
 // TestBatchItemTraces: each batch item has a span of its own (a consumer
 // span with its batch and index) with its upstream attempt as a child, and
 // the transactions that store the outcomes have spans linked to every item's.

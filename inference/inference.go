@@ -330,8 +330,8 @@ func (s *Service) settle(ctx context.Context, call *Call, res upstream.Result, f
 		window = DefaultSettleWindow
 	}
 	unconfirmed := false
-	span := tracing.StartSettlement(ctx)
-	err = s.retry(ctx, window, func(ctx context.Context) error {
+	settleCtx, span := tracing.StartSettlement(ctx)
+	err = s.retry(settleCtx, window, func(ctx context.Context) error {
 		err := s.Ledger.Settle(ctx, record)
 		unconfirmed = unconfirmed || err != nil && s.MayHaveCommitted != nil && s.MayHaveCommitted(err)
 		return err

@@ -36,6 +36,7 @@ import (
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/metrics"
 	"github.com/rungworks/gateway/store"
+	"github.com/rungworks/gateway/tracing"
 )
 
 // Store grants, renews and folds quota leases and settles requests.
@@ -150,6 +151,7 @@ type ticket struct {
 // settling is a request waiting for its group's commit.
 type settling struct {
 	settlement store.Settlement
+	span       tracing.SpanRef // the request's settlement span, for its commit's to link to
 	done       chan error
 	lead       chan struct{} // closed when it is this one's turn to commit
 }
@@ -309,11 +311,11 @@ func (l *Ledger) slice(key sliceKey, now time.Time) (ls, replaced *lease) {
 // Settle commits a finished request with its group and gives what its
 // estimate did not use back to its slice. It waits for the commit, whatever
 // ctx says: a request's usage is stored before its reply is sent.
-func (l *Ledger) Settle(_ context.Context, r gateway.UsageRecord) error {
+func (l *Ledger) Settle(ctx context.Context, r gateway.UsageRecord) error {
 	l.mu.Lock()
 	t, ok := l.admitted[r.RequestID]
 	l.mu.Unlock()
-	s := &settling{settlement: store.Settlement{Record: r}, done: make(chan error, 1), lead: make(chan struct{})}
+	s := &settling{settlement: store.Settlement{Record: r}, span: tracing.SpanRefOf(ctx), done: make(chan error, 1), lead: make(chan struct{})}
 	if ok {
 		s.settlement.LeaseID = &t.lease.id
 	}
@@ -460,13 +462,16 @@ func (l *Ledger) Run(ctx context.Context) {
 // one at fault fails alone (D11).
 func (l *Ledger) commit(ctx context.Context, group []*settling) {
 	settlements := make([]store.Settlement, len(group))
+	spans := make([]tracing.SpanRef, len(group))
 	for i, s := range group {
-		settlements[i] = s.settlement
+		settlements[i], spans[i] = s.settlement, s.span
 	}
+	span := tracing.StartSettlementsCommit(spans)
 	cctx, cancel := context.WithTimeout(ctx, statementTimeout)
 	start := time.Now()
 	err := l.store.SettleRequests(cctx, settlements)
 	cancel()
+	tracing.EndCommit(span, err != nil)
 	if err == nil {
 		l.cfg.Metrics.GroupCommit(metrics.WorkSettlement, len(group), time.Since(start))
 	}

@@ -3,7 +3,8 @@
 // per API request, continuing the caller's W3C trace context, a span per batch
 // item, a child span per upstream attempt whose context travels upstream in
 // traceparent, a child span for the settlement of a request's usage, and a
-// span for each commit of batch item outcomes, linked to their items' spans.
+// span for each commit of settlements or of batch item outcomes, linked to
+// the spans of the requests or items it stores.
 // Attributes follow the OpenTelemetry GenAI semantic conventions (gen_ai.*).
 // Prompts and outputs stay out of spans unless the operator opts in
 // (GATEWAY_TRACE_CONTENT). Without an endpoint nothing is recorded and every
@@ -49,6 +50,7 @@ const (
 	BatchID           = attribute.Key("gateway.batch_id")
 	BatchIndex        = attribute.Key("gateway.batch_index")
 	BatchItems        = attribute.Key("gateway.batch_items")
+	Requests          = attribute.Key("gateway.requests")
 	operationChat     = "chat"
 	instrumentationID = "github.com/rungworks/gateway"
 )
@@ -210,13 +212,12 @@ func EndAttempt(span trace.Span, upstreamModel string, usageReported bool, input
 
 // StartSettlement starts the span of a request's settlement: the wait for the
 // durable commit of its usage and evidence, with its group, and the retries
-// while the database is away.
-func StartSettlement(ctx context.Context) trace.Span {
+// while the database is away. The context returned carries it.
+func StartSettlement(ctx context.Context) (context.Context, trace.Span) {
 	if !enabled.Load() {
-		return noop
+		return ctx, noop
 	}
-	_, span := tracer.Start(ctx, "settle usage", trace.WithSpanKind(trace.SpanKindInternal))
-	return span
+	return tracer.Start(ctx, "settle usage", trace.WithSpanKind(trace.SpanKindInternal))
 }
 
 // EndSettlement ends a settlement's span, failed with outcome unless it is
@@ -226,34 +227,54 @@ func EndSettlement(span trace.Span, outcome string) {
 	span.End()
 }
 
-// ItemSpan identifies a batch item's span, for the commit that stores its
-// outcome to link to.
-type ItemSpan = trace.SpanContext
+// SpanRef identifies a span, for the commit that stores its work with others'
+// to link to.
+type SpanRef = trace.SpanContext
 
-// ItemSpanOf returns the span of ctx, a batch item's (see BatchItem).
-func ItemSpanOf(ctx context.Context) ItemSpan {
+// SpanRefOf returns the span of ctx.
+func SpanRefOf(ctx context.Context) SpanRef {
 	if !enabled.Load() {
-		return ItemSpan{}
+		return SpanRef{}
 	}
 	return trace.SpanContextFromContext(ctx)
 }
 
 // StartOutcomesCommit starts the span of one transaction storing batch item
-// outcomes together: a trace of its own (each item runs in its own), linked
-// to the span of each item it stores.
-func StartOutcomesCommit(items []ItemSpan) trace.Span {
+// outcomes together, linked to the span of each item it stores.
+func StartOutcomesCommit(items []SpanRef) trace.Span {
+	return startCommit("commit batch outcomes", items, BatchItems)
+}
+
+// StartSettlementsCommit starts the span of one transaction storing the
+// settlements of requests together, linked to the settlement span of each.
+func StartSettlementsCommit(requests []SpanRef) trace.Span {
+	return startCommit("commit settlements", requests, Requests)
+}
+
+// startCommit starts the span of a transaction storing the work of several
+// spans: a trace of its own (each of them is in its own), linked to them,
+// with their number as count.
+func startCommit(name string, refs []SpanRef, count attribute.Key) trace.Span {
 	if !enabled.Load() {
 		return noop
 	}
-	links := make([]trace.Link, 0, len(items))
-	for _, sc := range items {
+	links := make([]trace.Link, 0, len(refs))
+	for _, sc := range refs {
 		if sc.IsValid() {
 			links = append(links, trace.Link{SpanContext: sc})
 		}
 	}
-	_, span := tracer.Start(context.Background(), "commit batch outcomes", trace.WithNewRoot(),
-		trace.WithSpanKind(trace.SpanKindInternal), trace.WithLinks(links...), trace.WithAttributes(BatchItems.Int(len(items))))
+	_, span := tracer.Start(context.Background(), name, trace.WithNewRoot(),
+		trace.WithSpanKind(trace.SpanKindInternal), trace.WithLinks(links...), trace.WithAttributes(count.Int(len(refs))))
 	return span
+}
+
+// EndCommit ends a commit's span, failed when it failed.
+func EndCommit(span trace.Span, failed bool) {
+	if failed {
+		fail(span, "store")
+	}
+	span.End()
 }
 
 // Inject writes the trace context of ctx into an outgoing request's headers.
