@@ -395,34 +395,51 @@ func TestSettlementCommitTraces(t *testing.T) {
 	}
 	wg.Wait()
 
-	var settles, commits []*tracepb.Span
-	require.Eventually(t, func() bool {
-		settles, commits = receiver.named("settle usage"), receiver.named("commit settlements")
-		linked := 0
-		for _, c := range commits {
-			linked += len(c.Links)
-		}
-		return len(settles) == n && linked == n
-	}, 10*time.Second, 50*time.Millisecond, "every settlement linked from a commit")
-	settleSpans := map[string]*tracepb.Span{}
-	for _, s := range settles {
-		settleSpans[fmt.Sprintf("%x/%x", s.TraceId, s.SpanId)] = s
-	}
-	stored := int64(0)
+	settles, commits := receiver.awaitCommits(t, "settle usage", "commit settlements", "gateway.requests", n)
 	for _, c := range commits {
-		require.Empty(t, c.ParentSpanId, "a commit is a trace of its own")
-		require.Equal(t, tracepb.Span_SPAN_KIND_INTERNAL, c.Kind)
 		require.NotEqual(t, tracepb.Status_STATUS_CODE_ERROR, c.GetStatus().GetCode())
-		stored += attr(c, "gateway.requests").GetIntValue()
 		for _, l := range c.Links {
-			settled := settleSpans[fmt.Sprintf("%x/%x", l.TraceId, l.SpanId)]
-			require.NotNil(t, settled, "a commit links to the settlements it stores")
+			settled := settles[spanKey(l.TraceId, l.SpanId)]
 			require.GreaterOrEqual(t, c.EndTimeUnixNano, settled.StartTimeUnixNano)
 			require.LessOrEqual(t, c.EndTimeUnixNano, settled.EndTimeUnixNano, "a request's settlement ends once its commit has")
 		}
 	}
-	require.Equal(t, int64(n), stored)
 }
+
+// awaitCommits waits until n spans named name have arrived, each linked from
+// a span named commit, and checks every such commit span: a trace of its own,
+// internal, linking only to spans named name, its count attribute summing to
+// n over them all. It returns the spans named name by spanKey, and the
+// commits.
+func (o *otlpReceiver) awaitCommits(t *testing.T, name, commit, count string, n int) (map[string]*tracepb.Span, []*tracepb.Span) {
+	t.Helper()
+	var spans, commits []*tracepb.Span
+	require.Eventually(t, func() bool {
+		spans, commits = o.named(name), o.named(commit)
+		linked := 0
+		for _, c := range commits {
+			linked += len(c.Links)
+		}
+		return len(spans) == n && linked == n
+	}, 10*time.Second, 50*time.Millisecond, "%d %q spans, each linked from a %q span", n, name, commit)
+	byKey := map[string]*tracepb.Span{}
+	for _, s := range spans {
+		byKey[spanKey(s.TraceId, s.SpanId)] = s
+	}
+	counted := int64(0)
+	for _, c := range commits {
+		require.Empty(t, c.ParentSpanId, "a commit is a trace of its own")
+		require.Equal(t, tracepb.Span_SPAN_KIND_INTERNAL, c.Kind)
+		counted += attr(c, count).GetIntValue()
+		for _, l := range c.Links {
+			require.Contains(t, byKey, spanKey(l.TraceId, l.SpanId), "a commit links to the %q spans whose work it stores", name)
+		}
+	}
+	require.Equal(t, int64(n), counted)
+	return byKey, commits
+}
+
+func spanKey(traceID, spanID []byte) string { return fmt.Sprintf("%x/%x", traceID, spanID) }
 
 // TestBatchItemTraces: each batch item has a span of its own (a consumer
 // span with its batch and index) with its upstream attempt as a child, and
@@ -434,22 +451,12 @@ func TestBatchItemTraces(t *testing.T) {
 	done := r.g.waitTerminal(r.key, batch.Id.String(), 60*time.Second)
 	require.Equal(t, api.BatchStatus("completed"), done.Status)
 
-	var items, commits []*tracepb.Span
-	require.Eventually(t, func() bool {
-		items, commits = receiver.named("chat instant"), receiver.named("commit batch outcomes")
-		linked := 0
-		for _, c := range commits {
-			linked += len(c.Links)
-		}
-		return len(items) == 3 && linked == 3
-	}, 10*time.Second, 50*time.Millisecond, "three items, each linked from a commit")
+	items, _ := receiver.awaitCommits(t, "chat instant", "commit batch outcomes", "gateway.batch_items", 3)
 	indexes := map[int64]bool{}
-	itemSpans := map[string]bool{}
 	for _, it := range items {
 		require.Equal(t, tracepb.Span_SPAN_KIND_CONSUMER, it.Kind)
 		require.Equal(t, batch.Id.String(), attr(it, "gateway.batch_id").GetStringValue())
 		indexes[attr(it, "gateway.batch_index").GetIntValue()] = true
-		itemSpans[fmt.Sprintf("%x/%x", it.TraceId, it.SpanId)] = true
 		attempts := 0
 		for _, a := range receiver.named("chat p-instant") {
 			if string(a.ParentSpanId) == string(it.SpanId) {
@@ -459,16 +466,6 @@ func TestBatchItemTraces(t *testing.T) {
 		require.Equal(t, 1, attempts, "the upstream attempt is the item's child")
 	}
 	require.Equal(t, map[int64]bool{0: true, 1: true, 2: true}, indexes)
-	items3 := int64(0)
-	for _, c := range commits {
-		require.Empty(t, c.ParentSpanId, "a commit is a trace of its own")
-		require.Equal(t, tracepb.Span_SPAN_KIND_INTERNAL, c.Kind)
-		items3 += attr(c, "gateway.batch_items").GetIntValue()
-		for _, l := range c.Links {
-			require.True(t, itemSpans[fmt.Sprintf("%x/%x", l.TraceId, l.SpanId)], "a commit links to the items it stores")
-		}
-	}
-	require.Equal(t, int64(3), items3)
 }
 
 // TestTraceContentWhenOptedIn: GATEWAY_TRACE_CONTENT puts the prompt and the
