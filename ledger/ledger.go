@@ -462,9 +462,15 @@ func (l *Ledger) Run(ctx context.Context) {
 // one at fault fails alone (D11).
 func (l *Ledger) commit(ctx context.Context, group []*settling) {
 	settlements := make([]store.Settlement, len(group))
-	spans := make([]tracing.SpanRef, len(group))
 	for i, s := range group {
-		settlements[i], spans[i] = s.settlement, s.span
+		settlements[i] = s.settlement
+	}
+	var spans []tracing.SpanRef
+	if tracing.On() {
+		spans = make([]tracing.SpanRef, len(group))
+		for i, s := range group {
+			spans[i] = s.span
+		}
 	}
 	span := tracing.StartSettlementsCommit(spans)
 	cctx, cancel := context.WithTimeout(ctx, statementTimeout)

@@ -227,6 +227,10 @@ func EndSettlement(span trace.Span, outcome string) {
 	span.End()
 }
 
+// On reports whether spans are recorded, for callers to skip gathering what
+// only a span would use.
+func On() bool { return enabled.Load() }
+
 // SpanRef identifies a span, for the commit that stores its work with others'
 // to link to.
 type SpanRef = trace.SpanContext
