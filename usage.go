@@ -65,7 +65,7 @@ func AdmissionError(outcome, what string, estimate int64, p *Principal, day time
 		return &Error{
 			Code:       ERateLimited,
 			Message:    fmt.Sprintf("the account's daily rung ceiling cannot cover this %s's estimate of %d rungs; it resets at 00:00 UTC", what, estimate),
-			RetryAfter: day.Add(24 * time.Hour).Sub(time.Now()),
+			RetryAfter: time.Until(day.Add(24 * time.Hour)),
 		}
 	case AdmitDailyNever:
 		return Errorf(ERateLimited,
