@@ -43,9 +43,10 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzPrice$$' -fuzztime $(FUZZTIME) ./metering
 	$(GO) test -run '^$$' -fuzz '^FuzzCounterMatchesTheCodec$$' -fuzztime $(FUZZTIME) ./metering
 
-## lint: go vet, gofmt and the OpenAPI lints (Redocly, Spectral's spectral:oas)
+## lint: go vet, staticcheck, gofmt and the OpenAPI lints (Redocly, Spectral's spectral:oas)
 lint:
 	$(GO) vet ./...
+	$(TOOLS) staticcheck ./...
 	@out=$$(gofmt -l $$(git ls-files '*.go' | grep -v '^gen/')); \
 		if [ -n "$$out" ]; then echo "gofmt would change: $$out" >&2; exit 1; fi
 	npm ci --no-audit --no-fund --loglevel=error
