@@ -12,6 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/upstream"
 )
 
@@ -114,6 +115,20 @@ func New() *Metrics {
 		m.requests, m.requestDuration, m.rungs, m.upstreamDuration, m.upstreamErrors,
 		m.openStreams, m.batchItems, m.claimDuration, m.commitDuration, m.commitSize, m.queueDepth, m.leaseRescues, m.refusals, m.unconfirmed, m.clamps,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	// The counters that alerts (deploy/prometheus) take increases of are
+	// exported at zero from the start: a series that first appears at 1
+	// shows no increase, and its first event would not alert.
+	for _, o := range []string{"sent", "stored", "missing"} {
+		m.unconfirmed.WithLabelValues(o)
+	}
+	for _, o := range []string{"completed", "failed", "requeued", "refused"} {
+		m.batchItems.WithLabelValues(o)
+	}
+	for _, model := range gateway.Models {
+		for _, side := range []string{"input", "output"} {
+			m.clamps.WithLabelValues(string(model), side)
+		}
+	}
 	return m
 }
 

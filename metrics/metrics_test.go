@@ -3,11 +3,14 @@ package metrics_test
 import (
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"go.yaml.in/yaml/v3"
 
 	"github.com/rungworks/gateway/internal/metricstest"
 	"github.com/rungworks/gateway/metrics"
@@ -50,4 +53,74 @@ func TestListenerServesOnlyWhatItShould(t *testing.T) {
 	require.Equal(t, http.StatusNotFound, get(m.Handler(false), "/anything"))
 	require.Equal(t, http.StatusOK, get(m.Handler(true), "/debug/pprof/"))
 	require.Equal(t, http.StatusOK, get(m.Handler(true), "/debug/pprof/cmdline"))
+}
+
+// TestAlertRulesSelectExportedSeries: every gateway series, and every label,
+// that the alerting rules (deploy/prometheus/alerts.yml) select is one the
+// metrics export, and the counters whose increases they alert on are exported
+// before their first event; so renaming a metric or a label cannot silently
+// disarm an alert. (promtool tests the rules' logic: alerts_test.yml.)
+func TestAlertRulesSelectExportedSeries(t *testing.T) {
+	t.Parallel()
+	m := metrics.New()
+	m.Request("/api/v1/responses", "POST", 200, time.Millisecond)
+	m.GroupCommit(metrics.WorkSettlement, 1, time.Millisecond)
+	m.Target("openai", "gpt-4.1-mini").Circuit(0)
+
+	labels := map[string]map[string]bool{} // series name → its label names
+	sample := regexp.MustCompile(`^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? `)
+	label := regexp.MustCompile(`([a-zA-Z_][a-zA-Z0-9_]*)="`)
+	for _, line := range strings.Split(metricstest.Scrape(m), "\n") {
+		match := sample.FindStringSubmatch(line)
+		if match == nil {
+			continue
+		}
+		if labels[match[1]] == nil {
+			labels[match[1]] = map[string]bool{}
+		}
+		for _, l := range label.FindAllStringSubmatch(match[2], -1) {
+			labels[match[1]][l[1]] = true
+		}
+	}
+
+	raw, err := os.ReadFile("../deploy/prometheus/alerts.yml")
+	require.NoError(t, err)
+	var file struct {
+		Groups []struct {
+			Rules []struct {
+				Alert string `yaml:"alert"`
+				Expr  string `yaml:"expr"`
+			} `yaml:"rules"`
+		} `yaml:"groups"`
+	}
+	require.NoError(t, yaml.Unmarshal(raw, &file))
+	selector := regexp.MustCompile(`(gateway_[a-z0-9_]+)(\{[^}]*\})?`)
+	matcher := regexp.MustCompile(`([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)`)
+	by := regexp.MustCompile(`by \(([^)]*)\)`)
+	rules := 0
+	for _, g := range file.Groups {
+		for _, r := range g.Rules {
+			rules++
+			series := selector.FindAllStringSubmatch(r.Expr, -1)
+			require.NotEmpty(t, series, "%s selects no gateway series", r.Alert)
+			selected := map[string]bool{} // the labels of the series r selects
+			for _, s := range series {
+				require.Contains(t, labels, s[1], "%s selects a series the gateway does not export", r.Alert)
+				for l := range labels[s[1]] {
+					selected[l] = true
+				}
+				for _, l := range matcher.FindAllStringSubmatch(s[2], -1) {
+					require.True(t, labels[s[1]][l[1]], "%s: %s has no label %s", r.Alert, s[1], l[1])
+				}
+			}
+			for _, b := range by.FindAllStringSubmatch(r.Expr, -1) {
+				for l := range strings.SplitSeq(b[1], ",") {
+					if l = strings.TrimSpace(l); l != "" {
+						require.True(t, selected[l], "%s groups by %s, a label of none of its series", r.Alert, l)
+					}
+				}
+			}
+		}
+	}
+	require.Equal(t, 8, rules)
 }

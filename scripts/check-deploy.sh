@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Validates the deployment files offline: the compose file with docker-compose,
-# the load balancer's configuration with nginx -t. A missing tool is installed
+# the load balancer's configuration with nginx -t, the alerting rules with
+# promtool (their syntax, and their unit tests). A missing tool is installed
 # from Debian's packages when running as root; otherwise that check is skipped,
 # saying so.
 set -euo pipefail
@@ -32,4 +33,9 @@ if ensure nginx nginx; then
 		-e "s|^events {|pid $tmp/nginx.pid;\nerror_log $tmp/error.log;\nevents {|" deploy/nginx.conf > "$tmp/nginx.conf"
 	PATH="$PATH:/usr/sbin" nginx -t -q -c "$tmp/nginx.conf" -e "$tmp/error.log"
 	echo "deploy/nginx.conf: valid"
+fi
+
+if ensure promtool prometheus; then
+	promtool check rules deploy/prometheus/alerts.yml
+	(cd deploy/prometheus && promtool test rules alerts_test.yml)
 fi
