@@ -41,30 +41,91 @@ func (s *Store) Usage(ctx context.Context, p *gateway.Principal, start, end time
 			view.Totals.OutputRungs += m.OutputRungs
 			view.Totals.TotalRungs += m.TotalRungs
 		}
-		daily, err := s.queries.DailyState(ctx, tx, db.DailyStateParams{AccountID: p.AccountID, Day: today, DefaultCeiling: p.Tier.DefaultDailyCeiling()})
+		view.Daily, err = s.dailyState(ctx, tx, p.AccountID, p.Tier, today)
 		if err != nil {
-			return fmt.Errorf("error reading daily ceiling: %w", err)
+			return err
 		}
-		view.Daily = gateway.DailyState{
-			Ceiling:   daily.CeilingRungs,
-			Charged:   daily.ChargedRungs,
-			Remaining: max(0, daily.CeilingRungs-daily.ChargedRungs),
-			ResetsAt:  today.Add(24 * time.Hour),
-		}
-		budget, err := s.queries.BudgetState(ctx, tx, p.ProjectID)
+		view.Budget, err = s.budgetState(ctx, tx, p.ProjectID)
 		if errors.Is(err, pgx.ErrNoRows) {
 			return errors.New("the caller's project no longer exists")
 		}
-		if err != nil {
-			return fmt.Errorf("error reading budget: %w", err)
-		}
-		view.Budget = gateway.BudgetState{Project: budget.Name, Cap: budget.BudgetCapRungs, Spent: budget.SpentRungs, Reserved: budget.ReservedRungs}
-		return nil
+		return err
 	})
 	if err != nil {
 		return nil, err
 	}
 	return view, nil
+}
+
+// AccountLimits are an account's limits and what is charged against them.
+type AccountLimits struct {
+	Account string
+	Tier    gateway.Tier
+	// Daily is today's ceiling and charge; DailyDefault says the ceiling is
+	// the tier's, the account having none of its own.
+	Daily        gateway.DailyState
+	DailyDefault bool
+	// Projects are the account's projects' budgets, by name.
+	Projects []gateway.BudgetState
+}
+
+// Limits reads an account's limits (by its name) and their state, in one
+// repeatable-read snapshot.
+func (s *Store) Limits(ctx context.Context, account string) (*AccountLimits, error) {
+	var out *AccountLimits
+	err := pgx.BeginTxFunc(ctx, s.pool, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
+		a, err := s.account(ctx, tx, account)
+		if err != nil {
+			return err
+		}
+		out = &AccountLimits{Account: a.Name, Tier: gateway.Tier(a.Tier), DailyDefault: a.DailyRungCeiling == nil}
+		if out.Daily, err = s.dailyState(ctx, tx, a.ID, out.Tier, gateway.UTCDay(time.Now())); err != nil {
+			return err
+		}
+		projects, err := s.queries.ListAccountProjects(ctx, tx, a.ID)
+		if err != nil {
+			return fmt.Errorf("error listing projects: %w", err)
+		}
+		for _, p := range projects {
+			budget, err := s.budgetState(ctx, tx, p.ID)
+			if err != nil {
+				return err
+			}
+			out.Projects = append(out.Projects, budget)
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+// dailyState reads an account's ceiling (its tier's when it has none) and
+// what is charged against it on day.
+func (s *Store) dailyState(ctx context.Context, tx pgx.Tx, account uuid.UUID, tier gateway.Tier, day time.Time) (gateway.DailyState, error) {
+	daily, err := s.queries.DailyState(ctx, tx, db.DailyStateParams{AccountID: account, Day: day, DefaultCeiling: tier.DefaultDailyCeiling()})
+	if err != nil {
+		return gateway.DailyState{}, fmt.Errorf("error reading daily ceiling: %w", err)
+	}
+	return gateway.DailyState{
+		Ceiling:   daily.CeilingRungs,
+		Charged:   daily.ChargedRungs,
+		Remaining: max(0, daily.CeilingRungs-daily.ChargedRungs),
+		ResetsAt:  day.Add(24 * time.Hour),
+	}, nil
+}
+
+// budgetState reads a project's budget; pgx.ErrNoRows when it is gone.
+func (s *Store) budgetState(ctx context.Context, tx pgx.Tx, project uuid.UUID) (gateway.BudgetState, error) {
+	budget, err := s.queries.BudgetState(ctx, tx, project)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return gateway.BudgetState{}, err
+	}
+	if err != nil {
+		return gateway.BudgetState{}, fmt.Errorf("error reading budget: %w", err)
+	}
+	return gateway.BudgetState{Project: budget.Name, Cap: budget.BudgetCapRungs, Spent: budget.SpentRungs, Reserved: budget.ReservedRungs}, nil
 }
 
 // ReconcileSettlements folds up to maxRows batch settlements into the daily and

@@ -161,12 +161,17 @@ func (s *Store) ListKeys(ctx context.Context, account string) ([]Key, error) {
 	return keys, nil
 }
 
-// SetLimitsParams are the limits to set; nil fields are left as they are.
+// SetLimitsParams are the limits to set; nil fields are left as they are,
+// unless cleared.
 type SetLimitsParams struct {
-	Account     string
-	DailyRungs  *int64
+	Account    string
+	DailyRungs *int64
+	// ClearDaily drops the account's own ceiling: its tier's applies.
+	ClearDaily  bool
 	Project     string
 	BudgetRungs *int64
+	// ClearBudget drops the project's cap: it is uncapped.
+	ClearBudget bool
 }
 
 // ErrAccountNotFound is returned when setting limits of an unknown account.
@@ -175,23 +180,24 @@ var ErrAccountNotFound = errors.New("no such account")
 // ErrProjectNotFound is returned when setting the budget of an unknown project.
 var ErrProjectNotFound = errors.New("no such project")
 
-// SetLimits sets an account's daily rung ceiling and/or a project's budget cap
-// of an existing account and project; a missing one is named in the error.
+// SetLimits sets or clears an account's daily rung ceiling and/or a project's
+// budget cap of an existing account and project; a missing one is named in
+// the error.
 func (s *Store) SetLimits(ctx context.Context, p SetLimitsParams) error {
+	if (p.DailyRungs != nil && p.ClearDaily) || (p.BudgetRungs != nil && p.ClearBudget) {
+		return errors.New("a limit is either set or cleared")
+	}
 	return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
-		account, err := s.queries.GetAccountByName(ctx, tx, p.Account)
-		if errors.Is(err, pgx.ErrNoRows) {
-			return fmt.Errorf("%w %q (accounts are created with their first key: gateway keys create --account %s)", ErrAccountNotFound, p.Account, p.Account)
-		}
+		account, err := s.account(ctx, tx, p.Account)
 		if err != nil {
-			return fmt.Errorf("error reading account: %w", err)
+			return err
 		}
-		if p.DailyRungs != nil {
+		if p.DailyRungs != nil || p.ClearDaily {
 			if _, err := s.queries.SetAccountDailyCeiling(ctx, tx, db.SetAccountDailyCeilingParams{ID: account.ID, DailyRungCeiling: p.DailyRungs}); err != nil {
 				return fmt.Errorf("error setting daily ceiling: %w", err)
 			}
 		}
-		if p.BudgetRungs != nil {
+		if p.BudgetRungs != nil || p.ClearBudget {
 			project, err := s.queries.GetProjectByName(ctx, tx, db.GetProjectByNameParams{AccountID: account.ID, Name: p.Project})
 			if errors.Is(err, pgx.ErrNoRows) {
 				return fmt.Errorf("%w %q in account %q (projects are created with their first key: gateway keys create --account %s --project %s)",
@@ -206,6 +212,19 @@ func (s *Store) SetLimits(ctx context.Context, p SetLimitsParams) error {
 		}
 		return nil
 	})
+}
+
+// account reads an account by its name; ErrAccountNotFound, saying how
+// accounts are made, when there is none.
+func (s *Store) account(ctx context.Context, tx pgx.Tx, name string) (db.Account, error) {
+	account, err := s.queries.GetAccountByName(ctx, tx, name)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return db.Account{}, fmt.Errorf("%w %q (accounts are created with their first key: gateway keys create --account %s)", ErrAccountNotFound, name, name)
+	}
+	if err != nil {
+		return db.Account{}, fmt.Errorf("error reading account: %w", err)
+	}
+	return account, nil
 }
 
 // Evidence returns the evidence of one of the account's requests while it is

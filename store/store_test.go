@@ -245,19 +245,51 @@ func TestRowsKeepTheirInvariants(t *testing.T) {
 	require.Equal(t, "23514", pgErr.Code, "check_violation")
 }
 
+// TestSetLimits: limits are set, shown with what is charged against them, and
+// cleared (the tier's ceiling, no cap); they never create what they limit.
 func TestSetLimits(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	tier := gateway.TierDeveloper
+	_, err := b.store.CreateKey(b.ctx, store.CreateKeyParams{Account: "acme", Project: "research", Tier: &tier, Scopes: []gateway.Scope{gateway.ScopeInference}})
+	require.NoError(t, err)
+	b.settle(t, p, nil, 120)
+
+	l, err := b.store.Limits(b.ctx, "acme")
+	require.NoError(t, err)
+	day := gateway.UTCDay(time.Now())
+	require.Equal(t, &store.AccountLimits{
+		Account: "acme", Tier: gateway.TierDeveloper, DailyDefault: true,
+		Daily:    gateway.DailyState{Ceiling: tier.DefaultDailyCeiling(), Charged: 120, Remaining: tier.DefaultDailyCeiling() - 120, ResetsAt: day.Add(24 * time.Hour)},
+		Projects: []gateway.BudgetState{{Project: "default", Spent: 120}, {Project: "research"}},
+	}, l)
+
 	daily, budget := int64(5000), int64(700)
 	require.NoError(t, b.store.SetLimits(b.ctx, store.SetLimitsParams{Account: "acme", DailyRungs: &daily}))
 	require.NoError(t, b.store.SetLimits(b.ctx, store.SetLimitsParams{Account: "acme", Project: "default", BudgetRungs: &budget}))
-	err := b.store.SetLimits(b.ctx, store.SetLimitsParams{Account: "acme", Project: "research", BudgetRungs: &budget})
+	l, err = b.store.Limits(b.ctx, "acme")
+	require.NoError(t, err)
+	require.False(t, l.DailyDefault)
+	require.Equal(t, gateway.DailyState{Ceiling: 5000, Charged: 120, Remaining: 4880, ResetsAt: day.Add(24 * time.Hour)}, l.Daily)
+	require.Equal(t, []gateway.BudgetState{{Project: "default", Cap: &budget, Spent: 120}, {Project: "research"}}, l.Projects)
+
+	require.NoError(t, b.store.SetLimits(b.ctx, store.SetLimitsParams{Account: "acme", ClearDaily: true, Project: "default", ClearBudget: true}))
+	l, err = b.store.Limits(b.ctx, "acme")
+	require.NoError(t, err)
+	require.True(t, l.DailyDefault)
+	require.Equal(t, tier.DefaultDailyCeiling(), l.Daily.Ceiling)
+	require.Nil(t, l.Projects[0].Cap, "uncapped again")
+	require.Error(t, b.store.SetLimits(b.ctx, store.SetLimitsParams{Account: "acme", DailyRungs: &daily, ClearDaily: true}))
+
+	err = b.store.SetLimits(b.ctx, store.SetLimitsParams{Account: "acme", Project: "sales", BudgetRungs: &budget})
 	require.ErrorIs(t, err, store.ErrProjectNotFound, "limits never create a project")
-	require.ErrorContains(t, err, `"research"`)
+	require.ErrorContains(t, err, `"sales"`)
 	err = b.store.SetLimits(b.ctx, store.SetLimitsParams{Account: "nobody", DailyRungs: &daily})
 	require.ErrorIs(t, err, store.ErrAccountNotFound)
 	require.ErrorContains(t, err, `"nobody"`)
+	_, err = b.store.Limits(b.ctx, "nobody")
+	require.ErrorIs(t, err, store.ErrAccountNotFound)
 }
 
 func TestMigrateConcurrently(t *testing.T) {

@@ -7,6 +7,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -169,26 +170,29 @@ func printKeys(w io.Writer, keys []store.Key) {
 }
 
 func limitsCmd() *cobra.Command {
-	limits := &cobra.Command{Use: "limits", Short: "Set daily rung ceilings and project budgets", Long: "Sets daily rung ceilings and project budgets.\n" + databaseHelp}
+	limits := &cobra.Command{Use: "limits", Short: "Set and show daily rung ceilings and project budgets", Long: "Sets and shows daily rung ceilings and project budgets.\n" + databaseHelp}
 	var p store.SetLimitsParams
-	var daily, budget int64
+	var daily, budget string
 	set := &cobra.Command{
 		Use:   "set",
 		Short: "Set an account's daily rung ceiling and/or a project's budget cap",
-		Long:  "Sets an account's daily rung ceiling and/or a project's budget cap. The account and the project must exist (gateway keys create creates them).\n" + databaseHelp,
-		Args:  cobra.NoArgs,
+		Long: "Sets an account's daily rung ceiling (default: back to its tier's) and/or a project's budget cap (none: uncapped). " +
+			"The account and the project must exist (gateway keys create creates them).\n" + databaseHelp,
+		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			var err error
 			if cmd.Flags().Changed("daily-rungs") {
-				p.DailyRungs = &daily
+				if p.DailyRungs, p.ClearDaily, err = parseLimit(daily, "default"); err != nil {
+					return fmt.Errorf("--daily-rungs: %w", err)
+				}
 			}
 			if cmd.Flags().Changed("budget-rungs") {
-				p.BudgetRungs = &budget
+				if p.BudgetRungs, p.ClearBudget, err = parseLimit(budget, "none"); err != nil {
+					return fmt.Errorf("--budget-rungs: %w", err)
+				}
 			}
-			if p.DailyRungs == nil && p.BudgetRungs == nil {
+			if !cmd.Flags().Changed("daily-rungs") && !cmd.Flags().Changed("budget-rungs") {
 				return errors.New("nothing to set: give --daily-rungs and/or --budget-rungs")
-			}
-			if (p.DailyRungs != nil && daily < 0) || (p.BudgetRungs != nil && budget < 0) {
-				return errors.New("limits must not be negative")
 			}
 			return withStore(cmd.Context(), cmd.ErrOrStderr(), func(st *store.Store) error {
 				return st.SetLimits(cmd.Context(), p)
@@ -196,10 +200,67 @@ func limitsCmd() *cobra.Command {
 		},
 	}
 	set.Flags().StringVar(&p.Account, "account", "", "account name (required)")
-	set.Flags().Int64Var(&daily, "daily-rungs", 0, "daily rung ceiling of the account")
+	set.Flags().StringVar(&daily, "daily-rungs", "", "daily rung ceiling of the account, or default (its tier's)")
 	set.Flags().StringVar(&p.Project, "project", "default", "project whose budget to set")
-	set.Flags().Int64Var(&budget, "budget-rungs", 0, "hard budget cap of the project, in rungs")
+	set.Flags().StringVar(&budget, "budget-rungs", "", "hard budget cap of the project in rungs, or none (uncapped)")
 	_ = set.MarkFlagRequired("account")
-	limits.AddCommand(set)
+
+	var account string
+	show := &cobra.Command{
+		Use:   "show",
+		Short: "Show an account's daily ceiling and its projects' budgets, with what is charged against them",
+		Long:  "Shows an account's daily rung ceiling with today's charge, and each of its projects' budget cap with what is spent and reserved.\n" + databaseHelp,
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			return withStore(cmd.Context(), cmd.ErrOrStderr(), func(st *store.Store) error {
+				l, err := st.Limits(cmd.Context(), account)
+				if err != nil {
+					return err
+				}
+				printLimits(cmd.OutOrStdout(), l)
+				return nil
+			})
+		},
+	}
+	show.Flags().StringVar(&account, "account", "", "account name (required)")
+	_ = show.MarkFlagRequired("account")
+	limits.AddCommand(set, show)
 	return limits
+}
+
+// parseLimit reads a limit flag: a whole number of rungs, or clear (the word
+// that drops the limit).
+func parseLimit(v, clear string) (rungs *int64, cleared bool, err error) {
+	if v == clear {
+		return nil, true, nil
+	}
+	n, err := strconv.ParseInt(v, 10, 64)
+	if err != nil || n < 0 {
+		return nil, false, fmt.Errorf("want a whole number of rungs (0 or more) or %s, got %q", clear, v)
+	}
+	return &n, false, nil
+}
+
+// printLimits writes an account's limits as two tables: the account's daily
+// ceiling, then its projects' budgets.
+func printLimits(w io.Writer, l *store.AccountLimits) {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	ceiling := strconv.FormatInt(l.Daily.Ceiling, 10)
+	if l.DailyDefault {
+		ceiling += " (tier default)"
+	}
+	fmt.Fprintln(tw, "ACCOUNT\tTIER\tDAILY CEILING\tCHARGED TODAY\tREMAINING\tRESETS")
+	fmt.Fprintf(tw, "%s\t%s\t%s\t%d\t%d\t%s\n", l.Account, l.Tier, ceiling, l.Daily.Charged, l.Daily.Remaining, l.Daily.ResetsAt.UTC().Format(time.RFC3339))
+	_ = tw.Flush()
+	fmt.Fprintln(w)
+	tw = tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "PROJECT\tBUDGET CAP\tSPENT\tRESERVED\tREMAINING")
+	for _, p := range l.Projects {
+		limit, left := "none", "-"
+		if p.Cap != nil {
+			limit, left = strconv.FormatInt(*p.Cap, 10), strconv.FormatInt(max(0, *p.Cap-p.Spent-p.Reserved), 10)
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\n", p.Project, limit, p.Spent, p.Reserved, left)
+	}
+	_ = tw.Flush()
 }

@@ -140,6 +140,35 @@ func (q *Queries) ListAPIKeys(ctx context.Context, db DBTX, account *string) ([]
 	return items, nil
 }
 
+const listAccountProjects = `-- name: ListAccountProjects :many
+SELECT id, name FROM projects WHERE account_id = $1 ORDER BY name
+`
+
+type ListAccountProjectsRow struct {
+	ID   uuid.UUID
+	Name string
+}
+
+func (q *Queries) ListAccountProjects(ctx context.Context, db DBTX, accountID uuid.UUID) ([]ListAccountProjectsRow, error) {
+	rows, err := db.Query(ctx, listAccountProjects, accountID)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []ListAccountProjectsRow
+	for rows.Next() {
+		var i ListAccountProjectsRow
+		if err := rows.Scan(&i.ID, &i.Name); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const revokeAPIKey = `-- name: RevokeAPIKey :execrows
 UPDATE api_keys SET revoked_at = now()
 WHERE (id::text = $1::text OR prefix = $1::text) AND revoked_at IS NULL

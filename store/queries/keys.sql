@@ -32,6 +32,9 @@ UPDATE projects SET budget_cap_rungs = @budget_cap_rungs WHERE id = @id;
 -- name: GetAccountByName :one
 SELECT * FROM accounts WHERE name = @name;
 
+-- name: ListAccountProjects :many
+SELECT id, name FROM projects WHERE account_id = @account_id ORDER BY name;
+
 -- name: GetProjectByName :one
 SELECT * FROM projects WHERE account_id = @account_id AND name = @name;
 
