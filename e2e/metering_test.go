@@ -3,9 +3,11 @@ package e2e
 import (
 	"bufio"
 	"context"
+	"encoding/csv"
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -250,4 +252,23 @@ func TestUsageViewEqualsReceivedUsage(t *testing.T) {
 	require.Equal(t, want.TotalRungs+disconnected.TotalRungs, v.Totals.TotalRungs)
 	require.Equal(t, v.Totals.TotalRungs, v.Daily.ChargedRungs, "every daily charge was reconciled to actual")
 	require.Zero(t, v.Budget.ReservedRungs)
+
+	// The operator's report for billing counts the same, line by line.
+	day := func(d int) string { return time.Now().UTC().AddDate(0, 0, d).Format("2006-01-02") }
+	rows, err := csv.NewReader(strings.NewReader(mustCLI(t, b.db, "usage", "--csv", "--from", day(-1), "--to", day(1)))).ReadAll()
+	require.NoError(t, err)
+	require.Equal(t, []string{"account", "project", "day", "model", "entry_point", "requests", "input_rungs", "output_rungs", "total_rungs"}, rows[0])
+	var reported api.UsageTotals
+	models := map[string]bool{}
+	for _, row := range rows[1:] {
+		require.Equal(t, "acme", row[0])
+		models[row[3]] = true
+		for i, sum := range []*int64{&reported.Requests, &reported.InputRungs, &reported.OutputRungs, &reported.TotalRungs} {
+			n, err := strconv.ParseInt(row[5+i], 10, 64)
+			require.NoError(t, err)
+			*sum += n
+		}
+	}
+	require.Equal(t, v.Totals, reported)
+	require.Equal(t, map[string]bool{"elements": true, "instant": true}, models)
 }

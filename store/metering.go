@@ -57,6 +57,25 @@ func (s *Store) Usage(ctx context.Context, p *gateway.Principal, start, end time
 	return view, nil
 }
 
+// UsageLine is one line of a usage report: what one project of an account
+// used of one model through one entry point on one UTC day.
+type UsageLine = db.UsageReportRow
+
+// UsageReport returns the usage committed in [start, end) per account,
+// project, UTC day of completion, model and entry point, in that order; only
+// account's when it is not empty.
+func (s *Store) UsageReport(ctx context.Context, start, end time.Time, account string) ([]UsageLine, error) {
+	var filter *string
+	if account != "" {
+		filter = &account
+	}
+	lines, err := s.queries.UsageReport(ctx, s.pool, db.UsageReportParams{Start: start, EndTime: end, Account: filter})
+	if err != nil {
+		return nil, fmt.Errorf("error reading usage: %w", err)
+	}
+	return lines, nil
+}
+
 // AccountLimits are an account's limits and what is charged against them.
 type AccountLimits struct {
 	Account string

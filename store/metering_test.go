@@ -346,3 +346,55 @@ func TestUsageView(t *testing.T) {
 	require.Empty(t, empty.ByModel)
 	require.NotNil(t, empty.ByModel, "an empty list, not null")
 }
+
+// TestUsageReport: the report sums committed usage per account, project, UTC
+// day of completion, model and entry point, over whole days, and for one
+// account when asked.
+func TestUsageReport(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, acme := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	_, globex := b.key(t, "globex", gateway.TierDeveloper, gateway.ScopeInference)
+	tier := gateway.TierDeveloper
+	token, err := b.store.CreateKey(b.ctx, store.CreateKeyParams{Account: "acme", Project: "research", Tier: &tier, Scopes: []gateway.Scope{gateway.ScopeInference}})
+	require.NoError(t, err)
+	research, err := b.store.LookupKey(b.ctx, token)
+	require.NoError(t, err)
+
+	day1 := time.Date(2026, 10, 1, 0, 0, 0, 0, time.UTC)
+	day2 := day1.AddDate(0, 0, 1)
+	store1 := func(p *gateway.Principal, model gateway.Model, entry gateway.EntryPoint, at time.Time, total int64) {
+		r := record(p, uuid.Must(uuid.NewV7()), total)
+		r.Model, r.Entry, r.CreatedAt, r.CompletedAt = model, entry, at.Add(-time.Second), at
+		require.NoError(t, b.store.SettleRequests(b.ctx, []store.Settlement{{Record: r}}))
+	}
+	store1(acme, gateway.ModelInstant, gateway.EntryResponses, day1, 100)
+	store1(acme, gateway.ModelInstant, gateway.EntryResponses, day1.Add(23*time.Hour), 50)
+	store1(acme, gateway.ModelInstant, gateway.EntryBatch, day1.Add(time.Hour), 30)
+	store1(acme, gateway.ModelReasoning, gateway.EntryResponses, day2.Add(12*time.Hour), 70)
+	store1(research, gateway.ModelInstant, gateway.EntryChat, day2, 10)
+	store1(globex, gateway.ModelInstant, gateway.EntryResponses, day1, 5)
+	store1(acme, gateway.ModelInstant, gateway.EntryResponses, day1.Add(-time.Nanosecond), 1000) // the day before
+	store1(acme, gateway.ModelInstant, gateway.EntryResponses, day2.AddDate(0, 0, 1), 1000)      // the day after
+
+	line := func(account, project string, day time.Time, model gateway.Model, entry gateway.EntryPoint, requests, total int64) store.UsageLine {
+		return store.UsageLine{Account: account, Project: project, Day: day, Model: string(model), EntryPoint: string(entry),
+			Requests: requests, InputRungs: requests, OutputRungs: total - requests, TotalRungs: total}
+	}
+	lines, err := b.store.UsageReport(b.ctx, day1, day2.AddDate(0, 0, 1), "")
+	require.NoError(t, err)
+	require.Equal(t, []store.UsageLine{
+		line("acme", "default", day1, gateway.ModelInstant, gateway.EntryBatch, 1, 30),
+		line("acme", "default", day1, gateway.ModelInstant, gateway.EntryResponses, 2, 150),
+		line("acme", "default", day2, gateway.ModelReasoning, gateway.EntryResponses, 1, 70),
+		line("acme", "research", day2, gateway.ModelInstant, gateway.EntryChat, 1, 10),
+		line("globex", "default", day1, gateway.ModelInstant, gateway.EntryResponses, 1, 5),
+	}, lines)
+
+	lines, err = b.store.UsageReport(b.ctx, day1, day2.AddDate(0, 0, 1), "globex")
+	require.NoError(t, err)
+	require.Equal(t, []store.UsageLine{line("globex", "default", day1, gateway.ModelInstant, gateway.EntryResponses, 1, 5)}, lines)
+	lines, err = b.store.UsageReport(b.ctx, day1, day2.AddDate(0, 0, 1), "nobody")
+	require.NoError(t, err)
+	require.Empty(t, lines)
+}

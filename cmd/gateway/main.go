@@ -1,6 +1,6 @@
 // Command gateway is the inference gateway: the HTTP server and its operator
-// commands (serve, dev, migrate, keys, limits, config). It only parses configuration and
-// wires the packages that do the work.
+// commands (serve, dev, migrate, keys, limits, usage, config). It only parses
+// configuration and wires the packages that do the work.
 package main
 
 import (
@@ -31,7 +31,7 @@ func main() {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(serveCmd(slog.New(slog.NewJSONHandler(serveLogs, nil))), devCmd(logger), migrateCmd(), keysCmd(), limitsCmd(), probeCmd(), configCmd())
+	root.AddCommand(serveCmd(slog.New(slog.NewJSONHandler(serveLogs, nil))), devCmd(logger), migrateCmd(), keysCmd(), limitsCmd(), usageCmd(), probeCmd(), configCmd())
 	err := root.ExecuteContext(ctx)
 	_ = serveLogs.Flush()
 	if err != nil {

@@ -550,3 +550,74 @@ func (q *Queries) UsageByModel(ctx context.Context, db DBTX, arg UsageByModelPar
 	}
 	return items, nil
 }
+
+const usageReport = `-- name: UsageReport :many
+SELECT a.name AS account, p.name AS project, u.day, u.model, u.entry_point,
+       u.requests, u.input_rungs, u.output_rungs, u.total_rungs
+FROM accounts a
+CROSS JOIN LATERAL (
+    SELECT r.project_id, (r.completed_at AT TIME ZONE 'UTC')::date AS day, r.model, r.entry_point,
+           count(*)::bigint AS requests,
+           sum(r.input_rungs)::bigint AS input_rungs,
+           sum(r.output_rungs)::bigint AS output_rungs,
+           sum(r.total_rungs)::bigint AS total_rungs
+    FROM requests r
+    WHERE r.account_id = a.id AND r.completed_at >= $1 AND r.completed_at < $2
+    GROUP BY r.project_id, 2, r.model, r.entry_point
+) u
+JOIN projects p ON p.id = u.project_id
+WHERE $3::text IS NULL OR a.name = $3::text
+ORDER BY a.name, p.name, u.day, u.model, u.entry_point
+`
+
+type UsageReportParams struct {
+	Start   time.Time
+	EndTime time.Time
+	Account *string
+}
+
+type UsageReportRow struct {
+	Account     string
+	Project     string
+	Day         time.Time
+	Model       string
+	EntryPoint  string
+	Requests    int64
+	InputRungs  int64
+	OutputRungs int64
+	TotalRungs  int64
+}
+
+// Committed usage in [@start, @end_time), per account, project, UTC day of
+// completion, model and entry point; only the account named @account when it
+// is given. Each account's requests are read through its index on completion
+// time, so no index on the requests table serves this report alone.
+func (q *Queries) UsageReport(ctx context.Context, db DBTX, arg UsageReportParams) ([]UsageReportRow, error) {
+	rows, err := db.Query(ctx, usageReport, arg.Start, arg.EndTime, arg.Account)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []UsageReportRow
+	for rows.Next() {
+		var i UsageReportRow
+		if err := rows.Scan(
+			&i.Account,
+			&i.Project,
+			&i.Day,
+			&i.Model,
+			&i.EntryPoint,
+			&i.Requests,
+			&i.InputRungs,
+			&i.OutputRungs,
+			&i.TotalRungs,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}

@@ -130,6 +130,28 @@ WHERE account_id = @account_id AND completed_at >= @start AND completed_at < @en
 GROUP BY model
 ORDER BY model;
 
+-- name: UsageReport :many
+-- Committed usage in [@start, @end_time), per account, project, UTC day of
+-- completion, model and entry point; only the account named @account when it
+-- is given. Each account's requests are read through its index on completion
+-- time, so no index on the requests table serves this report alone.
+SELECT a.name AS account, p.name AS project, u.day, u.model, u.entry_point,
+       u.requests, u.input_rungs, u.output_rungs, u.total_rungs
+FROM accounts a
+CROSS JOIN LATERAL (
+    SELECT r.project_id, (r.completed_at AT TIME ZONE 'UTC')::date AS day, r.model, r.entry_point,
+           count(*)::bigint AS requests,
+           sum(r.input_rungs)::bigint AS input_rungs,
+           sum(r.output_rungs)::bigint AS output_rungs,
+           sum(r.total_rungs)::bigint AS total_rungs
+    FROM requests r
+    WHERE r.account_id = a.id AND r.completed_at >= @start AND r.completed_at < @end_time
+    GROUP BY r.project_id, 2, r.model, r.entry_point
+) u
+JOIN projects p ON p.id = u.project_id
+WHERE sqlc.narg(account)::text IS NULL OR a.name = sqlc.narg(account)::text
+ORDER BY a.name, p.name, u.day, u.model, u.entry_point;
+
 -- name: DailyState :one
 -- The account's ceiling and today's charge, with settlements not yet folded in
 -- counted at their actual cost and replicas' quota leases at what was used
