@@ -133,14 +133,25 @@ func (c Config) UpstreamName() string {
 // name, served by that provider). logger is told of targets that refuse the
 // gateway's access.
 func (c Config) Router(tok *metering.Tokenizer, m *metrics.Metrics, logger *slog.Logger) (*routing.Router, error) {
-	f, err := c.routes()
+	rc, _, err := c.Routes(tok, m, logger)
 	if err != nil {
 		return nil, err
 	}
-	if err := f.CheckSecrets(os.Getenv); err != nil {
-		return nil, err
+	return routing.New(rc)
+}
+
+// Routes reads the routes as Router does (GATEWAY_CONFIG's file read anew),
+// as a router's configuration for routing.Router.Replace, with the file's
+// description of them.
+func (c Config) Routes(tok *metering.Tokenizer, m *metrics.Metrics, logger *slog.Logger) (routing.Config, string, error) {
+	f, err := c.routes()
+	if err != nil {
+		return routing.Config{}, "", err
 	}
-	return f.Router(tok, c.SimTokenLatency, m, logger)
+	if err := f.CheckSecrets(os.Getenv); err != nil {
+		return routing.Config{}, "", err
+	}
+	return f.RouterConfig(tok, c.SimTokenLatency, m, logger), f.Describe(), nil
 }
 
 // routes returns the file, or the shorthand as if it were one.
@@ -173,10 +184,10 @@ func (c Config) routes() (*File, error) {
 	return f, nil
 }
 
-// Router builds the router the file describes; keys are read from the
-// environment variables the file names. logger is told of targets that
-// refuse the gateway's access.
-func (f *File) Router(tok *metering.Tokenizer, simLatency time.Duration, m *metrics.Metrics, logger *slog.Logger) (*routing.Router, error) {
+// RouterConfig is the configuration of the router the file describes; keys
+// are read from the environment variables the file names. logger is told of
+// targets that refuse the gateway's access.
+func (f *File) RouterConfig(tok *metering.Tokenizer, simLatency time.Duration, m *metrics.Metrics, logger *slog.Logger) routing.Config {
 	clients := map[string]upstream.Provider{}
 	for name, pr := range f.Providers {
 		if pr.Type == "sim" {
@@ -195,5 +206,5 @@ func (f *File) Router(tok *metering.Tokenizer, simLatency time.Duration, m *metr
 		}
 		routes[model] = rt
 	}
-	return routing.New(routing.Config{Routes: routes, MaxAttempts: f.MaxAttempts, MaxTime: f.MaxTime, Circuit: f.Circuit, Metrics: m, Logger: logger})
+	return routing.Config{Routes: routes, MaxAttempts: f.MaxAttempts, MaxTime: f.MaxTime, Circuit: f.Circuit, Metrics: m, Logger: logger}
 }

@@ -11,6 +11,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -31,6 +32,7 @@ type routed struct {
 	*testBundle
 	primary, backup *fakeupstream.Server
 	g               *gateway
+	file            string // GATEWAY_CONFIG
 }
 
 func serveRouted(t *testing.T, extra map[string]string) *routed {
@@ -65,7 +67,66 @@ circuit:
 	for k, v := range extra {
 		env[k] = v
 	}
-	return &routed{testBundle: b, primary: b.fake, backup: backup, g: start(t, env, "serve")}
+	return &routed{testBundle: b, primary: b.fake, backup: backup, g: start(t, env, "serve"), file: file}
+}
+
+// TestSIGHUPReloadsTheRoutes: a replica sent SIGHUP serves the routes of its
+// configuration file as it is now, from the next request on; a file that
+// does not check changes nothing; neither stops the replica.
+func TestSIGHUPReloadsTheRoutes(t *testing.T) {
+	t.Parallel()
+	r := serveRouted(t, nil)
+	provider := func(model string) string {
+		res := r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "which target", "model": model})
+		require.Equal(t, http.StatusOK, res.status, string(res.body))
+		var body api.Response
+		require.NoError(t, json.Unmarshal(res.body, &body))
+		return *body.Route.Provider
+	}
+	reload := func(content, logged string) {
+		require.NoError(t, os.WriteFile(r.file, []byte(content), 0o600))
+		before := strings.Count(r.g.stderr.String(), logged)
+		require.NoError(t, r.g.cmd.Process.Signal(syscall.SIGHUP))
+		require.Eventually(t, func() bool { return strings.Count(r.g.stderr.String(), logged) == before+1 }, 10*time.Second, 20*time.Millisecond, logged)
+	}
+	require.Equal(t, "primary", provider("instant"))
+	require.Contains(t, r.g.scrape(), `gateway_upstream_circuit_state{provider="primary",upstream_model="p-instant"} 0`)
+
+	reload(fmt.Sprintf(`providers:
+  primary:
+    base_url: %s
+    api_key_env: PRIMARY_KEY
+  backup:
+    base_url: %s
+models:
+  instant:
+    targets: [backup/b-instant]
+  reasoning:
+    targets: [backup/b-reasoning]
+`, r.primary.BaseURL(), r.backup.BaseURL()), "SIGHUP: routes reloaded")
+	require.Equal(t, "backup", provider("instant"))
+	require.Equal(t, "backup", provider("reasoning"))
+	res := r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "p", "model": "elements"})
+	require.Equal(t, http.StatusBadRequest, res.status)
+	require.Equal(t, "MODEL_UNAVAILABLE", res.code(t), "a model the file no longer routes")
+	require.NotContains(t, r.g.scrape(), `provider="primary"`, "the targets no longer routed leave the metrics")
+
+	reload("providers:\n  backup: {type: sim}\nmodels:\n  instant: {targets: [elsewhere/m]}\n", "SIGHUP: the configuration file was not loaded; the routes in use stay")
+	require.Contains(t, r.g.stderr.String(), `names provider \"elsewhere\"`)
+	require.Equal(t, "backup", provider("instant"), "the routes in use stay")
+	require.Equal(t, "backup", provider("reasoning"))
+}
+
+// TestSIGHUPWithoutAConfigurationFile: routes from the environment cannot be
+// read again; a SIGHUP says so and stops nothing.
+func TestSIGHUPWithoutAConfigurationFile(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	g := serve(t, b.db, b.fake.BaseURL(), nil)
+	require.NoError(t, g.cmd.Process.Signal(syscall.SIGHUP))
+	require.Eventually(t, func() bool { return strings.Contains(g.stderr.String(), "nothing was reloaded") }, 10*time.Second, 20*time.Millisecond)
+	res := g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "still serving"})
+	require.Equal(t, http.StatusOK, res.status, string(res.body))
 }
 
 func TestFallbackAcrossProviders(t *testing.T) {

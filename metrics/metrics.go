@@ -310,6 +310,20 @@ func (m *Metrics) Target(provider, upstreamModel string) *Target {
 	return t
 }
 
+// DropTarget removes the series of a provider's upstream model that no
+// longer serves (its configuration was replaced without it), so that its
+// last circuit state does not stand for a target that is gone.
+func (m *Metrics) DropTarget(provider, upstreamModel string) {
+	if m == nil {
+		return
+	}
+	for _, o := range attemptOutcomes {
+		m.attempts.DeleteLabelValues(provider, upstreamModel, o)
+	}
+	m.attemptDuration.DeleteLabelValues(provider, upstreamModel)
+	m.circuitState.DeleteLabelValues(provider, upstreamModel)
+}
+
 // Attempt records one attempt; kind is empty on success.
 func (t *Target) Attempt(kind string, d time.Duration) {
 	if t == nil {

@@ -16,6 +16,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -74,17 +75,24 @@ const (
 	DefaultMaxTime     = 30 * time.Second
 )
 
-// Router implements upstream.Provider over the configured routes.
+// Router implements upstream.Provider over the configured routes, which
+// Replace may swap while it serves.
 type Router struct {
+	table   atomic.Pointer[table]
+	metrics *metrics.Metrics
+	logger  *slog.Logger
+
+	mu      sync.Mutex
+	changed chan struct{} // closed and replaced when a circuit changes state
+}
+
+// table is one configuration's routes: a call uses the table current when it
+// starts until it ends.
+type table struct {
 	routes      map[gateway.Model]*route
 	targets     []*target
 	maxAttempts int
 	maxTime     time.Duration
-	metrics     *metrics.Metrics
-	logger      *slog.Logger
-
-	mu      sync.Mutex
-	changed chan struct{} // closed and replaced when a circuit changes state
 }
 
 type route struct {
@@ -106,6 +114,54 @@ var _ upstream.Provider = (*Router)(nil)
 // New returns a router over cfg's routes. Every target's client is guarded
 // (upstream.Guard): what it returns is cleaned before anyone sees it.
 func New(cfg Config) (*Router, error) {
+	r := &Router{metrics: cfg.Metrics, logger: cfg.Logger, changed: make(chan struct{})}
+	if r.logger == nil {
+		r.logger = slog.New(slog.DiscardHandler)
+	}
+	t, err := r.build(cfg)
+	if err != nil {
+		return nil, err
+	}
+	r.table.Store(t)
+	t.closeCircuits()
+	return r, nil
+}
+
+// Replace serves cfg's routes (its Metrics and Logger aside: the router keeps
+// its own) from the next call on; calls running finish on the routes they
+// started with. Every target starts with a closed circuit, and the metrics
+// of the targets no longer routed are dropped. On an error the routes in use
+// stay.
+func (r *Router) Replace(cfg Config) error {
+	t, err := r.build(cfg)
+	if err != nil {
+		return err
+	}
+	old := r.table.Swap(t)
+	t.closeCircuits()
+	for _, gone := range old.targets {
+		if !slices.ContainsFunc(t.targets, func(kept *target) bool { return kept.sameAs(gone.Target) }) {
+			r.metrics.DropTarget(gone.Provider, gone.UpstreamModel)
+		}
+	}
+	r.notify()
+	return nil
+}
+
+// closeCircuits reports the table's circuits closed, as they start.
+func (tb *table) closeCircuits() {
+	for _, t := range tb.targets {
+		t.metrics.Circuit(stateClosed)
+	}
+}
+
+// sameAs reports whether t is the target of provider p's upstream model.
+func (t *target) sameAs(p Target) bool {
+	return t.Provider == p.Provider && t.UpstreamModel == p.UpstreamModel
+}
+
+// build makes the table of cfg's routes.
+func (r *Router) build(cfg Config) (*table, error) {
 	if cfg.MaxAttempts <= 0 {
 		cfg.MaxAttempts = DefaultMaxAttempts
 	}
@@ -113,13 +169,7 @@ func New(cfg Config) (*Router, error) {
 		cfg.MaxTime = DefaultMaxTime
 	}
 	circuitCfg := cfg.Circuit.withDefaults()
-	r := &Router{
-		routes: map[gateway.Model]*route{}, maxAttempts: cfg.MaxAttempts, maxTime: cfg.MaxTime,
-		metrics: cfg.Metrics, logger: cfg.Logger, changed: make(chan struct{}),
-	}
-	if r.logger == nil {
-		r.logger = slog.New(slog.DiscardHandler)
-	}
+	tb := &table{routes: map[gateway.Model]*route{}, maxAttempts: cfg.MaxAttempts, maxTime: cfg.MaxTime}
 	shared := map[[2]string]*target{}
 	for model, rt := range cfg.Routes {
 		if len(rt.Targets) == 0 {
@@ -139,25 +189,31 @@ func New(cfg Config) (*Router, error) {
 			key := [2]string{t.Provider, t.UpstreamModel}
 			tt, ok := shared[key]
 			if !ok {
-				tt = &target{Target: t, metrics: cfg.Metrics.Target(t.Provider, t.UpstreamModel)}
+				tt = &target{Target: t, metrics: r.metrics.Target(t.Provider, t.UpstreamModel)}
 				tt.Client = upstream.Guard(t.Client)
-				tt.circuit = newCircuit(circuitCfg, func(state int) { tt.metrics.Circuit(state); r.notify() })
-				tt.metrics.Circuit(stateClosed)
+				tt.circuit = newCircuit(circuitCfg, func(state int) {
+					// A replaced table's circuit, used by the calls that
+					// started on it, no longer speaks for its target.
+					if r.table.Load() == tb {
+						tt.metrics.Circuit(state)
+						r.notify()
+					}
+				})
 				shared[key] = tt
-				r.targets = append(r.targets, tt)
+				tb.targets = append(tb.targets, tt)
 			}
 			// The weight is the route's: a shared target may weigh differently in each.
 			entry := &target{Target: tt.Target, circuit: tt.circuit, metrics: tt.metrics}
 			entry.Weight = max(t.Weight, 1)
 			out.targets = append(out.targets, entry)
 		}
-		r.routes[model] = out
+		tb.routes[model] = out
 	}
-	return r, nil
+	return tb, nil
 }
 
 // Available implements gateway.Catalog: the model has a route.
-func (r *Router) Available(model gateway.Model) bool { return r.routes[model] != nil }
+func (r *Router) Available(model gateway.Model) bool { return r.table.Load().routes[model] != nil }
 
 // Complete implements upstream.Provider.
 func (r *Router) Complete(ctx context.Context, req *upstream.Request) (upstream.Result, error) {
@@ -185,7 +241,8 @@ func (r *Router) run(ctx context.Context, original *upstream.Request, emitted *b
 	// Each attempt is sent this copy, with its target's upstream model; the
 	// caller's request is not changed.
 	req := *original
-	rt := r.routes[req.Model]
+	tb := r.table.Load()
+	rt := tb.routes[req.Model]
 	if rt == nil {
 		return upstream.Result{}, fmt.Errorf("%w: model %s has no route", upstream.ErrUnavailable, req.Model)
 	}
@@ -200,12 +257,12 @@ func (r *Router) run(ctx context.Context, original *upstream.Request, emitted *b
 	}
 	var buf [8]*target
 	order := rt.order(buf[:0])
-	deadline := time.Now().Add(r.maxTime)
+	deadline := time.Now().Add(tb.maxTime)
 	attempts := 0
 	var last error
 	for _, t := range order {
 		now := time.Now()
-		if attempts == r.maxAttempts || (attempts > 0 && now.After(deadline)) {
+		if attempts == tb.maxAttempts || (attempts > 0 && now.After(deadline)) {
 			break
 		}
 		if !t.circuit.allow(now) {
@@ -314,8 +371,9 @@ func (rt *route) order(buf []*target) []*target {
 // through (the batch drainer sends them one item at a time).
 func (r *Router) Health() (serving, probing []gateway.Model) {
 	now := time.Now()
+	routes := r.table.Load().routes
 	for _, model := range gateway.Models {
-		rt := r.routes[model]
+		rt := routes[model]
 		if rt == nil {
 			continue
 		}
@@ -341,7 +399,7 @@ func (r *Router) Wait(ctx context.Context, maxWait time.Duration) {
 	changed := r.changed
 	r.mu.Unlock()
 	wait := maxWait
-	for _, t := range r.targets {
+	for _, t := range r.table.Load().targets {
 		if at := t.circuit.reopensAt(); !at.IsZero() {
 			wait = min(wait, time.Until(at))
 		}

@@ -15,7 +15,9 @@ import (
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/internal/fakeupstream"
+	"github.com/rungworks/gateway/internal/metricstest"
 	"github.com/rungworks/gateway/internal/syncbuf"
+	"github.com/rungworks/gateway/metrics"
 	"github.com/rungworks/gateway/routing"
 	"github.com/rungworks/gateway/upstream"
 	"github.com/rungworks/gateway/upstream/openai"
@@ -385,4 +387,68 @@ func TestNewRefusesBadRoutes(t *testing.T) {
 	require.False(t, r.Available(gateway.ModelReasoning))
 	_, err = r.Complete(context.Background(), &upstream.Request{Model: gateway.ModelReasoning})
 	require.True(t, errors.Is(err, upstream.ErrUnavailable))
+}
+
+// TestReplaceServesNewRoutesFromTheNextCall: replaced routes serve the calls
+// that start after, with circuits that start closed; a call running finishes
+// on the route it started on; a target no longer routed leaves the metrics;
+// a configuration that does not build changes nothing.
+func TestReplaceServesNewRoutesFromTheNextCall(t *testing.T) {
+	t.Parallel()
+	b := setup(t, routing.Config{})
+	target := func(name string) routing.Target {
+		return routing.Target{Provider: name, UpstreamModel: name + "-model", Client: openai.New(openai.Config{BaseURL: b.fakes[name].BaseURL(), Timeout: 5 * time.Second})}
+	}
+	m := metrics.New()
+	router, err := routing.New(routing.Config{
+		Routes:  map[gateway.Model]routing.Route{gateway.ModelInstant: {Targets: []routing.Target{target("a"), target("b"), target("c")}}},
+		Metrics: m, Circuit: routing.CircuitConfig{Failures: 1, Cooldown: time.Hour, MaxCooldown: time.Hour},
+	})
+	require.NoError(t, err)
+	// a's circuit opens for an hour; a call to a slow c is running.
+	b.fakes["a"].SetStatus(http.StatusServiceUnavailable)
+	_, err = router.Complete(context.Background(), request("opens a"))
+	require.NoError(t, err)
+	b.fakes["a"].SetStatus(0)
+	b.fakes["b"].SetStatus(http.StatusServiceUnavailable)
+	b.fakes["c"].SetSlow("running", 300*time.Millisecond)
+	running := make(chan upstream.Result, 1)
+	go func() {
+		res, err := router.Complete(context.Background(), request("running on c"))
+		if err == nil {
+			running <- res
+		}
+		close(running)
+	}()
+	require.Eventually(t, func() bool { return b.calls("c") == 1 }, 5*time.Second, time.Millisecond)
+	require.Contains(t, metricstest.Scrape(m), `gateway_upstream_circuit_state{provider="a",upstream_model="a-model"} 2`)
+
+	// Now: instant on a then c (a's circuit closed again), reasoning on c;
+	// b is routed no more.
+	require.NoError(t, router.Replace(routing.Config{Routes: map[gateway.Model]routing.Route{
+		gateway.ModelInstant:   {Targets: []routing.Target{target("a"), target("c")}},
+		gateway.ModelReasoning: {Targets: []routing.Target{target("c")}},
+	}}))
+	res, err := router.Complete(context.Background(), request("after the replace"))
+	require.NoError(t, err)
+	require.Equal(t, "a", res.Route.Provider, "a's circuit starts closed")
+	require.True(t, router.Available(gateway.ModelReasoning))
+	reasoning := request("reasoning now")
+	reasoning.Model = gateway.ModelReasoning
+	res, err = router.Complete(context.Background(), reasoning)
+	require.NoError(t, err)
+	require.Equal(t, "c", res.Route.Provider)
+	serving, _ := router.Health()
+	require.Equal(t, []gateway.Model{gateway.ModelInstant, gateway.ModelReasoning}, serving)
+
+	done, ok := <-running
+	require.True(t, ok, "the running call finished")
+	require.Equal(t, "c", done.Route.Provider)
+	require.Equal(t, 2, done.Route.Attempts, "on the routes it started with: a skipped (open), b refusing, then c")
+	scrape := metricstest.Scrape(m)
+	require.NotContains(t, scrape, `provider="b"`, "b is routed no more")
+	require.Contains(t, scrape, `gateway_upstream_circuit_state{provider="a",upstream_model="a-model"} 0`)
+
+	require.Error(t, router.Replace(routing.Config{Routes: map[gateway.Model]routing.Route{gateway.ModelInstant: {}}}))
+	require.True(t, router.Available(gateway.ModelReasoning), "a configuration that does not build changes nothing")
 }
