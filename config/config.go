@@ -148,10 +148,11 @@ func (c Config) Routes(tok *metering.Tokenizer, m *metrics.Metrics, logger *slog
 	if err != nil {
 		return routing.Config{}, "", err
 	}
-	if err := f.CheckSecrets(os.Getenv); err != nil {
+	keys, err := f.Keys(os.Getenv)
+	if err != nil {
 		return routing.Config{}, "", err
 	}
-	return f.RouterConfig(tok, c.SimTokenLatency, m, logger), f.Describe(), nil
+	return f.RouterConfig(keys, tok, c.SimTokenLatency, m, logger), f.Describe(), nil
 }
 
 // routes returns the file, or the shorthand as if it were one.
@@ -184,10 +185,10 @@ func (c Config) routes() (*File, error) {
 	return f, nil
 }
 
-// RouterConfig is the configuration of the router the file describes; keys
-// are read from the environment variables the file names. logger is told of
-// targets that refuse the gateway's access.
-func (f *File) RouterConfig(tok *metering.Tokenizer, simLatency time.Duration, m *metrics.Metrics, logger *slog.Logger) routing.Config {
+// RouterConfig is the configuration of the router the file describes, with
+// the providers' keys (see Keys). logger is told of targets that refuse the
+// gateway's access.
+func (f *File) RouterConfig(keys map[string]string, tok *metering.Tokenizer, simLatency time.Duration, m *metrics.Metrics, logger *slog.Logger) routing.Config {
 	clients := map[string]upstream.Provider{}
 	for name, pr := range f.Providers {
 		if pr.Type == "sim" {
@@ -195,7 +196,7 @@ func (f *File) RouterConfig(tok *metering.Tokenizer, simLatency time.Duration, m
 			continue
 		}
 		clients[name] = openai.New(openai.Config{
-			BaseURL: pr.BaseURL, APIKey: os.Getenv(pr.APIKeyEnv), Timeout: pr.Timeout, IdleTimeout: pr.IdleTimeout, H2C: pr.H2C, Headers: pr.Headers,
+			BaseURL: pr.BaseURL, APIKey: keys[name], Timeout: pr.Timeout, IdleTimeout: pr.IdleTimeout, H2C: pr.H2C, Headers: pr.Headers,
 		})
 	}
 	routes := map[gateway.Model]routing.Route{}

@@ -3,9 +3,11 @@ package config
 import (
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"net/url"
 	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"time"
@@ -37,7 +39,11 @@ type ProviderSpec struct {
 	// APIKeyEnv names the environment variable holding the key: the file
 	// never holds a secret.
 	APIKeyEnv string
-	Timeout   time.Duration
+	// APIKeyFile names a file holding the key (a mounted secret), read at
+	// every load, so a rotated key is taken on a reload; relative to the
+	// configuration file's folder.
+	APIKeyFile string
+	Timeout    time.Duration
 	// IdleTimeout is how long an idle connection is kept for the next call;
 	// zero takes openai.Config's default.
 	IdleTimeout time.Duration
@@ -87,16 +93,64 @@ func ParseFile(path string, raw []byte) (*File, error) {
 	return p.f, nil
 }
 
-// CheckSecrets reports every provider whose key variable is not set.
-func (f *File) CheckSecrets(getenv func(string) string) error {
+// maxKeyFile bounds what is read of an api_key_file.
+const maxKeyFile = 16 << 10
+
+// Keys reads every provider's key, by provider name: from the environment
+// variable it names (api_key_env), or from the file it names (api_key_file,
+// read now, white space around the key trimmed). Every provider whose key
+// is missing or unreadable is reported, with its line.
+func (f *File) Keys(getenv func(string) string) (map[string]string, error) {
+	keys := map[string]string{}
 	var errs []error
 	for _, name := range f.providerNames() {
 		pr := f.Providers[name]
-		if pr.APIKeyEnv != "" && getenv(pr.APIKeyEnv) == "" {
-			errs = append(errs, fmt.Errorf("%s:%d: provider %q: the environment variable %s (api_key_env) is not set", f.path, pr.line, name, pr.APIKeyEnv))
+		switch {
+		case pr.APIKeyEnv != "":
+			keys[name] = getenv(pr.APIKeyEnv)
+			if keys[name] == "" {
+				errs = append(errs, fmt.Errorf("%s:%d: provider %q: the environment variable %s (api_key_env) is not set", f.path, pr.line, name, pr.APIKeyEnv))
+			}
+		case pr.APIKeyFile != "":
+			key, err := readKey(f.keyPath(pr.APIKeyFile))
+			if err != nil {
+				errs = append(errs, fmt.Errorf("%s:%d: provider %q: api_key_file: %w", f.path, pr.line, name, err))
+			}
+			keys[name] = key
 		}
 	}
-	return errors.Join(errs...)
+	return keys, errors.Join(errs...)
+}
+
+// keyPath resolves an api_key_file against the configuration file's folder.
+func (f *File) keyPath(name string) string {
+	if filepath.IsAbs(name) {
+		return name
+	}
+	return filepath.Join(filepath.Dir(f.path), name)
+}
+
+// readKey reads a key file: one line, nothing else but white space around it.
+func readKey(path string) (string, error) {
+	file, err := os.Open(path)
+	if err != nil {
+		return "", err
+	}
+	defer file.Close()
+	raw, err := io.ReadAll(io.LimitReader(file, maxKeyFile+1))
+	if err != nil {
+		return "", fmt.Errorf("error reading %s: %w", path, err)
+	}
+	key := strings.TrimSpace(string(raw))
+	switch {
+	case len(raw) > maxKeyFile:
+		return "", fmt.Errorf("%s is larger than a key (%d bytes at most)", path, maxKeyFile)
+	case key == "":
+		return "", fmt.Errorf("%s is empty", path)
+	case strings.ContainsFunc(key, func(r rune) bool { return r < ' ' || r == 0x7f }):
+		return "", fmt.Errorf("%s holds more than a key (a line break or a control character)", path)
+	}
+	return key, nil
 }
 
 func (f *File) providerNames() []string {
@@ -188,7 +242,7 @@ func (p *fileParser) provider(name string, k, v *yaml.Node) {
 	}
 	spec := ProviderSpec{Type: "openai", line: k.Line}
 	what := fmt.Sprintf("provider %q", name)
-	p.mapping(v, what, []string{"type", "base_url", "api_key_env", "timeout", "idle_timeout", "h2c", "headers"}, func(key string, _, v *yaml.Node) {
+	p.mapping(v, what, []string{"type", "base_url", "api_key_env", "api_key_file", "timeout", "idle_timeout", "h2c", "headers"}, func(key string, _, v *yaml.Node) {
 		switch key {
 		case "type":
 			spec.Type = p.str(v, what+" type")
@@ -205,6 +259,8 @@ func (p *fileParser) provider(name string, k, v *yaml.Node) {
 			if strings.HasPrefix(spec.APIKeyEnv, "sk-") || strings.ContainsAny(spec.APIKeyEnv, " =$") {
 				p.errorf(v, "%s: api_key_env names an environment variable (e.g. OPENAI_API_KEY); never put the key itself in the file", what)
 			}
+		case "api_key_file":
+			spec.APIKeyFile = p.str(v, what+" api_key_file")
 		case "timeout":
 			spec.Timeout = p.duration(v, what+" timeout")
 		case "idle_timeout":
@@ -227,6 +283,9 @@ func (p *fileParser) provider(name string, k, v *yaml.Node) {
 	})
 	if spec.Type == "openai" && spec.BaseURL == "" {
 		p.errorf(k, "%s needs a base_url", what)
+	}
+	if spec.APIKeyEnv != "" && spec.APIKeyFile != "" {
+		p.errorf(k, "%s: give api_key_env or api_key_file, not both", what)
 	}
 	p.f.Providers[name] = spec
 }

@@ -1,8 +1,10 @@
 package config_test
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -24,6 +26,7 @@ providers:
       OpenAI-Project: proj_123
   vllm:
     base_url: http://vllm.internal:8000/v1
+    api_key_file: /run/secrets/vllm_key
     timeout: 120s
     idle_timeout: 4s
     h2c: true
@@ -69,12 +72,65 @@ func TestParseWorkedExample(t *testing.T) {
 		"reasoning weighted: openai/o4-mini (weight 3) vllm/Qwen/Qwen3-32B (weight 1)\n"+
 		"elements  not served\n", f.Describe())
 
-	require.ErrorContains(t, f.CheckSecrets(func(string) string { return "" }), `gateway.yaml:3: provider "openai": the environment variable OPENAI_API_KEY (api_key_env) is not set`)
-	require.NoError(t, f.CheckSecrets(func(string) string { return "sk-x" }))
+	require.Equal(t, "/run/secrets/vllm_key", f.Providers["vllm"].APIKeyFile)
+	_, err = f.Keys(func(string) string { return "" })
+	require.ErrorContains(t, err, `gateway.yaml:3: provider "openai": the environment variable OPENAI_API_KEY (api_key_env) is not set`)
+	require.ErrorContains(t, err, `gateway.yaml:9: provider "vllm": api_key_file: open /run/secrets/vllm_key`)
+	keys, err := f.Keys(func(string) string { return "sk-x" })
+	require.Equal(t, "sk-x", keys["openai"])
+	require.NotContains(t, err.Error(), "OPENAI_API_KEY")
+}
+
+// TestKeyFiles: api_key_file is read at each load (a rotated key is taken),
+// relative to the configuration file's folder, one key with white space
+// around it; a missing, empty, oversized or multi-line file is reported with
+// its provider's line.
+func TestKeyFiles(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	write := func(name, content string) {
+		require.NoError(t, os.WriteFile(filepath.Join(dir, name), []byte(content), 0o600))
+	}
+	write("good", "  sk-file-1\n")
+	write("empty", " \n")
+	write("lines", "sk-a\nsk-b\n")
+	write("large", strings.Repeat("k", 17<<10))
+	abs := filepath.Join(dir, "good")
+	cfg := fmt.Sprintf(`providers:
+  relative: {base_url: "http://a/v1", api_key_file: good}
+  absolute: {base_url: "http://b/v1", api_key_file: %q}
+models:
+  instant: {targets: [relative/m, absolute/m]}
+`, abs)
+	path := filepath.Join(dir, "gateway.yaml")
+	f, err := config.ParseFile(path, []byte(cfg))
+	require.NoError(t, err)
+	keys, err := f.Keys(os.Getenv)
+	require.NoError(t, err)
+	require.Equal(t, map[string]string{"relative": "sk-file-1", "absolute": "sk-file-1"}, keys)
+	write("good", "sk-file-2")
+	keys, err = f.Keys(os.Getenv)
+	require.NoError(t, err)
+	require.Equal(t, "sk-file-2", keys["relative"], "read anew")
+
+	for file, want := range map[string]string{
+		"missing": "no such file",
+		"empty":   "is empty",
+		"lines":   "holds more than a key",
+		"large":   "is larger than a key",
+	} {
+		f, err := config.ParseFile(path, []byte("providers:\n  p: {base_url: \"http://a/v1\", api_key_file: "+file+"}\nmodels:\n  instant: {targets: [p/m]}\n"))
+		require.NoError(t, err)
+		_, err = f.Keys(os.Getenv)
+		require.ErrorContains(t, err, `gateway.yaml:2: provider "p": api_key_file: `, file)
+		require.ErrorContains(t, err, want, file)
+	}
+	_, err = config.ParseFile(path, []byte("providers:\n  p: {base_url: \"http://a/v1\", api_key_env: K, api_key_file: good}\nmodels:\n  instant: {targets: [p/m]}\n"))
+	require.ErrorContains(t, err, `gateway.yaml:2: provider "p": give api_key_env or api_key_file, not both`)
 }
 
 func withoutLine(p config.ProviderSpec) config.ProviderSpec {
-	return config.ProviderSpec{Type: p.Type, BaseURL: p.BaseURL, APIKeyEnv: p.APIKeyEnv, Timeout: p.Timeout, IdleTimeout: p.IdleTimeout, H2C: p.H2C, Headers: p.Headers}
+	return config.ProviderSpec{Type: p.Type, BaseURL: p.BaseURL, APIKeyEnv: p.APIKeyEnv, APIKeyFile: p.APIKeyFile, Timeout: p.Timeout, IdleTimeout: p.IdleTimeout, H2C: p.H2C, Headers: p.Headers}
 }
 
 // TestErrorsNameTheirLine: every problem is reported at once, each with its line.

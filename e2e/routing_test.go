@@ -115,6 +115,15 @@ models:
 	require.Contains(t, r.g.stderr.String(), `names provider \"elsewhere\"`)
 	require.Equal(t, "backup", provider("instant"), "the routes in use stay")
 	require.Equal(t, "backup", provider("reasoning"))
+
+	// A key kept in a file is read again: a rotated key is taken without a
+	// restart.
+	require.NoError(t, os.WriteFile(filepath.Join(filepath.Dir(r.file), "primary.key"), []byte("sk-rotated\n"), 0o600))
+	reload(fmt.Sprintf("providers:\n  primary:\n    base_url: %s\n    api_key_file: primary.key\nmodels:\n  instant:\n    targets: [primary/p-instant]\n",
+		r.primary.BaseURL()), "SIGHUP: routes reloaded")
+	require.Equal(t, "primary", provider("instant"))
+	calls := r.primary.Calls()
+	require.Equal(t, "Bearer sk-rotated", calls[len(calls)-1].Authorization)
 }
 
 // TestSIGHUPWithoutAConfigurationFile: routes from the environment cannot be
