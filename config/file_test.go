@@ -77,8 +77,9 @@ func TestParseWorkedExample(t *testing.T) {
 	require.ErrorContains(t, err, `gateway.yaml:3: provider "openai": the environment variable OPENAI_API_KEY (api_key_env) is not set`)
 	require.ErrorContains(t, err, `gateway.yaml:9: provider "vllm": api_key_file: open /run/secrets/vllm_key`)
 	keys, err := f.Keys(func(string) string { return "sk-x" })
-	require.Equal(t, "sk-x", keys["openai"])
+	require.Error(t, err, "vllm's key file is still missing")
 	require.NotContains(t, err.Error(), "OPENAI_API_KEY")
+	require.Equal(t, "sk-x", keys["openai"])
 }
 
 // TestKeyFiles: api_key_file is read at each load (a rotated key is taken),

@@ -137,15 +137,32 @@ func (r *Router) Replace(cfg Config) error {
 	if err != nil {
 		return err
 	}
+	// Under mu, no circuit reports a state between the swap and the new
+	// circuits' first report (see circuitChanged).
+	r.mu.Lock()
 	old := r.table.Swap(t)
 	t.closeCircuits()
+	r.wakeLocked()
+	r.mu.Unlock()
 	for _, gone := range old.targets {
 		if !slices.ContainsFunc(t.targets, func(kept *target) bool { return kept.sameAs(gone.Target) }) {
 			r.metrics.DropTarget(gone.Provider, gone.UpstreamModel)
 		}
 	}
-	r.notify()
 	return nil
+}
+
+// circuitChanged reports a circuit's new state and wakes Wait, unless the
+// circuit's table was replaced: used by the calls that started on it, it no
+// longer speaks for its target.
+func (r *Router) circuitChanged(tb *table, t *target, state int) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.table.Load() != tb {
+		return
+	}
+	t.metrics.Circuit(state)
+	r.wakeLocked()
 }
 
 // closeCircuits reports the table's circuits closed, as they start.
@@ -191,14 +208,7 @@ func (r *Router) build(cfg Config) (*table, error) {
 			if !ok {
 				tt = &target{Target: t, metrics: r.metrics.Target(t.Provider, t.UpstreamModel)}
 				tt.Client = upstream.Guard(t.Client)
-				tt.circuit = newCircuit(circuitCfg, func(state int) {
-					// A replaced table's circuit, used by the calls that
-					// started on it, no longer speaks for its target.
-					if r.table.Load() == tb {
-						tt.metrics.Circuit(state)
-						r.notify()
-					}
-				})
+				tt.circuit = newCircuit(circuitCfg, func(state int) { r.circuitChanged(tb, tt, state) })
 				shared[key] = tt
 				tb.targets = append(tb.targets, tt)
 			}
@@ -416,10 +426,8 @@ func (r *Router) Wait(ctx context.Context, maxWait time.Duration) {
 	}
 }
 
-// notify wakes whoever waits for a circuit to change.
-func (r *Router) notify() {
-	r.mu.Lock()
-	defer r.mu.Unlock()
+// wakeLocked wakes whoever waits for a circuit to change; r.mu is held.
+func (r *Router) wakeLocked() {
 	close(r.changed)
 	r.changed = make(chan struct{})
 }
