@@ -90,7 +90,9 @@ func TestSIGHUPReloadsTheRoutes(t *testing.T) {
 		require.Eventually(t, func() bool { return strings.Count(r.g.stderr.String(), logged) == before+1 }, 10*time.Second, 20*time.Millisecond, logged)
 	}
 	require.Equal(t, "primary", provider("instant"))
-	require.Contains(t, r.g.scrape(), `gateway_upstream_circuit_state{provider="primary",upstream_model="p-instant"} 0`)
+	scrape := r.g.scrape()
+	require.Contains(t, scrape, `gateway_upstream_circuit_state{provider="primary",upstream_model="p-instant"} 0`)
+	require.Contains(t, scrape, "\ngateway_config_last_reload_successful 1\n", "the routes loaded at start")
 
 	reload(fmt.Sprintf(`providers:
   primary:
@@ -115,6 +117,7 @@ models:
 	require.Contains(t, r.g.stderr.String(), `names provider \"elsewhere\"`)
 	require.Equal(t, "backup", provider("instant"), "the routes in use stay")
 	require.Equal(t, "backup", provider("reasoning"))
+	require.Contains(t, r.g.scrape(), "\ngateway_config_last_reload_successful 0\n")
 
 	// A key kept in a file is read again: a rotated key is taken without a
 	// restart.
@@ -124,6 +127,7 @@ models:
 	require.Equal(t, "primary", provider("instant"))
 	calls := r.primary.Calls()
 	require.Equal(t, "Bearer sk-rotated", calls[len(calls)-1].Authorization)
+	require.Contains(t, r.g.scrape(), "\ngateway_config_last_reload_successful 1\n")
 }
 
 // TestSIGHUPWithoutAConfigurationFile: routes from the environment cannot be

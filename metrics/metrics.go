@@ -38,6 +38,8 @@ type Metrics struct {
 	attemptDuration  *prometheus.HistogramVec
 	circuitState     *prometheus.GaugeVec
 	fallbacks        *prometheus.CounterVec
+	reloadOK         prometheus.Gauge
+	reloadTime       prometheus.Gauge
 }
 
 // New registers the gateway's metrics (and the Go and process collectors) on a
@@ -110,8 +112,14 @@ func New() *Metrics {
 		fallbacks: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "gateway_upstream_fallbacks_total", Help: "Calls of a canonical model that moved on from a failed target to the next one.",
 		}, []string{"model"}),
+		reloadOK: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "gateway_config_last_reload_successful", Help: "Whether the last reload of the configuration file (SIGHUP) took effect: 1, or 0 when the file did not check and the routes in use stayed.",
+		}),
+		reloadTime: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "gateway_config_last_reload_success_timestamp_seconds", Help: "When the routes in use were loaded (at start, or by the last reload that took effect), in seconds since the epoch.",
+		}),
 	}
-	m.registry.MustRegister(m.attempts, m.attemptDuration, m.circuitState, m.fallbacks,
+	m.registry.MustRegister(m.attempts, m.attemptDuration, m.circuitState, m.fallbacks, m.reloadOK, m.reloadTime,
 		m.requests, m.requestDuration, m.rungs, m.upstreamDuration, m.upstreamErrors,
 		m.openStreams, m.batchItems, m.claimDuration, m.commitDuration, m.commitSize, m.queueDepth, m.leaseRescues, m.refusals, m.unconfirmed, m.clamps,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -308,6 +316,20 @@ func (m *Metrics) Target(provider, upstreamModel string) *Target {
 	}
 	t.other = t.outcomes[upstream.KindOther]
 	return t
+}
+
+// ConfigLoaded records a load of the routes: at start, or a reload that
+// took effect (ok) or did not.
+func (m *Metrics) ConfigLoaded(ok bool, at time.Time) {
+	if m == nil {
+		return
+	}
+	if !ok {
+		m.reloadOK.Set(0)
+		return
+	}
+	m.reloadOK.Set(1)
+	m.reloadTime.Set(float64(at.UnixNano()) / 1e9)
 }
 
 // DropTarget removes the series of a provider's upstream model that no

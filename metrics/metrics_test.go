@@ -122,5 +122,5 @@ func TestAlertRulesSelectExportedSeries(t *testing.T) {
 			}
 		}
 	}
-	require.Equal(t, 8, rules)
+	require.Equal(t, 9, rules)
 }

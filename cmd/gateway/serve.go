@@ -92,6 +92,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	if err != nil {
 		return err
 	}
+	m.ConfigLoaded(true, time.Now())
 	stopTracing, err := tracing.Setup(ctx, tracing.Options{Content: cfg.TraceContent})
 	if err != nil {
 		return err
@@ -300,6 +301,7 @@ func reloadRoutes(ctx context.Context, hangups <-chan os.Signal, cfg config.Conf
 		if err == nil {
 			err = router.Replace(rc)
 		}
+		m.ConfigLoaded(err == nil, time.Now())
 		if err != nil {
 			logger.Error("SIGHUP: the configuration file was not loaded; the routes in use stay", "file", cfg.File, "error", err)
 			continue
