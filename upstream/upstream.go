@@ -112,11 +112,16 @@ func WithRetryAfter(err error, after time.Duration) error {
 // RetryAfter is how long the upstream asked to wait before the next call,
 // when err carries it (see WithRetryAfter); zero otherwise.
 func RetryAfter(err error) time.Duration {
-	var e *retryAfterError
-	if errors.As(err, &e) {
+	if e, ok := errors.AsType[*retryAfterError](err); ok {
 		return e.after
 	}
 	return 0
+}
+
+// isType reports whether err's tree holds an error of type E.
+func isType[E error](err error) bool {
+	_, ok := errors.AsType[E](err)
+	return ok
 }
 
 // ErrDenied marks an upstream's refusal of the gateway itself rather than of
@@ -183,7 +188,6 @@ const (
 // fallback decisions: one of the Kind constants, empty for nil. The values
 // are a fixed set, fit for metric labels.
 func Kind(err error) string {
-	var rejected *RejectedError
 	switch {
 	case err == nil:
 		return ""
@@ -193,7 +197,7 @@ func Kind(err error) string {
 		return KindUnavailable
 	case errors.Is(err, ErrFailed):
 		return KindFailed
-	case errors.As(err, &rejected):
+	case isType[*RejectedError](err):
 		return KindRejected
 	case errors.Is(err, ErrStreamBroken):
 		return KindBroken
