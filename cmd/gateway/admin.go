@@ -228,15 +228,15 @@ func limitsCmd() *cobra.Command {
 	return limits
 }
 
-// parseLimit reads a limit flag: a whole number of rungs, or clear (the word
+// parseLimit reads a limit flag: a whole number of rungs, or unset (the word
 // that drops the limit).
-func parseLimit(v, clear string) (rungs *int64, cleared bool, err error) {
-	if v == clear {
+func parseLimit(v, unset string) (rungs *int64, cleared bool, err error) {
+	if v == unset {
 		return nil, true, nil
 	}
 	n, err := strconv.ParseInt(v, 10, 64)
 	if err != nil || n < 0 {
-		return nil, false, fmt.Errorf("want a whole number of rungs (0 or more) or %s, got %q", clear, v)
+		return nil, false, fmt.Errorf("want a whole number of rungs (0 or more) or %s, got %q", unset, v)
 	}
 	return &n, false, nil
 }
