@@ -36,6 +36,8 @@ type Principal struct {
 	AccountName string
 	Tier        Tier
 	Scopes      []Scope
+	// KeyExpiresAt is when the key stops being accepted; nil: never.
+	KeyExpiresAt *time.Time
 	// Rate is this request's count against the key's rate limit.
 	Rate RateStatus
 }
@@ -105,7 +107,8 @@ func (t Tier) DefaultDailyCeiling() int64 {
 	return 10_000_000
 }
 
-// UnauthorizedError is UNAUTHORIZED: a missing, malformed, unknown or revoked key.
+// UnauthorizedError is UNAUTHORIZED: a missing, malformed, unknown, revoked or
+// expired key.
 func UnauthorizedError() *Error {
 	return Errorf(EUnauthorized, "a valid API key is required: send Authorization: Bearer igw_…")
 }

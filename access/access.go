@@ -111,7 +111,11 @@ func (k *Keys) Lookup(ctx context.Context, token string) (*gateway.Principal, er
 		if len(k.entries) >= k.cfg.MaxEntries {
 			k.entries = map[[sha256.Size]byte]entry{}
 		}
-		k.entries[sum] = entry{principal: p, expires: now.Add(k.cfg.TTL)}
+		expires := now.Add(k.cfg.TTL)
+		if p.KeyExpiresAt != nil && p.KeyExpiresAt.Before(expires) {
+			expires = *p.KeyExpiresAt // then looked up again, and refused
+		}
+		k.entries[sum] = entry{principal: p, expires: expires}
 	}
 	return p, nil
 }

@@ -164,3 +164,31 @@ func TestTierChangeReachesTheCache(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, gateway.TierFree, p.Tier)
 }
+
+// TestAnExpiredKeyIsRefusedThoughCached: a cached key is served no longer
+// than until it expires, however long the cache keeps entries; it is then
+// looked up again, and refused.
+func TestAnExpiredKeyIsRefusedThoughCached(t *testing.T) {
+	t.Parallel()
+	st := &countingStore{Store: store.New(testdb.New(t))}
+	keys, _ := replica(t, st)
+	tier := gateway.TierDeveloper
+	expires := time.Now().Add(time.Second)
+	token, err := st.CreateKey(context.Background(), store.CreateKeyParams{
+		Account: "acme", Project: "default", Tier: &tier, Scopes: []gateway.Scope{gateway.ScopeInference}, ExpiresAt: &expires,
+	})
+	require.NoError(t, err)
+	p, err := keys.Lookup(context.Background(), token)
+	require.NoError(t, err)
+	require.WithinDuration(t, expires, *p.KeyExpiresAt, time.Millisecond)
+	_, err = keys.Lookup(context.Background(), token)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), st.lookups.Load(), "served from the cache while it is valid")
+
+	require.Eventually(t, func() bool {
+		_, err := keys.Lookup(context.Background(), token)
+		return err != nil
+	}, 10*time.Second, 20*time.Millisecond, "refused once expired, within the cache's 30 s")
+	_, err = keys.Lookup(context.Background(), token)
+	require.Equal(t, gateway.EUnauthorized, gateway.ErrorCodeOf(err))
+}

@@ -212,10 +212,11 @@ func TestCLI(t *testing.T) {
 	listed := mustCLI(t, b.db, "keys", "list", "--account", "freeco")
 	lines := strings.Split(strings.TrimSpace(listed), "\n")
 	require.Len(t, lines, 2, listed)
-	require.Equal(t, []string{"PREFIX", "ACCOUNT", "TIER", "PROJECT", "SCOPES", "CREATED", "REVOKED", "ID"}, strings.Fields(lines[0]))
+	require.Equal(t, []string{"PREFIX", "ACCOUNT", "TIER", "PROJECT", "SCOPES", "CREATED", "EXPIRES", "REVOKED", "ID"}, strings.Fields(lines[0]))
 	row := strings.Fields(lines[1])
 	require.Equal(t, []string{free[:12], "freeco", "free", "p1", "usage"}, row[:5])
-	require.NotEqual(t, "-", row[6], "revoked, with when")
+	require.Equal(t, "-", row[6], "issued without an end")
+	require.NotEqual(t, "-", row[7], "revoked, with when")
 	require.NotContains(t, listed, free)
 	all := mustCLI(t, b.db, "keys", "list")
 	require.Len(t, strings.Split(strings.TrimSpace(all), "\n"), 4, "freeco's key and acme's two: "+all)
@@ -229,6 +230,23 @@ func TestCLI(t *testing.T) {
 	require.NoError(t, err)
 	_, err = cli(t, "", "probe", g.base+"/nowhere")
 	require.ErrorContains(t, err, "404")
+
+	// A key issued with an end serves until then, and is refused after.
+	_, err = cli(t, b.db, "keys", "create", "--account", "acme", "--expires", "soon")
+	require.ErrorContains(t, err, `--expires: want a time from now (90d, 12h) or a time`)
+	brief := strings.TrimSpace(mustCLI(t, b.db, "keys", "create", "--account", "acme", "--expires", "2s"))
+	listedEnd := ""
+	for _, line := range strings.Split(mustCLI(t, b.db, "keys", "list", "--account", "acme"), "\n") {
+		if row := strings.Fields(line); len(row) > 6 && row[0] == brief[:12] {
+			listedEnd = row[6]
+		}
+	}
+	require.Regexp(t, `^20\d\d-\d\d-\d\dT`, listedEnd, "listed with its end")
+	res := g.call(http.MethodPost, "/api/v1/responses", brief, map[string]any{"prompt": "before the end"})
+	require.Equal(t, http.StatusOK, res.status, string(res.body))
+	require.Eventually(t, func() bool {
+		return g.call(http.MethodPost, "/api/v1/responses", brief, map[string]any{"prompt": "after the end"}).status == http.StatusUnauthorized
+	}, 10*time.Second, 100*time.Millisecond, "refused once expired, though cached")
 }
 
 func TestBadConfigurationStopsStart(t *testing.T) {

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pressly/goose/v3"
 	"github.com/stretchr/testify/require"
@@ -44,7 +45,7 @@ func TestMigrationMovesReservations(t *testing.T) {
 	require.NoError(t, err)
 
 	b := &testBundle{ctx: ctx, store: store.New(pool)}
-	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	p := keyAt00010(t, pool)
 	budget := int64(1000)
 	b.limits(t, "acme", nil, &budget)
 	_, err = pool.Exec(ctx, reservations00010)
@@ -85,4 +86,27 @@ func TestMigrationMovesReservations(t *testing.T) {
 	batch, _ := b.batch(t, p, batch00010)
 	require.Equal(t, gateway.BatchCompleted, batch.Status)
 	require.Equal(t, int64(40+70+20), batch.Usage.TotalRungs)
+}
+
+// keyAt00010 makes account acme, its project default and a key in it with the
+// columns a schema at migration 00010 has (today's statements write columns
+// added since), and returns the key's principal.
+func keyAt00010(t *testing.T, pool *pgxpool.Pool) *gateway.Principal {
+	t.Helper()
+	p := &gateway.Principal{
+		KeyID: uuid.Must(uuid.NewV7()), ProjectID: uuid.Must(uuid.NewV7()), ProjectName: "default",
+		AccountID: uuid.Must(uuid.NewV7()), AccountName: "acme", Tier: gateway.TierDeveloper, Scopes: []gateway.Scope{gateway.ScopeInference},
+	}
+	for _, stmt := range []struct {
+		sql  string
+		args []any
+	}{
+		{`INSERT INTO accounts (id, name, tier) VALUES ($1, $2, $3)`, []any{p.AccountID, p.AccountName, string(p.Tier)}},
+		{`INSERT INTO projects (id, account_id, name) VALUES ($1, $2, $3)`, []any{p.ProjectID, p.AccountID, p.ProjectName}},
+		{`INSERT INTO api_keys (id, project_id, prefix, hash, scopes) VALUES ($1, $2, 'igw_00010key', '\x00', '{inference}')`, []any{p.KeyID, p.ProjectID}},
+	} {
+		_, err := pool.Exec(context.Background(), stmt.sql, stmt.args...)
+		require.NoError(t, err)
+	}
+	return p
 }

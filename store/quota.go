@@ -35,13 +35,14 @@ func (s *Store) LookupKey(ctx context.Context, token string) (*gateway.Principal
 		scopes[i] = gateway.Scope(sc)
 	}
 	return &gateway.Principal{
-		KeyID:       row.KeyID,
-		ProjectID:   row.ProjectID,
-		ProjectName: row.ProjectName,
-		AccountID:   row.AccountID,
-		AccountName: row.AccountName,
-		Tier:        gateway.Tier(row.Tier),
-		Scopes:      scopes,
+		KeyID:        row.KeyID,
+		ProjectID:    row.ProjectID,
+		ProjectName:  row.ProjectName,
+		AccountID:    row.AccountID,
+		AccountName:  row.AccountName,
+		Tier:         gateway.Tier(row.Tier),
+		Scopes:       scopes,
+		KeyExpiresAt: row.ExpiresAt,
 	}, nil
 }
 

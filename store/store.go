@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"time"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
@@ -70,6 +71,9 @@ type CreateKeyParams struct {
 	// creates a new one as developer.
 	Tier   *gateway.Tier
 	Scopes []gateway.Scope
+	// ExpiresAt, when set, is when the key stops being accepted; it must be
+	// in the future.
+	ExpiresAt *time.Time
 }
 
 // CreateKey creates the account and project on first use and issues a key,
@@ -80,6 +84,9 @@ func (s *Store) CreateKey(ctx context.Context, p CreateKeyParams) (string, error
 	}
 	if len(p.Scopes) == 0 {
 		return "", errors.New("a key needs at least one scope")
+	}
+	if p.ExpiresAt != nil && !p.ExpiresAt.After(time.Now()) {
+		return "", fmt.Errorf("the key would expire at %s, which has passed", p.ExpiresAt.UTC().Format(time.RFC3339))
 	}
 	scopes := make([]string, 0, len(p.Scopes))
 	for _, sc := range p.Scopes {
@@ -116,7 +123,7 @@ func (s *Store) CreateKey(ctx context.Context, p CreateKeyParams) (string, error
 		// The prefix carries 40 random bits; a collision fails the unique index and
 		// the command, never a silent overwrite.
 		if _, err := s.queries.InsertAPIKey(ctx, tx, db.InsertAPIKeyParams{
-			ID: newID(), ProjectID: project.ID, Prefix: key.Prefix, Hash: key.Hash, Scopes: scopes,
+			ID: newID(), ProjectID: project.ID, Prefix: key.Prefix, Hash: key.Hash, Scopes: scopes, ExpiresAt: p.ExpiresAt,
 		}); err != nil {
 			return fmt.Errorf("error inserting key: %w", err)
 		}

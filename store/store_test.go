@@ -145,6 +145,37 @@ func TestListKeys(t *testing.T) {
 	require.Empty(t, none)
 }
 
+// TestKeyExpiry: a key issued with an end carries it, is listed with it, and
+// is refused once it has passed; no key is issued already expired.
+func TestKeyExpiry(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	tier := gateway.TierDeveloper
+	params := func(expires time.Time) store.CreateKeyParams {
+		return store.CreateKeyParams{Account: "acme", Project: "default", Tier: &tier, Scopes: []gateway.Scope{gateway.ScopeInference}, ExpiresAt: &expires}
+	}
+	_, err := b.store.CreateKey(b.ctx, params(time.Now().Add(-time.Second)))
+	require.ErrorContains(t, err, "which has passed")
+
+	expires := time.Now().Add(time.Hour).UTC().Truncate(time.Microsecond)
+	token, err := b.store.CreateKey(b.ctx, params(expires))
+	require.NoError(t, err)
+	p, err := b.store.LookupKey(b.ctx, token)
+	require.NoError(t, err)
+	require.True(t, expires.Equal(*p.KeyExpiresAt), "%v", p.KeyExpiresAt)
+	listed, err := b.store.ListKeys(b.ctx, "acme")
+	require.NoError(t, err)
+	require.True(t, expires.Equal(*listed[0].ExpiresAt))
+	_, unending := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	require.Nil(t, unending.KeyExpiresAt, "a key issued without an end never expires")
+
+	// Its end passes.
+	_, err = b.store.Pool().Exec(b.ctx, `UPDATE api_keys SET expires_at = now() - interval '1 second' WHERE id = $1`, p.KeyID)
+	require.NoError(t, err)
+	_, err = b.store.LookupKey(b.ctx, token)
+	require.Equal(t, gateway.EUnauthorized, gateway.ErrorCodeOf(err))
+}
+
 func TestRecordRequestAndEvidence(t *testing.T) {
 	t.Parallel()
 	b := setup(t)

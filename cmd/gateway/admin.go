@@ -85,7 +85,7 @@ func keysCmd() *cobra.Command {
 	keys := &cobra.Command{Use: "keys", Short: "Issue, list and revoke API keys", Long: "Issues, lists and revokes API keys.\n" + databaseHelp}
 
 	var p store.CreateKeyParams
-	var tier, scopes string
+	var tier, scopes, expires string
 	create := &cobra.Command{
 		Use:   "create",
 		Short: "Create a key (account and project are created on first use); prints the key alone",
@@ -95,6 +95,13 @@ func keysCmd() *cobra.Command {
 			if cmd.Flags().Changed("tier") {
 				t := gateway.Tier(tier)
 				p.Tier = &t
+			}
+			if expires != "" {
+				at, err := parseExpiry(expires, time.Now())
+				if err != nil {
+					return fmt.Errorf("--expires: %w", err)
+				}
+				p.ExpiresAt = &at
 			}
 			for _, s := range strings.Split(scopes, ",") {
 				if s = strings.TrimSpace(s); s != "" {
@@ -115,6 +122,7 @@ func keysCmd() *cobra.Command {
 	create.Flags().StringVar(&p.Project, "project", "default", "project name")
 	create.Flags().StringVar(&tier, "tier", "developer", "account tier: free or developer (sets the tier of an existing account)")
 	create.Flags().StringVar(&scopes, "scopes", "inference,usage", "comma-separated scopes: inference, usage")
+	create.Flags().StringVar(&expires, "expires", "", "when the key stops being accepted: after a time (90d, 12h) or at one (2027-01-31, the start of that UTC day, or 2027-01-31T12:00:00Z); never by default")
 	_ = create.MarkFlagRequired("account")
 
 	revoke := &cobra.Command{
@@ -136,7 +144,7 @@ func keysCmd() *cobra.Command {
 	list := &cobra.Command{
 		Use:   "list",
 		Short: "List keys (never their secrets), newest first, to find one to revoke",
-		Long:  "Lists the keys, newest first: prefix, account, tier, project, scopes, when created and revoked, id.\n" + databaseHelp,
+		Long:  "Lists the keys, newest first: prefix, account, tier, project, scopes, when created, when it expires and when revoked, id.\n" + databaseHelp,
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			return withStore(cmd.Context(), cmd.ErrOrStderr(), func(st *store.Store) error {
@@ -154,17 +162,39 @@ func keysCmd() *cobra.Command {
 	return keys
 }
 
+// parseExpiry reads --expires: a number of days (90d) or a duration (12h,
+// 30m) from now, the start of a UTC day (YYYY-MM-DD), or an RFC 3339 time.
+func parseExpiry(v string, now time.Time) (time.Time, error) {
+	if days, ok := strings.CutSuffix(v, "d"); ok {
+		if n, err := strconv.Atoi(days); err == nil && n > 0 && n <= 36500 {
+			return now.AddDate(0, 0, n), nil
+		}
+	}
+	if d, err := time.ParseDuration(v); err == nil && d > 0 {
+		return now.Add(d), nil
+	}
+	if t, err := time.Parse(dayLayout, v); err == nil {
+		return t, nil
+	}
+	if t, err := time.Parse(time.RFC3339, v); err == nil {
+		return t, nil
+	}
+	return time.Time{}, fmt.Errorf("want a time from now (90d, 12h) or a time (2027-01-31, 2027-01-31T12:00:00Z), got %q", v)
+}
+
 // printKeys writes keys as a table, one key a line.
 func printKeys(w io.Writer, keys []store.Key) {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "PREFIX\tACCOUNT\tTIER\tPROJECT\tSCOPES\tCREATED\tREVOKED\tID")
-	for _, k := range keys {
-		revoked := "-"
-		if k.RevokedAt != nil {
-			revoked = k.RevokedAt.UTC().Format(time.RFC3339)
+	fmt.Fprintln(tw, "PREFIX\tACCOUNT\tTIER\tPROJECT\tSCOPES\tCREATED\tEXPIRES\tREVOKED\tID")
+	when := func(t *time.Time) string {
+		if t == nil {
+			return "-"
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", k.Prefix, k.Account, k.Tier, k.Project,
-			strings.Join(k.Scopes, ","), k.CreatedAt.UTC().Format(time.RFC3339), revoked, k.ID)
+		return t.UTC().Format(time.RFC3339)
+	}
+	for _, k := range keys {
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", k.Prefix, k.Account, k.Tier, k.Project,
+			strings.Join(k.Scopes, ","), k.CreatedAt.UTC().Format(time.RFC3339), when(k.ExpiresAt), when(k.RevokedAt), k.ID)
 	}
 	_ = tw.Flush()
 }

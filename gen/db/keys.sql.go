@@ -54,9 +54,9 @@ func (q *Queries) GetProjectByName(ctx context.Context, db DBTX, arg GetProjectB
 }
 
 const insertAPIKey = `-- name: InsertAPIKey :one
-INSERT INTO api_keys (id, project_id, prefix, hash, scopes)
-VALUES ($1, $2, $3, $4, $5)
-RETURNING id, project_id, prefix, hash, scopes, created_at, revoked_at
+INSERT INTO api_keys (id, project_id, prefix, hash, scopes, expires_at)
+VALUES ($1, $2, $3, $4, $5, $6)
+RETURNING id, project_id, prefix, hash, scopes, created_at, revoked_at, expires_at
 `
 
 type InsertAPIKeyParams struct {
@@ -65,6 +65,7 @@ type InsertAPIKeyParams struct {
 	Prefix    string
 	Hash      []byte
 	Scopes    []string
+	ExpiresAt *time.Time
 }
 
 func (q *Queries) InsertAPIKey(ctx context.Context, db DBTX, arg InsertAPIKeyParams) (ApiKey, error) {
@@ -74,6 +75,7 @@ func (q *Queries) InsertAPIKey(ctx context.Context, db DBTX, arg InsertAPIKeyPar
 		arg.Prefix,
 		arg.Hash,
 		arg.Scopes,
+		arg.ExpiresAt,
 	)
 	var i ApiKey
 	err := row.Scan(
@@ -84,12 +86,13 @@ func (q *Queries) InsertAPIKey(ctx context.Context, db DBTX, arg InsertAPIKeyPar
 		&i.Scopes,
 		&i.CreatedAt,
 		&i.RevokedAt,
+		&i.ExpiresAt,
 	)
 	return i, err
 }
 
 const listAPIKeys = `-- name: ListAPIKeys :many
-SELECT k.id, k.prefix, k.scopes, k.created_at, k.revoked_at,
+SELECT k.id, k.prefix, k.scopes, k.created_at, k.revoked_at, k.expires_at,
        a.name AS account, a.tier, p.name AS project
 FROM api_keys k
 JOIN projects p ON p.id = k.project_id
@@ -104,6 +107,7 @@ type ListAPIKeysRow struct {
 	Scopes    []string
 	CreatedAt time.Time
 	RevokedAt *time.Time
+	ExpiresAt *time.Time
 	Account   string
 	Tier      string
 	Project   string
@@ -126,6 +130,7 @@ func (q *Queries) ListAPIKeys(ctx context.Context, db DBTX, account *string) ([]
 			&i.Scopes,
 			&i.CreatedAt,
 			&i.RevokedAt,
+			&i.ExpiresAt,
 			&i.Account,
 			&i.Tier,
 			&i.Project,

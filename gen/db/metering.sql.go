@@ -250,12 +250,13 @@ func (q *Queries) ListenPrincipals(ctx context.Context, db DBTX) error {
 }
 
 const lookupKey = `-- name: LookupKey :one
-SELECT k.id AS key_id, k.scopes, p.id AS project_id, p.name AS project_name,
+SELECT k.id AS key_id, k.scopes, k.expires_at, p.id AS project_id, p.name AS project_name,
        a.id AS account_id, a.name AS account_name, a.tier
 FROM api_keys k
 JOIN projects p ON p.id = k.project_id
 JOIN accounts a ON a.id = p.account_id
 WHERE k.prefix = $1 AND k.hash = $2 AND k.revoked_at IS NULL
+  AND (k.expires_at IS NULL OR k.expires_at > now())
 `
 
 type LookupKeyParams struct {
@@ -266,6 +267,7 @@ type LookupKeyParams struct {
 type LookupKeyRow struct {
 	KeyID       uuid.UUID
 	Scopes      []string
+	ExpiresAt   *time.Time
 	ProjectID   uuid.UUID
 	ProjectName string
 	AccountID   uuid.UUID
@@ -273,13 +275,15 @@ type LookupKeyRow struct {
 	Tier        string
 }
 
-// The principal of an active key (prefix and hash); no row: unknown or revoked.
+// The principal of an active key (prefix and hash), with when it expires; no
+// row: unknown, revoked or expired.
 func (q *Queries) LookupKey(ctx context.Context, db DBTX, arg LookupKeyParams) (LookupKeyRow, error) {
 	row := db.QueryRow(ctx, lookupKey, arg.Prefix, arg.Hash)
 	var i LookupKeyRow
 	err := row.Scan(
 		&i.KeyID,
 		&i.Scopes,
+		&i.ExpiresAt,
 		&i.ProjectID,
 		&i.ProjectName,
 		&i.AccountID,

@@ -26,6 +26,7 @@ type ApiKey struct {
 	Scopes    []string
 	CreatedAt time.Time
 	RevokedAt *time.Time
+	ExpiresAt *time.Time
 }
 
 type Batch struct {

@@ -14,8 +14,8 @@ ON CONFLICT (account_id, name) DO UPDATE SET name = EXCLUDED.name
 RETURNING *;
 
 -- name: InsertAPIKey :one
-INSERT INTO api_keys (id, project_id, prefix, hash, scopes)
-VALUES (@id, @project_id, @prefix, @hash, @scopes)
+INSERT INTO api_keys (id, project_id, prefix, hash, scopes, expires_at)
+VALUES (@id, @project_id, @prefix, @hash, @scopes, sqlc.narg(expires_at))
 RETURNING *;
 
 -- name: RevokeAPIKey :execrows
@@ -41,7 +41,7 @@ SELECT * FROM projects WHERE account_id = @account_id AND name = @name;
 -- name: ListAPIKeys :many
 -- Every key with its account and project, newest first; only the account's
 -- when one is named. Operators list keys to find the one to revoke.
-SELECT k.id, k.prefix, k.scopes, k.created_at, k.revoked_at,
+SELECT k.id, k.prefix, k.scopes, k.created_at, k.revoked_at, k.expires_at,
        a.name AS account, a.tier, p.name AS project
 FROM api_keys k
 JOIN projects p ON p.id = k.project_id

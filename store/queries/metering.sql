@@ -1,11 +1,13 @@
 -- name: LookupKey :one
--- The principal of an active key (prefix and hash); no row: unknown or revoked.
-SELECT k.id AS key_id, k.scopes, p.id AS project_id, p.name AS project_name,
+-- The principal of an active key (prefix and hash), with when it expires; no
+-- row: unknown, revoked or expired.
+SELECT k.id AS key_id, k.scopes, k.expires_at, p.id AS project_id, p.name AS project_name,
        a.id AS account_id, a.name AS account_name, a.tier
 FROM api_keys k
 JOIN projects p ON p.id = k.project_id
 JOIN accounts a ON a.id = p.account_id
-WHERE k.prefix = @prefix AND k.hash = @hash AND k.revoked_at IS NULL;
+WHERE k.prefix = @prefix AND k.hash = @hash AND k.revoked_at IS NULL
+  AND (k.expires_at IS NULL OR k.expires_at > now());
 
 -- name: ListenPrincipals :exec
 LISTEN gateway_principals;
