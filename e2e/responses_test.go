@@ -247,6 +247,19 @@ func TestCLI(t *testing.T) {
 	require.Eventually(t, func() bool {
 		return g.call(http.MethodPost, "/api/v1/responses", brief, map[string]any{"prompt": "after the end"}).status == http.StatusUnauthorized
 	}, 10*time.Second, 100*time.Millisecond, "refused once expired, though cached")
+
+	// A rotation: the new key serves at once; without a grace, the old one is
+	// refused by the replica that had it cached.
+	old := strings.TrimSpace(mustCLI(t, b.db, "keys", "create", "--account", "acme"))
+	require.Equal(t, http.StatusOK, g.call(http.MethodPost, "/api/v1/responses", old, map[string]any{"prompt": "cached"}).status)
+	_, err = cli(t, b.db, "keys", "rotate", brief[:12])
+	require.ErrorContains(t, err, "no active key", "an ended key does not rotate")
+	rotated := strings.TrimSpace(mustCLI(t, b.db, "keys", "rotate", old[:12], "--grace", "0s"))
+	require.Regexp(t, `^igw_`, rotated)
+	require.Equal(t, http.StatusOK, g.call(http.MethodPost, "/api/v1/responses", rotated, map[string]any{"prompt": "the new key"}).status)
+	require.Eventually(t, func() bool {
+		return g.call(http.MethodPost, "/api/v1/responses", old, map[string]any{"prompt": "the old key"}).status == http.StatusUnauthorized
+	}, 10*time.Second, 50*time.Millisecond, "the old key is refused")
 }
 
 func TestBadConfigurationStopsStart(t *testing.T) {

@@ -116,19 +116,8 @@ func (s *Store) CreateKey(ctx context.Context, p CreateKeyParams) (string, error
 		if err != nil {
 			return fmt.Errorf("error upserting project: %w", err)
 		}
-		key, err := apikey.Generate()
-		if err != nil {
-			return fmt.Errorf("error generating key: %w", err)
-		}
-		// The prefix carries 40 random bits; a collision fails the unique index and
-		// the command, never a silent overwrite.
-		if _, err := s.queries.InsertAPIKey(ctx, tx, db.InsertAPIKeyParams{
-			ID: newID(), ProjectID: project.ID, Prefix: key.Prefix, Hash: key.Hash, Scopes: scopes, ExpiresAt: p.ExpiresAt,
-		}); err != nil {
-			return fmt.Errorf("error inserting key: %w", err)
-		}
-		token = key.Token
-		return nil
+		token, err = s.insertKey(ctx, tx, project.ID, scopes, p.ExpiresAt)
+		return err
 	})
 	if err != nil {
 		return "", err
@@ -136,7 +125,69 @@ func (s *Store) CreateKey(ctx context.Context, p CreateKeyParams) (string, error
 	return token, nil
 }
 
-// ErrKeyNotFound is returned when revoking a key that does not exist or is revoked.
+// insertKey issues a key of project with scopes, until expires (nil: for
+// good), and returns its token.
+func (s *Store) insertKey(ctx context.Context, tx pgx.Tx, project uuid.UUID, scopes []string, expires *time.Time) (string, error) {
+	key, err := apikey.Generate()
+	if err != nil {
+		return "", fmt.Errorf("error generating key: %w", err)
+	}
+	// The prefix carries 40 random bits; a collision fails the unique index and
+	// the command, never a silent overwrite.
+	if _, err := s.queries.InsertAPIKey(ctx, tx, db.InsertAPIKeyParams{
+		ID: newID(), ProjectID: project, Prefix: key.Prefix, Hash: key.Hash, Scopes: scopes, ExpiresAt: expires,
+	}); err != nil {
+		return "", fmt.Errorf("error inserting key: %w", err)
+	}
+	return key.Token, nil
+}
+
+// RotatedKey is the outcome of RotateKey.
+type RotatedKey struct {
+	// Token is the new key's (shown once).
+	Token string
+	// OldExpiresAt is when the key it replaces stops being accepted.
+	OldExpiresAt time.Time
+}
+
+// RotateKey issues a key with the project and scopes of an active one (by id
+// or prefix), until expires (nil: for good), and ends the old one after
+// grace, or sooner if it was to end sooner: clients move to the new key
+// meanwhile, and no request is refused while they do.
+func (s *Store) RotateKey(ctx context.Context, idOrPrefix string, grace time.Duration, expires *time.Time) (RotatedKey, error) {
+	if expires != nil && !expires.After(time.Now()) {
+		return RotatedKey{}, fmt.Errorf("the new key would expire at %s, which has passed", expires.UTC().Format(time.RFC3339))
+	}
+	var out RotatedKey
+	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		old, err := s.queries.LockActiveAPIKey(ctx, tx, idOrPrefix)
+		if errors.Is(err, pgx.ErrNoRows) {
+			return ErrKeyNotFound
+		}
+		if err != nil {
+			return fmt.Errorf("error reading key: %w", err)
+		}
+		if out.Token, err = s.insertKey(ctx, tx, old.ProjectID, old.Scopes, expires); err != nil {
+			return err
+		}
+		// At PostgreSQL's precision, so that what is reported is what is stored.
+		out.OldExpiresAt = time.Now().Add(max(grace, 0)).Truncate(time.Microsecond)
+		if old.ExpiresAt != nil && old.ExpiresAt.Before(out.OldExpiresAt) {
+			out.OldExpiresAt = *old.ExpiresAt
+		}
+		if err := s.queries.SetAPIKeyExpiry(ctx, tx, db.SetAPIKeyExpiryParams{ID: old.ID, ExpiresAt: &out.OldExpiresAt}); err != nil {
+			return fmt.Errorf("error ending the old key: %w", err)
+		}
+		return nil
+	})
+	if err != nil {
+		return RotatedKey{}, err
+	}
+	return out, nil
+}
+
+// ErrKeyNotFound is returned when revoking or rotating a key that does not
+// exist or is no longer active.
 var ErrKeyNotFound = errors.New("no active key with that id or prefix")
 
 // RevokeKey revokes a key by its id or its prefix.

@@ -176,6 +176,53 @@ func TestKeyExpiry(t *testing.T) {
 	require.Equal(t, gateway.EUnauthorized, gateway.ErrorCodeOf(err))
 }
 
+// TestRotateKey: a rotation issues a key of the same project and scopes and
+// ends the old one after the grace (or at its own end, if sooner); only an
+// active key rotates.
+func TestRotateKey(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	old, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference, gateway.ScopeUsage)
+
+	before := time.Now()
+	rotated, err := b.store.RotateKey(b.ctx, old[:12], time.Hour, nil)
+	require.NoError(t, err)
+	require.WithinDuration(t, before.Add(time.Hour), rotated.OldExpiresAt, time.Minute)
+	fresh, err := b.store.LookupKey(b.ctx, rotated.Token)
+	require.NoError(t, err)
+	require.NotEqual(t, p.KeyID, fresh.KeyID)
+	require.Equal(t, []any{p.ProjectID, p.Scopes}, []any{fresh.ProjectID, fresh.Scopes}, "the same project and scopes")
+	require.Nil(t, fresh.KeyExpiresAt, "the new key never expires unless asked")
+	stillOld, err := b.store.LookupKey(b.ctx, old)
+	require.NoError(t, err, "the old key is accepted during the grace")
+	require.True(t, rotated.OldExpiresAt.Equal(*stillOld.KeyExpiresAt), "reported as stored")
+
+	// Rotated again with a longer grace, the old key keeps its sooner end;
+	// with none, it ends now.
+	again, err := b.store.RotateKey(b.ctx, p.KeyID.String(), 48*time.Hour, nil)
+	require.NoError(t, err)
+	require.True(t, rotated.OldExpiresAt.Equal(again.OldExpiresAt), "its end is not pushed back")
+	ends := time.Now().Add(time.Hour)
+	_, err = b.store.RotateKey(b.ctx, old, 0, &ends)
+	require.ErrorIs(t, err, store.ErrKeyNotFound, "a key is named by its prefix or id, not its secret")
+	last, err := b.store.RotateKey(b.ctx, old[:12], 0, &ends)
+	require.NoError(t, err)
+	_, err = b.store.LookupKey(b.ctx, old)
+	require.Equal(t, gateway.EUnauthorized, gateway.ErrorCodeOf(err), "no grace: refused at once")
+	newest, err := b.store.LookupKey(b.ctx, last.Token)
+	require.NoError(t, err)
+	require.WithinDuration(t, ends, *newest.KeyExpiresAt, time.Millisecond)
+
+	_, err = b.store.RotateKey(b.ctx, old[:12], time.Hour, nil)
+	require.ErrorIs(t, err, store.ErrKeyNotFound, "an ended key does not rotate")
+	require.NoError(t, b.store.RevokeKey(b.ctx, rotated.Token[:12]))
+	_, err = b.store.RotateKey(b.ctx, rotated.Token[:12], time.Hour, nil)
+	require.ErrorIs(t, err, store.ErrKeyNotFound, "nor does a revoked one")
+	past := time.Now().Add(-time.Second)
+	_, err = b.store.RotateKey(b.ctx, last.Token[:12], time.Hour, &past)
+	require.ErrorContains(t, err, "which has passed")
+}
+
 func TestRecordRequestAndEvidence(t *testing.T) {
 	t.Parallel()
 	b := setup(t)

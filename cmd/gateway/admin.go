@@ -82,7 +82,7 @@ func migrateCmd() *cobra.Command {
 }
 
 func keysCmd() *cobra.Command {
-	keys := &cobra.Command{Use: "keys", Short: "Issue, list and revoke API keys", Long: "Issues, lists and revokes API keys.\n" + databaseHelp}
+	keys := &cobra.Command{Use: "keys", Short: "Issue, list, rotate and revoke API keys", Long: "Issues, lists, rotates and revokes API keys.\n" + databaseHelp}
 
 	var p store.CreateKeyParams
 	var tier, scopes, expires string
@@ -140,6 +140,37 @@ func keysCmd() *cobra.Command {
 			})
 		},
 	}
+	var grace time.Duration
+	var newExpires string
+	rotate := &cobra.Command{
+		Use:   "rotate KEY_PREFIX_OR_ID",
+		Short: "Issue a key in place of another (same project and scopes), and end the old one after --grace; prints the new key alone",
+		Long: "Issues a key with the project and scopes of an active one and prints it alone on stdout (it is shown once); " +
+			"the old key is accepted for --grace more, or until its own end if sooner, so clients move to the new key without a refused request.\n" + databaseHelp,
+		Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			var expires *time.Time
+			if newExpires != "" {
+				at, err := parseExpiry(newExpires, time.Now())
+				if err != nil {
+					return fmt.Errorf("--expires: %w", err)
+				}
+				expires = &at
+			}
+			return withStore(cmd.Context(), cmd.ErrOrStderr(), func(st *store.Store) error {
+				rotated, err := st.RotateKey(cmd.Context(), args[0], grace, expires)
+				if err != nil {
+					return err
+				}
+				fmt.Fprintln(cmd.OutOrStdout(), rotated.Token)
+				fmt.Fprintf(cmd.ErrOrStderr(), "%s is accepted until %s\n", args[0], rotated.OldExpiresAt.UTC().Format(time.RFC3339))
+				return nil
+			})
+		},
+	}
+	rotate.Flags().DurationVar(&grace, "grace", 24*time.Hour, "how long the old key is still accepted (0s: no longer)")
+	rotate.Flags().StringVar(&newExpires, "expires", "", "when the new key stops being accepted, as for create; never by default")
+
 	var account string
 	list := &cobra.Command{
 		Use:   "list",
@@ -158,7 +189,7 @@ func keysCmd() *cobra.Command {
 		},
 	}
 	list.Flags().StringVar(&account, "account", "", "only this account's keys")
-	keys.AddCommand(create, list, revoke)
+	keys.AddCommand(create, list, rotate, revoke)
 	return keys
 }
 

@@ -174,6 +174,34 @@ func (q *Queries) ListAccountProjects(ctx context.Context, db DBTX, accountID uu
 	return items, nil
 }
 
+const lockActiveAPIKey = `-- name: LockActiveAPIKey :one
+SELECT id, project_id, scopes, expires_at FROM api_keys
+WHERE (id::text = $1::text OR prefix = $1::text) AND revoked_at IS NULL
+  AND (expires_at IS NULL OR expires_at > now())
+FOR UPDATE
+`
+
+type LockActiveAPIKeyRow struct {
+	ID        uuid.UUID
+	ProjectID uuid.UUID
+	Scopes    []string
+	ExpiresAt *time.Time
+}
+
+// An active key (neither revoked nor expired) by key id (text form) or prefix,
+// locked until the transaction ends.
+func (q *Queries) LockActiveAPIKey(ctx context.Context, db DBTX, key string) (LockActiveAPIKeyRow, error) {
+	row := db.QueryRow(ctx, lockActiveAPIKey, key)
+	var i LockActiveAPIKeyRow
+	err := row.Scan(
+		&i.ID,
+		&i.ProjectID,
+		&i.Scopes,
+		&i.ExpiresAt,
+	)
+	return i, err
+}
+
 const revokeAPIKey = `-- name: RevokeAPIKey :execrows
 UPDATE api_keys SET revoked_at = now()
 WHERE (id::text = $1::text OR prefix = $1::text) AND revoked_at IS NULL
@@ -186,6 +214,20 @@ func (q *Queries) RevokeAPIKey(ctx context.Context, db DBTX, key string) (int64,
 		return 0, err
 	}
 	return result.RowsAffected(), nil
+}
+
+const setAPIKeyExpiry = `-- name: SetAPIKeyExpiry :exec
+UPDATE api_keys SET expires_at = $1 WHERE id = $2
+`
+
+type SetAPIKeyExpiryParams struct {
+	ExpiresAt *time.Time
+	ID        uuid.UUID
+}
+
+func (q *Queries) SetAPIKeyExpiry(ctx context.Context, db DBTX, arg SetAPIKeyExpiryParams) error {
+	_, err := db.Exec(ctx, setAPIKeyExpiry, arg.ExpiresAt, arg.ID)
+	return err
 }
 
 const setAccountDailyCeiling = `-- name: SetAccountDailyCeiling :execrows

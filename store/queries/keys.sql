@@ -23,6 +23,17 @@ RETURNING *;
 UPDATE api_keys SET revoked_at = now()
 WHERE (id::text = @key::text OR prefix = @key::text) AND revoked_at IS NULL;
 
+-- name: LockActiveAPIKey :one
+-- An active key (neither revoked nor expired) by key id (text form) or prefix,
+-- locked until the transaction ends.
+SELECT id, project_id, scopes, expires_at FROM api_keys
+WHERE (id::text = @key::text OR prefix = @key::text) AND revoked_at IS NULL
+  AND (expires_at IS NULL OR expires_at > now())
+FOR UPDATE;
+
+-- name: SetAPIKeyExpiry :exec
+UPDATE api_keys SET expires_at = @expires_at WHERE id = @id;
+
 -- name: SetAccountDailyCeiling :execrows
 UPDATE accounts SET daily_rung_ceiling = @daily_rung_ceiling WHERE id = @id;
 
