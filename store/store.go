@@ -85,8 +85,8 @@ func (s *Store) CreateKey(ctx context.Context, p CreateKeyParams) (string, error
 	if len(p.Scopes) == 0 {
 		return "", errors.New("a key needs at least one scope")
 	}
-	if p.ExpiresAt != nil && !p.ExpiresAt.After(time.Now()) {
-		return "", fmt.Errorf("the key would expire at %s, which has passed", p.ExpiresAt.UTC().Format(time.RFC3339))
+	if err := checkEnd(p.ExpiresAt); err != nil {
+		return "", err
 	}
 	scopes := make([]string, 0, len(p.Scopes))
 	for _, sc := range p.Scopes {
@@ -125,6 +125,14 @@ func (s *Store) CreateKey(ctx context.Context, p CreateKeyParams) (string, error
 	return token, nil
 }
 
+// checkEnd refuses the end of a key to be issued when it has passed.
+func checkEnd(expires *time.Time) error {
+	if expires != nil && !expires.After(time.Now()) {
+		return fmt.Errorf("the key would expire at %s, which has passed", expires.UTC().Format(time.RFC3339))
+	}
+	return nil
+}
+
 // insertKey issues a key of project with scopes, until expires (nil: for
 // good), and returns its token.
 func (s *Store) insertKey(ctx context.Context, tx pgx.Tx, project uuid.UUID, scopes []string, expires *time.Time) (string, error) {
@@ -155,8 +163,8 @@ type RotatedKey struct {
 // grace, or sooner if it was to end sooner: clients move to the new key
 // meanwhile, and no request is refused while they do.
 func (s *Store) RotateKey(ctx context.Context, idOrPrefix string, grace time.Duration, expires *time.Time) (RotatedKey, error) {
-	if expires != nil && !expires.After(time.Now()) {
-		return RotatedKey{}, fmt.Errorf("the new key would expire at %s, which has passed", expires.UTC().Format(time.RFC3339))
+	if err := checkEnd(expires); err != nil {
+		return RotatedKey{}, err
 	}
 	var out RotatedKey
 	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {

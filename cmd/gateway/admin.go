@@ -140,8 +140,7 @@ func keysCmd() *cobra.Command {
 			})
 		},
 	}
-	var grace time.Duration
-	var newExpires string
+	var grace, newExpires string
 	rotate := &cobra.Command{
 		Use:   "rotate KEY_PREFIX_OR_ID",
 		Short: "Issue a key in place of another (same project and scopes), and end the old one after --grace; prints the new key alone",
@@ -149,6 +148,10 @@ func keysCmd() *cobra.Command {
 			"the old key is accepted for --grace more, or until its own end if sooner, so clients move to the new key without a refused request.\n" + databaseHelp,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
+			keep, err := parseSpan(grace)
+			if err != nil {
+				return fmt.Errorf("--grace: %w", err)
+			}
 			var expires *time.Time
 			if newExpires != "" {
 				at, err := parseExpiry(newExpires, time.Now())
@@ -158,7 +161,7 @@ func keysCmd() *cobra.Command {
 				expires = &at
 			}
 			return withStore(cmd.Context(), cmd.ErrOrStderr(), func(st *store.Store) error {
-				rotated, err := st.RotateKey(cmd.Context(), args[0], grace, expires)
+				rotated, err := st.RotateKey(cmd.Context(), args[0], keep, expires)
 				if err != nil {
 					return err
 				}
@@ -168,7 +171,7 @@ func keysCmd() *cobra.Command {
 			})
 		},
 	}
-	rotate.Flags().DurationVar(&grace, "grace", 24*time.Hour, "how long the old key is still accepted (0s: no longer)")
+	rotate.Flags().StringVar(&grace, "grace", "24h", "how long the old key is still accepted, in days (7d) or as a duration (12h; 0s: no longer)")
 	rotate.Flags().StringVar(&newExpires, "expires", "", "when the new key stops being accepted, as for create; never by default")
 
 	var account string
@@ -193,15 +196,26 @@ func keysCmd() *cobra.Command {
 	return keys
 }
 
-// parseExpiry reads --expires: a number of days (90d) or a duration (12h,
-// 30m) from now, the start of a UTC day (YYYY-MM-DD), or an RFC 3339 time.
-func parseExpiry(v string, now time.Time) (time.Time, error) {
+// maxSpanDays bounds a span given in days (a hundred years).
+const maxSpanDays = 36500
+
+// parseSpan reads a span of time: whole days (90d) or a duration (12h, 30m),
+// not negative.
+func parseSpan(v string) (time.Duration, error) {
 	if days, ok := strings.CutSuffix(v, "d"); ok {
-		if n, err := strconv.Atoi(days); err == nil && n > 0 && n <= 36500 {
-			return now.AddDate(0, 0, n), nil
+		if n, err := strconv.Atoi(days); err == nil && n >= 0 && n <= maxSpanDays {
+			return time.Duration(n) * 24 * time.Hour, nil
 		}
+	} else if d, err := time.ParseDuration(v); err == nil && d >= 0 {
+		return d, nil
 	}
-	if d, err := time.ParseDuration(v); err == nil && d > 0 {
+	return 0, fmt.Errorf("want days (7d) or a duration (12h, 30m), got %q", v)
+}
+
+// parseExpiry reads --expires: a span from now (90d, 12h; see parseSpan), the
+// start of a UTC day (YYYY-MM-DD), or an RFC 3339 time.
+func parseExpiry(v string, now time.Time) (time.Time, error) {
+	if d, err := parseSpan(v); err == nil && d > 0 {
 		return now.Add(d), nil
 	}
 	if t, err := time.Parse(dayLayout, v); err == nil {

@@ -27,3 +27,17 @@ func TestParseExpiry(t *testing.T) {
 		require.ErrorContains(t, err, "want a time from now", v)
 	}
 }
+
+// TestParseSpan: --grace takes days or a duration, zero included.
+func TestParseSpan(t *testing.T) {
+	t.Parallel()
+	for v, want := range map[string]time.Duration{"7d": 7 * 24 * time.Hour, "0d": 0, "12h": 12 * time.Hour, "0s": 0, "90m": 90 * time.Minute} {
+		got, err := parseSpan(v)
+		require.NoError(t, err, v)
+		require.Equal(t, want, got, v)
+	}
+	for _, v := range []string{"", "-1d", "-1h", "1.5d", "36501d", "a week"} {
+		_, err := parseSpan(v)
+		require.ErrorContains(t, err, "want days (7d) or a duration", v)
+	}
+}
