@@ -315,7 +315,7 @@ func (d *Drainer) claim(commits context.Context, n int, models []gateway.Model) 
 	runnable := items[:0]
 	for _, it := range items {
 		if it.BudgetRefused {
-			d.cfg.Metrics.BatchItem("refused")
+			d.cfg.Metrics.BatchItem(metrics.ItemRefused)
 			refused = append(refused, it.BatchID)
 			continue
 		}
@@ -421,7 +421,7 @@ func (d *Drainer) requeue(ctx context.Context, it store.ClaimedItem) {
 		d.logger.Error("error handing item back to the queue", "batch_id", it.BatchID, "index", it.Index, "error", err)
 		return
 	}
-	d.cfg.Metrics.BatchItem("requeued")
+	d.cfg.Metrics.BatchItem(metrics.ItemRequeued)
 	d.finish(ctx, r.Cancelled)
 }
 

@@ -341,7 +341,7 @@ func (s *Service) settle(ctx context.Context, call *Call, res upstream.Result, f
 		s.Ledger.Unconfirmed(call.RequestID, usage.TotalRungs)
 		s.logger().ErrorContext(ctx, "a settlement's reply was lost and the database stayed away: the response is sent with its usage, which may not be stored yet; it is sent again until the database answers",
 			"request_id", call.RequestID, "account_id", call.Principal.AccountID, "total_rungs", usage.TotalRungs, "error", err)
-		s.Metrics.Unconfirmed("sent")
+		s.Metrics.Unconfirmed(metrics.UnconfirmedSent)
 		s.settleLater(record)
 		err = nil
 	}
@@ -398,14 +398,14 @@ func (s *Service) settleLater(record gateway.UsageRecord) {
 			s.lateMissing(record, err)
 			return
 		}
-		s.Metrics.Unconfirmed("stored")
+		s.Metrics.Unconfirmed(metrics.UnconfirmedStored)
 		s.logger().Info("a settlement sent with its usage is stored", "request_id", record.RequestID)
 	}()
 }
 
 // lateMissing reports a settlement sent with its usage that was given up on.
 func (s *Service) lateMissing(record gateway.UsageRecord, err error) {
-	s.Metrics.Unconfirmed("missing")
+	s.Metrics.Unconfirmed(metrics.UnconfirmedMissing)
 	s.logger().Error("a settlement sent with its usage could not be stored; its usage may be missing", "request_id", record.RequestID,
 		"account_id", record.Principal.AccountID, "total_rungs", record.Usage.TotalRungs, "error", err)
 }

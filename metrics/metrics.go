@@ -126,10 +126,10 @@ func New() *Metrics {
 	// The counters that alerts (deploy/prometheus) take increases of are
 	// exported at zero from the start: a series that first appears at 1
 	// shows no increase, and its first event would not alert.
-	for _, o := range []string{"sent", "stored", "missing"} {
+	for _, o := range []string{UnconfirmedSent, UnconfirmedStored, UnconfirmedMissing} {
 		m.unconfirmed.WithLabelValues(o)
 	}
-	for _, o := range []string{"completed", "failed", "requeued", "refused"} {
+	for _, o := range []string{string(gateway.ItemCompleted), string(gateway.ItemFailed), ItemRequeued, ItemRefused} {
 		m.batchItems.WithLabelValues(o)
 	}
 	for _, model := range gateway.Models {
@@ -220,6 +220,15 @@ func (m *Metrics) StreamClosed() {
 	}
 }
 
+// Outcomes of a batch item that BatchItem records besides its final status
+// (completed, failed).
+const (
+	// ItemRequeued is an item handed back to the queue, never dispatched.
+	ItemRequeued = "requeued"
+	// ItemRefused is an item its project's budget cap could not cover.
+	ItemRefused = "refused"
+)
+
 // BatchItem records a batch item's outcome here.
 func (m *Metrics) BatchItem(outcome string) {
 	if m != nil {
@@ -272,8 +281,16 @@ func (m *Metrics) Refusal(reason string) {
 	}
 }
 
+// What became of a settlement whose outcome was unknown when its reply was
+// sent (see Unconfirmed).
+const (
+	UnconfirmedSent    = "sent"    // the reply went out with its usage
+	UnconfirmedStored  = "stored"  // sent again, and stored
+	UnconfirmedMissing = "missing" // given up on: its usage may be missing
+)
+
 // Unconfirmed records what became of a settlement whose outcome was unknown
-// when its reply was sent: sent, stored or missing.
+// when its reply was sent: one of the Unconfirmed constants.
 func (m *Metrics) Unconfirmed(outcome string) {
 	if m != nil {
 		m.unconfirmed.WithLabelValues(outcome).Inc()
