@@ -96,12 +96,9 @@ func keysCmd() *cobra.Command {
 				t := gateway.Tier(tier)
 				p.Tier = &t
 			}
-			if expires != "" {
-				at, err := parseExpiry(expires, time.Now())
-				if err != nil {
-					return fmt.Errorf("--expires: %w", err)
-				}
-				p.ExpiresAt = &at
+			var err error
+			if p.ExpiresAt, err = expiresFlag(expires); err != nil {
+				return err
 			}
 			for _, s := range strings.Split(scopes, ",") {
 				if s = strings.TrimSpace(s); s != "" {
@@ -152,13 +149,9 @@ func keysCmd() *cobra.Command {
 			if err != nil {
 				return fmt.Errorf("--grace: %w", err)
 			}
-			var expires *time.Time
-			if newExpires != "" {
-				at, err := parseExpiry(newExpires, time.Now())
-				if err != nil {
-					return fmt.Errorf("--expires: %w", err)
-				}
-				expires = &at
+			expires, err := expiresFlag(newExpires)
+			if err != nil {
+				return err
 			}
 			return withStore(cmd.Context(), cmd.ErrOrStderr(), func(st *store.Store) error {
 				rotated, err := st.RotateKey(cmd.Context(), args[0], keep, expires)
@@ -210,6 +203,19 @@ func parseSpan(v string) (time.Duration, error) {
 		return d, nil
 	}
 	return 0, fmt.Errorf("want days (7d) or a duration (12h, 30m), got %q", v)
+}
+
+// expiresFlag reads an --expires flag (see parseExpiry); nil when it is not
+// given: the key never expires.
+func expiresFlag(v string) (*time.Time, error) {
+	if v == "" {
+		return nil, nil
+	}
+	at, err := parseExpiry(v, time.Now())
+	if err != nil {
+		return nil, fmt.Errorf("--expires: %w", err)
+	}
+	return &at, nil
 }
 
 // parseExpiry reads --expires: a span from now (90d, 12h; see parseSpan), the
