@@ -65,11 +65,7 @@ type UsageLine = db.UsageReportRow
 // project, UTC day of completion, model and entry point, in that order; only
 // account's when it is not empty.
 func (s *Store) UsageReport(ctx context.Context, start, end time.Time, account string) ([]UsageLine, error) {
-	var filter *string
-	if account != "" {
-		filter = &account
-	}
-	lines, err := s.queries.UsageReport(ctx, s.pool, db.UsageReportParams{Start: start, EndTime: end, Account: filter})
+	lines, err := s.queries.UsageReport(ctx, s.pool, db.UsageReportParams{Start: start, EndTime: end, Account: nameFilter(account)})
 	if err != nil {
 		return nil, fmt.Errorf("error reading usage: %w", err)
 	}

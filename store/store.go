@@ -216,15 +216,19 @@ type Key = db.ListAPIKeysRow
 // ListKeys returns every key with its account and project, newest first, or
 // only the named account's when account is not empty.
 func (s *Store) ListKeys(ctx context.Context, account string) ([]Key, error) {
-	var filter *string
-	if account != "" {
-		filter = &account
-	}
-	keys, err := s.queries.ListAPIKeys(ctx, s.pool, filter)
+	keys, err := s.queries.ListAPIKeys(ctx, s.pool, nameFilter(account))
 	if err != nil {
 		return nil, fmt.Errorf("error listing keys: %w", err)
 	}
 	return keys, nil
+}
+
+// nameFilter is a query's optional filter by name: nil (everyone) for "".
+func nameFilter(name string) *string {
+	if name == "" {
+		return nil
+	}
+	return &name
 }
 
 // SetLimitsParams are the limits to set; nil fields are left as they are,
