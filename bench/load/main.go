@@ -2,8 +2,14 @@
 // responses route and the same fake upstream directly, side by side in one
 // run, with an open-loop load at fixed request rates, and prints req/s and
 // p50/p90/p99 for both and their difference, the CPU each request cost the
-// gateway and PostgreSQL, and the database commits, WAL flushes and WAL
-// records per request; then the saturation point of both under a closed loop.
+// gateway, PostgreSQL and this process, and the database commits, WAL flushes
+// and WAL records per request; then the saturation point of both under a
+// closed loop.
+//
+// This process is the load's HTTP client and the fake upstream's HTTP server:
+// driving the upstream directly, its CPU per request is what one Go process
+// spends being the client and the server of one exchange on this machine,
+// the least a proxy of the same exchange can spend.
 //
 // It starts everything it needs (see benchenv): a private PostgreSQL with
 // production durability, the fake upstream, and the gateway binary.
@@ -27,6 +33,7 @@ import (
 
 	"github.com/rungworks/gateway/bench/internal/benchenv"
 	"github.com/rungworks/gateway/internal/fakeupstream"
+	"github.com/rungworks/gateway/internal/proccpu"
 	"github.com/rungworks/gateway/store"
 )
 
@@ -111,8 +118,8 @@ func run(binary, rateList string, o options) error {
 
 	fmt.Printf("gateway (%s) vs. upstream direct, open loop, %s per rate (after %s warm-up), %d cores, %d tenants%s%s\n\n",
 		protocol, o.duration, o.warmup, runtime.NumCPU(), len(keys), benchenv.CappedNote(o.capped), benchenv.CitedNote(o.uncited))
-	fmt.Println("| rate (req/s) | target | achieved req/s | errors | p50 | p90 | p99 | CPU/req gateway | CPU/req PostgreSQL | commits/req | WAL flushes/req | WAL records/req |")
-	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|")
+	fmt.Println("| rate (req/s) | target | achieved req/s | errors | p50 | p90 | p99 | CPU/req gateway | CPU/req PostgreSQL | CPU/req load + fake upstream | commits/req | WAL flushes/req | WAL records/req |")
+	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 	for _, field := range strings.Split(rateList, ",") {
 		rate, err := strconv.Atoi(strings.TrimSpace(field))
 		if err != nil || rate <= 0 {
@@ -141,7 +148,7 @@ func run(binary, rateList string, o options) error {
 			fmt.Printf("| %d | %s | %.0f | %d | %s | %s | %s | %s |\n", rate, t.name, results[i].achieved, results[i].errors,
 				ms(results[i].pct(50)), ms(results[i].pct(90)), ms(results[i].pct(99)), cost)
 		}
-		fmt.Printf("| %d | **added by gateway** | | | %s | %s | %s | | | | | |\n", rate,
+		fmt.Printf("| %d | **added by gateway** | | | %s | %s | %s | | | | | | |\n", rate,
 			ms(results[1].pct(50)-results[0].pct(50)), ms(results[1].pct(90)-results[0].pct(90)), ms(results[1].pct(99)-results[0].pct(99)))
 	}
 	if o.connections > 0 {
@@ -188,8 +195,8 @@ func changeLimits(st *store.Store, accounts []string, every time.Duration) func(
 
 // counters are the cumulative costs a measurement takes the difference of.
 type counters struct {
-	gatewayCPU, postgresCPU time.Duration
-	activity                store.Activity
+	gatewayCPU, postgresCPU, loadCPU time.Duration
+	activity                         store.Activity
 }
 
 func sample(st *store.Store, pid int) (counters, error) {
@@ -198,18 +205,21 @@ func sample(st *store.Store, pid int) (counters, error) {
 	if c.activity, err = benchenv.Activity(st); err != nil {
 		return c, err
 	}
-	c.gatewayCPU, c.postgresCPU, err = benchenv.CPU(pid)
+	if c.gatewayCPU, c.postgresCPU, err = benchenv.CPU(pid); err != nil {
+		return c, err
+	}
+	c.loadCPU, err = proccpu.Of(os.Getpid())
 	return c, err
 }
 
 // since formats the cost per request of n requests between b and c.
 func (c counters) since(b counters, n int) string {
 	if n == 0 {
-		return "| | | |"
+		return "| | | | |"
 	}
 	a := c.activity.Since(b.activity)
-	return fmt.Sprintf("%s | %s | %.2f | %.2f | %.1f", benchenv.PerUnit(c.gatewayCPU-b.gatewayCPU, n), benchenv.PerUnit(c.postgresCPU-b.postgresCPU, n),
-		float64(a.Commits)/float64(n), float64(a.WALSyncs)/float64(n), float64(a.WALRecords)/float64(n))
+	return fmt.Sprintf("%s | %s | %s | %.2f | %.2f | %.1f", benchenv.PerUnit(c.gatewayCPU-b.gatewayCPU, n), benchenv.PerUnit(c.postgresCPU-b.postgresCPU, n),
+		benchenv.PerUnit(c.loadCPU-b.loadCPU, n), float64(a.Commits)/float64(n), float64(a.WALSyncs)/float64(n), float64(a.WALRecords)/float64(n))
 }
 
 // saturate sends requests back to back on n connections for d.
