@@ -290,7 +290,8 @@ func TestDevRunsAndReusesItsData(t *testing.T) {
 	require.NoError(t, os.Chmod(tmp, 0o755))
 	require.NoError(t, os.Chmod(filepath.Dir(tmp), 0o755))
 	run := func() string {
-		g := start(t, map[string]string{"GATEWAY_SIM_TOKEN_LATENCY": "0s"}, "dev", "--data", dataDir, "--pg-port", "0")
+		// GATEWAY_DRAIN_DELAY empty: dev's own default, not the harness's.
+		g := start(t, map[string]string{"GATEWAY_SIM_TOKEN_LATENCY": "0s", "GATEWAY_DRAIN_DELAY": ""}, "dev", "--data", dataDir, "--pg-port", "0")
 		line := waitForLine(t, g.stdout, "API key:")
 		key := strings.TrimSpace(strings.TrimPrefix(line, "API key:"))
 		require.Contains(t, g.stdout.String(), "curl -s "+g.base+"/api/v1/responses")
@@ -301,6 +302,7 @@ func TestDevRunsAndReusesItsData(t *testing.T) {
 		require.NoError(t, g.cmd.Process.Signal(syscall.SIGINT))
 		require.NoError(t, <-g.done, "dev stops cleanly on Ctrl-C: %s", g.stderr.String())
 		g.done <- nil
+		require.Contains(t, g.stderr.String(), `"drain_delay":"0s"`, "with no load balancer in front, dev stops without waiting for one")
 		return key
 	}
 	first := run()

@@ -36,12 +36,18 @@ find it. With DATABASE_URL set, that database is used instead.
 
 Ports: the API listens on GATEWAY_LISTEN (:8080), metrics on
 GATEWAY_METRICS_LISTEN (:9810, or off), PostgreSQL on --pg-port (54329; 0 picks
-any free port). A port in use is reported at once with what moves it.`,
+any free port). A port in use is reported at once with what moves it.
+
+No load balancer stands in front of dev, so on Ctrl-C it stops at once:
+GATEWAY_DRAIN_DELAY is 0 unless set.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			cfg, err := config.Load()
 			if err != nil {
 				return err
+			}
+			if os.Getenv("GATEWAY_DRAIN_DELAY") == "" {
+				cfg.DrainDelay = 0
 			}
 			ctx := cmd.Context()
 			if cfg.DatabaseURL == "" {
