@@ -5,7 +5,6 @@ package benchenv
 
 import (
 	"context"
-	"crypto/sha256"
 	"fmt"
 	"net"
 	"net/http"
@@ -302,22 +301,6 @@ func OpenStore(env []string) (*store.Store, error) {
 		}
 	}
 	return nil, fmt.Errorf("no DATABASE_URL in the gateway's environment")
-}
-
-// Pace times a fixed single-threaded piece of work (hashing 64 MiB) and
-// returns a line saying how long it took. On a shared machine the CPU time a
-// unit of work costs moves with the neighbours (the same binary has drained
-// 3,500 and 5,400 items/s minutes apart); Start and Close print the pace, so
-// that runs made at different moments can be told apart.
-func Pace(when string) string {
-	buf := make([]byte, 1<<20)
-	h := sha256.New()
-	start := time.Now()
-	for range 64 {
-		h.Write(buf)
-	}
-	h.Sum(nil)
-	return fmt.Sprintf("machine pace %s: 64 MiB hashed in %.0f ms", when, float64(time.Since(start).Microseconds())/1000)
 }
 
 // Activity reads the counters of st's database (see OpenStore) once
