@@ -1175,9 +1175,11 @@ func TestExpireBatches(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
-	soon := time.Now().Add(300 * time.Millisecond)
-	queued := b.newBatch(t, p, 2, 50, "", soon)
-	running := b.newBatch(t, p, 3, 50, "", soon)
+	// The window ends once the claims below are done, moved into the past
+	// (see pastWindow) rather than waited for, which a slow run would race.
+	window := time.Now().Add(time.Hour)
+	queued := b.newBatch(t, p, 2, 50, "", window)
+	running := b.newBatch(t, p, 3, 50, "", window)
 	owner := uuid.Must(uuid.NewV7())
 	items, err := b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: owner, Max: 1, PerAccount: 1, Lease: time.Minute})
 	require.NoError(t, err)
@@ -1187,13 +1189,14 @@ func TestExpireBatches(t *testing.T) {
 	_, err = b.store.RequeueItems(b.ctx, owner, []store.ItemKey{{BatchID: items[0].BatchID, Index: items[0].Index}})
 	require.NoError(t, err)
 	require.NoError(t, b.store.CancelBatch(b.ctx, p.AccountID, queued))
-	queued = b.newBatch(t, p, 2, 50, "", soon)
+	queued = b.newBatch(t, p, 2, 50, "", window)
 	items, err = b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: owner, Max: 1, PerAccount: 1, Lease: time.Minute})
 	require.NoError(t, err)
+	require.Len(t, items, 1)
 	require.Equal(t, running, items[0].BatchID)
 	require.NoError(t, b.store.StartBatches(b.ctx, []uuid.UUID{running}))
 
-	time.Sleep(350 * time.Millisecond)
+	b.pastWindow(t, queued, running)
 	require.Empty(t, b.claim(t, uuid.Must(uuid.NewV7()), 10, time.Minute), "nothing past its window is claimed")
 	n, err := b.store.ExpireBatches(b.ctx, 100)
 	require.NoError(t, err)
@@ -1220,6 +1223,16 @@ func TestExpireBatches(t *testing.T) {
 	_, err = b.store.Batch(b.ctx, p.AccountID, running)
 	require.Equal(t, gateway.EBatchNotFound, gateway.ErrorCodeOf(err))
 	require.Equal(t, int64(25), b.view(t, p).Totals.TotalRungs)
+}
+
+// pastWindow ends the completion window of batches and their items a
+// second ago.
+func (b *testBundle) pastWindow(t *testing.T, batches ...uuid.UUID) {
+	t.Helper()
+	_, err := b.store.Pool().Exec(b.ctx, `UPDATE batches SET expires_at = now() - interval '1 second' WHERE id = ANY($1)`, batches)
+	require.NoError(t, err)
+	_, err = b.store.Pool().Exec(b.ctx, `UPDATE batch_items SET expires_at = now() - interval '1 second' WHERE batch_id = ANY($1)`, batches)
+	require.NoError(t, err)
 }
 
 // startTracer is a pgx.QueryTracer that looks only at statements' starts.
