@@ -21,10 +21,11 @@ import (
 // many times over while it hashes as fast as ever.
 func Pace(when string) string {
 	line := fmt.Sprintf("machine pace %s: 64 MiB hashed in %.0f ms, a system call %.2f µs", when, ms(hashTime()), us(syscallTime()))
-	if rt, err := wakeRoundTrip(20_000); err == nil {
-		line += fmt.Sprintf(", a wake-up round trip between two threads %.1f µs", us(rt))
+	rt, err := wakeRoundTrip(20_000)
+	if err != nil {
+		return line + fmt.Sprintf(", no wake-up round trip measured (%v)", err)
 	}
-	return line
+	return line + fmt.Sprintf(", a wake-up round trip between two threads %.1f µs", us(rt))
 }
 
 func ms(d time.Duration) float64 { return float64(d.Microseconds()) / 1000 }
