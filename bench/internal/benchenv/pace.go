@@ -63,8 +63,8 @@ func wakeRoundTrip(n int) (time.Duration, error) {
 		return 0, fmt.Errorf("error creating a pipe: %w", err)
 	}
 	defer syscall.Close(ping[0])
-	defer syscall.Close(ping[1])
 	if err := syscall.Pipe2(pong[:], syscall.O_CLOEXEC); err != nil {
+		syscall.Close(ping[1])
 		return 0, fmt.Errorf("error creating a pipe: %w", err)
 	}
 	defer syscall.Close(pong[0])
@@ -78,17 +78,30 @@ func wakeRoundTrip(n int) (time.Duration, error) {
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
 	start := time.Now()
+	err := pingPong(ping[1], pong[0], n)
+	elapsed := time.Since(start)
+	// Closing ping's writer ends the relay should it still wait (pingPong
+	// gave up); the pipes it reads and writes are closed only once it has
+	// returned, so it never touches a descriptor number used again.
+	syscall.Close(ping[1])
+	if relayErr := <-echoed; err == nil {
+		err = relayErr
+	}
+	return elapsed / time.Duration(n), err
+}
+
+// pingPong writes a byte to out and reads one back from in, n times.
+func pingPong(out, in, n int) error {
 	b := []byte{0}
 	for range n {
-		if _, err := syscall.Write(ping[1], b); err != nil {
-			return 0, fmt.Errorf("error writing to a pipe: %w", err)
+		if _, err := syscall.Write(out, b); err != nil {
+			return fmt.Errorf("error writing to a pipe: %w", err)
 		}
-		if _, err := syscall.Read(pong[0], b); err != nil {
-			return 0, fmt.Errorf("error reading from a pipe: %w", err)
+		if _, err := syscall.Read(in, b); err != nil {
+			return fmt.Errorf("error reading from a pipe: %w", err)
 		}
 	}
-	elapsed := time.Since(start)
-	return elapsed / time.Duration(n), <-echoed
+	return nil
 }
 
 // relay reads n bytes one at a time from in and writes each to out. It
