@@ -429,7 +429,12 @@ func (d *Drainer) requeue(ctx context.Context, it store.ClaimedItem) {
 // together) and finishes the batches they complete, until results is closed.
 func (d *Drainer) complete(ctx context.Context) {
 	for first := range d.results {
-		group, spans := []store.ItemResult{first.ItemResult}, []tracing.SpanRef{first.span}
+		// The items' spans are gathered only for a commit span to link to.
+		traced := tracing.On()
+		group, spans := []store.ItemResult{first.ItemResult}, []tracing.SpanRef(nil)
+		if traced {
+			spans = append(spans, first.span)
+		}
 		timer := time.NewTimer(completeWindow)
 	gather:
 		for len(group) < completeBatch {
@@ -438,7 +443,10 @@ func (d *Drainer) complete(ctx context.Context) {
 				if !ok {
 					break gather
 				}
-				group, spans = append(group, r.ItemResult), append(spans, r.span)
+				group = append(group, r.ItemResult)
+				if traced {
+					spans = append(spans, r.span)
+				}
 			case <-timer.C:
 				break gather
 			}
