@@ -93,7 +93,18 @@ type table struct {
 	targets     []*target
 	maxAttempts int
 	maxTime     time.Duration
+
+	// Once replaced (retired), the table's clients close their idle
+	// connections when its last call ends: a provider routed no more is not
+	// kept connected to until its idle time runs out.
+	calls   atomic.Int64
+	retired atomic.Bool
+	idlers  []idleCloser
 }
+
+// idleCloser is a client that keeps connections for the next call and can
+// close those not in use (as http.Client can).
+type idleCloser interface{ CloseIdleConnections() }
 
 type route struct {
 	model    gateway.Model
@@ -107,6 +118,35 @@ type target struct {
 	Target
 	circuit *circuit
 	metrics *metrics.Target
+}
+
+// retire marks tb replaced: its clients close their idle connections now if
+// no call runs on it, otherwise when the last one ends (see done).
+func (tb *table) retire() {
+	tb.retired.Store(true)
+	if tb.calls.Load() == 0 {
+		tb.closeIdle()
+	}
+}
+
+// start counts a call running on tb, which done ends.
+func (tb *table) start() { tb.calls.Add(1) }
+
+// done ends a call counted by start; the last call of a retired table closes
+// its clients' idle connections, including the one it just returned.
+func (tb *table) done() {
+	if tb.calls.Add(-1) == 0 && tb.retired.Load() {
+		tb.closeIdle()
+	}
+}
+
+// closeIdle closes the idle connections of tb's clients; a call that starts
+// on tb after this (it loaded tb just before the swap) closes them again when
+// it is done.
+func (tb *table) closeIdle() {
+	for _, c := range tb.idlers {
+		c.CloseIdleConnections()
+	}
 }
 
 var _ upstream.Provider = (*Router)(nil)
@@ -129,9 +169,10 @@ func New(cfg Config) (*Router, error) {
 
 // Replace serves cfg's routes (its Metrics and Logger aside: the router keeps
 // its own) from the next call on; calls running finish on the routes they
-// started with. Every target starts with a closed circuit, and the metrics
-// of the targets no longer routed are dropped. On an error the routes in use
-// stay.
+// started with, after which the clients of the routes replaced close their
+// idle connections (cfg brings clients of its own). Every target starts with
+// a closed circuit, and the metrics of the targets no longer routed are
+// dropped. On an error the routes in use stay.
 func (r *Router) Replace(cfg Config) error {
 	t, err := r.build(cfg)
 	if err != nil {
@@ -144,6 +185,7 @@ func (r *Router) Replace(cfg Config) error {
 	t.closeCircuits()
 	r.wakeLocked()
 	r.mu.Unlock()
+	old.retire()
 	for _, gone := range old.targets {
 		if !slices.ContainsFunc(t.targets, func(kept *target) bool { return kept.sameAs(gone.Target) }) {
 			r.metrics.DropTarget(gone.Provider, gone.UpstreamModel)
@@ -207,6 +249,9 @@ func (r *Router) build(cfg Config) (*table, error) {
 			tt, ok := shared[key]
 			if !ok {
 				tt = &target{Target: t, metrics: r.metrics.Target(t.Provider, t.UpstreamModel)}
+				if c, ok := t.Client.(idleCloser); ok {
+					tb.idlers = append(tb.idlers, c)
+				}
 				tt.Client = upstream.Guard(t.Client)
 				tt.circuit = newCircuit(circuitCfg, func(state int) { r.circuitChanged(tb, tt, state) })
 				shared[key] = tt
@@ -252,6 +297,8 @@ func (r *Router) run(ctx context.Context, original *upstream.Request, emitted *b
 	// caller's request is not changed.
 	req := *original
 	tb := r.table.Load()
+	tb.start()
+	defer tb.done()
 	rt := tb.routes[req.Model]
 	if rt == nil {
 		return upstream.Result{}, fmt.Errorf("%w: model %s has no route", upstream.ErrUnavailable, req.Model)

@@ -452,3 +452,43 @@ func TestReplaceServesNewRoutesFromTheNextCall(t *testing.T) {
 	require.Error(t, router.Replace(routing.Config{Routes: map[gateway.Model]routing.Route{gateway.ModelInstant: {}}}))
 	require.True(t, router.Available(gateway.ModelReasoning), "a configuration that does not build changes nothing")
 }
+
+// TestReplacedRoutesCloseTheirConnections: the client of a route replaced
+// closes the connections it keeps for the next call once the calls running on
+// it end (that call's own included), over HTTP/1.1 and h2c, instead of keeping
+// a provider routed no more connected until its idle time runs out; the new
+// route's connection stays.
+func TestReplacedRoutesCloseTheirConnections(t *testing.T) {
+	t.Parallel()
+	for _, h2c := range []bool{false, true} {
+		t.Run(map[bool]string{false: "http1", true: "h2c"}[h2c], func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, routing.Config{})
+			route := func(name string) routing.Config {
+				client := openai.New(openai.Config{BaseURL: b.fakes[name].BaseURL(), Timeout: 5 * time.Second, IdleTimeout: time.Hour, H2C: h2c})
+				return routing.Config{Routes: map[gateway.Model]routing.Route{gateway.ModelInstant: {Targets: []routing.Target{{Provider: name, UpstreamModel: name + "-model", Client: client}}}}}
+			}
+			router, err := routing.New(route("a"))
+			require.NoError(t, err)
+			_, err = router.Complete(context.Background(), request("leaves a connection idle"))
+			require.NoError(t, err)
+			b.fakes["a"].SetSlow("running", 300*time.Millisecond)
+			running := make(chan error, 1)
+			go func() {
+				_, err := router.Complete(context.Background(), request("running on a"))
+				running <- err
+			}()
+			require.Eventually(t, func() bool { return b.calls("a") == 2 }, 5*time.Second, time.Millisecond)
+
+			require.NoError(t, router.Replace(route("b")))
+			res, err := router.Complete(context.Background(), request("on b"))
+			require.NoError(t, err)
+			require.Equal(t, "b", res.Route.Provider)
+			require.NoError(t, <-running, "the call running on a finishes on its connection")
+			require.Eventually(t, func() bool { return b.fakes["a"].OpenConnections() == 0 }, 5*time.Second, time.Millisecond,
+				"a's connections close when its last call ends, an hour before their idle time would")
+			require.Equal(t, 1, b.fakes["a"].Connections(), "the running call used the idle connection")
+			require.Equal(t, 1, b.fakes["b"].OpenConnections(), "the new route's connection is kept")
+		})
+	}
+}

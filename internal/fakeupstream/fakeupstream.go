@@ -59,6 +59,7 @@ type Server struct {
 	inFlight   int
 	peak       int
 	conns      int
+	open       int
 }
 
 // SetSlow makes every call whose prompt contains marker wait d before it
@@ -124,10 +125,14 @@ func New() *Server {
 	s.Server.Config.Protocols.SetHTTP1(true)
 	s.Server.Config.Protocols.SetUnencryptedHTTP2(true)
 	s.Server.Config.ConnState = func(_ net.Conn, state http.ConnState) {
-		if state == http.StateNew {
-			s.mu.Lock()
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		switch state {
+		case http.StateNew:
 			s.conns++
-			s.mu.Unlock()
+			s.open++
+		case http.StateClosed, http.StateHijacked:
+			s.open--
 		}
 	}
 	s.Server.Start()
@@ -139,6 +144,13 @@ func (s *Server) Connections() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.conns
+}
+
+// OpenConnections is how many of its connections are open now.
+func (s *Server) OpenConnections() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.open
 }
 
 // BaseURL is the API root (…/v1).

@@ -105,6 +105,16 @@ func New(cfg Config) *Client {
 	return &Client{cfg: cfg, http: &http.Client{Transport: transport}}
 }
 
+// CloseIdleConnections closes the connections kept for the next call; those
+// in use are kept until their call ends, then for the idle time.
+func (c *Client) CloseIdleConnections() {
+	if c.h1 != nil {
+		c.h1.CloseIdleConnections()
+		return
+	}
+	c.http.CloseIdleConnections()
+}
+
 // plainHTTP1 reports whether calls go to an http:// upstream over HTTP/1.1
 // without a proxy: package http1 makes those, without the two goroutines
 // net/http's Transport keeps per connection, which a call waiting for a
