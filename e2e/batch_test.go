@@ -326,3 +326,63 @@ func TestBatchIdempotencyAcrossReplicas(t *testing.T) {
 		require.Contains(t, it.Error.Message, "content policy violation")
 	}
 }
+
+// TestOperatorListsAndCancelsBatches: gateway batches list shows every
+// account's batches, newest first, with their project and progress, and
+// filters them; gateway batches cancel cancels a batch of any account as its
+// owner would, which the owner then reads through the API.
+func TestOperatorListsAndCancelsBatches(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	other := strings.TrimSpace(mustCLI(t, b.db, "keys", "create", "--account", "other", "--project", "research"))
+	// The batches wait for their upstream; then no replica runs.
+	b.fake.SetMode(fakeupstream.Down)
+	g := serve(t, b.db, b.fake.BaseURL(), nil)
+	first := g.createBatch(b.key, prompts("acme", 2)).Id.String()
+	second := g.createBatch(other, prompts("other", 3)).Id.String()
+	require.NoError(t, g.stop())
+
+	rows := func(args ...string) [][]string {
+		t.Helper()
+		var out [][]string
+		for _, line := range strings.Split(strings.TrimSpace(mustCLI(t, b.db, append([]string{"batches", "list"}, args...)...)), "\n") {
+			out = append(out, strings.Fields(line))
+		}
+		require.Equal(t, []string{"ID", "ACCOUNT", "PROJECT", "STATUS", "DONE", "COMPLETED", "FAILED", "CANCELLED", "RUNGS", "CREATED", "EXPIRES"}, out[0])
+		return out[1:]
+	}
+	open := []string{"queued", "in_progress"}
+	listed := rows()
+	require.Len(t, listed, 2)
+	require.Equal(t, []string{second, "other", "research"}, listed[0][:3], "newest first")
+	require.Contains(t, open, listed[0][3])
+	require.Equal(t, []string{"0/3", "0", "0", "0", "0"}, listed[0][4:9])
+	require.Equal(t, []string{first, "acme", "default"}, listed[1][:3])
+	require.Equal(t, [][]string{listed[1]}, rows("--account", "acme", "--status", "open"))
+	require.Equal(t, [][]string{listed[0]}, rows("--limit", "1"))
+	require.Empty(t, rows("--status", "completed,failed"))
+
+	mustCLI(t, b.db, "batches", "cancel", second)
+	cancelled := rows("--status", "cancelled")
+	require.Len(t, cancelled, 1)
+	require.Equal(t, []string{second, "other", "research", "cancelled", "3/3", "0", "0", "3"}, cancelled[0][:8])
+	_, err := cli(t, b.db, "batches", "cancel", second)
+	require.ErrorContains(t, err, "a batch that is cancelled cannot be cancelled")
+	_, err = cli(t, b.db, "batches", "cancel", "b-123")
+	require.ErrorContains(t, err, `want a batch id (a UUID, as batches list shows), got "b-123"`)
+	_, err = cli(t, b.db, "batches", "list", "--status", "done")
+	require.ErrorContains(t, err, "--status: want statuses among queued, in_progress, cancelling, completed, failed, cancelled, expired, or open")
+	_, err = cli(t, b.db, "batches", "list", "--limit", "0")
+	require.ErrorContains(t, err, "--limit: want 1 to 10000")
+
+	// Its owner reads the batch cancelled, every item with it; the other
+	// account's batch is untouched.
+	b.fake.SetMode(fakeupstream.OK)
+	g = serve(t, b.db, b.fake.BaseURL(), nil)
+	res := g.results(other, second)
+	require.Equal(t, api.BatchStatus("cancelled"), res.Status)
+	for _, it := range res.Results {
+		require.Equal(t, api.BatchItemStatus("cancelled"), it.Status)
+	}
+	require.Equal(t, api.BatchStatus("completed"), g.waitTerminal(b.key, first, 60*time.Second).Status)
+}

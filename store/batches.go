@@ -147,6 +147,25 @@ func (s *Store) Batches(ctx context.Context, accountID uuid.UUID, after *uuid.UU
 	return out, nil
 }
 
+// OperatorBatch is a batch as operators list it: with its account and
+// project, its items counted by outcome.
+type OperatorBatch = db.ListBatchesForOperatorRow
+
+// BatchesForOperator returns up to limit batches of every account, or of the
+// account named, newest first; only those in one of statuses when any is
+// given.
+func (s *Store) BatchesForOperator(ctx context.Context, account string, statuses []gateway.BatchStatus, limit int) ([]OperatorBatch, error) {
+	var filter []string
+	for _, st := range statuses {
+		filter = append(filter, string(st))
+	}
+	rows, err := s.queries.ListBatchesForOperator(ctx, s.pool, db.ListBatchesForOperatorParams{Account: nameFilter(account), Statuses: filter, MaxRows: int32(limit)})
+	if err != nil {
+		return nil, fmt.Errorf("error listing batches: %w", err)
+	}
+	return rows, nil
+}
+
 func batchOf(r db.ListBatchesRow) *gateway.Batch {
 	b := &gateway.Batch{
 		ID: r.ID, Status: gateway.BatchStatus(r.Status), Total: int(r.TotalRequests),
@@ -215,8 +234,20 @@ func (s *Store) BatchResults(ctx context.Context, accountID, id uuid.UUID) (*gat
 // batch with items already claimed becomes cancelling, not cancelled, and no
 // terminal batch is left with items running.
 func (s *Store) CancelBatch(ctx context.Context, accountID, id uuid.UUID) error {
+	return s.cancelBatch(ctx, &accountID, id)
+}
+
+// CancelBatchForOperator cancels a batch of any account, as its owner would
+// (CancelBatch).
+func (s *Store) CancelBatchForOperator(ctx context.Context, id uuid.UUID) error {
+	return s.cancelBatch(ctx, nil, id)
+}
+
+// cancelBatch cancels a batch of the account, or of any account when
+// accountID is nil.
+func (s *Store) cancelBatch(ctx context.Context, accountID *uuid.UUID, id uuid.UUID) error {
 	return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
-		row, err := s.queries.LockBatch(ctx, tx, db.LockBatchParams{ID: id, AccountID: &accountID})
+		row, err := s.queries.LockBatch(ctx, tx, db.LockBatchParams{ID: id, AccountID: accountID})
 		if errors.Is(err, pgx.ErrNoRows) {
 			return errBatchNotFound(id)
 		}
@@ -230,7 +261,7 @@ func (s *Store) CancelBatch(ctx context.Context, accountID, id uuid.UUID) error 
 		if _, err := s.queries.CancelQueuedItems(ctx, plannedPerCall{tx}, db.CancelQueuedItemsParams{BatchID: id, Reason: &reason}); err != nil {
 			return fmt.Errorf("error cancelling items: %w", err)
 		}
-		if _, err := s.transition(ctx, tx, id, &accountID, gateway.EventCancel); err != nil {
+		if _, err := s.transition(ctx, tx, id, accountID, gateway.EventCancel); err != nil {
 			return err
 		}
 		_, err = s.finishIfDone(ctx, tx, id)

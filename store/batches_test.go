@@ -617,6 +617,10 @@ func TestBatchStatementsPlanForTheTablesAsTheyAre(t *testing.T) {
 		require.NoError(t, err)
 		require.Len(t, items, 4)
 		require.NoError(t, explained.StartBatches(b.ctx, []uuid.UUID{id}))
+		_, err = explained.BatchesForOperator(b.ctx, "", nil, 10)
+		require.NoError(t, err)
+		_, err = explained.BatchesForOperator(b.ctx, "acme", []gateway.BatchStatus{gateway.BatchInProgress}, 10)
+		require.NoError(t, err)
 		require.NoError(t, explained.CancelBatch(b.ctx, p.AccountID, id))
 		_, err = explained.ExpireBatches(b.ctx, 10)
 		require.NoError(t, err)
@@ -637,7 +641,7 @@ func TestBatchStatementsPlanForTheTablesAsTheyAre(t *testing.T) {
 	require.NoError(t, err)
 	before := len(plans())
 	use(ids[1], second)
-	statements := []string{"GetBatchByIdempotencyKey", "ListBatches", "CancelQueuedItems", "BatchesPastWindow",
+	statements := []string{"GetBatchByIdempotencyKey", "ListBatches", "ListBatchesForOperator", "CancelQueuedItems", "BatchesPastWindow",
 		"DeleteOldBatches", "ExpireIdempotencyKeys", "RenewLeases"}
 	for i, name := range statements {
 		statements[i] = "-- name: " + name + " "
@@ -646,7 +650,9 @@ func TestBatchStatementsPlanForTheTablesAsTheyAre(t *testing.T) {
 	// and SetBatchStatus (00030) run through functions: their statements.
 	statements = append(statements, "SELECT b.* FROM batches b WHERE b.id = p_id",
 		"SELECT i.* FROM batch_items i WHERE i.batch_id = p_batch_id", "FILTER (WHERE i.status = 'cancelled')::integer,",
-		"WHERE b.id = ANY (p_ids) AND b.status IS NOT DISTINCT FROM 'queued'", "FOR UPDATE OF b", "UPDATE batches b SET status = p_status")
+		"WHERE b.id = ANY (p_ids) AND b.status IS NOT DISTINCT FROM 'queued'", "FOR UPDATE OF b", "UPDATE batches b SET status = p_status",
+		// batches_for_operator (00037), its two statements.
+		"WHERE p_statuses IS NULL OR b.status = ANY (p_statuses)", "WHERE b.account_id = (SELECT a.id FROM accounts a WHERE a.name = p_account)")
 	for _, statement := range statements {
 		ran := plansOf(t, plans()[before:], []string{statement}, "Seq Scan on batches", "Seq Scan on batch_items")
 		require.NotEmpty(t, ran, "%q ran on the grown tables", statement)
@@ -1169,6 +1175,64 @@ func TestCancelBatch(t *testing.T) {
 	require.Equal(t, gateway.ItemCompleted, results[0].Status)
 	require.Equal(t, int64(30), batch.Usage.TotalRungs)
 	require.Equal(t, int64(30), b.view(t, p).Daily.Charged)
+}
+
+// TestBatchesForOperator: operators list the batches of every account (or
+// of one, or of some statuses), newest first with their account, project and
+// totals, and cancel any account's batch as its owner would.
+func TestBatchesForOperator(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, acme := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	_, other := b.key(t, "other", gateway.TierDeveloper, gateway.ScopeInference)
+	running := b.newBatch(t, other, 2, 50, "", day())
+	owner := uuid.Must(uuid.NewV7())
+	items, err := b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: owner, Max: 1, PerAccount: 1, Lease: time.Minute})
+	require.NoError(t, err)
+	require.Len(t, items, 1)
+	require.NoError(t, b.store.StartBatches(b.ctx, []uuid.UUID{running}))
+	b.complete(t, owner, items, 30)
+	older := b.newBatch(t, acme, 3, 50, "", day())
+	newest := b.newBatch(t, acme, 1, 50, "", day())
+
+	ids := func(list []store.OperatorBatch) (out []uuid.UUID) {
+		for _, x := range list {
+			out = append(out, x.ID)
+		}
+		return out
+	}
+	all, err := b.store.BatchesForOperator(b.ctx, "", nil, 10)
+	require.NoError(t, err)
+	require.Equal(t, []uuid.UUID{newest, older, running}, ids(all), "every account's, newest first")
+	require.Equal(t, store.OperatorBatch{ID: running, Account: "other", Project: "default", Status: "in_progress", TotalRequests: 2,
+		CreatedAt: all[2].CreatedAt, ExpiresAt: all[2].ExpiresAt, CompletedRequests: 1, TotalRungs: 30}, all[2])
+	limited, err := b.store.BatchesForOperator(b.ctx, "", nil, 2)
+	require.NoError(t, err)
+	require.Equal(t, []uuid.UUID{newest, older}, ids(limited))
+	acmes, err := b.store.BatchesForOperator(b.ctx, "acme", nil, 10)
+	require.NoError(t, err)
+	require.Equal(t, []uuid.UUID{newest, older}, ids(acmes))
+	open, err := b.store.BatchesForOperator(b.ctx, "", []gateway.BatchStatus{gateway.BatchInProgress, gateway.BatchCancelling}, 10)
+	require.NoError(t, err)
+	require.Equal(t, []uuid.UUID{running}, ids(open))
+	none, err := b.store.BatchesForOperator(b.ctx, "nobody", nil, 10)
+	require.NoError(t, err)
+	require.Empty(t, none)
+
+	require.NoError(t, b.store.CancelBatchForOperator(b.ctx, older))
+	batch, results := b.batch(t, acme, older)
+	require.Equal(t, gateway.BatchCancelled, batch.Status)
+	require.Equal(t, gateway.ItemCancelled, results[2].Status)
+	require.NoError(t, b.store.CancelBatchForOperator(b.ctx, running))
+	batch, results = b.batch(t, other, running)
+	require.Equal(t, gateway.BatchCancelled, batch.Status, "its last item was done: cancelled at once")
+	require.Equal(t, gateway.ItemCompleted, results[0].Status)
+	require.Equal(t, gateway.ItemCancelled, results[1].Status)
+	require.Equal(t, gateway.EBatchNotCancellable, gateway.ErrorCodeOf(b.store.CancelBatchForOperator(b.ctx, running)))
+	require.Equal(t, gateway.EBatchNotFound, gateway.ErrorCodeOf(b.store.CancelBatchForOperator(b.ctx, uuid.Must(uuid.NewV7()))))
+	cancelled, err := b.store.BatchesForOperator(b.ctx, "", []gateway.BatchStatus{gateway.BatchCancelled}, 10)
+	require.NoError(t, err)
+	require.Equal(t, []uuid.UUID{older, running}, ids(cancelled))
 }
 
 func TestExpireBatches(t *testing.T) {

@@ -1,5 +1,5 @@
 // Command gateway is the inference gateway: the HTTP server and its operator
-// commands (serve, dev, migrate, keys, limits, usage, config). It only parses
+// commands (serve, dev, migrate, keys, limits, batches, usage, config). It only parses
 // configuration and wires the packages that do the work.
 package main
 
@@ -31,7 +31,7 @@ func main() {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(serveCmd(slog.New(slog.NewJSONHandler(serveLogs, nil))), devCmd(logger), migrateCmd(), keysCmd(), limitsCmd(), usageCmd(), probeCmd(), configCmd())
+	root.AddCommand(serveCmd(slog.New(slog.NewJSONHandler(serveLogs, nil))), devCmd(logger), migrateCmd(), keysCmd(), limitsCmd(), batchesCmd(), usageCmd(), probeCmd(), configCmd())
 	err := root.ExecuteContext(ctx)
 	_ = serveLogs.Flush()
 	if err != nil {

@@ -543,6 +543,74 @@ func (q *Queries) ListBatches(ctx context.Context, db DBTX, arg ListBatchesParam
 	return items, nil
 }
 
+const listBatchesForOperator = `-- name: ListBatchesForOperator :many
+SELECT b.id, a.name AS account, p.name AS project, b.status, b.total_requests,
+       b.created_at, b.expires_at,
+       t.completed::integer AS completed_requests, t.failed::integer AS failed_requests,
+       t.cancelled::integer AS cancelled_requests, t.total_rungs::bigint AS total_rungs
+FROM batches_for_operator($1::text, $2::text[], $3::integer) AS b
+JOIN accounts a ON a.id = b.account_id
+JOIN projects p ON p.id = b.project_id
+CROSS JOIN LATERAL batch_item_totals(b.id) AS t
+ORDER BY b.id DESC
+`
+
+type ListBatchesForOperatorParams struct {
+	Account  *string
+	Statuses []string
+	MaxRows  int32
+}
+
+type ListBatchesForOperatorRow struct {
+	ID                uuid.UUID
+	Account           string
+	Project           string
+	Status            string
+	TotalRequests     int32
+	CreatedAt         time.Time
+	ExpiresAt         time.Time
+	CompletedRequests int32
+	FailedRequests    int32
+	CancelledRequests int32
+	TotalRungs        int64
+}
+
+// Batches of every account, or of the account named, newest first, with
+// statuses among @statuses when given, each with its account's and project's
+// names and its items' totals. Operators list batches to find one to cancel.
+// By key, whatever the statistics: see migration 00037.
+func (q *Queries) ListBatchesForOperator(ctx context.Context, db DBTX, arg ListBatchesForOperatorParams) ([]ListBatchesForOperatorRow, error) {
+	rows, err := db.Query(ctx, listBatchesForOperator, arg.Account, arg.Statuses, arg.MaxRows)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []ListBatchesForOperatorRow
+	for rows.Next() {
+		var i ListBatchesForOperatorRow
+		if err := rows.Scan(
+			&i.ID,
+			&i.Account,
+			&i.Project,
+			&i.Status,
+			&i.TotalRequests,
+			&i.CreatedAt,
+			&i.ExpiresAt,
+			&i.CompletedRequests,
+			&i.FailedRequests,
+			&i.CancelledRequests,
+			&i.TotalRungs,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const listenBatchCreated = `-- name: ListenBatchCreated :exec
 LISTEN batch_created
 `

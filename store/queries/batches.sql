@@ -60,6 +60,21 @@ FROM (SELECT x.* FROM batches x
 CROSS JOIN LATERAL batch_item_totals(b.id) AS t
 ORDER BY b.id DESC;
 
+-- name: ListBatchesForOperator :many
+-- Batches of every account, or of the account named, newest first, with
+-- statuses among @statuses when given, each with its account's and project's
+-- names and its items' totals. Operators list batches to find one to cancel.
+-- By key, whatever the statistics: see migration 00037.
+SELECT b.id, a.name AS account, p.name AS project, b.status, b.total_requests,
+       b.created_at, b.expires_at,
+       t.completed::integer AS completed_requests, t.failed::integer AS failed_requests,
+       t.cancelled::integer AS cancelled_requests, t.total_rungs::bigint AS total_rungs
+FROM batches_for_operator(sqlc.narg(account)::text, sqlc.narg(statuses)::text[], @max_rows::integer) AS b
+JOIN accounts a ON a.id = b.account_id
+JOIN projects p ON p.id = b.project_id
+CROSS JOIN LATERAL batch_item_totals(b.id) AS t
+ORDER BY b.id DESC;
+
 -- name: GetBatchItems :many
 -- A batch's items, in order. By key, whatever the statistics: see migration
 -- 00028.

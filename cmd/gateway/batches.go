@@ -1,0 +1,116 @@
+package main
+
+import (
+	"fmt"
+	"io"
+	"slices"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/spf13/cobra"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/store"
+)
+
+// maxListedBatches bounds --limit of batches list.
+const maxListedBatches = 10000
+
+func batchesCmd() *cobra.Command {
+	batches := &cobra.Command{Use: "batches", Short: "List the batches of every account and cancel one", Long: "Lists the batches of every account and cancels one, as its owner can through the API.\n" + databaseHelp}
+
+	var account, status string
+	var limit int
+	list := &cobra.Command{
+		Use:   "list",
+		Short: "List batches, newest first, with their progress (to find one to cancel)",
+		Long: "Lists batches, newest first: id, account, project, status, items (done of total: completed, failed, cancelled), " +
+			"rungs billed so far, when created and when its window ends.\n" + databaseHelp,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			statuses, err := parseStatuses(status)
+			if err != nil {
+				return err
+			}
+			if limit < 1 || limit > maxListedBatches {
+				return fmt.Errorf("--limit: want 1 to %d, got %d", maxListedBatches, limit)
+			}
+			return withStore(cmd.Context(), cmd.ErrOrStderr(), func(st *store.Store) error {
+				found, err := st.BatchesForOperator(cmd.Context(), account, statuses, limit)
+				if err != nil {
+					return err
+				}
+				printBatches(cmd.OutOrStdout(), found)
+				return nil
+			})
+		},
+	}
+	list.Flags().StringVar(&account, "account", "", "only this account's batches")
+	list.Flags().StringVar(&status, "status", "", "only batches of these statuses, comma-separated ("+strings.Join(statusNames(), ", ")+"), or open (queued, in_progress, cancelling)")
+	list.Flags().IntVar(&limit, "limit", 50, "at most this many batches")
+
+	cancel := &cobra.Command{
+		Use:   "cancel BATCH_ID",
+		Short: "Cancel a batch of any account, as its owner would",
+		Long: "Cancels a batch as its owner can through the API: a queued batch is cancelled with every item; an in-progress batch " +
+			"becomes cancelling, its items not yet started are cancelled at once (their estimates given back), and it is cancelled when " +
+			"the items running finish (they are billed). A batch already finished or cancelling is not cancellable.\n" + databaseHelp,
+		Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			id, err := uuid.Parse(args[0])
+			if err != nil {
+				return fmt.Errorf("want a batch id (a UUID, as batches list shows), got %q", args[0])
+			}
+			return withStore(cmd.Context(), cmd.ErrOrStderr(), func(st *store.Store) error {
+				if err := st.CancelBatchForOperator(cmd.Context(), id); err != nil {
+					return err
+				}
+				fmt.Fprintln(cmd.ErrOrStderr(), "cancelled (or cancelling, while its running items finish)")
+				return nil
+			})
+		},
+	}
+	batches.AddCommand(list, cancel)
+	return batches
+}
+
+// parseStatuses reads --status: statuses separated by commas, open standing
+// for the three not yet finished; nil when empty (every status).
+func parseStatuses(v string) ([]gateway.BatchStatus, error) {
+	var out []gateway.BatchStatus
+	for _, s := range strings.Split(v, ",") {
+		switch s = strings.TrimSpace(s); {
+		case s == "":
+		case s == "open":
+			out = append(out, gateway.BatchQueued, gateway.BatchInProgress, gateway.BatchCancelling)
+		case slices.Contains(gateway.BatchStatuses, gateway.BatchStatus(s)):
+			out = append(out, gateway.BatchStatus(s))
+		default:
+			return nil, fmt.Errorf("--status: want statuses among %s, or open, got %q", strings.Join(statusNames(), ", "), s)
+		}
+	}
+	return out, nil
+}
+
+// statusNames are the batch statuses, as --status takes them.
+func statusNames() []string {
+	names := make([]string, len(gateway.BatchStatuses))
+	for i, s := range gateway.BatchStatuses {
+		names[i] = string(s)
+	}
+	return names
+}
+
+// printBatches writes batches as a table, one batch a line.
+func printBatches(w io.Writer, batches []store.OperatorBatch) {
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "ID\tACCOUNT\tPROJECT\tSTATUS\tDONE\tCOMPLETED\tFAILED\tCANCELLED\tRUNGS\tCREATED\tEXPIRES")
+	for _, b := range batches {
+		done := b.CompletedRequests + b.FailedRequests + b.CancelledRequests
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d/%d\t%d\t%d\t%d\t%d\t%s\t%s\n", b.ID, b.Account, b.Project, b.Status, done, b.TotalRequests,
+			b.CompletedRequests, b.FailedRequests, b.CancelledRequests, b.TotalRungs, b.CreatedAt.UTC().Format(time.RFC3339), b.ExpiresAt.UTC().Format(time.RFC3339))
+	}
+	_ = tw.Flush()
+}
