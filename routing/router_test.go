@@ -492,3 +492,56 @@ func TestReplacedRoutesCloseTheirConnections(t *testing.T) {
 		})
 	}
 }
+
+// TestReloadsRacingCallsLeaveOnlyTheLastRoutesConnected: routes replaced
+// again and again while calls run on them: every call succeeds, and once
+// they have ended only the last route's provider is still connected to.
+func TestReloadsRacingCallsLeaveOnlyTheLastRoutesConnected(t *testing.T) {
+	t.Parallel()
+	b := setup(t, routing.Config{})
+	route := func(name string) routing.Config {
+		client := openai.New(openai.Config{BaseURL: b.fakes[name].BaseURL(), Timeout: 5 * time.Second, IdleTimeout: time.Hour})
+		return routing.Config{Routes: map[gateway.Model]routing.Route{gateway.ModelInstant: {Targets: []routing.Target{{Provider: name, UpstreamModel: name + "-model", Client: client}}}}}
+	}
+	router, err := routing.New(route("a"))
+	require.NoError(t, err)
+	const callers, reloads = 4, 40
+	done := make(chan struct{})
+	errs := make(chan error, callers)
+	for range callers {
+		go func() {
+			var err error
+			for err == nil {
+				select {
+				case <-done:
+					errs <- nil
+					return
+				default:
+				}
+				_, err = router.Complete(context.Background(), request("call"))
+			}
+			errs <- err
+		}()
+	}
+	names := []string{"a", "b", "c"}
+	for i := range reloads {
+		require.NoError(t, router.Replace(route(names[(i+1)%len(names)])))
+		time.Sleep(time.Millisecond)
+	}
+	close(done)
+	for range callers {
+		require.NoError(t, <-errs)
+	}
+	last := names[reloads%len(names)]
+	res, err := router.Complete(context.Background(), request("after the reloads"))
+	require.NoError(t, err)
+	require.Equal(t, last, res.Route.Provider)
+	for _, name := range names {
+		if name == last {
+			require.LessOrEqual(t, b.fakes[name].OpenConnections(), callers, "the last route keeps its connections")
+			continue
+		}
+		require.Eventually(t, func() bool { return b.fakes[name].OpenConnections() == 0 }, 5*time.Second, time.Millisecond,
+			"%s is routed no more: its connections close (%d open)", name, b.fakes[name].OpenConnections())
+	}
+}
