@@ -27,7 +27,7 @@ import (
 
 // routed is a gateway over two fake providers from a configuration file:
 // instant goes to primary then backup, reasoning to primary only, elements to
-// backup only.
+// backup only. Connections to primary are kept idle for an hour.
 type routed struct {
 	*testBundle
 	primary, backup *fakeupstream.Server
@@ -46,6 +46,7 @@ func serveRouted(t *testing.T, extra map[string]string) *routed {
     base_url: %s
     api_key_env: PRIMARY_KEY
     timeout: 2s
+    idle_timeout: 1h
     headers:
       X-Tenant: acme
   backup:
@@ -108,6 +109,8 @@ models:
 `, r.primary.BaseURL(), r.backup.BaseURL()), "SIGHUP: routes reloaded")
 	require.Equal(t, "backup", provider("instant"))
 	require.Equal(t, "backup", provider("reasoning"))
+	require.Eventually(t, func() bool { return r.primary.OpenConnections() == 0 }, 10*time.Second, 20*time.Millisecond,
+		"primary, routed no more, is not kept connected for the hour of its idle_timeout")
 	res := r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "p", "model": "elements"})
 	require.Equal(t, http.StatusBadRequest, res.status)
 	require.Equal(t, "MODEL_UNAVAILABLE", res.code(t), "a model the file no longer routes")
