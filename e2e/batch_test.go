@@ -348,7 +348,7 @@ func TestOperatorListsAndCancelsBatches(t *testing.T) {
 		for _, line := range strings.Split(strings.TrimSpace(mustCLI(t, b.db, append([]string{"batches", "list"}, args...)...)), "\n") {
 			out = append(out, strings.Fields(line))
 		}
-		require.Equal(t, []string{"ID", "ACCOUNT", "PROJECT", "STATUS", "DONE", "COMPLETED", "FAILED", "CANCELLED", "RUNGS", "CREATED", "EXPIRES"}, out[0])
+		require.Equal(t, []string{"ID", "ACCOUNT", "PROJECT", "STATUS", "DONE", "COMPLETED", "FAILED", "CANCELLED", "RUNGS", "CREATED", "EXPIRES", "ERROR"}, out[0])
 		return out[1:]
 	}
 	open := []string{"queued", "in_progress"}
@@ -357,6 +357,7 @@ func TestOperatorListsAndCancelsBatches(t *testing.T) {
 	require.Equal(t, []string{second, "other", "research"}, listed[0][:3], "newest first")
 	require.Contains(t, open, listed[0][3])
 	require.Equal(t, []string{"0/3", "0", "0", "0", "0"}, listed[0][4:9])
+	require.Equal(t, "-", listed[0][11], "no error")
 	require.Equal(t, []string{first, "acme", "default"}, listed[1][:3])
 	require.Equal(t, [][]string{listed[1]}, rows("--account", "acme", "--status", "open"))
 	require.Equal(t, [][]string{listed[0]}, rows("--limit", "1"))

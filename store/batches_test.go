@@ -1233,6 +1233,16 @@ func TestBatchesForOperator(t *testing.T) {
 	cancelled, err := b.store.BatchesForOperator(b.ctx, "", []gateway.BatchStatus{gateway.BatchCancelled}, 10)
 	require.NoError(t, err)
 	require.Equal(t, []uuid.UUID{older, running}, ids(cancelled))
+
+	// A batch that ended in error is listed with its error's code.
+	b.pastWindow(t, newest)
+	_, err = b.store.ExpireBatches(b.ctx, 10)
+	require.NoError(t, err)
+	expired, err := b.store.BatchesForOperator(b.ctx, "acme", []gateway.BatchStatus{gateway.BatchExpired}, 10)
+	require.NoError(t, err)
+	require.Equal(t, []uuid.UUID{newest}, ids(expired))
+	require.NotNil(t, expired[0].ErrorCode)
+	require.Equal(t, string(gateway.EBatchExpired), *expired[0].ErrorCode)
 }
 
 func TestExpireBatches(t *testing.T) {

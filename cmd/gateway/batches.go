@@ -27,7 +27,7 @@ func batchesCmd() *cobra.Command {
 		Use:   "list",
 		Short: "List batches, newest first, with their progress (to find one to cancel)",
 		Long: "Lists batches, newest first: id, account, project, status, items (done of total: completed, failed, cancelled), " +
-			"rungs billed so far, when created and when its window ends.\n" + databaseHelp,
+			"rungs billed so far, when created, when its window ends, and the error of a batch that failed or expired.\n" + databaseHelp,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			statuses, err := parseStatuses(status)
@@ -106,11 +106,15 @@ func statusNames() []string {
 // printBatches writes batches as a table, one batch a line.
 func printBatches(w io.Writer, batches []store.OperatorBatch) {
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "ID\tACCOUNT\tPROJECT\tSTATUS\tDONE\tCOMPLETED\tFAILED\tCANCELLED\tRUNGS\tCREATED\tEXPIRES")
+	fmt.Fprintln(tw, "ID\tACCOUNT\tPROJECT\tSTATUS\tDONE\tCOMPLETED\tFAILED\tCANCELLED\tRUNGS\tCREATED\tEXPIRES\tERROR")
 	for _, b := range batches {
 		done := b.CompletedRequests + b.FailedRequests + b.CancelledRequests
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d/%d\t%d\t%d\t%d\t%d\t%s\t%s\n", b.ID, b.Account, b.Project, b.Status, done, b.TotalRequests,
-			b.CompletedRequests, b.FailedRequests, b.CancelledRequests, b.TotalRungs, b.CreatedAt.UTC().Format(time.RFC3339), b.ExpiresAt.UTC().Format(time.RFC3339))
+		errorCode := "-"
+		if b.ErrorCode != nil {
+			errorCode = *b.ErrorCode
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%d/%d\t%d\t%d\t%d\t%d\t%s\t%s\t%s\n", b.ID, b.Account, b.Project, b.Status, done, b.TotalRequests,
+			b.CompletedRequests, b.FailedRequests, b.CancelledRequests, b.TotalRungs, b.CreatedAt.UTC().Format(time.RFC3339), b.ExpiresAt.UTC().Format(time.RFC3339), errorCode)
 	}
 	_ = tw.Flush()
 }

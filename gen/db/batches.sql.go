@@ -544,7 +544,7 @@ func (q *Queries) ListBatches(ctx context.Context, db DBTX, arg ListBatchesParam
 }
 
 const listBatchesForOperator = `-- name: ListBatchesForOperator :many
-SELECT b.id, a.name AS account, p.name AS project, b.status, b.total_requests,
+SELECT b.id, a.name AS account, p.name AS project, b.status, b.error_code, b.total_requests,
        b.created_at, b.expires_at,
        t.completed::integer AS completed_requests, t.failed::integer AS failed_requests,
        t.cancelled::integer AS cancelled_requests, t.total_rungs::bigint AS total_rungs
@@ -566,6 +566,7 @@ type ListBatchesForOperatorRow struct {
 	Account           string
 	Project           string
 	Status            string
+	ErrorCode         *string
 	TotalRequests     int32
 	CreatedAt         time.Time
 	ExpiresAt         time.Time
@@ -593,6 +594,7 @@ func (q *Queries) ListBatchesForOperator(ctx context.Context, db DBTX, arg ListB
 			&i.Account,
 			&i.Project,
 			&i.Status,
+			&i.ErrorCode,
 			&i.TotalRequests,
 			&i.CreatedAt,
 			&i.ExpiresAt,

@@ -65,7 +65,7 @@ ORDER BY b.id DESC;
 -- statuses among @statuses when given, each with its account's and project's
 -- names and its items' totals. Operators list batches to find one to cancel.
 -- By key, whatever the statistics: see migration 00037.
-SELECT b.id, a.name AS account, p.name AS project, b.status, b.total_requests,
+SELECT b.id, a.name AS account, p.name AS project, b.status, b.error_code, b.total_requests,
        b.created_at, b.expires_at,
        t.completed::integer AS completed_requests, t.failed::integer AS failed_requests,
        t.cancelled::integer AS cancelled_requests, t.total_rungs::bigint AS total_rungs
