@@ -50,6 +50,13 @@ func setup(t *testing.T, cfg routing.Config) *testBundle {
 
 func (b *testBundle) calls(name string) int { return len(b.fakes[name].Calls()) }
 
+// onlyRoute is routes sending the instant model to fake upstream name alone,
+// through a new client that keeps idle connections for an hour.
+func (b *testBundle) onlyRoute(name string, h2c bool) routing.Config {
+	client := openai.New(openai.Config{BaseURL: b.fakes[name].BaseURL(), Timeout: 5 * time.Second, IdleTimeout: time.Hour, H2C: h2c})
+	return routing.Config{Routes: map[gateway.Model]routing.Route{gateway.ModelInstant: {Targets: []routing.Target{{Provider: name, UpstreamModel: name + "-model", Client: client}}}}}
+}
+
 func request(prompt string) *upstream.Request {
 	return &upstream.Request{Model: gateway.ModelInstant, Prompt: prompt, MaxOutputTokens: 100}
 }
@@ -464,10 +471,7 @@ func TestReplacedRoutesCloseTheirConnections(t *testing.T) {
 		t.Run(map[bool]string{false: "http1", true: "h2c"}[h2c], func(t *testing.T) {
 			t.Parallel()
 			b := setup(t, routing.Config{})
-			route := func(name string) routing.Config {
-				client := openai.New(openai.Config{BaseURL: b.fakes[name].BaseURL(), Timeout: 5 * time.Second, IdleTimeout: time.Hour, H2C: h2c})
-				return routing.Config{Routes: map[gateway.Model]routing.Route{gateway.ModelInstant: {Targets: []routing.Target{{Provider: name, UpstreamModel: name + "-model", Client: client}}}}}
-			}
+			route := func(name string) routing.Config { return b.onlyRoute(name, h2c) }
 			router, err := routing.New(route("a"))
 			require.NoError(t, err)
 			_, err = router.Complete(context.Background(), request("leaves a connection idle"))
@@ -499,10 +503,7 @@ func TestReplacedRoutesCloseTheirConnections(t *testing.T) {
 func TestReloadsRacingCallsLeaveOnlyTheLastRoutesConnected(t *testing.T) {
 	t.Parallel()
 	b := setup(t, routing.Config{})
-	route := func(name string) routing.Config {
-		client := openai.New(openai.Config{BaseURL: b.fakes[name].BaseURL(), Timeout: 5 * time.Second, IdleTimeout: time.Hour})
-		return routing.Config{Routes: map[gateway.Model]routing.Route{gateway.ModelInstant: {Targets: []routing.Target{{Provider: name, UpstreamModel: name + "-model", Client: client}}}}}
-	}
+	route := func(name string) routing.Config { return b.onlyRoute(name, false) }
 	router, err := routing.New(route("a"))
 	require.NoError(t, err)
 	const callers, reloads = 4, 40
