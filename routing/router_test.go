@@ -538,11 +538,13 @@ func TestReloadsRacingCallsLeaveOnlyTheLastRoutesConnected(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, last, res.Route.Provider)
 	for _, name := range names {
+		// The server sees a connection closed a moment after the client
+		// closed it; the last route's client keeps one a caller at most.
+		want := 0
 		if name == last {
-			require.LessOrEqual(t, b.fakes[name].OpenConnections(), callers, "the last route keeps its connections")
-			continue
+			want = callers
 		}
-		require.Eventually(t, func() bool { return b.fakes[name].OpenConnections() == 0 }, 5*time.Second, time.Millisecond,
-			"%s is routed no more: its connections close (%d open)", name, b.fakes[name].OpenConnections())
+		require.Eventually(t, func() bool { return b.fakes[name].OpenConnections() <= want }, 5*time.Second, time.Millisecond,
+			"%s: at most %d connections stay open", name, want)
 	}
 }
