@@ -234,19 +234,21 @@ func (s *Store) BatchResults(ctx context.Context, accountID, id uuid.UUID) (*gat
 // batch with items already claimed becomes cancelling, not cancelled, and no
 // terminal batch is left with items running.
 func (s *Store) CancelBatch(ctx context.Context, accountID, id uuid.UUID) error {
-	return s.cancelBatch(ctx, &accountID, id)
+	_, err := s.cancelBatch(ctx, &accountID, id)
+	return err
 }
 
 // CancelBatchForOperator cancels a batch of any account, as its owner would
-// (CancelBatch).
-func (s *Store) CancelBatchForOperator(ctx context.Context, id uuid.UUID) error {
+// (CancelBatch), and returns its status after: cancelled, or cancelling while
+// its running items finish.
+func (s *Store) CancelBatchForOperator(ctx context.Context, id uuid.UUID) (gateway.BatchStatus, error) {
 	return s.cancelBatch(ctx, nil, id)
 }
 
 // cancelBatch cancels a batch of the account, or of any account when
-// accountID is nil.
-func (s *Store) cancelBatch(ctx context.Context, accountID *uuid.UUID, id uuid.UUID) error {
-	return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+// accountID is nil, and returns its status after.
+func (s *Store) cancelBatch(ctx context.Context, accountID *uuid.UUID, id uuid.UUID) (status gateway.BatchStatus, err error) {
+	err = pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
 		row, err := s.queries.LockBatch(ctx, tx, db.LockBatchParams{ID: id, AccountID: accountID})
 		if errors.Is(err, pgx.ErrNoRows) {
 			return errBatchNotFound(id)
@@ -261,35 +263,40 @@ func (s *Store) cancelBatch(ctx context.Context, accountID *uuid.UUID, id uuid.U
 		if _, err := s.queries.CancelQueuedItems(ctx, plannedPerCall{tx}, db.CancelQueuedItemsParams{BatchID: id, Reason: &reason}); err != nil {
 			return fmt.Errorf("error cancelling items: %w", err)
 		}
-		if _, err := s.transition(ctx, tx, id, accountID, gateway.EventCancel); err != nil {
+		if status, _, err = s.transition(ctx, tx, id, accountID, gateway.EventCancel); err != nil {
 			return err
 		}
-		_, err = s.finishIfDone(ctx, tx, id)
+		finished, err := s.finishIfDone(ctx, tx, id)
+		if finished {
+			status = gateway.BatchCancelled
+		}
 		return err
 	})
+	return status, err
 }
 
 // transition applies ev to a batch under its row lock, through the state
-// machine in gateway.NextBatchStatus; moved says whether its status changed.
-func (s *Store) transition(ctx context.Context, tx pgx.Tx, id uuid.UUID, accountID *uuid.UUID, ev gateway.BatchEvent) (moved bool, err error) {
+// machine in gateway.NextBatchStatus: to is its status after, moved says
+// whether it changed.
+func (s *Store) transition(ctx context.Context, tx pgx.Tx, id uuid.UUID, accountID *uuid.UUID, ev gateway.BatchEvent) (to gateway.BatchStatus, moved bool, err error) {
 	row, err := s.queries.LockBatch(ctx, tx, db.LockBatchParams{ID: id, AccountID: accountID})
 	if errors.Is(err, pgx.ErrNoRows) {
-		return false, errBatchNotFound(id)
+		return "", false, errBatchNotFound(id)
 	}
 	if err != nil {
-		return false, fmt.Errorf("error locking batch: %w", err)
+		return "", false, fmt.Errorf("error locking batch: %w", err)
 	}
 	from := gateway.BatchStatus(row.Status)
 	outcome := gateway.ItemsOutcome{AnySucceeded: row.Succeeded > 0, WindowElapsed: row.ExpiredItems > 0, Running: row.Running > 0}
 	if ev == gateway.EventItemsDone && row.Unfinished > 0 {
-		return false, nil
+		return from, false, nil
 	}
-	to, err := gateway.NextBatchStatus(from, ev, outcome)
+	to, err = gateway.NextBatchStatus(from, ev, outcome)
 	if err != nil {
-		return false, err
+		return from, false, err
 	}
 	if to == from {
-		return false, nil
+		return to, false, nil
 	}
 	params := db.SetBatchStatusParams{ID: id, Status: string(to)}
 	if e := gateway.BatchError(to, gateway.ErrorCode(row.FirstError)); e != nil {
@@ -297,15 +304,15 @@ func (s *Store) transition(ctx context.Context, tx pgx.Tx, id uuid.UUID, account
 		params.ErrorCode, params.ErrorMessage = &code, &e.Message
 	}
 	if err := s.queries.SetBatchStatus(ctx, tx, params); err != nil {
-		return false, fmt.Errorf("error setting batch status: %w", err)
+		return from, false, fmt.Errorf("error setting batch status: %w", err)
 	}
-	return true, nil
+	return to, true, nil
 }
 
 // finishIfDone makes a batch terminal when none of its items is unfinished;
 // moved says whether it did.
 func (s *Store) finishIfDone(ctx context.Context, tx pgx.Tx, id uuid.UUID) (moved bool, err error) {
-	moved, err = s.transition(ctx, tx, id, nil, gateway.EventItemsDone)
+	_, moved, err = s.transition(ctx, tx, id, nil, gateway.EventItemsDone)
 	if errors.Is(err, gateway.ErrInvalidTransition) {
 		return false, nil // already terminal
 	}
@@ -322,7 +329,7 @@ func (s *Store) FinishBatches(ctx context.Context, ids []uuid.UUID) error {
 // StartBatches moves queued batches to in_progress (an item was dispatched).
 func (s *Store) StartBatches(ctx context.Context, ids []uuid.UUID) error {
 	return s.moveBatches(ctx, ids, s.queries.QueuedBatches, func(tx pgx.Tx, id uuid.UUID) (bool, error) {
-		moved, err := s.transition(ctx, tx, id, nil, gateway.EventDrainStarted)
+		_, moved, err := s.transition(ctx, tx, id, nil, gateway.EventDrainStarted)
 		if errors.Is(err, gateway.ErrInvalidTransition) {
 			return false, nil
 		}
@@ -409,7 +416,7 @@ func (s *Store) ExpireBatches(ctx context.Context, maxRows int32) (int64, error)
 			if _, err := s.queries.CancelQueuedItems(ctx, plannedPerCall{tx}, db.CancelQueuedItemsParams{BatchID: id, Reason: &reason}); err != nil {
 				return fmt.Errorf("error cancelling expired items: %w", err)
 			}
-			if _, err := s.transition(ctx, tx, id, nil, gateway.EventWindowElapsed); err != nil && !errors.Is(err, gateway.ErrInvalidTransition) {
+			if _, _, err := s.transition(ctx, tx, id, nil, gateway.EventWindowElapsed); err != nil && !errors.Is(err, gateway.ErrInvalidTransition) {
 				return err
 			}
 			_, err := s.finishIfDone(ctx, tx, id)

@@ -1219,17 +1219,24 @@ func TestBatchesForOperator(t *testing.T) {
 	require.NoError(t, err)
 	require.Empty(t, none)
 
-	require.NoError(t, b.store.CancelBatchForOperator(b.ctx, older))
+	status, err := b.store.CancelBatchForOperator(b.ctx, older)
+	require.NoError(t, err)
+	require.Equal(t, gateway.BatchCancelled, status)
 	batch, results := b.batch(t, acme, older)
 	require.Equal(t, gateway.BatchCancelled, batch.Status)
 	require.Equal(t, gateway.ItemCancelled, results[2].Status)
-	require.NoError(t, b.store.CancelBatchForOperator(b.ctx, running))
+	status, err = b.store.CancelBatchForOperator(b.ctx, running)
+	require.NoError(t, err)
+	require.Equal(t, gateway.BatchCancelled, status, "its last item was done: cancelled at once")
 	batch, results = b.batch(t, other, running)
-	require.Equal(t, gateway.BatchCancelled, batch.Status, "its last item was done: cancelled at once")
+	require.Equal(t, gateway.BatchCancelled, batch.Status)
 	require.Equal(t, gateway.ItemCompleted, results[0].Status)
 	require.Equal(t, gateway.ItemCancelled, results[1].Status)
-	require.Equal(t, gateway.EBatchNotCancellable, gateway.ErrorCodeOf(b.store.CancelBatchForOperator(b.ctx, running)))
-	require.Equal(t, gateway.EBatchNotFound, gateway.ErrorCodeOf(b.store.CancelBatchForOperator(b.ctx, uuid.Must(uuid.NewV7()))))
+	_, err = b.store.CancelBatchForOperator(b.ctx, running)
+	require.Equal(t, gateway.EBatchNotCancellable, gateway.ErrorCodeOf(err))
+	_, err = b.store.CancelBatchForOperator(b.ctx, uuid.Must(uuid.NewV7()))
+	require.Equal(t, gateway.EBatchNotFound, gateway.ErrorCodeOf(err))
+
 	cancelled, err := b.store.BatchesForOperator(b.ctx, "", []gateway.BatchStatus{gateway.BatchCancelled}, 10)
 	require.NoError(t, err)
 	require.Equal(t, []uuid.UUID{older, running}, ids(cancelled))
@@ -1243,6 +1250,20 @@ func TestBatchesForOperator(t *testing.T) {
 	require.Equal(t, []uuid.UUID{newest}, ids(expired))
 	require.NotNil(t, expired[0].ErrorCode)
 	require.Equal(t, string(gateway.EBatchExpired), *expired[0].ErrorCode)
+
+	// A batch with an item running (nothing else is queued) is cancelling
+	// until the item is done.
+	busy := b.newBatch(t, other, 2, 50, "", day())
+	items, err = b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: owner, Max: 1, PerAccount: 1, Lease: time.Minute})
+	require.NoError(t, err)
+	require.Len(t, items, 1)
+	require.Equal(t, busy, items[0].BatchID)
+	status, err = b.store.CancelBatchForOperator(b.ctx, busy)
+	require.NoError(t, err)
+	require.Equal(t, gateway.BatchCancelling, status)
+	b.complete(t, owner, items, 20)
+	batch, _ = b.batch(t, other, busy)
+	require.Equal(t, gateway.BatchCancelled, batch.Status)
 }
 
 func TestExpireBatches(t *testing.T) {

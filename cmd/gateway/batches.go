@@ -64,10 +64,15 @@ func batchesCmd() *cobra.Command {
 				return fmt.Errorf("want a batch id (a UUID, as batches list shows), got %q", args[0])
 			}
 			return withStore(cmd.Context(), cmd.ErrOrStderr(), func(st *store.Store) error {
-				if err := st.CancelBatchForOperator(cmd.Context(), id); err != nil {
+				status, err := st.CancelBatchForOperator(cmd.Context(), id)
+				if err != nil {
 					return err
 				}
-				fmt.Fprintln(cmd.ErrOrStderr(), "cancelled (or cancelling, while its running items finish)")
+				if status == gateway.BatchCancelling {
+					fmt.Fprintln(cmd.ErrOrStderr(), "cancelling: its items not started are cancelled; those running finish, are billed, and then it is cancelled")
+					return nil
+				}
+				fmt.Fprintln(cmd.ErrOrStderr(), status)
 				return nil
 			})
 		},
