@@ -562,10 +562,9 @@ func TestClaimPlansHoldAsTheQueueGrows(t *testing.T) {
 	b := setup(t)
 	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
 	b.newBatch(t, p, 4, 1, "", day())
-	_, err := b.store.Pool().Exec(b.ctx, "ANALYZE batches, batch_items")
-	require.NoError(t, err)
+	b.analyzeOnce(t)
 	explained, plans := b.explained(t)
-	_, err = explained.Pool().Exec(b.ctx, `SET plan_cache_mode = force_generic_plan`)
+	_, err := explained.Pool().Exec(b.ctx, `SET plan_cache_mode = force_generic_plan`)
 	require.NoError(t, err)
 	owner := uuid.Must(uuid.NewV7())
 	items, err := explained.ClaimItems(b.ctx, store.ClaimParams{Owner: owner, Max: 1, PerAccount: 1, Lease: time.Minute})
@@ -597,10 +596,9 @@ func TestBatchStatementsPlanForTheTablesAsTheyAre(t *testing.T) {
 	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
 	first, second := b.batchOf(p, 4, 1, "first", day()), b.batchOf(p, 4, 1, "second", day())
 	ids := []uuid.UUID{b.newBatch(t, p, 4, 1, first.IdempotencyKey, day()), b.newBatch(t, p, 4, 1, second.IdempotencyKey, day())}
-	_, err := b.store.Pool().Exec(b.ctx, "ANALYZE batches, batch_items")
-	require.NoError(t, err)
+	b.analyzeOnce(t)
 	explained, plans := b.explained(t)
-	_, err = explained.Pool().Exec(b.ctx, `SET plan_cache_mode = force_generic_plan`)
+	_, err := explained.Pool().Exec(b.ctx, `SET plan_cache_mode = force_generic_plan`)
 	require.NoError(t, err)
 	// Every statement runs once on the tiny tables, then again on one of
 	// thousands of batches.
@@ -659,6 +657,19 @@ func TestBatchStatementsPlanForTheTablesAsTheyAre(t *testing.T) {
 	}
 }
 
+// analyzeOnce takes the statistics of the batch tables now and keeps them:
+// autovacuum is off for both, so that a test of plans made from statistics
+// of tiny tables still has those once it has grown them. (Otherwise a slow
+// run lets autovacuum analyze the grown tables midway, and a plan the test
+// made from fresh statistics, fit for a few thousand rows, is not the one it
+// asks about.)
+func (b *testBundle) analyzeOnce(t testing.TB) {
+	t.Helper()
+	_, err := b.store.Pool().Exec(b.ctx, `ALTER TABLE batches SET (autovacuum_enabled = off);
+		ALTER TABLE batch_items SET (autovacuum_enabled = off); ANALYZE batches, batch_items`)
+	require.NoError(t, err)
+}
+
 // openCopies opens more batches, as a burst of creations leaves them: n-1
 // copies of each batch there is (one, in most tests), without items or
 // idempotency keys of their own.
@@ -689,9 +700,7 @@ func BenchmarkBatchReadsAfterABurst(b *testing.B) {
 	tb := &testBundle{ctx: context.Background(), store: store.New(testdb.New(b))}
 	_, p := tb.key(b, "acme", gateway.TierDeveloper, gateway.ScopeInference)
 	analyzed := tb.newBatch(b, p, 100, 1, "", day())
-	_, err := tb.store.Pool().Exec(tb.ctx, `ALTER TABLE batches SET (autovacuum_enabled = off);
-		ALTER TABLE batch_items SET (autovacuum_enabled = off); ANALYZE batches, batch_items`)
-	require.NoError(b, err)
+	tb.analyzeOnce(b)
 	id := tb.newBatch(b, p, 100, 1, "", day())
 	cfg := tb.store.Pool().Config()
 	cfg.MaxConns = 1
