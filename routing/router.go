@@ -95,8 +95,8 @@ type table struct {
 	maxTime     time.Duration
 
 	// Once replaced (retired), the table's clients close their idle
-	// connections when its last call ends: a provider routed no more is not
-	// kept connected to until its idle time runs out.
+	// connections at once and again when its last call ends: a provider
+	// routed no more is not kept connected to until its idle time runs out.
 	calls   atomic.Int64
 	retired atomic.Bool
 	idlers  []idleCloser
@@ -120,13 +120,11 @@ type target struct {
 	metrics *metrics.Target
 }
 
-// retire marks tb replaced: its clients close their idle connections now if
-// no call runs on it, otherwise when the last one ends (see done).
+// retire marks tb replaced: its clients close their idle connections now,
+// and those its running calls still use when the last one ends (see done).
 func (tb *table) retire() {
 	tb.retired.Store(true)
-	if tb.calls.Load() == 0 {
-		tb.closeIdle()
-	}
+	tb.closeIdle()
 }
 
 // start counts a call running on tb, which done ends.

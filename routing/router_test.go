@@ -461,37 +461,53 @@ func TestReplaceServesNewRoutesFromTheNextCall(t *testing.T) {
 }
 
 // TestReplacedRoutesCloseTheirConnections: the client of a route replaced
-// closes the connections it keeps for the next call once the calls running on
-// it end (that call's own included), over HTTP/1.1 and h2c, instead of keeping
-// a provider routed no more connected until its idle time runs out; the new
-// route's connection stays.
+// closes the connections it keeps for the next call at once, and the one a
+// call running on it uses when that call ends, over HTTP/1.1 and h2c,
+// instead of keeping a provider routed no more connected until its idle time
+// runs out; the new route's connection stays.
 func TestReplacedRoutesCloseTheirConnections(t *testing.T) {
 	t.Parallel()
 	for _, h2c := range []bool{false, true} {
 		t.Run(map[bool]string{false: "http1", true: "h2c"}[h2c], func(t *testing.T) {
 			t.Parallel()
 			b := setup(t, routing.Config{})
-			route := func(name string) routing.Config { return b.onlyRoute(name, h2c) }
-			router, err := routing.New(route("a"))
+			router, err := routing.New(b.onlyRoute("a", h2c))
 			require.NoError(t, err)
-			_, err = router.Complete(context.Background(), request("leaves a connection idle"))
+			// A call, then two at once, leave two connections idle over
+			// HTTP/1.1, one over h2c (every call shares the first).
+			_, err = router.Complete(context.Background(), request("first"))
 			require.NoError(t, err)
-			b.fakes["a"].SetSlow("running", 300*time.Millisecond)
+			b.fakes["a"].SetSlow("pair", 100*time.Millisecond)
+			pair := make(chan error, 2)
+			for range 2 {
+				go func() {
+					_, err := router.Complete(context.Background(), request("pair"))
+					pair <- err
+				}()
+			}
+			require.NoError(t, <-pair)
+			require.NoError(t, <-pair)
+			conns := map[bool]int{false: 2, true: 1}[h2c]
+			require.Equal(t, conns, b.fakes["a"].Connections())
+
+			b.fakes["a"].SetSlow("running", 2*time.Second)
 			running := make(chan error, 1)
 			go func() {
 				_, err := router.Complete(context.Background(), request("running on a"))
 				running <- err
 			}()
-			require.Eventually(t, func() bool { return b.calls("a") == 2 }, 5*time.Second, time.Millisecond)
+			require.Eventually(t, func() bool { return b.calls("a") == 4 }, 5*time.Second, time.Millisecond)
 
-			require.NoError(t, router.Replace(route("b")))
+			require.NoError(t, router.Replace(b.onlyRoute("b", h2c)))
 			res, err := router.Complete(context.Background(), request("on b"))
 			require.NoError(t, err)
 			require.Equal(t, "b", res.Route.Provider)
+			require.Eventually(t, func() bool { return b.fakes["a"].OpenConnections() == 1 }, 2*time.Second, time.Millisecond,
+				"the idle connection closes at once, the running call's stays")
 			require.NoError(t, <-running, "the call running on a finishes on its connection")
 			require.Eventually(t, func() bool { return b.fakes["a"].OpenConnections() == 0 }, 5*time.Second, time.Millisecond,
-				"a's connections close when its last call ends, an hour before their idle time would")
-			require.Equal(t, 1, b.fakes["a"].Connections(), "the running call used the idle connection")
+				"a's last connection closes when its last call ends, an hour before its idle time would")
+			require.Equal(t, conns, b.fakes["a"].Connections(), "the running call used an idle connection")
 			require.Equal(t, 1, b.fakes["b"].OpenConnections(), "the new route's connection is kept")
 		})
 	}
@@ -503,8 +519,7 @@ func TestReplacedRoutesCloseTheirConnections(t *testing.T) {
 func TestReloadsRacingCallsLeaveOnlyTheLastRoutesConnected(t *testing.T) {
 	t.Parallel()
 	b := setup(t, routing.Config{})
-	route := func(name string) routing.Config { return b.onlyRoute(name, false) }
-	router, err := routing.New(route("a"))
+	router, err := routing.New(b.onlyRoute("a", false))
 	require.NoError(t, err)
 	const callers, reloads = 4, 40
 	done := make(chan struct{})
@@ -526,7 +541,7 @@ func TestReloadsRacingCallsLeaveOnlyTheLastRoutesConnected(t *testing.T) {
 	}
 	names := []string{"a", "b", "c"}
 	for i := range reloads {
-		require.NoError(t, router.Replace(route(names[(i+1)%len(names)])))
+		require.NoError(t, router.Replace(b.onlyRoute(names[(i+1)%len(names)], false)))
 		time.Sleep(time.Millisecond)
 	}
 	close(done)
