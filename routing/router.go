@@ -167,8 +167,9 @@ func New(cfg Config) (*Router, error) {
 
 // Replace serves cfg's routes (its Metrics and Logger aside: the router keeps
 // its own) from the next call on; calls running finish on the routes they
-// started with, after which the clients of the routes replaced close their
-// idle connections (cfg brings clients of its own). Every target starts with
+// started with. The clients of the routes replaced close their idle
+// connections at once, and those of the calls running when the last ends
+// (cfg brings clients of its own). Every target starts with
 // a closed circuit, and the metrics of the targets no longer routed are
 // dropped. On an error the routes in use stay.
 func (r *Router) Replace(cfg Config) error {
