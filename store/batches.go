@@ -152,14 +152,10 @@ func (s *Store) Batches(ctx context.Context, accountID uuid.UUID, after *uuid.UU
 type OperatorBatch = db.ListBatchesForOperatorRow
 
 // BatchesForOperator returns up to limit batches of every account, or of the
-// account named, newest first; only those in one of statuses when any is
-// given.
+// account named, newest first; only those in one of statuses unless statuses
+// is nil.
 func (s *Store) BatchesForOperator(ctx context.Context, account string, statuses []gateway.BatchStatus, limit int) ([]OperatorBatch, error) {
-	var filter []string
-	for _, st := range statuses {
-		filter = append(filter, string(st))
-	}
-	rows, err := s.queries.ListBatchesForOperator(ctx, s.pool, db.ListBatchesForOperatorParams{Account: nameFilter(account), Statuses: filter, MaxRows: int32(limit)})
+	rows, err := s.queries.ListBatchesForOperator(ctx, s.pool, db.ListBatchesForOperatorParams{Account: nameFilter(account), Statuses: texts(statuses), MaxRows: int32(limit)})
 	if err != nil {
 		return nil, fmt.Errorf("error listing batches: %w", err)
 	}
@@ -495,7 +491,7 @@ type ClaimParams struct {
 func (s *Store) ClaimItems(ctx context.Context, p ClaimParams) ([]ClaimedItem, error) {
 	rows, err := s.queries.ClaimBatchItems(ctx, s.pool, db.ClaimBatchItemsParams{
 		Owner: p.Owner, MaxItems: int32(p.Max), PerAccount: int32(p.PerAccount),
-		Lease: interval(p.Lease), Pivot: uuid.Must(uuid.NewRandom()), ClaimID: p.ClaimID, Models: modelNames(p.Models),
+		Lease: interval(p.Lease), Pivot: uuid.Must(uuid.NewRandom()), ClaimID: p.ClaimID, Models: texts(p.Models),
 	})
 	if err != nil {
 		return nil, fmt.Errorf("error claiming batch items: %w", err)
@@ -517,14 +513,15 @@ func (s *Store) ClaimItems(ctx context.Context, p ClaimParams) ([]ClaimedItem, e
 	return out, nil
 }
 
-// modelNames is models as text; nil stays nil (NULL: every model).
-func modelNames(models []gateway.Model) []string {
-	if models == nil {
+// texts is values (models, statuses) as text for a query's array; nil stays
+// nil (NULL: no filter).
+func texts[T ~string](values []T) []string {
+	if values == nil {
 		return nil
 	}
-	out := make([]string, len(models))
-	for i, m := range models {
-		out[i] = string(m)
+	out := make([]string, len(values))
+	for i, v := range values {
+		out[i] = string(v)
 	}
 	return out
 }
