@@ -48,7 +48,7 @@ func batchesCmd() *cobra.Command {
 		},
 	}
 	list.Flags().StringVar(&account, "account", "", "only this account's batches")
-	list.Flags().StringVar(&status, "status", "", "only batches of these statuses, comma-separated ("+strings.Join(statusNames(), ", ")+"), or open (queued, in_progress, cancelling)")
+	list.Flags().StringVar(&status, "status", "", "only batches of these statuses, comma-separated ("+listed(gateway.BatchStatuses)+"), or open ("+listed(openStatuses())+")")
 	list.Flags().IntVar(&limit, "limit", 50, "at most this many batches")
 
 	cancel := &cobra.Command{
@@ -82,30 +82,35 @@ func batchesCmd() *cobra.Command {
 }
 
 // parseStatuses reads --status: statuses separated by commas, open standing
-// for the three not yet finished; nil when empty (every status).
+// for those not yet finished; nil when empty (every status).
 func parseStatuses(v string) ([]gateway.BatchStatus, error) {
 	var out []gateway.BatchStatus
 	for _, s := range strings.Split(v, ",") {
 		switch s = strings.TrimSpace(s); {
 		case s == "":
 		case s == "open":
-			out = append(out, gateway.BatchQueued, gateway.BatchInProgress, gateway.BatchCancelling)
+			out = append(out, openStatuses()...)
 		case slices.Contains(gateway.BatchStatuses, gateway.BatchStatus(s)):
 			out = append(out, gateway.BatchStatus(s))
 		default:
-			return nil, fmt.Errorf("--status: want statuses among %s, or open, got %q", strings.Join(statusNames(), ", "), s)
+			return nil, fmt.Errorf("--status: want statuses among %s, or open, got %q", listed(gateway.BatchStatuses), s)
 		}
 	}
 	return out, nil
 }
 
-// statusNames are the batch statuses, as --status takes them.
-func statusNames() []string {
-	names := make([]string, len(gateway.BatchStatuses))
-	for i, s := range gateway.BatchStatuses {
+// openStatuses are the statuses of batches not yet finished (--status open).
+func openStatuses() []gateway.BatchStatus {
+	return slices.DeleteFunc(slices.Clone(gateway.BatchStatuses), gateway.BatchStatus.Terminal)
+}
+
+// listed is statuses as --status takes them, separated by commas.
+func listed(statuses []gateway.BatchStatus) string {
+	names := make([]string, len(statuses))
+	for i, s := range statuses {
 		names[i] = string(s)
 	}
-	return names
+	return strings.Join(names, ", ")
 }
 
 // printBatches writes batches as a table, one batch a line.
