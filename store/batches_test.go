@@ -1196,8 +1196,7 @@ func TestBatchesForOperator(t *testing.T) {
 	_, other := b.key(t, "other", gateway.TierDeveloper, gateway.ScopeInference)
 	running := b.newBatch(t, other, 2, 50, "", day())
 	owner := uuid.Must(uuid.NewV7())
-	items, err := b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: owner, Max: 1, PerAccount: 1, Lease: time.Minute})
-	require.NoError(t, err)
+	items := b.claim(t, owner, 1, time.Minute)
 	require.Len(t, items, 1)
 	require.NoError(t, b.store.StartBatches(b.ctx, []uuid.UUID{running}))
 	b.complete(t, owner, items, 30)
@@ -1263,8 +1262,7 @@ func TestBatchesForOperator(t *testing.T) {
 	// A batch with an item running (nothing else is queued) is cancelling
 	// until the item is done.
 	busy := b.newBatch(t, other, 2, 50, "", day())
-	items, err = b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: owner, Max: 1, PerAccount: 1, Lease: time.Minute})
-	require.NoError(t, err)
+	items = b.claim(t, owner, 1, time.Minute)
 	require.Len(t, items, 1)
 	require.Equal(t, busy, items[0].BatchID)
 	status, err = b.store.CancelBatchForOperator(b.ctx, busy)
