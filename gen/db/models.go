@@ -147,14 +147,3 @@ type Request struct {
 	CompletedAt            time.Time
 	EmptyEvidenceExpiresAt *time.Time
 }
-
-type Reservation struct {
-	RequestID     uuid.UUID
-	AccountID     uuid.UUID
-	ProjectID     uuid.UUID
-	Day           time.Time
-	ChargedRungs  int64
-	ReservedRungs int64
-	ExpiresAt     time.Time
-	SettledRungs  *int64
-}
