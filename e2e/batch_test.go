@@ -377,6 +377,8 @@ func TestOperatorListsAndCancelsBatches(t *testing.T) {
 	require.ErrorContains(t, err, "--status: want statuses among queued, in_progress, cancelling, completed, failed, cancelled, expired, or open")
 	_, err = cli(t, b.db, "batches", "list", "--limit", "0")
 	require.ErrorContains(t, err, "--limit: want 1 to 10000")
+	_, err = cli(t, b.db, "batches", "list", "--account", "acme-typo")
+	require.ErrorContains(t, err, `no such account "acme-typo"`)
 
 	// Its owner reads the batch cancelled, every item with it; the other
 	// account's batch is untouched.

@@ -271,4 +271,6 @@ func TestUsageViewEqualsReceivedUsage(t *testing.T) {
 	}
 	require.Equal(t, v.Totals, reported)
 	require.Equal(t, map[string]bool{"elements": true, "instant": true}, models)
+	_, err = cli(t, b.db, "usage", "--account", "acmee")
+	require.ErrorContains(t, err, `no such account "acmee"`, "a misspelt account is not one that used nothing")
 }

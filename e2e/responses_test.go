@@ -220,6 +220,8 @@ func TestCLI(t *testing.T) {
 	require.NotContains(t, listed, free)
 	all := mustCLI(t, b.db, "keys", "list")
 	require.Len(t, strings.Split(strings.TrimSpace(all), "\n"), 4, "freeco's key and acme's two: "+all)
+	_, err = cli(t, b.db, "keys", "list", "--account", "freecoo")
+	require.ErrorContains(t, err, `no such account "freecoo"`)
 
 	_, err = cli(t, "", "serve")
 	require.ErrorContains(t, err, "DATABASE_URL is required")

@@ -152,12 +152,15 @@ func (s *Store) Batches(ctx context.Context, accountID uuid.UUID, after *uuid.UU
 type OperatorBatch = db.ListBatchesForOperatorRow
 
 // BatchesForOperator returns up to limit batches of every account, or of the
-// account named, newest first; only those in one of statuses unless statuses
-// is nil.
+// account named (ErrAccountNotFound when there is none), newest first; only
+// those in one of statuses unless statuses is nil.
 func (s *Store) BatchesForOperator(ctx context.Context, account string, statuses []gateway.BatchStatus, limit int) ([]OperatorBatch, error) {
 	rows, err := s.queries.ListBatchesForOperator(ctx, s.pool, db.ListBatchesForOperatorParams{Account: nameFilter(account), Statuses: texts(statuses), MaxRows: int32(limit)})
 	if err != nil {
 		return nil, fmt.Errorf("error listing batches: %w", err)
+	}
+	if len(rows) == 0 {
+		return nil, s.accountKnown(ctx, account)
 	}
 	return rows, nil
 }

@@ -1223,9 +1223,11 @@ func TestBatchesForOperator(t *testing.T) {
 	open, err := b.store.BatchesForOperator(b.ctx, "", []gateway.BatchStatus{gateway.BatchInProgress, gateway.BatchCancelling}, 10)
 	require.NoError(t, err)
 	require.Equal(t, []uuid.UUID{running}, ids(open))
-	none, err := b.store.BatchesForOperator(b.ctx, "nobody", nil, 10)
+	none, err := b.store.BatchesForOperator(b.ctx, "other", []gateway.BatchStatus{gateway.BatchQueued}, 10)
 	require.NoError(t, err)
-	require.Empty(t, none)
+	require.Empty(t, none, "an account with no such batches")
+	_, err = b.store.BatchesForOperator(b.ctx, "nobody", nil, 10)
+	require.ErrorIs(t, err, store.ErrAccountNotFound, "an account that does not exist is not one without batches")
 
 	status, err := b.store.CancelBatchForOperator(b.ctx, older)
 	require.NoError(t, err)

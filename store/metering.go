@@ -63,11 +63,15 @@ type UsageLine = db.UsageReportRow
 
 // UsageReport returns the usage committed in [start, end) per account,
 // project, UTC day of completion, model and entry point, in that order; only
-// account's when it is not empty.
+// account's when it is not empty (ErrAccountNotFound when there is no such
+// account).
 func (s *Store) UsageReport(ctx context.Context, start, end time.Time, account string) ([]UsageLine, error) {
 	lines, err := s.queries.UsageReport(ctx, s.pool, db.UsageReportParams{Start: start, EndTime: end, Account: nameFilter(account)})
 	if err != nil {
 		return nil, fmt.Errorf("error reading usage: %w", err)
+	}
+	if len(lines) == 0 {
+		return nil, s.accountKnown(ctx, account)
 	}
 	return lines, nil
 }

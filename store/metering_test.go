@@ -394,7 +394,9 @@ func TestUsageReport(t *testing.T) {
 	lines, err = b.store.UsageReport(b.ctx, day1, day2.AddDate(0, 0, 1), "globex")
 	require.NoError(t, err)
 	require.Equal(t, []store.UsageLine{line("globex", "default", day1, gateway.ModelInstant, gateway.EntryResponses, 1, 5)}, lines)
-	lines, err = b.store.UsageReport(b.ctx, day1, day2.AddDate(0, 0, 1), "nobody")
+	lines, err = b.store.UsageReport(b.ctx, day2, day2.AddDate(0, 0, 1), "globex")
 	require.NoError(t, err)
-	require.Empty(t, lines)
+	require.Empty(t, lines, "an account that used nothing those days")
+	_, err = b.store.UsageReport(b.ctx, day1, day2.AddDate(0, 0, 1), "nobody")
+	require.ErrorIs(t, err, store.ErrAccountNotFound, "a report for an account that does not exist is not one of zero usage")
 }

@@ -214,13 +214,28 @@ func (s *Store) RevokeKey(ctx context.Context, idOrPrefix string) error {
 type Key = db.ListAPIKeysRow
 
 // ListKeys returns every key with its account and project, newest first, or
-// only the named account's when account is not empty.
+// only the named account's when account is not empty (ErrAccountNotFound when
+// there is no such account).
 func (s *Store) ListKeys(ctx context.Context, account string) ([]Key, error) {
 	keys, err := s.queries.ListAPIKeys(ctx, s.pool, nameFilter(account))
 	if err != nil {
 		return nil, fmt.Errorf("error listing keys: %w", err)
 	}
+	if len(keys) == 0 {
+		return nil, s.accountKnown(ctx, account)
+	}
 	return keys, nil
+}
+
+// accountKnown is nil when name is empty (no account named) or names an
+// account, ErrAccountNotFound otherwise: a list filtered by an account that
+// does not exist says so, rather than look like one with nothing to list.
+func (s *Store) accountKnown(ctx context.Context, name string) error {
+	if name == "" {
+		return nil
+	}
+	_, err := s.account(ctx, s.pool, name)
+	return err
 }
 
 // nameFilter is a query's optional filter by name: nil (everyone) for "".
@@ -244,7 +259,8 @@ type SetLimitsParams struct {
 	ClearBudget bool
 }
 
-// ErrAccountNotFound is returned when setting limits of an unknown account.
+// ErrAccountNotFound is returned when setting limits of an unknown account,
+// or listing its keys, batches or usage.
 var ErrAccountNotFound = errors.New("no such account")
 
 // ErrProjectNotFound is returned when setting the budget of an unknown project.
@@ -286,8 +302,8 @@ func (s *Store) SetLimits(ctx context.Context, p SetLimitsParams) error {
 
 // account reads an account by its name; ErrAccountNotFound, saying how
 // accounts are made, when there is none.
-func (s *Store) account(ctx context.Context, tx pgx.Tx, name string) (db.Account, error) {
-	account, err := s.queries.GetAccountByName(ctx, tx, name)
+func (s *Store) account(ctx context.Context, q db.DBTX, name string) (db.Account, error) {
+	account, err := s.queries.GetAccountByName(ctx, q, name)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return db.Account{}, fmt.Errorf("%w %q (accounts are created with their first key: gateway keys create --account %s)", ErrAccountNotFound, name, name)
 	}
