@@ -426,7 +426,7 @@ type SettleRequestsParams struct {
 }
 
 // Settles a group of finished requests (as the function settle_requests of
-// migration 00007 did, which replicas of the previous release still call):
+// migration 00007 did, which 00038 dropped a release after this replaced it):
 // their usage and evidence, once each (a request settled already is left as
 // it is), and their cost on their quota leases, or, for a request whose lease
 // is gone, on its account-day and project directly. A prepared statement
