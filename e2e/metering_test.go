@@ -137,6 +137,42 @@ func TestRevokedKeyIsRefusedByEveryReplica(t *testing.T) {
 	}
 }
 
+// TestRevokedAccountIsRefusedByEveryReplica: gateway keys revoke --account
+// cuts a tenant off on every replica that has its keys cached, whatever
+// their project; another tenant goes on.
+func TestRevokedAccountIsRefusedByEveryReplica(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	tenant := []string{
+		strings.TrimSpace(mustCLI(t, b.db, "keys", "create", "--account", "abuser")),
+		strings.TrimSpace(mustCLI(t, b.db, "keys", "create", "--account", "abuser", "--project", "web")),
+	}
+	replicas := []*gateway{serve(t, b.db, b.fake.BaseURL(), nil), serve(t, b.db, b.fake.BaseURL(), nil)}
+	for _, g := range replicas {
+		for _, key := range append([]string{b.key}, tenant...) {
+			require.Equal(t, http.StatusOK, g.call(http.MethodGet, "/api/v1/usage", key, nil).status)
+		}
+	}
+	_, said, err := cliIn(t, t.TempDir(), map[string]string{"DATABASE_URL": b.db}, "keys", "revoke", "--account", "abuser")
+	require.NoError(t, err, said)
+	require.Equal(t, "revoked 2 active key(s)\n", said)
+	for _, g := range replicas {
+		for _, key := range tenant {
+			require.Eventually(t, func() bool {
+				return g.call(http.MethodGet, "/api/v1/usage", key, nil).status == http.StatusUnauthorized
+			}, 5*time.Second, 20*time.Millisecond, "a revoked account's key is refused")
+		}
+		require.Equal(t, http.StatusOK, g.call(http.MethodGet, "/api/v1/usage", b.key, nil).status, "another account's key")
+	}
+
+	for _, args := range [][]string{{}, {b.key[:12], "--account", "acme"}, {"--project", "default"}} {
+		_, err = cli(t, b.db, append([]string{"keys", "revoke"}, args...)...)
+		require.ErrorContains(t, err, "name a key (KEY_PREFIX_OR_ID) or an account", "%v", args)
+	}
+	_, err = cli(t, b.db, "keys", "revoke", "--account", "acme", "--project", "nowhere")
+	require.ErrorContains(t, err, `no such project "nowhere" in account "acme"`)
+}
+
 // TestKilledReplicasSlicesComeBack: a replica killed while it holds the whole
 // budget in slices keeps it from the others only until its lease runs out;
 // nothing it ran without answering is billed, and the usage view stays equal

@@ -210,6 +210,34 @@ func (s *Store) RevokeKey(ctx context.Context, idOrPrefix string) error {
 	return nil
 }
 
+// RevokeAccountKeys revokes, in one statement, every active key of the named
+// account, or of its project of that name when project is not empty, and
+// returns how many it revoked; every replica refuses them from its next
+// request. An account or project that does not exist is ErrAccountNotFound or
+// ErrProjectNotFound.
+func (s *Store) RevokeAccountKeys(ctx context.Context, account, project string) (int64, error) {
+	var n int64
+	err := pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+		a, err := s.account(ctx, tx, account)
+		if err != nil {
+			return err
+		}
+		var projectID *uuid.UUID
+		if project != "" {
+			p, err := s.project(ctx, tx, a, project)
+			if err != nil {
+				return err
+			}
+			projectID = &p.ID
+		}
+		if n, err = s.queries.RevokeAccountAPIKeys(ctx, tx, db.RevokeAccountAPIKeysParams{AccountID: a.ID, ProjectID: projectID}); err != nil {
+			return fmt.Errorf("error revoking keys: %w", err)
+		}
+		return nil
+	})
+	return n, err
+}
+
 // Key is an issued key as ListKeys describes it: never its secret.
 type Key = db.ListAPIKeysRow
 
@@ -260,10 +288,11 @@ type SetLimitsParams struct {
 }
 
 // ErrAccountNotFound is returned when setting limits of an unknown account,
-// or listing its keys, batches or usage.
+// revoking its keys, or listing its keys, batches or usage.
 var ErrAccountNotFound = errors.New("no such account")
 
-// ErrProjectNotFound is returned when setting the budget of an unknown project.
+// ErrProjectNotFound is returned when setting the budget of an unknown
+// project, or revoking its keys.
 var ErrProjectNotFound = errors.New("no such project")
 
 // SetLimits sets or clears an account's daily rung ceiling and/or a project's
@@ -284,13 +313,9 @@ func (s *Store) SetLimits(ctx context.Context, p SetLimitsParams) error {
 			}
 		}
 		if p.BudgetRungs != nil || p.ClearBudget {
-			project, err := s.queries.GetProjectByName(ctx, tx, db.GetProjectByNameParams{AccountID: account.ID, Name: p.Project})
-			if errors.Is(err, pgx.ErrNoRows) {
-				return fmt.Errorf("%w %q in account %q (projects are created with their first key: gateway keys create --account %s --project %s)",
-					ErrProjectNotFound, p.Project, p.Account, p.Account, p.Project)
-			}
+			project, err := s.project(ctx, tx, account, p.Project)
 			if err != nil {
-				return fmt.Errorf("error reading project: %w", err)
+				return err
 			}
 			if _, err := s.queries.SetProjectBudget(ctx, tx, db.SetProjectBudgetParams{ID: project.ID, BudgetCapRungs: p.BudgetRungs}); err != nil {
 				return fmt.Errorf("error setting budget: %w", err)
@@ -311,6 +336,20 @@ func (s *Store) account(ctx context.Context, q db.DBTX, name string) (db.Account
 		return db.Account{}, fmt.Errorf("error reading account: %w", err)
 	}
 	return account, nil
+}
+
+// project reads a project of account by its name; ErrProjectNotFound, saying
+// how projects are made, when there is none.
+func (s *Store) project(ctx context.Context, q db.DBTX, account db.Account, name string) (db.Project, error) {
+	project, err := s.queries.GetProjectByName(ctx, q, db.GetProjectByNameParams{AccountID: account.ID, Name: name})
+	if errors.Is(err, pgx.ErrNoRows) {
+		return db.Project{}, fmt.Errorf("%w %q in account %q (projects are created with their first key: gateway keys create --account %s --project %s)",
+			ErrProjectNotFound, name, account.Name, account.Name, name)
+	}
+	if err != nil {
+		return db.Project{}, fmt.Errorf("error reading project: %w", err)
+	}
+	return project, nil
 }
 
 // Evidence returns the evidence of one of the account's requests while it is

@@ -144,6 +144,69 @@ func TestListKeys(t *testing.T) {
 	require.ErrorIs(t, err, store.ErrAccountNotFound, "an account that does not exist is not one without keys")
 }
 
+// TestRevokeAccountKeys: an operator cuts a tenant off by revoking every
+// active key of its account, or of one of its projects, at once; other
+// accounts' keys, and the keys already revoked or past their end, keep their
+// state.
+func TestRevokeAccountKeys(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	tier := gateway.TierDeveloper
+	issue := func(account, project string) string {
+		t.Helper()
+		token, err := b.store.CreateKey(b.ctx, store.CreateKeyParams{Account: account, Project: project, Tier: &tier, Scopes: []gateway.Scope{gateway.ScopeInference}})
+		require.NoError(t, err)
+		return token
+	}
+	refused := func(token string) bool {
+		t.Helper()
+		_, err := b.store.LookupKey(b.ctx, token)
+		if err == nil {
+			return false
+		}
+		require.Equal(t, gateway.EUnauthorized, gateway.ErrorCodeOf(err))
+		return true
+	}
+	research, research2, web := issue("abuser", "research"), issue("abuser", "research"), issue("abuser", "web")
+	revokedBefore, ended := issue("abuser", "web"), issue("abuser", "web")
+	require.NoError(t, b.store.RevokeKey(b.ctx, revokedBefore[:12]))
+	_, err := b.store.Pool().Exec(b.ctx, `UPDATE api_keys SET expires_at = now() - interval '1 second' WHERE prefix = $1`, ended[:12])
+	require.NoError(t, err)
+	other := issue("acme", "research")
+
+	n, err := b.store.RevokeAccountKeys(b.ctx, "abuser", "research")
+	require.NoError(t, err)
+	require.Equal(t, int64(2), n)
+	require.True(t, refused(research))
+	require.True(t, refused(research2))
+	require.False(t, refused(web), "another project's key")
+	require.False(t, refused(other), "another account's project of the same name")
+
+	n, err = b.store.RevokeAccountKeys(b.ctx, "abuser", "")
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n, "only the key still active: not those revoked or past their end")
+	require.True(t, refused(web))
+	require.False(t, refused(other))
+	keys, err := b.store.ListKeys(b.ctx, "abuser")
+	require.NoError(t, err)
+	for _, k := range keys {
+		if k.Prefix == ended[:12] {
+			require.Nil(t, k.RevokedAt, "a key past its end keeps its end as what ended it")
+		} else {
+			require.NotNil(t, k.RevokedAt, k.Prefix)
+		}
+	}
+	n, err = b.store.RevokeAccountKeys(b.ctx, "abuser", "")
+	require.NoError(t, err)
+	require.Zero(t, n, "revoking again is a no-op")
+
+	_, err = b.store.RevokeAccountKeys(b.ctx, "nobody", "")
+	require.ErrorIs(t, err, store.ErrAccountNotFound)
+	_, err = b.store.RevokeAccountKeys(b.ctx, "abuser", "nowhere")
+	require.ErrorIs(t, err, store.ErrProjectNotFound)
+	require.False(t, refused(other))
+}
+
 // TestKeyExpiry: a key issued with an end carries it, is listed with it, and
 // is refused once it has passed; no key is issued already expired.
 func TestKeyExpiry(t *testing.T) {

@@ -122,21 +122,37 @@ func keysCmd() *cobra.Command {
 	create.Flags().StringVar(&expires, "expires", "", "when the key stops being accepted: after a time (90d, 12h) or at one (2027-01-31, the start of that UTC day, or 2027-01-31T12:00:00Z); never by default")
 	_ = create.MarkFlagRequired("account")
 
+	var revokeAccount, revokeProject string
 	revoke := &cobra.Command{
-		Use:   "revoke KEY_PREFIX_OR_ID",
-		Short: "Revoke a key by its prefix (igw_xxxxxxxx) or id",
-		Long:  "Revokes a key: every replica refuses it from its next request.\n" + databaseHelp,
-		Args:  cobra.ExactArgs(1),
+		Use:   "revoke KEY_PREFIX_OR_ID | --account A [--project P]",
+		Short: "Revoke a key by its prefix (igw_xxxxxxxx) or id, or every key of an account or of one of its projects",
+		Long: "Revokes a key, or with --account every active key of the account (with --project, of that project only), " +
+			"to cut a tenant off at once: every replica refuses them from its next request. Its batches are not cancelled " +
+			"(gateway batches cancel does that).\n" + databaseHelp,
+		Args: cobra.MaximumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
+			if (len(args) == 1) == (revokeAccount != "") || (revokeProject != "" && revokeAccount == "") {
+				return errors.New("name a key (KEY_PREFIX_OR_ID) or an account (--account A, and --project P for one of its projects), not both")
+			}
 			return withStore(cmd.Context(), cmd.ErrOrStderr(), func(st *store.Store) error {
-				if err := st.RevokeKey(cmd.Context(), args[0]); err != nil {
+				if revokeAccount == "" {
+					if err := st.RevokeKey(cmd.Context(), args[0]); err != nil {
+						return err
+					}
+					fmt.Fprintln(cmd.ErrOrStderr(), "revoked")
+					return nil
+				}
+				n, err := st.RevokeAccountKeys(cmd.Context(), revokeAccount, revokeProject)
+				if err != nil {
 					return err
 				}
-				fmt.Fprintln(cmd.ErrOrStderr(), "revoked")
+				fmt.Fprintf(cmd.ErrOrStderr(), "revoked %d active key(s)\n", n)
 				return nil
 			})
 		},
 	}
+	revoke.Flags().StringVar(&revokeAccount, "account", "", "revoke every active key of this account")
+	revoke.Flags().StringVar(&revokeProject, "project", "", "with --account: only this project's keys")
 	var grace, newExpires string
 	rotate := &cobra.Command{
 		Use:   "rotate KEY_PREFIX_OR_ID",

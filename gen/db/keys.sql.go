@@ -216,6 +216,29 @@ func (q *Queries) RevokeAPIKey(ctx context.Context, db DBTX, key string) (int64,
 	return result.RowsAffected(), nil
 }
 
+const revokeAccountAPIKeys = `-- name: RevokeAccountAPIKeys :execrows
+UPDATE api_keys k SET revoked_at = now()
+  FROM projects p
+ WHERE p.id = k.project_id AND p.account_id = $1
+   AND ($2::uuid IS NULL OR p.id = $2::uuid)
+   AND k.revoked_at IS NULL AND (k.expires_at IS NULL OR k.expires_at > now())
+`
+
+type RevokeAccountAPIKeysParams struct {
+	AccountID uuid.UUID
+	ProjectID *uuid.UUID
+}
+
+// Revokes every active key (neither revoked nor past its end) of an account's
+// projects, or of one of them; the others keep their state.
+func (q *Queries) RevokeAccountAPIKeys(ctx context.Context, db DBTX, arg RevokeAccountAPIKeysParams) (int64, error) {
+	result, err := db.Exec(ctx, revokeAccountAPIKeys, arg.AccountID, arg.ProjectID)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
 const setAPIKeyExpiry = `-- name: SetAPIKeyExpiry :exec
 UPDATE api_keys SET expires_at = $1 WHERE id = $2
 `

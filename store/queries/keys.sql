@@ -23,6 +23,15 @@ RETURNING *;
 UPDATE api_keys SET revoked_at = now()
 WHERE (id::text = @key::text OR prefix = @key::text) AND revoked_at IS NULL;
 
+-- name: RevokeAccountAPIKeys :execrows
+-- Revokes every active key (neither revoked nor past its end) of an account's
+-- projects, or of one of them; the others keep their state.
+UPDATE api_keys k SET revoked_at = now()
+  FROM projects p
+ WHERE p.id = k.project_id AND p.account_id = @account_id
+   AND (sqlc.narg(project_id)::uuid IS NULL OR p.id = sqlc.narg(project_id)::uuid)
+   AND k.revoked_at IS NULL AND (k.expires_at IS NULL OR k.expires_at > now());
+
 -- name: LockActiveAPIKey :one
 -- An active key (neither revoked nor expired) by key id (text form) or prefix,
 -- locked until the transaction ends.
