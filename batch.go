@@ -30,6 +30,12 @@ func (s BatchStatus) Terminal() bool {
 	return s == BatchCompleted || s == BatchFailed || s == BatchCancelled || s == BatchExpired
 }
 
+// Cancellable reports whether a batch in status s can be cancelled.
+func (s BatchStatus) Cancellable() bool {
+	_, err := NextBatchStatus(s, EventCancel, ItemsOutcome{})
+	return err == nil
+}
+
 // ItemStatus is the status of a batch item.
 type ItemStatus string
 

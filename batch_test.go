@@ -55,9 +55,13 @@ func TestNextBatchStatus(t *testing.T) {
 		case notCancellable:
 			require.Equal(t, gateway.EBatchNotCancellable, gateway.ErrorCodeOf(err), "%s + %s", from, ev)
 			require.Equal(t, from, got)
+			require.False(t, from.Cancellable(), from)
 		default:
 			require.NoError(t, err, "%s + %s", from, ev)
 			require.Equal(t, gateway.BatchStatus(expect), got, "%s + %s %+v", from, ev, o)
+			if ev == gateway.EventCancel {
+				require.True(t, from.Cancellable(), from)
+			}
 		}
 		if from.Terminal() && err == nil {
 			require.Equal(t, from, got, "a terminal batch never changes")

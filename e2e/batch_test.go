@@ -329,8 +329,9 @@ func TestBatchIdempotencyAcrossReplicas(t *testing.T) {
 
 // TestOperatorListsAndCancelsBatches: gateway batches list shows every
 // account's batches, newest first, with their project and progress, and
-// filters them; gateway batches cancel cancels a batch of any account as its
-// owner would, which the owner then reads through the API.
+// filters them; gateway batches cancel cancels a batch of any account, or
+// every open batch of one, as its owner would, which the owner then reads
+// through the API.
 func TestOperatorListsAndCancelsBatches(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -340,6 +341,7 @@ func TestOperatorListsAndCancelsBatches(t *testing.T) {
 	g := serve(t, b.db, b.fake.BaseURL(), nil)
 	first := g.createBatch(b.key, prompts("acme", 2)).Id.String()
 	second := g.createBatch(other, prompts("other", 3)).Id.String()
+	third := g.createBatch(other, prompts("other", 1)).Id.String()
 	require.NoError(t, g.stop())
 
 	rows := func(args ...string) [][]string {
@@ -353,14 +355,18 @@ func TestOperatorListsAndCancelsBatches(t *testing.T) {
 	}
 	open := []string{"queued", "in_progress"}
 	listed := rows()
-	require.Len(t, listed, 2)
-	require.Equal(t, []string{second, "other", "research"}, listed[0][:3], "newest first")
+	require.Len(t, listed, 3)
+	require.Equal(t, []string{third, second}, []string{listed[0][0], listed[1][0]}, "newest first")
+	listed = listed[1:]
+	require.Equal(t, []string{second, "other", "research"}, listed[0][:3])
 	require.Contains(t, open, listed[0][3])
 	require.Equal(t, []string{"0/3", "0", "0", "0", "0"}, listed[0][4:9])
 	require.Equal(t, "-", listed[0][11], "no error")
 	require.Equal(t, []string{first, "acme", "default"}, listed[1][:3])
 	require.Equal(t, [][]string{listed[1]}, rows("--account", "acme", "--status", "open"))
-	require.Equal(t, [][]string{listed[0]}, rows("--limit", "1"))
+	limited := rows("--limit", "1")
+	require.Len(t, limited, 1)
+	require.Equal(t, third, limited[0][0])
 	require.Empty(t, rows("--status", "completed,failed"))
 
 	_, said, err := cliIn(t, t.TempDir(), map[string]string{"DATABASE_URL": b.db}, "batches", "cancel", second)
@@ -371,6 +377,20 @@ func TestOperatorListsAndCancelsBatches(t *testing.T) {
 	require.Equal(t, []string{second, "other", "research", "cancelled", "3/3", "0", "0", "3"}, cancelled[0][:8])
 	_, err = cli(t, b.db, "batches", "cancel", second)
 	require.ErrorContains(t, err, "a batch that is cancelled cannot be cancelled")
+	// Every open batch of an account at once: the one left of other.
+	lines, said, err := cliIn(t, t.TempDir(), map[string]string{"DATABASE_URL": b.db}, "batches", "cancel", "--account", "other")
+	require.NoError(t, err, said)
+	require.Equal(t, third+" cancelled\n", lines)
+	require.Equal(t, "1 cancelled, 0 cancelling, 0 not cancelled\n", said)
+	lines, said, err = cliIn(t, t.TempDir(), map[string]string{"DATABASE_URL": b.db}, "batches", "cancel", "--account", "other")
+	require.NoError(t, err, said)
+	require.Equal(t, []string{"", "0 cancelled, 0 cancelling, 0 not cancelled\n"}, []string{lines, said})
+	for _, args := range [][]string{{}, {first, "--account", "acme"}} {
+		_, err = cli(t, b.db, append([]string{"batches", "cancel"}, args...)...)
+		require.ErrorContains(t, err, "name a batch (BATCH_ID) or an account (--account A), not both", "%v", args)
+	}
+	_, err = cli(t, b.db, "batches", "cancel", "--account", "nobody")
+	require.ErrorContains(t, err, `no such account "nobody"`)
 	_, err = cli(t, b.db, "batches", "cancel", "b-123")
 	require.ErrorContains(t, err, `want a batch id (a UUID, as batches list shows), got "b-123"`)
 	_, err = cli(t, b.db, "batches", "list", "--status", "done")
@@ -380,14 +400,16 @@ func TestOperatorListsAndCancelsBatches(t *testing.T) {
 	_, err = cli(t, b.db, "batches", "list", "--account", "acme-typo")
 	require.ErrorContains(t, err, `no such account "acme-typo"`)
 
-	// Its owner reads the batch cancelled, every item with it; the other
+	// Its owner reads the batches cancelled, every item with them; the other
 	// account's batch is untouched.
 	b.fake.SetMode(fakeupstream.OK)
 	g = serve(t, b.db, b.fake.BaseURL(), nil)
-	res := g.results(other, second)
-	require.Equal(t, api.BatchStatus("cancelled"), res.Status)
-	for _, it := range res.Results {
-		require.Equal(t, api.BatchItemStatus("cancelled"), it.Status)
+	for _, id := range []string{second, third} {
+		res := g.results(other, id)
+		require.Equal(t, api.BatchStatus("cancelled"), res.Status)
+		for _, it := range res.Results {
+			require.Equal(t, api.BatchItemStatus("cancelled"), it.Status)
+		}
 	}
 	require.Equal(t, api.BatchStatus("completed"), g.waitTerminal(b.key, first, 60*time.Second).Status)
 }

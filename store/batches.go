@@ -244,6 +244,47 @@ func (s *Store) CancelBatchForOperator(ctx context.Context, id uuid.UUID) (gatew
 	return s.cancelBatch(ctx, nil, id)
 }
 
+// CancelOutcome is what cancelling one batch of many came to: its status
+// after, or why it was not cancelled.
+type CancelOutcome struct {
+	ID     uuid.UUID
+	Status gateway.BatchStatus
+	Err    error
+}
+
+// cancelRound is how many batches CancelAccountBatches lists at a time.
+const cancelRound = 1000
+
+// CancelAccountBatches cancels every batch of the named account that can be
+// cancelled (queued or in progress), each as CancelBatchForOperator would, in
+// a transaction of its own, and returns what came of each: one that fails is
+// reported and the others go on. It lists them again until none is left that
+// it has not tried, so batches created meanwhile are cancelled too. An
+// account that does not exist is ErrAccountNotFound.
+func (s *Store) CancelAccountBatches(ctx context.Context, account string) ([]CancelOutcome, error) {
+	cancellable := slices.DeleteFunc(slices.Clone(gateway.BatchStatuses), func(s gateway.BatchStatus) bool { return !s.Cancellable() })
+	var out []CancelOutcome
+	tried := map[uuid.UUID]bool{}
+	for {
+		found, err := s.BatchesForOperator(ctx, account, cancellable, cancelRound)
+		if err != nil {
+			return out, err
+		}
+		more := false
+		for _, b := range found {
+			if tried[b.ID] {
+				continue
+			}
+			tried[b.ID], more = true, true
+			status, err := s.CancelBatchForOperator(ctx, b.ID)
+			out = append(out, CancelOutcome{ID: b.ID, Status: status, Err: err})
+		}
+		if !more {
+			return out, nil
+		}
+	}
+}
+
 // cancelBatch cancels a batch of the account, or of any account when
 // accountID is nil, and returns its status after.
 func (s *Store) cancelBatch(ctx context.Context, accountID *uuid.UUID, id uuid.UUID) (status gateway.BatchStatus, err error) {

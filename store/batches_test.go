@@ -1275,6 +1275,58 @@ func TestBatchesForOperator(t *testing.T) {
 	require.Equal(t, gateway.BatchCancelled, batch.Status)
 }
 
+// TestCancelAccountBatches: an operator cancels every open batch of one
+// account: a queued one is cancelled, one with an item running is cancelling;
+// one that cannot move is reported and the others go on; another account's
+// batch is untouched, and the finished ones are not tried.
+func TestCancelAccountBatches(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, acme := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	_, other := b.key(t, "other", gateway.TierDeveloper, gateway.ScopeInference)
+	running := b.newBatch(t, acme, 1, 50, "", day())
+	owner := uuid.Must(uuid.NewV7())
+	require.Len(t, b.claim(t, owner, 1, time.Minute), 1)
+	require.NoError(t, b.store.StartBatches(b.ctx, []uuid.UUID{running}))
+	queued, stuck := b.newBatch(t, acme, 2, 50, "", day()), b.newBatch(t, acme, 2, 50, "", day())
+	others := b.newBatch(t, other, 2, 50, "", day())
+	b.refuseMoves(t, stuck)
+
+	outcomes, err := b.store.CancelAccountBatches(b.ctx, "acme")
+	require.NoError(t, err)
+	got := map[uuid.UUID]store.CancelOutcome{}
+	for _, o := range outcomes {
+		got[o.ID] = o
+	}
+	require.Len(t, got, 3)
+	require.NoError(t, got[queued].Err)
+	require.Equal(t, gateway.BatchCancelled, got[queued].Status)
+	require.NoError(t, got[running].Err)
+	require.Equal(t, gateway.BatchCancelling, got[running].Status, "its item runs")
+	require.ErrorContains(t, got[stuck].Err, "this batch cannot move")
+	for id, want := range map[uuid.UUID]gateway.BatchStatus{queued: gateway.BatchCancelled, running: gateway.BatchCancelling, stuck: gateway.BatchQueued} {
+		batch, _ := b.batch(t, acme, id)
+		require.Equal(t, want, batch.Status)
+	}
+	batch, _ := b.batch(t, other, others)
+	require.Equal(t, gateway.BatchQueued, batch.Status, "another account's batch")
+
+	// Again: only the one that failed is tried.
+	outcomes, err = b.store.CancelAccountBatches(b.ctx, "acme")
+	require.NoError(t, err)
+	require.Len(t, outcomes, 1)
+	require.Equal(t, stuck, outcomes[0].ID)
+	require.Error(t, outcomes[0].Err)
+	outcomes, err = b.store.CancelAccountBatches(b.ctx, "other")
+	require.NoError(t, err)
+	require.Equal(t, []store.CancelOutcome{{ID: others, Status: gateway.BatchCancelled}}, outcomes)
+	outcomes, err = b.store.CancelAccountBatches(b.ctx, "other")
+	require.NoError(t, err)
+	require.Empty(t, outcomes, "nothing left to cancel")
+	_, err = b.store.CancelAccountBatches(b.ctx, "nobody")
+	require.ErrorIs(t, err, store.ErrAccountNotFound)
+}
+
 func TestExpireBatches(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -1485,6 +1537,16 @@ func (b *testBundle) oneItemBatchesClaimed(t *testing.T, n int) (p *gateway.Prin
 	return p, ids, owner, items
 }
 
+// refuseMoves makes every update of the batch id fail ("this batch cannot
+// move"), for tests of a failing member.
+func (b *testBundle) refuseMoves(t *testing.T, id uuid.UUID) {
+	t.Helper()
+	_, err := b.store.Pool().Exec(b.ctx, fmt.Sprintf(`CREATE FUNCTION refuse_batch() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN IF NEW.id = '%s' THEN RAISE EXCEPTION 'this batch cannot move'; END IF; RETURN NEW; END $$;
+		CREATE TRIGGER refuse_batch BEFORE UPDATE ON batches FOR EACH ROW EXECUTE FUNCTION refuse_batch()`, id))
+	require.NoError(t, err)
+}
+
 // TestAFailingMoveIsIsolated: when one batch of a group cannot move, the
 // group's transaction fails, and every batch moves again on its own: that
 // one is reported, the others move.
@@ -1495,12 +1557,9 @@ func TestAFailingMoveIsIsolated(t *testing.T) {
 	require.NoError(t, b.store.StartBatches(b.ctx, ids))
 	b.completeItems(t, owner, items, 10)
 	stuck := ids[1]
-	_, err := b.store.Pool().Exec(b.ctx, fmt.Sprintf(`CREATE FUNCTION refuse_batch() RETURNS trigger LANGUAGE plpgsql AS $$
-		BEGIN IF NEW.id = '%s' THEN RAISE EXCEPTION 'this batch cannot move'; END IF; RETURN NEW; END $$;
-		CREATE TRIGGER refuse_batch BEFORE UPDATE ON batches FOR EACH ROW EXECUTE FUNCTION refuse_batch()`, stuck))
-	require.NoError(t, err)
+	b.refuseMoves(t, stuck)
 
-	err = b.store.FinishBatches(b.ctx, ids)
+	err := b.store.FinishBatches(b.ctx, ids)
 	require.ErrorContains(t, err, "batch "+stuck.String())
 	require.ErrorContains(t, err, "this batch cannot move")
 	for _, id := range ids {

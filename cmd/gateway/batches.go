@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"io"
 	"slices"
@@ -51,14 +52,26 @@ func batchesCmd() *cobra.Command {
 	list.Flags().StringVar(&status, "status", "", "only batches of these statuses, comma-separated ("+listed(gateway.BatchStatuses)+"), or open ("+listed(openStatuses())+")")
 	list.Flags().IntVar(&limit, "limit", 50, "at most this many batches")
 
+	var cancelAccount string
 	cancel := &cobra.Command{
-		Use:   "cancel BATCH_ID",
-		Short: "Cancel a batch of any account, as its owner would",
+		Use:   "cancel BATCH_ID | --account A",
+		Short: "Cancel a batch of any account, or every open batch of one, as its owner would",
 		Long: "Cancels a batch as its owner can through the API: a queued batch is cancelled with every item; an in-progress batch " +
 			"becomes cancelling, its items not yet started are cancelled at once (their estimates given back), and it is cancelled when " +
-			"the items running finish (they are billed). A batch already finished or cancelling is not cancellable.\n" + databaseHelp,
-		Args: cobra.ExactArgs(1),
+			"the items running finish (they are billed). A batch already finished or cancelling is not cancellable. With --account, " +
+			"every queued and in-progress batch of the account, one after the other, a line each (its id and status after, or why not); " +
+			"one that fails does not stop the others.\n" + databaseHelp,
+		Args: cobra.MaximumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
+			if (len(args) == 1) == (cancelAccount != "") {
+				return errors.New("name a batch (BATCH_ID) or an account (--account A), not both")
+			}
+			if cancelAccount != "" {
+				return withStore(cmd.Context(), cmd.ErrOrStderr(), func(st *store.Store) error {
+					outcomes, err := st.CancelAccountBatches(cmd.Context(), cancelAccount)
+					return reportCancels(cmd.OutOrStdout(), cmd.ErrOrStderr(), outcomes, err)
+				})
+			}
 			id, err := uuid.Parse(args[0])
 			if err != nil {
 				return fmt.Errorf("want a batch id (a UUID, as batches list shows), got %q", args[0])
@@ -77,8 +90,41 @@ func batchesCmd() *cobra.Command {
 			})
 		},
 	}
+	cancel.Flags().StringVar(&cancelAccount, "account", "", "cancel every queued and in-progress batch of this account")
 	batches.AddCommand(list, cancel)
 	return batches
+}
+
+// reportCancels writes a line for each batch an account's cancel tried (its
+// id and status after, or why it was not cancelled) and a count of each;
+// an error, unless every batch not cancelled had finished meanwhile (not
+// cancellable), or err, when the cancel stopped.
+func reportCancels(out, log io.Writer, outcomes []store.CancelOutcome, err error) error {
+	var cancelled, cancelling, notCancelled, failed int
+	for _, o := range outcomes {
+		if o.Err != nil {
+			fmt.Fprintf(out, "%s not cancelled: %v\n", o.ID, o.Err)
+			notCancelled++
+			if gateway.ErrorCodeOf(o.Err) != gateway.EBatchNotCancellable {
+				failed++
+			}
+			continue
+		}
+		fmt.Fprintf(out, "%s %s\n", o.ID, o.Status)
+		if o.Status == gateway.BatchCancelling {
+			cancelling++
+		} else {
+			cancelled++
+		}
+	}
+	fmt.Fprintf(log, "%d cancelled, %d cancelling, %d not cancelled\n", cancelled, cancelling, notCancelled)
+	if err != nil {
+		return err
+	}
+	if failed > 0 {
+		return fmt.Errorf("%d batch(es) could not be cancelled (see above); run it again to retry them", failed)
+	}
+	return nil
 }
 
 // parseStatuses reads --status: statuses separated by commas, open standing
