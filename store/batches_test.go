@@ -1186,6 +1186,18 @@ func TestCancelBatch(t *testing.T) {
 	require.Equal(t, int64(30), b.view(t, p).Daily.Charged)
 }
 
+// startedBatch creates a batch of n items for p, in progress with its first
+// item claimed by owner (the queue holding no other item), and returns them.
+func (b *testBundle) startedBatch(t *testing.T, p *gateway.Principal, n int) (id, owner uuid.UUID, item store.ClaimedItem) {
+	t.Helper()
+	id, owner = b.newBatch(t, p, n, 50, "", day()), uuid.Must(uuid.NewV7())
+	items := b.claim(t, owner, 1, time.Minute)
+	require.Len(t, items, 1)
+	require.Equal(t, id, items[0].BatchID)
+	require.NoError(t, b.store.StartBatches(b.ctx, []uuid.UUID{id}))
+	return id, owner, items[0]
+}
+
 // TestBatchesForOperator: operators list the batches of every account (or
 // of one, or of some statuses), newest first with their account, project and
 // totals, and cancel any account's batch as its owner would.
@@ -1194,12 +1206,8 @@ func TestBatchesForOperator(t *testing.T) {
 	b := setup(t)
 	_, acme := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
 	_, other := b.key(t, "other", gateway.TierDeveloper, gateway.ScopeInference)
-	running := b.newBatch(t, other, 2, 50, "", day())
-	owner := uuid.Must(uuid.NewV7())
-	items := b.claim(t, owner, 1, time.Minute)
-	require.Len(t, items, 1)
-	require.NoError(t, b.store.StartBatches(b.ctx, []uuid.UUID{running}))
-	b.complete(t, owner, items, 30)
+	running, owner, item := b.startedBatch(t, other, 2)
+	b.complete(t, owner, []store.ClaimedItem{item}, 30)
 	older := b.newBatch(t, acme, 3, 50, "", day())
 	newest := b.newBatch(t, acme, 1, 50, "", day())
 
@@ -1264,7 +1272,7 @@ func TestBatchesForOperator(t *testing.T) {
 	// A batch with an item running (nothing else is queued) is cancelling
 	// until the item is done.
 	busy := b.newBatch(t, other, 2, 50, "", day())
-	items = b.claim(t, owner, 1, time.Minute)
+	items := b.claim(t, owner, 1, time.Minute)
 	require.Len(t, items, 1)
 	require.Equal(t, busy, items[0].BatchID)
 	status, err = b.store.CancelBatchForOperator(b.ctx, busy)
@@ -1278,16 +1286,13 @@ func TestBatchesForOperator(t *testing.T) {
 // TestCancelAccountBatches: an operator cancels every open batch of one
 // account: a queued one is cancelled, one with an item running is cancelling;
 // one that cannot move is reported and the others go on; another account's
-// batch is untouched, and the finished ones are not tried.
+// batch is untouched; a batch cancelling or cancelled is not tried again.
 func TestCancelAccountBatches(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	_, acme := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
 	_, other := b.key(t, "other", gateway.TierDeveloper, gateway.ScopeInference)
-	running := b.newBatch(t, acme, 1, 50, "", day())
-	owner := uuid.Must(uuid.NewV7())
-	require.Len(t, b.claim(t, owner, 1, time.Minute), 1)
-	require.NoError(t, b.store.StartBatches(b.ctx, []uuid.UUID{running}))
+	running, _, _ := b.startedBatch(t, acme, 1)
 	queued, stuck := b.newBatch(t, acme, 2, 50, "", day()), b.newBatch(t, acme, 2, 50, "", day())
 	others := b.newBatch(t, other, 2, 50, "", day())
 	b.refuseMoves(t, stuck)
