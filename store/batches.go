@@ -259,10 +259,11 @@ const cancelRound = 1000
 // cancelled (queued or in progress), each as CancelBatchForOperator would, in
 // a transaction of its own, and returns what came of each: one that fails is
 // reported and the others go on. It lists them again until none is left that
-// it has not tried, so batches created meanwhile are cancelled too. An
-// account that does not exist is ErrAccountNotFound.
+// it has not tried, so batches created meanwhile are cancelled too. It stops
+// when ctx ends, with what it has done. An account that does not exist is
+// ErrAccountNotFound.
 func (s *Store) CancelAccountBatches(ctx context.Context, account string) ([]CancelOutcome, error) {
-	cancellable := slices.DeleteFunc(slices.Clone(gateway.BatchStatuses), func(s gateway.BatchStatus) bool { return !s.Cancellable() })
+	cancellable := slices.DeleteFunc(slices.Clone(gateway.BatchStatuses), func(st gateway.BatchStatus) bool { return !st.Cancellable() })
 	var out []CancelOutcome
 	tried := map[uuid.UUID]bool{}
 	for {
@@ -274,6 +275,9 @@ func (s *Store) CancelAccountBatches(ctx context.Context, account string) ([]Can
 		for _, b := range found {
 			if tried[b.ID] {
 				continue
+			}
+			if err := ctx.Err(); err != nil {
+				return out, fmt.Errorf("error cancelling batches: %w", err)
 			}
 			tried[b.ID], more = true, true
 			status, err := s.CancelBatchForOperator(ctx, b.ID)
