@@ -54,7 +54,29 @@ type Config struct {
 
 // Load reads the configuration from the environment.
 func Load() (Config, error) {
-	cfg, err := env.ParseAs[Config]()
+	return load(nil)
+}
+
+// devDefaults are the defaults of gateway dev where they differ from serve's:
+// no load balancer stands in front of it, so on Ctrl-C it stops at once.
+var devDefaults = map[string]string{"GATEWAY_DRAIN_DELAY": "0s"}
+
+// LoadDev reads the configuration from the environment as Load does, with
+// gateway dev's defaults for what is not set.
+func LoadDev() (Config, error) {
+	return load(devDefaults)
+}
+
+// load reads the configuration from the environment, with defaults for the
+// variables it leaves unset or empty, in place of the fields' own.
+func load(defaults map[string]string) (Config, error) {
+	environ := env.ToMap(os.Environ())
+	for name, value := range defaults {
+		if environ[name] == "" { // unset or empty, as the fields' defaults
+			environ[name] = value
+		}
+	}
+	cfg, err := env.ParseAsWithOptions[Config](env.Options{Environment: environ})
 	if err != nil {
 		return Config{}, fmt.Errorf("error reading configuration: %w", err)
 	}

@@ -236,3 +236,24 @@ func TestShorthandServesEveryModel(t *testing.T) {
 	_, err = cfg.Router(nil, nil, nil)
 	require.ErrorContains(t, err, "GATEWAY_UPSTREAM must be sim or an http(s) base URL")
 }
+
+// TestDevDrainDelay: gateway dev, with no load balancer in front, stops at
+// once unless GATEWAY_DRAIN_DELAY says otherwise; serve waits its default.
+func TestDevDrainDelay(t *testing.T) {
+	t.Setenv("GATEWAY_DRAIN_DELAY", "")
+	dev, err := config.LoadDev()
+	require.NoError(t, err)
+	require.Zero(t, dev.DrainDelay)
+	serve, err := config.Load()
+	require.NoError(t, err)
+	require.Equal(t, 5*time.Second, serve.DrainDelay)
+	require.Equal(t, serve.Listen, dev.Listen, "the other defaults are serve's")
+
+	t.Setenv("GATEWAY_DRAIN_DELAY", "2s")
+	dev, err = config.LoadDev()
+	require.NoError(t, err)
+	require.Equal(t, 2*time.Second, dev.DrainDelay)
+	t.Setenv("GATEWAY_DRAIN_DELAY", "-1s")
+	_, err = config.LoadDev()
+	require.ErrorContains(t, err, "GATEWAY_DRAIN_DELAY must not be negative")
+}

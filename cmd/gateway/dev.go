@@ -42,12 +42,9 @@ No load balancer stands in front of dev, so on Ctrl-C it stops at once:
 GATEWAY_DRAIN_DELAY is 0 unless set.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			cfg, err := config.Load()
+			cfg, err := config.LoadDev()
 			if err != nil {
 				return err
-			}
-			if os.Getenv("GATEWAY_DRAIN_DELAY") == "" {
-				cfg.DrainDelay = 0
 			}
 			ctx := cmd.Context()
 			if cfg.DatabaseURL == "" {
