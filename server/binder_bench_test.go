@@ -14,11 +14,20 @@ import (
 )
 
 // BenchmarkBind decodes a response request with a short prompt and with the
-// longest the API takes.
+// longest the API takes: of one line, of lines of 60 bytes (each newline an
+// escape in JSON), and of newlines alone (an escape every other byte).
 func BenchmarkBind(b *testing.B) {
-	for _, size := range []int{76, gateway.MaxPromptBytes} {
-		body := fmt.Appendf(nil, `{"prompt":%q,"max_output_rungs":200,"web_search":true}`, strings.Repeat("x", size))
-		b.Run(fmt.Sprintf("prompt=%dB", size), func(b *testing.B) {
+	for _, prompt := range []struct {
+		name string
+		text string
+	}{
+		{"prompt=76B", strings.Repeat("x", 76)},
+		{fmt.Sprintf("prompt=%dB", gateway.MaxPromptBytes), strings.Repeat("x", gateway.MaxPromptBytes)},
+		{fmt.Sprintf("prompt=%dB-lines", gateway.MaxPromptBytes), strings.Repeat(strings.Repeat("x", 59)+"\n", gateway.MaxPromptBytes/60)},
+		{fmt.Sprintf("prompt=%dB-escapes", gateway.MaxPromptBytes), strings.Repeat("\n", gateway.MaxPromptBytes/2)},
+	} {
+		body := fmt.Appendf(nil, `{"prompt":%q,"max_output_rungs":200,"web_search":true}`, prompt.text)
+		b.Run(prompt.name, func(b *testing.B) {
 			e := echo.New()
 			b.SetBytes(int64(len(body)))
 			for b.Loop() {

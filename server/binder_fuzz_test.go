@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"net/http/httptest"
 	"reflect"
 	"strings"
@@ -77,14 +78,15 @@ func checkExactNames(t *testing.T, body []byte, got *api.ResponseRequest) {
 // own tokenizer.
 func FuzzExactFieldNames(f *testing.F) {
 	for _, seed := range []string{`{"Prompt":"x"}`, `{"a":{"MODEL":[1,{"Stream":2}]}}`, `{"\u0070ROMPT":1}`, `[{"Prompt":{}}]`, `{"":""}`,
-		`{"a\"Prompt":1,"Prompt\\":2,"x":"\"Prompt\":"}`, `{"a":[1,"Model",{"MODEL":[]}],"Stream":{"Prompt":1}}`, `{"ſtream":true,"\u0050rompt":"x"}`} {
+		`{"a\"Prompt":1,"Prompt\\":2,"x":"\"Prompt\":"}`, `{"a":[1,"Model",{"MODEL":[]}],"Stream":{"Prompt":1}}`, `{"ſtream":true,"\u0050rompt":"x"}`,
+		`{"prompt":1,"pro\u006dpt":2}`, `{"a":{"x":1},"b":{"x":2},"a":3}`, `{"PROMPT":1,"~ROMPT":2,"PROMPT":3}`, manyKeysBody(40, true), `{"a":1,"a":2,"model":{"model":1},"model":3}`} {
 		f.Add([]byte(seed))
 	}
 	names := fieldNames(reflect.TypeOf(&api.BatchRequest{}))
 	f.Fuzz(func(t *testing.T, body []byte) {
 		valid := json.Valid(body)
 		out := append([]byte(nil), body...)
-		exactFieldNames(out, names)
+		twice, found := exactFieldNames(out, names)
 		if json.Valid(out) != valid {
 			t.Fatalf("validity changed: %q -> %q", body, out)
 		}
@@ -95,24 +97,30 @@ func FuzzExactFieldNames(f *testing.F) {
 			return
 		}
 		want := append([]byte(nil), body...)
-		exactFieldNamesByTokens(want, names)
+		wantTwice, wantFound := exactFieldNamesByTokens(want, names)
 		if !bytes.Equal(out, want) {
 			t.Fatalf("%q became %q, want %q", body, out, want)
+		}
+		if twice != wantTwice || found != wantFound {
+			t.Fatalf("%q: named twice %q (%v), want %q (%v)", body, twice, found, wantTwice, wantFound)
 		}
 	})
 }
 
 // exactFieldNamesByTokens is exactFieldNames done with encoding/json's
 // tokenizer: the reference it is checked against.
-func exactFieldNamesByTokens(body []byte, names map[string]bool) {
-	type frame struct{ object, wantKey bool }
+func exactFieldNamesByTokens(body []byte, names map[string]bool) (twice string, found bool) {
+	type frame struct {
+		object, wantKey bool
+		seen            map[string]bool
+	}
 	var stack []frame
 	dec := json.NewDecoder(bytes.NewReader(body))
 	for {
 		before := dec.InputOffset()
 		tok, err := dec.Token()
 		if err != nil {
-			return
+			return twice, found
 		}
 		top := len(stack) - 1
 		if d, ok := tok.(json.Delim); ok {
@@ -121,7 +129,7 @@ func exactFieldNamesByTokens(body []byte, names map[string]bool) {
 				if top >= 0 && stack[top].object {
 					stack[top].wantKey = true // after this value, a key
 				}
-				stack = append(stack, frame{object: d == '{', wantKey: d == '{'})
+				stack = append(stack, frame{object: d == '{', wantKey: d == '{', seen: map[string]bool{}})
 			default:
 				stack = stack[:top]
 			}
@@ -136,6 +144,10 @@ func exactFieldNamesByTokens(body []byte, names map[string]bool) {
 		}
 		stack[top].wantKey = false
 		key, _ := tok.(string)
+		if names[key] && stack[top].seen[key] && !found {
+			twice, found = key, true
+		}
+		stack[top].seen[key] = true
 		if names[key] || !foldsToAny(key, names) {
 			continue
 		}
@@ -143,4 +155,20 @@ func exactFieldNamesByTokens(body []byte, names map[string]bool) {
 			body[int(before)+q+1] = '~'
 		}
 	}
+}
+
+// manyKeysBody is an object of n unknown keys k0… and a prompt, with the
+// prompt again at its end when repeat is set, nested in an object of a few
+// keys.
+func manyKeysBody(n int, repeat bool) string {
+	var b strings.Builder
+	b.WriteString(`{"prompt":"p","requests":[{"prompt":"q",`)
+	for i := range n {
+		fmt.Fprintf(&b, `"k%d":%d,`, i, i)
+	}
+	if repeat {
+		b.WriteString(`"prompt":"r",`)
+	}
+	b.WriteString(`"last":true}],"model":"x"}`)
+	return b.String()
 }

@@ -122,6 +122,39 @@ func TestFieldNamesMatchExactly(t *testing.T) {
 	require.Equal(t, 1, res.batch(t).TotalRequests)
 }
 
+// TestFieldNamedTwiceIsRefused: an object that names a field twice (also by
+// an escape) is 400 INVALID_REQUEST naming it, on every body, where a decoder
+// would take the last value silently and a proxy or log in front may have
+// read the first; the same name in two objects, a name that differs in case
+// and an unknown key named twice are no repeat.
+func TestFieldNamedTwiceIsRefused(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	post := func(path, body string) reply {
+		return b.do(http.MethodPost, path, b.key, "application/json", []byte(body))
+	}
+	for body, field := range map[string]string{
+		`{"prompt":"checked","prompt":"smuggled"}`:                    "prompt",
+		`{"prompt":"checked","pro\u006dpt":"smuggled"}`:               "prompt",
+		`{"prompt":"hi","max_output_rungs":10,"max_output_rungs":20}`: "max_output_rungs",
+		`{"prompt":"hi","stream":true,"stream":false}`:                "stream",
+	} {
+		r := post("/api/v1/responses", body)
+		require.Equal(t, http.StatusBadRequest, r.status, body)
+		require.Equal(t, gateway.EInvalidRequest, r.errorCode(t))
+		require.Equal(t, fmt.Sprintf("field %q appears more than once in one object; name each field once", field), r.message(t))
+	}
+	r := post("/api/v1/batch", `{"requests":[{"prompt":"a"},{"prompt":"b","model":"instant","model":"reasoning"}]}`)
+	require.Equal(t, http.StatusBadRequest, r.status)
+	require.Contains(t, r.message(t), `field "model" appears more than once`)
+	require.Zero(t, b.upstream.callCount(), "nothing reached the upstream")
+
+	r = post("/api/v1/batch", `{"requests":[{"prompt":"a","model":"instant"},{"prompt":"b","model":"instant"}]}`)
+	require.Equal(t, http.StatusAccepted, r.status, "one name in two objects")
+	r = post("/api/v1/responses", `{"prompt":"hi","PROMPT":"x","PROMPT":"y","note":1,"note":2}`)
+	require.Equal(t, http.StatusOK, r.status, "unknown keys are ignored, twice or not")
+}
+
 func TestCharsetMustBeUTF8(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)

@@ -531,7 +531,10 @@ type ResponseModel string
 
 // ResponseRequest A request for one response; also the shape of each batch item (where
 // `stream` is ignored). Field names match exactly: `Prompt` is not `prompt`
-// but an unknown field, and unknown fields are ignored. `null` for an
+// but an unknown field, and unknown fields are ignored. A field named twice
+// in one object (also through an escape, `pro\u006dpt`) is
+// `400 INVALID_REQUEST` naming it, rather than one of its values taken
+// silently (RFC 8259 leaves the choice to each parser). `null` for an
 // optional field means absent. No string field may hold U+0000
 // (`400 INVALID_REQUEST` naming the field). The body is UTF-8 JSON
 // (`Content-Type: application/json`, with no charset or `charset=utf-8`).
@@ -812,7 +815,10 @@ type Unauthorized = ErrorEnvelope
 
 // ResponseRequestBody A request for one response; also the shape of each batch item (where
 // `stream` is ignored). Field names match exactly: `Prompt` is not `prompt`
-// but an unknown field, and unknown fields are ignored. `null` for an
+// but an unknown field, and unknown fields are ignored. A field named twice
+// in one object (also through an escape, `pro\u006dpt`) is
+// `400 INVALID_REQUEST` naming it, rather than one of its values taken
+// silently (RFC 8259 leaves the choice to each parser). `null` for an
 // optional field means absent. No string field may hold U+0000
 // (`400 INVALID_REQUEST` naming the field). The body is UTF-8 JSON
 // (`Content-Type: application/json`, with no charset or `charset=utf-8`).
