@@ -11,7 +11,7 @@ import (
 )
 
 // authorize enforces an operation's policy before its body is read: a valid
-// key (401), one of the operation's scopes (403 INSUFFICIENT_SCOPE), the account
+// key in the one Authorization header (401), one of the operation's scopes (403 INSUFFICIENT_SCOPE), the account
 // tier (403 INSUFFICIENT_TIER), then the key's rate limit (429), which operations
 // that stream leave to the handler so a stream reports it in-band. Every
 // authenticated reply carries x-ratelimit-limit and x-ratelimit-remaining. The
@@ -23,7 +23,16 @@ func (s *Server) authorize(p openapi.Policy) echo.MiddlewareFunc {
 	}
 	return func(next echo.HandlerFunc) echo.HandlerFunc {
 		return func(c echo.Context) error {
-			token, ok := bearerToken(c.Request().Header.Get("Authorization"))
+			// One Authorization header (RFC 9110 allows one): of two, net/http
+			// reads the first, a proxy in front perhaps the other.
+			values := c.Request().Header.Values("Authorization")
+			if len(values) > 1 {
+				return gateway.Errorf(gateway.EUnauthorized, "send one Authorization header, not %d", len(values))
+			}
+			token, ok := "", false
+			if len(values) == 1 {
+				token, ok = bearerToken(values[0])
+			}
 			if !ok {
 				return gateway.UnauthorizedError()
 			}

@@ -155,6 +155,22 @@ func TestFieldNamedTwiceIsRefused(t *testing.T) {
 	require.Equal(t, http.StatusOK, r.status, "unknown keys are ignored, twice or not")
 }
 
+// TestOneAuthorizationHeader: a request with two Authorization headers is
+// refused whichever holds the valid key, where net/http reads the first and
+// a proxy in front may read the other.
+func TestOneAuthorizationHeader(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	for _, keys := range [][]string{{b.key, "igw_wrong"}, {"igw_wrong", b.key}, {b.key, b.key}} {
+		header := http.Header{"Authorization": {"Bearer " + keys[0], "Bearer " + keys[1]}}
+		r := b.doWith(http.MethodGet, "/api/v1/usage", "", "", nil, header)
+		require.Equal(t, http.StatusUnauthorized, r.status, keys)
+		require.Equal(t, gateway.EUnauthorized, r.errorCode(t))
+		require.Equal(t, "send one Authorization header, not 2", r.message(t))
+	}
+	require.Equal(t, http.StatusOK, b.do(http.MethodGet, "/api/v1/usage", b.key, "", nil).status)
+}
+
 func TestCharsetMustBeUTF8(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
