@@ -111,6 +111,24 @@ func (s *Server) domainError(err error) *gateway.Error {
 	return &gateway.Error{Code: gateway.EInternal, Message: "internal error", Cause: err}
 }
 
+// onceEach refuses a parameter of the document given more than once in the
+// query (400 INVALID_REQUEST naming it): each takes one value, and of two the
+// generated binder takes one silently (a time) or calls the pair malformed
+// (a number).
+func (s *Server) onceEach(next echo.HandlerFunc) echo.HandlerFunc {
+	return func(c echo.Context) error {
+		if c.Request().URL.RawQuery != "" {
+			query := c.QueryParams()
+			for name := range s.paramForms {
+				if len(query[name]) > 1 {
+					return gateway.Errorf(gateway.EInvalidRequest, "parameter %s must be given once", name)
+				}
+			}
+		}
+		return next(c)
+	}
+}
+
 // parameterErrors match the generated server's parameter errors, whose text
 // (parser internals) is never shown; the parameter's name is.
 var parameterErrors = regexp.MustCompile(`^(?:Invalid format for parameter ([^:]+):|Expected one value for ([^,]+), got)`)

@@ -72,15 +72,18 @@ func TestIdempotencyKeyMustBePrintableASCII(t *testing.T) {
 }
 
 // TestParameterErrorsSpeakPlainly: a malformed parameter is named with the
-// form it takes, never with a parser's text.
+// form it takes, never with a parser's text; one given twice is refused, a
+// time as a number (the generated binder took one of two times silently).
 func TestParameterErrorsSpeakPlainly(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
 	for path, want := range map[string]string{
-		"/api/v1/batches?limit=1.5":          "parameter limit must be a whole number from 1 to 50",
-		"/api/v1/batches?limit=x":            "parameter limit must be a whole number from 1 to 50",
-		"/api/v1/usage?start=tomorrow":       "parameter start must be an RFC 3339 timestamp",
-		"/api/v1/usage?end=2026-13-45T00:00": "parameter end must be an RFC 3339 timestamp",
+		"/api/v1/batches?limit=1.5":                                           "parameter limit must be a whole number from 1 to 50",
+		"/api/v1/batches?limit=x":                                             "parameter limit must be a whole number from 1 to 50",
+		"/api/v1/usage?start=tomorrow":                                        "parameter start must be an RFC 3339 timestamp",
+		"/api/v1/usage?end=2026-13-45T00:00":                                  "parameter end must be an RFC 3339 timestamp",
+		"/api/v1/batches?limit=5&limit=10":                                    "parameter limit must be given once",
+		"/api/v1/usage?start=2026-11-01T00:00:00Z&start=2026-11-20T00:00:00Z": "parameter start must be given once",
 	} {
 		r := b.do(http.MethodGet, path, b.key, "", nil)
 		require.Equal(t, http.StatusBadRequest, r.status, path)

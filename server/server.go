@@ -191,7 +191,7 @@ func New(cfg Config) (*Server, error) {
 	s.echo.HidePort = true
 	s.echo.HTTPErrorHandler = s.handleError
 	s.echo.Binder = jsonBinder{}
-	s.echo.Use(s.observe, middleware.RecoverWithConfig(middleware.RecoverConfig{DisableStackAll: true, LogErrorFunc: s.logPanic}))
+	s.echo.Use(s.observe, middleware.RecoverWithConfig(middleware.RecoverConfig{DisableStackAll: true, LogErrorFunc: s.logPanic}), s.onceEach)
 	if len(cfg.CORSOrigins) > 0 {
 		s.echo.Use(middleware.CORSWithConfig(middleware.CORSConfig{
 			AllowOrigins:  cfg.CORSOrigins,
