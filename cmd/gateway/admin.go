@@ -128,7 +128,7 @@ func keysCmd() *cobra.Command {
 		Short: "Revoke a key by its prefix (igw_xxxxxxxx) or id, or every key of an account or of one of its projects",
 		Long: "Revokes a key, or with --account every active key of the account (with --project, of that project only), " +
 			"to cut a tenant off at once: every replica refuses them from its next request. Its batches are not cancelled " +
-			"(gateway batches cancel does that).\n" + databaseHelp,
+			"(gateway batches cancel --account does that).\n" + databaseHelp,
 		Args: cobra.MaximumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			if (len(args) == 1) == (revokeAccount != "") || (revokeProject != "" && revokeAccount == "") {
