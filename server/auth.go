@@ -11,11 +11,12 @@ import (
 )
 
 // authorize enforces an operation's policy before its body is read: a valid
-// key in the one Authorization header (401), one of the operation's scopes (403 INSUFFICIENT_SCOPE), the account
-// tier (403 INSUFFICIENT_TIER), then the key's rate limit (429), which operations
-// that stream leave to the handler so a stream reports it in-band. Every
-// authenticated reply carries x-ratelimit-limit and x-ratelimit-remaining. The
-// principal travels in the request's context to the handler.
+// key in the one Authorization header (401), one of the operation's scopes
+// (403 INSUFFICIENT_SCOPE), the account tier (403 INSUFFICIENT_TIER), then the
+// key's rate limit (429), which operations that stream leave to the handler so
+// a stream reports it in-band. Every authenticated reply carries
+// x-ratelimit-limit and x-ratelimit-remaining. The principal travels in the
+// request's context to the handler.
 func (s *Server) authorize(p openapi.Policy) echo.MiddlewareFunc {
 	scopes := make([]gateway.Scope, len(p.AnyScope))
 	for i, sc := range p.AnyScope {
