@@ -169,9 +169,9 @@ func New(cfg Config) (*Router, error) {
 // its own) from the next call on; calls running finish on the routes they
 // started with. The clients of the routes replaced close their idle
 // connections at once, and those of the calls running when the last ends
-// (cfg brings clients of its own). Every target starts with
-// a closed circuit, and the metrics of the targets no longer routed are
-// dropped. On an error the routes in use stay.
+// (cfg brings clients of its own). Every target starts with a closed
+// circuit, and the metrics of the targets no longer routed are dropped. On
+// an error the routes in use stay.
 func (r *Router) Replace(cfg Config) error {
 	t, err := r.build(cfg)
 	if err != nil {
