@@ -53,7 +53,7 @@ func setup(t *testing.T) *testBundle {
 	require.NoError(t, err)
 	return &testBundle{
 		ctx: ctx, store: st, fake: fake, principal: p,
-		provider:  upstream.Guard(openai.New(openai.Config{BaseURL: fake.BaseURL(), Timeout: 5 * time.Second})),
+		provider:  upstream.Guard(openai.New(openai.Config{BaseURL: fake.BaseURL(), Timeout: 5 * time.Second}), nil),
 		estimator: &metering.Estimator{Tokenizer: tok, RateCard: rc},
 	}
 }

@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"strings"
 	"testing"
@@ -118,4 +119,107 @@ func TestHostileUpstreamStopsNoOneElse(t *testing.T) {
 	start := time.Now()
 	require.NoError(t, g.stop())
 	require.Less(t, time.Since(start), 2*time.Second+10*time.Second, "shutdown ends within the grace and a few seconds")
+}
+
+// TestUpstreamRepliesAreBounded pins the bounds of what an upstream sends
+// back (D11): a reply citing a thousand sources, each quoting its whole text
+// (several megabytes of reply, were each sent), is sent and stored with the
+// first hundred, their fields cut; a reply with more text than its output
+// tokens can hold fails (503, nothing billed), and a stream of it breaks off
+// there, its text up to the bound billed and the usage sent. Batch items
+// alike. Each bound passed is counted.
+func TestUpstreamRepliesAreBounded(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetHostile("CITES", fakeupstream.Hostile{
+		Content: strings.Repeat("a cited word ", 1000), SourceTitle: strings.Repeat("T", 5000), Citations: 1000,
+		PromptTokens: 10, CompletionTokens: 10,
+	})
+	b.fake.SetHostile("FLOOD", fakeupstream.Hostile{Content: strings.Repeat("x", 1000), Repeat: 100, PromptTokens: 10, CompletionTokens: 10})
+	g := serve(t, b.db, b.fake.BaseURL(), nil)
+	var mine received
+	batch := g.createBatch(b.key, []map[string]any{
+		{"prompt": "CITES item", "max_output_rungs": 4000}, {"prompt": "FLOOD item", "max_output_rungs": 10},
+	})
+
+	checkSources := func(sources []api.Source) {
+		t.Helper()
+		require.Len(t, sources, 100, "the first hundred sources")
+		for i, s := range sources {
+			require.Equal(t, fmt.Sprintf("https://example.org/doc/%d", i), s.Url)
+			require.Len(t, s.Title, 1024)
+		}
+	}
+	r := g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "CITES json", "max_output_rungs": 4000})
+	require.Equal(t, http.StatusOK, r.status, string(r.body))
+	require.Less(t, len(r.body), 400<<10, "the reply is not the size of a thousand copies of its text")
+	var resp api.Response
+	require.NoError(t, json.Unmarshal(r.body, &resp))
+	checkSources(resp.Sources)
+	require.Len(t, *resp.Sources[0].Snippet, 2048, "a snippet is cut")
+	mine.add(api.RungUsage{InputRungs: resp.Usage.InputRungs, OutputRungs: resp.Usage.OutputRungs, TotalRungs: resp.Usage.TotalRungs})
+	src := g.call(http.MethodGet, resp.SourcesUrl, b.key, nil)
+	require.Equal(t, http.StatusOK, src.status)
+	var ev api.Sources
+	require.NoError(t, json.Unmarshal(src.body, &ev))
+	require.Equal(t, resp.Sources, ev.Sources, "the evidence stored is the evidence sent")
+
+	_, s := g.stream(b.key, map[string]any{"prompt": "CITES stream", "max_output_rungs": 4000})
+	var streamed []api.Source
+	for _, e := range s.Events[:len(s.Events)-1] {
+		var c api.StreamChunk
+		e.Decode(t, &c)
+		if c.Sources != nil {
+			streamed = append(streamed, *c.Sources...)
+		}
+	}
+	checkSources(streamed)
+	var done api.StreamChunk
+	s.Events[len(s.Events)-1].Decode(t, &done)
+	require.True(t, done.Done)
+	mine.add(*done.Usage)
+
+	r = g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "FLOOD json", "max_output_rungs": 10})
+	require.Equal(t, http.StatusServiceUnavailable, r.status, "100 KB of text for 10 tokens is no reply: %s", r.body)
+	require.Contains(t, string(r.body), "INFERENCE_BUSY")
+
+	_, s = g.stream(b.key, map[string]any{"prompt": "FLOOD stream", "max_output_rungs": 10})
+	require.Equal(t, "response.error", s.Events[len(s.Events)-2].Name, "the stream breaks off")
+	require.Contains(t, string(s.Events[len(s.Events)-2].Data), "INFERENCE_BUSY")
+	var text strings.Builder
+	for _, e := range s.Events[:len(s.Events)-2] {
+		var c api.StreamChunk
+		e.Decode(t, &c)
+		text.WriteString(c.Content)
+	}
+	require.Equal(t, strings.Repeat("x", 10*256), text.String(), "the text up to the bound of 10 tokens, no more")
+	s.Events[len(s.Events)-1].Decode(t, &done)
+	require.True(t, done.Done)
+	require.Equal(t, int64(10), done.Usage.OutputRungs, "the text sent is billed, at most the tokens asked for")
+	mine.add(*done.Usage)
+
+	res := g.waitTerminal(b.key, batch.Id.String(), 60*time.Second)
+	require.Equal(t, api.BatchItemStatus("completed"), res.Results[0].Status)
+	src = g.call(http.MethodGet, "/api/v1/sources/"+res.Results[0].RequestId.String(), b.key, nil)
+	require.Equal(t, http.StatusOK, src.status)
+	require.NoError(t, json.Unmarshal(src.body, &ev))
+	checkSources(ev.Sources)
+	require.Equal(t, api.BatchItemStatus("failed"), res.Results[1].Status)
+	require.Equal(t, api.ErrorCode("INFERENCE_BUSY"), res.Results[1].Error.Code)
+	require.Zero(t, res.Results[1].Usage.TotalRungs)
+	mine.items(res)
+
+	settledExactly(t, g, b.key, mine)
+	require.Eventually(t, func() bool {
+		m := g.scrape()
+		// Streamed sources cite no span of the text: no snippet to cut.
+		for bound, n := range map[string]int{"sources": 3, "title": 3, "snippet": 2, "text": 3, "url": 0} {
+			want := fmt.Sprintf(`gateway_upstream_reply_cuts_total{bound=%q,provider="upstream",upstream_model="instant"} %d`, bound, n)
+			if !strings.Contains(m, want) {
+				t.Logf("missing %s", want)
+				return false
+			}
+		}
+		return true
+	}, 10*time.Second, 100*time.Millisecond)
 }

@@ -35,6 +35,7 @@ type Metrics struct {
 	unconfirmed      *prometheus.CounterVec
 	clamps           *prometheus.CounterVec
 	attempts         *prometheus.CounterVec
+	replyCuts        *prometheus.CounterVec
 	attemptDuration  *prometheus.HistogramVec
 	circuitState     *prometheus.GaugeVec
 	fallbacks        *prometheus.CounterVec
@@ -102,6 +103,9 @@ func New() *Metrics {
 		attempts: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "gateway_upstream_attempts_total", Help: "Upstream attempts by provider, upstream model and outcome: ok, or the failure's kind (unavailable, denied, failed, rejected, broken, cancelled, other).",
 		}, []string{"provider", "upstream_model", "outcome"}),
+		replyCuts: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "gateway_upstream_reply_cuts_total", Help: "Upstream replies that passed one of the gateway's bounds, by provider, upstream model and bound: text (the reply failed, or its stream broke off), sources (those past 100 dropped), url (a source dropped for its URL), title, snippet, verdict (cut).",
+		}, []string{"provider", "upstream_model", "bound"}),
 		attemptDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "gateway_upstream_attempt_duration_seconds", Help: "Latency of one upstream attempt by provider and upstream model (streams: until the stream ends).",
 			Buckets: prometheus.ExponentialBuckets(0.005, 2.5, 12),
@@ -119,7 +123,7 @@ func New() *Metrics {
 			Name: "gateway_config_last_reload_success_timestamp_seconds", Help: "When the routes in use were loaded (at start, or by the last reload that took effect), in seconds since the epoch.",
 		}),
 	}
-	m.registry.MustRegister(m.attempts, m.attemptDuration, m.circuitState, m.fallbacks, m.reloadOK, m.reloadTime,
+	m.registry.MustRegister(m.attempts, m.replyCuts, m.attemptDuration, m.circuitState, m.fallbacks, m.reloadOK, m.reloadTime,
 		m.requests, m.requestDuration, m.rungs, m.upstreamDuration, m.upstreamErrors,
 		m.openStreams, m.batchItems, m.claimDuration, m.commitDuration, m.commitSize, m.queueDepth, m.leaseRescues, m.refusals, m.unconfirmed, m.clamps,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -309,6 +313,7 @@ func (m *Metrics) Clamp(model, side string) {
 type Target struct {
 	outcomes map[string]prometheus.Counter
 	other    prometheus.Counter
+	cuts     map[string]prometheus.Counter
 	duration prometheus.Observer
 	circuit  prometheus.Gauge
 }
@@ -332,6 +337,10 @@ func (m *Metrics) Target(provider, upstreamModel string) *Target {
 		t.outcomes[o] = m.attempts.WithLabelValues(provider, upstreamModel, o)
 	}
 	t.other = t.outcomes[upstream.KindOther]
+	t.cuts = make(map[string]prometheus.Counter, len(upstream.Cuts))
+	for _, c := range upstream.Cuts {
+		t.cuts[c] = m.replyCuts.WithLabelValues(provider, upstreamModel, c)
+	}
 	return t
 }
 
@@ -359,6 +368,9 @@ func (m *Metrics) DropTarget(provider, upstreamModel string) {
 	for _, o := range attemptOutcomes {
 		m.attempts.DeleteLabelValues(provider, upstreamModel, o)
 	}
+	for _, c := range upstream.Cuts {
+		m.replyCuts.DeleteLabelValues(provider, upstreamModel, c)
+	}
 	m.attemptDuration.DeleteLabelValues(provider, upstreamModel)
 	m.circuitState.DeleteLabelValues(provider, upstreamModel)
 }
@@ -377,6 +389,16 @@ func (t *Target) Attempt(kind string, d time.Duration) {
 	}
 	c.Inc()
 	t.duration.Observe(d.Seconds())
+}
+
+// Cut records a reply of the target that passed bound (one of upstream.Cuts).
+func (t *Target) Cut(bound string) {
+	if t == nil {
+		return
+	}
+	if c, ok := t.cuts[bound]; ok {
+		c.Inc()
+	}
 }
 
 // Circuit records the target's circuit state: 0 closed, 1 half-open, 2 open.

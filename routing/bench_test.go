@@ -14,7 +14,7 @@ import (
 func BenchmarkRouter(b *testing.B) {
 	req := request("p")
 	b.Run("direct", func(b *testing.B) {
-		p := upstream.Guard(&counting{})
+		p := upstream.Guard(&counting{}, nil)
 		b.ReportAllocs()
 		for b.Loop() {
 			_, _ = p.Complete(context.Background(), req)

@@ -150,7 +150,8 @@ func (tb *table) closeIdle() {
 var _ upstream.Provider = (*Router)(nil)
 
 // New returns a router over cfg's routes. Every target's client is guarded
-// (upstream.Guard): what it returns is cleaned before anyone sees it.
+// (upstream.Guard): what it returns is cleaned and bounded before anyone sees
+// it.
 func New(cfg Config) (*Router, error) {
 	r := &Router{metrics: cfg.Metrics, logger: cfg.Logger, changed: make(chan struct{})}
 	if r.logger == nil {
@@ -251,7 +252,7 @@ func (r *Router) build(cfg Config) (*table, error) {
 				if c, ok := t.Client.(idleCloser); ok {
 					tb.idlers = append(tb.idlers, c)
 				}
-				tt.Client = upstream.Guard(t.Client)
+				tt.Client = upstream.Guard(t.Client, r.cutReporter(tt))
 				tt.circuit = newCircuit(circuitCfg, func(state int) { r.circuitChanged(tb, tt, state) })
 				shared[key] = tt
 				tb.targets = append(tb.targets, tt)
@@ -264,6 +265,15 @@ func (r *Router) build(cfg Config) (*table, error) {
 		tb.routes[model] = out
 	}
 	return tb, nil
+}
+
+// cutReporter logs and counts the replies of t that passed one of the
+// guard's bounds.
+func (r *Router) cutReporter(t *target) func(string) {
+	return func(bound string) {
+		r.logger.Warn("an upstream reply passed a bound of the gateway and was cut", "provider", t.Provider, "upstream_model", t.UpstreamModel, "bound", bound)
+		t.metrics.Cut(bound)
+	}
 }
 
 // Available implements gateway.Catalog: the model has a route.

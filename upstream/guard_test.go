@@ -3,6 +3,8 @@ package upstream_test
 import (
 	"context"
 	"errors"
+	"fmt"
+	"strings"
 	"testing"
 	"unicode/utf8"
 
@@ -54,7 +56,7 @@ func TestGuardCleansEverythingReturned(t *testing.T) {
 		Content: "a\x00b\xff", Verdict: "v\x00",
 		Sources: []gateway.Source{{Title: "t\x00", URL: "u\x00\xfe", Snippet: "s\x00"}},
 	}
-	p := upstream.Guard(scripted{res: hostile, deltas: []upstream.Delta{{Content: "d\x00", Sources: []gateway.Source{{Title: "x\x00"}}}}})
+	p := upstream.Guard(scripted{res: hostile, deltas: []upstream.Delta{{Content: "d\x00", Sources: []gateway.Source{{Title: "x\x00"}}}}}, nil)
 
 	res, err := p.Complete(context.Background(), &upstream.Request{})
 	require.NoError(t, err)
@@ -80,4 +82,87 @@ func TestKind(t *testing.T) {
 	require.Equal(t, "cancelled", upstream.Kind(context.Canceled))
 	require.Equal(t, "other", upstream.Kind(errors.New("x")))
 	require.Empty(t, upstream.Kind(nil))
+}
+
+// TestGuardBoundsWhatIsReturned pins the bounds of a reply (D11): an upstream
+// cannot make the gateway hold, store or send more text than the request's
+// output tokens can hold, more than MaxSources sources, or fields past their
+// bounds, and each bound passed is reported once a reply.
+func TestGuardBoundsWhatIsReturned(t *testing.T) {
+	t.Parallel()
+	req := &upstream.Request{MaxOutputTokens: 4} // 1,024 bytes of text
+	maxText := upstream.MaxTextBytes(req)
+	require.Equal(t, 4*upstream.BytesPerToken, maxText)
+	require.Equal(t, 64000*upstream.BytesPerToken, upstream.MaxTextBytes(&upstream.Request{Model: gateway.ModelReasoning}),
+		"no ceiling sent: the model's")
+
+	// Many sources, each citing the whole (long) text: sent as they are,
+	// they would repeat it in the reply as many times.
+	long := strings.Repeat("é", upstream.MaxSnippetBytes) // 2 bytes a character
+	hostileSources := func() []gateway.Source {
+		var out []gateway.Source
+		out = append(out, gateway.Source{URL: "https://a.example/" + strings.Repeat("x", upstream.MaxURLBytes), Title: "too long a URL"})
+		for i := range 2 * upstream.MaxSources {
+			out = append(out, gateway.Source{URL: fmt.Sprintf("https://a.example/%d", i), Title: "t" + long, Snippet: "s" + long})
+		}
+		return out
+	}
+	checkSources := func(t *testing.T, got []gateway.Source) {
+		t.Helper()
+		require.Len(t, got, upstream.MaxSources-1, "the first MaxSources sent, less the one with too long a URL")
+		for i, s := range got {
+			require.Equal(t, fmt.Sprintf("https://a.example/%d", i), s.URL)
+			require.Len(t, s.Title, upstream.MaxTitleBytes-1, "cut at a character boundary")
+			require.Len(t, s.Snippet, upstream.MaxSnippetBytes-1)
+			require.True(t, utf8.ValidString(s.Title) && utf8.ValidString(s.Snippet))
+		}
+	}
+
+	t.Run("Complete", func(t *testing.T) {
+		t.Parallel()
+		var cuts []string
+		p := upstream.Guard(scripted{res: upstream.Result{
+			Content: strings.Repeat("a", maxText), Sources: hostileSources(), Verdict: strings.Repeat("v", 300),
+		}}, func(bound string) { cuts = append(cuts, bound) })
+		res, err := p.Complete(context.Background(), req)
+		require.NoError(t, err, "text up to the bound is a reply")
+		require.Len(t, res.Content, maxText)
+		checkSources(t, res.Sources)
+		require.Len(t, res.Verdict, upstream.MaxVerdictBytes)
+		require.Equal(t, []string{upstream.CutSources, upstream.CutURL, upstream.CutTitle, upstream.CutSnippet, upstream.CutVerdict}, cuts)
+
+		cuts = nil
+		p = upstream.Guard(scripted{res: upstream.Result{Content: strings.Repeat("a", maxText+1), UsageReported: true, OutputTokens: 4}},
+			func(bound string) { cuts = append(cuts, bound) })
+		res, err = p.Complete(context.Background(), req)
+		require.ErrorIs(t, err, upstream.ErrFailed, "more text than its tokens can hold: the upstream ran it, and it failed")
+		require.Equal(t, upstream.Result{}, res)
+		require.Equal(t, []string{upstream.CutText}, cuts)
+	})
+
+	t.Run("Stream", func(t *testing.T) {
+		t.Parallel()
+		var cuts []string
+		sources := hostileSources()
+		deltas := []upstream.Delta{{Content: "abc", Sources: sources[:50]}, {Sources: sources[50:]}}
+		for range maxText {
+			deltas = append(deltas, upstream.Delta{Content: "é"}) // the last one that fits is cut: 1 byte left
+		}
+		p := upstream.Guard(scripted{deltas: deltas, res: upstream.Result{Content: "abc" + strings.Repeat("é", maxText)}},
+			func(bound string) { cuts = append(cuts, bound) })
+		var text strings.Builder
+		var sent []gateway.Source
+		res, err := p.Stream(context.Background(), req, func(d upstream.Delta) error {
+			text.WriteString(d.Content)
+			sent = append(sent, d.Sources...)
+			return nil
+		})
+		require.ErrorIs(t, err, upstream.ErrStreamBroken, "the stream breaks off at the bound")
+		require.Len(t, text.String(), maxText-1, "the text up to the bound, cut at a character boundary")
+		require.True(t, utf8.ValidString(text.String()))
+		require.Equal(t, text.String(), res.Content, "the result holds the text sent, no more")
+		checkSources(t, sent)
+		require.Equal(t, sent, res.Sources, "the result holds the sources sent")
+		require.Equal(t, []string{upstream.CutText, upstream.CutSources, upstream.CutURL, upstream.CutTitle, upstream.CutSnippet}, cuts)
+	})
 }

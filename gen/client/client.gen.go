@@ -397,7 +397,9 @@ type BatchRequest struct {
 
 // BatchResultItem defines model for BatchResultItem.
 type BatchResultItem struct {
-	// Content On completed items.
+	// Content On completed items. Bounded as a response's `content` is: an item
+	// whose reply holds more text than its `max_output_rungs` can fails
+	// with `INFERENCE_BUSY`.
 	Content *string `json:"content,omitempty"`
 	Error   *Error  `json:"error,omitempty"`
 
@@ -501,10 +503,14 @@ type ModelUsageModel string
 
 // Response A non-streaming reply.
 type Response struct {
-	// Content Generated text.
+	// Content Generated text. A provider's reply holding more than 256 bytes of
+	// text for each of `max_output_rungs` (more than any tokenizer's
+	// tokens hold) is not passed on: the request fails with
+	// `INFERENCE_BUSY` and nothing is billed, and a stream of it breaks
+	// off at that bound, the text sent billed.
 	Content string `json:"content"`
 
-	// EvidenceVerdict Evidence verdict, present when the pipeline produced one; omitted otherwise (never null).
+	// EvidenceVerdict Evidence verdict, present when the pipeline produced one; omitted otherwise (never null). At most 256 bytes.
 	EvidenceVerdict *string `json:"evidence_verdict,omitempty"`
 
 	// Model The canonical model actually used.
@@ -517,7 +523,8 @@ type Response struct {
 	// schema names are not part of the wire format.
 	Route *RouteInfo `json:"route,omitempty"`
 
-	// Sources Evidence entries (possibly empty).
+	// Sources Evidence entries (possibly empty): the provider's first 100, less
+	// those whose URL is over 4,096 bytes.
 	Sources []Source `json:"sources"`
 
 	// SourcesUrl Always `/api/v1/sources/{request_id}`.
@@ -655,20 +662,27 @@ type RungUsage struct {
 	TotalRungs int64 `json:"total_rungs"`
 }
 
-// Source One evidence entry.
+// Source One evidence entry. A provider's longer title or snippet is cut, at a
+// character boundary; a source whose URL is longer is dropped.
 type Source struct {
-	// Snippet Omitted when absent.
+	// Snippet The text the source is cited for, at most 2,048 bytes; omitted when absent.
 	Snippet *string `json:"snippet,omitempty"`
-	Title   string  `json:"title"`
-	Url     string  `json:"url"`
+
+	// Title At most 1,024 bytes.
+	Title string `json:"title"`
+
+	// Url At most 4,096 bytes.
+	Url string `json:"url"`
 }
 
 // Sources The evidence held for a request.
 type Sources struct {
-	// EvidenceVerdict Omitted when absent.
+	// EvidenceVerdict Omitted when absent. At most 256 bytes.
 	EvidenceVerdict *string            `json:"evidence_verdict,omitempty"`
 	RequestId       openapi_types.UUID `json:"request_id"`
-	Sources         []Source           `json:"sources"`
+
+	// Sources The entries the reply carried (at most 100).
+	Sources []Source `json:"sources"`
 }
 
 // StreamChunk The JSON on each `data:` line of `response.output_text.delta` and
@@ -689,7 +703,8 @@ type StreamChunk struct {
 	// RequestId Omitted when absent.
 	RequestId *openapi_types.UUID `json:"request_id,omitempty"`
 
-	// Sources Omitted when absent or empty (an empty array never appears).
+	// Sources Omitted when absent or empty (an empty array never appears). At
+	// most 100 across the stream's chunks, as in a reply.
 	Sources *[]Source `json:"sources,omitempty"`
 
 	// Usage Rungs of a streamed response, of a batch, or of a batch item.

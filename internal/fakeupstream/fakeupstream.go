@@ -82,6 +82,41 @@ type Hostile struct {
 	SourceTitle string
 	// PromptTokens and CompletionTokens replace the reported usage.
 	PromptTokens, CompletionTokens uint64
+	// Repeat, when above 1, sends Content that many times: repeated in a
+	// reply, a delta each in a stream.
+	Repeat int
+	// Citations, when set, replaces the one citation with that many, each
+	// of another URL and, in a reply, citing the whole text.
+	Citations int
+}
+
+// pieces is the text h sends, a piece a stream delta.
+func (h *Hostile) pieces() []string {
+	out := []string{h.Content}
+	for len(out) < h.Repeat {
+		out = append(out, h.Content)
+	}
+	return out
+}
+
+// citations are the url_citation annotations of a reply whose text is
+// content, or of a stream (content empty: they cite no span); h may be nil.
+func citations(h *Hostile, content, title string) []any {
+	cite := func(url string, end int) any {
+		c := map[string]any{"url": url, "title": title}
+		if content != "" {
+			c["start_index"], c["end_index"] = 0, end
+		}
+		return map[string]any{"type": "url_citation", "url_citation": c}
+	}
+	if h == nil || h.Citations == 0 {
+		return []any{cite("https://example.org/doc", 4)}
+	}
+	out := make([]any, h.Citations)
+	for i := range out {
+		out[i] = cite(fmt.Sprintf("https://example.org/doc/%d", i), len(content))
+	}
+	return out
 }
 
 // SetHostile makes every call whose prompt contains marker answer with h.
@@ -309,16 +344,11 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 	content, title := Reply(call.Prompt), "Example doc"
 	pt, ct := Usage(call.Prompt)
 	if hostile != nil {
-		content, title, pt, ct = hostile.Content, hostile.SourceTitle, hostile.PromptTokens, hostile.CompletionTokens
+		content, title, pt, ct = strings.Join(hostile.pieces(), ""), hostile.SourceTitle, hostile.PromptTokens, hostile.CompletionTokens
 	}
 	message := map[string]any{"role": "assistant", "content": content}
 	if !uncited {
-		message["annotations"] = []any{map[string]any{
-			"type": "url_citation",
-			"url_citation": map[string]any{
-				"url": "https://example.org/doc", "title": title, "start_index": 0, "end_index": 4,
-			},
-		}}
+		message["annotations"] = citations(hostile, content, title)
 	}
 	resp := map[string]any{
 		"id":      "chatcmpl-fake",
@@ -348,7 +378,7 @@ func stream(w http.ResponseWriter, r *http.Request, prompt string, chunkDelay ti
 	pieces, title := StreamPieces(prompt), "Example doc"
 	pt, ct := Usage(prompt)
 	if hostile != nil {
-		pieces, title, pt, ct = []string{hostile.Content}, hostile.SourceTitle, hostile.PromptTokens, hostile.CompletionTokens
+		pieces, title, pt, ct = hostile.pieces(), hostile.SourceTitle, hostile.PromptTokens, hostile.CompletionTokens
 	}
 	for i, piece := range pieces {
 		if breakAfter > 0 && i == breakAfter {
@@ -364,9 +394,9 @@ func stream(w http.ResponseWriter, r *http.Request, prompt string, chunkDelay ti
 		send(delta(map[string]any{"content": piece}))
 	}
 	if !uncited {
-		send(delta(map[string]any{"annotations": []any{map[string]any{
-			"type": "url_citation", "url_citation": map[string]any{"url": "https://example.org/doc", "title": title},
-		}}}))
+		for _, c := range citations(hostile, "", title) {
+			send(delta(map[string]any{"annotations": []any{c}}))
+		}
 	}
 	send(map[string]any{"object": "chat.completion.chunk", "choices": []any{}, "usage": map[string]any{"prompt_tokens": pt, "completion_tokens": ct}})
 	fmt.Fprint(w, "data: [DONE]\n\n")

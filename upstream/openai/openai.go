@@ -18,7 +18,6 @@ import (
 	"strings"
 	"sync/atomic"
 	"time"
-	"unicode/utf8"
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/tracing"
@@ -327,14 +326,7 @@ func statusError(status int, header http.Header, body []byte) error {
 	if json.Unmarshal(body, &eb) == nil && eb.Error.Message != "" {
 		msg = eb.Error.Message
 	}
-	if len(msg) > maxMessageBytes {
-		cut := maxMessageBytes
-		for cut > 0 && !utf8.RuneStart(msg[cut]) {
-			cut--
-		}
-		msg = msg[:cut]
-	}
-	msg = upstream.Clean(msg)
+	msg = upstream.Clean(upstream.Cut(msg, maxMessageBytes))
 	switch {
 	case status == http.StatusUnauthorized || status == http.StatusProxyAuthRequired || status == http.StatusNotFound:
 		return fmt.Errorf("%w: %w: status %d: %s", upstream.ErrUnavailable, upstream.ErrDenied, status, msg)
@@ -365,7 +357,8 @@ func retryAfter(header http.Header, now time.Time) time.Duration {
 }
 
 // sources maps url_citation annotations to evidence; the cited span of the
-// content, when its indexes are valid, is the snippet.
+// content, when its indexes are valid, is the snippet (it shares the
+// content's memory: the guard bounds what is kept).
 func sources(content string, annotations []annotation) []gateway.Source {
 	var out []gateway.Source
 	for _, a := range annotations {

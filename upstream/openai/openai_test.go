@@ -431,3 +431,22 @@ func TestStreamEmitErrorStops(t *testing.T) {
 		require.Equal(t, fakeupstream.StreamPieces(req.Prompt)[0], res.Content)
 	})
 }
+
+// TestStreamSourcesAreHeldToTheBound: a stream citing far more sources than
+// the guard keeps passes each on, for the guard to drop, but its result holds
+// no more than upstream.MaxSources of them (of a reply, each source is a few
+// words over the reply's own memory, bounded by maxReplyBytes).
+func TestStreamSourcesAreHeldToTheBound(t *testing.T) {
+	t.Parallel()
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		b.fake.SetHostile("why", fakeupstream.Hostile{Content: "text", SourceTitle: "t", Citations: 3 * upstream.MaxSources})
+		var emitted int
+		res, err := b.client.Stream(context.Background(), &req, func(d upstream.Delta) error {
+			emitted += len(d.Sources)
+			return nil
+		})
+		require.NoError(t, err)
+		require.Equal(t, 3*upstream.MaxSources, emitted, "each is passed on, for the guard to drop")
+		require.Len(t, res.Sources, upstream.MaxSources)
+	})
+}

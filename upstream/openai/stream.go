@@ -178,7 +178,7 @@ func readStream(body io.Reader, progress func(), emit func(upstream.Delta) error
 			return finish(fmt.Errorf("malformed stream chunk: %w", err))
 		}
 		if chunk.Error != nil {
-			return finish(fmt.Errorf("upstream error in stream: %s", upstream.Clean(chunk.Error.Message)))
+			return finish(fmt.Errorf("upstream error in stream: %s", upstream.Clean(upstream.Cut(chunk.Error.Message, maxMessageBytes))))
 		}
 		if chunk.Usage != nil {
 			res.UsageReported = true
@@ -194,7 +194,9 @@ func readStream(body io.Reader, progress func(), emit func(upstream.Delta) error
 				continue // role-only or empty delta
 			}
 			content.WriteString(d.Content)
-			res.Sources = append(res.Sources, d.Sources...)
+			if len(res.Sources) < upstream.MaxSources { // the guard keeps no more
+				res.Sources = append(res.Sources, d.Sources...)
+			}
 			if err := emit(d); err != nil {
 				return finish(emitError{err})
 			}
