@@ -52,7 +52,7 @@ const DefaultDetachAfter = 100 * time.Millisecond
 // serveDetachable serves the stream r through w, and detaches it if it runs
 // for DetachAfter.
 func (s *Server) serveDetachable(r streamReply, w http.ResponseWriter, x *exchange) error {
-	sse := startSSE(w, s.keepalive)
+	sse := startSSE(w, s.keepalive, s.streamWriteTimeout)
 	// The stream's context keeps the call's values and ends with Abort, and
 	// with the request's (the client went away) until its connection is
 	// taken over; over HTTP/2 for good (net/http's request context tells
@@ -149,7 +149,16 @@ func (d *detached) run(ctx context.Context, r streamReply) {
 		}
 		defer d.s.streams.remove(d)
 		keep := !d.closeAsked && p == nil
-		if out := d.sse.out.(*chunkedSink); p != nil || out.finish() != nil {
+		// The last chunk, too, waits for the client no longer than a write
+		// of the stream does (end lifts the deadline); after a write that
+		// failed, not at all (the deadline that failed it stays).
+		d.sse.mu.Lock()
+		failed := d.sse.err != nil
+		d.sse.mu.Unlock()
+		if !failed {
+			_ = d.conn.SetWriteDeadline(time.Now().Add(d.s.streamWriteTimeout))
+		}
+		if out := d.sse.out.sink.(*chunkedSink); p != nil || out.finish() != nil {
 			keep = false
 		}
 		d.end(keep && !d.s.draining.Load())
@@ -177,7 +186,7 @@ func (d *detached) take(w http.ResponseWriter) bool {
 		d.next, d.read = append([]byte(nil), ahead...), true
 	}
 	d.taken, d.conn = true, conn
-	d.sse.out = &chunkedSink{conn: conn}
+	d.sse.setOutLocked(&chunkedSink{conn: conn})
 	d.s.streams.add(d)
 	if !d.read {
 		d.unwatch = connwatch.Watch(conn, d.heard)
@@ -247,7 +256,7 @@ func (d *detached) rise(t *top) bool {
 		return false
 	}
 	d.taken = true
-	d.sse.out = responseSink{t.w, http.NewResponseController(t.w)}
+	d.sse.setOutLocked(responseSink{t.w, http.NewResponseController(t.w)})
 	t.d = d
 	return true
 }
@@ -283,6 +292,7 @@ func (d *detached) end(keep bool) {
 		closeConn(d.conn)
 		return
 	}
+	_ = d.conn.SetWriteDeadline(time.Time{})
 	d.s.relisten.Load().give(handBack(d.conn, d.next))
 }
 
@@ -333,6 +343,9 @@ func (c *chunkedSink) Flush() error {
 	}
 	return err
 }
+
+// SetWriteDeadline implements sink.
+func (c *chunkedSink) SetWriteDeadline(t time.Time) error { return c.conn.SetWriteDeadline(t) }
 
 // finish writes the last chunk.
 func (c *chunkedSink) finish() error {

@@ -5,6 +5,7 @@
 package server
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"log/slog"
@@ -87,6 +88,11 @@ type Config struct {
 	CORSOrigins []string
 	// SSEKeepalive is the idle time before a keep-alive comment in a stream.
 	SSEKeepalive time.Duration
+	// StreamWriteTimeout bounds the wait for a client to take one write of
+	// a stream: a client that reads nothing for this long has gone, and its
+	// stream ends as if it had disconnected. Zero means
+	// DefaultStreamWriteTimeout.
+	StreamWriteTimeout time.Duration
 	// DetachAfter is how long an HTTP/1.1 stream runs before it is served
 	// off its connection's goroutine (see serveDetachable); zero means
 	// DefaultDetachAfter, a negative value never.
@@ -101,6 +107,10 @@ type Config struct {
 
 // DefaultBodyTimeout is how long a request body may take to arrive.
 const DefaultBodyTimeout = 30 * time.Second
+
+// DefaultStreamWriteTimeout is how long a write of a stream waits for its
+// client to take it.
+const DefaultStreamWriteTimeout = 30 * time.Second
 
 // unavailableRetryAfter is suggested to callers while the database is away.
 const unavailableRetryAfter = 2 * time.Second
@@ -119,13 +129,15 @@ type Server struct {
 	draining  atomic.Bool
 	// abort ends with inference.ErrShutdown when the shutdown grace is over:
 	// every upstream call still running is cancelled with that cause.
-	abort       context.Context
-	abortCalls  context.CancelCauseFunc
-	logger      *slog.Logger
-	keepalive   time.Duration
-	detachAfter time.Duration
-	unavailable func(error) bool
-	paramForms  map[string]string
+	abort      context.Context
+	abortCalls context.CancelCauseFunc
+	logger     *slog.Logger
+	keepalive  time.Duration
+	// streamWriteTimeout bounds each write of a stream (sseWriter).
+	streamWriteTimeout time.Duration
+	detachAfter        time.Duration
+	unavailable        func(error) bool
+	paramForms         map[string]string
 	// routes are the route templates served, the only route label values.
 	routes  map[string]bool
 	openAPI []byte
@@ -169,22 +181,23 @@ func New(cfg Config) (*Server, error) {
 		logger = slog.Default()
 	}
 	s := &Server{
-		echo:        echo.New(),
-		auth:        cfg.Auth,
-		inference:   cfg.Inference,
-		evidence:    cfg.Evidence,
-		usage:       cfg.Usage,
-		batches:     cfg.Batches,
-		batchData:   cfg.BatchData,
-		ready:       cfg.Readiness,
-		metrics:     cfg.Metrics,
-		logger:      logger,
-		keepalive:   cfg.SSEKeepalive,
-		detachAfter: cfg.DetachAfter,
-		unavailable: cfg.Unavailable,
-		paramForms:  paramForms,
-		openAPI:     doc,
-		schema:      schema,
+		echo:               echo.New(),
+		auth:               cfg.Auth,
+		inference:          cfg.Inference,
+		evidence:           cfg.Evidence,
+		usage:              cfg.Usage,
+		batches:            cfg.Batches,
+		batchData:          cfg.BatchData,
+		ready:              cfg.Readiness,
+		metrics:            cfg.Metrics,
+		logger:             logger,
+		keepalive:          cfg.SSEKeepalive,
+		streamWriteTimeout: cmp.Or(cfg.StreamWriteTimeout, DefaultStreamWriteTimeout),
+		detachAfter:        cfg.DetachAfter,
+		unavailable:        cfg.Unavailable,
+		paramForms:         paramForms,
+		openAPI:            doc,
+		schema:             schema,
 	}
 	s.abort, s.abortCalls = context.WithCancelCause(context.Background())
 	s.echo.HideBanner = true

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/http"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -18,26 +19,41 @@ const (
 
 // sseWriter writes server-sent events: `event: NAME`, one `data: JSON` line and
 // a blank line, flushed per event. While nothing is written for keepalive, it
-// writes a `:` comment line. It is safe for the keep-alive timer and the stream
-// to write concurrently; after the first write error every write fails.
+// writes a `:` comment line. A write the client has not taken after
+// writeTimeout (at the keep-alive beat that finds it so) fails: a client that
+// reads nothing, its connection alive (its receive window shut), is gone, not
+// waited for. It is safe for the keep-alive timer and the stream to write
+// concurrently; after the first write error every write fails.
 type sseWriter struct {
 	mu sync.Mutex
 	// out is where the bytes go: the response, then, once the stream is
-	// detached, its connection (swapped under mu).
-	out       sink
-	keepalive time.Duration
-	timer     *time.Timer
-	err       error
-	closed    bool
-	buf       bytes.Buffer
+	// detached, its connection (set under mu, by setOutLocked).
+	out *watchedSink
+	// writing is out while a write waits on it, for the keep-alive timer to
+	// watch (ping).
+	writing      atomic.Pointer[watchedSink]
+	keepalive    time.Duration
+	writeTimeout time.Duration
+	timer        *time.Timer
+	err          error
+	closed       bool
+	buf          bytes.Buffer
 	// size counts the bytes written, keep-alives included.
 	size int64
 }
 
-// sink is where a stream's bytes go: written, then flushed to the client.
+// sink is where a stream's bytes go: written, then flushed to the client,
+// by a deadline when one is set.
 type sink interface {
 	Write(p []byte) (int, error)
 	Flush() error
+	SetWriteDeadline(t time.Time) error
+}
+
+// watchedSink is a stream's sink with when its write in progress began.
+type watchedSink struct {
+	sink
+	since atomic.Int64 // Unix nanoseconds
 }
 
 // responseSink writes through net/http's response writer.
@@ -49,24 +65,34 @@ type responseSink struct {
 // Flush implements sink.
 func (r responseSink) Flush() error { return r.rc.Flush() }
 
+// SetWriteDeadline implements sink.
+func (r responseSink) SetWriteDeadline(t time.Time) error { return r.rc.SetWriteDeadline(t) }
+
 // startSSE writes the head of a stream through w (status 200 and the headers
-// already set on w), flushes it, and starts the keep-alive timer.
-func startSSE(w http.ResponseWriter, keepalive time.Duration) *sseWriter {
+// already set on w), flushes it, and starts the keep-alive timer, which also
+// gives up on a write the client has not taken after writeTimeout (zero: no
+// bound).
+func startSSE(w http.ResponseWriter, keepalive, writeTimeout time.Duration) *sseWriter {
 	h := w.Header()
 	h.Set("Content-Type", "text/event-stream")
 	h.Set("Cache-Control", "no-cache")
 	h.Set("X-Accel-Buffering", "no") // no buffering in nginx-like proxies
 	w.WriteHeader(http.StatusOK)
-	s := &sseWriter{out: responseSink{w, http.NewResponseController(w)}, keepalive: keepalive}
+	s := &sseWriter{keepalive: keepalive, writeTimeout: writeTimeout}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	s.err = s.out.Flush()
+	s.setOutLocked(responseSink{w, http.NewResponseController(w)})
 	if keepalive > 0 {
 		// Under the lock: the first ping may fire before AfterFunc returns.
 		s.timer = time.AfterFunc(keepalive, s.ping)
 	}
+	s.err = s.sendLocked(nil)
 	return s
 }
+
+// setOutLocked makes out where the bytes go from now on. A watch of the sink
+// before keeps that one.
+func (s *sseWriter) setOutLocked(out sink) { s.out = &watchedSink{sink: out} }
 
 // Event writes one event and flushes it.
 func (s *sseWriter) Event(name string, data any) error {
@@ -85,7 +111,13 @@ func (s *sseWriter) Event(name string, data any) error {
 	return s.writeLocked(s.buf.Bytes())
 }
 
+// ping is the keep-alive beat: it writes a keep-alive line, or, while a
+// write waits for the client, watches it.
 func (s *sseWriter) ping() {
+	if w := s.writing.Load(); w != nil && s.writeTimeout > 0 {
+		s.watch(w)
+		return
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed || s.err != nil {
@@ -94,24 +126,47 @@ func (s *sseWriter) ping() {
 	_ = s.writeLocked([]byte(": keep-alive\n\n"))
 }
 
+// watch gives up on the write waiting on w once it has waited writeTimeout:
+// a deadline of now fails it. Until then the beat comes back when it will
+// have. (The write it finds may have ended meanwhile; at worst the deadline
+// then fails the next write, of a client that took nothing for about as
+// long.)
+func (s *sseWriter) watch(w *watchedSink) {
+	waited := time.Duration(time.Now().UnixNano() - w.since.Load())
+	if waited >= s.writeTimeout {
+		_ = w.SetWriteDeadline(time.Now())
+		return
+	}
+	s.timer.Reset(s.writeTimeout - waited)
+}
+
 func (s *sseWriter) writeLocked(b []byte) error {
 	if s.err != nil {
 		return s.err
 	}
-	n, err := s.out.Write(b)
-	s.size += int64(n)
-	if err != nil {
-		s.err = err
-		return err
-	}
-	if err := s.out.Flush(); err != nil {
-		s.err = err
-		return err
-	}
+	s.err = s.sendLocked(b)
+	return s.err
+}
+
+// sendLocked writes b, if any, and flushes, watched: the keep-alive timer is
+// set going first (as a beat of silence starts now), so that a write the
+// client does not take is found waiting.
+func (s *sseWriter) sendLocked(b []byte) error {
 	if s.timer != nil && !s.closed {
 		s.timer.Reset(s.keepalive)
 	}
-	return nil
+	out := s.out
+	out.since.Store(time.Now().UnixNano())
+	s.writing.Store(out)
+	defer s.writing.Store(nil)
+	if len(b) > 0 {
+		n, err := out.Write(b)
+		s.size += int64(n)
+		if err != nil {
+			return err
+		}
+	}
+	return out.Flush()
 }
 
 // Close stops the keep-alive timer; nothing is written afterwards.

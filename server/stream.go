@@ -44,7 +44,7 @@ func (r streamReply) serve(w http.ResponseWriter) error {
 		return r.s.serveDetachable(r, w, x)
 	}
 	defer r.done()
-	return r.run(r.ctx, startSSE(w, r.s.keepalive))
+	return r.run(r.ctx, startSSE(w, r.s.keepalive, r.s.streamWriteTimeout))
 }
 
 // detachable says whether a stream of req, whose context is ctx, can be

@@ -5,9 +5,14 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"fmt"
+	"io"
+	"net"
 	"net/http"
+	"net/http/httptrace"
 	"runtime"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -16,6 +21,7 @@ import (
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/gen/api"
 	"github.com/rungworks/gateway/internal/apitest"
+	"github.com/rungworks/gateway/server"
 	"github.com/rungworks/gateway/upstream"
 )
 
@@ -226,4 +232,131 @@ func TestStreamClientDisconnect(t *testing.T) {
 func goroutineDump() string {
 	buf := make([]byte, 1<<20)
 	return string(buf[:runtime.Stack(buf, true)])
+}
+
+// flood is a provider whose stream sends pieces of 64 KiB until it has sent
+// n, or emit fails; emitFailed is closed then.
+type flood struct {
+	n          int
+	emitFailed chan struct{}
+}
+
+func (f *flood) Complete(context.Context, *upstream.Request) (upstream.Result, error) {
+	return upstream.Result{}, upstream.ErrFailed
+}
+
+func (f *flood) Stream(_ context.Context, _ *upstream.Request, emit func(upstream.Delta) error) (upstream.Result, error) {
+	piece := strings.Repeat("x", 64<<10)
+	var sent upstream.Result
+	for range f.n {
+		if err := emit(upstream.Delta{Content: piece}); err != nil {
+			close(f.emitFailed)
+			return sent, err
+		}
+		sent.Content += piece
+	}
+	return sent, nil
+}
+
+// TestStreamToAClientThatReadsNothing: a client that sends a streamed request
+// and then reads nothing, its connection alive (its receive window shut), is
+// not waited for: once a write has waited StreamWriteTimeout (at the next
+// keep-alive beat), the stream ends as when a client disconnects, the
+// upstream call stops, and the output produced is billed and settled.
+// Without the bound the stream would wait on the write for as long as the
+// client keeps its connection, its admitted estimate never settled.
+func TestStreamToAClientThatReadsNothing(t *testing.T) {
+	t.Parallel()
+	const body = `{"prompt": "flood", "model": "reasoning", "stream": true}`
+	for name, h2c := range map[string]bool{"HTTP/1.1 detached": false, "HTTP/1.1 on its handler": false, "HTTP/2": true} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			up := &flood{n: 200, emitFailed: make(chan struct{})} // 12.5 MiB, past any socket buffer or window
+			b := setupWith(t, options{provider: up, h2c: h2c, keepalive: 50 * time.Millisecond, server: func(c *server.Config) {
+				c.StreamWriteTimeout = 200 * time.Millisecond
+				if name == "HTTP/1.1 on its handler" {
+					c.DetachAfter = -1
+				}
+			}})
+			if h2c {
+				// The client's window fills as the body goes unread.
+				req, err := http.NewRequest(http.MethodPost, b.http.URL+"/api/v1/responses", strings.NewReader(body))
+				require.NoError(t, err)
+				req.Header.Set("Authorization", "Bearer "+b.key)
+				req.Header.Set("Content-Type", "application/json")
+				resp, err := b.client.Do(req)
+				require.NoError(t, err)
+				defer resp.Body.Close()
+				require.Equal(t, 2, resp.ProtoMajor)
+			} else {
+				dialer := net.Dialer{Control: func(_, _ string, c syscall.RawConn) error {
+					return c.Control(func(fd uintptr) {
+						_ = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096)
+					})
+				}}
+				conn, err := dialer.Dial("tcp", strings.TrimPrefix(b.http.URL, "http://"))
+				require.NoError(t, err)
+				defer conn.Close()
+				_, err = fmt.Fprintf(conn, "POST /api/v1/responses HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer %s\r\n"+
+					"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", b.key, len(body), body)
+				require.NoError(t, err)
+			}
+
+			select {
+			case <-up.emitFailed:
+			case <-time.After(20 * time.Second):
+				t.Fatal("the stream still waits for a client that reads nothing")
+			}
+			var usage api.UsageView
+			require.Eventually(t, func() bool {
+				r := b.do(http.MethodGet, "/api/v1/usage", b.key, "", nil)
+				require.Equal(t, http.StatusOK, r.status)
+				require.NoError(t, json.Unmarshal(r.body, &usage))
+				return usage.Totals.Requests == 1 && usage.Budget.ReservedRungs == 0
+			}, 10*time.Second, 20*time.Millisecond, "the request is settled: %+v", usage)
+			require.Positive(t, usage.Totals.OutputRungs, "the output produced is billed")
+		})
+	}
+}
+
+// TestStreamWriteDeadlineSparesClientsThatRead: the write deadline bounds a
+// write, not a stream: a stream silent for longer than StreamWriteTimeout
+// before its first token is served whole, and its connection, kept alive,
+// serves the next request later than that.
+func TestStreamWriteDeadlineSparesClientsThatRead(t *testing.T) {
+	t.Parallel()
+	for name, h2c := range map[string]bool{"HTTP/1.1 detached": false, "HTTP/1.1 on its handler": false, "HTTP/2": true} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			const timeout = 100 * time.Millisecond
+			b := setupWith(t, options{h2c: h2c, keepalive: timeout / 2, server: func(c *server.Config) {
+				c.StreamWriteTimeout = timeout
+				if name == "HTTP/1.1 on its handler" {
+					c.DetachAfter = -1
+				}
+			}})
+			if !h2c {
+				tr := &http.Transport{MaxConnsPerHost: 1}
+				b.client = &http.Client{Transport: tr}
+				t.Cleanup(tr.CloseIdleConnections)
+			}
+			b.upstream.configure(func(s *scripted) { s.firstDelay = 3 * timeout })
+			_, s := b.stream("/api/v1/responses", map[string]any{"prompt": "slow to start"})
+			require.Equal(t, "response.completed", s.Events[len(s.Events)-1].Name)
+
+			time.Sleep(3 * timeout)
+			var reused bool
+			ctx := httptrace.WithClientTrace(context.Background(), &httptrace.ClientTrace{GotConn: func(i httptrace.GotConnInfo) { reused = i.Reused }})
+			req, err := http.NewRequestWithContext(ctx, http.MethodGet, b.http.URL+"/api/v1/usage", nil)
+			require.NoError(t, err)
+			req.Header.Set("Authorization", "Bearer "+b.key)
+			resp, err := b.client.Do(req)
+			require.NoError(t, err)
+			defer resp.Body.Close()
+			_, err = io.ReadAll(resp.Body)
+			require.NoError(t, err)
+			require.Equal(t, http.StatusOK, resp.StatusCode)
+			require.True(t, reused, "the stream's connection serves the next request")
+		})
+	}
 }
