@@ -27,9 +27,12 @@ const maxRequestIDLen = 128
 // or a prompt) and records it in the metrics. Errors are answered here,
 // through the error handler, so the status is known. A stream detached from
 // its connection's goroutine (see serveDetachable) is logged when it ends.
+// A reply that is not a stream must be read within replyWriteTimeout of its
+// first byte (see replyDeadline).
 func (s *Server) observe(next echo.HandlerFunc) echo.HandlerFunc {
 	return func(c echo.Context) error {
-		x := &exchange{s: s, req: c.Request(), start: time.Now(), method: metrics.Method(c.Request().Method)}
+		x := &exchange{s: s, req: c.Request(), w: c.Response(), start: time.Now(), method: metrics.Method(c.Request().Method)}
+		c.Response().Before(x.replyDeadline)
 		x.id = c.Request().Header.Get(RequestIDHeader)
 		ctx := context.WithValue(c.Request().Context(), exchangeKey{}, x)
 		if !usableRequestID(x.id) {
@@ -59,8 +62,9 @@ func (s *Server) observe(next echo.HandlerFunc) echo.HandlerFunc {
 // log line is written.
 type exchange struct {
 	s *Server
-	// req is the request until a stream is detached.
+	// req is the request until a stream is detached; w is its response.
 	req    *http.Request
+	w      http.ResponseWriter
 	start  time.Time
 	id     string
 	method string
@@ -69,6 +73,19 @@ type exchange struct {
 	// detached says the response goes on after the handler returned: whoever
 	// serves it calls finish.
 	detached bool
+}
+
+// replyDeadline bounds the time the client may take to read the reply about
+// to be written: a client that reads nothing, its connection alive, would
+// otherwise hold the handler's goroutine for as long as it liked. Not a
+// stream's: each of its writes is bounded (sseWriter). The deadline stays for
+// the reply's last bytes, which net/http writes after the handler, and
+// net/http lifts it then.
+func (x *exchange) replyDeadline() {
+	if x.w.Header().Get("Content-Type") == "text/event-stream" {
+		return
+	}
+	_ = http.NewResponseController(x.w).SetWriteDeadline(time.Now().Add(x.s.replyWriteTimeout))
 }
 
 type exchangeKey struct{}

@@ -93,6 +93,10 @@ type Config struct {
 	// stream ends as if it had disconnected. Zero means
 	// DefaultStreamWriteTimeout.
 	StreamWriteTimeout time.Duration
+	// ReplyWriteTimeout bounds the time a client may take to read a reply
+	// that is not a stream, from its first byte. Zero means
+	// DefaultReplyWriteTimeout.
+	ReplyWriteTimeout time.Duration
 	// DetachAfter is how long an HTTP/1.1 stream runs before it is served
 	// off its connection's goroutine (see serveDetachable); zero means
 	// DefaultDetachAfter, a negative value never.
@@ -111,6 +115,10 @@ const DefaultBodyTimeout = 30 * time.Second
 // DefaultStreamWriteTimeout is how long a write of a stream waits for its
 // client to take it.
 const DefaultStreamWriteTimeout = 30 * time.Second
+
+// DefaultReplyWriteTimeout is how long a client may take to read a reply that
+// is not a stream.
+const DefaultReplyWriteTimeout = 2 * time.Minute
 
 // unavailableRetryAfter is suggested to callers while the database is away.
 const unavailableRetryAfter = 2 * time.Second
@@ -133,8 +141,10 @@ type Server struct {
 	abortCalls context.CancelCauseFunc
 	logger     *slog.Logger
 	keepalive  time.Duration
-	// streamWriteTimeout bounds each write of a stream (sseWriter).
+	// streamWriteTimeout bounds each write of a stream (sseWriter),
+	// replyWriteTimeout the writing of any other reply (observe).
 	streamWriteTimeout time.Duration
+	replyWriteTimeout  time.Duration
 	detachAfter        time.Duration
 	unavailable        func(error) bool
 	paramForms         map[string]string
@@ -193,6 +203,7 @@ func New(cfg Config) (*Server, error) {
 		logger:             logger,
 		keepalive:          cfg.SSEKeepalive,
 		streamWriteTimeout: cmp.Or(cfg.StreamWriteTimeout, DefaultStreamWriteTimeout),
+		replyWriteTimeout:  cmp.Or(cfg.ReplyWriteTimeout, DefaultReplyWriteTimeout),
 		detachAfter:        cfg.DetachAfter,
 		unavailable:        cfg.Unavailable,
 		paramForms:         paramForms,

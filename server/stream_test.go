@@ -21,6 +21,7 @@ import (
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/gen/api"
 	"github.com/rungworks/gateway/internal/apitest"
+	"github.com/rungworks/gateway/internal/syncbuf"
 	"github.com/rungworks/gateway/server"
 	"github.com/rungworks/gateway/upstream"
 )
@@ -235,14 +236,14 @@ func goroutineDump() string {
 }
 
 // flood is a provider whose stream sends pieces of 64 KiB until it has sent
-// n, or emit fails; emitFailed is closed then.
+// n, or emit fails; emitFailed is closed then. Its reply is the n pieces.
 type flood struct {
 	n          int
 	emitFailed chan struct{}
 }
 
 func (f *flood) Complete(context.Context, *upstream.Request) (upstream.Result, error) {
-	return upstream.Result{}, upstream.ErrFailed
+	return upstream.Result{Content: strings.Repeat("x", f.n*64<<10), UsageReported: true, InputTokens: 1, OutputTokens: 1}, nil
 }
 
 func (f *flood) Stream(_ context.Context, _ *upstream.Request, emit func(upstream.Delta) error) (upstream.Result, error) {
@@ -289,17 +290,7 @@ func TestStreamToAClientThatReadsNothing(t *testing.T) {
 				defer resp.Body.Close()
 				require.Equal(t, 2, resp.ProtoMajor)
 			} else {
-				dialer := net.Dialer{Control: func(_, _ string, c syscall.RawConn) error {
-					return c.Control(func(fd uintptr) {
-						_ = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096)
-					})
-				}}
-				conn, err := dialer.Dial("tcp", strings.TrimPrefix(b.http.URL, "http://"))
-				require.NoError(t, err)
-				defer conn.Close()
-				_, err = fmt.Fprintf(conn, "POST /api/v1/responses HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer %s\r\n"+
-					"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", b.key, len(body), body)
-				require.NoError(t, err)
+				b.postUnread(body)
 			}
 
 			select {
@@ -319,10 +310,45 @@ func TestStreamToAClientThatReadsNothing(t *testing.T) {
 	}
 }
 
-// TestStreamWriteDeadlineSparesClientsThatRead: the write deadline bounds a
-// write, not a stream: a stream silent for longer than StreamWriteTimeout
-// before its first token is served whole, and its connection, kept alive,
-// serves the next request later than that.
+// postUnread posts body to the responses route over HTTP/1.1 from a client
+// that reads nothing of the reply (a small receive buffer, soon full), and
+// keeps its connection open until the test ends.
+func (b *testBundle) postUnread(body string) {
+	b.t.Helper()
+	dialer := net.Dialer{Control: func(_, _ string, c syscall.RawConn) error {
+		return c.Control(func(fd uintptr) {
+			_ = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096)
+		})
+	}}
+	conn, err := dialer.Dial("tcp", strings.TrimPrefix(b.http.URL, "http://"))
+	require.NoError(b.t, err)
+	b.t.Cleanup(func() { _ = conn.Close() })
+	_, err = fmt.Fprintf(conn, "POST /api/v1/responses HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer %s\r\n"+
+		"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", b.key, len(body), body)
+	require.NoError(b.t, err)
+}
+
+// TestReplyToAClientThatReadsNothing: a reply that is not a stream, too large
+// for the sockets' buffers, to a client that reads nothing, its connection
+// alive, holds the handler no longer than ReplyWriteTimeout (its log line is
+// written when the handler returns); the usage was billed before the reply.
+func TestReplyToAClientThatReadsNothing(t *testing.T) {
+	t.Parallel()
+	logs := &syncbuf.Buffer{}
+	b := setupWith(t, options{provider: &flood{n: 200}, logs: logs, server: func(c *server.Config) {
+		c.ReplyWriteTimeout = 200 * time.Millisecond
+	}})
+	b.postUnread(`{"prompt": "flood", "model": "reasoning"}`)
+	require.Eventually(t, func() bool {
+		return strings.Contains(logs.String(), `"route":"/api/v1/responses","status":200`)
+	}, 20*time.Second, 20*time.Millisecond, "the handler still writes to a client that reads nothing")
+}
+
+// TestStreamWriteDeadlineSparesClientsThatRead: the write bound is a write's,
+// not a stream's: a stream silent for longer than StreamWriteTimeout before
+// its first token is served whole, and its connection, kept alive, serves the
+// next request, and the next, later than that and than ReplyWriteTimeout (a
+// reply's deadline is lifted once it is written).
 func TestStreamWriteDeadlineSparesClientsThatRead(t *testing.T) {
 	t.Parallel()
 	for name, h2c := range map[string]bool{"HTTP/1.1 detached": false, "HTTP/1.1 on its handler": false, "HTTP/2": true} {
@@ -330,7 +356,7 @@ func TestStreamWriteDeadlineSparesClientsThatRead(t *testing.T) {
 			t.Parallel()
 			const timeout = 100 * time.Millisecond
 			b := setupWith(t, options{h2c: h2c, keepalive: timeout / 2, server: func(c *server.Config) {
-				c.StreamWriteTimeout = timeout
+				c.StreamWriteTimeout, c.ReplyWriteTimeout = timeout, timeout
 				if name == "HTTP/1.1 on its handler" {
 					c.DetachAfter = -1
 				}
@@ -344,19 +370,21 @@ func TestStreamWriteDeadlineSparesClientsThatRead(t *testing.T) {
 			_, s := b.stream("/api/v1/responses", map[string]any{"prompt": "slow to start"})
 			require.Equal(t, "response.completed", s.Events[len(s.Events)-1].Name)
 
-			time.Sleep(3 * timeout)
-			var reused bool
-			ctx := httptrace.WithClientTrace(context.Background(), &httptrace.ClientTrace{GotConn: func(i httptrace.GotConnInfo) { reused = i.Reused }})
-			req, err := http.NewRequestWithContext(ctx, http.MethodGet, b.http.URL+"/api/v1/usage", nil)
-			require.NoError(t, err)
-			req.Header.Set("Authorization", "Bearer "+b.key)
-			resp, err := b.client.Do(req)
-			require.NoError(t, err)
-			defer resp.Body.Close()
-			_, err = io.ReadAll(resp.Body)
-			require.NoError(t, err)
-			require.Equal(t, http.StatusOK, resp.StatusCode)
-			require.True(t, reused, "the stream's connection serves the next request")
+			for range 2 {
+				time.Sleep(3 * timeout)
+				var reused bool
+				ctx := httptrace.WithClientTrace(context.Background(), &httptrace.ClientTrace{GotConn: func(i httptrace.GotConnInfo) { reused = i.Reused }})
+				req, err := http.NewRequestWithContext(ctx, http.MethodGet, b.http.URL+"/api/v1/usage", nil)
+				require.NoError(t, err)
+				req.Header.Set("Authorization", "Bearer "+b.key)
+				resp, err := b.client.Do(req)
+				require.NoError(t, err)
+				_, err = io.ReadAll(resp.Body)
+				require.NoError(t, err)
+				require.NoError(t, resp.Body.Close())
+				require.Equal(t, http.StatusOK, resp.StatusCode)
+				require.True(t, reused, "the stream's connection serves the next requests")
+			}
 		})
 	}
 }
