@@ -89,9 +89,9 @@ type Config struct {
 	// SSEKeepalive is the idle time before a keep-alive comment in a stream.
 	SSEKeepalive time.Duration
 	// StreamWriteTimeout bounds the wait for a client to take one write of
-	// a stream: a client that reads nothing for this long has gone, and its
-	// stream ends as if it had disconnected. Zero means
-	// DefaultStreamWriteTimeout.
+	// a stream: a client that reads nothing for this long (found at a
+	// keep-alive beat, so not without SSEKeepalive) has gone, and its stream
+	// ends as if it had disconnected. Zero means DefaultStreamWriteTimeout.
 	StreamWriteTimeout time.Duration
 	// ReplyWriteTimeout bounds the time a client may take to read a reply
 	// that is not a stream, from its first byte. Zero means

@@ -90,8 +90,8 @@ func startSSE(w http.ResponseWriter, keepalive, writeTimeout time.Duration) *sse
 	return s
 }
 
-// setOutLocked makes out where the bytes go from now on. A watch of the sink
-// before keeps that one.
+// setOutLocked makes out where the bytes go from now on, watched anew (a beat
+// that found the sink before still holds that one).
 func (s *sseWriter) setOutLocked(out sink) { s.out = &watchedSink{sink: out} }
 
 // Event writes one event and flushes it.
