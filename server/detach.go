@@ -149,15 +149,8 @@ func (d *detached) run(ctx context.Context, r streamReply) {
 		}
 		defer d.s.streams.remove(d)
 		keep := !d.closeAsked && p == nil
-		// The last chunk, too, waits for the client no longer than a write
-		// of the stream does (end lifts the deadline); after a write that
-		// failed, not at all (the deadline that failed it stays).
-		d.sse.mu.Lock()
-		failed := d.sse.err != nil
-		d.sse.mu.Unlock()
-		if !failed {
-			_ = d.conn.SetWriteDeadline(time.Now().Add(d.s.streamWriteTimeout))
-		}
+		// The last chunk is written by the deadline sse.Close set (end
+		// lifts it).
 		if out := d.sse.out.sink.(*chunkedSink); p != nil || out.finish() != nil {
 			keep = false
 		}

@@ -169,12 +169,18 @@ func (s *sseWriter) sendLocked(b []byte) error {
 	return out.Flush()
 }
 
-// Close stops the keep-alive timer; nothing is written afterwards.
+// Close stops the keep-alive timer and bounds what is written after it, the
+// response's end (a detached stream's last chunk, or net/http's), by a
+// write's timeout; after a write that failed, the deadline that failed it
+// stays. Nothing is written through s afterwards.
 func (s *sseWriter) Close() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.closed = true
 	if s.timer != nil {
 		s.timer.Stop()
+	}
+	if s.writeTimeout > 0 && s.err == nil {
+		_ = s.out.SetWriteDeadline(time.Now().Add(s.writeTimeout))
 	}
 }
