@@ -108,7 +108,8 @@ func (g *guarded) Complete(ctx context.Context, req *Request) (Result, error) {
 
 // Stream implements Provider: each delta is cleaned and bounded before emit
 // sees it. The result's sources are those emitted, and its text no more than
-// was emitted.
+// was emitted (the same text when the upstream's is valid UTF-8; invalid
+// bytes cleaned delta by delta may take more room than in one run).
 func (g *guarded) Stream(ctx context.Context, req *Request, emit func(Delta) error) (Result, error) {
 	b := g.bounds(req)
 	defer b.report()
@@ -175,16 +176,15 @@ func (b *bounds) sources(sources []gateway.Source) []gateway.Source {
 	kept := sources[:0]
 	for _, s := range sources {
 		b.seen++
-		switch {
-		case b.seen > MaxSources:
+		if b.seen > MaxSources {
 			b.cut(CutSources)
 			continue
-		case len(s.URL) > MaxURLBytes:
+		}
+		if s.URL = Clean(s.URL); len(s.URL) > MaxURLBytes {
 			b.cut(CutURL)
 			continue
 		}
 		s.Title = b.text(s.Title, MaxTitleBytes, CutTitle)
-		s.URL = Clean(s.URL)
 		s.Snippet = b.text(s.Snippet, MaxSnippetBytes, CutSnippet)
 		kept = append(kept, s)
 	}
