@@ -42,7 +42,7 @@ import (
 // Store grants, renews and folds quota leases and settles requests.
 type Store interface {
 	GrantQuota(ctx context.Context, r store.QuotaRequest) (store.QuotaGrant, error)
-	RenewQuotaLeases(ctx context.Context, owner uuid.UUID, ids []uuid.UUID, expiresAt time.Time) ([]uuid.UUID, error)
+	RenewQuotaLeases(ctx context.Context, owner uuid.UUID, ids []uuid.UUID, lease time.Duration) ([]uuid.UUID, error)
 	FoldQuotaLeases(ctx context.Context, owner uuid.UUID, ids []uuid.UUID) (int64, error)
 	SettleRequests(ctx context.Context, group []store.Settlement) error
 }
@@ -225,7 +225,7 @@ func (l *Ledger) Admit(ctx context.Context, a gateway.Admission) error {
 		l.mu.Unlock()
 
 		start := time.Now()
-		grant, err := l.grant(ctx, ls, a.Principal, need, start)
+		grant, err := l.grant(ctx, ls, a.Principal, need)
 
 		l.mu.Lock()
 		ls.granting = nil
@@ -270,12 +270,14 @@ func refusal(g store.QuotaGrant, estimate int64) string {
 	return g.Outcome
 }
 
-func (l *Ledger) grant(ctx context.Context, ls *lease, p *gateway.Principal, need int64, start time.Time) (store.QuotaGrant, error) {
+// grant asks for a slice of at least need on ls, a lease that lasts a lease
+// from the statement's start by the database's clock.
+func (l *Ledger) grant(ctx context.Context, ls *lease, p *gateway.Principal, need int64) (store.QuotaGrant, error) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), statementTimeout)
 	defer cancel()
 	g, err := l.store.GrantQuota(ctx, store.QuotaRequest{
 		LeaseID: ls.id, Owner: l.cfg.Owner, AccountID: ls.key.account, ProjectID: ls.key.project, Day: ls.key.day,
-		DefaultCeiling: p.Tier.DefaultDailyCeiling(), Need: need, Share: l.cfg.Share, ExpiresAt: start.Add(l.cfg.Lease),
+		DefaultCeiling: p.Tier.DefaultDailyCeiling(), Need: need, Share: l.cfg.Share, Lease: l.cfg.Lease,
 	})
 	if err != nil {
 		return g, fmt.Errorf("error admitting request: %w", err)
@@ -513,7 +515,7 @@ func (l *Ledger) renew(ctx context.Context) {
 	}
 	start := time.Now()
 	rctx, cancel := context.WithTimeout(ctx, statementTimeout)
-	held, err := l.store.RenewQuotaLeases(rctx, l.cfg.Owner, ids, start.Add(l.cfg.Lease))
+	held, err := l.store.RenewQuotaLeases(rctx, l.cfg.Owner, ids, l.cfg.Lease)
 	cancel()
 	if err != nil {
 		if ctx.Err() == nil {

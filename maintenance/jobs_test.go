@@ -35,7 +35,7 @@ func TestEveryJobRunsAgainstTheSchema(t *testing.T) {
 	now := time.Now().UTC()
 	grant, err := st.GrantQuota(ctx, store.QuotaRequest{
 		LeaseID: uuid.Must(uuid.NewV7()), Owner: uuid.Must(uuid.NewV7()), AccountID: p.AccountID, ProjectID: p.ProjectID,
-		Day: now, DefaultCeiling: 1000, Need: 10, Share: 1, ExpiresAt: now.Add(-time.Minute),
+		Day: now, DefaultCeiling: 1000, Need: 10, Share: 1, Lease: -time.Minute,
 	})
 	require.NoError(t, err)
 	require.Equal(t, gateway.AdmitOK, grant.Outcome)

@@ -140,17 +140,17 @@ func TestEverythingOfTwoTenantsAtOnce(t *testing.T) {
 			for i := range 30 {
 				n := (r + i) % 2
 				p, other := tenants[n], tenants[1-n]
-				lease, expires := uuid.Must(uuid.NewV7()), time.Now().Add(time.Hour)
+				id, lease := uuid.Must(uuid.NewV7()), time.Hour
 				if i%3 == 0 {
-					expires = time.Now().Add(-time.Second) // left to the folds of expired leases
+					lease = -time.Second // left to the folds of expired leases
 				}
 				_, err := st.GrantQuota(ctx, store.QuotaRequest{
-					LeaseID: lease, Owner: owner, AccountID: p.AccountID, ProjectID: p.ProjectID, Day: time.Now(),
-					DefaultCeiling: p.Tier.DefaultDailyCeiling(), Need: 10, Share: 8, ExpiresAt: expires,
+					LeaseID: id, Owner: owner, AccountID: p.AccountID, ProjectID: p.ProjectID, Day: time.Now(),
+					DefaultCeiling: p.Tier.DefaultDailyCeiling(), Need: 10, Share: 8, Lease: lease,
 				})
 				if err == nil {
 					err = st.SettleRequests(ctx, []store.Settlement{
-						{Record: record(p, uuid.Must(uuid.NewV7()), 3), LeaseID: &lease},
+						{Record: record(p, uuid.Must(uuid.NewV7()), 3), LeaseID: &id},
 						{Record: record(other, uuid.Must(uuid.NewV7()), 5)},
 					})
 				}
@@ -159,7 +159,7 @@ func TestEverythingOfTwoTenantsAtOnce(t *testing.T) {
 					used[1-n].Add(5)
 				}
 				if err == nil && i%3 != 0 {
-					_, err = st.FoldQuotaLeases(ctx, owner, []uuid.UUID{lease})
+					_, err = st.FoldQuotaLeases(ctx, owner, []uuid.UUID{id})
 				}
 				if err != nil {
 					fail(err)

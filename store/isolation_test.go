@@ -60,8 +60,8 @@ func TestFoldIsolatesAFailingLease(t *testing.T) {
 	_, good := b.key(t, "good", gateway.TierDeveloper, gateway.ScopeInference)
 	b.limits(t, "good", nil, ptr(int64(1000)))
 	badLease, goodLease := uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7())
-	b.grant(t, bad, badLease, 10, 1<<30, time.Now().Add(-time.Second))
-	b.grant(t, good, goodLease, 100, 1<<30, time.Now().Add(-time.Second))
+	b.grant(t, bad, badLease, 10, 1<<30, -time.Second)
+	b.grant(t, good, goodLease, 100, 1<<30, -time.Second)
 	b.settle(t, bad, &badLease, 50)
 	b.settle(t, good, &goodLease, 30)
 	// Fault injection: the bad project's spend overflows when the fold adds 50.

@@ -32,12 +32,13 @@ func record(p *gateway.Principal, id uuid.UUID, total int64) gateway.UsageRecord
 	}
 }
 
-// grant asks for a slice of at least need (1/share of what is left) on lease.
-func (b *testBundle) grant(t *testing.T, p *gateway.Principal, lease uuid.UUID, need int64, share int, expires time.Time) store.QuotaGrant {
+// grant asks for a slice of at least need (1/share of what is left) on id,
+// a lease that lasts lease (negative: it has run out).
+func (b *testBundle) grant(t *testing.T, p *gateway.Principal, id uuid.UUID, need int64, share int, lease time.Duration) store.QuotaGrant {
 	t.Helper()
 	g, err := b.store.GrantQuota(b.ctx, store.QuotaRequest{
-		LeaseID: lease, Owner: owner, AccountID: p.AccountID, ProjectID: p.ProjectID, Day: time.Now(),
-		DefaultCeiling: p.Tier.DefaultDailyCeiling(), Need: need, Share: share, ExpiresAt: expires,
+		LeaseID: id, Owner: owner, AccountID: p.AccountID, ProjectID: p.ProjectID, Day: time.Now(),
+		DefaultCeiling: p.Tier.DefaultDailyCeiling(), Need: need, Share: share, Lease: lease,
 	})
 	require.NoError(t, err)
 	return g
@@ -71,10 +72,10 @@ func TestQuotaLeaseLifecycle(t *testing.T) {
 	b.limits(t, "acme", ptr(int64(2000)), ptr(int64(1000)))
 	lease := uuid.Must(uuid.NewV7())
 
-	g := b.grant(t, p, lease, 100, 4, time.Now().Add(time.Hour))
+	g := b.grant(t, p, lease, 100, 4, time.Hour)
 	require.Equal(t, store.QuotaGrant{Outcome: gateway.AdmitOK, Granted: 250, Capped: true, Ceiling: 2000, Cap: 1000, Left: 750}, g,
 		"a quarter of what the cap leaves, the smaller of the two")
-	g = b.grant(t, p, lease, 10, 4, time.Now().Add(time.Hour))
+	g = b.grant(t, p, lease, 10, 4, time.Hour)
 	require.Equal(t, int64(187), g.Granted, "slices shrink as the remainder does")
 	v := b.view(t, p)
 	require.Zero(t, v.Daily.Charged, "an unused slice is no charge")
@@ -91,7 +92,7 @@ func TestQuotaLeaseLifecycle(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, int64(1), n)
 	require.Equal(t, v, b.view(t, p), "folding changes nothing the view shows")
-	g = b.grant(t, p, uuid.Must(uuid.NewV7()), 920, 4, time.Now().Add(time.Hour))
+	g = b.grant(t, p, uuid.Must(uuid.NewV7()), 920, 4, time.Hour)
 	require.Equal(t, int64(920), g.Granted, "everything the cap leaves after the fold")
 }
 
@@ -100,20 +101,20 @@ func TestGrantQuotaRefusals(t *testing.T) {
 	b := setup(t)
 	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
 	b.limits(t, "acme", ptr(int64(250)), nil)
-	g := b.grant(t, p, uuid.Must(uuid.NewV7()), 200, 1, time.Now().Add(time.Hour))
+	g := b.grant(t, p, uuid.Must(uuid.NewV7()), 200, 1, time.Hour)
 	require.Equal(t, int64(250), g.Granted)
 	require.False(t, g.Capped)
-	g = b.grant(t, p, uuid.Must(uuid.NewV7()), 1, 1, time.Now().Add(time.Hour))
+	g = b.grant(t, p, uuid.Must(uuid.NewV7()), 1, 1, time.Hour)
 	require.Equal(t, gateway.AdmitDaily, g.Outcome)
 	require.Zero(t, g.Granted)
 	require.Equal(t, int64(250), g.Ceiling)
 
 	_, q := b.key(t, "budgeted", gateway.TierDeveloper, gateway.ScopeInference)
 	b.limits(t, "budgeted", ptr(int64(100)), ptr(int64(60)))
-	g = b.grant(t, q, uuid.Must(uuid.NewV7()), 101, 1, time.Now().Add(time.Hour))
+	g = b.grant(t, q, uuid.Must(uuid.NewV7()), 101, 1, time.Hour)
 	require.Equal(t, gateway.AdmitBudget, g.Outcome, "the cap is checked first")
 	require.Equal(t, int64(60), g.Cap)
-	g = b.grant(t, q, uuid.Must(uuid.NewV7()), 60, 1, time.Now().Add(time.Hour))
+	g = b.grant(t, q, uuid.Must(uuid.NewV7()), 60, 1, time.Hour)
 	require.Equal(t, gateway.AdmitOK, g.Outcome)
 	v := b.view(t, q)
 	require.Zero(t, v.Daily.Charged)
@@ -137,7 +138,7 @@ func TestGrantsNeverPassTheCap(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			g := b.grant(t, p, uuid.Must(uuid.NewV7()), 100, 100, time.Now().Add(time.Hour))
+			g := b.grant(t, p, uuid.Must(uuid.NewV7()), 100, 100, time.Hour)
 			granted.Add(g.Granted)
 		}()
 	}
@@ -152,7 +153,7 @@ func TestSettleRequestsTwice(t *testing.T) {
 	b := setup(t)
 	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
 	lease := uuid.Must(uuid.NewV7())
-	b.grant(t, p, lease, 100, 16, time.Now().Add(time.Hour))
+	b.grant(t, p, lease, 100, 16, time.Hour)
 	group := []store.Settlement{
 		{Record: record(p, uuid.Must(uuid.NewV7()), 10), LeaseID: &lease},
 		{Record: record(p, uuid.Must(uuid.NewV7()), 20), LeaseID: &lease},
@@ -175,7 +176,7 @@ func TestSettleUnderAFoldedLease(t *testing.T) {
 	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
 	b.limits(t, "acme", nil, ptr(int64(1000)))
 	lease := uuid.Must(uuid.NewV7())
-	b.grant(t, p, lease, 100, 1, time.Now().Add(-time.Second))
+	b.grant(t, p, lease, 100, 1, -time.Second)
 	b.settle(t, p, &lease, 25)
 	n, err := b.store.FoldExpiredQuotaLeases(b.ctx, 100)
 	require.NoError(t, err)
@@ -199,13 +200,13 @@ func TestRenewAndFoldOnlyOwnLeases(t *testing.T) {
 	b := setup(t)
 	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
 	mine, theirs := uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7())
-	b.grant(t, p, mine, 10, 16, time.Now().Add(time.Hour))
+	b.grant(t, p, mine, 10, 16, time.Hour)
 	_, err := b.store.GrantQuota(b.ctx, store.QuotaRequest{
 		LeaseID: theirs, Owner: uuid.Must(uuid.NewV7()), AccountID: p.AccountID, ProjectID: p.ProjectID, Day: time.Now(),
-		DefaultCeiling: 1000, Need: 10, Share: 16, ExpiresAt: time.Now().Add(time.Hour),
+		DefaultCeiling: 1000, Need: 10, Share: 16, Lease: time.Hour,
 	})
 	require.NoError(t, err)
-	held, err := b.store.RenewQuotaLeases(b.ctx, owner, []uuid.UUID{mine, theirs}, time.Now().Add(2*time.Hour))
+	held, err := b.store.RenewQuotaLeases(b.ctx, owner, []uuid.UUID{mine, theirs}, 2*time.Hour)
 	require.NoError(t, err)
 	require.Equal(t, []uuid.UUID{mine}, held)
 	n, err := b.store.FoldQuotaLeases(b.ctx, owner, []uuid.UUID{mine, theirs})
@@ -214,6 +215,29 @@ func TestRenewAndFoldOnlyOwnLeases(t *testing.T) {
 	n, err = b.store.FoldExpiredQuotaLeases(b.ctx, 100)
 	require.NoError(t, err)
 	require.Zero(t, n, "theirs is alive")
+}
+
+// TestQuotaLeasesRunOutByTheDatabaseClock: a lease's end is the database's
+// now() plus the lease, at its grant and at each renewal, the clock the folds
+// of expired leases read; a replica's clock, which may be off, is not asked.
+func TestQuotaLeasesRunOutByTheDatabaseClock(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	lease := uuid.Must(uuid.NewV7())
+	left := func() time.Duration {
+		t.Helper()
+		var secs float64
+		require.NoError(t, b.store.Pool().QueryRow(b.ctx,
+			`SELECT extract(epoch FROM expires_at - now()) FROM quota_leases WHERE id = $1`, lease).Scan(&secs))
+		return time.Duration(secs * float64(time.Second))
+	}
+	b.grant(t, p, lease, 10, 16, time.Hour)
+	require.InDelta(t, time.Hour.Seconds(), left().Seconds(), 5, "granted for an hour by the database's clock")
+	held, err := b.store.RenewQuotaLeases(b.ctx, owner, []uuid.UUID{lease}, 3*time.Hour)
+	require.NoError(t, err)
+	require.Equal(t, []uuid.UUID{lease}, held)
+	require.InDelta(t, (3 * time.Hour).Seconds(), left().Seconds(), 5, "renewed for three")
 }
 
 // TestAFoldTakesTheAccountDayBeforeTheProject: a fold locks a lease's
@@ -228,7 +252,7 @@ func TestAFoldTakesTheAccountDayBeforeTheProject(t *testing.T) {
 	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
 	b.limits(t, "acme", ptr(int64(2000)), ptr(int64(1000)))
 	lease := uuid.Must(uuid.NewV7())
-	b.grant(t, p, lease, 10, 4, time.Now().Add(time.Hour))
+	b.grant(t, p, lease, 10, 4, time.Hour)
 
 	// A grant's first lock, held: its account-day.
 	grant, err := b.store.Pool().Begin(b.ctx)

@@ -134,8 +134,9 @@ type QuotaRequest struct {
 	Need int64
 	// Share sizes the slice: 1/Share of what the caps leave (at least Need).
 	Share int
-	// ExpiresAt is when the lease runs out unless renewed.
-	ExpiresAt time.Time
+	// Lease is how long the lease lasts unless renewed, from the statement's
+	// start by the database's clock (negative: it has run out).
+	Lease time.Duration
 }
 
 // QuotaGrant is the outcome of a QuotaRequest.
@@ -156,7 +157,7 @@ type QuotaGrant struct {
 func (s *Store) GrantQuota(ctx context.Context, r QuotaRequest) (QuotaGrant, error) {
 	row, err := s.queries.GrantQuota(ctx, s.pool, db.GrantQuotaParams{
 		ID: r.LeaseID, Owner: r.Owner, AccountID: r.AccountID, ProjectID: r.ProjectID, Day: gateway.UTCDay(r.Day),
-		DefaultCeiling: r.DefaultCeiling, Need: r.Need, Share: int32(r.Share), ExpiresAt: r.ExpiresAt,
+		DefaultCeiling: r.DefaultCeiling, Need: r.Need, Share: int32(r.Share), Lease: interval(r.Lease),
 	})
 	if err != nil {
 		return QuotaGrant{}, fmt.Errorf("error granting quota: %w", err)
@@ -210,10 +211,10 @@ func (s *Store) FoldExpiredQuotaLeases(ctx context.Context, maxRows int) (int64,
 	})
 }
 
-// RenewQuotaLeases extends owner's leases ids to expiresAt, returning those it
-// still holds.
-func (s *Store) RenewQuotaLeases(ctx context.Context, owner uuid.UUID, ids []uuid.UUID, expiresAt time.Time) ([]uuid.UUID, error) {
-	held, err := s.queries.RenewQuotaLeases(ctx, s.pool, db.RenewQuotaLeasesParams{Owner: owner, Ids: ids, ExpiresAt: expiresAt})
+// RenewQuotaLeases extends owner's leases ids to lease from now (by the
+// database's clock), returning those it still holds.
+func (s *Store) RenewQuotaLeases(ctx context.Context, owner uuid.UUID, ids []uuid.UUID, lease time.Duration) ([]uuid.UUID, error) {
+	held, err := s.queries.RenewQuotaLeases(ctx, s.pool, db.RenewQuotaLeasesParams{Owner: owner, Ids: ids, Lease: interval(lease)})
 	if err != nil {
 		return nil, fmt.Errorf("error renewing quota leases: %w", err)
 	}

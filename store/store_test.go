@@ -362,7 +362,7 @@ func TestRowsKeepTheirInvariants(t *testing.T) {
 	b := setup(t)
 	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
 	lease := uuid.Must(uuid.NewV7())
-	b.grant(t, p, lease, 100, 16, time.Now().Add(time.Hour))
+	b.grant(t, p, lease, 100, 16, time.Hour)
 	for name, spoil := range map[string]func(r *gateway.UsageRecord){
 		"negative tokens":     func(r *gateway.UsageRecord) { r.Usage.InputTokens = -1 },
 		"negative rungs":      func(r *gateway.UsageRecord) { r.Usage.OutputRungs, r.Usage.TotalRungs = -5, r.Usage.InputRungs-5 },

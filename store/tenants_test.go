@@ -89,12 +89,12 @@ func TestMeteringStatementsReadTenantsByKey(t *testing.T) {
 	for _, id := range []uuid.UUID{lease, gone} {
 		g, err := explained.GrantQuota(b.ctx, store.QuotaRequest{
 			LeaseID: id, Owner: owner, AccountID: p.AccountID, ProjectID: p.ProjectID, Day: time.Now(),
-			DefaultCeiling: p.Tier.DefaultDailyCeiling(), Need: 100, Share: 4, ExpiresAt: time.Now().Add(time.Hour),
+			DefaultCeiling: p.Tier.DefaultDailyCeiling(), Need: 100, Share: 4, Lease: time.Hour,
 		})
 		require.NoError(t, err)
 		require.Equal(t, gateway.AdmitOK, g.Outcome)
 	}
-	held, err := explained.RenewQuotaLeases(b.ctx, owner, []uuid.UUID{lease, gone}, time.Now().Add(time.Hour))
+	held, err := explained.RenewQuotaLeases(b.ctx, owner, []uuid.UUID{lease, gone}, time.Hour)
 	require.NoError(t, err)
 	require.Len(t, held, 2)
 	n, err := explained.FoldQuotaLeases(b.ctx, owner, []uuid.UUID{gone})
@@ -159,7 +159,7 @@ func TestSettlementKeepsItsPlan(t *testing.T) {
 	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
 	manyTenants(t, b.ctx, b.store, 10_000)
 	lease := uuid.Must(uuid.NewV7())
-	b.grant(t, p, lease, 100, 16, time.Now().Add(time.Hour))
+	b.grant(t, p, lease, 100, 16, time.Hour)
 	single, one := singleConnection(t, b.store)
 	for range 10 {
 		require.NoError(t, single.SettleRequests(b.ctx, []store.Settlement{{Record: record(p, uuid.Must(uuid.NewV7()), 10), LeaseID: &lease}}))
@@ -199,7 +199,7 @@ func BenchmarkMeteringAmongTenants(b *testing.B) {
 			grant := func(lease uuid.UUID) {
 				_, err := st.GrantQuota(ctx, store.QuotaRequest{
 					LeaseID: lease, Owner: owner, AccountID: p.AccountID, ProjectID: p.ProjectID, Day: time.Now(),
-					DefaultCeiling: 1 << 40, Need: 10, Share: 1 << 20, ExpiresAt: time.Now().Add(time.Hour),
+					DefaultCeiling: 1 << 40, Need: 10, Share: 1 << 20, Lease: time.Hour,
 				})
 				require.NoError(b, err)
 			}

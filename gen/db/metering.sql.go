@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgtype"
 )
 
 const budgetState = `-- name: BudgetState :one
@@ -159,7 +160,8 @@ SELECT g.outcome::text AS outcome, g.daily_granted::bigint AS daily_granted, g.b
        coalesce(g.capped, false)::boolean AS capped, g.ceiling::bigint AS ceiling, g.daily_left::bigint AS daily_left,
        coalesce(g.cap, 0)::bigint AS cap, coalesce(g.budget_left, 0)::bigint AS budget_left
 FROM grant_quota($1::uuid, $2::uuid, $3::uuid, $4::uuid, $5::date,
-                 $6::bigint, $7::bigint, $8::integer, $9::timestamptz) AS g
+                 $6::bigint, $7::bigint, $8::integer,
+                 now() + $9::interval) AS g
 `
 
 type GrantQuotaParams struct {
@@ -171,7 +173,7 @@ type GrantQuotaParams struct {
 	DefaultCeiling int64
 	Need           int64
 	Share          int32
-	ExpiresAt      time.Time
+	Lease          pgtype.Interval
 }
 
 type GrantQuotaRow struct {
@@ -185,6 +187,8 @@ type GrantQuotaRow struct {
 	BudgetLeft    int64
 }
 
+// The lease runs out a lease after now(), by the clock of the database, which
+// the folds of expired leases read: the clocks of replicas are never compared.
 func (q *Queries) GrantQuota(ctx context.Context, db DBTX, arg GrantQuotaParams) (GrantQuotaRow, error) {
 	row := db.QueryRow(ctx, grantQuota,
 		arg.ID,
@@ -195,7 +199,7 @@ func (q *Queries) GrantQuota(ctx context.Context, db DBTX, arg GrantQuotaParams)
 		arg.DefaultCeiling,
 		arg.Need,
 		arg.Share,
-		arg.ExpiresAt,
+		arg.Lease,
 	)
 	var i GrantQuotaRow
 	err := row.Scan(
@@ -311,17 +315,18 @@ func (q *Queries) ReconcileSettlements(ctx context.Context, db DBTX, arg Reconci
 }
 
 const renewQuotaLeases = `-- name: RenewQuotaLeases :many
-SELECT renew_quota_leases($1::uuid, $2::uuid[], $3::timestamptz)::uuid AS id
+SELECT renew_quota_leases($1::uuid, $2::uuid[], now() + $3::interval)::uuid AS id
 `
 
 type RenewQuotaLeasesParams struct {
-	Owner     uuid.UUID
-	Ids       []uuid.UUID
-	ExpiresAt time.Time
+	Owner uuid.UUID
+	Ids   []uuid.UUID
+	Lease pgtype.Interval
 }
 
+// As GrantQuota, by the clock of the database.
 func (q *Queries) RenewQuotaLeases(ctx context.Context, db DBTX, arg RenewQuotaLeasesParams) ([]uuid.UUID, error) {
-	rows, err := db.Query(ctx, renewQuotaLeases, arg.Owner, arg.Ids, arg.ExpiresAt)
+	rows, err := db.Query(ctx, renewQuotaLeases, arg.Owner, arg.Ids, arg.Lease)
 	if err != nil {
 		return nil, err
 	}

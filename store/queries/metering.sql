@@ -20,11 +20,14 @@ FROM lease_rate(@key_id::uuid, @now::timestamptz, @rate_limit::integer, @share::
 SELECT return_rate(@key_ids::uuid[], @windows::timestamptz[], @counts::integer[]);
 
 -- name: GrantQuota :one
+-- The lease runs out a lease after now(), by the clock of the database, which
+-- the folds of expired leases read: the clocks of replicas are never compared.
 SELECT g.outcome::text AS outcome, g.daily_granted::bigint AS daily_granted, g.budget_granted::bigint AS budget_granted,
        coalesce(g.capped, false)::boolean AS capped, g.ceiling::bigint AS ceiling, g.daily_left::bigint AS daily_left,
        coalesce(g.cap, 0)::bigint AS cap, coalesce(g.budget_left, 0)::bigint AS budget_left
 FROM grant_quota(@id::uuid, @owner::uuid, @account_id::uuid, @project_id::uuid, @day::date,
-                 @default_ceiling::bigint, @need::bigint, @share::integer, @expires_at::timestamptz) AS g;
+                 @default_ceiling::bigint, @need::bigint, @share::integer,
+                 now() + @lease::interval) AS g;
 
 -- name: FoldQuotaLeases :one
 SELECT fold_quota_leases(@owner::uuid, @ids::uuid[], @expired::integer, @skip::uuid[])::bigint AS folded;
@@ -37,7 +40,8 @@ ORDER BY q.expires_at
 LIMIT @max_rows;
 
 -- name: RenewQuotaLeases :many
-SELECT renew_quota_leases(@owner::uuid, @ids::uuid[], @expires_at::timestamptz)::uuid AS id;
+-- As GrantQuota, by the clock of the database.
+SELECT renew_quota_leases(@owner::uuid, @ids::uuid[], now() + @lease::interval)::uuid AS id;
 
 -- name: SettleRequests :exec
 -- Settles a group of finished requests (as the function settle_requests of
