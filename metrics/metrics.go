@@ -41,6 +41,7 @@ type Metrics struct {
 	fallbacks        *prometheus.CounterVec
 	reloadOK         prometheus.Gauge
 	reloadTime       prometheus.Gauge
+	clockOffset      prometheus.Gauge
 }
 
 // New registers the gateway's metrics (and the Go and process collectors) on a
@@ -122,8 +123,11 @@ func New() *Metrics {
 		reloadTime: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "gateway_config_last_reload_success_timestamp_seconds", Help: "When the routes in use were loaded (at start, or by the last reload that took effect), in seconds since the epoch.",
 		}),
+		clockOffset: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "gateway_clock_offset_seconds", Help: "How far the database's clock is ahead of this replica's (negative: behind), compared every minute.",
+		}),
 	}
-	m.registry.MustRegister(m.attempts, m.replyCuts, m.attemptDuration, m.circuitState, m.fallbacks, m.reloadOK, m.reloadTime,
+	m.registry.MustRegister(m.attempts, m.replyCuts, m.attemptDuration, m.circuitState, m.fallbacks, m.reloadOK, m.reloadTime, m.clockOffset,
 		m.requests, m.requestDuration, m.rungs, m.upstreamDuration, m.upstreamErrors,
 		m.openStreams, m.batchItems, m.claimDuration, m.commitDuration, m.commitSize, m.queueDepth, m.leaseRescues, m.refusals, m.unconfirmed, m.clamps,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -405,6 +409,13 @@ func (t *Target) Cut(bound string) {
 func (t *Target) Circuit(state int) {
 	if t != nil {
 		t.circuit.Set(float64(state))
+	}
+}
+
+// ClockOffset records how far the database's clock is ahead of this replica's.
+func (m *Metrics) ClockOffset(d time.Duration) {
+	if m != nil {
+		m.clockOffset.Set(d.Seconds())
 	}
 }
 

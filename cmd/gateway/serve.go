@@ -17,6 +17,7 @@ import (
 
 	"github.com/rungworks/gateway/access"
 	"github.com/rungworks/gateway/batch"
+	"github.com/rungworks/gateway/clockwatch"
 	"github.com/rungworks/gateway/config"
 	"github.com/rungworks/gateway/drainer"
 	"github.com/rungworks/gateway/inference"
@@ -183,6 +184,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	go keys.Run(background)
 	go rates.Run(background)
 	go memrelease.New().Run(background)
+	go clockwatch.Run(background, st, clockwatch.Config{Logger: logger, Metrics: m})
 	hangups := make(chan os.Signal, 1)
 	signal.Notify(hangups, syscall.SIGHUP)
 	defer signal.Stop(hangups)

@@ -7,6 +7,7 @@ package db
 
 import (
 	"context"
+	"time"
 )
 
 const analyzeQueue = `-- name: AnalyzeQueue :exec
@@ -39,4 +40,16 @@ func (q *Queries) DatabaseActivity(ctx context.Context, db DBTX) (DatabaseActivi
 	var i DatabaseActivityRow
 	err := row.Scan(&i.Commits, &i.WalSyncs, &i.WalRecords)
 	return i, err
+}
+
+const databaseTime = `-- name: DatabaseTime :one
+SELECT clock_timestamp()::timestamptz AS now
+`
+
+// The database's clock now (not the transaction's start).
+func (q *Queries) DatabaseTime(ctx context.Context, db DBTX) (time.Time, error) {
+	row := db.QueryRow(ctx, databaseTime)
+	var now time.Time
+	err := row.Scan(&now)
+	return now, err
 }

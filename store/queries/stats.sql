@@ -9,3 +9,7 @@ FROM pg_stat_get_wal() AS w;
 -- Takes the statistics of the batch tables now, as autovacuum does after a
 -- drain, when every item has finished (bench/drain).
 ANALYZE batches, batch_items;
+
+-- name: DatabaseTime :one
+-- The database's clock now (not the transaction's start).
+SELECT clock_timestamp()::timestamptz AS now;
