@@ -75,4 +75,7 @@ func TestPolicies(t *testing.T) {
 	for id, p := range policies {
 		require.Equal(t, id == "createResponse" || id == "createChat", p.Streams, id)
 	}
+	require.ElementsMatch(t, []string{"start", "end"}, policies["getUsage"].Query)
+	require.ElementsMatch(t, []string{"limit", "after"}, policies["listBatches"].Query)
+	require.Empty(t, policies["getBatch"].Query, "a path parameter is not a query one")
 }

@@ -26,6 +26,8 @@ type Policy struct {
 	// failures after authentication are reported by the handler (in the stream
 	// when streaming), not refused up front.
 	Streams bool
+	// Query names the operation's query parameters.
+	Query []string
 }
 
 // Policies returns the policy of every operation, keyed by operationId.
@@ -65,6 +67,12 @@ func Policies() (map[string]Policy, error) {
 				p.MaxBodyBytes = int64(n)
 			}
 			p.Streams = streams(op)
+			for _, param := range parameters(op) {
+				if param["in"] == "query" {
+					name, _ := param["name"].(string)
+					p.Query = append(p.Query, name)
+				}
+			}
 			if p.Method != http.MethodGet && !p.Public && p.MaxBodyBytes == 0 && op["requestBody"] != nil {
 				return nil, fmt.Errorf("operation %s takes a body but declares no x-max-body-bytes", id)
 			}
@@ -102,14 +110,7 @@ func ParameterForms() (map[string]string, error) {
 		ops, _ := item.(map[string]any)
 		for _, raw := range ops {
 			op, _ := raw.(map[string]any)
-			params, _ := op["parameters"].([]any)
-			for _, rp := range params {
-				p, _ := rp.(map[string]any)
-				if ref, ok := p["$ref"].(string); ok {
-					components, _ := parsed["components"].(map[string]any)
-					all, _ := components["parameters"].(map[string]any)
-					p, _ = all[strings.TrimPrefix(ref, "#/components/parameters/")].(map[string]any)
-				}
+			for _, p := range parameters(op) {
 				name, _ := p["name"].(string)
 				schema, _ := p["schema"].(map[string]any)
 				if name == "" {
@@ -120,6 +121,22 @@ func ParameterForms() (map[string]string, error) {
 		}
 	}
 	return out, nil
+}
+
+// parameters returns an operation's parameters, references resolved.
+func parameters(op map[string]any) []map[string]any {
+	raw, _ := op["parameters"].([]any)
+	out := make([]map[string]any, 0, len(raw))
+	for _, rp := range raw {
+		p, _ := rp.(map[string]any)
+		if ref, ok := p["$ref"].(string); ok {
+			components, _ := parsed["components"].(map[string]any)
+			all, _ := components["parameters"].(map[string]any)
+			p, _ = all[strings.TrimPrefix(ref, "#/components/parameters/")].(map[string]any)
+		}
+		out = append(out, p)
+	}
+	return out
 }
 
 // form is a schema's form in plain words.

@@ -111,22 +111,29 @@ func (s *Server) domainError(err error) *gateway.Error {
 	return &gateway.Error{Code: gateway.EInternal, Message: "internal error", Cause: err}
 }
 
-// onceEach refuses a parameter of the document given more than once in the
-// query (400 INVALID_REQUEST naming it): each takes one value, and of two the
+// onceEach refuses any of an operation's query parameters given more than
+// once (400 INVALID_REQUEST naming it): each takes one value, and of two the
 // generated binder takes one silently (a time) or calls the pair malformed
-// (a number).
-func (s *Server) onceEach(next echo.HandlerFunc) echo.HandlerFunc {
-	return func(c echo.Context) error {
-		if c.Request().URL.RawQuery != "" {
-			query := c.QueryParams()
-			for name := range s.paramForms {
-				if len(query[name]) > 1 {
-					return gateway.Errorf(gateway.EInvalidRequest, "parameter %s must be given once", name)
+// (a number). Other query parameters are ignored, repeated or not.
+func onceEach(names []string) echo.MiddlewareFunc {
+	return func(next echo.HandlerFunc) echo.HandlerFunc {
+		return func(c echo.Context) error {
+			if c.Request().URL.RawQuery != "" {
+				query := c.QueryParams()
+				for _, name := range names {
+					if len(query[name]) > 1 {
+						return &gateway.Error{Code: gateway.EInvalidRequest, Message: givenTwice(name)}
+					}
 				}
 			}
+			return next(c)
 		}
-		return next(c)
 	}
+}
+
+// givenTwice is the message for a parameter given more than once.
+func givenTwice(name string) string {
+	return fmt.Sprintf("parameter %s must be given once", name)
 }
 
 // parameterErrors match the generated server's parameter errors, whose text
@@ -142,7 +149,7 @@ func (s *Server) parameterMessage(he *echo.HTTPError) string {
 	}
 	name := m[1] + m[2]
 	if m[2] != "" {
-		return fmt.Sprintf("parameter %s must be given once", name)
+		return givenTwice(name)
 	}
 	form, ok := s.paramForms[name]
 	if !ok {

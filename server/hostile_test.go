@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
@@ -73,7 +74,8 @@ func TestIdempotencyKeyMustBePrintableASCII(t *testing.T) {
 
 // TestParameterErrorsSpeakPlainly: a malformed parameter is named with the
 // form it takes, never with a parser's text; one given twice is refused, a
-// time as a number (the generated binder took one of two times silently).
+// time as a number (the generated binder took one of two times silently),
+// while a name the operation does not take is ignored, repeated or not.
 func TestParameterErrorsSpeakPlainly(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -94,6 +96,16 @@ func TestParameterErrorsSpeakPlainly(t *testing.T) {
 			require.NotContains(t, msg, leak, path)
 		}
 	}
+	for _, path := range []string{
+		"/api/v1/usage?limit=1&limit=2",
+		"/api/v1/batches?start=2026-11-01T00:00:00Z&start=x&batch_id=a&batch_id=b",
+		"/api/v1/batch/" + uuid.NewString() + "?batch_id=a&batch_id=b",
+	} {
+		r := b.do(http.MethodGet, path, b.key, "", nil)
+		require.NotEqual(t, http.StatusBadRequest, r.status, "%s: %s", path, r.body)
+	}
+	r := b.do(http.MethodGet, "/api/v1/usage?start=a&start=b", "", "", nil)
+	require.Equal(t, http.StatusUnauthorized, r.status, "a key is checked before the parameters")
 }
 
 // TestFieldNamesMatchExactly pins D11: a name differing only in case is an

@@ -215,7 +215,7 @@ func New(cfg Config) (*Server, error) {
 	s.echo.HidePort = true
 	s.echo.HTTPErrorHandler = s.handleError
 	s.echo.Binder = jsonBinder{}
-	s.echo.Use(s.observe, middleware.RecoverWithConfig(middleware.RecoverConfig{DisableStackAll: true, LogErrorFunc: s.logPanic}), s.onceEach)
+	s.echo.Use(s.observe, middleware.RecoverWithConfig(middleware.RecoverConfig{DisableStackAll: true, LogErrorFunc: s.logPanic}))
 	if len(cfg.CORSOrigins) > 0 {
 		s.echo.Use(middleware.CORSWithConfig(middleware.CORSConfig{
 			AllowOrigins:  cfg.CORSOrigins,
@@ -231,6 +231,9 @@ func New(cfg Config) (*Server, error) {
 		var mws []echo.MiddlewareFunc
 		if !p.Public {
 			mws = append(mws, s.authorize(p))
+		}
+		if len(p.Query) > 0 {
+			mws = append(mws, onceEach(p.Query))
 		}
 		if p.MaxBodyBytes > 0 {
 			mws = append(mws, limitBody(p.MaxBodyBytes, cfg.BodyTimeout))
