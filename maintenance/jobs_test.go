@@ -20,9 +20,10 @@ import (
 // TestEveryJobRunsAgainstTheSchema: each job's statement runs on the
 // migrated database, and the jobs with work waiting do it: a quota lease that
 // ran out is folded, an item whose batch lease ran out is rescued (and
-// counted), the queue is sampled, a batch past its window ends, and what
-// they settled is folded into the counters. The jobs that run every 30 s in a
-// replica run here at once.
+// counted), the queue is sampled, a batch past its window ends, what they
+// settled is folded into the counters, and the usage sums of a minute long
+// past are folded into one. The jobs that run every 30 s in a replica run
+// here at once.
 func TestEveryJobRunsAgainstTheSchema(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -54,7 +55,13 @@ func TestEveryJobRunsAgainstTheSchema(t *testing.T) {
 	claimed, err := st.ClaimItems(ctx, store.ClaimParams{Owner: uuid.Must(uuid.NewV7()), Max: 1, PerAccount: 1, Lease: time.Millisecond})
 	require.NoError(t, err)
 	require.Len(t, claimed, 1)
-	batch(2, now.Add(-time.Second))   // past its window, its items queued
+	batch(2, now.Add(-time.Second)) // past its window, its items queued
+	past := now.Add(-10 * time.Minute)
+	require.NoError(t, st.SettleRequests(ctx, []store.Settlement{{Record: gateway.UsageRecord{
+		RequestID: uuid.Must(uuid.NewV7()), Principal: p, Model: gateway.ModelInstant, Entry: gateway.EntryResponses,
+		Usage:     gateway.Usage{InputTokens: 1, OutputTokens: 1, InputRungs: 1, OutputRungs: 1, TotalRungs: 2},
+		CreatedAt: past, CompletedAt: past, EvidenceExpiresAt: now,
+	}}}))
 	time.Sleep(10 * time.Millisecond) // the claimed item's lease runs out
 
 	m := metrics.New()
@@ -71,6 +78,7 @@ func TestEveryJobRunsAgainstTheSchema(t *testing.T) {
 	require.Equal(t, int64(1), done["rescue expired leases"], "one batch rescued")
 	require.Equal(t, int64(1), done["expire batches"])
 	require.Positive(t, done["reconcile settlements"], "what the rescue and the expiry settled is folded into the counters")
+	require.Equal(t, int64(1), done["fold usage minutes"])
 	scrape := metricstest.Scrape(m)
 	require.Contains(t, scrape, "gateway_batch_lease_rescues_total 1\n")
 	require.Contains(t, scrape, "gateway_batch_queue_depth 2\n", "the expired batch's items, sampled before it ended")

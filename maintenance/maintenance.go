@@ -1,10 +1,11 @@
 // Package maintenance runs the gateway's periodic jobs in every replica:
 // folding settled batch items into the daily and budget counters, failing
 // batch items whose replica died (lease rescuer), ending batches past their
-// window (expiry sweeper), and removing batches, idempotency keys, rate-limit
-// windows and evidence past retention. Every job is one statement or function
-// that is safe to run on several replicas at once (SKIP LOCKED, or idempotent
-// deletes), so no leader is needed.
+// window (expiry sweeper), folding the usage sums of past minutes, and
+// removing batches, idempotency keys, rate-limit windows and evidence past
+// retention. Every job is one statement or function that is safe to run on
+// several replicas at once (SKIP LOCKED, or idempotent deletes), so no leader
+// is needed.
 package maintenance
 
 import (
@@ -22,6 +23,7 @@ type Store interface {
 	ReconcileSettlements(ctx context.Context, maxRows int32) (int64, error)
 	DeleteOldRateWindows(ctx context.Context, before time.Time) (int64, error)
 	DeleteExpiredEvidence(ctx context.Context, maxRows int32) (int64, error)
+	FoldUsageMinutes(ctx context.Context, before time.Time, maxRows int32) (int64, error)
 	RescueExpiredLeases(ctx context.Context, maxRows int32) (int64, error)
 	FoldExpiredQuotaLeases(ctx context.Context, maxRows int) (int64, error)
 	ExpireBatches(ctx context.Context, maxRows int32) (int64, error)
@@ -60,6 +62,11 @@ const (
 	// rateWindowKeep is how long rate-limit windows are kept: the sliding window
 	// reads the current and the previous minute.
 	rateWindowKeep = 2 * time.Minute
+	// usageFoldAfter is how old a minute of usage is when its sums, one for
+	// each server process that settled in it, are folded into one: settling
+	// in it is then over, nearly always (a later settlement adds a row, folded
+	// at the next run).
+	usageFoldAfter = 2 * time.Minute
 )
 
 // Job is one periodic task.
@@ -101,6 +108,9 @@ func Jobs(st Store, set Settings, m *metrics.Metrics) []Job {
 			return st.DeleteOldRateWindows(ctx, time.Now().Add(-rateWindowKeep))
 		}},
 		{"delete expired evidence", HousekeepingInterval, func(ctx context.Context) (int64, error) { return st.DeleteExpiredEvidence(ctx, batchRows) }},
+		{"fold usage minutes", HousekeepingInterval, func(ctx context.Context) (int64, error) {
+			return st.FoldUsageMinutes(ctx, time.Now().Add(-usageFoldAfter), batchRows)
+		}},
 	}
 }
 

@@ -99,6 +99,29 @@ func (q *quarantine) add(id uuid.UUID) {
 	q.until[id] = time.Now().Add(quarantinePeriod)
 }
 
+// isolated runs a group operation, run, over every account not set aside,
+// and, when it fails for a reason other than the database being away, over
+// each account list names alone (see each): one account's rows never stop
+// the others' (D11). what names the operation in errors ("reconciling
+// settlements").
+func (q *quarantine) isolated(what string, run func(skip []uuid.UUID, account *uuid.UUID) (int64, error), list func(skip []uuid.UUID) ([]uuid.UUID, error)) (int64, error) {
+	skip := q.members()
+	n, err := run(skip, nil)
+	if err == nil || Transient(err) {
+		if err != nil {
+			return 0, fmt.Errorf("error %s: %w", what, err)
+		}
+		return n, nil
+	}
+	accounts, lerr := list(skip)
+	if lerr != nil {
+		return 0, fmt.Errorf("error %s: %w (listing accounts: %v)", what, err, lerr)
+	}
+	return q.each(accounts, "error "+what+" of account", func(account uuid.UUID) (int64, error) {
+		return run(skip, &account)
+	})
+}
+
 // each runs fn for every member alone, after a group operation failed for its
 // data: a member that fails for its own rows is set aside (one the database
 // was away for is not), and named in the joined error as the kind of what it

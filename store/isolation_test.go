@@ -251,3 +251,49 @@ func TestRefusalsWaitingCannotCure(t *testing.T) {
 	require.Equal(t, gateway.ERateLimited, e.Code)
 	require.Positive(t, e.RetryAfter, "the day resets: waiting helps")
 }
+
+// TestUsageFoldIsolatesAFailingAccount: an account whose sums by minute
+// cannot be folded does not stop the other accounts' from being folded.
+func TestUsageFoldIsolatesAFailingAccount(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, bad := b.key(t, "bad", gateway.TierDeveloper, gateway.ScopeInference)
+	_, good := b.key(t, "good", gateway.TierDeveloper, gateway.ScopeInference)
+	past := time.Now().UTC().Truncate(time.Minute).Add(-10 * time.Minute)
+	settle := func(p *gateway.Principal, total int64) {
+		require.NoError(t, b.store.SettleRequests(b.ctx, []store.Settlement{{Record: at(p, past, gateway.ModelInstant, total)}}))
+	}
+	settle(bad, 5)
+	_, err := b.store.FoldUsageMinutes(b.ctx, time.Now(), 1000)
+	require.NoError(t, err)
+	// Fault injection: the bad account's folded minute is one rung short of
+	// overflowing.
+	_, err = b.store.Pool().Exec(b.ctx, `UPDATE usage_minutes SET total_rungs = $1 WHERE account_id = $2`, int64(math.MaxInt64-1), bad.AccountID)
+	require.NoError(t, err)
+	settle(bad, 10)
+	settle(good, 20)
+	settle(good, 30)
+
+	n, err := b.store.FoldUsageMinutes(b.ctx, time.Now(), 1000)
+	require.Error(t, err, "the failing account is reported")
+	require.Contains(t, err.Error(), bad.AccountID.String())
+	require.Positive(t, n)
+	unfolded := func(p *gateway.Principal) (rows int) {
+		err := b.store.Pool().QueryRow(b.ctx, `SELECT count(*) FROM usage_minutes WHERE account_id = $1 AND backend <> 0`, p.AccountID).Scan(&rows)
+		require.NoError(t, err)
+		return rows
+	}
+	require.Zero(t, unfolded(good), "the other account's rows are folded")
+	require.Equal(t, 1, unfolded(bad))
+	v := b.view(t, good)
+	require.Equal(t, int64(50), v.Totals.TotalRungs)
+	require.Equal(t, int64(2), v.Totals.Requests)
+
+	// The failing account is set aside: later runs fold everyone else at once.
+	settle(good, 7)
+	n, err = b.store.FoldUsageMinutes(b.ctx, time.Now(), 1000)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
+	require.Equal(t, 1, unfolded(bad))
+	require.Equal(t, int64(57), b.view(t, good).Totals.TotalRungs)
+}

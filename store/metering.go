@@ -29,7 +29,10 @@ func (s *Store) Usage(ctx context.Context, p *gateway.Principal, start, end time
 	view := &gateway.UsageView{Start: start, End: end, ByModel: []gateway.ModelUsage{}}
 	today := gateway.UTCDay(time.Now())
 	err := pgx.BeginTxFunc(ctx, s.pool, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
-		rows, err := s.queries.UsageByModel(ctx, tx, db.UsageByModelParams{AccountID: p.AccountID, Start: start, EndTime: end})
+		lo, hourLo, hourHi, hi := periodParts(start, end)
+		rows, err := s.queries.UsageByModel(ctx, tx, db.UsageByModelParams{
+			AccountID: p.AccountID, Start: start, EndTime: end, Lo: lo, HourLo: hourLo, HourHi: hourHi, Hi: hi,
+		})
 		if err != nil {
 			return fmt.Errorf("error reading usage: %w", err)
 		}
@@ -55,6 +58,44 @@ func (s *Store) Usage(ctx context.Context, p *gateway.Principal, start, end time
 		return nil, err
 	}
 	return view, nil
+}
+
+// periodParts splits [start, end) for the usage view: the UTC hours
+// [hourLo, hourHi) whole inside it, read from the sums by hour; the other
+// minutes [lo, hi) whole inside it, read from the sums by minute; the rest,
+// [start, lo) and [hi, end), read from the requests.
+func periodParts(start, end time.Time) (lo, hourLo, hourHi, hi time.Time) {
+	lo, hi = whole(start, end, time.Minute)
+	hourLo, hourHi = whole(lo, hi, time.Hour)
+	return lo, hourLo, hourHi, hi
+}
+
+// whole returns the units [lo, hi) whole inside [start, end); lo = hi = end
+// when there is none.
+func whole(start, end time.Time, unit time.Duration) (lo, hi time.Time) {
+	lo, hi = start.Truncate(unit), end.Truncate(unit)
+	if lo.Before(start) {
+		lo = lo.Add(unit)
+	}
+	if !lo.Before(hi) {
+		return end, end
+	}
+	return lo, hi
+}
+
+// FoldUsageMinutes folds up to maxRows rows of the sums by minute of minutes
+// before before, each of one server process, into one a minute and model,
+// and adds them to the sums by hour. One account's rows never stop the
+// others' (D11): as ReconcileSettlements does, a run that fails for a reason
+// other than the database being away folds account by account, and an
+// account that fails alone is set aside for quarantinePeriod (named in the
+// error).
+func (s *Store) FoldUsageMinutes(ctx context.Context, before time.Time, maxRows int32) (int64, error) {
+	return s.usageQuarantine.isolated("folding usage minutes", func(skip []uuid.UUID, account *uuid.UUID) (int64, error) {
+		return s.queries.FoldUsageMinutes(ctx, s.pool, db.FoldUsageMinutesParams{Before: before, MaxRows: maxRows, Skip: skip, AccountID: account})
+	}, func(skip []uuid.UUID) ([]uuid.UUID, error) {
+		return s.queries.UnfoldedUsageAccounts(ctx, s.pool, db.UnfoldedUsageAccountsParams{Before: before, Skip: skip, MaxRows: maxRows})
+	})
 }
 
 // UsageLine is one line of a usage report: what one project of an account
@@ -154,19 +195,9 @@ func (s *Store) budgetState(ctx context.Context, tx pgx.Tx, project uuid.UUID) (
 // aside for quarantinePeriod (reported in the error, which names it) while
 // every other account is folded.
 func (s *Store) ReconcileSettlements(ctx context.Context, maxRows int32) (int64, error) {
-	skip := s.quarantine.members()
-	n, err := s.queries.ReconcileSettlements(ctx, s.pool, db.ReconcileSettlementsParams{MaxRows: maxRows, Skip: skip})
-	if err == nil || Transient(err) {
-		if err != nil {
-			return 0, fmt.Errorf("error reconciling settlements: %w", err)
-		}
-		return n, nil
-	}
-	accounts, lerr := s.queries.SettledAccounts(ctx, s.pool, db.SettledAccountsParams{Skip: skip, MaxRows: maxRows})
-	if lerr != nil {
-		return 0, fmt.Errorf("error reconciling settlements: %w (listing accounts: %v)", err, lerr)
-	}
-	return s.quarantine.each(accounts, "error reconciling settlements of account", func(account uuid.UUID) (int64, error) {
-		return s.queries.ReconcileSettlements(ctx, s.pool, db.ReconcileSettlementsParams{MaxRows: maxRows, Skip: skip, AccountID: &account})
+	return s.quarantine.isolated("reconciling settlements", func(skip []uuid.UUID, account *uuid.UUID) (int64, error) {
+		return s.queries.ReconcileSettlements(ctx, s.pool, db.ReconcileSettlementsParams{MaxRows: maxRows, Skip: skip, AccountID: account})
+	}, func(skip []uuid.UUID) ([]uuid.UUID, error) {
+		return s.queries.SettledAccounts(ctx, s.pool, db.SettledAccountsParams{Skip: skip, MaxRows: maxRows})
 	})
 }

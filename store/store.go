@@ -30,6 +30,8 @@ type Store struct {
 	quarantine quarantine
 	// foldQuarantine holds expired quota leases that fail to fold.
 	foldQuarantine quarantine
+	// usageQuarantine holds accounts whose usage sums by minute fail to fold.
+	usageQuarantine quarantine
 	// creations bounds the batch creations holding a connection at once (see
 	// creationSlots).
 	creations chan struct{}

@@ -155,6 +155,68 @@ func (q *Queries) FoldQuotaLeases(ctx context.Context, db DBTX, arg FoldQuotaLea
 	return folded, err
 }
 
+const foldUsageMinutes = `-- name: FoldUsageMinutes :one
+WITH moved AS (
+    DELETE FROM usage_minutes m
+     USING (SELECT f.account_id, f.minute, f.model, f.backend FROM usage_minutes f
+             WHERE f.backend <> 0 AND f.minute < $1
+               AND ($2::uuid IS NULL OR f.account_id = $2::uuid)
+               AND NOT (f.account_id = ANY ($3::uuid[]))
+             ORDER BY f.minute
+             LIMIT $4
+             FOR UPDATE SKIP LOCKED) f
+     WHERE (m.account_id, m.minute, m.model, m.backend) = (f.account_id, f.minute, f.model, f.backend)
+    RETURNING m.account_id, m.minute, m.model, m.requests, m.input_rungs, m.output_rungs, m.total_rungs
+), folded AS (
+    INSERT INTO usage_minutes AS m (account_id, minute, model, backend, requests, input_rungs, output_rungs, total_rungs)
+    SELECT account_id, minute, model, 0, sum(requests), sum(input_rungs), sum(output_rungs), sum(total_rungs)
+      FROM moved
+     GROUP BY account_id, minute, model
+    ON CONFLICT (account_id, minute, model, backend) DO UPDATE
+       SET requests = m.requests + EXCLUDED.requests,
+           input_rungs = m.input_rungs + EXCLUDED.input_rungs,
+           output_rungs = m.output_rungs + EXCLUDED.output_rungs,
+           total_rungs = m.total_rungs + EXCLUDED.total_rungs
+), hours AS (
+    INSERT INTO usage_hours AS h (account_id, hour, model, requests, input_rungs, output_rungs, total_rungs)
+    SELECT account_id, date_bin('1 hour', minute, '2000-01-01 00:00Z'), model,
+           sum(requests), sum(input_rungs), sum(output_rungs), sum(total_rungs)
+      FROM moved
+     GROUP BY 1, 2, 3
+    ON CONFLICT (account_id, hour, model) DO UPDATE
+       SET requests = h.requests + EXCLUDED.requests,
+           input_rungs = h.input_rungs + EXCLUDED.input_rungs,
+           output_rungs = h.output_rungs + EXCLUDED.output_rungs,
+           total_rungs = h.total_rungs + EXCLUDED.total_rungs
+)
+SELECT count(*)::bigint AS folded FROM moved
+`
+
+type FoldUsageMinutesParams struct {
+	Before    time.Time
+	AccountID *uuid.UUID
+	Skip      []uuid.UUID
+	MaxRows   int32
+}
+
+// Folds up to @max_rows rows of usage_minutes of minutes before @before, each
+// written by one server process (backend), into the one row of their minute
+// and model (backend 0), adds them to their hour's row of usage_hours, and
+// counts the rows folded: the rows of the account @account_id when it is
+// given, and none of the accounts @skip. Rows a settlement is adding to are
+// skipped, for a later run.
+func (q *Queries) FoldUsageMinutes(ctx context.Context, db DBTX, arg FoldUsageMinutesParams) (int64, error) {
+	row := db.QueryRow(ctx, foldUsageMinutes,
+		arg.Before,
+		arg.AccountID,
+		arg.Skip,
+		arg.MaxRows,
+	)
+	var folded int64
+	err := row.Scan(&folded)
+	return folded, err
+}
+
 const grantQuota = `-- name: GrantQuota :one
 SELECT g.outcome::text AS outcome, g.daily_granted::bigint AS daily_granted, g.budget_granted::bigint AS budget_granted,
        coalesce(g.capped, false)::boolean AS capped, g.ceiling::bigint AS ceiling, g.daily_left::bigint AS daily_left,
@@ -507,20 +569,74 @@ func (q *Queries) SettledAccounts(ctx context.Context, db DBTX, arg SettledAccou
 	return items, nil
 }
 
+const unfoldedUsageAccounts = `-- name: UnfoldedUsageAccounts :many
+SELECT DISTINCT f.account_id FROM usage_minutes f
+WHERE f.backend <> 0 AND f.minute < $1 AND NOT (f.account_id = ANY ($2::uuid[]))
+LIMIT $3
+`
+
+type UnfoldedUsageAccountsParams struct {
+	Before  time.Time
+	Skip    []uuid.UUID
+	MaxRows int32
+}
+
+// Accounts with rows of usage_minutes to fold before @before, apart from @skip.
+func (q *Queries) UnfoldedUsageAccounts(ctx context.Context, db DBTX, arg UnfoldedUsageAccountsParams) ([]uuid.UUID, error) {
+	rows, err := db.Query(ctx, unfoldedUsageAccounts, arg.Before, arg.Skip, arg.MaxRows)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []uuid.UUID
+	for rows.Next() {
+		var account_id uuid.UUID
+		if err := rows.Scan(&account_id); err != nil {
+			return nil, err
+		}
+		items = append(items, account_id)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const usageByModel = `-- name: UsageByModel :many
-SELECT model,
-       count(*)::bigint AS requests,
-       coalesce(sum(input_rungs), 0)::bigint AS input_rungs,
-       coalesce(sum(output_rungs), 0)::bigint AS output_rungs,
-       coalesce(sum(total_rungs), 0)::bigint AS total_rungs
-FROM requests
-WHERE account_id = $1 AND completed_at >= $2 AND completed_at < $3
-GROUP BY model
-ORDER BY model
+SELECT u.model,
+       sum(u.requests)::bigint AS requests,
+       sum(u.input_rungs)::bigint AS input_rungs,
+       sum(u.output_rungs)::bigint AS output_rungs,
+       sum(u.total_rungs)::bigint AS total_rungs
+FROM (
+    SELECT h.model, h.requests, h.input_rungs, h.output_rungs, h.total_rungs FROM usage_hours h
+     WHERE h.account_id = $1 AND h.hour >= $2 AND h.hour < $3
+    UNION ALL
+    SELECT m.model, m.requests, m.input_rungs, m.output_rungs, m.total_rungs FROM usage_minutes m
+     WHERE m.account_id = $1 AND m.backend <> 0 AND m.minute >= $2 AND m.minute < $3
+    UNION ALL
+    SELECT m.model, m.requests, m.input_rungs, m.output_rungs, m.total_rungs FROM usage_minutes m
+     WHERE m.account_id = $1 AND m.minute >= $4 AND m.minute < $2
+    UNION ALL
+    SELECT m.model, m.requests, m.input_rungs, m.output_rungs, m.total_rungs FROM usage_minutes m
+     WHERE m.account_id = $1 AND m.minute >= $3 AND m.minute < $5
+    UNION ALL
+    SELECT r.model, 1, r.input_rungs, r.output_rungs, r.total_rungs FROM requests r
+     WHERE r.account_id = $1 AND r.completed_at >= $6 AND r.completed_at < $4
+    UNION ALL
+    SELECT r.model, 1, r.input_rungs, r.output_rungs, r.total_rungs FROM requests r
+     WHERE r.account_id = $1 AND r.completed_at >= $5 AND r.completed_at < $7
+) u
+GROUP BY u.model
+ORDER BY u.model
 `
 
 type UsageByModelParams struct {
 	AccountID uuid.UUID
+	HourLo    time.Time
+	HourHi    time.Time
+	Lo        time.Time
+	Hi        time.Time
 	Start     time.Time
 	EndTime   time.Time
 }
@@ -533,9 +649,22 @@ type UsageByModelRow struct {
 	TotalRungs  int64
 }
 
-// Committed usage of an account in [@start, @end), per model.
+// Committed usage of an account in [@start, @end_time), per model: the
+// hours [@hour_lo, @hour_hi) whole inside the period from usage_hours with
+// the rows of their minutes not yet folded into them, the other minutes
+// [@lo, @hi) whole inside it from usage_minutes (migration 00039), and the
+// parts of a minute before @lo and from @hi from the requests themselves
+// (@start <= @lo <= @hour_lo <= @hour_hi <= @hi <= @end_time).
 func (q *Queries) UsageByModel(ctx context.Context, db DBTX, arg UsageByModelParams) ([]UsageByModelRow, error) {
-	rows, err := db.Query(ctx, usageByModel, arg.AccountID, arg.Start, arg.EndTime)
+	rows, err := db.Query(ctx, usageByModel,
+		arg.AccountID,
+		arg.HourLo,
+		arg.HourHi,
+		arg.Lo,
+		arg.Hi,
+		arg.Start,
+		arg.EndTime,
+	)
 	if err != nil {
 		return nil, err
 	}

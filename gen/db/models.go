@@ -147,3 +147,24 @@ type Request struct {
 	CompletedAt            time.Time
 	EmptyEvidenceExpiresAt *time.Time
 }
+
+type UsageHour struct {
+	AccountID   uuid.UUID
+	Hour        time.Time
+	Model       string
+	Requests    int64
+	InputRungs  int64
+	OutputRungs int64
+	TotalRungs  int64
+}
+
+type UsageMinute struct {
+	AccountID   uuid.UUID
+	Minute      time.Time
+	Model       string
+	Backend     int32
+	Requests    int64
+	InputRungs  int64
+	OutputRungs int64
+	TotalRungs  int64
+}

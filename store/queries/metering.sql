@@ -125,16 +125,86 @@ LIMIT @max_rows;
 DELETE FROM rate_windows WHERE window_start < @before;
 
 -- name: UsageByModel :many
--- Committed usage of an account in [@start, @end), per model.
-SELECT model,
-       count(*)::bigint AS requests,
-       coalesce(sum(input_rungs), 0)::bigint AS input_rungs,
-       coalesce(sum(output_rungs), 0)::bigint AS output_rungs,
-       coalesce(sum(total_rungs), 0)::bigint AS total_rungs
-FROM requests
-WHERE account_id = @account_id AND completed_at >= @start AND completed_at < @end_time
-GROUP BY model
-ORDER BY model;
+-- Committed usage of an account in [@start, @end_time), per model: the
+-- hours [@hour_lo, @hour_hi) whole inside the period from usage_hours with
+-- the rows of their minutes not yet folded into them, the other minutes
+-- [@lo, @hi) whole inside it from usage_minutes (migration 00039), and the
+-- parts of a minute before @lo and from @hi from the requests themselves
+-- (@start <= @lo <= @hour_lo <= @hour_hi <= @hi <= @end_time).
+SELECT u.model,
+       sum(u.requests)::bigint AS requests,
+       sum(u.input_rungs)::bigint AS input_rungs,
+       sum(u.output_rungs)::bigint AS output_rungs,
+       sum(u.total_rungs)::bigint AS total_rungs
+FROM (
+    SELECT h.model, h.requests, h.input_rungs, h.output_rungs, h.total_rungs FROM usage_hours h
+     WHERE h.account_id = @account_id AND h.hour >= @hour_lo AND h.hour < @hour_hi
+    UNION ALL
+    SELECT m.model, m.requests, m.input_rungs, m.output_rungs, m.total_rungs FROM usage_minutes m
+     WHERE m.account_id = @account_id AND m.backend <> 0 AND m.minute >= @hour_lo AND m.minute < @hour_hi
+    UNION ALL
+    SELECT m.model, m.requests, m.input_rungs, m.output_rungs, m.total_rungs FROM usage_minutes m
+     WHERE m.account_id = @account_id AND m.minute >= @lo AND m.minute < @hour_lo
+    UNION ALL
+    SELECT m.model, m.requests, m.input_rungs, m.output_rungs, m.total_rungs FROM usage_minutes m
+     WHERE m.account_id = @account_id AND m.minute >= @hour_hi AND m.minute < @hi
+    UNION ALL
+    SELECT r.model, 1, r.input_rungs, r.output_rungs, r.total_rungs FROM requests r
+     WHERE r.account_id = @account_id AND r.completed_at >= @start AND r.completed_at < @lo
+    UNION ALL
+    SELECT r.model, 1, r.input_rungs, r.output_rungs, r.total_rungs FROM requests r
+     WHERE r.account_id = @account_id AND r.completed_at >= @hi AND r.completed_at < @end_time
+) u
+GROUP BY u.model
+ORDER BY u.model;
+
+-- name: FoldUsageMinutes :one
+-- Folds up to @max_rows rows of usage_minutes of minutes before @before, each
+-- written by one server process (backend), into the one row of their minute
+-- and model (backend 0), adds them to their hour's row of usage_hours, and
+-- counts the rows folded: the rows of the account @account_id when it is
+-- given, and none of the accounts @skip. Rows a settlement is adding to are
+-- skipped, for a later run.
+WITH moved AS (
+    DELETE FROM usage_minutes m
+     USING (SELECT f.account_id, f.minute, f.model, f.backend FROM usage_minutes f
+             WHERE f.backend <> 0 AND f.minute < @before
+               AND (sqlc.narg(account_id)::uuid IS NULL OR f.account_id = sqlc.narg(account_id)::uuid)
+               AND NOT (f.account_id = ANY (@skip::uuid[]))
+             ORDER BY f.minute
+             LIMIT @max_rows
+             FOR UPDATE SKIP LOCKED) f
+     WHERE (m.account_id, m.minute, m.model, m.backend) = (f.account_id, f.minute, f.model, f.backend)
+    RETURNING m.account_id, m.minute, m.model, m.requests, m.input_rungs, m.output_rungs, m.total_rungs
+), folded AS (
+    INSERT INTO usage_minutes AS m (account_id, minute, model, backend, requests, input_rungs, output_rungs, total_rungs)
+    SELECT account_id, minute, model, 0, sum(requests), sum(input_rungs), sum(output_rungs), sum(total_rungs)
+      FROM moved
+     GROUP BY account_id, minute, model
+    ON CONFLICT (account_id, minute, model, backend) DO UPDATE
+       SET requests = m.requests + EXCLUDED.requests,
+           input_rungs = m.input_rungs + EXCLUDED.input_rungs,
+           output_rungs = m.output_rungs + EXCLUDED.output_rungs,
+           total_rungs = m.total_rungs + EXCLUDED.total_rungs
+), hours AS (
+    INSERT INTO usage_hours AS h (account_id, hour, model, requests, input_rungs, output_rungs, total_rungs)
+    SELECT account_id, date_bin('1 hour', minute, '2000-01-01 00:00Z'), model,
+           sum(requests), sum(input_rungs), sum(output_rungs), sum(total_rungs)
+      FROM moved
+     GROUP BY 1, 2, 3
+    ON CONFLICT (account_id, hour, model) DO UPDATE
+       SET requests = h.requests + EXCLUDED.requests,
+           input_rungs = h.input_rungs + EXCLUDED.input_rungs,
+           output_rungs = h.output_rungs + EXCLUDED.output_rungs,
+           total_rungs = h.total_rungs + EXCLUDED.total_rungs
+)
+SELECT count(*)::bigint AS folded FROM moved;
+
+-- name: UnfoldedUsageAccounts :many
+-- Accounts with rows of usage_minutes to fold before @before, apart from @skip.
+SELECT DISTINCT f.account_id FROM usage_minutes f
+WHERE f.backend <> 0 AND f.minute < @before AND NOT (f.account_id = ANY (@skip::uuid[]))
+LIMIT @max_rows;
 
 -- name: UsageReport :many
 -- Committed usage in [@start, @end_time), per account, project, UTC day of
