@@ -315,6 +315,10 @@ func transportError(ctx context.Context, err error, dispatched bool) error {
 // maxMessageBytes bounds the upstream's error message kept for callers.
 const maxMessageBytes = 500
 
+// errorMessage is an upstream's error message as kept for callers: cut to
+// maxMessageBytes and cleaned.
+func errorMessage(msg string) string { return upstream.Clean(upstream.Cut(msg, maxMessageBytes)) }
+
 // statusError classifies a non-2xx reply (D12): 429 and 503 say the call was
 // not processed, and so do 401, 407 and 404, which refuse the gateway's own
 // credentials, address or model (upstream.ErrDenied); 408 and every other 5xx
@@ -326,7 +330,7 @@ func statusError(status int, header http.Header, body []byte) error {
 	if json.Unmarshal(body, &eb) == nil && eb.Error.Message != "" {
 		msg = eb.Error.Message
 	}
-	msg = upstream.Clean(upstream.Cut(msg, maxMessageBytes))
+	msg = errorMessage(msg)
 	switch {
 	case status == http.StatusUnauthorized || status == http.StatusProxyAuthRequired || status == http.StatusNotFound:
 		return fmt.Errorf("%w: %w: status %d: %s", upstream.ErrUnavailable, upstream.ErrDenied, status, msg)

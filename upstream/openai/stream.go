@@ -178,7 +178,7 @@ func readStream(body io.Reader, progress func(), emit func(upstream.Delta) error
 			return finish(fmt.Errorf("malformed stream chunk: %w", err))
 		}
 		if chunk.Error != nil {
-			return finish(fmt.Errorf("upstream error in stream: %s", upstream.Clean(upstream.Cut(chunk.Error.Message, maxMessageBytes))))
+			return finish(fmt.Errorf("upstream error in stream: %s", errorMessage(chunk.Error.Message)))
 		}
 		if chunk.Usage != nil {
 			res.UsageReported = true
