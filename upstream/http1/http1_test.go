@@ -200,8 +200,10 @@ func TestABodyClosedEarlyClosesItsConnectionWithoutReadingOn(t *testing.T) {
 func TestCancellingWakesTheCall(t *testing.T) {
 	t.Parallel()
 	var b *testBundle
+	arrived := make(chan struct{}, 2) // a call reached the upstream
 	b = setup(t, http1.Config{}, func(w http.ResponseWriter, r *http.Request) {
 		_, _ = io.Copy(io.Discard, r.Body)
+		arrived <- struct{}{}
 		if r.URL.Path == "/body" {
 			_, _ = w.Write([]byte("head sent"))
 			w.(http.Flusher).Flush()
@@ -213,12 +215,16 @@ func TestCancellingWakesTheCall(t *testing.T) {
 		ctx, cancel := context.WithCancel(context.Background())
 		req, err := http.NewRequestWithContext(ctx, http.MethodPost, b.server.URL+"/head", strings.NewReader("x"))
 		require.NoError(t, err)
-		time.AfterFunc(20*time.Millisecond, cancel)
+		go func() {
+			<-arrived // cancelled once connected, however slow the machine
+			cancel()
+		}()
 		_, err = b.client.Do(req, nil)
 		require.ErrorIs(t, err, context.Canceled)
 	})
 	t.Run("ReadingTheBody", func(t *testing.T) {
-		ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+		// Long enough to connect on a busy machine; the read then waits for it.
+		ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
 		defer cancel()
 		req, err := http.NewRequestWithContext(ctx, http.MethodPost, b.server.URL+"/body", strings.NewReader("x"))
 		require.NoError(t, err)
