@@ -93,7 +93,7 @@ func (b *testBundle) run(t *testing.T, st drainer.Store, cfg drainer.Config) {
 
 func (b *testBundle) items(t *testing.T, id uuid.UUID) []gateway.BatchItem {
 	t.Helper()
-	_, items, err := b.store.BatchResults(b.ctx, b.principal.AccountID, id)
+	items, err := b.store.BatchItems(b.ctx, b.principal.AccountID, id, -1, 1<<30)
 	require.NoError(t, err)
 	return items
 }

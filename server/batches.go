@@ -50,33 +50,25 @@ func (s *Server) GetBatch(ctx context.Context, req api.GetBatchRequestObject) (a
 	return api.GetBatch200JSONResponse{BatchFoundJSONResponse: api.BatchFoundJSONResponse{Body: apiBatch(b)}}, nil
 }
 
-// GetBatchResults implements GET /api/v1/batch/{batch_id}/results.
+// GetBatchResults implements GET /api/v1/batch/{batch_id}/results. The batch
+// and the first page of its items are read before the reply starts, so that
+// a missing batch or an unreachable database is answered with its error;
+// the rest is read as the reply is written (batchResults).
 func (s *Server) GetBatchResults(ctx context.Context, req api.GetBatchResultsRequestObject) (api.GetBatchResultsResponseObject, error) {
 	id, err := batchID(req.BatchId)
 	if err != nil {
 		return nil, err
 	}
-	b, items, err := s.batchData.BatchResults(ctx, gateway.PrincipalFrom(ctx).AccountID, id)
+	account := gateway.PrincipalFrom(ctx).AccountID
+	b, err := s.batchData.Batch(ctx, account, id)
 	if err != nil {
 		return nil, err
 	}
-	body := api.BatchResults{BatchId: b.ID, Status: api.BatchStatus(b.Status), Results: make([]api.BatchResultItem, len(items))}
-	for i, it := range items {
-		r := api.BatchResultItem{Index: it.Index, Status: api.BatchItemStatus(it.Status), Usage: rungUsage(it.Usage)}
-		if it.Status == gateway.ItemCompleted {
-			model := api.BatchResultItemModel(it.Model)
-			content := it.Content
-			r.RequestId, r.Model, r.Content = it.RequestID, &model, &content
-		}
-		if it.Route != nil {
-			r.Route = &api.UpstreamRoute{Provider: it.Route.Provider, UpstreamModel: it.Route.UpstreamModel, Attempts: it.Route.Attempts}
-		}
-		if it.Error != nil {
-			r.Error = &api.Error{Code: api.ErrorCode(it.Error.Code), Message: it.Error.Message}
-		}
-		body.Results[i] = r
+	first, err := s.batchData.BatchItems(ctx, account, id, -1, ResultsPageBytes)
+	if err != nil {
+		return nil, err
 	}
-	return api.GetBatchResults200JSONResponse{Body: body}, nil
+	return batchResults{s: s, ctx: ctx, account: account, batch: b, page: first}, nil
 }
 
 // CancelBatch implements POST /api/v1/batch/{batch_id}/cancel.

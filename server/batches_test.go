@@ -1,21 +1,25 @@
 package server_test
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/batch"
 	"github.com/rungworks/gateway/gen/api"
+	"github.com/rungworks/gateway/internal/syncbuf"
 	"github.com/rungworks/gateway/server"
 	"github.com/rungworks/gateway/store"
 )
@@ -281,4 +285,166 @@ func TestListBatchesPages(t *testing.T) {
 	r := b.do(http.MethodGet, "/api/v1/batches?after=not-a-uuid", b.key, "", nil)
 	require.Equal(t, http.StatusBadRequest, r.status)
 	require.Contains(t, r.message(t), "parameter after must be a UUID")
+}
+
+// completedBatch creates a batch of n items and marks every item completed
+// with content, as the drainer would have (without billing them), returning
+// its id.
+func (b *testBundle) completedBatch(t testing.TB, n int, content string) string {
+	t.Helper()
+	created := b.post("/api/v1/batch", b.key, map[string]any{"requests": items(n)})
+	require.Equal(t, http.StatusAccepted, created.status, string(created.body))
+	var batch api.Batch
+	require.NoError(t, json.Unmarshal(created.body, &batch))
+	_, err := b.store.Pool().Exec(context.Background(),
+		`UPDATE batch_items SET status = 'completed', content = $2, input_rungs = idx, output_rungs = 1, total_rungs = idx + 1 WHERE batch_id = $1`,
+		batch.Id, content)
+	require.NoError(t, err)
+	return batch.Id.String()
+}
+
+// countedPages is the real store, counting its reads of batch items; from
+// the read numbered failFrom (1: the first) on, they fail with err, or find
+// nothing when err is nil (the batch was deleted meanwhile).
+type countedPages struct {
+	server.BatchStore
+	failFrom int // 0: never
+	err      error
+	reads    atomic.Int32
+}
+
+func (s *countedPages) BatchItems(ctx context.Context, accountID, id uuid.UUID, after int, maxBytes int64) ([]gateway.BatchItem, error) {
+	if n := int(s.reads.Add(1)); s.failFrom > 0 && n >= s.failFrom {
+		return nil, s.err
+	}
+	return s.BatchStore.BatchItems(ctx, accountID, id, after, maxBytes)
+}
+
+// TestBatchResultsAreWrittenPageByPage: results of batches that fill their
+// last page or not, of items smaller than a page or larger, come whole and
+// in order, each item as stored, byte for byte as the whole object encodes,
+// read a page at a time.
+func TestBatchResultsAreWrittenPageByPage(t *testing.T) {
+	t.Parallel()
+	pages := &countedPages{}
+	b := setupWith(t, options{server: func(c *server.Config) {
+		pages.BatchStore = c.BatchData
+		c.BatchData = pages
+	}})
+	unit, size := `<b>"x"</b>&é`+"\u2028", server.ResultsPageBytes/4 // text the encoder escapes
+	quarter := strings.Repeat(unit, size/len(unit)) + strings.Repeat("y", size%len(unit))
+	require.Len(t, quarter, server.ResultsPageBytes/4)
+	for _, tc := range []struct {
+		items   int
+		content string
+		reads   int
+		mixed   bool // every third item failed, every fifth still queued
+	}{
+		{items: 1, content: "short", reads: 1},
+		{items: 100, content: "short", reads: 1, mixed: true},
+		{items: 3, content: quarter, reads: 1},
+		{items: 4, content: quarter, reads: 1},
+		{items: 5, content: quarter, reads: 2},
+		{items: 9, content: quarter, reads: 3},
+		{items: 3, content: quarter + quarter + quarter + quarter + "z", reads: 3},
+	} {
+		name := fmt.Sprintf("%d items of %d bytes", tc.items, len(tc.content))
+		id := b.completedBatch(t, tc.items, tc.content)
+		_, err := b.store.Pool().Exec(context.Background(), `UPDATE batch_items SET status = 'failed', content = NULL,
+			error_code = 'INTERRUPTED', error_message = 'item ' || idx WHERE batch_id = $1 AND idx % 3 = 1 AND $2`, id, tc.mixed)
+		require.NoError(t, err)
+		_, err = b.store.Pool().Exec(context.Background(), `UPDATE batch_items SET status = 'queued', content = NULL,
+			input_rungs = 0, output_rungs = 0, total_rungs = 0 WHERE batch_id = $1 AND idx % 5 = 4 AND $2`, id, tc.mixed)
+		require.NoError(t, err)
+
+		pages.reads.Store(0)
+		r := b.do(http.MethodGet, "/api/v1/batch/"+id+"/results", b.key, "", nil)
+		require.Equal(t, http.StatusOK, r.status, name)
+		require.Equal(t, tc.reads, int(pages.reads.Load()), "pages read, %s", name)
+		var res api.BatchResults
+		require.NoError(t, json.Unmarshal(r.body, &res), name)
+		require.Equal(t, id, res.BatchId.String())
+		require.Len(t, res.Results, tc.items)
+		for i, it := range res.Results {
+			require.Equal(t, i, it.Index, name)
+			switch {
+			case i%5 == 4 && tc.mixed:
+				require.Equal(t, api.BatchItemStatus("queued"), it.Status, i)
+				require.Nil(t, it.Content, i)
+			case i%3 == 1 && tc.mixed:
+				require.Equal(t, api.BatchItemStatus("failed"), it.Status, i)
+				require.Equal(t, &api.Error{Code: "INTERRUPTED", Message: fmt.Sprintf("item %d", i)}, it.Error, i)
+			default:
+				require.Equal(t, api.BatchItemStatus("completed"), it.Status, i)
+				require.Equal(t, tc.content, *it.Content, i)
+				require.Equal(t, api.RungUsage{InputRungs: int64(i), OutputRungs: 1, TotalRungs: int64(i) + 1}, it.Usage, i)
+			}
+		}
+		var whole bytes.Buffer
+		require.NoError(t, json.NewEncoder(&whole).Encode(res))
+		require.Equal(t, whole.String(), string(r.body), "written as the whole object encodes, %s", name)
+	}
+}
+
+// TestBatchResultsCutShortEndTheirConnection: a page of items that cannot be
+// read before the reply started is answered with its error; once it has
+// started, the connection ends without the reply's end (a client never takes
+// the items written so far for all of them), over HTTP/1.1 and HTTP/2, and
+// both are logged.
+func TestBatchResultsCutShortEndTheirConnection(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		name     string
+		failFrom int // the read that fails (pages of four items here)
+		err      error
+		h2c      bool
+	}{
+		{name: "first page, database away", failFrom: 1, err: dbAway},
+		{name: "second page, database away", failFrom: 2, err: dbAway},
+		{name: "second page, database away, HTTP/2", failFrom: 2, err: dbAway, h2c: true},
+		{name: "second page, batch deleted", failFrom: 2},
+		{name: "last page, batch deleted, HTTP/2", failFrom: 3, h2c: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			logs := &syncbuf.Buffer{}
+			pages := &countedPages{failFrom: tc.failFrom, err: tc.err}
+			b := setupWith(t, options{h2c: tc.h2c, logs: logs, server: func(c *server.Config) {
+				pages.BatchStore = c.BatchData
+				c.BatchData = pages
+				c.Unavailable = store.Transient
+			}})
+			id := b.completedBatch(t, 9, strings.Repeat("x", server.ResultsPageBytes/4))
+			req, err := http.NewRequest(http.MethodGet, b.http.URL+"/api/v1/batch/"+id+"/results", nil)
+			require.NoError(t, err)
+			req.Header.Set("Authorization", "Bearer "+b.key)
+			resp, err := b.client.Do(req)
+			if tc.failFrom == 1 {
+				require.NoError(t, err)
+				defer resp.Body.Close()
+				body, err := io.ReadAll(resp.Body)
+				require.NoError(t, err)
+				require.Equal(t, http.StatusServiceUnavailable, resp.StatusCode)
+				require.Contains(t, string(body), `"code":"SERVICE_UNAVAILABLE"`)
+				return
+			}
+			// What the server had not sent when it cut the reply is lost:
+			// the head too, over HTTP/2, if it was still in its buffer.
+			var body []byte
+			if err == nil {
+				defer resp.Body.Close()
+				require.Equal(t, http.StatusOK, resp.StatusCode)
+				body, err = io.ReadAll(resp.Body)
+			}
+			require.Error(t, err, "the reply does not end as if whole")
+			require.NotContains(t, string(body), `"index":`+strconv.Itoa(4*(tc.failFrom-1))+`,`, "no item of the page that failed")
+			var res api.BatchResults
+			require.Error(t, json.Unmarshal(body, &res), "what came is not a whole object")
+			require.Eventually(t, func() bool {
+				return strings.Contains(logs.String(), "batch results cut short") &&
+					strings.Contains(logs.String(), `"route":"/api/v1/batch/:batch_id/results","status":200`)
+			}, 5*time.Second, 10*time.Millisecond, "cut and logged: %s", logs.String())
+			require.Equal(t, tc.failFrom, int(pages.reads.Load()), "pages read")
+		})
+	}
 }

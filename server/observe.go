@@ -48,6 +48,16 @@ func (s *Server) observe(next echo.HandlerFunc) echo.HandlerFunc {
 		}
 		ctx, x.span = tracing.Request(ctx, c.Request(), x.route)
 		c.SetRequest(c.Request().WithContext(ctx))
+		defer func() {
+			// Only http.ErrAbortHandler passes the Recover middleware: a
+			// reply cut short on purpose, logged before its connection ends.
+			if p := recover(); p != nil {
+				if !x.detached {
+					x.finish(c.Request().Context(), c.Response().Status, c.Response().Size)
+				}
+				panic(p)
+			}
+		}()
 		if err := next(c); err != nil {
 			c.Error(err)
 		}

@@ -49,7 +49,10 @@ type BatchCreator interface {
 type BatchStore interface {
 	Batch(ctx context.Context, accountID, id uuid.UUID) (*gateway.Batch, error)
 	Batches(ctx context.Context, accountID uuid.UUID, after *uuid.UUID, limit int) ([]*gateway.Batch, error)
-	BatchResults(ctx context.Context, accountID, id uuid.UUID) (*gateway.Batch, []gateway.BatchItem, error)
+	// BatchItems returns the items of a batch after index after (-1: from
+	// the first), ordered by index, as many as fit in maxBytes of content
+	// (at least one).
+	BatchItems(ctx context.Context, accountID, id uuid.UUID, after int, maxBytes int64) ([]gateway.BatchItem, error)
 	CancelBatch(ctx context.Context, accountID, id uuid.UUID) error
 }
 

@@ -178,48 +178,34 @@ func batchOf(r db.ListBatchesRow) *gateway.Batch {
 	return b
 }
 
-// BatchResults returns one of the account's batches and its items' outcomes,
-// ordered by index.
-func (s *Store) BatchResults(ctx context.Context, accountID, id uuid.UUID) (*gateway.Batch, []gateway.BatchItem, error) {
-	var batch *gateway.Batch
-	var items []gateway.BatchItem
-	err := pgx.BeginTxFunc(ctx, s.pool, pgx.TxOptions{IsoLevel: pgx.RepeatableRead, AccessMode: pgx.ReadOnly}, func(tx pgx.Tx) error {
-		row, err := s.queries.GetBatch(ctx, tx, db.GetBatchParams{ID: id, AccountID: accountID})
-		if errors.Is(err, pgx.ErrNoRows) {
-			return errBatchNotFound(id)
-		}
-		if err != nil {
-			return fmt.Errorf("error reading batch: %w", err)
-		}
-		batch = batchOf(db.ListBatchesRow(row))
-		rows, err := s.queries.GetBatchItems(ctx, tx, id)
-		if err != nil {
-			return fmt.Errorf("error reading batch items: %w", err)
-		}
-		items = make([]gateway.BatchItem, len(rows))
-		for i, r := range rows {
-			it := gateway.BatchItem{
-				Index: int(r.Idx), Status: gateway.ItemStatus(r.Status),
-				Usage: gateway.Usage{InputRungs: r.InputRungs, OutputRungs: r.OutputRungs, TotalRungs: r.TotalRungs},
-			}
-			switch it.Status {
-			case gateway.ItemCompleted:
-				requestID := r.RequestID
-				it.RequestID, it.Model, it.Content = &requestID, gateway.Model(r.Model), deref(r.Content)
-				if r.Provider != nil && r.UpstreamModel != nil && r.Attempts != nil {
-					it.Route = &gateway.UpstreamRoute{Provider: *r.Provider, UpstreamModel: *r.UpstreamModel, Attempts: int(*r.Attempts)}
-				}
-			case gateway.ItemFailed:
-				it.Error = &gateway.Error{Code: gateway.ErrorCode(deref(r.ErrorCode)), Message: deref(r.ErrorMessage)}
-			}
-			items[i] = it
-		}
-		return nil
-	})
+// BatchItems returns the items of one of the account's batches after index
+// after (-1: from the first), ordered by index, outcomes included: as many as
+// fit in maxBytes of content, and at least one. A batch the account does not
+// own has no items here: callers read the batch first (Batch) for its 404.
+func (s *Store) BatchItems(ctx context.Context, accountID, id uuid.UUID, after int, maxBytes int64) ([]gateway.BatchItem, error) {
+	rows, err := s.queries.GetBatchItems(ctx, s.pool, db.GetBatchItemsParams{BatchID: id, AccountID: accountID, After: int32(after), MaxBytes: maxBytes})
 	if err != nil {
-		return nil, nil, err
+		return nil, fmt.Errorf("error reading batch items: %w", err)
 	}
-	return batch, items, nil
+	items := make([]gateway.BatchItem, len(rows))
+	for i, r := range rows {
+		it := gateway.BatchItem{
+			Index: int(r.Idx), Status: gateway.ItemStatus(r.Status),
+			Usage: gateway.Usage{InputRungs: r.InputRungs, OutputRungs: r.OutputRungs, TotalRungs: r.TotalRungs},
+		}
+		switch it.Status {
+		case gateway.ItemCompleted:
+			requestID := r.RequestID
+			it.RequestID, it.Model, it.Content = &requestID, gateway.Model(r.Model), deref(r.Content)
+			if r.Provider != nil && r.UpstreamModel != nil && r.Attempts != nil {
+				it.Route = &gateway.UpstreamRoute{Provider: *r.Provider, UpstreamModel: *r.UpstreamModel, Attempts: int(*r.Attempts)}
+			}
+		case gateway.ItemFailed:
+			it.Error = &gateway.Error{Code: gateway.ErrorCode(deref(r.ErrorCode)), Message: deref(r.ErrorMessage)}
+		}
+		items[i] = it
+	}
+	return items, nil
 }
 
 // CancelBatch asks to cancel one of the account's batches: a queued batch is

@@ -86,7 +86,9 @@ func itemResults(items []store.ClaimedItem, cost int64) []store.ItemResult {
 
 func (b *testBundle) batch(t *testing.T, p *gateway.Principal, id uuid.UUID) (*gateway.Batch, []gateway.BatchItem) {
 	t.Helper()
-	batch, items, err := b.store.BatchResults(b.ctx, p.AccountID, id)
+	batch, err := b.store.Batch(b.ctx, p.AccountID, id)
+	require.NoError(t, err)
+	items, err := b.store.BatchItems(b.ctx, p.AccountID, id, -1, 1<<30)
 	require.NoError(t, err)
 	return batch, items
 }
@@ -333,6 +335,50 @@ func TestItemsKeepTheirBatch(t *testing.T) {
 	require.NoError(t, b.store.Pool().QueryRow(b.ctx, `SELECT count(*) FILTER (WHERE batch_id = $1), count(*) FILTER (WHERE batch_id = $2) FROM batch_items`, old, kept).Scan(&oldItems, &keptItems))
 	require.Zero(t, oldItems, "the deleted batch's items went with it")
 	require.Equal(t, 2, keptItems, "another batch's stayed")
+}
+
+// TestBatchItemsComeByPages: a batch's items are read after an index, as
+// many as fit in a budget of content (counting what comes before each item,
+// so always at least one), and never by another account.
+func TestBatchItemsComeByPages(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	_, stranger := b.key(t, "stranger", gateway.TierDeveloper, gateway.ScopeInference)
+	id := b.newBatch(t, p, 6, 1, "", day())
+	// Items 1, 2 and 4 completed with 100, 300 and 50 bytes; the others
+	// have no content yet.
+	_, err := b.store.Pool().Exec(b.ctx, `UPDATE batch_items SET status = 'completed',
+		content = repeat('x', CASE idx WHEN 1 THEN 100 WHEN 2 THEN 300 ELSE 50 END)
+		WHERE batch_id = $1 AND idx IN (1, 2, 4)`, id)
+	require.NoError(t, err)
+	indexes := func(after int, maxBytes int64) []int {
+		t.Helper()
+		items, err := b.store.BatchItems(b.ctx, p.AccountID, id, after, maxBytes)
+		require.NoError(t, err)
+		var got []int
+		for _, it := range items {
+			got = append(got, it.Index)
+		}
+		return got
+	}
+	require.Equal(t, []int{0, 1, 2, 3, 4, 5}, indexes(-1, 1<<20))
+	require.Equal(t, []int{0, 1}, indexes(-1, 100), "item 2 starts past 100 bytes")
+	require.Equal(t, []int{0, 1, 2}, indexes(-1, 101))
+	require.Equal(t, []int{2}, indexes(1, 1), "one item at least, whatever its size")
+	require.Equal(t, []int{3, 4}, indexes(2, 1), "an item without content takes none of the budget")
+	require.Equal(t, []int{5}, indexes(4, 1<<20))
+	require.Empty(t, indexes(5, 1<<20))
+
+	items, err := b.store.BatchItems(b.ctx, p.AccountID, id, 0, 1<<20)
+	require.NoError(t, err)
+	require.Equal(t, strings.Repeat("x", 100), items[0].Content)
+	require.Equal(t, gateway.ItemCompleted, items[0].Status)
+	require.Equal(t, gateway.ItemQueued, items[2].Status)
+
+	foreign, err := b.store.BatchItems(b.ctx, stranger.AccountID, id, -1, 1<<20)
+	require.NoError(t, err)
+	require.Empty(t, foreign, "another account reads none of them")
 }
 
 func TestIdempotencyKey(t *testing.T) {
@@ -611,7 +657,7 @@ func TestBatchStatementsPlanForTheTablesAsTheyAre(t *testing.T) {
 		require.NoError(t, err)
 		_, err = explained.Batches(b.ctx, p.AccountID, &id, 10)
 		require.NoError(t, err)
-		_, items, err := explained.BatchResults(b.ctx, p.AccountID, id)
+		items, err := explained.BatchItems(b.ctx, p.AccountID, id, -1, 1<<30)
 		require.NoError(t, err)
 		require.Len(t, items, 4)
 		require.NoError(t, explained.StartBatches(b.ctx, []uuid.UUID{id}))
@@ -644,10 +690,10 @@ func TestBatchStatementsPlanForTheTablesAsTheyAre(t *testing.T) {
 	for i, name := range statements {
 		statements[i] = "-- name: " + name + " "
 	}
-	// GetBatch and GetBatchItems (migration 00028), QueuedBatches, LockBatch
+	// GetBatch (migration 00028), GetBatchItems (00040), QueuedBatches, LockBatch
 	// and SetBatchStatus (00030) run through functions: their statements.
 	statements = append(statements, "SELECT b.* FROM batches b WHERE b.id = p_id",
-		"SELECT i.* FROM batch_items i WHERE i.batch_id = p_batch_id", "FILTER (WHERE i.status = 'cancelled')::integer,",
+		"WHERE i.batch_id = p_batch_id AND i.idx > p_after", "FILTER (WHERE i.status = 'cancelled')::integer,",
 		"WHERE b.id = ANY (p_ids) AND b.status IS NOT DISTINCT FROM 'queued'", "FOR UPDATE OF b", "UPDATE batches b SET status = p_status",
 		// batches_for_operator (00037), its two statements.
 		"WHERE p_statuses IS NULL OR b.status = ANY (p_statuses)", "WHERE b.account_id = (SELECT a.id FROM accounts a WHERE a.name = p_account)")
@@ -711,7 +757,7 @@ func BenchmarkBatchReadsAfterABurst(b *testing.B) {
 	reads := map[string]func() error{
 		"status": func() error { _, err := st.Batch(tb.ctx, p.AccountID, id); return err },
 		"results": func() error {
-			_, items, err := st.BatchResults(tb.ctx, p.AccountID, id)
+			items, err := st.BatchItems(tb.ctx, p.AccountID, id, -1, 1<<30)
 			if err == nil && len(items) != 100 {
 				err = fmt.Errorf("%d items", len(items))
 			}

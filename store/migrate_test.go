@@ -138,7 +138,7 @@ func keyAt00010(t *testing.T, pool *pgxpool.Pool) *gateway.Principal {
 // called by one of the store's queries, fires as a trigger, or is called by
 // one that is; every table is named by one of those. What a migration retires
 // for the replicas of the release before is dropped a release later (00038),
-// not left behind.
+// not left behind: retired lists what is kept until then.
 func TestTheSchemaHoldsOnlyWhatIsUsed(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -189,8 +189,17 @@ func TestTheSchemaHoldsOnlyWhatIsUsed(t *testing.T) {
 			}
 		}
 	}
+	// Kept a release for the replicas of the release before, then dropped.
+	retired := map[string]string{"items_of_batch": "00040"}
 	for name := range functions {
+		if _, kept := retired[name]; kept {
+			require.False(t, reached[name], "function %s is retired but still called", name)
+			continue
+		}
 		require.True(t, reached[name], "function %s is never called", name)
+	}
+	for name := range retired {
+		require.Contains(t, functions, name, "retired function %s was dropped: take it off the list", name)
 	}
 
 	var tables []string

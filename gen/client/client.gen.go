@@ -1053,6 +1053,16 @@ type ClientInterface interface {
 	// `GET /api/v1/batch/{batch_id}`. Requires the `inference` scope and the
 	// `developer` tier.
 	//
+	// The reply is written as it is read, about a mebibyte of the items'
+	// texts at a time (a replica never holds a whole batch of long outputs
+	// for one reply). The batch's `status` is read before its items, which
+	// can only be further along: an item may show as finished in a batch
+	// still `in_progress`, never an item unfinished in a finished batch.
+	// Should the rest become unreadable once the reply has started (the
+	// database gone, the batch deleted by retention meanwhile), the
+	// connection is closed before the reply's end, so that the part sent
+	// cannot be taken for the whole: read it again.
+	//
 	// Corresponds with GET /api/v1/batch/{batch_id}/results (the `GetBatchResults` operationId).
 	GetBatchResults(ctx context.Context, batchId BatchID, reqEditors ...RequestEditorFn) (*http.Response, error)
 
@@ -1347,6 +1357,16 @@ func (c *Client) CancelBatch(ctx context.Context, batchId BatchID, reqEditors ..
 // `requests`). Available as soon as items start finishing. Same 404 rule as
 // `GET /api/v1/batch/{batch_id}`. Requires the `inference` scope and the
 // `developer` tier.
+//
+// The reply is written as it is read, about a mebibyte of the items'
+// texts at a time (a replica never holds a whole batch of long outputs
+// for one reply). The batch's `status` is read before its items, which
+// can only be further along: an item may show as finished in a batch
+// still `in_progress`, never an item unfinished in a finished batch.
+// Should the rest become unreadable once the reply has started (the
+// database gone, the batch deleted by retention meanwhile), the
+// connection is closed before the reply's end, so that the part sent
+// cannot be taken for the whole: read it again.
 //
 // Corresponds with GET /api/v1/batch/{batch_id}/results (the `GetBatchResults` operationId).
 func (c *Client) GetBatchResults(ctx context.Context, batchId BatchID, reqEditors ...RequestEditorFn) (*http.Response, error) {
@@ -2306,6 +2326,16 @@ type ClientWithResponsesInterface interface {
 	// `requests`). Available as soon as items start finishing. Same 404 rule as
 	// `GET /api/v1/batch/{batch_id}`. Requires the `inference` scope and the
 	// `developer` tier.
+	//
+	// The reply is written as it is read, about a mebibyte of the items'
+	// texts at a time (a replica never holds a whole batch of long outputs
+	// for one reply). The batch's `status` is read before its items, which
+	// can only be further along: an item may show as finished in a batch
+	// still `in_progress`, never an item unfinished in a finished batch.
+	// Should the rest become unreadable once the reply has started (the
+	// database gone, the batch deleted by retention meanwhile), the
+	// connection is closed before the reply's end, so that the part sent
+	// cannot be taken for the whole: read it again.
 	//
 	// Returns a wrapper object for the known response body format(s).
 	//
@@ -4329,6 +4359,16 @@ func (c *ClientWithResponses) CancelBatchWithResponse(ctx context.Context, batch
 // `requests`). Available as soon as items start finishing. Same 404 rule as
 // `GET /api/v1/batch/{batch_id}`. Requires the `inference` scope and the
 // `developer` tier.
+//
+// The reply is written as it is read, about a mebibyte of the items'
+// texts at a time (a replica never holds a whole batch of long outputs
+// for one reply). The batch's `status` is read before its items, which
+// can only be further along: an item may show as finished in a batch
+// still `in_progress`, never an item unfinished in a finished batch.
+// Should the rest become unreadable once the reply has started (the
+// database gone, the batch deleted by retention meanwhile), the
+// connection is closed before the reply's end, so that the part sent
+// cannot be taken for the whole: read it again.
 //
 // Returns a wrapper object for the known response body format(s).
 //

@@ -342,9 +342,16 @@ func (q *Queries) GetBatchByIdempotencyKey(ctx context.Context, db DBTX, arg Get
 const getBatchItems = `-- name: GetBatchItems :many
 SELECT i.idx, i.status, i.request_id, i.model, i.content, i.input_rungs, i.output_rungs, i.total_rungs,
        i.error_code, i.error_message, i.provider, i.upstream_model, i.attempts
-FROM items_of_batch($1) AS i
+FROM items_of_batch_after($1, $2, $3::integer, $4::bigint) AS i
 ORDER BY i.idx
 `
+
+type GetBatchItemsParams struct {
+	BatchID   uuid.UUID
+	AccountID uuid.UUID
+	After     int32
+	MaxBytes  int64
+}
 
 type GetBatchItemsRow struct {
 	Idx           int32
@@ -362,10 +369,16 @@ type GetBatchItemsRow struct {
 	Attempts      *int16
 }
 
-// A batch's items, in order. By key, whatever the statistics: see migration
-// 00028.
-func (q *Queries) GetBatchItems(ctx context.Context, db DBTX, batchID uuid.UUID) ([]GetBatchItemsRow, error) {
-	rows, err := db.Query(ctx, getBatchItems, batchID)
+// The items of one of the account's batches after index @after, in order, as
+// many as fit in @max_bytes of content (at least one). By key, whatever the
+// statistics: see migration 00040.
+func (q *Queries) GetBatchItems(ctx context.Context, db DBTX, arg GetBatchItemsParams) ([]GetBatchItemsRow, error) {
+	rows, err := db.Query(ctx, getBatchItems,
+		arg.BatchID,
+		arg.AccountID,
+		arg.After,
+		arg.MaxBytes,
+	)
 	if err != nil {
 		return nil, err
 	}

@@ -76,11 +76,12 @@ CROSS JOIN LATERAL batch_item_totals(b.id) AS t
 ORDER BY b.id DESC;
 
 -- name: GetBatchItems :many
--- A batch's items, in order. By key, whatever the statistics: see migration
--- 00028.
+-- The items of one of the account's batches after index @after, in order, as
+-- many as fit in @max_bytes of content (at least one). By key, whatever the
+-- statistics: see migration 00040.
 SELECT i.idx, i.status, i.request_id, i.model, i.content, i.input_rungs, i.output_rungs, i.total_rungs,
        i.error_code, i.error_message, i.provider, i.upstream_model, i.attempts
-FROM items_of_batch(@batch_id) AS i
+FROM items_of_batch_after(@batch_id, @account_id, @after::integer, @max_bytes::bigint) AS i
 ORDER BY i.idx;
 
 -- name: DoneBatches :many

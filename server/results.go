@@ -1,0 +1,130 @@
+package server
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+
+	"github.com/google/uuid"
+
+	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/gen/api"
+)
+
+// ResultsPageBytes is how much text of a batch's items a results reply reads
+// at a time (a page holds at least one item, whatever its size): what a
+// replica holds of one reply, however large the batch's outputs.
+const ResultsPageBytes = 1 << 20
+
+// noResults is the results of an envelope encoded without its items: they
+// are written between its brackets.
+var noResults = []byte(`"results":[]`)
+
+// batchResults is the 200 reply of GetBatchResults (interface §2.6), written
+// a page of items at a time as they are read, so that the reply is never
+// held whole. Its status is read before its items, which can only be further
+// along: a reply may show an item finished in a batch still in_progress,
+// never the other way round. A page that cannot be read once the reply has
+// started (the database gone, the batch deleted by retention) ends the
+// connection without the reply's end, so that no client takes the items
+// written so far for the whole.
+type batchResults struct {
+	s       *Server
+	ctx     context.Context
+	account uuid.UUID
+	batch   *gateway.Batch
+	// page is the first page of items, read before the reply started.
+	page []gateway.BatchItem
+}
+
+// VisitGetBatchResultsResponse implements api.GetBatchResultsResponseObject.
+func (r batchResults) VisitGetBatchResultsResponse(w http.ResponseWriter) error {
+	envelope, err := json.Marshal(api.BatchResults{BatchId: r.batch.ID, Status: api.BatchStatus(r.batch.Status), Results: []api.BatchResultItem{}})
+	if err != nil {
+		return fmt.Errorf("error encoding batch results: %w", err)
+	}
+	at := bytes.Index(envelope, noResults)
+	if at < 0 {
+		return fmt.Errorf("error encoding batch results: the envelope %s has no results", envelope)
+	}
+	open := at + len(noResults) - 1 // the items go before the closing bracket
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(http.StatusOK)
+	if err := r.write(w, envelope[:open]); err != nil {
+		return err
+	}
+	// Each item is encoded into one buffer, reused: an encoder ends each
+	// value with a newline, left out.
+	var item bytes.Buffer
+	enc := json.NewEncoder(&item)
+	written, after, page := 0, -1, r.page
+	for {
+		if len(page) == 0 {
+			r.cut(fmt.Errorf("error reading batch results: %d items of %d found", written, r.batch.Total))
+		}
+		for _, it := range page {
+			item.Reset()
+			if written > 0 {
+				item.WriteByte(',')
+			}
+			if err := enc.Encode(resultItem(it)); err != nil {
+				r.cut(fmt.Errorf("error encoding batch result %d: %w", it.Index, err))
+			}
+			if err := r.write(w, item.Bytes()[:item.Len()-1]); err != nil {
+				return err
+			}
+			written, after = written+1, it.Index
+		}
+		if written >= r.batch.Total {
+			break
+		}
+		page, err = r.s.batchData.BatchItems(r.ctx, r.account, r.batch.ID, after, ResultsPageBytes)
+		if err != nil {
+			r.cut(err)
+		}
+	}
+	return r.write(w, append(envelope[open:], '\n')) // as json.Encoder ends a value
+}
+
+// write writes p; a client that stops reading ends the reply (its error is
+// logged by handleError, the reply having started).
+func (r batchResults) write(w http.ResponseWriter, p []byte) error {
+	if _, err := w.Write(p); err != nil {
+		return fmt.Errorf("error writing batch results: %w", err)
+	}
+	return nil
+}
+
+// cut logs why the reply cannot go on and ends its connection unfinished.
+func (r batchResults) cut(err error) {
+	level := r.s.logger.Error
+	if errors.Is(err, context.Canceled) {
+		level = r.s.logger.Warn // the client left
+	}
+	attrs := []any{"batch_id", r.batch.ID.String(), "error", err}
+	if x := exchangeFrom(r.ctx); x != nil {
+		attrs = append(attrs, "request_id", x.id)
+	}
+	level("batch results cut short", attrs...)
+	panic(http.ErrAbortHandler)
+}
+
+// resultItem is one item of a results reply.
+func resultItem(it gateway.BatchItem) api.BatchResultItem {
+	r := api.BatchResultItem{Index: it.Index, Status: api.BatchItemStatus(it.Status), Usage: rungUsage(it.Usage)}
+	if it.Status == gateway.ItemCompleted {
+		model := api.BatchResultItemModel(it.Model)
+		content := it.Content
+		r.RequestId, r.Model, r.Content = it.RequestID, &model, &content
+	}
+	if it.Route != nil {
+		r.Route = &api.UpstreamRoute{Provider: it.Route.Provider, UpstreamModel: it.Route.UpstreamModel, Attempts: it.Route.Attempts}
+	}
+	if it.Error != nil {
+		r.Error = &api.Error{Code: api.ErrorCode(it.Error.Code), Message: it.Error.Message}
+	}
+	return r
+}
