@@ -448,3 +448,21 @@ func TestBatchResultsCutShortEndTheirConnection(t *testing.T) {
 		})
 	}
 }
+
+// TestBatchResultsToAClientThatReadsNothing: the write deadline a results
+// reply renews as it goes (TestStridedWriterRenewsItsDeadline) still cuts off
+// a client that reads nothing, its connection alive: the handler returns.
+func TestBatchResultsToAClientThatReadsNothing(t *testing.T) {
+	t.Parallel()
+	logs := &syncbuf.Buffer{}
+	b := setupWith(t, options{logs: logs, server: func(c *server.Config) { c.ReplyWriteTimeout = 250 * time.Millisecond }})
+	// 24 MiB: more than the sockets' buffers hold.
+	id := b.completedBatch(t, 24, strings.Repeat("x", server.ResultsPageBytes))
+	conn := b.narrowConn(t)
+	_, err := fmt.Fprintf(conn, "GET /api/v1/batch/%s/results HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer %s\r\n\r\n", id, b.key)
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		return strings.Contains(logs.String(), `"route":"/api/v1/batch/:batch_id/results","status":200`)
+	}, 20*time.Second, 20*time.Millisecond, "the handler still writes to a client that reads nothing")
+	require.Contains(t, logs.String(), "i/o timeout", "cut off by its deadline")
+}

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"time"
 
 	"github.com/google/uuid"
 
@@ -19,18 +20,26 @@ import (
 // replica holds of one reply, however large the batch's outputs.
 const ResultsPageBytes = 1 << 20
 
+// resultsStride is how much of a results reply is written under one write
+// deadline: the deadline is renewed each time this much has been written, so
+// a client has ReplyWriteTimeout to take each stride (and what the kernel
+// waits for before it takes more: a third of its send buffer), not the
+// whole.
+const resultsStride = 64 << 10
+
 // noResults is the results of an envelope encoded without its items: they
 // are written between its brackets.
 var noResults = []byte(`"results":[]`)
 
 // batchResults is the 200 reply of GetBatchResults (interface §2.6), written
 // a page of items at a time as they are read, so that the reply is never
-// held whole. Its status is read before its items, which can only be further
-// along: a reply may show an item finished in a batch still in_progress,
-// never the other way round. A page that cannot be read once the reply has
-// started (the database gone, the batch deleted by retention) ends the
-// connection without the reply's end, so that no client takes the items
-// written so far for the whole.
+// held whole, and to the client a stride at a time (stridedWriter). Its
+// status is read before its items, which can only be further along: a reply
+// may show an item finished in a batch still in_progress, never the other
+// way round. A page that cannot be read once the reply has started (the
+// database gone, the batch deleted by retention) ends the connection without
+// the reply's end, so that no client takes the items written so far for the
+// whole.
 type batchResults struct {
 	s       *Server
 	ctx     context.Context
@@ -53,7 +62,8 @@ func (r batchResults) VisitGetBatchResultsResponse(w http.ResponseWriter) error 
 	open := at + len(noResults) - 1 // the items go before the closing bracket
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(http.StatusOK)
-	if err := r.write(w, envelope[:open]); err != nil {
+	out := &stridedWriter{w: w, timeout: r.s.replyWriteTimeout, set: time.Now()}
+	if err := out.write(envelope[:open]); err != nil {
 		return err
 	}
 	// Each item is encoded into one buffer, reused: an encoder ends each
@@ -73,7 +83,7 @@ func (r batchResults) VisitGetBatchResultsResponse(w http.ResponseWriter) error 
 			if err := enc.Encode(resultItem(it)); err != nil {
 				r.cut(fmt.Errorf("error encoding batch result %d: %w", it.Index, err))
 			}
-			if err := r.write(w, item.Bytes()[:item.Len()-1]); err != nil {
+			if err := out.write(item.Bytes()[:item.Len()-1]); err != nil {
 				return err
 			}
 			written, after = written+1, it.Index
@@ -86,14 +96,35 @@ func (r batchResults) VisitGetBatchResultsResponse(w http.ResponseWriter) error 
 			r.cut(err)
 		}
 	}
-	return r.write(w, append(envelope[open:], '\n')) // as json.Encoder ends a value
+	return out.write(append(envelope[open:], '\n')) // as json.Encoder ends a value
+}
+
+// stridedWriter writes a reply whose first bytes got their deadline from
+// observe, renewing it each resultsStride, and before a write that comes
+// late (a page read, a long item encoded): each write has at least three
+// quarters of timeout, so a client that reads on, however slowly, takes the
+// whole, and one that stops is cut off.
+type stridedWriter struct {
+	w       http.ResponseWriter
+	timeout time.Duration
+	set     time.Time // when the deadline was last set
+	since   int       // bytes written since
 }
 
 // write writes p; a client that stops reading ends the reply (its error is
 // logged by handleError, the reply having started).
-func (r batchResults) write(w http.ResponseWriter, p []byte) error {
-	if _, err := w.Write(p); err != nil {
-		return fmt.Errorf("error writing batch results: %w", err)
+func (s *stridedWriter) write(p []byte) error {
+	for len(p) > 0 {
+		if now := time.Now(); s.since >= resultsStride || now.Sub(s.set) > s.timeout/4 {
+			_ = http.NewResponseController(s.w).SetWriteDeadline(now.Add(s.timeout))
+			s.set, s.since = now, 0
+		}
+		n := min(len(p), resultsStride)
+		if _, err := s.w.Write(p[:n]); err != nil {
+			return fmt.Errorf("error writing batch results: %w", err)
+		}
+		s.since += n
+		p = p[n:]
 	}
 	return nil
 }

@@ -315,17 +315,25 @@ func TestStreamToAClientThatReadsNothing(t *testing.T) {
 // keeps its connection open until the test ends.
 func (b *testBundle) postUnread(body string) {
 	b.t.Helper()
+	conn := b.narrowConn(b.t)
+	_, err := fmt.Fprintf(conn, "POST /api/v1/responses HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer %s\r\n"+
+		"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", b.key, len(body), body)
+	require.NoError(b.t, err)
+}
+
+// narrowConn is a connection to the server whose receive buffer is as small
+// as the kernel allows, closed when the test ends.
+func (b *testBundle) narrowConn(t testing.TB) net.Conn {
+	t.Helper()
 	dialer := net.Dialer{Control: func(_, _ string, c syscall.RawConn) error {
 		return c.Control(func(fd uintptr) {
 			_ = syscall.SetsockoptInt(int(fd), syscall.SOL_SOCKET, syscall.SO_RCVBUF, 4096)
 		})
 	}}
 	conn, err := dialer.Dial("tcp", strings.TrimPrefix(b.http.URL, "http://"))
-	require.NoError(b.t, err)
-	b.t.Cleanup(func() { _ = conn.Close() })
-	_, err = fmt.Fprintf(conn, "POST /api/v1/responses HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer %s\r\n"+
-		"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s", b.key, len(body), body)
-	require.NoError(b.t, err)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = conn.Close() })
+	return conn
 }
 
 // TestReplyToAClientThatReadsNothing: a reply that is not a stream, too large

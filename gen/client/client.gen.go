@@ -1055,7 +1055,8 @@ type ClientInterface interface {
 	//
 	// The reply is written as it is read, about a mebibyte of the items'
 	// texts at a time (a replica never holds a whole batch of long outputs
-	// for one reply). The batch's `status` is read before its items, which
+	// for one reply); a client that takes no part of it for two minutes is
+	// cut off, however long the whole takes. The batch's `status` is read before its items, which
 	// can only be further along: an item may show as finished in a batch
 	// still `in_progress`, never an item unfinished in a finished batch.
 	// Should the rest become unreadable once the reply has started (the
@@ -1360,7 +1361,8 @@ func (c *Client) CancelBatch(ctx context.Context, batchId BatchID, reqEditors ..
 //
 // The reply is written as it is read, about a mebibyte of the items'
 // texts at a time (a replica never holds a whole batch of long outputs
-// for one reply). The batch's `status` is read before its items, which
+// for one reply); a client that takes no part of it for two minutes is
+// cut off, however long the whole takes. The batch's `status` is read before its items, which
 // can only be further along: an item may show as finished in a batch
 // still `in_progress`, never an item unfinished in a finished batch.
 // Should the rest become unreadable once the reply has started (the
@@ -2329,7 +2331,8 @@ type ClientWithResponsesInterface interface {
 	//
 	// The reply is written as it is read, about a mebibyte of the items'
 	// texts at a time (a replica never holds a whole batch of long outputs
-	// for one reply). The batch's `status` is read before its items, which
+	// for one reply); a client that takes no part of it for two minutes is
+	// cut off, however long the whole takes. The batch's `status` is read before its items, which
 	// can only be further along: an item may show as finished in a batch
 	// still `in_progress`, never an item unfinished in a finished batch.
 	// Should the rest become unreadable once the reply has started (the
@@ -4362,7 +4365,8 @@ func (c *ClientWithResponses) CancelBatchWithResponse(ctx context.Context, batch
 //
 // The reply is written as it is read, about a mebibyte of the items'
 // texts at a time (a replica never holds a whole batch of long outputs
-// for one reply). The batch's `status` is read before its items, which
+// for one reply); a client that takes no part of it for two minutes is
+// cut off, however long the whole takes. The batch's `status` is read before its items, which
 // can only be further along: an item may show as finished in a batch
 // still `in_progress`, never an item unfinished in a finished batch.
 // Should the rest become unreadable once the reply has started (the
