@@ -105,7 +105,7 @@ func New() *Metrics {
 			Name: "gateway_upstream_attempts_total", Help: "Upstream attempts by provider, upstream model and outcome: ok, or the failure's kind (unavailable, denied, failed, rejected, broken, cancelled, other).",
 		}, []string{"provider", "upstream_model", "outcome"}),
 		replyCuts: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "gateway_upstream_reply_cuts_total", Help: "Upstream replies that passed one of the gateway's bounds, by provider, upstream model and bound: text (the reply failed, or its stream broke off), sources (those past 100 dropped), url (a source dropped for its URL), title, snippet, verdict (cut).",
+			Name: "gateway_upstream_reply_cuts_total", Help: "Upstream replies that passed one of the gateway's bounds, by provider, upstream model and bound: text (the reply failed, or was too long to read, or its stream broke off), sources (those past 100 dropped), url (a source dropped for its URL), title, snippet, verdict (cut).",
 		}, []string{"provider", "upstream_model", "bound"}),
 		attemptDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "gateway_upstream_attempt_duration_seconds", Help: "Latency of one upstream attempt by provider and upstream model (streams: until the stream ends).",

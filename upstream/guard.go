@@ -2,6 +2,7 @@ package upstream
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"unicode/utf8"
@@ -32,7 +33,7 @@ const (
 
 // The bounds Guard names when a reply passes one (see Guard).
 const (
-	CutText    = "text"    // the reply failed, or its stream broke off
+	CutText    = "text"    // the reply failed, or was too long to read, or its stream broke off
 	CutSources = "sources" // sources past MaxSources dropped
 	CutURL     = "url"     // a source dropped for its URL
 	CutTitle   = "title"
@@ -77,8 +78,9 @@ func Cut(s string, n int) string {
 // Guard wraps a provider so that everything it returns is untrusted input made
 // safe (D11): text is cleaned before anyone stores or sends it, and bounded.
 // A reply whose text passes MaxTextBytes fails (ErrFailed: the upstream ran
-// it); a stream's breaks off there (ErrStreamBroken), what came before it
-// sent and kept. Sources past MaxSources, or with a URL past MaxURLBytes, are
+// it), as one its provider stopped reading does (ErrTooLong); a stream's
+// breaks off there (ErrStreamBroken), what came before it sent and kept.
+// Sources past MaxSources, or with a URL past MaxURLBytes, are
 // dropped; titles, snippets and verdicts past theirs are cut. onCut, when
 // set, is told once a reply of each bound it passed (a Cut constant).
 func Guard(p Provider, onCut func(string)) Provider {
@@ -95,6 +97,9 @@ func (g *guarded) Complete(ctx context.Context, req *Request) (Result, error) {
 	res, err := g.next.Complete(ctx, req)
 	b := g.bounds(req)
 	defer b.report()
+	if errors.Is(err, ErrTooLong) {
+		b.cut(CutText)
+	}
 	res.Content = Clean(res.Content)
 	if err == nil && len(res.Content) > b.maxText {
 		b.cut(CutText)

@@ -138,6 +138,13 @@ func TestGuardBoundsWhatIsReturned(t *testing.T) {
 		require.ErrorIs(t, err, upstream.ErrFailed, "more text than its tokens can hold: the upstream ran it, and it failed")
 		require.Equal(t, upstream.Result{}, res)
 		require.Equal(t, []string{upstream.CutText}, cuts)
+
+		cuts = nil
+		tooLong := fmt.Errorf("%w: %w", upstream.ErrFailed, upstream.ErrTooLong)
+		p = upstream.Guard(scripted{err: tooLong}, func(bound string) { cuts = append(cuts, bound) })
+		_, err = p.Complete(context.Background(), req)
+		require.ErrorIs(t, err, upstream.ErrTooLong)
+		require.Equal(t, []string{upstream.CutText}, cuts, "a reply its provider stopped reading passed its text's bound")
 	})
 
 	t.Run("Stream", func(t *testing.T) {

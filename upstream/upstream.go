@@ -207,3 +207,9 @@ func Kind(err error) string {
 		return KindOther
 	}
 }
+
+// ErrTooLong marks a reply a provider stopped reading: longer than its
+// request allows (its text at MaxTextBytes and its sources, escaped at
+// worst). It comes wrapped in ErrFailed, and Guard counts it as a reply past
+// its text's bound (CutText).
+var ErrTooLong = errors.New("the reply is longer than its request allows")

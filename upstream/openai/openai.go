@@ -185,15 +185,53 @@ func (c *Client) Complete(ctx context.Context, req *upstream.Request) (upstream.
 		return upstream.Result{}, err
 	}
 	defer resp.Body.Close()
-	raw, err := io.ReadAll(io.LimitReader(resp.Body, maxReplyBytes))
+	raw, err := readReply(resp.Body, resp.ContentLength, replyBytes(req))
+	if errors.Is(err, upstream.ErrTooLong) {
+		return upstream.Result{}, fmt.Errorf("%w: %w", upstream.ErrFailed, err)
+	}
 	if err != nil {
 		return upstream.Result{}, transportError(ctx, err, true)
 	}
 	return parseCompletion(raw)
 }
 
-// maxReplyBytes bounds a non-streaming reply read into memory.
+// maxReplyBytes bounds a non-streaming reply read into memory, whatever the
+// request asks for.
 const maxReplyBytes = 64 << 20
+
+// sourcesRoom is the room a reply is given for its sources: upstream.MaxSources
+// of them, each with a URL and a title at their bounds, every byte escaped at
+// worst, and their indices and field names.
+const sourcesRoom = upstream.MaxSources * (6*(upstream.MaxURLBytes+upstream.MaxTitleBytes) + 256)
+
+// replyBytes is the most of a non-streaming reply to req that is read (D11):
+// room for its text at upstream.MaxTextBytes with every byte escaped at worst
+// (a control character takes six, \u0001), for sourcesRoom and for the
+// envelope; at most maxReplyBytes. A longer reply holds more text than the
+// guard lets through, or more of sources than it keeps, and is not read.
+func replyBytes(req *upstream.Request) int64 {
+	return min(maxReplyBytes, 6*int64(upstream.MaxTextBytes(req))+sourcesRoom+64<<10)
+}
+
+// readReply reads a reply body of size bytes (-1: unknown) whole, or fails
+// (upstream.ErrTooLong) without reading on when it is, or says it is,
+// longer than limit.
+func readReply(body io.Reader, size, limit int64) ([]byte, error) {
+	if size > limit {
+		return nil, fmt.Errorf("%w: %d bytes, where a reply to this request takes at most %d", upstream.ErrTooLong, size, limit)
+	}
+	// Room for the whole of a reply of the usual size and for the read that
+	// finds its end; a longer one grows as it arrives, not as it is declared.
+	buf := bytes.NewBuffer(make([]byte, 0, min(max(size, 0), 64<<10)+bytes.MinRead))
+	n, err := buf.ReadFrom(io.LimitReader(body, limit+1))
+	if err != nil {
+		return nil, err
+	}
+	if n > limit {
+		return nil, fmt.Errorf("%w: a reply to this request takes at most %d bytes", upstream.ErrTooLong, limit)
+	}
+	return buf.Bytes(), nil
+}
 
 // parseCompletion reads a chat completion body. Anything that is not one is a
 // failure after dispatch: the upstream may have done the work.

@@ -1,12 +1,16 @@
 package openai_test
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -435,7 +439,7 @@ func TestStreamEmitErrorStops(t *testing.T) {
 // TestStreamSourcesAreHeldToTheBound: a stream citing far more sources than
 // the guard keeps passes each on, for the guard to drop, but its result holds
 // no more than upstream.MaxSources of them (of a reply, each source is a few
-// words over the reply's own memory, bounded by maxReplyBytes).
+// words over the reply's own memory, whose length is bounded).
 func TestStreamSourcesAreHeldToTheBound(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {
@@ -449,4 +453,86 @@ func TestStreamSourcesAreHeldToTheBound(t *testing.T) {
 		require.Equal(t, 3*upstream.MaxSources, emitted, "each is passed on, for the guard to drop")
 		require.Len(t, res.Sources, upstream.MaxSources)
 	})
+}
+
+// TestRepliesAreReadNoFurtherThanTheirRequestAllows: a non-streaming reply
+// longer than its request's text and sources could make it fails after
+// dispatch, read no further (D11). One that says so in its Content-Length is
+// not read at all, one of unknown length up to the bound; either way the
+// upstream can write no more than the bound and the sockets' buffers. The
+// longest reply the request allows, every byte of it escaped, is read whole.
+func TestRepliesAreReadNoFurtherThanTheirRequestAllows(t *testing.T) {
+	t.Parallel()
+	for _, h2c := range []bool{false, true} {
+		for _, declared := range []bool{false, true} {
+			t.Run(fmt.Sprintf("h2c=%v,declared=%v", h2c, declared), func(t *testing.T) {
+				t.Parallel()
+				written := make(chan int64, 1)
+				url := replyServer(t, h2c, func(w http.ResponseWriter) {
+					if declared {
+						w.Header().Set("Content-Length", strconv.Itoa(1<<30))
+					}
+					chunk := bytes.Repeat([]byte(" "), 64<<10)
+					var n int64
+					for n < 1<<30 {
+						m, err := w.Write(chunk)
+						if n += int64(m); err != nil {
+							break
+						}
+					}
+					written <- n
+				})
+				client := openai.New(openai.Config{BaseURL: url, Timeout: 10 * time.Second, H2C: h2c})
+				_, err := client.Complete(context.Background(), &req)
+				require.ErrorIs(t, err, upstream.ErrFailed)
+				require.ErrorIs(t, err, upstream.ErrTooLong)
+				select {
+				case n := <-written:
+					require.Less(t, n, int64(32<<20), "the upstream wrote no more than the bound and the buffers hold")
+				case <-time.After(10 * time.Second):
+					t.Fatal("the upstream is still writing: the reply is still read")
+				}
+			})
+		}
+
+		t.Run(fmt.Sprintf("h2c=%v,longest", h2c), func(t *testing.T) {
+			t.Parallel()
+			text := strings.Repeat("\x01", upstream.MaxTextBytes(&req))
+			annotations := make([]map[string]any, upstream.MaxSources)
+			for i := range annotations {
+				annotations[i] = map[string]any{"type": "url_citation", "url_citation": map[string]any{
+					"url": strings.Repeat("\x01", upstream.MaxURLBytes), "title": strings.Repeat("\x01", upstream.MaxTitleBytes),
+					"start_index": 1_000_000_000, "end_index": 1_000_000_000,
+				}}
+			}
+			reply, err := json.Marshal(map[string]any{
+				"choices": []any{map[string]any{"message": map[string]any{"content": text, "annotations": annotations}}},
+				"usage":   map[string]any{"prompt_tokens": 1, "completion_tokens": 1},
+			})
+			require.NoError(t, err)
+			require.Greater(t, len(reply), 6*len(text), "every byte escaped")
+			url := replyServer(t, h2c, func(w http.ResponseWriter) { _, _ = w.Write(reply) })
+			client := openai.New(openai.Config{BaseURL: url, Timeout: 10 * time.Second, H2C: h2c})
+			res, err := client.Complete(context.Background(), &req)
+			require.NoError(t, err)
+			require.Equal(t, text, res.Content)
+		})
+	}
+}
+
+// replyServer is an upstream, over HTTP/1.1 or h2c, whose replies reply
+// writes; its base URL.
+func replyServer(t *testing.T, h2c bool, reply func(w http.ResponseWriter)) string {
+	t.Helper()
+	server := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		w.Header().Set("Content-Type", "application/json")
+		reply(w)
+	}))
+	server.Config.Protocols = new(http.Protocols)
+	server.Config.Protocols.SetHTTP1(!h2c)
+	server.Config.Protocols.SetUnencryptedHTTP2(h2c)
+	server.Start()
+	t.Cleanup(server.Close)
+	return server.URL + "/v1"
 }
