@@ -139,6 +139,9 @@ func (g *guarded) Stream(ctx context.Context, req *Request, emit func(Delta) err
 		}
 		return over
 	})
+	if errors.Is(err, ErrTooLong) {
+		b.cut(CutText)
+	}
 	res.Content = Cut(Clean(res.Content), sent)
 	res.Sources = kept
 	res.Verdict = b.verdict(res.Verdict)

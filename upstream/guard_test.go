@@ -171,5 +171,14 @@ func TestGuardBoundsWhatIsReturned(t *testing.T) {
 		checkSources(t, sent)
 		require.Equal(t, sent, res.Sources, "the result holds the sources sent")
 		require.Equal(t, []string{upstream.CutText, upstream.CutSources, upstream.CutURL, upstream.CutTitle, upstream.CutSnippet}, cuts)
+
+		cuts = nil
+		tooLong := fmt.Errorf("%w: %w", upstream.ErrStreamBroken, upstream.ErrTooLong)
+		p = upstream.Guard(scripted{deltas: []upstream.Delta{{Content: "kept"}}, res: upstream.Result{Content: "kept"}, err: tooLong},
+			func(bound string) { cuts = append(cuts, bound) })
+		res, err = p.Stream(context.Background(), req, func(upstream.Delta) error { return nil })
+		require.ErrorIs(t, err, upstream.ErrTooLong)
+		require.Equal(t, "kept", res.Content)
+		require.Equal(t, []string{upstream.CutText}, cuts, "a stream whose line its provider stopped reading passed its text's bound")
 	})
 }

@@ -138,6 +138,13 @@ var ErrDenied = errors.New("the upstream refused the gateway's credentials, addr
 // it, so it is never retried (D12).
 var ErrFailed = errors.New("upstream call failed after dispatch")
 
+// ErrTooLong marks a reply a provider stopped reading: longer than its
+// request allows (its text at MaxTextBytes and its sources, escaped at
+// worst), or a stream with one line that long. It comes wrapped in ErrFailed
+// (ErrStreamBroken for a stream), and Guard counts it as a reply past its
+// text's bound (CutText).
+var ErrTooLong = errors.New("the reply is longer than its request allows")
+
 // RejectedError is an upstream's refusal of one request (a 4xx other than
 // 408, 429 and those of ErrDenied).
 type RejectedError struct {
@@ -207,9 +214,3 @@ func Kind(err error) string {
 		return KindOther
 	}
 }
-
-// ErrTooLong marks a reply a provider stopped reading: longer than its
-// request allows (its text at MaxTextBytes and its sources, escaped at
-// worst). It comes wrapped in ErrFailed, and Guard counts it as a reply past
-// its text's bound (CutText).
-var ErrTooLong = errors.New("the reply is longer than its request allows")

@@ -506,7 +506,9 @@ type Response struct {
 	// text for each of `max_output_rungs` (more than any tokenizer's
 	// tokens hold) is not passed on: the request fails with
 	// `INFERENCE_BUSY` and nothing is billed, and a stream of it breaks
-	// off at that bound, the text sent billed.
+	// off at that bound, the text sent billed. So does a reply larger
+	// than that text and 100 sources could make it, however encoded
+	// (for a stream, one event that large): it is not read on.
 	Content string `json:"content"`
 
 	// EvidenceVerdict Evidence verdict, present when the pipeline produced one; omitted otherwise (never null). At most 256 bytes.

@@ -536,3 +536,24 @@ func replyServer(t *testing.T, h2c bool, reply func(w http.ResponseWriter)) stri
 	t.Cleanup(server.Close)
 	return server.URL + "/v1"
 }
+
+// TestStreamLinesAreBoundedByTheirRequest: a stream line longer than a whole
+// reply to its request could be (here 4 MB for 123 output tokens, under the
+// 8 MiB any line may take) breaks the stream, over either transport.
+func TestStreamLinesAreBoundedByTheirRequest(t *testing.T) {
+	t.Parallel()
+	for _, h2c := range []bool{false, true} {
+		t.Run(fmt.Sprintf("h2c=%v", h2c), func(t *testing.T) {
+			t.Parallel()
+			long := fmt.Sprintf("data: {\"choices\":[{\"delta\":{\"content\":%q}}]}\n\n", strings.Repeat("x", 4<<20))
+			url := replyServer(t, h2c, func(w http.ResponseWriter) {
+				_, _ = io.WriteString(w, "data: {\"choices\":[{\"delta\":{\"content\":\"before \"}}]}\n\n"+long+"data: [DONE]\n\n")
+			})
+			client := openai.New(openai.Config{BaseURL: url, Timeout: 10 * time.Second, H2C: h2c})
+			res, err := client.Stream(context.Background(), &req, func(upstream.Delta) error { return nil })
+			require.ErrorIs(t, err, upstream.ErrStreamBroken)
+			require.ErrorIs(t, err, upstream.ErrTooLong)
+			require.Equal(t, "before ", res.Content)
+		})
+	}
+}

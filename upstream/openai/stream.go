@@ -52,7 +52,7 @@ func (c *Client) Stream(ctx context.Context, req *upstream.Request, emit func(up
 	if err != nil {
 		return upstream.Result{}, c.postError(w, dispatched, err)
 	}
-	return c.receive(ctx, w, resp, emit)
+	return c.receive(ctx, w, resp, min(maxLineBytes, replyBytes(req)), emit)
 }
 
 // watchdog cancels a stream's call after Timeout of silence.
@@ -73,13 +73,16 @@ func (c *Client) postError(w *watchdog, dispatched bool, err error) error {
 	return err
 }
 
-// receive reads a stream's reply and classifies how it ended.
-func (c *Client) receive(ctx context.Context, w *watchdog, resp *http.Response, emit func(upstream.Delta) error) (upstream.Result, error) {
+// receive reads a stream's reply, its lines up to maxLine bytes, and
+// classifies how it ended.
+func (c *Client) receive(ctx context.Context, w *watchdog, resp *http.Response, maxLine int64, emit func(upstream.Delta) error) (upstream.Result, error) {
 	defer resp.Body.Close()
-	res, err := readStream(resp.Body, func() { w.timer.Reset(c.cfg.Timeout) }, emit)
+	res, err := readStream(resp.Body, maxLine, func() { w.timer.Reset(c.cfg.Timeout) }, emit)
 	switch {
 	case err == nil, errors.Is(err, errEmit):
 		return res, errors.Unwrap(err)
+	case errors.Is(err, upstream.ErrTooLong):
+		return res, fmt.Errorf("%w: %w", upstream.ErrStreamBroken, err)
 	case ctx.Err() != nil && !w.idle.Load():
 		return res, ctx.Err() // the caller went away
 	case w.idle.Load():
@@ -106,16 +109,18 @@ type readWaiter interface{ WaitReadable() error }
 // gathered below.
 var lineReaders = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, 4<<10) }}
 
-// maxLineBytes bounds one data: line; a longer one breaks the stream.
+// maxLineBytes bounds one data: line, whatever the request asks for; a
+// longer one breaks the stream. A line longer than a whole reply to its
+// request could be (replyBytes) breaks it too.
 const maxLineBytes = 8 << 20
 
 // readStream reads server-sent chat completion chunks from body until [DONE],
 // calling progress before each line and emit for each delta with content or
 // evidence. It returns what was received; the error is nil at [DONE], an
 // emitError when emit failed, otherwise why the stream is broken (end before
-// [DONE], an in-stream error, a malformed chunk or line). Everything in body
-// is untrusted.
-func readStream(body io.Reader, progress func(), emit func(upstream.Delta) error) (upstream.Result, error) {
+// [DONE], an in-stream error, a malformed chunk, a line longer than maxLine:
+// upstream.ErrTooLong). Everything in body is untrusted.
+func readStream(body io.Reader, maxLine int64, progress func(), emit func(upstream.Delta) error) (upstream.Result, error) {
 	var res upstream.Result
 	var content bytes.Buffer
 	finish := func(err error) (upstream.Result, error) {
@@ -150,12 +155,12 @@ func readStream(body io.Reader, progress func(), emit func(upstream.Delta) error
 		if errors.Is(err, bufio.ErrBufferFull) {
 			// A data line longer than the buffer: gather the rest of it.
 			full := append([]byte(nil), line...)
-			for errors.Is(err, bufio.ErrBufferFull) && len(full) <= maxLineBytes {
+			for errors.Is(err, bufio.ErrBufferFull) && int64(len(full)) <= maxLine {
 				line, err = reader.ReadSlice('\n')
 				full = append(full, line...)
 			}
-			if len(full) > maxLineBytes {
-				return finish(fmt.Errorf("a stream line is longer than %d bytes", maxLineBytes))
+			if int64(len(full)) > maxLine {
+				return finish(fmt.Errorf("%w: a stream line is longer than %d bytes, the most one may take in a reply to this request", upstream.ErrTooLong, maxLine))
 			}
 			line = full
 		}

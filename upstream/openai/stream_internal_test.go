@@ -1,0 +1,52 @@
+package openai
+
+import (
+	"io"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway/upstream"
+)
+
+// countingReader counts the bytes read from r.
+type countingReader struct {
+	r    io.Reader
+	read int64
+}
+
+func (c *countingReader) Read(p []byte) (int, error) {
+	n, err := c.r.Read(p)
+	c.read += int64(n)
+	return n, err
+}
+
+// endless is a reader of x without end.
+type endless struct{}
+
+func (endless) Read(p []byte) (int, error) {
+	for i := range p {
+		p[i] = 'x'
+	}
+	return len(p), nil
+}
+
+// TestStreamLinesAreReadNoFurtherThanTheirBound: a line without end breaks
+// the stream once it passes maxLine (upstream.ErrTooLong), read no further
+// than the line and the reader's buffer; what came before it is kept.
+func TestStreamLinesAreReadNoFurtherThanTheirBound(t *testing.T) {
+	t.Parallel()
+	const maxLine = 1 << 20
+	body := &countingReader{r: io.MultiReader(strings.NewReader("data: {\"choices\":[{\"delta\":{\"content\":\"before \"}}]}\n\ndata: "), endless{})}
+	var emitted []string
+	res, err := readStream(body, maxLine, func() {}, func(d upstream.Delta) error {
+		emitted = append(emitted, d.Content)
+		return nil
+	})
+	require.ErrorIs(t, err, upstream.ErrTooLong)
+	require.Equal(t, []string{"before "}, emitted)
+	require.Equal(t, "before ", res.Content)
+	require.LessOrEqual(t, body.read, int64(maxLine+8<<10), "the line up to its bound, and a buffer")
+	require.Greater(t, body.read, int64(maxLine))
+}
