@@ -62,11 +62,7 @@ func TestBehindTheExampleLoadBalancer(t *testing.T) {
 	})
 
 	t.Run("ResultsCompressedForWhoAcceptsIt", func(t *testing.T) {
-		requests := make([]map[string]any, 40)
-		for i := range requests {
-			requests[i] = map[string]any{"prompt": fmt.Sprintf("item %d of a batch read through the load balancer", i)}
-		}
-		batch := lb.createBatch(b.key, requests)
+		batch := lb.createBatch(b.key, prompts("a batch read through the load balancer,", 40))
 		lb.waitTerminal(b.key, batch.Id.String(), 60*time.Second)
 		path := "/api/v1/batch/" + batch.Id.String() + "/results"
 		direct := g.call(http.MethodGet, path, b.key, nil)
