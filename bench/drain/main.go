@@ -31,7 +31,7 @@ func main() {
 	replicaList := flag.String("replicas", "1,2,4", "replica counts to measure")
 	batches := flag.Int("batches", 100, "batches per run")
 	items := flag.Int("items", 100, "items a batch (1 to 100)")
-	probes := flag.Int("probes", 30, "single-item batches for the dispatch latency")
+	probes := flag.Int("probes", 30, "single-item batches for the dispatch latency (0: not measured)")
 	rounds := flag.Int("rounds", 1, "times each replica count is measured, in turn")
 	warmup := flag.Int("warmup", 20, "batches drained before each measured run, not counted")
 	accounts := flag.Int("accounts", 1, "accounts the batches are spread over, in turn (each claim shares out its items among the accounts with work)")
@@ -65,8 +65,8 @@ func run(binary, replicaList string, probes, rounds int, o runOptions) error {
 		}
 		counts = append(counts, n)
 	}
-	if rounds < 1 || o.warmup < 0 || o.accounts < 1 {
-		return fmt.Errorf("bad round count %d, warm-up %d or account count %d", rounds, o.warmup, o.accounts)
+	if rounds < 1 || o.warmup < 0 || o.accounts < 1 || probes < 0 {
+		return fmt.Errorf("bad round count %d, warm-up %d, account count %d or probe count %d", rounds, o.warmup, o.accounts, probes)
 	}
 	env, err := benchenv.Start(binary)
 	if err != nil {
@@ -107,6 +107,9 @@ func run(binary, replicaList string, probes, rounds int, o runOptions) error {
 		}
 	}
 
+	if probes == 0 {
+		return nil
+	}
 	p50, p99, err := dispatchLatency(env, fake, probes)
 	if err != nil {
 		return err

@@ -26,9 +26,9 @@ import (
 
 func main() {
 	binary := flag.String("binary", "bin/gateway", "gateway binary")
-	requests := flag.Int("requests", 1000, "sequential streams for the first-token measurement")
+	requests := flag.Int("requests", 1000, "sequential streams for the first-token measurement (0: not measured)")
 	warmup := flag.Int("warmup", 1000, "sequential streams before the first-token measurement, not counted")
-	idle := flag.Int("idle", 10000, "concurrent idle streams for the memory measurement")
+	idle := flag.Int("idle", 10000, "concurrent idle streams for the memory measurement (0: not measured)")
 	release := flag.Duration("release", time.Minute, "how long to follow RSS after the idle streams close")
 	flag.Parse()
 	if err := run(*binary, *warmup, *requests, *idle, *release); err != nil {
@@ -38,6 +38,9 @@ func main() {
 }
 
 func run(binary string, warmup, requests, idle int, release time.Duration) error {
+	if warmup < 0 || requests < 0 || idle < 0 {
+		return fmt.Errorf("bad warm-up %d, request count %d or idle stream count %d", warmup, requests, idle)
+	}
 	// An idle stream costs two descriptors in the gateway (client and upstream
 	// connections) and two here (client, and the fake upstream's server side).
 	// Raise the soft limit to the hard one; fit the streams under it.
@@ -61,8 +64,13 @@ func run(binary string, warmup, requests, idle int, release time.Duration) error
 		return err
 	}
 	defer env.Close()
-	if err := firstToken(env, warmup, requests); err != nil {
-		return err
+	if requests > 0 {
+		if err := firstToken(env, warmup, requests); err != nil {
+			return err
+		}
+	}
+	if idle == 0 {
+		return nil
 	}
 	for _, p := range []protocols{{}, {upstream: true}, {upstream: true, inbound: true}} {
 		n := fitting
