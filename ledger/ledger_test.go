@@ -3,6 +3,7 @@ package ledger_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -250,7 +251,7 @@ func TestConcurrentAdmissionsNeverPassTheCap(t *testing.T) {
 			"budget": {nil, ptr(int64(1000))},
 			"daily":  {ptr(int64(1000)), nil},
 		} {
-			t.Run(name, func(t *testing.T) {
+			t.Run(fmt.Sprintf("%s/replicas=%d", name, replicas), func(t *testing.T) {
 				t.Parallel()
 				b := setup(t)
 				ledgers := make([]*ledger.Ledger, replicas)
@@ -294,7 +295,7 @@ func TestConcurrentAdmissionsNeverPassTheCap(t *testing.T) {
 					}()
 				}
 				wg.Wait()
-				require.Equal(t, int64(10), admitted.Load(), "replicas=%d", replicas)
+				require.Equal(t, int64(10), admitted.Load())
 				v := b.view(t, p)
 				require.Equal(t, billed.Load(), v.Totals.TotalRungs)
 				require.Equal(t, billed.Load(), v.Daily.Charged)
