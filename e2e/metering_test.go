@@ -63,60 +63,82 @@ func TestRateLimitHoldsAcrossReplicas(t *testing.T) {
 	require.Equal(t, int64(35), limited.Load())
 }
 
-// TestBudgetHoldsUnderConcurrency: 200 concurrent requests against a cap that
-// fits 10, over one and over three replicas, with an upstream that reports
-// far more usage than it could have produced: exactly 10 are served, and the
-// spend passes the cap only by what the clamped counts exceed the estimates
-// (D5, D11), with the usage view equal to what the callers received.
-func TestBudgetHoldsUnderConcurrency(t *testing.T) {
+// TestLimitsHoldUnderConcurrency: 200 concurrent requests against a project
+// budget, or a daily ceiling, that fits 10, over one and over three replicas,
+// with an upstream that reports far more usage than it could have produced:
+// exactly 10 are served, and the spend passes the limit only by what the
+// clamped counts exceed the estimates (D5, D11), with the usage view equal to
+// what the callers received.
+func TestLimitsHoldUnderConcurrency(t *testing.T) {
 	t.Parallel()
+	limits := []struct {
+		name, flag string
+		status     int
+		code       string
+	}{
+		{"budget", "--budget-rungs", http.StatusPaymentRequired, "BUDGET_EXCEEDED"},
+		{"daily", "--daily-rungs", http.StatusTooManyRequests, "RATE_LIMITED"},
+	}
 	for _, n := range []int{1, 3} {
-		t.Run(fmt.Sprintf("replicas=%d", n), func(t *testing.T) {
-			t.Parallel()
-			b := setup(t)
-			// Each request reserves its prompt estimate plus 1000 output rungs: the cap fits 10.
-			prompt := "how many fit"
-			mustCLI(t, b.db, "limits", "set", "--account", "acme", "--budget-rungs", "10050")
-			replicas := make([]*gateway, n)
-			for i := range replicas {
-				replicas[i] = serve(t, b.db, b.fake.BaseURL(), nil)
-			}
-			b.fake.SetDelay(3 * time.Second) // every admission happens before any settlement
-			b.fake.SetHostile(prompt, fakeupstream.Hostile{Content: "answer", PromptTokens: 1 << 40, CompletionTokens: 1 << 40})
-
-			var ok, refused, received atomic.Int64
-			var wg sync.WaitGroup
-			for i := range 200 {
-				wg.Add(1)
-				go func() {
-					defer wg.Done()
-					r := replicas[i%n].call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": prompt, "max_output_rungs": 1000})
-					switch r.status {
-					case http.StatusOK:
-						ok.Add(1)
-						var resp api.Response
-						require.NoError(t, json.Unmarshal(r.body, &resp))
-						received.Add(resp.Usage.TotalRungs)
-					case http.StatusPaymentRequired:
-						refused.Add(1)
-						require.Equal(t, "BUDGET_EXCEEDED", r.code(t))
-					default:
-						t.Errorf("unexpected status %d: %s", r.status, r.body)
+		for _, limit := range limits {
+			t.Run(fmt.Sprintf("%s/replicas=%d", limit.name, n), func(t *testing.T) {
+				t.Parallel()
+				if limit.name == "daily" {
+					// The day's charges must all fall in one UTC day.
+					if left := time.Until(time.Now().UTC().Truncate(24 * time.Hour).Add(24 * time.Hour)); left < 30*time.Second {
+						time.Sleep(left + time.Second)
 					}
-				}()
-			}
-			wg.Wait()
-			require.Equal(t, int64(10), ok.Load())
-			require.Equal(t, int64(190), refused.Load())
-			v := replicas[0].usage(b.key)
-			require.NotNil(t, v.Budget.CapRungs)
-			// Input is clamped to the bytes sent plus 16 per message: 28 here.
-			require.LessOrEqual(t, v.Budget.SpentRungs, *v.Budget.CapRungs+ok.Load()*28, "the cap, plus what the clamped counts exceed the estimates")
-			require.Equal(t, received.Load(), v.Totals.TotalRungs)
-			require.Equal(t, ok.Load(), v.Totals.Requests)
-			require.Equal(t, v.Totals.TotalRungs, v.Budget.SpentRungs)
-			require.Equal(t, v.Totals.TotalRungs, v.Daily.ChargedRungs)
-		})
+				}
+				b := setup(t)
+				// Each request reserves its prompt estimate plus 1000 output rungs: the limit fits 10.
+				prompt := "how many fit"
+				mustCLI(t, b.db, "limits", "set", "--account", "acme", limit.flag, "10050")
+				replicas := make([]*gateway, n)
+				for i := range replicas {
+					replicas[i] = serve(t, b.db, b.fake.BaseURL(), nil)
+				}
+				b.fake.SetDelay(3 * time.Second) // every admission happens before any settlement
+				b.fake.SetHostile(prompt, fakeupstream.Hostile{Content: "answer", PromptTokens: 1 << 40, CompletionTokens: 1 << 40})
+
+				var ok, refused, received atomic.Int64
+				var wg sync.WaitGroup
+				for i := range 200 {
+					wg.Add(1)
+					go func() {
+						defer wg.Done()
+						r := replicas[i%n].call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": prompt, "max_output_rungs": 1000})
+						switch r.status {
+						case http.StatusOK:
+							ok.Add(1)
+							var resp api.Response
+							require.NoError(t, json.Unmarshal(r.body, &resp))
+							received.Add(resp.Usage.TotalRungs)
+						case limit.status:
+							refused.Add(1)
+							require.Equal(t, limit.code, r.code(t))
+						default:
+							t.Errorf("unexpected status %d: %s", r.status, r.body)
+						}
+					}()
+				}
+				wg.Wait()
+				require.Equal(t, int64(10), ok.Load())
+				require.Equal(t, int64(190), refused.Load())
+				v := replicas[0].usage(b.key)
+				spent, limitRungs := v.Budget.SpentRungs, v.Daily.CeilingRungs
+				if limit.name == "budget" {
+					require.NotNil(t, v.Budget.CapRungs)
+					limitRungs = *v.Budget.CapRungs
+				}
+				require.Equal(t, int64(10050), limitRungs)
+				// Input is clamped to the bytes sent plus 16 per message: 28 here.
+				require.LessOrEqual(t, spent, limitRungs+ok.Load()*28, "the limit, plus what the clamped counts exceed the estimates")
+				require.Equal(t, received.Load(), v.Totals.TotalRungs)
+				require.Equal(t, ok.Load(), v.Totals.Requests)
+				require.Equal(t, v.Totals.TotalRungs, spent)
+				require.Equal(t, v.Totals.TotalRungs, v.Daily.ChargedRungs)
+			})
+		}
 	}
 }
 
