@@ -347,7 +347,9 @@ func drive(t target, rate int, d time.Duration) result {
 		}()
 	}
 	wg.Wait()
-	res.achieved = float64(len(res.latencies)) / time.Since(startAll).Seconds()
+	// Over d at least: a d shorter than the interval sends one request,
+	// whose own time is not the rate.
+	res.achieved = float64(len(res.latencies)) / max(d, time.Since(startAll)).Seconds()
 	slices.Sort(res.latencies)
 	return res
 }
