@@ -463,12 +463,12 @@ func TestStreamSourcesAreHeldToTheBound(t *testing.T) {
 // longest reply the request allows, every byte of it escaped, is read whole.
 func TestRepliesAreReadNoFurtherThanTheirRequestAllows(t *testing.T) {
 	t.Parallel()
-	for _, h2c := range []bool{false, true} {
+	eachTransport(t, func(t *testing.T, b *testBundle) {
 		for _, declared := range []bool{false, true} {
-			t.Run(fmt.Sprintf("h2c=%v,declared=%v", h2c, declared), func(t *testing.T) {
+			t.Run(fmt.Sprintf("declared=%v", declared), func(t *testing.T) {
 				t.Parallel()
 				written := make(chan int64, 1)
-				url := replyServer(t, h2c, func(w http.ResponseWriter) {
+				client := b.replyClient(t, func(w http.ResponseWriter) {
 					if declared {
 						w.Header().Set("Content-Length", strconv.Itoa(1<<30))
 					}
@@ -482,7 +482,6 @@ func TestRepliesAreReadNoFurtherThanTheirRequestAllows(t *testing.T) {
 					}
 					written <- n
 				})
-				client := openai.New(openai.Config{BaseURL: url, Timeout: 10 * time.Second, H2C: h2c})
 				_, err := client.Complete(context.Background(), &req)
 				require.ErrorIs(t, err, upstream.ErrFailed)
 				require.ErrorIs(t, err, upstream.ErrTooLong)
@@ -495,7 +494,7 @@ func TestRepliesAreReadNoFurtherThanTheirRequestAllows(t *testing.T) {
 			})
 		}
 
-		t.Run(fmt.Sprintf("h2c=%v,longest", h2c), func(t *testing.T) {
+		t.Run("longest", func(t *testing.T) {
 			t.Parallel()
 			text := strings.Repeat("\x01", upstream.MaxTextBytes(&req))
 			annotations := make([]map[string]any, upstream.MaxSources)
@@ -511,18 +510,17 @@ func TestRepliesAreReadNoFurtherThanTheirRequestAllows(t *testing.T) {
 			})
 			require.NoError(t, err)
 			require.Greater(t, len(reply), 6*len(text), "every byte escaped")
-			url := replyServer(t, h2c, func(w http.ResponseWriter) { _, _ = w.Write(reply) })
-			client := openai.New(openai.Config{BaseURL: url, Timeout: 10 * time.Second, H2C: h2c})
+			client := b.replyClient(t, func(w http.ResponseWriter) { _, _ = w.Write(reply) })
 			res, err := client.Complete(context.Background(), &req)
 			require.NoError(t, err)
 			require.Equal(t, text, res.Content)
 		})
-	}
+	})
 }
 
-// replyServer is an upstream, over HTTP/1.1 or h2c, whose replies reply
-// writes; its base URL.
-func replyServer(t *testing.T, h2c bool, reply func(w http.ResponseWriter)) string {
+// replyClient returns a client, over the bundle's transport, to an upstream
+// whose replies reply writes.
+func (b *testBundle) replyClient(t *testing.T, reply func(w http.ResponseWriter)) *openai.Client {
 	t.Helper()
 	server := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		_, _ = io.Copy(io.Discard, r.Body)
@@ -530,11 +528,11 @@ func replyServer(t *testing.T, h2c bool, reply func(w http.ResponseWriter)) stri
 		reply(w)
 	}))
 	server.Config.Protocols = new(http.Protocols)
-	server.Config.Protocols.SetHTTP1(!h2c)
-	server.Config.Protocols.SetUnencryptedHTTP2(h2c)
+	server.Config.Protocols.SetHTTP1(!b.h2c)
+	server.Config.Protocols.SetUnencryptedHTTP2(b.h2c)
 	server.Start()
 	t.Cleanup(server.Close)
-	return server.URL + "/v1"
+	return b.newClient(openai.Config{BaseURL: server.URL + "/v1", Timeout: 10 * time.Second})
 }
 
 // TestStreamLinesAreBoundedByTheirRequest: a stream line longer than a whole
@@ -542,18 +540,14 @@ func replyServer(t *testing.T, h2c bool, reply func(w http.ResponseWriter)) stri
 // 8 MiB any line may take) breaks the stream, over either transport.
 func TestStreamLinesAreBoundedByTheirRequest(t *testing.T) {
 	t.Parallel()
-	for _, h2c := range []bool{false, true} {
-		t.Run(fmt.Sprintf("h2c=%v", h2c), func(t *testing.T) {
-			t.Parallel()
-			long := fmt.Sprintf("data: {\"choices\":[{\"delta\":{\"content\":%q}}]}\n\n", strings.Repeat("x", 4<<20))
-			url := replyServer(t, h2c, func(w http.ResponseWriter) {
-				_, _ = io.WriteString(w, "data: {\"choices\":[{\"delta\":{\"content\":\"before \"}}]}\n\n"+long+"data: [DONE]\n\n")
-			})
-			client := openai.New(openai.Config{BaseURL: url, Timeout: 10 * time.Second, H2C: h2c})
-			res, err := client.Stream(context.Background(), &req, func(upstream.Delta) error { return nil })
-			require.ErrorIs(t, err, upstream.ErrStreamBroken)
-			require.ErrorIs(t, err, upstream.ErrTooLong)
-			require.Equal(t, "before ", res.Content)
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		long := fmt.Sprintf("data: {\"choices\":[{\"delta\":{\"content\":%q}}]}\n\n", strings.Repeat("x", 4<<20))
+		client := b.replyClient(t, func(w http.ResponseWriter) {
+			_, _ = io.WriteString(w, "data: {\"choices\":[{\"delta\":{\"content\":\"before \"}}]}\n\n"+long+"data: [DONE]\n\n")
 		})
-	}
+		res, err := client.Stream(context.Background(), &req, func(upstream.Delta) error { return nil })
+		require.ErrorIs(t, err, upstream.ErrStreamBroken)
+		require.ErrorIs(t, err, upstream.ErrTooLong)
+		require.Equal(t, "before ", res.Content)
+	})
 }
