@@ -661,6 +661,7 @@ func TestBatchStatementsPlanForTheTablesAsTheyAre(t *testing.T) {
 		require.NoError(t, err)
 		require.Len(t, items, 4)
 		require.NoError(t, explained.StartBatches(b.ctx, []uuid.UUID{id}))
+		require.NoError(t, explained.FinishBatches(b.ctx, []uuid.UUID{id}))
 		_, err = explained.BatchesForOperator(b.ctx, "", nil, 10)
 		require.NoError(t, err)
 		_, err = explained.BatchesForOperator(b.ctx, "acme", []gateway.BatchStatus{gateway.BatchInProgress}, 10)
@@ -691,15 +692,55 @@ func TestBatchStatementsPlanForTheTablesAsTheyAre(t *testing.T) {
 		statements[i] = "-- name: " + name + " "
 	}
 	// GetBatch (migration 00028), GetBatchItems (00040), QueuedBatches, LockBatch
-	// and SetBatchStatus (00030) run through functions: their statements.
+	// and SetBatchStatus (00030), DoneBatches (00026, 00042) run through
+	// functions: their statements.
 	statements = append(statements, "SELECT b.* FROM batches b WHERE b.id = p_id",
 		"WHERE i.batch_id = p_batch_id AND i.idx > p_after", "FILTER (WHERE i.status = 'cancelled')::integer,",
 		"WHERE b.id = ANY (p_ids) AND b.status IS NOT DISTINCT FROM 'queued'", "FOR UPDATE OF b", "UPDATE batches b SET status = p_status",
+		"b.status IS NOT DISTINCT FROM 'cancelling')",
 		// batches_for_operator (00037), its two statements.
 		"WHERE p_statuses IS NULL OR b.status = ANY (p_statuses)", "WHERE b.account_id = (SELECT a.id FROM accounts a WHERE a.name = p_account)")
 	for _, statement := range statements {
 		ran := plansOf(t, plans()[before:], []string{statement}, "Seq Scan on batches", "Seq Scan on batch_items")
 		require.NotEmpty(t, ran, "%q ran on the grown tables", statement)
+		// Nor every item through the items' primary key, as a filter (as
+		// done_batches' anti-join did, for each batch, before migration 00042).
+		for _, plan := range ran {
+			require.Empty(t, scansWithoutCond(plan, "batch_items_pkey"), plan)
+		}
+	}
+}
+
+// TestBatchFunctionsKeepTheirPlans: the drainer's choices of batches to start
+// and to finish, the lock of a batch for a transition and a client's poll of
+// a batch run on plans their connection keeps, from the first call (migration
+// 00042): a plan made for a call names the call's keys, a kept plan its
+// parameters. Made for each call, they cost more to plan than to run.
+func TestBatchFunctionsKeepTheirPlans(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	explained, plans := b.explained(t)
+	const calls = 8
+	for range calls {
+		id := b.newBatch(t, p, 2, 10, "", day())
+		_, err := explained.Batch(b.ctx, p.AccountID, id)
+		require.NoError(t, err)
+		require.NoError(t, explained.StartBatches(b.ctx, []uuid.UUID{id}))
+		require.NoError(t, explained.FinishBatches(b.ctx, []uuid.UUID{id}))
+	}
+	literal := regexp.MustCompile(`'[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}'`)
+	for name, statement := range map[string]string{
+		"queued_batches":    "WHERE b.id = ANY (p_ids) AND b.status IS NOT DISTINCT FROM 'queued'",
+		"done_batches":      "b.status IS NOT DISTINCT FROM 'cancelling')",
+		"lock_batch":        "FOR UPDATE OF b",
+		"batch_item_totals": "FILTER (WHERE i.status = 'cancelled')::integer,",
+	} {
+		ran := plansOf(t, plans(), []string{statement})
+		require.Len(t, ran, calls, "%s ran once a batch: %q", name, plans())
+		for _, plan := range ran {
+			require.NotRegexp(t, literal, plan, "%s planned for its call", name)
+		}
 	}
 }
 
@@ -1754,8 +1795,9 @@ func TestQueueStatementsFindRowsByKeyAfterAnEmptyQueueWasAnalyzed(t *testing.T) 
 		case strings.Contains(plan, "Update on batch_items") && strings.Contains(plan, "Tid Scan on batch_items"):
 			byAddress++
 		case strings.Contains(plan, "b.status IS NOT DISTINCT FROM 'cancelling')"):
-			moves++ // the finish's choice, in done_batches (migration 00026)
+			moves++ // the finish's choice, in done_batches (migrations 00026, 00042)
 			require.NotContains(t, plan, "Seq Scan on batch_items", plan)
+			require.Empty(t, scansWithoutCond(plan, "batch_items_pkey"), plan)
 		}
 		require.NotContains(t, plan, "batch_items_claim_idx", plan)
 	}
@@ -1802,6 +1844,47 @@ func TestBatchMovesFindBatchesByKeyAfterNoneWasOpen(t *testing.T) {
 	require.Len(t, items, 32)
 	claims := plansOf(t, plans(), []string{"open_since"}, "using batches_open_expires_idx on batches ib", "using batches_drainable_idx on batches ib")
 	require.Len(t, claims, 1, "the claim's choice of items was explained: %q", plans())
+}
+
+// TestFinishReadsEachBatchsItemsAfterAFinishedQueueWasAnalyzed: statistics
+// taken when every batch and item was finished (after a drain) make the
+// batches the finish is given, and their unfinished items, look like none. A
+// plan of done_batches made then, while the tables were small, and kept
+// (migration 00042) read the whole primary key of the items for each batch
+// once the tables had grown, as a join filter: 13 ms a call of 64 one-item
+// batches. It reads each batch's items by key.
+func TestFinishReadsEachBatchsItemsAfterAFinishedQueueWasAnalyzed(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	owner := uuid.Must(uuid.NewV7())
+	for range 20 {
+		b.newBatch(t, p, 1, 10, "", day())
+	}
+	b.complete(t, owner, b.claim(t, owner, 20, time.Minute), 10)
+	b.analyzeOnce(t)
+	explained, plans := b.explained(t)
+	first := b.newBatch(t, p, 1, 10, "", day())
+	b.completeItems(t, owner, b.claim(t, owner, 1, time.Minute), 10)
+	require.NoError(t, explained.FinishBatches(b.ctx, []uuid.UUID{first})) // planned now
+
+	ids := make([]uuid.UUID, 300)
+	for i := range ids {
+		ids[i] = b.newBatch(t, p, 1, 10, "", day())
+	}
+	b.completeItems(t, owner, b.claim(t, owner, len(ids), time.Minute), 10)
+	_, err := explained.Pool().Exec(b.ctx, `SET auto_explain.log_analyze = on`)
+	require.NoError(t, err)
+	before := len(plans())
+	require.NoError(t, explained.FinishBatches(b.ctx, ids))
+	choices := plansOf(t, plans()[before:], []string{"b.status IS NOT DISTINCT FROM 'cancelling')"})
+	require.Len(t, choices, 1, "the finish's choice of batches was explained: %q", plans())
+	require.Contains(t, choices[0], "rows=300 loops=1", "every batch was done: %s", choices[0])
+	require.Empty(t, scansWithoutCond(choices[0], "batch_items_pkey"), choices[0])
+	for _, id := range append(ids, first) {
+		batch, _ := b.batch(t, p, id)
+		require.Equal(t, gateway.BatchCompleted, batch.Status)
+	}
 }
 
 // scansWithoutCond returns the lines of plan that scan index with no index
