@@ -695,9 +695,9 @@ func TestBatchStatementsPlanForTheTablesAsTheyAre(t *testing.T) {
 	// and SetBatchStatus (00030), DoneBatches (00026, 00042) run through
 	// functions: their statements.
 	statements = append(statements, "SELECT b.* FROM batches b WHERE b.id = p_id",
-		"WHERE i.batch_id = p_batch_id AND i.idx > p_after", "FILTER (WHERE i.status = 'cancelled')::integer,",
-		"WHERE b.id = ANY (p_ids) AND b.status IS NOT DISTINCT FROM 'queued'", "FOR UPDATE OF b", "UPDATE batches b SET status = p_status",
-		"b.status IS NOT DISTINCT FROM 'cancelling')",
+		"WHERE i.batch_id = p_batch_id AND i.idx > p_after", batchItemTotalsStatement,
+		queuedBatchesStatement, lockBatchStatement, "UPDATE batches b SET status = p_status",
+		doneBatchesStatement,
 		// batches_for_operator (00037), its two statements.
 		"WHERE p_statuses IS NULL OR b.status = ANY (p_statuses)", "WHERE b.account_id = (SELECT a.id FROM accounts a WHERE a.name = p_account)")
 	for _, statement := range statements {
@@ -731,10 +731,10 @@ func TestBatchFunctionsKeepTheirPlans(t *testing.T) {
 	}
 	literal := regexp.MustCompile(`'[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}'`)
 	for name, statement := range map[string]string{
-		"queued_batches":    "WHERE b.id = ANY (p_ids) AND b.status IS NOT DISTINCT FROM 'queued'",
-		"done_batches":      "b.status IS NOT DISTINCT FROM 'cancelling')",
-		"lock_batch":        "FOR UPDATE OF b",
-		"batch_item_totals": "FILTER (WHERE i.status = 'cancelled')::integer,",
+		"queued_batches":    queuedBatchesStatement,
+		"done_batches":      doneBatchesStatement,
+		"lock_batch":        lockBatchStatement,
+		"batch_item_totals": batchItemTotalsStatement,
 	} {
 		ran := plansOf(t, plans(), []string{statement})
 		require.Len(t, ran, calls, "%s ran once a batch: %q", name, plans())
@@ -1794,7 +1794,7 @@ func TestQueueStatementsFindRowsByKeyAfterAnEmptyQueueWasAnalyzed(t *testing.T) 
 			continue
 		case strings.Contains(plan, "Update on batch_items") && strings.Contains(plan, "Tid Scan on batch_items"):
 			byAddress++
-		case strings.Contains(plan, "b.status IS NOT DISTINCT FROM 'cancelling')"):
+		case strings.Contains(plan, doneBatchesStatement):
 			moves++ // the finish's choice, in done_batches (migrations 00026, 00042)
 			require.NotContains(t, plan, "Seq Scan on batch_items", plan)
 			require.Empty(t, scansWithoutCond(plan, "batch_items_pkey"), plan)
@@ -1834,8 +1834,7 @@ func TestBatchMovesFindBatchesByKeyAfterNoneWasOpen(t *testing.T) {
 	require.NoError(t, explained.StartBatches(b.ctx, ids[:2]))
 	require.NoError(t, explained.FinishBatches(b.ctx, ids[:2]))
 	// Both choices are functions (migrations 00026, 00030): their statements.
-	moves := plansOf(t, plans(), []string{"WHERE b.id = ANY (p_ids) AND b.status IS NOT DISTINCT FROM 'queued'",
-		"b.status IS NOT DISTINCT FROM 'cancelling')"}, "batches_open_expires_idx", "batches_drainable_idx")
+	moves := plansOf(t, plans(), []string{queuedBatchesStatement, doneBatchesStatement}, "batches_open_expires_idx", "batches_drainable_idx")
 	require.Len(t, moves, 2, "the start's and the finish's choices of batches were explained: %q", plans())
 
 	// A claim reads each item's batch by key too (ib, in claim_batch_items).
@@ -1877,7 +1876,7 @@ func TestFinishReadsEachBatchsItemsAfterAFinishedQueueWasAnalyzed(t *testing.T) 
 	require.NoError(t, err)
 	before := len(plans())
 	require.NoError(t, explained.FinishBatches(b.ctx, ids))
-	choices := plansOf(t, plans()[before:], []string{"b.status IS NOT DISTINCT FROM 'cancelling')"})
+	choices := plansOf(t, plans()[before:], []string{doneBatchesStatement})
 	require.Len(t, choices, 1, "the finish's choice of batches was explained: %q", plans())
 	require.Contains(t, choices[0], "rows=300 loops=1", "every batch was done: %s", choices[0])
 	require.Empty(t, scansWithoutCond(choices[0], "batch_items_pkey"), choices[0])
@@ -1902,6 +1901,15 @@ func scansWithoutCond(plan, index string) []string {
 	}
 	return bare
 }
+
+// What names, in a plan auto_explain logged, the statement of a batch
+// function (migrations 00026, 00028, 00030).
+const (
+	doneBatchesStatement     = "b.status IS NOT DISTINCT FROM 'cancelling')"                         // done_batches
+	queuedBatchesStatement   = "WHERE b.id = ANY (p_ids) AND b.status IS NOT DISTINCT FROM 'queued'" // queued_batches
+	lockBatchStatement       = "FOR UPDATE OF b"                                                     // lock_batch
+	batchItemTotalsStatement = "FILTER (WHERE i.status = 'cancelled')::integer,"                     // batch_item_totals
+)
 
 // plansOf returns the plans that hold any of the strings in match, having
 // required that none of those goes through an index of avoid.
