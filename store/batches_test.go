@@ -885,6 +885,28 @@ func TestClaimMixesCappedAndUncapped(t *testing.T) {
 	require.Empty(t, b.claim(t, uuid.Must(uuid.NewV7()), 10, time.Minute), "nothing is left to claim")
 }
 
+// TestClaimReadsEachProjectOnce: a claim reads the projects of the items it
+// chose in one statement, whatever their number, and reads none of those
+// items again by its key; a claim of items of projects without a cap (most
+// claims) then takes them at once. Before migration 00043 every item taken
+// was joined to its project, then every candidate and its project read again
+// to find the capped ones among them.
+func TestClaimReadsEachProjectOnce(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	_, other := b.key(t, "other", gateway.TierDeveloper, gateway.ScopeInference)
+	b.newBatch(t, p, 20, 10, "", day())
+	b.newBatch(t, other, 20, 10, "", day())
+	explained, plans := b.explained(t)
+
+	items, err := explained.ClaimItems(b.ctx, store.ClaimParams{Owner: uuid.Must(uuid.NewV7()), Max: 32, PerAccount: 16, Lease: time.Minute})
+	require.NoError(t, err)
+	require.Len(t, items, 32)
+	require.Len(t, plansOf(t, plans(), []string{" on projects "}), 1, "one statement read the projects: %q", plans())
+	require.Empty(t, plansOf(t, plans(), []string{"batch_items_pkey"}), "no item was read again by its key")
+}
+
 // TestClaimReservesCappedProjectsInClaimOrder: each capped project's items
 // reserve their estimates in claim order; a refused item fails the rest of
 // its batch's queue, and a later item of another batch still takes what is
