@@ -21,17 +21,20 @@ import (
 )
 
 // jsonBinder decodes request bodies for the generated strict handlers: the body
-// must be application/json in UTF-8, one JSON value, within the operation's
-// size limit and body read timeout. Field names match exactly (decisions D11):
-// a name that differs from a field's only in case is an unknown field, and
-// unknown fields are ignored. Every failure is INVALID_REQUEST naming the
-// field, REQUEST_TOO_LARGE or REQUEST_TIMEOUT.
+// must be application/json in UTF-8, uncompressed, one JSON value, within the
+// operation's size limit and body read timeout. Field names match exactly
+// (decisions D11): a name that differs from a field's only in case is an
+// unknown field, and unknown fields are ignored. Every failure is
+// INVALID_REQUEST naming the field, REQUEST_TOO_LARGE or REQUEST_TIMEOUT.
 type jsonBinder struct{}
 
 // Bind implements echo.Binder.
 func (jsonBinder) Bind(i any, c echo.Context) error {
 	r := c.Request()
 	if err := checkContentType(r.Header.Get("Content-Type")); err != nil {
+		return err
+	}
+	if err := checkContentEncoding(r.Header.Values("Content-Encoding")); err != nil {
 		return err
 	}
 	body, err := io.ReadAll(r.Body)
@@ -67,6 +70,21 @@ func checkContentType(ct string) error {
 	}
 	if cs, ok := params["charset"]; ok && !strings.EqualFold(cs, "utf-8") && !strings.EqualFold(cs, "utf8") {
 		return gateway.Errorf(gateway.EInvalidRequest, "the body must be UTF-8; charset %q is not accepted", cs)
+	}
+	return nil
+}
+
+// checkContentEncoding accepts a body sent as it is: no Content-Encoding, or
+// identity. A compressed body is refused before it is read, rather than its
+// bytes taken for malformed JSON, and a body that only claims a coding is
+// refused too.
+func checkContentEncoding(values []string) error {
+	for _, v := range values {
+		for c := range strings.SplitSeq(v, ",") {
+			if c = strings.TrimSpace(c); c != "" && !strings.EqualFold(c, "identity") {
+				return gateway.Errorf(gateway.EInvalidRequest, "Content-Encoding %q is not accepted: send the body uncompressed", c)
+			}
+		}
 	}
 	return nil
 }

@@ -2,6 +2,8 @@ package server_test
 
 import (
 	"bufio"
+	"bytes"
+	"compress/gzip"
 	"encoding/json"
 	"fmt"
 	"net"
@@ -196,6 +198,46 @@ func TestCharsetMustBeUTF8(t *testing.T) {
 	require.Contains(t, r.message(t), "UTF-8")
 	for _, ct := range []string{"application/json; charset=UTF-8", "application/json;charset=utf8", "application/json"} {
 		require.Equal(t, http.StatusOK, b.do(http.MethodPost, "/api/v1/responses", b.key, ct, body).status, ct)
+	}
+}
+
+// TestCompressedBodyIsRefused: a body with a Content-Encoding is refused
+// before it is read, whether it is compressed or only claims to be, on the
+// interactive and the batch paths, and nothing reaches the upstream or is
+// stored.
+func TestCompressedBodyIsRefused(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	body := []byte(`{"prompt":"hi"}`)
+	var zipped bytes.Buffer
+	zw := gzip.NewWriter(&zipped)
+	_, err := zw.Write(body)
+	require.NoError(t, err)
+	require.NoError(t, zw.Close())
+	batch := []byte(`{"requests":[{"prompt":"hi"}]}`)
+	for _, tc := range []struct {
+		path, coding string
+		body         []byte
+	}{
+		{"/api/v1/responses", "gzip", zipped.Bytes()},
+		{"/api/v1/responses", "gzip", body},
+		{"/api/v1/chat", "br", body},
+		{"/api/v1/responses", "identity, gzip", body},
+		{"/api/v1/batch", "deflate", batch},
+	} {
+		r := b.doWith(http.MethodPost, tc.path, b.key, "application/json", tc.body, http.Header{"Content-Encoding": {tc.coding}})
+		require.Equal(t, http.StatusBadRequest, r.status, tc)
+		require.Equal(t, gateway.EInvalidRequest, r.errorCode(t))
+		require.Contains(t, r.message(t), "send the body uncompressed")
+	}
+	require.Zero(t, b.upstream.callCount(), "nothing reached the upstream")
+	list := b.do(http.MethodGet, "/api/v1/batches", b.key, "", nil)
+	require.Equal(t, http.StatusOK, list.status)
+	require.JSONEq(t, `{"data":[],"has_more":false}`, string(list.body), "no batch was stored")
+
+	for _, coding := range []string{"identity", "IDENTITY", ""} {
+		r := b.doWith(http.MethodPost, "/api/v1/responses", b.key, "application/json", body, http.Header{"Content-Encoding": {coding}})
+		require.Equal(t, http.StatusOK, r.status, coding)
 	}
 }
 
