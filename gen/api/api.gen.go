@@ -414,7 +414,8 @@ type BatchResultItem struct {
 	// Route The upstream target that ran a batch item (on completed items). A batch
 	// item reaches at most one upstream: it moves to another target only when
 	// the first certainly did not process it (connection refused, 429 or 503,
-	// or a refusal of the gateway's own key, address or model: 401, 404, 407).
+	// or a refusal of the gateway's own key, address or model: 401, 404, 407,
+	// or a redirect, never followed: 301, 307, 308).
 	Route  *UpstreamRoute  `json:"route,omitempty"`
 	Status BatchItemStatus `json:"status"`
 
@@ -718,7 +719,8 @@ type StreamChunkModel string
 // UpstreamRoute The upstream target that ran a batch item (on completed items). A batch
 // item reaches at most one upstream: it moves to another target only when
 // the first certainly did not process it (connection refused, 429 or 503,
-// or a refusal of the gateway's own key, address or model: 401, 404, 407).
+// or a refusal of the gateway's own key, address or model: 401, 404, 407,
+// or a redirect, never followed: 301, 307, 308).
 type UpstreamRoute struct {
 	// Attempts How many targets were tried, this one included.
 	Attempts int `json:"attempts"`

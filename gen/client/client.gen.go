@@ -415,7 +415,8 @@ type BatchResultItem struct {
 	// Route The upstream target that ran a batch item (on completed items). A batch
 	// item reaches at most one upstream: it moves to another target only when
 	// the first certainly did not process it (connection refused, 429 or 503,
-	// or a refusal of the gateway's own key, address or model: 401, 404, 407).
+	// or a refusal of the gateway's own key, address or model: 401, 404, 407,
+	// or a redirect, never followed: 301, 307, 308).
 	Route  *UpstreamRoute  `json:"route,omitempty"`
 	Status BatchItemStatus `json:"status"`
 
@@ -719,7 +720,8 @@ type StreamChunkModel string
 // UpstreamRoute The upstream target that ran a batch item (on completed items). A batch
 // item reaches at most one upstream: it moves to another target only when
 // the first certainly did not process it (connection refused, 429 or 503,
-// or a refusal of the gateway's own key, address or model: 401, 404, 407).
+// or a refusal of the gateway's own key, address or model: 401, 404, 407,
+// or a redirect, never followed: 301, 307, 308).
 type UpstreamRoute struct {
 	// Attempts How many targets were tried, this one included.
 	Attempts int `json:"attempts"`
@@ -969,8 +971,9 @@ type ClientInterface interface {
 	// nothing stored). A batch is accepted whole or not at all.
 	//
 	// While inference is unavailable (the provider cannot be reached, answers
-	// `429` or `503`, or refuses the gateway's own key, address or model with
-	// `401`, `404` or `407`), the items wait in the queue, none failed for it, and
+	// `429` or `503`, refuses the gateway's own key, address or model with
+	// `401`, `404` or `407`, or redirects it with `301`, `307` or `308`,
+	// which the gateway never follows), the items wait in the queue, none failed for it, and
 	// run when it is back. A prompt reaches the provider at most once: an item
 	// whose call fails after it was sent (a timeout, another `5xx`) fails
 	// `INFERENCE_BUSY` and is never run again.
@@ -1003,8 +1006,9 @@ type ClientInterface interface {
 	// nothing stored). A batch is accepted whole or not at all.
 	//
 	// While inference is unavailable (the provider cannot be reached, answers
-	// `429` or `503`, or refuses the gateway's own key, address or model with
-	// `401`, `404` or `407`), the items wait in the queue, none failed for it, and
+	// `429` or `503`, refuses the gateway's own key, address or model with
+	// `401`, `404` or `407`, or redirects it with `301`, `307` or `308`,
+	// which the gateway never follows), the items wait in the queue, none failed for it, and
 	// run when it is back. A prompt reaches the provider at most once: an item
 	// whose call fails after it was sent (a timeout, another `5xx`) fails
 	// `INFERENCE_BUSY` and is never run again.
@@ -1235,8 +1239,9 @@ func (c *Client) GetJSONSchema(ctx context.Context, reqEditors ...RequestEditorF
 // nothing stored). A batch is accepted whole or not at all.
 //
 // While inference is unavailable (the provider cannot be reached, answers
-// `429` or `503`, or refuses the gateway's own key, address or model with
-// `401`, `404` or `407`), the items wait in the queue, none failed for it, and
+// `429` or `503`, refuses the gateway's own key, address or model with
+// `401`, `404` or `407`, or redirects it with `301`, `307` or `308`,
+// which the gateway never follows), the items wait in the queue, none failed for it, and
 // run when it is back. A prompt reaches the provider at most once: an item
 // whose call fails after it was sent (a timeout, another `5xx`) fails
 // `INFERENCE_BUSY` and is never run again.
@@ -1279,8 +1284,9 @@ func (c *Client) CreateBatchWithBody(ctx context.Context, params *CreateBatchPar
 // nothing stored). A batch is accepted whole or not at all.
 //
 // While inference is unavailable (the provider cannot be reached, answers
-// `429` or `503`, or refuses the gateway's own key, address or model with
-// `401`, `404` or `407`), the items wait in the queue, none failed for it, and
+// `429` or `503`, refuses the gateway's own key, address or model with
+// `401`, `404` or `407`, or redirects it with `301`, `307` or `308`,
+// which the gateway never follows), the items wait in the queue, none failed for it, and
 // run when it is back. A prompt reaches the provider at most once: an item
 // whose call fails after it was sent (a timeout, another `5xx`) fails
 // `INFERENCE_BUSY` and is never run again.
@@ -2241,8 +2247,9 @@ type ClientWithResponsesInterface interface {
 	// nothing stored). A batch is accepted whole or not at all.
 	//
 	// While inference is unavailable (the provider cannot be reached, answers
-	// `429` or `503`, or refuses the gateway's own key, address or model with
-	// `401`, `404` or `407`), the items wait in the queue, none failed for it, and
+	// `429` or `503`, refuses the gateway's own key, address or model with
+	// `401`, `404` or `407`, or redirects it with `301`, `307` or `308`,
+	// which the gateway never follows), the items wait in the queue, none failed for it, and
 	// run when it is back. A prompt reaches the provider at most once: an item
 	// whose call fails after it was sent (a timeout, another `5xx`) fails
 	// `INFERENCE_BUSY` and is never run again.
@@ -2275,8 +2282,9 @@ type ClientWithResponsesInterface interface {
 	// nothing stored). A batch is accepted whole or not at all.
 	//
 	// While inference is unavailable (the provider cannot be reached, answers
-	// `429` or `503`, or refuses the gateway's own key, address or model with
-	// `401`, `404` or `407`), the items wait in the queue, none failed for it, and
+	// `429` or `503`, refuses the gateway's own key, address or model with
+	// `401`, `404` or `407`, or redirects it with `301`, `307` or `308`,
+	// which the gateway never follows), the items wait in the queue, none failed for it, and
 	// run when it is back. A prompt reaches the provider at most once: an item
 	// whose call fails after it was sent (a timeout, another `5xx`) fails
 	// `INFERENCE_BUSY` and is never run again.
@@ -4251,8 +4259,9 @@ func (c *ClientWithResponses) GetJSONSchemaWithResponse(ctx context.Context, req
 // nothing stored). A batch is accepted whole or not at all.
 //
 // While inference is unavailable (the provider cannot be reached, answers
-// `429` or `503`, or refuses the gateway's own key, address or model with
-// `401`, `404` or `407`), the items wait in the queue, none failed for it, and
+// `429` or `503`, refuses the gateway's own key, address or model with
+// `401`, `404` or `407`, or redirects it with `301`, `307` or `308`,
+// which the gateway never follows), the items wait in the queue, none failed for it, and
 // run when it is back. A prompt reaches the provider at most once: an item
 // whose call fails after it was sent (a timeout, another `5xx`) fails
 // `INFERENCE_BUSY` and is never run again.
@@ -4291,8 +4300,9 @@ func (c *ClientWithResponses) CreateBatchWithBodyWithResponse(ctx context.Contex
 // nothing stored). A batch is accepted whole or not at all.
 //
 // While inference is unavailable (the provider cannot be reached, answers
-// `429` or `503`, or refuses the gateway's own key, address or model with
-// `401`, `404` or `407`), the items wait in the queue, none failed for it, and
+// `429` or `503`, refuses the gateway's own key, address or model with
+// `401`, `404` or `407`, or redirects it with `301`, `307` or `308`,
+// which the gateway never follows), the items wait in the queue, none failed for it, and
 // run when it is back. A prompt reaches the provider at most once: an item
 // whose call fails after it was sent (a timeout, another `5xx`) fails
 // `INFERENCE_BUSY` and is never run again.

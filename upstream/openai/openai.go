@@ -101,8 +101,14 @@ func New(cfg Config) *Client {
 		transport.Protocols = new(http.Protocols)
 		transport.Protocols.SetUnencryptedHTTP2(true)
 	}
-	return &Client{cfg: cfg, http: &http.Client{Transport: transport}}
+	return &Client{cfg: cfg, http: &http.Client{Transport: transport, CheckRedirect: refuseRedirect}}
 }
+
+// refuseRedirect keeps net/http's client from following a redirect, as
+// package http1 never does: a call goes once, where the operator sent it, and
+// its headers (the key, the configured ones) to no other host (D11, D12).
+// The 3xx reply is returned as it came, for statusError.
+func refuseRedirect(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
 
 // CloseIdleConnections closes the connections kept for the next call; those
 // in use are kept until their call ends, then for the idle time.
@@ -359,9 +365,12 @@ func errorMessage(msg string) string { return upstream.Clean(upstream.Cut(msg, m
 
 // statusError classifies a non-2xx reply (D12): 429 and 503 say the call was
 // not processed, and so do 401, 407 and 404, which refuse the gateway's own
-// credentials, address or model (upstream.ErrDenied); 408 and every other 5xx
-// that it may have been; other 4xx are a rejection of this request. A 429 or
-// 503 carries the wait its header asks for (upstream.RetryAfter).
+// credentials, address or model (upstream.ErrDenied), and 301, 307 and 308,
+// which say the API is at another address (ErrDenied too: redirects are not
+// followed); 408, every other 5xx and every other 3xx that it may have been
+// (302 and 303 may answer a POST that was processed); other 4xx are a
+// rejection of this request. A 429 or 503 carries the wait its header asks
+// for (upstream.RetryAfter).
 func statusError(status int, header http.Header, body []byte) error {
 	var eb errorBody
 	msg := strings.TrimSpace(string(body))
@@ -372,9 +381,12 @@ func statusError(status int, header http.Header, body []byte) error {
 	switch {
 	case status == http.StatusUnauthorized || status == http.StatusProxyAuthRequired || status == http.StatusNotFound:
 		return fmt.Errorf("%w: %w: status %d: %s", upstream.ErrUnavailable, upstream.ErrDenied, status, msg)
+	case status == http.StatusMovedPermanently || status == http.StatusTemporaryRedirect || status == http.StatusPermanentRedirect:
+		return fmt.Errorf("%w: %w: status %d: redirected to %q, which the gateway does not follow: set the base URL to where it points",
+			upstream.ErrUnavailable, upstream.ErrDenied, status, errorMessage(header.Get("Location")))
 	case status == http.StatusTooManyRequests || status == http.StatusServiceUnavailable:
 		return upstream.WithRetryAfter(fmt.Errorf("%w: status %d: %s", upstream.ErrUnavailable, status, msg), retryAfter(header, time.Now()))
-	case status == http.StatusRequestTimeout || status >= 500:
+	case status == http.StatusRequestTimeout || status >= 500 || status < 400:
 		return fmt.Errorf("%w: status %d: %s", upstream.ErrFailed, status, msg)
 	}
 	return &upstream.RejectedError{Status: status, Message: msg}

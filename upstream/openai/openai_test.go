@@ -135,6 +135,38 @@ func TestDeniedIsAnOutage(t *testing.T) {
 	})
 }
 
+// TestRedirectsAreNotFollowed: over either transport, no redirect is
+// followed, so the prompt and the gateway's headers reach no other address.
+// 301, 307 and 308 say the API has moved: a refusal of the gateway's base
+// URL (not processed), whose message names where it points. Any other 3xx
+// may answer a POST that was processed: failed after dispatch.
+func TestRedirectsAreNotFollowed(t *testing.T) {
+	t.Parallel()
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		elsewhere := fakeupstream.New()
+		t.Cleanup(elsewhere.Close)
+		location := elsewhere.BaseURL() + "/chat/completions"
+		b.fake.SetReplyHeader("Location", location)
+		statuses := map[int]string{
+			301: upstream.KindDenied, 307: upstream.KindDenied, 308: upstream.KindDenied,
+			300: upstream.KindFailed, 302: upstream.KindFailed, 303: upstream.KindFailed,
+		}
+		for status, want := range statuses {
+			b.fake.SetStatus(status)
+			_, err := b.client.Complete(context.Background(), &req)
+			require.Equal(t, want, upstream.Kind(err), "status %d: %v", status, err)
+			_, _, streamErr := collect(t, b.client, context.Background())
+			require.Equal(t, want, upstream.Kind(streamErr), "stream, status %d: %v", status, streamErr)
+			if want == upstream.KindDenied {
+				require.ErrorContains(t, err, location)
+				require.ErrorContains(t, streamErr, location)
+			}
+		}
+		require.Zero(t, elsewhere.Connections(), "no call followed a redirect")
+		require.Len(t, b.fake.Calls(), 2*len(statuses))
+	})
+}
+
 // TestRetryAfter: a busy upstream's wait is read from its reply, bounded,
 // on both paths; other failures carry none.
 func TestRetryAfter(t *testing.T) {
