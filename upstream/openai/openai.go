@@ -64,6 +64,10 @@ type Client struct {
 
 var _ upstream.Provider = (*Client)(nil)
 
+// maxReplyHeadBytes bounds the head of an upstream's reply, over either
+// transport.
+const maxReplyHeadBytes = 1 << 20
+
 // New returns a client with a connection pool sized for a busy gateway.
 func New(cfg Config) *Client {
 	if cfg.Timeout <= 0 {
@@ -74,7 +78,7 @@ func New(cfg Config) *Client {
 		// http1's defaults are the transport's below: 5 s to connect, 512
 		// idle connections, 1 KiB buffers; but idle connections are kept only
 		// as long as the upstream keeps them.
-		return &Client{cfg: cfg, h1: http1.New(http1.Config{IdleTimeout: cfg.IdleTimeout})}
+		return &Client{cfg: cfg, h1: http1.New(http1.Config{IdleTimeout: cfg.IdleTimeout, MaxHeaderBytes: maxReplyHeadBytes})}
 	}
 	transport := &http.Transport{
 		Proxy:               http.ProxyFromEnvironment,
@@ -93,6 +97,10 @@ func New(cfg Config) *Client {
 		// the caller's slice.
 		ReadBufferSize:  1 << 10,
 		WriteBufferSize: 1 << 10,
+		// A reply's head is bounded as package http1 bounds it, not by
+		// net/http's default of 10 MB, which a hostile upstream could make
+		// each call hold (HTTP/2 included: the limit it announces).
+		MaxResponseHeaderBytes: maxReplyHeadBytes,
 		// A custom DialContext turns HTTP/2 off unless asked for: HTTPS upstreams
 		// multiplex calls over few connections instead of one per call.
 		ForceAttemptHTTP2: true,

@@ -487,6 +487,32 @@ func TestStreamSourcesAreHeldToTheBound(t *testing.T) {
 	})
 }
 
+// TestReplyHeadsAreBounded: a reply whose head passes 1 MiB (here 2 MiB,
+// which net/http's default bound of 10 MB let through) fails after dispatch
+// over either transport, as a call or as a stream; a large head within the
+// bound is read.
+func TestReplyHeadsAreBounded(t *testing.T) {
+	t.Parallel()
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		for size, fits := range map[int]bool{256 << 10: true, 2 << 20: false} {
+			value := strings.Repeat("x", size)
+			client := b.replyClient(t, func(w http.ResponseWriter) {
+				w.Header().Set("X-Padding", value)
+				_, _ = w.Write([]byte(`{"choices":[{"message":{"content":"ok"}}],"usage":{"prompt_tokens":1,"completion_tokens":1}}`))
+			})
+			res, err := client.Complete(context.Background(), &req)
+			if fits {
+				require.NoError(t, err, "head of %d bytes", size)
+				require.Equal(t, "ok", res.Content)
+				continue
+			}
+			require.ErrorIs(t, err, upstream.ErrFailed, "head of %d bytes", size)
+			_, _, streamErr := collect(t, client, context.Background())
+			require.Equal(t, upstream.KindFailed, upstream.Kind(streamErr), "stream, head of %d bytes: %v", size, streamErr)
+		}
+	})
+}
+
 // TestRepliesAreReadNoFurtherThanTheirRequestAllows: a non-streaming reply
 // longer than its request's text and sources could make it fails after
 // dispatch, read no further (D11). One that says so in its Content-Length is
