@@ -6,6 +6,7 @@ import (
 	"bytes"
 	"cmp"
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -57,9 +58,11 @@ type Config struct {
 type Client struct {
 	cfg Config
 	// Calls to a plain-text HTTP/1.1 upstream reached without a proxy go
-	// through h1, on the caller's goroutine; all others through http.
-	h1   *http1.Client
-	http *http.Client
+	// through h1, on the caller's goroutine; all others through transport,
+	// called directly: net/http's Client would follow redirects, and ask
+	// for the body again to build each before its CheckRedirect is asked.
+	h1        *http1.Client
+	transport *http.Transport
 }
 
 var _ upstream.Provider = (*Client)(nil)
@@ -109,14 +112,8 @@ func New(cfg Config) *Client {
 		transport.Protocols = new(http.Protocols)
 		transport.Protocols.SetUnencryptedHTTP2(true)
 	}
-	return &Client{cfg: cfg, http: &http.Client{Transport: transport, CheckRedirect: refuseRedirect}}
+	return &Client{cfg: cfg, transport: transport}
 }
-
-// refuseRedirect keeps net/http's client from following a redirect, as
-// package http1 never does: a call goes once, where the operator sent it, and
-// its headers (the key, the configured ones) to no other host (D11, D12).
-// The 3xx reply is returned as it came, for statusError.
-func refuseRedirect(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
 
 // CloseIdleConnections closes the connections kept for the next call; those
 // in use are kept until their call ends, then for the idle time.
@@ -125,7 +122,7 @@ func (c *Client) CloseIdleConnections() {
 		c.h1.CloseIdleConnections()
 		return
 	}
-	c.http.CloseIdleConnections()
+	c.transport.CloseIdleConnections()
 }
 
 // plainHTTP1 reports whether calls go to an http:// upstream over HTTP/1.1
@@ -291,12 +288,17 @@ func (c *Client) post(ctx context.Context, req *upstream.Request, stream bool) (
 		}
 	}
 	callCtx := ctx
+	var once *sendOnce // net/http's transport only
 	if c.h1 == nil {
-		callCtx = httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{GotConn: func(httptrace.GotConnInfo) { connected() }})
+		once = &sendOnce{h2c: c.cfg.H2C}
+		callCtx = httptrace.WithClientTrace(ctx, once.trace(connected))
 	}
 	httpReq, err := http.NewRequestWithContext(callCtx, http.MethodPost, c.cfg.BaseURL+"/chat/completions", bytes.NewReader(body))
 	if err != nil {
 		return nil, false, fmt.Errorf("error building chat request: %w", err)
+	}
+	if once != nil {
+		httpReq.GetBody = once.body(body)
 	}
 	for k, v := range c.cfg.Headers {
 		httpReq.Header.Set(k, v)
@@ -314,7 +316,11 @@ func (c *Client) post(ctx context.Context, req *upstream.Request, stream bool) (
 	if c.h1 != nil {
 		resp, err = c.h1.Do(httpReq, connected)
 	} else {
-		resp, err = c.http.Do(httpReq)
+		// No redirect is followed, as in package http1: a call goes once,
+		// where the operator sent it, and its headers (the key, the
+		// configured ones) to no other host (D11, D12). A 3xx reply is
+		// classified by statusError.
+		resp, err = c.transport.RoundTrip(httpReq)
 	}
 	if err != nil {
 		return nil, dispatched.Load(), transportError(ctx, err, dispatched.Load())
@@ -325,6 +331,61 @@ func (c *Client) post(ctx context.Context, req *upstream.Request, stream bool) (
 		return nil, true, statusError(resp.StatusCode, resp.Header, raw)
 	}
 	return resp, true, nil
+}
+
+// sendOnce lets net/http's transport send a call again only while no
+// attempt of it can have been processed. Over HTTP/2 the transport sends a
+// call again after failures it takes for ones the upstream did not process,
+// among them a stream reset with PROTOCOL_ERROR, which an upstream may send
+// after it processed the call: one that reset every stream so, over h2c, had
+// a call sent some 14,000 times in 5 s, for as long as its deadline lasted.
+// So once an HTTP/2 attempt is written whole, or any attempt is answered in
+// part, the call is never sent again (D12); it fails after dispatch. A call
+// refused (REFUSED_STREAM) or cut by a GOAWAY after it was written whole
+// fails alike, since the transport does not say why it sends again. Over
+// HTTP/1.1 the transport sends a POST again only when not a byte of it
+// reached the connection, which stays allowed. Package http1 never sends a
+// call again.
+type sendOnce struct {
+	h2c   bool        // every connection speaks HTTP/2 (h2c)
+	http2 atomic.Bool // the latest attempt's connection speaks HTTP/2
+	sent  atomic.Bool // an HTTP/2 attempt was written whole, or one was answered
+}
+
+// trace reports a connection obtained to connected, and marks the call sent
+// once an HTTP/2 attempt is written whole or a reply starts.
+func (o *sendOnce) trace(connected func()) *httptrace.ClientTrace {
+	return &httptrace.ClientTrace{
+		GotConn: func(info httptrace.GotConnInfo) {
+			o.http2.Store(o.h2c || negotiatedHTTP2(info.Conn))
+			connected()
+		},
+		WroteRequest: func(info httptrace.WroteRequestInfo) {
+			if info.Err == nil && o.http2.Load() {
+				o.sent.Store(true)
+			}
+		},
+		GotFirstResponseByte: func() { o.sent.Store(true) },
+	}
+}
+
+// negotiatedHTTP2 reports whether c is a TLS connection that chose HTTP/2.
+func negotiatedHTTP2(c net.Conn) bool {
+	tc, ok := c.(*tls.Conn)
+	return ok && tc.ConnectionState().NegotiatedProtocol == "h2"
+}
+
+// errSentOnce refuses the transport a call's body for another attempt.
+var errSentOnce = errors.New("the call was written to the upstream, so it is not sent again")
+
+// body is the request's GetBody: body again, until the call was sent.
+func (o *sendOnce) body(body []byte) func() (io.ReadCloser, error) {
+	return func() (io.ReadCloser, error) {
+		if o.sent.Load() {
+			return nil, errSentOnce
+		}
+		return io.NopCloser(bytes.NewReader(body)), nil
+	}
 }
 
 func messages(req *upstream.Request) []message {

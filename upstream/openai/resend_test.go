@@ -1,0 +1,110 @@
+package openai_test
+
+import (
+	"context"
+	"io"
+	"net"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/net/http2"
+
+	"github.com/rungworks/gateway/upstream"
+	"github.com/rungworks/gateway/upstream/openai"
+)
+
+// resettingUpstream is an HTTP/2 upstream (h2c, prior knowledge) that reads
+// each call whole, counts it, and resets its stream with code instead of
+// answering.
+type resettingUpstream struct {
+	ln    net.Listener
+	code  http2.ErrCode
+	calls atomic.Int32
+}
+
+func newResettingUpstream(t *testing.T, code http2.ErrCode) *resettingUpstream {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = ln.Close() })
+	u := &resettingUpstream{ln: ln, code: code}
+	go func() {
+		for {
+			conn, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go u.serve(conn)
+		}
+	}()
+	return u
+}
+
+// serve speaks just enough HTTP/2 on conn: settings, pings, and a reset
+// for each stream the client ends.
+func (u *resettingUpstream) serve(conn net.Conn) {
+	defer conn.Close()
+	if _, err := io.ReadFull(conn, make([]byte, len(http2.ClientPreface))); err != nil {
+		return
+	}
+	fr := http2.NewFramer(conn, conn)
+	if fr.WriteSettings() != nil {
+		return
+	}
+	for {
+		frame, err := fr.ReadFrame()
+		if err != nil {
+			return
+		}
+		ended := false
+		switch f := frame.(type) {
+		case *http2.SettingsFrame:
+			if !f.IsAck() {
+				err = fr.WriteSettingsAck()
+			}
+		case *http2.PingFrame:
+			if !f.IsAck() {
+				err = fr.WritePing(true, f.Data)
+			}
+		case *http2.HeadersFrame:
+			ended = f.StreamEnded()
+		case *http2.DataFrame:
+			ended = f.StreamEnded()
+		}
+		if ended {
+			u.calls.Add(1)
+			err = fr.WriteRSTStream(frame.Header().StreamID, u.code)
+		}
+		if err != nil {
+			return
+		}
+	}
+}
+
+// TestACallWrittenWholeIsNotSentAgain: net/http's HTTP/2 transport sends a
+// call again, up to six times, when the upstream resets its stream with
+// PROTOCOL_ERROR, which an upstream may do after it processed the call. The
+// client lets it send a call again only while no attempt was written whole
+// or answered, so each call reaches the upstream once and fails after
+// dispatch (D12). A stream refused (REFUSED_STREAM) was not processed, but
+// the transport's retry cannot be told from the other: it fails alike.
+func TestACallWrittenWholeIsNotSentAgain(t *testing.T) {
+	t.Parallel()
+	for _, code := range []http2.ErrCode{http2.ErrCodeProtocol, http2.ErrCodeRefusedStream} {
+		t.Run(code.String(), func(t *testing.T) {
+			t.Parallel()
+			up := newResettingUpstream(t, code)
+			client := openai.New(openai.Config{BaseURL: "http://" + up.ln.Addr().String() + "/v1", H2C: true, Timeout: 5 * time.Second})
+			t.Cleanup(client.CloseIdleConnections)
+			_, err := client.Complete(context.Background(), &req)
+			require.ErrorIs(t, err, upstream.ErrFailed)
+			require.Equal(t, int32(1), up.calls.Load(), "calls sent")
+
+			_, _, err = collect(t, client, context.Background())
+			require.Equal(t, upstream.KindFailed, upstream.Kind(err), "stream: %v", err)
+			require.Equal(t, int32(2), up.calls.Load(), "calls sent")
+		})
+	}
+}
