@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"encoding/pem"
 	"net/http"
 	"os"
 	"os/exec"
@@ -140,6 +141,35 @@ func TestUnreachableUpstream(t *testing.T) {
 	r := g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "p"})
 	require.Equal(t, http.StatusServiceUnavailable, r.status)
 	require.Equal(t, "INFERENCE_BUSY", r.code(t))
+}
+
+// TestHTTPSUpstreamWithAPrivateCA: an https upstream whose certificate the
+// machine does not trust is never called (INFERENCE_BUSY); trusted through
+// SSL_CERT_DIR, as the README says, it serves calls and streams over HTTP/2,
+// chosen in the TLS handshake.
+func TestHTTPSUpstreamWithAPrivateCA(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	up := fakeupstream.NewTLS()
+	t.Cleanup(up.Close)
+
+	untrusting := serve(t, b.db, up.BaseURL(), nil)
+	r := untrusting.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "untrusted"})
+	require.Equal(t, http.StatusServiceUnavailable, r.status)
+	require.Equal(t, "INFERENCE_BUSY", r.code(t))
+	require.Empty(t, up.Calls())
+
+	dir := t.TempDir()
+	ca := pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: up.Certificate().Raw})
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "upstream-ca.pem"), ca, 0o600))
+	g := serve(t, b.db, up.BaseURL(), map[string]string{"SSL_CERT_DIR": "/etc/ssl/certs:" + dir})
+	r = g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "over TLS"})
+	require.Equal(t, http.StatusOK, r.status, string(r.body))
+	require.Equal(t, fakeupstream.Reply("over TLS"), r.object(t)["content"])
+	_, s := g.stream(b.key, map[string]any{"prompt": "streamed over TLS"})
+	require.Equal(t, "response.completed", s.Events[len(s.Events)-1].Name)
+	require.Len(t, up.Calls(), 2)
+	require.Equal(t, 2, up.HTTP2Calls())
 }
 
 func TestReplicasStartTogetherOnAnEmptyDatabase(t *testing.T) {

@@ -56,6 +56,7 @@ type Server struct {
 	slow       map[string]time.Duration
 	headers    http.Header
 	calls      []Call
+	http2Calls int
 	inFlight   int
 	peak       int
 	conns      int
@@ -154,11 +155,29 @@ func (s *Server) SetReplyHeader(name, value string) {
 // New starts a fake upstream; its base URL for GATEWAY_UPSTREAM is BaseURL().
 // It speaks HTTP/1.1 and, with prior knowledge, HTTP/2 without TLS (h2c).
 func New() *Server {
+	s := newServer()
+	s.Server.Config.Protocols.SetUnencryptedHTTP2(true)
+	s.Server.Start()
+	return s
+}
+
+// NewTLS starts a fake upstream over HTTPS, speaking HTTP/2 or HTTP/1.1 as
+// the client chooses (ALPN), with httptest's certificate (Certificate()),
+// which no client trusts unless told to.
+func NewTLS() *Server {
+	s := newServer()
+	s.Server.Config.Protocols.SetHTTP2(true)
+	s.Server.EnableHTTP2 = true
+	s.Server.StartTLS()
+	return s
+}
+
+// newServer is a fake upstream not yet started, speaking HTTP/1.1.
+func newServer() *Server {
 	s := &Server{}
 	s.Server = httptest.NewUnstartedServer(http.HandlerFunc(s.handle))
 	s.Server.Config.Protocols = new(http.Protocols)
 	s.Server.Config.Protocols.SetHTTP1(true)
-	s.Server.Config.Protocols.SetUnencryptedHTTP2(true)
 	s.Server.Config.ConnState = func(_ net.Conn, state http.ConnState) {
 		s.mu.Lock()
 		defer s.mu.Unlock()
@@ -170,8 +189,14 @@ func New() *Server {
 			s.open--
 		}
 	}
-	s.Server.Start()
 	return s
+}
+
+// HTTP2Calls is how many of the calls came over HTTP/2.
+func (s *Server) HTTP2Calls() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.http2Calls
 }
 
 // Connections is how many connections the server has accepted.
@@ -305,6 +330,9 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	s.calls = append(s.calls, call)
+	if r.ProtoMajor == 2 {
+		s.http2Calls++
+	}
 	s.inFlight++
 	s.peak = max(s.peak, s.inFlight)
 	s.mu.Unlock()
