@@ -973,8 +973,8 @@ type ClientInterface interface {
 	// While inference is unavailable (the provider cannot be reached, answers
 	// `429` or `503`, refuses the gateway's own key, address or model with
 	// `401`, `404` or `407`, or redirects it with `301`, `307` or `308`,
-	// which the gateway never follows), the items wait in the queue, none failed for it, and
-	// run when it is back. A prompt reaches the provider at most once: an item
+	// which the gateway never follows), the items wait in the queue, none
+	// failed for it, and run when it is back. A prompt reaches the provider at most once: an item
 	// whose call fails after it was sent (a timeout, another `5xx`) fails
 	// `INFERENCE_BUSY` and is never run again.
 	//
@@ -1008,8 +1008,8 @@ type ClientInterface interface {
 	// While inference is unavailable (the provider cannot be reached, answers
 	// `429` or `503`, refuses the gateway's own key, address or model with
 	// `401`, `404` or `407`, or redirects it with `301`, `307` or `308`,
-	// which the gateway never follows), the items wait in the queue, none failed for it, and
-	// run when it is back. A prompt reaches the provider at most once: an item
+	// which the gateway never follows), the items wait in the queue, none
+	// failed for it, and run when it is back. A prompt reaches the provider at most once: an item
 	// whose call fails after it was sent (a timeout, another `5xx`) fails
 	// `INFERENCE_BUSY` and is never run again.
 	//
@@ -1241,8 +1241,8 @@ func (c *Client) GetJSONSchema(ctx context.Context, reqEditors ...RequestEditorF
 // While inference is unavailable (the provider cannot be reached, answers
 // `429` or `503`, refuses the gateway's own key, address or model with
 // `401`, `404` or `407`, or redirects it with `301`, `307` or `308`,
-// which the gateway never follows), the items wait in the queue, none failed for it, and
-// run when it is back. A prompt reaches the provider at most once: an item
+// which the gateway never follows), the items wait in the queue, none
+// failed for it, and run when it is back. A prompt reaches the provider at most once: an item
 // whose call fails after it was sent (a timeout, another `5xx`) fails
 // `INFERENCE_BUSY` and is never run again.
 //
@@ -1286,8 +1286,8 @@ func (c *Client) CreateBatchWithBody(ctx context.Context, params *CreateBatchPar
 // While inference is unavailable (the provider cannot be reached, answers
 // `429` or `503`, refuses the gateway's own key, address or model with
 // `401`, `404` or `407`, or redirects it with `301`, `307` or `308`,
-// which the gateway never follows), the items wait in the queue, none failed for it, and
-// run when it is back. A prompt reaches the provider at most once: an item
+// which the gateway never follows), the items wait in the queue, none
+// failed for it, and run when it is back. A prompt reaches the provider at most once: an item
 // whose call fails after it was sent (a timeout, another `5xx`) fails
 // `INFERENCE_BUSY` and is never run again.
 //
@@ -2249,8 +2249,8 @@ type ClientWithResponsesInterface interface {
 	// While inference is unavailable (the provider cannot be reached, answers
 	// `429` or `503`, refuses the gateway's own key, address or model with
 	// `401`, `404` or `407`, or redirects it with `301`, `307` or `308`,
-	// which the gateway never follows), the items wait in the queue, none failed for it, and
-	// run when it is back. A prompt reaches the provider at most once: an item
+	// which the gateway never follows), the items wait in the queue, none
+	// failed for it, and run when it is back. A prompt reaches the provider at most once: an item
 	// whose call fails after it was sent (a timeout, another `5xx`) fails
 	// `INFERENCE_BUSY` and is never run again.
 	//
@@ -2284,8 +2284,8 @@ type ClientWithResponsesInterface interface {
 	// While inference is unavailable (the provider cannot be reached, answers
 	// `429` or `503`, refuses the gateway's own key, address or model with
 	// `401`, `404` or `407`, or redirects it with `301`, `307` or `308`,
-	// which the gateway never follows), the items wait in the queue, none failed for it, and
-	// run when it is back. A prompt reaches the provider at most once: an item
+	// which the gateway never follows), the items wait in the queue, none
+	// failed for it, and run when it is back. A prompt reaches the provider at most once: an item
 	// whose call fails after it was sent (a timeout, another `5xx`) fails
 	// `INFERENCE_BUSY` and is never run again.
 	//
@@ -4261,8 +4261,8 @@ func (c *ClientWithResponses) GetJSONSchemaWithResponse(ctx context.Context, req
 // While inference is unavailable (the provider cannot be reached, answers
 // `429` or `503`, refuses the gateway's own key, address or model with
 // `401`, `404` or `407`, or redirects it with `301`, `307` or `308`,
-// which the gateway never follows), the items wait in the queue, none failed for it, and
-// run when it is back. A prompt reaches the provider at most once: an item
+// which the gateway never follows), the items wait in the queue, none
+// failed for it, and run when it is back. A prompt reaches the provider at most once: an item
 // whose call fails after it was sent (a timeout, another `5xx`) fails
 // `INFERENCE_BUSY` and is never run again.
 //
@@ -4302,8 +4302,8 @@ func (c *ClientWithResponses) CreateBatchWithBodyWithResponse(ctx context.Contex
 // While inference is unavailable (the provider cannot be reached, answers
 // `429` or `503`, refuses the gateway's own key, address or model with
 // `401`, `404` or `407`, or redirects it with `301`, `307` or `308`,
-// which the gateway never follows), the items wait in the queue, none failed for it, and
-// run when it is back. A prompt reaches the provider at most once: an item
+// which the gateway never follows), the items wait in the queue, none
+// failed for it, and run when it is back. A prompt reaches the provider at most once: an item
 // whose call fails after it was sent (a timeout, another `5xx`) fails
 // `INFERENCE_BUSY` and is never run again.
 //
