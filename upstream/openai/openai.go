@@ -104,6 +104,11 @@ func New(cfg Config) *Client {
 		// net/http's default of 10 MB, which a hostile upstream could make
 		// each call hold (HTTP/2 included: the limit it announces).
 		MaxResponseHeaderBytes: maxReplyHeadBytes,
+		// Calls ask for replies uncompressed, as package http1's do:
+		// net/http would ask for gzip, and a compressing layer in front of
+		// an upstream (a proxy, a web framework's middleware) may hold a
+		// stream's events until its compressor's buffer fills.
+		DisableCompression: true,
 		// A custom DialContext turns HTTP/2 off unless asked for: HTTPS upstreams
 		// multiplex calls over few connections instead of one per call.
 		ForceAttemptHTTP2: true,

@@ -12,6 +12,7 @@ import (
 	"net/http/httptest"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -164,6 +165,31 @@ func TestRedirectsAreNotFollowed(t *testing.T) {
 		}
 		require.Zero(t, elsewhere.Connections(), "no call followed a redirect")
 		require.Len(t, b.fake.Calls(), 2*len(statuses))
+	})
+}
+
+// TestRepliesAreAskedUncompressed: neither transport asks for a compressed
+// reply, for a call or a stream (a compressing layer may hold a stream's
+// events until its buffer fills).
+func TestRepliesAreAskedUncompressed(t *testing.T) {
+	t.Parallel()
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		var mu sync.Mutex
+		var asked []string
+		client := b.handlerClient(t, func(w http.ResponseWriter, r *http.Request) {
+			mu.Lock()
+			asked = append(asked, r.Header.Get("Accept-Encoding"))
+			mu.Unlock()
+			_, _ = io.Copy(io.Discard, r.Body)
+			w.Header().Set("Content-Type", "application/json")
+			_, _ = w.Write([]byte(`{"choices":[{"message":{"content":"ok"}}],"usage":{"prompt_tokens":1,"completion_tokens":1}}`))
+		})
+		_, err := client.Complete(context.Background(), &req)
+		require.NoError(t, err)
+		_, _, _ = collect(t, client, context.Background())
+		mu.Lock()
+		defer mu.Unlock()
+		require.Equal(t, []string{"", ""}, asked, "Accept-Encoding of a call and of a stream")
 	})
 }
 
@@ -580,11 +606,18 @@ func TestRepliesAreReadNoFurtherThanTheirRequestAllows(t *testing.T) {
 // whose replies reply writes.
 func (b *testBundle) replyClient(t *testing.T, reply func(w http.ResponseWriter)) *openai.Client {
 	t.Helper()
-	server := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	return b.handlerClient(t, func(w http.ResponseWriter, r *http.Request) {
 		_, _ = io.Copy(io.Discard, r.Body)
 		w.Header().Set("Content-Type", "application/json")
 		reply(w)
-	}))
+	})
+}
+
+// handlerClient returns a client, over the bundle's transport, to an
+// upstream that handle serves.
+func (b *testBundle) handlerClient(t *testing.T, handle http.HandlerFunc) *openai.Client {
+	t.Helper()
+	server := httptest.NewUnstartedServer(handle)
 	server.Config.Protocols = new(http.Protocols)
 	server.Config.Protocols.SetHTTP1(!b.h2c)
 	server.Config.Protocols.SetUnencryptedHTTP2(b.h2c)
