@@ -71,6 +71,10 @@ var _ upstream.Provider = (*Client)(nil)
 // transport.
 const maxReplyHeadBytes = 1 << 20
 
+// maxReceiveBufferPerCall is how much of a call's reply an HTTP/2 upstream
+// may send ahead of the gateway's reads (the stream's flow-control window).
+const maxReceiveBufferPerCall = 256 << 10
+
 // New returns a client with a connection pool sized for a busy gateway.
 func New(cfg Config) *Client {
 	if cfg.Timeout <= 0 {
@@ -117,6 +121,12 @@ func New(cfg Config) *Client {
 		transport.Protocols = new(http.Protocols)
 		transport.Protocols.SetUnencryptedHTTP2(true)
 	}
+	// An HTTP/2 upstream may send a call as much as its flow-control window
+	// allows before the gateway reads it, and the transport holds what is
+	// not yet read: 4 MiB a call by default, which a stream to a slow client
+	// of a hostile upstream would hold. A token stream needs a fraction of
+	// maxReceiveBufferPerCall a round trip.
+	transport.HTTP2 = &http.HTTP2Config{MaxReceiveBufferPerStream: maxReceiveBufferPerCall}
 	return &Client{cfg: cfg, transport: transport}
 }
 

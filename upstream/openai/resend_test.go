@@ -17,11 +17,12 @@ import (
 
 // resettingUpstream is an HTTP/2 upstream (h2c, prior knowledge) that reads
 // each call whole, counts it, and resets its stream with code instead of
-// answering.
+// answering. It keeps the stream flow-control window its client announced.
 type resettingUpstream struct {
-	ln    net.Listener
-	code  http2.ErrCode
-	calls atomic.Int32
+	ln     net.Listener
+	code   http2.ErrCode
+	calls  atomic.Int32
+	window atomic.Uint32
 }
 
 func newResettingUpstream(t *testing.T, code http2.ErrCode) *resettingUpstream {
@@ -30,6 +31,7 @@ func newResettingUpstream(t *testing.T, code http2.ErrCode) *resettingUpstream {
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = ln.Close() })
 	u := &resettingUpstream{ln: ln, code: code}
+	u.window.Store(65535) // HTTP/2's initial window, unless the client says another
 	go func() {
 		for {
 			conn, err := ln.Accept()
@@ -62,6 +64,9 @@ func (u *resettingUpstream) serve(conn net.Conn) {
 		switch f := frame.(type) {
 		case *http2.SettingsFrame:
 			if !f.IsAck() {
+				if v, ok := f.Value(http2.SettingInitialWindowSize); ok {
+					u.window.Store(v)
+				}
 				err = fr.WriteSettingsAck()
 			}
 		case *http2.PingFrame:
@@ -107,4 +112,19 @@ func TestACallWrittenWholeIsNotSentAgain(t *testing.T) {
 			require.Equal(t, int32(2), up.calls.Load(), "calls sent")
 		})
 	}
+}
+
+// TestHTTP2CallsAreBufferedLittleAhead: an HTTP/2 upstream may send a call
+// no more than 256 KiB ahead of the gateway's reads (net/http's default is
+// 4 MiB), so a stream whose client reads slowly holds little of a hostile
+// upstream's reply.
+func TestHTTP2CallsAreBufferedLittleAhead(t *testing.T) {
+	t.Parallel()
+	up := newResettingUpstream(t, http2.ErrCodeRefusedStream)
+	client := openai.New(openai.Config{BaseURL: "http://" + up.ln.Addr().String() + "/v1", H2C: true, Timeout: 5 * time.Second})
+	t.Cleanup(client.CloseIdleConnections)
+	_, err := client.Complete(context.Background(), &req)
+	require.Error(t, err)
+	require.Equal(t, int32(1), up.calls.Load())
+	require.Equal(t, uint32(256<<10), up.window.Load())
 }
