@@ -4,8 +4,10 @@
 // (LISTEN/NOTIFY; all of them when a change names no account), and
 // serves from the cache only while it is listening, so a revoked key is
 // refused by every replica as soon as the notification arrives. A TTL bounds
-// the life of an entry as a backstop. Each request is then counted against the
-// key's rate limit.
+// the life of an entry as a backstop. A key the database refused (unknown,
+// revoked or past its end, none of which is ever valid again) is refused from
+// memory for the TTL, so a client that repeats it costs no lookup. Each
+// request is then counted against the key's rate limit.
 package access
 
 import (
@@ -20,6 +22,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/apikey"
 )
 
 // KeyStore resolves keys and announces changes to them.
@@ -37,6 +40,10 @@ type RateLimiter interface {
 const (
 	DefaultTTL        = 30 * time.Second
 	DefaultMaxEntries = 100_000
+	// maxRefused bounds the keys remembered as refused; when full it starts
+	// over. A client repeating a refused key needs one entry; a flood of
+	// random keys, each looked up once, only churns these.
+	maxRefused = 10_000
 	// relistenDelay is the pause before listening again after a failure.
 	relistenDelay = time.Second
 )
@@ -60,8 +67,10 @@ type Keys struct {
 	cfg   Config
 	store KeyStore
 
-	mu        sync.RWMutex
-	entries   map[[sha256.Size]byte]entry
+	mu      sync.RWMutex
+	entries map[[sha256.Size]byte]entry
+	// refused holds, until when, keys the database refused.
+	refused   map[[sha256.Size]byte]time.Time
 	listening bool
 	// started is set once the first listen began.
 	started atomic.Bool
@@ -86,23 +95,34 @@ func NewKeys(cfg Config, st KeyStore) *Keys {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
-	return &Keys{cfg: cfg, store: st, entries: map[[sha256.Size]byte]entry{}}
+	return &Keys{cfg: cfg, store: st, entries: map[[sha256.Size]byte]entry{}, refused: map[[sha256.Size]byte]time.Time{}}
 }
 
 // Lookup returns the principal of token (Rate unset), from the cache when it
-// holds it, or UNAUTHORIZED. Unknown keys are never cached.
+// holds it, or UNAUTHORIZED: at once for a malformed key, from the cache for
+// one the database refused within the TTL.
 func (k *Keys) Lookup(ctx context.Context, token string) (*gateway.Principal, error) {
+	if _, err := apikey.Parse(token); err != nil {
+		return nil, gateway.UnauthorizedError()
+	}
 	sum := sha256.Sum256([]byte(token))
 	now := time.Now()
 	k.mu.RLock()
 	e, ok := k.entries[sum]
+	refusedUntil, refused := k.refused[sum]
 	listening, generation := k.listening, k.generation
 	k.mu.RUnlock()
-	if ok && listening && now.Before(e.expires) {
+	if listening && ok && now.Before(e.expires) {
 		return e.principal, nil
+	}
+	if listening && refused && now.Before(refusedUntil) {
+		return nil, gateway.UnauthorizedError()
 	}
 	p, err := k.store.LookupKey(ctx, token)
 	if err != nil {
+		if gateway.ErrorCodeOf(err) == gateway.EUnauthorized {
+			k.remember(sum, now)
+		}
 		return nil, err
 	}
 	k.mu.Lock()
@@ -118,6 +138,21 @@ func (k *Keys) Lookup(ctx context.Context, token string) (*gateway.Principal, er
 		k.entries[sum] = entry{principal: p, expires: expires}
 	}
 	return p, nil
+}
+
+// remember records that the database refused the key of sum, while the
+// cache is in use. Unlike a principal, a refusal read before a change still
+// holds after it: no change makes a refused key valid.
+func (k *Keys) remember(sum [sha256.Size]byte, now time.Time) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if !k.listening {
+		return
+	}
+	if len(k.refused) >= maxRefused {
+		k.refused = map[[sha256.Size]byte]time.Time{}
+	}
+	k.refused[sum] = now.Add(k.cfg.TTL)
 }
 
 // Listening reports whether changes are being listened for (and so whether
@@ -147,6 +182,7 @@ func (k *Keys) drop(listening bool) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	k.entries = map[[sha256.Size]byte]entry{}
+	k.refused = map[[sha256.Size]byte]time.Time{}
 	k.listening = listening
 	k.generation++
 }

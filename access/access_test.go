@@ -47,6 +47,18 @@ func replica(t *testing.T, st access.KeyStore) (*access.Keys, <-chan string) {
 	return keys, changes
 }
 
+// awaitRevocation waits until a replica hears of a change to a key, the
+// next change it hears of.
+func awaitRevocation(t *testing.T, changes <-chan string) {
+	t.Helper()
+	select {
+	case table := <-changes:
+		require.Equal(t, "api_keys", table)
+	case <-time.After(10 * time.Second):
+		t.Fatal("the revocation was never announced")
+	}
+}
+
 func newKey(t *testing.T, st *store.Store, account string, tier gateway.Tier) string {
 	t.Helper()
 	token, err := st.CreateKey(context.Background(), store.CreateKeyParams{Account: account, Project: "default", Tier: &tier, Scopes: []gateway.Scope{gateway.ScopeInference}})
@@ -55,7 +67,7 @@ func newKey(t *testing.T, st *store.Store, account string, tier gateway.Tier) st
 }
 
 // TestKeysAreServedFromMemory: a key is looked up once, then served from the
-// cache; an unknown key is never cached.
+// cache.
 func TestKeysAreServedFromMemory(t *testing.T) {
 	t.Parallel()
 	st := &countingStore{Store: store.New(testdb.New(t))}
@@ -67,11 +79,43 @@ func TestKeysAreServedFromMemory(t *testing.T) {
 		require.Equal(t, "acme", p.AccountName)
 	}
 	require.Equal(t, int64(1), st.lookups.Load())
-	for range 3 {
-		_, err := keys.Lookup(context.Background(), "igw_unknown0_"+token[13:])
-		require.Equal(t, gateway.EUnauthorized, gateway.ErrorCodeOf(err))
+}
+
+// TestRefusedKeysAreRefusedFromMemory: a key the database does not know, or
+// no longer accepts (revoked), is looked up once and then refused from the
+// cache, so a client that repeats it costs no lookup; a malformed one is
+// never looked up. A valid key is served all the while.
+func TestRefusedKeysAreRefusedFromMemory(t *testing.T) {
+	t.Parallel()
+	st := &countingStore{Store: store.New(testdb.New(t))}
+	// Made before the replica listens: it hears of the revocation alone.
+	token := newKey(t, st.Store, "acme", gateway.TierDeveloper)
+	revoked := newKey(t, st.Store, "acme", gateway.TierDeveloper)
+	keys, changes := replica(t, st)
+	refuse := func(key string) {
+		t.Helper()
+		for range 3 {
+			_, err := keys.Lookup(context.Background(), key)
+			require.Equal(t, gateway.EUnauthorized, gateway.ErrorCodeOf(err))
+		}
 	}
-	require.Equal(t, int64(4), st.lookups.Load(), "unknown keys are looked up every time")
+
+	refuse("igw_unknown") // malformed: no lookup
+	require.Zero(t, st.lookups.Load())
+	unknown := token[:20] + map[bool]string{true: "a", false: "b"}[token[20] != 'a'] + token[21:] // its prefix, not its secret
+	refuse(unknown)
+	require.Equal(t, int64(1), st.lookups.Load(), "an unknown key is looked up once")
+
+	_, err := keys.Lookup(context.Background(), revoked)
+	require.NoError(t, err)
+	require.NoError(t, st.RevokeKey(context.Background(), revoked[:12]))
+	awaitRevocation(t, changes)
+	refuse(revoked)
+	require.Equal(t, int64(3), st.lookups.Load(), "a revoked key is looked up once after its revocation")
+
+	_, err = keys.Lookup(context.Background(), token)
+	require.NoError(t, err)
+	require.Equal(t, int64(4), st.lookups.Load())
 }
 
 // TestNothingIsCachedWithoutListening: a replica that cannot hear of changes
@@ -104,12 +148,7 @@ func TestRevokedKeyIsRefusedByEveryReplica(t *testing.T) {
 	}
 	require.NoError(t, admin.RevokeKey(context.Background(), token[:12]))
 	for _, changes := range []<-chan string{aChanges, bChanges} {
-		select {
-		case table := <-changes:
-			require.Equal(t, "api_keys", table)
-		case <-time.After(10 * time.Second):
-			t.Fatal("the revocation was never announced")
-		}
+		awaitRevocation(t, changes)
 	}
 	for _, keys := range []*access.Keys{a, b} {
 		_, err := keys.Lookup(context.Background(), token)
@@ -134,12 +173,7 @@ func TestAChangeDropsItsAccountsKeysOnly(t *testing.T) {
 	}
 	require.Equal(t, int64(2), st.lookups.Load())
 	require.NoError(t, admin.RevokeKey(context.Background(), revoked[:12]))
-	select {
-	case table := <-changes:
-		require.Equal(t, "api_keys", table)
-	case <-time.After(10 * time.Second):
-		t.Fatal("the revocation was never announced")
-	}
+	awaitRevocation(t, changes)
 	_, err := keys.Lookup(context.Background(), kept)
 	require.NoError(t, err)
 	require.Equal(t, int64(2), st.lookups.Load(), "another account's key is served from memory")
