@@ -99,12 +99,9 @@ func NewKeys(cfg Config, st KeyStore) *Keys {
 }
 
 // Lookup returns the principal of token (Rate unset), from the cache when it
-// holds it, or UNAUTHORIZED: at once for a malformed key, from the cache for
-// one the database refused within the TTL.
+// holds it, or UNAUTHORIZED: from the cache for a key the database refused
+// within the TTL, without a lookup for a malformed one.
 func (k *Keys) Lookup(ctx context.Context, token string) (*gateway.Principal, error) {
-	if _, err := apikey.Parse(token); err != nil {
-		return nil, gateway.UnauthorizedError()
-	}
 	sum := sha256.Sum256([]byte(token))
 	now := time.Now()
 	k.mu.RLock()
@@ -116,6 +113,11 @@ func (k *Keys) Lookup(ctx context.Context, token string) (*gateway.Principal, er
 		return e.principal, nil
 	}
 	if listening && refused && now.Before(refusedUntil) {
+		return nil, gateway.UnauthorizedError()
+	}
+	// Checked on a miss only (the cache holds well-formed keys alone), so
+	// that a malformed key is neither looked up nor remembered.
+	if _, err := apikey.Parse(token); err != nil {
 		return nil, gateway.UnauthorizedError()
 	}
 	p, err := k.store.LookupKey(ctx, token)
