@@ -113,6 +113,12 @@ func New(cfg Config) *Client {
 		// an upstream (a proxy, a web framework's middleware) may hold a
 		// stream's events until its compressor's buffer fills.
 		DisableCompression: true,
+		// An HTTP/2 upstream may send a call as much as its flow-control
+		// window allows before the gateway reads it, and the transport holds
+		// what is not yet read: 4 MiB a call by default, which a stream to a
+		// slow client of a hostile upstream would hold. A token stream needs a
+		// fraction of maxReceiveBufferPerCall a round trip.
+		HTTP2: &http.HTTP2Config{MaxReceiveBufferPerStream: maxReceiveBufferPerCall},
 		// A custom DialContext turns HTTP/2 off unless asked for: HTTPS upstreams
 		// multiplex calls over few connections instead of one per call.
 		ForceAttemptHTTP2: true,
@@ -121,12 +127,6 @@ func New(cfg Config) *Client {
 		transport.Protocols = new(http.Protocols)
 		transport.Protocols.SetUnencryptedHTTP2(true)
 	}
-	// An HTTP/2 upstream may send a call as much as its flow-control window
-	// allows before the gateway reads it, and the transport holds what is
-	// not yet read: 4 MiB a call by default, which a stream to a slow client
-	// of a hostile upstream would hold. A token stream needs a fraction of
-	// maxReceiveBufferPerCall a round trip.
-	transport.HTTP2 = &http.HTTP2Config{MaxReceiveBufferPerStream: maxReceiveBufferPerCall}
 	return &Client{cfg: cfg, transport: transport}
 }
 
