@@ -5,7 +5,9 @@
 // reaches the upstream at most once (decisions D12): it goes back to the queue
 // only when the upstream certainly did not process it. Claims take only items
 // of models with a target taking calls; a model whose targets are all cooling
-// down gets one item at a time, as a probe, while the other models drain.
+// down gets one item at a time, as a probe, while the other models drain. An
+// account whose calls the targets hold off alone (its calls failing while
+// others' do not) has none of its items claimed until the hold ends.
 package drainer
 
 import (
@@ -71,6 +73,10 @@ const (
 	// cancel: a claim takes milliseconds, and one a hung database holds
 	// longer must not hold up a shutdown.
 	claimTimeout = 5 * time.Second
+	// minAccountWait is the least an account's items wait when the targets
+	// hold off its calls: a hold whose cool-down has ended still refuses
+	// them while its one probe runs.
+	minAccountWait = time.Second
 )
 
 // Messages of the item errors the drainer records.
@@ -117,6 +123,7 @@ type Drainer struct {
 	results chan outcome
 	held    heldItems
 	starts  batchSet
+	waiting accountWaits
 	ahead   lookahead
 	// probes counts the items running as probes of a model with no target
 	// taking calls: one at a time.
@@ -299,6 +306,7 @@ func (d *Drainer) claim(commits context.Context, n int, models []gateway.Model) 
 	cctx, cancel := context.WithTimeout(commits, claimTimeout)
 	items, err := d.store.ClaimItems(cctx, store.ClaimParams{
 		Owner: d.cfg.Owner, ClaimID: claimID, Max: n, PerAccount: max(1, n/2), Lease: d.cfg.Lease, Models: models,
+		Skip: d.waiting.active(start),
 	})
 	cancel()
 	if err != nil {
@@ -357,7 +365,7 @@ func (d *Drainer) run(ctx, commits context.Context, it store.ClaimedItem) {
 	start := time.Now()
 	res, err := d.provider.Complete(ctx, &upstream.Request{
 		Model: req.Model, System: req.CustomInstructions, Prompt: req.Prompt,
-		MaxOutputTokens: req.MaxOutputRungs, Hints: req.Hints, AtMostOnce: true,
+		MaxOutputTokens: req.MaxOutputRungs, Hints: req.Hints, AtMostOnce: true, Tenant: it.AccountID,
 		OnDispatch: func() {
 			dispatched.Store(true)
 			if it.BatchQueued {
@@ -384,6 +392,11 @@ func (d *Drainer) run(ctx, commits context.Context, it store.ClaimedItem) {
 		result.Provider, result.UpstreamModel, result.Attempts = res.Route.Provider, res.Route.UpstreamModel, res.Route.Attempts
 		tracing.Usage(ctx, usage.InputTokens, usage.OutputTokens, usage.InputRungs, usage.OutputRungs, res.Content)
 	case errors.Is(err, upstream.ErrUnavailable), ctx.Err() != nil && !dispatched.Load():
+		if errors.Is(err, upstream.ErrCallerHeld) {
+			// Only this account's calls are held off: its items are not
+			// claimed until the hold ends; the others' are.
+			d.waiting.add(it.AccountID, time.Now().Add(max(upstream.RetryAfter(err), minAccountWait)))
+		}
 		d.requeue(commits, it)
 		return
 	case ctx.Err() != nil:
@@ -596,6 +609,42 @@ func (d *Drainer) listen(ctx context.Context, wake chan<- struct{}) {
 			sleep(ctx, d.cfg.PollInterval)
 		}
 	}
+}
+
+// accountWaits are the accounts whose items a replica does not claim until a
+// time: the upstream targets hold off their calls (routing's tenant holds).
+type accountWaits struct {
+	mu    sync.Mutex
+	until map[uuid.UUID]time.Time
+}
+
+// add keeps account's items from claims until until (or a later time it
+// already had).
+func (a *accountWaits) add(account uuid.UUID, until time.Time) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.until == nil {
+		a.until = map[uuid.UUID]time.Time{}
+	}
+	if until.After(a.until[account]) {
+		a.until[account] = until
+	}
+}
+
+// active returns the accounts held at now (nil when none), and forgets those
+// whose hold has ended.
+func (a *accountWaits) active(now time.Time) []uuid.UUID {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	var out []uuid.UUID
+	for account, until := range a.until {
+		if now.Before(until) {
+			out = append(out, account)
+		} else {
+			delete(a.until, account)
+		}
+	}
+	return out
 }
 
 // heldItems are the items this replica claimed and has not yet settled.

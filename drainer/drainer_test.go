@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net/http"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -20,6 +21,7 @@ import (
 	"github.com/rungworks/gateway/internal/testdb"
 	"github.com/rungworks/gateway/metering"
 	"github.com/rungworks/gateway/metrics"
+	"github.com/rungworks/gateway/routing"
 	"github.com/rungworks/gateway/store"
 	"github.com/rungworks/gateway/upstream"
 	"github.com/rungworks/gateway/upstream/openai"
@@ -70,12 +72,18 @@ func (b *testBundle) newBatch(t *testing.T, prefix string, n int) uuid.UUID {
 // newBatchOf creates a batch of one item per prompt, in their order.
 func (b *testBundle) newBatchOf(t *testing.T, prompts []string) uuid.UUID {
 	t.Helper()
+	return b.newBatchFor(t, b.principal, prompts)
+}
+
+// newBatchFor creates p's batch of one item per prompt, in their order.
+func (b *testBundle) newBatchFor(t *testing.T, p *gateway.Principal, prompts []string) uuid.UUID {
+	t.Helper()
 	items := make([]store.NewItem, len(prompts))
 	for i, prompt := range prompts {
 		items[i] = store.NewItem{Request: store.ItemRequest{Prompt: prompt, Model: gateway.ModelInstant, MaxOutputRungs: 100}, Estimate: 60}
 	}
 	now := time.Now().UTC()
-	res, err := b.store.CreateBatch(b.ctx, store.NewBatch{Principal: b.principal, RequestHash: []byte(strings.Join(prompts, "\n")), Items: items, CreatedAt: now, ExpiresAt: now.Add(time.Hour)})
+	res, err := b.store.CreateBatch(b.ctx, store.NewBatch{Principal: p, RequestHash: []byte(strings.Join(prompts, "\n")), Items: items, CreatedAt: now, ExpiresAt: now.Add(time.Hour)})
 	require.NoError(t, err)
 	return res.BatchID
 }
@@ -93,7 +101,13 @@ func (b *testBundle) run(t *testing.T, st drainer.Store, cfg drainer.Config) {
 
 func (b *testBundle) items(t *testing.T, id uuid.UUID) []gateway.BatchItem {
 	t.Helper()
-	items, err := b.store.BatchItems(b.ctx, b.principal.AccountID, id, -1, 1<<30)
+	return b.itemsOf(t, b.principal, id)
+}
+
+// itemsOf is the items of p's batch id.
+func (b *testBundle) itemsOf(t *testing.T, p *gateway.Principal, id uuid.UUID) []gateway.BatchItem {
+	t.Helper()
+	items, err := b.store.BatchItems(b.ctx, p.AccountID, id, -1, 1<<30)
 	require.NoError(t, err)
 	return items
 }
@@ -360,5 +374,149 @@ func TestItemsClaimedAheadGoBackAtShutdown(t *testing.T) {
 			require.Equal(t, gateway.ItemQueued, it.Status, "%s, never dispatched, is queued again", prompt)
 			require.Zero(t, calls[prompt], prompt)
 		}
+	}
+}
+
+// accountClaims counts the items of one account that claims return.
+type accountClaims struct {
+	*store.Store
+	account uuid.UUID
+	claimed atomic.Int64
+}
+
+func (s *accountClaims) ClaimItems(ctx context.Context, p store.ClaimParams) ([]store.ClaimedItem, error) {
+	items, err := s.Store.ClaimItems(ctx, p)
+	for _, it := range items {
+		if it.AccountID == s.account {
+			s.claimed.Add(1)
+		}
+	}
+	return items, err
+}
+
+// TestAHeldOffAccountWaitsWhileOthersDrain: when the upstream fails one
+// account's items after dispatch while it answers the others', the router
+// holds off that account's calls alone. Its items not yet sent wait in the
+// queue, neither failed nor sent, and the replica stops claiming them (no
+// claim-and-hand-back loop) while the other account's batch drains.
+func TestAHeldOffAccountWaitsWhileOthersDrain(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetHostile("POISON", fakeupstream.Hostile{Status: http.StatusInternalServerError})
+	router, err := routing.New(routing.Config{
+		Routes: map[gateway.Model]routing.Route{gateway.ModelInstant: {Targets: []routing.Target{
+			{Provider: "fake", UpstreamModel: "fake-model", Client: b.provider},
+		}}},
+		Circuit: routing.CircuitConfig{Failures: 2, Cooldown: time.Hour},
+	})
+	require.NoError(t, err)
+	b.provider = router
+	tier := gateway.TierDeveloper
+	token, err := b.store.CreateKey(b.ctx, store.CreateKeyParams{Account: "bystander", Project: "default", Tier: &tier, Scopes: []gateway.Scope{gateway.ScopeInference}})
+	require.NoError(t, err)
+	bystander, err := b.store.LookupKey(b.ctx, token)
+	require.NoError(t, err)
+
+	poisoned := b.newBatch(t, "POISON", 50)
+	clean := make([]string, 20)
+	for i := range clean {
+		clean[i] = fmt.Sprintf("clean %d", i)
+	}
+	cleanBatch := b.newBatchFor(t, bystander, clean)
+	counting := &accountClaims{Store: b.store, account: b.principal.AccountID}
+	b.run(t, counting, drainer.Config{Concurrency: 2, Lease: time.Minute, Health: router})
+
+	require.Eventually(t, func() bool {
+		for _, it := range b.itemsOf(t, bystander, cleanBatch) {
+			if it.Status != gateway.ItemCompleted {
+				return false
+			}
+		}
+		return true
+	}, 30*time.Second, 20*time.Millisecond, "the bystander's batch drains")
+
+	// The poisoned account's first items failed (while the bystander's
+	// answers came between them, its failures were not a run); the rest
+	// wait, never sent.
+	var failed, queued int
+	for _, it := range b.items(t, poisoned) {
+		switch it.Status {
+		case gateway.ItemFailed:
+			require.Equal(t, gateway.EInferenceBusy, it.Error.Code)
+			failed++
+		case gateway.ItemQueued:
+			queued++
+		default:
+			t.Fatalf("item %d is %s", it.Index, it.Status)
+		}
+	}
+	require.GreaterOrEqual(t, failed, 2)
+	require.Positive(t, queued)
+	require.Equal(t, 50, failed+queued)
+	sentPoison := 0
+	for _, c := range b.fake.Calls() {
+		if strings.HasPrefix(c.Prompt, "POISON") {
+			sentPoison++
+		}
+	}
+	require.Equal(t, failed, sentPoison, "only the failed items reached the upstream")
+
+	// Its items are not claimed again while the hold lasts.
+	claimed := counting.claimed.Load()
+	time.Sleep(300 * time.Millisecond)
+	require.Equal(t, claimed, counting.claimed.Load(), "no claims of the held account's items")
+	require.LessOrEqual(t, claimed, int64(100))
+}
+
+// TestAHeldOffAccountIsNotTheProbeOfAnOutage: when a target's circuit opens
+// while one account is held off (an outage after its own failures) and only
+// that account has items queued, the drainer's probe claims find them held
+// and pass the account over for a while, rather than claim and hand back its
+// items in a loop while the circuit is half-open.
+func TestAHeldOffAccountIsNotTheProbeOfAnOutage(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetHostile("POISON", fakeupstream.Hostile{Status: http.StatusInternalServerError})
+	// The hold, the drainer's pause of the account and the circuit's
+	// cool-down all end about cooldown after the hold began.
+	cooldown := 1500 * time.Millisecond
+	router, err := routing.New(routing.Config{
+		Routes: map[gateway.Model]routing.Route{gateway.ModelInstant: {Targets: []routing.Target{
+			{Provider: "fake", UpstreamModel: "fake-model", Client: b.provider},
+		}}},
+		Circuit: routing.CircuitConfig{Failures: 2, Cooldown: cooldown, MaxCooldown: cooldown},
+	})
+	require.NoError(t, err)
+	b.provider = router
+	poisoned := b.newBatch(t, "POISON", 20)
+	counting := &accountClaims{Store: b.store, account: b.principal.AccountID}
+	b.run(t, counting, drainer.Config{Concurrency: 1, Lease: time.Minute, Health: router})
+	require.Eventually(t, func() bool {
+		failed := 0
+		for _, it := range b.items(t, poisoned) {
+			if it.Status == gateway.ItemFailed {
+				failed++
+			}
+		}
+		return failed == 2
+	}, 10*time.Second, 10*time.Millisecond, "two failures hold the account off")
+
+	// An outage, seen by another tenant: the circuit opens for everyone,
+	// then, its cool-down over, takes one probe.
+	b.fake.SetMode(fakeupstream.Down)
+	_, err = router.Complete(b.ctx, &upstream.Request{Model: gateway.ModelInstant, Prompt: "p", MaxOutputTokens: 10, Tenant: uuid.New()})
+	require.ErrorIs(t, err, upstream.ErrUnavailable)
+	opened := time.Now() // the circuit opened before this
+	serving, _ := router.Health()
+	require.Empty(t, serving)
+	time.Sleep(time.Until(opened.Add(cooldown + 100*time.Millisecond)))
+	_, probing := router.Health()
+	require.Equal(t, []gateway.Model{gateway.ModelInstant}, probing)
+
+	claimed := counting.claimed.Load()
+	time.Sleep(500 * time.Millisecond)
+	require.LessOrEqual(t, counting.claimed.Load()-claimed, int64(2), "no claim-and-hand-back loop on the held account's items")
+	for _, it := range b.items(t, poisoned) {
+		require.Contains(t, []gateway.ItemStatus{gateway.ItemFailed, gateway.ItemQueued}, it.Status)
 	}
 }

@@ -588,3 +588,78 @@ func metricValue(t *testing.T, scrape, sample string) float64 {
 	}
 	return 0
 }
+
+// TestOneAccountsFailingPromptsHoldOffOnlyItsCalls: prompts of one account's
+// that make the upstream fail (500, after dispatch) hold off that account's
+// calls once three have failed: INFERENCE_BUSY with a Retry-After, the
+// upstream not called, its batch items left queued (not failed). Another
+// account's requests, streams and batch are served meanwhile, by the same
+// target, whose circuit stays closed.
+func TestOneAccountsFailingPromptsHoldOffOnlyItsCalls(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	bystander := strings.TrimSpace(mustCLI(t, b.db, "keys", "create", "--account", "bystander"))
+	b.fake.SetHostile("POISON", fakeupstream.Hostile{Status: http.StatusInternalServerError})
+	file := filepath.Join(t.TempDir(), "gateway.yaml")
+	require.NoError(t, os.WriteFile(file, []byte(fmt.Sprintf(`providers:
+  only:
+    base_url: %s
+models:
+  instant:
+    targets: [only/o-instant]
+circuit:
+  failures: 3
+  cooldown: 1m
+  max_cooldown: 1m
+`, b.fake.BaseURL())), 0o600))
+	g := start(t, map[string]string{"DATABASE_URL": b.db, "GATEWAY_CONFIG": file}, "serve")
+	respond := func(key, prompt string) reply {
+		return g.call(http.MethodPost, "/api/v1/responses", key, map[string]any{"prompt": prompt, "model": "instant"})
+	}
+
+	for range 3 {
+		r := respond(b.key, "POISON")
+		require.Equal(t, http.StatusServiceUnavailable, r.status, string(r.body))
+		require.Equal(t, "INFERENCE_BUSY", r.code(t))
+	}
+	sent := len(b.fake.Calls())
+	r := respond(b.key, "a fine prompt")
+	require.Equal(t, http.StatusServiceUnavailable, r.status, string(r.body))
+	require.Equal(t, "INFERENCE_BUSY", r.code(t))
+	require.Contains(t, string(r.body), "this account's last requests failed")
+	require.NotEmpty(t, r.header.Get("Retry-After"))
+	_, s := g.stream(b.key, map[string]any{"prompt": "a fine stream", "model": "instant"})
+	require.Equal(t, []string{"response.error"}, names(s))
+	held := g.createBatch(b.key, prompts("fine", 3))
+	require.Equal(t, sent, len(b.fake.Calls()), "nothing of the held account's reached the upstream")
+
+	var theirs received
+	r = respond(bystander, "a fine prompt")
+	require.Equal(t, http.StatusOK, r.status, string(r.body))
+	var resp api.Response
+	require.NoError(t, json.Unmarshal(r.body, &resp))
+	theirs.add(api.RungUsage{InputRungs: resp.Usage.InputRungs, OutputRungs: resp.Usage.OutputRungs, TotalRungs: resp.Usage.TotalRungs})
+	sr, s := g.stream(bystander, map[string]any{"prompt": "a fine stream", "model": "instant"})
+	require.Equal(t, "response.completed", names(s)[len(s.Events)-1])
+	theirs.add(finalUsage(t, sr.body))
+	done := g.waitTerminal(bystander, g.createBatch(bystander, prompts("clean", 5)).Id.String(), 60*time.Second)
+	require.Equal(t, api.BatchStatus("completed"), done.Status)
+	theirs.items(done)
+	scrape := g.scrape()
+	require.Contains(t, scrape, `gateway_upstream_circuit_state{provider="only",upstream_model="o-instant"} 0`)
+	require.Contains(t, scrape, `gateway_upstream_tenant_holds_total{provider="only",upstream_model="o-instant"} 1`)
+	require.Contains(t, waitForLine(t, g.stderr, "holds off one account's calls"), `"account_id":"`)
+
+	for _, it := range g.results(b.key, held.Id.String()).Results {
+		require.Equal(t, api.BatchItemStatus("queued"), it.Status, "the held account's items wait")
+	}
+	require.Len(t, b.fake.Calls(), sent+1+1+5, "since the hold, only the bystander's calls were sent")
+
+	// The ledgers: the bystander's is what it received; the held account,
+	// its waiting batch cancelled, was billed nothing for the calls that
+	// failed or were held off.
+	settledExactly(t, g, bystander, theirs)
+	c := g.call(http.MethodPost, "/api/v1/batch/"+held.Id.String()+"/cancel", b.key, nil)
+	require.Equal(t, http.StatusOK, c.status, string(c.body))
+	settledExactly(t, g, b.key, received{})
+}

@@ -287,6 +287,7 @@ func (s *Service) upstreamRequest(call *Call) *upstream.Request {
 		Prompt:          req.Prompt,
 		MaxOutputTokens: req.MaxOutputRungs,
 		Hints:           req.Hints,
+		Tenant:          call.Principal.AccountID,
 	}
 }
 
@@ -488,6 +489,8 @@ func (s *Service) upstreamError(ctx context.Context, err error) error {
 		e.Message = "the gateway is shutting down; the output so far, if any, is billed; retry"
 	case errors.As(err, &rejected):
 		e.Message = "the inference provider rejected the request: " + rejected.Message
+	case errors.Is(err, upstream.ErrCallerHeld):
+		e.Message = "this account's last requests failed at the inference provider while others' did not; its requests wait out a cool-down (Retry-After); retry then"
 	case errors.Is(err, upstream.ErrUnavailable):
 		e.Message = "inference is unavailable; retry later"
 	case errors.Is(err, upstream.ErrFailed):

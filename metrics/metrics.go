@@ -36,6 +36,7 @@ type Metrics struct {
 	clamps           *prometheus.CounterVec
 	attempts         *prometheus.CounterVec
 	replyCuts        *prometheus.CounterVec
+	tenantHolds      *prometheus.CounterVec
 	attemptDuration  *prometheus.HistogramVec
 	circuitState     *prometheus.GaugeVec
 	fallbacks        *prometheus.CounterVec
@@ -107,6 +108,9 @@ func New() *Metrics {
 		replyCuts: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "gateway_upstream_reply_cuts_total", Help: "Upstream replies that passed one of the gateway's bounds, by provider, upstream model and bound: text (the reply failed, or was too long to read, or its stream broke off), sources (those past 100 dropped), url (a source dropped for its URL), title, snippet, verdict (cut).",
 		}, []string{"provider", "upstream_model", "bound"}),
+		tenantHolds: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "gateway_upstream_tenant_holds_total", Help: "Holds a target's circuit put on one account's calls alone, by provider and upstream model: the account's calls failed after dispatch while no other account's did (the circuit stayed closed for the others).",
+		}, []string{"provider", "upstream_model"}),
 		attemptDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "gateway_upstream_attempt_duration_seconds", Help: "Latency of one upstream attempt by provider and upstream model (streams: until the stream ends).",
 			Buckets: prometheus.ExponentialBuckets(0.005, 2.5, 12),
@@ -127,7 +131,7 @@ func New() *Metrics {
 			Name: "gateway_clock_offset_seconds", Help: "How far the database's clock is ahead of this replica's (negative: behind), compared every minute.",
 		}),
 	}
-	m.registry.MustRegister(m.attempts, m.replyCuts, m.attemptDuration, m.circuitState, m.fallbacks, m.reloadOK, m.reloadTime, m.clockOffset,
+	m.registry.MustRegister(m.attempts, m.replyCuts, m.tenantHolds, m.attemptDuration, m.circuitState, m.fallbacks, m.reloadOK, m.reloadTime, m.clockOffset,
 		m.requests, m.requestDuration, m.rungs, m.upstreamDuration, m.upstreamErrors,
 		m.openStreams, m.batchItems, m.claimDuration, m.commitDuration, m.commitSize, m.queueDepth, m.leaseRescues, m.refusals, m.unconfirmed, m.clamps,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -318,6 +322,7 @@ type Target struct {
 	outcomes map[string]prometheus.Counter
 	other    prometheus.Counter
 	cuts     map[string]prometheus.Counter
+	holds    prometheus.Counter
 	duration prometheus.Observer
 	circuit  prometheus.Gauge
 }
@@ -334,6 +339,7 @@ func (m *Metrics) Target(provider, upstreamModel string) *Target {
 	}
 	t := &Target{
 		outcomes: make(map[string]prometheus.Counter, len(attemptOutcomes)),
+		holds:    m.tenantHolds.WithLabelValues(provider, upstreamModel),
 		duration: m.attemptDuration.WithLabelValues(provider, upstreamModel),
 		circuit:  m.circuitState.WithLabelValues(provider, upstreamModel),
 	}
@@ -375,6 +381,7 @@ func (m *Metrics) DropTarget(provider, upstreamModel string) {
 	for _, c := range upstream.Cuts {
 		m.replyCuts.DeleteLabelValues(provider, upstreamModel, c)
 	}
+	m.tenantHolds.DeleteLabelValues(provider, upstreamModel)
 	m.attemptDuration.DeleteLabelValues(provider, upstreamModel)
 	m.circuitState.DeleteLabelValues(provider, upstreamModel)
 }
@@ -402,6 +409,13 @@ func (t *Target) Cut(bound string) {
 	}
 	if c, ok := t.cuts[bound]; ok {
 		c.Inc()
+	}
+}
+
+// TenantHold records a hold the target's circuit put on one account's calls.
+func (t *Target) TenantHold() {
+	if t != nil {
+		t.holds.Inc()
 	}
 }
 

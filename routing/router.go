@@ -1,8 +1,10 @@
 // Package routing sends each call of a canonical model to the upstream targets
 // the operator configured for it (a provider's model), in order or spread by
 // weight, moving on from a target that failed to the next one within bounds,
-// and skipping targets whose circuit is open. Interactive calls and the batch
-// drainer share one Router, so they share what it learns of each target.
+// and skipping targets whose circuit is open, or that hold off the calling
+// tenant alone (its own calls failing there while others' do not). Interactive
+// calls and the batch drainer share one Router, so they share what it learns
+// of each target.
 //
 // Fallback keeps the gateway's guarantees: a call moves on only while nothing
 // of its output reached anyone, a failed attempt is never billed (the caller
@@ -20,6 +22,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/google/uuid"
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/metrics"
@@ -207,6 +211,13 @@ func (r *Router) circuitChanged(tb *table, t *target, state int) {
 	r.wakeLocked()
 }
 
+// tenantHeld logs and counts a hold t's circuit put on one tenant's calls.
+func (r *Router) tenantHeld(t *target, tenant uuid.UUID) {
+	r.logger.Warn("a target holds off one account's calls: they failed after dispatch while no other account's did; the other accounts' calls go on",
+		"provider", t.Provider, "upstream_model", t.UpstreamModel, "account_id", tenant)
+	t.metrics.TenantHold()
+}
+
 // closeCircuits reports the table's circuits closed, as they start.
 func (tb *table) closeCircuits() {
 	for _, t := range tb.targets {
@@ -253,7 +264,7 @@ func (r *Router) build(cfg Config) (*table, error) {
 					tb.idlers = append(tb.idlers, c)
 				}
 				tt.Client = upstream.Guard(t.Client, r.cutReporter(tt))
-				tt.circuit = newCircuit(circuitCfg, func(state int) { r.circuitChanged(tb, tt, state) })
+				tt.circuit = newCircuit(circuitCfg, func(state int) { r.circuitChanged(tb, tt, state) }, func(tenant uuid.UUID) { r.tenantHeld(tt, tenant) })
 				shared[key] = tt
 				tb.targets = append(tb.targets, tt)
 			}
@@ -325,13 +336,15 @@ func (r *Router) run(ctx context.Context, original *upstream.Request, emitted *b
 	order := rt.order(buf[:0])
 	deadline := time.Now().Add(tb.maxTime)
 	attempts := 0
+	heldOff := false
 	var last error
 	for _, t := range order {
 		now := time.Now()
 		if attempts == tb.maxAttempts || (attempts > 0 && now.After(deadline)) {
 			break
 		}
-		if !t.circuit.allow(now) {
+		if ok, held := t.circuit.allow(now, req.Tenant); !ok {
+			heldOff = heldOff || held
 			continue
 		}
 		if attempts > 0 {
@@ -344,7 +357,7 @@ func (r *Router) run(ctx context.Context, original *upstream.Request, emitted *b
 		kind := upstream.Kind(err)
 		t.metrics.Attempt(kind, time.Since(now))
 		tracing.EndAttempt(span, t.UpstreamModel, res.UsageReported, res.InputTokens, res.OutputTokens, kind)
-		t.observe(kind, upstream.RetryAfter(err))
+		t.observe(kind, upstream.RetryAfter(err), req.Tenant)
 		if kind == upstream.KindDenied {
 			r.logger.ErrorContext(ctx, "the upstream refused the gateway's access: check the target's key, base URL and model in the configuration",
 				"provider", t.Provider, "upstream_model", t.UpstreamModel, "error", err)
@@ -357,7 +370,10 @@ func (r *Router) run(ctx context.Context, original *upstream.Request, emitted *b
 	}
 	if attempts == 0 {
 		err := fmt.Errorf("%w: no target of model %s is taking calls (their circuits are open)", upstream.ErrUnavailable, req.Model)
-		return upstream.Result{}, upstream.WithRetryAfter(err, time.Until(rt.reopensAt()))
+		if heldOff {
+			err = fmt.Errorf("%w: %w: model %s", upstream.ErrUnavailable, upstream.ErrCallerHeld, req.Model)
+		}
+		return upstream.Result{}, upstream.WithRetryAfter(err, time.Until(rt.reopensAt(req.Tenant)))
 	}
 	return upstream.Result{Route: gateway.UpstreamRoute{Attempts: attempts}}, last
 }
@@ -381,27 +397,32 @@ func mayMoveOn(kind string, atMostOnce bool, emitted *bool) bool {
 	return false
 }
 
-// observe reports an attempt's outcome to the target's circuit: an answer
-// (a rejection of the request included) says it is up, a failure (a refusal
-// of the gateway's access included) that it is in trouble, anything else
-// (the caller went away) nothing. wait is how long the target asked to wait.
-func (t *target) observe(kind string, wait time.Duration) {
+// observe reports an attempt's outcome for tenant to the target's circuit:
+// an answer (a rejection of the request included) says it is up; a failure
+// after dispatch may be the tenant's own doing; a failure before (no
+// connection, 429, 503, a refusal of the gateway's access) says the target is
+// in trouble; anything else (the caller went away) says nothing. wait is how
+// long the target asked to wait.
+func (t *target) observe(kind string, wait time.Duration, tenant uuid.UUID) {
 	switch kind {
 	case "", upstream.KindRejected:
-		t.circuit.succeeded()
-	case upstream.KindUnavailable, upstream.KindDenied, upstream.KindFailed, upstream.KindBroken:
-		t.circuit.failed(time.Now(), wait)
+		t.circuit.succeeded(tenant)
+	case upstream.KindFailed, upstream.KindBroken:
+		t.circuit.failed(time.Now(), wait, tenant, true)
+	case upstream.KindUnavailable, upstream.KindDenied:
+		t.circuit.failed(time.Now(), wait, tenant, false)
 	default:
-		t.circuit.released()
+		t.circuit.released(tenant)
 	}
 }
 
-// reopensAt is the soonest a target of the route takes calls again: the
-// earliest end of its open circuits' cool-downs (zero when none is open).
-func (rt *route) reopensAt() time.Time {
+// reopensAt is the soonest a target of the route takes tenant's calls again:
+// the earliest end of its targets' cool-downs and tenant's holds (zero when
+// none holds them off).
+func (rt *route) reopensAt(tenant uuid.UUID) time.Time {
 	var soonest time.Time
 	for _, t := range rt.targets {
-		if at := t.circuit.reopensAt(); !at.IsZero() && (soonest.IsZero() || at.Before(soonest)) {
+		if at := t.circuit.reopensAt(tenant); !at.IsZero() && (soonest.IsZero() || at.Before(soonest)) {
 			soonest = at
 		}
 	}
@@ -466,7 +487,7 @@ func (r *Router) Wait(ctx context.Context, maxWait time.Duration) {
 	r.mu.Unlock()
 	wait := maxWait
 	for _, t := range r.table.Load().targets {
-		if at := t.circuit.reopensAt(); !at.IsZero() {
+		if at := t.circuit.reopensAt(uuid.Nil); !at.IsZero() {
 			wait = min(wait, time.Until(at))
 		}
 	}

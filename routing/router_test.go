@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
@@ -293,6 +294,113 @@ func TestCircuitOpensThenProbes(t *testing.T) {
 	res, err = b.router.Complete(context.Background(), request("p"))
 	require.NoError(t, err)
 	require.Equal(t, "a", res.Route.Provider)
+}
+
+// TestOneTenantsFailuresHoldOffOnlyItsCalls: failures after dispatch that
+// only one tenant's calls meet hold off that tenant's calls alone, with a
+// cool-down and a probe of their own, while every other tenant's calls go on
+// and the drainer sees the model healthy. A run of two tenants' failures is
+// the target's: its circuit opens for everyone.
+func TestOneTenantsFailuresHoldOffOnlyItsCalls(t *testing.T) {
+	t.Parallel()
+	cooldown := 500 * time.Millisecond // long enough that a slow machine still calls within it
+	b := setup(t, routing.Config{Circuit: routing.CircuitConfig{Failures: 2, Cooldown: cooldown, MaxCooldown: time.Hour}})
+	for _, f := range b.fakes {
+		f.SetHostile("POISON", fakeupstream.Hostile{Status: http.StatusInternalServerError})
+	}
+	poisoner, bystander := uuid.New(), uuid.New()
+	call := func(tenant uuid.UUID, prompt string) (upstream.Result, error) {
+		req := request(prompt)
+		req.Tenant = tenant
+		return b.router.Complete(context.Background(), req)
+	}
+	sent := func() int { return b.calls("a") + b.calls("b") + b.calls("c") }
+
+	// Two of the poisoner's calls fail at every target, tried in turn.
+	for range 2 {
+		_, err := call(poisoner, "POISON")
+		require.ErrorIs(t, err, upstream.ErrFailed)
+	}
+	require.Equal(t, 6, sent())
+
+	// Now its calls are held off by every target and sent nowhere...
+	_, err := call(poisoner, "fine")
+	require.ErrorIs(t, err, upstream.ErrUnavailable)
+	require.ErrorIs(t, err, upstream.ErrCallerHeld)
+	require.Positive(t, upstream.RetryAfter(err))
+	require.LessOrEqual(t, upstream.RetryAfter(err), cooldown)
+	require.Equal(t, 6, sent())
+	// ...while the bystander's go to the first target as before.
+	res, err := call(bystander, "fine")
+	require.NoError(t, err)
+	require.Equal(t, "a", res.Route.Provider)
+	require.Equal(t, 1, res.Route.Attempts)
+	serving, probing := b.router.Health()
+	require.Equal(t, []gateway.Model{gateway.ModelInstant}, serving)
+	require.Empty(t, probing)
+
+	// After the cool-down each target takes one probe of the poisoner's; they
+	// fail, and hold it twice as long.
+	time.Sleep(cooldown)
+	_, err = call(poisoner, "POISON")
+	require.ErrorIs(t, err, upstream.ErrFailed)
+	require.Equal(t, 10, sent())
+	time.Sleep(cooldown)
+	_, err = call(poisoner, "fine")
+	require.ErrorIs(t, err, upstream.ErrCallerHeld)
+	require.Equal(t, 10, sent(), "the second cool-down is longer")
+
+	// A probe that is answered lifts the hold.
+	time.Sleep(cooldown)
+	res, err = call(poisoner, "fine")
+	require.NoError(t, err)
+	require.Equal(t, "a", res.Route.Provider)
+	res, err = call(poisoner, "fine")
+	require.NoError(t, err)
+	require.Equal(t, "a", res.Route.Provider)
+
+	// One failure of the poisoner's, then one of another tenant's: the run
+	// is the targets' own trouble, and they open for everyone.
+	_, err = call(poisoner, "POISON")
+	require.ErrorIs(t, err, upstream.ErrFailed)
+	_, err = call(uuid.New(), "POISON")
+	require.ErrorIs(t, err, upstream.ErrFailed)
+	before := sent()
+	_, err = call(bystander, "fine")
+	require.ErrorIs(t, err, upstream.ErrUnavailable)
+	require.NotErrorIs(t, err, upstream.ErrCallerHeld)
+	require.Equal(t, before, sent())
+	serving, _ = b.router.Health()
+	require.Empty(t, serving)
+}
+
+// TestFailuresOfNoTenantAreTheTargets: failures of calls that name no tenant,
+// and failures that say the target is in trouble whoever calls (a 503 here),
+// open the circuit for everyone, as before tenants were told apart.
+func TestFailuresOfNoTenantAreTheTargets(t *testing.T) {
+	t.Parallel()
+	b := setup(t, routing.Config{Circuit: routing.CircuitConfig{Failures: 2, Cooldown: time.Hour}})
+	b.fakes["a"].SetStatus(http.StatusInternalServerError)
+	for range 2 {
+		res, err := b.router.Complete(context.Background(), request("p"))
+		require.NoError(t, err)
+		require.Equal(t, "b", res.Route.Provider)
+	}
+	b.fakes["b"].SetMode(fakeupstream.Down)
+	tenant := uuid.New()
+	for range 2 {
+		req := request("p")
+		req.Tenant = tenant
+		res, err := b.router.Complete(context.Background(), req)
+		require.NoError(t, err)
+		require.Equal(t, "c", res.Route.Provider)
+	}
+	req := request("p")
+	req.Tenant = uuid.New()
+	res, err := b.router.Complete(context.Background(), req)
+	require.NoError(t, err)
+	require.Equal(t, "c", res.Route.Provider)
+	require.Equal(t, 1, res.Route.Attempts, "a and b are open for every tenant")
 }
 
 func TestHealthAndWait(t *testing.T) {

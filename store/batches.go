@@ -518,6 +518,8 @@ type ClaimParams struct {
 	Lease      time.Duration
 	// Models limits the claim to items of these models; nil means every model.
 	Models []gateway.Model
+	// Skip names accounts whose items are not claimed now (held off).
+	Skip []uuid.UUID
 }
 
 // ClaimItems claims up to p.Max queued items in one statement (see
@@ -525,7 +527,7 @@ type ClaimParams struct {
 func (s *Store) ClaimItems(ctx context.Context, p ClaimParams) ([]ClaimedItem, error) {
 	rows, err := s.queries.ClaimBatchItems(ctx, s.pool, db.ClaimBatchItemsParams{
 		Owner: p.Owner, MaxItems: int32(p.Max), PerAccount: int32(p.PerAccount),
-		Lease: interval(p.Lease), Pivot: uuid.Must(uuid.NewRandom()), ClaimID: p.ClaimID, Models: texts(p.Models),
+		Lease: interval(p.Lease), Pivot: uuid.Must(uuid.NewRandom()), ClaimID: p.ClaimID, Models: texts(p.Models), Skip: p.Skip,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("error claiming batch items: %w", err)

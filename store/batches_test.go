@@ -504,6 +504,41 @@ func TestClaimIsFair(t *testing.T) {
 	}
 }
 
+// TestClaimPassesOverSkippedAccounts: a claim takes no item of an account it
+// is told to skip, and gives the skipped account's share to the others; the
+// skipped account's items stay queued for a later claim.
+func TestClaimPassesOverSkippedAccounts(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, held := b.key(t, "held", gateway.TierDeveloper, gateway.ScopeInference)
+	_, other := b.key(t, "other", gateway.TierDeveloper, gateway.ScopeInference)
+	b.newBatch(t, held, 10, 1, "", day())
+	b.newBatch(t, other, 10, 1, "", day())
+	owner := uuid.Must(uuid.NewV7())
+	items, err := b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: owner, Max: 8, PerAccount: 4, Lease: time.Minute, Skip: []uuid.UUID{held.AccountID}})
+	require.NoError(t, err)
+	require.Equal(t, map[uuid.UUID]int{other.AccountID: 8}, perAccount(items), "the whole claim goes to the account not skipped")
+
+	items, err = b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: owner, Max: 8, PerAccount: 4, Lease: time.Minute})
+	require.NoError(t, err)
+	require.Equal(t, map[uuid.UUID]int{held.AccountID: 4, other.AccountID: 2}, perAccount(items), "without the skip its items are claimed, its share")
+}
+
+// TestClaimOfThePreviousReleaseStillClaims: replicas of the release before
+// migration 00044 call the claim without accounts to skip during a rolling
+// upgrade; it claims as the new one does skipping none.
+func TestClaimOfThePreviousReleaseStillClaims(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	b.newBatch(t, p, 3, 1, "", day())
+	var n int
+	err := b.store.Pool().QueryRow(b.ctx, `SELECT count(*) FROM claim_batch_items($1, 8, 4, interval '1 minute', $2, $3, NULL)`,
+		uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewRandom()), uuid.Must(uuid.NewV7())).Scan(&n)
+	require.NoError(t, err)
+	require.Equal(t, 3, n)
+}
+
 // TestClaimShares: an account's share of a claim is the claim divided among
 // the accounts with work, and at least PerAccount.
 func TestClaimShares(t *testing.T) {

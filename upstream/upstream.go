@@ -11,6 +11,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/google/uuid"
+
 	"github.com/rungworks/gateway"
 )
 
@@ -28,6 +30,10 @@ type Request struct {
 	// D12): a failed attempt moves to another target only when the first
 	// certainly did not process it. Interactive calls leave it false.
 	AtMostOnce bool
+	// Tenant is the account the call is made for (uuid.Nil: none named). A
+	// router tells one tenant's failures from a target's trouble by it, and
+	// holds off only that tenant's calls when they alone fail (ErrCallerHeld).
+	Tenant uuid.UUID
 	// OnDispatch, when set, is called once the request is about to be written to
 	// the upstream: from then on the call may be processed, so it must never be
 	// retried (D12).
@@ -85,6 +91,12 @@ var ErrStreamBroken = errors.New("upstream stream ended early")
 // answered 429 or 503, or it refused the gateway (ErrDenied). Such a call may
 // be retried (D12).
 var ErrUnavailable = errors.New("upstream unavailable")
+
+// ErrCallerHeld marks an ErrUnavailable that holds off one tenant's calls
+// (Request.Tenant) and no one else's: the targets failed that tenant's last
+// calls after dispatch while no other tenant's failed, so its calls wait out a
+// cool-down (RetryAfter says how long) and every other tenant's go on.
+var ErrCallerHeld = errors.New("this tenant's last calls failed upstream; its calls are held off for a cool-down")
 
 // MaxRetryAfter bounds the wait an upstream may ask for (RetryAfter): a
 // longer one, or a hostile one, is taken as this.

@@ -976,7 +976,10 @@ type ClientInterface interface {
 	// which the gateway never follows), the items wait in the queue, none
 	// failed for it, and run when it is back. A prompt reaches the provider at most once: an item
 	// whose call fails after it was sent (a timeout, another `5xx`) fails
-	// `INFERENCE_BUSY` and is never run again.
+	// `INFERENCE_BUSY` and is never run again. When such failures meet only
+	// this account's calls, the provider's calls of this account are held
+	// off for a cool-down (see `INFERENCE_BUSY`): its items not yet sent wait
+	// in the queue meanwhile, and other accounts' batches go on.
 	//
 	// `Idempotency-Key` is scoped to the account and kept for the completion window
 	// (24 hours): a repeat with the same key and the same body returns the
@@ -1011,7 +1014,10 @@ type ClientInterface interface {
 	// which the gateway never follows), the items wait in the queue, none
 	// failed for it, and run when it is back. A prompt reaches the provider at most once: an item
 	// whose call fails after it was sent (a timeout, another `5xx`) fails
-	// `INFERENCE_BUSY` and is never run again.
+	// `INFERENCE_BUSY` and is never run again. When such failures meet only
+	// this account's calls, the provider's calls of this account are held
+	// off for a cool-down (see `INFERENCE_BUSY`): its items not yet sent wait
+	// in the queue meanwhile, and other accounts' batches go on.
 	//
 	// `Idempotency-Key` is scoped to the account and kept for the completion window
 	// (24 hours): a repeat with the same key and the same body returns the
@@ -1244,7 +1250,10 @@ func (c *Client) GetJSONSchema(ctx context.Context, reqEditors ...RequestEditorF
 // which the gateway never follows), the items wait in the queue, none
 // failed for it, and run when it is back. A prompt reaches the provider at most once: an item
 // whose call fails after it was sent (a timeout, another `5xx`) fails
-// `INFERENCE_BUSY` and is never run again.
+// `INFERENCE_BUSY` and is never run again. When such failures meet only
+// this account's calls, the provider's calls of this account are held
+// off for a cool-down (see `INFERENCE_BUSY`): its items not yet sent wait
+// in the queue meanwhile, and other accounts' batches go on.
 //
 // `Idempotency-Key` is scoped to the account and kept for the completion window
 // (24 hours): a repeat with the same key and the same body returns the
@@ -1289,7 +1298,10 @@ func (c *Client) CreateBatchWithBody(ctx context.Context, params *CreateBatchPar
 // which the gateway never follows), the items wait in the queue, none
 // failed for it, and run when it is back. A prompt reaches the provider at most once: an item
 // whose call fails after it was sent (a timeout, another `5xx`) fails
-// `INFERENCE_BUSY` and is never run again.
+// `INFERENCE_BUSY` and is never run again. When such failures meet only
+// this account's calls, the provider's calls of this account are held
+// off for a cool-down (see `INFERENCE_BUSY`): its items not yet sent wait
+// in the queue meanwhile, and other accounts' batches go on.
 //
 // `Idempotency-Key` is scoped to the account and kept for the completion window
 // (24 hours): a repeat with the same key and the same body returns the
@@ -2252,7 +2264,10 @@ type ClientWithResponsesInterface interface {
 	// which the gateway never follows), the items wait in the queue, none
 	// failed for it, and run when it is back. A prompt reaches the provider at most once: an item
 	// whose call fails after it was sent (a timeout, another `5xx`) fails
-	// `INFERENCE_BUSY` and is never run again.
+	// `INFERENCE_BUSY` and is never run again. When such failures meet only
+	// this account's calls, the provider's calls of this account are held
+	// off for a cool-down (see `INFERENCE_BUSY`): its items not yet sent wait
+	// in the queue meanwhile, and other accounts' batches go on.
 	//
 	// `Idempotency-Key` is scoped to the account and kept for the completion window
 	// (24 hours): a repeat with the same key and the same body returns the
@@ -2287,7 +2302,10 @@ type ClientWithResponsesInterface interface {
 	// which the gateway never follows), the items wait in the queue, none
 	// failed for it, and run when it is back. A prompt reaches the provider at most once: an item
 	// whose call fails after it was sent (a timeout, another `5xx`) fails
-	// `INFERENCE_BUSY` and is never run again.
+	// `INFERENCE_BUSY` and is never run again. When such failures meet only
+	// this account's calls, the provider's calls of this account are held
+	// off for a cool-down (see `INFERENCE_BUSY`): its items not yet sent wait
+	// in the queue meanwhile, and other accounts' batches go on.
 	//
 	// `Idempotency-Key` is scoped to the account and kept for the completion window
 	// (24 hours): a repeat with the same key and the same body returns the
@@ -4264,7 +4282,10 @@ func (c *ClientWithResponses) GetJSONSchemaWithResponse(ctx context.Context, req
 // which the gateway never follows), the items wait in the queue, none
 // failed for it, and run when it is back. A prompt reaches the provider at most once: an item
 // whose call fails after it was sent (a timeout, another `5xx`) fails
-// `INFERENCE_BUSY` and is never run again.
+// `INFERENCE_BUSY` and is never run again. When such failures meet only
+// this account's calls, the provider's calls of this account are held
+// off for a cool-down (see `INFERENCE_BUSY`): its items not yet sent wait
+// in the queue meanwhile, and other accounts' batches go on.
 //
 // `Idempotency-Key` is scoped to the account and kept for the completion window
 // (24 hours): a repeat with the same key and the same body returns the
@@ -4305,7 +4326,10 @@ func (c *ClientWithResponses) CreateBatchWithBodyWithResponse(ctx context.Contex
 // which the gateway never follows), the items wait in the queue, none
 // failed for it, and run when it is back. A prompt reaches the provider at most once: an item
 // whose call fails after it was sent (a timeout, another `5xx`) fails
-// `INFERENCE_BUSY` and is never run again.
+// `INFERENCE_BUSY` and is never run again. When such failures meet only
+// this account's calls, the provider's calls of this account are held
+// off for a cool-down (see `INFERENCE_BUSY`): its items not yet sent wait
+// in the queue meanwhile, and other accounts' batches go on.
 //
 // `Idempotency-Key` is scoped to the account and kept for the completion window
 // (24 hours): a repeat with the same key and the same body returns the

@@ -92,7 +92,7 @@ func (q *Queries) CancelQueuedItems(ctx context.Context, db DBTX, arg CancelQueu
 const claimBatchItems = `-- name: ClaimBatchItems :many
 SELECT c.batch_id::uuid AS batch_id, c.idx::integer AS idx, c.account_id::uuid AS account_id,
        c.request::jsonb AS request, c.batch_status::text AS batch_status, c.claimed::boolean AS claimed
-FROM claim_batch_items($1::uuid, $2::integer, $3::integer, $4::interval, $5::uuid, $6::uuid, $7::text[]) AS c
+FROM claim_batch_items($1::uuid, $2::integer, $3::integer, $4::interval, $5::uuid, $6::uuid, $7::text[], $8::uuid[]) AS c
 `
 
 type ClaimBatchItemsParams struct {
@@ -103,6 +103,7 @@ type ClaimBatchItemsParams struct {
 	Pivot      uuid.UUID
 	ClaimID    uuid.UUID
 	Models     []string
+	Skip       []uuid.UUID
 }
 
 type ClaimBatchItemsRow struct {
@@ -123,6 +124,7 @@ func (q *Queries) ClaimBatchItems(ctx context.Context, db DBTX, arg ClaimBatchIt
 		arg.Pivot,
 		arg.ClaimID,
 		arg.Models,
+		arg.Skip,
 	)
 	if err != nil {
 		return nil, err

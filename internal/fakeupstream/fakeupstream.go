@@ -89,6 +89,9 @@ type Hostile struct {
 	// Citations, when set, replaces the one citation with that many, each
 	// of another URL and, in a reply, citing the whole text.
 	Citations int
+	// Status, when set, answers the call with this error status instead
+	// (a prompt the upstream chokes on).
+	Status int
 }
 
 // pieces is the text h sends, a piece a stream delta.
@@ -350,6 +353,9 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if hostile != nil && hostile.Status != 0 {
+		status = hostile.Status
+	}
 	if status != 0 {
 		w.WriteHeader(status)
 		fmt.Fprintf(w, `{"error":{"message":"status %d"}}`, status)

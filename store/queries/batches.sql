@@ -119,7 +119,7 @@ WHERE batch_id = @batch_id AND status IS NOT DISTINCT FROM 'queued';
 -- name: ClaimBatchItems :many
 SELECT c.batch_id::uuid AS batch_id, c.idx::integer AS idx, c.account_id::uuid AS account_id,
        c.request::jsonb AS request, c.batch_status::text AS batch_status, c.claimed::boolean AS claimed
-FROM claim_batch_items(@owner::uuid, @max_items::integer, @per_account::integer, @lease::interval, @pivot::uuid, @claim_id::uuid, sqlc.narg('models')::text[]) AS c;
+FROM claim_batch_items(@owner::uuid, @max_items::integer, @per_account::integer, @lease::interval, @pivot::uuid, @claim_id::uuid, sqlc.narg('models')::text[], sqlc.narg('skip')::uuid[]) AS c;
 
 -- name: CompleteBatchItems :many
 SELECT c.batch_id::uuid AS batch_id, c.idx::integer AS idx
