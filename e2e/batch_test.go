@@ -193,6 +193,37 @@ func TestBatchWaitsOutAnUpstreamOutage(t *testing.T) {
 	require.Equal(t, sumItems(res), g.usage(b.key).Totals.TotalRungs, "items retried after the outage are billed once")
 }
 
+// TestBatchWaitsOutASlow503: an upstream that answers 503 only after a long
+// wait (an overloaded proxy's queue timing out) did not process the call:
+// the batch's items wait in the queue, none failed for it, and an
+// interactive request meanwhile is INFERENCE_BUSY and billed nothing; once
+// the upstream is back, every item completes, billed once.
+func TestBatchWaitsOutASlow503(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetMode(fakeupstream.Down)
+	b.fake.SetDelay(700 * time.Millisecond)
+	g := serve(t, b.db, b.fake.BaseURL(), nil)
+	batch := g.createBatch(b.key, prompts("slow outage", 6))
+	r := g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "meanwhile"})
+	require.Equal(t, http.StatusServiceUnavailable, r.status, string(r.body))
+	require.Equal(t, "INFERENCE_BUSY", r.code(t))
+	require.Eventually(t, func() bool { return len(b.fake.Calls()) >= 4 }, 20*time.Second, 20*time.Millisecond, "the drainer probes")
+	for _, it := range g.results(b.key, batch.Id.String()).Results {
+		require.Contains(t, []api.BatchItemStatus{"queued", "in_progress"}, it.Status, "nothing fails for a slow 503")
+	}
+	require.Zero(t, g.usage(b.key).Totals.TotalRungs)
+
+	b.fake.SetMode(fakeupstream.OK)
+	b.fake.SetDelay(0)
+	res := g.waitTerminal(b.key, batch.Id.String(), 60*time.Second)
+	require.Equal(t, api.BatchStatus("completed"), res.Status)
+	for _, it := range res.Results {
+		require.Equal(t, api.BatchItemStatus("completed"), it.Status)
+	}
+	require.Equal(t, sumItems(res), g.usage(b.key).Totals.TotalRungs, "items retried after the outage are billed once")
+}
+
 func TestBatchExpires(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
