@@ -122,5 +122,5 @@ func TestAlertRulesSelectExportedSeries(t *testing.T) {
 			}
 		}
 	}
-	require.Equal(t, 11, rules)
+	require.Equal(t, 12, rules)
 }
