@@ -109,7 +109,7 @@ func New() *Metrics {
 			Name: "gateway_upstream_reply_cuts_total", Help: "Upstream replies that passed one of the gateway's bounds, by provider, upstream model and bound: text (the reply failed, or was too long to read, or its stream broke off), sources (those past 100 dropped), url (a source dropped for its URL), title, snippet, verdict (cut).",
 		}, []string{"provider", "upstream_model", "bound"}),
 		tenantHolds: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "gateway_upstream_tenant_holds_total", Help: "Holds a target's circuit put on one account's calls alone, by provider and upstream model: the account's calls failed after dispatch while no other account's did (the circuit stayed closed for the others).",
+			Name: "gateway_upstream_tenant_holds_total", Help: "Holds a target's circuit put on one account's calls alone, by provider and upstream model: the account's calls failed (after dispatch, or with a 429) while no other account's did (the circuit stayed closed for the others).",
 		}, []string{"provider", "upstream_model"}),
 		attemptDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "gateway_upstream_attempt_duration_seconds", Help: "Latency of one upstream attempt by provider and upstream model (streams: until the stream ends).",

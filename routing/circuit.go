@@ -55,14 +55,15 @@ const maxHeld = 1000
 // opens it again for twice as long (up to MaxCooldown).
 //
 // A failure a tenant's own prompts can cause (the call failed after dispatch:
-// a 500, a timeout, an unreadable reply, a broken stream) is counted as that
+// a 500, a timeout, an unreadable reply, a broken stream; or a 429, which one
+// request larger than a per-minute token limit gets) is counted as that
 // tenant's. While every failure since the last answer is one tenant's, the
 // Failures-th holds off that tenant's calls alone, with a cool-down and a
 // probe of its own, and every other tenant's calls go on: one tenant's
 // prompts that make the upstream fail do not stop the others. A failure of a
 // second tenant's in the same run, or one that says the target itself is in
-// trouble (no connection, 429, 503, a refusal of the gateway's key), opens
-// the circuit for everyone, as does a tenant to hold past maxHeld.
+// trouble (no connection, 503, a refusal of the gateway's key), opens the
+// circuit for everyone, as does a tenant to hold past maxHeld.
 type circuit struct {
 	cfg      CircuitConfig
 	onChange func(state int)
@@ -202,13 +203,10 @@ func (c *circuit) succeededAt(now time.Time, tenant uuid.UUID) {
 }
 
 // failed records a failure of tenant's call; own says the call's prompt may
-// have caused it (it failed after dispatch), otherwise it says the target is
-// in trouble. wait is how long the target asked callers to wait (its
-// Retry-After), zero when it did not. A cool-down the failure starts lasts at
-// least that long, up to MaxCooldown. One answer asking to wait does not open
-// the circuit alone: some providers give one request a 429 (a prompt larger
-// than a per-minute limit), and one tenant's request must not stop every
-// tenant's calls.
+// have caused it (it failed after dispatch, or was refused with a 429),
+// otherwise it says the target is in trouble. wait is how long the target
+// asked callers to wait (its Retry-After), zero when it did not. A cool-down
+// or hold the failure starts lasts at least that long, up to MaxCooldown.
 func (c *circuit) failed(now time.Time, wait time.Duration, tenant uuid.UUID, own bool) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -217,9 +215,10 @@ func (c *circuit) failed(now time.Time, wait time.Duration, tenant uuid.UUID, ow
 	if h := c.held[tenant]; h != nil {
 		switch {
 		case h.probing && own:
-			// The held tenant's probe failed: held twice as long.
+			// The held tenant's probe failed: held twice as long (or as
+			// long as the target asked, up to MaxCooldown).
 			h.cooldown = min(2*h.cooldown, c.cfg.MaxCooldown)
-			h.until, h.probing = now.Add(h.cooldown), false
+			h.until, h.probing = now.Add(max(h.cooldown, min(wait, c.cfg.MaxCooldown))), false
 			return
 		case own:
 			return // a call sent before the hold began
@@ -245,7 +244,7 @@ func (c *circuit) failed(now time.Time, wait time.Duration, tenant uuid.UUID, ow
 			return
 		}
 		if !c.shared && len(c.held) < maxHeld {
-			c.held[c.runTenant] = &hold{until: now.Add(c.cfg.Cooldown), cooldown: c.cfg.Cooldown}
+			c.held[c.runTenant] = &hold{until: now.Add(max(c.cfg.Cooldown, min(wait, c.cfg.MaxCooldown))), cooldown: c.cfg.Cooldown}
 			if c.onHold != nil {
 				c.onHold(c.runTenant)
 			}

@@ -15,6 +15,7 @@ package routing
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
@@ -213,7 +214,7 @@ func (r *Router) circuitChanged(tb *table, t *target, state int) {
 
 // tenantHeld logs and counts a hold t's circuit put on one tenant's calls.
 func (r *Router) tenantHeld(t *target, tenant uuid.UUID) {
-	r.logger.Warn("a target holds off one account's calls: they failed after dispatch while no other account's did; the other accounts' calls go on",
+	r.logger.Warn("a target holds off one account's calls: they failed (after dispatch, or with a 429) while no other account's did; the other accounts' calls go on",
 		"provider", t.Provider, "upstream_model", t.UpstreamModel, "account_id", tenant)
 	t.metrics.TenantHold()
 }
@@ -357,7 +358,7 @@ func (r *Router) run(ctx context.Context, original *upstream.Request, emitted *b
 		kind := upstream.Kind(err)
 		t.metrics.Attempt(kind, time.Since(now))
 		tracing.EndAttempt(span, t.UpstreamModel, res.UsageReported, res.InputTokens, res.OutputTokens, kind)
-		t.observe(kind, upstream.RetryAfter(err), req.Tenant)
+		t.observe(err, req.Tenant)
 		if kind == upstream.KindDenied {
 			r.logger.ErrorContext(ctx, "the upstream refused the gateway's access: check the target's key, base URL and model in the configuration",
 				"provider", t.Provider, "upstream_model", t.UpstreamModel, "error", err)
@@ -397,20 +398,20 @@ func mayMoveOn(kind string, atMostOnce bool, emitted *bool) bool {
 	return false
 }
 
-// observe reports an attempt's outcome for tenant to the target's circuit:
-// an answer (a rejection of the request included) says it is up; a failure
-// after dispatch may be the tenant's own doing; a failure before (no
-// connection, 429, 503, a refusal of the gateway's access) says the target is
-// in trouble; anything else (the caller went away) says nothing. wait is how
-// long the target asked to wait.
-func (t *target) observe(kind string, wait time.Duration, tenant uuid.UUID) {
-	switch kind {
+// observe reports the outcome of an attempt for tenant (err, nil for an
+// answer) to the target's circuit: an answer (a rejection of the request
+// included) says it is up; a failure after dispatch, or a 429, may be the
+// tenant's own doing; any other failure (no connection, 503, a refusal of the
+// gateway's access) says the target is in trouble; anything else (the caller
+// went away) says nothing. A failure carries how long the target asked to
+// wait, if it did.
+func (t *target) observe(err error, tenant uuid.UUID) {
+	switch kind := upstream.Kind(err); kind {
 	case "", upstream.KindRejected:
 		t.circuit.succeeded(tenant)
-	case upstream.KindFailed, upstream.KindBroken:
-		t.circuit.failed(time.Now(), wait, tenant, true)
-	case upstream.KindUnavailable, upstream.KindDenied:
-		t.circuit.failed(time.Now(), wait, tenant, false)
+	case upstream.KindFailed, upstream.KindBroken, upstream.KindUnavailable, upstream.KindDenied:
+		own := kind == upstream.KindFailed || kind == upstream.KindBroken || errors.Is(err, upstream.ErrRateLimited)
+		t.circuit.failed(time.Now(), upstream.RetryAfter(err), tenant, own)
 	default:
 		t.circuit.released(tenant)
 	}

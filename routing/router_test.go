@@ -374,6 +374,44 @@ func TestOneTenantsFailuresHoldOffOnlyItsCalls(t *testing.T) {
 	require.Empty(t, serving)
 }
 
+// TestOneTenantsRateLimitsHoldOffOnlyItsCalls: a 429 can answer one request
+// alone (a prompt larger than a per-minute token limit), so a run of one
+// tenant's 429s holds off that tenant, for as long as the target asked, while
+// the others' calls go on; 429s of two tenants' in a run are the target's
+// limit reached, and open its circuit for everyone.
+func TestOneTenantsRateLimitsHoldOffOnlyItsCalls(t *testing.T) {
+	t.Parallel()
+	b := setup(t, routing.Config{Circuit: routing.CircuitConfig{Failures: 2, Cooldown: 100 * time.Millisecond, MaxCooldown: time.Hour}})
+	for _, f := range b.fakes {
+		f.SetHostile("HUGE", fakeupstream.Hostile{Status: http.StatusTooManyRequests})
+		f.SetReplyHeader("Retry-After", "30")
+	}
+	call := func(tenant uuid.UUID, prompt string) (upstream.Result, error) {
+		req := request(prompt)
+		req.Tenant = tenant
+		return b.router.Complete(context.Background(), req)
+	}
+	large, bystander := uuid.New(), uuid.New()
+	for range 2 {
+		_, err := call(large, "HUGE")
+		require.ErrorIs(t, err, upstream.ErrRateLimited)
+	}
+	_, err := call(large, "fine")
+	require.ErrorIs(t, err, upstream.ErrCallerHeld)
+	require.Greater(t, upstream.RetryAfter(err), 20*time.Second, "held for the 30 s the target asked")
+	res, err := call(bystander, "fine")
+	require.NoError(t, err)
+	require.Equal(t, "a", res.Route.Provider)
+
+	for range 2 {
+		_, err := call(uuid.New(), "HUGE")
+		require.ErrorIs(t, err, upstream.ErrRateLimited)
+	}
+	_, err = call(bystander, "fine")
+	require.ErrorIs(t, err, upstream.ErrUnavailable)
+	require.NotErrorIs(t, err, upstream.ErrCallerHeld, "two tenants' 429s opened the circuits for everyone")
+}
+
 // TestFailuresOfNoTenantAreTheTargets: failures of calls that name no tenant,
 // and failures that say the target is in trouble whoever calls (a 503 here),
 // open the circuit for everyone, as before tenants were told apart.

@@ -92,6 +92,12 @@ var ErrStreamBroken = errors.New("upstream stream ended early")
 // be retried (D12).
 var ErrUnavailable = errors.New("upstream unavailable")
 
+// ErrRateLimited marks an ErrUnavailable that is the upstream's 429: a limit
+// on the rate of calls or tokens, which the gateway's traffic as a whole can
+// reach, and so can one request alone (a prompt larger than a per-minute
+// token limit).
+var ErrRateLimited = errors.New("the upstream limited the rate of calls (429)")
+
 // ErrCallerHeld marks an ErrUnavailable that holds off one tenant's calls
 // (Request.Tenant) and no one else's: the targets failed that tenant's last
 // calls after dispatch while no other tenant's failed, so its calls wait out a

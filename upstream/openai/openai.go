@@ -468,7 +468,9 @@ func statusError(status int, header http.Header, body []byte) error {
 	case status == http.StatusMovedPermanently || status == http.StatusTemporaryRedirect || status == http.StatusPermanentRedirect:
 		return fmt.Errorf("%w: %w: status %d: redirected to %q, which the gateway does not follow: set the base URL to where it points",
 			upstream.ErrUnavailable, upstream.ErrDenied, status, errorMessage(header.Get("Location")))
-	case status == http.StatusTooManyRequests || status == http.StatusServiceUnavailable:
+	case status == http.StatusTooManyRequests:
+		return upstream.WithRetryAfter(fmt.Errorf("%w: %w: status %d: %s", upstream.ErrUnavailable, upstream.ErrRateLimited, status, msg), retryAfter(header, time.Now()))
+	case status == http.StatusServiceUnavailable:
 		return upstream.WithRetryAfter(fmt.Errorf("%w: status %d: %s", upstream.ErrUnavailable, status, msg), retryAfter(header, time.Now()))
 	case status == http.StatusRequestTimeout || status >= 500 || status < 400:
 		return fmt.Errorf("%w: status %d: %s", upstream.ErrFailed, status, msg)

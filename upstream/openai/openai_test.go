@@ -105,8 +105,11 @@ func TestStatusClasses(t *testing.T) {
 			b.fake.SetStatus(status)
 			_, err := b.client.Complete(context.Background(), &req)
 			require.ErrorIs(t, err, want, "status %d", status)
+			// A 429 is told apart: one request alone can get it.
+			require.Equal(t, status == 429, errors.Is(err, upstream.ErrRateLimited), "status %d", status)
 			_, _, err = collect(t, b.client, context.Background())
 			require.ErrorIs(t, err, want, "stream, status %d", status)
+			require.Equal(t, status == 429, errors.Is(err, upstream.ErrRateLimited), "stream, status %d", status)
 		}
 	})
 }
