@@ -5,6 +5,7 @@
 package config
 
 import (
+	"context"
 	"fmt"
 	"log/slog"
 	"os"
@@ -175,6 +176,35 @@ func (c Config) Routes(tok *metering.Tokenizer, m *metrics.Metrics, logger *slog
 		return routing.Config{}, "", err
 	}
 	return f.RouterConfig(keys, tok, c.SimTokenLatency, m, logger), f.Describe(), nil
+}
+
+// ReloadRoutes replaces router's routes with those of GATEWAY_CONFIG's file,
+// read anew, at each signal of hangups (SIGHUP) until ctx ends, recording
+// each load in m. A file that does not check leaves the routes in use as they
+// are; without a file (the routes come from the environment, which a running
+// process cannot read again) nothing is reloaded.
+func (c Config) ReloadRoutes(ctx context.Context, hangups <-chan os.Signal, router *routing.Router, tok *metering.Tokenizer, m *metrics.Metrics, logger *slog.Logger) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-hangups:
+		}
+		if c.File == "" {
+			logger.Warn("SIGHUP: the routes come from the environment, which a running process cannot read again; nothing was reloaded (restart the replica, or use GATEWAY_CONFIG)")
+			continue
+		}
+		rc, routes, err := c.Routes(tok, m, logger)
+		if err == nil {
+			err = router.Replace(rc)
+		}
+		m.ConfigLoaded(err == nil, time.Now())
+		if err != nil {
+			logger.Error("SIGHUP: the configuration file was not loaded; the routes in use stay", "file", c.File, "error", err)
+			continue
+		}
+		logger.Info("SIGHUP: routes reloaded", "file", c.File, "routes", routes)
+	}
 }
 
 // routes returns the file, or the shorthand as if it were one.

@@ -27,7 +27,6 @@ import (
 	"github.com/rungworks/gateway/metering"
 	"github.com/rungworks/gateway/metrics"
 	"github.com/rungworks/gateway/ratelimit"
-	"github.com/rungworks/gateway/routing"
 	"github.com/rungworks/gateway/server"
 	"github.com/rungworks/gateway/store"
 	"github.com/rungworks/gateway/tracing"
@@ -188,7 +187,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	hangups := make(chan os.Signal, 1)
 	signal.Notify(hangups, syscall.SIGHUP)
 	defer signal.Stop(hangups)
-	go reloadRoutes(background, hangups, cfg, router, tok, m, logger)
+	go cfg.ReloadRoutes(background, hangups, router, tok, m, logger)
 	go maintenance.Run(background, st, maintenance.Jobs(st, maintenance.Settings{
 		BatchWindow: cfg.BatchWindow, BatchRetention: cfg.BatchRetention, Lease: cfg.Lease,
 	}, m), logger)
@@ -283,31 +282,4 @@ func newHTTPServer(h http.Handler, h2c bool) *http.Server {
 		s.Protocols.SetUnencryptedHTTP2(true)
 	}
 	return s
-}
-
-// reloadRoutes replaces the router's routes with those of GATEWAY_CONFIG's
-// file, read anew, at each signal of hangups (SIGHUP) until ctx ends. A file
-// that does not check leaves the routes in use as they are.
-func reloadRoutes(ctx context.Context, hangups <-chan os.Signal, cfg config.Config, router *routing.Router, tok *metering.Tokenizer, m *metrics.Metrics, logger *slog.Logger) {
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-hangups:
-		}
-		if cfg.File == "" {
-			logger.Warn("SIGHUP: the routes come from the environment, which a running process cannot read again; nothing was reloaded (restart the replica, or use GATEWAY_CONFIG)")
-			continue
-		}
-		rc, routes, err := cfg.Routes(tok, m, logger)
-		if err == nil {
-			err = router.Replace(rc)
-		}
-		m.ConfigLoaded(err == nil, time.Now())
-		if err != nil {
-			logger.Error("SIGHUP: the configuration file was not loaded; the routes in use stay", "file", cfg.File, "error", err)
-			continue
-		}
-		logger.Info("SIGHUP: routes reloaded", "file", cfg.File, "routes", routes)
-	}
 }
