@@ -42,11 +42,7 @@ func setup(t *testing.T) *testBundle {
 	t.Helper()
 	ctx := context.Background()
 	st := store.New(testdb.New(t))
-	tier := gateway.TierDeveloper
-	token, err := st.CreateKey(ctx, store.CreateKeyParams{Account: "acme", Project: "default", Tier: &tier, Scopes: []gateway.Scope{gateway.ScopeInference}})
-	require.NoError(t, err)
-	p, err := st.LookupKey(ctx, token)
-	require.NoError(t, err)
+	p := principal(t, st, "acme")
 	fake := fakeupstream.New()
 	t.Cleanup(fake.Close)
 	tok, err := metering.DefaultTokenizer()
@@ -58,6 +54,18 @@ func setup(t *testing.T) *testBundle {
 		provider:  upstream.Guard(openai.New(openai.Config{BaseURL: fake.BaseURL(), Timeout: 5 * time.Second}), nil),
 		estimator: &metering.Estimator{Tokenizer: tok, RateCard: rc},
 	}
+}
+
+// principal is the principal of a new developer key of account, with the
+// inference scope.
+func principal(t *testing.T, st *store.Store, account string) *gateway.Principal {
+	t.Helper()
+	tier := gateway.TierDeveloper
+	token, err := st.CreateKey(context.Background(), store.CreateKeyParams{Account: account, Project: "default", Tier: &tier, Scopes: []gateway.Scope{gateway.ScopeInference}})
+	require.NoError(t, err)
+	p, err := st.LookupKey(context.Background(), token)
+	require.NoError(t, err)
+	return p
 }
 
 func (b *testBundle) newBatch(t *testing.T, prefix string, n int) uuid.UUID {
@@ -411,11 +419,7 @@ func TestAHeldOffAccountWaitsWhileOthersDrain(t *testing.T) {
 	})
 	require.NoError(t, err)
 	b.provider = router
-	tier := gateway.TierDeveloper
-	token, err := b.store.CreateKey(b.ctx, store.CreateKeyParams{Account: "bystander", Project: "default", Tier: &tier, Scopes: []gateway.Scope{gateway.ScopeInference}})
-	require.NoError(t, err)
-	bystander, err := b.store.LookupKey(b.ctx, token)
-	require.NoError(t, err)
+	bystander := principal(t, b.store, "bystander")
 
 	poisoned := b.newBatch(t, "POISON", 50)
 	clean := make([]string, 20)

@@ -62,6 +62,13 @@ func request(prompt string) *upstream.Request {
 	return &upstream.Request{Model: gateway.ModelInstant, Prompt: prompt, MaxOutputTokens: 100}
 }
 
+// completeFor runs prompt through the router as tenant's call.
+func (b *testBundle) completeFor(tenant uuid.UUID, prompt string) (upstream.Result, error) {
+	req := request(prompt)
+	req.Tenant = tenant
+	return b.router.Complete(context.Background(), req)
+}
+
 func TestFallsBackWhenATargetIsUnavailable(t *testing.T) {
 	t.Parallel()
 	for name, breakA := range map[string]func(*fakeupstream.Server){
@@ -309,29 +316,24 @@ func TestOneTenantsFailuresHoldOffOnlyItsCalls(t *testing.T) {
 		f.SetHostile("POISON", fakeupstream.Hostile{Status: http.StatusInternalServerError})
 	}
 	poisoner, bystander := uuid.New(), uuid.New()
-	call := func(tenant uuid.UUID, prompt string) (upstream.Result, error) {
-		req := request(prompt)
-		req.Tenant = tenant
-		return b.router.Complete(context.Background(), req)
-	}
 	sent := func() int { return b.calls("a") + b.calls("b") + b.calls("c") }
 
 	// Two of the poisoner's calls fail at every target, tried in turn.
 	for range 2 {
-		_, err := call(poisoner, "POISON")
+		_, err := b.completeFor(poisoner, "POISON")
 		require.ErrorIs(t, err, upstream.ErrFailed)
 	}
 	require.Equal(t, 6, sent())
 
 	// Now its calls are held off by every target and sent nowhere...
-	_, err := call(poisoner, "fine")
+	_, err := b.completeFor(poisoner, "fine")
 	require.ErrorIs(t, err, upstream.ErrUnavailable)
 	require.ErrorIs(t, err, upstream.ErrCallerHeld)
 	require.Positive(t, upstream.RetryAfter(err))
 	require.LessOrEqual(t, upstream.RetryAfter(err), cooldown)
 	require.Equal(t, 6, sent())
 	// ...while the bystander's go to the first target as before.
-	res, err := call(bystander, "fine")
+	res, err := b.completeFor(bystander, "fine")
 	require.NoError(t, err)
 	require.Equal(t, "a", res.Route.Provider)
 	require.Equal(t, 1, res.Route.Attempts)
@@ -342,31 +344,31 @@ func TestOneTenantsFailuresHoldOffOnlyItsCalls(t *testing.T) {
 	// After the cool-down each target takes one probe of the poisoner's; they
 	// fail, and hold it twice as long.
 	time.Sleep(cooldown)
-	_, err = call(poisoner, "POISON")
+	_, err = b.completeFor(poisoner, "POISON")
 	require.ErrorIs(t, err, upstream.ErrFailed)
 	require.Equal(t, 10, sent())
 	time.Sleep(cooldown)
-	_, err = call(poisoner, "fine")
+	_, err = b.completeFor(poisoner, "fine")
 	require.ErrorIs(t, err, upstream.ErrCallerHeld)
 	require.Equal(t, 10, sent(), "the second cool-down is longer")
 
 	// A probe that is answered lifts the hold.
 	time.Sleep(cooldown)
-	res, err = call(poisoner, "fine")
+	res, err = b.completeFor(poisoner, "fine")
 	require.NoError(t, err)
 	require.Equal(t, "a", res.Route.Provider)
-	res, err = call(poisoner, "fine")
+	res, err = b.completeFor(poisoner, "fine")
 	require.NoError(t, err)
 	require.Equal(t, "a", res.Route.Provider)
 
 	// One failure of the poisoner's, then one of another tenant's: the run
 	// is the targets' own trouble, and they open for everyone.
-	_, err = call(poisoner, "POISON")
+	_, err = b.completeFor(poisoner, "POISON")
 	require.ErrorIs(t, err, upstream.ErrFailed)
-	_, err = call(uuid.New(), "POISON")
+	_, err = b.completeFor(uuid.New(), "POISON")
 	require.ErrorIs(t, err, upstream.ErrFailed)
 	before := sent()
-	_, err = call(bystander, "fine")
+	_, err = b.completeFor(bystander, "fine")
 	require.ErrorIs(t, err, upstream.ErrUnavailable)
 	require.NotErrorIs(t, err, upstream.ErrCallerHeld)
 	require.Equal(t, before, sent())
@@ -386,28 +388,23 @@ func TestOneTenantsRateLimitsHoldOffOnlyItsCalls(t *testing.T) {
 		f.SetHostile("HUGE", fakeupstream.Hostile{Status: http.StatusTooManyRequests})
 		f.SetReplyHeader("Retry-After", "30")
 	}
-	call := func(tenant uuid.UUID, prompt string) (upstream.Result, error) {
-		req := request(prompt)
-		req.Tenant = tenant
-		return b.router.Complete(context.Background(), req)
-	}
 	large, bystander := uuid.New(), uuid.New()
 	for range 2 {
-		_, err := call(large, "HUGE")
+		_, err := b.completeFor(large, "HUGE")
 		require.ErrorIs(t, err, upstream.ErrRateLimited)
 	}
-	_, err := call(large, "fine")
+	_, err := b.completeFor(large, "fine")
 	require.ErrorIs(t, err, upstream.ErrCallerHeld)
 	require.Greater(t, upstream.RetryAfter(err), 20*time.Second, "held for the 30 s the target asked")
-	res, err := call(bystander, "fine")
+	res, err := b.completeFor(bystander, "fine")
 	require.NoError(t, err)
 	require.Equal(t, "a", res.Route.Provider)
 
 	for range 2 {
-		_, err := call(uuid.New(), "HUGE")
+		_, err := b.completeFor(uuid.New(), "HUGE")
 		require.ErrorIs(t, err, upstream.ErrRateLimited)
 	}
-	_, err = call(bystander, "fine")
+	_, err = b.completeFor(bystander, "fine")
 	require.ErrorIs(t, err, upstream.ErrUnavailable)
 	require.NotErrorIs(t, err, upstream.ErrCallerHeld, "two tenants' 429s opened the circuits for everyone")
 }
@@ -427,15 +424,11 @@ func TestFailuresOfNoTenantAreTheTargets(t *testing.T) {
 	b.fakes["b"].SetMode(fakeupstream.Down)
 	tenant := uuid.New()
 	for range 2 {
-		req := request("p")
-		req.Tenant = tenant
-		res, err := b.router.Complete(context.Background(), req)
+		res, err := b.completeFor(tenant, "p")
 		require.NoError(t, err)
 		require.Equal(t, "c", res.Route.Provider)
 	}
-	req := request("p")
-	req.Tenant = uuid.New()
-	res, err := b.router.Complete(context.Background(), req)
+	res, err := b.completeFor(uuid.New(), "p")
 	require.NoError(t, err)
 	require.Equal(t, "c", res.Route.Provider)
 	require.Equal(t, 1, res.Route.Attempts, "a and b are open for every tenant")
