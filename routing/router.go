@@ -370,9 +370,11 @@ func (r *Router) run(ctx context.Context, original *upstream.Request, emitted *b
 		last = err
 	}
 	if attempts == 0 {
-		err := fmt.Errorf("%w: no target of model %s is taking calls (their circuits are open)", upstream.ErrUnavailable, req.Model)
+		var err error
 		if heldOff {
 			err = fmt.Errorf("%w: %w: model %s", upstream.ErrUnavailable, upstream.ErrCallerHeld, req.Model)
+		} else {
+			err = fmt.Errorf("%w: no target of model %s is taking calls (their circuits are open)", upstream.ErrUnavailable, req.Model)
 		}
 		return upstream.Result{}, upstream.WithRetryAfter(err, time.Until(rt.reopensAt(req.Tenant)))
 	}
