@@ -44,8 +44,12 @@ func (jsonBinder) Bind(i any, c echo.Context) error {
 	}
 	// The body is in: later reads (a stream's client going away) have no deadline.
 	_ = http.NewResponseController(c.Response()).SetReadDeadline(time.Time{})
-	if len(bytes.TrimSpace(body)) == 0 {
+	switch trimmed := bytes.TrimSpace(body); {
+	case len(trimmed) == 0:
 		return gateway.Errorf(gateway.EInvalidRequest, "a JSON body is required")
+	case string(trimmed) == "null":
+		// encoding/json takes null for an object and leaves it empty.
+		return notAnObject()
 	}
 	twice, found := exactFieldNames(body, fieldNames(reflect.TypeOf(i)))
 	if err := json.Unmarshal(body, i); err != nil {
@@ -107,6 +111,11 @@ func tooLarge(err error) bool {
 	return errors.As(err, &mbe)
 }
 
+// notAnObject is the reply to a body that is JSON but not an object.
+func notAnObject() error {
+	return gateway.Errorf(gateway.EInvalidRequest, "the body must be a JSON object")
+}
+
 func decodeError(err error) error {
 	var typeErr *json.UnmarshalTypeError
 	var syntaxErr *json.SyntaxError
@@ -114,7 +123,9 @@ func decodeError(err error) error {
 	case errors.As(err, &typeErr) && typeErr.Field != "":
 		return gateway.Errorf(gateway.EInvalidRequest, "field %q: %s is not a valid %s", typeErr.Field, typeErr.Value, jsonType(typeErr.Type.String()))
 	case errors.As(err, &typeErr):
-		return gateway.Errorf(gateway.EInvalidRequest, "the body must be a JSON object")
+		return notAnObject()
+	case errors.As(err, &syntaxErr) && strings.HasSuffix(syntaxErr.Error(), "exceeded max depth"):
+		return gateway.Errorf(gateway.EInvalidRequest, "the body nests arrays and objects deeper than %d levels", maxNesting)
 	case errors.As(err, &syntaxErr):
 		return gateway.Errorf(gateway.EInvalidRequest, "malformed JSON at byte %d", syntaxErr.Offset)
 	default:

@@ -468,6 +468,7 @@ func TestCreateResponseValidation(t *testing.T) {
 		{"malformed json", `{"prompt": "p"`, "", gateway.EInvalidRequest},
 		{"trailing data", `{"prompt": "p"} {}`, "", gateway.EInvalidRequest},
 		{"not an object", `["p"]`, "", gateway.EInvalidRequest},
+		{"null", ` null `, "", gateway.EInvalidRequest},
 		{"empty body", ``, "", gateway.EInvalidRequest},
 		{"wrong content type", `{"prompt": "p"}`, "text/plain", gateway.EInvalidRequest},
 		{"no content type", `{"prompt": "p"}`, "-", gateway.EInvalidRequest},
@@ -488,6 +489,11 @@ func TestCreateResponseValidation(t *testing.T) {
 
 	r := b.do(http.MethodPost, "/api/v1/responses", b.key, "application/json", []byte(`{"prompt": 5}`))
 	require.Contains(t, string(r.body), "prompt", "the message names the field")
+	r = b.do(http.MethodPost, "/api/v1/responses", b.key, "application/json", []byte(`null`))
+	require.Equal(t, "the body must be a JSON object", r.message(t))
+	deep := strings.Repeat("[", 10001) + strings.Repeat("]", 10001)
+	r = b.do(http.MethodPost, "/api/v1/responses", b.key, "application/json", []byte(`{"prompt": "p", "x": `+deep+`}`))
+	require.Equal(t, "the body nests arrays and objects deeper than 10000 levels", r.message(t), "said as such, not as malformed")
 }
 
 func TestBodyLimit(t *testing.T) {
