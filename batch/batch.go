@@ -6,6 +6,7 @@ package batch
 import (
 	"context"
 	"errors"
+	"fmt"
 	"time"
 
 	"github.com/google/uuid"
@@ -73,6 +74,7 @@ func (s *Service) Create(ctx context.Context, p *gateway.Principal, items []gate
 			}
 			index := i
 			e.BatchIndex = &index
+			e.Message = fmt.Sprintf("requests[%d]: %s", i, e.Message)
 			return nil, false, e
 		}
 	}

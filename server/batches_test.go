@@ -62,6 +62,9 @@ func TestCreateBatchValidation(t *testing.T) {
 		require.Equal(t, http.StatusBadRequest, r.status, name)
 		require.Equal(t, c.code, r.errorCode(t), name)
 		require.Equal(t, c.index, r.header.Get("x-service-batch-index"), name)
+		if c.index != "" {
+			require.True(t, strings.HasPrefix(r.message(t), "requests["+c.index+"]: "), "the message names the item too: %s", r.message(t))
+		}
 	}
 	r := b.do(http.MethodGet, "/api/v1/batches", b.key, "", nil)
 	require.Empty(t, r.json(t)["data"], "nothing was stored")
