@@ -1,11 +1,16 @@
 package server_test
 
 import (
+	"bufio"
 	"context"
+	"io"
+	"net"
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/google/uuid"
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
@@ -123,4 +128,59 @@ func TestOneRequestID(t *testing.T) {
 	r = b.postWith("/api/v1/responses", b.key, map[string]any{"prompt": "hi"}, http.Header{"X-Request-Id": {"client-chosen-1"}})
 	require.Equal(t, "client-chosen-1", r.header.Get("x-request-id"))
 	require.NotEqual(t, "client-chosen-1", r.json(t)["request_id"], "the body's id is always a UUID")
+}
+
+// TestHeadIsServedWhereGetIs: HEAD gets a GET operation's status and headers,
+// through its authentication, and no body, so a load balancer's HEAD health
+// check works; a path without GET still refuses it.
+func TestHeadIsServedWhereGetIs(t *testing.T) {
+	t.Parallel()
+	logs := &syncbuf.Buffer{}
+	b := setupWith(t, options{logs: logs})
+
+	// On one connection: a HEAD, then a GET. Had the HEAD's reply carried a
+	// body, the GET's reply would be read from the middle of it.
+	conn, err := net.Dial("tcp", b.http.Listener.Addr().String())
+	require.NoError(t, err)
+	defer conn.Close()
+	_, err = io.WriteString(conn, "HEAD /readyz HTTP/1.1\r\nHost: gateway\r\n\r\nGET /healthz HTTP/1.1\r\nHost: gateway\r\n\r\n")
+	require.NoError(t, err)
+	br := bufio.NewReader(conn)
+	head, err := http.ReadResponse(br, &http.Request{Method: http.MethodHead})
+	require.NoError(t, err)
+	require.Equal(t, http.StatusOK, head.StatusCode)
+	require.Equal(t, "application/json", head.Header.Get("Content-Type"))
+	require.NotEmpty(t, head.Header.Get("X-Request-Id"))
+	get, err := http.ReadResponse(br, &http.Request{Method: http.MethodGet})
+	require.NoError(t, err)
+	body, err := io.ReadAll(get.Body)
+	require.NoError(t, err)
+	require.Equal(t, http.StatusOK, get.StatusCode)
+	require.JSONEq(t, `{"status":"ok"}`, string(body))
+
+	r := b.do(http.MethodHead, "/api/v1/usage", b.key, "", nil)
+	require.Equal(t, http.StatusOK, r.status)
+	require.Empty(t, r.body)
+	require.NotEmpty(t, r.header.Get("X-Ratelimit-Limit"), "the GET's headers")
+	require.Equal(t, http.StatusUnauthorized, b.do(http.MethodHead, "/api/v1/usage", "", "", nil).status, "and its authentication")
+	require.Equal(t, http.StatusNotFound, b.do(http.MethodHead, "/api/v1/batch/"+uuid.NewString(), b.key, "", nil).status)
+
+	// Outside the document, so not through b.do, which checks replies against it.
+	outside := func(method, path string) *http.Response {
+		req, err := http.NewRequest(method, b.http.URL+path, nil)
+		require.NoError(t, err)
+		resp, err := http.DefaultClient.Do(req)
+		require.NoError(t, err)
+		resp.Body.Close()
+		return resp
+	}
+	resp := outside(http.MethodHead, "/api/v1/responses")
+	require.Equal(t, http.StatusMethodNotAllowed, resp.StatusCode, "no GET, no HEAD")
+	require.NotContains(t, resp.Header.Get("Allow"), http.MethodHead)
+	resp = outside(http.MethodDelete, "/openapi.json")
+	require.Equal(t, http.StatusMethodNotAllowed, resp.StatusCode)
+	require.Contains(t, resp.Header.Get("Allow"), http.MethodHead, "the methods a path allows name HEAD beside GET")
+
+	require.Eventually(t, func() bool { return strings.Contains(logs.String(), `"method":"HEAD","route":"/api/v1/usage"`) }, 5*time.Second, 10*time.Millisecond,
+		"the access log names the method as sent")
 }

@@ -247,6 +247,13 @@ func New(cfg Config) (*Server, error) {
 	if err := checkRoutes(s.echo.Routes(), policies); err != nil {
 		return nil, err
 	}
+	// HEAD is served wherever GET is (RFC 9110: every general-purpose server
+	// supports both), for load balancers' health checks among others.
+	for _, r := range s.echo.Routes() {
+		if r.Method == http.MethodGet {
+			s.echo.HEAD(r.Path, s.headOfGet)
+		}
+	}
 	s.routes = map[string]bool{}
 	for _, r := range s.echo.Routes() {
 		s.routes[r.Path] = true
@@ -273,6 +280,14 @@ func checkRoutes(routes []*echo.Route, policies map[string]openapi.Policy) error
 }
 
 var pathParam = regexp.MustCompile(`\{([^}]+)\}`)
+
+// headOfGet answers a HEAD request as its path's GET operation, with that
+// operation's middlewares (authentication, parameters): the same status and
+// headers. net/http, which sees the request as HEAD, sends no body.
+func (s *Server) headOfGet(c echo.Context) error {
+	s.echo.Router().Find(http.MethodGet, echo.GetPath(c.Request()), c)
+	return c.Handler()(c)
+}
 
 // Abort cancels every upstream call still running, as at the end of the
 // shutdown grace: JSON requests are answered INFERENCE_BUSY, streams end with
