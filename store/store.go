@@ -11,6 +11,8 @@ import (
 	"slices"
 	"strings"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
@@ -81,8 +83,11 @@ type CreateKeyParams struct {
 // CreateKey creates the account and project on first use and issues a key,
 // returning the key's token (shown once; only its hash is stored).
 func (s *Store) CreateKey(ctx context.Context, p CreateKeyParams) (string, error) {
-	if strings.TrimSpace(p.Account) == "" || strings.TrimSpace(p.Project) == "" {
-		return "", errors.New("account and project names must not be empty")
+	if err := checkName("account", p.Account); err != nil {
+		return "", err
+	}
+	if err := checkName("project", p.Project); err != nil {
+		return "", err
 	}
 	if len(p.Scopes) == 0 {
 		return "", errors.New("a key needs at least one scope")
@@ -125,6 +130,30 @@ func (s *Store) CreateKey(ctx context.Context, p CreateKeyParams) (string, error
 		return "", err
 	}
 	return token, nil
+}
+
+// maxNameBytes bounds the name of an account or a project.
+const maxNameBytes = 200
+
+// checkName refuses an account's or project's name (what) that operators
+// could not read or type back: empty, longer than maxNameBytes, not UTF-8,
+// with a control character (a line break or a terminal escape would forge
+// lines of the CLI's tables and the logs), or with white space at either
+// end (" acme" and "acme" would be two accounts).
+func checkName(what, name string) error {
+	switch {
+	case strings.TrimSpace(name) == "":
+		return fmt.Errorf("the %s name must not be empty", what)
+	case len(name) > maxNameBytes:
+		return fmt.Errorf("the %s name must be at most %d bytes; it is %d", what, maxNameBytes, len(name))
+	case !utf8.ValidString(name):
+		return fmt.Errorf("the %s name must be UTF-8", what)
+	case strings.ContainsFunc(name, unicode.IsControl):
+		return fmt.Errorf("the %s name must not hold control characters (line breaks, tabs, escapes)", what)
+	case strings.TrimSpace(name) != name:
+		return fmt.Errorf("the %s name must not begin or end with white space", what)
+	}
+	return nil
 }
 
 // checkEnd refuses the end of a key to be issued when it has passed.

@@ -79,12 +79,23 @@ func TestCreateKeyValidates(t *testing.T) {
 	bad := gateway.Tier("gold")
 	for _, p := range []store.CreateKeyParams{
 		{Account: "", Project: "default", Scopes: []gateway.Scope{gateway.ScopeInference}},
+		{Account: "a", Project: " ", Scopes: []gateway.Scope{gateway.ScopeInference}},
+		{Account: strings.Repeat("a", 201), Project: "default", Scopes: []gateway.Scope{gateway.ScopeInference}},
+		{Account: "a\xff", Project: "default", Scopes: []gateway.Scope{gateway.ScopeInference}},
+		{Account: "evil\nname", Project: "default", Scopes: []gateway.Scope{gateway.ScopeInference}},
+		{Account: "a", Project: "p\x1b[31m", Scopes: []gateway.Scope{gateway.ScopeInference}},
+		{Account: " acme", Project: "default", Scopes: []gateway.Scope{gateway.ScopeInference}},
 		{Account: "a", Project: "default"},
 		{Account: "a", Project: "default", Scopes: []gateway.Scope{"admin"}},
 		{Account: "a", Project: "default", Tier: &bad, Scopes: []gateway.Scope{gateway.ScopeInference}},
 	} {
 		_, err := b.store.CreateKey(b.ctx, p)
 		require.Error(t, err, "%+v", p)
+	}
+	// Names may hold spaces and any printable character, up to 200 bytes.
+	for _, name := range []string{"acme corp", "Zürich-Labs (test)", strings.Repeat("a", 200)} {
+		_, err := b.store.CreateKey(b.ctx, store.CreateKeyParams{Account: name, Project: name, Scopes: []gateway.Scope{gateway.ScopeInference}})
+		require.NoError(t, err, name)
 	}
 }
 
