@@ -226,6 +226,31 @@ func TestStreamFailures(t *testing.T) {
 	require.Positive(t, final.Usage.OutputRungs, "the output received is billed")
 }
 
+// TestAStreamFromAnUpstreamThatDoesNotStream: an upstream that answers a
+// stream's call with one JSON completion still answers the stream: its text
+// in one delta, its evidence, and the completion billed from its usage.
+func TestAStreamFromAnUpstreamThatDoesNotStream(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetNoStreaming(true)
+	g := serve(t, b.db, b.fake.BaseURL(), nil)
+	prompt := "answer this in one piece"
+
+	_, s := g.stream(b.key, map[string]any{"prompt": prompt})
+	require.Equal(t, []string{"response.output_text.delta", "response.completed"}, names(s))
+	var delta, final api.StreamChunk
+	s.Events[0].Decode(t, &delta)
+	require.Equal(t, fakeupstream.Reply(prompt), delta.Content)
+	require.NotNil(t, delta.Sources)
+	require.Len(t, *delta.Sources, 1)
+	s.Events[1].Decode(t, &final)
+	require.True(t, final.Done)
+	pt, ct := fakeupstream.Usage(prompt)
+	require.Equal(t, &api.RungUsage{InputRungs: int64(pt), OutputRungs: int64(ct), TotalRungs: int64(pt + ct)}, final.Usage)
+	usage := g.call(http.MethodGet, "/api/v1/usage", b.key, nil).object(t)
+	require.Equal(t, float64(pt+ct), usage["totals"].(map[string]any)["total_rungs"], "billed as the completion reported")
+}
+
 func TestStreamKeepAliveWithSlowUpstream(t *testing.T) {
 	t.Parallel()
 	b := setup(t)

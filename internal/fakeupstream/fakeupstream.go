@@ -52,6 +52,7 @@ type Server struct {
 	chunkDelay time.Duration
 	breakAfter int
 	uncited    bool
+	whole      bool
 	hostile    map[string]Hostile
 	slow       map[string]time.Duration
 	headers    http.Header
@@ -241,6 +242,14 @@ func (s *Server) SetCitations(on bool) {
 	s.uncited = !on
 }
 
+// SetNoStreaming makes the server answer calls that ask for a stream with
+// one JSON completion, as an upstream that does not stream does.
+func (s *Server) SetNoStreaming(on bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.whole = on
+}
+
 // SetChunkDelay makes a stream wait d before each content chunk.
 func (s *Server) SetChunkDelay(d time.Duration) {
 	s.mu.Lock()
@@ -317,7 +326,7 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	s.mu.Lock()
-	mode, status, delay, chunkDelay, breakAfter, uncited := s.mode, s.status, s.delay, s.chunkDelay, s.breakAfter, s.uncited
+	mode, status, delay, chunkDelay, breakAfter, uncited, whole := s.mode, s.status, s.delay, s.chunkDelay, s.breakAfter, s.uncited, s.whole
 	for name, values := range s.headers {
 		w.Header()[name] = values
 	}
@@ -371,7 +380,7 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 		fmt.Fprint(w, `{"error":{"message":"content policy violation"}}`)
 		return
 	}
-	if req.Stream {
+	if req.Stream && !whole {
 		stream(w, r, call.Prompt, chunkDelay, breakAfter, uncited, hostile)
 		return
 	}

@@ -378,6 +378,41 @@ func TestStream(t *testing.T) {
 	})
 }
 
+// TestAStreamAnsweredWholeIsTaken: an upstream that does not stream answers
+// a stream's call with one JSON completion; its text and sources reach the
+// caller as one delta, and its usage is the result's. A JSON reply that is
+// not a completion, or longer than a reply to the request may be, breaks
+// the stream.
+func TestAStreamAnsweredWholeIsTaken(t *testing.T) {
+	t.Parallel()
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		b.fake.SetNoStreaming(true)
+		deltas, res, err := collect(t, b.client, context.Background())
+		require.NoError(t, err)
+		require.Equal(t, []upstream.Delta{{
+			Content: fakeupstream.Reply(req.Prompt),
+			Sources: []gateway.Source{{Title: "Example doc", URL: "https://example.org/doc", Snippet: fakeupstream.Reply(req.Prompt)[:4]}},
+		}}, deltas)
+		require.Equal(t, fakeupstream.Reply(req.Prompt), res.Content)
+		require.True(t, res.UsageReported)
+		pt, ct := fakeupstream.Usage(req.Prompt)
+		require.Equal(t, pt, res.InputTokens)
+		require.Equal(t, ct, res.OutputTokens)
+
+		for name, reply := range map[string]string{
+			"not a completion":           `{"choices":[]}`,
+			"longer than a reply may be": `{"choices":[{"message":{"content":"` + strings.Repeat("x", 8<<20) + `"}}]}`,
+		} {
+			client := b.replyClient(t, func(w http.ResponseWriter) { _, _ = io.WriteString(w, reply) })
+			var deltas []upstream.Delta
+			_, err := client.Stream(context.Background(), &req, func(d upstream.Delta) error { deltas = append(deltas, d); return nil })
+			require.ErrorIs(t, err, upstream.ErrStreamBroken, name)
+			require.NotErrorIs(t, err, upstream.ErrFailed, name)
+			require.Empty(t, deltas, name)
+		}
+	})
+}
+
 // TestLargeBodiesPassTheSmallBuffers: the connection buffers are 1 KiB; a
 // 100 KB prompt, its reply and a stream event of 3 KB pass whole.
 func TestLargeBodiesPassTheSmallBuffers(t *testing.T) {
@@ -637,6 +672,7 @@ func TestStreamLinesAreBoundedByTheirRequest(t *testing.T) {
 	eachTransport(t, func(t *testing.T, b *testBundle) {
 		long := fmt.Sprintf("data: {\"choices\":[{\"delta\":{\"content\":%q}}]}\n\n", strings.Repeat("x", 4<<20))
 		client := b.replyClient(t, func(w http.ResponseWriter) {
+			w.Header().Set("Content-Type", "text/event-stream")
 			_, _ = io.WriteString(w, "data: {\"choices\":[{\"delta\":{\"content\":\"before \"}}]}\n\n"+long+"data: [DONE]\n\n")
 		})
 		res, err := client.Stream(context.Background(), &req, func(upstream.Delta) error { return nil })

@@ -8,7 +8,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"mime"
 	"net/http"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -52,7 +54,7 @@ func (c *Client) Stream(ctx context.Context, req *upstream.Request, emit func(up
 	if err != nil {
 		return upstream.Result{}, c.postError(w, dispatched, err)
 	}
-	return c.receive(ctx, w, resp, min(maxLineBytes, replyBytes(req)), emit)
+	return c.receive(ctx, w, resp, replyBytes(req), emit)
 }
 
 // watchdog cancels a stream's call after Timeout of silence.
@@ -73,11 +75,17 @@ func (c *Client) postError(w *watchdog, dispatched bool, err error) error {
 	return err
 }
 
-// receive reads a stream's reply, its lines up to maxLine bytes, and
+// receive reads a stream's reply, of at most limit bytes (replyBytes), and
 // classifies how it ended.
-func (c *Client) receive(ctx context.Context, w *watchdog, resp *http.Response, maxLine int64, emit func(upstream.Delta) error) (upstream.Result, error) {
+func (c *Client) receive(ctx context.Context, w *watchdog, resp *http.Response, limit int64, emit func(upstream.Delta) error) (upstream.Result, error) {
 	defer resp.Body.Close()
-	res, err := readStream(resp.Body, maxLine, func() { w.timer.Reset(c.cfg.Timeout) }, emit)
+	var res upstream.Result
+	var err error
+	if answeredWhole(resp) {
+		res, err = readWhole(resp, limit, emit)
+	} else {
+		res, err = readStream(resp.Body, min(maxLineBytes, limit), func() { w.timer.Reset(c.cfg.Timeout) }, emit)
+	}
 	switch {
 	case err == nil, errors.Is(err, errEmit):
 		return res, errors.Unwrap(err)
@@ -90,6 +98,38 @@ func (c *Client) receive(ctx context.Context, w *watchdog, resp *http.Response, 
 	default:
 		return res, fmt.Errorf("%w: %v", upstream.ErrStreamBroken, err)
 	}
+}
+
+// answeredWhole reports whether a stream's call was answered with one JSON
+// chat completion (Content-Type application/json), as by an upstream that
+// does not stream.
+func answeredWhole(resp *http.Response) bool {
+	ct := resp.Header.Get("Content-Type")
+	if strings.HasPrefix(ct, "text/event-stream") {
+		return false // the usual answer, taken without parsing
+	}
+	mt, _, _ := mime.ParseMediaType(ct)
+	return mt == "application/json"
+}
+
+// readWhole reads a stream's reply that came as one chat completion, of at
+// most limit bytes, and emits its text and sources as one delta. The call
+// was answered: its output is not dropped for coming in one piece.
+func readWhole(resp *http.Response, limit int64, emit func(upstream.Delta) error) (upstream.Result, error) {
+	raw, err := readReply(resp.Body, resp.ContentLength, limit)
+	if err != nil {
+		return upstream.Result{}, err
+	}
+	res, err := parseCompletion(raw)
+	if err != nil {
+		return upstream.Result{}, err
+	}
+	if res.Content != "" || len(res.Sources) > 0 {
+		if err := emit(upstream.Delta{Content: res.Content, Sources: res.Sources}); err != nil {
+			return res, emitError{err}
+		}
+	}
+	return res, nil
 }
 
 // errEmit wraps the error of the caller's emit, to tell it from a broken stream.
