@@ -117,6 +117,25 @@ func load(defaults map[string]string) (Config, error) {
 	return cfg, nil
 }
 
+// Check checks what a server builds of c beyond what Load checks: the rate
+// card and the routes, with their providers' keys. serve and dev call it
+// before they connect to a database, so that a mistake there stops the
+// start at once, reported as itself, whether a database answers or not. The
+// operator commands, which need the database alone, do not.
+func (c Config) Check() error {
+	if _, err := c.RateCard(); err != nil {
+		return err
+	}
+	f, err := c.routes()
+	if err == nil {
+		_, err = f.Keys(os.Getenv)
+	}
+	if err != nil && c.File != "" {
+		return fmt.Errorf("GATEWAY_CONFIG: %w", err)
+	}
+	return err
+}
+
 // RateLimits returns the requests per minute per key: GATEWAY_RATE_LIMIT for
 // every tier when set, otherwise the tier defaults.
 func (c Config) RateLimits() gateway.RateLimits {

@@ -294,23 +294,30 @@ func TestCLI(t *testing.T) {
 	}, 10*time.Second, 50*time.Millisecond, "the old key is refused")
 }
 
+// TestBadConfigurationStopsStart: a mistake in the configuration stops the
+// start with a message naming it, before a database is connected to (here
+// none answers), so it is reported as itself.
 func TestBadConfigurationStopsStart(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
+	keyless := filepath.Join(t.TempDir(), "gateway.yaml")
+	require.NoError(t, os.WriteFile(keyless, []byte("providers:\n  p: {type: openai, base_url: http://127.0.0.1:9/v1, api_key_env: GATEWAY_TEST_UNSET_KEY}\nmodels:\n  instant: {targets: [p/m]}\n"), 0o600))
 	for name, env := range map[string]map[string]string{
 		"upstream":    {"GATEWAY_UPSTREAM": "ftp://nowhere"},
 		"multipliers": {"GATEWAY_MULTIPLIERS": "instant=1"},
 		"model map":   {"GATEWAY_MODEL_MAP": "gpt=4"},
 		"discount":    {"GATEWAY_BATCH_DISCOUNT": "2"},
+		"file":        {"GATEWAY_CONFIG": filepath.Join(t.TempDir(), "missing.yaml")},
+		"unset key":   {"GATEWAY_CONFIG": keyless},
 	} {
 		env["GATEWAY_LISTEN"] = "127.0.0.1:0"
 		env["GATEWAY_METRICS_LISTEN"] = "off"
+		env["DATABASE_URL"] = "postgres://gateway@127.0.0.1:1/none?connect_timeout=1"
 		cmd := exec.Command(binary, "serve")
-		env["DATABASE_URL"] = b.db
 		cmd.Env = environ(env)
 		out, err := cmd.CombinedOutput()
 		require.Error(t, err, name)
 		require.Contains(t, string(out), "GATEWAY_", name)
+		require.NotContains(t, string(out), "127.0.0.1:1", "%s: reported before the database is dialled", name)
 	}
 }
 

@@ -46,6 +46,9 @@ GATEWAY_DRAIN_DELAY is 0 unless set.`,
 			if err != nil {
 				return err
 			}
+			if err := cfg.Check(); err != nil {
+				return err
+			}
 			ctx := cmd.Context()
 			if cfg.DatabaseURL == "" {
 				cluster, err := pglocal.Start(ctx, pglocal.Options{Dir: filepath.Join(dataDir, "postgres"), Port: pgPort, Durable: true})

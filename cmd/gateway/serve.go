@@ -43,6 +43,9 @@ func serveCmd(logger *slog.Logger) *cobra.Command {
 			if err != nil {
 				return err
 			}
+			if err := cfg.Check(); err != nil {
+				return err
+			}
 			if cfg.DatabaseURL == "" {
 				return errors.New("DATABASE_URL is required (or run `gateway dev` for a private database)")
 			}
