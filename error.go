@@ -7,7 +7,9 @@ package gateway
 import (
 	"errors"
 	"fmt"
+	"strconv"
 	"time"
+	"unicode/utf8"
 )
 
 // ErrorCode is a machine-readable error code of the public API. The values equal
@@ -88,4 +90,25 @@ func ErrorCodeOf(err error) ErrorCode {
 		return e.Code
 	}
 	return EInternal
+}
+
+// maxQuotedBytes bounds what of a caller's value an error message repeats.
+const maxQuotedBytes = 64
+
+// Quote quotes a caller's value for an error message, as %q does, cut as
+// Clip cuts it.
+func Quote(s string) string { return strconv.Quote(Clip(s)) }
+
+// Clip is s cut after maxQuotedBytes (at a character's start) with an
+// ellipsis, for an error message: a reply, and the log, never repeat a
+// large value of a caller's whole.
+func Clip(s string) string {
+	if len(s) <= maxQuotedBytes {
+		return s
+	}
+	cut := maxQuotedBytes
+	for cut > 0 && !utf8.RuneStart(s[cut]) {
+		cut--
+	}
+	return s[:cut] + "…"
 }

@@ -44,7 +44,7 @@ func ParseModel(s string) (Model, error) {
 	if m, ok := modelAliases[strings.ToLower(strings.TrimSpace(s))]; ok {
 		return m, nil
 	}
-	return "", Errorf(EInvalidModel, "model %q is not recognised; use instant, reasoning or elements", s)
+	return "", Errorf(EInvalidModel, "model %s is not recognised; use instant, reasoning or elements", Quote(s))
 }
 
 // OutputLimit is the model's default and maximum max_output_rungs.

@@ -84,3 +84,14 @@ func TestValidate(t *testing.T) {
 		})
 	}
 }
+
+func TestQuoteRepeatsLittleOfALargeValue(t *testing.T) {
+	t.Parallel()
+	require.Equal(t, `"gpt-5"`, gateway.Quote("gpt-5"))
+	require.Equal(t, `"\x00"`, gateway.Quote("\x00"))
+	long := strings.Repeat("m", 100000)
+	require.Equal(t, `"`+strings.Repeat("m", 64)+`…"`, gateway.Quote(long))
+	// Cut at a character's start, never inside one.
+	require.Equal(t, strings.Repeat("a", 63)+"…", gateway.Clip(strings.Repeat("a", 63)+"é"+strings.Repeat("a", 10)))
+	require.Equal(t, strings.Repeat("a", 64), gateway.Clip(strings.Repeat("a", 64)))
+}

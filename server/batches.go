@@ -115,7 +115,7 @@ func (s *Server) ListBatches(ctx context.Context, req api.ListBatchesRequestObje
 func batchID(raw string) (uuid.UUID, error) {
 	id, err := uuid.Parse(raw)
 	if err != nil {
-		return uuid.Nil, gateway.Errorf(gateway.EBatchNotFound, "no batch %q", raw)
+		return uuid.Nil, gateway.Errorf(gateway.EBatchNotFound, "no batch %s", gateway.Quote(raw))
 	}
 	return id, nil
 }

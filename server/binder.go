@@ -73,7 +73,7 @@ func checkContentType(ct string) error {
 		return gateway.Errorf(gateway.EInvalidRequest, "Content-Type must be application/json")
 	}
 	if cs, ok := params["charset"]; ok && !strings.EqualFold(cs, "utf-8") && !strings.EqualFold(cs, "utf8") {
-		return gateway.Errorf(gateway.EInvalidRequest, "the body must be UTF-8; charset %q is not accepted", cs)
+		return gateway.Errorf(gateway.EInvalidRequest, "the body must be UTF-8; charset %s is not accepted", gateway.Quote(cs))
 	}
 	return nil
 }
@@ -86,7 +86,7 @@ func checkContentEncoding(values []string) error {
 	for _, v := range values {
 		for c := range strings.SplitSeq(v, ",") {
 			if c = strings.TrimSpace(c); c != "" && !strings.EqualFold(c, "identity") {
-				return gateway.Errorf(gateway.EInvalidRequest, "Content-Encoding %q is not accepted: send the body uncompressed", c)
+				return gateway.Errorf(gateway.EInvalidRequest, "Content-Encoding %s is not accepted: send the body uncompressed", gateway.Quote(c))
 			}
 		}
 	}
@@ -121,7 +121,7 @@ func decodeError(err error) error {
 	var syntaxErr *json.SyntaxError
 	switch {
 	case errors.As(err, &typeErr) && typeErr.Field != "":
-		return gateway.Errorf(gateway.EInvalidRequest, "field %q: %s is not a valid %s", typeErr.Field, typeErr.Value, jsonType(typeErr.Type.String()))
+		return gateway.Errorf(gateway.EInvalidRequest, "field %q: %s is not a valid %s", typeErr.Field, gateway.Clip(typeErr.Value), jsonType(typeErr.Type.String()))
 	case errors.As(err, &typeErr):
 		return notAnObject()
 	case errors.As(err, &syntaxErr) && strings.HasSuffix(syntaxErr.Error(), "exceeded max depth"):

@@ -105,7 +105,7 @@ func (s *Server) GetResponseSources(ctx context.Context, req api.GetResponseSour
 func (s *Server) sources(ctx context.Context, rawID string) (api.SourcesFoundJSONResponse, error) {
 	id, err := uuid.Parse(rawID)
 	if err != nil {
-		return api.SourcesFoundJSONResponse{}, gateway.Errorf(gateway.ESourcesNotFound, "no evidence is held for request %q", rawID)
+		return api.SourcesFoundJSONResponse{}, gateway.Errorf(gateway.ESourcesNotFound, "no evidence is held for request %s", gateway.Quote(rawID))
 	}
 	ev, err := s.evidence.Evidence(ctx, gateway.PrincipalFrom(ctx).AccountID, id)
 	if err != nil {

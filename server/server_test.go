@@ -489,6 +489,16 @@ func TestCreateResponseValidation(t *testing.T) {
 
 	r := b.do(http.MethodPost, "/api/v1/responses", b.key, "application/json", []byte(`{"prompt": 5}`))
 	require.Contains(t, string(r.body), "prompt", "the message names the field")
+	// A large value is not repeated whole in the message (nor in the log).
+	r = b.do(http.MethodPost, "/api/v1/responses", b.key, "application/json", []byte(`{"prompt": "p", "model": "`+strings.Repeat("m", 500000)+`"}`))
+	require.Equal(t, gateway.EInvalidModel, r.errorCode(t))
+	require.Less(t, len(r.body), 300, string(r.body))
+	r = b.do(http.MethodPost, "/api/v1/responses", b.key, "application/json", []byte(`{"prompt": "p", "max_output_rungs": 1`+strings.Repeat("0", 500000)+`}`))
+	require.Equal(t, gateway.EInvalidRequest, r.errorCode(t))
+	require.Less(t, len(r.body), 300, string(r.body))
+	r = b.do(http.MethodGet, "/api/v1/sources/"+strings.Repeat("s", 20000), b.key, "", nil)
+	require.Equal(t, gateway.ESourcesNotFound, r.errorCode(t))
+	require.Less(t, len(r.body), 300, string(r.body))
 	r = b.do(http.MethodPost, "/api/v1/responses", b.key, "application/json", []byte(`null`))
 	require.Equal(t, "the body must be a JSON object", r.message(t))
 	deep := strings.Repeat("[", 10001) + strings.Repeat("]", 10001)
