@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"math"
 	"net/http"
+	"net/url"
 	"regexp"
 	"strconv"
 
@@ -111,15 +112,22 @@ func (s *Server) domainError(err error) *gateway.Error {
 	return &gateway.Error{Code: gateway.EInternal, Message: "internal error", Cause: err}
 }
 
-// onceEach refuses any of an operation's query parameters given more than
-// once (400 INVALID_REQUEST naming it): each takes one value, and of two the
-// generated binder takes one silently (a time) or calls the pair malformed
-// (a number). Other query parameters are ignored, repeated or not.
-func onceEach(names []string) echo.MiddlewareFunc {
+// checkQuery refuses, for an operation that takes query parameters, a query
+// string that does not parse (a malformed percent-escape, a ';' between
+// pairs): the parser would drop the pair silently, and the operation would
+// answer for a parameter left out (the usage of today for a start it could
+// not read). It also refuses any of the operation's parameters given more
+// than once (400 INVALID_REQUEST naming it): each takes one value, and of
+// two the generated binder takes one silently (a time) or calls the pair
+// malformed (a number). Other query parameters are ignored, repeated or not.
+func checkQuery(names []string) echo.MiddlewareFunc {
 	return func(next echo.HandlerFunc) echo.HandlerFunc {
 		return func(c echo.Context) error {
-			if c.Request().URL.RawQuery != "" {
-				query := c.QueryParams()
+			if raw := c.Request().URL.RawQuery; raw != "" {
+				query, err := url.ParseQuery(raw)
+				if err != nil {
+					return gateway.Errorf(gateway.EInvalidRequest, "the query string is malformed (%s): send name=value pairs separated by &, percent-encoded", gateway.Clip(err.Error()))
+				}
 				for _, name := range names {
 					if len(query[name]) > 1 {
 						return &gateway.Error{Code: gateway.EInvalidRequest, Message: givenTwice(name)}

@@ -88,6 +88,11 @@ func TestParameterErrorsSpeakPlainly(t *testing.T) {
 		"/api/v1/usage?end=2026-13-45T00:00":                                  "parameter end must be an RFC 3339 timestamp",
 		"/api/v1/batches?limit=5&limit=10":                                    "parameter limit must be given once",
 		"/api/v1/usage?start=2026-11-01T00:00:00Z&start=2026-11-20T00:00:00Z": "parameter start must be given once",
+		// A query the parser would drop a pair of: the period asked for is
+		// not silently replaced by today.
+		"/api/v1/usage?start=%zz": "the query string is malformed",
+		"/api/v1/usage?start=2026-11-01T00:00:00Z;end=2026-11-02T00:00:00Z": "the query string is malformed",
+		"/api/v1/batches?limit=5&x=%":                                       "the query string is malformed",
 	} {
 		r := b.do(http.MethodGet, path, b.key, "", nil)
 		require.Equal(t, http.StatusBadRequest, r.status, path)
