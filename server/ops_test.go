@@ -166,18 +166,10 @@ func TestHeadIsServedWhereGetIs(t *testing.T) {
 	require.Equal(t, http.StatusNotFound, b.do(http.MethodHead, "/api/v1/batch/"+uuid.NewString(), b.key, "", nil).status)
 
 	// Outside the document, so not through b.do, which checks replies against it.
-	outside := func(method, path string) *http.Response {
-		req, err := http.NewRequest(method, b.http.URL+path, nil)
-		require.NoError(t, err)
-		resp, err := http.DefaultClient.Do(req)
-		require.NoError(t, err)
-		resp.Body.Close()
-		return resp
-	}
-	resp := outside(http.MethodHead, "/api/v1/responses")
+	resp := b.outside(http.MethodHead, "/api/v1/responses")
 	require.Equal(t, http.StatusMethodNotAllowed, resp.StatusCode, "no GET, no HEAD")
 	require.NotContains(t, resp.Header.Get("Allow"), http.MethodHead)
-	resp = outside(http.MethodDelete, "/openapi.json")
+	resp = b.outside(http.MethodDelete, "/openapi.json")
 	require.Equal(t, http.StatusMethodNotAllowed, resp.StatusCode)
 	require.Contains(t, resp.Header.Get("Allow"), http.MethodHead, "the methods a path allows name HEAD beside GET")
 
