@@ -126,10 +126,7 @@ func (c Config) Check() error {
 	if _, err := c.RateCard(); err != nil {
 		return err
 	}
-	f, err := c.routes()
-	if err == nil {
-		_, err = f.Keys(os.Getenv)
-	}
+	_, _, err := c.routesWithKeys()
 	if err != nil && c.File != "" {
 		return fmt.Errorf("GATEWAY_CONFIG: %w", err)
 	}
@@ -186,15 +183,24 @@ func (c Config) Router(tok *metering.Tokenizer, m *metrics.Metrics, logger *slog
 // as a router's configuration for routing.Router.Replace, with the file's
 // description of them.
 func (c Config) Routes(tok *metering.Tokenizer, m *metrics.Metrics, logger *slog.Logger) (routing.Config, string, error) {
-	f, err := c.routes()
-	if err != nil {
-		return routing.Config{}, "", err
-	}
-	keys, err := f.Keys(os.Getenv)
+	f, keys, err := c.routesWithKeys()
 	if err != nil {
 		return routing.Config{}, "", err
 	}
 	return f.RouterConfig(keys, tok, c.SimTokenLatency, m, logger), f.Describe(), nil
+}
+
+// routesWithKeys returns the routes (see routes) and their providers' keys.
+func (c Config) routesWithKeys() (*File, map[string]string, error) {
+	f, err := c.routes()
+	if err != nil {
+		return nil, nil, err
+	}
+	keys, err := f.Keys(os.Getenv)
+	if err != nil {
+		return nil, nil, err
+	}
+	return f, keys, nil
 }
 
 // ReloadRoutes replaces router's routes with those of GATEWAY_CONFIG's file,
