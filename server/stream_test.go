@@ -183,6 +183,14 @@ func TestStreamClientDisconnect(t *testing.T) {
 	quiesce := func() {
 		http.DefaultClient.CloseIdleConnections()
 		b.http.CloseClientConnections()
+		// pgx reads a connection on a goroutine of its own once a write to
+		// it has taken 15 ms (a loaded machine), and that goroutine waits
+		// for the connection's next reply, however long it stays idle: a
+		// ping of each idle connection gives it one.
+		for _, c := range b.store.Pool().AcquireAllIdle(context.Background()) {
+			_ = c.Ping(context.Background())
+			c.Release()
+		}
 	}
 	quiesce()
 	time.Sleep(100 * time.Millisecond)
