@@ -46,17 +46,33 @@ func TestCreateBatchValidation(t *testing.T) {
 	bad[3] = map[string]any{"prompt": "p", "model": "gpt"}
 	bad[4] = map[string]any{"prompt": ""}
 	for name, c := range map[string]struct {
-		body  any
-		code  gateway.ErrorCode
-		index string
+		body    any
+		code    gateway.ErrorCode
+		index   string
+		message string
 	}{
-		"empty":          {map[string]any{"requests": []any{}}, gateway.EEmptyBatch, ""},
-		"missing":        {map[string]any{}, gateway.EEmptyBatch, ""},
-		"too large":      {map[string]any{"requests": items(101)}, gateway.EBatchTooLarge, ""},
-		"first invalid":  {map[string]any{"requests": bad}, gateway.EInvalidModel, "3"},
-		"empty prompt":   {map[string]any{"requests": []any{map[string]any{"prompt": "ok"}, map[string]any{"prompt": ""}}}, gateway.EEmptyPrompt, "1"},
-		"too long":       {map[string]any{"requests": []any{map[string]any{"prompt": strings.Repeat("x", 100001)}}}, gateway.EPromptTooLarge, "0"},
-		"output ceiling": {map[string]any{"requests": []any{map[string]any{"prompt": "p", "max_output_rungs": 0}}}, gateway.EInvalidRequest, "0"},
+		"empty":          {map[string]any{"requests": []any{}}, gateway.EEmptyBatch, "", ""},
+		"missing":        {map[string]any{}, gateway.EEmptyBatch, "", ""},
+		"too large":      {map[string]any{"requests": items(101)}, gateway.EBatchTooLarge, "", ""},
+		"first invalid":  {map[string]any{"requests": bad}, gateway.EInvalidModel, "3", ""},
+		"empty prompt":   {map[string]any{"requests": []any{map[string]any{"prompt": "ok"}, map[string]any{"prompt": ""}}}, gateway.EEmptyPrompt, "1", ""},
+		"too long":       {map[string]any{"requests": []any{map[string]any{"prompt": strings.Repeat("x", 100001)}}}, gateway.EPromptTooLarge, "0", ""},
+		"output ceiling": {map[string]any{"requests": []any{map[string]any{"prompt": "p", "max_output_rungs": 0}}}, gateway.EInvalidRequest, "0", ""},
+		// What the decoder refuses names the item as validation does.
+		"negative output ceiling": {json.RawMessage(`{"requests":[{"prompt":"a"},{"prompt":"b","max_output_rungs":-1}]}`), gateway.EInvalidRequest, "1",
+			`requests[1]: field "max_output_rungs": number -1 is not a valid non-negative integer`},
+		"wrong type": {json.RawMessage(`{"requests":[{"prompt":"a"},{"prompt":"b"},{"prompt":"c","web_search":"yes"}]}`), gateway.EInvalidRequest, "2",
+			`requests[2]: field "web_search": string is not a valid boolean`},
+		"item not an object": {json.RawMessage(`{"requests":[{"prompt":"a"},7]}`), gateway.EInvalidRequest, "1",
+			`requests[1]: number is not a valid object`},
+		"field named twice": {json.RawMessage(`{"requests":[{"prompt":"a"},{"prompt":"b","model":"instant","model":"reasoning"}]}`), gateway.EInvalidRequest, "1",
+			`requests[1]: field "model" appears more than once in one object; name each field once`},
+		"wrong type past the items a batch holds": {json.RawMessage(`{"requests":[` + strings.Repeat(`{"prompt":"a"},`, 100) + `{"prompt":"b","web_search":"yes"}]}`), gateway.EInvalidRequest, "",
+			`field "requests.web_search": string is not a valid boolean`},
+		"requests not an array": {json.RawMessage(`{"requests":{"prompt":"a"}}`), gateway.EInvalidRequest, "",
+			`field "requests": object is not a valid array`},
+		"requests named twice": {json.RawMessage(`{"requests":[{"prompt":"a"}],"requests":[{"prompt":"b"}]}`), gateway.EInvalidRequest, "",
+			`field "requests" appears more than once in one object; name each field once`},
 	} {
 		r := b.post("/api/v1/batch", b.key, c.body)
 		require.Equal(t, http.StatusBadRequest, r.status, name)
@@ -64,6 +80,9 @@ func TestCreateBatchValidation(t *testing.T) {
 		require.Equal(t, c.index, r.header.Get("x-service-batch-index"), name)
 		if c.index != "" {
 			require.True(t, strings.HasPrefix(r.message(t), "requests["+c.index+"]: "), "the message names the item too: %s", r.message(t))
+		}
+		if c.message != "" {
+			require.Equal(t, c.message, r.message(t), name)
 		}
 	}
 	r := b.do(http.MethodGet, "/api/v1/batches", b.key, "", nil)

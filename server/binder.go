@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"mime"
 	"net"
@@ -51,14 +52,86 @@ func (jsonBinder) Bind(i any, c echo.Context) error {
 		// encoding/json takes null for an object and leaves it empty.
 		return notAnObject()
 	}
-	twice, found := exactFieldNames(body, fieldNames(reflect.TypeOf(i)))
+	twice, at, found := exactFieldNames(body, fieldNames(reflect.TypeOf(i)))
 	if err := json.Unmarshal(body, i); err != nil {
-		return decodeError(err)
+		return decodeError(body, err)
 	}
 	if found {
-		return gateway.Errorf(gateway.EInvalidRequest, "field %q appears more than once in one object; name each field once", twice)
+		return inElement(body, int64(at), "", func(string) *gateway.Error {
+			return gateway.Errorf(gateway.EInvalidRequest, "field %q appears more than once in one object; name each field once", twice)
+		})
 	}
 	return nil
+}
+
+// batchItems is the field of a batch's body that holds its items.
+const batchItems = "requests"
+
+// inElement returns the error made by describe, naming the batch item that
+// holds byte offset of body when that byte is inside one: the message then
+// starts with the item (`requests[2]: `) and the error names its index
+// (x-service-batch-index), as a refusal by validation does. Past the items a
+// batch may hold, no item is named: the body is too large a batch anyway.
+// field, when set, is a dotted path from body's object (encoding/json's);
+// describe is given the rest of it below the item, or all of it when no item
+// is named.
+func inElement(body []byte, offset int64, field string, describe func(rest string) *gateway.Error) *gateway.Error {
+	name, index, ok := elementAt(body, offset)
+	rest, under := strings.CutPrefix(field, name)
+	if !ok || name != batchItems || index >= gateway.MaxBatchItems || (field != "" && !under) || (under && rest != "" && rest[0] != '.') {
+		return describe(field)
+	}
+	e := describe(strings.TrimPrefix(rest, "."))
+	e.Message = fmt.Sprintf("%s[%d]: %s", name, index, e.Message)
+	e.BatchIndex = &index
+	return e
+}
+
+// elementAt finds the field of body's object whose value holds byte offset
+// and, when that value is an array, the index of its element that does. It
+// reads body again with encoding/json's tokenizer: it runs only on a body
+// already refused.
+func elementAt(body []byte, offset int64) (field string, index int, ok bool) {
+	dec := json.NewDecoder(bytes.NewReader(body))
+	if tok, err := dec.Token(); err != nil || tok != json.Delim('{') {
+		return "", 0, false
+	}
+	for dec.More() {
+		tok, err := dec.Token()
+		key, isKey := tok.(string)
+		var value json.RawMessage
+		if err != nil || !isKey || dec.Decode(&value) != nil {
+			return "", 0, false
+		}
+		if end := dec.InputOffset(); end >= offset {
+			start := end - int64(len(value))
+			if offset < start {
+				return "", 0, false // offset is in the key
+			}
+			index, ok = elementOf(value, offset-start)
+			return key, index, ok
+		}
+	}
+	return "", 0, false
+}
+
+// elementOf returns the index of the element of array that holds byte offset
+// of it, when array is an array.
+func elementOf(array json.RawMessage, offset int64) (int, bool) {
+	dec := json.NewDecoder(bytes.NewReader(array))
+	if tok, err := dec.Token(); err != nil || tok != json.Delim('[') {
+		return 0, false
+	}
+	for i := 0; dec.More(); i++ {
+		var element json.RawMessage
+		if dec.Decode(&element) != nil {
+			return 0, false
+		}
+		if dec.InputOffset() >= offset {
+			return i, true
+		}
+	}
+	return 0, false
 }
 
 // checkContentType accepts JSON in UTF-8: application/json (most clients'
@@ -116,12 +189,17 @@ func notAnObject() error {
 	return gateway.Errorf(gateway.EInvalidRequest, "the body must be a JSON object")
 }
 
-func decodeError(err error) error {
+func decodeError(body []byte, err error) error {
 	var typeErr *json.UnmarshalTypeError
 	var syntaxErr *json.SyntaxError
 	switch {
 	case errors.As(err, &typeErr) && typeErr.Field != "":
-		return gateway.Errorf(gateway.EInvalidRequest, "field %q: %s is not a valid %s", typeErr.Field, gateway.Clip(typeErr.Value), jsonType(typeErr.Type.String()))
+		return inElement(body, typeErr.Offset, typeErr.Field, func(field string) *gateway.Error {
+			if field == "" {
+				return gateway.Errorf(gateway.EInvalidRequest, "%s is not a valid %s", gateway.Clip(typeErr.Value), jsonType(typeErr.Type.String()))
+			}
+			return gateway.Errorf(gateway.EInvalidRequest, "field %q: %s is not a valid %s", field, gateway.Clip(typeErr.Value), jsonType(typeErr.Type.String()))
+		})
 	case errors.As(err, &typeErr):
 		return notAnObject()
 	case errors.As(err, &syntaxErr) && strings.HasSuffix(syntaxErr.Error(), "exceeded max depth"):
@@ -157,11 +235,12 @@ func jsonType(goType string) string {
 // the contract matches them exactly. It also returns the first of names that
 // an object of body names twice (after escapes), if any: encoding/json would
 // take the last silently, where a proxy or a log in front of the gateway may
-// have read the first. (Unknown keys are ignored, twice or not.) One pass over
+// have read the first, and at, the offset of its second key. (Unknown keys
+// are ignored, twice or not.) One pass over
 // the bytes, no value decoded: a prompt of 100 KB is skipped, not copied. A
 // body that is not valid JSON, or nested deeper than the decoder takes, is
 // left for the decoder to report.
-func exactFieldNames(body []byte, names map[string]bool) (twice string, found bool) {
+func exactFieldNames(body []byte, names map[string]bool) (twice string, at int, found bool) {
 	// open holds the containers open, innermost last; known the field names
 	// of the objects open, each object's after its parent's; wantKey: the
 	// next string of the innermost object is a key.
@@ -173,13 +252,13 @@ func exactFieldNames(body []byte, names map[string]bool) (twice string, found bo
 		switch body[i] {
 		case '{', '[':
 			if len(open) == maxNesting {
-				return twice, found
+				return twice, at, found
 			}
 			open = append(open, container{object: body[i] == '{', known: len(known)})
 			wantKey = body[i] == '{'
 		case '}', ']':
 			if len(open) == 0 {
-				return twice, found
+				return twice, at, found
 			}
 			known = known[:open[len(open)-1].known]
 			open = open[:len(open)-1]
@@ -189,7 +268,7 @@ func exactFieldNames(body []byte, names map[string]bool) (twice string, found bo
 		case '"':
 			end, escaped := stringEnd(body, i+1)
 			if end < 0 {
-				return twice, found
+				return twice, at, found
 			}
 			if wantKey {
 				wantKey = false
@@ -198,7 +277,7 @@ func exactFieldNames(body []byte, names map[string]bool) (twice string, found bo
 				case names[string(key)] && !found:
 					siblings := known[open[len(open)-1].known:]
 					if slices.ContainsFunc(siblings, func(k []byte) bool { return bytes.Equal(k, key) }) {
-						twice, found = string(key), true
+						twice, at, found = string(key), i, true
 					}
 					known = append(known, key)
 				case !names[string(key)] && foldsToAny(string(key), names):
@@ -208,7 +287,7 @@ func exactFieldNames(body []byte, names map[string]bool) (twice string, found bo
 			i = end
 		}
 	}
-	return twice, found
+	return twice, at, found
 }
 
 // maxNesting is how deep encoding/json decodes: exactFieldNames reads no

@@ -86,7 +86,7 @@ func FuzzExactFieldNames(f *testing.F) {
 	f.Fuzz(func(t *testing.T, body []byte) {
 		valid := json.Valid(body)
 		out := append([]byte(nil), body...)
-		twice, found := exactFieldNames(out, names)
+		twice, at, found := exactFieldNames(out, names)
 		if json.Valid(out) != valid {
 			t.Fatalf("validity changed: %q -> %q", body, out)
 		}
@@ -97,19 +97,19 @@ func FuzzExactFieldNames(f *testing.F) {
 			return
 		}
 		want := append([]byte(nil), body...)
-		wantTwice, wantFound := exactFieldNamesByTokens(want, names)
+		wantTwice, wantAt, wantFound := exactFieldNamesByTokens(want, names)
 		if !bytes.Equal(out, want) {
 			t.Fatalf("%q became %q, want %q", body, out, want)
 		}
-		if twice != wantTwice || found != wantFound {
-			t.Fatalf("%q: named twice %q (%v), want %q (%v)", body, twice, found, wantTwice, wantFound)
+		if twice != wantTwice || found != wantFound || (found && at != wantAt) {
+			t.Fatalf("%q: named twice %q at %d (%v), want %q at %d (%v)", body, twice, at, found, wantTwice, wantAt, wantFound)
 		}
 	})
 }
 
 // exactFieldNamesByTokens is exactFieldNames done with encoding/json's
 // tokenizer: the reference it is checked against.
-func exactFieldNamesByTokens(body []byte, names map[string]bool) (twice string, found bool) {
+func exactFieldNamesByTokens(body []byte, names map[string]bool) (twice string, at int, found bool) {
 	type frame struct {
 		object, wantKey bool
 		seen            map[string]bool
@@ -120,7 +120,7 @@ func exactFieldNamesByTokens(body []byte, names map[string]bool) (twice string, 
 		before := dec.InputOffset()
 		tok, err := dec.Token()
 		if err != nil {
-			return twice, found
+			return twice, at, found
 		}
 		top := len(stack) - 1
 		if d, ok := tok.(json.Delim); ok {
@@ -145,7 +145,8 @@ func exactFieldNamesByTokens(body []byte, names map[string]bool) (twice string, 
 		stack[top].wantKey = false
 		key, _ := tok.(string)
 		if names[key] && stack[top].seen[key] && !found {
-			twice, found = key, true
+			// The key's quote is the first after the separator before it.
+			twice, at, found = key, int(before)+bytes.IndexByte(body[before:], '"'), true
 		}
 		stack[top].seen[key] = true
 		if names[key] || !foldsToAny(key, names) {
