@@ -8,7 +8,9 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"net/netip"
 	"os"
+	"strings"
 	"time"
 
 	"github.com/caarlos0/env/v11"
@@ -50,7 +52,11 @@ type Config struct {
 	BodyTimeout       time.Duration `env:"GATEWAY_BODY_TIMEOUT" envDefault:"30s"`
 	DrainDelay        time.Duration `env:"GATEWAY_DRAIN_DELAY" envDefault:"5s"`
 	CORSOrigins       []string      `env:"GATEWAY_CORS_ORIGINS" envSeparator:","`
+	TrustedProxies    []string      `env:"GATEWAY_TRUSTED_PROXIES" envSeparator:","`
 	TraceContent      bool          `env:"GATEWAY_TRACE_CONTENT"`
+
+	// proxies are TrustedProxies read (see Proxies).
+	proxies []netip.Prefix
 }
 
 // Load reads the configuration from the environment.
@@ -114,7 +120,38 @@ func load(defaults map[string]string) (Config, error) {
 	if cfg.DBMaxConns < 2 {
 		return Config{}, fmt.Errorf("GATEWAY_DB_MAX_CONNS must be at least 2")
 	}
+	if cfg.proxies, err = readProxies(cfg.TrustedProxies); err != nil {
+		return Config{}, err
+	}
 	return cfg, nil
+}
+
+// Proxies returns GATEWAY_TRUSTED_PROXIES: the proxies (load balancers) whose
+// X-Forwarded-For names a request's client.
+func (c Config) Proxies() []netip.Prefix {
+	return c.proxies
+}
+
+// readProxies reads GATEWAY_TRUSTED_PROXIES, each an address or a CIDR range.
+func readProxies(list []string) ([]netip.Prefix, error) {
+	var proxies []netip.Prefix
+	for _, s := range list {
+		s = strings.TrimSpace(s)
+		if s == "" {
+			continue
+		}
+		p, err := netip.ParsePrefix(s)
+		if err != nil {
+			addr, addrErr := netip.ParseAddr(s)
+			if addrErr != nil {
+				return nil, fmt.Errorf("GATEWAY_TRUSTED_PROXIES: %q is neither an address nor a CIDR range such as 10.0.0.0/8", s)
+			}
+			addr = addr.Unmap()
+			p = netip.PrefixFrom(addr, addr.BitLen())
+		}
+		proxies = append(proxies, p.Masked())
+	}
+	return proxies, nil
 }
 
 // Check checks what a server builds of c beyond what Load checks: the rate

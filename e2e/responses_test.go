@@ -308,6 +308,7 @@ func TestBadConfigurationStopsStart(t *testing.T) {
 		"discount":    {"GATEWAY_BATCH_DISCOUNT": "2"},
 		"file":        {"GATEWAY_CONFIG": filepath.Join(t.TempDir(), "missing.yaml")},
 		"unset key":   {"GATEWAY_CONFIG": keyless},
+		"proxies":     {"GATEWAY_TRUSTED_PROXIES": "10.0.0.0/8,lb.internal"},
 	} {
 		env["GATEWAY_LISTEN"] = "127.0.0.1:0"
 		env["GATEWAY_METRICS_LISTEN"] = "off"

@@ -400,11 +400,11 @@ func attr(s *tracepb.Span, key string) *commonpb.AnyValue {
 // on both, and the trace context sent upstream; no prompt text.
 func TestTracesFollowTheRequest(t *testing.T) {
 	t.Parallel()
-	r, receiver := serveTraced(t, nil)
+	r, receiver := serveTraced(t, map[string]string{"GATEWAY_TRUSTED_PROXIES": "127.0.0.1"})
 	r.primary.SetMode(fakeupstream.Down)
 	const traceID, parentID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
 	res := r.g.callWith(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "secret prompt text"},
-		http.Header{"Traceparent": {"00-" + traceID + "-" + parentID + "-01"}})
+		http.Header{"Traceparent": {"00-" + traceID + "-" + parentID + "-01"}, "X-Forwarded-For": {"198.51.100.7"}})
 	require.Equal(t, http.StatusOK, res.status)
 
 	var server *tracepb.Span
@@ -418,6 +418,7 @@ func TestTracesFollowTheRequest(t *testing.T) {
 	require.Equal(t, traceID, fmt.Sprintf("%x", server.TraceId), "the caller's trace continues")
 	require.Equal(t, parentID, fmt.Sprintf("%x", server.ParentSpanId))
 	require.Equal(t, tracepb.Span_SPAN_KIND_SERVER, server.Kind)
+	require.Equal(t, "198.51.100.7", attr(server, "client.address").GetStringValue(), "the client the trusted proxy names")
 	require.Equal(t, "chat", attr(server, "gen_ai.operation.name").GetStringValue())
 	require.Equal(t, "instant", attr(server, "gen_ai.request.model").GetStringValue())
 	pt, ct := fakeupstream.Usage("secret prompt text")

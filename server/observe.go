@@ -23,15 +23,17 @@ const RequestIDHeader = "x-request-id"
 const maxRequestIDLen = 128
 
 // observe gives every request an id, and once it is answered writes one JSON
-// log line (id, method, route, status, duration, bytes, account; never a key
-// or a prompt) and records it in the metrics. Errors are answered here,
-// through the error handler, so the status is known. A stream detached from
-// its connection's goroutine (see serveDetachable) is logged when it ends.
-// A reply that is not a stream must be read within replyWriteTimeout of its
-// first byte (see replyDeadline).
+// log line (id, method, route, status, duration, bytes, client address,
+// account; never a key or a prompt) and records it in the metrics. Errors
+// are answered here, through the error handler, so the status is known. A
+// stream detached from its connection's goroutine (see serveDetachable) is
+// logged when it ends. A reply that is not a stream must be read within
+// replyWriteTimeout of its first byte (see replyDeadline).
 func (s *Server) observe(next echo.HandlerFunc) echo.HandlerFunc {
 	return func(c echo.Context) error {
-		x := &exchange{s: s, req: c.Request(), w: c.Response(), start: time.Now(), method: metrics.Method(c.Request().Method)}
+		r := c.Request()
+		x := &exchange{s: s, req: r, w: c.Response(), start: time.Now(), method: metrics.Method(r.Method),
+			client: clientAddress(r.RemoteAddr, r.Header.Values("X-Forwarded-For"), s.trustedProxies)}
 		c.Response().Before(x.replyDeadline)
 		x.id = c.Request().Header.Get(RequestIDHeader)
 		ctx := context.WithValue(c.Request().Context(), exchangeKey{}, x)
@@ -46,7 +48,7 @@ func (s *Server) observe(next echo.HandlerFunc) echo.HandlerFunc {
 		if !s.routes[x.route] {
 			x.route = metrics.Other // only the document's routes are label values (D11)
 		}
-		ctx, x.span = tracing.Request(ctx, c.Request(), x.route)
+		ctx, x.span = tracing.Request(ctx, c.Request(), x.route, x.client)
 		c.SetRequest(c.Request().WithContext(ctx))
 		defer func() {
 			// Only http.ErrAbortHandler passes the Recover middleware: a
@@ -79,6 +81,7 @@ type exchange struct {
 	id     string
 	method string
 	route  string
+	client string
 	span   trace.Span
 	// detached says the response goes on after the handler returned: whoever
 	// serves it calls finish.
@@ -119,6 +122,7 @@ func (x *exchange) finish(ctx context.Context, status int, size int64) {
 		slog.Int("status", status),
 		slog.Float64("duration_ms", float64(elapsed.Microseconds())/1000),
 		slog.Int64("bytes", size),
+		slog.String("client", x.client),
 	}
 	if p := gateway.PrincipalFrom(ctx); p != nil {
 		attrs = append(attrs, slog.String("account", p.AccountName), slog.String("key_id", p.KeyID.String()))

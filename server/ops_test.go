@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/netip"
 	"strings"
 	"testing"
 	"time"
@@ -70,6 +71,25 @@ func TestAccessLogNeverLeaksSecrets(t *testing.T) {
 	require.NotContains(t, out, b.key[12:], "not even the secret part")
 	require.NotContains(t, out, strings.Repeat("b", 52))
 	require.NotContains(t, out, "payroll")
+}
+
+// TestAccessLogNamesTheClient: the access log names the connection's peer, or
+// the client a trusted proxy names in X-Forwarded-For.
+func TestAccessLogNamesTheClient(t *testing.T) {
+	t.Parallel()
+	forwarded := http.Header{"X-Forwarded-For": {"192.0.2.66, 198.51.100.7"}, "X-Request-Id": {"forwarded"}}
+	logs := &syncbuf.Buffer{}
+	b := setupWith(t, options{logs: logs})
+	b.doWith(http.MethodGet, "/healthz", "", "", nil, forwarded)
+	require.Eventually(t, func() bool { return strings.Contains(logs.String(), `"request_id":"forwarded"`) }, 5*time.Second, 10*time.Millisecond)
+	require.Contains(t, logs.String(), `"client":"127.0.0.1"`, "no proxy is trusted: the peer")
+
+	logs = &syncbuf.Buffer{}
+	b = setupWith(t, options{logs: logs, server: func(c *server.Config) { c.TrustedProxies = []netip.Prefix{netip.MustParsePrefix("127.0.0.0/8")} }})
+	b.doWith(http.MethodGet, "/healthz", "", "", nil, forwarded)
+	require.Eventually(t, func() bool { return strings.Contains(logs.String(), `"request_id":"forwarded"`) }, 5*time.Second, 10*time.Millisecond)
+	require.Contains(t, logs.String(), `"client":"198.51.100.7"`, "the address the trusted proxy saw, not the one its client wrote")
+	require.NotContains(t, logs.String(), "192.0.2.66")
 }
 
 // panicking is an upstream that panics.

@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"net/netip"
 	"regexp"
 	"sync/atomic"
 	"time"
@@ -89,6 +90,11 @@ type Config struct {
 	// CORSOrigins, when set, are the browser origins allowed to call the API;
 	// CORS is off otherwise.
 	CORSOrigins []string
+	// TrustedProxies are the addresses of the proxies (load balancers) in
+	// front of the gateway: the client of a request one of them forwards is
+	// read from its X-Forwarded-For (see clientAddress). None: the client is
+	// the connection's peer.
+	TrustedProxies []netip.Prefix
 	// SSEKeepalive is the idle time before a keep-alive comment in a stream.
 	SSEKeepalive time.Duration
 	// StreamWriteTimeout bounds the wait for a client to take one write of
@@ -150,6 +156,7 @@ type Server struct {
 	replyWriteTimeout  time.Duration
 	detachAfter        time.Duration
 	unavailable        func(error) bool
+	trustedProxies     []netip.Prefix
 	paramForms         map[string]string
 	// routes are the route templates served, the only route label values.
 	routes  map[string]bool
@@ -209,6 +216,7 @@ func New(cfg Config) (*Server, error) {
 		replyWriteTimeout:  cmp.Or(cfg.ReplyWriteTimeout, DefaultReplyWriteTimeout),
 		detachAfter:        cfg.DetachAfter,
 		unavailable:        cfg.Unavailable,
+		trustedProxies:     cfg.TrustedProxies,
 		paramForms:         paramForms,
 		openAPI:            doc,
 		schema:             schema,

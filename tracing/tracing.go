@@ -112,14 +112,16 @@ func Setup(ctx context.Context, opts Options) (func(context.Context) error, erro
 var noop = trace.SpanFromContext(context.Background())
 
 // Request starts the server span of an HTTP request named "METHOD route",
-// continuing the trace of the caller's traceparent header, if any.
-func Request(ctx context.Context, r *http.Request, route string) (context.Context, trace.Span) {
+// continuing the trace of the caller's traceparent header, if any; client is
+// the address the request came from (client.address).
+func Request(ctx context.Context, r *http.Request, route, client string) (context.Context, trace.Span) {
 	if !enabled.Load() {
 		return ctx, noop
 	}
 	ctx = prop.Extract(ctx, propagation.HeaderCarrier(r.Header))
 	return tracer.Start(ctx, r.Method+" "+route, trace.WithSpanKind(trace.SpanKindServer),
-		trace.WithAttributes(attribute.String("http.request.method", r.Method), attribute.String("http.route", route)))
+		trace.WithAttributes(attribute.String("http.request.method", r.Method), attribute.String("http.route", route),
+			attribute.String("client.address", client)))
 }
 
 // EndRequest ends a request's span with the response status.

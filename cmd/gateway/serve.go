@@ -137,19 +137,20 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 		Metrics:           m,
 	}
 	srv, err := server.New(server.Config{
-		Auth:         &access.Authenticator{Keys: keys, Rates: rates},
-		Inference:    infer,
-		Evidence:     st,
-		Usage:        st,
-		Batches:      &batch.Service{Store: st, Models: router, Estimator: estimator, Window: cfg.BatchWindow},
-		BatchData:    st,
-		Readiness:    server.AllReady{st, keys},
-		Metrics:      m,
-		Logger:       logger,
-		SSEKeepalive: cfg.SSEKeepalive,
-		CORSOrigins:  cfg.CORSOrigins,
-		BodyTimeout:  cfg.BodyTimeout,
-		Unavailable:  store.Transient,
+		Auth:           &access.Authenticator{Keys: keys, Rates: rates},
+		Inference:      infer,
+		Evidence:       st,
+		Usage:          st,
+		Batches:        &batch.Service{Store: st, Models: router, Estimator: estimator, Window: cfg.BatchWindow},
+		BatchData:      st,
+		Readiness:      server.AllReady{st, keys},
+		Metrics:        m,
+		Logger:         logger,
+		SSEKeepalive:   cfg.SSEKeepalive,
+		CORSOrigins:    cfg.CORSOrigins,
+		TrustedProxies: cfg.Proxies(),
+		BodyTimeout:    cfg.BodyTimeout,
+		Unavailable:    store.Transient,
 	})
 	if err != nil {
 		return err
