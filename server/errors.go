@@ -100,13 +100,13 @@ func (s *Server) domainError(err error) *gateway.Error {
 	if errors.As(err, &he) {
 		switch he.Code {
 		case http.StatusNotFound:
-			return gateway.Errorf(gateway.ENotFound, "no such route")
+			return noSuchRoute()
 		case http.StatusMethodNotAllowed:
 			return gateway.Errorf(gateway.EMethodNotAllowed, "method not allowed on this route")
 		case http.StatusRequestEntityTooLarge:
 			return gateway.Errorf(gateway.ERequestTooLarge, "request body too large")
 		case http.StatusBadRequest, http.StatusUnsupportedMediaType:
-			return &gateway.Error{Code: gateway.EInvalidRequest, Message: s.parameterMessage(he), Cause: err}
+			return s.parameterError(he)
 		}
 	}
 	return &gateway.Error{Code: gateway.EInternal, Message: "internal error", Cause: err}
@@ -117,10 +117,11 @@ func (s *Server) domainError(err error) *gateway.Error {
 // pairs): the parser would drop the pair silently, and the operation would
 // answer for a parameter left out (the usage of today for a start it could
 // not read). It also refuses any of the operation's parameters given more
-// than once (400 INVALID_REQUEST naming it): each takes one value, and of
-// two the generated binder takes one silently (a time) or calls the pair
-// malformed (a number). Other query parameters are ignored, repeated or not.
-func checkQuery(names []string) echo.MiddlewareFunc {
+// than once or given empty (400 INVALID_REQUEST naming it): each takes one
+// value, and of two the generated binder takes one silently (a time) or calls
+// the pair malformed (a number), while an empty time would be read as the
+// year 1. Other query parameters are ignored, repeated, empty or not.
+func (s *Server) checkQuery(names []string) echo.MiddlewareFunc {
 	return func(next echo.HandlerFunc) echo.HandlerFunc {
 		return func(c echo.Context) error {
 			if raw := c.Request().URL.RawQuery; raw != "" {
@@ -129,8 +130,11 @@ func checkQuery(names []string) echo.MiddlewareFunc {
 					return gateway.Errorf(gateway.EInvalidRequest, "the query string is malformed (%s): send name=value pairs separated by &, percent-encoded", gateway.Clip(err.Error()))
 				}
 				for _, name := range names {
-					if len(query[name]) > 1 {
+					switch values := query[name]; {
+					case len(values) > 1:
 						return &gateway.Error{Code: gateway.EInvalidRequest, Message: givenTwice(name)}
+					case len(values) == 1 && values[0] == "":
+						return &gateway.Error{Code: gateway.EInvalidRequest, Message: s.notInForm(name)}
 					}
 				}
 			}
@@ -145,20 +149,37 @@ func givenTwice(name string) string {
 }
 
 // parameterErrors match the generated server's parameter errors, whose text
-// (parser internals) is never shown; the parameter's name is.
-var parameterErrors = regexp.MustCompile(`^(?:Invalid format for parameter ([^:]+):|Expected one value for ([^,]+), got)`)
+// (parser internals) is never shown; the parameter's name is, and whether the
+// value was empty.
+var parameterErrors = regexp.MustCompile(`^(?:Invalid format for parameter ([^:]+):( parameter '[^']*' is empty)?|Expected one value for ([^,]+), got)`)
 
-// parameterMessage says which parameter is malformed and the form it takes.
-func (s *Server) parameterMessage(he *echo.HTTPError) string {
+// parameterError says which parameter is malformed and the form it takes. An
+// empty path parameter (/api/v1/batch//results; empty query values are
+// refused before, by checkQuery) is a path outside the document, as
+// /api/v1/batch/ is: no such route.
+func (s *Server) parameterError(he *echo.HTTPError) *gateway.Error {
 	msg, _ := he.Message.(string)
 	m := parameterErrors.FindStringSubmatch(msg)
-	if m == nil {
-		return "malformed request"
+	e := &gateway.Error{Code: gateway.EInvalidRequest, Cause: he}
+	switch {
+	case m == nil:
+		e.Message = "malformed request"
+	case m[3] != "":
+		e.Message = givenTwice(m[3])
+	case m[2] != "":
+		return noSuchRoute()
+	default:
+		e.Message = s.notInForm(m[1])
 	}
-	name := m[1] + m[2]
-	if m[2] != "" {
-		return givenTwice(name)
-	}
+	return e
+}
+
+func noSuchRoute() *gateway.Error {
+	return gateway.Errorf(gateway.ENotFound, "no such route")
+}
+
+// notInForm says that parameter name must take its form.
+func (s *Server) notInForm(name string) string {
 	form, ok := s.paramForms[name]
 	if !ok {
 		form = "well formed"

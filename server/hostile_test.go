@@ -93,6 +93,11 @@ func TestParameterErrorsSpeakPlainly(t *testing.T) {
 		"/api/v1/usage?start=%zz": "the query string is malformed",
 		"/api/v1/usage?start=2026-11-01T00:00:00Z;end=2026-11-02T00:00:00Z": "the query string is malformed",
 		"/api/v1/batches?limit=5&x=%":                                       "the query string is malformed",
+		// Empty is not left out: an empty start was read as the year 1.
+		"/api/v1/usage?start=":      "parameter start must be an RFC 3339 timestamp",
+		"/api/v1/usage?start=&end=": "parameter start must be an RFC 3339 timestamp",
+		"/api/v1/batches?after=":    "parameter after must be a UUID",
+		"/api/v1/batches?limit=":    "parameter limit must be a whole number from 1 to 50",
 	} {
 		r := b.do(http.MethodGet, path, b.key, "", nil)
 		require.Equal(t, http.StatusBadRequest, r.status, path)
@@ -104,7 +109,7 @@ func TestParameterErrorsSpeakPlainly(t *testing.T) {
 		}
 	}
 	for _, path := range []string{
-		"/api/v1/usage?limit=1&limit=2",
+		"/api/v1/usage?limit=1&limit=2&x=",
 		"/api/v1/batches?start=2026-11-01T00:00:00Z&start=x&batch_id=a&batch_id=b",
 		"/api/v1/batch/" + uuid.NewString() + "?batch_id=a&batch_id=b",
 	} {

@@ -244,7 +244,7 @@ func New(cfg Config) (*Server, error) {
 			mws = append(mws, s.authorize(p))
 		}
 		if len(p.Query) > 0 {
-			mws = append(mws, checkQuery(p.Query))
+			mws = append(mws, s.checkQuery(p.Query))
 		}
 		if p.MaxBodyBytes > 0 {
 			mws = append(mws, limitBody(p.MaxBodyBytes, cfg.BodyTimeout))

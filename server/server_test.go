@@ -641,9 +641,15 @@ func TestPublicDocuments(t *testing.T) {
 func TestUnknownRouteAndMethod(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
-	r := b.do(http.MethodGet, "/api/v2/nothing", b.key, "", nil)
+	// An empty path segment where a parameter goes is no route either, as a
+	// missing last one is.
+	for _, path := range []string{"/api/v2/nothing", "/api/v1/batch/", "/api/v1/batch//results", "/api/v1/responses//sources"} {
+		r := b.do(http.MethodGet, path, b.key, "", nil)
+		require.Equal(t, http.StatusNotFound, r.status, path)
+		require.Equal(t, gateway.ENotFound, r.errorCode(t), path)
+	}
+	r := b.do(http.MethodPost, "/api/v1/batch//cancel", b.key, "", nil)
 	require.Equal(t, http.StatusNotFound, r.status)
-	require.Equal(t, gateway.ENotFound, r.errorCode(t))
 
 	require.Equal(t, http.StatusMethodNotAllowed, b.outside(http.MethodDelete, "/api/v1/responses").StatusCode)
 }
