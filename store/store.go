@@ -138,8 +138,10 @@ const maxNameBytes = 200
 // checkName refuses an account's or project's name (what) that operators
 // could not read or type back: empty, longer than maxNameBytes, not UTF-8,
 // with a control character (a line break or a terminal escape would forge
-// lines of the CLI's tables and the logs), or with white space at either
-// end (" acme" and "acme" would be two accounts).
+// lines of the CLI's tables and the logs) or a bidirectional control (a
+// right-to-left override shows the rest of its line reversed, as in "Trojan
+// Source"; the joiners that several scripts need are not among them), or
+// with white space at either end (" acme" and "acme" would be two accounts).
 func checkName(what, name string) error {
 	switch {
 	case strings.TrimSpace(name) == "":
@@ -150,6 +152,8 @@ func checkName(what, name string) error {
 		return fmt.Errorf("the %s name must be UTF-8", what)
 	case strings.ContainsFunc(name, unicode.IsControl):
 		return fmt.Errorf("the %s name must not hold control characters (line breaks, tabs, escapes)", what)
+	case strings.ContainsFunc(name, func(r rune) bool { return unicode.Is(unicode.Bidi_Control, r) }):
+		return fmt.Errorf("the %s name must not hold bidirectional controls (U+202E and the like reorder how it and the rest of its line are shown)", what)
 	case strings.TrimSpace(name) != name:
 		return fmt.Errorf("the %s name must not begin or end with white space", what)
 	}

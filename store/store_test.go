@@ -85,6 +85,8 @@ func TestCreateKeyValidates(t *testing.T) {
 		{Account: "evil\nname", Project: "default", Scopes: []gateway.Scope{gateway.ScopeInference}},
 		{Account: "a", Project: "p\x1b[31m", Scopes: []gateway.Scope{gateway.ScopeInference}},
 		{Account: " acme", Project: "default", Scopes: []gateway.Scope{gateway.ScopeInference}},
+		{Account: "acme\u202egnp.exe", Project: "default", Scopes: []gateway.Scope{gateway.ScopeInference}},
+		{Account: "a", Project: "de\u2066fault", Scopes: []gateway.Scope{gateway.ScopeInference}},
 		{Account: "a", Project: "default"},
 		{Account: "a", Project: "default", Scopes: []gateway.Scope{"admin"}},
 		{Account: "a", Project: "default", Tier: &bad, Scopes: []gateway.Scope{gateway.ScopeInference}},
@@ -92,8 +94,10 @@ func TestCreateKeyValidates(t *testing.T) {
 		_, err := b.store.CreateKey(b.ctx, p)
 		require.Error(t, err, "%+v", p)
 	}
-	// Names may hold spaces and any printable character, up to 200 bytes.
-	for _, name := range []string{"acme corp", "Zürich-Labs (test)", strings.Repeat("a", 200)} {
+	// Names may hold spaces and any printable character, up to 200 bytes,
+	// and the joiners of scripts that need them (here a zero-width joiner
+	// in Devanagari).
+	for _, name := range []string{"acme corp", "Zürich-Labs (test)", strings.Repeat("a", 200), "\u0915\u094d\u200d\u0937"} {
 		_, err := b.store.CreateKey(b.ctx, store.CreateKeyParams{Account: name, Project: name, Scopes: []gateway.Scope{gateway.ScopeInference}})
 		require.NoError(t, err, name)
 	}
