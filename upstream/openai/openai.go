@@ -321,6 +321,9 @@ func (c *Client) post(ctx context.Context, req *upstream.Request, stream bool) (
 	tracing.Inject(ctx, httpReq.Header)
 	httpReq.Header.Set("Content-Type", "application/json")
 	httpReq.Header.Set("Accept", accept)
+	// Without Accept-Encoding any coding is acceptable (RFC 9110, 12.5.3):
+	// ask for none, for the reason DisableCompression gives.
+	httpReq.Header.Set("Accept-Encoding", "identity")
 	if c.cfg.APIKey != "" {
 		httpReq.Header.Set("Authorization", "Bearer "+c.cfg.APIKey)
 	}
@@ -344,6 +347,10 @@ func (c *Client) post(ctx context.Context, req *upstream.Request, stream bool) (
 		defer resp.Body.Close()
 		raw, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
 		return nil, true, statusError(resp.StatusCode, resp.Header, raw)
+	}
+	if ce := resp.Header.Get("Content-Encoding"); ce != "" && !strings.EqualFold(ce, "identity") {
+		resp.Body.Close()
+		return nil, true, fmt.Errorf("%w: the reply is compressed (Content-Encoding %s) though the call asked for it uncompressed", upstream.ErrFailed, gateway.Quote(ce))
 	}
 	return resp, true, nil
 }

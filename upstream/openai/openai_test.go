@@ -2,6 +2,7 @@ package openai_test
 
 import (
 	"bytes"
+	"compress/gzip"
 	"context"
 	"encoding/json"
 	"errors"
@@ -171,9 +172,10 @@ func TestRedirectsAreNotFollowed(t *testing.T) {
 	})
 }
 
-// TestRepliesAreAskedUncompressed: neither transport asks for a compressed
-// reply, for a call or a stream (a compressing layer may hold a stream's
-// events until its buffer fills).
+// TestRepliesAreAskedUncompressed: both transports ask for an uncompressed
+// reply, for a call and a stream (a compressing layer may hold a stream's
+// events until its buffer fills), and a reply compressed all the same fails
+// saying so, after dispatch, rather than as bytes that do not parse.
 func TestRepliesAreAskedUncompressed(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {
@@ -192,7 +194,22 @@ func TestRepliesAreAskedUncompressed(t *testing.T) {
 		_, _, _ = collect(t, client, context.Background())
 		mu.Lock()
 		defer mu.Unlock()
-		require.Equal(t, []string{"", ""}, asked, "Accept-Encoding of a call and of a stream")
+		require.Equal(t, []string{"identity", "identity"}, asked, "Accept-Encoding of a call and of a stream")
+
+		compressing := b.handlerClient(t, func(w http.ResponseWriter, r *http.Request) {
+			_, _ = io.Copy(io.Discard, r.Body)
+			w.Header().Set("Content-Type", "application/json")
+			w.Header().Set("Content-Encoding", "gzip")
+			zw := gzip.NewWriter(w)
+			_, _ = zw.Write([]byte(`{"choices":[{"message":{"content":"ok"}}],"usage":{"prompt_tokens":1,"completion_tokens":1}}`))
+			_ = zw.Close()
+		})
+		_, err = compressing.Complete(context.Background(), &req)
+		require.ErrorIs(t, err, upstream.ErrFailed)
+		require.ErrorContains(t, err, `Content-Encoding "gzip"`)
+		_, _, err = collect(t, compressing, context.Background())
+		require.ErrorIs(t, err, upstream.ErrFailed)
+		require.ErrorContains(t, err, `Content-Encoding "gzip"`)
 	})
 }
 
