@@ -118,18 +118,20 @@ func (s *Server) sources(ctx context.Context, rawID string) (api.SourcesFoundJSO
 	return api.SourcesFoundJSONResponse{Body: body}, nil
 }
 
-// GetUsage implements GET /api/v1/usage: [start, end), by default the current UTC day.
+// GetUsage implements GET /api/v1/usage: [start, end), by default the current
+// UTC day. Times are cut to the microsecond, the precision of the times usage
+// is stored with, so the period the reply names is the one counted.
 func (s *Server) GetUsage(ctx context.Context, req api.GetUsageRequestObject) (api.GetUsageResponseObject, error) {
 	start := gateway.UTCDay(time.Now())
 	end := start.Add(24 * time.Hour)
 	if req.Params.Start != nil {
-		start = req.Params.Start.UTC()
+		start = req.Params.Start.UTC().Truncate(time.Microsecond)
 	}
 	if req.Params.End != nil {
-		end = req.Params.End.UTC()
+		end = req.Params.End.UTC().Truncate(time.Microsecond)
 	}
 	if !start.Before(end) {
-		return nil, gateway.Errorf(gateway.EInvalidRequest, "start must be before end")
+		return nil, gateway.Errorf(gateway.EInvalidRequest, "start must be before end (to the microsecond)")
 	}
 	v, err := s.usage.Usage(ctx, gateway.PrincipalFrom(ctx), start, end)
 	if err != nil {

@@ -207,4 +207,14 @@ func TestUsageViewParameters(t *testing.T) {
 	period := r.json(t)["period"].(map[string]any)
 	require.Equal(t, "2026-01-01T00:00:00Z", period["start"])
 	require.Equal(t, "2026-01-03T00:00:00Z", period["end"])
+
+	// Times count to the microsecond, and the period named is the one
+	// counted; one that is empty once cut is refused.
+	r = b.do(http.MethodGet, "/api/v1/usage?start=2026-01-01T00:00:00.123456789Z&end=2026-01-01T01:00:01.000000999%2B01:00", b.key, "", nil)
+	require.Equal(t, http.StatusOK, r.status)
+	period = r.json(t)["period"].(map[string]any)
+	require.Equal(t, "2026-01-01T00:00:00.123456Z", period["start"])
+	require.Equal(t, "2026-01-01T00:00:01Z", period["end"])
+	r = b.do(http.MethodGet, "/api/v1/usage?start=2026-01-01T00:00:00.0000001Z&end=2026-01-01T00:00:00.0000009Z", b.key, "", nil)
+	require.Equal(t, http.StatusBadRequest, r.status)
 }

@@ -864,9 +864,12 @@ type ListBatchesParams struct {
 // GetUsageParams defines parameters for GetUsage.
 type GetUsageParams struct {
 	// Start Start of the period (inclusive), RFC 3339. Default the start of the current UTC day.
+	// Times count to the microsecond, the precision usage is stored with: a finer
+	// fraction is cut, and `period` in the reply is the period counted.
 	Start *time.Time `form:"start,omitempty" json:"start,omitempty"`
 
 	// End End of the period (exclusive), RFC 3339. Default the start of the next UTC day.
+	// Cut to the microsecond as `start` is; it must then be after `start`.
 	End *time.Time `form:"end,omitempty" json:"end,omitempty"`
 }
 
