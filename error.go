@@ -67,6 +67,15 @@ type Error struct {
 	Cause error
 }
 
+// InItem makes e the refusal of a batch's item index: its message begins
+// with the item (`requests[2]: `) and it names the index
+// (x-service-batch-index). It returns e.
+func (e *Error) InItem(index int) *Error {
+	e.BatchIndex = &index
+	e.Message = fmt.Sprintf("requests[%d]: %s", index, e.Message)
+	return e
+}
+
 // Error implements error.
 func (e *Error) Error() string {
 	if e.Cause != nil {

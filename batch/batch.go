@@ -6,7 +6,6 @@ package batch
 import (
 	"context"
 	"errors"
-	"fmt"
 	"time"
 
 	"github.com/google/uuid"
@@ -72,10 +71,7 @@ func (s *Service) Create(ctx context.Context, p *gateway.Principal, items []gate
 			if !errors.As(err, &e) {
 				e = gateway.Errorf(gateway.EInvalidRequest, "the request cannot be priced: %v", err)
 			}
-			index := i
-			e.BatchIndex = &index
-			e.Message = fmt.Sprintf("requests[%d]: %s", i, e.Message)
-			return nil, false, e
+			return nil, false, e.InItem(i)
 		}
 	}
 	hash, err := store.HashRequest(body)

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
-	"fmt"
 	"io"
 	"mime"
 	"net"
@@ -68,9 +67,8 @@ func (jsonBinder) Bind(i any, c echo.Context) error {
 const batchItems = "requests"
 
 // inElement returns the error made by describe, naming the batch item that
-// holds byte offset of body when that byte is inside one: the message then
-// starts with the item (`requests[2]: `) and the error names its index
-// (x-service-batch-index), as a refusal by validation does. Past the items a
+// holds byte offset of body when that byte is inside one (InItem), as a
+// refusal by validation does. Past the items a
 // batch may hold, no item is named: the body is too large a batch anyway.
 // field, when set, is a dotted path from body's object (encoding/json's);
 // describe is given the rest of it below the item, or all of it when no item
@@ -81,10 +79,7 @@ func inElement(body []byte, offset int64, field string, describe func(rest strin
 	if !ok || name != batchItems || index >= gateway.MaxBatchItems || (field != "" && !under) || (under && rest != "" && rest[0] != '.') {
 		return describe(field)
 	}
-	e := describe(strings.TrimPrefix(rest, "."))
-	e.Message = fmt.Sprintf("%s[%d]: %s", name, index, e.Message)
-	e.BatchIndex = &index
-	return e
+	return describe(strings.TrimPrefix(rest, ".")).InItem(index)
 }
 
 // elementAt finds the field of body's object whose value holds byte offset
