@@ -97,8 +97,8 @@ type hold struct {
 }
 
 // newCircuit returns a closed circuit that reports its state changes to
-// onChange and the holds it begins to onHold (either may be nil), with
-// c.mu held.
+// onChange and the holds it begins to onHold (either may be nil); both are
+// called with the circuit's lock held.
 func newCircuit(cfg CircuitConfig, onChange func(state int), onHold func(tenant uuid.UUID)) *circuit {
 	c := &circuit{cfg: cfg, onChange: onChange, onHold: onHold, held: map[uuid.UUID]*hold{}}
 	c.healthy.Store(true)
