@@ -85,8 +85,9 @@ type RateStatus struct {
 	Remaining int
 	// Admitted is false when the request is past the limit (it was not counted).
 	Admitted bool
-	// Reset is when the current window ends.
-	Reset time.Duration
+	// RetryAfter is, for a request past the limit, how long until the key's
+	// window admits one more, when nothing else is counted meanwhile.
+	RetryAfter time.Duration
 }
 
 // RateLimits are the requests per minute per key, by tier.
@@ -115,5 +116,5 @@ func UnauthorizedError() *Error {
 
 // RateLimitedError is RATE_LIMITED for a request past its key's rate limit.
 func RateLimitedError(r RateStatus) *Error {
-	return &Error{Code: ERateLimited, RetryAfter: r.Reset, Message: fmt.Sprintf("rate limit of %d requests per minute reached for this key; retry later", r.Limit)}
+	return &Error{Code: ERateLimited, RetryAfter: r.RetryAfter, Message: fmt.Sprintf("rate limit of %d requests per minute reached for this key; retry later", r.Limit)}
 }

@@ -66,6 +66,8 @@ type bucket struct {
 	window       time.Time
 	left         int
 	used         float64 // the key's count after this replica's last grant
+	previous     int     // the counts used weighs: the previous minute's,
+	current      int     // and this one's after the grant
 	touched      time.Time
 	refusedUntil time.Time
 	leasing      chan struct{} // closed when the lease in flight ends
@@ -110,18 +112,17 @@ func (l *Limiter) Take(ctx context.Context, keyID uuid.UUID, tier gateway.Tier) 
 	for {
 		now := l.cfg.Clock()
 		window := now.UTC().Truncate(time.Minute)
-		reset := window.Add(time.Minute).Sub(now)
 		l.mu.Lock()
 		b := l.bucket(keyID, window)
 		b.touched = now
 		if b.left > 0 {
 			b.left--
-			status := b.status(limit, true, reset)
+			status := b.status(limit, true, now)
 			l.mu.Unlock()
 			return status, nil
 		}
 		if now.Before(b.refusedUntil) {
-			status := b.status(limit, false, reset)
+			status := b.status(limit, false, now)
 			l.mu.Unlock()
 			return status, nil
 		}
@@ -149,7 +150,7 @@ func (l *Limiter) Take(ctx context.Context, keyID uuid.UUID, tier gateway.Tier) 
 		}
 		if b.window.Equal(window) {
 			b.left += grant.Granted
-			b.used = grant.Used
+			b.used, b.previous, b.current = grant.Used, grant.Previous, grant.Current
 			if grant.Granted == 0 {
 				b.refusedUntil = now.Add(l.cfg.RetryRefused)
 			}
@@ -188,15 +189,42 @@ func (l *Limiter) bucket(keyID uuid.UUID, window time.Time) *bucket {
 	return b
 }
 
-// status is the rate outcome a request is told. Called with l.mu held.
-func (b *bucket) status(limit int, admitted bool, reset time.Duration) gateway.RateStatus {
-	remaining := b.left
+// status is the rate outcome a request is told at now. Called with l.mu held.
+func (b *bucket) status(limit int, admitted bool, now time.Time) gateway.RateStatus {
 	if !admitted {
-		remaining = 0
-	} else {
-		remaining += max(0, int(math.Floor(float64(limit)-b.used)))
+		return gateway.RateStatus{Limit: limit, RetryAfter: untilAdmitted(now, limit, b.previous, b.current)}
 	}
-	return gateway.RateStatus{Limit: limit, Remaining: remaining, Admitted: admitted, Reset: reset.Round(time.Second)}
+	remaining := b.left + max(0, int(math.Floor(float64(limit)-b.used)))
+	return gateway.RateStatus{Limit: limit, Remaining: remaining, Admitted: true}
+}
+
+// untilAdmitted is how long after now the sliding window admits one more
+// request of a key with limit (at least 1), whose previous minute counted
+// previous and whose current minute (that of now) counts current, when
+// nothing else is counted meanwhile: the window admits one while
+// previous × (the part of the previous minute still in the last 60 s) +
+// current ≤ limit − 1. It is at least a second, the least a Retry-After
+// header can say.
+func untilAdmitted(now time.Time, limit, previous, current int) time.Duration {
+	elapsed := now.Sub(now.UTC().Truncate(time.Minute))
+	// fallen is when, into its minute, weight × (1 − t/minute) ≤ room: at
+	// minute × (weight − room) / weight, rounded up to the nanosecond.
+	fallen := func(room, weight int) time.Duration {
+		if weight <= room {
+			return 0
+		}
+		over := time.Minute * time.Duration(weight-room)
+		return (over + time.Duration(weight) - 1) / time.Duration(weight)
+	}
+	var wait time.Duration
+	if room := limit - 1 - current; room >= 0 {
+		// Within this minute, as the previous one weighs less.
+		wait = fallen(room, previous) - elapsed
+	} else {
+		// In the next minute, as this one weighs less.
+		wait = time.Minute - elapsed + fallen(limit-1, current)
+	}
+	return max(wait, time.Second)
 }
 
 // Run returns, every second until ctx ends, the slices of keys idle for

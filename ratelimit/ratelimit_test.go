@@ -2,6 +2,7 @@ package ratelimit_test
 
 import (
 	"context"
+	"math"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -73,7 +74,7 @@ func TestLimitAcrossReplicas(t *testing.T) {
 				return
 			}
 			require.Zero(t, r.Remaining)
-			require.Positive(t, r.Reset)
+			require.Positive(t, r.RetryAfter)
 		}()
 	}
 	wg.Wait()
@@ -170,4 +171,52 @@ func TestSlidingWindow(t *testing.T) {
 	require.Equal(t, 2, count(minute.Add(75*time.Second), 5))
 	// Two minutes later only the new window's own requests count.
 	require.Equal(t, 8, count(minute.Add(180*time.Second), 8))
+}
+
+// TestRetryAfterIsWhenTheWindowAdmits: a refused request is told how long
+// until the sliding window admits one more. Asked again that many whole
+// seconds later (as a Retry-After header says it), the key is admitted; a
+// second sooner, it is refused. The end of the minute, which it was told
+// before, is too soon after a burst early in a minute (the minute weighs all
+// of it then) and most of a minute too late when the minute before weighs.
+func TestRetryAfterIsWhenTheWindowAdmits(t *testing.T) {
+	t.Parallel()
+	st := store.New(testdb.New(t))
+	minute := time.Now().Truncate(time.Minute)
+	for _, tt := range []struct {
+		name string
+		// bursts are the instants, after minute, at which the key takes
+		// until it is refused; the last refusal is the one checked.
+		bursts []time.Duration
+		want   int // Retry-After, in seconds
+	}{
+		{"a burst early in a minute", []time.Duration{2500 * time.Millisecond}, 68},
+		{"a burst late in a minute", []time.Duration{59700 * time.Millisecond}, 11},
+		{"the minute before weighs", []time.Duration{50 * time.Second, 70500 * time.Millisecond}, 10},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			c := &clock{}
+			l := ratelimit.New(ratelimit.Config{Limits: gateway.RateLimits{Free: 6, Developer: 6}, Clock: c.now}, st)
+			key := uuid.Must(uuid.NewV7())
+			take := func() gateway.RateStatus {
+				r, err := l.Take(context.Background(), key, gateway.TierDeveloper)
+				require.NoError(t, err)
+				return r
+			}
+			var refused gateway.RateStatus
+			for _, at := range tt.bursts {
+				c.set(minute.Add(at))
+				for refused = take(); refused.Admitted; refused = take() {
+				}
+			}
+			retry := int(math.Ceil(refused.RetryAfter.Seconds()))
+			require.Equal(t, tt.want, retry)
+			last := minute.Add(tt.bursts[len(tt.bursts)-1])
+			c.set(last.Add(time.Duration(retry-1) * time.Second))
+			require.False(t, take().Admitted, "a second sooner")
+			c.set(last.Add(time.Duration(retry) * time.Second))
+			require.True(t, take().Admitted, "at the second it was told")
+		})
+	}
 }

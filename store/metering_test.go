@@ -313,7 +313,7 @@ func TestLeaseRateNeverPassesTheLimit(t *testing.T) {
 	require.NoError(t, a.ReturnRate(context.Background(), []store.RateReturn{{KeyID: key, Window: at.Truncate(time.Minute), Count: 4}}))
 	g, err := c.LeaseRate(context.Background(), key, at, 50, 1)
 	require.NoError(t, err)
-	require.Equal(t, store.RateGrant{Granted: 4, Used: 50}, g)
+	require.Equal(t, store.RateGrant{Granted: 4, Used: 50, Current: 50}, g)
 }
 
 // TestLeaseRateSlidingWindow: the previous minute counts by how much of it
@@ -331,7 +331,9 @@ func TestLeaseRateSlidingWindow(t *testing.T) {
 	require.Equal(t, 10, lease(minute.Add(50*time.Second)))
 	require.Zero(t, lease(minute.Add(55*time.Second)))
 	// 15 s into the next minute, 3/4 of the previous minute still counts: 7.5 used.
-	require.Equal(t, 2, lease(minute.Add(75*time.Second)))
+	g, err := st.LeaseRate(context.Background(), key, minute.Add(75*time.Second), 10, 1)
+	require.NoError(t, err)
+	require.Equal(t, store.RateGrant{Granted: 2, Used: 9.5, Previous: 10, Current: 2}, g, "with the counts it weighs")
 	require.Equal(t, 10, lease(minute.Add(180*time.Second)))
 }
 

@@ -84,6 +84,9 @@ type RateGrant struct {
 	Granted int
 	// Used is the key's sliding-window count after the grant, slices included.
 	Used float64
+	// Previous and Current are the counts Used weighs: the key's previous
+	// minute, and its current minute after the grant.
+	Previous, Current int
 }
 
 // LeaseRate grants a slice of key's requests of the minute of now: 1/share of
@@ -93,7 +96,7 @@ func (s *Store) LeaseRate(ctx context.Context, keyID uuid.UUID, now time.Time, l
 	if err != nil {
 		return RateGrant{}, fmt.Errorf("error leasing rate: %w", err)
 	}
-	return RateGrant{Granted: int(row.Granted), Used: row.Used}, nil
+	return RateGrant{Granted: int(row.Granted), Used: row.Used, Previous: int(row.PreviousCount), Current: int(row.CurrentCount)}, nil
 }
 
 // RateReturn is the unused part of a key's slice of one minute.

@@ -278,8 +278,9 @@ func (q *Queries) GrantQuota(ctx context.Context, db DBTX, arg GrantQuotaParams)
 }
 
 const leaseRate = `-- name: LeaseRate :one
-SELECT l.granted::integer AS granted, l.used::double precision AS used
-FROM lease_rate($1::uuid, $2::timestamptz, $3::integer, $4::integer) AS l
+SELECT l.granted::integer AS granted, l.used::double precision AS used,
+       l.previous_count::integer AS previous_count, l.current_count::integer AS current_count
+FROM lease_rate_counts($1::uuid, $2::timestamptz, $3::integer, $4::integer) AS l
 `
 
 type LeaseRateParams struct {
@@ -290,8 +291,10 @@ type LeaseRateParams struct {
 }
 
 type LeaseRateRow struct {
-	Granted int32
-	Used    float64
+	Granted       int32
+	Used          float64
+	PreviousCount int32
+	CurrentCount  int32
 }
 
 func (q *Queries) LeaseRate(ctx context.Context, db DBTX, arg LeaseRateParams) (LeaseRateRow, error) {
@@ -302,7 +305,12 @@ func (q *Queries) LeaseRate(ctx context.Context, db DBTX, arg LeaseRateParams) (
 		arg.Share,
 	)
 	var i LeaseRateRow
-	err := row.Scan(&i.Granted, &i.Used)
+	err := row.Scan(
+		&i.Granted,
+		&i.Used,
+		&i.PreviousCount,
+		&i.CurrentCount,
+	)
 	return i, err
 }
 

@@ -13,8 +13,9 @@ WHERE k.prefix = @prefix AND k.hash = @hash AND k.revoked_at IS NULL
 LISTEN gateway_principals;
 
 -- name: LeaseRate :one
-SELECT l.granted::integer AS granted, l.used::double precision AS used
-FROM lease_rate(@key_id::uuid, @now::timestamptz, @rate_limit::integer, @share::integer) AS l;
+SELECT l.granted::integer AS granted, l.used::double precision AS used,
+       l.previous_count::integer AS previous_count, l.current_count::integer AS current_count
+FROM lease_rate_counts(@key_id::uuid, @now::timestamptz, @rate_limit::integer, @share::integer) AS l;
 
 -- name: ReturnRate :exec
 SELECT return_rate(@key_ids::uuid[], @windows::timestamptz[], @counts::integer[]);
