@@ -44,19 +44,31 @@ type Admission struct {
 
 // Admission outcomes of the store's admission statements: admitted, or the
 // refusal (a daily ceiling or budget cap that cannot cover the estimate now,
-// or can never cover it).
+// or can never cover it). AdmitDailyHeld and AdmitBudgetHeld are refusals
+// told apart from AdmitDaily and AdmitBudget afterwards: what the ceiling or
+// cap leaves once the requests running end (charged and spent their actual
+// cost) and the slices replicas hold unused go back would cover the estimate.
 const (
 	AdmitOK          = "ok"
 	AdmitDaily       = "daily"
+	AdmitDailyHeld   = "daily_held"
 	AdmitDailyNever  = "daily_never"
 	AdmitBudget      = "budget"
+	AdmitBudgetHeld  = "budget_held"
 	AdmitBudgetNever = "budget_never"
 )
+
+// HeldRetryAfter is the wait suggested to a request refused because the
+// estimates of requests still running fill the ceiling or cap: they end, and
+// unused slices go back, within seconds.
+const HeldRetryAfter = 2 * time.Second
 
 // AdmissionError is the refusal an admission outcome stands for (nil for
 // AdmitOK) of a request or batch (what) of estimate rungs by p on day. A
 // refusal that waiting cannot cure, an estimate larger than the whole ceiling
-// or cap, carries no Retry-After and says what to change (D11).
+// or cap, or than what the budget's spending leaves, carries no Retry-After
+// and says what to change (D11); one that the end of requests running may
+// cure says so, with a short Retry-After.
 func AdmissionError(outcome, what string, estimate int64, p *Principal, day time.Time) error {
 	switch outcome {
 	case AdmitOK:
@@ -67,11 +79,25 @@ func AdmissionError(outcome, what string, estimate int64, p *Principal, day time
 			Message:    fmt.Sprintf("the account's daily rung ceiling cannot cover this %s's estimate of %d rungs; it resets at 00:00 UTC", what, estimate),
 			RetryAfter: time.Until(day.Add(24 * time.Hour)),
 		}
+	case AdmitDailyHeld:
+		return &Error{
+			Code: ERateLimited,
+			Message: fmt.Sprintf("the account's daily rung ceiling is held for now by requests still running, at their estimates, and cannot cover this %s's estimate of %d rungs as well; "+
+				"as they end, each is charged its actual cost and the rest goes back, so retry shortly, or lower max_output_rungs (the estimate prices it in full)", what, estimate),
+			RetryAfter: HeldRetryAfter,
+		}
 	case AdmitDailyNever:
 		return Errorf(ERateLimited,
 			"this %s's estimate of %d rungs is larger than the account's whole daily rung ceiling, so waiting will not help: lower max_output_rungs (the estimate prices it in full), send less, or ask the operator for a higher ceiling", what, estimate)
 	case AdmitBudget:
-		return Errorf(EBudgetExceeded, "the budget cap of project %q cannot cover this %s's estimate of %d rungs", p.ProjectName, what, estimate)
+		return Errorf(EBudgetExceeded, "the budget cap of project %q cannot cover this %s's estimate of %d rungs beside what the project has spent: lower max_output_rungs (the estimate prices it in full), or raise the cap", p.ProjectName, what, estimate)
+	case AdmitBudgetHeld:
+		return &Error{
+			Code: EBudgetExceeded,
+			Message: fmt.Sprintf("the budget cap of project %q is held for now by requests still running, at their estimates, and cannot cover this %s's estimate of %d rungs as well; "+
+				"as they end, each spends its actual cost and the rest goes back, so retry shortly, or lower max_output_rungs (the estimate prices it in full)", p.ProjectName, what, estimate),
+			RetryAfter: HeldRetryAfter,
+		}
 	case AdmitBudgetNever:
 		return Errorf(EBudgetExceeded,
 			"this %s's estimate of %d rungs is larger than the whole budget cap of project %q: lower max_output_rungs (the estimate prices it in full), send less, or raise the cap", what, estimate, p.ProjectName)

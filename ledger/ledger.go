@@ -259,13 +259,19 @@ func await(ctx context.Context, ch <-chan struct{}) error {
 	}
 }
 
-// refusal tells a refusal waiting may cure from one it cannot.
+// refusal tells a refusal of estimate that waiting cannot cure, one that
+// the end of the requests running may cure soon, and one that the day's end
+// will cure.
 func refusal(g store.QuotaGrant, estimate int64) string {
 	switch {
 	case g.Outcome == gateway.AdmitDaily && estimate > g.Ceiling:
 		return gateway.AdmitDailyNever
+	case g.Outcome == gateway.AdmitDaily && estimate <= g.Free:
+		return gateway.AdmitDailyHeld
 	case g.Outcome == gateway.AdmitBudget && estimate > g.Cap:
 		return gateway.AdmitBudgetNever
+	case g.Outcome == gateway.AdmitBudget && estimate <= g.Free:
+		return gateway.AdmitBudgetHeld
 	}
 	return g.Outcome
 }

@@ -173,7 +173,7 @@ func TestCeilingResetsWithTheDay(t *testing.T) {
 
 // TestRefusalsWaitingCannotCure: an estimate larger than the whole daily
 // ceiling or the whole budget cap is refused without Retry-After, saying what
-// to change (D11); one that only does not fit now keeps Retry-After.
+// to change (D11); one that only does not fit today keeps Retry-After.
 func TestRefusalsWaitingCannotCure(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -193,13 +193,70 @@ func TestRefusalsWaitingCannotCure(t *testing.T) {
 	require.Zero(t, e.RetryAfter)
 	require.Contains(t, e.Message, "max_output_rungs")
 
-	_, err = admit(l, q, 60)
+	id, err := admit(l, q, 60)
 	require.NoError(t, err)
+	require.NoError(t, l.Settle(b.ctx, record(q, id, 60)))
 	_, err = admit(l, q, 60)
 	require.ErrorAs(t, err, &e)
 	require.Equal(t, gateway.ERateLimited, e.Code)
-	require.Positive(t, e.RetryAfter, "the day resets: waiting helps")
-	require.LessOrEqual(t, e.RetryAfter, 24*time.Hour)
+	midnight := gateway.UTCDay(time.Now()).Add(24 * time.Hour)
+	require.WithinDuration(t, midnight, time.Now().Add(e.RetryAfter), time.Minute, "the day resets: waiting helps")
+	require.Contains(t, e.Message, "00:00 UTC")
+}
+
+// TestRefusalsByRequestsRunning: a request refused because the estimates of
+// requests still running fill the ceiling or the cap, while what is charged
+// or spent for good leaves room for it, is told to retry shortly, not at
+// midnight, nor refused for good; once their actual cost fills it, the
+// refusal is the day's (429 until midnight) or the cap's (402, no
+// Retry-After, raise the cap).
+func TestRefusalsByRequestsRunning(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	for name, tt := range map[string]struct {
+		daily, budget *int64
+		code          gateway.ErrorCode
+		later         func(t *testing.T, e *gateway.Error)
+	}{
+		"daily ceiling": {ptr(int64(100)), nil, gateway.ERateLimited, func(t *testing.T, e *gateway.Error) {
+			midnight := gateway.UTCDay(time.Now()).Add(24 * time.Hour)
+			require.WithinDuration(t, midnight, time.Now().Add(e.RetryAfter), time.Minute)
+		}},
+		"budget cap": {nil, ptr(int64(100)), gateway.EBudgetExceeded, func(t *testing.T, e *gateway.Error) {
+			require.Zero(t, e.RetryAfter, "spending never comes back")
+			require.Contains(t, e.Message, "raise the cap")
+		}},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			// Two replicas: one runs a request, the other's is refused. The
+			// first gives its slice back as soon as it is idle.
+			running, other := b.replica(t, ledger.Config{Idle: 10 * time.Millisecond}), b.replica(t, ledger.Config{})
+			p := b.principal(t, name, tt.daily, tt.budget)
+			id, err := admit(running, p, 60)
+			require.NoError(t, err)
+			var e *gateway.Error
+			_, err = admit(other, p, 60)
+			require.ErrorAs(t, err, &e)
+			require.Equal(t, tt.code, e.Code)
+			require.Equal(t, gateway.HeldRetryAfter, e.RetryAfter, "retry shortly: %s", e.Message)
+			require.Contains(t, e.Message, "requests still running")
+
+			require.NoError(t, running.Settle(b.ctx, record(p, id, 10)))
+			require.Eventually(t, func() bool {
+				id, err = admit(other, p, 60)
+				return err == nil
+			}, 10*time.Second, ledger.RefusalMemory, "the running request ended at its actual cost, its slice went back")
+
+			require.NoError(t, other.Settle(b.ctx, record(p, id, 60)))
+			time.Sleep(ledger.RefusalMemory) // past the refusal remembered
+			_, err = admit(other, p, 60)
+			require.ErrorAs(t, err, &e)
+			require.Equal(t, tt.code, e.Code)
+			require.NotContains(t, e.Message, "requests still running", "10 + 60 used for good: 60 more never fit")
+			tt.later(t, e)
+		})
+	}
 }
 
 // countingStore counts grant statements.

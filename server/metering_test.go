@@ -5,7 +5,6 @@ import (
 	"context"
 	"encoding/json"
 	"net/http"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -103,8 +102,8 @@ func TestBudgetAndDailyCeiling(t *testing.T) {
 	require.Empty(t, r.header.Get("Retry-After"))
 	require.Contains(t, r.message(t), "max_output_rungs", "the message says what to change")
 
-	// One that only does not fit today, beside a request running with its
-	// estimate charged: retry when the day resets.
+	// One that does not fit beside a request running with its estimate
+	// charged: retry shortly, as that one will be charged what it used.
 	b.setLimits(t, ptr(int64(50_000)), ptr(int64(1_000_000)))
 	b.upstream.configure(func(s *scripted) { s.hang = true })
 	ctx, cancel := context.WithCancel(context.Background())
@@ -123,10 +122,14 @@ func TestBudgetAndDailyCeiling(t *testing.T) {
 	require.Eventually(t, func() bool { return b.upstream.callCount() > calls }, 5*time.Second, time.Millisecond, "the first request runs")
 	r = b.post("/api/v1/responses", b.key, map[string]any{"prompt": "p"})
 	require.Equal(t, http.StatusTooManyRequests, r.status)
-	retry, err := strconv.Atoi(r.header.Get("Retry-After"))
-	require.NoError(t, err)
-	require.Positive(t, retry)
-	require.LessOrEqual(t, retry, 86400)
+	require.Equal(t, "2", r.header.Get("Retry-After"))
+	require.Contains(t, r.message(t), "requests still running")
+	// The same beside it for the project's budget: 402, and retry shortly.
+	b.setLimits(t, ptr(int64(10_000_000)), ptr(int64(50_000)))
+	r = b.post("/api/v1/responses", b.key, map[string]any{"prompt": "p"})
+	require.Equal(t, http.StatusPaymentRequired, r.status)
+	require.Equal(t, "2", r.header.Get("Retry-After"))
+	require.Contains(t, r.message(t), "requests still running")
 }
 
 func TestUsageViewEqualsWhatClientsReceived(t *testing.T) {

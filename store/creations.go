@@ -276,7 +276,20 @@ func (s *Store) createTogether(ctx context.Context, key creationKey, group []*cr
 			return fmt.Errorf("error charging batch estimates: %d outcomes for %d batches", len(outcomes), len(fresh))
 		}
 		var refused []uuid.UUID
+		var daily *gateway.DailyState // read on the first refusal by the ceiling
 		for i, c := range fresh {
+			if outcomes[i] == gateway.AdmitDaily {
+				if daily == nil {
+					state, err := s.dailyState(ctx, tx, account, c.nb.Principal.Tier.DefaultDailyCeiling(), day)
+					if err != nil {
+						return err
+					}
+					daily = &state
+				}
+				if c.total <= daily.Remaining {
+					outcomes[i] = gateway.AdmitDailyHeld
+				}
+			}
 			if err := gateway.AdmissionError(outcomes[i], "batch", c.total, c.nb.Principal, day); err != nil {
 				c.err = err
 				refused = append(refused, c.id)

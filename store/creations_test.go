@@ -112,6 +112,34 @@ func TestCreationsOfAnAccountCommitTogether(t *testing.T) {
 	require.Equal(t, 1, b.transactions(t, other.AccountID))
 }
 
+// TestCreationRefusedByRequestsRunning: a batch refused because slices of
+// the day, leased for interactive requests still running, fill the ceiling
+// is told to retry shortly; one that the charges for good leave no room for
+// is told the day's end.
+func TestCreationRefusedByRequestsRunning(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "acme", ptr(int64(100)), nil)
+	lease := uuid.Must(uuid.NewV7())
+	require.Equal(t, int64(70), b.grant(t, p, lease, 70, 1000, time.Hour).Granted)
+	_, err := b.store.CreateBatch(b.ctx, b.batchOf(p, 2, 30, "", day()))
+	var e *gateway.Error
+	require.ErrorAs(t, err, &e)
+	require.Equal(t, gateway.ERateLimited, e.Code)
+	require.Equal(t, gateway.HeldRetryAfter, e.RetryAfter, "%s", e.Message)
+
+	b.newBatch(t, p, 1, 30, "", day()) // charged while it runs, as a batch is
+	_, err = b.store.FoldQuotaLeases(b.ctx, owner, []uuid.UUID{lease})
+	require.NoError(t, err)
+	b.newBatch(t, p, 1, 50, "", day())
+	_, err = b.store.CreateBatch(b.ctx, b.batchOf(p, 2, 15, "", day()))
+	require.ErrorAs(t, err, &e)
+	require.Equal(t, gateway.ERateLimited, e.Code)
+	require.Greater(t, e.RetryAfter, gateway.HeldRetryAfter, "80 charged, 30 more do not fit today: %s", e.Message)
+	require.Contains(t, e.Message, "00:00 UTC")
+}
+
 // TestCreationsStoredTogetherKeepTheirOutcomes: creations stored together
 // end as they would one after another: the daily ceiling charges them in
 // turn (one it refuses does not stop a later one that fits), a refused one

@@ -44,7 +44,7 @@ func (s *Store) Usage(ctx context.Context, p *gateway.Principal, start, end time
 			view.Totals.OutputRungs += m.OutputRungs
 			view.Totals.TotalRungs += m.TotalRungs
 		}
-		view.Daily, err = s.dailyState(ctx, tx, p.AccountID, p.Tier, today)
+		view.Daily, err = s.dailyState(ctx, tx, p.AccountID, p.Tier.DefaultDailyCeiling(), today)
 		if err != nil {
 			return err
 		}
@@ -139,7 +139,7 @@ func (s *Store) Limits(ctx context.Context, account string) (*AccountLimits, err
 			return err
 		}
 		out = &AccountLimits{Account: a.Name, Tier: gateway.Tier(a.Tier), DailyDefault: a.DailyRungCeiling == nil}
-		if out.Daily, err = s.dailyState(ctx, tx, a.ID, out.Tier, gateway.UTCDay(time.Now())); err != nil {
+		if out.Daily, err = s.dailyState(ctx, tx, a.ID, out.Tier.DefaultDailyCeiling(), gateway.UTCDay(time.Now())); err != nil {
 			return err
 		}
 		projects, err := s.queries.ListAccountProjects(ctx, tx, a.ID)
@@ -161,10 +161,10 @@ func (s *Store) Limits(ctx context.Context, account string) (*AccountLimits, err
 	return out, nil
 }
 
-// dailyState reads an account's ceiling (its tier's when it has none) and
-// what is charged against it on day.
-func (s *Store) dailyState(ctx context.Context, tx pgx.Tx, account uuid.UUID, tier gateway.Tier, day time.Time) (gateway.DailyState, error) {
-	daily, err := s.queries.DailyState(ctx, tx, db.DailyStateParams{AccountID: account, Day: day, DefaultCeiling: tier.DefaultDailyCeiling()})
+// dailyState reads an account's ceiling (defaultCeiling, its tier's, when it
+// has none) and what is charged against it on day.
+func (s *Store) dailyState(ctx context.Context, tx db.DBTX, account uuid.UUID, defaultCeiling int64, day time.Time) (gateway.DailyState, error) {
+	daily, err := s.queries.DailyState(ctx, tx, db.DailyStateParams{AccountID: account, Day: day, DefaultCeiling: defaultCeiling})
 	if err != nil {
 		return gateway.DailyState{}, fmt.Errorf("error reading daily ceiling: %w", err)
 	}
@@ -177,7 +177,7 @@ func (s *Store) dailyState(ctx context.Context, tx pgx.Tx, account uuid.UUID, ti
 }
 
 // budgetState reads a project's budget; pgx.ErrNoRows when it is gone.
-func (s *Store) budgetState(ctx context.Context, tx pgx.Tx, project uuid.UUID) (gateway.BudgetState, error) {
+func (s *Store) budgetState(ctx context.Context, tx db.DBTX, project uuid.UUID) (gateway.BudgetState, error) {
 	budget, err := s.queries.BudgetState(ctx, tx, project)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return gateway.BudgetState{}, err

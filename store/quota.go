@@ -146,6 +146,10 @@ type QuotaRequest struct {
 type QuotaGrant struct {
 	// Outcome is gateway.AdmitOK, AdmitDaily or AdmitBudget.
 	Outcome string
+	// Free is, on a refusal, what the limit that refused leaves once the
+	// requests running end and the slices replicas hold go back: the ceiling
+	// less what is charged for good, or the cap less what is spent.
+	Free int64
 	// Granted rungs, added to the lease (the same on the day and, when Capped,
 	// on the budget).
 	Granted int64
@@ -168,6 +172,20 @@ func (s *Store) GrantQuota(ctx context.Context, r QuotaRequest) (QuotaGrant, err
 	g := QuotaGrant{Outcome: row.Outcome, Granted: row.DailyGranted, Capped: row.Capped, Ceiling: row.Ceiling, Cap: row.Cap, Left: row.DailyLeft}
 	if row.Capped {
 		g.Left = min(row.DailyLeft, row.BudgetLeft)
+	}
+	switch g.Outcome {
+	case gateway.AdmitDaily:
+		daily, err := s.dailyState(ctx, s.pool, r.AccountID, r.DefaultCeiling, gateway.UTCDay(r.Day))
+		if err != nil {
+			return QuotaGrant{}, err
+		}
+		g.Free = daily.Remaining
+	case gateway.AdmitBudget:
+		budget, err := s.budgetState(ctx, s.pool, r.ProjectID)
+		if err != nil {
+			return QuotaGrant{}, fmt.Errorf("error reading budget: %w", err)
+		}
+		g.Free = max(0, g.Cap-budget.Spent)
 	}
 	return g, nil
 }

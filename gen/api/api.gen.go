@@ -1231,6 +1231,7 @@ type BatchFoundJSONResponse struct {
 }
 
 type BudgetExceededResponseHeaders struct {
+	RetryAfter          *int
 	XRatelimitLimit     *int
 	XRatelimitRemaining *int
 }
@@ -2463,6 +2464,9 @@ func (response CreateChat402JSONResponse) VisitCreateChatResponse(w http.Respons
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.RetryAfter != nil {
+		w.Header().Set("Retry-After", fmt.Sprint(*response.Headers.RetryAfter))
+	}
 	if response.Headers.XRatelimitLimit != nil {
 		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
 	}
@@ -2751,6 +2755,9 @@ func (response CreateResponse402JSONResponse) VisitCreateResponseResponse(w http
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	if response.Headers.RetryAfter != nil {
+		w.Header().Set("Retry-After", fmt.Sprint(*response.Headers.RetryAfter))
+	}
 	if response.Headers.XRatelimitLimit != nil {
 		w.Header().Set("x-ratelimit-limit", fmt.Sprint(*response.Headers.XRatelimitLimit))
 	}

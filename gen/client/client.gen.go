@@ -3351,6 +3351,7 @@ type CreateChatResponse401Headers struct {
 
 // CreateChatResponse402Headers the declared response headers of an HTTP 402 response for CreateChat
 type CreateChatResponse402Headers struct {
+	RetryAfter          *int
 	XRatelimitLimit     *int
 	XRatelimitRemaining *int
 }
@@ -3539,6 +3540,7 @@ type CreateResponseResponse401Headers struct {
 
 // CreateResponseResponse402Headers the declared response headers of an HTTP 402 response for CreateResponse
 type CreateResponseResponse402Headers struct {
+	RetryAfter          *int
 	XRatelimitLimit     *int
 	XRatelimitRemaining *int
 }
@@ -5896,6 +5898,13 @@ func ParseCreateChatResponse(rsp *http.Response) (*CreateChatResponse, error) {
 		response.Headers401 = &headers
 	case rsp.StatusCode == 402:
 		var headers CreateChatResponse402Headers
+		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
+			var value int
+			if err := runtime.BindStyledParameterWithOptions("simple", "Retry-After", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "integer", Format: ""}); err != nil {
+				return nil, err
+			}
+			headers.RetryAfter = &value
+		}
 		if values := rsp.Header.Values("x-ratelimit-limit"); len(values) > 0 {
 			var value int
 			if err := runtime.BindStyledParameterWithOptions("simple", "x-ratelimit-limit", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "integer", Format: ""}); err != nil {
@@ -6189,6 +6198,13 @@ func ParseCreateResponseResponse(rsp *http.Response) (*CreateResponseResponse, e
 		response.Headers401 = &headers
 	case rsp.StatusCode == 402:
 		var headers CreateResponseResponse402Headers
+		if values := rsp.Header.Values("Retry-After"); len(values) > 0 {
+			var value int
+			if err := runtime.BindStyledParameterWithOptions("simple", "Retry-After", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "integer", Format: ""}); err != nil {
+				return nil, err
+			}
+			headers.RetryAfter = &value
+		}
 		if values := rsp.Header.Values("x-ratelimit-limit"); len(values) > 0 {
 			var value int
 			if err := runtime.BindStyledParameterWithOptions("simple", "x-ratelimit-limit", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "integer", Format: ""}); err != nil {
