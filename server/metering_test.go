@@ -75,6 +75,7 @@ func TestRateLimitHeadersAndRefusal(t *testing.T) {
 	var env api.ErrorEnvelope
 	s.Events[0].Decode(t, &env)
 	require.Equal(t, api.ErrorCode("RATE_LIMITED"), env.Error.Code, "a stream reports the rate limit in-band")
+	require.Contains(t, env.Error.Message, "retry in 31 s", "with the wait, which it has no header for")
 }
 
 func TestBudgetAndDailyCeiling(t *testing.T) {
