@@ -7,6 +7,7 @@ package gateway
 import (
 	"errors"
 	"fmt"
+	"math"
 	"strconv"
 	"time"
 	"unicode/utf8"
@@ -74,6 +75,12 @@ func (e *Error) InItem(index int) *Error {
 	e.BatchIndex = &index
 	e.Message = fmt.Sprintf("requests[%d]: %s", index, e.Message)
 	return e
+}
+
+// RetryAfterSeconds is RetryAfter as the Retry-After header says it: in whole
+// seconds, rounded up.
+func (e *Error) RetryAfterSeconds() int {
+	return int(math.Ceil(e.RetryAfter.Seconds()))
 }
 
 // Error implements error.

@@ -3,7 +3,6 @@ package gateway
 import (
 	"context"
 	"fmt"
-	"math"
 	"slices"
 	"time"
 
@@ -118,6 +117,7 @@ func UnauthorizedError() *Error {
 // RateLimitedError is RATE_LIMITED for a request past its key's rate limit.
 // Its message says the wait too, for a stream, whose refusal has no header.
 func RateLimitedError(r RateStatus) *Error {
-	return &Error{Code: ERateLimited, RetryAfter: r.RetryAfter, Message: fmt.Sprintf(
-		"rate limit of %d requests per minute reached for this key; retry in %d s", r.Limit, int(math.Ceil(r.RetryAfter.Seconds())))}
+	e := &Error{Code: ERateLimited, RetryAfter: r.RetryAfter}
+	e.Message = fmt.Sprintf("rate limit of %d requests per minute reached for this key; retry in %d s", r.Limit, e.RetryAfterSeconds())
+	return e
 }

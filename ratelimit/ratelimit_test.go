@@ -2,7 +2,6 @@ package ratelimit_test
 
 import (
 	"context"
-	"math"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -210,7 +209,7 @@ func TestRetryAfterIsWhenTheWindowAdmits(t *testing.T) {
 				for refused = take(); refused.Admitted; refused = take() {
 				}
 			}
-			retry := int(math.Ceil(refused.RetryAfter.Seconds()))
+			retry := gateway.RateLimitedError(refused).RetryAfterSeconds() // as the header says it
 			require.Equal(t, tt.want, retry)
 			last := minute.Add(tt.bursts[len(tt.bursts)-1])
 			c.set(last.Add(time.Duration(retry-1) * time.Second))

@@ -3,7 +3,6 @@ package server
 import (
 	"errors"
 	"fmt"
-	"math"
 	"net/http"
 	"net/url"
 	"regexp"
@@ -66,7 +65,7 @@ func (s *Server) handleError(err error, c echo.Context) {
 		h.Set("WWW-Authenticate", `Bearer realm="gateway"`)
 	}
 	if e.RetryAfter > 0 {
-		h.Set("Retry-After", strconv.Itoa(int(math.Ceil(e.RetryAfter.Seconds()))))
+		h.Set("Retry-After", strconv.Itoa(e.RetryAfterSeconds()))
 	}
 	if e.BatchIndex != nil {
 		h.Set("x-service-batch-index", strconv.Itoa(*e.BatchIndex))
