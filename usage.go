@@ -58,6 +58,22 @@ const (
 	AdmitBudgetNever = "budget_never"
 )
 
+// Held is the held refusal (AdmitDailyHeld, AdmitBudgetHeld) that a refusal
+// by the ceiling or the cap (outcome) of estimate is when free, what the
+// limit leaves once the requests running end and the slices held go back,
+// covers the estimate; outcome otherwise.
+func Held(outcome string, estimate, free int64) string {
+	switch {
+	case estimate > free:
+		return outcome
+	case outcome == AdmitDaily:
+		return AdmitDailyHeld
+	case outcome == AdmitBudget:
+		return AdmitBudgetHeld
+	}
+	return outcome
+}
+
 // HeldRetryAfter is the wait suggested to a request refused because the
 // estimates of requests still running fill the ceiling or cap: they end, and
 // unused slices go back, within seconds.

@@ -266,14 +266,10 @@ func refusal(g store.QuotaGrant, estimate int64) string {
 	switch {
 	case g.Outcome == gateway.AdmitDaily && estimate > g.Ceiling:
 		return gateway.AdmitDailyNever
-	case g.Outcome == gateway.AdmitDaily && estimate <= g.Free:
-		return gateway.AdmitDailyHeld
 	case g.Outcome == gateway.AdmitBudget && estimate > g.Cap:
 		return gateway.AdmitBudgetNever
-	case g.Outcome == gateway.AdmitBudget && estimate <= g.Free:
-		return gateway.AdmitBudgetHeld
 	}
-	return g.Outcome
+	return gateway.Held(g.Outcome, estimate, g.Free)
 }
 
 // grant asks for a slice of at least need on ls, a lease that lasts a lease

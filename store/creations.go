@@ -286,9 +286,7 @@ func (s *Store) createTogether(ctx context.Context, key creationKey, group []*cr
 					}
 					daily = &state
 				}
-				if c.total <= daily.Remaining {
-					outcomes[i] = gateway.AdmitDailyHeld
-				}
+				outcomes[i] = gateway.Held(outcomes[i], c.total, daily.Remaining)
 			}
 			if err := gateway.AdmissionError(outcomes[i], "batch", c.total, c.nb.Principal, day); err != nil {
 				c.err = err
