@@ -160,7 +160,8 @@ type QuotaGrant struct {
 	Left int64
 }
 
-// GrantQuota adds a slice to a lease (created on first use), or refuses.
+// GrantQuota adds a slice to a lease (created on first use), or refuses; a
+// refusal reads what is Free in one more statement.
 func (s *Store) GrantQuota(ctx context.Context, r QuotaRequest) (QuotaGrant, error) {
 	row, err := s.queries.GrantQuota(ctx, s.pool, db.GrantQuotaParams{
 		ID: r.LeaseID, Owner: r.Owner, AccountID: r.AccountID, ProjectID: r.ProjectID, Day: gateway.UTCDay(r.Day),
