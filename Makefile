@@ -58,8 +58,8 @@ lint:
 bench: build
 	$(WITH_PG) $(GO) test -run '^$$' -bench . -benchmem ./...
 	$(GO) run ./bench/load -binary bin/gateway
-	$(GO) run ./bench/load -binary bin/gateway -rates 1000 -connections 0 -tenants 5000 -warmup 12s
-	$(GO) run ./bench/load -binary bin/gateway -rates 1000 -connections 0 -uncited
+	$(GO) run ./bench/load -binary bin/gateway -rates 1000 -connections 0 -tenants 5000 -warmup 12s -floor=false
+	$(GO) run ./bench/load -binary bin/gateway -rates 1000 -connections 0 -uncited -floor=false
 	$(GO) run ./bench/drain -binary bin/gateway -rounds 3
 	$(GO) run ./bench/drain -binary bin/gateway -replicas 1 -probes 5 -capped
 	$(GO) run ./bench/stream -binary bin/gateway

@@ -4,7 +4,8 @@
 // p50/p90/p99 for both and their difference, the CPU each request cost the
 // gateway, PostgreSQL and this process, and the database commits, WAL flushes
 // and WAL records per request; then the saturation point of both under a
-// closed loop.
+// closed loop. Beside both it measures a bare proxy (floor.go), the least
+// a gateway that bills what it answers must do, as the floor of that run.
 //
 // This process is the load's HTTP client and the fake upstream's HTTP server:
 // driving the upstream directly, its CPU per request is what one Go process
@@ -38,6 +39,13 @@ import (
 )
 
 func main() {
+	if upstream := os.Getenv(floorVar); upstream != "" {
+		if err := serveFloor(upstream); err != nil {
+			fmt.Fprintln(os.Stderr, "load: bare proxy:", err)
+			os.Exit(1)
+		}
+		return
+	}
 	binary := flag.String("binary", "bin/gateway", "gateway binary")
 	rates := flag.String("rates", "250,500,1000,2000", "request rates to measure (req/s)")
 	duration := flag.Duration("duration", 10*time.Second, "measured time per rate and target")
@@ -49,9 +57,10 @@ func main() {
 	limitChanges := flag.Duration("limit-changes", 0, "while measuring the gateway, change one tenant's daily ceiling this often, a tenant after another (0: never)")
 	capped := flag.Bool("capped", false, "give each tenant's project a budget cap (one that no request reaches), so that each request reserves its estimate on it")
 	uncited := flag.Bool("uncited", false, "replies cite no source (as most replies without a web search), so their evidence is empty")
+	floor := flag.Bool("floor", true, "also measure a bare proxy that commits a row a request before it answers (see floor.go)")
 	flag.Parse()
 	o := options{duration: *duration, warmup: *warmup, connections: *connections, h2c: *h2c, promptBytes: *promptBytes,
-		tenants: *tenants, limitChanges: *limitChanges, capped: *capped, uncited: *uncited}
+		tenants: *tenants, limitChanges: *limitChanges, capped: *capped, uncited: *uncited, floor: *floor}
 	if err := run(*binary, *rates, o); err != nil {
 		fmt.Fprintln(os.Stderr, "load:", err)
 		os.Exit(1)
@@ -62,7 +71,7 @@ func main() {
 type options struct {
 	duration, warmup, limitChanges    time.Duration
 	connections, promptBytes, tenants int
-	h2c, capped, uncited              bool
+	h2c, capped, uncited, floor       bool
 }
 
 func run(binary, rateList string, o options) error {
@@ -109,26 +118,39 @@ func run(binary, rateList string, o options) error {
 	if o.promptBytes > 0 {
 		prompts = wordPrompts(o.promptBytes, 256)
 	}
-	direct := target{name: "upstream direct", client: client, url: fake.BaseURL() + "/chat/completions"}
-	viaGateway := target{name: "through gateway", client: gatewayClient, url: base + "/api/v1/responses", keys: keys}
+	// The gateway's CPU column shows, for the upstream driven directly,
+	// what the idle gateway spent meanwhile; for the bare proxy, the proxy's.
+	direct := target{name: "upstream direct", client: client, url: fake.BaseURL() + "/chat/completions", pid: pid}
+	viaGateway := target{name: "through gateway", client: gatewayClient, url: base + "/api/v1/responses", keys: keys, pid: pid}
 	for _, prompt := range prompts {
 		direct.bodies = append(direct.bodies, []byte(`{"model":"instant","max_completion_tokens":200,"messages":[{"role":"user","content":"`+prompt+`"}]}`))
 		viaGateway.bodies = append(viaGateway.bodies, []byte(`{"prompt":"`+prompt+`","max_output_rungs":200}`))
 	}
+	targets, floorNote := []target{direct, viaGateway}, ""
+	if o.floor {
+		bare, err := startFloor(vars, fake.BaseURL())
+		if err != nil {
+			return err
+		}
+		defer bare.stop()
+		viaFloor := target{name: "through a bare proxy", client: client, url: bare.base + "/", bodies: viaGateway.bodies, pid: bare.pid}
+		targets = []target{direct, viaFloor, viaGateway}
+		floorNote = " and a bare proxy (HTTP/1.1, a committed row a request)"
+	}
 
-	fmt.Printf("gateway (%s) vs. upstream direct, open loop, %s per rate (after %s warm-up), %d cores, %d tenants%s%s\n\n",
-		protocol, o.duration, o.warmup, runtime.NumCPU(), len(keys), benchenv.CappedNote(o.capped), benchenv.CitedNote(o.uncited))
-	fmt.Println("| rate (req/s) | target | achieved req/s | errors | p50 | p90 | p99 | CPU/req gateway | CPU/req PostgreSQL | CPU/req load + fake upstream | commits/req | WAL flushes/req | WAL records/req |")
+	fmt.Printf("gateway (%s) vs. upstream direct%s, open loop, %s per rate (after %s warm-up), %d cores, %d tenants%s%s\n\n",
+		protocol, floorNote, o.duration, o.warmup, runtime.NumCPU(), len(keys), benchenv.CappedNote(o.capped), benchenv.CitedNote(o.uncited))
+	fmt.Println("| rate (req/s) | target | achieved req/s | errors | p50 | p90 | p99 | CPU/req gateway (or bare proxy) | CPU/req PostgreSQL | CPU/req load + fake upstream | commits/req | WAL flushes/req | WAL records/req |")
 	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 	for _, field := range strings.Split(rateList, ",") {
 		rate, err := strconv.Atoi(strings.TrimSpace(field))
 		if err != nil || rate <= 0 {
 			return fmt.Errorf("bad rate %q", field)
 		}
-		var results [2]result
-		for i, t := range []target{direct, viaGateway} {
+		results := make([]result, len(targets))
+		for i, t := range targets {
 			drive(t, rate, o.warmup)
-			before, err := sample(st, pid)
+			before, err := sample(st, t.pid)
 			if err != nil {
 				return err
 			}
@@ -140,7 +162,7 @@ func run(binary, rateList string, o options) error {
 			if err := stop(); err != nil {
 				return err
 			}
-			after, err := sample(st, pid)
+			after, err := sample(st, t.pid)
 			if err != nil {
 				return err
 			}
@@ -148,14 +170,17 @@ func run(binary, rateList string, o options) error {
 			fmt.Printf("| %d | %s | %.0f | %d | %s | %s | %s | %s |\n", rate, t.name, results[i].achieved, results[i].errors,
 				ms(results[i].pct(50)), ms(results[i].pct(90)), ms(results[i].pct(99)), cost)
 		}
-		fmt.Printf("| %d | **added by gateway** | | | %s | %s | %s | | | | | | |\n", rate,
-			ms(results[1].pct(50)-results[0].pct(50)), ms(results[1].pct(90)-results[0].pct(90)), ms(results[1].pct(99)-results[0].pct(99)))
+		for i, t := range targets[1:] {
+			added := strings.Replace(t.name, "through", "added by", 1)
+			fmt.Printf("| %d | **%s** | | | %s | %s | %s | | | | | | |\n", rate, added,
+				ms(results[i+1].pct(50)-results[0].pct(50)), ms(results[i+1].pct(90)-results[0].pct(90)), ms(results[i+1].pct(99)-results[0].pct(99)))
+		}
 	}
 	if o.connections > 0 {
 		fmt.Printf("\nsaturation, closed loop, %d connections, %s each\n\n", o.connections, o.duration)
 		fmt.Println("| target | req/s | errors | p50 | p99 |")
 		fmt.Println("|---|---|---|---|---|")
-		for _, t := range []target{direct, viaGateway} {
+		for _, t := range targets {
 			saturate(t, o.connections, o.warmup)
 			r := saturate(t, o.connections, o.duration)
 			fmt.Printf("| %s | %.0f | %d | %s | %s |\n", t.name, r.achieved, r.errors, ms(r.pct(50)), ms(r.pct(99)))
@@ -276,6 +301,8 @@ type target struct {
 	url    string
 	bodies [][]byte
 	keys   []string
+	// pid is the process whose CPU the gateway column shows.
+	pid int
 }
 
 // wordPrompts returns n prompts of about size bytes each, different stretches
