@@ -4,7 +4,7 @@
 // p50/p90/p99 for both and their difference, the CPU each request cost the
 // gateway, PostgreSQL and this process, and the database commits, WAL flushes
 // and WAL records per request; then the saturation point of both under a
-// closed loop. Beside both it measures a bare proxy (floor.go), the least
+// closed loop. Beside both it measures a bare proxy (bench/internal/floor), the least
 // a gateway that bills what it answers must do, as the floor of that run.
 //
 // This process is the load's HTTP client and the fake upstream's HTTP server:
@@ -33,19 +33,14 @@ import (
 	"time"
 
 	"github.com/rungworks/gateway/bench/internal/benchenv"
+	"github.com/rungworks/gateway/bench/internal/floor"
 	"github.com/rungworks/gateway/internal/fakeupstream"
 	"github.com/rungworks/gateway/internal/proccpu"
 	"github.com/rungworks/gateway/store"
 )
 
 func main() {
-	if upstream := os.Getenv(floorVar); upstream != "" {
-		if err := serveFloor(upstream); err != nil {
-			fmt.Fprintln(os.Stderr, "load: bare proxy:", err)
-			os.Exit(1)
-		}
-		return
-	}
+	floor.ServeIfAsked()
 	binary := flag.String("binary", "bin/gateway", "gateway binary")
 	rates := flag.String("rates", "250,500,1000,2000", "request rates to measure (req/s)")
 	duration := flag.Duration("duration", 10*time.Second, "measured time per rate and target")
@@ -57,10 +52,10 @@ func main() {
 	limitChanges := flag.Duration("limit-changes", 0, "while measuring the gateway, change one tenant's daily ceiling this often, a tenant after another (0: never)")
 	capped := flag.Bool("capped", false, "give each tenant's project a budget cap (one that no request reaches), so that each request reserves its estimate on it")
 	uncited := flag.Bool("uncited", false, "replies cite no source (as most replies without a web search), so their evidence is empty")
-	floor := flag.Bool("floor", true, "also measure a bare proxy that commits a row a request before it answers (see floor.go)")
+	withFloor := flag.Bool("floor", true, "also measure a bare proxy that commits a row a request before it answers (see bench/internal/floor)")
 	flag.Parse()
 	o := options{duration: *duration, warmup: *warmup, connections: *connections, h2c: *h2c, promptBytes: *promptBytes,
-		tenants: *tenants, limitChanges: *limitChanges, capped: *capped, uncited: *uncited, floor: *floor}
+		tenants: *tenants, limitChanges: *limitChanges, capped: *capped, uncited: *uncited, floor: *withFloor}
 	if err := run(*binary, *rates, o); err != nil {
 		fmt.Fprintln(os.Stderr, "load:", err)
 		os.Exit(1)
@@ -128,12 +123,12 @@ func run(binary, rateList string, o options) error {
 	}
 	targets, floorNote := []target{direct, viaGateway}, ""
 	if o.floor {
-		bare, err := startFloor(vars, fake.BaseURL())
+		bare, err := floor.Start(vars, fake.BaseURL())
 		if err != nil {
 			return err
 		}
-		defer bare.stop()
-		viaFloor := target{name: "through a bare proxy", client: client, url: bare.base + "/", bodies: viaGateway.bodies, pid: bare.pid}
+		defer bare.Stop()
+		viaFloor := target{name: "through a bare proxy", client: client, url: bare.Base + "/", bodies: viaGateway.bodies, pid: bare.PID}
 		targets = []target{direct, viaFloor, viaGateway}
 		floorNote = " and a bare proxy (HTTP/1.1, a committed row a request)"
 	}

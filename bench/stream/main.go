@@ -1,5 +1,6 @@
 // Command stream measures streaming: the first-token overhead of the gateway
-// over the same fake upstream streamed directly, and the gateway's memory with
+// over the same fake upstream streamed directly, beside a bare proxy's (the
+// floor of that run: bench/internal/floor), and the gateway's memory with
 // many concurrent idle streams (each waiting on a silent upstream, with
 // keep-alives running).
 package main
@@ -21,10 +22,12 @@ import (
 	"time"
 
 	"github.com/rungworks/gateway/bench/internal/benchenv"
+	"github.com/rungworks/gateway/bench/internal/floor"
 	"github.com/rungworks/gateway/internal/fakeupstream"
 )
 
 func main() {
+	floor.ServeIfAsked()
 	binary := flag.String("binary", "bin/gateway", "gateway binary")
 	requests := flag.Int("requests", 1000, "sequential streams for the first-token measurement (0: not measured)")
 	warmup := flag.Int("warmup", 1000, "sequential streams before the first-token measurement, not counted")
@@ -98,9 +101,10 @@ func (p protocols) String() string {
 	return "HTTP/1.1 upstream (a connection per call)"
 }
 
-// firstToken times n sequential streams, directly and through the gateway in
-// turn, after warmup of each that are not counted: the replica's first
-// requests fill its connection pools, caches and the tokenizer's tables.
+// firstToken times n sequential streams, directly, through the bare proxy
+// and through the gateway in turn, after warmup of each that are not
+// counted: the replica's first requests fill its connection pools, caches
+// and the tokenizer's tables.
 func firstToken(env *benchenv.Env, warmup, n int) error {
 	defer env.StopServers()
 	fake := fakeupstream.New()
@@ -119,15 +123,26 @@ func firstToken(env *benchenv.Env, warmup, n int) error {
 			strings.NewReader(`{"model":"instant","stream":true,"max_completion_tokens":100,"messages":[{"role":"user","content":"`+prompt+`"}]}`))
 		return req, `"content":"echo`
 	}
+	body := `{"stream":true,"max_output_rungs":100,"prompt":"` + prompt + `"}`
 	gateway := func() (*http.Request, string) {
-		req, _ := http.NewRequest(http.MethodPost, base+"/api/v1/responses", strings.NewReader(`{"stream":true,"max_output_rungs":100,"prompt":"`+prompt+`"}`))
+		req, _ := http.NewRequest(http.MethodPost, base+"/api/v1/responses", strings.NewReader(body))
 		req.Header.Set("Authorization", "Bearer "+key)
 		return req, "event: response.output_text.delta"
 	}
+	bare, err := floor.Start(vars, fake.BaseURL())
+	if err != nil {
+		return err
+	}
+	defer bare.Stop()
+	// The bare proxy passes the upstream's events on as they are.
+	viaFloor := func() (*http.Request, string) {
+		req, _ := http.NewRequest(http.MethodPost, bare.Base+"/", strings.NewReader(body))
+		return req, `"content":"echo`
+	}
 	client := &http.Client{}
-	var results [2][]time.Duration
+	var results [3][]time.Duration
 	for i := 0; i < warmup+n; i++ {
-		for j, build := range []func() (*http.Request, string){direct, gateway} {
+		for j, build := range []func() (*http.Request, string){direct, viaFloor, gateway} {
 			req, marker := build()
 			req.Header.Set("Content-Type", "application/json")
 			d, err := timeToMarker(client, req, marker)
@@ -142,12 +157,15 @@ func firstToken(env *benchenv.Env, warmup, n int) error {
 	fmt.Printf("first token, %d sequential streams each after %d not counted, %d cores\n\n", n, warmup, runtime.NumCPU())
 	fmt.Println("| target | p50 | p90 | p99 |")
 	fmt.Println("|---|---|---|---|")
-	for j, name := range []string{"upstream direct", "through gateway"} {
+	for j, name := range []string{"upstream direct", "through a bare proxy", "through gateway"} {
 		slices.Sort(results[j])
 		fmt.Printf("| %s | %s | %s | %s |\n", name, ms(pct(results[j], 50)), ms(pct(results[j], 90)), ms(pct(results[j], 99)))
 	}
-	fmt.Printf("| **added by gateway** | %s | %s | %s |\n\n",
-		ms(pct(results[1], 50)-pct(results[0], 50)), ms(pct(results[1], 90)-pct(results[0], 90)), ms(pct(results[1], 99)-pct(results[0], 99)))
+	for j, name := range []string{"a bare proxy", "gateway"} {
+		r := results[j+1]
+		fmt.Printf("| **added by %s** | %s | %s | %s |\n", name, ms(pct(r, 50)-pct(results[0], 50)), ms(pct(r, 90)-pct(results[0], 90)), ms(pct(r, 99)-pct(results[0], 99)))
+	}
+	fmt.Println()
 	return nil
 }
 
