@@ -98,35 +98,44 @@ func ServeIfAsked() {
 // serve runs the bare proxy in front of upstream; it writes "listening
 // ADDR" on a line once it accepts.
 func serve(upstream string) error {
-	ctx := context.Background()
-	cfg, err := pgxpool.ParseConfig(os.Getenv("DATABASE_URL"))
+	p, err := newProxy(context.Background(), os.Getenv("DATABASE_URL"), upstream)
 	if err != nil {
-		return fmt.Errorf("error reading DATABASE_URL: %w", err)
-	}
-	// A connection for each of a saturation's clients: commits sent
-	// together share PostgreSQL's flushes, the grouping a server gives free.
-	cfg.MaxConns = 64
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		return fmt.Errorf("error connecting to PostgreSQL: %w", err)
-	}
-	q := floordb.New()
-	if err := q.CreateFloorTable(ctx, pool); err != nil {
-		return fmt.Errorf("error creating the bare proxy's table: %w", err)
+		return err
 	}
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		return fmt.Errorf("error listening: %w", err)
 	}
 	fmt.Printf("listening %s\n", l.Addr())
-	p := &proxy{
+	srv := &http.Server{Handler: p, ReadHeaderTimeout: 10 * time.Second}
+	return srv.Serve(l)
+}
+
+// newProxy connects to the database at databaseURL, makes the bare proxy's
+// table there and returns the proxy in front of upstream.
+func newProxy(ctx context.Context, databaseURL, upstream string) (*proxy, error) {
+	cfg, err := pgxpool.ParseConfig(databaseURL)
+	if err != nil {
+		return nil, fmt.Errorf("error reading the database's URL: %w", err)
+	}
+	// A connection for each of a saturation's clients: commits sent
+	// together share PostgreSQL's flushes, the grouping a server gives free.
+	cfg.MaxConns = 64
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("error connecting to PostgreSQL: %w", err)
+	}
+	q := floordb.New()
+	if err := q.CreateFloorTable(ctx, pool); err != nil {
+		pool.Close()
+		return nil, fmt.Errorf("error creating the bare proxy's table: %w", err)
+	}
+	return &proxy{
 		upstream: upstream + "/chat/completions",
 		client:   &http.Client{Transport: &http.Transport{MaxIdleConns: 4096, MaxIdleConnsPerHost: 4096, IdleConnTimeout: time.Minute}},
 		pool:     pool,
 		queries:  q,
-	}
-	srv := &http.Server{Handler: p, ReadHeaderTimeout: 10 * time.Second}
-	return srv.Serve(l)
+	}, nil
 }
 
 // proxy is the bare proxy's handler.
