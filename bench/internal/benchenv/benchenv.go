@@ -10,8 +10,11 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"os/signal"
 	"path/filepath"
 	"strings"
+	"sync"
+	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -27,14 +30,21 @@ type Env struct {
 	Binary  string
 	cluster *pglocal.Cluster
 	dir     string
-	procs   []*exec.Cmd
+	// interrupted receives an interrupt or a termination, until Close.
+	interrupted chan os.Signal
+
+	mu    sync.Mutex
+	procs []*exec.Cmd
 }
 
 // Start starts a durable private PostgreSQL (not when DATABASE_URL is set),
-// after printing the machine's pace (see Pace).
+// after printing the machine's pace (see Pace). Until Close, an interrupt
+// (Ctrl-C) or a termination stops what it started, and the program.
 func Start(binary string) (*Env, error) {
 	fmt.Printf("%s\n\n", Pace("at the start"))
-	e := &Env{Binary: binary}
+	e := &Env{Binary: binary, interrupted: make(chan os.Signal, 1)}
+	signal.Notify(e.interrupted, os.Interrupt, syscall.SIGTERM)
+	go e.stopWhenInterrupted()
 	if os.Getenv("DATABASE_URL") != "" {
 		return e, nil
 	}
@@ -197,7 +207,9 @@ func (e *Env) ServeProcess(env []string) (Process, error) {
 	if err := cmd.Start(); err != nil {
 		return Process{}, err
 	}
+	e.mu.Lock()
 	e.procs = append(e.procs, cmd)
+	e.mu.Unlock()
 	p := Process{Base: "http://" + addr, Metrics: "http://" + metricsAddr + "/metrics", PID: cmd.Process.Pid}
 	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
 		if resp, err := http.Get(p.Base + "/readyz"); err == nil {
@@ -222,6 +234,8 @@ func freeAddr() (string, error) {
 
 // StopServers stops every gateway process started so far.
 func (e *Env) StopServers() {
+	e.mu.Lock()
+	defer e.mu.Unlock()
 	for _, p := range e.procs {
 		_ = p.Process.Kill()
 		_ = p.Wait()
@@ -231,12 +245,32 @@ func (e *Env) StopServers() {
 
 // Close stops everything.
 func (e *Env) Close() {
+	signal.Stop(e.interrupted)
+	close(e.interrupted)
 	fmt.Printf("\n%s\n", Pace("at the end"))
+	e.stop()
+}
+
+// stop stops the gateway processes and the private PostgreSQL.
+func (e *Env) stop() {
 	e.StopServers()
 	if e.cluster != nil {
 		_ = e.cluster.Stop()
 		os.RemoveAll(e.dir)
 	}
+}
+
+// stopWhenInterrupted stops everything and ends the program on an interrupt
+// or a termination, as the deferred Close of the interrupted program would
+// not; it returns when Close closes the channel.
+func (e *Env) stopWhenInterrupted() {
+	sig, ok := <-e.interrupted
+	if !ok {
+		return
+	}
+	fmt.Fprintf(os.Stderr, "\n%v: stopping the gateways and PostgreSQL\n", sig)
+	e.stop()
+	os.Exit(130)
 }
 
 func (e *Env) command(env []string, args ...string) *exec.Cmd {

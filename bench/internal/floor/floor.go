@@ -47,6 +47,10 @@ type Process struct {
 	Base string
 	PID  int
 	cmd  *exec.Cmd
+	// alive is the proxy's standard input, held open while it is to run:
+	// when this program ends, however it ends, the proxy reads its end and
+	// ends too.
+	alive io.WriteCloser
 }
 
 // Start starts the bare proxy with the database of vars (the gateway's
@@ -63,10 +67,14 @@ func Start(vars []string, upstream string) (*Process, error) {
 	if err != nil {
 		return nil, fmt.Errorf("error starting the bare proxy: %w", err)
 	}
+	alive, err := cmd.StdinPipe()
+	if err != nil {
+		return nil, fmt.Errorf("error starting the bare proxy: %w", err)
+	}
 	if err := cmd.Start(); err != nil {
 		return nil, fmt.Errorf("error starting the bare proxy: %w", err)
 	}
-	p := &Process{PID: cmd.Process.Pid, cmd: cmd}
+	p := &Process{PID: cmd.Process.Pid, cmd: cmd, alive: alive}
 	line, err := bufio.NewReader(out).ReadString('\n')
 	addr, ok := strings.CutPrefix(strings.TrimSpace(line), "listening ")
 	if err != nil || !ok {
@@ -80,16 +88,22 @@ func Start(vars []string, upstream string) (*Process, error) {
 // Stop kills the bare proxy and waits for it.
 func (p *Process) Stop() {
 	_ = p.cmd.Process.Kill()
+	_ = p.alive.Close()
 	_ = p.cmd.Wait()
 }
 
 // ServeIfAsked makes this process the bare proxy when Var is set: it serves
-// until killed and never returns. Otherwise it returns at once.
+// until killed or until its standard input ends (the program that started
+// it has ended), and never returns. Otherwise it returns at once.
 func ServeIfAsked() {
 	upstream := os.Getenv(Var)
 	if upstream == "" {
 		return
 	}
+	go func() {
+		_, _ = io.Copy(io.Discard, os.Stdin)
+		os.Exit(0)
+	}()
 	err := serve(upstream)
 	fmt.Fprintln(os.Stderr, "bare proxy:", err)
 	os.Exit(1)
