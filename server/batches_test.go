@@ -61,6 +61,8 @@ func TestCreateBatchValidation(t *testing.T) {
 		// What the decoder refuses names the item as validation does.
 		"negative output ceiling": {json.RawMessage(`{"requests":[{"prompt":"a"},{"prompt":"b","max_output_rungs":-1}]}`), gateway.EInvalidRequest, "1",
 			`requests[1]: field "max_output_rungs": number -1 is not a valid non-negative integer`},
+		"output ceiling past any integer": {json.RawMessage(`{"requests":[{"prompt":"a"},{"prompt":"b","max_output_rungs":99999999999999999999}]}`), gateway.EInvalidRequest, "1",
+			`requests[1]: field "max_output_rungs": number 99999999999999999999 is out of range (at most 18446744073709551615)`},
 		"wrong type": {json.RawMessage(`{"requests":[{"prompt":"a"},{"prompt":"b"},{"prompt":"c","web_search":"yes"}]}`), gateway.EInvalidRequest, "2",
 			`requests[2]: field "web_search": string is not a valid boolean`},
 		"item not an object": {json.RawMessage(`{"requests":[{"prompt":"a"},7]}`), gateway.EInvalidRequest, "1",

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"mime"
 	"net"
@@ -189,11 +190,12 @@ func decodeError(body []byte, err error) error {
 	var syntaxErr *json.SyntaxError
 	switch {
 	case errors.As(err, &typeErr) && typeErr.Field != "":
+		what := typeMismatch(typeErr)
 		return inElement(body, typeErr.Offset, typeErr.Field, func(field string) *gateway.Error {
 			if field == "" {
-				return gateway.Errorf(gateway.EInvalidRequest, "%s is not a valid %s", gateway.Clip(typeErr.Value), jsonType(typeErr.Type.String()))
+				return gateway.Errorf(gateway.EInvalidRequest, "%s", what)
 			}
-			return gateway.Errorf(gateway.EInvalidRequest, "field %q: %s is not a valid %s", field, gateway.Clip(typeErr.Value), jsonType(typeErr.Type.String()))
+			return gateway.Errorf(gateway.EInvalidRequest, "field %q: %s", field, what)
 		})
 	case errors.As(err, &typeErr):
 		return notAnObject()
@@ -204,6 +206,19 @@ func decodeError(body []byte, err error) error {
 	default:
 		return gateway.Errorf(gateway.EInvalidRequest, "the body must hold exactly one JSON value")
 	}
+}
+
+// typeMismatch says why a JSON value does not fit the field it was given
+// for: a whole number past an unsigned field's range is out of range,
+// anything else not the kind of value the field takes.
+func typeMismatch(err *json.UnmarshalTypeError) string {
+	value := gateway.Clip(err.Value)
+	digits, isNumber := strings.CutPrefix(err.Value, "number ")
+	kind := err.Type.Kind()
+	if isNumber && digits != "" && strings.Trim(digits, "0123456789") == "" && kind >= reflect.Uint && kind <= reflect.Uint64 {
+		return fmt.Sprintf("%s is out of range (at most %d)", value, uint64(1)<<err.Type.Bits()-1)
+	}
+	return fmt.Sprintf("%s is not a valid %s", value, jsonType(err.Type.String()))
 }
 
 // jsonType names a Go type as the JSON value it accepts.
