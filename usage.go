@@ -48,28 +48,33 @@ type Admission struct {
 // told apart from AdmitDaily and AdmitBudget afterwards: what the ceiling or
 // cap leaves once the requests running end (charged and spent their actual
 // cost) and the slices replicas hold unused go back would cover the estimate.
+// AdmitDailyBatches is a refusal by the ceiling that only the end of the
+// account's unfinished batch items, charged at their estimates, may cure.
 const (
-	AdmitOK          = "ok"
-	AdmitDaily       = "daily"
-	AdmitDailyHeld   = "daily_held"
-	AdmitDailyNever  = "daily_never"
-	AdmitBudget      = "budget"
-	AdmitBudgetHeld  = "budget_held"
-	AdmitBudgetNever = "budget_never"
+	AdmitOK           = "ok"
+	AdmitDaily        = "daily"
+	AdmitDailyHeld    = "daily_held"
+	AdmitDailyBatches = "daily_batches"
+	AdmitDailyNever   = "daily_never"
+	AdmitBudget       = "budget"
+	AdmitBudgetHeld   = "budget_held"
+	AdmitBudgetNever  = "budget_never"
 )
 
 // Held is the held refusal (AdmitDailyHeld, AdmitBudgetHeld) that a refusal
 // by the ceiling or the cap (outcome) of estimate is when free, what the
 // limit leaves once the requests running end and the slices held go back,
-// covers the estimate; outcome otherwise.
-func Held(outcome string, estimate, free int64) string {
+// covers the estimate; AdmitDailyBatches for a refusal by the ceiling when
+// free and batches, the estimates of the account's batch items of the day
+// not yet finished, cover it; outcome otherwise.
+func Held(outcome string, estimate, free, batches int64) string {
 	switch {
-	case estimate > free:
-		return outcome
-	case outcome == AdmitDaily:
+	case estimate <= free && outcome == AdmitDaily:
 		return AdmitDailyHeld
-	case outcome == AdmitBudget:
+	case estimate <= free && outcome == AdmitBudget:
 		return AdmitBudgetHeld
+	case estimate <= free+batches && outcome == AdmitDaily:
+		return AdmitDailyBatches
 	}
 	return outcome
 }
@@ -79,47 +84,56 @@ func Held(outcome string, estimate, free int64) string {
 // unused slices go back, within seconds.
 const HeldRetryAfter = 2 * time.Second
 
+// BatchesRetryAfter is the wait suggested to a request refused because the
+// estimates of the account's unfinished batch items fill the day's ceiling:
+// each item gives back what its estimate charged beyond its actual cost when
+// it ends, which a drain reaches within minutes (hours during an outage).
+const BatchesRetryAfter = time.Minute
+
 // AdmissionError is the refusal an admission outcome stands for (nil for
 // AdmitOK) of a request or batch (what) of estimate rungs by p on day. A
 // refusal that waiting cannot cure, an estimate larger than the whole ceiling
 // or cap, or than what the budget's spending leaves, carries no Retry-After
 // and says what to change (D11); one that the end of requests running may
-// cure says so, with a short Retry-After.
+// cure says so, with a short Retry-After, and one that the end of the
+// account's batch items may cure, with a minute's.
 func AdmissionError(outcome, what string, estimate int64, p *Principal, day time.Time) error {
 	switch outcome {
 	case AdmitOK:
 		return nil
 	case AdmitDaily:
-		return &Error{
-			Code:       ERateLimited,
-			Message:    fmt.Sprintf("the account's daily rung ceiling cannot cover this %s's estimate of %d rungs; it resets at 00:00 UTC", what, estimate),
-			RetryAfter: time.Until(day.Add(24 * time.Hour)),
-		}
+		return retryAfter(time.Until(day.Add(24*time.Hour)), ERateLimited,
+			"the account's daily rung ceiling cannot cover this %s's estimate of %d rungs; it resets at 00:00 UTC", what, estimate)
 	case AdmitDailyHeld:
-		return &Error{
-			Code: ERateLimited,
-			Message: fmt.Sprintf("the account's daily rung ceiling is held for now by requests still running, at their estimates, and cannot cover this %s's estimate of %d rungs as well; "+
-				"as they end, each is charged its actual cost and the rest goes back, so retry shortly, or lower max_output_rungs (the estimate prices it in full)", what, estimate),
-			RetryAfter: HeldRetryAfter,
-		}
+		return retryAfter(HeldRetryAfter, ERateLimited,
+			"the account's daily rung ceiling is held for now by requests still running, at their estimates, and cannot cover this %s's estimate of %d rungs as well; "+
+				"as they end, each is charged its actual cost and the rest goes back, so retry shortly, or lower max_output_rungs (the estimate prices it in full)", what, estimate)
+	case AdmitDailyBatches:
+		return retryAfter(BatchesRetryAfter, ERateLimited,
+			"the account's daily rung ceiling is held by the estimates of its batch items not yet finished (a batch is charged its whole estimate when created) and cannot cover this %s's estimate of %d rungs as well; "+
+				"as each item finishes it is charged its actual cost and the rest goes back, so retry in a minute, or lower max_output_rungs (the estimate prices it in full)", what, estimate)
 	case AdmitDailyNever:
 		return Errorf(ERateLimited,
 			"this %s's estimate of %d rungs is larger than the account's whole daily rung ceiling, so waiting will not help: lower max_output_rungs (the estimate prices it in full), send less, or ask the operator for a higher ceiling", what, estimate)
 	case AdmitBudget:
 		return Errorf(EBudgetExceeded, "the budget cap of project %q cannot cover this %s's estimate of %d rungs beside what the project has spent: lower max_output_rungs (the estimate prices it in full), or raise the cap", p.ProjectName, what, estimate)
 	case AdmitBudgetHeld:
-		return &Error{
-			Code: EBudgetExceeded,
-			Message: fmt.Sprintf("the budget cap of project %q is held for now by requests still running, at their estimates, and cannot cover this %s's estimate of %d rungs as well; "+
-				"as they end, each spends its actual cost and the rest goes back, so retry shortly, or lower max_output_rungs (the estimate prices it in full)", p.ProjectName, what, estimate),
-			RetryAfter: HeldRetryAfter,
-		}
+		return retryAfter(HeldRetryAfter, EBudgetExceeded,
+			"the budget cap of project %q is held for now by requests still running, at their estimates, and cannot cover this %s's estimate of %d rungs as well; "+
+				"as they end, each spends its actual cost and the rest goes back, so retry shortly, or lower max_output_rungs (the estimate prices it in full)", p.ProjectName, what, estimate)
 	case AdmitBudgetNever:
 		return Errorf(EBudgetExceeded,
 			"this %s's estimate of %d rungs is larger than the whole budget cap of project %q: lower max_output_rungs (the estimate prices it in full), send less, or raise the cap", what, estimate, p.ProjectName)
 	default:
 		return fmt.Errorf("unexpected admission outcome %q", outcome)
 	}
+}
+
+// retryAfter is Errorf's error with a Retry-After of after.
+func retryAfter(after time.Duration, code ErrorCode, format string, args ...any) *Error {
+	e := Errorf(code, format, args...)
+	e.RetryAfter = after
+	return e
 }
 
 // ModelUsage is committed usage of one model (or of all, in totals).

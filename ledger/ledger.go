@@ -260,8 +260,8 @@ func await(ctx context.Context, ch <-chan struct{}) error {
 }
 
 // refusal tells a refusal of estimate that waiting cannot cure, one that
-// the end of the requests running may cure soon, and one that the day's end
-// will cure.
+// the end of the requests running may cure soon, one that the end of the
+// account's batch items may cure, and one that the day's end will cure.
 func refusal(g store.QuotaGrant, estimate int64) string {
 	switch {
 	case g.Outcome == gateway.AdmitDaily && estimate > g.Ceiling:
@@ -269,7 +269,7 @@ func refusal(g store.QuotaGrant, estimate int64) string {
 	case g.Outcome == gateway.AdmitBudget && estimate > g.Cap:
 		return gateway.AdmitBudgetNever
 	}
-	return gateway.Held(g.Outcome, estimate, g.Free)
+	return gateway.Held(g.Outcome, estimate, g.Free, g.Batches)
 }
 
 // grant asks for a slice of at least need on ls, a lease that lasts a lease

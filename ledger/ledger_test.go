@@ -204,6 +204,27 @@ func TestRefusalsWaitingCannotCure(t *testing.T) {
 	require.Contains(t, e.Message, "00:00 UTC")
 }
 
+// TestRefusalByUnfinishedBatches: a request refused because the estimates
+// of the account's batch items not yet finished fill the ceiling, while what
+// is charged for good leaves room for it once they end, is told to retry in
+// a minute, not at midnight.
+func TestRefusalByUnfinishedBatches(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	p := b.principal(t, "acme", ptr(int64(100)), nil)
+	items := []store.NewItem{{Request: store.ItemRequest{Prompt: "p", Model: gateway.ModelInstant, MaxOutputRungs: 10}, Estimate: 80}}
+	now := time.Now().UTC()
+	_, err := b.store.CreateBatch(b.ctx, store.NewBatch{Principal: p, RequestHash: []byte("h"), Items: items, CreatedAt: now, ExpiresAt: now.Add(24 * time.Hour)})
+	require.NoError(t, err)
+
+	_, err = admit(b.replica(t, ledger.Config{}), p, 60)
+	var e *gateway.Error
+	require.ErrorAs(t, err, &e)
+	require.Equal(t, gateway.ERateLimited, e.Code)
+	require.Equal(t, gateway.BatchesRetryAfter, e.RetryAfter, "20 free and 80 held by a batch cover 60: %s", e.Message)
+	require.Contains(t, e.Message, "batch items not yet finished")
+}
+
 // TestRefusalsByRequestsRunning: a request refused because the estimates of
 // requests still running fill the ceiling or the cap, while what is charged
 // or spent for good leaves room for it, is told to retry shortly, not at

@@ -277,6 +277,7 @@ func (s *Store) createTogether(ctx context.Context, key creationKey, group []*cr
 		}
 		var refused []uuid.UUID
 		var daily *gateway.DailyState // read on the first refusal by the ceiling
+		var batches int64             // what the batches charged hold, read with it
 		for i, c := range fresh {
 			if outcomes[i] == gateway.AdmitDaily {
 				if daily == nil {
@@ -285,8 +286,11 @@ func (s *Store) createTogether(ctx context.Context, key creationKey, group []*cr
 						return err
 					}
 					daily = &state
+					if batches, err = s.unfinishedBatchEstimates(ctx, tx, account, day, uncharged(fresh, outcomes)); err != nil {
+						return err
+					}
 				}
-				outcomes[i] = gateway.Held(outcomes[i], c.total, daily.Remaining)
+				outcomes[i] = gateway.Held(outcomes[i], c.total, daily.Remaining, batches)
 			}
 			if err := gateway.AdmissionError(outcomes[i], "batch", c.total, c.nb.Principal, day); err != nil {
 				c.err = err
@@ -302,6 +306,18 @@ func (s *Store) createTogether(ctx context.Context, key creationKey, group []*cr
 		}
 		return nil
 	})
+}
+
+// uncharged is the ids of the batches of fresh whose estimate was not
+// charged (outcomes, in order).
+func uncharged(fresh []*creation, outcomes []string) []uuid.UUID {
+	var ids []uuid.UUID
+	for i, c := range fresh {
+		if outcomes[i] != gateway.AdmitOK {
+			ids = append(ids, c.id)
+		}
+	}
+	return ids
 }
 
 // resolveTaken sets the outcome of a creation whose batch was not inserted:

@@ -133,11 +133,57 @@ func TestCreationRefusedByRequestsRunning(t *testing.T) {
 	_, err = b.store.FoldQuotaLeases(b.ctx, owner, []uuid.UUID{lease})
 	require.NoError(t, err)
 	b.newBatch(t, p, 1, 50, "", day())
+	b.complete(t, owner, b.claim(t, owner, 2, time.Minute), 40) // 80 charged for good
 	_, err = b.store.CreateBatch(b.ctx, b.batchOf(p, 2, 15, "", day()))
 	require.ErrorAs(t, err, &e)
 	require.Equal(t, gateway.ERateLimited, e.Code)
 	require.Greater(t, e.RetryAfter, gateway.HeldRetryAfter, "80 charged, 30 more do not fit today: %s", e.Message)
 	require.Contains(t, e.Message, "00:00 UTC")
+}
+
+// TestRefusalsByUnfinishedBatches: a batch, or a slice for interactive
+// requests, refused because the estimates of the account's batch items not
+// yet finished fill the day's ceiling, while what is charged for good leaves
+// room once they end, is told to retry in a minute, not at midnight; the
+// refused batch's own items, stored and removed again in its transaction,
+// are not counted among them. Once the items finish, the refusal is the
+// day's.
+func TestRefusalsByUnfinishedBatches(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "acme", ptr(int64(100)), nil)
+	b.newBatch(t, p, 1, 20, "", day())
+	b.complete(t, owner, b.claim(t, owner, 1, time.Minute), 20) // 20 charged for good
+	b.newBatch(t, p, 2, 25, "", day())                          // 50 held by items queued
+	refused := func(nb store.NewBatch) *gateway.Error {
+		t.Helper()
+		_, err := b.store.CreateBatch(b.ctx, nb)
+		var e *gateway.Error
+		require.ErrorAs(t, err, &e)
+		require.Equal(t, gateway.ERateLimited, e.Code)
+		return e
+	}
+
+	e := refused(b.batchOf(p, 1, 70, "", day()))
+	require.Equal(t, gateway.BatchesRetryAfter, e.RetryAfter, "30 free and 50 held by batches cover 70: %s", e.Message)
+	require.Contains(t, e.Message, "batch items not yet finished")
+	e = refused(b.batchOf(p, 2, 45, "", day()))
+	require.Contains(t, e.Message, "00:00 UTC", "30 free and 50 held do not cover 90, its own items not counted: %s", e.Message)
+	g := b.grant(t, p, uuid.Must(uuid.NewV7()), 70, 1, time.Hour)
+	require.Equal(t, gateway.AdmitDaily, g.Outcome)
+	require.Equal(t, int64(30), g.Free)
+	require.Equal(t, int64(50), g.Batches, "a slice refused reads what the batches hold")
+
+	b.complete(t, owner, b.claim(t, owner, 2, time.Minute), 5) // 40 of the 50 go back,
+	_, err := b.store.ReconcileSettlements(b.ctx, 100)         // once folded into the day
+	require.NoError(t, err)
+	b.newBatch(t, p, 1, 70, "", day()) // 30 for good, 70 held
+	e = refused(b.batchOf(p, 1, 10, "", day()))
+	require.Equal(t, gateway.BatchesRetryAfter, e.RetryAfter, "%s", e.Message)
+	b.complete(t, owner, b.claim(t, owner, 1, time.Minute), 70)
+	e = refused(b.batchOf(p, 1, 10, "", day()))
+	require.Contains(t, e.Message, "00:00 UTC", "the batch ended at its estimate: %s", e.Message)
 }
 
 // TestCreationsStoredTogetherKeepTheirOutcomes: creations stored together

@@ -176,6 +176,20 @@ func (s *Store) dailyState(ctx context.Context, tx db.DBTX, account uuid.UUID, d
 	}, nil
 }
 
+// unfinishedBatchEstimates is what the account's batch items of day not yet
+// finished hold of the day's charge at their estimates, apart from the
+// batches skip (refused in the transaction tx).
+func (s *Store) unfinishedBatchEstimates(ctx context.Context, tx db.DBTX, account uuid.UUID, day time.Time, skip []uuid.UUID) (int64, error) {
+	if skip == nil {
+		skip = []uuid.UUID{} // NULL would leave every batch out
+	}
+	rungs, err := s.queries.UnfinishedBatchEstimates(ctx, tx, db.UnfinishedBatchEstimatesParams{AccountID: account, Day: day, Skip: skip})
+	if err != nil {
+		return 0, fmt.Errorf("error reading the estimates of unfinished batch items: %w", err)
+	}
+	return rungs, nil
+}
+
 // budgetState reads a project's budget; pgx.ErrNoRows when it is gone.
 func (s *Store) budgetState(ctx context.Context, tx db.DBTX, project uuid.UUID) (gateway.BudgetState, error) {
 	budget, err := s.queries.BudgetState(ctx, tx, project)

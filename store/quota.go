@@ -150,6 +150,10 @@ type QuotaGrant struct {
 	// requests running end and the slices replicas hold go back: the ceiling
 	// less what is charged for good, or the cap less what is spent.
 	Free int64
+	// Batches is, on a refusal by the ceiling, what the account's batch
+	// items of the day not yet finished hold of its charge at their
+	// estimates (counted in it, so not in Free).
+	Batches int64
 	// Granted rungs, added to the lease (the same on the day and, when Capped,
 	// on the budget).
 	Granted int64
@@ -161,7 +165,8 @@ type QuotaGrant struct {
 }
 
 // GrantQuota adds a slice to a lease (created on first use), or refuses; a
-// refusal reads what is Free in one more statement.
+// refusal reads what is Free in one more statement, and one by the ceiling
+// what unfinished Batches hold in another.
 func (s *Store) GrantQuota(ctx context.Context, r QuotaRequest) (QuotaGrant, error) {
 	row, err := s.queries.GrantQuota(ctx, s.pool, db.GrantQuotaParams{
 		ID: r.LeaseID, Owner: r.Owner, AccountID: r.AccountID, ProjectID: r.ProjectID, Day: gateway.UTCDay(r.Day),
@@ -181,6 +186,9 @@ func (s *Store) GrantQuota(ctx context.Context, r QuotaRequest) (QuotaGrant, err
 			return QuotaGrant{}, err
 		}
 		g.Free = daily.Remaining
+		if g.Batches, err = s.unfinishedBatchEstimates(ctx, s.pool, r.AccountID, gateway.UTCDay(r.Day), nil); err != nil {
+			return QuotaGrant{}, err
+		}
 	case gateway.AdmitBudget:
 		budget, err := s.budgetState(ctx, s.pool, r.ProjectID)
 		if err != nil {

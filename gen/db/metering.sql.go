@@ -577,6 +577,36 @@ func (q *Queries) SettledAccounts(ctx context.Context, db DBTX, arg SettledAccou
 	return items, nil
 }
 
+const unfinishedBatchEstimates = `-- name: UnfinishedBatchEstimates :one
+SELECT coalesce(sum(i.estimate_rungs), 0)::bigint AS rungs
+  FROM batches b
+  JOIN batch_items i ON i.batch_id = b.id
+ WHERE b.account_id = $1
+   AND b.created_at >= $2::timestamptz AND b.created_at < $2::timestamptz + '1 day'::interval
+   AND b.status IN ('queued', 'in_progress', 'cancelling')
+   AND b.id <> ALL ($3::uuid[])
+   AND i.status IN ('queued', 'in_progress')
+`
+
+type UnfinishedBatchEstimatesParams struct {
+	AccountID uuid.UUID
+	Day       time.Time
+	Skip      []uuid.UUID
+}
+
+// What the account's batches created on @day still hold of that day's charge:
+// the estimates of their items not yet finished (a batch is charged its whole
+// estimate when created, and each item, when it ends, its actual cost, the
+// rest going back). The batches @skip are left out: refused by the
+// transaction that reads it, their items were never charged. Read only on a
+// refusal by the ceiling, to tell one that the batches' end may cure.
+func (q *Queries) UnfinishedBatchEstimates(ctx context.Context, db DBTX, arg UnfinishedBatchEstimatesParams) (int64, error) {
+	row := db.QueryRow(ctx, unfinishedBatchEstimates, arg.AccountID, arg.Day, arg.Skip)
+	var rungs int64
+	err := row.Scan(&rungs)
+	return rungs, err
+}
+
 const unfoldedUsageAccounts = `-- name: UnfoldedUsageAccounts :many
 SELECT DISTINCT f.account_id FROM usage_minutes f
 WHERE f.backend <> 0 AND f.minute < $1 AND NOT (f.account_id = ANY ($2::uuid[]))

@@ -242,6 +242,22 @@ SELECT coalesce(a.daily_rung_ceiling, @default_ceiling::bigint)::bigint AS ceili
 FROM accounts a
 WHERE a.id = @account_id;
 
+-- name: UnfinishedBatchEstimates :one
+-- What the account's batches created on @day still hold of that day's charge:
+-- the estimates of their items not yet finished (a batch is charged its whole
+-- estimate when created, and each item, when it ends, its actual cost, the
+-- rest going back). The batches @skip are left out: refused by the
+-- transaction that reads it, their items were never charged. Read only on a
+-- refusal by the ceiling, to tell one that the batches' end may cure.
+SELECT coalesce(sum(i.estimate_rungs), 0)::bigint AS rungs
+  FROM batches b
+  JOIN batch_items i ON i.batch_id = b.id
+ WHERE b.account_id = @account_id
+   AND b.created_at >= sqlc.arg(day)::timestamptz AND b.created_at < sqlc.arg(day)::timestamptz + '1 day'::interval
+   AND b.status IN ('queued', 'in_progress', 'cancelling')
+   AND b.id <> ALL (@skip::uuid[])
+   AND i.status IN ('queued', 'in_progress');
+
 -- name: BudgetState :one
 -- The project's budget, with settlements not yet folded in moved from reserved
 -- to spent, and replicas' quota leases counted at what was used under them.
