@@ -276,21 +276,18 @@ func (s *Store) createTogether(ctx context.Context, key creationKey, group []*cr
 			return fmt.Errorf("error charging batch estimates: %d outcomes for %d batches", len(outcomes), len(fresh))
 		}
 		var refused []uuid.UUID
-		var daily *gateway.DailyState // read on the first refusal by the ceiling
-		var batches int64             // what the batches charged hold, read with it
+		var free, batches int64 // the day's room, read on the first refusal by the ceiling
+		roomRead := false
 		for i, c := range fresh {
 			if outcomes[i] == gateway.AdmitDaily {
-				if daily == nil {
-					state, err := s.dailyState(ctx, tx, account, c.nb.Principal.Tier.DefaultDailyCeiling(), day)
+				if !roomRead {
+					free, batches, err = s.dailyRoom(ctx, tx, account, c.nb.Principal.Tier.DefaultDailyCeiling(), day, uncharged(fresh, outcomes))
 					if err != nil {
 						return err
 					}
-					daily = &state
-					if batches, err = s.unfinishedBatchEstimates(ctx, tx, account, day, uncharged(fresh, outcomes)); err != nil {
-						return err
-					}
+					roomRead = true
 				}
-				outcomes[i] = gateway.Held(outcomes[i], c.total, daily.Remaining, batches)
+				outcomes[i] = gateway.Held(outcomes[i], c.total, free, batches)
 			}
 			if err := gateway.AdmissionError(outcomes[i], "batch", c.total, c.nb.Principal, day); err != nil {
 				c.err = err

@@ -176,18 +176,24 @@ func (s *Store) dailyState(ctx context.Context, tx db.DBTX, account uuid.UUID, d
 	}, nil
 }
 
-// unfinishedBatchEstimates is what the account's batch items of day not yet
-// finished hold of the day's charge at their estimates, apart from the
-// batches skip (refused in the transaction tx).
-func (s *Store) unfinishedBatchEstimates(ctx context.Context, tx db.DBTX, account uuid.UUID, day time.Time, skip []uuid.UUID) (int64, error) {
+// dailyRoom is what tells apart a refusal by the ceiling of account's day
+// (gateway.Held): free, what the ceiling leaves once the requests running
+// end and the slices held go back, and batches, what the account's batch
+// items of the day not yet finished hold of the charge at their estimates,
+// apart from the batches skip (refused in the transaction tx).
+func (s *Store) dailyRoom(ctx context.Context, tx db.DBTX, account uuid.UUID, defaultCeiling int64, day time.Time, skip []uuid.UUID) (free, batches int64, err error) {
+	daily, err := s.dailyState(ctx, tx, account, defaultCeiling, day)
+	if err != nil {
+		return 0, 0, err
+	}
 	if skip == nil {
 		skip = []uuid.UUID{} // NULL would leave every batch out
 	}
-	rungs, err := s.queries.UnfinishedBatchEstimates(ctx, tx, db.UnfinishedBatchEstimatesParams{AccountID: account, Day: day, Skip: skip})
+	batches, err = s.queries.UnfinishedBatchEstimates(ctx, tx, db.UnfinishedBatchEstimatesParams{AccountID: account, Day: day, Skip: skip})
 	if err != nil {
-		return 0, fmt.Errorf("error reading the estimates of unfinished batch items: %w", err)
+		return 0, 0, fmt.Errorf("error reading the estimates of unfinished batch items: %w", err)
 	}
-	return rungs, nil
+	return daily.Remaining, batches, nil
 }
 
 // budgetState reads a project's budget; pgx.ErrNoRows when it is gone.

@@ -181,12 +181,7 @@ func (s *Store) GrantQuota(ctx context.Context, r QuotaRequest) (QuotaGrant, err
 	}
 	switch g.Outcome {
 	case gateway.AdmitDaily:
-		daily, err := s.dailyState(ctx, s.pool, r.AccountID, r.DefaultCeiling, gateway.UTCDay(r.Day))
-		if err != nil {
-			return QuotaGrant{}, err
-		}
-		g.Free = daily.Remaining
-		if g.Batches, err = s.unfinishedBatchEstimates(ctx, s.pool, r.AccountID, gateway.UTCDay(r.Day), nil); err != nil {
+		if g.Free, g.Batches, err = s.dailyRoom(ctx, s.pool, r.AccountID, r.DefaultCeiling, gateway.UTCDay(r.Day), nil); err != nil {
 			return QuotaGrant{}, err
 		}
 	case gateway.AdmitBudget:
