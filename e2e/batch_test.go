@@ -398,6 +398,10 @@ func TestOperatorListsAndCancelsBatches(t *testing.T) {
 	limited := rows("--limit", "1")
 	require.Len(t, limited, 1)
 	require.Equal(t, third, limited[0][0])
+	limited = rows("--limit", "1", "--before", third)
+	require.Len(t, limited, 1)
+	require.Equal(t, second, limited[0][0], "the next page")
+	require.Empty(t, rows("--before", first), "past the last page")
 	require.Empty(t, rows("--status", "completed,failed"))
 
 	_, said, err := cliIn(t, t.TempDir(), map[string]string{"DATABASE_URL": b.db}, "batches", "cancel", second)
@@ -428,6 +432,8 @@ func TestOperatorListsAndCancelsBatches(t *testing.T) {
 	require.ErrorContains(t, err, "--status: want statuses among queued, in_progress, cancelling, completed, failed, cancelled, expired, or open")
 	_, err = cli(t, b.db, "batches", "list", "--limit", "0")
 	require.ErrorContains(t, err, "--limit: want 1 to 10000")
+	_, err = cli(t, b.db, "batches", "list", "--before", "b-123")
+	require.ErrorContains(t, err, `--before: want a batch id (a UUID, as batches list shows), got "b-123"`)
 	_, err = cli(t, b.db, "batches", "list", "--account", "acme-typo")
 	require.ErrorContains(t, err, `no such account "acme-typo"`)
 

@@ -153,9 +153,10 @@ type OperatorBatch = db.ListBatchesForOperatorRow
 
 // BatchesForOperator returns up to limit batches of every account, or of the
 // account named (ErrAccountNotFound when there is none), newest first; only
-// those in one of statuses unless statuses is nil.
-func (s *Store) BatchesForOperator(ctx context.Context, account string, statuses []gateway.BatchStatus, limit int) ([]OperatorBatch, error) {
-	rows, err := s.queries.ListBatchesForOperator(ctx, s.pool, db.ListBatchesForOperatorParams{Account: nameFilter(account), Statuses: texts(statuses), MaxRows: int32(limit)})
+// those in one of statuses unless statuses is nil, and only those listed
+// after the batch before (older by id) unless before is nil: the next page.
+func (s *Store) BatchesForOperator(ctx context.Context, account string, statuses []gateway.BatchStatus, before *uuid.UUID, limit int) ([]OperatorBatch, error) {
+	rows, err := s.queries.ListBatchesForOperator(ctx, s.pool, db.ListBatchesForOperatorParams{Account: nameFilter(account), Statuses: texts(statuses), Before: before, MaxRows: int32(limit)})
 	if err != nil {
 		return nil, fmt.Errorf("error listing batches: %w", err)
 	}
@@ -238,26 +239,35 @@ type CancelOutcome struct {
 	Err    error
 }
 
-// cancelRound is how many batches CancelAccountBatches lists at a time.
-const cancelRound = 1000
+// cancelPage is how many batches CancelAccountBatches lists at a time.
+const cancelPage = 1000
 
 // CancelAccountBatches cancels every batch of the named account that can be
 // cancelled (queued or in progress), each as CancelBatchForOperator would, in
 // a transaction of its own, and returns what came of each: one that fails is
-// reported and the others go on. It lists them again until none is left that
-// it has not tried, so batches created meanwhile are cancelled too. It stops
-// when ctx ends, with what it has done. An account that does not exist is
+// reported and the others go on. It lists them a page at a time, newest
+// first, so that batches that fail, however many, do not hide the others,
+// and lists them again from the newest until a pass finds none that it has
+// not tried, so batches created meanwhile are cancelled too. It stops when
+// ctx ends, with what it has done. An account that does not exist is
 // ErrAccountNotFound.
 func (s *Store) CancelAccountBatches(ctx context.Context, account string) ([]CancelOutcome, error) {
+	return s.cancelAccountBatches(ctx, account, cancelPage)
+}
+
+// cancelAccountBatches is CancelAccountBatches listing page batches at a
+// time.
+func (s *Store) cancelAccountBatches(ctx context.Context, account string, page int) ([]CancelOutcome, error) {
 	cancellable := slices.DeleteFunc(slices.Clone(gateway.BatchStatuses), func(st gateway.BatchStatus) bool { return !st.Cancellable() })
 	var out []CancelOutcome
 	tried := map[uuid.UUID]bool{}
+	var before *uuid.UUID // the pass's next page starts after it; nil: at the newest
+	triedInPass := false
 	for {
-		found, err := s.BatchesForOperator(ctx, account, cancellable, cancelRound)
+		found, err := s.BatchesForOperator(ctx, account, cancellable, before, page)
 		if err != nil {
 			return out, err
 		}
-		more := false
 		for _, b := range found {
 			if tried[b.ID] {
 				continue
@@ -265,12 +275,17 @@ func (s *Store) CancelAccountBatches(ctx context.Context, account string) ([]Can
 			if err := ctx.Err(); err != nil {
 				return out, fmt.Errorf("error cancelling batches: %w", err)
 			}
-			tried[b.ID], more = true, true
+			tried[b.ID], triedInPass = true, true
 			status, err := s.CancelBatchForOperator(ctx, b.ID)
 			out = append(out, CancelOutcome{ID: b.ID, Status: status, Err: err})
 		}
-		if !more {
+		switch {
+		case len(found) == page:
+			before = &found[len(found)-1].ID
+		case !triedInPass:
 			return out, nil
+		default:
+			before, triedInPass = nil, false
 		}
 	}
 }

@@ -697,9 +697,9 @@ func TestBatchStatementsPlanForTheTablesAsTheyAre(t *testing.T) {
 		require.Len(t, items, 4)
 		require.NoError(t, explained.StartBatches(b.ctx, []uuid.UUID{id}))
 		require.NoError(t, explained.FinishBatches(b.ctx, []uuid.UUID{id}))
-		_, err = explained.BatchesForOperator(b.ctx, "", nil, 10)
+		_, err = explained.BatchesForOperator(b.ctx, "", nil, nil, 10)
 		require.NoError(t, err)
-		_, err = explained.BatchesForOperator(b.ctx, "acme", []gateway.BatchStatus{gateway.BatchInProgress}, 10)
+		_, err = explained.BatchesForOperator(b.ctx, "acme", []gateway.BatchStatus{gateway.BatchInProgress}, &id, 10)
 		require.NoError(t, err)
 		require.NoError(t, explained.CancelBatch(b.ctx, p.AccountID, id))
 		_, err = explained.ExpireBatches(b.ctx, 10)
@@ -733,8 +733,8 @@ func TestBatchStatementsPlanForTheTablesAsTheyAre(t *testing.T) {
 		"WHERE i.batch_id = p_batch_id AND i.idx > p_after", batchItemTotalsStatement,
 		queuedBatchesStatement, lockBatchStatement, "UPDATE batches b SET status = p_status",
 		doneBatchesStatement,
-		// batches_for_operator (00037), its two statements.
-		"WHERE p_statuses IS NULL OR b.status = ANY (p_statuses)", "WHERE b.account_id = (SELECT a.id FROM accounts a WHERE a.name = p_account)")
+		// batches_for_operator_page (00046), its two statements.
+		"WHERE b.id < v_before AND (p_statuses IS NULL", "WHERE b.account_id = (SELECT a.id FROM accounts a WHERE a.name = p_account)")
 	for _, statement := range statements {
 		ran := plansOf(t, plans()[before:], []string{statement}, "Seq Scan on batches", "Seq Scan on batch_items")
 		require.NotEmpty(t, ran, "%q ran on the grown tables", statement)
@@ -1361,24 +1361,30 @@ func TestBatchesForOperator(t *testing.T) {
 		}
 		return out
 	}
-	all, err := b.store.BatchesForOperator(b.ctx, "", nil, 10)
+	all, err := b.store.BatchesForOperator(b.ctx, "", nil, nil, 10)
 	require.NoError(t, err)
 	require.Equal(t, []uuid.UUID{newest, older, running}, ids(all), "every account's, newest first")
 	require.Equal(t, store.OperatorBatch{ID: running, Account: "other", Project: "default", Status: "in_progress", TotalRequests: 2,
 		CreatedAt: all[2].CreatedAt, ExpiresAt: all[2].ExpiresAt, CompletedRequests: 1, TotalRungs: 30}, all[2])
-	limited, err := b.store.BatchesForOperator(b.ctx, "", nil, 2)
+	limited, err := b.store.BatchesForOperator(b.ctx, "", nil, nil, 2)
 	require.NoError(t, err)
 	require.Equal(t, []uuid.UUID{newest, older}, ids(limited))
-	acmes, err := b.store.BatchesForOperator(b.ctx, "acme", nil, 10)
+	next, err := b.store.BatchesForOperator(b.ctx, "", nil, &limited[1].ID, 2)
+	require.NoError(t, err)
+	require.Equal(t, []uuid.UUID{running}, ids(next), "the next page")
+	next, err = b.store.BatchesForOperator(b.ctx, "acme", nil, &newest, 2)
+	require.NoError(t, err)
+	require.Equal(t, []uuid.UUID{older}, ids(next), "the next page of one account's")
+	acmes, err := b.store.BatchesForOperator(b.ctx, "acme", nil, nil, 10)
 	require.NoError(t, err)
 	require.Equal(t, []uuid.UUID{newest, older}, ids(acmes))
-	open, err := b.store.BatchesForOperator(b.ctx, "", []gateway.BatchStatus{gateway.BatchInProgress, gateway.BatchCancelling}, 10)
+	open, err := b.store.BatchesForOperator(b.ctx, "", []gateway.BatchStatus{gateway.BatchInProgress, gateway.BatchCancelling}, nil, 10)
 	require.NoError(t, err)
 	require.Equal(t, []uuid.UUID{running}, ids(open))
-	none, err := b.store.BatchesForOperator(b.ctx, "other", []gateway.BatchStatus{gateway.BatchQueued}, 10)
+	none, err := b.store.BatchesForOperator(b.ctx, "other", []gateway.BatchStatus{gateway.BatchQueued}, nil, 10)
 	require.NoError(t, err)
 	require.Empty(t, none, "an account with no such batches")
-	_, err = b.store.BatchesForOperator(b.ctx, "nobody", nil, 10)
+	_, err = b.store.BatchesForOperator(b.ctx, "nobody", nil, nil, 10)
 	require.ErrorIs(t, err, store.ErrAccountNotFound, "an account that does not exist is not one without batches")
 
 	status, err := b.store.CancelBatchForOperator(b.ctx, older)
@@ -1399,7 +1405,7 @@ func TestBatchesForOperator(t *testing.T) {
 	_, err = b.store.CancelBatchForOperator(b.ctx, uuid.Must(uuid.NewV7()))
 	require.Equal(t, gateway.EBatchNotFound, gateway.ErrorCodeOf(err))
 
-	cancelled, err := b.store.BatchesForOperator(b.ctx, "", []gateway.BatchStatus{gateway.BatchCancelled}, 10)
+	cancelled, err := b.store.BatchesForOperator(b.ctx, "", []gateway.BatchStatus{gateway.BatchCancelled}, nil, 10)
 	require.NoError(t, err)
 	require.Equal(t, []uuid.UUID{older, running}, ids(cancelled))
 
@@ -1407,7 +1413,7 @@ func TestBatchesForOperator(t *testing.T) {
 	b.pastWindow(t, newest)
 	_, err = b.store.ExpireBatches(b.ctx, 10)
 	require.NoError(t, err)
-	expired, err := b.store.BatchesForOperator(b.ctx, "acme", []gateway.BatchStatus{gateway.BatchExpired}, 10)
+	expired, err := b.store.BatchesForOperator(b.ctx, "acme", []gateway.BatchStatus{gateway.BatchExpired}, nil, 10)
 	require.NoError(t, err)
 	require.Equal(t, []uuid.UUID{newest}, ids(expired))
 	require.NotNil(t, expired[0].ErrorCode)
@@ -1474,6 +1480,38 @@ func TestCancelAccountBatches(t *testing.T) {
 	require.Empty(t, outcomes, "nothing left to cancel")
 	_, err = b.store.CancelAccountBatches(b.ctx, "nobody")
 	require.ErrorIs(t, err, store.ErrAccountNotFound)
+}
+
+// TestCancelAccountBatchesPastFailingPages: batches that fail to cancel,
+// however many, do not keep an account's cancel from the batches listed
+// after them: here a page is two batches, and the three newest fail.
+func TestCancelAccountBatchesPastFailingPages(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, acme := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	var ids []uuid.UUID
+	for range 5 {
+		ids = append(ids, b.newBatch(t, acme, 1, 50, "", day())) // ids grow: the last is the newest
+	}
+	b.refuseMoves(t, ids[2:]...)
+
+	outcomes, err := b.store.CancelAccountBatchesPaged(b.ctx, "acme", 2)
+	require.NoError(t, err)
+	got := map[uuid.UUID]store.CancelOutcome{}
+	for _, o := range outcomes {
+		got[o.ID] = o
+	}
+	require.Len(t, outcomes, 5, "each tried once")
+	require.Len(t, got, 5)
+	for _, id := range ids[:2] {
+		require.NoError(t, got[id].Err)
+		require.Equal(t, gateway.BatchCancelled, got[id].Status)
+		batch, _ := b.batch(t, acme, id)
+		require.Equal(t, gateway.BatchCancelled, batch.Status)
+	}
+	for _, id := range ids[2:] {
+		require.ErrorContains(t, got[id].Err, "this batch cannot move")
+	}
 }
 
 func TestExpireBatches(t *testing.T) {
@@ -1688,11 +1726,15 @@ func (b *testBundle) oneItemBatchesClaimed(t *testing.T, n int) (p *gateway.Prin
 
 // refuseMoves makes every update of the batch id fail ("this batch cannot
 // move"), for tests of a failing member.
-func (b *testBundle) refuseMoves(t *testing.T, id uuid.UUID) {
+func (b *testBundle) refuseMoves(t *testing.T, ids ...uuid.UUID) {
 	t.Helper()
+	list := make([]string, len(ids))
+	for i, id := range ids {
+		list[i] = id.String()
+	}
 	_, err := b.store.Pool().Exec(b.ctx, fmt.Sprintf(`CREATE FUNCTION refuse_batch() RETURNS trigger LANGUAGE plpgsql AS $$
-		BEGIN IF NEW.id = '%s' THEN RAISE EXCEPTION 'this batch cannot move'; END IF; RETURN NEW; END $$;
-		CREATE TRIGGER refuse_batch BEFORE UPDATE ON batches FOR EACH ROW EXECUTE FUNCTION refuse_batch()`, id))
+		BEGIN IF NEW.id = ANY ('{%s}'::uuid[]) THEN RAISE EXCEPTION 'this batch cannot move'; END IF; RETURN NEW; END $$;
+		CREATE TRIGGER refuse_batch BEFORE UPDATE ON batches FOR EACH ROW EXECUTE FUNCTION refuse_batch()`, strings.Join(list, ",")))
 	require.NoError(t, err)
 }
 

@@ -1,5 +1,15 @@
 package store
 
+import (
+	"context"
+)
+
+// CancelAccountBatchesPaged is CancelAccountBatches listing page batches at
+// a time.
+func (s *Store) CancelAccountBatchesPaged(ctx context.Context, account string, page int) ([]CancelOutcome, error) {
+	return s.cancelAccountBatches(ctx, account, page)
+}
+
 // CreationsWaiting is how many batch creations wait for their turn, over
 // every account-day.
 func (s *Store) CreationsWaiting() int {

@@ -22,7 +22,7 @@ const maxListedBatches = 10000
 func batchesCmd() *cobra.Command {
 	batches := &cobra.Command{Use: "batches", Short: "List the batches of every account and cancel one", Long: "Lists the batches of every account and cancels one, as its owner can through the API.\n" + databaseHelp}
 
-	var account, status string
+	var account, status, before string
 	var limit int
 	list := &cobra.Command{
 		Use:   "list",
@@ -38,8 +38,16 @@ func batchesCmd() *cobra.Command {
 			if limit < 1 || limit > maxListedBatches {
 				return fmt.Errorf("--limit: want 1 to %d, got %d", maxListedBatches, limit)
 			}
+			var after *uuid.UUID
+			if before != "" {
+				id, err := uuid.Parse(before)
+				if err != nil {
+					return fmt.Errorf("--before: want a batch id (a UUID, as batches list shows), got %q", before)
+				}
+				after = &id
+			}
 			return withStore(cmd.Context(), cmd.ErrOrStderr(), func(st *store.Store) error {
-				found, err := st.BatchesForOperator(cmd.Context(), account, statuses, limit)
+				found, err := st.BatchesForOperator(cmd.Context(), account, statuses, after, limit)
 				if err != nil {
 					return err
 				}
@@ -51,6 +59,7 @@ func batchesCmd() *cobra.Command {
 	list.Flags().StringVar(&account, "account", "", "only this account's batches")
 	list.Flags().StringVar(&status, "status", "", "only batches of these statuses, comma-separated ("+listed(gateway.BatchStatuses)+"), or open ("+listed(openStatuses())+")")
 	list.Flags().IntVar(&limit, "limit", 50, "at most this many batches")
+	list.Flags().StringVar(&before, "before", "", "only batches older than this one (the last id of the page before: the next page)")
 
 	var cancelAccount string
 	cancel := &cobra.Command{

@@ -563,7 +563,7 @@ SELECT b.id, a.name AS account, p.name AS project, b.status, b.error_code, b.tot
        b.created_at, b.expires_at,
        t.completed::integer AS completed_requests, t.failed::integer AS failed_requests,
        t.cancelled::integer AS cancelled_requests, t.total_rungs::bigint AS total_rungs
-FROM batches_for_operator($1::text, $2::text[], $3::integer) AS b
+FROM batches_for_operator_page($1::text, $2::text[], $3::uuid, $4::integer) AS b
 JOIN accounts a ON a.id = b.account_id
 JOIN projects p ON p.id = b.project_id
 CROSS JOIN LATERAL batch_item_totals(b.id) AS t
@@ -573,6 +573,7 @@ ORDER BY b.id DESC
 type ListBatchesForOperatorParams struct {
 	Account  *string
 	Statuses []string
+	Before   *uuid.UUID
 	MaxRows  int32
 }
 
@@ -592,11 +593,17 @@ type ListBatchesForOperatorRow struct {
 }
 
 // Batches of every account, or of the account named, newest first, with
-// statuses among @statuses when given, each with its account's and project's
-// names and its items' totals. Operators list batches to find one to cancel.
-// By key, whatever the statistics: see migration 00037.
+// statuses among @statuses when given and ids below @before when given, each
+// with its account's and project's names and its items' totals. Operators
+// list batches to find one to cancel. By key, whatever the statistics: see
+// migrations 00037 and 00046.
 func (q *Queries) ListBatchesForOperator(ctx context.Context, db DBTX, arg ListBatchesForOperatorParams) ([]ListBatchesForOperatorRow, error) {
-	rows, err := db.Query(ctx, listBatchesForOperator, arg.Account, arg.Statuses, arg.MaxRows)
+	rows, err := db.Query(ctx, listBatchesForOperator,
+		arg.Account,
+		arg.Statuses,
+		arg.Before,
+		arg.MaxRows,
+	)
 	if err != nil {
 		return nil, err
 	}

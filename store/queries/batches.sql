@@ -62,14 +62,15 @@ ORDER BY b.id DESC;
 
 -- name: ListBatchesForOperator :many
 -- Batches of every account, or of the account named, newest first, with
--- statuses among @statuses when given, each with its account's and project's
--- names and its items' totals. Operators list batches to find one to cancel.
--- By key, whatever the statistics: see migration 00037.
+-- statuses among @statuses when given and ids below @before when given, each
+-- with its account's and project's names and its items' totals. Operators
+-- list batches to find one to cancel. By key, whatever the statistics: see
+-- migrations 00037 and 00046.
 SELECT b.id, a.name AS account, p.name AS project, b.status, b.error_code, b.total_requests,
        b.created_at, b.expires_at,
        t.completed::integer AS completed_requests, t.failed::integer AS failed_requests,
        t.cancelled::integer AS cancelled_requests, t.total_rungs::bigint AS total_rungs
-FROM batches_for_operator(sqlc.narg(account)::text, sqlc.narg(statuses)::text[], @max_rows::integer) AS b
+FROM batches_for_operator_page(sqlc.narg(account)::text, sqlc.narg(statuses)::text[], sqlc.narg(before)::uuid, @max_rows::integer) AS b
 JOIN accounts a ON a.id = b.account_id
 JOIN projects p ON p.id = b.project_id
 CROSS JOIN LATERAL batch_item_totals(b.id) AS t
