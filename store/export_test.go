@@ -1,8 +1,6 @@
 package store
 
-import (
-	"context"
-)
+import "context"
 
 // CancelAccountBatchesPaged is CancelAccountBatches listing page batches at
 // a time.

@@ -38,16 +38,16 @@ func batchesCmd() *cobra.Command {
 			if limit < 1 || limit > maxListedBatches {
 				return fmt.Errorf("--limit: want 1 to %d, got %d", maxListedBatches, limit)
 			}
-			var after *uuid.UUID
+			var cursor *uuid.UUID
 			if before != "" {
 				id, err := uuid.Parse(before)
 				if err != nil {
 					return fmt.Errorf("--before: want a batch id (a UUID, as batches list shows), got %q", before)
 				}
-				after = &id
+				cursor = &id
 			}
 			return withStore(cmd.Context(), cmd.ErrOrStderr(), func(st *store.Store) error {
-				found, err := st.BatchesForOperator(cmd.Context(), account, statuses, after, limit)
+				found, err := st.BatchesForOperator(cmd.Context(), account, statuses, cursor, limit)
 				if err != nil {
 					return err
 				}
