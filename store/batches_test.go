@@ -1724,7 +1724,7 @@ func (b *testBundle) oneItemBatchesClaimed(t *testing.T, n int) (p *gateway.Prin
 	return p, ids, owner, items
 }
 
-// refuseMoves makes every update of the batch id fail ("this batch cannot
+// refuseMoves makes every update of the batches ids fail ("this batch cannot
 // move"), for tests of a failing member.
 func (b *testBundle) refuseMoves(t *testing.T, ids ...uuid.UUID) {
 	t.Helper()
