@@ -94,7 +94,7 @@ func (s *Server) ListBatches(ctx context.Context, req api.ListBatchesRequestObje
 	if req.Params.Limit != nil {
 		limit = *req.Params.Limit
 		if limit < 1 || limit > DefaultBatchListLimit {
-			return nil, gateway.Errorf(gateway.EInvalidRequest, "limit must be between 1 and %d", DefaultBatchListLimit)
+			return nil, gateway.Errorf(gateway.EInvalidRequest, "%s, not %d", s.notInForm("limit"), limit)
 		}
 	}
 	// One more than asked tells whether more follow.

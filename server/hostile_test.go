@@ -84,6 +84,8 @@ func TestParameterErrorsSpeakPlainly(t *testing.T) {
 	for path, want := range map[string]string{
 		"/api/v1/batches?limit=1.5":                                           "parameter limit must be a whole number from 1 to 50",
 		"/api/v1/batches?limit=x":                                             "parameter limit must be a whole number from 1 to 50",
+		"/api/v1/batches?limit=0":                                             "parameter limit must be a whole number from 1 to 50, not 0",
+		"/api/v1/batches?limit=51":                                            "parameter limit must be a whole number from 1 to 50, not 51",
 		"/api/v1/usage?start=tomorrow":                                        "parameter start must be an RFC 3339 timestamp",
 		"/api/v1/usage?end=2026-13-45T00:00":                                  "parameter end must be an RFC 3339 timestamp",
 		"/api/v1/batches?limit=5&limit=10":                                    "parameter limit must be given once",
