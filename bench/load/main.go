@@ -166,8 +166,7 @@ func run(binary, rateList string, o options) error {
 				ms(results[i].pct(50)), ms(results[i].pct(90)), ms(results[i].pct(99)), cost)
 		}
 		for i, t := range targets[1:] {
-			added := strings.Replace(t.name, "through", "added by", 1)
-			fmt.Printf("| %d | **%s** | | | %s | %s | %s | | | | | | |\n", rate, added,
+			fmt.Printf("| %d | **%s** | | | %s | %s | %s | | | | | | |\n", rate, benchenv.AddedBy(t.name),
 				ms(results[i+1].pct(50)-results[0].pct(50)), ms(results[i+1].pct(90)-results[0].pct(90)), ms(results[i+1].pct(99)-results[0].pct(99)))
 		}
 	}

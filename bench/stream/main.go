@@ -139,11 +139,15 @@ func firstToken(env *benchenv.Env, warmup, n int) error {
 		req, _ := http.NewRequest(http.MethodPost, bare.Base+"/", strings.NewReader(body))
 		return req, `"content":"echo`
 	}
+	targets := []struct {
+		name  string
+		build func() (*http.Request, string)
+	}{{"upstream direct", direct}, {"through a bare proxy", viaFloor}, {"through gateway", gateway}}
 	client := &http.Client{}
-	var results [3][]time.Duration
+	results := make([][]time.Duration, len(targets))
 	for i := 0; i < warmup+n; i++ {
-		for j, build := range []func() (*http.Request, string){direct, viaFloor, gateway} {
-			req, marker := build()
+		for j, t := range targets {
+			req, marker := t.build()
 			req.Header.Set("Content-Type", "application/json")
 			d, err := timeToMarker(client, req, marker)
 			if err != nil {
@@ -157,13 +161,14 @@ func firstToken(env *benchenv.Env, warmup, n int) error {
 	fmt.Printf("first token, %d sequential streams each after %d not counted, %d cores\n\n", n, warmup, runtime.NumCPU())
 	fmt.Println("| target | p50 | p90 | p99 |")
 	fmt.Println("|---|---|---|---|")
-	for j, name := range []string{"upstream direct", "through a bare proxy", "through gateway"} {
+	for j, t := range targets {
 		slices.Sort(results[j])
-		fmt.Printf("| %s | %s | %s | %s |\n", name, ms(pct(results[j], 50)), ms(pct(results[j], 90)), ms(pct(results[j], 99)))
+		fmt.Printf("| %s | %s | %s | %s |\n", t.name, ms(pct(results[j], 50)), ms(pct(results[j], 90)), ms(pct(results[j], 99)))
 	}
-	for j, name := range []string{"a bare proxy", "gateway"} {
+	upstream := results[0]
+	for j, t := range targets[1:] {
 		r := results[j+1]
-		fmt.Printf("| **added by %s** | %s | %s | %s |\n", name, ms(pct(r, 50)-pct(results[0], 50)), ms(pct(r, 90)-pct(results[0], 90)), ms(pct(r, 99)-pct(results[0], 99)))
+		fmt.Printf("| **%s** | %s | %s | %s |\n", benchenv.AddedBy(t.name), ms(pct(r, 50)-pct(upstream, 50)), ms(pct(r, 90)-pct(upstream, 90)), ms(pct(r, 99)-pct(upstream, 99)))
 	}
 	fmt.Println()
 	return nil

@@ -155,6 +155,12 @@ func CapBudgets(env []string, accounts []string) error {
 	return nil
 }
 
+// AddedBy names, in a table of results, what the target named "through X"
+// adds over the upstream direct: "added by X".
+func AddedBy(target string) string {
+	return strings.Replace(target, "through", "added by", 1)
+}
+
 // CappedNote is what a run's heading says of its tenants' budgets.
 func CappedNote(capped bool) string {
 	if capped {
