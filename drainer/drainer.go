@@ -154,8 +154,9 @@ func New(cfg Config, st Store, provider upstream.Provider, estimator *metering.E
 	}
 }
 
-// Run drains until ctx ends, then lets running items finish for the grace
-// period, cancels the rest, commits every outcome it can within
+// Run drains until ctx ends, then hands back at once the items it claimed and
+// has not started, lets running items finish for the grace period, cancels
+// the rest, commits every outcome it can within
 // FinalCommitWindow more, and returns: at most Grace + FinalCommitWindow (and
 // one database timeout) after ctx ends.
 func (d *Drainer) Run(ctx context.Context) {
@@ -187,9 +188,16 @@ func (d *Drainer) Run(ctx context.Context) {
 		go func() {
 			defer running.Done()
 			for j := range jobs {
-				start := time.Now()
-				d.run(work, commits, j.item)
-				d.ahead.observeItem(time.Since(start))
+				if ctx.Err() != nil {
+					// Stopping: an item not yet started is never started
+					// (it would have less than the grace to run); it goes
+					// back at once, for another replica to take.
+					d.requeue(commits, j.item)
+				} else {
+					start := time.Now()
+					d.run(work, commits, j.item)
+					d.ahead.observeItem(time.Since(start))
+				}
 				if j.probe {
 					d.probes.Add(-1)
 				}
@@ -295,8 +303,8 @@ func (d *Drainer) health() (serving, probing []gateway.Model) {
 // claim claims up to n items of models and finishes the batches whose items
 // the budget refused; failed says the claim failed (it is logged). The claim
 // runs on commits (within claimTimeout), not on the context that stopping the
-// drainer cancels: a shutdown that begins while it runs lets it finish and its
-// items run within the grace, instead of cancelling it at a moment it may have
+// drainer cancels: a shutdown that begins while it runs lets it finish and
+// hands its items back, instead of cancelling it at a moment it may have
 // committed.
 // Should the claim's reply have been lost after it committed, its items are
 // handed back (they were never dispatched) in the background.

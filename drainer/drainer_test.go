@@ -221,6 +221,7 @@ type stoppingStore struct {
 	stop    func()
 	once    atomic.Bool
 	bounded atomic.Bool
+	claimed atomic.Bool
 }
 
 func (s *stoppingStore) ClaimItems(ctx context.Context, p store.ClaimParams) ([]store.ClaimedItem, error) {
@@ -232,16 +233,20 @@ func (s *stoppingStore) ClaimItems(ctx context.Context, p store.ClaimParams) ([]
 		case <-ctx.Done():
 		case <-time.After(100 * time.Millisecond):
 		}
+		items, err := s.Store.ClaimItems(ctx, p)
+		s.claimed.Store(err == nil && len(items) > 0)
+		return items, err
 	}
 	return s.Store.ClaimItems(ctx, p)
 }
 
-// TestClaimInFlightAtShutdownRuns: a shutdown that begins while a claim runs
-// does not cancel it (it may commit while its reply is lost, and its items
-// would wait for their lease to run out and fail INTERRUPTED); the claim
-// finishes and its items run within the grace, each once. The claim has a
-// deadline of its own, so a hung database cannot hold up the shutdown.
-func TestClaimInFlightAtShutdownRuns(t *testing.T) {
+// TestClaimInFlightAtShutdownIsHandedBack: a shutdown that begins while a
+// claim runs does not cancel it (it may commit while its reply is lost, and
+// its items would wait for their lease to run out and fail INTERRUPTED); the
+// claim finishes and its items, never started, go back to the queue at once.
+// The claim has a deadline of its own, so a hung database cannot hold up the
+// shutdown.
+func TestClaimInFlightAtShutdownIsHandedBack(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	id := b.newBatch(t, "shutdown", 3)
@@ -251,11 +256,57 @@ func TestClaimInFlightAtShutdownRuns(t *testing.T) {
 	d := drainer.New(drainer.Config{PollInterval: 50 * time.Millisecond, Grace: 10 * time.Second, EvidenceRetention: time.Hour, Lease: time.Minute},
 		st, b.provider, b.estimator, slog.New(slog.NewTextHandler(io.Discard, nil)))
 	d.Run(ctx)
+	require.True(t, st.claimed.Load(), "the claim ran to its end")
 	for _, it := range b.items(t, id) {
-		require.Equal(t, gateway.ItemCompleted, it.Status, "item %d", it.Index)
+		require.Equal(t, gateway.ItemQueued, it.Status, "item %d", it.Index)
 	}
-	require.Len(t, b.fake.Calls(), 3)
+	require.Empty(t, b.fake.Calls(), "nothing was started after the shutdown began")
 	require.True(t, st.bounded.Load(), "the claim has a deadline")
+}
+
+// TestNoItemStartsAfterShutdown: items claimed ahead, waiting for a worker
+// when a shutdown begins, go back to the queue then, not when a worker frees
+// up within the grace: an item started late would have less than the grace
+// to run, and fail INTERRUPTED for good. The items at the upstream finish.
+func TestNoItemStartsAfterShutdown(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetSlow("slow", 2*time.Second)
+	var prompts []string
+	for i := range 30 {
+		prompts = append(prompts, fmt.Sprintf("first %d", i))
+	}
+	prompts = append(prompts, "slow a", "slow b")
+	for i := range 10 {
+		prompts = append(prompts, fmt.Sprintf("after %d", i))
+	}
+	id := b.newBatchOf(t, prompts)
+	// Claims slower than items: the replica claims ahead.
+	st := &claimStore{Store: b.store, delay: 200 * time.Millisecond}
+	ctx, cancel := context.WithCancel(b.ctx)
+	defer cancel()
+	d := drainer.New(drainer.Config{Concurrency: 2, PollInterval: 50 * time.Millisecond, Grace: time.Minute, EvidenceRetention: time.Hour, Lease: time.Minute},
+		st, b.provider, b.estimator, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	done := make(chan struct{})
+	go func() { defer close(done); d.Run(ctx) }()
+	b.slowAtTheUpstreamWithAnItemBehind(t, id, prompts)
+	cancel()
+	<-done
+
+	calls := map[string]int{}
+	for _, c := range b.fake.Calls() {
+		calls[c.Prompt]++
+	}
+	for i, it := range b.items(t, id) {
+		switch prompt := prompts[i]; {
+		case strings.HasPrefix(prompt, "after"):
+			require.Equal(t, gateway.ItemQueued, it.Status, "%s, never started, is queued again", prompt)
+			require.Zero(t, calls[prompt], prompt)
+		default:
+			require.Equal(t, gateway.ItemCompleted, it.Status, "%s ran to its end within the grace", prompt)
+			require.Equal(t, 1, calls[prompt], prompt)
+		}
+	}
 }
 
 // claimStore records the most items a claim asked for, and makes every claim
@@ -345,22 +396,7 @@ func TestItemsClaimedAheadGoBackAtShutdown(t *testing.T) {
 		st, b.provider, b.estimator, slog.New(slog.NewTextHandler(io.Discard, nil)))
 	done := make(chan struct{})
 	go func() { defer close(done); d.Run(ctx) }()
-	// Both workers at the slow items, and an item after them claimed,
-	// waiting for one.
-	require.Eventually(t, func() bool {
-		slow := 0
-		for _, c := range b.fake.Calls() {
-			if strings.HasPrefix(c.Prompt, "slow") {
-				slow++
-			}
-		}
-		for i, it := range b.items(t, id) {
-			if slow == 2 && strings.HasPrefix(prompts[i], "after") && it.Status == gateway.ItemInProgress {
-				return true
-			}
-		}
-		return false
-	}, 30*time.Second, 20*time.Millisecond)
+	b.slowAtTheUpstreamWithAnItemBehind(t, id, prompts)
 	cancel()
 	<-done
 
@@ -383,6 +419,27 @@ func TestItemsClaimedAheadGoBackAtShutdown(t *testing.T) {
 			require.Zero(t, calls[prompt], prompt)
 		}
 	}
+}
+
+// slowAtTheUpstreamWithAnItemBehind waits until both workers are at the
+// items of batch id whose prompts begin "slow", and an item after them
+// ("after …") is claimed, waiting for one.
+func (b *testBundle) slowAtTheUpstreamWithAnItemBehind(t *testing.T, id uuid.UUID, prompts []string) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		slow := 0
+		for _, c := range b.fake.Calls() {
+			if strings.HasPrefix(c.Prompt, "slow") {
+				slow++
+			}
+		}
+		for i, it := range b.items(t, id) {
+			if slow == 2 && strings.HasPrefix(prompts[i], "after") && it.Status == gateway.ItemInProgress {
+				return true
+			}
+		}
+		return false
+	}, 30*time.Second, 20*time.Millisecond)
 }
 
 // accountClaims counts the items of one account that claims return.

@@ -74,9 +74,10 @@ func openStore(ctx context.Context, cfg config.Config) (*store.Store, error) {
 
 // serve wires the gateway and serves until ctx ends; ready, when set, is called
 // with the listening address once requests are accepted. On shutdown it stops
-// being ready, stops accepting and claiming, lets requests, streams and batch
-// items in flight finish within the grace period, hands back what could not,
-// and returns.
+// being ready, stops accepting and claiming, hands back the batch items it
+// has not started, lets requests, streams and batch items in flight finish
+// within the grace period, fails INTERRUPTED the items cut after dispatch
+// (those cut before go back), and returns.
 func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog.Logger, ready func(addr string)) error {
 	tok, err := metering.DefaultTokenizer()
 	if err != nil {
