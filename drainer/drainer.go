@@ -183,6 +183,7 @@ func (d *Drainer) Run(ctx context.Context) {
 	freed := make(chan struct{}, 1) // told when an item leaves its slot
 	jobs := make(chan job, 2*d.cfg.Concurrency)
 	var running sync.WaitGroup
+	var handedBack atomic.Int64 // items not started when stopping began
 	running.Add(d.cfg.Concurrency)
 	for range d.cfg.Concurrency {
 		go func() {
@@ -193,6 +194,7 @@ func (d *Drainer) Run(ctx context.Context) {
 					// (it would have less than the grace to run); it goes
 					// back at once, for another replica to take.
 					d.requeue(commits, j.item)
+					handedBack.Add(1)
 				} else {
 					start := time.Now()
 					d.run(work, commits, j.item)
@@ -278,6 +280,9 @@ func (d *Drainer) Run(ctx context.Context) {
 	case <-time.After(d.cfg.Grace):
 		cancelWork() // dispatched items become INTERRUPTED, the others go back
 		<-finished
+	}
+	if n := handedBack.Load(); n > 0 {
+		d.logger.Info("stopping: handed back the batch items claimed and not started, for other replicas", "items", n)
 	}
 	close(d.results)
 	<-completerDone

@@ -18,6 +18,7 @@ import (
 	"github.com/rungworks/gateway/drainer"
 	"github.com/rungworks/gateway/internal/fakeupstream"
 	"github.com/rungworks/gateway/internal/metricstest"
+	"github.com/rungworks/gateway/internal/syncbuf"
 	"github.com/rungworks/gateway/internal/testdb"
 	"github.com/rungworks/gateway/metering"
 	"github.com/rungworks/gateway/metrics"
@@ -285,14 +286,16 @@ func TestNoItemStartsAfterShutdown(t *testing.T) {
 	st := &claimStore{Store: b.store, delay: 200 * time.Millisecond}
 	ctx, cancel := context.WithCancel(b.ctx)
 	defer cancel()
+	logs := &syncbuf.Buffer{}
 	d := drainer.New(drainer.Config{Concurrency: 2, PollInterval: 50 * time.Millisecond, Grace: time.Minute, EvidenceRetention: time.Hour, Lease: time.Minute},
-		st, b.provider, b.estimator, slog.New(slog.NewTextHandler(io.Discard, nil)))
+		st, b.provider, b.estimator, slog.New(slog.NewTextHandler(logs, nil)))
 	done := make(chan struct{})
 	go func() { defer close(done); d.Run(ctx) }()
 	b.slowAtTheUpstreamWithAnItemBehind(t, id, prompts)
 	cancel()
 	<-done
 
+	require.Contains(t, logs.String(), "handed back the batch items claimed and not started", "the operator is told")
 	calls := map[string]int{}
 	for _, c := range b.fake.Calls() {
 		calls[c.Prompt]++
