@@ -272,28 +272,8 @@ func TestClaimInFlightAtShutdownIsHandedBack(t *testing.T) {
 func TestNoItemStartsAfterShutdown(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	b.fake.SetSlow("slow", 2*time.Second)
-	var prompts []string
-	for i := range 30 {
-		prompts = append(prompts, fmt.Sprintf("first %d", i))
-	}
-	prompts = append(prompts, "slow a", "slow b")
-	for i := range 10 {
-		prompts = append(prompts, fmt.Sprintf("after %d", i))
-	}
-	id := b.newBatchOf(t, prompts)
-	// Claims slower than items: the replica claims ahead.
-	st := &claimStore{Store: b.store, delay: 200 * time.Millisecond}
-	ctx, cancel := context.WithCancel(b.ctx)
-	defer cancel()
 	logs := &syncbuf.Buffer{}
-	d := drainer.New(drainer.Config{Concurrency: 2, PollInterval: 50 * time.Millisecond, Grace: time.Minute, EvidenceRetention: time.Hour, Lease: time.Minute},
-		st, b.provider, b.estimator, slog.New(slog.NewTextHandler(logs, nil)))
-	done := make(chan struct{})
-	go func() { defer close(done); d.Run(ctx) }()
-	b.slowAtTheUpstreamWithAnItemBehind(t, id, prompts)
-	cancel()
-	<-done
+	id, prompts := b.stopWithItemsClaimedAhead(t, 2*time.Second, time.Minute, logs)
 
 	require.Contains(t, logs.String(), "handed back the batch items claimed and not started", "the operator is told")
 	calls := map[string]int{}
@@ -374,34 +354,14 @@ func TestSlowItemsAreNotClaimedAhead(t *testing.T) {
 	require.Len(t, b.fake.Calls(), 6, "each item reaches the upstream once")
 }
 
-// TestItemsClaimedAheadGoBackAtShutdown: items claimed ahead, still waiting
-// for a worker when a shutdown's grace ends, were never dispatched: they go
-// back to the queue, while the items at the upstream then fail INTERRUPTED,
-// and no prompt reaches the upstream twice (D12).
+// TestItemsClaimedAheadGoBackAtShutdown: items claimed ahead, waiting for a
+// worker when a shutdown begins, were never dispatched: they go back to the
+// queue, while the items at the upstream when the grace ends fail
+// INTERRUPTED, and no prompt reaches the upstream twice (D12).
 func TestItemsClaimedAheadGoBackAtShutdown(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	b.fake.SetSlow("slow", time.Minute)
-	var prompts []string
-	for i := range 30 {
-		prompts = append(prompts, fmt.Sprintf("first %d", i))
-	}
-	prompts = append(prompts, "slow a", "slow b")
-	for i := range 10 {
-		prompts = append(prompts, fmt.Sprintf("after %d", i))
-	}
-	id := b.newBatchOf(t, prompts)
-	// Claims slower than items: the replica claims ahead.
-	st := &claimStore{Store: b.store, delay: 200 * time.Millisecond}
-	ctx, cancel := context.WithCancel(b.ctx)
-	defer cancel()
-	d := drainer.New(drainer.Config{Concurrency: 2, PollInterval: 50 * time.Millisecond, Grace: 500 * time.Millisecond, EvidenceRetention: time.Hour, Lease: time.Minute},
-		st, b.provider, b.estimator, slog.New(slog.NewTextHandler(io.Discard, nil)))
-	done := make(chan struct{})
-	go func() { defer close(done); d.Run(ctx) }()
-	b.slowAtTheUpstreamWithAnItemBehind(t, id, prompts)
-	cancel()
-	<-done
+	id, prompts := b.stopWithItemsClaimedAhead(t, time.Minute, 500*time.Millisecond, io.Discard)
 
 	calls := map[string]int{}
 	for _, c := range b.fake.Calls() {
@@ -424,11 +384,32 @@ func TestItemsClaimedAheadGoBackAtShutdown(t *testing.T) {
 	}
 }
 
-// slowAtTheUpstreamWithAnItemBehind waits until both workers are at the
-// items of batch id whose prompts begin "slow", and an item after them
-// ("after …") is claimed, waiting for one.
-func (b *testBundle) slowAtTheUpstreamWithAnItemBehind(t *testing.T, id uuid.UUID, prompts []string) {
+// stopWithItemsClaimedAhead creates a batch of 30 items ("first …"), two
+// that take slow at the upstream ("slow a", "slow b") and 10 more ("after
+// …"), and drains it with two workers and claims slower than its items, so
+// that the drainer claims ahead. Once both workers are at the slow items and
+// an item after them waits, claimed, for one, it stops the drainer, which
+// has the grace given and logs to logs, and waits for it to return. It
+// returns the batch and its prompts.
+func (b *testBundle) stopWithItemsClaimedAhead(t *testing.T, slow, grace time.Duration, logs io.Writer) (uuid.UUID, []string) {
 	t.Helper()
+	b.fake.SetSlow("slow", slow)
+	var prompts []string
+	for i := range 30 {
+		prompts = append(prompts, fmt.Sprintf("first %d", i))
+	}
+	prompts = append(prompts, "slow a", "slow b")
+	for i := range 10 {
+		prompts = append(prompts, fmt.Sprintf("after %d", i))
+	}
+	id := b.newBatchOf(t, prompts)
+	st := &claimStore{Store: b.store, delay: 200 * time.Millisecond}
+	ctx, cancel := context.WithCancel(b.ctx)
+	defer cancel()
+	d := drainer.New(drainer.Config{Concurrency: 2, PollInterval: 50 * time.Millisecond, Grace: grace, EvidenceRetention: time.Hour, Lease: time.Minute},
+		st, b.provider, b.estimator, slog.New(slog.NewTextHandler(logs, nil)))
+	done := make(chan struct{})
+	go func() { defer close(done); d.Run(ctx) }()
 	require.Eventually(t, func() bool {
 		slow := 0
 		for _, c := range b.fake.Calls() {
@@ -443,6 +424,9 @@ func (b *testBundle) slowAtTheUpstreamWithAnItemBehind(t *testing.T, id uuid.UUI
 		}
 		return false
 	}, 30*time.Second, 20*time.Millisecond)
+	cancel()
+	<-done
+	return id, prompts
 }
 
 // accountClaims counts the items of one account that claims return.
