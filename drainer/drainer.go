@@ -7,7 +7,10 @@
 // of models with a target taking calls; a model whose targets are all cooling
 // down gets one item at a time, as a probe, while the other models drain. An
 // account whose calls the targets hold off alone (its calls failing while
-// others' do not) has none of its items claimed until the hold ends.
+// others' do not) has none of its items claimed until the hold ends. An item
+// claimed and not started is never started once its batch is cancelled or
+// past its window (every replica hears of it), or its replica is stopping:
+// it goes back.
 package drainer
 
 import (
@@ -37,7 +40,7 @@ type Store interface {
 	RenewLeases(ctx context.Context, owner uuid.UUID, keys []store.ItemKey, lease time.Duration) (int64, error)
 	StartBatches(ctx context.Context, ids []uuid.UUID) error
 	FinishBatches(ctx context.Context, ids []uuid.UUID) error
-	ListenBatchCreated(ctx context.Context, wake func()) error
+	ListenBatches(ctx context.Context, created func(), stopped func(uuid.UUID)) error
 }
 
 // Health is what the drainer needs to know of the upstream targets (see
@@ -122,6 +125,7 @@ type Drainer struct {
 
 	results chan outcome
 	held    heldItems
+	stopped stoppedBatches
 	starts  batchSet
 	waiting accountWaits
 	ahead   lookahead
@@ -189,13 +193,18 @@ func (d *Drainer) Run(ctx context.Context) {
 		go func() {
 			defer running.Done()
 			for j := range jobs {
-				if ctx.Err() != nil {
+				switch {
+				case ctx.Err() != nil:
 					// Stopping: an item not yet started is never started
 					// (it would have less than the grace to run); it goes
 					// back at once, for another replica to take.
 					d.requeue(commits, j.item)
 					handedBack.Add(1)
-				} else {
+				case d.stopped.has(j.item.BatchID):
+					// Its batch was cancelled, or its window ended, since
+					// the item was claimed: not started, it is cancelled.
+					d.requeue(commits, j.item)
+				default:
 					start := time.Now()
 					d.run(work, commits, j.item)
 					d.ahead.observeItem(time.Since(start))
@@ -608,14 +617,17 @@ func (d *Drainer) startBatches(ctx context.Context) {
 	}
 }
 
-// listen wakes the claim loop on every batch creation, reconnecting on failure.
+// listen wakes the claim loop on every batch creation, and notes the batches
+// stopped (cancelled, or past their window), reconnecting on failure.
 func (d *Drainer) listen(ctx context.Context, wake chan<- struct{}) {
 	for ctx.Err() == nil {
-		err := d.store.ListenBatchCreated(ctx, func() {
+		err := d.store.ListenBatches(ctx, func() {
 			select {
 			case wake <- struct{}{}:
 			default:
 			}
+		}, func(id uuid.UUID) {
+			d.stopped.add(id, time.Now(), d.held.batches())
 		})
 		if ctx.Err() == nil {
 			d.logger.Warn("batch notifications interrupted; polling until they resume", "error", err)
@@ -681,6 +693,17 @@ func (h *heldItems) remove(k store.ItemKey) {
 	delete(h.items, k)
 }
 
+// batches returns the batches of the items held.
+func (h *heldItems) batches() map[uuid.UUID]bool {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	out := make(map[uuid.UUID]bool, len(h.items))
+	for k := range h.items {
+		out[k.BatchID] = true
+	}
+	return out
+}
+
 func (h *heldItems) keys() []store.ItemKey {
 	h.mu.Lock()
 	defer h.mu.Unlock()
@@ -689,6 +712,38 @@ func (h *heldItems) keys() []store.ItemKey {
 		out = append(out, k)
 	}
 	return out
+}
+
+// stoppedBatches are the batches stopped (cancelled, or past their window)
+// that this replica may hold items of: it starts none of those it has not.
+type stoppedBatches struct {
+	mu  sync.Mutex
+	ids map[uuid.UUID]time.Time // when the batch was heard of
+}
+
+// add notes batch id stopped at now and forgets the batches heard of more
+// than claimTimeout before now of which no item is held: an item of a batch
+// stopped while its claim ran is held once the claim returns, within
+// claimTimeout.
+func (s *stoppedBatches) add(id uuid.UUID, now time.Time, held map[uuid.UUID]bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.ids == nil {
+		s.ids = map[uuid.UUID]time.Time{}
+	}
+	for b, heard := range s.ids {
+		if now.Sub(heard) > claimTimeout && !held[b] {
+			delete(s.ids, b)
+		}
+	}
+	s.ids[id] = now
+}
+
+func (s *stoppedBatches) has(id uuid.UUID) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	_, ok := s.ids[id]
+	return ok
 }
 
 // batchSet gathers batch ids to act on, waking a consumer.

@@ -273,9 +273,37 @@ func TestNoItemStartsAfterShutdown(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	logs := &syncbuf.Buffer{}
-	id, prompts := b.stopWithItemsClaimedAhead(t, 2*time.Second, time.Minute, logs)
+	id, prompts, stop := b.claimAheadOfSlowItems(t, 2*time.Second, time.Minute, logs)
+	stop()
 
 	require.Contains(t, logs.String(), "handed back the batch items claimed and not started", "the operator is told")
+	b.requireOnlyTheItemsAfterUnstarted(t, id, prompts, gateway.ItemQueued)
+}
+
+// TestCancelledBatchStartsNoClaimedItem: items claimed ahead, waiting for a
+// worker when their batch is cancelled, were not started: they are cancelled
+// then (the store's word reaches every replica), not started once a worker
+// frees up; the items at the upstream finish and are billed.
+func TestCancelledBatchStartsNoClaimedItem(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	id, prompts, _ := b.claimAheadOfSlowItems(t, 2*time.Second, time.Minute, io.Discard)
+	require.NoError(t, b.store.CancelBatch(b.ctx, b.principal.AccountID, id))
+	require.Eventually(t, func() bool {
+		batch, err := b.store.Batch(b.ctx, b.principal.AccountID, id)
+		require.NoError(t, err)
+		return batch.Status == gateway.BatchCancelled
+	}, 30*time.Second, 20*time.Millisecond)
+
+	b.requireOnlyTheItemsAfterUnstarted(t, id, prompts, gateway.ItemCancelled)
+}
+
+// requireOnlyTheItemsAfterUnstarted checks the items of batch id (of
+// claimAheadOfSlowItems): those whose prompts begin "after" have status and
+// never reached the upstream; every other one reached it once, completed,
+// and was billed.
+func (b *testBundle) requireOnlyTheItemsAfterUnstarted(t *testing.T, id uuid.UUID, prompts []string, status gateway.ItemStatus) {
+	t.Helper()
 	calls := map[string]int{}
 	for _, c := range b.fake.Calls() {
 		calls[c.Prompt]++
@@ -283,10 +311,11 @@ func TestNoItemStartsAfterShutdown(t *testing.T) {
 	for i, it := range b.items(t, id) {
 		switch prompt := prompts[i]; {
 		case strings.HasPrefix(prompt, "after"):
-			require.Equal(t, gateway.ItemQueued, it.Status, "%s, never started, is queued again", prompt)
+			require.Equal(t, status, it.Status, "%s was not started", prompt)
 			require.Zero(t, calls[prompt], prompt)
 		default:
-			require.Equal(t, gateway.ItemCompleted, it.Status, "%s ran to its end within the grace", prompt)
+			require.Equal(t, gateway.ItemCompleted, it.Status, "%s, started, ran to its end", prompt)
+			require.Positive(t, it.Usage.TotalRungs, "%s was billed", prompt)
 			require.Equal(t, 1, calls[prompt], prompt)
 		}
 	}
@@ -361,7 +390,8 @@ func TestSlowItemsAreNotClaimedAhead(t *testing.T) {
 func TestItemsClaimedAheadGoBackAtShutdown(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	id, prompts := b.stopWithItemsClaimedAhead(t, time.Minute, 500*time.Millisecond, io.Discard)
+	id, prompts, stop := b.claimAheadOfSlowItems(t, time.Minute, 500*time.Millisecond, io.Discard)
+	stop()
 
 	calls := map[string]int{}
 	for _, c := range b.fake.Calls() {
@@ -384,17 +414,16 @@ func TestItemsClaimedAheadGoBackAtShutdown(t *testing.T) {
 	}
 }
 
-// stopWithItemsClaimedAhead creates a batch of 30 items ("first …"), two
-// that take slow at the upstream ("slow a", "slow b") and 10 more ("after
-// …"), and drains it with two workers and claims slower than its items, so
-// that the drainer claims ahead. Once both workers are at the slow items and
-// an item after them waits, claimed, for one, it stops the drainer, which
-// has the grace given and logs to logs, and waits for it to return. It
-// returns the batch and its prompts.
-func (b *testBundle) stopWithItemsClaimedAhead(t *testing.T, slow, grace time.Duration, logs io.Writer) (uuid.UUID, []string) {
+// claimAheadOfSlowItems creates a batch of 30 items ("first …"), two that
+// take slow at the upstream ("slow a", "slow b") and 10 more ("after …"),
+// and drains it with two workers and claims slower than its items, so that
+// the drainer claims ahead; the drainer has the grace given and logs to
+// logs. It returns once both workers are at the slow items and an item after
+// them waits, claimed, for one, with the batch, its prompts, and stop, which
+// stops the drainer and waits for it to return.
+func (b *testBundle) claimAheadOfSlowItems(t *testing.T, slow, grace time.Duration, logs io.Writer) (id uuid.UUID, prompts []string, stop func()) {
 	t.Helper()
 	b.fake.SetSlow("slow", slow)
-	var prompts []string
 	for i := range 30 {
 		prompts = append(prompts, fmt.Sprintf("first %d", i))
 	}
@@ -402,14 +431,15 @@ func (b *testBundle) stopWithItemsClaimedAhead(t *testing.T, slow, grace time.Du
 	for i := range 10 {
 		prompts = append(prompts, fmt.Sprintf("after %d", i))
 	}
-	id := b.newBatchOf(t, prompts)
+	id = b.newBatchOf(t, prompts)
 	st := &claimStore{Store: b.store, delay: 200 * time.Millisecond}
 	ctx, cancel := context.WithCancel(b.ctx)
-	defer cancel()
 	d := drainer.New(drainer.Config{Concurrency: 2, PollInterval: 50 * time.Millisecond, Grace: grace, EvidenceRetention: time.Hour, Lease: time.Minute},
 		st, b.provider, b.estimator, slog.New(slog.NewTextHandler(logs, nil)))
 	done := make(chan struct{})
 	go func() { defer close(done); d.Run(ctx) }()
+	stop = func() { cancel(); <-done }
+	t.Cleanup(stop)
 	require.Eventually(t, func() bool {
 		slow := 0
 		for _, c := range b.fake.Calls() {
@@ -424,9 +454,7 @@ func (b *testBundle) stopWithItemsClaimedAhead(t *testing.T, slow, grace time.Du
 		}
 		return false
 	}, 30*time.Second, 20*time.Millisecond)
-	cancel()
-	<-done
-	return id, prompts
+	return id, prompts, stop
 }
 
 // accountClaims counts the items of one account that claims return.

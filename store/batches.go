@@ -312,12 +312,27 @@ func (s *Store) cancelBatch(ctx context.Context, accountID *uuid.UUID, id uuid.U
 			return err
 		}
 		finished, err := s.finishIfDone(ctx, tx, id)
+		if err != nil {
+			return err
+		}
 		if finished {
 			status = gateway.BatchCancelled
 		}
-		return err
+		if status != gateway.BatchCancelling {
+			return nil
+		}
+		return s.notifyBatchStopped(ctx, tx, id) // items of it are claimed
 	})
 	return status, err
+}
+
+// notifyBatchStopped tells every replica, once tx commits, that batch id's
+// items it claimed and has not started must not start (ListenBatches).
+func (s *Store) notifyBatchStopped(ctx context.Context, tx pgx.Tx, id uuid.UUID) error {
+	if err := s.queries.NotifyBatchStopped(ctx, tx, id.String()); err != nil {
+		return fmt.Errorf("error notifying a stopped batch: %w", err)
+	}
+	return nil
 }
 
 // transition applies ev to a batch under its row lock, through the state
@@ -464,8 +479,11 @@ func (s *Store) ExpireBatches(ctx context.Context, maxRows int32) (int64, error)
 			if _, _, err := s.transition(ctx, tx, id, nil, gateway.EventWindowElapsed); err != nil && !errors.Is(err, gateway.ErrInvalidTransition) {
 				return err
 			}
-			_, err := s.finishIfDone(ctx, tx, id)
-			return err
+			finished, err := s.finishIfDone(ctx, tx, id)
+			if err != nil || finished {
+				return err
+			}
+			return s.notifyBatchStopped(ctx, tx, id)
 		})
 	})
 	return int64(len(ids)), err
@@ -682,10 +700,12 @@ func splitKeys(keys []ItemKey) ([]uuid.UUID, []int32) {
 	return batchIDs, idxs
 }
 
-// ListenBatchCreated calls wake whenever a batch is created, until ctx ends,
-// on a connection of its own. It returns when the connection fails, for the
-// caller to retry.
-func (s *Store) ListenBatchCreated(ctx context.Context, wake func()) error {
+// ListenBatches, until ctx ends, calls created whenever a batch is created,
+// and stopped with the id of a batch cancelled or past its window while
+// items of it are claimed (their replicas must not start those they have
+// not), on a connection of its own. It returns when the connection fails,
+// for the caller to retry.
+func (s *Store) ListenBatches(ctx context.Context, created func(), stopped func(uuid.UUID)) error {
 	conn, err := s.pool.Acquire(ctx)
 	if err != nil {
 		return fmt.Errorf("error acquiring listen connection: %w", err)
@@ -694,13 +714,21 @@ func (s *Store) ListenBatchCreated(ctx context.Context, wake func()) error {
 	if err := s.queries.ListenBatchCreated(ctx, conn); err != nil {
 		return fmt.Errorf("error listening: %w", err)
 	}
+	if err := s.queries.ListenBatchStopped(ctx, conn); err != nil {
+		return fmt.Errorf("error listening: %w", err)
+	}
 	for {
-		if _, err := conn.Conn().WaitForNotification(ctx); err != nil {
+		n, err := conn.Conn().WaitForNotification(ctx)
+		if err != nil {
 			// The session still LISTENs; drop it rather than return it to the pool.
 			_ = conn.Conn().Close(context.WithoutCancel(ctx))
 			return err
 		}
-		wake()
+		if n.Channel != "batch_stopped" {
+			created()
+		} else if id, err := uuid.Parse(n.Payload); err == nil {
+			stopped(id)
+		}
 	}
 }
 

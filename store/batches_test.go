@@ -2145,3 +2145,56 @@ func TestRequeueWaitsForACancelOfItsBatch(t *testing.T) {
 		require.Equal(t, gateway.ItemCancelled, it.Status)
 	}
 }
+
+// TestListenBatches: a listener hears every batch created, and the id of a
+// batch cancelled or past its window while an item of it is claimed (so that
+// the replica holding the item does not start it), and of no batch cancelled
+// with nothing claimed.
+func TestListenBatches(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	var created atomic.Int64
+	stopped := make(chan uuid.UUID, 10)
+	ctx, cancel := context.WithCancel(b.ctx)
+	t.Cleanup(cancel) // before the database goes: the listener holds a connection
+	listened := make(chan error, 1)
+	go func() {
+		listened <- b.store.ListenBatches(ctx, func() { created.Add(1) }, func(id uuid.UUID) { stopped <- id })
+	}()
+	require.Eventually(t, func() bool {
+		var n int
+		require.NoError(t, b.store.Pool().QueryRow(b.ctx, `SELECT count(*) FROM pg_stat_activity
+			WHERE datname = current_database() AND pid <> pg_backend_pid() AND query LIKE '%LISTEN batch_stopped%'`).Scan(&n))
+		return n == 1
+	}, 10*time.Second, 10*time.Millisecond, "listening")
+
+	queued := b.newBatch(t, p, 2, 50, "", day())
+	require.Eventually(t, func() bool { return created.Load() == 1 }, 10*time.Second, 10*time.Millisecond)
+	require.NoError(t, b.store.CancelBatch(b.ctx, p.AccountID, queued), "nothing of it claimed: no word")
+
+	running, _, _ := b.startedBatch(t, p, 3)
+	require.NoError(t, b.store.CancelBatch(b.ctx, p.AccountID, running))
+	select {
+	case id := <-stopped:
+		require.Equal(t, running, id, "notifications come in the order of their commits")
+	case <-time.After(10 * time.Second):
+		require.FailNow(t, "no word of the batch cancelled with an item claimed")
+	}
+
+	expiring := b.newBatch(t, p, 2, 50, "", time.Now().Add(time.Hour))
+	require.Len(t, b.claim(t, uuid.Must(uuid.NewV7()), 1, time.Minute), 1)
+	b.pastWindow(t, expiring)
+	_, err := b.store.ExpireBatches(b.ctx, 10)
+	require.NoError(t, err)
+	select {
+	case id := <-stopped:
+		require.Equal(t, expiring, id)
+	case <-time.After(10 * time.Second):
+		require.FailNow(t, "no word of the batch past its window with an item claimed")
+	}
+
+	cancel()
+	require.ErrorIs(t, <-listened, context.Canceled)
+	require.Equal(t, int64(3), created.Load(), "every creation heard")
+}

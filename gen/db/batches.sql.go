@@ -644,6 +644,15 @@ func (q *Queries) ListenBatchCreated(ctx context.Context, db DBTX) error {
 	return err
 }
 
+const listenBatchStopped = `-- name: ListenBatchStopped :exec
+LISTEN batch_stopped
+`
+
+func (q *Queries) ListenBatchStopped(ctx context.Context, db DBTX) error {
+	_, err := db.Exec(ctx, listenBatchStopped)
+	return err
+}
+
 const lockBatch = `-- name: LockBatch :one
 SELECT l.status::text AS status, l.unfinished::integer AS unfinished, l.running::integer AS running,
        l.succeeded::integer AS succeeded, l.expired_items::integer AS expired_items, l.first_error::text AS first_error
@@ -686,6 +695,17 @@ SELECT pg_notify('batch_created', $1::text)
 
 func (q *Queries) NotifyBatchCreated(ctx context.Context, db DBTX, batchID string) error {
 	_, err := db.Exec(ctx, notifyBatchCreated, batchID)
+	return err
+}
+
+const notifyBatchStopped = `-- name: NotifyBatchStopped :exec
+SELECT pg_notify('batch_stopped', $1::text)
+`
+
+// Tells every replica that the items of the batch it claimed and has not
+// started must not start: the batch was cancelled, or its window ended.
+func (q *Queries) NotifyBatchStopped(ctx context.Context, db DBTX, batchID string) error {
+	_, err := db.Exec(ctx, notifyBatchStopped, batchID)
 	return err
 }
 

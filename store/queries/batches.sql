@@ -35,6 +35,14 @@ SELECT pg_notify('batch_created', @batch_id::text);
 -- name: ListenBatchCreated :exec
 LISTEN batch_created;
 
+-- name: NotifyBatchStopped :exec
+-- Tells every replica that the items of the batch it claimed and has not
+-- started must not start: the batch was cancelled, or its window ended.
+SELECT pg_notify('batch_stopped', @batch_id::text);
+
+-- name: ListenBatchStopped :exec
+LISTEN batch_stopped;
+
 -- name: GetBatch :one
 -- A batch of the account with its counters and usage aggregated from its
 -- items. By key, whatever the statistics: see migration 00028.
