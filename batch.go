@@ -87,7 +87,7 @@ var ErrInvalidTransition = errors.New("invalid batch transition")
 // D8, the one place that decides it:
 //
 //	from          drain started  cancel        window elapsed  items done
-//	queued        in_progress    cancelled²    expired         (see below)
+//	queued        in_progress    cancelled²    expired³        (see below)
 //	in_progress   in_progress    cancelling    in_progress¹    (see below)
 //	cancelling    cancelling     409           cancelling      cancelled
 //	terminal      invalid        409           terminal        invalid
@@ -99,6 +99,8 @@ var ErrInvalidTransition = errors.New("invalid batch transition")
 // ² cancelling while an item is running (claimed, its batch not yet started):
 // the batch waits for it like an in_progress one, so no terminal batch is
 // left with an item running.
+// ³ queued while an item is running: the batch stays queued, its unrun items
+// cancelled, and waits for it likewise; items done then makes it expired.
 func NextBatchStatus(from BatchStatus, ev BatchEvent, outcome ItemsOutcome) (BatchStatus, error) {
 	if ev == EventCancel && from != BatchQueued && from != BatchInProgress {
 		return from, Errorf(EBatchNotCancellable, "a batch that is %s cannot be cancelled", from)
@@ -114,10 +116,10 @@ func NextBatchStatus(from BatchStatus, ev BatchEvent, outcome ItemsOutcome) (Bat
 			}
 			return BatchCancelling, nil
 		case EventWindowElapsed:
-			if from == BatchQueued {
+			if from == BatchQueued && !outcome.Running {
 				return BatchExpired, nil
 			}
-			return BatchInProgress, nil
+			return from, nil
 		case EventItemsDone:
 			switch {
 			case outcome.WindowElapsed:

@@ -36,6 +36,16 @@ func TestNextBatchStatus(t *testing.T) {
 		gateway.BatchCancelled:  {invalid, notCancellable, "cancelled"},
 		gateway.BatchExpired:    {invalid, notCancellable, "expired"},
 	}
+	// The same while an item is claimed (running).
+	wantRunning := map[gateway.BatchStatus][3]string{
+		gateway.BatchQueued:     {"in_progress", "cancelling", "queued"},
+		gateway.BatchInProgress: {"in_progress", "cancelling", "in_progress"},
+		gateway.BatchCancelling: {"cancelling", notCancellable, "cancelling"},
+		gateway.BatchCompleted:  {invalid, notCancellable, "completed"},
+		gateway.BatchFailed:     {invalid, notCancellable, "failed"},
+		gateway.BatchCancelled:  {invalid, notCancellable, "cancelled"},
+		gateway.BatchExpired:    {invalid, notCancellable, "expired"},
+	}
 	itemsDone := map[gateway.BatchStatus][4]string{
 		gateway.BatchQueued:     {"completed", "failed", "expired", "expired"},
 		gateway.BatchInProgress: {"completed", "failed", "expired", "expired"},
@@ -68,9 +78,11 @@ func TestNextBatchStatus(t *testing.T) {
 		}
 	}
 	require.Len(t, want, len(gateway.BatchStatuses))
+	require.Len(t, wantRunning, len(gateway.BatchStatuses))
 	for _, from := range gateway.BatchStatuses {
 		for i, ev := range gateway.BatchEvents[:3] {
 			check(from, ev, gateway.ItemsOutcome{}, want[from][i])
+			check(from, ev, gateway.ItemsOutcome{Running: true}, wantRunning[from][i])
 		}
 		for i, o := range outcomes {
 			check(from, gateway.EventItemsDone, o.outcome, itemsDone[from][i])

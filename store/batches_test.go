@@ -2146,6 +2146,36 @@ func TestRequeueWaitsForACancelOfItsBatch(t *testing.T) {
 	}
 }
 
+// TestExpiryWaitsForAnItemOfAQueuedBatch: a batch still queued when its
+// window ends, with an item claimed (its start not yet recorded, or the item
+// waiting for a worker), is not made terminal with that item running: its
+// unrun items are cancelled and it waits for the item, then is expired with
+// the item's outcome counted, never changed once terminal.
+func TestExpiryWaitsForAnItemOfAQueuedBatch(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	id := b.newBatch(t, p, 3, 50, "", time.Now().Add(time.Hour))
+	owner := uuid.Must(uuid.NewV7())
+	items := b.claim(t, owner, 1, time.Minute)
+	require.Len(t, items, 1)
+	b.pastWindow(t, id)
+	_, err := b.store.ExpireBatches(b.ctx, 10)
+	require.NoError(t, err)
+	batch, results := b.batch(t, p, id)
+	require.Equal(t, gateway.BatchQueued, batch.Status, "waits for the item claimed")
+	require.Equal(t, gateway.ItemInProgress, results[0].Status)
+	require.Equal(t, gateway.ItemCancelled, results[1].Status)
+	require.Equal(t, gateway.ItemCancelled, results[2].Status)
+
+	b.complete(t, owner, items, 25)
+	batch, results = b.batch(t, p, id)
+	require.Equal(t, gateway.BatchExpired, batch.Status)
+	require.Equal(t, gateway.ItemCompleted, results[0].Status)
+	require.Equal(t, 1, batch.Completed)
+	require.Equal(t, int64(25), batch.Usage.TotalRungs)
+}
+
 // TestListenBatches: a listener hears every batch created, and the id of a
 // batch cancelled or past its window while an item of it is claimed (so that
 // the replica holding the item does not start it), and of no batch cancelled

@@ -361,7 +361,7 @@ type Batch struct {
 	CreatedAt         time.Time  `json:"created_at"`
 	Error             *Error     `json:"error,omitempty"`
 
-	// ExpiresAt End of the completion window (24 hours after `created_at` by default).
+	// ExpiresAt End of the completion window (24 hours after `created_at` by default). Then the items not started are cancelled, those running finish and are billed, and once they have, the batch is `expired`.
 	ExpiresAt      time.Time          `json:"expires_at"`
 	FailedRequests int                `json:"failed_requests"`
 	Id             openapi_types.UUID `json:"id"`
