@@ -476,14 +476,15 @@ func (s *Store) ExpireBatches(ctx context.Context, maxRows int32) (int64, error)
 			if _, err := s.queries.CancelQueuedItems(ctx, plannedPerCall{tx}, db.CancelQueuedItemsParams{BatchID: id, Reason: &reason}); err != nil {
 				return fmt.Errorf("error cancelling expired items: %w", err)
 			}
-			if _, _, err := s.transition(ctx, tx, id, nil, gateway.EventWindowElapsed); err != nil && !errors.Is(err, gateway.ErrInvalidTransition) {
+			to, _, err := s.transition(ctx, tx, id, nil, gateway.EventWindowElapsed)
+			if err != nil && !errors.Is(err, gateway.ErrInvalidTransition) {
 				return err
 			}
 			finished, err := s.finishIfDone(ctx, tx, id)
-			if err != nil || finished {
+			if err != nil || finished || to.Terminal() {
 				return err
 			}
-			return s.notifyBatchStopped(ctx, tx, id)
+			return s.notifyBatchStopped(ctx, tx, id) // open: items of it are claimed
 		})
 	})
 	return int64(len(ids)), err
@@ -715,6 +716,7 @@ func (s *Store) ListenBatches(ctx context.Context, created func(), stopped func(
 		return fmt.Errorf("error listening: %w", err)
 	}
 	if err := s.queries.ListenBatchStopped(ctx, conn); err != nil {
+		_ = conn.Conn().Close(context.WithoutCancel(ctx)) // it LISTENs to batch_created
 		return fmt.Errorf("error listening: %w", err)
 	}
 	for {

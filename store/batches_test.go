@@ -2179,7 +2179,7 @@ func TestExpiryWaitsForAnItemOfAQueuedBatch(t *testing.T) {
 // TestListenBatches: a listener hears every batch created, and the id of a
 // batch cancelled or past its window while an item of it is claimed (so that
 // the replica holding the item does not start it), and of no batch cancelled
-// with nothing claimed.
+// or expired with nothing claimed.
 func TestListenBatches(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -2212,19 +2212,23 @@ func TestListenBatches(t *testing.T) {
 		require.FailNow(t, "no word of the batch cancelled with an item claimed")
 	}
 
+	idle := b.newBatch(t, p, 2, 50, "", time.Now().Add(time.Hour))
+	b.pastWindow(t, idle)
+	_, err := b.store.ExpireBatches(b.ctx, 10)
+	require.NoError(t, err)
 	expiring := b.newBatch(t, p, 2, 50, "", time.Now().Add(time.Hour))
 	require.Len(t, b.claim(t, uuid.Must(uuid.NewV7()), 1, time.Minute), 1)
 	b.pastWindow(t, expiring)
-	_, err := b.store.ExpireBatches(b.ctx, 10)
+	_, err = b.store.ExpireBatches(b.ctx, 10)
 	require.NoError(t, err)
 	select {
 	case id := <-stopped:
-		require.Equal(t, expiring, id)
+		require.Equal(t, expiring, id, "no word of the batch expired with nothing claimed")
 	case <-time.After(10 * time.Second):
 		require.FailNow(t, "no word of the batch past its window with an item claimed")
 	}
 
 	cancel()
 	require.ErrorIs(t, <-listened, context.Canceled)
-	require.Equal(t, int64(3), created.Load(), "every creation heard")
+	require.Equal(t, int64(4), created.Load(), "every creation heard")
 }
