@@ -161,7 +161,9 @@ func streamBreaksMidway(t *testing.T, cause error) {
 func TestStreamKeepAlive(t *testing.T) {
 	t.Parallel()
 	b := setupWith(t, options{keepalive: 20 * time.Millisecond})
-	b.upstream.configure(func(s *scripted) { s.firstDelay = 150 * time.Millisecond })
+	// Fifty beats of silence before the first token: a busy machine that
+	// runs the keep-alive timer late still sends two.
+	b.upstream.configure(func(s *scripted) { s.firstDelay = time.Second })
 	r, s := b.stream("/api/v1/responses", map[string]any{"prompt": "slow"})
 	require.GreaterOrEqual(t, s.Comments, 2, "keep-alives while waiting for the first token")
 	require.Equal(t, "response.completed", s.Events[len(s.Events)-1].Name)
