@@ -254,7 +254,9 @@ func TestAStreamFromAnUpstreamThatDoesNotStream(t *testing.T) {
 func TestStreamKeepAliveWithSlowUpstream(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	b.fake.SetDelay(400 * time.Millisecond)
+	// Twenty beats of silence: a busy machine that runs the keep-alive timer
+	// late still sends three.
+	b.fake.SetDelay(time.Second)
 	g := serve(t, b.db, b.fake.BaseURL(), map[string]string{"GATEWAY_SSE_KEEPALIVE": "50ms"})
 	_, s := g.stream(b.key, map[string]any{"prompt": "slow"})
 	require.GreaterOrEqual(t, s.Comments, 3, "keep-alives while the upstream is silent")
