@@ -239,8 +239,6 @@ func (s *Store) createTogether(ctx context.Context, key creationKey, group []*cr
 			return fmt.Errorf("error inserting batches: %w", err)
 		}
 		var fresh []*creation
-		var items []db.InsertBatchItemsParams
-		var charge db.AdmitBatchesParams
 		for _, c := range group {
 			c.result, c.err = CreateResult{}, nil
 			if !slices.Contains(inserted, c.id) {
@@ -250,30 +248,13 @@ func (s *Store) createTogether(ctx context.Context, key creationKey, group []*cr
 				continue
 			}
 			fresh = append(fresh, c)
-			items = append(items, c.items...)
-			charge.DefaultCeilings = append(charge.DefaultCeilings, c.nb.Principal.Tier.DefaultDailyCeiling())
-			charge.Estimates = append(charge.Estimates, c.total)
 		}
 		if len(fresh) == 0 {
 			return nil
 		}
-		if _, err := s.queries.InsertBatchItems(ctx, tx, items); err != nil {
-			return fmt.Errorf("error inserting batch items: %w", err)
-		}
-		// One notification wakes the replicas (its payload is not read);
-		// should the ceiling refuse every batch, a wake finds nothing.
-		if err := s.queries.NotifyBatchCreated(ctx, tx, fresh[0].id.String()); err != nil {
-			return fmt.Errorf("error notifying replicas: %w", err)
-		}
-		// The charge comes last: it locks the account-day row every batch and
-		// quota grant of the account needs, and holds it until the commit.
-		charge.AccountID, charge.Day = account, day
-		outcomes, err := s.queries.AdmitBatches(ctx, tx, charge)
+		outcomes, err := s.admitCreations(ctx, tx, key, fresh)
 		if err != nil {
-			return fmt.Errorf("error charging batch estimates: %w", err)
-		}
-		if len(outcomes) != len(fresh) {
-			return fmt.Errorf("error charging batch estimates: %d outcomes for %d batches", len(outcomes), len(fresh))
+			return err
 		}
 		var refused []uuid.UUID
 		var free, batches int64 // the day's room, read on the first refusal by the ceiling
@@ -303,6 +284,65 @@ func (s *Store) createTogether(ctx context.Context, key creationKey, group []*cr
 		}
 		return nil
 	})
+}
+
+// admitCreations sends the items of the creations fresh, whose batches tx
+// inserted, and charges their estimates to the day, as far as the ceiling
+// allows; it returns each one's outcome (gateway.AdmitOK or a refusal). A
+// creation whose estimate alone passes what the day has left when it is
+// read is refused before its items are sent: a client repeating a refused
+// creation, whose items may take megabytes, writes nothing of them.
+func (s *Store) admitCreations(ctx context.Context, tx pgx.Tx, key creationKey, fresh []*creation) ([]string, error) {
+	room, err := s.queries.DayCharge(ctx, tx, db.DayChargeParams{AccountID: key.account, Day: key.day})
+	if err != nil {
+		return nil, fmt.Errorf("error reading the day's charge: %w", err)
+	}
+	outcomes := make([]string, len(fresh))
+	var sent []int // indexes in fresh of the creations whose items are sent
+	var items []db.InsertBatchItemsParams
+	var charge db.AdmitBatchesParams
+	for i, c := range fresh {
+		ceiling := c.nb.Principal.Tier.DefaultDailyCeiling()
+		if room.DailyRungCeiling != nil {
+			ceiling = *room.DailyRungCeiling
+		}
+		switch {
+		case c.total > ceiling:
+			outcomes[i] = gateway.AdmitDailyNever
+		case c.total > ceiling-room.ChargedRungs:
+			outcomes[i] = gateway.AdmitDaily
+		default:
+			sent = append(sent, i)
+			items = append(items, c.items...)
+			charge.DefaultCeilings = append(charge.DefaultCeilings, c.nb.Principal.Tier.DefaultDailyCeiling())
+			charge.Estimates = append(charge.Estimates, c.total)
+		}
+	}
+	if len(sent) == 0 {
+		return outcomes, nil
+	}
+	if _, err := s.queries.InsertBatchItems(ctx, tx, items); err != nil {
+		return nil, fmt.Errorf("error inserting batch items: %w", err)
+	}
+	// One notification wakes the replicas (its payload is not read);
+	// should the ceiling refuse every batch, a wake finds nothing.
+	if err := s.queries.NotifyBatchCreated(ctx, tx, fresh[sent[0]].id.String()); err != nil {
+		return nil, fmt.Errorf("error notifying replicas: %w", err)
+	}
+	// The charge comes last: it locks the account-day row every batch and
+	// quota grant of the account needs, and holds it until the commit.
+	charge.AccountID, charge.Day = key.account, key.day
+	charged, err := s.queries.AdmitBatches(ctx, tx, charge)
+	if err != nil {
+		return nil, fmt.Errorf("error charging batch estimates: %w", err)
+	}
+	if len(charged) != len(sent) {
+		return nil, fmt.Errorf("error charging batch estimates: %d outcomes for %d batches", len(charged), len(sent))
+	}
+	for j, i := range sent {
+		outcomes[i] = charged[j]
+	}
+	return outcomes, nil
 }
 
 // uncharged is the ids of the batches of fresh whose estimate was not

@@ -3,10 +3,15 @@ package store_test
 import (
 	"context"
 	"fmt"
+	"math/rand/v2"
+	"net"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
@@ -225,6 +230,61 @@ func TestCreationsStoredTogetherKeepTheirOutcomes(t *testing.T) {
 	require.Equal(t, 2, b.transactions(t, p.AccountID), "the first alone, the others that fit together")
 }
 
+// copyCounter counts the COPYs of batch items.
+type copyCounter struct {
+	n atomic.Int32
+}
+
+func (*copyCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+	return ctx
+}
+
+func (*copyCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+func (c *copyCounter) TraceCopyFromStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceCopyFromStartData) context.Context {
+	if d.TableName.Sanitize() == `"batch_items"` {
+		c.n.Add(1)
+	}
+	return ctx
+}
+
+func (*copyCounter) TraceCopyFromEnd(context.Context, *pgx.Conn, pgx.TraceCopyFromEndData) {}
+
+// TestARefusedCreationSendsNoItems: a creation whose estimate passes what the
+// day has left is refused before its items are sent (a client repeating a
+// refused batch of megabytes writes none of them), with the refusal it would
+// get after them, and keeps no idempotency key; one that fits sends its items.
+func TestARefusedCreationSendsNoItems(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "acme", ptr(int64(100)), nil)
+	copies := &copyCounter{}
+	traced := b.traced(t, copies)
+
+	first, err := traced.CreateBatch(b.ctx, b.batchOf(p, 2, 35, "", day()))
+	require.NoError(t, err)
+	require.Equal(t, int32(1), copies.n.Load(), "a creation that fits sends its items")
+
+	_, err = traced.CreateBatch(b.ctx, b.batchOf(p, 1, 40, "k", day()))
+	var e *gateway.Error
+	require.ErrorAs(t, err, &e)
+	require.Equal(t, gateway.ERateLimited, e.Code)
+	require.Contains(t, e.Message, "cannot cover this batch's estimate of 40 rungs")
+	require.Positive(t, e.RetryAfter, "the first batch's end may cure it")
+	_, err = traced.CreateBatch(b.ctx, b.batchOf(p, 1, 150, "", day()))
+	require.ErrorAs(t, err, &e)
+	require.Equal(t, gateway.ERateLimited, e.Code)
+	require.Contains(t, e.Message, "larger than the account's whole daily rung ceiling")
+	require.Equal(t, int32(1), copies.n.Load(), "no refused creation sent its items")
+
+	second, err := traced.CreateBatch(b.ctx, b.batchOf(p, 1, 30, "k", day()))
+	require.NoError(t, err, "the refused creation kept no key")
+	require.Equal(t, int32(2), copies.n.Load())
+	require.Equal(t, map[uuid.UUID]int{first.BatchID: 2, second.BatchID: 1}, b.storedItems(t, p.AccountID))
+	require.Equal(t, int64(100), b.view(t, p).Daily.Charged)
+}
+
 // TestACreationFailingForItsDataFailsAlone: a group whose transaction fails
 // for one creation's data (here an item past the hundredth, which the
 // service never sends) is stored creation by creation, and only that one
@@ -310,6 +370,74 @@ func BenchmarkABurstOfCreations(b *testing.B) {
 			b.ReportMetric(float64(transactions)/float64(b.N), "transactions/burst")
 		})
 	}
+}
+
+// BenchmarkARefusedCreation: a batch of 100 prompts of 100 KB that the daily
+// ceiling refuses, sent again and again as a client that ignores Retry-After
+// does: sent-bytes/op is what the store sends PostgreSQL for each,
+// WAL-bytes/op what each writes to the database's log (the cluster's: run
+// it alone, -run '^$' -bench ARefusedCreation).
+func BenchmarkARefusedCreation(b *testing.B) {
+	bundle := setup(b)
+	_, p := bundle.key(b, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	bundle.limits(b, "acme", ptr(int64(1000)), nil)
+	nb := bundle.batchOf(p, 100, 100, "", day())
+	rnd := rand.New(rand.NewPCG(1, 2))
+	prompt := make([]byte, 100_000)
+	for i := range prompt {
+		prompt[i] = "abcdefghijklmnopqrstuvwxyz "[rnd.IntN(27)]
+	}
+	for i := range nb.Items {
+		nb.Items[i].Request.Prompt = string(prompt)
+	}
+	var sent atomic.Int64
+	counted := bundle.counted(b, &sent)
+	wal := func() (lsn string) {
+		require.NoError(b, bundle.store.Pool().QueryRow(bundle.ctx, "SELECT pg_current_wal_lsn()::text").Scan(&lsn))
+		return lsn
+	}
+	start := wal()
+	sent.Store(0)
+	for b.Loop() {
+		if _, err := counted.CreateBatch(bundle.ctx, nb); gateway.ErrorCodeOf(err) != gateway.ERateLimited {
+			b.Fatalf("want a refusal by the daily ceiling, got %v", err)
+		}
+	}
+	b.ReportMetric(float64(sent.Load())/float64(b.N), "sent-bytes/op")
+	var written float64
+	require.NoError(b, bundle.store.Pool().QueryRow(bundle.ctx, "SELECT pg_wal_lsn_diff($1::text::pg_lsn, $2::text::pg_lsn)", wal(), start).Scan(&written))
+	b.ReportMetric(written/float64(b.N), "WAL-bytes/op")
+}
+
+// counted is a store on a pool of its own whose connections add what they
+// send to sent.
+func (b *testBundle) counted(t testing.TB, sent *atomic.Int64) *store.Store {
+	t.Helper()
+	cfg := b.store.Pool().Config()
+	dial := cfg.ConnConfig.DialFunc
+	cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		c, err := dial(ctx, network, addr)
+		if err != nil {
+			return nil, err
+		}
+		return &countingConn{Conn: c, sent: sent}, nil
+	}
+	pool, err := pgxpool.NewWithConfig(b.ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return store.New(pool)
+}
+
+// countingConn adds what it writes to sent.
+type countingConn struct {
+	net.Conn
+	sent *atomic.Int64
+}
+
+func (c *countingConn) Write(p []byte) (int, error) {
+	n, err := c.Conn.Write(p)
+	c.sent.Add(int64(n))
+	return n, err
 }
 
 // TestCreationsOfTwoReplicasNeverPassTheCeiling: 40 creations of one account

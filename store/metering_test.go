@@ -55,7 +55,7 @@ func (b *testBundle) view(t *testing.T, p *gateway.Principal) *gateway.UsageView
 	return v
 }
 
-func (b *testBundle) limits(t *testing.T, account string, daily, budget *int64) {
+func (b *testBundle) limits(t testing.TB, account string, daily, budget *int64) {
 	t.Helper()
 	require.NoError(t, b.store.SetLimits(b.ctx, store.SetLimitsParams{Account: account, DailyRungs: daily, Project: "default", BudgetRungs: budget}))
 }

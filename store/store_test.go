@@ -26,7 +26,7 @@ type testBundle struct {
 	store *store.Store
 }
 
-func setup(t *testing.T) *testBundle {
+func setup(t testing.TB) *testBundle {
 	t.Helper()
 	return &testBundle{ctx: context.Background(), store: store.New(testdb.New(t))}
 }

@@ -186,6 +186,35 @@ func (q *Queries) CompleteBatchItems(ctx context.Context, db DBTX, arg CompleteB
 	return items, nil
 }
 
+const dayCharge = `-- name: DayCharge :one
+SELECT a.daily_rung_ceiling,
+       coalesce((SELECT d.charged_rungs FROM daily_charges d
+                  WHERE d.account_id = a.id AND d.day = $1::date), 0)::bigint AS charged_rungs
+  FROM accounts a
+ WHERE a.id = $2
+`
+
+type DayChargeParams struct {
+	Day       time.Time
+	AccountID uuid.UUID
+}
+
+type DayChargeRow struct {
+	DailyRungCeiling *int64
+	ChargedRungs     int64
+}
+
+// What admit_batches reads, without its lock: the account's own daily
+// ceiling (NULL: its tier's default) and what is charged to the day. Read
+// before a creation's items are sent, so that one the day has no room for
+// is refused without them.
+func (q *Queries) DayCharge(ctx context.Context, db DBTX, arg DayChargeParams) (DayChargeRow, error) {
+	row := db.QueryRow(ctx, dayCharge, arg.Day, arg.AccountID)
+	var i DayChargeRow
+	err := row.Scan(&i.DailyRungCeiling, &i.ChargedRungs)
+	return i, err
+}
+
 const deleteOldBatches = `-- name: DeleteOldBatches :execrows
 DELETE FROM batches
 WHERE batches.id IN (SELECT x.id FROM batches x WHERE x.completed_at < $1 ORDER BY x.completed_at LIMIT $2)

@@ -20,6 +20,17 @@ SELECT id, request_hash FROM batches WHERE account_id = @account_id AND idempote
 -- ceiling allows, and returns each one's outcome.
 SELECT admit_batches(@account_id, @day, @default_ceilings::bigint[], @estimates::bigint[])::text[] AS outcomes;
 
+-- name: DayCharge :one
+-- What admit_batches reads, without its lock: the account's own daily
+-- ceiling (NULL: its tier's default) and what is charged to the day. Read
+-- before a creation's items are sent, so that one the day has no room for
+-- is refused without them.
+SELECT a.daily_rung_ceiling,
+       coalesce((SELECT d.charged_rungs FROM daily_charges d
+                  WHERE d.account_id = a.id AND d.day = @day::date), 0)::bigint AS charged_rungs
+  FROM accounts a
+ WHERE a.id = @account_id;
+
 -- name: DeleteRefusedBatches :exec
 -- Removes, with their items, the batches of a creation group that the
 -- daily ceiling refused, in the transaction that inserted them.
