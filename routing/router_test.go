@@ -626,8 +626,13 @@ func TestReplacedRoutesCloseTheirConnections(t *testing.T) {
 			}
 			require.NoError(t, <-pair)
 			require.NoError(t, <-pair)
+			// Counted open, not dialed: over h2c, net/http may dial for a
+			// call before the connection it dialed for the call before is
+			// back in its pool (on a busy machine), and its HTTP/2 pool then
+			// closes the new connection unused.
 			conns := map[bool]int{false: 2, true: 1}[h2c]
-			require.Equal(t, conns, b.fakes["a"].Connections())
+			require.Eventually(t, func() bool { return b.fakes["a"].OpenConnections() == conns }, 5*time.Second, time.Millisecond)
+			dialed := b.fakes["a"].Connections()
 
 			b.fakes["a"].SetSlow("running", 2*time.Second)
 			running := make(chan error, 1)
@@ -646,7 +651,7 @@ func TestReplacedRoutesCloseTheirConnections(t *testing.T) {
 			require.NoError(t, <-running, "the call running on a finishes on its connection")
 			require.Eventually(t, func() bool { return b.fakes["a"].OpenConnections() == 0 }, 5*time.Second, time.Millisecond,
 				"a's last connection closes when its last call ends, an hour before its idle time would")
-			require.Equal(t, conns, b.fakes["a"].Connections(), "the running call used an idle connection")
+			require.Equal(t, dialed, b.fakes["a"].Connections(), "the running call used an idle connection")
 			require.Equal(t, 1, b.fakes["b"].OpenConnections(), "the new route's connection is kept")
 		})
 	}
