@@ -278,10 +278,19 @@ func TestIdleConnectionsLastAsLongAsTheUpstreamKeepsThem(t *testing.T) {
 	}
 	eachTransport(t, func(t *testing.T, b *testBundle) {
 		completeTwice(t, b.client, 0)
-		require.Equal(t, 1, b.fake.Connections(), "a connection is kept for the next call")
+		// Over h2c, net/http may dial for the second call before the first
+		// call's connection is back in its pool (on a busy machine); its
+		// HTTP/2 pool then closes the new connection unused, and the call
+		// goes on the first. So is one connection kept, dialed again or not.
+		require.Eventually(t, func() bool { return b.fake.OpenConnections() == 1 }, 5*time.Second, time.Millisecond,
+			"a connection is kept for the next call")
+		dialed := b.fake.Connections()
+		if !b.h2c {
+			require.Equal(t, 1, dialed, "over HTTP/1.1 the second call takes the first's connection back")
+		}
 		short := b.newClient(openai.Config{Timeout: 2 * time.Second, IdleTimeout: 50 * time.Millisecond})
 		completeTwice(t, short, 300*time.Millisecond)
-		require.Equal(t, 3, b.fake.Connections(), "a connection idle past IdleTimeout is not used")
+		require.Equal(t, dialed+2, b.fake.Connections(), "a connection idle past IdleTimeout is not used")
 		if b.h2c {
 			return
 		}
