@@ -271,7 +271,7 @@ func TestARefusedCreationSendsNoItems(t *testing.T) {
 	require.ErrorAs(t, err, &e)
 	require.Equal(t, gateway.ERateLimited, e.Code)
 	require.Contains(t, e.Message, "cannot cover this batch's estimate of 40 rungs")
-	require.Positive(t, e.RetryAfter, "the first batch's end may cure it")
+	require.Equal(t, gateway.BatchesRetryAfter, e.RetryAfter, "the first batch's end may cure it: %s", e.Message)
 	_, err = traced.CreateBatch(b.ctx, b.batchOf(p, 1, 150, "", day()))
 	require.ErrorAs(t, err, &e)
 	require.Equal(t, gateway.ERateLimited, e.Code)
@@ -397,7 +397,6 @@ func BenchmarkARefusedCreation(b *testing.B) {
 		return lsn
 	}
 	start := wal()
-	sent.Store(0)
 	for b.Loop() {
 		if _, err := counted.CreateBatch(bundle.ctx, nb); gateway.ErrorCodeOf(err) != gateway.ERateLimited {
 			b.Fatalf("want a refusal by the daily ceiling, got %v", err)
