@@ -53,7 +53,9 @@ func TestStridedWriterRenewsItsDeadline(t *testing.T) {
 	t.Run("LateWrites", func(t *testing.T) {
 		t.Parallel()
 		rec := &deadlineRecorder{ResponseRecorder: httptest.NewRecorder()}
-		const timeout = 40 * time.Millisecond
+		// Long enough that a busy machine's pause between the writer's start
+		// and its first write stays under a quarter of it.
+		const timeout = 400 * time.Millisecond
 		out := &stridedWriter{w: rec, timeout: timeout, set: time.Now()}
 		require.NoError(t, out.write([]byte("a page")))
 		time.Sleep(timeout / 2) // a page read, a long item encoded
