@@ -200,6 +200,7 @@ func (b *testBundle) lockedItems(t *testing.T, maxConns int32) (*store.Store, *p
 	t.Helper()
 	cfg := b.store.Pool().Config()
 	cfg.MaxConns = maxConns
+	cfg.ConnConfig.Tracer = b.tracer
 	pool, err := pgxpool.NewWithConfig(b.ctx, cfg)
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)

@@ -288,9 +288,10 @@ func (s *Store) createTogether(ctx context.Context, key creationKey, group []*cr
 
 // admitCreations sends the items of the creations fresh, whose batches tx
 // inserted, and charges their estimates to the day, as far as the ceiling
-// allows; it returns each one's outcome (gateway.AdmitOK or a refusal). A
-// creation whose estimate alone passes what the day has left when it is
-// read is refused before its items are sent: a client repeating a refused
+// allows; it returns each one's outcome (gateway.AdmitOK or a refusal). The
+// day's charge is read first, without a lock, and a creation that it leaves
+// no room for (charging the creations before it in turn, as admit_batches
+// does) is refused before its items are sent: a client repeating a refused
 // creation, whose items may take megabytes, writes nothing of them.
 func (s *Store) admitCreations(ctx context.Context, tx pgx.Tx, key creationKey, fresh []*creation) ([]string, error) {
 	room, err := s.queries.DayCharge(ctx, tx, db.DayChargeParams{AccountID: key.account, Day: key.day})
@@ -301,6 +302,7 @@ func (s *Store) admitCreations(ctx context.Context, tx pgx.Tx, key creationKey, 
 	var sent []int // indexes in fresh of the creations whose items are sent
 	var items []db.InsertBatchItemsParams
 	var charge db.AdmitBatchesParams
+	var added int64 // the estimates of those sent, charged in turn as admit_batches does
 	for i, c := range fresh {
 		ceiling := c.nb.Principal.Tier.DefaultDailyCeiling()
 		if room.DailyRungCeiling != nil {
@@ -309,9 +311,10 @@ func (s *Store) admitCreations(ctx context.Context, tx pgx.Tx, key creationKey, 
 		switch {
 		case c.total > ceiling:
 			outcomes[i] = gateway.AdmitDailyNever
-		case c.total > ceiling-room.ChargedRungs:
+		case c.total > ceiling-room.ChargedRungs-added:
 			outcomes[i] = gateway.AdmitDaily
 		default:
+			added += c.total
 			sent = append(sent, i)
 			items = append(items, c.items...)
 			charge.DefaultCeilings = append(charge.DefaultCeilings, c.nb.Principal.Tier.DefaultDailyCeiling())

@@ -194,12 +194,15 @@ func TestRefusalsByUnfinishedBatches(t *testing.T) {
 // TestCreationsStoredTogetherKeepTheirOutcomes: creations stored together
 // end as they would one after another: the daily ceiling charges them in
 // turn (one it refuses does not stop a later one that fits), a refused one
-// stores nothing, and two naming one idempotency key are never in one group.
+// sends and stores nothing, and two naming one idempotency key are never in
+// one group.
 func TestCreationsStoredTogetherKeepTheirOutcomes(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
 	b.limits(t, "acme", ptr(int64(100)), nil)
+	copied := &itemsCopied{}
+	b.tracer = copied
 	got := b.createBehindABlockedOne(t, b.batchOf(p, 1, 20, "", day()),
 		b.batchOf(p, 1, 30, "", day()),  // 1: fits (50)
 		b.batchOf(p, 1, 60, "", day()),  // 2: refused (110)
@@ -226,29 +229,36 @@ func TestCreationsStoredTogetherKeepTheirOutcomes(t *testing.T) {
 	require.Equal(t, gateway.EIdempotencyKeyReused, gateway.ErrorCodeOf(got[5].err), "%v", got[5].err)
 
 	require.Equal(t, created, b.storedItems(t, p.AccountID), "the refused stored nothing")
+	require.Equal(t, int64(len(created)), copied.n.Load(), "nor sent their items: a creation that fits alone but not after those before it neither")
 	require.Equal(t, int64(100), b.view(t, p).Daily.Charged)
 	require.Equal(t, 2, b.transactions(t, p.AccountID), "the first alone, the others that fit together")
 }
 
-// copyCounter counts the COPYs of batch items.
-type copyCounter struct {
-	n atomic.Int32
+// itemsCopied counts the batch items sent with COPY.
+type itemsCopied struct {
+	n atomic.Int64
 }
 
-func (*copyCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
+type copyingItems struct{}
+
+func (*itemsCopied) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
 	return ctx
 }
 
-func (*copyCounter) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+func (*itemsCopied) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
 
-func (c *copyCounter) TraceCopyFromStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceCopyFromStartData) context.Context {
+func (*itemsCopied) TraceCopyFromStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceCopyFromStartData) context.Context {
 	if d.TableName.Sanitize() == `"batch_items"` {
-		c.n.Add(1)
+		return context.WithValue(ctx, copyingItems{}, true)
 	}
 	return ctx
 }
 
-func (*copyCounter) TraceCopyFromEnd(context.Context, *pgx.Conn, pgx.TraceCopyFromEndData) {}
+func (c *itemsCopied) TraceCopyFromEnd(ctx context.Context, _ *pgx.Conn, d pgx.TraceCopyFromEndData) {
+	if ctx.Value(copyingItems{}) != nil {
+		c.n.Add(d.CommandTag.RowsAffected())
+	}
+}
 
 // TestARefusedCreationSendsNoItems: a creation whose estimate passes what the
 // day has left is refused before its items are sent (a client repeating a
@@ -259,12 +269,12 @@ func TestARefusedCreationSendsNoItems(t *testing.T) {
 	b := setup(t)
 	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
 	b.limits(t, "acme", ptr(int64(100)), nil)
-	copies := &copyCounter{}
-	traced := b.traced(t, copies)
+	copied := &itemsCopied{}
+	traced := b.traced(t, copied)
 
 	first, err := traced.CreateBatch(b.ctx, b.batchOf(p, 2, 35, "", day()))
 	require.NoError(t, err)
-	require.Equal(t, int32(1), copies.n.Load(), "a creation that fits sends its items")
+	require.Equal(t, int64(2), copied.n.Load(), "a creation that fits sends its items")
 
 	_, err = traced.CreateBatch(b.ctx, b.batchOf(p, 1, 40, "k", day()))
 	var e *gateway.Error
@@ -276,11 +286,11 @@ func TestARefusedCreationSendsNoItems(t *testing.T) {
 	require.ErrorAs(t, err, &e)
 	require.Equal(t, gateway.ERateLimited, e.Code)
 	require.Contains(t, e.Message, "larger than the account's whole daily rung ceiling")
-	require.Equal(t, int32(1), copies.n.Load(), "no refused creation sent its items")
+	require.Equal(t, int64(2), copied.n.Load(), "no refused creation sent its items")
 
 	second, err := traced.CreateBatch(b.ctx, b.batchOf(p, 1, 30, "k", day()))
 	require.NoError(t, err, "the refused creation kept no key")
-	require.Equal(t, int32(2), copies.n.Load())
+	require.Equal(t, int64(3), copied.n.Load())
 	require.Equal(t, map[uuid.UUID]int{first.BatchID: 2, second.BatchID: 1}, b.storedItems(t, p.AccountID))
 	require.Equal(t, int64(100), b.view(t, p).Daily.Charged)
 }

@@ -24,6 +24,9 @@ func TestMain(m *testing.M) { testdb.Main(m) }
 type testBundle struct {
 	ctx   context.Context
 	store *store.Store
+	// tracer, when set, traces the statements of the stores lockedItems
+	// makes.
+	tracer pgx.QueryTracer
 }
 
 func setup(t testing.TB) *testBundle {
