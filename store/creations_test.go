@@ -239,6 +239,8 @@ type itemsCopied struct {
 	n atomic.Int64
 }
 
+// copyingItems marks the context of a COPY of batch items, from its start
+// to its end.
 type copyingItems struct{}
 
 func (*itemsCopied) TraceQueryStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryStartData) context.Context {
