@@ -198,12 +198,10 @@ func TestCreateBatchSentAgain(t *testing.T) {
 // until unlock.
 func (b *testBundle) lockedItems(t *testing.T, maxConns int32) (*store.Store, *pgxpool.Pool, func()) {
 	t.Helper()
-	cfg := b.store.Pool().Config()
-	cfg.MaxConns = maxConns
-	cfg.ConnConfig.Tracer = b.tracer
-	pool, err := pgxpool.NewWithConfig(b.ctx, cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
+	pool := b.poolWith(t, func(cfg *pgxpool.Config) {
+		cfg.MaxConns = maxConns
+		cfg.ConnConfig.Tracer = b.tracer
+	})
 	lock, err := b.store.Pool().Begin(b.ctx)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = lock.Rollback(b.ctx) })
@@ -825,12 +823,7 @@ func BenchmarkBatchReadsAfterABurst(b *testing.B) {
 	analyzed := tb.newBatch(b, p, 100, 1, "", day())
 	tb.analyzeOnce(b)
 	id := tb.newBatch(b, p, 100, 1, "", day())
-	cfg := tb.store.Pool().Config()
-	cfg.MaxConns = 1
-	pool, err := pgxpool.NewWithConfig(tb.ctx, cfg)
-	require.NoError(b, err)
-	b.Cleanup(pool.Close)
-	st := store.New(pool)
+	st := store.New(tb.poolWith(b, func(cfg *pgxpool.Config) { cfg.MaxConns = 1 }))
 	reads := map[string]func() error{
 		"status": func() error { _, err := st.Batch(tb.ctx, p.AccountID, id); return err },
 		"results": func() error {
@@ -861,7 +854,7 @@ func BenchmarkBatchReadsAfterABurst(b *testing.B) {
 		}
 	}
 	measure("burst")
-	_, err = tb.store.Pool().Exec(tb.ctx, `VACUUM ANALYZE batches, batch_items`)
+	_, err := tb.store.Pool().Exec(tb.ctx, `VACUUM ANALYZE batches, batch_items`)
 	require.NoError(b, err)
 	measure("analyzed")
 }
@@ -1645,12 +1638,7 @@ func TestStartAndFinishLockOnlyBatchesThatCanMove(t *testing.T) {
 // traced is a store on a pool of its own whose statements tracer sees.
 func (b *testBundle) traced(t *testing.T, tracer pgx.QueryTracer) *store.Store {
 	t.Helper()
-	cfg := b.store.Pool().Config()
-	cfg.ConnConfig.Tracer = tracer
-	pool, err := pgxpool.NewWithConfig(b.ctx, cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
-	return store.New(pool)
+	return store.New(b.poolWith(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.Tracer = tracer }))
 }
 
 // holdingTracer holds a transition that locked its batch before it writes

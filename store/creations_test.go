@@ -424,19 +424,16 @@ func BenchmarkARefusedCreation(b *testing.B) {
 // send to sent.
 func (b *testBundle) counted(t testing.TB, sent *atomic.Int64) *store.Store {
 	t.Helper()
-	cfg := b.store.Pool().Config()
-	dial := cfg.ConnConfig.DialFunc
-	cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
-		c, err := dial(ctx, network, addr)
-		if err != nil {
-			return nil, err
+	return store.New(b.poolWith(t, func(cfg *pgxpool.Config) {
+		dial := cfg.ConnConfig.DialFunc
+		cfg.ConnConfig.DialFunc = func(ctx context.Context, network, addr string) (net.Conn, error) {
+			c, err := dial(ctx, network, addr)
+			if err != nil {
+				return nil, err
+			}
+			return &countingConn{Conn: c, sent: sent}, nil
 		}
-		return &countingConn{Conn: c, sent: sent}, nil
-	}
-	pool, err := pgxpool.NewWithConfig(b.ctx, cfg)
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
-	return store.New(pool)
+	}))
 }
 
 // countingConn adds what it writes to sent.

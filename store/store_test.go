@@ -11,6 +11,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
@@ -32,6 +33,18 @@ type testBundle struct {
 func setup(t testing.TB) *testBundle {
 	t.Helper()
 	return &testBundle{ctx: context.Background(), store: store.New(testdb.New(t))}
+}
+
+// poolWith is a pool of its own on the test's database, configured as the
+// store's with tweak applied; it closes with the test.
+func (b *testBundle) poolWith(t testing.TB, tweak func(*pgxpool.Config)) *pgxpool.Pool {
+	t.Helper()
+	cfg := b.store.Pool().Config()
+	tweak(cfg)
+	pool, err := pgxpool.NewWithConfig(b.ctx, cfg)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	return pool
 }
 
 func (b *testBundle) key(t testing.TB, account string, tier gateway.Tier, scopes ...gateway.Scope) (string, *gateway.Principal) {
