@@ -405,7 +405,7 @@ func BenchmarkARefusedCreation(b *testing.B) {
 	var sent atomic.Int64
 	counted := bundle.counted(b, &sent)
 	wal := func() (lsn string) {
-		require.NoError(b, bundle.store.Pool().QueryRow(bundle.ctx, "SELECT pg_current_wal_lsn()::text").Scan(&lsn))
+		require.NoError(b, bundle.store.Pool().QueryRow(bundle.ctx, "SELECT pg_current_wal_insert_lsn()::text").Scan(&lsn))
 		return lsn
 	}
 	start := wal()
