@@ -1,0 +1,116 @@
+package turnstile
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/stretchr/testify/require"
+)
+
+var errWaited = errors.New("waited too long")
+
+// waitBriefly is a context that ends with errWaited: a waiter given it has no
+// place to come.
+func waitBriefly(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeoutCause(context.Background(), 20*time.Millisecond, errWaited)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// users is the number of account's holders and waiters.
+func (g *Gate) users(account uuid.UUID) int {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if l, ok := g.lanes[account]; ok {
+		return l.users
+	}
+	return 0
+}
+
+func TestPlacesArePerAccount(t *testing.T) {
+	t.Parallel()
+	g := New(2)
+	a, b := uuid.New(), uuid.New()
+	for range 2 {
+		_, err := g.Enter(context.Background(), a)
+		require.NoError(t, err)
+	}
+	_, err := g.Enter(waitBriefly(t), a)
+	require.ErrorIs(t, err, errWaited, "a third request of a full account must wait")
+	leave, err := g.Enter(waitBriefly(t), b)
+	require.NoError(t, err, "another account's request must not wait for the full one")
+	leave()
+	require.Equal(t, 2, g.users(a), "a waiter given up must not stay counted")
+	require.Zero(t, g.users(b))
+}
+
+func TestWaitersEnterInTheOrderTheyCame(t *testing.T) {
+	t.Parallel()
+	g := New(1)
+	a := uuid.New()
+	leave, err := g.Enter(context.Background(), a)
+	require.NoError(t, err)
+	entered := make(chan int)
+	for i := range 5 {
+		go func() {
+			leave, err := g.Enter(context.Background(), a)
+			if err == nil {
+				entered <- i
+				leave()
+			}
+		}()
+		// The next waiter comes only once this one waits.
+		require.Eventually(t, func() bool { return g.users(a) == i+2 }, 10*time.Second, time.Millisecond)
+	}
+	leave()
+	for i := range 5 {
+		require.Equal(t, i, <-entered)
+	}
+	require.Eventually(t, func() bool { return g.users(a) == 0 }, 10*time.Second, time.Millisecond)
+}
+
+func TestLeavingTwiceFreesOnePlace(t *testing.T) {
+	t.Parallel()
+	g := New(1)
+	a := uuid.New()
+	leave, err := g.Enter(context.Background(), a)
+	require.NoError(t, err)
+	done := make(chan struct{})
+	go func() {
+		leave()
+		leave()
+		close(done)
+	}()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		require.FailNow(t, "a second leave blocked")
+	}
+	_, err = g.Enter(context.Background(), a)
+	require.NoError(t, err)
+	_, err = g.Enter(waitBriefly(t), a)
+	require.ErrorIs(t, err, errWaited, "a second leave must not free a place held by another")
+}
+
+func TestAnAccountsLaneGoesWithItsLastUser(t *testing.T) {
+	t.Parallel()
+	g := New(1)
+	a := uuid.New()
+	leave, err := g.Enter(context.Background(), a)
+	require.NoError(t, err)
+	_, err = g.Enter(waitBriefly(t), a)
+	require.ErrorIs(t, err, errWaited)
+	leave()
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	require.Empty(t, g.lanes)
+}
+
+func TestAGateHasAPlaceAtLeast(t *testing.T) {
+	t.Parallel()
+	require.Equal(t, 1, New(0).Places())
+	require.Equal(t, 3, New(3).Places())
+}
