@@ -28,6 +28,9 @@ type Policy struct {
 	Streams bool
 	// Query names the operation's query parameters.
 	Query []string
+	// InTurns is true when an account's requests of the operation are read
+	// and priced a few at a time on a replica (x-account-turns).
+	InTurns bool
 }
 
 // Policies returns the policy of every operation, keyed by operationId.
@@ -67,6 +70,10 @@ func Policies() (map[string]Policy, error) {
 				p.MaxBodyBytes = int64(n)
 			}
 			p.Streams = streams(op)
+			p.InTurns, _ = op["x-account-turns"].(bool)
+			if p.InTurns && p.Public {
+				return nil, fmt.Errorf("operation %s takes turns by account but needs no key", id)
+			}
 			for _, param := range parameters(op) {
 				if param["in"] == "query" {
 					name, _ := param["name"].(string)

@@ -26,7 +26,12 @@ func (s *Server) CreateBatch(ctx context.Context, req api.CreateBatchRequestObje
 			return nil, err
 		}
 	}
-	b, replayed, err := s.batches.Create(ctx, gateway.PrincipalFrom(ctx), items, key, req.Body)
+	prepared, err := s.batches.Prepare(gateway.PrincipalFrom(ctx), items, key, req.Body)
+	endTurn(ctx)
+	if err != nil {
+		return nil, err
+	}
+	b, replayed, err := s.batches.Create(ctx, prepared)
 	if err != nil {
 		return nil, err
 	}

@@ -20,10 +20,12 @@ import (
 	"github.com/labstack/echo/v4/middleware"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/batch"
 	"github.com/rungworks/gateway/gen/api"
 	"github.com/rungworks/gateway/inference"
 	"github.com/rungworks/gateway/metrics"
 	"github.com/rungworks/gateway/openapi"
+	"github.com/rungworks/gateway/turnstile"
 )
 
 // Authenticator resolves a bearer token to its principal.
@@ -41,9 +43,14 @@ type UsageReader interface {
 	Usage(ctx context.Context, p *gateway.Principal, start, end time.Time) (*gateway.UsageView, error)
 }
 
-// BatchCreator validates and stores batches.
+// BatchCreator validates, prices and stores batches.
 type BatchCreator interface {
-	Create(ctx context.Context, p *gateway.Principal, items []gateway.RequestInput, idempotencyKey string, body any) (*gateway.Batch, bool, error)
+	// Prepare validates and prices a batch: the part of its creation held
+	// to the account's turns.
+	Prepare(p *gateway.Principal, items []gateway.RequestInput, idempotencyKey string, body any) (batch.Prepared, error)
+	// Create stores a prepared batch and says whether it was an idempotent
+	// replay.
+	Create(ctx context.Context, b batch.Prepared) (*gateway.Batch, bool, error)
 }
 
 // BatchStore reads and cancels an account's batches.
@@ -113,6 +120,13 @@ type Config struct {
 	// BodyTimeout bounds the time to receive a request body (REQUEST_TIMEOUT);
 	// zero means DefaultBodyTimeout.
 	BodyTimeout time.Duration
+	// TurnPlaces is how many of one account's requests of an operation in
+	// turns (batch creations) are read and priced at once; zero means
+	// DefaultTurnPlaces.
+	TurnPlaces int
+	// TurnWait is how long such a request waits for a place before it is
+	// refused RATE_LIMITED; zero means DefaultTurnWait.
+	TurnWait time.Duration
 	// Unavailable reports whether an error means the database cannot be reached
 	// for the moment (SERVICE_UNAVAILABLE, 503); nil means never.
 	Unavailable func(error) bool
@@ -166,6 +180,10 @@ type Server struct {
 	// streams are the detached streams open.
 	relisten atomic.Pointer[relistener]
 	streams  streamSet
+	// turns holds the operations in turns to a few of an account's requests
+	// at once (takeTurn).
+	turns    *turnstile.Gate
+	turnWait time.Duration
 }
 
 // New builds the server: routes come from the generated RegisterHandlers, and
@@ -220,6 +238,8 @@ func New(cfg Config) (*Server, error) {
 		paramForms:         paramForms,
 		openAPI:            doc,
 		schema:             schema,
+		turns:              turnstile.New(cmp.Or(cfg.TurnPlaces, DefaultTurnPlaces())),
+		turnWait:           cmp.Or(cfg.TurnWait, DefaultTurnWait),
 	}
 	s.abort, s.abortCalls = context.WithCancelCause(context.Background())
 	s.echo.HideBanner = true
@@ -245,6 +265,9 @@ func New(cfg Config) (*Server, error) {
 		}
 		if len(p.Query) > 0 {
 			mws = append(mws, s.checkQuery(p.Query))
+		}
+		if p.InTurns {
+			mws = append(mws, s.takeTurn)
 		}
 		if p.MaxBodyBytes > 0 {
 			mws = append(mws, limitBody(p.MaxBodyBytes, cfg.BodyTimeout))

@@ -991,6 +991,15 @@ type ClientInterface interface {
 	// `422 IDEMPOTENCY_KEY_REUSED`. A create refused by validation or admission
 	// stores no key. Requires the `inference` scope and the `developer` tier.
 	//
+	// Reading and pricing a batch takes a replica's CPU (up to about a second
+	// for 100 prompts of 100 KB), so each replica reads and prices an
+	// account's creations a few at a time: as many as half its cores, at
+	// least one (the `x-account-turns` extension). A creation waits for its
+	// turn before its body is read, in the order creations came; one that
+	// waits 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing
+	// read or stored. Storing is not held to turns. Other accounts'
+	// creations never wait for this account's.
+	//
 	// When the gateway's database goes away while the batch is being stored and
 	// its answer is lost, the gateway sends the batch again (it is stored at most
 	// once) for up to 10 s, and replies as usual once the database answers. Past
@@ -1028,6 +1037,15 @@ type ClientInterface interface {
 	// create exactly one batch); the same key with a different body is
 	// `422 IDEMPOTENCY_KEY_REUSED`. A create refused by validation or admission
 	// stores no key. Requires the `inference` scope and the `developer` tier.
+	//
+	// Reading and pricing a batch takes a replica's CPU (up to about a second
+	// for 100 prompts of 100 KB), so each replica reads and prices an
+	// account's creations a few at a time: as many as half its cores, at
+	// least one (the `x-account-turns` extension). A creation waits for its
+	// turn before its body is read, in the order creations came; one that
+	// waits 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing
+	// read or stored. Storing is not held to turns. Other accounts'
+	// creations never wait for this account's.
 	//
 	// When the gateway's database goes away while the batch is being stored and
 	// its answer is lost, the gateway sends the batch again (it is stored at most
@@ -1265,6 +1283,15 @@ func (c *Client) GetJSONSchema(ctx context.Context, reqEditors ...RequestEditorF
 // `422 IDEMPOTENCY_KEY_REUSED`. A create refused by validation or admission
 // stores no key. Requires the `inference` scope and the `developer` tier.
 //
+// Reading and pricing a batch takes a replica's CPU (up to about a second
+// for 100 prompts of 100 KB), so each replica reads and prices an
+// account's creations a few at a time: as many as half its cores, at
+// least one (the `x-account-turns` extension). A creation waits for its
+// turn before its body is read, in the order creations came; one that
+// waits 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing
+// read or stored. Storing is not held to turns. Other accounts'
+// creations never wait for this account's.
+//
 // When the gateway's database goes away while the batch is being stored and
 // its answer is lost, the gateway sends the batch again (it is stored at most
 // once) for up to 10 s, and replies as usual once the database answers. Past
@@ -1312,6 +1339,15 @@ func (c *Client) CreateBatchWithBody(ctx context.Context, params *CreateBatchPar
 // create exactly one batch); the same key with a different body is
 // `422 IDEMPOTENCY_KEY_REUSED`. A create refused by validation or admission
 // stores no key. Requires the `inference` scope and the `developer` tier.
+//
+// Reading and pricing a batch takes a replica's CPU (up to about a second
+// for 100 prompts of 100 KB), so each replica reads and prices an
+// account's creations a few at a time: as many as half its cores, at
+// least one (the `x-account-turns` extension). A creation waits for its
+// turn before its body is read, in the order creations came; one that
+// waits 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing
+// read or stored. Storing is not held to turns. Other accounts'
+// creations never wait for this account's.
 //
 // When the gateway's database goes away while the batch is being stored and
 // its answer is lost, the gateway sends the batch again (it is stored at most
@@ -2279,6 +2315,15 @@ type ClientWithResponsesInterface interface {
 	// `422 IDEMPOTENCY_KEY_REUSED`. A create refused by validation or admission
 	// stores no key. Requires the `inference` scope and the `developer` tier.
 	//
+	// Reading and pricing a batch takes a replica's CPU (up to about a second
+	// for 100 prompts of 100 KB), so each replica reads and prices an
+	// account's creations a few at a time: as many as half its cores, at
+	// least one (the `x-account-turns` extension). A creation waits for its
+	// turn before its body is read, in the order creations came; one that
+	// waits 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing
+	// read or stored. Storing is not held to turns. Other accounts'
+	// creations never wait for this account's.
+	//
 	// When the gateway's database goes away while the batch is being stored and
 	// its answer is lost, the gateway sends the batch again (it is stored at most
 	// once) for up to 10 s, and replies as usual once the database answers. Past
@@ -2316,6 +2361,15 @@ type ClientWithResponsesInterface interface {
 	// create exactly one batch); the same key with a different body is
 	// `422 IDEMPOTENCY_KEY_REUSED`. A create refused by validation or admission
 	// stores no key. Requires the `inference` scope and the `developer` tier.
+	//
+	// Reading and pricing a batch takes a replica's CPU (up to about a second
+	// for 100 prompts of 100 KB), so each replica reads and prices an
+	// account's creations a few at a time: as many as half its cores, at
+	// least one (the `x-account-turns` extension). A creation waits for its
+	// turn before its body is read, in the order creations came; one that
+	// waits 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing
+	// read or stored. Storing is not held to turns. Other accounts'
+	// creations never wait for this account's.
 	//
 	// When the gateway's database goes away while the batch is being stored and
 	// its answer is lost, the gateway sends the batch again (it is stored at most
@@ -4299,6 +4353,15 @@ func (c *ClientWithResponses) GetJSONSchemaWithResponse(ctx context.Context, req
 // `422 IDEMPOTENCY_KEY_REUSED`. A create refused by validation or admission
 // stores no key. Requires the `inference` scope and the `developer` tier.
 //
+// Reading and pricing a batch takes a replica's CPU (up to about a second
+// for 100 prompts of 100 KB), so each replica reads and prices an
+// account's creations a few at a time: as many as half its cores, at
+// least one (the `x-account-turns` extension). A creation waits for its
+// turn before its body is read, in the order creations came; one that
+// waits 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing
+// read or stored. Storing is not held to turns. Other accounts'
+// creations never wait for this account's.
+//
 // When the gateway's database goes away while the batch is being stored and
 // its answer is lost, the gateway sends the batch again (it is stored at most
 // once) for up to 10 s, and replies as usual once the database answers. Past
@@ -4342,6 +4405,15 @@ func (c *ClientWithResponses) CreateBatchWithBodyWithResponse(ctx context.Contex
 // create exactly one batch); the same key with a different body is
 // `422 IDEMPOTENCY_KEY_REUSED`. A create refused by validation or admission
 // stores no key. Requires the `inference` scope and the `developer` tier.
+//
+// Reading and pricing a batch takes a replica's CPU (up to about a second
+// for 100 prompts of 100 KB), so each replica reads and prices an
+// account's creations a few at a time: as many as half its cores, at
+// least one (the `x-account-turns` extension). A creation waits for its
+// turn before its body is read, in the order creations came; one that
+// waits 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing
+// read or stored. Storing is not held to turns. Other accounts'
+// creations never wait for this account's.
 //
 // When the gateway's database goes away while the batch is being stored and
 // its answer is lost, the gateway sends the batch again (it is stored at most
