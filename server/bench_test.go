@@ -2,12 +2,15 @@ package server_test
 
 import (
 	"bytes"
+	"context"
 	"io"
 	"log/slog"
+	"math/rand/v2"
 	"net/http"
 	"runtime"
 	"runtime/metrics"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -100,4 +103,106 @@ func heapLive() uint64 {
 	s := []metrics.Sample{{Name: "/gc/heap/live:bytes"}}
 	metrics.Read(s)
 	return s[0].Value.Uint64()
+}
+
+// BenchmarkACreationBesideAFlood is one small batch creation of an account
+// while another account floods the replica with creations of 100 distinct
+// prompts of 99 KB (10 MB each, refused by its daily ceiling once priced),
+// eight at a time: ns/op is how long the small creation takes. "turns" is
+// the replica as it runs, with each account's creations read and priced in
+// turns (DefaultTurnPlaces); "unbounded" gives every creation a place at
+// once; "alone" has no flood. flood-creations/s is how many of the flood's
+// creations were answered.
+func BenchmarkACreationBesideAFlood(b *testing.B) {
+	for _, tc := range []struct {
+		name     string
+		places   int
+		flooders int
+	}{{"alone", 0, 0}, {"turns", 0, 8}, {"unbounded", 1 << 20, 8}} {
+		b.Run(tc.name, func(b *testing.B) {
+			bundle := setupWith(b, options{
+				rates: ratelimit.Config{Limits: gateway.RateLimits{Free: 1 << 30, Developer: 1 << 30}},
+				server: func(c *server.Config) {
+					c.Logger = slog.New(slog.DiscardHandler)
+					c.TurnPlaces = tc.places
+				},
+			})
+			bundle.setLimits(b, ptr(int64(1000)), nil)
+			victim := bundle.newKey("globex", gateway.TierDeveloper, gateway.ScopeInference)
+			flood := floodBodies(b, 4)
+			ctx, stop := context.WithCancel(context.Background())
+			var answered atomic.Int64
+			var wg sync.WaitGroup
+			for i := range tc.flooders {
+				wg.Go(func() {
+					for j := i; ctx.Err() == nil; j++ {
+						if status := bundle.send(ctx, bundle.key, flood[j%len(flood)]); status == http.StatusTooManyRequests {
+							answered.Add(1)
+						} else if ctx.Err() == nil {
+							b.Errorf("a flood creation was answered %d", status)
+						}
+					}
+				})
+			}
+			b.Cleanup(func() { stop(); wg.Wait() })
+			for tc.flooders > 0 && answered.Load() == 0 {
+				time.Sleep(10 * time.Millisecond)
+			}
+			small := []byte(`{"requests": [{"prompt": "a small batch", "max_output_rungs": 5}]}`)
+			start, before := time.Now(), answered.Load()
+			for b.Loop() {
+				if status := bundle.send(context.Background(), victim, small); status != http.StatusAccepted {
+					b.Fatalf("the small creation was answered %d", status)
+				}
+			}
+			if tc.flooders > 0 {
+				b.ReportMetric(float64(answered.Load()-before)/time.Since(start).Seconds(), "flood-creations/s")
+			}
+		})
+	}
+}
+
+// send posts a batch creation and returns its status, 0 when it had none.
+func (bundle *testBundle) send(ctx context.Context, key string, body []byte) int {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, bundle.http.URL+"/api/v1/batch", bytes.NewReader(body))
+	if err != nil {
+		return 0
+	}
+	req.Header.Set("Authorization", "Bearer "+key)
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return 0
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	_ = resp.Body.Close()
+	return resp.StatusCode
+}
+
+// floodBodies returns n batch bodies of 100 prompts of 99 KB each, of words
+// of random letters: no two prompts alike, so that pricing each costs the
+// tokenizer its full work.
+func floodBodies(b *testing.B, n int) [][]byte {
+	rng := rand.New(rand.NewPCG(1, 2))
+	bodies := make([][]byte, n)
+	for i := range bodies {
+		var body bytes.Buffer
+		body.WriteString(`{"requests": [`)
+		for item := range 100 {
+			if item > 0 {
+				body.WriteByte(',')
+			}
+			body.WriteString(`{"prompt": "`)
+			for end := body.Len() + 99_000; body.Len() < end; {
+				for range 2 + rng.IntN(9) {
+					body.WriteByte(byte('a' + rng.IntN(26)))
+				}
+				body.WriteByte(' ')
+			}
+			body.WriteString(`x"}`)
+		}
+		body.WriteString(`]}`)
+		bodies[i] = body.Bytes()
+	}
+	return bodies
 }
