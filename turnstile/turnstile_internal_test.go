@@ -20,6 +20,16 @@ func waitBriefly(t *testing.T) context.Context {
 	return ctx
 }
 
+// holdOne returns a gate of one place an account, an account, and the leave
+// of the place it holds.
+func holdOne(t *testing.T) (*Gate, uuid.UUID, func()) {
+	t.Helper()
+	g, a := New(1), uuid.New()
+	leave, err := g.Enter(context.Background(), a)
+	require.NoError(t, err)
+	return g, a, leave
+}
+
 // users is the number of account's holders and waiters.
 func (g *Gate) users(account uuid.UUID) int {
 	g.mu.Lock()
@@ -49,10 +59,7 @@ func TestPlacesArePerAccount(t *testing.T) {
 
 func TestWaitersEnterInTheOrderTheyCame(t *testing.T) {
 	t.Parallel()
-	g := New(1)
-	a := uuid.New()
-	leave, err := g.Enter(context.Background(), a)
-	require.NoError(t, err)
+	g, a, leave := holdOne(t)
 	entered := make(chan int)
 	for i := range 5 {
 		go func() {
@@ -74,10 +81,7 @@ func TestWaitersEnterInTheOrderTheyCame(t *testing.T) {
 
 func TestLeavingTwiceFreesOnePlace(t *testing.T) {
 	t.Parallel()
-	g := New(1)
-	a := uuid.New()
-	leave, err := g.Enter(context.Background(), a)
-	require.NoError(t, err)
+	g, a, leave := holdOne(t)
 	done := make(chan struct{})
 	go func() {
 		leave()
@@ -89,7 +93,7 @@ func TestLeavingTwiceFreesOnePlace(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		require.FailNow(t, "a second leave blocked")
 	}
-	_, err = g.Enter(context.Background(), a)
+	_, err := g.Enter(context.Background(), a)
 	require.NoError(t, err)
 	_, err = g.Enter(waitBriefly(t), a)
 	require.ErrorIs(t, err, errWaited, "a second leave must not free a place held by another")
@@ -97,11 +101,8 @@ func TestLeavingTwiceFreesOnePlace(t *testing.T) {
 
 func TestAnAccountsLaneGoesWithItsLastUser(t *testing.T) {
 	t.Parallel()
-	g := New(1)
-	a := uuid.New()
-	leave, err := g.Enter(context.Background(), a)
-	require.NoError(t, err)
-	_, err = g.Enter(waitBriefly(t), a)
+	g, a, leave := holdOne(t)
+	_, err := g.Enter(waitBriefly(t), a)
 	require.ErrorIs(t, err, errWaited)
 	leave()
 	g.mu.Lock()
