@@ -38,16 +38,21 @@ func New(places int) *Gate {
 // Places is the number of places per account.
 func (g *Gate) Places() int { return g.places }
 
-// Enter waits for one of account's places, or for ctx to end, which it then
-// returns the cause of. The returned leave frees the place; calling it again
-// does nothing.
+// Enter takes one of account's places: a free one, even when ctx has ended,
+// or else the first to come free, unless ctx ends first, which it then returns
+// the cause of. The returned leave frees the place; calling it again does
+// nothing.
 func (g *Gate) Enter(ctx context.Context, account uuid.UUID) (leave func(), err error) {
 	l := g.join(account)
 	select {
 	case l.places <- struct{}{}:
-	case <-ctx.Done():
-		g.quit(account, l)
-		return nil, context.Cause(ctx)
+	default:
+		select {
+		case l.places <- struct{}{}:
+		case <-ctx.Done():
+			g.quit(account, l)
+			return nil, context.Cause(ctx)
+		}
 	}
 	var once sync.Once
 	return func() {

@@ -110,6 +110,18 @@ func TestAnAccountsLaneGoesWithItsLastUser(t *testing.T) {
 	require.Empty(t, g.lanes)
 }
 
+func TestAFreePlaceIsTakenWhateverTheContext(t *testing.T) {
+	t.Parallel()
+	g := New(1)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	for range 100 {
+		leave, err := g.Enter(ctx, uuid.New())
+		require.NoError(t, err)
+		leave()
+	}
+}
+
 func TestAGateHasAPlaceAtLeast(t *testing.T) {
 	t.Parallel()
 	require.Equal(t, 1, New(0).Places())
