@@ -29,6 +29,10 @@ func DefaultTurnPlaces() int { return max(runtime.GOMAXPROCS(0)/2, 1) }
 // errTurnWait ends the wait of a request for its turn.
 var errTurnWait = errors.New("waited too long for the account's turn")
 
+// errTurnShutdown ends the wait of a request for its turn when the
+// shutdown's grace ends (Abort).
+var errTurnShutdown = errors.New("the replica shut down while the request waited for its turn")
+
 // turnKey is the context key of the leave func of a request's turn.
 type turnKey struct{}
 
@@ -36,19 +40,27 @@ type turnKey struct{}
 // one of its account's places is free, before its body is read, so that the
 // requests waiting hold no body in memory. The place is held until the
 // handler calls endTurn, once the costly part is done, or until the request
-// ends. A request that waits turnWait is refused RATE_LIMITED.
+// ends. A request that waits turnWait is refused RATE_LIMITED; one still
+// waiting when the shutdown's grace ends, SERVICE_UNAVAILABLE.
 func (s *Server) takeTurn(next echo.HandlerFunc) echo.HandlerFunc {
 	return func(c echo.Context) error {
 		r := c.Request()
-		ctx, cancel := context.WithTimeoutCause(r.Context(), s.turnWait, errTurnWait)
+		ctx, abort := context.WithCancelCause(r.Context())
+		stop := context.AfterFunc(s.abort, func() { abort(errTurnShutdown) })
+		ctx, cancel := context.WithTimeoutCause(ctx, s.turnWait, errTurnWait)
 		leave, err := s.turns.Enter(ctx, gateway.PrincipalFrom(r.Context()).AccountID)
 		cancel()
-		if errors.Is(err, errTurnWait) {
+		stop()
+		abort(nil)
+		switch {
+		case errors.Is(err, errTurnWait):
 			s.metrics.Refusal("turn_wait")
 			return &gateway.Error{Code: gateway.ERateLimited, RetryAfter: turnRetryAfter, Cause: err,
 				Message: fmt.Sprintf("this account's batch creations are read and priced %d at a time on each replica, and this one waited %s for its turn; send fewer at once, or smaller ones", s.turns.Places(), s.turnWait)}
-		}
-		if err != nil {
+		case errors.Is(err, errTurnShutdown):
+			return &gateway.Error{Code: gateway.EServiceUnavailable, RetryAfter: unavailableRetryAfter, Cause: err,
+				Message: "this replica shut down before the batch was read; nothing was stored: send it again"}
+		case err != nil:
 			return fmt.Errorf("error waiting for the account's turn: %w", err)
 		}
 		defer leave()

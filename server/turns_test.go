@@ -42,33 +42,49 @@ func (b *testBundle) sendBatch(key string, body io.Reader) <-chan int {
 	return status
 }
 
+// holdTurn starts a batch creation of key whose body stops halfway, and
+// waits until it holds the account's one place: until the account's next
+// creation is refused for its turn (the server's TurnWait must be short).
+// Until then, the next ones may take the place before it, and are stored.
+// finish sends the rest of the body and returns the creation's status.
+func (b *testBundle) holdTurn(t *testing.T, key string, body any) (finish func() int) {
+	t.Helper()
+	raw, err := json.Marshal(body)
+	require.NoError(t, err)
+	slow, rest := io.Pipe()
+	t.Cleanup(func() { _ = rest.CloseWithError(io.ErrUnexpectedEOF) }) // runs before the server's
+	status := b.sendBatch(key, slow)
+	_, err = rest.Write(raw[:len(raw)/2])
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		r := b.post("/api/v1/batch", key, body)
+		return r.status == http.StatusTooManyRequests && strings.Contains(r.message(t), "for its turn")
+	}, 20*time.Second, time.Millisecond)
+	return func() int {
+		_, err := rest.Write(raw[len(raw)/2:])
+		require.NoError(t, err)
+		require.NoError(t, rest.Close())
+		return <-status
+	}
+}
+
+// oneTurn is a server with one place an account and a short wait for it.
+func oneTurn(c *server.Config) {
+	c.TurnPlaces = 1
+	c.TurnWait = 300 * time.Millisecond
+}
+
 // TestAnAccountsBatchCreationsAreReadAndPricedInTurn: with one place an
 // account, a creation whose body is still coming holds its account's place.
 // The account's next creation waits for it and, past the wait, is refused
 // RATE_LIMITED with nothing stored; another account's creation does not wait.
 func TestAnAccountsBatchCreationsAreReadAndPricedInTurn(t *testing.T) {
 	t.Parallel()
-	b := setupWith(t, options{server: func(c *server.Config) {
-		c.TurnPlaces = 1
-		c.TurnWait = 300 * time.Millisecond
-	}})
+	b := setupWith(t, options{server: oneTurn})
 	other := b.newKey("globex", gateway.TierDeveloper, gateway.ScopeInference)
 	body := map[string]any{"requests": items(2)}
-	raw, err := json.Marshal(body)
-	require.NoError(t, err)
+	finish := b.holdTurn(t, b.key, body)
 
-	// The first creation's body stops halfway until the test sends the rest.
-	slow, rest := io.Pipe()
-	first := b.sendBatch(b.key, slow)
-	_, err = rest.Write(raw[:len(raw)/2])
-	require.NoError(t, err)
-
-	// Once the first holds the place, the next creation waits for it and is
-	// refused. Until then, the next ones may take the place before it.
-	require.Eventually(t, func() bool {
-		r := b.post("/api/v1/batch", b.key, body)
-		return r.status == http.StatusTooManyRequests && strings.Contains(r.message(t), "for its turn")
-	}, 20*time.Second, time.Millisecond)
 	refused := b.postWith("/api/v1/batch", b.key, body, http.Header{"Idempotency-Key": {"turned-away"}})
 	require.Equal(t, http.StatusTooManyRequests, refused.status)
 	require.Equal(t, gateway.ERateLimited, refused.errorCode(t))
@@ -78,13 +94,32 @@ func TestAnAccountsBatchCreationsAreReadAndPricedInTurn(t *testing.T) {
 	require.Equal(t, http.StatusAccepted, b.post("/api/v1/batch", other, body).status,
 		"another account's creation must not wait for this account's place")
 
-	_, err = rest.Write(raw[len(raw)/2:])
-	require.NoError(t, err)
-	require.NoError(t, rest.Close())
-	require.Equal(t, http.StatusAccepted, <-first)
+	require.Equal(t, http.StatusAccepted, finish())
 	require.Equal(t, http.StatusAccepted,
 		b.postWith("/api/v1/batch", b.key, map[string]any{"requests": items(3)}, http.Header{"Idempotency-Key": {"turned-away"}}).status,
 		"the place is free again, and the refused creation's key was never stored")
+}
+
+// TestACreationWaitingForItsTurnEndsWithTheGrace: once the shutdown's grace
+// has ended (Abort), a creation that finds its account's places taken is
+// answered SERVICE_UNAVAILABLE at once, nothing stored, where it would have
+// waited; the creation holding the place goes on, and a free place is still
+// taken.
+func TestACreationWaitingForItsTurnEndsWithTheGrace(t *testing.T) {
+	t.Parallel()
+	b := setupWith(t, options{server: oneTurn})
+	body := map[string]any{"requests": items(2)}
+	finish := b.holdTurn(t, b.key, body)
+	b.server.Abort()
+
+	r := b.post("/api/v1/batch", b.key, body)
+	require.Equal(t, http.StatusServiceUnavailable, r.status)
+	require.Equal(t, gateway.EServiceUnavailable, r.errorCode(t))
+	require.Contains(t, r.message(t), "nothing was stored")
+	require.NotEmpty(t, r.header.Get("Retry-After"))
+
+	require.Equal(t, http.StatusAccepted, finish())
+	require.Equal(t, http.StatusAccepted, b.post("/api/v1/batch", b.key, body).status)
 }
 
 // heldStore is the real store whose batch creations wait for release, each

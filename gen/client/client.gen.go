@@ -997,8 +997,9 @@ type ClientInterface interface {
 	// least one (the `x-account-turns` extension). A creation waits for its
 	// turn before its body is read, in the order creations came; one that
 	// waits 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing
-	// read or stored. Storing is not held to turns. Other accounts'
-	// creations never wait for this account's.
+	// read or stored; one still waiting when the replica's shutdown grace
+	// ends, `503 SERVICE_UNAVAILABLE`. Storing is not held to turns. Other
+	// accounts' creations never wait for this account's.
 	//
 	// When the gateway's database goes away while the batch is being stored and
 	// its answer is lost, the gateway sends the batch again (it is stored at most
@@ -1044,8 +1045,9 @@ type ClientInterface interface {
 	// least one (the `x-account-turns` extension). A creation waits for its
 	// turn before its body is read, in the order creations came; one that
 	// waits 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing
-	// read or stored. Storing is not held to turns. Other accounts'
-	// creations never wait for this account's.
+	// read or stored; one still waiting when the replica's shutdown grace
+	// ends, `503 SERVICE_UNAVAILABLE`. Storing is not held to turns. Other
+	// accounts' creations never wait for this account's.
 	//
 	// When the gateway's database goes away while the batch is being stored and
 	// its answer is lost, the gateway sends the batch again (it is stored at most
@@ -1289,8 +1291,9 @@ func (c *Client) GetJSONSchema(ctx context.Context, reqEditors ...RequestEditorF
 // least one (the `x-account-turns` extension). A creation waits for its
 // turn before its body is read, in the order creations came; one that
 // waits 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing
-// read or stored. Storing is not held to turns. Other accounts'
-// creations never wait for this account's.
+// read or stored; one still waiting when the replica's shutdown grace
+// ends, `503 SERVICE_UNAVAILABLE`. Storing is not held to turns. Other
+// accounts' creations never wait for this account's.
 //
 // When the gateway's database goes away while the batch is being stored and
 // its answer is lost, the gateway sends the batch again (it is stored at most
@@ -1346,8 +1349,9 @@ func (c *Client) CreateBatchWithBody(ctx context.Context, params *CreateBatchPar
 // least one (the `x-account-turns` extension). A creation waits for its
 // turn before its body is read, in the order creations came; one that
 // waits 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing
-// read or stored. Storing is not held to turns. Other accounts'
-// creations never wait for this account's.
+// read or stored; one still waiting when the replica's shutdown grace
+// ends, `503 SERVICE_UNAVAILABLE`. Storing is not held to turns. Other
+// accounts' creations never wait for this account's.
 //
 // When the gateway's database goes away while the batch is being stored and
 // its answer is lost, the gateway sends the batch again (it is stored at most
@@ -2321,8 +2325,9 @@ type ClientWithResponsesInterface interface {
 	// least one (the `x-account-turns` extension). A creation waits for its
 	// turn before its body is read, in the order creations came; one that
 	// waits 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing
-	// read or stored. Storing is not held to turns. Other accounts'
-	// creations never wait for this account's.
+	// read or stored; one still waiting when the replica's shutdown grace
+	// ends, `503 SERVICE_UNAVAILABLE`. Storing is not held to turns. Other
+	// accounts' creations never wait for this account's.
 	//
 	// When the gateway's database goes away while the batch is being stored and
 	// its answer is lost, the gateway sends the batch again (it is stored at most
@@ -2368,8 +2373,9 @@ type ClientWithResponsesInterface interface {
 	// least one (the `x-account-turns` extension). A creation waits for its
 	// turn before its body is read, in the order creations came; one that
 	// waits 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing
-	// read or stored. Storing is not held to turns. Other accounts'
-	// creations never wait for this account's.
+	// read or stored; one still waiting when the replica's shutdown grace
+	// ends, `503 SERVICE_UNAVAILABLE`. Storing is not held to turns. Other
+	// accounts' creations never wait for this account's.
 	//
 	// When the gateway's database goes away while the batch is being stored and
 	// its answer is lost, the gateway sends the batch again (it is stored at most
@@ -4359,8 +4365,9 @@ func (c *ClientWithResponses) GetJSONSchemaWithResponse(ctx context.Context, req
 // least one (the `x-account-turns` extension). A creation waits for its
 // turn before its body is read, in the order creations came; one that
 // waits 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing
-// read or stored. Storing is not held to turns. Other accounts'
-// creations never wait for this account's.
+// read or stored; one still waiting when the replica's shutdown grace
+// ends, `503 SERVICE_UNAVAILABLE`. Storing is not held to turns. Other
+// accounts' creations never wait for this account's.
 //
 // When the gateway's database goes away while the batch is being stored and
 // its answer is lost, the gateway sends the batch again (it is stored at most
@@ -4412,8 +4419,9 @@ func (c *ClientWithResponses) CreateBatchWithBodyWithResponse(ctx context.Contex
 // least one (the `x-account-turns` extension). A creation waits for its
 // turn before its body is read, in the order creations came; one that
 // waits 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing
-// read or stored. Storing is not held to turns. Other accounts'
-// creations never wait for this account's.
+// read or stored; one still waiting when the replica's shutdown grace
+// ends, `503 SERVICE_UNAVAILABLE`. Storing is not held to turns. Other
+// accounts' creations never wait for this account's.
 //
 // When the gateway's database goes away while the batch is being stored and
 // its answer is lost, the gateway sends the batch again (it is stored at most
