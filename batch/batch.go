@@ -82,7 +82,6 @@ func (s *Service) Prepare(p *gateway.Principal, items []gateway.RequestInput, id
 	if err != nil {
 		return Prepared{}, err
 	}
-	nb.ID = uuid.Must(uuid.NewV7())
 	nb.RequestHash = hash
 	return Prepared{nb}, nil
 }
@@ -95,6 +94,7 @@ func (s *Service) Create(ctx context.Context, prepared Prepared) (*gateway.Batch
 	if window <= 0 {
 		window = DefaultWindow
 	}
+	nb.ID = uuid.Must(uuid.NewV7())
 	nb.CreatedAt = time.Now().UTC().Truncate(time.Microsecond)
 	nb.ExpiresAt = nb.CreatedAt.Add(window)
 	res, err := s.create(ctx, nb)
