@@ -80,7 +80,15 @@ func oneTurn(c *server.Config) {
 // RATE_LIMITED with nothing stored; another account's creation does not wait.
 func TestAnAccountsBatchCreationsAreReadAndPricedInTurn(t *testing.T) {
 	t.Parallel()
-	b := setupWith(t, options{server: oneTurn})
+	for _, h2c := range []bool{false, true} {
+		t.Run(protoName(h2c), func(t *testing.T) {
+			t.Parallel()
+			testReadAndPricedInTurn(t, setupWith(t, options{server: oneTurn, h2c: h2c}))
+		})
+	}
+}
+
+func testReadAndPricedInTurn(t *testing.T, b *testBundle) {
 	other := b.newKey("globex", gateway.TierDeveloper, gateway.ScopeInference)
 	body := map[string]any{"requests": items(2)}
 	finish := b.holdTurn(t, b.key, body)
