@@ -136,7 +136,7 @@ func BenchmarkACreationBesideAFlood(b *testing.B) {
 			for i := range tc.flooders {
 				wg.Go(func() {
 					for j := i; ctx.Err() == nil; j++ {
-						if status := bundle.send(ctx, bundle.key, flood[j%len(flood)]); status == http.StatusTooManyRequests {
+						if status := bundle.postBody(ctx, "/api/v1/batch", bundle.key, bytes.NewReader(flood[j%len(flood)])); status == http.StatusTooManyRequests {
 							answered.Add(1)
 						} else if ctx.Err() == nil {
 							b.Errorf("a flood creation was answered %d", status)
@@ -151,7 +151,7 @@ func BenchmarkACreationBesideAFlood(b *testing.B) {
 			small := []byte(`{"requests": [{"prompt": "a small batch", "max_output_rungs": 5}]}`)
 			start, before := time.Now(), answered.Load()
 			for b.Loop() {
-				if status := bundle.send(context.Background(), victim, small); status != http.StatusAccepted {
+				if status := bundle.postBody(context.Background(), "/api/v1/batch", victim, bytes.NewReader(small)); status != http.StatusAccepted {
 					b.Fatalf("the small creation was answered %d", status)
 				}
 			}
@@ -160,23 +160,6 @@ func BenchmarkACreationBesideAFlood(b *testing.B) {
 			}
 		})
 	}
-}
-
-// send posts a batch creation and returns its status, 0 when it had none.
-func (bundle *testBundle) send(ctx context.Context, key string, body []byte) int {
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, bundle.http.URL+"/api/v1/batch", bytes.NewReader(body))
-	if err != nil {
-		return 0
-	}
-	req.Header.Set("Authorization", "Bearer "+key)
-	req.Header.Set("Content-Type", "application/json")
-	resp, err := http.DefaultClient.Do(req)
-	if err != nil {
-		return 0
-	}
-	_, _ = io.Copy(io.Discard, resp.Body)
-	_ = resp.Body.Close()
-	return resp.StatusCode
 }
 
 // floodBodies returns n batch bodies of 100 prompts of 99 KB each, of words

@@ -65,7 +65,11 @@ func (s *Server) respond(ctx context.Context, entry gateway.EntryPoint, body *ap
 // admits it (daily charge, budget reservation). A call refused at admission is
 // returned with the error, for a stream to report its estimate.
 func (s *Server) admit(ctx context.Context, entry gateway.EntryPoint, body *api.ResponseRequest) (*inference.Call, error) {
+	if err := turnRefusal(ctx); err != nil {
+		return nil, err
+	}
 	call, err := s.inference.Prepare(gateway.PrincipalFrom(ctx), entry, requestInput(body))
+	endTurn(ctx)
 	if err != nil {
 		return nil, err
 	}

@@ -120,9 +120,9 @@ type Config struct {
 	// BodyTimeout bounds the time to receive a request body (REQUEST_TIMEOUT);
 	// zero means DefaultBodyTimeout.
 	BodyTimeout time.Duration
-	// TurnPlaces is how many of one account's requests of an operation in
-	// turns (batch creations) are read and priced at once; zero means
-	// DefaultTurnPlaces.
+	// TurnPlaces is how many of one account's large requests of an
+	// operation in turns (batch creations, responses) are read and priced at
+	// once; zero means DefaultTurnPlaces.
 	TurnPlaces int
 	// TurnWait is how long such a request waits for a place before it is
 	// refused RATE_LIMITED; zero means DefaultTurnWait.
@@ -267,7 +267,7 @@ func New(cfg Config) (*Server, error) {
 			mws = append(mws, s.checkQuery(p.Query))
 		}
 		if p.InTurns {
-			mws = append(mws, s.takeTurn)
+			mws = append(mws, s.takeTurn(p))
 		}
 		if p.MaxBodyBytes > 0 {
 			mws = append(mws, limitBody(p.MaxBodyBytes, cfg.BodyTimeout))

@@ -10,6 +10,7 @@ import (
 	"github.com/labstack/echo/v4"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/openapi"
 )
 
 // DefaultTurnWait is how long a request in turns waits for its account's
@@ -19,6 +20,10 @@ const DefaultTurnWait = 10 * time.Second
 // turnRetryAfter is the Retry-After of a request that waited too long for
 // its turn.
 const turnRetryAfter = 5 * time.Second
+
+// turnFreeBytes is the largest body that takes no turn: a request that small
+// takes a few milliseconds at most to decode and price.
+const turnFreeBytes = 64 << 10
 
 // DefaultTurnPlaces is how many of an account's requests in turns a replica
 // reads and prices at once: half its cores, at least one. An account flooding
@@ -33,46 +38,86 @@ var errTurnWait = errors.New("waited too long for the account's turn")
 // shutdown's grace ends (Abort).
 var errTurnShutdown = errors.New("the replica shut down while the request waited for its turn")
 
-// turnKey is the context key of the leave func of a request's turn.
+// turnKey is the context key of a request's turn.
 type turnKey struct{}
 
-// takeTurn holds a request of an operation in turns (x-account-turns) until
+// turn is what a request in turns got: the leave func of its place, or the
+// refusal of a request that may stream, which its handler answers instead
+// of pricing it.
+type turn struct {
+	leave   func()
+	refusal error
+}
+
+// takeTurn holds a request of an operation in turns (p.InTurns) whose body is
+// over turnFreeBytes, or of unknown length, and within its key's rate, until
 // one of its account's places is free, before its body is read, so that the
 // requests waiting hold no body in memory. The place is held until the
 // handler calls endTurn, once the costly part is done, or until the request
 // ends. A request that waits turnWait is refused RATE_LIMITED; one still
-// waiting when the shutdown's grace ends, SERVICE_UNAVAILABLE.
-func (s *Server) takeTurn(next echo.HandlerFunc) echo.HandlerFunc {
-	return func(c echo.Context) error {
-		r := c.Request()
-		ctx, abort := context.WithCancelCause(r.Context())
-		stop := context.AfterFunc(s.abort, func() { abort(errTurnShutdown) })
-		ctx, cancel := context.WithTimeoutCause(ctx, s.turnWait, errTurnWait)
-		leave, err := s.turns.Enter(ctx, gateway.PrincipalFrom(r.Context()).AccountID)
-		cancel()
-		stop()
-		abort(nil)
-		switch {
-		case errors.Is(err, errTurnWait):
-			s.metrics.Refusal("turn_wait")
-			return &gateway.Error{Code: gateway.ERateLimited, RetryAfter: turnRetryAfter, Cause: err,
-				Message: fmt.Sprintf("this account's batch creations are read and priced %d at a time on each replica, and this one waited %s for its turn; send fewer at once, or smaller ones", s.turns.Places(), s.turnWait)}
-		case errors.Is(err, errTurnShutdown):
-			return &gateway.Error{Code: gateway.EServiceUnavailable, RetryAfter: unavailableRetryAfter, Cause: err,
-				Message: "this replica shut down before the batch was read; nothing was stored: send it again"}
-		case err != nil:
-			return fmt.Errorf("error waiting for the account's turn: %w", err)
+// waiting when the shutdown's grace ends, SERVICE_UNAVAILABLE. A request that
+// may stream (p.Streams) is refused by its handler, in the form its body asks
+// for (turnRefusal).
+func (s *Server) takeTurn(p openapi.Policy) echo.MiddlewareFunc {
+	return func(next echo.HandlerFunc) echo.HandlerFunc {
+		return func(c echo.Context) error {
+			r := c.Request()
+			if r.ContentLength >= 0 && r.ContentLength <= turnFreeBytes {
+				return next(c)
+			}
+			if !gateway.PrincipalFrom(r.Context()).Rate.Admitted {
+				return next(c) // its handler refuses it for its rate, unpriced
+			}
+			leave, err := s.enterTurn(r.Context())
+			if err != nil && !p.Streams {
+				return err
+			}
+			if err == nil {
+				defer leave()
+			}
+			c.SetRequest(r.WithContext(context.WithValue(r.Context(), turnKey{}, turn{leave: leave, refusal: err})))
+			return next(c)
 		}
-		defer leave()
-		c.SetRequest(r.WithContext(context.WithValue(r.Context(), turnKey{}, leave)))
-		return next(c)
 	}
+}
+
+// enterTurn waits for a place of ctx's account, and returns its leave func
+// or the refusal of the request.
+func (s *Server) enterTurn(ctx context.Context) (leave func(), err error) {
+	account := gateway.PrincipalFrom(ctx).AccountID
+	ctx, abort := context.WithCancelCause(ctx)
+	stop := context.AfterFunc(s.abort, func() { abort(errTurnShutdown) })
+	ctx, cancel := context.WithTimeoutCause(ctx, s.turnWait, errTurnWait)
+	leave, err = s.turns.Enter(ctx, account)
+	cancel()
+	stop()
+	abort(nil)
+	switch {
+	case err == nil:
+		return leave, nil
+	case errors.Is(err, errTurnWait):
+		s.metrics.Refusal("turn_wait")
+		return nil, &gateway.Error{Code: gateway.ERateLimited, RetryAfter: turnRetryAfter, Cause: err,
+			Message: fmt.Sprintf("this account's requests over %d KiB are read and priced %d at a time on each replica, and this one waited %s for its turn; send fewer at once, or smaller ones", turnFreeBytes>>10, s.turns.Places(), s.turnWait)}
+	case errors.Is(err, errTurnShutdown):
+		return nil, &gateway.Error{Code: gateway.EServiceUnavailable, RetryAfter: unavailableRetryAfter, Cause: err,
+			Message: "this replica shut down before the request was read; nothing was done: send it again"}
+	default:
+		return nil, fmt.Errorf("error waiting for the account's turn: %w", err)
+	}
+}
+
+// turnRefusal is the refusal of ctx's request, which waited for its turn in
+// vain; nil when it did not.
+func turnRefusal(ctx context.Context) error {
+	t, _ := ctx.Value(turnKey{}).(turn)
+	return t.refusal
 }
 
 // endTurn frees the place of ctx's request in its account's turns, if it
 // holds one: its costly part is done.
 func endTurn(ctx context.Context) {
-	if leave, ok := ctx.Value(turnKey{}).(func()); ok {
-		leave()
+	if t, _ := ctx.Value(turnKey{}).(turn); t.leave != nil {
+		t.leave()
 	}
 }

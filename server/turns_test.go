@@ -15,49 +15,61 @@ import (
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/batch"
+	"github.com/rungworks/gateway/ratelimit"
 	"github.com/rungworks/gateway/server"
 	"github.com/rungworks/gateway/store"
 )
 
-// sendBatch posts a batch creation whose body is read from body, off the
-// test's goroutine, and returns its status (0 when it could not be sent).
-func (b *testBundle) sendBatch(key string, body io.Reader) <-chan int {
-	status := make(chan int, 1)
-	go func() {
-		defer close(status)
-		req, err := http.NewRequest(http.MethodPost, b.http.URL+"/api/v1/batch", body)
-		if err != nil {
-			return
-		}
-		req.Header.Set("Authorization", "Bearer "+key)
-		req.Header.Set("Content-Type", "application/json")
-		resp, err := b.client.Do(req)
-		if err != nil {
-			return
-		}
-		_, _ = io.Copy(io.Discard, resp.Body)
-		_ = resp.Body.Close()
-		status <- resp.StatusCode
-	}()
-	return status
+// largePrompt makes a body over 64 KiB, which takes its account's turn.
+var largePrompt = strings.Repeat("word ", 14_000)
+
+// largeBatch is the body of a batch creation over 64 KiB.
+func largeBatch() map[string]any {
+	return map[string]any{"requests": []map[string]any{{"prompt": largePrompt}, {"prompt": "item"}}}
 }
 
-// holdTurn starts a batch creation of key whose body stops halfway, and
+// postBody posts body to path with key and returns the reply's status, 0
+// when there was none; the reply's body is read whole.
+func (b *testBundle) postBody(ctx context.Context, path, key string, body io.Reader) int {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, b.http.URL+path, body)
+	if err != nil {
+		return 0
+	}
+	req.Header.Set("Authorization", "Bearer "+key)
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := b.client.Do(req)
+	if err != nil {
+		return 0
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	_ = resp.Body.Close()
+	return resp.StatusCode
+}
+
+// async runs f off the test's goroutine and returns its result.
+func async(f func() int) <-chan int {
+	out := make(chan int, 1)
+	go func() { out <- f() }()
+	return out
+}
+
+// holdTurn starts a request of key to path whose body stops halfway, and
 // waits until it holds the account's one place: until the account's next
-// creation is refused for its turn (the server's TurnWait must be short).
-// Until then, the next ones may take the place before it, and are stored.
-// finish sends the rest of the body and returns the creation's status.
-func (b *testBundle) holdTurn(t *testing.T, key string, body any) (finish func() int) {
+// such request is refused for its turn (the server's TurnWait must be
+// short). Until then, the next ones may take the place before it, and are
+// served. finish sends the rest of the body and returns the request's
+// status.
+func (b *testBundle) holdTurn(t *testing.T, path, key string, body any) (finish func() int) {
 	t.Helper()
 	raw, err := json.Marshal(body)
 	require.NoError(t, err)
 	slow, rest := io.Pipe()
 	t.Cleanup(func() { _ = rest.CloseWithError(io.ErrUnexpectedEOF) }) // runs before the server's
-	status := b.sendBatch(key, slow)
+	status := async(func() int { return b.postBody(context.Background(), path, key, slow) })
 	_, err = rest.Write(raw[:len(raw)/2])
 	require.NoError(t, err)
 	require.Eventually(t, func() bool {
-		r := b.post("/api/v1/batch", key, body)
+		r := b.post(path, key, body)
 		return r.status == http.StatusTooManyRequests && strings.Contains(r.message(t), "for its turn")
 	}, 20*time.Second, time.Millisecond)
 	return func() int {
@@ -75,9 +87,10 @@ func oneTurn(c *server.Config) {
 }
 
 // TestAnAccountsBatchCreationsAreReadAndPricedInTurn: with one place an
-// account, a creation whose body is still coming holds its account's place.
-// The account's next creation waits for it and, past the wait, is refused
-// RATE_LIMITED with nothing stored; another account's creation does not wait.
+// account, a large creation whose body is still coming holds its account's
+// place. The account's next large creation waits for it and, past the wait,
+// is refused RATE_LIMITED with nothing stored; a small one, or another
+// account's, does not wait.
 func TestAnAccountsBatchCreationsAreReadAndPricedInTurn(t *testing.T) {
 	t.Parallel()
 	for _, h2c := range []bool{false, true} {
@@ -90,16 +103,17 @@ func TestAnAccountsBatchCreationsAreReadAndPricedInTurn(t *testing.T) {
 
 func testReadAndPricedInTurn(t *testing.T, b *testBundle) {
 	other := b.newKey("globex", gateway.TierDeveloper, gateway.ScopeInference)
-	body := map[string]any{"requests": items(2)}
-	finish := b.holdTurn(t, b.key, body)
+	finish := b.holdTurn(t, "/api/v1/batch", b.key, largeBatch())
 
-	refused := b.postWith("/api/v1/batch", b.key, body, http.Header{"Idempotency-Key": {"turned-away"}})
+	refused := b.postWith("/api/v1/batch", b.key, largeBatch(), http.Header{"Idempotency-Key": {"turned-away"}})
 	require.Equal(t, http.StatusTooManyRequests, refused.status)
 	require.Equal(t, gateway.ERateLimited, refused.errorCode(t))
 	require.Equal(t, "5", refused.header.Get("Retry-After"))
-	require.Contains(t, refused.message(t), "1 at a time")
+	require.Contains(t, refused.message(t), "over 64 KiB are read and priced 1 at a time")
 
-	require.Equal(t, http.StatusAccepted, b.post("/api/v1/batch", other, body).status,
+	require.Equal(t, http.StatusAccepted, b.post("/api/v1/batch", b.key, map[string]any{"requests": items(2)}).status,
+		"a small creation takes no turn")
+	require.Equal(t, http.StatusAccepted, b.post("/api/v1/batch", other, largeBatch()).status,
 		"another account's creation must not wait for this account's place")
 
 	require.Equal(t, http.StatusAccepted, finish())
@@ -108,26 +122,99 @@ func testReadAndPricedInTurn(t *testing.T, b *testBundle) {
 		"the place is free again, and the refused creation's key was never stored")
 }
 
-// TestACreationWaitingForItsTurnEndsWithTheGrace: once the shutdown's grace
-// has ended (Abort), a creation that finds its account's places taken is
-// answered SERVICE_UNAVAILABLE at once, nothing stored, where it would have
-// waited; the creation holding the place goes on, and a free place is still
-// taken.
-func TestACreationWaitingForItsTurnEndsWithTheGrace(t *testing.T) {
+// TestLargeResponsesAreReadAndPricedInTurn: a response request over 64 KiB
+// takes its account's turn as a large batch creation does. While one holds
+// the place, the next is refused RATE_LIMITED in the form it asked for: a
+// 429, or in its stream; a small one does not wait. Neither refusal is
+// billed.
+func TestLargeResponsesAreReadAndPricedInTurn(t *testing.T) {
 	t.Parallel()
 	b := setupWith(t, options{server: oneTurn})
-	body := map[string]any{"requests": items(2)}
-	finish := b.holdTurn(t, b.key, body)
+	finish := b.holdTurn(t, "/api/v1/responses", b.key, map[string]any{"prompt": largePrompt})
+	served := b.usage(t, b.key).Totals.Requests
+
+	r := b.post("/api/v1/responses", b.key, map[string]any{"prompt": largePrompt})
+	require.Equal(t, http.StatusTooManyRequests, r.status)
+	require.Equal(t, gateway.ERateLimited, r.errorCode(t))
+	require.Equal(t, "5", r.header.Get("Retry-After"))
+
+	_, s := b.stream("/api/v1/responses", map[string]any{"prompt": largePrompt})
+	require.Len(t, s.Events, 1, "a stream refused before it starts ends with its error")
+	require.Equal(t, "response.error", s.Events[0].Name)
+	require.Contains(t, string(s.Events[0].Data), `"RATE_LIMITED"`)
+	require.Equal(t, served, b.usage(t, b.key).Totals.Requests, "refusals are not billed")
+
+	require.Equal(t, http.StatusOK, b.post("/api/v1/chat", b.key, map[string]any{"prompt": "small"}).status,
+		"a small request takes no turn")
+	require.Equal(t, http.StatusOK, finish())
+}
+
+// TestARequestPastItsRateTakesNoTurn: a large streamed request past its key's
+// rate is refused for its rate at once, in its stream, without waiting for
+// its account's place.
+func TestARequestPastItsRateTakesNoTurn(t *testing.T) {
+	t.Parallel()
+	// A fixed clock keeps every request in one rate window.
+	at := time.Now().Truncate(time.Minute).Add(30 * time.Second)
+	b := setupWith(t, options{server: oneTurn, rates: ratelimit.Config{
+		Limits: gateway.RateLimits{Free: 20, Developer: 20}, Clock: func() time.Time { return at },
+	}})
+	finish := b.holdTurn(t, "/api/v1/responses", b.key, map[string]any{"prompt": largePrompt})
+	spent := b.newKey("acme", gateway.TierDeveloper, gateway.ScopeInference)
+	require.Eventually(t, func() bool {
+		return b.post("/api/v1/responses", spent, map[string]any{"prompt": "small"}).status == http.StatusTooManyRequests
+	}, 10*time.Second, time.Millisecond)
+
+	_, s := b.streamAs(spent, "/api/v1/responses", map[string]any{"prompt": largePrompt})
+	require.Len(t, s.Events, 1)
+	require.Equal(t, "response.error", s.Events[0].Name)
+	require.Contains(t, string(s.Events[0].Data), "requests per minute", "refused for its rate, not after a wait for its turn")
+	require.Equal(t, http.StatusOK, finish())
+}
+
+// TestAResponsesTurnEndsOnceItIsPriced: a large request gives its account's
+// place back once priced, so the account's next large request does not wait
+// for its upstream call to end.
+func TestAResponsesTurnEndsOnceItIsPriced(t *testing.T) {
+	t.Parallel()
+	b := setupWith(t, options{server: oneTurn})
+	b.upstream.configure(func(s *scripted) { s.hang = true })
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel) // runs before the server's, which waits for its requests
+	body := func(stream bool) io.Reader {
+		raw, err := json.Marshal(map[string]any{"prompt": largePrompt, "stream": stream})
+		require.NoError(t, err)
+		return bytes.NewReader(raw)
+	}
+	answered := async(func() int { return b.postBody(ctx, "/api/v1/responses", b.key, body(false)) })
+	require.Eventually(t, func() bool { return b.upstream.callCount() == 1 }, 10*time.Second, time.Millisecond)
+	streamed := async(func() int { return b.postBody(ctx, "/api/v1/responses", b.key, body(true)) })
+	require.Eventually(t, func() bool { return b.upstream.callCount() == 2 }, 10*time.Second, time.Millisecond,
+		"the stream is priced and sent while the first request's call runs")
+	b.server.Abort()
+	require.Equal(t, http.StatusServiceUnavailable, <-answered, "cut by the shutdown")
+	require.Equal(t, http.StatusOK, <-streamed)
+}
+
+// TestARequestWaitingForItsTurnEndsWithTheGrace: once the shutdown's grace
+// has ended (Abort), a large request that finds its account's places taken
+// is answered SERVICE_UNAVAILABLE at once, nothing done, where it would have
+// waited; the request holding the place goes on, and a free place is still
+// taken.
+func TestARequestWaitingForItsTurnEndsWithTheGrace(t *testing.T) {
+	t.Parallel()
+	b := setupWith(t, options{server: oneTurn})
+	finish := b.holdTurn(t, "/api/v1/batch", b.key, largeBatch())
 	b.server.Abort()
 
-	r := b.post("/api/v1/batch", b.key, body)
+	r := b.post("/api/v1/batch", b.key, largeBatch())
 	require.Equal(t, http.StatusServiceUnavailable, r.status)
 	require.Equal(t, gateway.EServiceUnavailable, r.errorCode(t))
-	require.Contains(t, r.message(t), "nothing was stored")
+	require.Contains(t, r.message(t), "nothing was done")
 	require.NotEmpty(t, r.header.Get("Retry-After"))
 
 	require.Equal(t, http.StatusAccepted, finish())
-	require.Equal(t, http.StatusAccepted, b.post("/api/v1/batch", b.key, body).status)
+	require.Equal(t, http.StatusAccepted, b.post("/api/v1/batch", b.key, largeBatch()).status)
 }
 
 // heldStore is the real store whose batch creations wait for release, each
@@ -145,8 +232,8 @@ func (s *heldStore) CreateBatch(ctx context.Context, nb store.NewBatch) (store.C
 }
 
 // TestAnAccountsTurnEndsOnceItsBatchIsPriced: storing a batch is not held to
-// the account's turn, so a creation waiting for the database does not keep
-// the account's next creation from being read and priced.
+// the account's turn, so a large creation waiting for the database does not
+// keep the account's next one from being read and priced.
 func TestAnAccountsTurnEndsOnceItsBatchIsPriced(t *testing.T) {
 	t.Parallel()
 	held := &heldStore{entered: make(chan struct{}), release: make(chan struct{})}
@@ -158,11 +245,13 @@ func TestAnAccountsTurnEndsOnceItsBatchIsPriced(t *testing.T) {
 		held.Store, svc.Store = svc.Store, held
 	}})
 	t.Cleanup(release) // runs before the server's, which waits for its requests
-	raw, err := json.Marshal(map[string]any{"requests": items(2)})
+	raw, err := json.Marshal(largeBatch())
 	require.NoError(t, err)
 	var replies []<-chan int
 	for range 2 {
-		replies = append(replies, b.sendBatch(b.key, bytes.NewReader(raw)))
+		replies = append(replies, async(func() int {
+			return b.postBody(context.Background(), "/api/v1/batch", b.key, bytes.NewReader(raw))
+		}))
 		select {
 		case <-held.entered:
 		case status := <-replies[len(replies)-1]:

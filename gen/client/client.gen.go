@@ -993,13 +993,15 @@ type ClientInterface interface {
 	//
 	// Reading and pricing a batch takes a replica's CPU (up to about a second
 	// for 100 prompts of 100 KB), so each replica reads and prices an
-	// account's creations a few at a time: as many as half its cores, at
-	// least one (the `x-account-turns` extension). A creation waits for its
-	// turn before its body is read, in the order creations came; one that
-	// waits 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing
-	// read or stored; one still waiting when the replica's shutdown grace
-	// ends, `503 SERVICE_UNAVAILABLE`. Storing is not held to turns. Other
-	// accounts' creations never wait for this account's.
+	// account's large requests a few at a time: as many as half its cores,
+	// at least one (the `x-account-turns` extension). A creation whose body
+	// is over 64 KiB (or sent without a length) waits for its turn before
+	// its body is read, in the order such requests came; one that waits
+	// 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing read or
+	// stored; one still waiting when the replica's shutdown grace ends,
+	// `503 SERVICE_UNAVAILABLE`. Storing is not held to turns, and smaller
+	// bodies take none. Other accounts' requests never wait for this
+	// account's.
 	//
 	// When the gateway's database goes away while the batch is being stored and
 	// its answer is lost, the gateway sends the batch again (it is stored at most
@@ -1041,13 +1043,15 @@ type ClientInterface interface {
 	//
 	// Reading and pricing a batch takes a replica's CPU (up to about a second
 	// for 100 prompts of 100 KB), so each replica reads and prices an
-	// account's creations a few at a time: as many as half its cores, at
-	// least one (the `x-account-turns` extension). A creation waits for its
-	// turn before its body is read, in the order creations came; one that
-	// waits 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing
-	// read or stored; one still waiting when the replica's shutdown grace
-	// ends, `503 SERVICE_UNAVAILABLE`. Storing is not held to turns. Other
-	// accounts' creations never wait for this account's.
+	// account's large requests a few at a time: as many as half its cores,
+	// at least one (the `x-account-turns` extension). A creation whose body
+	// is over 64 KiB (or sent without a length) waits for its turn before
+	// its body is read, in the order such requests came; one that waits
+	// 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing read or
+	// stored; one still waiting when the replica's shutdown grace ends,
+	// `503 SERVICE_UNAVAILABLE`. Storing is not held to turns, and smaller
+	// bodies take none. Other accounts' requests never wait for this
+	// account's.
 	//
 	// When the gateway's database goes away while the batch is being stored and
 	// its answer is lost, the gateway sends the batch again (it is stored at most
@@ -1154,6 +1158,13 @@ type ClientInterface interface {
 	// database answers: that usage is billed once, never more. A client is never
 	// billed for a response it was not sent.
 	//
+	// A request whose body is over 64 KiB (or sent without a length) is read
+	// and priced in its account's turn, as batch creations are (see
+	// `POST /api/v1/batch`). One that waits 10 s for its turn is refused
+	// `RATE_LIMITED` (a `429` reply, or in a stream its `response.error`),
+	// and one still waiting when the replica's shutdown grace ends,
+	// `SERVICE_UNAVAILABLE`; neither is priced or billed.
+	//
 	// Takes any type of body and a specified content type.
 	//
 	// Corresponds with POST /api/v1/responses (the `CreateResponse` operationId).
@@ -1178,6 +1189,13 @@ type ClientInterface interface {
 	// one, with its usage, and the gateway goes on recording it until the
 	// database answers: that usage is billed once, never more. A client is never
 	// billed for a response it was not sent.
+	//
+	// A request whose body is over 64 KiB (or sent without a length) is read
+	// and priced in its account's turn, as batch creations are (see
+	// `POST /api/v1/batch`). One that waits 10 s for its turn is refused
+	// `RATE_LIMITED` (a `429` reply, or in a stream its `response.error`),
+	// and one still waiting when the replica's shutdown grace ends,
+	// `SERVICE_UNAVAILABLE`; neither is priced or billed.
 	//
 	// Takes a body of the `application/json` content type.
 	//
@@ -1287,13 +1305,15 @@ func (c *Client) GetJSONSchema(ctx context.Context, reqEditors ...RequestEditorF
 //
 // Reading and pricing a batch takes a replica's CPU (up to about a second
 // for 100 prompts of 100 KB), so each replica reads and prices an
-// account's creations a few at a time: as many as half its cores, at
-// least one (the `x-account-turns` extension). A creation waits for its
-// turn before its body is read, in the order creations came; one that
-// waits 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing
-// read or stored; one still waiting when the replica's shutdown grace
-// ends, `503 SERVICE_UNAVAILABLE`. Storing is not held to turns. Other
-// accounts' creations never wait for this account's.
+// account's large requests a few at a time: as many as half its cores,
+// at least one (the `x-account-turns` extension). A creation whose body
+// is over 64 KiB (or sent without a length) waits for its turn before
+// its body is read, in the order such requests came; one that waits
+// 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing read or
+// stored; one still waiting when the replica's shutdown grace ends,
+// `503 SERVICE_UNAVAILABLE`. Storing is not held to turns, and smaller
+// bodies take none. Other accounts' requests never wait for this
+// account's.
 //
 // When the gateway's database goes away while the batch is being stored and
 // its answer is lost, the gateway sends the batch again (it is stored at most
@@ -1345,13 +1365,15 @@ func (c *Client) CreateBatchWithBody(ctx context.Context, params *CreateBatchPar
 //
 // Reading and pricing a batch takes a replica's CPU (up to about a second
 // for 100 prompts of 100 KB), so each replica reads and prices an
-// account's creations a few at a time: as many as half its cores, at
-// least one (the `x-account-turns` extension). A creation waits for its
-// turn before its body is read, in the order creations came; one that
-// waits 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing
-// read or stored; one still waiting when the replica's shutdown grace
-// ends, `503 SERVICE_UNAVAILABLE`. Storing is not held to turns. Other
-// accounts' creations never wait for this account's.
+// account's large requests a few at a time: as many as half its cores,
+// at least one (the `x-account-turns` extension). A creation whose body
+// is over 64 KiB (or sent without a length) waits for its turn before
+// its body is read, in the order such requests came; one that waits
+// 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing read or
+// stored; one still waiting when the replica's shutdown grace ends,
+// `503 SERVICE_UNAVAILABLE`. Storing is not held to turns, and smaller
+// bodies take none. Other accounts' requests never wait for this
+// account's.
 //
 // When the gateway's database goes away while the batch is being stored and
 // its answer is lost, the gateway sends the batch again (it is stored at most
@@ -1528,6 +1550,13 @@ func (c *Client) CreateChat(ctx context.Context, body CreateChatJSONRequestBody,
 // database answers: that usage is billed once, never more. A client is never
 // billed for a response it was not sent.
 //
+// A request whose body is over 64 KiB (or sent without a length) is read
+// and priced in its account's turn, as batch creations are (see
+// `POST /api/v1/batch`). One that waits 10 s for its turn is refused
+// `RATE_LIMITED` (a `429` reply, or in a stream its `response.error`),
+// and one still waiting when the replica's shutdown grace ends,
+// `SERVICE_UNAVAILABLE`; neither is priced or billed.
+//
 // Takes any type of body and a specified content type.
 //
 // Corresponds with POST /api/v1/responses (the `CreateResponse` operationId).
@@ -1562,6 +1591,13 @@ func (c *Client) CreateResponseWithBody(ctx context.Context, contentType string,
 // one, with its usage, and the gateway goes on recording it until the
 // database answers: that usage is billed once, never more. A client is never
 // billed for a response it was not sent.
+//
+// A request whose body is over 64 KiB (or sent without a length) is read
+// and priced in its account's turn, as batch creations are (see
+// `POST /api/v1/batch`). One that waits 10 s for its turn is refused
+// `RATE_LIMITED` (a `429` reply, or in a stream its `response.error`),
+// and one still waiting when the replica's shutdown grace ends,
+// `SERVICE_UNAVAILABLE`; neither is priced or billed.
 //
 // Takes a body of the `application/json` content type.
 //
@@ -2321,13 +2357,15 @@ type ClientWithResponsesInterface interface {
 	//
 	// Reading and pricing a batch takes a replica's CPU (up to about a second
 	// for 100 prompts of 100 KB), so each replica reads and prices an
-	// account's creations a few at a time: as many as half its cores, at
-	// least one (the `x-account-turns` extension). A creation waits for its
-	// turn before its body is read, in the order creations came; one that
-	// waits 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing
-	// read or stored; one still waiting when the replica's shutdown grace
-	// ends, `503 SERVICE_UNAVAILABLE`. Storing is not held to turns. Other
-	// accounts' creations never wait for this account's.
+	// account's large requests a few at a time: as many as half its cores,
+	// at least one (the `x-account-turns` extension). A creation whose body
+	// is over 64 KiB (or sent without a length) waits for its turn before
+	// its body is read, in the order such requests came; one that waits
+	// 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing read or
+	// stored; one still waiting when the replica's shutdown grace ends,
+	// `503 SERVICE_UNAVAILABLE`. Storing is not held to turns, and smaller
+	// bodies take none. Other accounts' requests never wait for this
+	// account's.
 	//
 	// When the gateway's database goes away while the batch is being stored and
 	// its answer is lost, the gateway sends the batch again (it is stored at most
@@ -2369,13 +2407,15 @@ type ClientWithResponsesInterface interface {
 	//
 	// Reading and pricing a batch takes a replica's CPU (up to about a second
 	// for 100 prompts of 100 KB), so each replica reads and prices an
-	// account's creations a few at a time: as many as half its cores, at
-	// least one (the `x-account-turns` extension). A creation waits for its
-	// turn before its body is read, in the order creations came; one that
-	// waits 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing
-	// read or stored; one still waiting when the replica's shutdown grace
-	// ends, `503 SERVICE_UNAVAILABLE`. Storing is not held to turns. Other
-	// accounts' creations never wait for this account's.
+	// account's large requests a few at a time: as many as half its cores,
+	// at least one (the `x-account-turns` extension). A creation whose body
+	// is over 64 KiB (or sent without a length) waits for its turn before
+	// its body is read, in the order such requests came; one that waits
+	// 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing read or
+	// stored; one still waiting when the replica's shutdown grace ends,
+	// `503 SERVICE_UNAVAILABLE`. Storing is not held to turns, and smaller
+	// bodies take none. Other accounts' requests never wait for this
+	// account's.
 	//
 	// When the gateway's database goes away while the batch is being stored and
 	// its answer is lost, the gateway sends the batch again (it is stored at most
@@ -2490,6 +2530,13 @@ type ClientWithResponsesInterface interface {
 	// database answers: that usage is billed once, never more. A client is never
 	// billed for a response it was not sent.
 	//
+	// A request whose body is over 64 KiB (or sent without a length) is read
+	// and priced in its account's turn, as batch creations are (see
+	// `POST /api/v1/batch`). One that waits 10 s for its turn is refused
+	// `RATE_LIMITED` (a `429` reply, or in a stream its `response.error`),
+	// and one still waiting when the replica's shutdown grace ends,
+	// `SERVICE_UNAVAILABLE`; neither is priced or billed.
+	//
 	// Takes any type of body and a specified content type, and returns a wrapper object for the known response body format(s).
 	//
 	// Corresponds with POST /api/v1/responses (the `CreateResponse` operationId).
@@ -2514,6 +2561,13 @@ type ClientWithResponsesInterface interface {
 	// one, with its usage, and the gateway goes on recording it until the
 	// database answers: that usage is billed once, never more. A client is never
 	// billed for a response it was not sent.
+	//
+	// A request whose body is over 64 KiB (or sent without a length) is read
+	// and priced in its account's turn, as batch creations are (see
+	// `POST /api/v1/batch`). One that waits 10 s for its turn is refused
+	// `RATE_LIMITED` (a `429` reply, or in a stream its `response.error`),
+	// and one still waiting when the replica's shutdown grace ends,
+	// `SERVICE_UNAVAILABLE`; neither is priced or billed.
 	//
 	// Takes a body of the `application/json` content type, and returns a wrapper object for the known response body format(s).
 	//
@@ -4361,13 +4415,15 @@ func (c *ClientWithResponses) GetJSONSchemaWithResponse(ctx context.Context, req
 //
 // Reading and pricing a batch takes a replica's CPU (up to about a second
 // for 100 prompts of 100 KB), so each replica reads and prices an
-// account's creations a few at a time: as many as half its cores, at
-// least one (the `x-account-turns` extension). A creation waits for its
-// turn before its body is read, in the order creations came; one that
-// waits 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing
-// read or stored; one still waiting when the replica's shutdown grace
-// ends, `503 SERVICE_UNAVAILABLE`. Storing is not held to turns. Other
-// accounts' creations never wait for this account's.
+// account's large requests a few at a time: as many as half its cores,
+// at least one (the `x-account-turns` extension). A creation whose body
+// is over 64 KiB (or sent without a length) waits for its turn before
+// its body is read, in the order such requests came; one that waits
+// 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing read or
+// stored; one still waiting when the replica's shutdown grace ends,
+// `503 SERVICE_UNAVAILABLE`. Storing is not held to turns, and smaller
+// bodies take none. Other accounts' requests never wait for this
+// account's.
 //
 // When the gateway's database goes away while the batch is being stored and
 // its answer is lost, the gateway sends the batch again (it is stored at most
@@ -4415,13 +4471,15 @@ func (c *ClientWithResponses) CreateBatchWithBodyWithResponse(ctx context.Contex
 //
 // Reading and pricing a batch takes a replica's CPU (up to about a second
 // for 100 prompts of 100 KB), so each replica reads and prices an
-// account's creations a few at a time: as many as half its cores, at
-// least one (the `x-account-turns` extension). A creation waits for its
-// turn before its body is read, in the order creations came; one that
-// waits 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing
-// read or stored; one still waiting when the replica's shutdown grace
-// ends, `503 SERVICE_UNAVAILABLE`. Storing is not held to turns. Other
-// accounts' creations never wait for this account's.
+// account's large requests a few at a time: as many as half its cores,
+// at least one (the `x-account-turns` extension). A creation whose body
+// is over 64 KiB (or sent without a length) waits for its turn before
+// its body is read, in the order such requests came; one that waits
+// 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing read or
+// stored; one still waiting when the replica's shutdown grace ends,
+// `503 SERVICE_UNAVAILABLE`. Storing is not held to turns, and smaller
+// bodies take none. Other accounts' requests never wait for this
+// account's.
 //
 // When the gateway's database goes away while the batch is being stored and
 // its answer is lost, the gateway sends the batch again (it is stored at most
@@ -4578,6 +4636,13 @@ func (c *ClientWithResponses) CreateChatWithResponse(ctx context.Context, body C
 // database answers: that usage is billed once, never more. A client is never
 // billed for a response it was not sent.
 //
+// A request whose body is over 64 KiB (or sent without a length) is read
+// and priced in its account's turn, as batch creations are (see
+// `POST /api/v1/batch`). One that waits 10 s for its turn is refused
+// `RATE_LIMITED` (a `429` reply, or in a stream its `response.error`),
+// and one still waiting when the replica's shutdown grace ends,
+// `SERVICE_UNAVAILABLE`; neither is priced or billed.
+//
 // Takes any type of body and a specified content type, and returns a wrapper object for the known response body format(s).
 //
 // Corresponds with POST /api/v1/responses (the `CreateResponse` operationId).
@@ -4608,6 +4673,13 @@ func (c *ClientWithResponses) CreateResponseWithBodyWithResponse(ctx context.Con
 // one, with its usage, and the gateway goes on recording it until the
 // database answers: that usage is billed once, never more. A client is never
 // billed for a response it was not sent.
+//
+// A request whose body is over 64 KiB (or sent without a length) is read
+// and priced in its account's turn, as batch creations are (see
+// `POST /api/v1/batch`). One that waits 10 s for its turn is refused
+// `RATE_LIMITED` (a `429` reply, or in a stream its `response.error`),
+// and one still waiting when the replica's shutdown grace ends,
+// `SERVICE_UNAVAILABLE`; neither is priced or billed.
 //
 // Takes a body of the `application/json` content type, and returns a wrapper object for the known response body format(s).
 //
