@@ -71,8 +71,8 @@ func Policies() (map[string]Policy, error) {
 			}
 			p.Streams = streams(op)
 			p.InTurns, _ = op["x-account-turns"].(bool)
-			if p.InTurns && p.Public {
-				return nil, fmt.Errorf("operation %s takes turns by account but needs no key", id)
+			if p.InTurns && (p.Public || p.MaxBodyBytes == 0) {
+				return nil, fmt.Errorf("operation %s takes turns by account but needs no key or declares no x-max-body-bytes", id)
 			}
 			for _, param := range parameters(op) {
 				if param["in"] == "query" {

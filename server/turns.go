@@ -50,20 +50,20 @@ type turn struct {
 }
 
 // takeTurn holds a request of an operation in turns (p.InTurns) whose body is
-// over turnFreeBytes, or of unknown length, and within its key's rate, until
-// one of its account's places is free, before its body is read, so that the
-// requests waiting hold no body in memory. The place is held until the
-// handler calls endTurn, once the costly part is done, or until the request
-// ends. A request that waits turnWait is refused RATE_LIMITED; one still
-// waiting when the shutdown's grace ends, SERVICE_UNAVAILABLE. A request that
-// may stream (p.Streams) is refused by its handler, in the form its body asks
-// for (turnRefusal).
+// over turnFreeBytes (and within the route's limit) or of unknown length, and
+// within its key's rate, until one of its account's places is free, before
+// its body is read, so that the requests waiting hold no body in memory. The
+// place is held until the handler calls endTurn, once the costly part is
+// done, or until the request ends. A request that waits turnWait is refused
+// RATE_LIMITED; one still waiting when the shutdown's grace ends,
+// SERVICE_UNAVAILABLE. A request that may stream (p.Streams) is refused by
+// its handler, in the form its body asks for (turnRefusal).
 func (s *Server) takeTurn(p openapi.Policy) echo.MiddlewareFunc {
 	return func(next echo.HandlerFunc) echo.HandlerFunc {
 		return func(c echo.Context) error {
 			r := c.Request()
-			if r.ContentLength >= 0 && r.ContentLength <= turnFreeBytes {
-				return next(c)
+			if r.ContentLength >= 0 && (r.ContentLength <= turnFreeBytes || r.ContentLength > p.MaxBodyBytes) {
+				return next(c) // small, or too large for the route (limitBody)
 			}
 			if !gateway.PrincipalFrom(r.Context()).Rate.Admitted {
 				return next(c) // its handler refuses it for its rate, unpriced

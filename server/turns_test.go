@@ -113,6 +113,8 @@ func testReadAndPricedInTurn(t *testing.T, b *testBundle) {
 
 	require.Equal(t, http.StatusAccepted, b.post("/api/v1/batch", b.key, map[string]any{"requests": items(2)}).status,
 		"a small creation takes no turn")
+	tooLarge := b.post("/api/v1/batch", b.key, map[string]any{"requests": []map[string]any{{"prompt": strings.Repeat("x", 17<<20)}}})
+	require.Equal(t, http.StatusRequestEntityTooLarge, tooLarge.status, "a body too large for the route is refused as such, without a turn")
 	require.Equal(t, http.StatusAccepted, b.post("/api/v1/batch", other, largeBatch()).status,
 		"another account's creation must not wait for this account's place")
 
