@@ -93,7 +93,7 @@ func New() *Metrics {
 			Name: "gateway_batch_lease_rescues_total", Help: "Batches with items failed as INTERRUPTED after their replica's lease ran out (rescued by this replica).",
 		}),
 		refusals: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "gateway_admission_refusals_total", Help: "Requests refused by admission: rate_limit, daily_ceiling, budget, turn_wait (a request over 64 KiB that waited too long for its account's turn to be read and priced).",
+			Name: "gateway_admission_refusals_total", Help: "Requests refused by admission: rate_limit, daily_ceiling, budget, turn_wait (a large request that waited too long for its account's turn to be priced).",
 		}, []string{"reason"}),
 		unconfirmed: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "gateway_settlements_unconfirmed_total",

@@ -74,7 +74,7 @@ func TestPolicies(t *testing.T) {
 	require.Equal(t, int64(16<<20), policies["createBatch"].MaxBodyBytes)
 	for id, p := range policies {
 		require.Equal(t, id == "createResponse" || id == "createChat", p.Streams, id)
-		require.Equal(t, id == "createBatch" || id == "createResponse" || id == "createChat", p.InTurns, id)
+		require.Equal(t, id == "createBatch", p.InTurns, id)
 	}
 	require.ElementsMatch(t, []string{"start", "end"}, policies["getUsage"].Query)
 	require.ElementsMatch(t, []string{"limit", "after"}, policies["listBatches"].Query)

@@ -28,8 +28,9 @@ type Policy struct {
 	Streams bool
 	// Query names the operation's query parameters.
 	Query []string
-	// InTurns is true when an account's large requests of the operation are
-	// read and priced a few at a time on a replica (x-account-turns).
+	// InTurns is true when an account's large requests of the operation wait
+	// for a place before their body is read, so that a replica reads and
+	// prices a few at a time (x-account-turns).
 	InTurns bool
 }
 

@@ -65,11 +65,7 @@ func (s *Server) respond(ctx context.Context, entry gateway.EntryPoint, body *ap
 // admits it (daily charge, budget reservation). A call refused at admission is
 // returned with the error, for a stream to report its estimate.
 func (s *Server) admit(ctx context.Context, entry gateway.EntryPoint, body *api.ResponseRequest) (*inference.Call, error) {
-	if err := turnRefusal(ctx); err != nil {
-		return nil, err
-	}
-	call, err := s.inference.Prepare(gateway.PrincipalFrom(ctx), entry, requestInput(body))
-	endTurn(ctx)
+	call, err := s.prepare(ctx, entry, requestInput(body))
 	if err != nil {
 		return nil, err
 	}
@@ -77,6 +73,22 @@ func (s *Server) admit(ctx context.Context, entry gateway.EntryPoint, body *api.
 		call.RequestID = id
 	}
 	return call, s.inference.Admit(ctx, call)
+}
+
+// prepare prepares a request; one whose text is over turnFreeBytes, within
+// its key's rate, is priced in its account's turn (takeTurn), which it waits
+// for once its body is read: a response's body is at most 1 MiB, and a
+// stream can only be refused as a stream once the body says it is one.
+func (s *Server) prepare(ctx context.Context, entry gateway.EntryPoint, in gateway.RequestInput) (*inference.Call, error) {
+	p := gateway.PrincipalFrom(ctx)
+	if p.Rate.Admitted && len(in.Prompt)+len(in.CustomInstructions) > turnFreeBytes {
+		leave, err := s.enterTurn(ctx)
+		if err != nil {
+			return nil, err
+		}
+		defer leave()
+	}
+	return s.inference.Prepare(p, entry, in)
 }
 
 // stream prepares a streamed request; whatever fails from here on is reported

@@ -120,9 +120,9 @@ type Config struct {
 	// BodyTimeout bounds the time to receive a request body (REQUEST_TIMEOUT);
 	// zero means DefaultBodyTimeout.
 	BodyTimeout time.Duration
-	// TurnPlaces is how many of one account's large requests of an
-	// operation in turns (batch creations, responses) are read and priced at
-	// once; zero means DefaultTurnPlaces.
+	// TurnPlaces is how many of one account's large requests (batch
+	// creations, responses) are priced at once (see takeTurn); zero means
+	// DefaultTurnPlaces.
 	TurnPlaces int
 	// TurnWait is how long such a request waits for a place before it is
 	// refused RATE_LIMITED; zero means DefaultTurnWait.
@@ -180,8 +180,8 @@ type Server struct {
 	// streams are the detached streams open.
 	relisten atomic.Pointer[relistener]
 	streams  streamSet
-	// turns holds the operations in turns to a few of an account's requests
-	// at once (takeTurn).
+	// turns lets a few of an account's large requests be priced at once
+	// (takeTurn, prepare).
 	turns    *turnstile.Gate
 	turnWait time.Duration
 }

@@ -21,14 +21,15 @@ const DefaultTurnWait = 10 * time.Second
 // its turn.
 const turnRetryAfter = 5 * time.Second
 
-// turnFreeBytes is the largest body that takes no turn: a request that small
-// takes a few milliseconds at most to decode and price.
+// turnFreeBytes is the largest body (batch creations) or text (responses)
+// that takes no turn: a request that small takes a few milliseconds at most
+// to decode and price.
 const turnFreeBytes = 64 << 10
 
-// DefaultTurnPlaces is how many of an account's requests in turns a replica
-// reads and prices at once: half its cores, at least one. An account flooding
-// a replica with them takes no more than half its CPU, and every other
-// request waits behind a few of them at most, not behind all it sent.
+// DefaultTurnPlaces is how many of an account's large requests a replica
+// prices at once: half its cores, at least one. An account flooding a
+// replica with them takes no more than half its CPU, and every other request
+// waits behind a few of them at most, not behind all it sent.
 func DefaultTurnPlaces() int { return max(runtime.GOMAXPROCS(0)/2, 1) }
 
 // errTurnWait ends the wait of a request for its turn.
@@ -38,26 +39,17 @@ var errTurnWait = errors.New("waited too long for the account's turn")
 // shutdown's grace ends (Abort).
 var errTurnShutdown = errors.New("the replica shut down while the request waited for its turn")
 
-// turnKey is the context key of a request's turn.
+// turnKey is the context key of the leave func of a request's place.
 type turnKey struct{}
 
-// turn is what a request in turns got: the leave func of its place, or the
-// refusal of a request that may stream, which its handler answers instead
-// of pricing it.
-type turn struct {
-	leave   func()
-	refusal error
-}
-
-// takeTurn holds a request of an operation in turns (p.InTurns) whose body is
-// over turnFreeBytes (and within the route's limit) or of unknown length, and
-// within its key's rate, until one of its account's places is free, before
-// its body is read, so that the requests waiting hold no body in memory. The
+// takeTurn holds a request of an operation in turns (p.InTurns: batch
+// creations) whose body is over turnFreeBytes (and within the route's limit)
+// or of unknown length until one of its account's places is free, before its
+// body is read, so that the requests waiting hold no body in memory. The
 // place is held until the handler calls endTurn, once the costly part is
 // done, or until the request ends. A request that waits turnWait is refused
 // RATE_LIMITED; one still waiting when the shutdown's grace ends,
-// SERVICE_UNAVAILABLE. A request that may stream (p.Streams) is refused by
-// its handler, in the form its body asks for (turnRefusal).
+// SERVICE_UNAVAILABLE.
 func (s *Server) takeTurn(p openapi.Policy) echo.MiddlewareFunc {
 	return func(next echo.HandlerFunc) echo.HandlerFunc {
 		return func(c echo.Context) error {
@@ -65,17 +57,12 @@ func (s *Server) takeTurn(p openapi.Policy) echo.MiddlewareFunc {
 			if r.ContentLength >= 0 && (r.ContentLength <= turnFreeBytes || r.ContentLength > p.MaxBodyBytes) {
 				return next(c) // small, or too large for the route (limitBody)
 			}
-			if !gateway.PrincipalFrom(r.Context()).Rate.Admitted {
-				return next(c) // its handler refuses it for its rate, unpriced
-			}
 			leave, err := s.enterTurn(r.Context())
-			if err != nil && !p.Streams {
+			if err != nil {
 				return err
 			}
-			if err == nil {
-				defer leave()
-			}
-			c.SetRequest(r.WithContext(context.WithValue(r.Context(), turnKey{}, turn{leave: leave, refusal: err})))
+			defer leave()
+			c.SetRequest(r.WithContext(context.WithValue(r.Context(), turnKey{}, leave)))
 			return next(c)
 		}
 	}
@@ -98,26 +85,19 @@ func (s *Server) enterTurn(ctx context.Context) (leave func(), err error) {
 	case errors.Is(err, errTurnWait):
 		s.metrics.Refusal("turn_wait")
 		return nil, &gateway.Error{Code: gateway.ERateLimited, RetryAfter: turnRetryAfter, Cause: err,
-			Message: fmt.Sprintf("this account's requests over %d KiB are read and priced %d at a time on each replica, and this one waited %s for its turn; send fewer at once, or smaller ones", turnFreeBytes>>10, s.turns.Places(), s.turnWait)}
+			Message: fmt.Sprintf("this account's requests over %d KiB are priced %d at a time on each replica, and this one waited %s for its turn; send fewer at once, or smaller ones", turnFreeBytes>>10, s.turns.Places(), s.turnWait)}
 	case errors.Is(err, errTurnShutdown):
 		return nil, &gateway.Error{Code: gateway.EServiceUnavailable, RetryAfter: unavailableRetryAfter, Cause: err,
-			Message: "this replica shut down before the request was read; nothing was done: send it again"}
+			Message: "this replica shut down while the request waited for its turn; nothing was done: send it again"}
 	default:
 		return nil, fmt.Errorf("error waiting for the account's turn: %w", err)
 	}
 }
 
-// turnRefusal is the refusal of ctx's request, which waited for its turn in
-// vain; nil when it did not.
-func turnRefusal(ctx context.Context) error {
-	t, _ := ctx.Value(turnKey{}).(turn)
-	return t.refusal
-}
-
 // endTurn frees the place of ctx's request in its account's turns, if it
 // holds one: its costly part is done.
 func endTurn(ctx context.Context) {
-	if t, _ := ctx.Value(turnKey{}).(turn); t.leave != nil {
-		t.leave()
+	if leave, ok := ctx.Value(turnKey{}).(func()); ok {
+		leave()
 	}
 }

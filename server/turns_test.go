@@ -53,13 +53,14 @@ func async(f func() int) <-chan int {
 	return out
 }
 
-// holdTurn starts a request of key to path whose body stops halfway, and
-// waits until it holds the account's one place: until the account's next
-// such request is refused for its turn (the server's TurnWait must be
-// short). Until then, the next ones may take the place before it, and are
-// served. finish sends the rest of the body and returns the request's
-// status.
-func (b *testBundle) holdTurn(t *testing.T, path, key string, body any) (finish func() int) {
+// holdTurn starts a batch creation of key whose body, over 64 KiB, stops
+// halfway, and waits until it holds the account's one place: until the
+// account's next such creation is refused for its turn (the server's
+// TurnWait must be short). Until then, the next ones may take the place
+// before it, and are stored. finish sends the rest of the body and returns
+// the creation's status.
+func (b *testBundle) holdTurn(t *testing.T, key string, body any) (finish func() int) {
+	const path = "/api/v1/batch"
 	t.Helper()
 	raw, err := json.Marshal(body)
 	require.NoError(t, err)
@@ -103,13 +104,13 @@ func TestAnAccountsBatchCreationsAreReadAndPricedInTurn(t *testing.T) {
 
 func testReadAndPricedInTurn(t *testing.T, b *testBundle) {
 	other := b.newKey("globex", gateway.TierDeveloper, gateway.ScopeInference)
-	finish := b.holdTurn(t, "/api/v1/batch", b.key, largeBatch())
+	finish := b.holdTurn(t, b.key, largeBatch())
 
 	refused := b.postWith("/api/v1/batch", b.key, largeBatch(), http.Header{"Idempotency-Key": {"turned-away"}})
 	require.Equal(t, http.StatusTooManyRequests, refused.status)
 	require.Equal(t, gateway.ERateLimited, refused.errorCode(t))
 	require.Equal(t, "5", refused.header.Get("Retry-After"))
-	require.Contains(t, refused.message(t), "over 64 KiB are read and priced 1 at a time")
+	require.Contains(t, refused.message(t), "over 64 KiB are priced 1 at a time")
 
 	require.Equal(t, http.StatusAccepted, b.post("/api/v1/batch", b.key, map[string]any{"requests": items(2)}).status,
 		"a small creation takes no turn")
@@ -124,15 +125,15 @@ func testReadAndPricedInTurn(t *testing.T, b *testBundle) {
 		"the place is free again, and the refused creation's key was never stored")
 }
 
-// TestLargeResponsesAreReadAndPricedInTurn: a response request over 64 KiB
-// takes its account's turn as a large batch creation does. While one holds
-// the place, the next is refused RATE_LIMITED in the form it asked for: a
-// 429, or in its stream; a small one does not wait. Neither refusal is
-// billed.
-func TestLargeResponsesAreReadAndPricedInTurn(t *testing.T) {
+// TestLargeResponsesArePricedInTurn: a response request whose text is over
+// 64 KiB is priced in its account's turn, which large batch creations take
+// too. While a creation holds the place, a large response is refused
+// RATE_LIMITED in the form it asked for: a 429, or in its stream; a small one
+// does not wait. Neither refusal is billed.
+func TestLargeResponsesArePricedInTurn(t *testing.T) {
 	t.Parallel()
 	b := setupWith(t, options{server: oneTurn})
-	finish := b.holdTurn(t, "/api/v1/responses", b.key, map[string]any{"prompt": largePrompt})
+	finish := b.holdTurn(t, b.key, largeBatch())
 	served := b.usage(t, b.key).Totals.Requests
 
 	r := b.post("/api/v1/responses", b.key, map[string]any{"prompt": largePrompt})
@@ -148,7 +149,7 @@ func TestLargeResponsesAreReadAndPricedInTurn(t *testing.T) {
 
 	require.Equal(t, http.StatusOK, b.post("/api/v1/chat", b.key, map[string]any{"prompt": "small"}).status,
 		"a small request takes no turn")
-	require.Equal(t, http.StatusOK, finish())
+	require.Equal(t, http.StatusAccepted, finish())
 }
 
 // TestARequestPastItsRateTakesNoTurn: a large streamed request past its key's
@@ -161,7 +162,7 @@ func TestARequestPastItsRateTakesNoTurn(t *testing.T) {
 	b := setupWith(t, options{server: oneTurn, rates: ratelimit.Config{
 		Limits: gateway.RateLimits{Free: 20, Developer: 20}, Clock: func() time.Time { return at },
 	}})
-	finish := b.holdTurn(t, "/api/v1/responses", b.key, map[string]any{"prompt": largePrompt})
+	finish := b.holdTurn(t, b.key, largeBatch())
 	spent := b.newKey("acme", gateway.TierDeveloper, gateway.ScopeInference)
 	require.Eventually(t, func() bool {
 		return b.post("/api/v1/responses", spent, map[string]any{"prompt": "small"}).status == http.StatusTooManyRequests
@@ -171,7 +172,7 @@ func TestARequestPastItsRateTakesNoTurn(t *testing.T) {
 	require.Len(t, s.Events, 1)
 	require.Equal(t, "response.error", s.Events[0].Name)
 	require.Contains(t, string(s.Events[0].Data), "requests per minute", "refused for its rate, not after a wait for its turn")
-	require.Equal(t, http.StatusOK, finish())
+	require.Equal(t, http.StatusAccepted, finish())
 }
 
 // TestAResponsesTurnEndsOnceItIsPriced: a large request gives its account's
@@ -206,7 +207,7 @@ func TestAResponsesTurnEndsOnceItIsPriced(t *testing.T) {
 func TestARequestWaitingForItsTurnEndsWithTheGrace(t *testing.T) {
 	t.Parallel()
 	b := setupWith(t, options{server: oneTurn})
-	finish := b.holdTurn(t, "/api/v1/batch", b.key, largeBatch())
+	finish := b.holdTurn(t, b.key, largeBatch())
 	b.server.Abort()
 
 	r := b.post("/api/v1/batch", b.key, largeBatch())

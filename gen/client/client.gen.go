@@ -994,10 +994,11 @@ type ClientInterface interface {
 	// Reading and pricing a batch takes a replica's CPU (up to about a second
 	// for 100 prompts of 100 KB), so each replica reads and prices an
 	// account's large requests a few at a time: as many as half its cores,
-	// at least one (the `x-account-turns` extension). A creation whose body
-	// is over 64 KiB (or sent without a length) waits for its turn before
-	// its body is read, in the order such requests came; one that waits
-	// 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing read or
+	// at least one, shared by its large batch creations and responses. A
+	// creation whose body is over 64 KiB (or sent without a length) waits
+	// for its turn before its body is read (the `x-account-turns`
+	// extension), in the order such requests came; one that waits 10 s is
+	// refused `429 RATE_LIMITED` with `Retry-After`, nothing read or
 	// stored; one still waiting when the replica's shutdown grace ends,
 	// `503 SERVICE_UNAVAILABLE`. Storing is not held to turns, and smaller
 	// bodies take none. Other accounts' requests never wait for this
@@ -1044,10 +1045,11 @@ type ClientInterface interface {
 	// Reading and pricing a batch takes a replica's CPU (up to about a second
 	// for 100 prompts of 100 KB), so each replica reads and prices an
 	// account's large requests a few at a time: as many as half its cores,
-	// at least one (the `x-account-turns` extension). A creation whose body
-	// is over 64 KiB (or sent without a length) waits for its turn before
-	// its body is read, in the order such requests came; one that waits
-	// 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing read or
+	// at least one, shared by its large batch creations and responses. A
+	// creation whose body is over 64 KiB (or sent without a length) waits
+	// for its turn before its body is read (the `x-account-turns`
+	// extension), in the order such requests came; one that waits 10 s is
+	// refused `429 RATE_LIMITED` with `Retry-After`, nothing read or
 	// stored; one still waiting when the replica's shutdown grace ends,
 	// `503 SERVICE_UNAVAILABLE`. Storing is not held to turns, and smaller
 	// bodies take none. Other accounts' requests never wait for this
@@ -1158,12 +1160,13 @@ type ClientInterface interface {
 	// database answers: that usage is billed once, never more. A client is never
 	// billed for a response it was not sent.
 	//
-	// A request whose body is over 64 KiB (or sent without a length) is read
-	// and priced in its account's turn, as batch creations are (see
-	// `POST /api/v1/batch`). One that waits 10 s for its turn is refused
-	// `RATE_LIMITED` (a `429` reply, or in a stream its `response.error`),
-	// and one still waiting when the replica's shutdown grace ends,
-	// `SERVICE_UNAVAILABLE`; neither is priced or billed.
+	// A request whose `prompt` and `custom_instructions` together are over
+	// 64 KiB is priced in its account's turn, as large batch creations are
+	// (see `POST /api/v1/batch`), once its body is read. One that waits 10 s
+	// for its turn is refused `RATE_LIMITED` (a `429` reply, or in a stream
+	// its `response.error`), and one still waiting when the replica's
+	// shutdown grace ends, `SERVICE_UNAVAILABLE`; neither is priced or
+	// billed.
 	//
 	// Takes any type of body and a specified content type.
 	//
@@ -1190,12 +1193,13 @@ type ClientInterface interface {
 	// database answers: that usage is billed once, never more. A client is never
 	// billed for a response it was not sent.
 	//
-	// A request whose body is over 64 KiB (or sent without a length) is read
-	// and priced in its account's turn, as batch creations are (see
-	// `POST /api/v1/batch`). One that waits 10 s for its turn is refused
-	// `RATE_LIMITED` (a `429` reply, or in a stream its `response.error`),
-	// and one still waiting when the replica's shutdown grace ends,
-	// `SERVICE_UNAVAILABLE`; neither is priced or billed.
+	// A request whose `prompt` and `custom_instructions` together are over
+	// 64 KiB is priced in its account's turn, as large batch creations are
+	// (see `POST /api/v1/batch`), once its body is read. One that waits 10 s
+	// for its turn is refused `RATE_LIMITED` (a `429` reply, or in a stream
+	// its `response.error`), and one still waiting when the replica's
+	// shutdown grace ends, `SERVICE_UNAVAILABLE`; neither is priced or
+	// billed.
 	//
 	// Takes a body of the `application/json` content type.
 	//
@@ -1306,10 +1310,11 @@ func (c *Client) GetJSONSchema(ctx context.Context, reqEditors ...RequestEditorF
 // Reading and pricing a batch takes a replica's CPU (up to about a second
 // for 100 prompts of 100 KB), so each replica reads and prices an
 // account's large requests a few at a time: as many as half its cores,
-// at least one (the `x-account-turns` extension). A creation whose body
-// is over 64 KiB (or sent without a length) waits for its turn before
-// its body is read, in the order such requests came; one that waits
-// 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing read or
+// at least one, shared by its large batch creations and responses. A
+// creation whose body is over 64 KiB (or sent without a length) waits
+// for its turn before its body is read (the `x-account-turns`
+// extension), in the order such requests came; one that waits 10 s is
+// refused `429 RATE_LIMITED` with `Retry-After`, nothing read or
 // stored; one still waiting when the replica's shutdown grace ends,
 // `503 SERVICE_UNAVAILABLE`. Storing is not held to turns, and smaller
 // bodies take none. Other accounts' requests never wait for this
@@ -1366,10 +1371,11 @@ func (c *Client) CreateBatchWithBody(ctx context.Context, params *CreateBatchPar
 // Reading and pricing a batch takes a replica's CPU (up to about a second
 // for 100 prompts of 100 KB), so each replica reads and prices an
 // account's large requests a few at a time: as many as half its cores,
-// at least one (the `x-account-turns` extension). A creation whose body
-// is over 64 KiB (or sent without a length) waits for its turn before
-// its body is read, in the order such requests came; one that waits
-// 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing read or
+// at least one, shared by its large batch creations and responses. A
+// creation whose body is over 64 KiB (or sent without a length) waits
+// for its turn before its body is read (the `x-account-turns`
+// extension), in the order such requests came; one that waits 10 s is
+// refused `429 RATE_LIMITED` with `Retry-After`, nothing read or
 // stored; one still waiting when the replica's shutdown grace ends,
 // `503 SERVICE_UNAVAILABLE`. Storing is not held to turns, and smaller
 // bodies take none. Other accounts' requests never wait for this
@@ -1550,12 +1556,13 @@ func (c *Client) CreateChat(ctx context.Context, body CreateChatJSONRequestBody,
 // database answers: that usage is billed once, never more. A client is never
 // billed for a response it was not sent.
 //
-// A request whose body is over 64 KiB (or sent without a length) is read
-// and priced in its account's turn, as batch creations are (see
-// `POST /api/v1/batch`). One that waits 10 s for its turn is refused
-// `RATE_LIMITED` (a `429` reply, or in a stream its `response.error`),
-// and one still waiting when the replica's shutdown grace ends,
-// `SERVICE_UNAVAILABLE`; neither is priced or billed.
+// A request whose `prompt` and `custom_instructions` together are over
+// 64 KiB is priced in its account's turn, as large batch creations are
+// (see `POST /api/v1/batch`), once its body is read. One that waits 10 s
+// for its turn is refused `RATE_LIMITED` (a `429` reply, or in a stream
+// its `response.error`), and one still waiting when the replica's
+// shutdown grace ends, `SERVICE_UNAVAILABLE`; neither is priced or
+// billed.
 //
 // Takes any type of body and a specified content type.
 //
@@ -1592,12 +1599,13 @@ func (c *Client) CreateResponseWithBody(ctx context.Context, contentType string,
 // database answers: that usage is billed once, never more. A client is never
 // billed for a response it was not sent.
 //
-// A request whose body is over 64 KiB (or sent without a length) is read
-// and priced in its account's turn, as batch creations are (see
-// `POST /api/v1/batch`). One that waits 10 s for its turn is refused
-// `RATE_LIMITED` (a `429` reply, or in a stream its `response.error`),
-// and one still waiting when the replica's shutdown grace ends,
-// `SERVICE_UNAVAILABLE`; neither is priced or billed.
+// A request whose `prompt` and `custom_instructions` together are over
+// 64 KiB is priced in its account's turn, as large batch creations are
+// (see `POST /api/v1/batch`), once its body is read. One that waits 10 s
+// for its turn is refused `RATE_LIMITED` (a `429` reply, or in a stream
+// its `response.error`), and one still waiting when the replica's
+// shutdown grace ends, `SERVICE_UNAVAILABLE`; neither is priced or
+// billed.
 //
 // Takes a body of the `application/json` content type.
 //
@@ -2358,10 +2366,11 @@ type ClientWithResponsesInterface interface {
 	// Reading and pricing a batch takes a replica's CPU (up to about a second
 	// for 100 prompts of 100 KB), so each replica reads and prices an
 	// account's large requests a few at a time: as many as half its cores,
-	// at least one (the `x-account-turns` extension). A creation whose body
-	// is over 64 KiB (or sent without a length) waits for its turn before
-	// its body is read, in the order such requests came; one that waits
-	// 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing read or
+	// at least one, shared by its large batch creations and responses. A
+	// creation whose body is over 64 KiB (or sent without a length) waits
+	// for its turn before its body is read (the `x-account-turns`
+	// extension), in the order such requests came; one that waits 10 s is
+	// refused `429 RATE_LIMITED` with `Retry-After`, nothing read or
 	// stored; one still waiting when the replica's shutdown grace ends,
 	// `503 SERVICE_UNAVAILABLE`. Storing is not held to turns, and smaller
 	// bodies take none. Other accounts' requests never wait for this
@@ -2408,10 +2417,11 @@ type ClientWithResponsesInterface interface {
 	// Reading and pricing a batch takes a replica's CPU (up to about a second
 	// for 100 prompts of 100 KB), so each replica reads and prices an
 	// account's large requests a few at a time: as many as half its cores,
-	// at least one (the `x-account-turns` extension). A creation whose body
-	// is over 64 KiB (or sent without a length) waits for its turn before
-	// its body is read, in the order such requests came; one that waits
-	// 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing read or
+	// at least one, shared by its large batch creations and responses. A
+	// creation whose body is over 64 KiB (or sent without a length) waits
+	// for its turn before its body is read (the `x-account-turns`
+	// extension), in the order such requests came; one that waits 10 s is
+	// refused `429 RATE_LIMITED` with `Retry-After`, nothing read or
 	// stored; one still waiting when the replica's shutdown grace ends,
 	// `503 SERVICE_UNAVAILABLE`. Storing is not held to turns, and smaller
 	// bodies take none. Other accounts' requests never wait for this
@@ -2530,12 +2540,13 @@ type ClientWithResponsesInterface interface {
 	// database answers: that usage is billed once, never more. A client is never
 	// billed for a response it was not sent.
 	//
-	// A request whose body is over 64 KiB (or sent without a length) is read
-	// and priced in its account's turn, as batch creations are (see
-	// `POST /api/v1/batch`). One that waits 10 s for its turn is refused
-	// `RATE_LIMITED` (a `429` reply, or in a stream its `response.error`),
-	// and one still waiting when the replica's shutdown grace ends,
-	// `SERVICE_UNAVAILABLE`; neither is priced or billed.
+	// A request whose `prompt` and `custom_instructions` together are over
+	// 64 KiB is priced in its account's turn, as large batch creations are
+	// (see `POST /api/v1/batch`), once its body is read. One that waits 10 s
+	// for its turn is refused `RATE_LIMITED` (a `429` reply, or in a stream
+	// its `response.error`), and one still waiting when the replica's
+	// shutdown grace ends, `SERVICE_UNAVAILABLE`; neither is priced or
+	// billed.
 	//
 	// Takes any type of body and a specified content type, and returns a wrapper object for the known response body format(s).
 	//
@@ -2562,12 +2573,13 @@ type ClientWithResponsesInterface interface {
 	// database answers: that usage is billed once, never more. A client is never
 	// billed for a response it was not sent.
 	//
-	// A request whose body is over 64 KiB (or sent without a length) is read
-	// and priced in its account's turn, as batch creations are (see
-	// `POST /api/v1/batch`). One that waits 10 s for its turn is refused
-	// `RATE_LIMITED` (a `429` reply, or in a stream its `response.error`),
-	// and one still waiting when the replica's shutdown grace ends,
-	// `SERVICE_UNAVAILABLE`; neither is priced or billed.
+	// A request whose `prompt` and `custom_instructions` together are over
+	// 64 KiB is priced in its account's turn, as large batch creations are
+	// (see `POST /api/v1/batch`), once its body is read. One that waits 10 s
+	// for its turn is refused `RATE_LIMITED` (a `429` reply, or in a stream
+	// its `response.error`), and one still waiting when the replica's
+	// shutdown grace ends, `SERVICE_UNAVAILABLE`; neither is priced or
+	// billed.
 	//
 	// Takes a body of the `application/json` content type, and returns a wrapper object for the known response body format(s).
 	//
@@ -4416,10 +4428,11 @@ func (c *ClientWithResponses) GetJSONSchemaWithResponse(ctx context.Context, req
 // Reading and pricing a batch takes a replica's CPU (up to about a second
 // for 100 prompts of 100 KB), so each replica reads and prices an
 // account's large requests a few at a time: as many as half its cores,
-// at least one (the `x-account-turns` extension). A creation whose body
-// is over 64 KiB (or sent without a length) waits for its turn before
-// its body is read, in the order such requests came; one that waits
-// 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing read or
+// at least one, shared by its large batch creations and responses. A
+// creation whose body is over 64 KiB (or sent without a length) waits
+// for its turn before its body is read (the `x-account-turns`
+// extension), in the order such requests came; one that waits 10 s is
+// refused `429 RATE_LIMITED` with `Retry-After`, nothing read or
 // stored; one still waiting when the replica's shutdown grace ends,
 // `503 SERVICE_UNAVAILABLE`. Storing is not held to turns, and smaller
 // bodies take none. Other accounts' requests never wait for this
@@ -4472,10 +4485,11 @@ func (c *ClientWithResponses) CreateBatchWithBodyWithResponse(ctx context.Contex
 // Reading and pricing a batch takes a replica's CPU (up to about a second
 // for 100 prompts of 100 KB), so each replica reads and prices an
 // account's large requests a few at a time: as many as half its cores,
-// at least one (the `x-account-turns` extension). A creation whose body
-// is over 64 KiB (or sent without a length) waits for its turn before
-// its body is read, in the order such requests came; one that waits
-// 10 s is refused `429 RATE_LIMITED` with `Retry-After`, nothing read or
+// at least one, shared by its large batch creations and responses. A
+// creation whose body is over 64 KiB (or sent without a length) waits
+// for its turn before its body is read (the `x-account-turns`
+// extension), in the order such requests came; one that waits 10 s is
+// refused `429 RATE_LIMITED` with `Retry-After`, nothing read or
 // stored; one still waiting when the replica's shutdown grace ends,
 // `503 SERVICE_UNAVAILABLE`. Storing is not held to turns, and smaller
 // bodies take none. Other accounts' requests never wait for this
@@ -4636,12 +4650,13 @@ func (c *ClientWithResponses) CreateChatWithResponse(ctx context.Context, body C
 // database answers: that usage is billed once, never more. A client is never
 // billed for a response it was not sent.
 //
-// A request whose body is over 64 KiB (or sent without a length) is read
-// and priced in its account's turn, as batch creations are (see
-// `POST /api/v1/batch`). One that waits 10 s for its turn is refused
-// `RATE_LIMITED` (a `429` reply, or in a stream its `response.error`),
-// and one still waiting when the replica's shutdown grace ends,
-// `SERVICE_UNAVAILABLE`; neither is priced or billed.
+// A request whose `prompt` and `custom_instructions` together are over
+// 64 KiB is priced in its account's turn, as large batch creations are
+// (see `POST /api/v1/batch`), once its body is read. One that waits 10 s
+// for its turn is refused `RATE_LIMITED` (a `429` reply, or in a stream
+// its `response.error`), and one still waiting when the replica's
+// shutdown grace ends, `SERVICE_UNAVAILABLE`; neither is priced or
+// billed.
 //
 // Takes any type of body and a specified content type, and returns a wrapper object for the known response body format(s).
 //
@@ -4674,12 +4689,13 @@ func (c *ClientWithResponses) CreateResponseWithBodyWithResponse(ctx context.Con
 // database answers: that usage is billed once, never more. A client is never
 // billed for a response it was not sent.
 //
-// A request whose body is over 64 KiB (or sent without a length) is read
-// and priced in its account's turn, as batch creations are (see
-// `POST /api/v1/batch`). One that waits 10 s for its turn is refused
-// `RATE_LIMITED` (a `429` reply, or in a stream its `response.error`),
-// and one still waiting when the replica's shutdown grace ends,
-// `SERVICE_UNAVAILABLE`; neither is priced or billed.
+// A request whose `prompt` and `custom_instructions` together are over
+// 64 KiB is priced in its account's turn, as large batch creations are
+// (see `POST /api/v1/batch`), once its body is read. One that waits 10 s
+// for its turn is refused `RATE_LIMITED` (a `429` reply, or in a stream
+// its `response.error`), and one still waiting when the replica's
+// shutdown grace ends, `SERVICE_UNAVAILABLE`; neither is priced or
+// billed.
 //
 // Takes a body of the `application/json` content type, and returns a wrapper object for the known response body format(s).
 //
