@@ -86,7 +86,9 @@ func (s *Server) enterTurn(ctx context.Context) (leave func(), err error) {
 		s.metrics.Refusal("turn_wait")
 		return nil, &gateway.Error{Code: gateway.ERateLimited, RetryAfter: turnRetryAfter, Cause: err,
 			Message: fmt.Sprintf("this account's requests over %d KiB are priced %d at a time on each replica, and this one waited %s for its turn; send fewer at once, or smaller ones", turnFreeBytes>>10, s.turns.Places(), s.turnWait)}
-	case errors.Is(err, errTurnShutdown):
+	case s.abort.Err() != nil:
+		// Ended by Abort, through errTurnShutdown or through ctx itself
+		// when it is a call's context (callContext).
 		return nil, &gateway.Error{Code: gateway.EServiceUnavailable, RetryAfter: unavailableRetryAfter, Cause: err,
 			Message: "this replica shut down while the request waited for its turn; nothing was done: send it again"}
 	default:

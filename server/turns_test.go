@@ -210,11 +210,20 @@ func TestARequestWaitingForItsTurnEndsWithTheGrace(t *testing.T) {
 	finish := b.holdTurn(t, b.key, largeBatch())
 	b.server.Abort()
 
-	r := b.post("/api/v1/batch", b.key, largeBatch())
-	require.Equal(t, http.StatusServiceUnavailable, r.status)
-	require.Equal(t, gateway.EServiceUnavailable, r.errorCode(t))
-	require.Contains(t, r.message(t), "nothing was done")
-	require.NotEmpty(t, r.header.Get("Retry-After"))
+	for _, path := range []string{"/api/v1/batch", "/api/v1/responses"} {
+		body := largeBatch()
+		if path == "/api/v1/responses" {
+			body = map[string]any{"prompt": largePrompt}
+		}
+		r := b.post(path, b.key, body)
+		require.Equal(t, http.StatusServiceUnavailable, r.status, path)
+		require.Equal(t, gateway.EServiceUnavailable, r.errorCode(t), path)
+		require.Contains(t, r.message(t), "nothing was done", path)
+		require.NotEmpty(t, r.header.Get("Retry-After"), path)
+	}
+	_, s := b.stream("/api/v1/responses", map[string]any{"prompt": largePrompt})
+	require.Len(t, s.Events, 1)
+	require.Contains(t, string(s.Events[0].Data), `"SERVICE_UNAVAILABLE"`)
 
 	require.Equal(t, http.StatusAccepted, finish())
 	require.Equal(t, http.StatusAccepted, b.post("/api/v1/batch", b.key, largeBatch()).status)
