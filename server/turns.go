@@ -35,10 +35,6 @@ func DefaultTurnPlaces() int { return max(runtime.GOMAXPROCS(0)/2, 1) }
 // errTurnWait ends the wait of a request for its turn.
 var errTurnWait = errors.New("waited too long for the account's turn")
 
-// errTurnShutdown ends the wait of a request for its turn when the
-// shutdown's grace ends (Abort).
-var errTurnShutdown = errors.New("the replica shut down while the request waited for its turn")
-
 // turnKey is the context key of the leave func of a request's place.
 type turnKey struct{}
 
@@ -72,13 +68,11 @@ func (s *Server) takeTurn(p openapi.Policy) echo.MiddlewareFunc {
 // or the refusal of the request.
 func (s *Server) enterTurn(ctx context.Context) (leave func(), err error) {
 	account := gateway.PrincipalFrom(ctx).AccountID
-	ctx, abort := context.WithCancelCause(ctx)
-	stop := context.AfterFunc(s.abort, func() { abort(errTurnShutdown) })
+	ctx, done := s.callContext(ctx) // the wait ends with the shutdown's grace too
+	defer done()
 	ctx, cancel := context.WithTimeoutCause(ctx, s.turnWait, errTurnWait)
+	defer cancel()
 	leave, err = s.turns.Enter(ctx, account)
-	cancel()
-	stop()
-	abort(nil)
 	switch {
 	case err == nil:
 		return leave, nil
@@ -87,8 +81,6 @@ func (s *Server) enterTurn(ctx context.Context) (leave func(), err error) {
 		return nil, &gateway.Error{Code: gateway.ERateLimited, RetryAfter: turnRetryAfter, Cause: err,
 			Message: fmt.Sprintf("this account's requests over %d KiB are priced %d at a time on each replica, and this one waited %s for its turn; send fewer at once, or smaller ones", turnFreeBytes>>10, s.turns.Places(), s.turnWait)}
 	case s.abort.Err() != nil:
-		// Ended by Abort, through errTurnShutdown or through ctx itself
-		// when it is a call's context (callContext).
 		return nil, &gateway.Error{Code: gateway.EServiceUnavailable, RetryAfter: unavailableRetryAfter, Cause: err,
 			Message: "this replica shut down while the request waited for its turn; nothing was done: send it again"}
 	default:
