@@ -304,7 +304,8 @@ func (s *Store) admitCreations(ctx context.Context, tx pgx.Tx, key creationKey, 
 	var charge db.AdmitBatchesParams
 	var added int64 // the estimates of those sent, charged in turn as admit_batches does
 	for i, c := range fresh {
-		ceiling := c.nb.Principal.Tier.DefaultDailyCeiling()
+		tierCeiling := c.nb.Principal.Tier.DefaultDailyCeiling()
+		ceiling := tierCeiling
 		if room.DailyRungCeiling != nil {
 			ceiling = *room.DailyRungCeiling
 		}
@@ -317,7 +318,7 @@ func (s *Store) admitCreations(ctx context.Context, tx pgx.Tx, key creationKey, 
 			added += c.total
 			sent = append(sent, i)
 			items = append(items, c.items...)
-			charge.DefaultCeilings = append(charge.DefaultCeilings, c.nb.Principal.Tier.DefaultDailyCeiling())
+			charge.DefaultCeilings = append(charge.DefaultCeilings, tierCeiling)
 			charge.Estimates = append(charge.Estimates, c.total)
 		}
 	}
