@@ -31,17 +31,8 @@ func BenchmarkCreateResponse(b *testing.B) {
 	body := []byte(`{"prompt": "benchmark prompt with a few words", "web_search": true}`)
 	b.RunParallel(func(pb *testing.PB) {
 		for pb.Next() {
-			req, _ := http.NewRequest(http.MethodPost, bundle.http.URL+"/api/v1/responses", bytes.NewReader(body))
-			req.Header.Set("Authorization", "Bearer "+bundle.key)
-			req.Header.Set("Content-Type", "application/json")
-			resp, err := http.DefaultClient.Do(req)
-			if err != nil {
-				b.Fatal(err)
-			}
-			_, _ = io.Copy(io.Discard, resp.Body)
-			resp.Body.Close()
-			if resp.StatusCode != http.StatusOK {
-				b.Fatalf("status %d", resp.StatusCode)
+			if status := bundle.postBody(context.Background(), "/api/v1/responses", bundle.key, bytes.NewReader(body)); status != http.StatusOK {
+				b.Fatalf("status %d (0: no reply)", status)
 			}
 		}
 	})

@@ -358,6 +358,24 @@ func (b *testBundle) doWith(method, path, key, contentType string, body []byte, 
 	return reply{proto: resp.Proto, status: resp.StatusCode, header: resp.Header, body: raw}
 }
 
+// postBody posts body to path with key and returns the reply's status, 0
+// when there was none; the reply's body is read whole.
+func (b *testBundle) postBody(ctx context.Context, path, key string, body io.Reader) int {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, b.http.URL+path, body)
+	if err != nil {
+		return 0
+	}
+	req.Header.Set("Authorization", "Bearer "+key)
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := b.client.Do(req)
+	if err != nil {
+		return 0
+	}
+	_, _ = io.Copy(io.Discard, resp.Body)
+	_ = resp.Body.Close()
+	return resp.StatusCode
+}
+
 func (b *testBundle) post(path, key string, body any) reply {
 	b.t.Helper()
 	return b.postWith(path, key, body, nil)

@@ -28,24 +28,6 @@ func largeBatch() map[string]any {
 	return map[string]any{"requests": []map[string]any{{"prompt": largePrompt}, {"prompt": "item"}}}
 }
 
-// postBody posts body to path with key and returns the reply's status, 0
-// when there was none; the reply's body is read whole.
-func (b *testBundle) postBody(ctx context.Context, path, key string, body io.Reader) int {
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, b.http.URL+path, body)
-	if err != nil {
-		return 0
-	}
-	req.Header.Set("Authorization", "Bearer "+key)
-	req.Header.Set("Content-Type", "application/json")
-	resp, err := b.client.Do(req)
-	if err != nil {
-		return 0
-	}
-	_, _ = io.Copy(io.Discard, resp.Body)
-	_ = resp.Body.Close()
-	return resp.StatusCode
-}
-
 // async runs f off the test's goroutine and returns its result.
 func async(f func() int) <-chan int {
 	out := make(chan int, 1)
