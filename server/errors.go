@@ -45,12 +45,27 @@ var statusOf = map[gateway.ErrorCode]int{
 	gateway.EInterrupted: http.StatusInternalServerError,
 }
 
+// statusClientClosed is the status a request is logged and counted with when
+// its client left before its reply (proxies' 499): nothing is sent.
+const statusClientClosed = 499
+
 // handleError is the one place where errors become HTTP replies: every
-// non-streaming error is the envelope {"error": {"code", "message"}}.
+// non-streaming error is the envelope {"error": {"code", "message"}}. A
+// request that failed, not for a domain error, once its context ended has
+// lost its client (its connection closed, its HTTP/2 stream reset): its
+// upstream call or its database work ended with it, which is no failure of
+// the gateway's. It is logged and counted as statusClientClosed, and its
+// exchange is cut (http.ErrAbortHandler) rather than answered to no one. A
+// domain error is answered: a body cut at the body timeout also ends the
+// context, and its client is still there to read the 408.
 func (s *Server) handleError(err error, c echo.Context) {
 	if c.Response().Committed {
 		s.logger.Warn("error after the reply started", "path", c.Path(), "error", err)
 		return
+	}
+	if _, domain := errors.AsType[*gateway.Error](err); !domain && c.Request().Context().Err() != nil {
+		c.Response().Status = statusClientClosed
+		panic(http.ErrAbortHandler)
 	}
 	e := s.domainError(err)
 	status, ok := statusOf[e.Code]

@@ -16,7 +16,9 @@ import (
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/gen/api"
+	"github.com/rungworks/gateway/internal/metricstest"
 	"github.com/rungworks/gateway/internal/syncbuf"
+	"github.com/rungworks/gateway/metrics"
 	"github.com/rungworks/gateway/server"
 	"github.com/rungworks/gateway/upstream"
 )
@@ -195,4 +197,63 @@ func TestHeadIsServedWhereGetIs(t *testing.T) {
 
 	require.Eventually(t, func() bool { return strings.Contains(logs.String(), `"method":"HEAD","route":"/api/v1/usage"`) }, 5*time.Second, 10*time.Millisecond,
 		"the access log names the method as sent")
+}
+
+// TestAClientThatLeavesIsNotAServerError: a client that leaves before its
+// reply (its connection closed, its HTTP/2 stream reset) ends its upstream
+// call unbilled, and the request is logged and counted with status 499, as
+// proxies do: not as a failed request (no error logged, no 500 counted), for
+// clients that give up are no fault of the gateway's.
+func TestAClientThatLeavesIsNotAServerError(t *testing.T) {
+	t.Parallel()
+	for _, h2c := range []bool{false, true} {
+		t.Run(protoName(h2c), func(t *testing.T) {
+			t.Parallel()
+			logs := &syncbuf.Buffer{}
+			m := metrics.New()
+			b := setupWith(t, options{h2c: h2c, logs: logs, server: func(c *server.Config) { c.Metrics = m }})
+			b.upstream.configure(func(s *scripted) { s.hang = true })
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			left := make(chan error, 1)
+			go func() {
+				req, err := http.NewRequestWithContext(ctx, http.MethodPost, b.http.URL+"/api/v1/responses", strings.NewReader(`{"prompt": "p"}`))
+				if err != nil {
+					left <- err
+					return
+				}
+				req.Header.Set("Authorization", "Bearer "+b.key)
+				req.Header.Set("Content-Type", "application/json")
+				req.Header.Set("X-Request-Id", "leaves")
+				resp, err := b.client.Do(req)
+				if err == nil {
+					resp.Body.Close()
+				}
+				left <- err
+			}()
+			require.Eventually(t, func() bool { return b.upstream.callCount() > 0 }, 5*time.Second, time.Millisecond, "the call runs")
+			cancel()
+			require.ErrorIs(t, <-left, context.Canceled)
+
+			var line string
+			require.Eventually(t, func() bool {
+				for _, l := range strings.Split(logs.String(), "\n") {
+					if strings.Contains(l, `"request_id":"leaves"`) {
+						line = l
+						return true
+					}
+				}
+				return false
+			}, 5*time.Second, 5*time.Millisecond, "the request is logged")
+			require.Contains(t, line, `"status":499`)
+			require.NotContains(t, logs.String(), `"level":"ERROR"`)
+			scraped := metricstest.Scrape(m)
+			require.Contains(t, scraped, `gateway_http_requests_total{method="POST",route="/api/v1/responses",status="499"} 1`)
+			require.NotContains(t, scraped, `status="500"`)
+			require.Eventually(t, func() bool {
+				v := b.usage(t, b.key)
+				return v.Totals.Requests == 0 && v.Budget.ReservedRungs == 0 && v.Daily.ChargedRungs == 0
+			}, 5*time.Second, 10*time.Millisecond, "nothing is billed, and the estimate is released")
+		})
+	}
 }

@@ -1160,6 +1160,13 @@ type ClientInterface interface {
 	// database answers: that usage is billed once, never more. A client is never
 	// billed for a response it was not sent.
 	//
+	// A client that closes its connection (over HTTP/2, resets its stream)
+	// while its JSON request runs ends the request's upstream call, unbilled,
+	// and is sent nothing: the gateway's access log and request metrics
+	// record the request with the status `499`, which is never sent. Once the
+	// upstream has answered, the usage is recorded and the reply written,
+	// whether the client reads it or not. A stream's output so far is billed.
+	//
 	// A request whose `prompt` and `custom_instructions` together are over
 	// 64 KiB is priced in its account's turn, as large batch creations are
 	// (see `POST /api/v1/batch`), once its body is read. One that waits 10 s
@@ -1192,6 +1199,13 @@ type ClientInterface interface {
 	// one, with its usage, and the gateway goes on recording it until the
 	// database answers: that usage is billed once, never more. A client is never
 	// billed for a response it was not sent.
+	//
+	// A client that closes its connection (over HTTP/2, resets its stream)
+	// while its JSON request runs ends the request's upstream call, unbilled,
+	// and is sent nothing: the gateway's access log and request metrics
+	// record the request with the status `499`, which is never sent. Once the
+	// upstream has answered, the usage is recorded and the reply written,
+	// whether the client reads it or not. A stream's output so far is billed.
 	//
 	// A request whose `prompt` and `custom_instructions` together are over
 	// 64 KiB is priced in its account's turn, as large batch creations are
@@ -1556,6 +1570,13 @@ func (c *Client) CreateChat(ctx context.Context, body CreateChatJSONRequestBody,
 // database answers: that usage is billed once, never more. A client is never
 // billed for a response it was not sent.
 //
+// A client that closes its connection (over HTTP/2, resets its stream)
+// while its JSON request runs ends the request's upstream call, unbilled,
+// and is sent nothing: the gateway's access log and request metrics
+// record the request with the status `499`, which is never sent. Once the
+// upstream has answered, the usage is recorded and the reply written,
+// whether the client reads it or not. A stream's output so far is billed.
+//
 // A request whose `prompt` and `custom_instructions` together are over
 // 64 KiB is priced in its account's turn, as large batch creations are
 // (see `POST /api/v1/batch`), once its body is read. One that waits 10 s
@@ -1598,6 +1619,13 @@ func (c *Client) CreateResponseWithBody(ctx context.Context, contentType string,
 // one, with its usage, and the gateway goes on recording it until the
 // database answers: that usage is billed once, never more. A client is never
 // billed for a response it was not sent.
+//
+// A client that closes its connection (over HTTP/2, resets its stream)
+// while its JSON request runs ends the request's upstream call, unbilled,
+// and is sent nothing: the gateway's access log and request metrics
+// record the request with the status `499`, which is never sent. Once the
+// upstream has answered, the usage is recorded and the reply written,
+// whether the client reads it or not. A stream's output so far is billed.
 //
 // A request whose `prompt` and `custom_instructions` together are over
 // 64 KiB is priced in its account's turn, as large batch creations are
@@ -2540,6 +2568,13 @@ type ClientWithResponsesInterface interface {
 	// database answers: that usage is billed once, never more. A client is never
 	// billed for a response it was not sent.
 	//
+	// A client that closes its connection (over HTTP/2, resets its stream)
+	// while its JSON request runs ends the request's upstream call, unbilled,
+	// and is sent nothing: the gateway's access log and request metrics
+	// record the request with the status `499`, which is never sent. Once the
+	// upstream has answered, the usage is recorded and the reply written,
+	// whether the client reads it or not. A stream's output so far is billed.
+	//
 	// A request whose `prompt` and `custom_instructions` together are over
 	// 64 KiB is priced in its account's turn, as large batch creations are
 	// (see `POST /api/v1/batch`), once its body is read. One that waits 10 s
@@ -2572,6 +2607,13 @@ type ClientWithResponsesInterface interface {
 	// one, with its usage, and the gateway goes on recording it until the
 	// database answers: that usage is billed once, never more. A client is never
 	// billed for a response it was not sent.
+	//
+	// A client that closes its connection (over HTTP/2, resets its stream)
+	// while its JSON request runs ends the request's upstream call, unbilled,
+	// and is sent nothing: the gateway's access log and request metrics
+	// record the request with the status `499`, which is never sent. Once the
+	// upstream has answered, the usage is recorded and the reply written,
+	// whether the client reads it or not. A stream's output so far is billed.
 	//
 	// A request whose `prompt` and `custom_instructions` together are over
 	// 64 KiB is priced in its account's turn, as large batch creations are
@@ -4650,6 +4692,13 @@ func (c *ClientWithResponses) CreateChatWithResponse(ctx context.Context, body C
 // database answers: that usage is billed once, never more. A client is never
 // billed for a response it was not sent.
 //
+// A client that closes its connection (over HTTP/2, resets its stream)
+// while its JSON request runs ends the request's upstream call, unbilled,
+// and is sent nothing: the gateway's access log and request metrics
+// record the request with the status `499`, which is never sent. Once the
+// upstream has answered, the usage is recorded and the reply written,
+// whether the client reads it or not. A stream's output so far is billed.
+//
 // A request whose `prompt` and `custom_instructions` together are over
 // 64 KiB is priced in its account's turn, as large batch creations are
 // (see `POST /api/v1/batch`), once its body is read. One that waits 10 s
@@ -4688,6 +4737,13 @@ func (c *ClientWithResponses) CreateResponseWithBodyWithResponse(ctx context.Con
 // one, with its usage, and the gateway goes on recording it until the
 // database answers: that usage is billed once, never more. A client is never
 // billed for a response it was not sent.
+//
+// A client that closes its connection (over HTTP/2, resets its stream)
+// while its JSON request runs ends the request's upstream call, unbilled,
+// and is sent nothing: the gateway's access log and request metrics
+// record the request with the status `499`, which is never sent. Once the
+// upstream has answered, the usage is recorded and the reply written,
+// whether the client reads it or not. A stream's output so far is billed.
 //
 // A request whose `prompt` and `custom_instructions` together are over
 // 64 KiB is priced in its account's turn, as large batch creations are
