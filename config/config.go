@@ -50,6 +50,8 @@ type Config struct {
 	Pprof             bool          `env:"GATEWAY_PPROF"`
 	ShutdownGrace     time.Duration `env:"GATEWAY_SHUTDOWN_GRACE" envDefault:"30s"`
 	BodyTimeout       time.Duration `env:"GATEWAY_BODY_TIMEOUT" envDefault:"30s"`
+	TurnPlaces        int           `env:"GATEWAY_TURN_PLACES"`
+	TurnWait          time.Duration `env:"GATEWAY_TURN_WAIT" envDefault:"10s"`
 	DrainDelay        time.Duration `env:"GATEWAY_DRAIN_DELAY" envDefault:"5s"`
 	CORSOrigins       []string      `env:"GATEWAY_CORS_ORIGINS" envSeparator:","`
 	TrustedProxies    []string      `env:"GATEWAY_TRUSTED_PROXIES" envSeparator:","`
@@ -110,6 +112,12 @@ func load(defaults map[string]string) (Config, error) {
 	}
 	if cfg.BodyTimeout <= 0 {
 		return Config{}, fmt.Errorf("GATEWAY_BODY_TIMEOUT must be positive")
+	}
+	if cfg.TurnPlaces < 0 {
+		return Config{}, fmt.Errorf("GATEWAY_TURN_PLACES must not be negative (0: half the cores)")
+	}
+	if cfg.TurnWait <= 0 {
+		return Config{}, fmt.Errorf("GATEWAY_TURN_WAIT must be positive")
 	}
 	if cfg.RateLimit < 0 {
 		return Config{}, fmt.Errorf("GATEWAY_RATE_LIMIT must not be negative")

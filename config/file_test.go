@@ -257,3 +257,30 @@ func TestDevDrainDelay(t *testing.T) {
 	_, err = config.LoadDev()
 	require.ErrorContains(t, err, "GATEWAY_DRAIN_DELAY must not be negative")
 }
+
+// TestTurnSettings: GATEWAY_TURN_PLACES (0, the default, is half the cores)
+// and GATEWAY_TURN_WAIT are read, and a negative count or a wait that is not
+// positive is refused.
+func TestTurnSettings(t *testing.T) {
+	t.Setenv("GATEWAY_TURN_PLACES", "")
+	t.Setenv("GATEWAY_TURN_WAIT", "")
+	cfg, err := config.Load()
+	require.NoError(t, err)
+	require.Zero(t, cfg.TurnPlaces)
+	require.Equal(t, 10*time.Second, cfg.TurnWait)
+
+	t.Setenv("GATEWAY_TURN_PLACES", "3")
+	t.Setenv("GATEWAY_TURN_WAIT", "2s")
+	cfg, err = config.Load()
+	require.NoError(t, err)
+	require.Equal(t, 3, cfg.TurnPlaces)
+	require.Equal(t, 2*time.Second, cfg.TurnWait)
+
+	t.Setenv("GATEWAY_TURN_PLACES", "-1")
+	_, err = config.Load()
+	require.ErrorContains(t, err, "GATEWAY_TURN_PLACES must not be negative")
+	t.Setenv("GATEWAY_TURN_PLACES", "")
+	t.Setenv("GATEWAY_TURN_WAIT", "0s")
+	_, err = config.Load()
+	require.ErrorContains(t, err, "GATEWAY_TURN_WAIT must be positive")
+}

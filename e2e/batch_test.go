@@ -1,8 +1,10 @@
 package e2e
 
 import (
+	"bufio"
 	"encoding/json"
 	"fmt"
+	"net"
 	"net/http"
 	"strings"
 	"sync"
@@ -449,4 +451,52 @@ func TestOperatorListsAndCancelsBatches(t *testing.T) {
 		}
 	}
 	require.Equal(t, api.BatchStatus("completed"), g.waitTerminal(b.key, first, 60*time.Second).Status)
+}
+
+// TestTurnsAsConfigured: GATEWAY_TURN_PLACES and GATEWAY_TURN_WAIT set how
+// many of an account's large requests a replica prices at once and how long
+// the next one waits. With two places (one by default on the two cores the
+// replica is given), held by creations whose bodies are still coming, the
+// account's next large creation waits the 300 ms configured and is refused
+// for its turn; the held ones are created once their bodies arrive.
+func TestTurnsAsConfigured(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	g := serve(t, b.db, b.fake.BaseURL(), map[string]string{"GOMAXPROCS": "2", "GATEWAY_TURN_PLACES": "2", "GATEWAY_TURN_WAIT": "300ms"})
+	large := map[string]any{"requests": []map[string]any{{"prompt": strings.Repeat("word ", 14_000)}}}
+	raw, err := json.Marshal(large)
+	require.NoError(t, err)
+
+	held := make([]net.Conn, 2)
+	for i := range held {
+		held[i], err = net.Dial("tcp", strings.TrimPrefix(g.base, "http://"))
+		require.NoError(t, err)
+		defer held[i].Close()
+		_, err = fmt.Fprintf(held[i], "POST /api/v1/batch HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s",
+			b.key, len(raw), raw[:len(raw)/2])
+		require.NoError(t, err)
+	}
+
+	// Until the held creations have their places, the next ones may take
+	// one first.
+	var message string
+	require.Eventually(t, func() bool {
+		r := g.call(http.MethodPost, "/api/v1/batch", b.key, large)
+		if r.status != http.StatusTooManyRequests {
+			return false
+		}
+		message = r.object(t)["error"].(map[string]any)["message"].(string)
+		return strings.Contains(message, "for its turn")
+	}, 20*time.Second, 10*time.Millisecond)
+	require.Contains(t, message, "priced 2 at a time")
+	require.Contains(t, message, "waited 300ms")
+
+	for _, conn := range held {
+		_, err = conn.Write(raw[len(raw)/2:])
+		require.NoError(t, err)
+		resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
+		require.NoError(t, err)
+		require.NoError(t, resp.Body.Close())
+		require.Equal(t, http.StatusAccepted, resp.StatusCode)
+	}
 }

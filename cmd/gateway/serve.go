@@ -151,6 +151,8 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 		CORSOrigins:    cfg.CORSOrigins,
 		TrustedProxies: cfg.Proxies(),
 		BodyTimeout:    cfg.BodyTimeout,
+		TurnPlaces:     cfg.TurnPlaces,
+		TurnWait:       cfg.TurnWait,
 		Unavailable:    store.Transient,
 	})
 	if err != nil {

@@ -994,10 +994,12 @@ type ClientInterface interface {
 	// Reading and pricing a batch takes a replica's CPU (up to about a second
 	// for 100 prompts of 100 KB), so each replica reads and prices an
 	// account's large requests a few at a time: as many as half its cores,
-	// at least one, shared by its large batch creations and responses. A
-	// creation whose body is over 64 KiB (or sent without a length) waits
-	// for its turn before its body is read (the `x-account-turns`
-	// extension), in the order such requests came; one that waits 10 s is
+	// at least one, unless the operator set another count
+	// (`GATEWAY_TURN_PLACES`), shared by its large batch creations and
+	// responses. A creation whose body is over 64 KiB (or sent without a
+	// length) waits for its turn before its body is read (the
+	// `x-account-turns` extension), in the order such requests came; one
+	// that waits 10 s (`GATEWAY_TURN_WAIT`, the default) is
 	// refused `429 RATE_LIMITED` with `Retry-After`, nothing read or
 	// stored; one still waiting when the replica's shutdown grace ends,
 	// `503 SERVICE_UNAVAILABLE`. Storing is not held to turns, and smaller
@@ -1045,10 +1047,12 @@ type ClientInterface interface {
 	// Reading and pricing a batch takes a replica's CPU (up to about a second
 	// for 100 prompts of 100 KB), so each replica reads and prices an
 	// account's large requests a few at a time: as many as half its cores,
-	// at least one, shared by its large batch creations and responses. A
-	// creation whose body is over 64 KiB (or sent without a length) waits
-	// for its turn before its body is read (the `x-account-turns`
-	// extension), in the order such requests came; one that waits 10 s is
+	// at least one, unless the operator set another count
+	// (`GATEWAY_TURN_PLACES`), shared by its large batch creations and
+	// responses. A creation whose body is over 64 KiB (or sent without a
+	// length) waits for its turn before its body is read (the
+	// `x-account-turns` extension), in the order such requests came; one
+	// that waits 10 s (`GATEWAY_TURN_WAIT`, the default) is
 	// refused `429 RATE_LIMITED` with `Retry-After`, nothing read or
 	// stored; one still waiting when the replica's shutdown grace ends,
 	// `503 SERVICE_UNAVAILABLE`. Storing is not held to turns, and smaller
@@ -1170,7 +1174,7 @@ type ClientInterface interface {
 	// A request whose `prompt` and `custom_instructions` together are over
 	// 64 KiB is priced in its account's turn, as large batch creations are
 	// (see `POST /api/v1/batch`), once its body is read. One that waits 10 s
-	// for its turn is refused `RATE_LIMITED` (a `429` reply, or in a stream
+	// (by default) for its turn is refused `RATE_LIMITED` (a `429` reply, or in a stream
 	// its `response.error`), and one still waiting when the replica's
 	// shutdown grace ends, `SERVICE_UNAVAILABLE`; neither is priced or
 	// billed.
@@ -1210,7 +1214,7 @@ type ClientInterface interface {
 	// A request whose `prompt` and `custom_instructions` together are over
 	// 64 KiB is priced in its account's turn, as large batch creations are
 	// (see `POST /api/v1/batch`), once its body is read. One that waits 10 s
-	// for its turn is refused `RATE_LIMITED` (a `429` reply, or in a stream
+	// (by default) for its turn is refused `RATE_LIMITED` (a `429` reply, or in a stream
 	// its `response.error`), and one still waiting when the replica's
 	// shutdown grace ends, `SERVICE_UNAVAILABLE`; neither is priced or
 	// billed.
@@ -1324,10 +1328,12 @@ func (c *Client) GetJSONSchema(ctx context.Context, reqEditors ...RequestEditorF
 // Reading and pricing a batch takes a replica's CPU (up to about a second
 // for 100 prompts of 100 KB), so each replica reads and prices an
 // account's large requests a few at a time: as many as half its cores,
-// at least one, shared by its large batch creations and responses. A
-// creation whose body is over 64 KiB (or sent without a length) waits
-// for its turn before its body is read (the `x-account-turns`
-// extension), in the order such requests came; one that waits 10 s is
+// at least one, unless the operator set another count
+// (`GATEWAY_TURN_PLACES`), shared by its large batch creations and
+// responses. A creation whose body is over 64 KiB (or sent without a
+// length) waits for its turn before its body is read (the
+// `x-account-turns` extension), in the order such requests came; one
+// that waits 10 s (`GATEWAY_TURN_WAIT`, the default) is
 // refused `429 RATE_LIMITED` with `Retry-After`, nothing read or
 // stored; one still waiting when the replica's shutdown grace ends,
 // `503 SERVICE_UNAVAILABLE`. Storing is not held to turns, and smaller
@@ -1385,10 +1391,12 @@ func (c *Client) CreateBatchWithBody(ctx context.Context, params *CreateBatchPar
 // Reading and pricing a batch takes a replica's CPU (up to about a second
 // for 100 prompts of 100 KB), so each replica reads and prices an
 // account's large requests a few at a time: as many as half its cores,
-// at least one, shared by its large batch creations and responses. A
-// creation whose body is over 64 KiB (or sent without a length) waits
-// for its turn before its body is read (the `x-account-turns`
-// extension), in the order such requests came; one that waits 10 s is
+// at least one, unless the operator set another count
+// (`GATEWAY_TURN_PLACES`), shared by its large batch creations and
+// responses. A creation whose body is over 64 KiB (or sent without a
+// length) waits for its turn before its body is read (the
+// `x-account-turns` extension), in the order such requests came; one
+// that waits 10 s (`GATEWAY_TURN_WAIT`, the default) is
 // refused `429 RATE_LIMITED` with `Retry-After`, nothing read or
 // stored; one still waiting when the replica's shutdown grace ends,
 // `503 SERVICE_UNAVAILABLE`. Storing is not held to turns, and smaller
@@ -1580,7 +1588,7 @@ func (c *Client) CreateChat(ctx context.Context, body CreateChatJSONRequestBody,
 // A request whose `prompt` and `custom_instructions` together are over
 // 64 KiB is priced in its account's turn, as large batch creations are
 // (see `POST /api/v1/batch`), once its body is read. One that waits 10 s
-// for its turn is refused `RATE_LIMITED` (a `429` reply, or in a stream
+// (by default) for its turn is refused `RATE_LIMITED` (a `429` reply, or in a stream
 // its `response.error`), and one still waiting when the replica's
 // shutdown grace ends, `SERVICE_UNAVAILABLE`; neither is priced or
 // billed.
@@ -1630,7 +1638,7 @@ func (c *Client) CreateResponseWithBody(ctx context.Context, contentType string,
 // A request whose `prompt` and `custom_instructions` together are over
 // 64 KiB is priced in its account's turn, as large batch creations are
 // (see `POST /api/v1/batch`), once its body is read. One that waits 10 s
-// for its turn is refused `RATE_LIMITED` (a `429` reply, or in a stream
+// (by default) for its turn is refused `RATE_LIMITED` (a `429` reply, or in a stream
 // its `response.error`), and one still waiting when the replica's
 // shutdown grace ends, `SERVICE_UNAVAILABLE`; neither is priced or
 // billed.
@@ -2394,10 +2402,12 @@ type ClientWithResponsesInterface interface {
 	// Reading and pricing a batch takes a replica's CPU (up to about a second
 	// for 100 prompts of 100 KB), so each replica reads and prices an
 	// account's large requests a few at a time: as many as half its cores,
-	// at least one, shared by its large batch creations and responses. A
-	// creation whose body is over 64 KiB (or sent without a length) waits
-	// for its turn before its body is read (the `x-account-turns`
-	// extension), in the order such requests came; one that waits 10 s is
+	// at least one, unless the operator set another count
+	// (`GATEWAY_TURN_PLACES`), shared by its large batch creations and
+	// responses. A creation whose body is over 64 KiB (or sent without a
+	// length) waits for its turn before its body is read (the
+	// `x-account-turns` extension), in the order such requests came; one
+	// that waits 10 s (`GATEWAY_TURN_WAIT`, the default) is
 	// refused `429 RATE_LIMITED` with `Retry-After`, nothing read or
 	// stored; one still waiting when the replica's shutdown grace ends,
 	// `503 SERVICE_UNAVAILABLE`. Storing is not held to turns, and smaller
@@ -2445,10 +2455,12 @@ type ClientWithResponsesInterface interface {
 	// Reading and pricing a batch takes a replica's CPU (up to about a second
 	// for 100 prompts of 100 KB), so each replica reads and prices an
 	// account's large requests a few at a time: as many as half its cores,
-	// at least one, shared by its large batch creations and responses. A
-	// creation whose body is over 64 KiB (or sent without a length) waits
-	// for its turn before its body is read (the `x-account-turns`
-	// extension), in the order such requests came; one that waits 10 s is
+	// at least one, unless the operator set another count
+	// (`GATEWAY_TURN_PLACES`), shared by its large batch creations and
+	// responses. A creation whose body is over 64 KiB (or sent without a
+	// length) waits for its turn before its body is read (the
+	// `x-account-turns` extension), in the order such requests came; one
+	// that waits 10 s (`GATEWAY_TURN_WAIT`, the default) is
 	// refused `429 RATE_LIMITED` with `Retry-After`, nothing read or
 	// stored; one still waiting when the replica's shutdown grace ends,
 	// `503 SERVICE_UNAVAILABLE`. Storing is not held to turns, and smaller
@@ -2578,7 +2590,7 @@ type ClientWithResponsesInterface interface {
 	// A request whose `prompt` and `custom_instructions` together are over
 	// 64 KiB is priced in its account's turn, as large batch creations are
 	// (see `POST /api/v1/batch`), once its body is read. One that waits 10 s
-	// for its turn is refused `RATE_LIMITED` (a `429` reply, or in a stream
+	// (by default) for its turn is refused `RATE_LIMITED` (a `429` reply, or in a stream
 	// its `response.error`), and one still waiting when the replica's
 	// shutdown grace ends, `SERVICE_UNAVAILABLE`; neither is priced or
 	// billed.
@@ -2618,7 +2630,7 @@ type ClientWithResponsesInterface interface {
 	// A request whose `prompt` and `custom_instructions` together are over
 	// 64 KiB is priced in its account's turn, as large batch creations are
 	// (see `POST /api/v1/batch`), once its body is read. One that waits 10 s
-	// for its turn is refused `RATE_LIMITED` (a `429` reply, or in a stream
+	// (by default) for its turn is refused `RATE_LIMITED` (a `429` reply, or in a stream
 	// its `response.error`), and one still waiting when the replica's
 	// shutdown grace ends, `SERVICE_UNAVAILABLE`; neither is priced or
 	// billed.
@@ -4470,10 +4482,12 @@ func (c *ClientWithResponses) GetJSONSchemaWithResponse(ctx context.Context, req
 // Reading and pricing a batch takes a replica's CPU (up to about a second
 // for 100 prompts of 100 KB), so each replica reads and prices an
 // account's large requests a few at a time: as many as half its cores,
-// at least one, shared by its large batch creations and responses. A
-// creation whose body is over 64 KiB (or sent without a length) waits
-// for its turn before its body is read (the `x-account-turns`
-// extension), in the order such requests came; one that waits 10 s is
+// at least one, unless the operator set another count
+// (`GATEWAY_TURN_PLACES`), shared by its large batch creations and
+// responses. A creation whose body is over 64 KiB (or sent without a
+// length) waits for its turn before its body is read (the
+// `x-account-turns` extension), in the order such requests came; one
+// that waits 10 s (`GATEWAY_TURN_WAIT`, the default) is
 // refused `429 RATE_LIMITED` with `Retry-After`, nothing read or
 // stored; one still waiting when the replica's shutdown grace ends,
 // `503 SERVICE_UNAVAILABLE`. Storing is not held to turns, and smaller
@@ -4527,10 +4541,12 @@ func (c *ClientWithResponses) CreateBatchWithBodyWithResponse(ctx context.Contex
 // Reading and pricing a batch takes a replica's CPU (up to about a second
 // for 100 prompts of 100 KB), so each replica reads and prices an
 // account's large requests a few at a time: as many as half its cores,
-// at least one, shared by its large batch creations and responses. A
-// creation whose body is over 64 KiB (or sent without a length) waits
-// for its turn before its body is read (the `x-account-turns`
-// extension), in the order such requests came; one that waits 10 s is
+// at least one, unless the operator set another count
+// (`GATEWAY_TURN_PLACES`), shared by its large batch creations and
+// responses. A creation whose body is over 64 KiB (or sent without a
+// length) waits for its turn before its body is read (the
+// `x-account-turns` extension), in the order such requests came; one
+// that waits 10 s (`GATEWAY_TURN_WAIT`, the default) is
 // refused `429 RATE_LIMITED` with `Retry-After`, nothing read or
 // stored; one still waiting when the replica's shutdown grace ends,
 // `503 SERVICE_UNAVAILABLE`. Storing is not held to turns, and smaller
@@ -4702,7 +4718,7 @@ func (c *ClientWithResponses) CreateChatWithResponse(ctx context.Context, body C
 // A request whose `prompt` and `custom_instructions` together are over
 // 64 KiB is priced in its account's turn, as large batch creations are
 // (see `POST /api/v1/batch`), once its body is read. One that waits 10 s
-// for its turn is refused `RATE_LIMITED` (a `429` reply, or in a stream
+// (by default) for its turn is refused `RATE_LIMITED` (a `429` reply, or in a stream
 // its `response.error`), and one still waiting when the replica's
 // shutdown grace ends, `SERVICE_UNAVAILABLE`; neither is priced or
 // billed.
@@ -4748,7 +4764,7 @@ func (c *ClientWithResponses) CreateResponseWithBodyWithResponse(ctx context.Con
 // A request whose `prompt` and `custom_instructions` together are over
 // 64 KiB is priced in its account's turn, as large batch creations are
 // (see `POST /api/v1/batch`), once its body is read. One that waits 10 s
-// for its turn is refused `RATE_LIMITED` (a `429` reply, or in a stream
+// (by default) for its turn is refused `RATE_LIMITED` (a `429` reply, or in a stream
 // its `response.error`), and one still waiting when the replica's
 // shutdown grace ends, `SERVICE_UNAVAILABLE`; neither is priced or
 // billed.
