@@ -3,7 +3,6 @@ package server_test
 import (
 	"bufio"
 	"context"
-	"encoding/json"
 	"errors"
 	"io"
 	"net"
@@ -169,23 +168,7 @@ func TestStreamIsLoggedWhenItEnds(t *testing.T) {
 			b.upstream.configure(func(s *scripted) { s.firstDelay = 200 * time.Millisecond })
 			r, _ := b.stream("/api/v1/responses", map[string]any{"prompt": "log me"})
 			require.Equal(t, protoName(h2c), r.proto)
-			var line struct {
-				Msg        string  `json:"msg"`
-				RequestID  string  `json:"request_id"`
-				Route      string  `json:"route"`
-				Status     int     `json:"status"`
-				DurationMS float64 `json:"duration_ms"`
-				Bytes      int     `json:"bytes"`
-				Account    string  `json:"account"`
-			}
-			var found bool
-			for _, l := range strings.Split(strings.TrimSpace(logs.String()), "\n") {
-				require.NoError(t, json.Unmarshal([]byte(l), &line))
-				if line.Msg == "request" && line.RequestID == r.header.Get(server.RequestIDHeader) {
-					found = true
-					break
-				}
-			}
+			line, found := loggedRequest(t, logs, r.header.Get(server.RequestIDHeader))
 			require.True(t, found, "the stream's log line:\n%s", logs.String())
 			require.Equal(t, "/api/v1/responses", line.Route)
 			require.Equal(t, http.StatusOK, line.Status)
