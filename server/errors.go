@@ -1,6 +1,7 @@
 package server
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net/http"
@@ -55,15 +56,19 @@ const statusClientClosed = 499
 // lost its client (its connection closed, its HTTP/2 stream reset): its
 // upstream call or its database work ended with it, which is no failure of
 // the gateway's. It is logged and counted as statusClientClosed, and its
-// exchange is cut (http.ErrAbortHandler) rather than answered to no one. A
-// domain error is answered: a body cut at the body timeout also ends the
-// context, and its client is still there to read the 408.
+// exchange is cut (http.ErrAbortHandler) rather than answered to no one; an
+// error the ending did not cause is still logged as a failure. A domain
+// error is answered: a body cut at the body timeout also ends the context,
+// and its client is still there to read the 408.
 func (s *Server) handleError(err error, c echo.Context) {
 	if c.Response().Committed {
 		s.logger.Warn("error after the reply started", "path", c.Path(), "error", err)
 		return
 	}
 	if _, domain := errors.AsType[*gateway.Error](err); !domain && c.Request().Context().Err() != nil {
+		if !errors.Is(err, context.Canceled) {
+			s.logger.Error("request failed as its client left", "method", c.Request().Method, "path", c.Path(), "error", err)
+		}
 		c.Response().Status = statusClientClosed
 		panic(http.ErrAbortHandler)
 	}

@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"errors"
 	"io"
 	"net"
 	"net/http"
@@ -16,11 +17,13 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/batch"
 	"github.com/rungworks/gateway/gen/api"
 	"github.com/rungworks/gateway/internal/metricstest"
 	"github.com/rungworks/gateway/internal/syncbuf"
 	"github.com/rungworks/gateway/metrics"
 	"github.com/rungworks/gateway/server"
+	"github.com/rungworks/gateway/store"
 	"github.com/rungworks/gateway/upstream"
 )
 
@@ -65,9 +68,9 @@ type accessLogLine struct {
 	Account    string  `json:"account"`
 }
 
-// loggedRequest is the access log line of the request with id in logs (JSON
-// lines), and whether it was written.
-func loggedRequest(t *testing.T, logs *syncbuf.Buffer, id string) (accessLogLine, bool) {
+// loggedRequest is the first access log line in logs (JSON lines) that
+// matches, and whether one was written.
+func loggedRequest(t *testing.T, logs *syncbuf.Buffer, match func(accessLogLine) bool) (accessLogLine, bool) {
 	t.Helper()
 	for _, l := range strings.Split(strings.TrimSpace(logs.String()), "\n") {
 		if l == "" {
@@ -75,7 +78,7 @@ func loggedRequest(t *testing.T, logs *syncbuf.Buffer, id string) (accessLogLine
 		}
 		var line accessLogLine
 		require.NoError(t, json.Unmarshal([]byte(l), &line), l)
-		if line.Msg == "request" && line.RequestID == id {
+		if line.Msg == "request" && match(line) {
 			return line, true
 		}
 	}
@@ -228,6 +231,26 @@ func TestHeadIsServedWhereGetIs(t *testing.T) {
 		"the access log names the method as sent")
 }
 
+// leaveDuring posts body to path with a client that leaves once reached
+// returns (the request got where it should), and returns the request's
+// access log line once it is written.
+func (b *testBundle) leaveDuring(t *testing.T, logs *syncbuf.Buffer, path, body string, reached func()) accessLogLine {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	status := async(func() int { return b.postBody(ctx, path, b.key, strings.NewReader(body)) })
+	reached()
+	cancel()
+	require.Zero(t, <-status, "no reply")
+	var line accessLogLine
+	require.Eventually(t, func() bool {
+		var found bool
+		line, found = loggedRequest(t, logs, func(l accessLogLine) bool { return l.Route == path })
+		return found
+	}, 5*time.Second, 5*time.Millisecond, "the request is logged")
+	return line
+}
+
 // TestAClientThatLeavesIsNotAServerError: a client that leaves before its
 // reply (its connection closed, its HTTP/2 stream reset) ends its upstream
 // call unbilled, and the request is logged and counted with status 499, as
@@ -242,34 +265,9 @@ func TestAClientThatLeavesIsNotAServerError(t *testing.T) {
 			m := metrics.New()
 			b := setupWith(t, options{h2c: h2c, logs: logs, server: func(c *server.Config) { c.Metrics = m }})
 			b.upstream.configure(func(s *scripted) { s.hang = true })
-			ctx, cancel := context.WithCancel(context.Background())
-			defer cancel()
-			left := make(chan error, 1)
-			go func() {
-				req, err := http.NewRequestWithContext(ctx, http.MethodPost, b.http.URL+"/api/v1/responses", strings.NewReader(`{"prompt": "p"}`))
-				if err != nil {
-					left <- err
-					return
-				}
-				req.Header.Set("Authorization", "Bearer "+b.key)
-				req.Header.Set("Content-Type", "application/json")
-				req.Header.Set("X-Request-Id", "leaves")
-				resp, err := b.client.Do(req)
-				if err == nil {
-					resp.Body.Close()
-				}
-				left <- err
-			}()
-			require.Eventually(t, func() bool { return b.upstream.callCount() > 0 }, 5*time.Second, time.Millisecond, "the call runs")
-			cancel()
-			require.ErrorIs(t, <-left, context.Canceled)
-
-			var line accessLogLine
-			require.Eventually(t, func() bool {
-				var found bool
-				line, found = loggedRequest(t, logs, "leaves")
-				return found
-			}, 5*time.Second, 5*time.Millisecond, "the request is logged")
+			line := b.leaveDuring(t, logs, "/api/v1/responses", `{"prompt": "p"}`, func() {
+				require.Eventually(t, func() bool { return b.upstream.callCount() > 0 }, 5*time.Second, time.Millisecond, "the call runs")
+			})
 			require.Equal(t, 499, line.Status)
 			require.Zero(t, line.Bytes, "nothing is sent")
 			require.NotContains(t, logs.String(), `"level":"ERROR"`)
@@ -280,6 +278,54 @@ func TestAClientThatLeavesIsNotAServerError(t *testing.T) {
 				v := b.usage(t, b.key)
 				return v.Totals.Requests == 0 && v.Budget.ReservedRungs == 0 && v.Daily.ChargedRungs == 0
 			}, 5*time.Second, 10*time.Millisecond, "nothing is billed, and the estimate is released")
+		})
+	}
+}
+
+// leftStore is the real store whose batch creations wait until their
+// request's context ends, then go on to the database with it, or fail with
+// fault when it is set.
+type leftStore struct {
+	batch.Store
+	entered chan struct{}
+	fault   error
+}
+
+func (s *leftStore) CreateBatch(ctx context.Context, nb store.NewBatch) (store.CreateResult, error) {
+	s.entered <- struct{}{}
+	<-ctx.Done()
+	if s.fault != nil {
+		return store.CreateResult{}, s.fault
+	}
+	return s.Store.CreateBatch(ctx, nb)
+}
+
+// TestAClientThatLeavesWhileItsBatchIsStored: a client that leaves while its
+// batch is stored ends the database's work, and the request is logged 499
+// without an error; a failure its leaving did not cause is still logged as
+// one.
+func TestAClientThatLeavesWhileItsBatchIsStored(t *testing.T) {
+	t.Parallel()
+	for name, fault := range map[string]error{"ended with it": nil, "a fault of its own": errors.New("disk on fire")} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			logs := &syncbuf.Buffer{}
+			left := &leftStore{entered: make(chan struct{}, 1), fault: fault}
+			b := setupWith(t, options{logs: logs, server: func(c *server.Config) {
+				svc := c.Batches.(*batch.Service)
+				left.Store, svc.Store = svc.Store, left
+			}})
+			line := b.leaveDuring(t, logs, "/api/v1/batch", `{"requests": [{"prompt": "p"}]}`, func() { <-left.entered })
+			require.Equal(t, 499, line.Status)
+			if fault == nil {
+				require.NotContains(t, logs.String(), `"level":"ERROR"`)
+			} else {
+				require.Contains(t, logs.String(), `"msg":"request failed as its client left"`)
+				require.Contains(t, logs.String(), "disk on fire")
+			}
+			var batches int
+			require.NoError(t, b.store.Pool().QueryRow(context.Background(), "SELECT count(*) FROM batches").Scan(&batches))
+			require.Zero(t, batches, "nothing is stored")
 		})
 	}
 }
