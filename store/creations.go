@@ -75,10 +75,13 @@ type creation struct {
 }
 
 // create stores c with the creations of its account-day waiting with it, and
-// returns its outcome. A creation whose ctx ends while it waits for its turn
-// leaves the queue and returns a notSent error; once its group is sent, it
-// waits for the group's outcome.
+// returns its outcome. A creation whose ctx has ended, or ends while it waits
+// for its turn, leaves the queue and returns a notSent error; once its group
+// is sent, it waits for the group's outcome.
 func (g *creationGroups) create(ctx context.Context, s *Store, c *creation) (CreateResult, error) {
+	if err := ctx.Err(); err != nil {
+		return CreateResult{}, notSent{fmt.Errorf("error storing a batch: %w", err)}
+	}
 	key := creationKey{account: c.nb.Principal.AccountID, day: gateway.UTCDay(c.nb.CreatedAt)}
 	g.mu.Lock()
 	if g.queues == nil {
@@ -141,12 +144,10 @@ func (g *creationGroups) passOn(key creationKey, q *creationQueue) {
 }
 
 // lead stores a group that begins with c, whose turn it is, once a
-// connection is free, then passes the turn on. When ctx ends before a
-// connection is free, c alone gives up, with a notSent error.
+// connection is free, then passes the turn on. When ctx has ended, or ends
+// before a connection is free, c alone gives up, with a notSent error.
 func (g *creationGroups) lead(ctx context.Context, s *Store, key creationKey, q *creationQueue, c *creation) {
-	select {
-	case s.creations <- struct{}{}:
-	case <-ctx.Done():
+	if !acquire(ctx, s.creations) {
 		g.mu.Lock()
 		q.waiting = slices.DeleteFunc(q.waiting, func(w *creation) bool { return w == c })
 		g.passOn(key, q)
@@ -165,6 +166,20 @@ func (g *creationGroups) lead(ctx context.Context, s *Store, key creationKey, q 
 	g.mu.Lock()
 	g.passOn(key, q)
 	g.mu.Unlock()
+}
+
+// acquire takes a place in places, unless ctx ends first or has ended
+// (whether a place is free or not).
+func acquire(ctx context.Context, places chan struct{}) bool {
+	if ctx.Err() != nil {
+		return false
+	}
+	select {
+	case places <- struct{}{}:
+		return true
+	case <-ctx.Done():
+		return false
+	}
 }
 
 // take removes and returns up to n of the creations waiting, in order, the

@@ -479,3 +479,21 @@ func TestCreationsOfTwoReplicasNeverPassTheCeiling(t *testing.T) {
 	require.Equal(t, created, b.storedItems(t, p.AccountID))
 	require.Equal(t, int64(100), b.view(t, p).Daily.Charged)
 }
+
+// TestACreationWhoseCallerLeftIsNotSent: a creation whose context has ended
+// before it is sent, its caller gone, is not stored, and its error says that
+// nothing was sent, however often it is tried.
+func TestACreationWhoseCallerLeftIsNotSent(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	gone, cancel := context.WithCancel(b.ctx)
+	cancel()
+	for range 20 {
+		_, err := b.store.CreateBatch(gone, b.batchOf(p, 1, 10, "", day()))
+		require.ErrorIs(t, err, context.Canceled)
+		require.False(t, store.MayHaveCommitted(err), "nothing was sent")
+	}
+	require.Empty(t, b.storedItems(t, p.AccountID))
+	require.Zero(t, b.view(t, p).Daily.Charged)
+}
