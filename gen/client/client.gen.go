@@ -991,6 +991,14 @@ type ClientInterface interface {
 	// `422 IDEMPOTENCY_KEY_REUSED`. A create refused by validation or admission
 	// stores no key. Requires the `inference` scope and the `developer` tier.
 	//
+	// A client that closes its connection (over HTTP/2, resets its stream)
+	// before its batch is sent to the gateway's database gets nothing
+	// stored; one that leaves while it is being stored may find it stored
+	// (in `GET /api/v1/batches`, or by sending it again with the same
+	// `Idempotency-Key`). Either way it is sent no reply: the gateway's
+	// access log and request metrics record the request with the status
+	// `499`, which is never sent.
+	//
 	// Reading and pricing a batch takes a replica's CPU (up to about a second
 	// for 100 prompts of 100 KB), so each replica reads and prices an
 	// account's large requests a few at a time: as many as half its cores,
@@ -1043,6 +1051,14 @@ type ClientInterface interface {
 	// create exactly one batch); the same key with a different body is
 	// `422 IDEMPOTENCY_KEY_REUSED`. A create refused by validation or admission
 	// stores no key. Requires the `inference` scope and the `developer` tier.
+	//
+	// A client that closes its connection (over HTTP/2, resets its stream)
+	// before its batch is sent to the gateway's database gets nothing
+	// stored; one that leaves while it is being stored may find it stored
+	// (in `GET /api/v1/batches`, or by sending it again with the same
+	// `Idempotency-Key`). Either way it is sent no reply: the gateway's
+	// access log and request metrics record the request with the status
+	// `499`, which is never sent.
 	//
 	// Reading and pricing a batch takes a replica's CPU (up to about a second
 	// for 100 prompts of 100 KB), so each replica reads and prices an
@@ -1325,6 +1341,14 @@ func (c *Client) GetJSONSchema(ctx context.Context, reqEditors ...RequestEditorF
 // `422 IDEMPOTENCY_KEY_REUSED`. A create refused by validation or admission
 // stores no key. Requires the `inference` scope and the `developer` tier.
 //
+// A client that closes its connection (over HTTP/2, resets its stream)
+// before its batch is sent to the gateway's database gets nothing
+// stored; one that leaves while it is being stored may find it stored
+// (in `GET /api/v1/batches`, or by sending it again with the same
+// `Idempotency-Key`). Either way it is sent no reply: the gateway's
+// access log and request metrics record the request with the status
+// `499`, which is never sent.
+//
 // Reading and pricing a batch takes a replica's CPU (up to about a second
 // for 100 prompts of 100 KB), so each replica reads and prices an
 // account's large requests a few at a time: as many as half its cores,
@@ -1387,6 +1411,14 @@ func (c *Client) CreateBatchWithBody(ctx context.Context, params *CreateBatchPar
 // create exactly one batch); the same key with a different body is
 // `422 IDEMPOTENCY_KEY_REUSED`. A create refused by validation or admission
 // stores no key. Requires the `inference` scope and the `developer` tier.
+//
+// A client that closes its connection (over HTTP/2, resets its stream)
+// before its batch is sent to the gateway's database gets nothing
+// stored; one that leaves while it is being stored may find it stored
+// (in `GET /api/v1/batches`, or by sending it again with the same
+// `Idempotency-Key`). Either way it is sent no reply: the gateway's
+// access log and request metrics record the request with the status
+// `499`, which is never sent.
 //
 // Reading and pricing a batch takes a replica's CPU (up to about a second
 // for 100 prompts of 100 KB), so each replica reads and prices an
@@ -2399,6 +2431,14 @@ type ClientWithResponsesInterface interface {
 	// `422 IDEMPOTENCY_KEY_REUSED`. A create refused by validation or admission
 	// stores no key. Requires the `inference` scope and the `developer` tier.
 	//
+	// A client that closes its connection (over HTTP/2, resets its stream)
+	// before its batch is sent to the gateway's database gets nothing
+	// stored; one that leaves while it is being stored may find it stored
+	// (in `GET /api/v1/batches`, or by sending it again with the same
+	// `Idempotency-Key`). Either way it is sent no reply: the gateway's
+	// access log and request metrics record the request with the status
+	// `499`, which is never sent.
+	//
 	// Reading and pricing a batch takes a replica's CPU (up to about a second
 	// for 100 prompts of 100 KB), so each replica reads and prices an
 	// account's large requests a few at a time: as many as half its cores,
@@ -2451,6 +2491,14 @@ type ClientWithResponsesInterface interface {
 	// create exactly one batch); the same key with a different body is
 	// `422 IDEMPOTENCY_KEY_REUSED`. A create refused by validation or admission
 	// stores no key. Requires the `inference` scope and the `developer` tier.
+	//
+	// A client that closes its connection (over HTTP/2, resets its stream)
+	// before its batch is sent to the gateway's database gets nothing
+	// stored; one that leaves while it is being stored may find it stored
+	// (in `GET /api/v1/batches`, or by sending it again with the same
+	// `Idempotency-Key`). Either way it is sent no reply: the gateway's
+	// access log and request metrics record the request with the status
+	// `499`, which is never sent.
 	//
 	// Reading and pricing a batch takes a replica's CPU (up to about a second
 	// for 100 prompts of 100 KB), so each replica reads and prices an
@@ -4479,6 +4527,14 @@ func (c *ClientWithResponses) GetJSONSchemaWithResponse(ctx context.Context, req
 // `422 IDEMPOTENCY_KEY_REUSED`. A create refused by validation or admission
 // stores no key. Requires the `inference` scope and the `developer` tier.
 //
+// A client that closes its connection (over HTTP/2, resets its stream)
+// before its batch is sent to the gateway's database gets nothing
+// stored; one that leaves while it is being stored may find it stored
+// (in `GET /api/v1/batches`, or by sending it again with the same
+// `Idempotency-Key`). Either way it is sent no reply: the gateway's
+// access log and request metrics record the request with the status
+// `499`, which is never sent.
+//
 // Reading and pricing a batch takes a replica's CPU (up to about a second
 // for 100 prompts of 100 KB), so each replica reads and prices an
 // account's large requests a few at a time: as many as half its cores,
@@ -4537,6 +4593,14 @@ func (c *ClientWithResponses) CreateBatchWithBodyWithResponse(ctx context.Contex
 // create exactly one batch); the same key with a different body is
 // `422 IDEMPOTENCY_KEY_REUSED`. A create refused by validation or admission
 // stores no key. Requires the `inference` scope and the `developer` tier.
+//
+// A client that closes its connection (over HTTP/2, resets its stream)
+// before its batch is sent to the gateway's database gets nothing
+// stored; one that leaves while it is being stored may find it stored
+// (in `GET /api/v1/batches`, or by sending it again with the same
+// `Idempotency-Key`). Either way it is sent no reply: the gateway's
+// access log and request metrics record the request with the status
+// `499`, which is never sent.
 //
 // Reading and pricing a batch takes a replica's CPU (up to about a second
 // for 100 prompts of 100 KB), so each replica reads and prices an
