@@ -9,6 +9,7 @@ package turnstile
 
 import (
 	"context"
+	"slices"
 	"sync"
 
 	"github.com/google/uuid"
@@ -22,12 +23,13 @@ type Gate struct {
 	lanes  map[uuid.UUID]*lane
 }
 
-// lane is one account's places: a slot in the channel is a place held. Its
-// channel's queue of blocked senders keeps waiters in order.
+// lane is one account's places: held counts the places taken, waiters the
+// requests waiting for one, in the order they came (there are some only
+// while every place is taken). A place freed goes to the first waiter; the
+// lane is dropped when it has neither holders nor waiters.
 type lane struct {
-	places chan struct{}
-	// users counts holders and waiters; the lane is dropped when it is 0.
-	users int
+	held    int
+	waiters []chan struct{}
 }
 
 // New returns a gate of places places per account (at least 1).
@@ -39,48 +41,62 @@ func New(places int) *Gate {
 func (g *Gate) Places() int { return g.places }
 
 // Enter takes one of account's places: a free one, even when ctx has ended,
-// or else the first to come free, unless ctx ends first, which it then returns
-// the cause of. The returned leave frees the place; calling it again does
-// nothing.
+// or else the first to come free after those of the requests waiting before
+// it, unless ctx ends first, which it then returns the cause of (a place
+// handed to it as ctx ended goes to the next). The returned leave frees the
+// place; calling it again does nothing.
 func (g *Gate) Enter(ctx context.Context, account uuid.UUID) (leave func(), err error) {
-	l := g.join(account)
-	select {
-	case l.places <- struct{}{}:
-	default:
-		select {
-		case l.places <- struct{}{}:
-		case <-ctx.Done():
-			g.quit(account, l)
-			return nil, context.Cause(ctx)
-		}
+	g.mu.Lock()
+	l := g.lanes[account]
+	if l == nil {
+		l = &lane{}
+		g.lanes[account] = l
 	}
+	if l.held < g.places {
+		l.held++
+		g.mu.Unlock()
+		return g.leaver(account, l), nil
+	}
+	turn := make(chan struct{})
+	l.waiters = append(l.waiters, turn)
+	g.mu.Unlock()
+
+	select {
+	case <-turn:
+		return g.leaver(account, l), nil
+	case <-ctx.Done():
+	}
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if i := slices.Index(l.waiters, turn); i >= 0 {
+		l.waiters = slices.Delete(l.waiters, i, i+1)
+	} else {
+		g.freeLocked(account, l) // handed over as ctx ended
+	}
+	return nil, context.Cause(ctx)
+}
+
+// leaver is the leave func of a place of account's lane l.
+func (g *Gate) leaver(account uuid.UUID, l *lane) func() {
 	var once sync.Once
 	return func() {
 		once.Do(func() {
-			<-l.places
-			g.quit(account, l)
+			g.mu.Lock()
+			defer g.mu.Unlock()
+			g.freeLocked(account, l)
 		})
-	}, nil
-}
-
-// join counts a user into account's lane, making the lane when it has none.
-func (g *Gate) join(account uuid.UUID) *lane {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	l, ok := g.lanes[account]
-	if !ok {
-		l = &lane{places: make(chan struct{}, g.places)}
-		g.lanes[account] = l
 	}
-	l.users++
-	return l
 }
 
-// quit counts a user out of account's lane, dropping the lane with its last.
-func (g *Gate) quit(account uuid.UUID, l *lane) {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	if l.users--; l.users == 0 {
+// freeLocked frees one of the places held in account's lane l: it goes to
+// the first waiter, if any; the lane goes with its last holder. g.mu is held.
+func (g *Gate) freeLocked(account uuid.UUID, l *lane) {
+	if len(l.waiters) > 0 {
+		close(l.waiters[0])
+		l.waiters = slices.Delete(l.waiters, 0, 1)
+		return
+	}
+	if l.held--; l.held == 0 {
 		delete(g.lanes, account)
 	}
 }

@@ -35,7 +35,7 @@ func (g *Gate) users(account uuid.UUID) int {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	if l, ok := g.lanes[account]; ok {
-		return l.users
+		return l.held + len(l.waiters)
 	}
 	return 0
 }
@@ -126,4 +126,41 @@ func TestAGateHasAPlaceAtLeast(t *testing.T) {
 	t.Parallel()
 	require.Equal(t, 1, New(0).Places())
 	require.Equal(t, 3, New(3).Places())
+}
+
+// TestAPlaceIsNeverLostToAWaiterThatGaveUp: a place freed just as its first
+// waiter gives up goes to that waiter or to the next, never to no one.
+func TestAPlaceIsNeverLostToAWaiterThatGaveUp(t *testing.T) {
+	t.Parallel()
+	for range 200 {
+		g, a, leave := holdOne(t)
+		ctx, cancel := context.WithCancel(context.Background())
+		first := make(chan func(), 1)
+		go func() {
+			leave, err := g.Enter(ctx, a)
+			if err != nil {
+				leave = nil
+			}
+			first <- leave
+		}()
+		require.Eventually(t, func() bool { return g.users(a) == 2 }, 10*time.Second, time.Millisecond)
+		second := make(chan func(), 1)
+		go func() {
+			leave, _ := g.Enter(context.Background(), a) // a context that never ends: no error
+			second <- leave
+		}()
+		require.Eventually(t, func() bool { return g.users(a) == 3 }, 10*time.Second, time.Millisecond)
+		cancel()
+		leave()
+		if leaveFirst := <-first; leaveFirst != nil {
+			leaveFirst() // it took the place: the second waits for it
+		}
+		select {
+		case leaveSecond := <-second:
+			leaveSecond()
+		case <-time.After(10 * time.Second):
+			require.FailNow(t, "the place was lost: the second waiter never entered")
+		}
+		require.Zero(t, g.users(a), "every place is back")
+	}
 }
