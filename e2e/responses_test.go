@@ -266,7 +266,10 @@ func TestCLI(t *testing.T) {
 	// A key issued with an end serves until then, and is refused after.
 	_, err = cli(t, b.db, "keys", "create", "--account", "acme", "--expires", "soon")
 	require.ErrorContains(t, err, `--expires: want a time from now (90d, 12h) or a time`)
-	brief := strings.TrimSpace(mustCLI(t, b.db, "keys", "create", "--account", "acme", "--expires", "2s"))
+	// Used at once (its end comes 3 s after it was made), then listed.
+	brief := strings.TrimSpace(mustCLI(t, b.db, "keys", "create", "--account", "acme", "--expires", "3s"))
+	res := g.call(http.MethodPost, "/api/v1/responses", brief, map[string]any{"prompt": "before the end"})
+	require.Equal(t, http.StatusOK, res.status, string(res.body))
 	listedEnd := ""
 	for _, line := range strings.Split(mustCLI(t, b.db, "keys", "list", "--account", "acme"), "\n") {
 		if row := strings.Fields(line); len(row) > 6 && row[0] == brief[:12] {
@@ -274,11 +277,9 @@ func TestCLI(t *testing.T) {
 		}
 	}
 	require.Regexp(t, `^20\d\d-\d\d-\d\dT`, listedEnd, "listed with its end")
-	res := g.call(http.MethodPost, "/api/v1/responses", brief, map[string]any{"prompt": "before the end"})
-	require.Equal(t, http.StatusOK, res.status, string(res.body))
 	require.Eventually(t, func() bool {
 		return g.call(http.MethodPost, "/api/v1/responses", brief, map[string]any{"prompt": "after the end"}).status == http.StatusUnauthorized
-	}, 10*time.Second, 100*time.Millisecond, "refused once expired, though cached")
+	}, 15*time.Second, 100*time.Millisecond, "refused once expired, though cached")
 
 	// A rotation: the new key serves at once; without a grace, the old one is
 	// refused by the replica that had it cached.
