@@ -300,10 +300,10 @@ func (s *leftStore) CreateBatch(ctx context.Context, nb store.NewBatch) (store.C
 	return s.Store.CreateBatch(ctx, nb)
 }
 
-// TestAClientThatLeavesWhileItsBatchIsStored: a client that leaves while its
-// batch is stored ends the database's work, and the request is logged 499
-// without an error; a failure its leaving did not cause is still logged as
-// one.
+// TestAClientThatLeavesWhileItsBatchIsStored: a client that leaves as its
+// batch goes to the database has nothing stored (the store is given the
+// ended context), and the request is logged 499 without an error; a failure
+// its leaving did not cause is still logged as one.
 func TestAClientThatLeavesWhileItsBatchIsStored(t *testing.T) {
 	t.Parallel()
 	for name, fault := range map[string]error{"ended with it": nil, "a fault of its own": errors.New("disk on fire")} {
