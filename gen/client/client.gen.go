@@ -995,9 +995,9 @@ type ClientInterface interface {
 	// before its batch is sent to the gateway's database gets nothing
 	// stored; one that leaves while it is being stored may find it stored
 	// (in `GET /api/v1/batches`, or by sending it again with the same
-	// `Idempotency-Key`). Either way it is sent no reply: the gateway's
-	// access log and request metrics record the request with the status
-	// `499`, which is never sent.
+	// `Idempotency-Key`). Unless its reply was already being written, it
+	// is sent none: the gateway's access log and request metrics record
+	// the request with the status `499`, which is never sent.
 	//
 	// Reading and pricing a batch takes a replica's CPU (up to about a second
 	// for 100 prompts of 100 KB), so each replica reads and prices an
@@ -1056,9 +1056,9 @@ type ClientInterface interface {
 	// before its batch is sent to the gateway's database gets nothing
 	// stored; one that leaves while it is being stored may find it stored
 	// (in `GET /api/v1/batches`, or by sending it again with the same
-	// `Idempotency-Key`). Either way it is sent no reply: the gateway's
-	// access log and request metrics record the request with the status
-	// `499`, which is never sent.
+	// `Idempotency-Key`). Unless its reply was already being written, it
+	// is sent none: the gateway's access log and request metrics record
+	// the request with the status `499`, which is never sent.
 	//
 	// Reading and pricing a batch takes a replica's CPU (up to about a second
 	// for 100 prompts of 100 KB), so each replica reads and prices an
@@ -1345,9 +1345,9 @@ func (c *Client) GetJSONSchema(ctx context.Context, reqEditors ...RequestEditorF
 // before its batch is sent to the gateway's database gets nothing
 // stored; one that leaves while it is being stored may find it stored
 // (in `GET /api/v1/batches`, or by sending it again with the same
-// `Idempotency-Key`). Either way it is sent no reply: the gateway's
-// access log and request metrics record the request with the status
-// `499`, which is never sent.
+// `Idempotency-Key`). Unless its reply was already being written, it
+// is sent none: the gateway's access log and request metrics record
+// the request with the status `499`, which is never sent.
 //
 // Reading and pricing a batch takes a replica's CPU (up to about a second
 // for 100 prompts of 100 KB), so each replica reads and prices an
@@ -1416,9 +1416,9 @@ func (c *Client) CreateBatchWithBody(ctx context.Context, params *CreateBatchPar
 // before its batch is sent to the gateway's database gets nothing
 // stored; one that leaves while it is being stored may find it stored
 // (in `GET /api/v1/batches`, or by sending it again with the same
-// `Idempotency-Key`). Either way it is sent no reply: the gateway's
-// access log and request metrics record the request with the status
-// `499`, which is never sent.
+// `Idempotency-Key`). Unless its reply was already being written, it
+// is sent none: the gateway's access log and request metrics record
+// the request with the status `499`, which is never sent.
 //
 // Reading and pricing a batch takes a replica's CPU (up to about a second
 // for 100 prompts of 100 KB), so each replica reads and prices an
@@ -2435,9 +2435,9 @@ type ClientWithResponsesInterface interface {
 	// before its batch is sent to the gateway's database gets nothing
 	// stored; one that leaves while it is being stored may find it stored
 	// (in `GET /api/v1/batches`, or by sending it again with the same
-	// `Idempotency-Key`). Either way it is sent no reply: the gateway's
-	// access log and request metrics record the request with the status
-	// `499`, which is never sent.
+	// `Idempotency-Key`). Unless its reply was already being written, it
+	// is sent none: the gateway's access log and request metrics record
+	// the request with the status `499`, which is never sent.
 	//
 	// Reading and pricing a batch takes a replica's CPU (up to about a second
 	// for 100 prompts of 100 KB), so each replica reads and prices an
@@ -2496,9 +2496,9 @@ type ClientWithResponsesInterface interface {
 	// before its batch is sent to the gateway's database gets nothing
 	// stored; one that leaves while it is being stored may find it stored
 	// (in `GET /api/v1/batches`, or by sending it again with the same
-	// `Idempotency-Key`). Either way it is sent no reply: the gateway's
-	// access log and request metrics record the request with the status
-	// `499`, which is never sent.
+	// `Idempotency-Key`). Unless its reply was already being written, it
+	// is sent none: the gateway's access log and request metrics record
+	// the request with the status `499`, which is never sent.
 	//
 	// Reading and pricing a batch takes a replica's CPU (up to about a second
 	// for 100 prompts of 100 KB), so each replica reads and prices an
@@ -4531,9 +4531,9 @@ func (c *ClientWithResponses) GetJSONSchemaWithResponse(ctx context.Context, req
 // before its batch is sent to the gateway's database gets nothing
 // stored; one that leaves while it is being stored may find it stored
 // (in `GET /api/v1/batches`, or by sending it again with the same
-// `Idempotency-Key`). Either way it is sent no reply: the gateway's
-// access log and request metrics record the request with the status
-// `499`, which is never sent.
+// `Idempotency-Key`). Unless its reply was already being written, it
+// is sent none: the gateway's access log and request metrics record
+// the request with the status `499`, which is never sent.
 //
 // Reading and pricing a batch takes a replica's CPU (up to about a second
 // for 100 prompts of 100 KB), so each replica reads and prices an
@@ -4598,9 +4598,9 @@ func (c *ClientWithResponses) CreateBatchWithBodyWithResponse(ctx context.Contex
 // before its batch is sent to the gateway's database gets nothing
 // stored; one that leaves while it is being stored may find it stored
 // (in `GET /api/v1/batches`, or by sending it again with the same
-// `Idempotency-Key`). Either way it is sent no reply: the gateway's
-// access log and request metrics record the request with the status
-// `499`, which is never sent.
+// `Idempotency-Key`). Unless its reply was already being written, it
+// is sent none: the gateway's access log and request metrics record
+// the request with the status `499`, which is never sent.
 //
 // Reading and pricing a batch takes a replica's CPU (up to about a second
 // for 100 prompts of 100 KB), so each replica reads and prices an
