@@ -75,13 +75,11 @@ type creation struct {
 }
 
 // create stores c with the creations of its account-day waiting with it, and
-// returns its outcome. A creation whose ctx has ended, or ends while it waits
-// for its turn, leaves the queue and returns a notSent error; once its group
-// is sent, it waits for the group's outcome.
+// returns its outcome. A creation whose ctx ends (or has ended) before its
+// group is sent leaves the queue, or gives up its turn to lead (see lead),
+// and returns a notSent error; once its group is sent, it waits for the
+// group's outcome.
 func (g *creationGroups) create(ctx context.Context, s *Store, c *creation) (CreateResult, error) {
-	if err := ctx.Err(); err != nil {
-		return CreateResult{}, notSent{fmt.Errorf("error storing a batch: %w", err)}
-	}
 	key := creationKey{account: c.nb.Principal.AccountID, day: gateway.UTCDay(c.nb.CreatedAt)}
 	g.mu.Lock()
 	if g.queues == nil {
