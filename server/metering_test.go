@@ -108,16 +108,7 @@ func TestBudgetAndDailyCeiling(t *testing.T) {
 	b.setLimits(t, ptr(int64(50_000)), ptr(int64(1_000_000)))
 	b.upstream.configure(func(s *scripted) { s.hang = true })
 	ctx, cancel := context.WithCancel(context.Background())
-	running := make(chan struct{})
-	go func() {
-		defer close(running)
-		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, b.http.URL+"/api/v1/responses", strings.NewReader(`{"prompt": "p"}`))
-		req.Header.Set("Authorization", "Bearer "+b.key)
-		req.Header.Set("Content-Type", "application/json")
-		if resp, err := http.DefaultClient.Do(req); err == nil {
-			resp.Body.Close()
-		}
-	}()
+	running := async(func() int { return b.postBody(ctx, "/api/v1/responses", b.key, strings.NewReader(`{"prompt": "p"}`)) })
 	defer func() { cancel(); <-running }()
 	calls := b.upstream.callCount()
 	require.Eventually(t, func() bool { return b.upstream.callCount() > calls }, 5*time.Second, time.Millisecond, "the first request runs")
