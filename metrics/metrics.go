@@ -25,6 +25,7 @@ type Metrics struct {
 	upstreamDuration *prometheus.HistogramVec
 	upstreamErrors   *prometheus.CounterVec
 	openStreams      prometheus.Gauge
+	streamErrors     *prometheus.CounterVec
 	batchItems       *prometheus.CounterVec
 	claimDuration    prometheus.Histogram
 	commitDuration   *prometheus.HistogramVec
@@ -70,6 +71,9 @@ func New() *Metrics {
 		openStreams: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "gateway_open_streams", Help: "Server-sent event streams open now.",
 		}),
+		streamErrors: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "gateway_stream_errors_total", Help: "Streams that sent a response.error event (their head said 200), by its code: the codes and statuses a JSON reply would have had (gateway_http_requests_total counts these streams as 200s).",
+		}, []string{"code"}),
 		batchItems: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "gateway_batch_items_total", Help: "Batch items handled by this replica, by outcome: completed, failed, requeued, refused (budget).",
 		}, []string{"outcome"}),
@@ -133,7 +137,7 @@ func New() *Metrics {
 	}
 	m.registry.MustRegister(m.attempts, m.replyCuts, m.tenantHolds, m.attemptDuration, m.circuitState, m.fallbacks, m.reloadOK, m.reloadTime, m.clockOffset,
 		m.requests, m.requestDuration, m.rungs, m.upstreamDuration, m.upstreamErrors,
-		m.openStreams, m.batchItems, m.claimDuration, m.commitDuration, m.commitSize, m.queueDepth, m.leaseRescues, m.refusals, m.unconfirmed, m.clamps,
+		m.openStreams, m.streamErrors, m.batchItems, m.claimDuration, m.commitDuration, m.commitSize, m.queueDepth, m.leaseRescues, m.refusals, m.unconfirmed, m.clamps,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	// The counters that alerts (deploy/prometheus) take increases of are
 	// exported at zero from the start: a series that first appears at 1
@@ -143,6 +147,9 @@ func New() *Metrics {
 	}
 	for _, o := range []string{string(gateway.ItemCompleted), string(gateway.ItemFailed), ItemRequeued, ItemRefused} {
 		m.batchItems.WithLabelValues(o)
+	}
+	for _, code := range []gateway.ErrorCode{gateway.EInternal, gateway.EServiceUnavailable, gateway.EInferenceBusy} {
+		m.streamErrors.WithLabelValues(string(code))
 	}
 	for _, model := range gateway.Models {
 		for _, side := range []string{"input", "output"} {
@@ -222,6 +229,13 @@ func (m *Metrics) Upstream(model, kind string, d time.Duration) {
 func (m *Metrics) StreamOpened() {
 	if m != nil {
 		m.openStreams.Inc()
+	}
+}
+
+// StreamError records a stream's response.error event with code.
+func (m *Metrics) StreamError(code string) {
+	if m != nil {
+		m.streamErrors.WithLabelValues(code).Inc()
 	}
 }
 

@@ -73,11 +73,11 @@ func (s *Server) handleError(err error, c echo.Context) {
 		panic(http.ErrAbortHandler)
 	}
 	e := s.domainError(err)
-	status, ok := statusOf[e.Code]
-	if !ok {
-		status = http.StatusInternalServerError
+	if x := exchangeFrom(c.Request().Context()); x != nil {
+		x.errorCode = e.Code
 	}
-	if status >= 500 && e.Code != gateway.EInferenceBusy {
+	status := statusFor(e.Code)
+	if serverFault(e.Code) {
 		s.logger.Error("request failed", "method", c.Request().Method, "path", c.Path(), "error", err)
 	}
 	h := c.Response().Header()
@@ -95,12 +95,24 @@ func (s *Server) handleError(err error, c echo.Context) {
 	}
 }
 
+// statusFor is the HTTP status of a reply with code.
+func statusFor(code gateway.ErrorCode) int {
+	if status, ok := statusOf[code]; ok {
+		return status
+	}
+	return http.StatusInternalServerError
+}
+
+// serverFault says whether an error with code is a failure of the gateway's
+// own, logged as one: a 5xx but INFERENCE_BUSY, the upstream's (its failures
+// have metrics of their own).
+func serverFault(code gateway.ErrorCode) bool {
+	return statusFor(code) >= 500 && code != gateway.EInferenceBusy
+}
+
 func envelopeOf(e *gateway.Error) api.ErrorEnvelope {
 	return api.ErrorEnvelope{Error: api.Error{Code: api.ErrorCode(e.Code), Message: e.Message}}
 }
-
-// errorEnvelope is the body of err, as a reply or a response.error event.
-func (s *Server) errorEnvelope(err error) api.ErrorEnvelope { return envelopeOf(s.domainError(err)) }
 
 // domainError maps any error to a *gateway.Error: domain errors as they are,
 // the database being away to SERVICE_UNAVAILABLE, Echo's routing and parameter

@@ -24,7 +24,8 @@ const maxRequestIDLen = 128
 
 // observe gives every request an id, and once it is answered writes one JSON
 // log line (id, method, route, status, duration, bytes, client address,
-// account; never a key or a prompt) and records it in the metrics. Errors
+// account, the error's code if it failed, whether a stream's client left
+// before its end; never a key or a prompt) and records it in the metrics. Errors
 // are answered here, through the error handler, so the status is known. A
 // stream detached from its connection's goroutine (see serveDetachable) is
 // logged when it ends. A reply that is not a stream must be read within
@@ -86,6 +87,10 @@ type exchange struct {
 	// detached says the response goes on after the handler returned: whoever
 	// serves it calls finish.
 	detached bool
+	// errorCode is the code of the error replied or sent in the stream, if
+	// any; clientLeft says a stream's client left before its end.
+	errorCode  gateway.ErrorCode
+	clientLeft bool
 }
 
 // replyDeadline bounds the time the client may take to read the reply about
@@ -126,6 +131,12 @@ func (x *exchange) finish(ctx context.Context, status int, size int64) {
 	}
 	if p := gateway.PrincipalFrom(ctx); p != nil {
 		attrs = append(attrs, slog.String("account", p.AccountName), slog.String("key_id", p.KeyID.String()))
+	}
+	if x.errorCode != "" {
+		attrs = append(attrs, slog.String("error_code", string(x.errorCode)))
+	}
+	if x.clientLeft {
+		attrs = append(attrs, slog.Bool("client_left", true))
 	}
 	x.s.logger.LogAttrs(ctx, slog.LevelInfo, "request", attrs...)
 }

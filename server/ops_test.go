@@ -19,6 +19,7 @@ import (
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/batch"
 	"github.com/rungworks/gateway/gen/api"
+	"github.com/rungworks/gateway/internal/apitest"
 	"github.com/rungworks/gateway/internal/metricstest"
 	"github.com/rungworks/gateway/internal/syncbuf"
 	"github.com/rungworks/gateway/metrics"
@@ -66,6 +67,8 @@ type accessLogLine struct {
 	DurationMS float64 `json:"duration_ms"`
 	Bytes      int     `json:"bytes"`
 	Account    string  `json:"account"`
+	ErrorCode  string  `json:"error_code"`
+	ClientLeft bool    `json:"client_left"`
 }
 
 // loggedRequest is the first access log line in logs (JSON lines) that
@@ -326,6 +329,115 @@ func TestAClientThatLeavesWhileItsBatchIsStored(t *testing.T) {
 			var batches int
 			require.NoError(t, b.store.Pool().QueryRow(context.Background(), "SELECT count(*) FROM batches").Scan(&batches))
 			require.Zero(t, batches, "nothing is stored")
+		})
+	}
+}
+
+// TestStreamErrorsAreLoggedAndCounted: a stream's head says 200 before its
+// call has run, so the code of the response.error it sends is named in its
+// access log line (as a JSON error reply's is) and counted by code, and a
+// failure of the gateway's own is logged as an error, as a JSON reply's
+// would be; a stream whose client left before its end is logged so.
+func TestStreamErrorsAreLoggedAndCounted(t *testing.T) {
+	t.Parallel()
+	type bundle struct {
+		*testBundle
+		logs   *syncbuf.Buffer
+		m      *metrics.Metrics
+		ledger *failingLedger
+	}
+	setup := func(t *testing.T, h2c bool) bundle {
+		b := bundle{logs: &syncbuf.Buffer{}, m: metrics.New(), ledger: &failingLedger{}}
+		o := withLedger(b.ledger)
+		o.logs, o.h2c = b.logs, h2c
+		withFailing := o.server
+		o.server = func(c *server.Config) { withFailing(c); c.Metrics = b.m }
+		b.testBundle = setupWith(t, o)
+		return b
+	}
+	// logged is the access log line of the request with id.
+	logged := func(t *testing.T, b bundle, id string) accessLogLine {
+		var line accessLogLine
+		require.Eventually(t, func() bool {
+			var found bool
+			line, found = loggedRequest(t, b.logs, func(l accessLogLine) bool { return l.RequestID == id })
+			return found
+		}, 5*time.Second, 5*time.Millisecond, "the request is logged")
+		return line
+	}
+	lastError := func(t *testing.T, s apitest.Stream) gateway.ErrorCode {
+		var env api.ErrorEnvelope
+		for _, e := range s.Events {
+			if e.Name == "response.error" {
+				e.Decode(t, &env)
+			}
+		}
+		return gateway.ErrorCode(env.Error.Code)
+	}
+
+	t.Run("the gateway's own failure", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, false)
+		b.ledger.fails, b.ledger.err = 1000, errors.New("disk on fire")
+		r, s := b.stream("/api/v1/responses", map[string]any{"prompt": "p"})
+		require.Equal(t, gateway.EInternal, lastError(t, s), "the settlement was refused")
+		id := r.header.Get("x-request-id")
+		line := logged(t, b, id)
+		require.Equal(t, http.StatusOK, line.Status)
+		require.Equal(t, "INTERNAL", line.ErrorCode)
+		require.False(t, line.ClientLeft)
+		require.Contains(t, b.logs.String(), `"msg":"stream failed"`)
+		require.Contains(t, b.logs.String(), `"error":"`)
+		require.Contains(t, b.logs.String(), "disk on fire")
+		require.Contains(t, metricstest.Scrape(b.m), `gateway_stream_errors_total{code="INTERNAL"} 1`)
+	})
+	t.Run("the upstream's failure and refusals", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t, false)
+		b.upstream.fail(upstream.ErrUnavailable)
+		r, s := b.stream("/api/v1/responses", map[string]any{"prompt": "p"})
+		require.Equal(t, gateway.EInferenceBusy, lastError(t, s))
+		require.Equal(t, "INFERENCE_BUSY", logged(t, b, r.header.Get("x-request-id")).ErrorCode)
+		r, s = b.stream("/api/v1/chat", map[string]any{"prompt": ""})
+		require.Equal(t, gateway.EEmptyPrompt, lastError(t, s))
+		require.Equal(t, "EMPTY_PROMPT", logged(t, b, r.header.Get("x-request-id")).ErrorCode)
+		r = b.post("/api/v1/responses", b.key, map[string]any{"prompt": ""})
+		require.Equal(t, http.StatusBadRequest, r.status)
+		require.Equal(t, "EMPTY_PROMPT", logged(t, b, r.header.Get("x-request-id")).ErrorCode, "a JSON reply's too")
+		require.NotContains(t, b.logs.String(), `"level":"ERROR"`, "none is the gateway's failure")
+		scraped := metricstest.Scrape(b.m)
+		require.Contains(t, scraped, `gateway_stream_errors_total{code="INFERENCE_BUSY"} 1`)
+		require.Contains(t, scraped, `gateway_stream_errors_total{code="EMPTY_PROMPT"} 1`)
+		require.Contains(t, scraped, `gateway_stream_errors_total{code="INTERNAL"} 0`, "exported from the start, for the alert")
+	})
+	for _, h2c := range []bool{false, true} {
+		t.Run("a stream that ends well, and one whose client left, "+protoName(h2c), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t, h2c)
+			r, s := b.stream("/api/v1/responses", map[string]any{"prompt": "p"})
+			require.Equal(t, "response.completed", s.Events[len(s.Events)-1].Name)
+			line := logged(t, b, r.header.Get("x-request-id"))
+			require.Empty(t, line.ErrorCode)
+			require.False(t, line.ClientLeft)
+
+			b.upstream.configure(func(s *scripted) { s.hang = true })
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			req, err := http.NewRequestWithContext(ctx, http.MethodPost, b.http.URL+"/api/v1/responses", strings.NewReader(`{"prompt": "leave early", "stream": true}`))
+			require.NoError(t, err)
+			req.Header.Set("Authorization", "Bearer "+b.key)
+			req.Header.Set("Content-Type", "application/json")
+			resp, err := b.client.Do(req)
+			require.NoError(t, err)
+			_, err = bufio.NewReader(resp.Body).ReadString('}') // the first delta
+			require.NoError(t, err)
+			cancel()
+			_ = resp.Body.Close()
+			line = logged(t, b, resp.Header.Get("x-request-id"))
+			require.Equal(t, http.StatusOK, line.Status, "the head said 200")
+			require.True(t, line.ClientLeft)
+			require.Empty(t, line.ErrorCode)
+			require.NotContains(t, b.logs.String(), `"level":"ERROR"`)
 		})
 	}
 }

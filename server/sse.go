@@ -169,6 +169,14 @@ func (s *sseWriter) sendLocked(b []byte) error {
 	return out.Flush()
 }
 
+// failed says whether a write failed: the client left, or took nothing for
+// a write's timeout.
+func (s *sseWriter) failed() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.err != nil
+}
+
 // Close stops the keep-alive timer and bounds what is written after it, the
 // response's end (a detached stream's last chunk, or net/http's), by a
 // write's timeout; after a write that failed, the deadline that failed it

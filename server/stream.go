@@ -67,8 +67,14 @@ func (r streamReply) run(ctx context.Context, sse *sseWriter) error {
 	defer sse.Close()
 	r.s.metrics.StreamOpened()
 	defer r.s.metrics.StreamClosed()
+	// gone: the call ended as its client left.
+	var gone bool
+	if x := exchangeFrom(r.ctx); x != nil {
+		// For the request's log line, written once run has returned.
+		defer func() { x.clientLeft = gone || sse.failed() }()
+	}
 	if r.err != nil {
-		return sse.Event(eventError, r.s.errorEnvelope(r.err))
+		return r.fail(sse, r.err)
 	}
 
 	requestID := r.call.RequestID
@@ -88,13 +94,14 @@ func (r streamReply) run(ctx context.Context, sse *sseWriter) error {
 	})
 	if err != nil && res == nil {
 		// Nothing was produced: the stream failed to start.
-		return sse.Event(eventError, r.s.errorEnvelope(err))
+		return r.fail(sse, err)
 	}
 	if err != nil {
 		if errors.Is(err, inference.ErrCallerGone) {
+			gone = true
 			return nil // its output is billed; nobody is listening
 		}
-		if werr := sse.Event(eventError, r.s.errorEnvelope(err)); werr != nil {
+		if werr := r.fail(sse, err); werr != nil {
 			return nil
 		}
 	}
@@ -104,4 +111,22 @@ func (r streamReply) run(ctx context.Context, sse *sseWriter) error {
 	final.Usage = &usage
 	_ = sse.Event(eventCompleted, final)
 	return nil
+}
+
+// fail sends err as a response.error event, and returns the write's error.
+// Its code is counted and named in the request's log line, and a failure of
+// the gateway's own (serverFault) is logged, as handleError logs a reply's:
+// the stream's head said 200 before it.
+func (r streamReply) fail(sse *sseWriter, err error) error {
+	e := r.s.domainError(err)
+	r.s.metrics.StreamError(string(e.Code))
+	attrs := []any{"error", err}
+	if x := exchangeFrom(r.ctx); x != nil {
+		x.errorCode = e.Code
+		attrs = append(attrs, "request_id", x.id, "route", x.route)
+	}
+	if serverFault(e.Code) {
+		r.s.logger.Error("stream failed", attrs...)
+	}
+	return sse.Event(eventError, envelopeOf(e))
 }
