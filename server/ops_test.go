@@ -420,24 +420,35 @@ func TestStreamErrorsAreLoggedAndCounted(t *testing.T) {
 			require.Empty(t, line.ErrorCode)
 			require.False(t, line.ClientLeft)
 
-			b.upstream.configure(func(s *scripted) { s.hang = true })
-			ctx, cancel := context.WithCancel(context.Background())
-			defer cancel()
-			req, err := http.NewRequestWithContext(ctx, http.MethodPost, b.http.URL+"/api/v1/responses", strings.NewReader(`{"prompt": "leave early", "stream": true}`))
-			require.NoError(t, err)
-			req.Header.Set("Authorization", "Bearer "+b.key)
-			req.Header.Set("Content-Type", "application/json")
-			resp, err := b.client.Do(req)
-			require.NoError(t, err)
-			_, err = bufio.NewReader(resp.Body).ReadString('}') // the first delta
-			require.NoError(t, err)
-			cancel()
-			_ = resp.Body.Close()
-			line = logged(t, b, resp.Header.Get("x-request-id"))
-			require.Equal(t, http.StatusOK, line.Status, "the head said 200")
-			require.True(t, line.ClientLeft)
-			require.Empty(t, line.ErrorCode)
+			// A client that leaves after the first delta, and one that leaves
+			// before it, having read the head.
+			for _, firstDelta := range []bool{true, false} {
+				b.upstream.configure(func(s *scripted) {
+					s.hang = true
+					if !firstDelta {
+						s.firstDelay = time.Minute
+					}
+				})
+				ctx, cancel := context.WithCancel(context.Background())
+				req, err := http.NewRequestWithContext(ctx, http.MethodPost, b.http.URL+"/api/v1/responses", strings.NewReader(`{"prompt": "leave early", "stream": true}`))
+				require.NoError(t, err)
+				req.Header.Set("Authorization", "Bearer "+b.key)
+				req.Header.Set("Content-Type", "application/json")
+				resp, err := b.client.Do(req)
+				require.NoError(t, err)
+				if firstDelta {
+					_, err = bufio.NewReader(resp.Body).ReadString('}')
+					require.NoError(t, err)
+				}
+				cancel()
+				_ = resp.Body.Close()
+				line = logged(t, b, resp.Header.Get("x-request-id"))
+				require.Equal(t, http.StatusOK, line.Status, "the head said 200")
+				require.True(t, line.ClientLeft)
+				require.Empty(t, line.ErrorCode)
+			}
 			require.NotContains(t, b.logs.String(), `"level":"ERROR"`)
+			require.Contains(t, metricstest.Scrape(b.m), `gateway_stream_errors_total{code="INTERNAL"} 0`)
 		})
 	}
 }

@@ -92,15 +92,15 @@ func (r streamReply) run(ctx context.Context, sse *sseWriter) error {
 	res, err := r.s.inference.Stream(ctx, r.call, func(d upstream.Delta) error {
 		return sse.Event(eventDelta, chunk(d.Content, d.Sources))
 	})
+	if errors.Is(err, inference.ErrCallerGone) {
+		gone = true
+		return nil // its output, if any, is billed; nobody is listening
+	}
 	if err != nil && res == nil {
 		// Nothing was produced: the stream failed to start.
 		return r.fail(sse, err)
 	}
 	if err != nil {
-		if errors.Is(err, inference.ErrCallerGone) {
-			gone = true
-			return nil // its output is billed; nobody is listening
-		}
 		if werr := r.fail(sse, err); werr != nil {
 			return nil
 		}
