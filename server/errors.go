@@ -65,7 +65,7 @@ func (s *Server) handleError(err error, c echo.Context) {
 		s.logger.Warn("error after the reply started", "path", c.Path(), "error", err)
 		return
 	}
-	if _, domain := errors.AsType[*gateway.Error](err); !domain && c.Request().Context().Err() != nil {
+	if failedAsClientLeft(c.Request().Context(), err) {
 		if !errors.Is(err, context.Canceled) {
 			s.logger.Error("request failed as its client left", "method", c.Request().Method, "path", c.Path(), "error", err)
 		}
@@ -93,6 +93,14 @@ func (s *Server) handleError(err error, c echo.Context) {
 	if err := c.JSON(status, envelopeOf(e)); err != nil {
 		s.logger.Warn("error writing error reply", "error", err)
 	}
+}
+
+// failedAsClientLeft says whether err, the failure of a request whose
+// context is ctx, is no fault of the gateway's: not a domain error, once ctx
+// ended, as it does when the client leaves.
+func failedAsClientLeft(ctx context.Context, err error) bool {
+	_, domain := errors.AsType[*gateway.Error](err)
+	return !domain && ctx.Err() != nil
 }
 
 // statusFor is the HTTP status of a reply with code.

@@ -17,7 +17,11 @@ var _ api.StrictServerInterface = (*Server)(nil)
 // CreateResponse implements POST /api/v1/responses.
 func (s *Server) CreateResponse(ctx context.Context, req api.CreateResponseRequestObject) (api.CreateResponseResponseObject, error) {
 	if isStream(req.Body) {
-		return s.stream(ctx, gateway.EntryResponses, req.Body), nil
+		reply, err := s.stream(ctx, gateway.EntryResponses, req.Body)
+		if err != nil {
+			return nil, err
+		}
+		return reply, nil
 	}
 	reply, err := s.respond(ctx, gateway.EntryResponses, req.Body)
 	if err != nil {
@@ -29,7 +33,11 @@ func (s *Server) CreateResponse(ctx context.Context, req api.CreateResponseReque
 // CreateChat implements POST /api/v1/chat, the compatibility alias.
 func (s *Server) CreateChat(ctx context.Context, req api.CreateChatRequestObject) (api.CreateChatResponseObject, error) {
 	if isStream(req.Body) {
-		return s.stream(ctx, gateway.EntryChat, req.Body), nil
+		reply, err := s.stream(ctx, gateway.EntryChat, req.Body)
+		if err != nil {
+			return nil, err
+		}
+		return reply, nil
 	}
 	reply, err := s.respond(ctx, gateway.EntryChat, req.Body)
 	if err != nil {
@@ -92,11 +100,17 @@ func (s *Server) prepare(ctx context.Context, entry gateway.EntryPoint, in gatew
 }
 
 // stream prepares a streamed request; whatever fails from here on is reported
-// inside the stream, after its 200 head.
-func (s *Server) stream(ctx context.Context, entry gateway.EntryPoint, body *api.ResponseRequest) streamReply {
-	ctx, done := s.callContext(ctx)
-	call, err := s.admit(ctx, entry, body)
-	return streamReply{s: s, ctx: ctx, done: done, call: call, err: err}
+// inside the stream, after its 200 head, but a failure as its client left
+// (failedAsClientLeft), which is not answered: handleError's, as a JSON
+// request's.
+func (s *Server) stream(ctx context.Context, entry gateway.EntryPoint, body *api.ResponseRequest) (streamReply, error) {
+	callCtx, done := s.callContext(ctx)
+	call, err := s.admit(callCtx, entry, body)
+	if err != nil && failedAsClientLeft(ctx, err) {
+		done()
+		return streamReply{}, err
+	}
+	return streamReply{s: s, ctx: callCtx, done: done, call: call, err: err}, nil
 }
 
 // GetSources implements GET /api/v1/sources/{request_id}.

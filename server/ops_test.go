@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
@@ -19,6 +20,7 @@ import (
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/batch"
 	"github.com/rungworks/gateway/gen/api"
+	"github.com/rungworks/gateway/inference"
 	"github.com/rungworks/gateway/internal/apitest"
 	"github.com/rungworks/gateway/internal/metricstest"
 	"github.com/rungworks/gateway/internal/syncbuf"
@@ -281,6 +283,49 @@ func TestAClientThatLeavesIsNotAServerError(t *testing.T) {
 				v := b.usage(t, b.key)
 				return v.Totals.Requests == 0 && v.Budget.ReservedRungs == 0 && v.Daily.ChargedRungs == 0
 			}, 5*time.Second, 10*time.Millisecond, "nothing is billed, and the estimate is released")
+		})
+	}
+}
+
+// leavingLedger is the real ledger whose admissions wait until their
+// request's context ends, and fail with its error, as an admission that
+// meets the database would.
+type leavingLedger struct {
+	inference.Ledger
+	entered chan struct{}
+}
+
+func (l *leavingLedger) Admit(ctx context.Context, _ gateway.Admission) error {
+	l.entered <- struct{}{}
+	<-ctx.Done()
+	return fmt.Errorf("error leasing quota: %w", ctx.Err())
+}
+
+// TestAStreamWhoseClientLeavesBeforeItsHead: a streamed request whose client
+// leaves while it is admitted is treated as a JSON one (see
+// TestAClientThatLeavesIsNotAServerError): no head is sent, and it is logged
+// with status 499, not as a failure.
+func TestAStreamWhoseClientLeavesBeforeItsHead(t *testing.T) {
+	t.Parallel()
+	for _, h2c := range []bool{false, true} {
+		t.Run(protoName(h2c), func(t *testing.T) {
+			t.Parallel()
+			logs := &syncbuf.Buffer{}
+			m := metrics.New()
+			l := &leavingLedger{entered: make(chan struct{}, 1)}
+			b := setupWith(t, options{h2c: h2c, logs: logs, server: func(c *server.Config) {
+				l.Ledger, c.Inference.Ledger = c.Inference.Ledger, l
+				c.Metrics = m
+			}})
+			line := b.leaveDuring(t, logs, "/api/v1/responses", `{"prompt": "p", "stream": true}`, func() { <-l.entered })
+			require.Equal(t, 499, line.Status)
+			require.Zero(t, line.Bytes, "no head")
+			require.Empty(t, line.ErrorCode)
+			require.NotContains(t, logs.String(), `"level":"ERROR"`)
+			scraped := metricstest.Scrape(m)
+			require.Contains(t, scraped, `gateway_stream_errors_total{code="INTERNAL"} 0`)
+			require.Contains(t, scraped, `gateway_open_streams 0`, "no stream was opened")
+			require.Zero(t, b.upstream.callCount())
 		})
 	}
 }

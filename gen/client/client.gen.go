@@ -1185,7 +1185,9 @@ type ClientInterface interface {
 	// and is sent nothing: the gateway's access log and request metrics
 	// record the request with the status `499`, which is never sent. Once the
 	// upstream has answered, the usage is recorded and the reply written,
-	// whether the client reads it or not. A stream's output so far is billed.
+	// whether the client reads it or not. A streamed request whose client
+	// leaves before its head is sent (while it is admitted) is recorded so
+	// too; once its head is sent, the stream's output so far is billed.
 	//
 	// A request whose `prompt` and `custom_instructions` together are over
 	// 64 KiB is priced in its account's turn, as large batch creations are
@@ -1225,7 +1227,9 @@ type ClientInterface interface {
 	// and is sent nothing: the gateway's access log and request metrics
 	// record the request with the status `499`, which is never sent. Once the
 	// upstream has answered, the usage is recorded and the reply written,
-	// whether the client reads it or not. A stream's output so far is billed.
+	// whether the client reads it or not. A streamed request whose client
+	// leaves before its head is sent (while it is admitted) is recorded so
+	// too; once its head is sent, the stream's output so far is billed.
 	//
 	// A request whose `prompt` and `custom_instructions` together are over
 	// 64 KiB is priced in its account's turn, as large batch creations are
@@ -1615,7 +1619,9 @@ func (c *Client) CreateChat(ctx context.Context, body CreateChatJSONRequestBody,
 // and is sent nothing: the gateway's access log and request metrics
 // record the request with the status `499`, which is never sent. Once the
 // upstream has answered, the usage is recorded and the reply written,
-// whether the client reads it or not. A stream's output so far is billed.
+// whether the client reads it or not. A streamed request whose client
+// leaves before its head is sent (while it is admitted) is recorded so
+// too; once its head is sent, the stream's output so far is billed.
 //
 // A request whose `prompt` and `custom_instructions` together are over
 // 64 KiB is priced in its account's turn, as large batch creations are
@@ -1665,7 +1671,9 @@ func (c *Client) CreateResponseWithBody(ctx context.Context, contentType string,
 // and is sent nothing: the gateway's access log and request metrics
 // record the request with the status `499`, which is never sent. Once the
 // upstream has answered, the usage is recorded and the reply written,
-// whether the client reads it or not. A stream's output so far is billed.
+// whether the client reads it or not. A streamed request whose client
+// leaves before its head is sent (while it is admitted) is recorded so
+// too; once its head is sent, the stream's output so far is billed.
 //
 // A request whose `prompt` and `custom_instructions` together are over
 // 64 KiB is priced in its account's turn, as large batch creations are
@@ -2633,7 +2641,9 @@ type ClientWithResponsesInterface interface {
 	// and is sent nothing: the gateway's access log and request metrics
 	// record the request with the status `499`, which is never sent. Once the
 	// upstream has answered, the usage is recorded and the reply written,
-	// whether the client reads it or not. A stream's output so far is billed.
+	// whether the client reads it or not. A streamed request whose client
+	// leaves before its head is sent (while it is admitted) is recorded so
+	// too; once its head is sent, the stream's output so far is billed.
 	//
 	// A request whose `prompt` and `custom_instructions` together are over
 	// 64 KiB is priced in its account's turn, as large batch creations are
@@ -2673,7 +2683,9 @@ type ClientWithResponsesInterface interface {
 	// and is sent nothing: the gateway's access log and request metrics
 	// record the request with the status `499`, which is never sent. Once the
 	// upstream has answered, the usage is recorded and the reply written,
-	// whether the client reads it or not. A stream's output so far is billed.
+	// whether the client reads it or not. A streamed request whose client
+	// leaves before its head is sent (while it is admitted) is recorded so
+	// too; once its head is sent, the stream's output so far is billed.
 	//
 	// A request whose `prompt` and `custom_instructions` together are over
 	// 64 KiB is priced in its account's turn, as large batch creations are
@@ -4777,7 +4789,9 @@ func (c *ClientWithResponses) CreateChatWithResponse(ctx context.Context, body C
 // and is sent nothing: the gateway's access log and request metrics
 // record the request with the status `499`, which is never sent. Once the
 // upstream has answered, the usage is recorded and the reply written,
-// whether the client reads it or not. A stream's output so far is billed.
+// whether the client reads it or not. A streamed request whose client
+// leaves before its head is sent (while it is admitted) is recorded so
+// too; once its head is sent, the stream's output so far is billed.
 //
 // A request whose `prompt` and `custom_instructions` together are over
 // 64 KiB is priced in its account's turn, as large batch creations are
@@ -4823,7 +4837,9 @@ func (c *ClientWithResponses) CreateResponseWithBodyWithResponse(ctx context.Con
 // and is sent nothing: the gateway's access log and request metrics
 // record the request with the status `499`, which is never sent. Once the
 // upstream has answered, the usage is recorded and the reply written,
-// whether the client reads it or not. A stream's output so far is billed.
+// whether the client reads it or not. A streamed request whose client
+// leaves before its head is sent (while it is admitted) is recorded so
+// too; once its head is sent, the stream's output so far is billed.
 //
 // A request whose `prompt` and `custom_instructions` together are over
 // 64 KiB is priced in its account's turn, as large batch creations are
