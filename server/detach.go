@@ -156,7 +156,7 @@ func (d *detached) run(ctx context.Context, r streamReply) {
 		}
 		d.end(keep && !d.s.draining.Load())
 	}()
-	_ = r.run(ctx, d.sse)
+	r.run(ctx, d.sse)
 }
 
 // take detaches the stream, unless it has ended: the connection is taken

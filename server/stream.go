@@ -44,7 +44,8 @@ func (r streamReply) serve(w http.ResponseWriter) error {
 		return r.s.serveDetachable(r, w, x)
 	}
 	defer r.done()
-	return r.run(r.ctx, startSSE(w, r.s.keepalive, r.s.streamWriteTimeout))
+	r.run(r.ctx, startSSE(w, r.s.keepalive, r.s.streamWriteTimeout))
+	return nil
 }
 
 // detachable says whether a stream of req, whose context is ctx, can be
@@ -63,7 +64,8 @@ func (s *Server) detachable(ctx context.Context, req *http.Request) bool {
 }
 
 // run streams the call, whose context is ctx, as events on sse, and closes it.
-func (r streamReply) run(ctx context.Context, sse *sseWriter) error {
+// A write that fails ends it: its client left (see exchange.clientLeft).
+func (r streamReply) run(ctx context.Context, sse *sseWriter) {
 	defer sse.Close()
 	r.s.metrics.StreamOpened()
 	defer r.s.metrics.StreamClosed()
@@ -74,7 +76,8 @@ func (r streamReply) run(ctx context.Context, sse *sseWriter) error {
 		defer func() { x.clientLeft = gone || sse.failed() }()
 	}
 	if r.err != nil {
-		return r.fail(sse, r.err)
+		_ = r.fail(sse, r.err)
+		return
 	}
 
 	requestID := r.call.RequestID
@@ -94,23 +97,21 @@ func (r streamReply) run(ctx context.Context, sse *sseWriter) error {
 	})
 	if errors.Is(err, inference.ErrCallerGone) {
 		gone = true
-		return nil // its output, if any, is billed; nobody is listening
+		return // its output, if any, is billed; nobody is listening
 	}
 	if err != nil && res == nil {
 		// Nothing was produced: the stream failed to start.
-		return r.fail(sse, err)
+		_ = r.fail(sse, err)
+		return
 	}
-	if err != nil {
-		if werr := r.fail(sse, err); werr != nil {
-			return nil
-		}
+	if err != nil && r.fail(sse, err) != nil {
+		return
 	}
 	final := chunk("", nil)
 	final.Done = true
 	usage := rungUsage(res.Usage)
 	final.Usage = &usage
 	_ = sse.Event(eventCompleted, final)
-	return nil
 }
 
 // fail sends err as a response.error event, and returns the write's error.
