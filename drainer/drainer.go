@@ -404,6 +404,7 @@ func (d *Drainer) run(ctx, commits context.Context, it store.ClaimedItem) {
 	case err == nil:
 		usage, perr := d.estimator.Actual(req, gateway.EntryBatch, res)
 		if perr != nil {
+			d.logger.Error("a batch item's usage could not be priced; failing the item", "batch_id", it.BatchID, "index", it.Index, "error", perr)
 			result.Status, result.ErrorCode, result.ErrorMessage = string(gateway.ItemFailed), string(gateway.EInternal), "the item's usage could not be priced"
 			break
 		}

@@ -604,3 +604,35 @@ func TestAHeldOffAccountIsNotTheProbeOfAnOutage(t *testing.T) {
 		require.Contains(t, []gateway.ItemStatus{gateway.ItemFailed, gateway.ItemQueued}, it.Status)
 	}
 }
+
+// TestAnItemThatCannotBePricedFailsAndIsLogged: an item whose usage cannot be
+// priced (its rungs past int64, with a multiplier of 10^19) fails INTERNAL,
+// billing nothing, and the operator is told; the drain goes on.
+func TestAnItemThatCannotBePricedFailsAndIsLogged(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	rc, err := metering.NewRateCard(map[gateway.Model]string{"instant": "10000000000000000000", "reasoning": "4", "elements": "2"}, "0")
+	require.NoError(t, err)
+	b.estimator = &metering.Estimator{Tokenizer: b.estimator.Tokenizer, RateCard: rc}
+	id := b.newBatch(t, "overpriced", 2)
+	logs := &syncbuf.Buffer{}
+	d := drainer.New(drainer.Config{PollInterval: 50 * time.Millisecond, Grace: time.Second, EvidenceRetention: time.Hour},
+		b.store, b.provider, b.estimator, slog.New(slog.NewJSONHandler(logs, nil)))
+	ctx, cancel := context.WithCancel(b.ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); d.Run(ctx) }()
+	t.Cleanup(func() { cancel(); <-done })
+
+	require.Eventually(t, func() bool {
+		batch, err := b.store.Batch(b.ctx, b.principal.AccountID, id)
+		require.NoError(t, err)
+		return batch.Status.Terminal()
+	}, 10*time.Second, 20*time.Millisecond)
+	for _, it := range b.items(t, id) {
+		require.Equal(t, gateway.ItemFailed, it.Status)
+		require.Equal(t, gateway.EInternal, it.Error.Code)
+		require.Zero(t, it.Usage.TotalRungs)
+	}
+	require.Equal(t, 2, strings.Count(logs.String(), `"msg":"a batch item's usage could not be priced; failing the item"`))
+	require.Contains(t, logs.String(), metering.ErrOverflow.Error())
+}
