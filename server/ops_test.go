@@ -256,6 +256,19 @@ func (b *testBundle) leaveDuring(t *testing.T, logs *syncbuf.Buffer, path, body 
 	return line
 }
 
+// setupObserved serves, over HTTP/2 when h2c, with its log in logs and its
+// metrics in m, configured by configure when set.
+func setupObserved(t *testing.T, h2c bool, configure func(*server.Config)) (b *testBundle, logs *syncbuf.Buffer, m *metrics.Metrics) {
+	logs, m = &syncbuf.Buffer{}, metrics.New()
+	b = setupWith(t, options{h2c: h2c, logs: logs, server: func(c *server.Config) {
+		c.Metrics = m
+		if configure != nil {
+			configure(c)
+		}
+	}})
+	return b, logs, m
+}
+
 // TestAClientThatLeavesIsNotAServerError: a client that leaves before its
 // reply (its connection closed, its HTTP/2 stream reset) ends its upstream
 // call unbilled, and the request is logged and counted with status 499, as
@@ -266,9 +279,7 @@ func TestAClientThatLeavesIsNotAServerError(t *testing.T) {
 	for _, h2c := range []bool{false, true} {
 		t.Run(protoName(h2c), func(t *testing.T) {
 			t.Parallel()
-			logs := &syncbuf.Buffer{}
-			m := metrics.New()
-			b := setupWith(t, options{h2c: h2c, logs: logs, server: func(c *server.Config) { c.Metrics = m }})
+			b, logs, m := setupObserved(t, h2c, nil)
 			b.upstream.configure(func(s *scripted) { s.hang = true })
 			line := b.leaveDuring(t, logs, "/api/v1/responses", `{"prompt": "p"}`, func() {
 				require.Eventually(t, func() bool { return b.upstream.callCount() > 0 }, 5*time.Second, time.Millisecond, "the call runs")
@@ -310,13 +321,8 @@ func TestAStreamWhoseClientLeavesBeforeItsHead(t *testing.T) {
 	for _, h2c := range []bool{false, true} {
 		t.Run(protoName(h2c), func(t *testing.T) {
 			t.Parallel()
-			logs := &syncbuf.Buffer{}
-			m := metrics.New()
 			l := &leavingLedger{entered: make(chan struct{}, 1)}
-			b := setupWith(t, options{h2c: h2c, logs: logs, server: func(c *server.Config) {
-				l.Ledger, c.Inference.Ledger = c.Inference.Ledger, l
-				c.Metrics = m
-			}})
+			b, logs, m := setupObserved(t, h2c, func(c *server.Config) { l.Ledger, c.Inference.Ledger = c.Inference.Ledger, l })
 			line := b.leaveDuring(t, logs, "/api/v1/responses", `{"prompt": "p", "stream": true}`, func() { <-l.entered })
 			require.Equal(t, 499, line.Status)
 			require.Zero(t, line.Bytes, "no head")
@@ -392,12 +398,8 @@ func TestStreamErrorsAreLoggedAndCounted(t *testing.T) {
 		ledger *failingLedger
 	}
 	setup := func(t *testing.T, h2c bool) bundle {
-		b := bundle{logs: &syncbuf.Buffer{}, m: metrics.New(), ledger: &failingLedger{}}
-		o := withLedger(b.ledger)
-		o.logs, o.h2c = b.logs, h2c
-		withFailing := o.server
-		o.server = func(c *server.Config) { withFailing(c); c.Metrics = b.m }
-		b.testBundle = setupWith(t, o)
+		b := bundle{ledger: &failingLedger{}}
+		b.testBundle, b.logs, b.m = setupObserved(t, h2c, withLedger(b.ledger).server)
 		return b
 	}
 	// logged is the access log line of the request with id.
