@@ -224,6 +224,12 @@ func TestStreamFailures(t *testing.T) {
 	var final api.StreamChunk
 	s.Events[3].Decode(t, &final)
 	require.Positive(t, final.Usage.OutputRungs, "the output received is billed")
+
+	// Each error is counted by its code, though each stream's head said 200.
+	m := g.scrape()
+	require.Contains(t, m, `gateway_stream_errors_total{code="EMPTY_PROMPT"} 1`)
+	require.Contains(t, m, `gateway_stream_errors_total{code="INFERENCE_BUSY"} 2`)
+	require.Contains(t, m, `gateway_stream_errors_total{code="INTERNAL"} 0`)
 }
 
 // TestAStreamFromAnUpstreamThatDoesNotStream: an upstream that answers a
