@@ -222,7 +222,8 @@ func (s *Service) Complete(ctx context.Context, call *Call) (*Result, error) {
 //   - failure after output (the upstream's, or the server's shutdown): the
 //     committed result of what was produced, and INFERENCE_BUSY;
 //   - the caller gone (emit failed or ctx ended): the committed result and
-//     ErrCallerGone.
+//     ErrCallerGone. Any other failure after output, of whatever kind, is
+//     the upstream's.
 //
 // When the settlement itself fails, nothing is billed and the result, with zero
 // usage, comes with the settlement's error: the caller is told it was not
@@ -230,19 +231,24 @@ func (s *Service) Complete(ctx context.Context, call *Call) (*Result, error) {
 // settlement that may be stored counts as committed (see settle).
 func (s *Service) Stream(ctx context.Context, call *Call, emit func(upstream.Delta) error) (*Result, error) {
 	s.trace(ctx, call)
-	started := false
+	var started, gone bool
 	start := time.Now()
 	res, err := s.Provider.Stream(ctx, s.upstreamRequest(call), func(d upstream.Delta) error {
 		started = true
-		return emit(d)
+		if err := emit(d); err != nil {
+			gone = true
+			return err
+		}
+		return nil
 	})
-	return s.streamed(ctx, call, &res, err, started, start)
+	return s.streamed(ctx, call, &res, err, started, gone, start)
 }
 
 // streamed settles a stream the upstream ran (begun at start; started says
-// it emitted output) and says how it ended. Apart from Stream, whose frame
-// is under the upstream call while it waits, often long, for a first token.
-func (s *Service) streamed(ctx context.Context, call *Call, res *upstream.Result, err error, started bool, start time.Time) (*Result, error) {
+// it emitted output, gone that emit failed) and says how it ended. Apart from
+// Stream, whose frame is under the upstream call while it waits, often long,
+// for a first token.
+func (s *Service) streamed(ctx context.Context, call *Call, res *upstream.Result, err error, started, gone bool, start time.Time) (*Result, error) {
 	s.observe(ctx, call, err, start)
 	if err != nil && !started {
 		s.release(call)
@@ -257,7 +263,7 @@ func (s *Service) streamed(ctx context.Context, call *Call, res *upstream.Result
 		return committed, nil
 	case shuttingDown(ctx):
 		return committed, s.upstreamError(ctx, err)
-	case ctx.Err() != nil || !isUpstreamFailure(err):
+	case ctx.Err() != nil || gone:
 		return committed, fmt.Errorf("%w: %w", ErrCallerGone, err)
 	}
 	return committed, s.upstreamError(ctx, err)
@@ -466,14 +472,6 @@ func (s *Service) logger() *slog.Logger {
 }
 
 func (s *Service) unavailable(err error) bool { return s.Unavailable != nil && s.Unavailable(err) }
-
-func isUpstreamFailure(err error) bool {
-	switch upstream.Kind(err) {
-	case upstream.KindUnavailable, upstream.KindDenied, upstream.KindFailed, upstream.KindRejected, upstream.KindBroken:
-		return true
-	}
-	return false
-}
 
 // upstreamError turns a provider failure into INFERENCE_BUSY, keeping the
 // upstream's own message when it rejected the request.
