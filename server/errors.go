@@ -61,24 +61,31 @@ const statusClientClosed = 499
 // error is answered: a body cut at the body timeout also ends the context,
 // and its client is still there to read the 408.
 func (s *Server) handleError(err error, c echo.Context) {
+	// What a line of this log says of the request, beside its error: its
+	// request_id finds its access log line.
+	attrs := []any{"method", c.Request().Method, "path", c.Path(), "error", err}
+	x := exchangeFrom(c.Request().Context())
+	if x != nil {
+		attrs = append(attrs, "request_id", x.id)
+	}
 	if c.Response().Committed {
-		s.logger.Warn("error after the reply started", "path", c.Path(), "error", err)
+		s.logger.Warn("error after the reply started", attrs...)
 		return
 	}
 	if failedAsClientLeft(c.Request().Context(), err) {
 		if !errors.Is(err, context.Canceled) {
-			s.logger.Error("request failed as its client left", "method", c.Request().Method, "path", c.Path(), "error", err)
+			s.logger.Error("request failed as its client left", attrs...)
 		}
 		c.Response().Status = statusClientClosed
 		panic(http.ErrAbortHandler)
 	}
 	e := s.domainError(err)
-	if x := exchangeFrom(c.Request().Context()); x != nil {
+	if x != nil {
 		x.errorCode = e.Code
 	}
 	status := statusFor(e.Code)
 	if serverFault(e.Code) {
-		s.logger.Error("request failed", "method", c.Request().Method, "path", c.Path(), "error", err)
+		s.logger.Error("request failed", attrs...)
 	}
 	h := c.Response().Header()
 	if e.Code == gateway.EUnauthorized {

@@ -90,6 +90,20 @@ func loggedRequest(t *testing.T, logs *syncbuf.Buffer, match func(accessLogLine)
 	return accessLogLine{}, false
 }
 
+// loggedLine is the first line of logs (JSON lines) with msg.
+func loggedLine(t *testing.T, logs *syncbuf.Buffer, msg string) map[string]any {
+	t.Helper()
+	for _, l := range strings.Split(strings.TrimSpace(logs.String()), "\n") {
+		var line map[string]any
+		require.NoError(t, json.Unmarshal([]byte(l), &line), l)
+		if line["msg"] == msg {
+			return line
+		}
+	}
+	require.Failf(t, "no such log line", "%q in\n%s", msg, logs.String())
+	return nil
+}
+
 func TestAccessLogNeverLeaksSecrets(t *testing.T) {
 	t.Parallel()
 	logs := &syncbuf.Buffer{}
@@ -374,7 +388,8 @@ func TestAClientThatLeavesWhileItsBatchIsStored(t *testing.T) {
 			if fault == nil {
 				require.NotContains(t, logs.String(), `"level":"ERROR"`)
 			} else {
-				require.Contains(t, logs.String(), `"msg":"request failed as its client left"`)
+				failed := loggedLine(t, logs, "request failed as its client left")
+				require.Equal(t, line.RequestID, failed["request_id"], "the error line finds the request's")
 				require.Contains(t, logs.String(), "disk on fire")
 			}
 			var batches int
@@ -433,10 +448,18 @@ func TestStreamErrorsAreLoggedAndCounted(t *testing.T) {
 		require.Equal(t, http.StatusOK, line.Status)
 		require.Equal(t, "INTERNAL", line.ErrorCode)
 		require.False(t, line.ClientLeft)
-		require.Contains(t, b.logs.String(), `"msg":"stream failed"`)
-		require.Contains(t, b.logs.String(), `"error":"`)
-		require.Contains(t, b.logs.String(), "disk on fire")
+		failed := loggedLine(t, b.logs, "stream failed")
+		require.Equal(t, id, failed["request_id"], "the error line finds the request's")
+		require.Contains(t, failed["error"], "disk on fire")
 		require.Contains(t, metricstest.Scrape(b.m), `gateway_stream_errors_total{code="INTERNAL"} 1`)
+
+		// A JSON request's error line names its request too.
+		r = b.post("/api/v1/responses", b.key, map[string]any{"prompt": "p"})
+		require.Equal(t, http.StatusInternalServerError, r.status)
+		require.Equal(t, "INTERNAL", logged(t, b, r.header.Get("x-request-id")).ErrorCode)
+		failed = loggedLine(t, b.logs, "request failed")
+		require.Equal(t, r.header.Get("x-request-id"), failed["request_id"])
+		require.Contains(t, failed["error"], "disk on fire")
 	})
 	t.Run("the upstream's failure and refusals", func(t *testing.T) {
 		t.Parallel()
