@@ -154,11 +154,15 @@ func (panicking) Complete(context.Context, *upstream.Request) (upstream.Result, 
 
 func TestPanicBecomesInternalError(t *testing.T) {
 	t.Parallel()
-	b := setupWith(t, options{provider: panicking{}, logs: &syncbuf.Buffer{}})
+	logs := &syncbuf.Buffer{}
+	b := setupWith(t, options{provider: panicking{}, logs: logs})
 	r := b.post("/api/v1/responses", b.key, map[string]any{"prompt": "p"})
 	require.Equal(t, http.StatusInternalServerError, r.status)
 	require.Equal(t, gateway.EInternal, r.errorCode(t))
 	require.NotContains(t, string(r.body), "upstream client bug")
+	panicked := loggedLine(t, logs, "panic serving request")
+	require.Equal(t, r.header.Get("x-request-id"), panicked["request_id"])
+	require.Contains(t, panicked["error"], "upstream client bug", "the operator is told")
 	require.Equal(t, http.StatusOK, b.do(http.MethodGet, "/healthz", "", "", nil).status, "the server lives on")
 }
 

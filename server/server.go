@@ -347,6 +347,10 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) logPanic(c echo.Context, err error, stack []byte) error {
-	s.logger.Error("panic serving request", "method", c.Request().Method, "path", c.Path(), "error", err, "stack", string(stack))
+	attrs := []any{"method", c.Request().Method, "path", c.Path(), "error", err, "stack", string(stack)}
+	if x := exchangeFrom(c.Request().Context()); x != nil {
+		attrs = append(attrs, "request_id", x.id)
+	}
+	s.logger.Error("panic serving request", attrs...)
 	return err
 }
