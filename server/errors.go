@@ -61,31 +61,24 @@ const statusClientClosed = 499
 // error is answered: a body cut at the body timeout also ends the context,
 // and its client is still there to read the 408.
 func (s *Server) handleError(err error, c echo.Context) {
-	// What a line of this log says of the request, beside its error: its
-	// request_id finds its access log line.
-	attrs := []any{"method", c.Request().Method, "path", c.Path(), "error", err}
-	x := exchangeFrom(c.Request().Context())
-	if x != nil {
-		attrs = append(attrs, "request_id", x.id)
-	}
 	if c.Response().Committed {
-		s.logger.Warn("error after the reply started", attrs...)
+		s.logger.Warn("error after the reply started", requestAttrs(c, err)...)
 		return
 	}
 	if failedAsClientLeft(c.Request().Context(), err) {
 		if !errors.Is(err, context.Canceled) {
-			s.logger.Error("request failed as its client left", attrs...)
+			s.logger.Error("request failed as its client left", requestAttrs(c, err)...)
 		}
 		c.Response().Status = statusClientClosed
 		panic(http.ErrAbortHandler)
 	}
 	e := s.domainError(err)
-	if x != nil {
+	if x := exchangeFrom(c.Request().Context()); x != nil {
 		x.errorCode = e.Code
 	}
 	status := statusFor(e.Code)
 	if serverFault(e.Code) {
-		s.logger.Error("request failed", attrs...)
+		s.logger.Error("request failed", requestAttrs(c, err)...)
 	}
 	h := c.Response().Header()
 	if e.Code == gateway.EUnauthorized {
@@ -100,6 +93,16 @@ func (s *Server) handleError(err error, c echo.Context) {
 	if err := c.JSON(status, envelopeOf(e)); err != nil {
 		s.logger.Warn("error writing error reply", "error", err)
 	}
+}
+
+// requestAttrs is what a log line about c's request says of it, beside err
+// and extra: its request_id finds the request's access log line.
+func requestAttrs(c echo.Context, err error, extra ...any) []any {
+	attrs := append([]any{"method", c.Request().Method, "path", c.Path(), "error", err}, extra...)
+	if x := exchangeFrom(c.Request().Context()); x != nil {
+		attrs = append(attrs, "request_id", x.id)
+	}
+	return attrs
 }
 
 // failedAsClientLeft says whether err, the failure of a request whose

@@ -347,10 +347,6 @@ func (s *Server) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 }
 
 func (s *Server) logPanic(c echo.Context, err error, stack []byte) error {
-	attrs := []any{"method", c.Request().Method, "path", c.Path(), "error", err, "stack", string(stack)}
-	if x := exchangeFrom(c.Request().Context()); x != nil {
-		attrs = append(attrs, "request_id", x.id)
-	}
-	s.logger.Error("panic serving request", attrs...)
+	s.logger.Error("panic serving request", requestAttrs(c, err, "stack", string(stack))...)
 	return err
 }

@@ -121,12 +121,15 @@ func (r streamReply) run(ctx context.Context, sse *sseWriter) {
 func (r streamReply) fail(sse *sseWriter, err error) error {
 	e := r.s.domainError(err)
 	r.s.metrics.StreamError(string(e.Code))
-	attrs := []any{"error", err}
-	if x := exchangeFrom(r.ctx); x != nil {
+	x := exchangeFrom(r.ctx)
+	if x != nil {
 		x.errorCode = e.Code
-		attrs = append(attrs, "request_id", x.id, "route", x.route)
 	}
 	if serverFault(e.Code) {
+		attrs := []any{"error", err}
+		if x != nil {
+			attrs = append(attrs, "request_id", x.id, "route", x.route)
+		}
 		r.s.logger.Error("stream failed", attrs...)
 	}
 	return sse.Event(eventError, envelopeOf(e))
