@@ -26,36 +26,37 @@ import (
 
 // Config is the gateway's configuration.
 type Config struct {
-	DatabaseURL       string        `env:"DATABASE_URL"`
-	Listen            string        `env:"GATEWAY_LISTEN" envDefault:":8080"`
-	H2C               bool          `env:"GATEWAY_H2C"`
-	File              string        `env:"GATEWAY_CONFIG"`
-	Upstream          string        `env:"GATEWAY_UPSTREAM"`
-	UpstreamKey       string        `env:"GATEWAY_UPSTREAM_KEY"`
-	UpstreamTimeout   time.Duration `env:"GATEWAY_UPSTREAM_TIMEOUT" envDefault:"120s"`
-	UpstreamH2C       bool          `env:"GATEWAY_UPSTREAM_H2C"`
-	ModelMap          string        `env:"GATEWAY_MODEL_MAP"`
-	Multipliers       string        `env:"GATEWAY_MULTIPLIERS" envDefault:"instant=1,reasoning=4,elements=2"`
-	BatchDiscount     string        `env:"GATEWAY_BATCH_DISCOUNT" envDefault:"0.5"`
-	EvidenceRetention time.Duration `env:"GATEWAY_EVIDENCE_RETENTION" envDefault:"168h"`
-	SSEKeepalive      time.Duration `env:"GATEWAY_SSE_KEEPALIVE" envDefault:"15s"`
-	RateLimit         int           `env:"GATEWAY_RATE_LIMIT"`
-	BatchWindow       time.Duration `env:"GATEWAY_BATCH_WINDOW" envDefault:"24h"`
-	BatchRetention    time.Duration `env:"GATEWAY_BATCH_RETENTION" envDefault:"720h"`
-	Lease             time.Duration `env:"GATEWAY_LEASE" envDefault:"30s"`
-	DrainConcurrency  int           `env:"GATEWAY_DRAIN_CONCURRENCY" envDefault:"32"`
-	SimTokenLatency   time.Duration `env:"GATEWAY_SIM_TOKEN_LATENCY" envDefault:"2ms"`
-	DBMaxConns        int32         `env:"GATEWAY_DB_MAX_CONNS" envDefault:"8"`
-	MetricsListen     string        `env:"GATEWAY_METRICS_LISTEN" envDefault:":9810"`
-	Pprof             bool          `env:"GATEWAY_PPROF"`
-	ShutdownGrace     time.Duration `env:"GATEWAY_SHUTDOWN_GRACE" envDefault:"30s"`
-	BodyTimeout       time.Duration `env:"GATEWAY_BODY_TIMEOUT" envDefault:"30s"`
-	TurnPlaces        int           `env:"GATEWAY_TURN_PLACES"`
-	TurnWait          time.Duration `env:"GATEWAY_TURN_WAIT" envDefault:"10s"`
-	DrainDelay        time.Duration `env:"GATEWAY_DRAIN_DELAY" envDefault:"5s"`
-	CORSOrigins       []string      `env:"GATEWAY_CORS_ORIGINS" envSeparator:","`
-	TrustedProxies    []string      `env:"GATEWAY_TRUSTED_PROXIES" envSeparator:","`
-	TraceContent      bool          `env:"GATEWAY_TRACE_CONTENT"`
+	DatabaseURL         string        `env:"DATABASE_URL"`
+	Listen              string        `env:"GATEWAY_LISTEN" envDefault:":8080"`
+	H2C                 bool          `env:"GATEWAY_H2C"`
+	File                string        `env:"GATEWAY_CONFIG"`
+	Upstream            string        `env:"GATEWAY_UPSTREAM"`
+	UpstreamKey         string        `env:"GATEWAY_UPSTREAM_KEY"`
+	UpstreamTimeout     time.Duration `env:"GATEWAY_UPSTREAM_TIMEOUT" envDefault:"120s"`
+	UpstreamStreamLimit time.Duration `env:"GATEWAY_UPSTREAM_STREAM_LIMIT" envDefault:"30m"`
+	UpstreamH2C         bool          `env:"GATEWAY_UPSTREAM_H2C"`
+	ModelMap            string        `env:"GATEWAY_MODEL_MAP"`
+	Multipliers         string        `env:"GATEWAY_MULTIPLIERS" envDefault:"instant=1,reasoning=4,elements=2"`
+	BatchDiscount       string        `env:"GATEWAY_BATCH_DISCOUNT" envDefault:"0.5"`
+	EvidenceRetention   time.Duration `env:"GATEWAY_EVIDENCE_RETENTION" envDefault:"168h"`
+	SSEKeepalive        time.Duration `env:"GATEWAY_SSE_KEEPALIVE" envDefault:"15s"`
+	RateLimit           int           `env:"GATEWAY_RATE_LIMIT"`
+	BatchWindow         time.Duration `env:"GATEWAY_BATCH_WINDOW" envDefault:"24h"`
+	BatchRetention      time.Duration `env:"GATEWAY_BATCH_RETENTION" envDefault:"720h"`
+	Lease               time.Duration `env:"GATEWAY_LEASE" envDefault:"30s"`
+	DrainConcurrency    int           `env:"GATEWAY_DRAIN_CONCURRENCY" envDefault:"32"`
+	SimTokenLatency     time.Duration `env:"GATEWAY_SIM_TOKEN_LATENCY" envDefault:"2ms"`
+	DBMaxConns          int32         `env:"GATEWAY_DB_MAX_CONNS" envDefault:"8"`
+	MetricsListen       string        `env:"GATEWAY_METRICS_LISTEN" envDefault:":9810"`
+	Pprof               bool          `env:"GATEWAY_PPROF"`
+	ShutdownGrace       time.Duration `env:"GATEWAY_SHUTDOWN_GRACE" envDefault:"30s"`
+	BodyTimeout         time.Duration `env:"GATEWAY_BODY_TIMEOUT" envDefault:"30s"`
+	TurnPlaces          int           `env:"GATEWAY_TURN_PLACES"`
+	TurnWait            time.Duration `env:"GATEWAY_TURN_WAIT" envDefault:"10s"`
+	DrainDelay          time.Duration `env:"GATEWAY_DRAIN_DELAY" envDefault:"5s"`
+	CORSOrigins         []string      `env:"GATEWAY_CORS_ORIGINS" envSeparator:","`
+	TrustedProxies      []string      `env:"GATEWAY_TRUSTED_PROXIES" envSeparator:","`
+	TraceContent        bool          `env:"GATEWAY_TRACE_CONTENT"`
 
 	// proxies are TrustedProxies read (see Proxies).
 	proxies []netip.Prefix
@@ -118,6 +119,9 @@ func load(defaults map[string]string) (Config, error) {
 	}
 	if cfg.TurnWait <= 0 {
 		return Config{}, fmt.Errorf("GATEWAY_TURN_WAIT must be positive")
+	}
+	if cfg.UpstreamTimeout <= 0 || cfg.UpstreamStreamLimit <= 0 {
+		return Config{}, fmt.Errorf("GATEWAY_UPSTREAM_TIMEOUT and GATEWAY_UPSTREAM_STREAM_LIMIT must be positive")
 	}
 	if cfg.RateLimit < 0 {
 		return Config{}, fmt.Errorf("GATEWAY_RATE_LIMIT must not be negative")
@@ -287,7 +291,7 @@ func (c Config) routes() (*File, error) {
 		if !httpURL(c.Upstream) {
 			return nil, fmt.Errorf("GATEWAY_UPSTREAM must be sim or an http(s) base URL, got %q", c.Upstream)
 		}
-		name, spec = "upstream", ProviderSpec{Type: "openai", BaseURL: c.Upstream, Timeout: c.UpstreamTimeout, H2C: c.UpstreamH2C}
+		name, spec = "upstream", ProviderSpec{Type: "openai", BaseURL: c.Upstream, Timeout: c.UpstreamTimeout, StreamLimit: c.UpstreamStreamLimit, H2C: c.UpstreamH2C}
 		if c.UpstreamKey != "" {
 			spec.APIKeyEnv = "GATEWAY_UPSTREAM_KEY"
 		}
@@ -318,7 +322,7 @@ func (f *File) RouterConfig(keys map[string]string, tok *metering.Tokenizer, sim
 			continue
 		}
 		clients[name] = openai.New(openai.Config{
-			BaseURL: pr.BaseURL, APIKey: keys[name], Timeout: pr.Timeout, IdleTimeout: pr.IdleTimeout, H2C: pr.H2C, Headers: pr.Headers,
+			BaseURL: pr.BaseURL, APIKey: keys[name], Timeout: pr.Timeout, StreamLimit: pr.StreamLimit, IdleTimeout: pr.IdleTimeout, H2C: pr.H2C, Headers: pr.Headers,
 		})
 	}
 	routes := map[gateway.Model]routing.Route{}

@@ -44,6 +44,9 @@ type ProviderSpec struct {
 	// configuration file's folder.
 	APIKeyFile string
 	Timeout    time.Duration
+	// StreamLimit bounds a stream's call, however long the upstream keeps it
+	// going; zero takes openai.Config's default.
+	StreamLimit time.Duration
 	// IdleTimeout is how long an idle connection is kept for the next call;
 	// zero takes openai.Config's default.
 	IdleTimeout time.Duration
@@ -242,7 +245,7 @@ func (p *fileParser) provider(name string, k, v *yaml.Node) {
 	}
 	spec := ProviderSpec{Type: "openai", line: k.Line}
 	what := fmt.Sprintf("provider %q", name)
-	p.mapping(v, what, []string{"type", "base_url", "api_key_env", "api_key_file", "timeout", "idle_timeout", "h2c", "headers"}, func(key string, _, v *yaml.Node) {
+	p.mapping(v, what, []string{"type", "base_url", "api_key_env", "api_key_file", "timeout", "stream_limit", "idle_timeout", "h2c", "headers"}, func(key string, _, v *yaml.Node) {
 		switch key {
 		case "type":
 			spec.Type = p.str(v, what+" type")
@@ -263,6 +266,8 @@ func (p *fileParser) provider(name string, k, v *yaml.Node) {
 			spec.APIKeyFile = p.str(v, what+" api_key_file")
 		case "timeout":
 			spec.Timeout = p.duration(v, what+" timeout")
+		case "stream_limit":
+			spec.StreamLimit = p.duration(v, what+" stream_limit")
 		case "idle_timeout":
 			spec.IdleTimeout = p.duration(v, what+" idle_timeout")
 		case "h2c":

@@ -29,6 +29,7 @@ providers:
     api_key_file: /run/secrets/vllm_key
     timeout: 120s
     idle_timeout: 4s
+    stream_limit: 1h
     h2c: true
 models:
   instant:
@@ -61,6 +62,7 @@ func TestParseWorkedExample(t *testing.T) {
 	}, withoutLine(f.Providers["openai"]))
 	require.True(t, f.Providers["vllm"].H2C)
 	require.Equal(t, 4*time.Second, f.Providers["vllm"].IdleTimeout)
+	require.Equal(t, time.Hour, f.Providers["vllm"].StreamLimit)
 	require.Equal(t, routing.Ordered, f.Models[gateway.ModelInstant].Strategy)
 	require.Equal(t, "meta-llama/Llama-3.1-8B-Instruct", f.Models[gateway.ModelInstant].Targets[1].UpstreamModel, "model names keep their slashes")
 	require.Equal(t, 3, f.Models[gateway.ModelReasoning].Targets[0].Weight)
@@ -196,6 +198,7 @@ circuit:
 		"providers:\n  p: {type: sim}\nmodels:\n  instant: {targets: [p/m]}\nfallback: {max_attempts: 0}\n": "g.yaml:5: fallback.max_attempts must be a whole number of at least 1",
 		"providers:\n  p: {type: openai}\nmodels:\n  instant: {targets: [p/m]}\n":                           `g.yaml:2: provider "p" needs a base_url`,
 		"providers:\n  p: {type: sim, idle_timeout: -1s}\nmodels:\n  instant: {targets: [p/m]}\n":           `g.yaml:2: provider "p" idle_timeout must be a positive duration`,
+		"providers:\n  p: {type: sim, stream_limit: 0s}\nmodels:\n  instant: {targets: [p/m]}\n":            `g.yaml:2: provider "p" stream_limit must be a positive duration`,
 		"providers:\n  p: {type: sim}\n  p: {type: sim}\nmodels:\n  instant: {targets: [p/m]}\n":            `g.yaml:3: key "p" appears twice in providers`,
 		"providers:\n  p: {type: sim, headers: {\"X Team\": a}}\nmodels:\n  instant: {targets: [p/m]}\n":    `g.yaml:2: provider "p": "X Team" is not a valid header name`,
 	} {
@@ -283,4 +286,26 @@ func TestTurnSettings(t *testing.T) {
 	t.Setenv("GATEWAY_TURN_WAIT", "0s")
 	_, err = config.Load()
 	require.ErrorContains(t, err, "GATEWAY_TURN_WAIT must be positive")
+}
+
+// TestUpstreamLimits: the shorthand's call and stream limits are read, and
+// must be positive.
+func TestUpstreamLimits(t *testing.T) {
+	t.Setenv("GATEWAY_UPSTREAM_TIMEOUT", "")
+	t.Setenv("GATEWAY_UPSTREAM_STREAM_LIMIT", "")
+	cfg, err := config.Load()
+	require.NoError(t, err)
+	require.Equal(t, 2*time.Minute, cfg.UpstreamTimeout)
+	require.Equal(t, 30*time.Minute, cfg.UpstreamStreamLimit)
+
+	t.Setenv("GATEWAY_UPSTREAM_STREAM_LIMIT", "1h")
+	cfg, err = config.Load()
+	require.NoError(t, err)
+	require.Equal(t, time.Hour, cfg.UpstreamStreamLimit)
+	for _, name := range []string{"GATEWAY_UPSTREAM_TIMEOUT", "GATEWAY_UPSTREAM_STREAM_LIMIT"} {
+		t.Setenv(name, "0s")
+		_, err = config.Load()
+		require.ErrorContains(t, err, "GATEWAY_UPSTREAM_TIMEOUT and GATEWAY_UPSTREAM_STREAM_LIMIT must be positive", name)
+		t.Setenv(name, "1m")
+	}
 }

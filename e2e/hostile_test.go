@@ -223,3 +223,32 @@ func TestUpstreamRepliesAreBounded(t *testing.T) {
 		return true
 	}, 10*time.Second, 100*time.Millisecond)
 }
+
+// TestAStreamKeptOpenWithoutOutputEnds: an upstream that sends a stream's
+// first words and then only keep-alive lines, never its end, cannot hold the
+// stream (its reservation, its connections) past GATEWAY_UPSTREAM_STREAM_LIMIT:
+// the stream breaks off there as any mid-stream failure, billed for the
+// words sent, and the ledger settles.
+func TestAStreamKeptOpenWithoutOutputEnds(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetHostile("STALL", fakeupstream.Hostile{Content: "first words", KeepAlive: 20 * time.Millisecond})
+	g := serve(t, b.db, b.fake.BaseURL(), map[string]string{"GATEWAY_UPSTREAM_STREAM_LIMIT": "1s"})
+
+	_, s := g.stream(b.key, map[string]any{"prompt": "STALL stream"})
+	require.Equal(t, []string{"response.output_text.delta", "response.error", "response.completed"}, names(s))
+	var c api.StreamChunk
+	s.Events[0].Decode(t, &c)
+	require.Equal(t, "first words", c.Content)
+	var env api.ErrorEnvelope
+	s.Events[1].Decode(t, &env)
+	require.Equal(t, api.ErrorCode("INFERENCE_BUSY"), env.Error.Code)
+	var done api.StreamChunk
+	s.Events[2].Decode(t, &done)
+	require.True(t, done.Done)
+	require.Positive(t, done.Usage.OutputRungs, "the words sent are billed")
+
+	var mine received
+	mine.add(*done.Usage)
+	settledExactly(t, g, b.key, mine)
+}

@@ -93,6 +93,10 @@ type Hostile struct {
 	// Status, when set, answers the call with this error status instead
 	// (a prompt the upstream chokes on).
 	Status int
+	// KeepAlive, when set, makes a stream send its pieces and then nothing
+	// but keep-alive comment lines, one every KeepAlive, until its caller
+	// leaves.
+	KeepAlive time.Duration
 }
 
 // pieces is the text h sends, a piece a stream delta.
@@ -435,6 +439,15 @@ func stream(w http.ResponseWriter, r *http.Request, prompt string, chunkDelay ti
 			}
 		}
 		send(delta(map[string]any{"content": piece}))
+	}
+	for hostile != nil && hostile.KeepAlive > 0 {
+		select {
+		case <-time.After(hostile.KeepAlive):
+			fmt.Fprint(w, ": keep-alive\n\n")
+			flusher.Flush()
+		case <-r.Context().Done():
+			return
+		}
 	}
 	if !uncited {
 		for _, c := range citations(hostile, "", title) {

@@ -38,8 +38,12 @@ type Config struct {
 	// APIKey is sent as a bearer token when set.
 	APIKey string
 	// Timeout bounds one non-streaming call, from dispatch to the whole reply,
-	// and a stream's silence.
+	// and a stream's silence (default 120 s).
 	Timeout time.Duration
+	// StreamLimit bounds a stream's call from dispatch to its end, however
+	// the upstream keeps it going: comment lines and empty deltas end its
+	// silence, not this (default 30 min).
+	StreamLimit time.Duration
 	// H2C speaks HTTP/2 without TLS (prior knowledge) to an http:// upstream
 	// that supports it, so concurrent calls share connections. HTTPS upstreams
 	// negotiate HTTP/2 on their own.
@@ -53,6 +57,10 @@ type Config struct {
 	// GOAWAY, which says which calls they did not process).
 	IdleTimeout time.Duration
 }
+
+// defaultStreamLimit is Config.StreamLimit's default: longer than any
+// generation of a model's whole output limit at a slow model's pace.
+const defaultStreamLimit = 30 * time.Minute
 
 // Client calls POST {BaseURL}/chat/completions.
 type Client struct {
@@ -79,6 +87,9 @@ const maxReceiveBufferPerCall = 256 << 10
 func New(cfg Config) *Client {
 	if cfg.Timeout <= 0 {
 		cfg.Timeout = 120 * time.Second
+	}
+	if cfg.StreamLimit <= 0 {
+		cfg.StreamLimit = defaultStreamLimit
 	}
 	cfg.BaseURL = strings.TrimRight(cfg.BaseURL, "/")
 	if plainHTTP1(cfg) {

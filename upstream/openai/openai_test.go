@@ -531,6 +531,45 @@ func TestStreamSilenceIsBroken(t *testing.T) {
 	})
 }
 
+// TestStreamsEndAtTheirLimit: comment lines and empty deltas end a stream's
+// silence, not its limit (StreamLimit), nor does a slow head, over either
+// transport; what came before is kept.
+func TestStreamsEndAtTheirLimit(t *testing.T) {
+	t.Parallel()
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		for name, keepAlive := range map[string]string{
+			"comments":     ": keep-alive\n\n",
+			"empty deltas": `data: {"choices":[{"delta":{"content":""}}]}` + "\n\n",
+		} {
+			t.Run(name, func(t *testing.T) {
+				t.Parallel()
+				url := b.serve(t, func(w http.ResponseWriter, r *http.Request) {
+					w.Header().Set("Content-Type", "text/event-stream")
+					_, _ = io.WriteString(w, `data: {"choices":[{"delta":{"content":"before "}}]}`+"\n\n")
+					for r.Context().Err() == nil { // until the gateway leaves
+						_, _ = io.WriteString(w, keepAlive)
+						w.(http.Flusher).Flush()
+						time.Sleep(10 * time.Millisecond)
+					}
+				})
+				client := b.newClient(openai.Config{BaseURL: url, Timeout: 2 * time.Second, StreamLimit: 300 * time.Millisecond})
+				res, err := client.Stream(context.Background(), &req, func(upstream.Delta) error { return nil })
+				require.ErrorIs(t, err, upstream.ErrStreamBroken)
+				require.ErrorContains(t, err, "the stream took longer than its limit of 300ms")
+				require.Equal(t, "before ", res.Content)
+			})
+		}
+		t.Run("a slow head", func(t *testing.T) {
+			t.Parallel()
+			b.fake.SetDelay(5 * time.Second)
+			client := b.newClient(openai.Config{Timeout: 10 * time.Second, StreamLimit: 100 * time.Millisecond})
+			_, err := client.Stream(context.Background(), &req, func(upstream.Delta) error { return nil })
+			require.ErrorIs(t, err, upstream.ErrFailed, "dispatched: never sent again")
+			require.ErrorContains(t, err, "the stream took longer than its limit of 100ms")
+		})
+	})
+}
+
 func TestStreamCallerCancels(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {
@@ -681,13 +720,20 @@ func (b *testBundle) replyClient(t *testing.T, reply func(w http.ResponseWriter)
 // upstream that handle serves.
 func (b *testBundle) handlerClient(t *testing.T, handle http.HandlerFunc) *openai.Client {
 	t.Helper()
+	return b.newClient(openai.Config{BaseURL: b.serve(t, handle), Timeout: 10 * time.Second})
+}
+
+// serve starts an upstream that handle serves, over the bundle's protocol,
+// and returns its base URL.
+func (b *testBundle) serve(t *testing.T, handle http.HandlerFunc) string {
+	t.Helper()
 	server := httptest.NewUnstartedServer(handle)
 	server.Config.Protocols = new(http.Protocols)
 	server.Config.Protocols.SetHTTP1(!b.h2c)
 	server.Config.Protocols.SetUnencryptedHTTP2(b.h2c)
 	server.Start()
 	t.Cleanup(server.Close)
-	return b.newClient(openai.Config{BaseURL: server.URL + "/v1", Timeout: 10 * time.Second})
+	return server.URL + "/v1"
 }
 
 // TestStreamLinesAreBoundedByTheirRequest: a stream line longer than a whole

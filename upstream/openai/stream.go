@@ -36,9 +36,10 @@ var doneMarker = []byte("[DONE]")
 // Stream implements upstream.Provider. It asks for usage in the stream
 // (stream_options.include_usage), reads data: lines as they arrive, skips
 // role-only and empty deltas, and treats a stream that ends without [DONE], an
-// in-stream error, or Timeout of silence as broken (ErrStreamBroken, with what
-// was received). A stream that ends with [DONE] but without usage succeeds with
-// UsageReported false, for the caller to count.
+// in-stream error, Timeout of silence, or a call longer than StreamLimit as
+// broken (ErrStreamBroken, with what was received). A stream that ends with
+// [DONE] but without usage succeeds with UsageReported false, for the caller
+// to count.
 //
 // The reply is waited for in post, under this function's frame only: what
 // follows it (reading, classifying) is in receive, so that the goroutine
@@ -47,8 +48,7 @@ var doneMarker = []byte("[DONE]")
 func (c *Client) Stream(ctx context.Context, req *upstream.Request, emit func(upstream.Delta) error) (upstream.Result, error) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	w := &watchdog{}
-	w.timer = time.AfterFunc(c.cfg.Timeout, func() { w.idle.Store(true); cancel() })
+	w := c.watch(cancel)
 	defer w.timer.Stop()
 	resp, dispatched, err := c.post(ctx, req, true)
 	if err != nil {
@@ -57,20 +57,57 @@ func (c *Client) Stream(ctx context.Context, req *upstream.Request, emit func(up
 	return c.receive(ctx, w, resp, replyBytes(req), emit)
 }
 
-// watchdog cancels a stream's call after Timeout of silence.
+// watchdog cancels a stream's call after Timeout of silence, or at its
+// deadline, StreamLimit after it began, however the upstream keeps talking
+// (comment lines and empty deltas reset the silence, not the deadline). One
+// timer serves both: it is set to whichever comes first.
 type watchdog struct {
-	timer *time.Timer
-	idle  atomic.Bool // it fired
+	timer    *time.Timer
+	silence  time.Duration
+	limit    time.Duration
+	deadline time.Time
+	fired    atomic.Int32 // why it fired: 0 (it did not), firedSilence or firedLimit
+}
+
+const (
+	firedSilence = 1 + iota
+	firedLimit
+)
+
+// watch starts a stream's watchdog, which calls cancel when it fires.
+func (c *Client) watch(cancel context.CancelFunc) *watchdog {
+	w := &watchdog{silence: c.cfg.Timeout, limit: c.cfg.StreamLimit}
+	w.deadline = time.Now().Add(w.limit)
+	w.timer = time.AfterFunc(min(w.silence, w.limit), func() {
+		why := int32(firedSilence)
+		if !time.Now().Before(w.deadline) {
+			why = firedLimit
+		}
+		w.fired.Store(why)
+		cancel()
+	})
+	return w
+}
+
+// heard rearms the watchdog: the upstream said something.
+func (w *watchdog) heard() { w.timer.Reset(min(w.silence, time.Until(w.deadline))) }
+
+// reason says why the watchdog fired, after what: "no reply" or "no data".
+func (w *watchdog) reason(what string) string {
+	if w.fired.Load() == firedLimit {
+		return fmt.Sprintf("the stream took longer than its limit of %s", w.limit)
+	}
+	return fmt.Sprintf("%s for %s", what, w.silence)
 }
 
 // postError is the error of a stream whose request failed.
 func (c *Client) postError(w *watchdog, dispatched bool, err error) error {
-	if w.idle.Load() {
+	if w.fired.Load() != 0 {
 		class := upstream.ErrFailed
 		if !dispatched {
 			class = upstream.ErrUnavailable
 		}
-		return fmt.Errorf("%w: no reply within %s", class, c.cfg.Timeout)
+		return fmt.Errorf("%w: %s", class, w.reason("no reply"))
 	}
 	return err
 }
@@ -84,17 +121,17 @@ func (c *Client) receive(ctx context.Context, w *watchdog, resp *http.Response, 
 	if answeredWhole(resp) {
 		res, err = readWhole(resp, limit, emit)
 	} else {
-		res, err = readStream(resp.Body, min(maxLineBytes, limit), func() { w.timer.Reset(c.cfg.Timeout) }, emit)
+		res, err = readStream(resp.Body, min(maxLineBytes, limit), w.heard, emit)
 	}
 	switch {
 	case err == nil, errors.Is(err, errEmit):
 		return res, errors.Unwrap(err)
 	case errors.Is(err, upstream.ErrTooLong):
 		return res, fmt.Errorf("%w: %w", upstream.ErrStreamBroken, err)
-	case ctx.Err() != nil && !w.idle.Load():
+	case ctx.Err() != nil && w.fired.Load() == 0:
 		return res, ctx.Err() // the caller went away
-	case w.idle.Load():
-		return res, fmt.Errorf("%w: no data for %s", upstream.ErrStreamBroken, c.cfg.Timeout)
+	case w.fired.Load() != 0:
+		return res, fmt.Errorf("%w: %s", upstream.ErrStreamBroken, w.reason("no data"))
 	default:
 		return res, fmt.Errorf("%w: %v", upstream.ErrStreamBroken, err)
 	}
