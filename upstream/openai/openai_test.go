@@ -570,6 +570,28 @@ func TestStreamsEndAtTheirLimit(t *testing.T) {
 	})
 }
 
+// TestAClientsTimeIsNotTheUpstreamsSilence: the time emit takes (a client
+// slow to take a delta) does not count as the upstream's silence, over either
+// transport.
+func TestAClientsTimeIsNotTheUpstreamsSilence(t *testing.T) {
+	t.Parallel()
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		b.fake.SetChunkDelay(20 * time.Millisecond)
+		client := b.newClient(openai.Config{Timeout: 500 * time.Millisecond})
+		var text strings.Builder
+		res, err := client.Stream(context.Background(), &req, func(d upstream.Delta) error {
+			if text.Len() == 0 {
+				time.Sleep(1500 * time.Millisecond) // the client takes its first delta late
+			}
+			text.WriteString(d.Content)
+			return nil
+		})
+		require.NoError(t, err)
+		require.Equal(t, strings.Join(fakeupstream.StreamPieces(req.Prompt), ""), text.String())
+		require.Equal(t, text.String(), res.Content)
+	})
+}
+
 func TestStreamCallerCancels(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {

@@ -92,6 +92,16 @@ func (c *Client) watch(cancel context.CancelFunc) *watchdog {
 // heard rearms the watchdog: the upstream said something.
 func (w *watchdog) heard() { w.timer.Reset(min(w.silence, time.Until(w.deadline))) }
 
+// pausedDuring returns emit with the watchdog paused while it runs: the time
+// a client takes to accept a delta is not its upstream's silence. (readStream
+// rearms it, heard, before it reads on; the deadline stays where it was.)
+func (w *watchdog) pausedDuring(emit func(upstream.Delta) error) func(upstream.Delta) error {
+	return func(d upstream.Delta) error {
+		w.timer.Stop()
+		return emit(d)
+	}
+}
+
 // reason says why the watchdog fired, after what: "no reply" or "no data".
 func (w *watchdog) reason(what string) string {
 	if w.fired.Load() == firedLimit {
@@ -121,7 +131,7 @@ func (c *Client) receive(ctx context.Context, w *watchdog, resp *http.Response, 
 	if answeredWhole(resp) {
 		res, err = readWhole(resp, limit, emit)
 	} else {
-		res, err = readStream(resp.Body, min(maxLineBytes, limit), w.heard, emit)
+		res, err = readStream(resp.Body, min(maxLineBytes, limit), w.heard, w.pausedDuring(emit))
 	}
 	switch {
 	case err == nil, errors.Is(err, errEmit):
