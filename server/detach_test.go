@@ -2,11 +2,14 @@ package server_test
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"net/http"
+	"os"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -14,6 +17,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
 
 	"github.com/rungworks/gateway/internal/apitest"
 	"github.com/rungworks/gateway/internal/syncbuf"
@@ -247,6 +252,80 @@ func TestHTTP2StreamEndsWithItsClient(t *testing.T) {
 	cancel()
 
 	b.requireBilledOnce(t)
+}
+
+// TestAnHTTP2StreamWhoseClientLeftIsDone: once a client has reset its HTTP/2
+// stream, before or after its first token and before or after the stream is
+// detached from its handler, the server holds nothing of it: no write
+// deadline is set on the closed stream, whose timer would keep it for the
+// stream's write timeout and then reset it again (RST_STREAM
+// INTERNAL_ERROR, for a stream the client already closed).
+func TestAnHTTP2StreamWhoseClientLeftIsDone(t *testing.T) {
+	t.Parallel()
+	for name, firstDelay := range map[string]time.Duration{"before its first token": time.Minute, "after it": 0} {
+		for _, wait := range []time.Duration{0, 30 * time.Millisecond} { // before DetachAfter, past it
+			t.Run(fmt.Sprintf("%s, reset after %s", name, wait), func(t *testing.T) {
+				t.Parallel()
+				b := setupWith(t, options{h2c: true, server: func(c *server.Config) { c.StreamWriteTimeout = 100 * time.Millisecond }})
+				b.upstream.configure(func(s *scripted) { s.hang, s.firstDelay = true, firstDelay })
+				conn, framer := b.dialHTTP2(t)
+				b.writeStreamHeaders(t, framer, 1, `{"prompt":"leave me","stream":true}`)
+				for {
+					f, err := framer.ReadFrame()
+					require.NoError(t, err)
+					if h, ok := f.(*http2.HeadersFrame); ok && h.StreamID == 1 {
+						break // the stream's head
+					}
+				}
+				time.Sleep(wait)
+				require.NoError(t, framer.WriteRSTStream(1, http2.ErrCodeCancel))
+				// Past the write timeout (set at the stream's end, it would fire
+				// 100 ms after it), nothing more comes for stream 1.
+				require.NoError(t, conn.SetReadDeadline(time.Now().Add(time.Second)))
+				for {
+					f, err := framer.ReadFrame()
+					if errors.Is(err, os.ErrDeadlineExceeded) {
+						break
+					}
+					require.NoError(t, err)
+					if rst, ok := f.(*http2.RSTStreamFrame); ok {
+						require.NotEqual(t, uint32(1), rst.StreamID, "stream 1 was reset again (%v)", rst.ErrCode)
+					}
+					if p, ok := f.(*http2.PingFrame); ok && !p.IsAck() {
+						require.NoError(t, framer.WritePing(true, p.Data))
+					}
+				}
+			})
+		}
+	}
+}
+
+// dialHTTP2 opens an HTTP/2 connection without TLS to the test server,
+// its preface and settings sent, and returns it with its framer.
+func (b *testBundle) dialHTTP2(t *testing.T) (net.Conn, *http2.Framer) {
+	t.Helper()
+	conn, _ := b.dialRaw(t)
+	_, err := io.WriteString(conn, http2.ClientPreface)
+	require.NoError(t, err)
+	framer := http2.NewFramer(conn, conn)
+	require.NoError(t, framer.WriteSettings())
+	return conn, framer
+}
+
+// writeStreamHeaders sends a streamed request (body, JSON) on stream id of
+// framer's connection.
+func (b *testBundle) writeStreamHeaders(t *testing.T, framer *http2.Framer, id uint32, body string) {
+	t.Helper()
+	var block bytes.Buffer
+	enc := hpack.NewEncoder(&block)
+	for _, f := range [][2]string{
+		{":method", "POST"}, {":scheme", "http"}, {":authority", "test"}, {":path", "/api/v1/responses"},
+		{"authorization", "Bearer " + b.key}, {"content-type", "application/json"}, {"content-length", strconv.Itoa(len(body))},
+	} {
+		require.NoError(t, enc.WriteField(hpack.HeaderField{Name: f[0], Value: f[1]}))
+	}
+	require.NoError(t, framer.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: block.Bytes(), EndHeaders: true}))
+	require.NoError(t, framer.WriteData(id, true, []byte(body)))
 }
 
 // openStream posts a streamed request (body, JSON) through the bundle's

@@ -34,10 +34,12 @@ type sseWriter struct {
 	writing      atomic.Pointer[watchedSink]
 	keepalive    time.Duration
 	writeTimeout time.Duration
-	timer        *time.Timer
-	err          error
-	closed       bool
-	buf          bytes.Buffer
+	// http2: the stream is an HTTP/2 one, net/http's to the end (see Close).
+	http2  bool
+	timer  *time.Timer
+	err    error
+	closed bool
+	buf    bytes.Buffer
 	// size counts the bytes written, keep-alives included.
 	size int64
 }
@@ -71,14 +73,14 @@ func (r responseSink) SetWriteDeadline(t time.Time) error { return r.rc.SetWrite
 // startSSE writes the head of a stream through w (status 200 and the headers
 // already set on w), flushes it, and starts the keep-alive timer, which also
 // gives up on a write the client has not taken after writeTimeout (zero: no
-// bound).
-func startSSE(w http.ResponseWriter, keepalive, writeTimeout time.Duration) *sseWriter {
+// bound). http2 says the request came over HTTP/2.
+func startSSE(w http.ResponseWriter, http2 bool, keepalive, writeTimeout time.Duration) *sseWriter {
 	h := w.Header()
 	h.Set("Content-Type", "text/event-stream")
 	h.Set("Cache-Control", "no-cache")
 	h.Set("X-Accel-Buffering", "no") // no buffering in nginx-like proxies
 	w.WriteHeader(http.StatusOK)
-	s := &sseWriter{keepalive: keepalive, writeTimeout: writeTimeout}
+	s := &sseWriter{keepalive: keepalive, writeTimeout: writeTimeout, http2: http2}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.setOutLocked(responseSink{w, http.NewResponseController(w)})
@@ -181,14 +183,18 @@ func (s *sseWriter) failed() bool {
 // response's end (a detached stream's last chunk, or net/http's), by a
 // write's timeout; after a write that failed, the deadline that failed it
 // stays. Nothing is written through s afterwards.
-func (s *sseWriter) Close() {
+//
+// An HTTP/2 stream whose client left (left) gets no deadline: net/http has
+// closed it and writes nothing more on it, and a deadline set now would
+// start a timer that keeps the stream for the timeout, then resets it again.
+func (s *sseWriter) Close(left bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.closed = true
 	if s.timer != nil {
 		s.timer.Stop()
 	}
-	if s.writeTimeout > 0 && s.err == nil {
+	if s.writeTimeout > 0 && s.err == nil && !(left && s.http2) {
 		_ = s.out.SetWriteDeadline(time.Now().Add(s.writeTimeout))
 	}
 }

@@ -40,11 +40,12 @@ func (r streamReply) serve(w http.ResponseWriter) error {
 		estimate = r.call.Estimate.InputRungs
 	}
 	w.Header().Set("x-service-input-rungs", strconv.FormatInt(estimate, 10))
-	if x := exchangeFrom(r.ctx); r.err == nil && x != nil && r.s.detachable(r.ctx, x.req) {
+	x := exchangeFrom(r.ctx)
+	if r.err == nil && x != nil && r.s.detachable(r.ctx, x.req) {
 		return r.s.serveDetachable(r, w, x)
 	}
 	defer r.done()
-	r.run(r.ctx, startSSE(w, r.s.keepalive, r.s.streamWriteTimeout))
+	r.run(r.ctx, startSSE(w, x != nil && x.req.ProtoMajor == 2, r.s.keepalive, r.s.streamWriteTimeout))
 	return nil
 }
 
@@ -66,11 +67,11 @@ func (s *Server) detachable(ctx context.Context, req *http.Request) bool {
 // run streams the call, whose context is ctx, as events on sse, and closes it.
 // A write that fails ends it: its client left (see exchange.clientLeft).
 func (r streamReply) run(ctx context.Context, sse *sseWriter) {
-	defer sse.Close()
-	r.s.metrics.StreamOpened()
-	defer r.s.metrics.StreamClosed()
 	// gone: the call ended as its client left.
 	var gone bool
+	defer func() { sse.Close(gone) }()
+	r.s.metrics.StreamOpened()
+	defer r.s.metrics.StreamClosed()
 	if x := exchangeFrom(r.ctx); x != nil {
 		// For the request's log line, written once run has returned.
 		defer func() { x.clientLeft = gone || sse.failed() }()
