@@ -255,11 +255,12 @@ func TestHTTP2StreamEndsWithItsClient(t *testing.T) {
 }
 
 // TestAnHTTP2StreamWhoseClientLeftIsDone: once a client has reset its HTTP/2
-// stream, before or after its first token and before or after the stream is
-// detached from its handler, the server holds nothing of it: no write
-// deadline is set on the closed stream, whose timer would keep it for the
-// stream's write timeout and then reset it again (RST_STREAM
-// INTERNAL_ERROR, for a stream the client already closed).
+// stream, the server holds nothing of it: no write deadline is set on the
+// closed stream, whose timer would keep it for the write timeout and then
+// reset it again (RST_STREAM INTERNAL_ERROR, for a stream the client
+// already closed). An event stream, left before or after its first token,
+// before or after it is detached from its handler; a JSON reply done as its
+// client left.
 func TestAnHTTP2StreamWhoseClientLeftIsDone(t *testing.T) {
 	t.Parallel()
 	for name, firstDelay := range map[string]time.Duration{"before its first token": time.Minute, "after it": 0} {
@@ -269,7 +270,7 @@ func TestAnHTTP2StreamWhoseClientLeftIsDone(t *testing.T) {
 				b := setupWith(t, options{h2c: true, server: func(c *server.Config) { c.StreamWriteTimeout = 100 * time.Millisecond }})
 				b.upstream.configure(func(s *scripted) { s.hang, s.firstDelay = true, firstDelay })
 				conn, framer := b.dialHTTP2(t)
-				b.writeStreamHeaders(t, framer, 1, `{"prompt":"leave me","stream":true}`)
+				b.writeResponseRequest(t, framer, 1, `{"prompt":"leave me","stream":true}`)
 				for {
 					f, err := framer.ReadFrame()
 					require.NoError(t, err)
@@ -281,21 +282,56 @@ func TestAnHTTP2StreamWhoseClientLeftIsDone(t *testing.T) {
 				require.NoError(t, framer.WriteRSTStream(1, http2.ErrCodeCancel))
 				// Past the write timeout (set at the stream's end, it would fire
 				// 100 ms after it), nothing more comes for stream 1.
-				require.NoError(t, conn.SetReadDeadline(time.Now().Add(time.Second)))
-				for {
-					f, err := framer.ReadFrame()
-					if errors.Is(err, os.ErrDeadlineExceeded) {
-						break
-					}
-					require.NoError(t, err)
-					if rst, ok := f.(*http2.RSTStreamFrame); ok {
-						require.NotEqual(t, uint32(1), rst.StreamID, "stream 1 was reset again (%v)", rst.ErrCode)
-					}
-					if p, ok := f.(*http2.PingFrame); ok && !p.IsAck() {
-						require.NoError(t, framer.WritePing(true, p.Data))
-					}
-				}
+				requireNotResetAgain(t, conn, framer, 1)
 			})
+		}
+	}
+	// A JSON reply that was done as its client left (its upstream answered
+	// as the call was cancelled) is not given a deadline either.
+	t.Run("a JSON reply", func(t *testing.T) {
+		t.Parallel()
+		left := make(chan struct{})
+		b := setupWith(t, options{h2c: true, provider: answersAsItsCallerLeaves{left}, server: func(c *server.Config) { c.ReplyWriteTimeout = 100 * time.Millisecond }})
+		conn, framer := b.dialHTTP2(t)
+		b.writeResponseRequest(t, framer, 1, `{"prompt":"leave me"}`)
+		<-left // the call is running
+		require.NoError(t, framer.WriteRSTStream(1, http2.ErrCodeCancel))
+		requireNotResetAgain(t, conn, framer, 1)
+		require.EqualValues(t, 1, b.usage(t, b.key).Totals.Requests, "the reply was done, and billed")
+	})
+}
+
+// answersAsItsCallerLeaves is an upstream whose answer comes as its caller
+// leaves: it says on left that the call is running, and answers once the
+// call's context ends.
+type answersAsItsCallerLeaves struct{ left chan struct{} }
+
+func (a answersAsItsCallerLeaves) Complete(ctx context.Context, req *upstream.Request) (upstream.Result, error) {
+	close(a.left)
+	<-ctx.Done()
+	return answer(req), nil
+}
+
+func (a answersAsItsCallerLeaves) Stream(ctx context.Context, req *upstream.Request, _ func(upstream.Delta) error) (upstream.Result, error) {
+	return a.Complete(ctx, req)
+}
+
+// requireNotResetAgain reads framer's connection for a second, answering
+// pings, and fails if the server resets stream id, which the client reset.
+func requireNotResetAgain(t *testing.T, conn net.Conn, framer *http2.Framer, id uint32) {
+	t.Helper()
+	require.NoError(t, conn.SetReadDeadline(time.Now().Add(time.Second)))
+	for {
+		f, err := framer.ReadFrame()
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			return
+		}
+		require.NoError(t, err)
+		if rst, ok := f.(*http2.RSTStreamFrame); ok {
+			require.NotEqual(t, id, rst.StreamID, "stream %d was reset again (%v)", id, rst.ErrCode)
+		}
+		if p, ok := f.(*http2.PingFrame); ok && !p.IsAck() {
+			require.NoError(t, framer.WritePing(true, p.Data))
 		}
 	}
 }
@@ -312,9 +348,9 @@ func (b *testBundle) dialHTTP2(t *testing.T) (net.Conn, *http2.Framer) {
 	return conn, framer
 }
 
-// writeStreamHeaders sends a streamed request (body, JSON) on stream id of
-// framer's connection.
-func (b *testBundle) writeStreamHeaders(t *testing.T, framer *http2.Framer, id uint32, body string) {
+// writeResponseRequest sends a request to the responses route (body, JSON) on
+// stream id of framer's connection.
+func (b *testBundle) writeResponseRequest(t *testing.T, framer *http2.Framer, id uint32, body string) {
 	t.Helper()
 	var block bytes.Buffer
 	enc := hpack.NewEncoder(&block)

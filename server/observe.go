@@ -98,9 +98,15 @@ type exchange struct {
 // otherwise hold the handler's goroutine for as long as it liked. Not a
 // stream's: each of its writes is bounded (sseWriter). The deadline stays for
 // the reply's last bytes, which net/http writes after the handler, and
-// net/http lifts it then.
+// net/http lifts it then. Nor a reply to an HTTP/2 request whose client
+// left (a reply that was done as it left): net/http has closed its stream
+// and writes nothing more on it, and a deadline set now would start a timer
+// that keeps the stream until it fires, then resets it again.
 func (x *exchange) replyDeadline() {
 	if x.w.Header().Get("Content-Type") == "text/event-stream" {
+		return
+	}
+	if x.req.ProtoMajor == 2 && x.req.Context().Err() != nil {
 		return
 	}
 	_ = http.NewResponseController(x.w).SetWriteDeadline(time.Now().Add(x.s.replyWriteTimeout))
