@@ -40,7 +40,7 @@ type Config struct {
 	// Timeout bounds one non-streaming call, from dispatch to the whole reply,
 	// and a stream's silence (default 120 s).
 	Timeout time.Duration
-	// StreamLimit bounds a stream's call from dispatch to its end, however
+	// StreamLimit bounds a stream's call from its start to its end, however
 	// the upstream keeps it going: comment lines and empty deltas end its
 	// silence, not this (default 30 min).
 	StreamLimit time.Duration
