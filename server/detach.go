@@ -52,7 +52,7 @@ const DefaultDetachAfter = 100 * time.Millisecond
 // serveDetachable serves the stream r through w, and detaches it if it runs
 // for DetachAfter.
 func (s *Server) serveDetachable(r streamReply, w http.ResponseWriter, x *exchange) error {
-	sse := startSSE(w, x.req.ProtoMajor == 2, s.keepalive, s.streamWriteTimeout)
+	sse := startSSE(w, http2Stream(x.req), s.keepalive, s.streamWriteTimeout)
 	// The stream's context keeps the call's values and ends with Abort, and
 	// with the request's (the client went away) until its connection is
 	// taken over; over HTTP/2 for good (net/http's request context tells

@@ -99,18 +99,30 @@ type exchange struct {
 // stream's: each of its writes is bounded (sseWriter). The deadline stays for
 // the reply's last bytes, which net/http writes after the handler, and
 // net/http lifts it then. Nor a reply to an HTTP/2 request whose client
-// left (a reply that was done as it left): net/http has closed its stream
-// and writes nothing more on it, and a deadline set now would start a timer
-// that keeps the stream until it fires, then resets it again.
+// left (a reply that was done as it left; see closedStream).
 func (x *exchange) replyDeadline() {
-	if x.w.Header().Get("Content-Type") == "text/event-stream" {
-		return
-	}
-	if x.req.ProtoMajor == 2 && x.req.Context().Err() != nil {
+	if x.w.Header().Get("Content-Type") == "text/event-stream" || closedStream(http2Stream(x.req)) {
 		return
 	}
 	_ = http.NewResponseController(x.w).SetWriteDeadline(time.Now().Add(x.s.replyWriteTimeout))
 }
+
+// http2Stream is the context of req's HTTP/2 stream, which net/http ends
+// when it closes the stream (its client reset it, or the connection went
+// away), or nil when req came over HTTP/1.x, whose context ends also when
+// its client only shut its side of the connection.
+func http2Stream(req *http.Request) context.Context {
+	if req.ProtoMajor != 2 {
+		return nil
+	}
+	return req.Context()
+}
+
+// closedStream says whether the HTTP/2 stream of context stream (nil: none)
+// is closed. net/http writes nothing more on a closed stream, and a write
+// deadline set on it would start a timer that keeps the stream until it
+// fires, then resets it again.
+func closedStream(stream context.Context) bool { return stream != nil && stream.Err() != nil }
 
 type exchangeKey struct{}
 

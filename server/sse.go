@@ -2,6 +2,7 @@ package server
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"net/http"
@@ -34,8 +35,9 @@ type sseWriter struct {
 	writing      atomic.Pointer[watchedSink]
 	keepalive    time.Duration
 	writeTimeout time.Duration
-	// http2: the stream is an HTTP/2 one, net/http's to the end (see Close).
-	http2  bool
+	// stream is the request's HTTP/2 stream (http2Stream), nil over
+	// HTTP/1.x (see Close).
+	stream context.Context
 	timer  *time.Timer
 	err    error
 	closed bool
@@ -73,14 +75,15 @@ func (r responseSink) SetWriteDeadline(t time.Time) error { return r.rc.SetWrite
 // startSSE writes the head of a stream through w (status 200 and the headers
 // already set on w), flushes it, and starts the keep-alive timer, which also
 // gives up on a write the client has not taken after writeTimeout (zero: no
-// bound). http2 says the request came over HTTP/2.
-func startSSE(w http.ResponseWriter, http2 bool, keepalive, writeTimeout time.Duration) *sseWriter {
+// bound). stream is the request's HTTP/2 stream, if it has one
+// (http2Stream).
+func startSSE(w http.ResponseWriter, stream context.Context, keepalive, writeTimeout time.Duration) *sseWriter {
 	h := w.Header()
 	h.Set("Content-Type", "text/event-stream")
 	h.Set("Cache-Control", "no-cache")
 	h.Set("X-Accel-Buffering", "no") // no buffering in nginx-like proxies
 	w.WriteHeader(http.StatusOK)
-	s := &sseWriter{keepalive: keepalive, writeTimeout: writeTimeout, http2: http2}
+	s := &sseWriter{keepalive: keepalive, writeTimeout: writeTimeout, stream: stream}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.setOutLocked(responseSink{w, http.NewResponseController(w)})
@@ -182,19 +185,16 @@ func (s *sseWriter) failed() bool {
 // Close stops the keep-alive timer and bounds what is written after it, the
 // response's end (a detached stream's last chunk, or net/http's), by a
 // write's timeout; after a write that failed, the deadline that failed it
-// stays. Nothing is written through s afterwards.
-//
-// An HTTP/2 stream whose client left (left) gets no deadline: net/http has
-// closed it and writes nothing more on it, and a deadline set now would
-// start a timer that keeps the stream for the timeout, then resets it again.
-func (s *sseWriter) Close(left bool) {
+// stays; an HTTP/2 stream its client closed gets none (closedStream).
+// Nothing is written through s afterwards.
+func (s *sseWriter) Close() {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.closed = true
 	if s.timer != nil {
 		s.timer.Stop()
 	}
-	if s.writeTimeout > 0 && s.err == nil && !(left && s.http2) {
+	if s.writeTimeout > 0 && s.err == nil && !closedStream(s.stream) {
 		_ = s.out.SetWriteDeadline(time.Now().Add(s.writeTimeout))
 	}
 }

@@ -45,7 +45,11 @@ func (r streamReply) serve(w http.ResponseWriter) error {
 		return r.s.serveDetachable(r, w, x)
 	}
 	defer r.done()
-	r.run(r.ctx, startSSE(w, x != nil && x.req.ProtoMajor == 2, r.s.keepalive, r.s.streamWriteTimeout))
+	var stream context.Context
+	if x != nil {
+		stream = http2Stream(x.req)
+	}
+	r.run(r.ctx, startSSE(w, stream, r.s.keepalive, r.s.streamWriteTimeout))
 	return nil
 }
 
@@ -67,11 +71,11 @@ func (s *Server) detachable(ctx context.Context, req *http.Request) bool {
 // run streams the call, whose context is ctx, as events on sse, and closes it.
 // A write that fails ends it: its client left (see exchange.clientLeft).
 func (r streamReply) run(ctx context.Context, sse *sseWriter) {
-	// gone: the call ended as its client left.
-	var gone bool
-	defer func() { sse.Close(gone) }()
+	defer sse.Close()
 	r.s.metrics.StreamOpened()
 	defer r.s.metrics.StreamClosed()
+	// gone: the call ended as its client left.
+	var gone bool
 	if x := exchangeFrom(r.ctx); x != nil {
 		// For the request's log line, written once run has returned.
 		defer func() { x.clientLeft = gone || sse.failed() }()
