@@ -257,6 +257,58 @@ func TestAStreamFromAnUpstreamThatDoesNotStream(t *testing.T) {
 	require.Equal(t, float64(pt+ct), usage["totals"].(map[string]any)["total_rungs"], "billed as the completion reported")
 }
 
+// TestMislabelledUpstreamRepliesAreRead: the real binary reads an upstream's
+// replies by what they hold. An upstream that labels its streams
+// application/json and its completions text/event-stream serves streams and
+// JSON replies as any other, billed from its usage; one that streams a reply
+// asked for whole answers the JSON request, billed from the tokenizer's count
+// (it sent no usage), and the usage view holds exactly what was sent.
+func TestMislabelledUpstreamRepliesAreRead(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetMislabelled(true)
+	g := serve(t, b.db, b.fake.BaseURL(), nil)
+	prompt := "label this wrongly"
+	pt, ct := fakeupstream.Usage(prompt)
+
+	_, s := g.stream(b.key, map[string]any{"prompt": prompt})
+	last := s.Events[len(s.Events)-1]
+	require.Equal(t, "response.completed", last.Name)
+	var final api.StreamChunk
+	last.Decode(t, &final)
+	require.Equal(t, &api.RungUsage{InputRungs: int64(pt), OutputRungs: int64(ct), TotalRungs: int64(pt + ct)}, final.Usage)
+	var text strings.Builder
+	for _, e := range s.Events[:len(s.Events)-1] {
+		require.Equal(t, "response.output_text.delta", e.Name)
+		var delta api.StreamChunk
+		e.Decode(t, &delta)
+		text.WriteString(delta.Content)
+	}
+	require.Equal(t, fakeupstream.Reply(prompt), text.String())
+	require.Greater(t, len(s.Events), 2, "the stream came in pieces")
+
+	respond := func() (resp api.Response) {
+		r := g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": prompt})
+		require.Equal(t, http.StatusOK, r.status, string(r.body))
+		require.NoError(t, json.Unmarshal(r.body, &resp))
+		return resp
+	}
+	whole := respond()
+	require.Equal(t, fakeupstream.Reply(prompt), whole.Content)
+	require.Equal(t, int64(pt+ct), whole.Usage.TotalRungs)
+
+	b.fake.SetMislabelled(false)
+	b.fake.SetAlwaysStreaming(true)
+	streamed := respond()
+	require.Equal(t, fakeupstream.Reply(prompt), streamed.Content)
+	require.Len(t, streamed.Sources, 1)
+	require.Positive(t, streamed.Usage.OutputRungs, "counted by the tokenizer")
+
+	totals := g.usage(b.key).Totals
+	require.Equal(t, int64(3), totals.Requests)
+	require.Equal(t, final.Usage.TotalRungs+whole.Usage.TotalRungs+streamed.Usage.TotalRungs, totals.TotalRungs)
+}
+
 func TestStreamKeepAliveWithSlowUpstream(t *testing.T) {
 	t.Parallel()
 	b := setup(t)

@@ -120,7 +120,7 @@ func firstToken(env *benchenv.Env, warmup, n int) error {
 	prompt := "stream a short answer about rungs"
 	direct := func() (*http.Request, string) {
 		req, _ := http.NewRequest(http.MethodPost, fake.BaseURL()+"/chat/completions",
-			strings.NewReader(`{"model":"instant","stream":true,"max_completion_tokens":100,"messages":[{"role":"user","content":"`+prompt+`"}]}`))
+			strings.NewReader(`{"model":"instant","stream":true,"stream_options":{"include_usage":true},"max_completion_tokens":100,"messages":[{"role":"user","content":"`+prompt+`"}]}`))
 		return req, `"content":"echo`
 	}
 	body := `{"stream":true,"max_output_rungs":100,"prompt":"` + prompt + `"}`

@@ -53,6 +53,8 @@ type Server struct {
 	breakAfter int
 	uncited    bool
 	whole      bool
+	always     bool
+	mislabel   bool
 	hostile    map[string]Hostile
 	slow       map[string]time.Duration
 	headers    http.Header
@@ -254,6 +256,24 @@ func (s *Server) SetNoStreaming(on bool) {
 	s.whole = on
 }
 
+// SetAlwaysStreaming makes the server stream its answer to every call,
+// asked for whole or not, as upstreams that ignore "stream": false do. A
+// stream carries usage only when the call asked for it
+// (stream_options.include_usage).
+func (s *Server) SetAlwaysStreaming(on bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.always = on
+}
+
+// SetMislabelled makes the server label its streams application/json and
+// its completions text/event-stream, as some upstreams and proxies do.
+func (s *Server) SetMislabelled(on bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.mislabel = on
+}
+
 // SetChunkDelay makes a stream wait d before each content chunk.
 func (s *Server) SetChunkDelay(d time.Duration) {
 	s.mu.Lock()
@@ -301,8 +321,11 @@ func Usage(prompt string) (promptTokens, completionTokens uint64) {
 }
 
 type chatRequest struct {
-	Model               string `json:"model"`
-	Stream              bool   `json:"stream"`
+	Model         string `json:"model"`
+	Stream        bool   `json:"stream"`
+	StreamOptions *struct {
+		IncludeUsage bool `json:"include_usage"`
+	} `json:"stream_options"`
 	MaxCompletionTokens uint64 `json:"max_completion_tokens"`
 	Messages            []struct {
 		Role    string `json:"role"`
@@ -331,6 +354,10 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 	}
 	s.mu.Lock()
 	mode, status, delay, chunkDelay, breakAfter, uncited, whole := s.mode, s.status, s.delay, s.chunkDelay, s.breakAfter, s.uncited, s.whole
+	streamed, labels := (req.Stream && !whole) || s.always, [2]string{"application/json", "text/event-stream"}
+	if s.mislabel {
+		labels[0], labels[1] = labels[1], labels[0]
+	}
 	for name, values := range s.headers {
 		w.Header()[name] = values
 	}
@@ -384,10 +411,13 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 		fmt.Fprint(w, `{"error":{"message":"content policy violation"}}`)
 		return
 	}
-	if req.Stream && !whole {
-		stream(w, r, call.Prompt, chunkDelay, breakAfter, uncited, hostile)
+	if streamed {
+		w.Header().Set("Content-Type", labels[1])
+		withUsage := req.StreamOptions != nil && req.StreamOptions.IncludeUsage
+		stream(w, r, call.Prompt, chunkDelay, breakAfter, uncited, withUsage, hostile)
 		return
 	}
+	w.Header().Set("Content-Type", labels[0])
 	content, title := Reply(call.Prompt), "Example doc"
 	pt, ct := Usage(call.Prompt)
 	if hostile != nil {
@@ -407,11 +437,10 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 	_ = json.NewEncoder(w).Encode(resp)
 }
 
-// stream answers as OpenAI does with stream_options.include_usage: a role-only
-// delta, one delta per piece, an annotation delta (unless uncited), a usage
-// chunk, then [DONE].
-func stream(w http.ResponseWriter, r *http.Request, prompt string, chunkDelay time.Duration, breakAfter int, uncited bool, hostile *Hostile) {
-	w.Header().Set("Content-Type", "text/event-stream")
+// stream answers as OpenAI does: a role-only delta, one delta per piece, an
+// annotation delta (unless uncited), a usage chunk (withUsage, as asked by
+// stream_options.include_usage), then [DONE].
+func stream(w http.ResponseWriter, r *http.Request, prompt string, chunkDelay time.Duration, breakAfter int, uncited, withUsage bool, hostile *Hostile) {
 	flusher := w.(http.Flusher)
 	send := func(v any) {
 		b, _ := json.Marshal(v)
@@ -454,7 +483,9 @@ func stream(w http.ResponseWriter, r *http.Request, prompt string, chunkDelay ti
 			send(delta(map[string]any{"annotations": []any{c}}))
 		}
 	}
-	send(map[string]any{"object": "chat.completion.chunk", "choices": []any{}, "usage": map[string]any{"prompt_tokens": pt, "completion_tokens": ct}})
+	if withUsage {
+		send(map[string]any{"object": "chat.completion.chunk", "choices": []any{}, "usage": map[string]any{"prompt_tokens": pt, "completion_tokens": ct}})
+	}
 	fmt.Fprint(w, "data: [DONE]\n\n")
 	flusher.Flush()
 }

@@ -229,7 +229,29 @@ func (c *Client) Complete(ctx context.Context, req *upstream.Request) (upstream.
 	if err != nil {
 		return upstream.Result{}, transportError(ctx, err, true)
 	}
-	return parseCompletion(raw)
+	return parseReply(raw)
+}
+
+// parseReply reads a reply asked for whole by what it holds, not by its
+// Content-Type: a chat completion or, from an upstream that streams whatever
+// it is asked, an event stream read to its [DONE] (its usage counted by the
+// caller when it reported none). Anything else is a failure after dispatch.
+func parseReply(raw []byte) (upstream.Result, error) {
+	if completionFirst(raw) {
+		return parseCompletion(raw)
+	}
+	res, err := readStream(bytes.NewReader(raw), int64(len(raw)), func() {}, func(upstream.Delta) error { return nil })
+	if err != nil {
+		return upstream.Result{}, fmt.Errorf("%w: the reply is neither a chat completion nor a whole event stream: %v", upstream.ErrFailed, err)
+	}
+	return res, nil
+}
+
+// completionFirst reports whether b, past white space, opens a JSON object:
+// a reply that is one chat completion, not an event stream.
+func completionFirst(b []byte) bool {
+	b = bytes.TrimLeft(b, " \t\r\n")
+	return len(b) > 0 && b[0] == '{'
 }
 
 // maxReplyBytes bounds a non-streaming reply read into memory, whatever the

@@ -439,6 +439,73 @@ func TestAStreamAnsweredWholeIsTaken(t *testing.T) {
 	})
 }
 
+// TestRepliesAreReadByWhatTheyHold: a reply's framing is read from its body,
+// not from its Content-Type. An upstream that labels its streams
+// application/json streams all the same, its completions labelled
+// text/event-stream are taken whole, and one that streams a reply asked for
+// whole is read to its [DONE] (its usage counted by the caller when it sent
+// none). A reply that is neither fails after dispatch.
+func TestRepliesAreReadByWhatTheyHold(t *testing.T) {
+	t.Parallel()
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		pt, ct := fakeupstream.Usage(req.Prompt)
+		b.fake.SetMislabelled(true)
+		res, err := b.client.Complete(context.Background(), &req)
+		require.NoError(t, err, "a completion labelled text/event-stream")
+		require.Equal(t, fakeupstream.Reply(req.Prompt), res.Content)
+		require.True(t, res.UsageReported)
+		require.Equal(t, [2]uint64{pt, ct}, [2]uint64{res.InputTokens, res.OutputTokens})
+
+		deltas, res, err := collect(t, b.client, context.Background())
+		require.NoError(t, err, "a stream labelled application/json")
+		require.Len(t, deltas, len(fakeupstream.StreamPieces(req.Prompt))+1, "a delta a piece, and the evidence")
+		require.Equal(t, fakeupstream.Reply(req.Prompt), res.Content)
+		require.Equal(t, [2]uint64{pt, ct}, [2]uint64{res.InputTokens, res.OutputTokens})
+
+		b.fake.SetMislabelled(false)
+		b.fake.SetAlwaysStreaming(true)
+		res, err = b.client.Complete(context.Background(), &req)
+		require.NoError(t, err, "a reply asked for whole, streamed")
+		require.Equal(t, fakeupstream.Reply(req.Prompt), res.Content)
+		require.Equal(t, []gateway.Source{{Title: "Example doc", URL: "https://example.org/doc"}}, res.Sources)
+		require.False(t, res.UsageReported, "no usage was asked for in a stream, and none came")
+
+		completion := `{"choices":[{"message":{"content":"whole"}}],"usage":{"prompt_tokens":3,"completion_tokens":1}}`
+		for name, c := range map[string]struct {
+			label, body string
+			err         error // of Complete; Stream's is ErrStreamBroken
+		}{
+			"a completion after blank lines":  {"text/event-stream", "\r\n\n  " + completion + "\n", nil},
+			"a completion, unlabelled":        {"", completion, nil},
+			"a stream with usage, as JSON":    {"application/json", "data: {\"choices\":[{\"delta\":{\"content\":\"whole\"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":1}}\n\ndata: [DONE]\n\n", nil},
+			"a stream cut before [DONE]":      {"application/json", "data: {\"choices\":[{\"delta\":{\"content\":\"whole\"}}]}\n\n", upstream.ErrFailed},
+			"a page of HTML":                  {"text/html", "<html>bad gateway</html>", upstream.ErrFailed},
+			"a JSON object after a comment":   {"text/event-stream", ": hi\n" + completion, upstream.ErrFailed},
+			"a completion with trailing data": {"application/json", completion + "data: [DONE]", upstream.ErrFailed},
+		} {
+			client := b.handlerClient(t, func(w http.ResponseWriter, r *http.Request) {
+				_, _ = io.Copy(io.Discard, r.Body)
+				w.Header()["Content-Type"] = []string{c.label}
+				_, _ = io.WriteString(w, c.body)
+			})
+			res, err := client.Complete(context.Background(), &req)
+			var deltas []upstream.Delta
+			streamed, streamErr := client.Stream(context.Background(), &req, func(d upstream.Delta) error { deltas = append(deltas, d); return nil })
+			if c.err != nil {
+				require.ErrorIs(t, err, c.err, name)
+				require.ErrorIs(t, streamErr, upstream.ErrStreamBroken, name)
+				continue
+			}
+			require.NoError(t, err, name)
+			require.NoError(t, streamErr, name)
+			require.Equal(t, "whole", res.Content, name)
+			require.Equal(t, [2]uint64{3, 1}, [2]uint64{res.InputTokens, res.OutputTokens}, name)
+			require.Equal(t, res, streamed, name)
+			require.Equal(t, []upstream.Delta{{Content: "whole"}}, deltas, name)
+		}
+	})
+}
+
 // TestLargeBodiesPassTheSmallBuffers: the connection buffers are 1 KiB; a
 // 100 KB prompt, its reply and a stream event of 3 KB pass whole.
 func TestLargeBodiesPassTheSmallBuffers(t *testing.T) {
@@ -669,7 +736,8 @@ func TestReplyHeadsAreBounded(t *testing.T) {
 // dispatch, read no further (D11). One that says so in its Content-Length is
 // not read at all, one of unknown length up to the bound; either way the
 // upstream can write no more than the bound and the sockets' buffers. The
-// longest reply the request allows, every byte of it escaped, is read whole.
+// longest reply the request allows, every byte of it escaped, is read whole,
+// as the answer to a stream's call too.
 func TestRepliesAreReadNoFurtherThanTheirRequestAllows(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {
@@ -722,6 +790,9 @@ func TestRepliesAreReadNoFurtherThanTheirRequestAllows(t *testing.T) {
 			client := b.replyClient(t, func(w http.ResponseWriter) { _, _ = w.Write(reply) })
 			res, err := client.Complete(context.Background(), &req)
 			require.NoError(t, err)
+			require.Equal(t, text, res.Content)
+			res, err = client.Stream(context.Background(), &req, func(upstream.Delta) error { return nil })
+			require.NoError(t, err, "a stream's call answered with the longest completion")
 			require.Equal(t, text, res.Content)
 		})
 	})

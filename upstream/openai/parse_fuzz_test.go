@@ -8,19 +8,25 @@ import (
 	"github.com/rungworks/gateway/upstream"
 )
 
-// FuzzParseCompletion feeds arbitrary bodies to the completion parser: it
-// never panics, and anything it cannot use is a failure after dispatch.
-func FuzzParseCompletion(f *testing.F) {
+// FuzzParseReply feeds arbitrary bodies to the parser of replies asked for
+// whole: it never panics, anything it cannot use is a failure after
+// dispatch, and what it takes is a completion or an event stream to its
+// [DONE].
+func FuzzParseReply(f *testing.F) {
 	for _, seed := range []string{
 		`{"choices":[{"message":{"content":"hi","annotations":[{"type":"url_citation","url_citation":{"url":"u","title":"t","start_index":0,"end_index":2}}]}}],"usage":{"prompt_tokens":3,"completion_tokens":1}}`,
 		`{"choices":[{"message":{"content":"a\u0000b"}}],"usage":{"prompt_tokens":18446744073709551615,"completion_tokens":4611686018427387904}}`,
 		`{"choices":[{"message":{"content":"x","annotations":[{"type":"url_citation","url_citation":{"url":"u","start_index":5,"end_index":1}}]}}],"usage":{}}`,
 		`{"choices":[]}`, `{}`, `null`, `[`, ``,
+		"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\ndata: [DONE]\n\n", ": keep-alive\n\ndata: [DONE]", "<html>",
 	} {
 		f.Add([]byte(seed))
 	}
 	f.Fuzz(func(t *testing.T, raw []byte) {
-		res, err := parseCompletion(raw)
+		res, err := parseReply(raw)
+		if err == nil && !completionFirst(raw) && !bytes.Contains(raw, doneMarker) {
+			t.Fatalf("an event stream without [DONE] was taken")
+		}
 		if err != nil {
 			if Kind := upstream.Kind(err); Kind != "failed" {
 				t.Fatalf("a bad reply is %q, not a failure after dispatch: %v", Kind, err)
@@ -58,7 +64,7 @@ func FuzzReadStream(f *testing.F) {
 		if emitted.String() != res.Content {
 			t.Fatalf("returned %q but emitted %q", res.Content, emitted.String())
 		}
-		if err == nil && !bytes.Contains(raw, doneMarker) {
+		if err == nil && !completionFirst(raw) && !bytes.Contains(raw, doneMarker) {
 			t.Fatalf("a stream without [DONE] succeeded")
 		}
 	})

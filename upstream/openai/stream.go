@@ -8,9 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"mime"
 	"net/http"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -123,16 +121,11 @@ func (c *Client) postError(w *watchdog, dispatched bool, err error) error {
 }
 
 // receive reads a stream's reply, of at most limit bytes (replyBytes), and
-// classifies how it ended.
+// classifies how it ended. The reply is read by what it holds, not by its
+// Content-Type (see readStream).
 func (c *Client) receive(ctx context.Context, w *watchdog, resp *http.Response, limit int64, emit func(upstream.Delta) error) (upstream.Result, error) {
 	defer resp.Body.Close()
-	var res upstream.Result
-	var err error
-	if answeredWhole(resp) {
-		res, err = readWhole(resp, limit, emit)
-	} else {
-		res, err = readStream(resp.Body, min(maxLineBytes, limit), w.heard, w.pausedDuring(emit))
-	}
+	res, err := readStream(resp.Body, limit, w.heard, w.pausedDuring(emit))
 	switch {
 	case err == nil, errors.Is(err, errEmit):
 		return res, errors.Unwrap(err)
@@ -147,27 +140,21 @@ func (c *Client) receive(ctx context.Context, w *watchdog, resp *http.Response, 
 	}
 }
 
-// answeredWhole reports whether a stream's call was answered with one JSON
-// chat completion (Content-Type application/json), as by an upstream that
-// does not stream.
-func answeredWhole(resp *http.Response) bool {
-	ct := resp.Header.Get("Content-Type")
-	if strings.HasPrefix(ct, "text/event-stream") {
-		return false // the usual answer, taken without parsing
-	}
-	mt, _, _ := mime.ParseMediaType(ct)
-	return mt == "application/json"
-}
-
-// readWhole reads a stream's reply that came as one chat completion, of at
-// most limit bytes, and emits its text and sources as one delta. The call
-// was answered: its output is not dropped for coming in one piece.
-func readWhole(resp *http.Response, limit int64, emit func(upstream.Delta) error) (upstream.Result, error) {
-	raw, err := readReply(resp.Body, resp.ContentLength, limit)
-	if err != nil {
+// readCompletion reads the rest of a reply whose first line, first, opens a
+// JSON object: one chat completion, of at most limit bytes in all, from an
+// upstream that does not stream. Its text and sources are emitted as one
+// delta: the call was answered, and its output is not dropped for coming in
+// one piece.
+func readCompletion(first []byte, rest io.Reader, limit int64, emit func(upstream.Delta) error) (upstream.Result, error) {
+	raw := bytes.NewBuffer(make([]byte, 0, len(first)+bytes.MinRead))
+	raw.Write(first)
+	if _, err := raw.ReadFrom(io.LimitReader(rest, limit+1-int64(len(first)))); err != nil {
 		return upstream.Result{}, err
 	}
-	res, err := parseCompletion(raw)
+	if int64(raw.Len()) > limit {
+		return upstream.Result{}, fmt.Errorf("%w: a reply to this request takes at most %d bytes", upstream.ErrTooLong, limit)
+	}
+	res, err := parseCompletion(raw.Bytes())
 	if err != nil {
 		return upstream.Result{}, err
 	}
@@ -201,15 +188,22 @@ var lineReaders = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, 4<
 // request could be (replyBytes) breaks it too.
 const maxLineBytes = 8 << 20
 
-// readStream reads server-sent chat completion chunks from body until [DONE],
-// calling progress before each line and emit for each delta with content or
-// evidence. It returns what was received; the error is nil at [DONE], an
+// readStream reads a reply of at most limit bytes: server-sent chat
+// completion chunks until [DONE], calling progress before each line and emit
+// for each delta with content or evidence; or, when its first line that is
+// not blank opens a JSON object, one chat completion (readCompletion). The
+// reply is read by what it holds: upstreams and the proxies before them label
+// streams application/json, and completions text/event-stream. It returns
+// what was received; the error is nil at [DONE] or after a completion, an
 // emitError when emit failed, otherwise why the stream is broken (end before
-// [DONE], an in-stream error, a malformed chunk, a line longer than maxLine:
+// [DONE], an in-stream error, a malformed chunk or completion, a line longer
+// than maxLineBytes or limit, or a completion longer than limit:
 // upstream.ErrTooLong). Everything in body is untrusted.
-func readStream(body io.Reader, maxLine int64, progress func(), emit func(upstream.Delta) error) (upstream.Result, error) {
+func readStream(body io.Reader, limit int64, progress func(), emit func(upstream.Delta) error) (upstream.Result, error) {
+	maxLine := min(maxLineBytes, limit)
 	var res upstream.Result
 	var content bytes.Buffer
+	opened := false // a line that is not blank was read
 	finish := func(err error) (upstream.Result, error) {
 		res.Content = content.String()
 		return res, err
@@ -239,6 +233,9 @@ func readStream(body io.Reader, maxLine int64, progress func(), emit func(upstre
 			reader.Reset(body)
 		}
 		line, err := reader.ReadSlice('\n')
+		if !opened && completionFirst(line) {
+			return readCompletion(line, reader, limit, emit) // bounded by limit, not as a line
+		}
 		if errors.Is(err, bufio.ErrBufferFull) {
 			// A data line longer than the buffer: gather the rest of it.
 			full := append([]byte(nil), line...)
@@ -257,6 +254,7 @@ func readStream(body io.Reader, maxLine int64, progress func(), emit func(upstre
 			}
 			return finish(err)
 		}
+		opened = opened || len(bytes.TrimSpace(line)) > 0
 		data, ok := bytes.CutPrefix(bytes.TrimRight(line, "\r\n"), []byte("data:"))
 		if !ok {
 			continue // comments, event names, blank separators
