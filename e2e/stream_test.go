@@ -257,13 +257,15 @@ func TestAStreamFromAnUpstreamThatDoesNotStream(t *testing.T) {
 	require.Equal(t, float64(pt+ct), usage["totals"].(map[string]any)["total_rungs"], "billed as the completion reported")
 }
 
-// TestMislabelledUpstreamRepliesAreRead: the real binary reads an upstream's
-// replies by what they hold. An upstream that labels its streams
-// application/json and its completions text/event-stream serves streams and
-// JSON replies as any other, billed from its usage; one that streams a reply
-// asked for whole answers the JSON request, billed from the tokenizer's count
-// (it sent no usage), and the usage view holds exactly what was sent.
-func TestMislabelledUpstreamRepliesAreRead(t *testing.T) {
+// TestUpstreamQuirksAreRead: the real binary reads an upstream's replies by
+// what they hold. An upstream that labels its streams application/json and
+// its completions text/event-stream serves streams and JSON replies as any
+// other, billed from its usage; one that streams a reply asked for whole
+// answers the JSON request, billed from the tokenizer's count (it sent no
+// usage); one that ends its streams without [DONE], after their
+// finish_reason, serves them whole. The usage view holds exactly what was
+// sent.
+func TestUpstreamQuirksAreRead(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	b.fake.SetMislabelled(true)
@@ -304,9 +306,19 @@ func TestMislabelledUpstreamRepliesAreRead(t *testing.T) {
 	require.Len(t, streamed.Sources, 1)
 	require.Positive(t, streamed.Usage.OutputRungs, "counted by the tokenizer")
 
+	b.fake.SetAlwaysStreaming(false)
+	b.fake.SetNoDone(true)
+	_, s = g.stream(b.key, map[string]any{"prompt": prompt})
+	require.NotContains(t, names(s), "response.error")
+	last = s.Events[len(s.Events)-1]
+	require.Equal(t, "response.completed", last.Name)
+	var undone api.StreamChunk
+	last.Decode(t, &undone)
+	require.Equal(t, final.Usage, undone.Usage, "billed from its usage, as a stream with [DONE]")
+
 	totals := g.usage(b.key).Totals
-	require.Equal(t, int64(3), totals.Requests)
-	require.Equal(t, final.Usage.TotalRungs+whole.Usage.TotalRungs+streamed.Usage.TotalRungs, totals.TotalRungs)
+	require.Equal(t, int64(4), totals.Requests)
+	require.Equal(t, final.Usage.TotalRungs+whole.Usage.TotalRungs+streamed.Usage.TotalRungs+undone.Usage.TotalRungs, totals.TotalRungs)
 }
 
 func TestStreamKeepAliveWithSlowUpstream(t *testing.T) {

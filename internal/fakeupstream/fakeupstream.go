@@ -55,6 +55,7 @@ type Server struct {
 	whole      bool
 	always     bool
 	mislabel   bool
+	noDone     bool
 	hostile    map[string]Hostile
 	slow       map[string]time.Duration
 	headers    http.Header
@@ -274,6 +275,14 @@ func (s *Server) SetMislabelled(on bool) {
 	s.mislabel = on
 }
 
+// SetNoDone makes the server end its streams without [DONE], after their
+// finish_reason (and usage), as some OpenAI-compatible servers do.
+func (s *Server) SetNoDone(on bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.noDone = on
+}
+
 // SetChunkDelay makes a stream wait d before each content chunk.
 func (s *Server) SetChunkDelay(d time.Duration) {
 	s.mu.Lock()
@@ -353,7 +362,7 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	s.mu.Lock()
-	mode, status, delay, chunkDelay, breakAfter, uncited, whole := s.mode, s.status, s.delay, s.chunkDelay, s.breakAfter, s.uncited, s.whole
+	mode, status, delay, chunkDelay, breakAfter, uncited, whole, noDone := s.mode, s.status, s.delay, s.chunkDelay, s.breakAfter, s.uncited, s.whole, s.noDone
 	streamed, labels := (req.Stream && !whole) || s.always, [2]string{"application/json", "text/event-stream"}
 	if s.mislabel {
 		labels[0], labels[1] = labels[1], labels[0]
@@ -414,7 +423,7 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 	if streamed {
 		w.Header().Set("Content-Type", labels[1])
 		withUsage := req.StreamOptions != nil && req.StreamOptions.IncludeUsage
-		stream(w, r, call.Prompt, chunkDelay, breakAfter, uncited, withUsage, hostile)
+		stream(w, r, call.Prompt, streamOptions{chunkDelay, breakAfter, uncited, withUsage, noDone}, hostile)
 		return
 	}
 	w.Header().Set("Content-Type", labels[0])
@@ -437,10 +446,20 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 	_ = json.NewEncoder(w).Encode(resp)
 }
 
+// streamOptions are how a stream is sent.
+type streamOptions struct {
+	chunkDelay time.Duration
+	breakAfter int
+	uncited    bool
+	withUsage  bool
+	noDone     bool
+}
+
 // stream answers as OpenAI does: a role-only delta, one delta per piece, an
-// annotation delta (unless uncited), a usage chunk (withUsage, as asked by
-// stream_options.include_usage), then [DONE].
-func stream(w http.ResponseWriter, r *http.Request, prompt string, chunkDelay time.Duration, breakAfter int, uncited, withUsage bool, hostile *Hostile) {
+// annotation delta (unless uncited), the finish_reason, a usage chunk
+// (withUsage, as asked by stream_options.include_usage), then [DONE] (unless
+// noDone).
+func stream(w http.ResponseWriter, r *http.Request, prompt string, o streamOptions, hostile *Hostile) {
 	flusher := w.(http.Flusher)
 	send := func(v any) {
 		b, _ := json.Marshal(v)
@@ -457,12 +476,12 @@ func stream(w http.ResponseWriter, r *http.Request, prompt string, chunkDelay ti
 		pieces, title, pt, ct = hostile.pieces(), hostile.SourceTitle, hostile.PromptTokens, hostile.CompletionTokens
 	}
 	for i, piece := range pieces {
-		if breakAfter > 0 && i == breakAfter {
+		if o.breakAfter > 0 && i == o.breakAfter {
 			panic(http.ErrAbortHandler) // drop the connection mid-stream
 		}
-		if chunkDelay > 0 {
+		if o.chunkDelay > 0 {
 			select {
-			case <-time.After(chunkDelay):
+			case <-time.After(o.chunkDelay):
 			case <-r.Context().Done():
 				return
 			}
@@ -478,14 +497,17 @@ func stream(w http.ResponseWriter, r *http.Request, prompt string, chunkDelay ti
 			return
 		}
 	}
-	if !uncited {
+	if !o.uncited {
 		for _, c := range citations(hostile, "", title) {
 			send(delta(map[string]any{"annotations": []any{c}}))
 		}
 	}
-	if withUsage {
+	send(map[string]any{"object": "chat.completion.chunk", "choices": []any{map[string]any{"index": 0, "delta": map[string]any{}, "finish_reason": "stop"}}})
+	if o.withUsage {
 		send(map[string]any{"object": "chat.completion.chunk", "choices": []any{}, "usage": map[string]any{"prompt_tokens": pt, "completion_tokens": ct}})
 	}
-	fmt.Fprint(w, "data: [DONE]\n\n")
-	flusher.Flush()
+	if !o.noDone {
+		fmt.Fprint(w, "data: [DONE]\n\n")
+		flusher.Flush()
+	}
 }

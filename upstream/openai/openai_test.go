@@ -506,6 +506,50 @@ func TestRepliesAreReadByWhatTheyHold(t *testing.T) {
 	})
 }
 
+// TestStreamsWithoutDone: a stream that ends without [DONE] after its
+// finish_reason, as some OpenAI-compatible servers send it, is whole; one
+// that ends without either is broken, and so is one whose body was cut
+// short of its declared length, finish_reason or not.
+func TestStreamsWithoutDone(t *testing.T) {
+	t.Parallel()
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		b.fake.SetNoDone(true)
+		deltas, res, err := collect(t, b.client, context.Background())
+		require.NoError(t, err)
+		require.Len(t, deltas, len(fakeupstream.StreamPieces(req.Prompt))+1)
+		require.Equal(t, fakeupstream.Reply(req.Prompt), res.Content)
+		require.True(t, res.UsageReported)
+		b.fake.SetAlwaysStreaming(true)
+		res, err = b.client.Complete(context.Background(), &req)
+		require.NoError(t, err, "a reply asked for whole, streamed without [DONE]")
+		require.Equal(t, fakeupstream.Reply(req.Prompt), res.Content)
+
+		const piece = "data: {\"choices\":[{\"delta\":{\"content\":\"cut\"}}]}\n\n"
+		const finish = "data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"length\"}]}\n\n"
+		for name, reply := range map[string]func(w http.ResponseWriter){
+			"no finish_reason": func(w http.ResponseWriter) { _, _ = io.WriteString(w, piece) },
+			"an empty finish_reason": func(w http.ResponseWriter) {
+				_, _ = io.WriteString(w, piece+strings.Replace(finish, `"length"`, `""`, 1))
+			},
+			"cut short of its length": func(w http.ResponseWriter) {
+				w.Header().Set("Content-Length", strconv.Itoa(len(piece+finish)+100))
+				_, _ = io.WriteString(w, piece+finish)
+			},
+		} {
+			client := b.handlerClient(t, func(w http.ResponseWriter, r *http.Request) {
+				_, _ = io.Copy(io.Discard, r.Body)
+				w.Header().Set("Content-Type", "text/event-stream")
+				reply(w)
+			})
+			var deltas []upstream.Delta
+			res, err := client.Stream(context.Background(), &req, func(d upstream.Delta) error { deltas = append(deltas, d); return nil })
+			require.ErrorIs(t, err, upstream.ErrStreamBroken, name)
+			require.Equal(t, "cut", res.Content, name)
+			require.Len(t, deltas, 1, name)
+		}
+	})
+}
+
 // TestLargeBodiesPassTheSmallBuffers: the connection buffers are 1 KiB; a
 // 100 KB prompt, its reply and a stream event of 3 KB pass whole.
 func TestLargeBodiesPassTheSmallBuffers(t *testing.T) {

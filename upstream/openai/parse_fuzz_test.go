@@ -24,8 +24,8 @@ func FuzzParseReply(f *testing.F) {
 	}
 	f.Fuzz(func(t *testing.T, raw []byte) {
 		res, err := parseReply(raw)
-		if err == nil && !completionFirst(raw) && !bytes.Contains(raw, doneMarker) {
-			t.Fatalf("an event stream without [DONE] was taken")
+		if err == nil && !wholeStream(raw) {
+			t.Fatalf("an event stream without [DONE] or a finish_reason was taken")
 		}
 		if err != nil {
 			if Kind := upstream.Kind(err); Kind != "failed" {
@@ -41,6 +41,14 @@ func FuzzParseReply(f *testing.F) {
 	})
 }
 
+// wholeStream says whether raw may be taken as a whole reply: a completion,
+// or events with a [DONE] or a finish_reason (whose name JSON may spell in
+// any case, or with escapes).
+func wholeStream(raw []byte) bool {
+	return completionFirst(raw) || bytes.Contains(raw, doneMarker) ||
+		bytes.Contains(bytes.ToLower(raw), []byte("reason")) || bytes.Contains(raw, []byte(`\`))
+}
+
 // FuzzReadStream feeds arbitrary event streams to the stream parser: it never
 // panics, never reads past a line limit, and what it returns is exactly what
 // it emitted.
@@ -52,6 +60,7 @@ func FuzzReadStream(f *testing.F) {
 		": comment\nevent: x\ndata:[DONE]\r\n",
 		"data: {\"choices\":[{\"delta\":{\"annotations\":[{\"type\":\"url_citation\",\"url_citation\":{\"url\":\"u\",\"title\":\"t\"}}]}}]}\n",
 		"data: {not json}\n", "data: ", "",
+		"data: {\"choices\":[{\"delta\":{\"content\":\"x\"},\"finish_reason\":\"stop\"}]}\n\n",
 	} {
 		f.Add([]byte(seed))
 	}
@@ -64,8 +73,8 @@ func FuzzReadStream(f *testing.F) {
 		if emitted.String() != res.Content {
 			t.Fatalf("returned %q but emitted %q", res.Content, emitted.String())
 		}
-		if err == nil && !completionFirst(raw) && !bytes.Contains(raw, doneMarker) {
-			t.Fatalf("a stream without [DONE] succeeded")
+		if err == nil && !wholeStream(raw) {
+			t.Fatalf("a stream without [DONE] or a finish_reason succeeded")
 		}
 	})
 }

@@ -22,6 +22,7 @@ type streamChunk struct {
 			Content     *string      `json:"content"`
 			Annotations []annotation `json:"annotations"`
 		} `json:"delta"`
+		FinishReason *string `json:"finish_reason"`
 	} `json:"choices"`
 	Usage *usage `json:"usage"`
 	Error *struct {
@@ -33,11 +34,11 @@ var doneMarker = []byte("[DONE]")
 
 // Stream implements upstream.Provider. It asks for usage in the stream
 // (stream_options.include_usage), reads data: lines as they arrive, skips
-// role-only and empty deltas, and treats a stream that ends without [DONE], an
-// in-stream error, Timeout of silence, or a call longer than StreamLimit as
-// broken (ErrStreamBroken, with what was received). A stream that ends with
-// [DONE] but without usage succeeds with UsageReported false, for the caller
-// to count.
+// role-only and empty deltas, and treats a stream that ends without [DONE]
+// or a finish_reason (see readStream), an in-stream error, Timeout of
+// silence, or a call longer than StreamLimit as broken (ErrStreamBroken, with
+// what was received). A stream that ends whole but without usage succeeds
+// with UsageReported false, for the caller to count.
 //
 // The reply is waited for in post, under this function's frame only: what
 // follows it (reading, classifying) is in receive, so that the goroutine
@@ -194,16 +195,22 @@ const maxLineBytes = 8 << 20
 // not blank opens a JSON object, one chat completion (readCompletion). The
 // reply is read by what it holds: upstreams and the proxies before them label
 // streams application/json, and completions text/event-stream. It returns
-// what was received; the error is nil at [DONE] or after a completion, an
-// emitError when emit failed, otherwise why the stream is broken (end before
-// [DONE], an in-stream error, a malformed chunk or completion, a line longer
-// than maxLineBytes or limit, or a completion longer than limit:
-// upstream.ErrTooLong). Everything in body is untrusted.
+// what was received; the error is nil at [DONE], at the end of a body that
+// sent a finish_reason (some upstreams send no [DONE]), or after a
+// completion; an emitError when emit failed; otherwise why the stream is
+// broken (an end before either, an in-stream error, a malformed chunk or
+// completion, a line longer than maxLineBytes or limit, or a completion
+// longer than limit: upstream.ErrTooLong). A body framed by its length
+// (chunked, Content-Length, HTTP/2) whose connection is lost before its end
+// fails with an error of its own, never io.EOF; one that ends as its
+// connection closes is whole only with its finish_reason or [DONE].
+// Everything in body is untrusted.
 func readStream(body io.Reader, limit int64, progress func(), emit func(upstream.Delta) error) (upstream.Result, error) {
 	maxLine := min(maxLineBytes, limit)
 	var res upstream.Result
 	var content bytes.Buffer
-	opened := false // a line that is not blank was read
+	opened := false   // a line that is not blank was read
+	finished := false // a choice's finish_reason was read
 	finish := func(err error) (upstream.Result, error) {
 		res.Content = content.String()
 		return res, err
@@ -250,7 +257,10 @@ func readStream(body io.Reader, limit int64, progress func(), emit func(upstream
 		}
 		if err != nil && !(errors.Is(err, io.EOF) && len(line) > 0) {
 			if errors.Is(err, io.EOF) {
-				return finish(errors.New("connection closed before [DONE]"))
+				if finished {
+					return finish(nil) // ended whole, by an upstream that sends no [DONE]
+				}
+				return finish(errors.New("connection closed before [DONE] or a finish_reason"))
 			}
 			return finish(err)
 		}
@@ -275,6 +285,7 @@ func readStream(body io.Reader, limit int64, progress func(), emit func(upstream
 			res.InputTokens, res.OutputTokens = chunk.Usage.PromptTokens, chunk.Usage.CompletionTokens
 		}
 		for _, choice := range chunk.Choices {
+			finished = finished || choice.FinishReason != nil && *choice.FinishReason != ""
 			var d upstream.Delta
 			if choice.Delta.Content != nil {
 				d.Content = *choice.Delta.Content
