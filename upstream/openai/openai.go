@@ -198,12 +198,16 @@ type annotation struct {
 
 type chatResponse struct {
 	Choices []struct {
-		Message struct {
+		Message *struct {
 			Content     string       `json:"content"`
 			Annotations []annotation `json:"annotations"`
 		} `json:"message"`
 	} `json:"choices"`
 	Usage *usage `json:"usage"`
+	// Error is an error some upstreams answer with status 200.
+	Error *struct {
+		Message string `json:"message"`
+	} `json:"error"`
 }
 
 type errorBody struct {
@@ -293,23 +297,26 @@ func readReply(body io.Reader, size, limit int64) ([]byte, error) {
 }
 
 // parseCompletion reads a chat completion body. Anything that is not one is a
-// failure after dispatch: the upstream may have done the work.
+// failure after dispatch: the upstream may have done the work. One without
+// usage, from an upstream that reports none, has UsageReported false, for
+// the caller to count, as a stream without usage.
 func parseCompletion(raw []byte) (upstream.Result, error) {
 	var cr chatResponse
 	if err := json.Unmarshal(raw, &cr); err != nil {
 		return upstream.Result{}, fmt.Errorf("%w: the chat completion could not be decoded: %v", upstream.ErrFailed, err)
 	}
-	if len(cr.Choices) == 0 || cr.Usage == nil {
-		return upstream.Result{}, fmt.Errorf("%w: the chat completion has no choices or no usage", upstream.ErrFailed)
+	if len(cr.Choices) == 0 || cr.Choices[0].Message == nil {
+		if cr.Error != nil {
+			return upstream.Result{}, fmt.Errorf("%w: the upstream answered 200 with an error: %s", upstream.ErrFailed, errorMessage(cr.Error.Message))
+		}
+		return upstream.Result{}, fmt.Errorf("%w: the chat completion has no message", upstream.ErrFailed)
 	}
 	msg := cr.Choices[0].Message
-	return upstream.Result{
-		Content:       msg.Content,
-		Sources:       sources(msg.Content, msg.Annotations),
-		UsageReported: true,
-		InputTokens:   cr.Usage.PromptTokens,
-		OutputTokens:  cr.Usage.CompletionTokens,
-	}, nil
+	res := upstream.Result{Content: msg.Content, Sources: sources(msg.Content, msg.Annotations)}
+	if cr.Usage != nil {
+		res.UsageReported, res.InputTokens, res.OutputTokens = true, cr.Usage.PromptTokens, cr.Usage.CompletionTokens
+	}
+	return res, nil
 }
 
 // post sends the chat request and returns a 2xx reply, or the classified

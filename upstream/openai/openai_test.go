@@ -506,6 +506,37 @@ func TestRepliesAreReadByWhatTheyHold(t *testing.T) {
 	})
 }
 
+// TestACompletionWithoutUsageIsTaken: a completion from an upstream that
+// reports no usage is taken, for the caller to count (UsageReported false),
+// as a stream without usage is; a body without a message fails after
+// dispatch, usage or not.
+func TestACompletionWithoutUsageIsTaken(t *testing.T) {
+	t.Parallel()
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		for reply, want := range map[string]error{
+			`{"choices":[{"message":{"content":"counted"}}]}`:                        nil,
+			`{"choices":[{"message":{"content":null}}],"usage":{"prompt_tokens":1}}`: nil,
+			`{"choices":[{}],"usage":{"prompt_tokens":1,"completion_tokens":1}}`:     upstream.ErrFailed,
+			`{"choices":[null]}`:                 upstream.ErrFailed,
+			`{"error":{"message":"overloaded"}}`: upstream.ErrFailed,
+			`{"choices":[{"text":"a legacy completion"}],"usage":{"prompt_tokens":1,"completion_tokens":1}}`: upstream.ErrFailed,
+		} {
+			client := b.replyClient(t, func(w http.ResponseWriter) { _, _ = io.WriteString(w, reply) })
+			res, err := client.Complete(context.Background(), &req)
+			if want != nil {
+				require.ErrorIs(t, err, want, reply)
+				if strings.Contains(reply, "overloaded") {
+					require.ErrorContains(t, err, "answered 200 with an error: overloaded", "the upstream's message, for the log")
+				}
+				continue
+			}
+			require.NoError(t, err, reply)
+			require.Equal(t, strings.Contains(reply, "usage"), res.UsageReported, reply)
+			require.Equal(t, map[bool]string{true: "", false: "counted"}[res.UsageReported], res.Content, reply)
+		}
+	})
+}
+
 // TestStreamsWithoutDone: a stream that ends without [DONE] after its
 // finish_reason, as some OpenAI-compatible servers send it, is whole; one
 // that ends without either is broken, and so is one whose body was cut
