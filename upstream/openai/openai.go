@@ -19,6 +19,7 @@ import (
 	"strings"
 	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/tracing"
@@ -196,10 +197,51 @@ type annotation struct {
 	} `json:"url_citation"`
 }
 
+// text is the content of a message or a delta: a string or, as Mistral's
+// API sends it (its reasoning models' thinking among it), an array of parts,
+// whose parts of type text are the content, in order; other parts (thinking,
+// and kinds not known) are not.
+type text string
+
+// UnmarshalJSON implements json.Unmarshaler; null leaves t as it is.
+func (t *text) UnmarshalJSON(b []byte) error {
+	// The usual content: a string without escapes, which the decoder has
+	// checked already, taken as it stands.
+	if n := len(b); n >= 2 && b[0] == '"' && bytes.IndexByte(b, '\\') < 0 && utf8.Valid(b[1:n-1]) {
+		*t = text(b[1 : n-1])
+		return nil
+	}
+	if len(b) == 0 || b[0] != '[' {
+		var s *string
+		if err := json.Unmarshal(b, &s); err != nil {
+			return err
+		}
+		if s != nil {
+			*t = text(*s)
+		}
+		return nil
+	}
+	var parts []struct {
+		Type string `json:"type"`
+		Text string `json:"text"`
+	}
+	if err := json.Unmarshal(b, &parts); err != nil {
+		return err
+	}
+	var joined strings.Builder
+	for _, p := range parts {
+		if p.Type == "text" {
+			joined.WriteString(p.Text)
+		}
+	}
+	*t = text(joined.String())
+	return nil
+}
+
 type chatResponse struct {
 	Choices []struct {
 		Message *struct {
-			Content     string       `json:"content"`
+			Content     text         `json:"content"`
 			Annotations []annotation `json:"annotations"`
 		} `json:"message"`
 	} `json:"choices"`
@@ -312,7 +354,7 @@ func parseCompletion(raw []byte) (upstream.Result, error) {
 		return upstream.Result{}, fmt.Errorf("%w: the chat completion has no message", upstream.ErrFailed)
 	}
 	msg := cr.Choices[0].Message
-	res := upstream.Result{Content: msg.Content, Sources: sources(msg.Content, msg.Annotations)}
+	res := upstream.Result{Content: string(msg.Content), Sources: sources(string(msg.Content), msg.Annotations)}
 	if cr.Usage != nil {
 		res.UsageReported, res.InputTokens, res.OutputTokens = true, cr.Usage.PromptTokens, cr.Usage.CompletionTokens
 	}

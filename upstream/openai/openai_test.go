@@ -537,6 +537,51 @@ func TestACompletionWithoutUsageIsTaken(t *testing.T) {
 	})
 }
 
+// TestContentInParts: content may come as an array of parts, as Mistral's
+// API sends it (thinking parts before the text when its models reason): the
+// text parts are the content, in order, in a completion and in a stream's
+// deltas alike; thinking and unknown parts are not. A part whose text is not
+// a string fails the reply.
+func TestContentInParts(t *testing.T) {
+	t.Parallel()
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		const parts = `[{"type":"thinking","thinking":[{"type":"text","text":"hmm"}]},{"type":"text","text":"Hello "},` +
+			`{"type":"image_url","image_url":{"url":"https://example.org/x.png"}},{"type":"text","text":"w\u00f6rld"}]`
+		client := b.replyClient(t, func(w http.ResponseWriter) {
+			_, _ = io.WriteString(w, `{"choices":[{"message":{"role":"assistant","content":`+parts+`}}],"usage":{"prompt_tokens":3,"completion_tokens":2}}`)
+		})
+		res, err := client.Complete(context.Background(), &req)
+		require.NoError(t, err)
+		require.Equal(t, "Hello wörld", res.Content)
+
+		events := []string{
+			`{"choices":[{"delta":{"role":"assistant","content":[{"type":"thinking","thinking":[{"type":"text","text":"hmm"}]}]}}]}`,
+			`{"choices":[{"delta":{"content":[{"type":"text","text":"Hello "}]}}]}`,
+			`{"choices":[{"delta":{"content":"w\u00f6rld"}}]}`,
+			`{"choices":[{"delta":{"content":null},"finish_reason":"stop"}]}`,
+		}
+		client = b.handlerClient(t, func(w http.ResponseWriter, r *http.Request) {
+			_, _ = io.Copy(io.Discard, r.Body)
+			w.Header().Set("Content-Type", "text/event-stream")
+			for _, e := range events {
+				_, _ = io.WriteString(w, "data: "+e+"\n\n")
+			}
+			_, _ = io.WriteString(w, "data: [DONE]\n\n")
+		})
+		var deltas []string
+		res, err = client.Stream(context.Background(), &req, func(d upstream.Delta) error { deltas = append(deltas, d.Content); return nil })
+		require.NoError(t, err)
+		require.Equal(t, []string{"Hello ", "wörld"}, deltas, "the thinking part is no delta")
+		require.Equal(t, "Hello wörld", res.Content)
+
+		client = b.replyClient(t, func(w http.ResponseWriter) {
+			_, _ = io.WriteString(w, `{"choices":[{"message":{"content":[{"type":"text","text":5}]}}],"usage":{"prompt_tokens":3,"completion_tokens":2}}`)
+		})
+		_, err = client.Complete(context.Background(), &req)
+		require.ErrorIs(t, err, upstream.ErrFailed)
+	})
+}
+
 // TestStreamsWithoutDone: a stream that ends without [DONE] after its
 // finish_reason, as some OpenAI-compatible servers send it, is whole; one
 // that ends without either is broken, and so is one whose body was cut

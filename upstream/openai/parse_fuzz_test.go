@@ -19,6 +19,7 @@ func FuzzParseReply(f *testing.F) {
 		`{"choices":[{"message":{"content":"x","annotations":[{"type":"url_citation","url_citation":{"url":"u","start_index":5,"end_index":1}}]}}],"usage":{}}`,
 		`{"choices":[]}`, `{}`, `null`, `[`, ``,
 		"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\ndata: [DONE]\n\n", ": keep-alive\n\ndata: [DONE]", "<html>",
+		`{"choices":[{"message":{"content":[{"type":"thinking","thinking":[{"type":"text","text":"t"}]},{"type":"text","text":"a"}]}}]}`,
 	} {
 		f.Add([]byte(seed))
 	}
@@ -61,6 +62,7 @@ func FuzzReadStream(f *testing.F) {
 		"data: {\"choices\":[{\"delta\":{\"annotations\":[{\"type\":\"url_citation\",\"url_citation\":{\"url\":\"u\",\"title\":\"t\"}}]}}]}\n",
 		"data: {not json}\n", "data: ", "",
 		"data: {\"choices\":[{\"delta\":{\"content\":\"x\"},\"finish_reason\":\"stop\"}]}\n\n",
+		"data: {\"choices\":[{\"delta\":{\"content\":[{\"type\":\"text\",\"text\":\"x\"},{\"type\":\"thinking\"}]}}]}\n\ndata: [DONE]\n\n",
 	} {
 		f.Add([]byte(seed))
 	}

@@ -19,7 +19,7 @@ import (
 type streamChunk struct {
 	Choices []struct {
 		Delta struct {
-			Content     *string      `json:"content"`
+			Content     *text        `json:"content"`
 			Annotations []annotation `json:"annotations"`
 		} `json:"delta"`
 		FinishReason *string `json:"finish_reason"`
@@ -288,7 +288,7 @@ func readStream(body io.Reader, limit int64, progress func(), emit func(upstream
 			finished = finished || choice.FinishReason != nil && *choice.FinishReason != ""
 			var d upstream.Delta
 			if choice.Delta.Content != nil {
-				d.Content = *choice.Delta.Content
+				d.Content = string(*choice.Delta.Content)
 			}
 			d.Sources = sources("", choice.Delta.Annotations)
 			if d.Content == "" && len(d.Sources) == 0 {

@@ -1,6 +1,7 @@
 package openai
 
 import (
+	"encoding/json"
 	"io"
 	"strings"
 	"testing"
@@ -49,4 +50,21 @@ func TestStreamLinesAreReadNoFurtherThanTheirBound(t *testing.T) {
 	require.Equal(t, "before ", res.Content)
 	require.LessOrEqual(t, body.read, int64(maxLine+8<<10), "the line up to its bound, and a buffer")
 	require.Greater(t, body.read, int64(maxLine))
+}
+
+// TestTextDecodesStringsAsJSONDoes: content as a string decodes as
+// encoding/json decodes it, on the fast path (no escapes, valid UTF-8) and
+// off it; null leaves what was there.
+func TestTextDecodesStringsAsJSONDoes(t *testing.T) {
+	t.Parallel()
+	for _, raw := range []string{`"plain words"`, `""`, `"esc\"aped\\ \n"`, `"\u00e9\ud83d\ude00"`, "\"bad \xff utf-8\"", "\"ok é\""} {
+		var want string
+		require.NoError(t, json.Unmarshal([]byte(raw), &want), raw)
+		var got text
+		require.NoError(t, json.Unmarshal([]byte(raw), &got), raw)
+		require.Equal(t, want, string(got), raw)
+	}
+	got := text("kept")
+	require.NoError(t, json.Unmarshal([]byte(`null`), &got))
+	require.Equal(t, text("kept"), got)
 }

@@ -1,0 +1,29 @@
+package openai
+
+import (
+	"bytes"
+	"fmt"
+	"testing"
+
+	"github.com/rungworks/gateway/upstream"
+)
+
+// BenchmarkReadStream reads a stream of 200 token deltas, as OpenAI sends
+// them, with its usage and [DONE]: the work a stream's reader does per token.
+func BenchmarkReadStream(b *testing.B) {
+	var body bytes.Buffer
+	body.WriteString("data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n")
+	for i := range 200 {
+		fmt.Fprintf(&body, "data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\" word%d\"},\"finish_reason\":null}]}\n\n", i)
+	}
+	body.WriteString("data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\n\n")
+	body.WriteString("data: {\"id\":\"c\",\"object\":\"chat.completion.chunk\",\"choices\":[],\"usage\":{\"prompt_tokens\":10,\"completion_tokens\":200}}\n\ndata: [DONE]\n\n")
+	raw := body.Bytes()
+	b.SetBytes(int64(len(raw)))
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, err := readStream(bytes.NewReader(raw), maxLineBytes, func() {}, func(upstream.Delta) error { return nil }); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
