@@ -35,6 +35,7 @@ type Config struct {
 	UpstreamTimeout     time.Duration `env:"GATEWAY_UPSTREAM_TIMEOUT" envDefault:"120s"`
 	UpstreamStreamLimit time.Duration `env:"GATEWAY_UPSTREAM_STREAM_LIMIT" envDefault:"30m"`
 	UpstreamH2C         bool          `env:"GATEWAY_UPSTREAM_H2C"`
+	UpstreamMaxTokens   string        `env:"GATEWAY_UPSTREAM_MAX_TOKENS_FIELD"`
 	ModelMap            string        `env:"GATEWAY_MODEL_MAP"`
 	Multipliers         string        `env:"GATEWAY_MULTIPLIERS" envDefault:"instant=1,reasoning=4,elements=2"`
 	BatchDiscount       string        `env:"GATEWAY_BATCH_DISCOUNT" envDefault:"0.5"`
@@ -126,8 +127,11 @@ func load(defaults map[string]string) (Config, error) {
 	if cfg.RateLimit < 0 {
 		return Config{}, fmt.Errorf("GATEWAY_RATE_LIMIT must not be negative")
 	}
-	if cfg.File != "" && (cfg.Upstream != "" || cfg.UpstreamKey != "" || cfg.ModelMap != "" || cfg.UpstreamH2C) {
-		return Config{}, fmt.Errorf("GATEWAY_CONFIG names a file of providers: leave GATEWAY_UPSTREAM, GATEWAY_UPSTREAM_KEY, GATEWAY_UPSTREAM_H2C and GATEWAY_MODEL_MAP unset (they are the one-provider shorthand)")
+	if cfg.File != "" && (cfg.Upstream != "" || cfg.UpstreamKey != "" || cfg.ModelMap != "" || cfg.UpstreamH2C || cfg.UpstreamMaxTokens != "") {
+		return Config{}, fmt.Errorf("GATEWAY_CONFIG names a file of providers: leave GATEWAY_UPSTREAM, GATEWAY_UPSTREAM_KEY, GATEWAY_UPSTREAM_H2C, GATEWAY_UPSTREAM_MAX_TOKENS_FIELD and GATEWAY_MODEL_MAP unset (they are the one-provider shorthand)")
+	}
+	if !maxTokensField(cfg.UpstreamMaxTokens) {
+		return Config{}, fmt.Errorf("GATEWAY_UPSTREAM_MAX_TOKENS_FIELD must be %s or %s, got %q", openai.MaxCompletionTokens, openai.MaxTokens, cfg.UpstreamMaxTokens)
 	}
 	if cfg.DBMaxConns < 2 {
 		return Config{}, fmt.Errorf("GATEWAY_DB_MAX_CONNS must be at least 2")
@@ -291,7 +295,7 @@ func (c Config) routes() (*File, error) {
 		if !httpURL(c.Upstream) {
 			return nil, fmt.Errorf("GATEWAY_UPSTREAM must be sim or an http(s) base URL, got %q", c.Upstream)
 		}
-		name, spec = "upstream", ProviderSpec{Type: "openai", BaseURL: c.Upstream, Timeout: c.UpstreamTimeout, StreamLimit: c.UpstreamStreamLimit, H2C: c.UpstreamH2C}
+		name, spec = "upstream", ProviderSpec{Type: "openai", BaseURL: c.Upstream, Timeout: c.UpstreamTimeout, StreamLimit: c.UpstreamStreamLimit, H2C: c.UpstreamH2C, MaxTokensField: c.UpstreamMaxTokens}
 		if c.UpstreamKey != "" {
 			spec.APIKeyEnv = "GATEWAY_UPSTREAM_KEY"
 		}
@@ -323,6 +327,7 @@ func (f *File) RouterConfig(keys map[string]string, tok *metering.Tokenizer, sim
 		}
 		clients[name] = openai.New(openai.Config{
 			BaseURL: pr.BaseURL, APIKey: keys[name], Timeout: pr.Timeout, StreamLimit: pr.StreamLimit, IdleTimeout: pr.IdleTimeout, H2C: pr.H2C, Headers: pr.Headers,
+			MaxTokensField: pr.MaxTokensField,
 		})
 	}
 	routes := map[gateway.Model]routing.Route{}

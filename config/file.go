@@ -17,6 +17,7 @@ import (
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/routing"
+	"github.com/rungworks/gateway/upstream/openai"
 )
 
 // File is a parsed configuration file (GATEWAY_CONFIG): named providers, the
@@ -52,7 +53,16 @@ type ProviderSpec struct {
 	IdleTimeout time.Duration
 	H2C         bool
 	Headers     map[string]string
-	line        int
+	// MaxTokensField names the field of a call's output limit
+	// (openai.Config.MaxTokensField); empty takes its default.
+	MaxTokensField string
+	line           int
+}
+
+// maxTokensField reports whether name may name the field of a call's output
+// limit: empty (the default), openai.MaxCompletionTokens or openai.MaxTokens.
+func maxTokensField(name string) bool {
+	return name == "" || name == openai.MaxCompletionTokens || name == openai.MaxTokens
 }
 
 // RouteSpec is the targets of one canonical model.
@@ -245,7 +255,7 @@ func (p *fileParser) provider(name string, k, v *yaml.Node) {
 	}
 	spec := ProviderSpec{Type: "openai", line: k.Line}
 	what := fmt.Sprintf("provider %q", name)
-	p.mapping(v, what, []string{"type", "base_url", "api_key_env", "api_key_file", "timeout", "stream_limit", "idle_timeout", "h2c", "headers"}, func(key string, _, v *yaml.Node) {
+	p.mapping(v, what, []string{"type", "base_url", "api_key_env", "api_key_file", "timeout", "stream_limit", "idle_timeout", "h2c", "max_tokens_field", "headers"}, func(key string, _, v *yaml.Node) {
 		switch key {
 		case "type":
 			spec.Type = p.str(v, what+" type")
@@ -272,6 +282,11 @@ func (p *fileParser) provider(name string, k, v *yaml.Node) {
 			spec.IdleTimeout = p.duration(v, what+" idle_timeout")
 		case "h2c":
 			spec.H2C = p.boolean(v, what+" h2c")
+		case "max_tokens_field":
+			spec.MaxTokensField = p.str(v, what+" max_tokens_field")
+			if spec.MaxTokensField == "" || !maxTokensField(spec.MaxTokensField) {
+				p.errorf(v, "%s: max_tokens_field must be %s (the default) or %s, got %q", what, openai.MaxCompletionTokens, openai.MaxTokens, spec.MaxTokensField)
+			}
 		case "headers":
 			spec.Headers = map[string]string{}
 			p.mapping(v, what+" headers", nil, func(h string, k, v *yaml.Node) {

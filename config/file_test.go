@@ -31,6 +31,7 @@ providers:
     idle_timeout: 4s
     stream_limit: 1h
     h2c: true
+    max_tokens_field: max_tokens
 models:
   instant:
     targets:
@@ -63,6 +64,7 @@ func TestParseWorkedExample(t *testing.T) {
 	require.True(t, f.Providers["vllm"].H2C)
 	require.Equal(t, 4*time.Second, f.Providers["vllm"].IdleTimeout)
 	require.Equal(t, time.Hour, f.Providers["vllm"].StreamLimit)
+	require.Equal(t, "max_tokens", f.Providers["vllm"].MaxTokensField)
 	require.Equal(t, routing.Ordered, f.Models[gateway.ModelInstant].Strategy)
 	require.Equal(t, "meta-llama/Llama-3.1-8B-Instruct", f.Models[gateway.ModelInstant].Targets[1].UpstreamModel, "model names keep their slashes")
 	require.Equal(t, 3, f.Models[gateway.ModelReasoning].Targets[0].Weight)
@@ -195,12 +197,13 @@ circuit:
 		"providers: {}\n":             "g.yaml:1: the file needs both providers and models",
 		"providers: [\n":              "g.yaml: yaml:",
 		"providers: {}\nmodels: {}\n": "models must route at least one canonical model",
-		"providers:\n  p: {type: sim}\nmodels:\n  instant: {targets: [p/m]}\nfallback: {max_attempts: 0}\n": "g.yaml:5: fallback.max_attempts must be a whole number of at least 1",
-		"providers:\n  p: {type: openai}\nmodels:\n  instant: {targets: [p/m]}\n":                           `g.yaml:2: provider "p" needs a base_url`,
-		"providers:\n  p: {type: sim, idle_timeout: -1s}\nmodels:\n  instant: {targets: [p/m]}\n":           `g.yaml:2: provider "p" idle_timeout must be a positive duration`,
-		"providers:\n  p: {type: sim, stream_limit: 0s}\nmodels:\n  instant: {targets: [p/m]}\n":            `g.yaml:2: provider "p" stream_limit must be a positive duration`,
-		"providers:\n  p: {type: sim}\n  p: {type: sim}\nmodels:\n  instant: {targets: [p/m]}\n":            `g.yaml:3: key "p" appears twice in providers`,
-		"providers:\n  p: {type: sim, headers: {\"X Team\": a}}\nmodels:\n  instant: {targets: [p/m]}\n":    `g.yaml:2: provider "p": "X Team" is not a valid header name`,
+		"providers:\n  p: {type: sim}\nmodels:\n  instant: {targets: [p/m]}\nfallback: {max_attempts: 0}\n":  "g.yaml:5: fallback.max_attempts must be a whole number of at least 1",
+		"providers:\n  p: {type: openai}\nmodels:\n  instant: {targets: [p/m]}\n":                            `g.yaml:2: provider "p" needs a base_url`,
+		"providers:\n  p: {type: sim, idle_timeout: -1s}\nmodels:\n  instant: {targets: [p/m]}\n":            `g.yaml:2: provider "p" idle_timeout must be a positive duration`,
+		"providers:\n  p: {type: sim, stream_limit: 0s}\nmodels:\n  instant: {targets: [p/m]}\n":             `g.yaml:2: provider "p" stream_limit must be a positive duration`,
+		"providers:\n  p: {type: sim}\n  p: {type: sim}\nmodels:\n  instant: {targets: [p/m]}\n":             `g.yaml:3: key "p" appears twice in providers`,
+		"providers:\n  p: {type: sim, max_tokens_field: max_output}\nmodels:\n  instant: {targets: [p/m]}\n": `g.yaml:2: provider "p": max_tokens_field must be max_completion_tokens (the default) or max_tokens, got "max_output"`,
+		"providers:\n  p: {type: sim, headers: {\"X Team\": a}}\nmodels:\n  instant: {targets: [p/m]}\n":     `g.yaml:2: provider "p": "X Team" is not a valid header name`,
 	} {
 		_, err := config.ParseFile("g.yaml", []byte(content))
 		require.ErrorContains(t, err, want, "content %q", content)
@@ -286,6 +289,26 @@ func TestTurnSettings(t *testing.T) {
 	t.Setenv("GATEWAY_TURN_WAIT", "0s")
 	_, err = config.Load()
 	require.ErrorContains(t, err, "GATEWAY_TURN_WAIT must be positive")
+}
+
+// TestUpstreamMaxTokensField: the shorthand's field of the output limit is
+// read, one of the two names, and not beside a file of providers.
+func TestUpstreamMaxTokensField(t *testing.T) {
+	t.Setenv("GATEWAY_UPSTREAM_MAX_TOKENS_FIELD", "max_tokens")
+	cfg, err := config.Load()
+	require.NoError(t, err)
+	require.Equal(t, "max_tokens", cfg.UpstreamMaxTokens)
+
+	t.Setenv("GATEWAY_UPSTREAM_MAX_TOKENS_FIELD", "max_new_tokens")
+	_, err = config.Load()
+	require.ErrorContains(t, err, `GATEWAY_UPSTREAM_MAX_TOKENS_FIELD must be max_completion_tokens or max_tokens, got "max_new_tokens"`)
+
+	path := filepath.Join(t.TempDir(), "gateway.yaml")
+	require.NoError(t, os.WriteFile(path, []byte("providers:\n  local: {type: sim}\nmodels:\n  instant: {targets: [local/tiny]}\n"), 0o600))
+	t.Setenv("GATEWAY_CONFIG", path)
+	t.Setenv("GATEWAY_UPSTREAM_MAX_TOKENS_FIELD", "max_tokens")
+	_, err = config.Load()
+	require.ErrorContains(t, err, "leave GATEWAY_UPSTREAM, GATEWAY_UPSTREAM_KEY, GATEWAY_UPSTREAM_H2C, GATEWAY_UPSTREAM_MAX_TOKENS_FIELD and GATEWAY_MODEL_MAP unset")
 }
 
 // TestUpstreamLimits: the shorthand's call and stream limits are read, and

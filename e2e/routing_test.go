@@ -27,7 +27,8 @@ import (
 
 // routed is a gateway over two fake providers from a configuration file:
 // instant goes to primary then backup, reasoning to primary only, elements to
-// backup only. Connections to primary are kept idle for an hour.
+// backup only. Connections to primary are kept idle for an hour; backup knows
+// the output limit only as max_tokens.
 type routed struct {
 	*testBundle
 	primary, backup *fakeupstream.Server
@@ -52,6 +53,7 @@ func serveRouted(t *testing.T, extra map[string]string) *routed {
   backup:
     base_url: %s
     timeout: 2s
+    max_tokens_field: max_tokens
 models:
   instant:
     targets: [primary/p-instant, backup/b-instant]
@@ -164,6 +166,9 @@ func TestFallbackAcrossProviders(t *testing.T) {
 	require.Equal(t, "p-instant", primaryCall.Model)
 	require.Equal(t, "Bearer sk-primary", primaryCall.Authorization, "the key comes from the variable the file names")
 	require.Empty(t, r.backup.Calls()[0].Authorization)
+	backupCall := r.backup.Calls()[0]
+	require.Equal(t, [2]uint64{32000, 0}, [2]uint64{primaryCall.MaxCompletionTokens, primaryCall.MaxTokens}, "the output limit as OpenAI names it")
+	require.Equal(t, [2]uint64{0, 32000}, [2]uint64{backupCall.MaxCompletionTokens, backupCall.MaxTokens}, "as the backup's file says it knows it")
 
 	// A stream falls back before its first byte.
 	r.primary.SetMode(fakeupstream.Down)

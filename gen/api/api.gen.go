@@ -562,7 +562,8 @@ type ResponseRequest struct {
 	IncludeRegions *bool `json:"include_regions,omitempty"`
 
 	// MaxOutputRungs Output ceiling, in **tokens**: it is sent upstream as
-	// `max_completion_tokens`, and bounds the output tokens billed (an upstream
+	// `max_completion_tokens` (or `max_tokens`, to a provider that knows only
+	// that name), and bounds the output tokens billed (an upstream
 	// that reports more is clamped to it). Rungs are tokens times the model's
 	// multiplier (times 1 − the batch discount for batch items), so the output
 	// rungs can exceed this number: `max_output_rungs: 40` on `reasoning`

@@ -33,8 +33,11 @@ type Call struct {
 	System              string
 	Prompt              string
 	MaxCompletionTokens uint64
-	Hints               string
-	Authorization       string
+	// MaxTokens is the older field of the output limit, sent instead of
+	// max_completion_tokens to servers that know only it.
+	MaxTokens     uint64
+	Hints         string
+	Authorization string
 	// Traceparent is the W3C trace context the call carried, if any.
 	Traceparent string
 	// At is when the call arrived.
@@ -336,6 +339,7 @@ type chatRequest struct {
 		IncludeUsage bool `json:"include_usage"`
 	} `json:"stream_options"`
 	MaxCompletionTokens uint64 `json:"max_completion_tokens"`
+	MaxTokens           uint64 `json:"max_tokens"`
 	Messages            []struct {
 		Role    string `json:"role"`
 		Content string `json:"content"`
@@ -352,7 +356,7 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, `{"error":{"message":"bad json"}}`, http.StatusBadRequest)
 		return
 	}
-	call := Call{Model: req.Model, MaxCompletionTokens: req.MaxCompletionTokens, Hints: r.Header.Get("X-Gateway-Hints"), Authorization: r.Header.Get("Authorization"), Traceparent: r.Header.Get("Traceparent"), At: time.Now()}
+	call := Call{Model: req.Model, MaxCompletionTokens: req.MaxCompletionTokens, MaxTokens: req.MaxTokens, Hints: r.Header.Get("X-Gateway-Hints"), Authorization: r.Header.Get("Authorization"), Traceparent: r.Header.Get("Traceparent"), At: time.Now()}
 	for _, m := range req.Messages {
 		switch m.Role {
 		case "system":

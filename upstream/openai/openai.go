@@ -57,7 +57,19 @@ type Config struct {
 	// transport's (default 90 s: HTTP/2 upstreams close idle connections with
 	// GOAWAY, which says which calls they did not process).
 	IdleTimeout time.Duration
+	// MaxTokensField names the field that carries a call's output limit:
+	// MaxCompletionTokens (OpenAI's, the default; its reasoning models refuse
+	// the other) or MaxTokens, for servers that know only the older name
+	// (some ignore the newer one, and would generate past the limit the
+	// caller is billed for; some refuse it).
+	MaxTokensField string
 }
+
+// The names of an output limit's field (Config.MaxTokensField).
+const (
+	MaxCompletionTokens = "max_completion_tokens"
+	MaxTokens           = "max_tokens"
+)
 
 // defaultStreamLimit is Config.StreamLimit's default: longer than any
 // generation of a model's whole output limit at a slow model's pace.
@@ -173,7 +185,8 @@ type message struct {
 type chatRequest struct {
 	Model               string         `json:"model"`
 	Messages            []message      `json:"messages"`
-	MaxCompletionTokens uint64         `json:"max_completion_tokens"`
+	MaxCompletionTokens uint64         `json:"max_completion_tokens,omitempty"`
+	MaxTokens           uint64         `json:"max_tokens,omitempty"`
 	Stream              bool           `json:"stream,omitempty"`
 	StreamOptions       *streamOptions `json:"stream_options,omitempty"`
 }
@@ -365,10 +378,11 @@ func parseCompletion(raw []byte) (upstream.Result, error) {
 // error, and whether the request was dispatched: a connection was obtained to
 // write it on (req.Dispatched is called then).
 func (c *Client) post(ctx context.Context, req *upstream.Request, stream bool) (*http.Response, bool, error) {
-	cr := chatRequest{
-		Model:               req.UpstreamModel,
-		Messages:            messages(req),
-		MaxCompletionTokens: req.MaxOutputTokens,
+	cr := chatRequest{Model: req.UpstreamModel, Messages: messages(req)}
+	if c.cfg.MaxTokensField == MaxTokens {
+		cr.MaxTokens = req.MaxOutputTokens
+	} else {
+		cr.MaxCompletionTokens = req.MaxOutputTokens
 	}
 	accept := "application/json"
 	if stream {

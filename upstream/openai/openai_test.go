@@ -84,6 +84,30 @@ func TestComplete(t *testing.T) {
 	})
 }
 
+// TestTheOutputLimitsField: a call carries its output limit in
+// max_completion_tokens alone (OpenAI's reasoning models refuse max_tokens),
+// or, to a server configured as knowing only the older name, in max_tokens
+// alone.
+func TestTheOutputLimitsField(t *testing.T) {
+	t.Parallel()
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		_, err := b.client.Complete(context.Background(), &req)
+		require.NoError(t, err)
+		older := b.newClient(openai.Config{Timeout: 2 * time.Second, MaxTokensField: openai.MaxTokens})
+		_, err = older.Complete(context.Background(), &req)
+		require.NoError(t, err)
+		_, err = older.Stream(context.Background(), &req, func(upstream.Delta) error { return nil })
+		require.NoError(t, err)
+
+		calls := b.fake.Calls()
+		require.Len(t, calls, 3)
+		require.Equal(t, [2]uint64{123, 0}, [2]uint64{calls[0].MaxCompletionTokens, calls[0].MaxTokens})
+		for _, c := range calls[1:] {
+			require.Equal(t, [2]uint64{0, 123}, [2]uint64{c.MaxCompletionTokens, c.MaxTokens})
+		}
+	})
+}
+
 func TestUnavailable(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {
