@@ -301,7 +301,7 @@ func parseReply(raw []byte) (upstream.Result, error) {
 	}
 	res, err := readStream(bytes.NewReader(raw), int64(len(raw)), func() {}, func(upstream.Delta) error { return nil })
 	if err != nil {
-		return upstream.Result{}, fmt.Errorf("%w: the reply is neither a chat completion nor a whole event stream: %v", upstream.ErrFailed, err)
+		return upstream.Result{}, fmt.Errorf("%w: the reply is neither a chat completion nor a whole event stream: %w", upstream.ErrFailed, err)
 	}
 	return res, nil
 }
