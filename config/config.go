@@ -26,38 +26,38 @@ import (
 
 // Config is the gateway's configuration.
 type Config struct {
-	DatabaseURL         string        `env:"DATABASE_URL"`
-	Listen              string        `env:"GATEWAY_LISTEN" envDefault:":8080"`
-	H2C                 bool          `env:"GATEWAY_H2C"`
-	File                string        `env:"GATEWAY_CONFIG"`
-	Upstream            string        `env:"GATEWAY_UPSTREAM"`
-	UpstreamKey         string        `env:"GATEWAY_UPSTREAM_KEY"`
-	UpstreamTimeout     time.Duration `env:"GATEWAY_UPSTREAM_TIMEOUT" envDefault:"120s"`
-	UpstreamStreamLimit time.Duration `env:"GATEWAY_UPSTREAM_STREAM_LIMIT" envDefault:"30m"`
-	UpstreamH2C         bool          `env:"GATEWAY_UPSTREAM_H2C"`
-	UpstreamMaxTokens   string        `env:"GATEWAY_UPSTREAM_MAX_TOKENS_FIELD"`
-	ModelMap            string        `env:"GATEWAY_MODEL_MAP"`
-	Multipliers         string        `env:"GATEWAY_MULTIPLIERS" envDefault:"instant=1,reasoning=4,elements=2"`
-	BatchDiscount       string        `env:"GATEWAY_BATCH_DISCOUNT" envDefault:"0.5"`
-	EvidenceRetention   time.Duration `env:"GATEWAY_EVIDENCE_RETENTION" envDefault:"168h"`
-	SSEKeepalive        time.Duration `env:"GATEWAY_SSE_KEEPALIVE" envDefault:"15s"`
-	RateLimit           int           `env:"GATEWAY_RATE_LIMIT"`
-	BatchWindow         time.Duration `env:"GATEWAY_BATCH_WINDOW" envDefault:"24h"`
-	BatchRetention      time.Duration `env:"GATEWAY_BATCH_RETENTION" envDefault:"720h"`
-	Lease               time.Duration `env:"GATEWAY_LEASE" envDefault:"30s"`
-	DrainConcurrency    int           `env:"GATEWAY_DRAIN_CONCURRENCY" envDefault:"32"`
-	SimTokenLatency     time.Duration `env:"GATEWAY_SIM_TOKEN_LATENCY" envDefault:"2ms"`
-	DBMaxConns          int32         `env:"GATEWAY_DB_MAX_CONNS" envDefault:"8"`
-	MetricsListen       string        `env:"GATEWAY_METRICS_LISTEN" envDefault:":9810"`
-	Pprof               bool          `env:"GATEWAY_PPROF"`
-	ShutdownGrace       time.Duration `env:"GATEWAY_SHUTDOWN_GRACE" envDefault:"30s"`
-	BodyTimeout         time.Duration `env:"GATEWAY_BODY_TIMEOUT" envDefault:"30s"`
-	TurnPlaces          int           `env:"GATEWAY_TURN_PLACES"`
-	TurnWait            time.Duration `env:"GATEWAY_TURN_WAIT" envDefault:"10s"`
-	DrainDelay          time.Duration `env:"GATEWAY_DRAIN_DELAY" envDefault:"5s"`
-	CORSOrigins         []string      `env:"GATEWAY_CORS_ORIGINS" envSeparator:","`
-	TrustedProxies      []string      `env:"GATEWAY_TRUSTED_PROXIES" envSeparator:","`
-	TraceContent        bool          `env:"GATEWAY_TRACE_CONTENT"`
+	DatabaseURL            string        `env:"DATABASE_URL"`
+	Listen                 string        `env:"GATEWAY_LISTEN" envDefault:":8080"`
+	H2C                    bool          `env:"GATEWAY_H2C"`
+	File                   string        `env:"GATEWAY_CONFIG"`
+	Upstream               string        `env:"GATEWAY_UPSTREAM"`
+	UpstreamKey            string        `env:"GATEWAY_UPSTREAM_KEY"`
+	UpstreamTimeout        time.Duration `env:"GATEWAY_UPSTREAM_TIMEOUT" envDefault:"120s"`
+	UpstreamStreamLimit    time.Duration `env:"GATEWAY_UPSTREAM_STREAM_LIMIT" envDefault:"30m"`
+	UpstreamH2C            bool          `env:"GATEWAY_UPSTREAM_H2C"`
+	UpstreamMaxTokensField string        `env:"GATEWAY_UPSTREAM_MAX_TOKENS_FIELD"`
+	ModelMap               string        `env:"GATEWAY_MODEL_MAP"`
+	Multipliers            string        `env:"GATEWAY_MULTIPLIERS" envDefault:"instant=1,reasoning=4,elements=2"`
+	BatchDiscount          string        `env:"GATEWAY_BATCH_DISCOUNT" envDefault:"0.5"`
+	EvidenceRetention      time.Duration `env:"GATEWAY_EVIDENCE_RETENTION" envDefault:"168h"`
+	SSEKeepalive           time.Duration `env:"GATEWAY_SSE_KEEPALIVE" envDefault:"15s"`
+	RateLimit              int           `env:"GATEWAY_RATE_LIMIT"`
+	BatchWindow            time.Duration `env:"GATEWAY_BATCH_WINDOW" envDefault:"24h"`
+	BatchRetention         time.Duration `env:"GATEWAY_BATCH_RETENTION" envDefault:"720h"`
+	Lease                  time.Duration `env:"GATEWAY_LEASE" envDefault:"30s"`
+	DrainConcurrency       int           `env:"GATEWAY_DRAIN_CONCURRENCY" envDefault:"32"`
+	SimTokenLatency        time.Duration `env:"GATEWAY_SIM_TOKEN_LATENCY" envDefault:"2ms"`
+	DBMaxConns             int32         `env:"GATEWAY_DB_MAX_CONNS" envDefault:"8"`
+	MetricsListen          string        `env:"GATEWAY_METRICS_LISTEN" envDefault:":9810"`
+	Pprof                  bool          `env:"GATEWAY_PPROF"`
+	ShutdownGrace          time.Duration `env:"GATEWAY_SHUTDOWN_GRACE" envDefault:"30s"`
+	BodyTimeout            time.Duration `env:"GATEWAY_BODY_TIMEOUT" envDefault:"30s"`
+	TurnPlaces             int           `env:"GATEWAY_TURN_PLACES"`
+	TurnWait               time.Duration `env:"GATEWAY_TURN_WAIT" envDefault:"10s"`
+	DrainDelay             time.Duration `env:"GATEWAY_DRAIN_DELAY" envDefault:"5s"`
+	CORSOrigins            []string      `env:"GATEWAY_CORS_ORIGINS" envSeparator:","`
+	TrustedProxies         []string      `env:"GATEWAY_TRUSTED_PROXIES" envSeparator:","`
+	TraceContent           bool          `env:"GATEWAY_TRACE_CONTENT"`
 
 	// proxies are TrustedProxies read (see Proxies).
 	proxies []netip.Prefix
@@ -127,11 +127,11 @@ func load(defaults map[string]string) (Config, error) {
 	if cfg.RateLimit < 0 {
 		return Config{}, fmt.Errorf("GATEWAY_RATE_LIMIT must not be negative")
 	}
-	if cfg.File != "" && (cfg.Upstream != "" || cfg.UpstreamKey != "" || cfg.ModelMap != "" || cfg.UpstreamH2C || cfg.UpstreamMaxTokens != "") {
+	if cfg.File != "" && (cfg.Upstream != "" || cfg.UpstreamKey != "" || cfg.ModelMap != "" || cfg.UpstreamH2C || cfg.UpstreamMaxTokensField != "") {
 		return Config{}, fmt.Errorf("GATEWAY_CONFIG names a file of providers: leave GATEWAY_UPSTREAM, GATEWAY_UPSTREAM_KEY, GATEWAY_UPSTREAM_H2C, GATEWAY_UPSTREAM_MAX_TOKENS_FIELD and GATEWAY_MODEL_MAP unset (they are the one-provider shorthand)")
 	}
-	if !maxTokensField(cfg.UpstreamMaxTokens) {
-		return Config{}, fmt.Errorf("GATEWAY_UPSTREAM_MAX_TOKENS_FIELD must be %s or %s, got %q", openai.MaxCompletionTokens, openai.MaxTokens, cfg.UpstreamMaxTokens)
+	if !maxTokensField(cfg.UpstreamMaxTokensField) {
+		return Config{}, fmt.Errorf("GATEWAY_UPSTREAM_MAX_TOKENS_FIELD must be %s or %s, got %q", openai.MaxCompletionTokens, openai.MaxTokens, cfg.UpstreamMaxTokensField)
 	}
 	if cfg.DBMaxConns < 2 {
 		return Config{}, fmt.Errorf("GATEWAY_DB_MAX_CONNS must be at least 2")
@@ -295,7 +295,7 @@ func (c Config) routes() (*File, error) {
 		if !httpURL(c.Upstream) {
 			return nil, fmt.Errorf("GATEWAY_UPSTREAM must be sim or an http(s) base URL, got %q", c.Upstream)
 		}
-		name, spec = "upstream", ProviderSpec{Type: "openai", BaseURL: c.Upstream, Timeout: c.UpstreamTimeout, StreamLimit: c.UpstreamStreamLimit, H2C: c.UpstreamH2C, MaxTokensField: c.UpstreamMaxTokens}
+		name, spec = "upstream", ProviderSpec{Type: "openai", BaseURL: c.Upstream, Timeout: c.UpstreamTimeout, StreamLimit: c.UpstreamStreamLimit, H2C: c.UpstreamH2C, MaxTokensField: c.UpstreamMaxTokensField}
 		if c.UpstreamKey != "" {
 			spec.APIKeyEnv = "GATEWAY_UPSTREAM_KEY"
 		}

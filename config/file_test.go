@@ -297,7 +297,7 @@ func TestUpstreamMaxTokensField(t *testing.T) {
 	t.Setenv("GATEWAY_UPSTREAM_MAX_TOKENS_FIELD", "max_tokens")
 	cfg, err := config.Load()
 	require.NoError(t, err)
-	require.Equal(t, "max_tokens", cfg.UpstreamMaxTokens)
+	require.Equal(t, "max_tokens", cfg.UpstreamMaxTokensField)
 
 	t.Setenv("GATEWAY_UPSTREAM_MAX_TOKENS_FIELD", "max_new_tokens")
 	_, err = config.Load()
