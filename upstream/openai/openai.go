@@ -357,7 +357,7 @@ func readReply(body io.Reader, size, limit int64) ([]byte, error) {
 // the caller to count, as a stream without usage.
 func parseCompletion(raw []byte) (upstream.Result, error) {
 	var cr chatResponse
-	if err := json.Unmarshal(raw, &cr); err != nil {
+	if err := json.Unmarshal(withoutDone(raw), &cr); err != nil {
 		return upstream.Result{}, fmt.Errorf("%w: the chat completion could not be decoded: %v", upstream.ErrFailed, err)
 	}
 	if len(cr.Choices) == 0 || cr.Choices[0].Message == nil {
@@ -372,6 +372,20 @@ func parseCompletion(raw []byte) (upstream.Result, error) {
 		res.UsageReported, res.InputTokens, res.OutputTokens = true, cr.Usage.PromptTokens, cr.Usage.CompletionTokens
 	}
 	return res, nil
+}
+
+// withoutDone is raw without an event stream's end (data: [DONE]) after it,
+// which some proxies append to a completion; raw itself when it has none.
+// What stays must still be one completion.
+func withoutDone(raw []byte) []byte {
+	body, ok := bytes.CutSuffix(bytes.TrimRight(raw, " \t\r\n"), doneMarker)
+	if !ok {
+		return raw
+	}
+	if body, ok = bytes.CutSuffix(bytes.TrimRight(body, " \t"), []byte("data:")); !ok {
+		return raw
+	}
+	return body
 }
 
 // post sends the chat request and returns a 2xx reply, or the classified

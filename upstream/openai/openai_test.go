@@ -468,7 +468,9 @@ func TestAStreamAnsweredWholeIsTaken(t *testing.T) {
 // application/json streams all the same, its completions labelled
 // text/event-stream are taken whole, and one that streams a reply asked for
 // whole is read to its [DONE] (its usage counted by the caller when it sent
-// none). A reply that is neither fails after dispatch.
+// none); a completion that a proxy followed with an event stream's end
+// (data: [DONE]) is taken. A reply that is none of these fails after
+// dispatch.
 func TestRepliesAreReadByWhatTheyHold(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {
@@ -505,7 +507,9 @@ func TestRepliesAreReadByWhatTheyHold(t *testing.T) {
 			"a stream cut before [DONE]":      {"application/json", "data: {\"choices\":[{\"delta\":{\"content\":\"whole\"}}]}\n\n", upstream.ErrFailed},
 			"a page of HTML":                  {"text/html", "<html>bad gateway</html>", upstream.ErrFailed},
 			"a JSON object after a comment":   {"text/event-stream", ": hi\n" + completion, upstream.ErrFailed},
-			"a completion with trailing data": {"application/json", completion + "data: [DONE]", upstream.ErrFailed},
+			"a completion, then [DONE]":       {"text/event-stream", completion + "data: [DONE]\n\n", nil},
+			"a completion with trailing data": {"application/json", completion + "data: [DONE] and more", upstream.ErrFailed},
+			"two completions, then [DONE]":    {"application/json", completion + "\n" + completion + "\ndata: [DONE]", upstream.ErrFailed},
 		} {
 			client := b.handlerClient(t, func(w http.ResponseWriter, r *http.Request) {
 				_, _ = io.Copy(io.Discard, r.Body)
