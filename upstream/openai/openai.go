@@ -19,7 +19,6 @@ import (
 	"strings"
 	"sync/atomic"
 	"time"
-	"unicode/utf8"
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/tracing"
@@ -210,20 +209,15 @@ type annotation struct {
 	} `json:"url_citation"`
 }
 
-// text is the content of a message or a delta: a string or, as Mistral's
-// API sends it (its reasoning models' thinking among it), an array of parts,
-// whose parts of type text are the content, in order; other parts (thinking,
-// and kinds not known) are not.
+// text is the content of a message or a delta as a decoding of a reply
+// reads it again when its content was not a string (see inParts): a string,
+// or, as Mistral's API sends it (its reasoning models' thinking among it), an
+// array of parts, whose parts of type text are the content, in order; other
+// parts (thinking, and kinds not known) are not.
 type text string
 
 // UnmarshalJSON implements json.Unmarshaler; null leaves t as it is.
 func (t *text) UnmarshalJSON(b []byte) error {
-	// The usual content: a string without escapes, which the decoder has
-	// checked already, taken as it stands.
-	if n := len(b); n >= 2 && b[0] == '"' && bytes.IndexByte(b, '\\') < 0 && utf8.Valid(b[1:n-1]) {
-		*t = text(b[1 : n-1])
-		return nil
-	}
 	if len(b) == 0 || b[0] != '[' {
 		var s *string
 		if err := json.Unmarshal(b, &s); err != nil {
@@ -251,10 +245,24 @@ func (t *text) UnmarshalJSON(b []byte) error {
 	return nil
 }
 
-type chatResponse struct {
+// inParts reports whether err is the decoder's word that the content at path
+// (choices.message.content, choices.delta.content) is not a string: the
+// reply is decoded again with its content as text. The usual content, a
+// string, is decoded as a string, at no cost of its own.
+func inParts(err error, path string) bool {
+	if err == nil {
+		return false
+	}
+	var te *json.UnmarshalTypeError
+	return errors.As(err, &te) && te.Field == path
+}
+
+// chatResponse is a chat completion; C is its messages' content: string, or
+// text when a content was not a string (inParts).
+type chatResponse[C ~string] struct {
 	Choices []struct {
 		Message *struct {
-			Content     text         `json:"content"`
+			Content     C            `json:"content"`
 			Annotations []annotation `json:"annotations"`
 		} `json:"message"`
 	} `json:"choices"`
@@ -356,10 +364,23 @@ func readReply(body io.Reader, size, limit int64) ([]byte, error) {
 // usage, from an upstream that reports none, has UsageReported false, for
 // the caller to count, as a stream without usage.
 func parseCompletion(raw []byte) (upstream.Result, error) {
-	var cr chatResponse
-	if err := json.Unmarshal(withoutDone(raw), &cr); err != nil {
+	raw = withoutDone(raw)
+	var cr chatResponse[string]
+	err := json.Unmarshal(raw, &cr)
+	if inParts(err, "choices.message.content") {
+		var parted chatResponse[text]
+		if err = json.Unmarshal(raw, &parted); err == nil {
+			return completionResult(&parted)
+		}
+	}
+	if err != nil {
 		return upstream.Result{}, fmt.Errorf("%w: the chat completion could not be decoded: %v", upstream.ErrFailed, err)
 	}
+	return completionResult(&cr)
+}
+
+// completionResult is what a decoded chat completion says.
+func completionResult[C ~string](cr *chatResponse[C]) (upstream.Result, error) {
 	if len(cr.Choices) == 0 || cr.Choices[0].Message == nil {
 		if cr.Error != nil {
 			return upstream.Result{}, fmt.Errorf("%w: the upstream answered 200 with an error: %s", upstream.ErrFailed, errorMessage(cr.Error.Message))

@@ -16,18 +16,36 @@ import (
 	"github.com/rungworks/gateway/upstream"
 )
 
-type streamChunk struct {
-	Choices []struct {
-		Delta struct {
-			Content     *text        `json:"content"`
-			Annotations []annotation `json:"annotations"`
-		} `json:"delta"`
-		FinishReason *string `json:"finish_reason"`
-	} `json:"choices"`
-	Usage *usage `json:"usage"`
-	Error *struct {
+// streamChunk is one event of a stream; C is its deltas' content: string, or
+// text when a content was not a string (inParts).
+type streamChunk[C ~string] struct {
+	Choices []streamChoice[C] `json:"choices"`
+	Usage   *usage            `json:"usage"`
+	Error   *struct {
 		Message string `json:"message"`
 	} `json:"error"`
+}
+
+// streamChoice is a choice of a stream's event.
+type streamChoice[C ~string] struct {
+	Delta struct {
+		Content     *C           `json:"content"`
+		Annotations []annotation `json:"annotations"`
+	} `json:"delta"`
+	FinishReason *string `json:"finish_reason"`
+}
+
+// asStrings is the chunk with its contents as strings.
+func (c *streamChunk[C]) asStrings() streamChunk[string] {
+	out := streamChunk[string]{Choices: make([]streamChoice[string], len(c.Choices)), Usage: c.Usage, Error: c.Error}
+	for i, ch := range c.Choices {
+		out.Choices[i].Delta.Annotations, out.Choices[i].FinishReason = ch.Delta.Annotations, ch.FinishReason
+		if ch.Delta.Content != nil {
+			content := string(*ch.Delta.Content)
+			out.Choices[i].Delta.Content = &content
+		}
+	}
+	return out
 }
 
 var doneMarker = []byte("[DONE]")
@@ -273,8 +291,15 @@ func readStream(body io.Reader, limit int64, progress func(), emit func(upstream
 		if bytes.Equal(data, doneMarker) {
 			return finish(nil)
 		}
-		var chunk streamChunk
-		if err := json.Unmarshal(data, &chunk); err != nil {
+		var chunk streamChunk[string]
+		err = json.Unmarshal(data, &chunk)
+		if inParts(err, "choices.delta.content") {
+			var parted streamChunk[text]
+			if err = json.Unmarshal(data, &parted); err == nil {
+				chunk = parted.asStrings()
+			}
+		}
+		if err != nil {
 			return finish(fmt.Errorf("malformed stream chunk: %w", err))
 		}
 		if chunk.Error != nil {
@@ -288,7 +313,7 @@ func readStream(body io.Reader, limit int64, progress func(), emit func(upstream
 			finished = finished || choice.FinishReason != nil && *choice.FinishReason != ""
 			var d upstream.Delta
 			if choice.Delta.Content != nil {
-				d.Content = string(*choice.Delta.Content)
+				d.Content = *choice.Delta.Content
 			}
 			d.Sources = sources("", choice.Delta.Annotations)
 			if d.Content == "" && len(d.Sources) == 0 {

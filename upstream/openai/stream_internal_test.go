@@ -52,9 +52,9 @@ func TestStreamLinesAreReadNoFurtherThanTheirBound(t *testing.T) {
 	require.Greater(t, body.read, int64(maxLine))
 }
 
-// TestTextDecodesStringsAsJSONDoes: content as a string decodes as
-// encoding/json decodes it, on the fast path (no escapes, valid UTF-8) and
-// off it; null leaves what was there.
+// TestTextDecodesStringsAsJSONDoes: text, read again for a reply whose
+// content was not a string, decodes the strings of its other contents as
+// encoding/json does; null leaves what was there.
 func TestTextDecodesStringsAsJSONDoes(t *testing.T) {
 	t.Parallel()
 	for _, raw := range []string{`"plain words"`, `""`, `"esc\"aped\\ \n"`, `"\u00e9\ud83d\ude00"`, "\"bad \xff utf-8\"", "\"ok é\""} {
