@@ -165,15 +165,13 @@ func (c *Client) receive(ctx context.Context, w *watchdog, resp *http.Response, 
 // delta: the call was answered, and its output is not dropped for coming in
 // one piece.
 func readCompletion(first []byte, rest io.Reader, limit int64, emit func(upstream.Delta) error) (upstream.Result, error) {
-	raw := bytes.NewBuffer(make([]byte, 0, len(first)+bytes.MinRead))
-	raw.Write(first)
-	if _, err := raw.ReadFrom(io.LimitReader(rest, limit+1-int64(len(first)))); err != nil {
+	// first is the reader's buffer, which rest overwrites: it is read whole
+	// before rest is.
+	raw, err := readReply(io.MultiReader(bytes.NewReader(first), rest), -1, limit)
+	if err != nil {
 		return upstream.Result{}, err
 	}
-	if int64(raw.Len()) > limit {
-		return upstream.Result{}, fmt.Errorf("%w: a reply to this request takes at most %d bytes", upstream.ErrTooLong, limit)
-	}
-	res, err := parseCompletion(raw.Bytes())
+	res, err := parseCompletion(raw)
 	if err != nil {
 		return upstream.Result{}, err
 	}
