@@ -295,6 +295,9 @@ func (c Config) routes() (*File, error) {
 		if !httpURL(c.Upstream) {
 			return nil, fmt.Errorf("GATEWAY_UPSTREAM must be sim or an http(s) base URL, got %q", c.Upstream)
 		}
+		if problem := baseURLProblem(c.Upstream); problem != "" {
+			return nil, fmt.Errorf("GATEWAY_UPSTREAM %s", problem)
+		}
 		name, spec = "upstream", ProviderSpec{Type: "openai", BaseURL: c.Upstream, Timeout: c.UpstreamTimeout, StreamLimit: c.UpstreamStreamLimit, H2C: c.UpstreamH2C, MaxTokensField: c.UpstreamMaxTokensField}
 		if c.UpstreamKey != "" {
 			spec.APIKeyEnv = "GATEWAY_UPSTREAM_KEY"

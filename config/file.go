@@ -264,8 +264,8 @@ func (p *fileParser) provider(name string, k, v *yaml.Node) {
 			}
 		case "base_url":
 			spec.BaseURL = p.str(v, what+" base_url")
-			if !httpURL(spec.BaseURL) {
-				p.errorf(v, "%s: base_url must be an http(s) URL such as https://api.openai.com/v1, got %q", what, spec.BaseURL)
+			if problem := baseURLProblem(spec.BaseURL); problem != "" {
+				p.errorf(v, "%s: base_url %s", what, problem)
 			}
 		case "api_key_env":
 			spec.APIKeyEnv = p.str(v, what+" api_key_env")
@@ -387,6 +387,26 @@ func (p *fileParser) target(n *yaml.Node, what string, strategy routing.Strategy
 func httpURL(s string) bool {
 	u, err := url.Parse(s)
 	return err == nil && (u.Scheme == "http" || u.Scheme == "https") && u.Host != ""
+}
+
+// baseURLProblem says, after the setting's name, what is wrong with s as an
+// upstream's base URL; "" when nothing is. A query is kept on every call
+// (Azure OpenAI's deployments take their api-version there). Credentials
+// are refused, and not repeated: a call would not send them (the key goes
+// in api_key_env, api_key_file or GATEWAY_UPSTREAM_KEY), and an error would
+// print them.
+func baseURLProblem(s string) string {
+	if !httpURL(s) {
+		return fmt.Sprintf("must be an http(s) URL such as https://api.openai.com/v1, got %q", s)
+	}
+	u, _ := url.Parse(s)
+	switch {
+	case u.User != nil:
+		return "must not hold credentials (user:password@): give the upstream's key in api_key_env or api_key_file (GATEWAY_UPSTREAM_KEY in the shorthand), or another header in headers"
+	case strings.Contains(s, "#"):
+		return fmt.Sprintf("must not end in a fragment (#…): it is never sent, got %q", s)
+	}
+	return ""
 }
 
 func (p *fileParser) str(n *yaml.Node, what string) string {

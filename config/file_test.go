@@ -241,6 +241,29 @@ func TestShorthandServesEveryModel(t *testing.T) {
 	require.NoError(t, err)
 	_, err = cfg.Router(nil, nil, nil)
 	require.ErrorContains(t, err, "GATEWAY_UPSTREAM must be sim or an http(s) base URL")
+
+	t.Setenv("GATEWAY_UPSTREAM", "https://me:hunter2@example.org/v1")
+	cfg, err = config.Load()
+	require.NoError(t, err)
+	_, err = cfg.Router(nil, nil, nil)
+	require.ErrorContains(t, err, "GATEWAY_UPSTREAM must not hold credentials")
+	require.NotContains(t, err.Error(), "hunter2", "the error does not print them")
+}
+
+// TestBaseURLs: a base URL's query is taken (calls keep it); credentials and
+// fragments are refused, and credentials are not printed.
+func TestBaseURLs(t *testing.T) {
+	t.Parallel()
+	parse := func(base string) error {
+		_, err := config.ParseFile("g.yaml", []byte("providers:\n  p: {type: openai, base_url: \""+base+"\"}\nmodels:\n  instant: {targets: [p/m]}\n"))
+		return err
+	}
+	require.NoError(t, parse("https://acme.openai.azure.com/openai/deployments/gpt-4o?api-version=2024-10-21"))
+	err := parse("https://me:hunter2@example.org/v1")
+	require.ErrorContains(t, err, `g.yaml:2: provider "p": base_url must not hold credentials`)
+	require.NotContains(t, err.Error(), "hunter2")
+	require.ErrorContains(t, parse("https://example.org/v1#models"), `base_url must not end in a fragment`)
+	require.ErrorContains(t, parse("https://example.org/v1#"), `base_url must not end in a fragment`)
 }
 
 // TestDevDrainDelay: gateway dev, with no load balancer in front, stops at

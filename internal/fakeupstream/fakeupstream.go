@@ -40,6 +40,8 @@ type Call struct {
 	Authorization string
 	// Traceparent is the W3C trace context the call carried, if any.
 	Traceparent string
+	// Query is the call's URL query, as sent.
+	Query string
 	// At is when the call arrived.
 	At time.Time
 }
@@ -356,7 +358,7 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, `{"error":{"message":"bad json"}}`, http.StatusBadRequest)
 		return
 	}
-	call := Call{Model: req.Model, MaxCompletionTokens: req.MaxCompletionTokens, MaxTokens: req.MaxTokens, Hints: r.Header.Get("X-Gateway-Hints"), Authorization: r.Header.Get("Authorization"), Traceparent: r.Header.Get("Traceparent"), At: time.Now()}
+	call := Call{Model: req.Model, MaxCompletionTokens: req.MaxCompletionTokens, MaxTokens: req.MaxTokens, Hints: r.Header.Get("X-Gateway-Hints"), Authorization: r.Header.Get("Authorization"), Traceparent: r.Header.Get("Traceparent"), Query: r.URL.RawQuery, At: time.Now()}
 	for _, m := range req.Messages {
 		switch m.Role {
 		case "system":

@@ -33,7 +33,9 @@ const HintsHeader = "X-Gateway-Hints"
 
 // Config configures a Client.
 type Config struct {
-	// BaseURL is the API root, e.g. http://127.0.0.1:9000/v1.
+	// BaseURL is the API root, e.g. http://127.0.0.1:9000/v1. Its query, if
+	// any, is kept on every call (Azure OpenAI's deployments take their
+	// api-version there).
 	BaseURL string
 	// APIKey is sent as a bearer token when set.
 	APIKey string
@@ -77,6 +79,8 @@ const defaultStreamLimit = 30 * time.Minute
 // Client calls POST {BaseURL}/chat/completions.
 type Client struct {
 	cfg Config
+	// endpoint is the URL calls are posted to (chatURL).
+	endpoint string
 	// Calls to a plain-text HTTP/1.1 upstream reached without a proxy go
 	// through h1, on the caller's goroutine; all others through transport,
 	// called directly: net/http's Client would follow redirects, and ask
@@ -103,12 +107,12 @@ func New(cfg Config) *Client {
 	if cfg.StreamLimit <= 0 {
 		cfg.StreamLimit = defaultStreamLimit
 	}
-	cfg.BaseURL = strings.TrimRight(cfg.BaseURL, "/")
+	endpoint := chatURL(cfg.BaseURL)
 	if plainHTTP1(cfg) {
 		// http1's defaults are the transport's below: 5 s to connect, 512
 		// idle connections, 1 KiB buffers; but idle connections are kept only
 		// as long as the upstream keeps them.
-		return &Client{cfg: cfg, h1: http1.New(http1.Config{IdleTimeout: cfg.IdleTimeout, MaxHeaderBytes: maxReplyHeadBytes})}
+		return &Client{cfg: cfg, endpoint: endpoint, h1: http1.New(http1.Config{IdleTimeout: cfg.IdleTimeout, MaxHeaderBytes: maxReplyHeadBytes})}
 	}
 	transport := &http.Transport{
 		Proxy:               http.ProxyFromEnvironment,
@@ -150,7 +154,7 @@ func New(cfg Config) *Client {
 		transport.Protocols = new(http.Protocols)
 		transport.Protocols.SetUnencryptedHTTP2(true)
 	}
-	return &Client{cfg: cfg, transport: transport}
+	return &Client{cfg: cfg, endpoint: endpoint, transport: transport}
 }
 
 // CloseIdleConnections closes the connections kept for the next call; those
@@ -174,6 +178,17 @@ func plainHTTP1(cfg Config) bool {
 	}
 	proxy, err := http.ProxyFromEnvironment(&http.Request{URL: u})
 	return err == nil && proxy == nil
+}
+
+// chatURL is where calls to base are posted: its path with
+// /chat/completions appended, its query kept. A base that does not parse
+// (the configuration refuses those) is taken as it is.
+func chatURL(base string) string {
+	u, err := url.Parse(base)
+	if err != nil {
+		return strings.TrimRight(base, "/") + "/chat/completions"
+	}
+	return u.JoinPath("chat", "completions").String()
 }
 
 type message struct {
@@ -439,7 +454,7 @@ func (c *Client) post(ctx context.Context, req *upstream.Request, stream bool) (
 		once = &sendOnce{h2c: c.cfg.H2C}
 		callCtx = httptrace.WithClientTrace(ctx, once.trace(connected))
 	}
-	httpReq, err := http.NewRequestWithContext(callCtx, http.MethodPost, c.cfg.BaseURL+"/chat/completions", bytes.NewReader(body))
+	httpReq, err := http.NewRequestWithContext(callCtx, http.MethodPost, c.endpoint, bytes.NewReader(body))
 	if err != nil {
 		return nil, false, fmt.Errorf("error building chat request: %w", err)
 	}

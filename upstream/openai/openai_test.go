@@ -108,6 +108,27 @@ func TestTheOutputLimitsField(t *testing.T) {
 	})
 }
 
+// TestABaseURLsQueryIsKept: calls go to the base URL's path with
+// /chat/completions appended, its query kept, as Azure OpenAI's deployments
+// take their api-version; a trailing slash changes nothing.
+func TestABaseURLsQueryIsKept(t *testing.T) {
+	t.Parallel()
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		for _, base := range []string{b.fake.BaseURL() + "?api-version=2024-10-21", b.fake.BaseURL() + "/?api-version=2024-10-21"} {
+			c := b.newClient(openai.Config{BaseURL: base, Timeout: 2 * time.Second})
+			_, err := c.Complete(context.Background(), &req)
+			require.NoError(t, err, base)
+			_, err = c.Stream(context.Background(), &req, func(upstream.Delta) error { return nil })
+			require.NoError(t, err, base)
+		}
+		calls := b.fake.Calls()
+		require.Len(t, calls, 4)
+		for _, c := range calls {
+			require.Equal(t, "api-version=2024-10-21", c.Query)
+		}
+	})
+}
+
 func TestUnavailable(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {
