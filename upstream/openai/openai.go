@@ -283,15 +283,31 @@ type chatResponse[C ~string] struct {
 	} `json:"choices"`
 	Usage *usage `json:"usage"`
 	// Error is an error some upstreams answer with status 200.
-	Error *struct {
-		Message string `json:"message"`
-	} `json:"error"`
+	Error *upstreamError `json:"error"`
 }
 
 type errorBody struct {
-	Error struct {
+	Error upstreamError `json:"error"`
+}
+
+// upstreamError is an error an upstream reports in a body or an event: an
+// object with a message, as OpenAI's API sends it, or a string, as
+// text-generation-inference does.
+type upstreamError struct {
+	Message string
+}
+
+// UnmarshalJSON decodes an error object's message, or an error string.
+func (e *upstreamError) UnmarshalJSON(b []byte) error {
+	if len(b) > 0 && b[0] == '"' {
+		return json.Unmarshal(b, &e.Message)
+	}
+	var o struct {
 		Message string `json:"message"`
-	} `json:"error"`
+	}
+	err := json.Unmarshal(b, &o)
+	e.Message = o.Message
+	return err
 }
 
 // Complete implements upstream.Provider.

@@ -586,6 +586,57 @@ func TestACompletionWithoutUsageIsTaken(t *testing.T) {
 	})
 }
 
+// TestErrorsInReplies: an error an upstream sends in place of output, with
+// status 200 or in a stream, fails the call with the upstream's message, for
+// the log: an error object (OpenAI's), an error string
+// (text-generation-inference's), or an event named error whatever its data
+// (as some servers send it), even when a [DONE] follows. An error status's
+// body gives its message the same way. Events of other names are read.
+func TestErrorsInReplies(t *testing.T) {
+	t.Parallel()
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		const delta = "data: {\"choices\":[{\"delta\":{\"content\":\"Hi\"}}]}\n\n"
+		for reply, want := range map[string]string{
+			`{"error":"Input validation error: too long","error_type":"validation"}`:                 "answered 200 with an error: Input validation error: too long",
+			delta + "data: {\"error\":{\"message\":\"overloaded\"}}\n\ndata: [DONE]\n\n":             "upstream error in stream: overloaded",
+			delta + "data: {\"error\":\"Request failed during generation\"}\n\n":                     "upstream error in stream: Request failed during generation",
+			"event: error\ndata: {\"code\":422,\"details\":\"not with stream\"}\n\ndata: [DONE]\n\n": `upstream error in stream: {"code":422,"details":"not with stream"}`,
+			delta + "event: error\r\ndata: {\"message\":\"Compute error.\"}\r\n\r\n":                 "upstream error in stream: Compute error.",
+			"event: error\ndata: {\"error\":{\"message\":\"context too long\"}}\n\n":                 "upstream error in stream: context too long",
+			"event: error\ndata: it broke\n\n":                                                       "upstream error in stream: it broke",
+		} {
+			client := b.replyClient(t, func(w http.ResponseWriter) { _, _ = io.WriteString(w, reply) })
+			_, err := client.Complete(context.Background(), &req)
+			require.ErrorIs(t, err, upstream.ErrFailed, reply)
+			require.ErrorContains(t, err, want, reply)
+			_, err = client.Stream(context.Background(), &req, func(upstream.Delta) error { return nil })
+			require.ErrorIs(t, err, upstream.ErrStreamBroken, reply)
+			if !strings.HasPrefix(reply, "{") { // a completion's error says it was answered 200
+				require.ErrorContains(t, err, want, reply)
+			}
+		}
+
+		for _, reply := range []string{
+			"event: message\ndata: {\"choices\":[{\"delta\":{\"content\":\"ok\"},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n",
+			"event: error\n\ndata: {\"choices\":[{\"delta\":{\"content\":\"ok\"},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n", // an event without data is none
+		} {
+			client := b.replyClient(t, func(w http.ResponseWriter) { _, _ = io.WriteString(w, reply) })
+			res, err := client.Stream(context.Background(), &req, func(upstream.Delta) error { return nil })
+			require.NoError(t, err, reply)
+			require.Equal(t, "ok", res.Content, reply)
+		}
+
+		client := b.handlerClient(t, func(w http.ResponseWriter, r *http.Request) {
+			w.WriteHeader(http.StatusUnprocessableEntity)
+			_, _ = io.WriteString(w, `{"error":"Input validation error: too long","error_type":"validation"}`)
+		})
+		_, err := client.Complete(context.Background(), &req)
+		var rejected *upstream.RejectedError
+		require.ErrorAs(t, err, &rejected)
+		require.Equal(t, "Input validation error: too long", rejected.Message)
+	})
+}
+
 // TestContentInParts: content may come as an array of parts, as Mistral's
 // API sends it (thinking parts before the text when its models reason): the
 // text parts are the content, in order, in a completion and in a stream's

@@ -17,7 +17,7 @@ func FuzzParseReply(f *testing.F) {
 		`{"choices":[{"message":{"content":"hi","annotations":[{"type":"url_citation","url_citation":{"url":"u","title":"t","start_index":0,"end_index":2}}]}}],"usage":{"prompt_tokens":3,"completion_tokens":1}}`,
 		`{"choices":[{"message":{"content":"a\u0000b"}}],"usage":{"prompt_tokens":18446744073709551615,"completion_tokens":4611686018427387904}}`,
 		`{"choices":[{"message":{"content":"x","annotations":[{"type":"url_citation","url_citation":{"url":"u","start_index":5,"end_index":1}}]}}],"usage":{}}`,
-		`{"choices":[]}`, `{}`, `null`, `[`, ``,
+		`{"choices":[]}`, `{}`, `null`, `[`, ``, `{"error":"Input validation error","error_type":"validation"}`,
 		"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\ndata: [DONE]\n\n", ": keep-alive\n\ndata: [DONE]", "<html>",
 		`{"choices":[{"message":{"content":[{"type":"thinking","thinking":[{"type":"text","text":"t"}]},{"type":"text","text":"a"}]}}]}`,
 	} {
@@ -58,6 +58,8 @@ func FuzzReadStream(f *testing.F) {
 		"data: {\"choices\":[{\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\ndata: {\"choices\":[{\"delta\":{\"content\":\"hi \"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":2,\"completion_tokens\":1}}\n\ndata: [DONE]\n\n",
 		"data: {\"choices\":[{\"delta\":{\"content\":\"a\\u0000b\"}}]}\n\ndata: [DONE]",
 		"data: {\"error\":{\"message\":\"overloaded\"}}\n\n",
+		"data: {\"error\":\"Request failed during generation\"}\n\n",
+		"event: error\ndata: {\"code\":422}\n\ndata: [DONE]\n\n",
 		": comment\nevent: x\ndata:[DONE]\r\n",
 		"data: {\"choices\":[{\"delta\":{\"annotations\":[{\"type\":\"url_citation\",\"url_citation\":{\"url\":\"u\",\"title\":\"t\"}}]}}]}\n",
 		"data: {not json}\n", "data: ", "",

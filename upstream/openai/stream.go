@@ -21,9 +21,7 @@ import (
 type streamChunk[C ~string] struct {
 	Choices []streamChoice[C] `json:"choices"`
 	Usage   *usage            `json:"usage"`
-	Error   *struct {
-		Message string `json:"message"`
-	} `json:"error"`
+	Error   *upstreamError    `json:"error"`
 }
 
 // streamChoice is a choice of a stream's event.
@@ -200,6 +198,23 @@ type readWaiter interface{ WaitReadable() error }
 // gathered below.
 var lineReaders = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, 4<<10) }}
 
+// eventMessage is what an error event's data says: its error's message,
+// its message, or the data as it is.
+func eventMessage(data []byte) string {
+	var e struct {
+		Error   *upstreamError `json:"error"`
+		Message string         `json:"message"`
+	}
+	switch {
+	case json.Unmarshal(data, &e) != nil:
+	case e.Error != nil && e.Error.Message != "":
+		return errorMessage(e.Error.Message)
+	case e.Message != "":
+		return errorMessage(e.Message)
+	}
+	return errorMessage(string(data))
+}
+
 // maxLineBytes bounds one data: line, whatever the request asks for; a
 // longer one breaks the stream. A line longer than a whole reply to its
 // request could be (replyBytes) breaks it too.
@@ -225,8 +240,9 @@ func readStream(body io.Reader, limit int64, progress func(), emit func(upstream
 	maxLine := min(maxLineBytes, limit)
 	var res upstream.Result
 	var content bytes.Buffer
-	opened := false   // a line that is not blank was read
-	finished := false // a choice's finish_reason was read
+	opened := false     // a line that is not blank was read
+	finished := false   // a choice's finish_reason was read
+	errorEvent := false // the event being read is named error
 	finish := func(err error) (upstream.Result, error) {
 		res.Content = content.String()
 		return res, err
@@ -281,11 +297,23 @@ func readStream(body io.Reader, limit int64, progress func(), emit func(upstream
 			return finish(err)
 		}
 		opened = opened || len(bytes.TrimSpace(line)) > 0
-		data, ok := bytes.CutPrefix(bytes.TrimRight(line, "\r\n"), []byte("data:"))
+		field := bytes.TrimRight(line, "\r\n")
+		data, ok := bytes.CutPrefix(field, []byte("data:"))
 		if !ok {
-			continue // comments, event names, blank separators
+			// Comments, event names, blank lines (which end an event). An
+			// event named error holds an error, whatever its data says:
+			// some servers name it so rather than put an error in a chunk.
+			if name, named := bytes.CutPrefix(field, []byte("event:")); named {
+				errorEvent = string(bytes.TrimSpace(name)) == "error"
+			} else if len(field) == 0 {
+				errorEvent = false
+			}
+			continue
 		}
 		data = bytes.TrimSpace(data)
+		if errorEvent {
+			return finish(fmt.Errorf("upstream error in stream: %s", eventMessage(data)))
+		}
 		if bytes.Equal(data, doneMarker) {
 			return finish(nil)
 		}
