@@ -36,6 +36,7 @@ type Config struct {
 	UpstreamStreamLimit    time.Duration `env:"GATEWAY_UPSTREAM_STREAM_LIMIT" envDefault:"30m"`
 	UpstreamH2C            bool          `env:"GATEWAY_UPSTREAM_H2C"`
 	UpstreamMaxTokensField string        `env:"GATEWAY_UPSTREAM_MAX_TOKENS_FIELD"`
+	UpstreamStreamOptions  *bool         `env:"GATEWAY_UPSTREAM_STREAM_OPTIONS"`
 	ModelMap               string        `env:"GATEWAY_MODEL_MAP"`
 	Multipliers            string        `env:"GATEWAY_MULTIPLIERS" envDefault:"instant=1,reasoning=4,elements=2"`
 	BatchDiscount          string        `env:"GATEWAY_BATCH_DISCOUNT" envDefault:"0.5"`
@@ -127,8 +128,8 @@ func load(defaults map[string]string) (Config, error) {
 	if cfg.RateLimit < 0 {
 		return Config{}, fmt.Errorf("GATEWAY_RATE_LIMIT must not be negative")
 	}
-	if cfg.File != "" && (cfg.Upstream != "" || cfg.UpstreamKey != "" || cfg.ModelMap != "" || cfg.UpstreamH2C || cfg.UpstreamMaxTokensField != "") {
-		return Config{}, fmt.Errorf("GATEWAY_CONFIG names a file of providers: leave GATEWAY_UPSTREAM, GATEWAY_UPSTREAM_KEY, GATEWAY_UPSTREAM_H2C, GATEWAY_UPSTREAM_MAX_TOKENS_FIELD and GATEWAY_MODEL_MAP unset (they are the one-provider shorthand)")
+	if cfg.File != "" && (cfg.Upstream != "" || cfg.UpstreamKey != "" || cfg.ModelMap != "" || cfg.UpstreamH2C || cfg.UpstreamMaxTokensField != "" || cfg.UpstreamStreamOptions != nil) {
+		return Config{}, fmt.Errorf("GATEWAY_CONFIG names a file of providers: leave GATEWAY_UPSTREAM, GATEWAY_UPSTREAM_KEY, GATEWAY_UPSTREAM_H2C, GATEWAY_UPSTREAM_MAX_TOKENS_FIELD, GATEWAY_UPSTREAM_STREAM_OPTIONS and GATEWAY_MODEL_MAP unset (they are the one-provider shorthand)")
 	}
 	if !maxTokensField(cfg.UpstreamMaxTokensField) {
 		return Config{}, fmt.Errorf("GATEWAY_UPSTREAM_MAX_TOKENS_FIELD must be %s or %s, got %q", openai.MaxCompletionTokens, openai.MaxTokens, cfg.UpstreamMaxTokensField)
@@ -298,7 +299,8 @@ func (c Config) routes() (*File, error) {
 		if problem := baseURLProblem(c.Upstream); problem != "" {
 			return nil, fmt.Errorf("GATEWAY_UPSTREAM %s", problem)
 		}
-		name, spec = "upstream", ProviderSpec{Type: "openai", BaseURL: c.Upstream, Timeout: c.UpstreamTimeout, StreamLimit: c.UpstreamStreamLimit, H2C: c.UpstreamH2C, MaxTokensField: c.UpstreamMaxTokensField}
+		name, spec = "upstream", ProviderSpec{Type: "openai", BaseURL: c.Upstream, Timeout: c.UpstreamTimeout, StreamLimit: c.UpstreamStreamLimit, H2C: c.UpstreamH2C, MaxTokensField: c.UpstreamMaxTokensField,
+			NoStreamOptions: c.UpstreamStreamOptions != nil && !*c.UpstreamStreamOptions}
 		if c.UpstreamKey != "" {
 			spec.APIKeyEnv = "GATEWAY_UPSTREAM_KEY"
 		}
@@ -330,7 +332,7 @@ func (f *File) RouterConfig(keys map[string]string, tok *metering.Tokenizer, sim
 		}
 		clients[name] = openai.New(openai.Config{
 			BaseURL: pr.BaseURL, APIKey: keys[name], Timeout: pr.Timeout, StreamLimit: pr.StreamLimit, IdleTimeout: pr.IdleTimeout, H2C: pr.H2C, Headers: pr.Headers,
-			MaxTokensField: pr.MaxTokensField,
+			MaxTokensField: pr.MaxTokensField, NoStreamOptions: pr.NoStreamOptions,
 		})
 	}
 	routes := map[gateway.Model]routing.Route{}

@@ -56,7 +56,10 @@ type ProviderSpec struct {
 	// MaxTokensField names the field of a call's output limit
 	// (openai.Config.MaxTokensField); empty takes its default.
 	MaxTokensField string
-	line           int
+	// NoStreamOptions leaves stream_options out of stream calls
+	// (openai.Config.NoStreamOptions), for servers that refuse it.
+	NoStreamOptions bool
+	line            int
 }
 
 // maxTokensField reports whether name may name the field of a call's output
@@ -255,7 +258,7 @@ func (p *fileParser) provider(name string, k, v *yaml.Node) {
 	}
 	spec := ProviderSpec{Type: "openai", line: k.Line}
 	what := fmt.Sprintf("provider %q", name)
-	p.mapping(v, what, []string{"type", "base_url", "api_key_env", "api_key_file", "timeout", "stream_limit", "idle_timeout", "h2c", "max_tokens_field", "headers"}, func(key string, _, v *yaml.Node) {
+	p.mapping(v, what, []string{"type", "base_url", "api_key_env", "api_key_file", "timeout", "stream_limit", "idle_timeout", "h2c", "max_tokens_field", "stream_options", "headers"}, func(key string, _, v *yaml.Node) {
 		switch key {
 		case "type":
 			spec.Type = p.str(v, what+" type")
@@ -287,6 +290,8 @@ func (p *fileParser) provider(name string, k, v *yaml.Node) {
 			if spec.MaxTokensField == "" || !maxTokensField(spec.MaxTokensField) {
 				p.errorf(v, "%s: max_tokens_field must be %s (the default) or %s, got %q", what, openai.MaxCompletionTokens, openai.MaxTokens, spec.MaxTokensField)
 			}
+		case "stream_options":
+			spec.NoStreamOptions = !p.boolean(v, what+" stream_options")
 		case "headers":
 			spec.Headers = map[string]string{}
 			p.mapping(v, what+" headers", nil, func(h string, k, v *yaml.Node) {

@@ -1,6 +1,7 @@
 package config_test
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -12,7 +13,9 @@ import (
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/config"
+	"github.com/rungworks/gateway/internal/fakeupstream"
 	"github.com/rungworks/gateway/routing"
+	"github.com/rungworks/gateway/upstream"
 )
 
 // example is the worked example of the README.
@@ -331,7 +334,50 @@ func TestUpstreamMaxTokensField(t *testing.T) {
 	t.Setenv("GATEWAY_CONFIG", path)
 	t.Setenv("GATEWAY_UPSTREAM_MAX_TOKENS_FIELD", "max_tokens")
 	_, err = config.Load()
-	require.ErrorContains(t, err, "leave GATEWAY_UPSTREAM, GATEWAY_UPSTREAM_KEY, GATEWAY_UPSTREAM_H2C, GATEWAY_UPSTREAM_MAX_TOKENS_FIELD and GATEWAY_MODEL_MAP unset")
+	require.ErrorContains(t, err, "leave GATEWAY_UPSTREAM, GATEWAY_UPSTREAM_KEY, GATEWAY_UPSTREAM_H2C, GATEWAY_UPSTREAM_MAX_TOKENS_FIELD, GATEWAY_UPSTREAM_STREAM_OPTIONS and GATEWAY_MODEL_MAP unset")
+}
+
+// TestStreamOptions: a provider's stream_options (default true) may be set
+// false, in the file and in the shorthand, whose calls then carry none; the
+// shorthand's is refused beside a file of providers.
+func TestStreamOptions(t *testing.T) {
+	for content, want := range map[string]bool{
+		"providers:\n  p: {base_url: \"http://a/v1\", stream_options: false}\nmodels:\n  instant: {targets: [p/m]}\n": true,
+		"providers:\n  p: {base_url: \"http://a/v1\", stream_options: true}\nmodels:\n  instant: {targets: [p/m]}\n":  false,
+		"providers:\n  p: {base_url: \"http://a/v1\"}\nmodels:\n  instant: {targets: [p/m]}\n":                        false,
+	} {
+		f, err := config.ParseFile("g.yaml", []byte(content))
+		require.NoError(t, err, content)
+		require.Equal(t, want, f.Providers["p"].NoStreamOptions, content)
+	}
+	_, err := config.ParseFile("g.yaml", []byte("providers:\n  p: {base_url: \"http://a/v1\", stream_options: sometimes}\nmodels:\n  instant: {targets: [p/m]}\n"))
+	require.ErrorContains(t, err, `provider "p" stream_options must be true or false`)
+
+	fake := fakeupstream.New()
+	t.Cleanup(fake.Close)
+	t.Setenv("GATEWAY_UPSTREAM", fake.BaseURL())
+	for _, set := range []string{"", "true", "false"} {
+		t.Setenv("GATEWAY_UPSTREAM_STREAM_OPTIONS", set)
+		if set == "" {
+			require.NoError(t, os.Unsetenv("GATEWAY_UPSTREAM_STREAM_OPTIONS"))
+		}
+		cfg, err := config.Load()
+		require.NoError(t, err)
+		r, err := cfg.Router(nil, nil, nil)
+		require.NoError(t, err)
+		_, err = r.Stream(context.Background(), &upstream.Request{Model: gateway.ModelInstant, Prompt: "hi", MaxOutputTokens: 10}, func(upstream.Delta) error { return nil })
+		require.NoError(t, err)
+		calls := fake.Calls()
+		require.Equal(t, set != "false", calls[len(calls)-1].StreamOptions, "GATEWAY_UPSTREAM_STREAM_OPTIONS=%q", set)
+	}
+
+	path := filepath.Join(t.TempDir(), "gateway.yaml")
+	require.NoError(t, os.WriteFile(path, []byte("providers:\n  local: {type: sim}\nmodels:\n  instant: {targets: [local/tiny]}\n"), 0o600))
+	t.Setenv("GATEWAY_UPSTREAM", "")
+	t.Setenv("GATEWAY_CONFIG", path)
+	t.Setenv("GATEWAY_UPSTREAM_STREAM_OPTIONS", "true")
+	_, err = config.Load()
+	require.ErrorContains(t, err, "GATEWAY_UPSTREAM_STREAM_OPTIONS")
 }
 
 // TestUpstreamLimits: the shorthand's call and stream limits are read, and

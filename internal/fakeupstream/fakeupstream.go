@@ -42,6 +42,8 @@ type Call struct {
 	Traceparent string
 	// Query is the call's URL query, as sent.
 	Query string
+	// StreamOptions says the call carried stream_options.
+	StreamOptions bool
 	// At is when the call arrived.
 	At time.Time
 }
@@ -358,7 +360,7 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, `{"error":{"message":"bad json"}}`, http.StatusBadRequest)
 		return
 	}
-	call := Call{Model: req.Model, MaxCompletionTokens: req.MaxCompletionTokens, MaxTokens: req.MaxTokens, Hints: r.Header.Get("X-Gateway-Hints"), Authorization: r.Header.Get("Authorization"), Traceparent: r.Header.Get("Traceparent"), Query: r.URL.RawQuery, At: time.Now()}
+	call := Call{Model: req.Model, MaxCompletionTokens: req.MaxCompletionTokens, MaxTokens: req.MaxTokens, Hints: r.Header.Get("X-Gateway-Hints"), Authorization: r.Header.Get("Authorization"), Traceparent: r.Header.Get("Traceparent"), Query: r.URL.RawQuery, StreamOptions: req.StreamOptions != nil, At: time.Now()}
 	for _, m := range req.Messages {
 		switch m.Role {
 		case "system":

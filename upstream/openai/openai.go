@@ -64,6 +64,11 @@ type Config struct {
 	// (some ignore the newer one, and would generate past the limit the
 	// caller is billed for; some refuse it).
 	MaxTokensField string
+	// NoStreamOptions leaves stream_options out of a stream's call, for
+	// servers that refuse it (some Azure OpenAI API versions, Databricks):
+	// the stream's usage is then what the server sends unasked, if anything
+	// (else the caller counts the text).
+	NoStreamOptions bool
 }
 
 // The names of an output limit's field (Config.MaxTokensField).
@@ -452,7 +457,10 @@ func (c *Client) post(ctx context.Context, req *upstream.Request, stream bool) (
 	}
 	accept := "application/json"
 	if stream {
-		cr.Stream, cr.StreamOptions, accept = true, &streamOptions{IncludeUsage: true}, "text/event-stream"
+		cr.Stream, accept = true, "text/event-stream"
+		if !c.cfg.NoStreamOptions {
+			cr.StreamOptions = &streamOptions{IncludeUsage: true}
+		}
 	}
 	body, err := json.Marshal(cr)
 	if err != nil {

@@ -129,6 +129,28 @@ func TestABaseURLsQueryIsKept(t *testing.T) {
 	})
 }
 
+// TestStreamOptionsMayBeLeftOut: a stream's call asks for its usage in
+// stream_options, unless its provider is set to leave it out (for servers
+// that refuse it); its usage is then not reported, for the caller to count.
+func TestStreamOptionsMayBeLeftOut(t *testing.T) {
+	t.Parallel()
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		res, err := b.client.Stream(context.Background(), &req, func(upstream.Delta) error { return nil })
+		require.NoError(t, err)
+		require.True(t, res.UsageReported)
+		without := b.newClient(openai.Config{Timeout: 2 * time.Second, NoStreamOptions: true})
+		res, err = without.Stream(context.Background(), &req, func(upstream.Delta) error { return nil })
+		require.NoError(t, err)
+		require.False(t, res.UsageReported)
+		require.Equal(t, fakeupstream.Reply(req.Prompt), res.Content)
+
+		calls := b.fake.Calls()
+		require.Len(t, calls, 2)
+		require.True(t, calls[0].StreamOptions)
+		require.False(t, calls[1].StreamOptions)
+	})
+}
+
 func TestUnavailable(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {
