@@ -32,6 +32,7 @@ type Config struct {
 	File                   string        `env:"GATEWAY_CONFIG"`
 	Upstream               string        `env:"GATEWAY_UPSTREAM"`
 	UpstreamKey            string        `env:"GATEWAY_UPSTREAM_KEY"`
+	UpstreamKeyHeader      string        `env:"GATEWAY_UPSTREAM_KEY_HEADER"`
 	UpstreamTimeout        time.Duration `env:"GATEWAY_UPSTREAM_TIMEOUT" envDefault:"120s"`
 	UpstreamStreamLimit    time.Duration `env:"GATEWAY_UPSTREAM_STREAM_LIMIT" envDefault:"30m"`
 	UpstreamH2C            bool          `env:"GATEWAY_UPSTREAM_H2C"`
@@ -128,8 +129,13 @@ func load(defaults map[string]string) (Config, error) {
 	if cfg.RateLimit < 0 {
 		return Config{}, fmt.Errorf("GATEWAY_RATE_LIMIT must not be negative")
 	}
-	if cfg.File != "" && (cfg.Upstream != "" || cfg.UpstreamKey != "" || cfg.ModelMap != "" || cfg.UpstreamH2C || cfg.UpstreamMaxTokensField != "" || cfg.UpstreamStreamOptions != nil) {
-		return Config{}, fmt.Errorf("GATEWAY_CONFIG names a file of providers: leave GATEWAY_UPSTREAM, GATEWAY_UPSTREAM_KEY, GATEWAY_UPSTREAM_H2C, GATEWAY_UPSTREAM_MAX_TOKENS_FIELD, GATEWAY_UPSTREAM_STREAM_OPTIONS and GATEWAY_MODEL_MAP unset (they are the one-provider shorthand)")
+	if cfg.File != "" && (cfg.Upstream != "" || cfg.UpstreamKey != "" || cfg.ModelMap != "" || cfg.UpstreamH2C || cfg.UpstreamMaxTokensField != "" || cfg.UpstreamStreamOptions != nil || cfg.UpstreamKeyHeader != "") {
+		return Config{}, fmt.Errorf("GATEWAY_CONFIG names a file of providers: leave GATEWAY_UPSTREAM, GATEWAY_UPSTREAM_KEY, GATEWAY_UPSTREAM_KEY_HEADER, GATEWAY_UPSTREAM_H2C, GATEWAY_UPSTREAM_MAX_TOKENS_FIELD, GATEWAY_UPSTREAM_STREAM_OPTIONS and GATEWAY_MODEL_MAP unset (they are the one-provider shorthand)")
+	}
+	if cfg.UpstreamKeyHeader != "" {
+		if problem := keyHeaderProblem(cfg.UpstreamKeyHeader); problem != "" {
+			return Config{}, fmt.Errorf("GATEWAY_UPSTREAM_KEY_HEADER %s", problem)
+		}
 	}
 	if !maxTokensField(cfg.UpstreamMaxTokensField) {
 		return Config{}, fmt.Errorf("GATEWAY_UPSTREAM_MAX_TOKENS_FIELD must be %s or %s, got %q", openai.MaxCompletionTokens, openai.MaxTokens, cfg.UpstreamMaxTokensField)
@@ -299,7 +305,7 @@ func (c Config) routes() (*File, error) {
 		if problem := baseURLProblem(c.Upstream); problem != "" {
 			return nil, fmt.Errorf("GATEWAY_UPSTREAM %s", problem)
 		}
-		name, spec = "upstream", ProviderSpec{Type: "openai", BaseURL: c.Upstream, Timeout: c.UpstreamTimeout, StreamLimit: c.UpstreamStreamLimit, H2C: c.UpstreamH2C, MaxTokensField: c.UpstreamMaxTokensField,
+		name, spec = "upstream", ProviderSpec{Type: "openai", BaseURL: c.Upstream, Timeout: c.UpstreamTimeout, StreamLimit: c.UpstreamStreamLimit, H2C: c.UpstreamH2C, MaxTokensField: c.UpstreamMaxTokensField, APIKeyHeader: c.UpstreamKeyHeader,
 			NoStreamOptions: c.UpstreamStreamOptions != nil && !*c.UpstreamStreamOptions}
 		if c.UpstreamKey != "" {
 			spec.APIKeyEnv = "GATEWAY_UPSTREAM_KEY"
@@ -331,7 +337,7 @@ func (f *File) RouterConfig(keys map[string]string, tok *metering.Tokenizer, sim
 			continue
 		}
 		clients[name] = openai.New(openai.Config{
-			BaseURL: pr.BaseURL, APIKey: keys[name], Timeout: pr.Timeout, StreamLimit: pr.StreamLimit, IdleTimeout: pr.IdleTimeout, H2C: pr.H2C, Headers: pr.Headers,
+			BaseURL: pr.BaseURL, APIKey: keys[name], APIKeyHeader: pr.APIKeyHeader, Timeout: pr.Timeout, StreamLimit: pr.StreamLimit, IdleTimeout: pr.IdleTimeout, H2C: pr.H2C, Headers: pr.Headers,
 			MaxTokensField: pr.MaxTokensField, NoStreamOptions: pr.NoStreamOptions,
 		})
 	}

@@ -44,7 +44,10 @@ type ProviderSpec struct {
 	// every load, so a rotated key is taken on a reload; relative to the
 	// configuration file's folder.
 	APIKeyFile string
-	Timeout    time.Duration
+	// APIKeyHeader names the header that carries the key as it is
+	// (openai.Config.APIKeyHeader); empty sends it as a bearer token.
+	APIKeyHeader string
+	Timeout      time.Duration
 	// StreamLimit bounds a stream's call, however long the upstream keeps it
 	// going; zero takes openai.Config's default.
 	StreamLimit time.Duration
@@ -258,7 +261,7 @@ func (p *fileParser) provider(name string, k, v *yaml.Node) {
 	}
 	spec := ProviderSpec{Type: "openai", line: k.Line}
 	what := fmt.Sprintf("provider %q", name)
-	p.mapping(v, what, []string{"type", "base_url", "api_key_env", "api_key_file", "timeout", "stream_limit", "idle_timeout", "h2c", "max_tokens_field", "stream_options", "headers"}, func(key string, _, v *yaml.Node) {
+	p.mapping(v, what, []string{"type", "base_url", "api_key_env", "api_key_file", "api_key_header", "timeout", "stream_limit", "idle_timeout", "h2c", "max_tokens_field", "stream_options", "headers"}, func(key string, _, v *yaml.Node) {
 		switch key {
 		case "type":
 			spec.Type = p.str(v, what+" type")
@@ -277,6 +280,11 @@ func (p *fileParser) provider(name string, k, v *yaml.Node) {
 			}
 		case "api_key_file":
 			spec.APIKeyFile = p.str(v, what+" api_key_file")
+		case "api_key_header":
+			spec.APIKeyHeader = p.str(v, what+" api_key_header")
+			if problem := keyHeaderProblem(spec.APIKeyHeader); problem != "" {
+				p.errorf(v, "%s: api_key_header %s", what, problem)
+			}
 		case "timeout":
 			spec.Timeout = p.duration(v, what+" timeout")
 		case "stream_limit":
@@ -298,8 +306,10 @@ func (p *fileParser) provider(name string, k, v *yaml.Node) {
 				switch canonical := http.CanonicalHeaderKey(h); {
 				case !httpguts.ValidHeaderFieldName(h):
 					p.errorf(k, "%s: %q is not a valid header name", what, h)
-				case canonical == "Authorization" || canonical == "Content-Type" || canonical == "Accept" || canonical == "Traceparent" || canonical == "Tracestate":
+				case canonical == "Authorization":
 					p.errorf(k, "%s: header %s is set by the gateway (use api_key_env for the key)", what, canonical)
+				case gatewayHeader(canonical):
+					p.errorf(k, "%s: header %s is set by the gateway", what, canonical)
 				default:
 					spec.Headers[h] = p.str(v, what+" header "+h)
 				}
@@ -311,6 +321,11 @@ func (p *fileParser) provider(name string, k, v *yaml.Node) {
 	}
 	if spec.APIKeyEnv != "" && spec.APIKeyFile != "" {
 		p.errorf(k, "%s: give api_key_env or api_key_file, not both", what)
+	}
+	for h := range spec.Headers {
+		if spec.APIKeyHeader != "" && http.CanonicalHeaderKey(h) == http.CanonicalHeaderKey(spec.APIKeyHeader) {
+			p.errorf(k, "%s: header %s is api_key_header's: it carries the key", what, http.CanonicalHeaderKey(h))
+		}
 	}
 	p.f.Providers[name] = spec
 }
@@ -392,6 +407,30 @@ func (p *fileParser) target(n *yaml.Node, what string, strategy routing.Strategy
 func httpURL(s string) bool {
 	u, err := url.Parse(s)
 	return err == nil && (u.Scheme == "http" || u.Scheme == "https") && u.Host != ""
+}
+
+// gatewayHeader reports whether the gateway sets the header (canonical)
+// on every call itself, so that no setting may.
+func gatewayHeader(canonical string) bool {
+	switch canonical {
+	case "Content-Type", "Accept", "Accept-Encoding", "Traceparent", "Tracestate", http.CanonicalHeaderKey(openai.HintsHeader):
+		return true
+	}
+	return false
+}
+
+// keyHeaderProblem says, after the setting's name, what is wrong with name
+// as the header that carries a provider's key; "" when nothing is.
+func keyHeaderProblem(name string) string {
+	switch canonical := http.CanonicalHeaderKey(name); {
+	case !httpguts.ValidHeaderFieldName(name):
+		return fmt.Sprintf("%q is not a valid header name", name)
+	case canonical == "Authorization":
+		return "must not be Authorization: leave it unset to send the key there, as a bearer token"
+	case gatewayHeader(canonical):
+		return fmt.Sprintf("must not be %s, which the gateway sets", canonical)
+	}
+	return ""
 }
 
 // baseURLProblem says, after the setting's name, what is wrong with s as an

@@ -334,7 +334,7 @@ func TestUpstreamMaxTokensField(t *testing.T) {
 	t.Setenv("GATEWAY_CONFIG", path)
 	t.Setenv("GATEWAY_UPSTREAM_MAX_TOKENS_FIELD", "max_tokens")
 	_, err = config.Load()
-	require.ErrorContains(t, err, "leave GATEWAY_UPSTREAM, GATEWAY_UPSTREAM_KEY, GATEWAY_UPSTREAM_H2C, GATEWAY_UPSTREAM_MAX_TOKENS_FIELD, GATEWAY_UPSTREAM_STREAM_OPTIONS and GATEWAY_MODEL_MAP unset")
+	require.ErrorContains(t, err, "leave GATEWAY_UPSTREAM, GATEWAY_UPSTREAM_KEY, GATEWAY_UPSTREAM_KEY_HEADER, GATEWAY_UPSTREAM_H2C, GATEWAY_UPSTREAM_MAX_TOKENS_FIELD, GATEWAY_UPSTREAM_STREAM_OPTIONS and GATEWAY_MODEL_MAP unset")
 }
 
 // TestStreamOptions: a provider's stream_options (default true) may be set
@@ -378,6 +378,47 @@ func TestStreamOptions(t *testing.T) {
 	t.Setenv("GATEWAY_UPSTREAM_STREAM_OPTIONS", "true")
 	_, err = config.Load()
 	require.ErrorContains(t, err, "GATEWAY_UPSTREAM_STREAM_OPTIONS")
+}
+
+// TestAPIKeyHeader: a provider may name the header of its key, in the file
+// and in the shorthand, whose calls then carry the key there; not a header
+// the gateway sets, nor one its headers set too.
+func TestAPIKeyHeader(t *testing.T) {
+	provider := func(fields string) string {
+		return "providers:\n  p: {base_url: \"http://a/v1\", " + fields + "}\nmodels:\n  instant: {targets: [p/m]}\n"
+	}
+	f, err := config.ParseFile("g.yaml", []byte(provider("api_key_header: api-key")))
+	require.NoError(t, err)
+	require.Equal(t, "api-key", f.Providers["p"].APIKeyHeader)
+	for fields, want := range map[string]string{
+		"api_key_header: Authorization":                  `provider "p": api_key_header must not be Authorization`,
+		`api_key_header: "api key"`:                      `provider "p": api_key_header "api key" is not a valid header name`,
+		"api_key_header: x-gateway-hints":                `provider "p": api_key_header must not be X-Gateway-Hints, which the gateway sets`,
+		"api_key_header: api-key, headers: {Api-Key: x}": `provider "p": header Api-Key is api_key_header's`,
+		"headers: {Accept-Encoding: gzip}":               `provider "p": header Accept-Encoding is set by the gateway`,
+		"headers: {authorization: Basic eA==}":           `provider "p": header Authorization is set by the gateway (use api_key_env for the key)`,
+	} {
+		_, err := config.ParseFile("g.yaml", []byte(provider(fields)))
+		require.ErrorContains(t, err, want, fields)
+	}
+
+	fake := fakeupstream.New()
+	t.Cleanup(fake.Close)
+	t.Setenv("GATEWAY_UPSTREAM", fake.BaseURL())
+	t.Setenv("GATEWAY_UPSTREAM_KEY", "up-key")
+	t.Setenv("GATEWAY_UPSTREAM_KEY_HEADER", "api-key")
+	cfg, err := config.Load()
+	require.NoError(t, err)
+	r, err := cfg.Router(nil, nil, nil)
+	require.NoError(t, err)
+	_, err = r.Complete(context.Background(), &upstream.Request{Model: gateway.ModelInstant, Prompt: "hi", MaxOutputTokens: 10})
+	require.NoError(t, err)
+	require.Equal(t, "up-key", fake.Calls()[0].Header.Get("api-key"))
+	require.Empty(t, fake.Calls()[0].Authorization)
+
+	t.Setenv("GATEWAY_UPSTREAM_KEY_HEADER", "Authorization")
+	_, err = config.Load()
+	require.ErrorContains(t, err, "GATEWAY_UPSTREAM_KEY_HEADER must not be Authorization")
 }
 
 // TestUpstreamLimits: the shorthand's call and stream limits are read, and

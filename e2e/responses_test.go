@@ -60,7 +60,7 @@ func TestResponsesEndToEnd(t *testing.T) {
 
 	calls := b.fake.Calls()
 	require.Len(t, calls, 1)
-	calls[0].At = time.Time{}
+	calls[0].At, calls[0].Header = time.Time{}, nil
 	require.Equal(t, fakeupstream.Call{Model: "small-model", System: "short", Prompt: prompt, MaxCompletionTokens: 50, Hints: "web_search", Authorization: "Bearer upstream-secret"}, calls[0])
 
 	// The evidence is served from the database.

@@ -44,6 +44,8 @@ type Call struct {
 	Query string
 	// StreamOptions says the call carried stream_options.
 	StreamOptions bool
+	// Header is the call's header.
+	Header http.Header
 	// At is when the call arrived.
 	At time.Time
 }
@@ -360,7 +362,7 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, `{"error":{"message":"bad json"}}`, http.StatusBadRequest)
 		return
 	}
-	call := Call{Model: req.Model, MaxCompletionTokens: req.MaxCompletionTokens, MaxTokens: req.MaxTokens, Hints: r.Header.Get("X-Gateway-Hints"), Authorization: r.Header.Get("Authorization"), Traceparent: r.Header.Get("Traceparent"), Query: r.URL.RawQuery, StreamOptions: req.StreamOptions != nil, At: time.Now()}
+	call := Call{Model: req.Model, MaxCompletionTokens: req.MaxCompletionTokens, MaxTokens: req.MaxTokens, Hints: r.Header.Get("X-Gateway-Hints"), Authorization: r.Header.Get("Authorization"), Traceparent: r.Header.Get("Traceparent"), Query: r.URL.RawQuery, StreamOptions: req.StreamOptions != nil, Header: r.Header.Clone(), At: time.Now()}
 	for _, m := range req.Messages {
 		switch m.Role {
 		case "system":

@@ -37,8 +37,12 @@ type Config struct {
 	// any, is kept on every call (Azure OpenAI's deployments take their
 	// api-version there).
 	BaseURL string
-	// APIKey is sent as a bearer token when set.
+	// APIKey is sent as a bearer token when set, or in APIKeyHeader.
 	APIKey string
+	// APIKeyHeader names the header that carries APIKey as it is (e.g.
+	// api-key, as Azure OpenAI's deployments take it); empty sends it in
+	// Authorization as a bearer token.
+	APIKeyHeader string
 	// Timeout bounds one non-streaming call, from dispatch to the whole reply,
 	// and a stream's silence (default 120 s).
 	Timeout time.Duration
@@ -494,7 +498,11 @@ func (c *Client) post(ctx context.Context, req *upstream.Request, stream bool) (
 	// Without Accept-Encoding any coding is acceptable (RFC 9110, 12.5.3):
 	// ask for none, for the reason DisableCompression gives.
 	httpReq.Header.Set("Accept-Encoding", "identity")
-	if c.cfg.APIKey != "" {
+	switch {
+	case c.cfg.APIKey == "":
+	case c.cfg.APIKeyHeader != "":
+		httpReq.Header.Set(c.cfg.APIKeyHeader, c.cfg.APIKey)
+	default:
 		httpReq.Header.Set("Authorization", "Bearer "+c.cfg.APIKey)
 	}
 	if h := hints(req.Hints); h != "" {

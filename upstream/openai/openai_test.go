@@ -76,7 +76,7 @@ func TestComplete(t *testing.T) {
 
 		calls := b.fake.Calls()
 		require.Len(t, calls, 1)
-		calls[0].At = time.Time{}
+		calls[0].At, calls[0].Header = time.Time{}, nil
 		require.Equal(t, fakeupstream.Call{
 			Model: "o3-mini", System: "Be brief.", Prompt: req.Prompt, MaxCompletionTokens: 123,
 			Hints: "web_search,code_mode", Authorization: "Bearer up-key",
@@ -148,6 +148,26 @@ func TestStreamOptionsMayBeLeftOut(t *testing.T) {
 		require.Len(t, calls, 2)
 		require.True(t, calls[0].StreamOptions)
 		require.False(t, calls[1].StreamOptions)
+	})
+}
+
+// TestTheKeysHeader: the key goes in Authorization as a bearer token, or
+// as it is in the header its provider names (Azure OpenAI's api-key).
+func TestTheKeysHeader(t *testing.T) {
+	t.Parallel()
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		_, err := b.client.Complete(context.Background(), &req)
+		require.NoError(t, err)
+		named := b.newClient(openai.Config{APIKey: "up-key", APIKeyHeader: "api-key", Timeout: 2 * time.Second})
+		_, err = named.Stream(context.Background(), &req, func(upstream.Delta) error { return nil })
+		require.NoError(t, err)
+
+		calls := b.fake.Calls()
+		require.Len(t, calls, 2)
+		require.Equal(t, "Bearer up-key", calls[0].Authorization)
+		require.Empty(t, calls[0].Header.Get("api-key"))
+		require.Empty(t, calls[1].Authorization)
+		require.Equal(t, "up-key", calls[1].Header.Get("api-key"))
 	})
 }
 
