@@ -300,24 +300,34 @@ type errorBody struct {
 }
 
 // upstreamError is an error an upstream reports in a body or an event: an
-// object with a message, as OpenAI's API sends it, or a string, as
-// text-generation-inference does.
+// object with a message and maybe a code, as OpenAI's API sends it, or a
+// string, as text-generation-inference does.
 type upstreamError struct {
 	Message string
+	// Code is the object's code, if it is a string (OpenAI's are; other
+	// servers send numbers, which are not kept).
+	Code string
 }
 
-// UnmarshalJSON decodes an error object's message, or an error string.
+// UnmarshalJSON decodes an error object's message and code, or an error
+// string.
 func (e *upstreamError) UnmarshalJSON(b []byte) error {
 	if len(b) > 0 && b[0] == '"' {
 		return json.Unmarshal(b, &e.Message)
 	}
 	var o struct {
-		Message string `json:"message"`
+		Message string          `json:"message"`
+		Code    json.RawMessage `json:"code"`
 	}
 	err := json.Unmarshal(b, &o)
 	e.Message = o.Message
+	_ = json.Unmarshal(o.Code, &e.Code) // a code that is not a string is none
 	return err
 }
+
+// insufficientQuota is the code of OpenAI's 429 that says the account
+// calling it has run out of credit, which no wait cures.
+const insufficientQuota = "insufficient_quota"
 
 // Complete implements upstream.Provider.
 func (c *Client) Complete(ctx context.Context, req *upstream.Request) (upstream.Result, error) {
@@ -634,7 +644,8 @@ func errorMessage(msg string) string { return upstream.Clean(upstream.Cut(msg, m
 
 // statusError classifies a non-2xx reply (D12): 429 and 503 say the call was
 // not processed, and so do 401, 407 and 404, which refuse the gateway's own
-// credentials, address or model (upstream.ErrDenied), and 301, 307 and 308,
+// credentials, address or model (upstream.ErrDenied), as does a 429 that says
+// the gateway's account is out of credit (insufficientQuota), and 301, 307 and 308,
 // which say the API is at another address (ErrDenied too: redirects are not
 // followed); 408, every other 5xx and every other 3xx that it may have been
 // (302 and 303 may answer a POST that was processed); other 4xx are a
@@ -653,6 +664,10 @@ func statusError(status int, header http.Header, body []byte) error {
 	case status == http.StatusMovedPermanently || status == http.StatusTemporaryRedirect || status == http.StatusPermanentRedirect:
 		return fmt.Errorf("%w: %w: status %d: redirected to %q, which the gateway does not follow: set the base URL to where it points",
 			upstream.ErrUnavailable, upstream.ErrDenied, status, errorMessage(header.Get("Location")))
+	case status == http.StatusTooManyRequests && eb.Error.Code == insufficientQuota:
+		// The gateway's own account is out of credit: a refusal of the
+		// gateway, as a bad key is, for the operator to mend.
+		return fmt.Errorf("%w: %w: status %d (%s): %s", upstream.ErrUnavailable, upstream.ErrDenied, status, insufficientQuota, msg)
 	case status == http.StatusTooManyRequests:
 		return upstream.WithRetryAfter(fmt.Errorf("%w: %w: status %d: %s", upstream.ErrUnavailable, upstream.ErrRateLimited, status, msg), retryAfter(header, time.Now()))
 	case status == http.StatusServiceUnavailable:

@@ -204,7 +204,10 @@ func TestStatusClasses(t *testing.T) {
 
 // TestDeniedIsAnOutage: a refusal of the gateway's key is handled as an
 // outage (the call was not processed), of its own kind, and neither a
-// rejection of the request nor a failure after dispatch.
+// rejection of the request nor a failure after dispatch; so is OpenAI's 429
+// that says the gateway's account is out of credit (insufficient_quota),
+// not as a rate limit one request may have caused, while a 429 of another
+// code, or of a code that is not a string, stays a rate limit.
 func TestDeniedIsAnOutage(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {
@@ -215,6 +218,26 @@ func TestDeniedIsAnOutage(t *testing.T) {
 		var rejected *upstream.RejectedError
 		require.NotErrorAs(t, err, &rejected)
 		require.NotErrorIs(t, err, upstream.ErrFailed)
+
+		for body, denied := range map[string]bool{
+			`{"error":{"message":"You exceeded your current quota, please check your plan and billing details.","type":"insufficient_quota","param":null,"code":"insufficient_quota"}}`: true,
+			`{"error":{"message":"Rate limit reached for requests","type":"requests","param":null,"code":"rate_limit_exceeded"}}`:                                                       false,
+			`{"error":{"message":"slow down","code":429}}`: false,
+		} {
+			client := b.handlerClient(t, func(w http.ResponseWriter, r *http.Request) {
+				w.WriteHeader(http.StatusTooManyRequests)
+				_, _ = io.WriteString(w, body)
+			})
+			_, err = client.Complete(context.Background(), &req)
+			require.ErrorIs(t, err, upstream.ErrUnavailable, body)
+			require.Equal(t, denied, upstream.Kind(err) == upstream.KindDenied, body)
+			require.Equal(t, !denied, errors.Is(err, upstream.ErrRateLimited), body)
+			if denied {
+				require.ErrorContains(t, err, "status 429 (insufficient_quota): You exceeded your current quota")
+			} else {
+				require.NotContains(t, err.Error(), `{"error"`, "the message, not the body")
+			}
+		}
 
 		// 402 and 403 may refuse one request (credits for its size, a
 		// moderation flag): they stay the request's rejection.
