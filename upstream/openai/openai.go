@@ -15,10 +15,12 @@ import (
 	"net/http"
 	"net/http/httptrace"
 	"net/url"
+	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/tracing"
@@ -701,6 +703,7 @@ func retryAfter(header http.Header, now time.Time) time.Duration {
 // content's memory: the guard bounds what is kept).
 func sources(content string, annotations []annotation) []gateway.Source {
 	var out []gateway.Source
+	var at func(int) int // a character index's byte offset in content
 	for _, a := range annotations {
 		if a.Type != "url_citation" || a.URLCitation == nil || a.URLCitation.URL == "" {
 			continue
@@ -708,9 +711,57 @@ func sources(content string, annotations []annotation) []gateway.Source {
 		c := a.URLCitation
 		s := gateway.Source{Title: c.Title, URL: c.URL}
 		if c.StartIndex >= 0 && c.StartIndex < c.EndIndex && c.EndIndex <= len(content) {
-			s.Snippet = content[c.StartIndex:c.EndIndex]
+			if at == nil {
+				at = charOffsets(content, annotations)
+			}
+			if start, end := at(c.StartIndex), at(c.EndIndex); start >= 0 && end >= 0 {
+				s.Snippet = content[start:end]
+			}
 		}
 		out = append(out, s)
 	}
 	return out
+}
+
+// charOffsets returns the byte offset in content of a character (code
+// point) index that annotations name, as OpenAI's API counts a citation's
+// start and end; -1 for an index past content's end. Content in ASCII is
+// indexed as it is; other content is read once, whatever the number of
+// annotations.
+func charOffsets(content string, annotations []annotation) func(int) int {
+	ascii := true
+	for i := 0; i < len(content) && ascii; i++ {
+		ascii = content[i] < utf8.RuneSelf
+	}
+	if ascii {
+		return func(i int) int { return i }
+	}
+	var idx []int
+	for _, a := range annotations {
+		if c := a.URLCitation; c != nil && c.StartIndex >= 0 && c.StartIndex < c.EndIndex && c.EndIndex <= len(content) {
+			idx = append(idx, c.StartIndex, c.EndIndex)
+		}
+	}
+	slices.Sort(idx)
+	idx = slices.Compact(idx)
+	offsets := make([]int, len(idx))
+	j, n := 0, 0
+	for off := range content {
+		for ; j < len(idx) && idx[j] == n; j++ {
+			offsets[j] = off
+		}
+		n++
+	}
+	for ; j < len(idx); j++ {
+		offsets[j] = -1
+		if idx[j] == n {
+			offsets[j] = len(content)
+		}
+	}
+	return func(i int) int {
+		if k, ok := slices.BinarySearch(idx, i); ok {
+			return offsets[k]
+		}
+		return -1
+	}
 }

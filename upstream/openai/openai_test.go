@@ -171,6 +171,43 @@ func TestTheKeysHeader(t *testing.T) {
 	})
 }
 
+// TestCitationsCountCharacters: a citation's start and end index count
+// characters, as OpenAI's API gives them, not bytes: its snippet is the
+// text between them in content that is not ASCII too. An index past the
+// content's end gives no snippet.
+func TestCitationsCountCharacters(t *testing.T) {
+	t.Parallel()
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		const content = "Voilà : le ciel est bleu. 東京 is Tokyo."
+		chars := []rune(content)
+		cite := func(snippet string) map[string]any {
+			start := strings.Index(content, snippet)
+			from := len([]rune(content[:start]))
+			return map[string]any{"type": "url_citation", "url_citation": map[string]any{
+				"url": "https://example.org/" + snippet, "title": snippet, "start_index": from, "end_index": from + len([]rune(snippet)),
+			}}
+		}
+		past := map[string]any{"type": "url_citation", "url_citation": map[string]any{
+			"url": "https://example.org/past", "title": "past", "start_index": len(chars) - 2, "end_index": len(chars) + 1,
+		}}
+		reply, err := json.Marshal(map[string]any{
+			"choices": []any{map[string]any{"message": map[string]any{"content": content,
+				"annotations": []any{cite("le ciel est bleu"), cite("東京"), cite("Tokyo."), past}}}},
+			"usage": map[string]any{"prompt_tokens": 1, "completion_tokens": 1},
+		})
+		require.NoError(t, err)
+		client := b.replyClient(t, func(w http.ResponseWriter) { _, _ = w.Write(reply) })
+		res, err := client.Complete(context.Background(), &req)
+		require.NoError(t, err)
+		require.Equal(t, []gateway.Source{
+			{Title: "le ciel est bleu", URL: "https://example.org/le ciel est bleu", Snippet: "le ciel est bleu"},
+			{Title: "東京", URL: "https://example.org/東京", Snippet: "東京"},
+			{Title: "Tokyo.", URL: "https://example.org/Tokyo.", Snippet: "Tokyo."},
+			{Title: "past", URL: "https://example.org/past"},
+		}, res.Sources)
+	})
+}
+
 func TestUnavailable(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {

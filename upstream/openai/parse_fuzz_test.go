@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"strings"
 	"testing"
+	"unicode/utf8"
 
 	"github.com/rungworks/gateway/upstream"
 )
@@ -17,6 +18,7 @@ func FuzzParseReply(f *testing.F) {
 		`{"choices":[{"message":{"content":"hi","annotations":[{"type":"url_citation","url_citation":{"url":"u","title":"t","start_index":0,"end_index":2}}]}}],"usage":{"prompt_tokens":3,"completion_tokens":1}}`,
 		`{"choices":[{"message":{"content":"a\u0000b"}}],"usage":{"prompt_tokens":18446744073709551615,"completion_tokens":4611686018427387904}}`,
 		`{"choices":[{"message":{"content":"x","annotations":[{"type":"url_citation","url_citation":{"url":"u","start_index":5,"end_index":1}}]}}],"usage":{}}`,
+		`{"choices":[{"message":{"content":"é東x","annotations":[{"type":"url_citation","url_citation":{"url":"u","title":"t","start_index":1,"end_index":3}},{"type":"url_citation","url_citation":{"url":"v","start_index":2,"end_index":4}}]}}]}`,
 		`{"choices":[]}`, `{}`, `null`, `[`, ``, `{"error":"Input validation error","error_type":"validation"}`,
 		"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\ndata: [DONE]\n\n", ": keep-alive\n\ndata: [DONE]", "<html>",
 		`{"choices":[{"message":{"content":[{"type":"thinking","thinking":[{"type":"text","text":"t"}]},{"type":"text","text":"a"}]}}]}`,
@@ -37,6 +39,9 @@ func FuzzParseReply(f *testing.F) {
 		for _, s := range res.Sources {
 			if s.URL == "" {
 				t.Fatalf("a source without a url: %+v", s)
+			}
+			if !strings.Contains(res.Content, s.Snippet) || utf8.ValidString(res.Content) && !utf8.ValidString(s.Snippet) {
+				t.Fatalf("a snippet that is not whole characters of the content: %q in %q", s.Snippet, res.Content)
 			}
 		}
 	})
