@@ -295,6 +295,49 @@ type chatResponse[C ~string] struct {
 	Usage *usage `json:"usage"`
 	// Error is an error some upstreams answer with status 200.
 	Error *upstreamError `json:"error"`
+	searchResults
+}
+
+// searchResults are the sources that Perplexity's API gives beside a
+// reply's or an event's choices: its search results (a title, a URL, a
+// snippet), and its citations (URLs alone), which are the same sources
+// without their titles.
+type searchResults struct {
+	SearchResults []struct {
+		Title   string `json:"title"`
+		URL     string `json:"url"`
+		Snippet string `json:"snippet"`
+	} `json:"search_results"`
+	Citations []string `json:"citations"`
+}
+
+// count is how many sources the search results, or else the citations,
+// name.
+func (s *searchResults) count() int {
+	if len(s.SearchResults) > 0 {
+		return len(s.SearchResults)
+	}
+	return len(s.Citations)
+}
+
+// from returns the sources from the i-th on, those without a URL left
+// out; a source without a title (a citation) takes its URL as its title.
+func (s *searchResults) from(i int) []gateway.Source {
+	var out []gateway.Source
+	if len(s.SearchResults) > 0 {
+		for _, r := range s.SearchResults[min(i, len(s.SearchResults)):] {
+			if r.URL != "" {
+				out = append(out, gateway.Source{Title: cmp.Or(r.Title, r.URL), URL: r.URL, Snippet: r.Snippet})
+			}
+		}
+		return out
+	}
+	for _, url := range s.Citations[min(i, len(s.Citations)):] {
+		if url != "" {
+			out = append(out, gateway.Source{Title: url, URL: url})
+		}
+	}
+	return out
 }
 
 type errorBody struct {
@@ -440,7 +483,7 @@ func completionResult[C ~string](cr *chatResponse[C]) (upstream.Result, error) {
 		return upstream.Result{}, fmt.Errorf("%w: the chat completion has no message", upstream.ErrFailed)
 	}
 	msg := cr.Choices[0].Message
-	res := upstream.Result{Content: string(msg.Content), Sources: sources(string(msg.Content), msg.Annotations)}
+	res := upstream.Result{Content: string(msg.Content), Sources: append(sources(string(msg.Content), msg.Annotations), cr.from(0)...)}
 	if cr.Usage != nil {
 		res.UsageReported, res.InputTokens, res.OutputTokens = true, cr.Usage.PromptTokens, cr.Usage.CompletionTokens
 	}

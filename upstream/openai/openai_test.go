@@ -208,6 +208,63 @@ func TestCitationsCountCharacters(t *testing.T) {
 	})
 }
 
+// TestSearchResultsAreSources: the search results that Perplexity's API
+// gives beside the choices are sources (a result without a title takes its
+// URL), or, without them, its citations (URLs alone); in a stream, where
+// they come in one event or repeated and grown in every event, each is
+// taken once, as it first arrives, after that event's text.
+func TestSearchResultsAreSources(t *testing.T) {
+	t.Parallel()
+	a := gateway.Source{Title: "A", URL: "https://a.example/", Snippet: "about a"}
+	b2 := gateway.Source{Title: "https://b.example/", URL: "https://b.example/"}
+	const results = `"citations":["https://a.example/","https://b.example/"],"search_results":[{"title":"A","url":"https://a.example/","snippet":"about a","date":"2025-01-01"},{"url":"https://b.example/"},{"title":"no url"}]`
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		for reply, want := range map[string][]gateway.Source{
+			`{"choices":[{"message":{"content":"Hi [1][2]"}}],` + results + `,"usage":{"prompt_tokens":1,"completion_tokens":3}}`: {a, b2},
+			`{"choices":[{"message":{"content":"Hi [1]"}}],"citations":["https://b.example/",""]}`:                                {b2},
+		} {
+			client := b.replyClient(t, func(w http.ResponseWriter) { _, _ = io.WriteString(w, reply) })
+			res, err := client.Complete(context.Background(), &req)
+			require.NoError(t, err, reply)
+			require.Equal(t, want, res.Sources, reply)
+		}
+
+		const first = `"citations":["https://a.example/"],"search_results":[{"title":"A","url":"https://a.example/","snippet":"about a"}]`
+		for name, events := range map[string][]string{
+			"repeated and grown": {
+				`{"choices":[{"delta":{"content":"Hi "}}],` + first + `}`,
+				`{"choices":[{"delta":{"content":"there"}}],` + first + `}`,
+				`{"choices":[{"delta":{"content":"."},"finish_reason":"stop"}],` + results + `}`,
+				`{"choices":[],` + results + `,"usage":{"prompt_tokens":1,"completion_tokens":3}}`,
+			},
+			"in the last event": {
+				`{"choices":[{"delta":{"content":"Hi "}}]}`,
+				`{"choices":[{"delta":{"content":"there."},"finish_reason":"stop"}],` + results + `}`,
+			},
+		} {
+			client := b.replyClient(t, func(w http.ResponseWriter) {
+				for _, e := range events {
+					_, _ = io.WriteString(w, "data: "+e+"\n\n")
+				}
+				_, _ = io.WriteString(w, "data: [DONE]\n\n")
+			})
+			var emitted []upstream.Delta
+			res, err := client.Stream(context.Background(), &req, func(d upstream.Delta) error { emitted = append(emitted, d); return nil })
+			require.NoError(t, err, name)
+			require.Equal(t, "Hi there.", res.Content, name)
+			require.Equal(t, []gateway.Source{a, b2}, res.Sources, name)
+			var sources []gateway.Source
+			for _, d := range emitted {
+				sources = append(sources, d.Sources...)
+			}
+			require.Equal(t, res.Sources, sources, name)
+			if name == "repeated and grown" {
+				require.Equal(t, []upstream.Delta{{Content: "Hi "}, {Sources: []gateway.Source{a}}, {Content: "there"}, {Content: "."}, {Sources: []gateway.Source{b2}}}, emitted)
+			}
+		}
+	})
+}
+
 func TestUnavailable(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {

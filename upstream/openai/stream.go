@@ -22,6 +22,7 @@ type streamChunk[C ~string] struct {
 	Choices []streamChoice[C] `json:"choices"`
 	Usage   *usage            `json:"usage"`
 	Error   *upstreamError    `json:"error"`
+	searchResults
 }
 
 // streamChoice is a choice of a stream's event.
@@ -35,7 +36,7 @@ type streamChoice[C ~string] struct {
 
 // asStrings is the chunk with its contents as strings.
 func (c *streamChunk[C]) asStrings() streamChunk[string] {
-	out := streamChunk[string]{Choices: make([]streamChoice[string], len(c.Choices)), Usage: c.Usage, Error: c.Error}
+	out := streamChunk[string]{Choices: make([]streamChoice[string], len(c.Choices)), Usage: c.Usage, Error: c.Error, searchResults: c.searchResults}
 	for i, ch := range c.Choices {
 		out.Choices[i].Delta.Annotations, out.Choices[i].FinishReason = ch.Delta.Annotations, ch.FinishReason
 		if ch.Delta.Content != nil {
@@ -247,6 +248,18 @@ func readStream(body io.Reader, limit int64, progress func(), emit func(upstream
 		res.Content = content.String()
 		return res, err
 	}
+	searched := 0 // the search results taken (searchResults)
+	// take keeps and emits a delta with content or sources.
+	take := func(d upstream.Delta) error {
+		if d.Content == "" && len(d.Sources) == 0 {
+			return nil // role-only or empty delta
+		}
+		content.WriteString(d.Content)
+		if len(res.Sources) < upstream.MaxSources { // the guard keeps no more
+			res.Sources = append(res.Sources, d.Sources...)
+		}
+		return emit(d)
+	}
 	// Over upstream/http1 the buffer is held only while there is something
 	// to read: a stream waiting for its next token holds none.
 	waiter, _ := body.(readWaiter)
@@ -342,14 +355,16 @@ func readStream(body io.Reader, limit int64, progress func(), emit func(upstream
 				d.Content = *choice.Delta.Content
 			}
 			d.Sources = sources("", choice.Delta.Annotations)
-			if d.Content == "" && len(d.Sources) == 0 {
-				continue // role-only or empty delta
+			if err := take(d); err != nil {
+				return finish(emitError{err})
 			}
-			content.WriteString(d.Content)
-			if len(res.Sources) < upstream.MaxSources { // the guard keeps no more
-				res.Sources = append(res.Sources, d.Sources...)
-			}
-			if err := emit(d); err != nil {
+		}
+		if n := chunk.count(); n > searched {
+			// Search results beside the choices, which an upstream may
+			// repeat, grown, in every event: those not yet taken.
+			d := upstream.Delta{Sources: chunk.from(searched)}
+			searched = n
+			if err := take(d); err != nil {
 				return finish(emitError{err})
 			}
 		}
