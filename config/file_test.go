@@ -229,18 +229,25 @@ func TestRouterFromFile(t *testing.T) {
 	require.ErrorContains(t, err, "leave GATEWAY_UPSTREAM")
 }
 
-func TestShorthandServesEveryModel(t *testing.T) {
-	t.Setenv("GATEWAY_UPSTREAM", "http://127.0.0.1:1/v1")
-	t.Setenv("GATEWAY_MODEL_MAP", "instant=small")
+// shorthandRouter is the router of the shorthand the environment sets.
+func shorthandRouter(t *testing.T) *routing.Router {
+	t.Helper()
 	cfg, err := config.Load()
 	require.NoError(t, err)
 	r, err := cfg.Router(nil, nil, nil)
 	require.NoError(t, err)
+	return r
+}
+
+func TestShorthandServesEveryModel(t *testing.T) {
+	t.Setenv("GATEWAY_UPSTREAM", "http://127.0.0.1:1/v1")
+	t.Setenv("GATEWAY_MODEL_MAP", "instant=small")
+	r := shorthandRouter(t)
 	require.True(t, r.Available(gateway.ModelInstant))
 	require.False(t, r.Available(gateway.ModelElements))
 
 	t.Setenv("GATEWAY_UPSTREAM", "ftp://x")
-	cfg, err = config.Load()
+	cfg, err := config.Load()
 	require.NoError(t, err)
 	_, err = cfg.Router(nil, nil, nil)
 	require.ErrorContains(t, err, "GATEWAY_UPSTREAM must be sim or an http(s) base URL")
@@ -361,11 +368,7 @@ func TestStreamOptions(t *testing.T) {
 		if set == "" {
 			require.NoError(t, os.Unsetenv("GATEWAY_UPSTREAM_STREAM_OPTIONS"))
 		}
-		cfg, err := config.Load()
-		require.NoError(t, err)
-		r, err := cfg.Router(nil, nil, nil)
-		require.NoError(t, err)
-		_, err = r.Stream(context.Background(), &upstream.Request{Model: gateway.ModelInstant, Prompt: "hi", MaxOutputTokens: 10}, func(upstream.Delta) error { return nil })
+		_, err := shorthandRouter(t).Stream(context.Background(), &upstream.Request{Model: gateway.ModelInstant, Prompt: "hi", MaxOutputTokens: 10}, func(upstream.Delta) error { return nil })
 		require.NoError(t, err)
 		calls := fake.Calls()
 		require.Equal(t, set != "false", calls[len(calls)-1].StreamOptions, "GATEWAY_UPSTREAM_STREAM_OPTIONS=%q", set)
@@ -407,11 +410,7 @@ func TestAPIKeyHeader(t *testing.T) {
 	t.Setenv("GATEWAY_UPSTREAM", fake.BaseURL())
 	t.Setenv("GATEWAY_UPSTREAM_KEY", "up-key")
 	t.Setenv("GATEWAY_UPSTREAM_KEY_HEADER", "api-key")
-	cfg, err := config.Load()
-	require.NoError(t, err)
-	r, err := cfg.Router(nil, nil, nil)
-	require.NoError(t, err)
-	_, err = r.Complete(context.Background(), &upstream.Request{Model: gateway.ModelInstant, Prompt: "hi", MaxOutputTokens: 10})
+	_, err = shorthandRouter(t).Complete(context.Background(), &upstream.Request{Model: gateway.ModelInstant, Prompt: "hi", MaxOutputTokens: 10})
 	require.NoError(t, err)
 	require.Equal(t, "up-key", fake.Calls()[0].Header.Get("api-key"))
 	require.Empty(t, fake.Calls()[0].Authorization)
