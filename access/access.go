@@ -6,14 +6,18 @@
 // refused by every replica as soon as the notification arrives. A TTL bounds
 // the life of an entry as a backstop. A key the database refused (unknown,
 // revoked or past its end, none of which is ever valid again) is refused from
-// memory for the TTL, so a client that repeats it costs no lookup. Each
-// request is then counted against the key's rate limit.
+// memory for the TTL, so a client that repeats it costs no lookup. Lookups
+// in flight at once are bounded, so that a flood of keys it does not know
+// holds few of the database's connections: cached keys, and everything
+// else the connections serve, go on. Each request is then counted against
+// the key's rate limit.
 package access
 
 import (
 	"context"
 	"crypto/sha256"
 	"errors"
+	"fmt"
 	"log/slog"
 	"sync"
 	"sync/atomic"
@@ -40,6 +44,7 @@ type RateLimiter interface {
 const (
 	DefaultTTL        = 30 * time.Second
 	DefaultMaxEntries = 100_000
+	DefaultMaxLookups = 2
 	// maxRefused bounds the keys remembered as refused; when full it starts
 	// over. A client repeating a refused key needs one entry; a flood of
 	// random keys, each looked up once, only churns these.
@@ -54,6 +59,9 @@ type Config struct {
 	TTL time.Duration
 	// MaxEntries bounds the cache; when full it starts over.
 	MaxEntries int
+	// MaxLookups bounds the lookups in flight at once; more wait their
+	// turn, in order.
+	MaxLookups int
 	// OnChange, when set, is called on every announced change (after the
 	// cache dropped what it changes), with the changed table's name and
 	// account; "" and uuid.Nil when changes may have been missed (the
@@ -66,6 +74,8 @@ type Config struct {
 type Keys struct {
 	cfg   Config
 	store KeyStore
+	// lookups holds a place for each lookup in flight.
+	lookups chan struct{}
 
 	mu      sync.RWMutex
 	entries map[[sha256.Size]byte]entry
@@ -92,10 +102,13 @@ func NewKeys(cfg Config, st KeyStore) *Keys {
 	if cfg.MaxEntries <= 0 {
 		cfg.MaxEntries = DefaultMaxEntries
 	}
+	if cfg.MaxLookups <= 0 {
+		cfg.MaxLookups = DefaultMaxLookups
+	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
-	return &Keys{cfg: cfg, store: st, entries: map[[sha256.Size]byte]entry{}, refused: map[[sha256.Size]byte]time.Time{}}
+	return &Keys{cfg: cfg, store: st, lookups: make(chan struct{}, cfg.MaxLookups), entries: map[[sha256.Size]byte]entry{}, refused: map[[sha256.Size]byte]time.Time{}}
 }
 
 // Lookup returns the principal of token (Rate unset), from the cache when it
@@ -120,7 +133,13 @@ func (k *Keys) Lookup(ctx context.Context, token string) (*gateway.Principal, er
 	if _, err := apikey.Parse(token); err != nil {
 		return nil, gateway.UnauthorizedError()
 	}
+	select {
+	case k.lookups <- struct{}{}:
+	case <-ctx.Done():
+		return nil, fmt.Errorf("error waiting to look a key up: %w", ctx.Err())
+	}
 	p, err := k.store.LookupKey(ctx, token)
+	<-k.lookups
 	if err != nil {
 		if gateway.ErrorCodeOf(err) == gateway.EUnauthorized {
 			k.remember(sum, now)

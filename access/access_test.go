@@ -11,6 +11,7 @@ import (
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/access"
+	"github.com/rungworks/gateway/apikey"
 	"github.com/rungworks/gateway/internal/testdb"
 	"github.com/rungworks/gateway/store"
 )
@@ -32,12 +33,19 @@ func (c *countingStore) LookupKey(ctx context.Context, token string) (*gateway.P
 // it hears of are sent on the returned channel.
 func replica(t *testing.T, st access.KeyStore) (*access.Keys, <-chan string) {
 	t.Helper()
+	return replicaWith(t, st, access.Config{})
+}
+
+// replicaWith is replica with a configuration of its own.
+func replicaWith(t *testing.T, st access.KeyStore, cfg access.Config) (*access.Keys, <-chan string) {
+	t.Helper()
 	changes := make(chan string, 100)
-	keys := access.NewKeys(access.Config{OnChange: func(table string, _ uuid.UUID) {
+	cfg.OnChange = func(table string, _ uuid.UUID) {
 		if table != "" {
 			changes <- table
 		}
-	}}, st)
+	}
+	keys := access.NewKeys(cfg, st)
 	ctx, stop := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { defer close(done); keys.Run(ctx) }()
@@ -64,6 +72,69 @@ func newKey(t *testing.T, st *store.Store, account string, tier gateway.Tier) st
 	token, err := st.CreateKey(context.Background(), store.CreateKeyParams{Account: account, Project: "default", Tier: &tier, Scopes: []gateway.Scope{gateway.ScopeInference}})
 	require.NoError(t, err)
 	return token
+}
+
+// gatedStore holds each key lookup, once armed, until released, and counts
+// the lookups in flight and their most at once.
+type gatedStore struct {
+	*store.Store
+	armed             atomic.Bool
+	release           chan struct{}
+	inFlight, mostNow atomic.Int64
+}
+
+func (g *gatedStore) LookupKey(ctx context.Context, token string) (*gateway.Principal, error) {
+	if g.armed.Load() {
+		n := g.inFlight.Add(1)
+		defer g.inFlight.Add(-1)
+		for most := g.mostNow.Load(); n > most && !g.mostNow.CompareAndSwap(most, n); most = g.mostNow.Load() {
+		}
+		<-g.release
+	}
+	return g.Store.LookupKey(ctx, token)
+}
+
+// TestLookupsInFlightAreBounded: a flood of keys the cache does not know
+// holds at most MaxLookups lookups (and database connections) at once, the
+// others waiting their turn; a cached key is served meanwhile, and a lookup
+// waiting for its turn ends with its context.
+func TestLookupsInFlightAreBounded(t *testing.T) {
+	t.Parallel()
+	st := &gatedStore{Store: store.New(testdb.New(t)), release: make(chan struct{})}
+	keys, _ := replicaWith(t, st, access.Config{MaxLookups: 2})
+	known := newKey(t, st.Store, "acme", gateway.TierDeveloper)
+	_, err := keys.Lookup(context.Background(), known)
+	require.NoError(t, err)
+
+	st.armed.Store(true)
+	errs := make(chan error, 6)
+	for range 6 {
+		unknown, err := apikey.Generate()
+		require.NoError(t, err)
+		go func() {
+			_, err := keys.Lookup(context.Background(), unknown.Token)
+			errs <- err
+		}()
+	}
+	require.Eventually(t, func() bool { return st.inFlight.Load() == 2 }, 5*time.Second, time.Millisecond)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	p, err := keys.Lookup(ctx, known)
+	require.NoError(t, err, "a cached key waits for no lookup")
+	require.Equal(t, "acme", p.AccountName)
+	waiting, stop := context.WithCancel(context.Background())
+	stop()
+	another, err := apikey.Generate()
+	require.NoError(t, err)
+	_, err = keys.Lookup(waiting, another.Token)
+	require.ErrorIs(t, err, context.Canceled)
+
+	close(st.release)
+	for range 6 {
+		require.Equal(t, gateway.EUnauthorized, gateway.ErrorCodeOf(<-errs))
+	}
+	require.Equal(t, int64(2), st.mostNow.Load())
 }
 
 // TestKeysAreServedFromMemory: a key is looked up once, then served from the

@@ -119,7 +119,9 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	// with its own leases.
 	owner := uuid.Must(uuid.NewV7())
 	ledge := ledger.New(ledger.Config{Owner: owner, Lease: cfg.Lease, Unavailable: store.Transient, Logger: logger, Metrics: m}, st)
-	keys := access.NewKeys(access.Config{Logger: logger, OnChange: func(table string, account uuid.UUID) {
+	// A quarter of the connections at most for key lookups: a flood of
+	// unknown keys leaves the rest to settlements and grants.
+	keys := access.NewKeys(access.Config{Logger: logger, MaxLookups: max(1, int(cfg.DBMaxConns)/4), OnChange: func(table string, account uuid.UUID) {
 		if table != "api_keys" {
 			ledge.Invalidate(account)
 		}
