@@ -315,9 +315,13 @@ func readStream(body io.Reader, limit int64, progress func(), emit func(upstream
 		if !ok {
 			// Comments, event names, blank lines (which end an event). An
 			// event named error holds an error, whatever its data says:
-			// some servers name it so rather than put an error in a chunk.
+			// some servers name it so rather than put an error in a chunk;
+			// llama.cpp's server before 2025-09 sent it in a field of that
+			// name, which SSE would have ignored.
 			if name, named := bytes.CutPrefix(field, []byte("event:")); named {
 				errorEvent = string(bytes.TrimSpace(name)) == "error"
+			} else if data, ok := bytes.CutPrefix(field, []byte("error:")); ok {
+				return finish(fmt.Errorf("upstream error in stream: %s", eventMessage(bytes.TrimSpace(data))))
 			} else if len(field) == 0 {
 				errorEvent = false
 			}
