@@ -65,6 +65,7 @@ func FuzzReadStream(f *testing.F) {
 		"data: {\"error\":{\"message\":\"overloaded\"}}\n\n",
 		"data: {\"error\":\"Request failed during generation\"}\n\n",
 		"event: error\ndata: {\"code\":422}\n\ndata: [DONE]\n\n",
+		"error: {\"code\":500,\"message\":\"the context is full\"}\n\n",
 		": comment\nevent: x\ndata:[DONE]\r\n",
 		"data: {\"choices\":[{\"delta\":{\"annotations\":[{\"type\":\"url_citation\",\"url_citation\":{\"url\":\"u\",\"title\":\"t\"}}]}}]}\n",
 		"data: {not json}\n", "data: ", "",
