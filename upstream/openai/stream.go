@@ -199,6 +199,11 @@ type readWaiter interface{ WaitReadable() error }
 // gathered below.
 var lineReaders = sync.Pool{New: func() any { return bufio.NewReaderSize(nil, 4<<10) }}
 
+// errorInStream is the error an upstream sent in a stream, with its message.
+func errorInStream(message string) error {
+	return fmt.Errorf("upstream error in stream: %s", message)
+}
+
 // eventMessage is what an error event's data says: its error's message,
 // its message, or the data as it is.
 func eventMessage(data []byte) string {
@@ -321,7 +326,7 @@ func readStream(body io.Reader, limit int64, progress func(), emit func(upstream
 			if name, named := bytes.CutPrefix(field, []byte("event:")); named {
 				errorEvent = string(bytes.TrimSpace(name)) == "error"
 			} else if data, ok := bytes.CutPrefix(field, []byte("error:")); ok {
-				return finish(fmt.Errorf("upstream error in stream: %s", eventMessage(bytes.TrimSpace(data))))
+				return finish(errorInStream(eventMessage(bytes.TrimSpace(data))))
 			} else if len(field) == 0 {
 				errorEvent = false
 			}
@@ -329,7 +334,7 @@ func readStream(body io.Reader, limit int64, progress func(), emit func(upstream
 		}
 		data = bytes.TrimSpace(data)
 		if errorEvent {
-			return finish(fmt.Errorf("upstream error in stream: %s", eventMessage(data)))
+			return finish(errorInStream(eventMessage(data)))
 		}
 		if bytes.Equal(data, doneMarker) {
 			return finish(nil)
@@ -346,7 +351,7 @@ func readStream(body io.Reader, limit int64, progress func(), emit func(upstream
 			return finish(fmt.Errorf("malformed stream chunk: %w", err))
 		}
 		if chunk.Error != nil {
-			return finish(fmt.Errorf("upstream error in stream: %s", errorMessage(chunk.Error.Message)))
+			return finish(errorInStream(errorMessage(chunk.Error.Message)))
 		}
 		if chunk.Usage != nil {
 			res.UsageReported = true
