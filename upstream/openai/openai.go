@@ -332,9 +332,9 @@ func (s *searchResults) from(i int) []gateway.Source {
 		}
 		return out
 	}
-	for _, url := range s.Citations[min(i, len(s.Citations)):] {
-		if url != "" {
-			out = append(out, gateway.Source{Title: url, URL: url})
+	for _, link := range s.Citations[min(i, len(s.Citations)):] {
+		if link != "" {
+			out = append(out, gateway.Source{Title: link, URL: link})
 		}
 	}
 	return out
