@@ -226,13 +226,24 @@ type usage struct {
 }
 
 type annotation struct {
-	Type        string `json:"type"`
-	URLCitation *struct {
-		URL        string `json:"url"`
-		Title      string `json:"title"`
-		StartIndex int    `json:"start_index"`
-		EndIndex   int    `json:"end_index"`
-	} `json:"url_citation"`
+	Type        string    `json:"type"`
+	URLCitation *citation `json:"url_citation"`
+}
+
+// citation is an annotation's url_citation: a source, and the characters
+// of the content that cite it.
+type citation struct {
+	URL        string `json:"url"`
+	Title      string `json:"title"`
+	StartIndex int    `json:"start_index"`
+	EndIndex   int    `json:"end_index"`
+}
+
+// spans reports whether the citation names characters of content: a start
+// before its end, which is not past content's bytes (nor, then, its
+// characters, fewer or as many).
+func (c *citation) spans(content string) bool {
+	return c.StartIndex >= 0 && c.StartIndex < c.EndIndex && c.EndIndex <= len(content)
 }
 
 // text is the content of a message or a delta as a decoding of a reply
@@ -689,10 +700,10 @@ func errorMessage(msg string) string { return upstream.Clean(upstream.Cut(msg, m
 
 // statusError classifies a non-2xx reply (D12): 429 and 503 say the call was
 // not processed, and so do 401, 407 and 404, which refuse the gateway's own
-// credentials, address or model (upstream.ErrDenied), as does a 429 that says
-// the gateway's account is out of credit (insufficientQuota), and 301, 307 and 308,
-// which say the API is at another address (ErrDenied too: redirects are not
-// followed); 408, every other 5xx and every other 3xx that it may have been
+// credentials, address or model (upstream.ErrDenied), as does a 429 that
+// says the gateway's account is out of credit (insufficientQuota), and 301,
+// 307 and 308, which say the API is at another address (ErrDenied too:
+// redirects are not followed); 408, every other 5xx and every other 3xx that it may have been
 // (302 and 303 may answer a POST that was processed); other 4xx are a
 // rejection of this request. A 429 or 503 carries the wait its header asks
 // for (upstream.RetryAfter).
@@ -753,7 +764,7 @@ func sources(content string, annotations []annotation) []gateway.Source {
 		}
 		c := a.URLCitation
 		s := gateway.Source{Title: c.Title, URL: c.URL}
-		if c.StartIndex >= 0 && c.StartIndex < c.EndIndex && c.EndIndex <= len(content) {
+		if c.spans(content) {
 			if at == nil {
 				at = charOffsets(content, annotations)
 			}
@@ -781,7 +792,7 @@ func charOffsets(content string, annotations []annotation) func(int) int {
 	}
 	var idx []int
 	for _, a := range annotations {
-		if c := a.URLCitation; c != nil && c.StartIndex >= 0 && c.StartIndex < c.EndIndex && c.EndIndex <= len(content) {
+		if c := a.URLCitation; c != nil && c.spans(content) {
 			idx = append(idx, c.StartIndex, c.EndIndex)
 		}
 	}
