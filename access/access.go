@@ -6,10 +6,10 @@
 // refused by every replica as soon as the notification arrives. A TTL bounds
 // the life of an entry as a backstop. A key the database refused (unknown,
 // revoked or past its end, none of which is ever valid again) is refused from
-// memory for the TTL, so a client that repeats it costs no lookup. Lookups
-// in flight at once are bounded, so that a flood of keys it does not know
-// holds few of the database's connections: cached keys, and everything
-// else the connections serve, go on. Each request is then counted against
+// memory for the TTL, so a client that repeats it costs no lookup. While the
+// cache is in use, lookups in flight at once are bounded, so that a flood of
+// keys it does not know holds few of the database's connections: cached
+// keys, and everything else the connections serve, go on. Each request is then counted against
 // the key's rate limit.
 package access
 
@@ -59,8 +59,8 @@ type Config struct {
 	TTL time.Duration
 	// MaxEntries bounds the cache; when full it starts over.
 	MaxEntries int
-	// MaxLookups bounds the lookups in flight at once; more wait their
-	// turn, in order.
+	// MaxLookups bounds the lookups in flight at once while the cache is in
+	// use; more wait their turn, in order.
 	MaxLookups int
 	// OnChange, when set, is called on every announced change (after the
 	// cache dropped what it changes), with the changed table's name and
@@ -133,13 +133,18 @@ func (k *Keys) Lookup(ctx context.Context, token string) (*gateway.Principal, er
 	if _, err := apikey.Parse(token); err != nil {
 		return nil, gateway.UnauthorizedError()
 	}
-	select {
-	case k.lookups <- struct{}{}:
-	case <-ctx.Done():
-		return nil, fmt.Errorf("error waiting to look a key up: %w", ctx.Err())
+	// While the cache serves the keys it knows, those it does not take
+	// their turn for a lookup. While it does not, every request is looked
+	// up, and a bound would bound the replica's requests.
+	if listening {
+		select {
+		case k.lookups <- struct{}{}:
+			defer func() { <-k.lookups }()
+		case <-ctx.Done():
+			return nil, fmt.Errorf("error waiting to look a key up: %w", ctx.Err())
+		}
 	}
 	p, err := k.store.LookupKey(ctx, token)
-	<-k.lookups
 	if err != nil {
 		if gateway.ErrorCodeOf(err) == gateway.EUnauthorized {
 			k.remember(sum, now)
