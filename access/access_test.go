@@ -97,7 +97,8 @@ func (g *gatedStore) LookupKey(ctx context.Context, token string) (*gateway.Prin
 // TestLookupsInFlightAreBounded: a flood of keys the cache does not know
 // holds at most MaxLookups lookups (and database connections) at once, the
 // others waiting their turn; a cached key is served meanwhile, and a lookup
-// waiting for its turn ends with its context.
+// waiting for its turn ends with its context. A cache not in use bounds
+// nothing.
 func TestLookupsInFlightAreBounded(t *testing.T) {
 	t.Parallel()
 	st := &gatedStore{Store: store.New(testdb.New(t)), release: make(chan struct{})}
@@ -135,6 +136,24 @@ func TestLookupsInFlightAreBounded(t *testing.T) {
 		require.Equal(t, gateway.EUnauthorized, gateway.ErrorCodeOf(<-errs))
 	}
 	require.Equal(t, int64(2), st.mostNow.Load())
+
+	// A cache not in use (its replica not listening) looks every request up,
+	// unbounded: a bound would bound the replica's requests.
+	st.release = make(chan struct{})
+	idle := access.NewKeys(access.Config{MaxLookups: 2}, st)
+	for range 4 {
+		unknown, err := apikey.Generate()
+		require.NoError(t, err)
+		go func() {
+			_, err := idle.Lookup(context.Background(), unknown.Token)
+			errs <- err
+		}()
+	}
+	require.Eventually(t, func() bool { return st.inFlight.Load() == 4 }, 5*time.Second, time.Millisecond)
+	close(st.release)
+	for range 4 {
+		require.Equal(t, gateway.EUnauthorized, gateway.ErrorCodeOf(<-errs))
+	}
 }
 
 // TestKeysAreServedFromMemory: a key is looked up once, then served from the
