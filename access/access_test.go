@@ -108,15 +108,7 @@ func TestLookupsInFlightAreBounded(t *testing.T) {
 	require.NoError(t, err)
 
 	st.armed.Store(true)
-	errs := make(chan error, 6)
-	for range 6 {
-		unknown, err := apikey.Generate()
-		require.NoError(t, err)
-		go func() {
-			_, err := keys.Lookup(context.Background(), unknown.Token)
-			errs <- err
-		}()
-	}
+	errs := lookUpMadeUp(t, keys, 6)
 	require.Eventually(t, func() bool { return st.inFlight.Load() == 2 }, 5*time.Second, time.Millisecond)
 
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
@@ -132,26 +124,38 @@ func TestLookupsInFlightAreBounded(t *testing.T) {
 	require.ErrorIs(t, err, context.Canceled)
 
 	close(st.release)
-	for range 6 {
-		require.Equal(t, gateway.EUnauthorized, gateway.ErrorCodeOf(<-errs))
-	}
+	refusedAll(t, errs)
 	require.Equal(t, int64(2), st.mostNow.Load())
 
 	// A cache not in use (its replica not listening) looks every request up,
 	// unbounded: a bound would bound the replica's requests.
 	st.release = make(chan struct{})
-	idle := access.NewKeys(access.Config{MaxLookups: 2}, st)
-	for range 4 {
-		unknown, err := apikey.Generate()
+	errs = lookUpMadeUp(t, access.NewKeys(access.Config{MaxLookups: 2}, st), 4)
+	require.Eventually(t, func() bool { return st.inFlight.Load() == 4 }, 5*time.Second, time.Millisecond)
+	close(st.release)
+	refusedAll(t, errs)
+}
+
+// lookUpMadeUp starts n lookups of made-up keys, whose outcomes arrive on
+// the returned channel.
+func lookUpMadeUp(t *testing.T, keys *access.Keys, n int) <-chan error {
+	t.Helper()
+	errs := make(chan error, n)
+	for range n {
+		madeUp, err := apikey.Generate()
 		require.NoError(t, err)
 		go func() {
-			_, err := idle.Lookup(context.Background(), unknown.Token)
+			_, err := keys.Lookup(context.Background(), madeUp.Token)
 			errs <- err
 		}()
 	}
-	require.Eventually(t, func() bool { return st.inFlight.Load() == 4 }, 5*time.Second, time.Millisecond)
-	close(st.release)
-	for range 4 {
+	return errs
+}
+
+// refusedAll waits for every lookup of errs, each refused.
+func refusedAll(t *testing.T, errs <-chan error) {
+	t.Helper()
+	for range cap(errs) {
 		require.Equal(t, gateway.EUnauthorized, gateway.ErrorCodeOf(<-errs))
 	}
 }
