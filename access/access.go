@@ -9,8 +9,8 @@
 // memory for the TTL, so a client that repeats it costs no lookup. While the
 // cache is in use, lookups in flight at once are bounded, so that a flood of
 // keys it does not know holds few of the database's connections: cached
-// keys, and everything else the connections serve, go on. Each request is then counted against
-// the key's rate limit.
+// keys, and everything else the connections serve, go on. Each request is
+// then counted against the key's rate limit.
 package access
 
 import (
