@@ -351,10 +351,6 @@ func (s *searchResults) from(i int) []gateway.Source {
 	return out
 }
 
-type errorBody struct {
-	Error upstreamError `json:"error"`
-}
-
 // upstreamError is an error an upstream reports in a body or an event: an
 // object with a message and maybe a code, as OpenAI's API sends it, or a
 // string, as text-generation-inference does.
@@ -379,6 +375,30 @@ func (e *upstreamError) UnmarshalJSON(b []byte) error {
 	e.Message = o.Message
 	_ = json.Unmarshal(o.Code, &e.Code) // a code that is not a string is none
 	return err
+}
+
+// errorSays is what an error body or event says: its error's message,
+// else its own message (as vLLM's error bodies and LM Studio's events give
+// one), else the body as it is, cut and cleaned (errorMessage); and its
+// error's code, when it is a string.
+func errorSays(body []byte) (message, code string) {
+	var e struct {
+		Error   *upstreamError `json:"error"`
+		Message string         `json:"message"`
+	}
+	message = strings.TrimSpace(string(body))
+	if json.Unmarshal(body, &e) == nil {
+		switch {
+		case e.Error != nil && e.Error.Message != "":
+			message = e.Error.Message
+		case e.Message != "":
+			message = e.Message
+		}
+		if e.Error != nil {
+			code = e.Error.Code
+		}
+	}
+	return errorMessage(message), code
 }
 
 // insufficientQuota is the code of OpenAI's 429 that says the account
@@ -703,24 +723,19 @@ func errorMessage(msg string) string { return upstream.Clean(upstream.Cut(msg, m
 // credentials, address or model (upstream.ErrDenied), as does a 429 that
 // says the gateway's account is out of credit (insufficientQuota), and 301,
 // 307 and 308, which say the API is at another address (ErrDenied too:
-// redirects are not followed); 408, every other 5xx and every other 3xx that it may have been
-// (302 and 303 may answer a POST that was processed); other 4xx are a
-// rejection of this request. A 429 or 503 carries the wait its header asks
+// redirects are not followed); 408, every other 5xx and every other 3xx
+// that it may have been (302 and 303 may answer a POST that was
+// processed); other 4xx are a rejection of this request. A 429 or 503 carries the wait its header asks
 // for (upstream.RetryAfter).
 func statusError(status int, header http.Header, body []byte) error {
-	var eb errorBody
-	msg := strings.TrimSpace(string(body))
-	if json.Unmarshal(body, &eb) == nil && eb.Error.Message != "" {
-		msg = eb.Error.Message
-	}
-	msg = errorMessage(msg)
+	msg, code := errorSays(body)
 	switch {
 	case status == http.StatusUnauthorized || status == http.StatusProxyAuthRequired || status == http.StatusNotFound:
 		return fmt.Errorf("%w: %w: status %d: %s", upstream.ErrUnavailable, upstream.ErrDenied, status, msg)
 	case status == http.StatusMovedPermanently || status == http.StatusTemporaryRedirect || status == http.StatusPermanentRedirect:
 		return fmt.Errorf("%w: %w: status %d: redirected to %q, which the gateway does not follow: set the base URL to where it points",
 			upstream.ErrUnavailable, upstream.ErrDenied, status, errorMessage(header.Get("Location")))
-	case status == http.StatusTooManyRequests && eb.Error.Code == insufficientQuota:
+	case status == http.StatusTooManyRequests && code == insufficientQuota:
 		// The gateway's own account is out of credit: a refusal of the
 		// gateway, as a bad key is, for the operator to mend.
 		return fmt.Errorf("%w: %w: status %d (%s): %s", upstream.ErrUnavailable, upstream.ErrDenied, status, insufficientQuota, msg)

@@ -750,8 +750,9 @@ func TestACompletionWithoutUsageIsTaken(t *testing.T) {
 // the log: an error object (OpenAI's), an error string
 // (text-generation-inference's), an event named error whatever its data
 // (as some servers send it), even when a [DONE] follows, or an error field
-// (as llama.cpp's server sent it). An error status's
-// body gives its message the same way. Events of other names are read.
+// (as llama.cpp's server sent it). An error status's body gives its message
+// the same way, or as vLLM gives it, beside the error. Events of other names
+// are read.
 func TestErrorsInReplies(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {
@@ -787,14 +788,19 @@ func TestErrorsInReplies(t *testing.T) {
 			require.Equal(t, "ok", res.Content, reply)
 		}
 
-		client := b.handlerClient(t, func(w http.ResponseWriter, r *http.Request) {
-			w.WriteHeader(http.StatusUnprocessableEntity)
-			_, _ = io.WriteString(w, `{"error":"Input validation error: too long","error_type":"validation"}`)
-		})
-		_, err := client.Complete(context.Background(), &req)
-		var rejected *upstream.RejectedError
-		require.ErrorAs(t, err, &rejected)
-		require.Equal(t, "Input validation error: too long", rejected.Message)
+		for body, want := range map[string]string{
+			`{"error":"Input validation error: too long","error_type":"validation"}`:                                         "Input validation error: too long",
+			`{"object":"error","message":"This model's maximum context length is 4096","type":"BadRequestError","code":400}`: "This model's maximum context length is 4096",
+		} {
+			client := b.handlerClient(t, func(w http.ResponseWriter, r *http.Request) {
+				w.WriteHeader(http.StatusUnprocessableEntity)
+				_, _ = io.WriteString(w, body)
+			})
+			_, err := client.Complete(context.Background(), &req)
+			var rejected *upstream.RejectedError
+			require.ErrorAs(t, err, &rejected)
+			require.Equal(t, want, rejected.Message)
+		}
 	})
 }
 

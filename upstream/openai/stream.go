@@ -204,21 +204,11 @@ func errorInStream(message string) error {
 	return fmt.Errorf("upstream error in stream: %s", message)
 }
 
-// eventMessage is what an error event's data says: its error's message,
-// its message, or the data as it is.
-func eventMessage(data []byte) string {
-	var e struct {
-		Error   *upstreamError `json:"error"`
-		Message string         `json:"message"`
-	}
-	switch {
-	case json.Unmarshal(data, &e) != nil:
-	case e.Error != nil && e.Error.Message != "":
-		return errorMessage(e.Error.Message)
-	case e.Message != "":
-		return errorMessage(e.Message)
-	}
-	return errorMessage(string(data))
+// errorEventSays is what an error event's data, or an error field, says
+// (errorSays).
+func errorEventSays(data []byte) string {
+	message, _ := errorSays(data)
+	return message
 }
 
 // maxLineBytes bounds one data: line, whatever the request asks for; a
@@ -326,7 +316,7 @@ func readStream(body io.Reader, limit int64, progress func(), emit func(upstream
 			if name, named := bytes.CutPrefix(field, []byte("event:")); named {
 				errorEvent = string(bytes.TrimSpace(name)) == "error"
 			} else if data, ok := bytes.CutPrefix(field, []byte("error:")); ok {
-				return finish(errorInStream(eventMessage(bytes.TrimSpace(data))))
+				return finish(errorInStream(errorEventSays(data)))
 			} else if len(field) == 0 {
 				errorEvent = false
 			}
@@ -334,7 +324,7 @@ func readStream(body io.Reader, limit int64, progress func(), emit func(upstream
 		}
 		data = bytes.TrimSpace(data)
 		if errorEvent {
-			return finish(errorInStream(eventMessage(data)))
+			return finish(errorInStream(errorEventSays(data)))
 		}
 		if bytes.Equal(data, doneMarker) {
 			return finish(nil)
