@@ -31,6 +31,13 @@ func (g *gateway) stream(key string, body map[string]any) (reply, apitest.Stream
 	return r, s
 }
 
+// reportedUsage is the usage, in rungs of instant (multiplier 1), of the
+// counts the fake upstream reports for prompt.
+func reportedUsage(prompt string) *api.RungUsage {
+	pt, ct := fakeupstream.Usage(prompt)
+	return &api.RungUsage{InputRungs: int64(pt), OutputRungs: int64(ct), TotalRungs: int64(pt + ct)}
+}
+
 func names(s apitest.Stream) []string {
 	out := make([]string, len(s.Events))
 	for i, e := range s.Events {
@@ -63,8 +70,7 @@ func TestStreamEndToEnd(t *testing.T) {
 	var final api.StreamChunk
 	s.Events[len(s.Events)-1].Decode(t, &final)
 	require.True(t, final.Done)
-	pt, ct := fakeupstream.Usage(prompt)
-	require.Equal(t, &api.RungUsage{InputRungs: int64(pt), OutputRungs: int64(ct), TotalRungs: int64(pt + ct)}, final.Usage)
+	require.Equal(t, reportedUsage(prompt), final.Usage)
 
 	// The evidence that arrived in the stream is served afterwards.
 	ev := g.call(http.MethodGet, "/api/v1/sources/"+final.RequestId.String(), b.key, nil)
@@ -251,10 +257,9 @@ func TestAStreamFromAnUpstreamThatDoesNotStream(t *testing.T) {
 	require.Len(t, *delta.Sources, 1)
 	s.Events[1].Decode(t, &final)
 	require.True(t, final.Done)
-	pt, ct := fakeupstream.Usage(prompt)
-	require.Equal(t, &api.RungUsage{InputRungs: int64(pt), OutputRungs: int64(ct), TotalRungs: int64(pt + ct)}, final.Usage)
+	require.Equal(t, reportedUsage(prompt), final.Usage)
 	usage := g.call(http.MethodGet, "/api/v1/usage", b.key, nil).object(t)
-	require.Equal(t, float64(pt+ct), usage["totals"].(map[string]any)["total_rungs"], "billed as the completion reported")
+	require.Equal(t, float64(reportedUsage(prompt).TotalRungs), usage["totals"].(map[string]any)["total_rungs"], "billed as the completion reported")
 }
 
 // TestUpstreamQuirksAreRead: the real binary reads an upstream's replies by
@@ -271,14 +276,13 @@ func TestUpstreamQuirksAreRead(t *testing.T) {
 	b.fake.SetMislabelled(true)
 	g := serve(t, b.db, b.fake.BaseURL(), nil)
 	prompt := "label this wrongly"
-	pt, ct := fakeupstream.Usage(prompt)
 
 	_, s := g.stream(b.key, map[string]any{"prompt": prompt})
 	last := s.Events[len(s.Events)-1]
 	require.Equal(t, "response.completed", last.Name)
 	var final api.StreamChunk
 	last.Decode(t, &final)
-	require.Equal(t, &api.RungUsage{InputRungs: int64(pt), OutputRungs: int64(ct), TotalRungs: int64(pt + ct)}, final.Usage)
+	require.Equal(t, reportedUsage(prompt), final.Usage)
 	var text strings.Builder
 	for _, e := range s.Events[:len(s.Events)-1] {
 		require.Equal(t, "response.output_text.delta", e.Name)
@@ -297,7 +301,7 @@ func TestUpstreamQuirksAreRead(t *testing.T) {
 	}
 	whole := respond()
 	require.Equal(t, fakeupstream.Reply(prompt), whole.Content)
-	require.Equal(t, int64(pt+ct), whole.Usage.TotalRungs)
+	require.Equal(t, reportedUsage(prompt).TotalRungs, whole.Usage.TotalRungs)
 
 	b.fake.SetMislabelled(false)
 	b.fake.SetAlwaysStreaming(true)
