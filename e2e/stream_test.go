@@ -268,7 +268,8 @@ func TestAStreamFromAnUpstreamThatDoesNotStream(t *testing.T) {
 // other, billed from its usage; one that streams a reply asked for whole
 // answers the JSON request, billed from the tokenizer's count (it sent no
 // usage); one that ends its streams without [DONE], after their
-// finish_reason, serves them whole. The usage view holds exactly what was
+// finish_reason, serves them whole, and so does one that leaves them open
+// after it, sending keep-alives. The usage view holds exactly what was
 // sent.
 func TestUpstreamQuirksAreRead(t *testing.T) {
 	t.Parallel()
@@ -320,9 +321,18 @@ func TestUpstreamQuirksAreRead(t *testing.T) {
 	last.Decode(t, &undone)
 	require.Equal(t, final.Usage, undone.Usage, "billed from its usage, as a stream with [DONE]")
 
+	b.fake.SetLeftOpen(true) // finished, then keep-alives and never an end
+	_, s = g.stream(b.key, map[string]any{"prompt": prompt})
+	require.NotContains(t, names(s), "response.error")
+	last = s.Events[len(s.Events)-1]
+	require.Equal(t, "response.completed", last.Name)
+	var open api.StreamChunk
+	last.Decode(t, &open)
+	require.Equal(t, final.Usage, open.Usage, "billed from its usage, as a stream with [DONE]")
+
 	totals := g.usage(b.key).Totals
-	require.Equal(t, int64(4), totals.Requests)
-	require.Equal(t, final.Usage.TotalRungs+whole.Usage.TotalRungs+streamed.Usage.TotalRungs+undone.Usage.TotalRungs, totals.TotalRungs)
+	require.Equal(t, int64(5), totals.Requests)
+	require.Equal(t, final.Usage.TotalRungs+whole.Usage.TotalRungs+streamed.Usage.TotalRungs+undone.Usage.TotalRungs+open.Usage.TotalRungs, totals.TotalRungs)
 }
 
 func TestStreamKeepAliveWithSlowUpstream(t *testing.T) {

@@ -65,6 +65,7 @@ type Server struct {
 	always     bool
 	mislabel   bool
 	noDone     bool
+	leftOpen   bool
 	hostile    map[string]Hostile
 	slow       map[string]time.Duration
 	headers    http.Header
@@ -292,6 +293,15 @@ func (s *Server) SetNoDone(on bool) {
 	s.noDone = on
 }
 
+// SetLeftOpen makes the server leave its streams open after their
+// finish_reason and usage, without [DONE], sending keep-alive comments until
+// the caller leaves, as some OpenAI-compatible servers and proxies do.
+func (s *Server) SetLeftOpen(on bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.leftOpen = on
+}
+
 // SetChunkDelay makes a stream wait d before each content chunk.
 func (s *Server) SetChunkDelay(d time.Duration) {
 	s.mu.Lock()
@@ -372,7 +382,7 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	s.mu.Lock()
-	mode, status, delay, chunkDelay, breakAfter, uncited, whole, noDone := s.mode, s.status, s.delay, s.chunkDelay, s.breakAfter, s.uncited, s.whole, s.noDone
+	mode, status, delay, chunkDelay, breakAfter, uncited, whole, noDone, leftOpen := s.mode, s.status, s.delay, s.chunkDelay, s.breakAfter, s.uncited, s.whole, s.noDone, s.leftOpen
 	streamed, labels := (req.Stream && !whole) || s.always, [2]string{"application/json", "text/event-stream"}
 	if s.mislabel {
 		labels[0], labels[1] = labels[1], labels[0]
@@ -433,7 +443,7 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 	if streamed {
 		w.Header().Set("Content-Type", labels[1])
 		withUsage := req.StreamOptions != nil && req.StreamOptions.IncludeUsage
-		stream(w, r, call.Prompt, streamOptions{chunkDelay, breakAfter, uncited, withUsage, noDone}, hostile)
+		stream(w, r, call.Prompt, streamOptions{chunkDelay, breakAfter, uncited, withUsage, noDone, leftOpen}, hostile)
 		return
 	}
 	w.Header().Set("Content-Type", labels[0])
@@ -463,12 +473,14 @@ type streamOptions struct {
 	uncited    bool
 	withUsage  bool
 	noDone     bool
+	leftOpen   bool
 }
 
 // stream answers as OpenAI does: a role-only delta, one delta per piece, an
 // annotation delta (unless uncited), the finish_reason, a usage chunk
 // (withUsage, as asked by stream_options.include_usage), then [DONE] (unless
-// noDone).
+// noDone or leftOpen; leftOpen then sends keep-alives until the caller
+// leaves).
 func stream(w http.ResponseWriter, r *http.Request, prompt string, o streamOptions, hostile *Hostile) {
 	flusher := w.(http.Flusher)
 	send := func(v any) {
@@ -516,7 +528,18 @@ func stream(w http.ResponseWriter, r *http.Request, prompt string, o streamOptio
 	if o.withUsage {
 		send(map[string]any{"object": "chat.completion.chunk", "choices": []any{}, "usage": map[string]any{"prompt_tokens": pt, "completion_tokens": ct}})
 	}
-	if !o.noDone {
+	switch {
+	case o.leftOpen:
+		for {
+			select {
+			case <-r.Context().Done():
+				return
+			case <-time.After(50 * time.Millisecond):
+				fmt.Fprint(w, ": keep-alive\n\n")
+				flusher.Flush()
+			}
+		}
+	case !o.noDone:
 		fmt.Fprint(w, "data: [DONE]\n\n")
 		flusher.Flush()
 	}

@@ -1024,6 +1024,79 @@ func TestStreamsEndAtTheirLimit(t *testing.T) {
 	})
 }
 
+// TestAFinishedStreamLeftOpenIsWhole: an upstream that sends its
+// finish_reason and its usage and then neither [DONE] nor the end of its
+// body, quiet or sending keep-alives, ends its stream whole at the end of its
+// ending (endingGrace, or its silence Timeout if shorter), over either
+// transport. A finish_reason alone starts no ending: output that follows an
+// early one, after a pause longer than the ending, is kept, and a stream
+// left open without its usage, or never finished, is still broken at its
+// limit.
+func TestAFinishedStreamLeftOpenIsWhole(t *testing.T) {
+	t.Parallel()
+	const (
+		all    = `data: {"choices":[{"delta":{"content":"all of it"}}]}` + "\n\n"
+		finish = `data: {"choices":[{"delta":{},"finish_reason":"stop"}]}` + "\n\n"
+		usage  = `data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":4}}` + "\n\n"
+		early  = `data: {"choices":[{"delta":{"content":"all of"},"finish_reason":"stop"}]}` + "\n\n"
+		rest   = `data: {"choices":[{"delta":{"content":" it"}}]}` + "\n\n"
+		pause  = "" // keep-alives for longer than the ending
+	)
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		for name, tc := range map[string]struct {
+			events     []string
+			keepAlives bool
+			broken     bool
+		}{
+			"quiet after its usage":                {events: []string{all, finish, usage}},
+			"keep-alives after its usage":          {events: []string{all, finish, usage}, keepAlives: true},
+			"finish and usage in one event":        {events: []string{all, strings.Replace(finish, `]}`, `],"usage":{"prompt_tokens":3,"completion_tokens":4}}`, 1)}},
+			"its usage after a pause":              {events: []string{all, finish, pause, usage}, keepAlives: true},
+			"output after an early finish_reason":  {events: []string{early, pause, rest, finish, usage}},
+			"keep-alives after a finish, no usage": {events: []string{all, finish}, keepAlives: true, broken: true},
+			"keep-alives, never finished":          {events: []string{all}, keepAlives: true, broken: true},
+		} {
+			t.Run(name, func(t *testing.T) {
+				t.Parallel()
+				keepAlive := func(w http.ResponseWriter) {
+					_, _ = io.WriteString(w, ": keep-alive\n\n")
+					w.(http.Flusher).Flush()
+					time.Sleep(20 * time.Millisecond)
+				}
+				url := b.serve(t, func(w http.ResponseWriter, r *http.Request) {
+					_, _ = io.Copy(io.Discard, r.Body)
+					w.Header().Set("Content-Type", "text/event-stream")
+					for _, e := range tc.events {
+						for end := time.Now().Add(2500 * time.Millisecond); e == pause && time.Now().Before(end); {
+							keepAlive(w)
+						}
+						_, _ = io.WriteString(w, e)
+						w.(http.Flusher).Flush()
+					}
+					for r.Context().Err() == nil { // until the gateway leaves
+						if tc.keepAlives {
+							keepAlive(w)
+						} else {
+							time.Sleep(20 * time.Millisecond)
+						}
+					}
+				})
+				client := b.newClient(openai.Config{BaseURL: url, Timeout: 5 * time.Second, StreamLimit: 6 * time.Second})
+				res, err := client.Stream(context.Background(), &req, func(upstream.Delta) error { return nil })
+				require.Equal(t, "all of it", res.Content)
+				if tc.broken {
+					require.ErrorIs(t, err, upstream.ErrStreamBroken)
+					require.ErrorContains(t, err, "the stream took longer than its limit of 6s")
+					return
+				}
+				require.NoError(t, err)
+				require.True(t, res.UsageReported)
+				require.Equal(t, [2]uint64{3, 4}, [2]uint64{res.InputTokens, res.OutputTokens})
+			})
+		}
+	})
+}
+
 // TestAClientsTimeIsNotTheUpstreamsSilence: the time emit takes (a client
 // slow to take a delta) does not count as the upstream's silence, over either
 // transport.

@@ -55,7 +55,8 @@ var doneMarker = []byte("[DONE]")
 // or a finish_reason (see readStream), an in-stream error, Timeout of
 // silence, or a call longer than StreamLimit as broken (ErrStreamBroken, with
 // what was received). A stream that ends whole but without usage succeeds
-// with UsageReported false, for the caller to count.
+// with UsageReported false, for the caller to count; so does one left open
+// past endingGrace after its finish_reason and usage.
 //
 // The reply is waited for in post, under this function's frame only: what
 // follows it (reading, classifying) is in receive, so that the goroutine
@@ -75,20 +76,33 @@ func (c *Client) Stream(ctx context.Context, req *upstream.Request, emit func(up
 
 // watchdog cancels a stream's call after Timeout of silence, or at its
 // deadline, StreamLimit after it began, however the upstream keeps talking
-// (comment lines and empty deltas reset the silence, not the deadline). One
-// timer serves both: it is set to whichever comes first.
+// (comment lines and empty deltas reset the silence, not the deadline); and,
+// once a finish_reason and the usage are read, at the end of the stream's
+// ending (endingGrace), for an upstream that finishes but does not end its
+// stream. One timer serves all three: it is set to whichever comes first.
 type watchdog struct {
 	timer    *time.Timer
 	silence  time.Duration
 	limit    time.Duration
 	deadline time.Time
-	fired    atomic.Int32 // why it fired: 0 (it did not), firedSilence or firedLimit
+	ends     time.Time    // the end of its ending; the reader's alone
+	ending   atomic.Bool  // a finish_reason and the usage were read
+	fired    atomic.Int32 // why it fired: 0 (it did not), firedSilence, firedLimit or firedEnding
 }
 
 const (
 	firedSilence = 1 + iota
 	firedLimit
+	firedEnding
 )
+
+// endingGrace is how long a stream that has sent its finish_reason and its
+// usage, all it holds but [DONE], is given to end, or its silence Timeout if
+// that is shorter: an upstream that finishes but leaves its stream open,
+// quiet or sending keep-alives, does not hold the reply back; its stream is
+// whole. A finish_reason alone does not start it: some upstreams send one
+// early (Open WebUI with its reasoning chunks), and their output goes on.
+const endingGrace = 2 * time.Second
 
 // watch starts a stream's watchdog, which calls cancel when it fires.
 func (c *Client) watch(cancel context.CancelFunc) *watchdog {
@@ -96,7 +110,10 @@ func (c *Client) watch(cancel context.CancelFunc) *watchdog {
 	w.deadline = time.Now().Add(w.limit)
 	w.timer = time.AfterFunc(min(w.silence, w.limit), func() {
 		why := int32(firedSilence)
-		if !time.Now().Before(w.deadline) {
+		switch {
+		case w.ending.Load():
+			why = firedEnding
+		case !time.Now().Before(w.deadline):
 			why = firedLimit
 		}
 		w.fired.Store(why)
@@ -105,8 +122,20 @@ func (c *Client) watch(cancel context.CancelFunc) *watchdog {
 	return w
 }
 
-// heard rearms the watchdog: the upstream said something.
-func (w *watchdog) heard() { w.timer.Reset(min(w.silence, time.Until(w.deadline))) }
+// heard rearms the watchdog: the upstream said something, and ended says
+// whether it has sent its finish_reason and its usage, from when the stream
+// has endingGrace left at most.
+func (w *watchdog) heard(ended bool) {
+	left := min(w.silence, time.Until(w.deadline))
+	if ended {
+		if !w.ending.Load() {
+			w.ends = time.Now().Add(min(w.silence, endingGrace))
+			w.ending.Store(true)
+		}
+		left = min(left, time.Until(w.ends))
+	}
+	w.timer.Reset(left)
+}
 
 // pausedDuring returns emit with the watchdog paused while it runs: the time
 // a client takes to accept a delta is not its upstream's silence. (readStream
@@ -149,6 +178,8 @@ func (c *Client) receive(ctx context.Context, w *watchdog, resp *http.Response, 
 		return res, errors.Unwrap(err)
 	case errors.Is(err, upstream.ErrTooLong):
 		return res, fmt.Errorf("%w: %w", upstream.ErrStreamBroken, err)
+	case w.fired.Load() == firedEnding:
+		return res, nil // finished, though not ended by its upstream
 	case ctx.Err() != nil && w.fired.Load() == 0:
 		return res, ctx.Err() // the caller went away
 	case w.fired.Load() != 0:
@@ -218,7 +249,8 @@ const maxLineBytes = 8 << 20
 
 // readStream reads a reply of at most limit bytes: server-sent chat
 // completion chunks until [DONE], calling progress before each line and emit
-// for each delta with content or evidence; or, when its first line that is
+// for each delta with content or evidence (progress is told whether a
+// finish_reason and the usage were read); or, when its first line that is
 // not blank opens a JSON object, one chat completion (readCompletion). The
 // reply is read by what it holds: upstreams and the proxies before them label
 // streams application/json, and completions text/event-stream. It returns
@@ -232,7 +264,7 @@ const maxLineBytes = 8 << 20
 // fails with an error of its own, never io.EOF; one that ends as its
 // connection closes is whole only with its finish_reason or [DONE].
 // Everything in body is untrusted.
-func readStream(body io.Reader, limit int64, progress func(), emit func(upstream.Delta) error) (upstream.Result, error) {
+func readStream(body io.Reader, limit int64, progress func(ended bool), emit func(upstream.Delta) error) (upstream.Result, error) {
 	maxLine := min(maxLineBytes, limit)
 	var res upstream.Result
 	var content bytes.Buffer
@@ -268,7 +300,7 @@ func readStream(body io.Reader, limit int64, progress func(), emit func(upstream
 	}
 	defer release()
 	for {
-		progress()
+		progress(finished && res.UsageReported)
 		if waiter != nil && (reader == nil || reader.Buffered() == 0) {
 			release()
 			if err := waiter.WaitReadable(); err != nil {

@@ -41,7 +41,7 @@ func TestStreamLinesAreReadNoFurtherThanTheirBound(t *testing.T) {
 	const maxLine = 1 << 20
 	body := &countingReader{r: io.MultiReader(strings.NewReader("data: {\"choices\":[{\"delta\":{\"content\":\"before \"}}]}\n\ndata: "), endless{})}
 	var emitted []string
-	res, err := readStream(body, maxLine, func() {}, func(d upstream.Delta) error {
+	res, err := readStream(body, maxLine, func(bool) {}, func(d upstream.Delta) error {
 		emitted = append(emitted, d.Content)
 		return nil
 	})
