@@ -269,8 +269,8 @@ func TestAStreamFromAnUpstreamThatDoesNotStream(t *testing.T) {
 // answers the JSON request, billed from the tokenizer's count (it sent no
 // usage); one that ends its streams without [DONE], after their
 // finish_reason, serves them whole, and so does one that leaves them open
-// after it, sending keep-alives. The usage view holds exactly what was
-// sent.
+// after it, sending keep-alives, and one that spreads its events over
+// several data: lines. The usage view holds exactly what was sent.
 func TestUpstreamQuirksAreRead(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -311,28 +311,31 @@ func TestUpstreamQuirksAreRead(t *testing.T) {
 	require.Len(t, streamed.Sources, 1)
 	require.Positive(t, streamed.Usage.OutputRungs, "counted by the tokenizer")
 
+	// completed streams the prompt, which must complete, billed from the
+	// usage the upstream reported, as a stream with [DONE] is.
+	completed := func(quirk string) *api.RungUsage {
+		_, s := g.stream(b.key, map[string]any{"prompt": prompt})
+		require.NotContains(t, names(s), "response.error", quirk)
+		last := s.Events[len(s.Events)-1]
+		require.Equal(t, "response.completed", last.Name, quirk)
+		var chunk api.StreamChunk
+		last.Decode(t, &chunk)
+		require.Equal(t, final.Usage, chunk.Usage, quirk)
+		return chunk.Usage
+	}
 	b.fake.SetAlwaysStreaming(false)
 	b.fake.SetNoDone(true)
-	_, s = g.stream(b.key, map[string]any{"prompt": prompt})
-	require.NotContains(t, names(s), "response.error")
-	last = s.Events[len(s.Events)-1]
-	require.Equal(t, "response.completed", last.Name)
-	var undone api.StreamChunk
-	last.Decode(t, &undone)
-	require.Equal(t, final.Usage, undone.Usage, "billed from its usage, as a stream with [DONE]")
-
-	b.fake.SetLeftOpen(true) // finished, then keep-alives and never an end
-	_, s = g.stream(b.key, map[string]any{"prompt": prompt})
-	require.NotContains(t, names(s), "response.error")
-	last = s.Events[len(s.Events)-1]
-	require.Equal(t, "response.completed", last.Name)
-	var open api.StreamChunk
-	last.Decode(t, &open)
-	require.Equal(t, final.Usage, open.Usage, "billed from its usage, as a stream with [DONE]")
+	undone := completed("no [DONE]")
+	b.fake.SetLeftOpen(true)
+	open := completed("finished, then keep-alives and never an end")
+	b.fake.SetLeftOpen(false)
+	b.fake.SetNoDone(false)
+	b.fake.SetSpread(true)
+	spread := completed("events spread over lines")
 
 	totals := g.usage(b.key).Totals
-	require.Equal(t, int64(5), totals.Requests)
-	require.Equal(t, final.Usage.TotalRungs+whole.Usage.TotalRungs+streamed.Usage.TotalRungs+undone.Usage.TotalRungs+open.Usage.TotalRungs, totals.TotalRungs)
+	require.Equal(t, int64(6), totals.Requests)
+	require.Equal(t, final.Usage.TotalRungs+whole.Usage.TotalRungs+streamed.Usage.TotalRungs+undone.TotalRungs+open.TotalRungs+spread.TotalRungs, totals.TotalRungs)
 }
 
 func TestStreamKeepAliveWithSlowUpstream(t *testing.T) {

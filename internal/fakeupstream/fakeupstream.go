@@ -4,6 +4,7 @@
 package fakeupstream
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"net"
@@ -66,6 +67,7 @@ type Server struct {
 	mislabel   bool
 	noDone     bool
 	leftOpen   bool
+	spread     bool
 	hostile    map[string]Hostile
 	slow       map[string]time.Duration
 	headers    http.Header
@@ -302,6 +304,14 @@ func (s *Server) SetLeftOpen(on bool) {
 	s.leftOpen = on
 }
 
+// SetSpread makes the server spread each stream event's JSON over several
+// data: lines, indented, as SSE allows and some servers do.
+func (s *Server) SetSpread(on bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.spread = on
+}
+
 // SetChunkDelay makes a stream wait d before each content chunk.
 func (s *Server) SetChunkDelay(d time.Duration) {
 	s.mu.Lock()
@@ -382,7 +392,7 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	s.mu.Lock()
-	mode, status, delay, chunkDelay, breakAfter, uncited, whole, noDone, leftOpen := s.mode, s.status, s.delay, s.chunkDelay, s.breakAfter, s.uncited, s.whole, s.noDone, s.leftOpen
+	mode, status, delay, chunkDelay, breakAfter, uncited, whole, noDone, leftOpen, spread := s.mode, s.status, s.delay, s.chunkDelay, s.breakAfter, s.uncited, s.whole, s.noDone, s.leftOpen, s.spread
 	streamed, labels := (req.Stream && !whole) || s.always, [2]string{"application/json", "text/event-stream"}
 	if s.mislabel {
 		labels[0], labels[1] = labels[1], labels[0]
@@ -443,7 +453,7 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 	if streamed {
 		w.Header().Set("Content-Type", labels[1])
 		withUsage := req.StreamOptions != nil && req.StreamOptions.IncludeUsage
-		stream(w, r, call.Prompt, streamOptions{chunkDelay, breakAfter, uncited, withUsage, noDone, leftOpen}, hostile)
+		stream(w, r, call.Prompt, streamOptions{chunkDelay, breakAfter, uncited, withUsage, noDone, leftOpen, spread}, hostile)
 		return
 	}
 	w.Header().Set("Content-Type", labels[0])
@@ -474,17 +484,23 @@ type streamOptions struct {
 	withUsage  bool
 	noDone     bool
 	leftOpen   bool
+	spread     bool
 }
 
 // stream answers as OpenAI does: a role-only delta, one delta per piece, an
 // annotation delta (unless uncited), the finish_reason, a usage chunk
 // (withUsage, as asked by stream_options.include_usage), then [DONE] (unless
 // noDone or leftOpen; leftOpen then sends keep-alives until the caller
-// leaves).
+// leaves). Spread events take a data: line for each line of their indented
+// JSON.
 func stream(w http.ResponseWriter, r *http.Request, prompt string, o streamOptions, hostile *Hostile) {
 	flusher := w.(http.Flusher)
 	send := func(v any) {
 		b, _ := json.Marshal(v)
+		if o.spread {
+			b, _ = json.MarshalIndent(v, "", "  ")
+			b = bytes.ReplaceAll(b, []byte("\n"), []byte("\ndata: "))
+		}
 		fmt.Fprintf(w, "data: %s\n\n", b)
 		flusher.Flush()
 	}

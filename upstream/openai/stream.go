@@ -248,7 +248,8 @@ func errorEventSays(data []byte) string {
 const maxLineBytes = 8 << 20
 
 // readStream reads a reply of at most limit bytes: server-sent chat
-// completion chunks until [DONE], calling progress before each line and emit
+// completion chunks until [DONE] (an event's data spread over several lines
+// joined, as SSE joins them), calling progress before each line and emit
 // for each delta with content or evidence (progress is told whether a
 // finish_reason and the usage were read); or, when its first line that is
 // not blank opens a JSON object, one chat completion (readCompletion). The
@@ -299,6 +300,76 @@ func readStream(body io.Reader, limit int64, progress func(ended bool), emit fun
 		}
 	}
 	defer release()
+	lineTooLong := func() error {
+		return fmt.Errorf("%w: a stream line is longer than %d bytes, the most one may take in a reply to this request", upstream.ErrTooLong, maxLine)
+	}
+	// spread gathers the data of an event spread over lines, which SSE joins
+	// with "\n", from a first line that is not JSON whole to the event's end.
+	var spread []byte
+	// event takes an event's data: spreads says whether it is the whole data
+	// of a spread event, or else its first line, which may begin one. end
+	// says the stream ends with it, whole (err nil) or not.
+	event := func(data []byte, spreads bool) (end bool, err error) {
+		if errorEvent {
+			return true, errorInStream(errorEventSays(data))
+		}
+		if bytes.Equal(data, doneMarker) {
+			return true, nil
+		}
+		var chunk streamChunk[string]
+		err = json.Unmarshal(data, &chunk)
+		if inParts(err, "choices.delta.content") {
+			var parted streamChunk[text]
+			if err = json.Unmarshal(data, &parted); err == nil {
+				chunk = parted.asStrings()
+			}
+		}
+		if err != nil {
+			if syntax := (*json.SyntaxError)(nil); !spreads && errors.As(err, &syntax) {
+				spread = append(make([]byte, 0, 2*len(data)), data...)
+				return false, nil
+			}
+			return true, fmt.Errorf("malformed stream chunk: %w", err)
+		}
+		if chunk.Error != nil {
+			return true, errorInStream(errorMessage(chunk.Error.Message))
+		}
+		if chunk.Usage != nil {
+			res.UsageReported = true
+			res.InputTokens, res.OutputTokens = chunk.Usage.PromptTokens, chunk.Usage.CompletionTokens
+		}
+		for _, choice := range chunk.Choices {
+			finished = finished || choice.FinishReason != nil && *choice.FinishReason != ""
+			var d upstream.Delta
+			if choice.Delta.Content != nil {
+				d.Content = *choice.Delta.Content
+			}
+			d.Sources = sources("", choice.Delta.Annotations)
+			if err := take(d); err != nil {
+				return true, emitError{err}
+			}
+		}
+		if n := chunk.count(); n > searched {
+			// Search results beside the choices, which an upstream may
+			// repeat, grown, in every event: those not yet taken.
+			d := upstream.Delta{Sources: chunk.from(searched)}
+			searched = n
+			if err := take(d); err != nil {
+				return true, emitError{err}
+			}
+		}
+		return false, nil
+	}
+	// eventEnds takes the data of a spread event at its end. An event whose
+	// data is empty is none, as in SSE.
+	eventEnds := func() (end bool, err error) {
+		data := bytes.TrimSpace(spread)
+		spread = nil
+		if len(data) == 0 {
+			return false, nil
+		}
+		return event(data, true)
+	}
 	for {
 		progress(finished && res.UsageReported)
 		if waiter != nil && (reader == nil || reader.Buffered() == 0) {
@@ -323,12 +394,15 @@ func readStream(body io.Reader, limit int64, progress func(ended bool), emit fun
 				full = append(full, line...)
 			}
 			if int64(len(full)) > maxLine {
-				return finish(fmt.Errorf("%w: a stream line is longer than %d bytes, the most one may take in a reply to this request", upstream.ErrTooLong, maxLine))
+				return finish(lineTooLong())
 			}
 			line = full
 		}
 		if err != nil && !(errors.Is(err, io.EOF) && len(line) > 0) {
 			if errors.Is(err, io.EOF) {
+				if end, err := eventEnds(); end {
+					return finish(err)
+				}
 				if finished {
 					return finish(nil) // ended whole, by an upstream that sends no [DONE]
 				}
@@ -350,54 +424,22 @@ func readStream(body io.Reader, limit int64, progress func(ended bool), emit fun
 			} else if data, ok := bytes.CutPrefix(field, []byte("error:")); ok {
 				return finish(errorInStream(errorEventSays(data)))
 			} else if len(field) == 0 {
+				if end, err := eventEnds(); end {
+					return finish(err)
+				}
 				errorEvent = false
 			}
 			continue
 		}
 		data = bytes.TrimSpace(data)
-		if errorEvent {
-			return finish(errorInStream(errorEventSays(data)))
-		}
-		if bytes.Equal(data, doneMarker) {
-			return finish(nil)
-		}
-		var chunk streamChunk[string]
-		err = json.Unmarshal(data, &chunk)
-		if inParts(err, "choices.delta.content") {
-			var parted streamChunk[text]
-			if err = json.Unmarshal(data, &parted); err == nil {
-				chunk = parted.asStrings()
+		if spread != nil {
+			if spread = append(append(spread, '\n'), data...); int64(len(spread)) > maxLine {
+				return finish(lineTooLong())
 			}
+			continue
 		}
-		if err != nil {
-			return finish(fmt.Errorf("malformed stream chunk: %w", err))
-		}
-		if chunk.Error != nil {
-			return finish(errorInStream(errorMessage(chunk.Error.Message)))
-		}
-		if chunk.Usage != nil {
-			res.UsageReported = true
-			res.InputTokens, res.OutputTokens = chunk.Usage.PromptTokens, chunk.Usage.CompletionTokens
-		}
-		for _, choice := range chunk.Choices {
-			finished = finished || choice.FinishReason != nil && *choice.FinishReason != ""
-			var d upstream.Delta
-			if choice.Delta.Content != nil {
-				d.Content = *choice.Delta.Content
-			}
-			d.Sources = sources("", choice.Delta.Annotations)
-			if err := take(d); err != nil {
-				return finish(emitError{err})
-			}
-		}
-		if n := chunk.count(); n > searched {
-			// Search results beside the choices, which an upstream may
-			// repeat, grown, in every event: those not yet taken.
-			d := upstream.Delta{Sources: chunk.from(searched)}
-			searched = n
-			if err := take(d); err != nil {
-				return finish(emitError{err})
-			}
+		if end, err := event(data, false); end {
+			return finish(err)
 		}
 	}
 }

@@ -52,6 +52,65 @@ func TestStreamLinesAreReadNoFurtherThanTheirBound(t *testing.T) {
 	require.Greater(t, body.read, int64(maxLine))
 }
 
+// TestEventsSpreadOverLines: an event's data spread over several data:
+// lines is joined, as SSE joins it, and read at the event's end (its blank
+// line, or the body's end); events of one line each are read as they come,
+// blank lines between them or not; an event with empty data is none. Data
+// that is not JSON once joined, or longer than a line may be, breaks the
+// stream, with what came before it kept.
+func TestEventsSpreadOverLines(t *testing.T) {
+	t.Parallel()
+	read := func(body string, maxLine int64) (upstream.Result, []string, error) {
+		var emitted []string
+		res, err := readStream(strings.NewReader(body), maxLine, func(bool) {}, func(d upstream.Delta) error {
+			emitted = append(emitted, d.Content)
+			return nil
+		})
+		return res, emitted, err
+	}
+	const (
+		one    = `data: {"choices":[{"delta":{"content":"one "}}]}` + "\n"
+		spread = "data: {\ndata:   \"choices\": [{\"delta\": {\"content\": \"two \"}}],\ndata:   \"usage\": {\"prompt_tokens\": 3, \"completion_tokens\": 4}\ndata: }\n"
+		last   = "data: {\"choices\":\ndata: [{\"delta\":{\"content\":\"three\"},\"finish_reason\":\"stop\"}]}\n"
+	)
+	for name, body := range map[string]string{
+		"with blank lines":           one + "\n" + spread + "\n" + "data:\n\n" + last + "\ndata: [DONE]\n\n",
+		"the last ended by the body": one + "\n" + spread + "\n" + last,
+		"one-line events unparted":   one + one[:len(one)-1] + "\r\n" + spread + "\r\n" + last + "\n",
+	} {
+		res, emitted, err := read(body, maxLineBytes)
+		require.NoError(t, err, name)
+		want := []string{"one ", "two ", "three"}
+		if name == "one-line events unparted" {
+			want = []string{"one ", "one ", "two ", "three"}
+		}
+		require.Equal(t, want, emitted, name)
+		require.Equal(t, strings.Join(want, ""), res.Content, name)
+		require.True(t, res.UsageReported, name)
+		require.Equal(t, [2]uint64{3, 4}, [2]uint64{res.InputTokens, res.OutputTokens}, name)
+	}
+
+	for name, tc := range map[string]struct {
+		body    string
+		maxLine int64
+		want    error
+	}{
+		"not JSON once joined":       {body: one + "\ndata: {\ndata: not json\n\ndata: [DONE]\n\n", maxLine: maxLineBytes},
+		"not JSON at the body's end": {body: one + "\ndata: {\"choices\":\n", maxLine: maxLineBytes},
+		"longer than a line may be":  {body: one + "\ndata: {\n" + strings.Repeat("data: \"x\",\n", 100) + "data: }\n\n", maxLine: 256, want: upstream.ErrTooLong},
+	} {
+		res, emitted, err := read(tc.body, tc.maxLine)
+		require.Error(t, err, name)
+		if tc.want != nil {
+			require.ErrorIs(t, err, tc.want, name)
+		} else {
+			require.ErrorContains(t, err, "malformed stream chunk", name)
+		}
+		require.Equal(t, []string{"one "}, emitted, name)
+		require.Equal(t, "one ", res.Content, name)
+	}
+}
+
 // TestTextDecodesStringsAsJSONDoes: text, read again for a reply whose
 // content was not a string, decodes the strings of its other contents as
 // encoding/json does; null leaves what was there.
