@@ -428,8 +428,10 @@ func (c *Client) Complete(ctx context.Context, req *upstream.Request) (upstream.
 // parseReply reads a reply asked for whole by what it holds, not by its
 // Content-Type: a chat completion or, from an upstream that streams whatever
 // it is asked, an event stream read to its [DONE] (its usage counted by the
-// caller when it reported none). Anything else is a failure after dispatch.
+// caller when it reported none), after a byte order mark if there is one.
+// Anything else is a failure after dispatch.
 func parseReply(raw []byte) (upstream.Result, error) {
+	raw = bytes.TrimPrefix(raw, byteOrderMark)
 	if completionFirst(raw) {
 		return parseCompletion(raw)
 	}

@@ -681,15 +681,17 @@ func TestRepliesAreReadByWhatTheyHold(t *testing.T) {
 			label, body string
 			err         error // of Complete; Stream's is ErrStreamBroken
 		}{
-			"a completion after blank lines":  {"text/event-stream", "\r\n\n  " + completion + "\n", nil},
-			"a completion, unlabelled":        {"", completion, nil},
-			"a stream with usage, as JSON":    {"application/json", "data: {\"choices\":[{\"delta\":{\"content\":\"whole\"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":1}}\n\ndata: [DONE]\n\n", nil},
-			"a stream cut before [DONE]":      {"application/json", "data: {\"choices\":[{\"delta\":{\"content\":\"whole\"}}]}\n\n", upstream.ErrFailed},
-			"a page of HTML":                  {"text/html", "<html>bad gateway</html>", upstream.ErrFailed},
-			"a JSON object after a comment":   {"text/event-stream", ": hi\n" + completion, upstream.ErrFailed},
-			"a completion, then [DONE]":       {"text/event-stream", completion + "data: [DONE]\n\n", nil},
-			"a completion with trailing data": {"application/json", completion + "data: [DONE] and more", upstream.ErrFailed},
-			"two completions, then [DONE]":    {"application/json", completion + "\n" + completion + "\ndata: [DONE]", upstream.ErrFailed},
+			"a completion after blank lines":       {"text/event-stream", "\r\n\n  " + completion + "\n", nil},
+			"a completion, unlabelled":             {"", completion, nil},
+			"a stream with usage, as JSON":         {"application/json", "data: {\"choices\":[{\"delta\":{\"content\":\"whole\"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":1}}\n\ndata: [DONE]\n\n", nil},
+			"a stream cut before [DONE]":           {"application/json", "data: {\"choices\":[{\"delta\":{\"content\":\"whole\"}}]}\n\n", upstream.ErrFailed},
+			"a page of HTML":                       {"text/html", "<html>bad gateway</html>", upstream.ErrFailed},
+			"a JSON object after a comment":        {"text/event-stream", ": hi\n" + completion, upstream.ErrFailed},
+			"a completion, then [DONE]":            {"text/event-stream", completion + "data: [DONE]\n\n", nil},
+			"a completion with trailing data":      {"application/json", completion + "data: [DONE] and more", upstream.ErrFailed},
+			"two completions, then [DONE]":         {"application/json", completion + "\n" + completion + "\ndata: [DONE]", upstream.ErrFailed},
+			"a completion after a byte order mark": {"application/json", "\uFEFF" + completion, nil},
+			"a stream after a byte order mark":     {"text/event-stream", "\uFEFFdata: {\"choices\":[{\"delta\":{\"content\":\"whole\"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":1}}\n\ndata: [DONE]\n\n", nil},
 		} {
 			client := b.handlerClient(t, func(w http.ResponseWriter, r *http.Request) {
 				_, _ = io.Copy(io.Discard, r.Body)

@@ -22,6 +22,7 @@ func FuzzParseReply(f *testing.F) {
 		`{"choices":[]}`, `{}`, `null`, `[`, ``, `{"error":"Input validation error","error_type":"validation"}`,
 		"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\ndata: [DONE]\n\n", ": keep-alive\n\ndata: [DONE]", "<html>",
 		`{"choices":[{"message":{"content":[{"type":"thinking","thinking":[{"type":"text","text":"t"}]},{"type":"text","text":"a"}]}}]}`,
+		"\uFEFF{\"choices\":[{\"message\":{\"content\":\"bom\"}}]}",
 	} {
 		f.Add([]byte(seed))
 	}
@@ -47,11 +48,11 @@ func FuzzParseReply(f *testing.F) {
 	})
 }
 
-// wholeStream says whether raw may be taken as a whole reply: a completion,
-// or events with a [DONE] or a finish_reason (whose name JSON may spell in
-// any case, or with escapes).
+// wholeStream says whether raw may be taken as a whole reply: a completion
+// (after a byte order mark or not), or events with a [DONE] or a
+// finish_reason (whose name JSON may spell in any case, or with escapes).
 func wholeStream(raw []byte) bool {
-	return completionFirst(raw) || bytes.Contains(raw, doneMarker) ||
+	return completionFirst(bytes.TrimPrefix(raw, byteOrderMark)) || bytes.Contains(raw, doneMarker) ||
 		bytes.Contains(bytes.ToLower(raw), []byte("reason")) || bytes.Contains(raw, []byte(`\`))
 }
 

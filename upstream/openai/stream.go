@@ -49,6 +49,10 @@ func (c *streamChunk[C]) asStrings() streamChunk[string] {
 
 var doneMarker = []byte("[DONE]")
 
+// byteOrderMark is UTF-8's, which some servers put before a body: SSE and
+// JSON's RFC 8259 let a reader drop it.
+var byteOrderMark = []byte("\uFEFF")
+
 // Stream implements upstream.Provider. It asks for usage in the stream
 // (stream_options.include_usage), reads data: lines as they arrive, skips
 // role-only and empty deltas, and treats a stream that ends without [DONE]
@@ -252,7 +256,8 @@ const maxLineBytes = 8 << 20
 // joined, as SSE joins them), calling progress before each line and emit
 // for each delta with content or evidence (progress is told whether a
 // finish_reason and the usage were read); or, when its first line that is
-// not blank opens a JSON object, one chat completion (readCompletion). The
+// not blank opens a JSON object (after a byte order mark, which is dropped),
+// one chat completion (readCompletion). The
 // reply is read by what it holds: upstreams and the proxies before them label
 // streams application/json, and completions text/event-stream. It returns
 // what was received; the error is nil at [DONE], at the end of a body that
@@ -383,6 +388,9 @@ func readStream(body io.Reader, limit int64, progress func(ended bool), emit fun
 			reader.Reset(body)
 		}
 		line, err := reader.ReadSlice('\n')
+		if !opened {
+			line = bytes.TrimPrefix(line, byteOrderMark)
+		}
 		if !opened && completionFirst(line) {
 			return readCompletion(line, reader, limit, emit) // bounded by limit, not as a line
 		}
