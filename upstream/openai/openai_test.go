@@ -1031,9 +1031,10 @@ func TestStreamsEndAtTheirLimit(t *testing.T) {
 // body, quiet or sending keep-alives, ends its stream whole at the end of its
 // ending (endingGrace, or its silence Timeout if shorter), over either
 // transport. A finish_reason alone starts no ending: output that follows an
-// early one, after a pause longer than the ending, is kept, and a stream
-// left open without its usage, or never finished, is still broken at its
-// limit.
+// early one, after a pause longer than the ending, is kept; output after a
+// finish_reason and the usage ends their ending (an upstream that sends them
+// in every event goes on for longer than one); and a stream left open
+// without its usage, or never finished, is still broken at its limit.
 func TestAFinishedStreamLeftOpenIsWhole(t *testing.T) {
 	t.Parallel()
 	const (
@@ -1042,21 +1043,29 @@ func TestAFinishedStreamLeftOpenIsWhole(t *testing.T) {
 		usage  = `data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":4}}` + "\n\n"
 		early  = `data: {"choices":[{"delta":{"content":"all of"},"finish_reason":"stop"}]}` + "\n\n"
 		rest   = `data: {"choices":[{"delta":{"content":" it"}}]}` + "\n\n"
-		pause  = "" // keep-alives for longer than the ending
+		pause  = ""  // keep-alives for longer than the ending
+		beat   = "," // keep-alives for more than half the ending
 	)
+	// finishing is an event of text with a finish_reason and the usage, as
+	// an upstream that sends them in every event sends it.
+	finishing := func(text string) string {
+		return `data: {"choices":[{"delta":{"content":"` + text + `"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":4}}` + "\n\n"
+	}
+	pauses := map[string]time.Duration{pause: 2500 * time.Millisecond, beat: 1200 * time.Millisecond}
 	eachTransport(t, func(t *testing.T, b *testBundle) {
 		for name, tc := range map[string]struct {
 			events     []string
 			keepAlives bool
 			broken     bool
 		}{
-			"quiet after its usage":                {events: []string{all, finish, usage}},
-			"keep-alives after its usage":          {events: []string{all, finish, usage}, keepAlives: true},
-			"finish and usage in one event":        {events: []string{all, strings.Replace(finish, `]}`, `],"usage":{"prompt_tokens":3,"completion_tokens":4}}`, 1)}},
-			"its usage after a pause":              {events: []string{all, finish, pause, usage}, keepAlives: true},
-			"output after an early finish_reason":  {events: []string{early, pause, rest, finish, usage}},
-			"keep-alives after a finish, no usage": {events: []string{all, finish}, keepAlives: true, broken: true},
-			"keep-alives, never finished":          {events: []string{all}, keepAlives: true, broken: true},
+			"quiet after its usage":                        {events: []string{all, finish, usage}},
+			"keep-alives after its usage":                  {events: []string{all, finish, usage}, keepAlives: true},
+			"finish and usage in one event":                {events: []string{finishing("all of it")}},
+			"its usage after a pause":                      {events: []string{all, finish, pause, usage}, keepAlives: true},
+			"output after an early finish_reason":          {events: []string{early, pause, rest, finish, usage}},
+			"a finish_reason and the usage in every event": {events: []string{finishing("all"), beat, finishing(" of"), beat, finishing(" it")}},
+			"keep-alives after a finish, no usage":         {events: []string{all, finish}, keepAlives: true, broken: true},
+			"keep-alives, never finished":                  {events: []string{all}, keepAlives: true, broken: true},
 		} {
 			t.Run(name, func(t *testing.T) {
 				t.Parallel()
@@ -1069,8 +1078,11 @@ func TestAFinishedStreamLeftOpenIsWhole(t *testing.T) {
 					_, _ = io.Copy(io.Discard, r.Body)
 					w.Header().Set("Content-Type", "text/event-stream")
 					for _, e := range tc.events {
-						for end := time.Now().Add(2500 * time.Millisecond); e == pause && time.Now().Before(end); {
-							keepAlive(w)
+						if d, ok := pauses[e]; ok {
+							for end := time.Now().Add(d); time.Now().Before(end); {
+								keepAlive(w)
+							}
+							continue
 						}
 						_, _ = io.WriteString(w, e)
 						w.(http.Flusher).Flush()

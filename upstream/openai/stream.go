@@ -90,6 +90,7 @@ type watchdog struct {
 	limit    time.Duration
 	deadline time.Time
 	ends     time.Time    // the end of its ending; the reader's alone
+	output   bool         // output was emitted since the last heard; the reader's alone
 	ending   atomic.Bool  // a finish_reason and the usage were read
 	fired    atomic.Int32 // why it fired: 0 (it did not), firedSilence, firedLimit or firedEnding
 }
@@ -128,16 +129,18 @@ func (c *Client) watch(cancel context.CancelFunc) *watchdog {
 
 // heard rearms the watchdog: the upstream said something, and ended says
 // whether it has sent its finish_reason and its usage, from when the stream
-// has endingGrace left at most.
+// has endingGrace left at most, counted from its last output: an upstream
+// that sends them early, in every event, goes on while its output does.
 func (w *watchdog) heard(ended bool) {
 	left := min(w.silence, time.Until(w.deadline))
 	if ended {
-		if !w.ending.Load() {
+		if !w.ending.Load() || w.output {
 			w.ends = time.Now().Add(min(w.silence, endingGrace))
 			w.ending.Store(true)
 		}
 		left = min(left, time.Until(w.ends))
 	}
+	w.output = false
 	w.timer.Reset(left)
 }
 
@@ -147,6 +150,7 @@ func (w *watchdog) heard(ended bool) {
 func (w *watchdog) pausedDuring(emit func(upstream.Delta) error) func(upstream.Delta) error {
 	return func(d upstream.Delta) error {
 		w.timer.Stop()
+		w.output = true
 		return emit(d)
 	}
 }
