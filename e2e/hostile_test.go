@@ -224,6 +224,45 @@ func TestUpstreamRepliesAreBounded(t *testing.T) {
 	}, 10*time.Second, 100*time.Millisecond)
 }
 
+// TestUsageReportedAsNothingIsCounted: an upstream that reports no tokens
+// for its replies (servers that send zeros, or their counts under other
+// names) does not make them free: the tokenizer counts each side reported
+// as nothing, in a reply, a stream and a batch item alike, and the metric
+// of clamped counts says so.
+func TestUsageReportedAsNothingIsCounted(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetHostile("FREE", fakeupstream.Hostile{Content: "these words were free until now"})
+	g := serve(t, b.db, b.fake.BaseURL(), nil)
+
+	var mine received
+	r := g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "FREE json"})
+	require.Equal(t, http.StatusOK, r.status, string(r.body))
+	var resp api.Response
+	require.NoError(t, json.Unmarshal(r.body, &resp))
+	require.Positive(t, resp.Usage.InputRungs)
+	require.Positive(t, resp.Usage.OutputRungs)
+	mine.add(api.RungUsage{InputRungs: resp.Usage.InputRungs, OutputRungs: resp.Usage.OutputRungs, TotalRungs: resp.Usage.TotalRungs})
+
+	sr, _ := g.stream(b.key, map[string]any{"prompt": "FREE stream"})
+	u := finalUsage(t, sr.body)
+	require.Equal(t, resp.Usage.InputRungs, u.InputRungs, "prompts of as many tokens")
+	require.Equal(t, resp.Usage.OutputRungs, u.OutputRungs, "the same words")
+	mine.add(u)
+
+	batch := g.createBatch(b.key, prompts("FREE", 1))
+	res := g.waitTerminal(b.key, batch.Id.String(), 60*time.Second)
+	require.Equal(t, api.BatchItemStatus("completed"), res.Results[0].Status)
+	require.Positive(t, res.Results[0].Usage.OutputRungs)
+	mine.items(res)
+
+	settledExactly(t, g, b.key, mine)
+	m := g.scrape()
+	for _, side := range []string{"input", "output"} {
+		require.Contains(t, m, fmt.Sprintf(`gateway_upstream_usage_clamped_total{model="instant",side=%q} 3`, side))
+	}
+}
+
 // TestAStreamKeptOpenWithoutOutputEnds: an upstream that sends a stream's
 // first words and then only keep-alive lines, never its end, cannot hold the
 // stream (its reservation, its connections) past GATEWAY_UPSTREAM_STREAM_LIMIT:

@@ -153,11 +153,15 @@ func (e Estimate) Total() int64 { return e.InputRungs + e.OutputRungs }
 type Estimator struct {
 	Tokenizer *Tokenizer
 	RateCard  *RateCard
-	// OnClamp, when set, is told of every upstream token count past its bound.
+	// OnClamp, when set, is told of every upstream token count that cannot
+	// be true: past its bound, or none for text there was.
 	OnClamp func(Clamp)
 }
 
-// Clamp is an upstream token count cut to its bound (decisions D11).
+// Clamp is an upstream token count that cannot be true, and what is billed
+// instead: a count past its bound (decisions D11), cut to the bound; or a
+// count of no tokens for text there was (the input sent, output received),
+// replaced by the tokenizer's count of that text.
 type Clamp struct {
 	Model gateway.Model
 	// Side is "input" or "output".
@@ -197,17 +201,37 @@ func (e *Estimator) Estimate(req gateway.Request, entry gateway.EntryPoint) (Est
 
 // Actual prices what the upstream produced for req: its reported token counts,
 // or, when it reported none (a stream cut short), the tokenizer's count of the
-// input and of the output received. Either is clamped (D11): output to the
-// output ceiling sent, input to InputBound. So the admission estimate's output
-// part is a true upper bound, and no upstream can make a counter overflow.
+// input and of the output received. A reported count of no tokens for text
+// there was (a prompt is never empty; output only when text was received)
+// is none: servers that report zeros, or their counts under other names,
+// would have made their replies free, so the tokenizer counts that side.
+// Either is clamped (D11): output to the output ceiling sent, input to
+// InputBound. So the admission estimate's output part is a true upper bound,
+// and no upstream can make a counter overflow.
 func (e *Estimator) Actual(req gateway.Request, entry gateway.EntryPoint, res upstream.Result) (gateway.Usage, error) {
 	in, out := res.InputTokens, res.OutputTokens
 	if !res.UsageReported {
 		in, out = e.InputTokens(req), e.Tokenizer.CountUpTo(res.Content, req.MaxOutputRungs)
+	} else {
+		if in == 0 {
+			in = e.counted(req.Model, "input", e.InputTokens(req))
+		}
+		if out == 0 && res.Content != "" {
+			out = e.counted(req.Model, "output", e.Tokenizer.CountUpTo(res.Content, req.MaxOutputRungs))
+		}
 	}
 	in = e.clamp(req.Model, "input", in, InputBound(req))
 	out = e.clamp(req.Model, "output", out, req.MaxOutputRungs)
 	return e.RateCard.Usage(req.Model, entry, in, out)
+}
+
+// counted reports a count of no tokens replaced by the tokenizer's, n, and
+// returns n.
+func (e *Estimator) counted(model gateway.Model, side string, n uint64) uint64 {
+	if n > 0 && e.OnClamp != nil {
+		e.OnClamp(Clamp{Model: model, Side: side, Reported: 0, Bound: n})
+	}
+	return n
 }
 
 func (e *Estimator) clamp(model gateway.Model, side string, reported, bound uint64) uint64 {

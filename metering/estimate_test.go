@@ -153,6 +153,61 @@ func TestActualClampsUpstreamCounts(t *testing.T) {
 	require.Empty(t, clamps, "honest counts pass untouched")
 }
 
+// TestActualCountsWhatIsReportedAsNothing: a report of no tokens for text
+// there was (servers that report zeros, or their counts under other names)
+// would make a reply free; the tokenizer counts that side instead, and the
+// clamp hook is told. No output for no text is true, and passes.
+func TestActualCountsWhatIsReportedAsNothing(t *testing.T) {
+	t.Parallel()
+	tok, err := metering.DefaultTokenizer()
+	require.NoError(t, err)
+	var clamps []metering.Clamp
+	est := &metering.Estimator{Tokenizer: tok, RateCard: defaultCard(t), OnClamp: func(c metering.Clamp) { clamps = append(clamps, c) }}
+	req := gateway.Request{Prompt: "hello there", CustomInstructions: "be brief", Model: gateway.ModelInstant, MaxOutputRungs: 400}
+	const content = "a reply of some words"
+	counted, err := est.Actual(req, gateway.EntryResponses, upstream.Result{Content: content})
+	require.NoError(t, err)
+	require.Positive(t, counted.InputTokens)
+	require.Positive(t, counted.OutputTokens)
+
+	for name, tc := range map[string]struct {
+		in, out   uint64
+		want      gateway.Usage
+		corrected []string
+	}{
+		"zeros":            {0, 0, counted, []string{"input", "output"}},
+		"no output":        {7, 0, usageOf(t, est, req, 7, uint64(counted.OutputTokens)), []string{"output"}},
+		"no input":         {0, 9, usageOf(t, est, req, uint64(counted.InputTokens), 9), []string{"input"}},
+		"counts, reported": {7, 9, usageOf(t, est, req, 7, 9), nil},
+	} {
+		clamps = nil
+		u, err := est.Actual(req, gateway.EntryResponses, upstream.Result{Content: content, UsageReported: true, InputTokens: tc.in, OutputTokens: tc.out})
+		require.NoError(t, err, name)
+		require.Equal(t, tc.want, u, name)
+		var sides []string
+		for _, c := range clamps {
+			require.Zero(t, c.Reported, name)
+			require.Positive(t, c.Bound, name)
+			sides = append(sides, c.Side)
+		}
+		require.Equal(t, tc.corrected, sides, name)
+	}
+
+	clamps = nil
+	u, err := est.Actual(req, gateway.EntryResponses, upstream.Result{UsageReported: true, InputTokens: 7})
+	require.NoError(t, err)
+	require.Zero(t, u.OutputTokens, "no output for no text is true")
+	require.Empty(t, clamps)
+}
+
+// usageOf is the usage est prices for req's counts, in and out, as reported.
+func usageOf(t *testing.T, est *metering.Estimator, req gateway.Request, in, out uint64) gateway.Usage {
+	t.Helper()
+	u, err := est.RateCard.Usage(req.Model, gateway.EntryResponses, in, out)
+	require.NoError(t, err)
+	return u
+}
+
 // BenchmarkEstimateAdversarial prices the slowest prompts the API accepts; each
 // must cost a few milliseconds at most (see docs/benchmarks.md).
 // BenchmarkCountReference counts the same prompts with the library's codec,

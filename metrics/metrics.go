@@ -104,7 +104,7 @@ func New() *Metrics {
 			Help: "Responses sent with their usage while its settlement's outcome was unknown (its reply lost, the database away), by what became of the settlement: sent (the reply went out), stored (sent again until stored, once), missing (given up on: the usage may be missing).",
 		}, []string{"outcome"}),
 		clamps: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "gateway_upstream_usage_clamped_total", Help: "Upstream token counts cut to their bound (output ceiling sent, or input bytes sent), by model and side.",
+			Name: "gateway_upstream_usage_clamped_total", Help: "Upstream token counts that cannot be true, by model and side: cut to their bound (output ceiling sent, or input bytes sent), or, reported as no tokens for text there was, counted by the tokenizer.",
 		}, []string{"model", "side"}),
 		attempts: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "gateway_upstream_attempts_total", Help: "Upstream attempts by provider, upstream model and outcome: ok, or the failure's kind (unavailable, denied, failed, rejected, broken, cancelled, other).",
