@@ -1043,15 +1043,15 @@ func TestAFinishedStreamLeftOpenIsWhole(t *testing.T) {
 		usage  = `data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":4}}` + "\n\n"
 		early  = `data: {"choices":[{"delta":{"content":"all of"},"finish_reason":"stop"}]}` + "\n\n"
 		rest   = `data: {"choices":[{"delta":{"content":" it"}}]}` + "\n\n"
-		pause  = ""  // keep-alives for longer than the ending
-		beat   = "," // keep-alives for more than half the ending
+		pause  = "pause" // keep-alives for longer than the ending
+		beat   = "beat"  // keep-alives for less than half the ending
 	)
 	// finishing is an event of text with a finish_reason and the usage, as
 	// an upstream that sends them in every event sends it.
 	finishing := func(text string) string {
 		return `data: {"choices":[{"delta":{"content":"` + text + `"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":4}}` + "\n\n"
 	}
-	pauses := map[string]time.Duration{pause: 2500 * time.Millisecond, beat: 1200 * time.Millisecond}
+	pauses := map[string]time.Duration{pause: 2500 * time.Millisecond, beat: 900 * time.Millisecond}
 	eachTransport(t, func(t *testing.T, b *testBundle) {
 		for name, tc := range map[string]struct {
 			events     []string
@@ -1063,7 +1063,7 @@ func TestAFinishedStreamLeftOpenIsWhole(t *testing.T) {
 			"finish and usage in one event":                {events: []string{finishing("all of it")}},
 			"its usage after a pause":                      {events: []string{all, finish, pause, usage}, keepAlives: true},
 			"output after an early finish_reason":          {events: []string{early, pause, rest, finish, usage}},
-			"a finish_reason and the usage in every event": {events: []string{finishing("all"), beat, finishing(" of"), beat, finishing(" it")}},
+			"a finish_reason and the usage in every event": {events: []string{finishing("all"), beat, finishing(" of"), beat, finishing(" i"), beat, finishing("t")}},
 			"keep-alives after a finish, no usage":         {events: []string{all, finish}, keepAlives: true, broken: true},
 			"keep-alives, never finished":                  {events: []string{all}, keepAlives: true, broken: true},
 		} {
