@@ -119,14 +119,21 @@ func TestCountUpTo(t *testing.T) {
 	require.Zero(t, tok.CountUpTo("", 0))
 }
 
+// clampRecorder returns an estimator whose clamp hook records each clamp in
+// the slice returned.
+func clampRecorder(t *testing.T) (*metering.Estimator, *[]metering.Clamp) {
+	t.Helper()
+	tok, err := metering.DefaultTokenizer()
+	require.NoError(t, err)
+	clamps := new([]metering.Clamp)
+	return &metering.Estimator{Tokenizer: tok, RateCard: defaultCard(t), OnClamp: func(c metering.Clamp) { *clamps = append(*clamps, c) }}, clamps
+}
+
 // TestActualClampsUpstreamCounts pins D11: an upstream cannot bill past the
 // output ceiling sent, or past the input it was sent.
 func TestActualClampsUpstreamCounts(t *testing.T) {
 	t.Parallel()
-	tok, err := metering.DefaultTokenizer()
-	require.NoError(t, err)
-	var clamps []metering.Clamp
-	est := &metering.Estimator{Tokenizer: tok, RateCard: defaultCard(t), OnClamp: func(c metering.Clamp) { clamps = append(clamps, c) }}
+	est, clamps := clampRecorder(t)
 	req := gateway.Request{Prompt: "hello there", CustomInstructions: "be brief", Model: gateway.ModelReasoning, MaxOutputRungs: 40}
 	inBound := uint64(len("hello there") + 16 + len("be brief") + 16)
 	require.Equal(t, inBound, metering.InputBound(req))
@@ -139,18 +146,18 @@ func TestActualClampsUpstreamCounts(t *testing.T) {
 	require.Equal(t, []metering.Clamp{
 		{Model: gateway.ModelReasoning, Side: "input", Reported: 1 << 62, Bound: inBound},
 		{Model: gateway.ModelReasoning, Side: "output", Reported: math.MaxUint64, Bound: 40},
-	}, clamps)
+	}, *clamps)
 
-	clamps = nil
+	*clamps = nil
 	u, err = est.Actual(req, gateway.EntryResponses, upstream.Result{Content: strings.Repeat("word ", 1000)})
 	require.NoError(t, err)
 	require.Equal(t, int64(40), u.OutputTokens, "counted output is clamped too")
-	require.Len(t, clamps, 1)
+	require.Len(t, *clamps, 1)
 
-	clamps = nil
+	*clamps = nil
 	_, err = est.Actual(req, gateway.EntryResponses, upstream.Result{UsageReported: true, InputTokens: 3, OutputTokens: 5})
 	require.NoError(t, err)
-	require.Empty(t, clamps, "honest counts pass untouched")
+	require.Empty(t, *clamps, "honest counts pass untouched")
 }
 
 // TestActualCountsWhatIsReportedAsNothing: a report of no tokens for text
@@ -159,10 +166,7 @@ func TestActualClampsUpstreamCounts(t *testing.T) {
 // clamp hook is told. No output for no text is true, and passes.
 func TestActualCountsWhatIsReportedAsNothing(t *testing.T) {
 	t.Parallel()
-	tok, err := metering.DefaultTokenizer()
-	require.NoError(t, err)
-	var clamps []metering.Clamp
-	est := &metering.Estimator{Tokenizer: tok, RateCard: defaultCard(t), OnClamp: func(c metering.Clamp) { clamps = append(clamps, c) }}
+	est, clamps := clampRecorder(t)
 	req := gateway.Request{Prompt: "hello there", CustomInstructions: "be brief", Model: gateway.ModelInstant, MaxOutputRungs: 400}
 	const content = "a reply of some words"
 	counted, err := est.Actual(req, gateway.EntryResponses, upstream.Result{Content: content})
@@ -180,12 +184,12 @@ func TestActualCountsWhatIsReportedAsNothing(t *testing.T) {
 		"no input":         {0, 9, usageOf(t, est, req, uint64(counted.InputTokens), 9), []string{"input"}},
 		"counts, reported": {7, 9, usageOf(t, est, req, 7, 9), nil},
 	} {
-		clamps = nil
+		*clamps = nil
 		u, err := est.Actual(req, gateway.EntryResponses, upstream.Result{Content: content, UsageReported: true, InputTokens: tc.in, OutputTokens: tc.out})
 		require.NoError(t, err, name)
 		require.Equal(t, tc.want, u, name)
 		var sides []string
-		for _, c := range clamps {
+		for _, c := range *clamps {
 			require.Zero(t, c.Reported, name)
 			require.Positive(t, c.Bound, name)
 			sides = append(sides, c.Side)
@@ -193,11 +197,11 @@ func TestActualCountsWhatIsReportedAsNothing(t *testing.T) {
 		require.Equal(t, tc.corrected, sides, name)
 	}
 
-	clamps = nil
+	*clamps = nil
 	u, err := est.Actual(req, gateway.EntryResponses, upstream.Result{UsageReported: true, InputTokens: 7})
 	require.NoError(t, err)
 	require.Zero(t, u.OutputTokens, "no output for no text is true")
-	require.Empty(t, clamps)
+	require.Empty(t, *clamps)
 }
 
 // usageOf is the usage est prices for req's counts, in and out, as reported.

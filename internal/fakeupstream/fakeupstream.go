@@ -79,6 +79,13 @@ type Server struct {
 	open       int
 }
 
+// set stores v in field, one of the server's settings, under its lock.
+func set[T any](s *Server, field *T, v T) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	*field = v
+}
+
 // SetSlow makes every call whose prompt contains marker wait d before it
 // answers (on top of SetDelay).
 func (s *Server) SetSlow(marker string, d time.Duration) {
@@ -154,11 +161,7 @@ func (s *Server) SetHostile(marker string, h Hostile) {
 }
 
 // SetStatus makes every answer an error reply with this HTTP status (0: none).
-func (s *Server) SetStatus(status int) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.status = status
-}
+func (s *Server) SetStatus(status int) { set(s, &s.status, status) }
 
 // SetReplyHeader sets a header on every reply from now on (an empty value
 // removes it).
@@ -240,92 +243,48 @@ func (s *Server) OpenConnections() int {
 func (s *Server) BaseURL() string { return s.URL + "/v1" }
 
 // SetMode changes how the server answers from now on.
-func (s *Server) SetMode(m Mode) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.mode = m
-}
+func (s *Server) SetMode(m Mode) { set(s, &s.mode, m) }
 
 // SetDelay makes every answer wait d first.
-func (s *Server) SetDelay(d time.Duration) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.delay = d
-}
+func (s *Server) SetDelay(d time.Duration) { set(s, &s.delay, d) }
 
 // SetCitations says whether replies cite a source (an annotation, as a web
 // search's reply has), as they do unless told otherwise.
-func (s *Server) SetCitations(on bool) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.uncited = !on
-}
+func (s *Server) SetCitations(on bool) { set(s, &s.uncited, !on) }
 
 // SetNoStreaming makes the server answer calls that ask for a stream with
 // one JSON completion, as an upstream that does not stream does.
-func (s *Server) SetNoStreaming(on bool) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.whole = on
-}
+func (s *Server) SetNoStreaming(on bool) { set(s, &s.whole, on) }
 
 // SetAlwaysStreaming makes the server stream its answer to every call,
 // asked for whole or not, as upstreams that ignore "stream": false do. A
 // stream carries usage only when the call asked for it
 // (stream_options.include_usage).
-func (s *Server) SetAlwaysStreaming(on bool) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.always = on
-}
+func (s *Server) SetAlwaysStreaming(on bool) { set(s, &s.always, on) }
 
 // SetMislabelled makes the server label its streams application/json and
 // its completions text/event-stream, as some upstreams and proxies do.
-func (s *Server) SetMislabelled(on bool) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.mislabel = on
-}
+func (s *Server) SetMislabelled(on bool) { set(s, &s.mislabel, on) }
 
 // SetNoDone makes the server end its streams without [DONE], after their
 // finish_reason (and usage), as some OpenAI-compatible servers do.
-func (s *Server) SetNoDone(on bool) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.noDone = on
-}
+func (s *Server) SetNoDone(on bool) { set(s, &s.noDone, on) }
 
 // SetLeftOpen makes the server leave its streams open after their
 // finish_reason and usage, without [DONE], sending keep-alive comments until
 // the caller leaves, as some OpenAI-compatible servers and proxies do.
-func (s *Server) SetLeftOpen(on bool) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.leftOpen = on
-}
+func (s *Server) SetLeftOpen(on bool) { set(s, &s.leftOpen, on) }
 
 // SetSpread makes the server spread each stream event's JSON over several
 // data: lines, indented, as SSE allows and some servers do.
-func (s *Server) SetSpread(on bool) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.spread = on
-}
+func (s *Server) SetSpread(on bool) { set(s, &s.spread, on) }
 
 // SetChunkDelay makes a stream wait d before each content chunk.
-func (s *Server) SetChunkDelay(d time.Duration) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.chunkDelay = d
-}
+func (s *Server) SetChunkDelay(d time.Duration) { set(s, &s.chunkDelay, d) }
 
 // SetBreakAfter makes a stream drop its connection after n content chunks
 // (0: never), without [DONE] or usage.
-func (s *Server) SetBreakAfter(n int) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.breakAfter = n
-}
+func (s *Server) SetBreakAfter(n int) { set(s, &s.breakAfter, n) }
 
 // StreamPieces is how a stream splits Reply(prompt) into content chunks.
 func StreamPieces(prompt string) []string {
