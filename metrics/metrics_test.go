@@ -4,6 +4,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"os/exec"
 	"regexp"
 	"strings"
 	"testing"
@@ -53,6 +54,19 @@ func TestListenerServesOnlyWhatItShould(t *testing.T) {
 	require.Equal(t, http.StatusNotFound, get(m.Handler(false), "/anything"))
 	require.Equal(t, http.StatusOK, get(m.Handler(true), "/debug/pprof/"))
 	require.Equal(t, http.StatusOK, get(m.Handler(true), "/debug/pprof/cmdline"))
+}
+
+// TestAlertRulesFireAsTheirTestsSay runs the alerting rules' own tests
+// (deploy/prometheus/alerts_test.yml: when each fires, with what it says,
+// and when it stays quiet) with promtool, where it is installed.
+func TestAlertRulesFireAsTheirTestsSay(t *testing.T) {
+	t.Parallel()
+	promtool, err := exec.LookPath("promtool")
+	if err != nil {
+		t.Skip("promtool is not installed")
+	}
+	out, err := exec.Command(promtool, "test", "rules", "../deploy/prometheus/alerts_test.yml").CombinedOutput()
+	require.NoError(t, err, "%s", out)
 }
 
 // TestAlertRulesSelectExportedSeries: every gateway series, and every label,
