@@ -267,7 +267,7 @@ func TestAStreamFromAnUpstreamThatDoesNotStream(t *testing.T) {
 // its completions text/event-stream serves streams and JSON replies as any
 // other, billed from its usage; one that streams a reply asked for whole
 // answers the JSON request, billed from the tokenizer's count (it sent no
-// usage); one that ends its streams without [DONE], after their
+// usage, which the target's metric counts); one that ends its streams without [DONE], after their
 // finish_reason, serves them whole, and so does one that leaves them open
 // after it, sending keep-alives, and one that spreads its events over
 // several data: lines. The usage view holds exactly what was sent.
@@ -332,6 +332,9 @@ func TestUpstreamQuirksAreRead(t *testing.T) {
 	b.fake.SetNoDone(false)
 	b.fake.SetSpread(true)
 	spread := completed("events spread over lines")
+
+	require.Contains(t, g.scrape(), `gateway_upstream_usage_unreported_total{provider="upstream",upstream_model="instant"} 1`,
+		"the one reply without usage, the one streamed whole")
 
 	totals := g.usage(b.key).Totals
 	require.Equal(t, int64(6), totals.Requests)

@@ -38,6 +38,7 @@ type Metrics struct {
 	attempts         *prometheus.CounterVec
 	replyCuts        *prometheus.CounterVec
 	tenantHolds      *prometheus.CounterVec
+	unreported       *prometheus.CounterVec
 	attemptDuration  *prometheus.HistogramVec
 	circuitState     *prometheus.GaugeVec
 	fallbacks        *prometheus.CounterVec
@@ -115,6 +116,9 @@ func New() *Metrics {
 		tenantHolds: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "gateway_upstream_tenant_holds_total", Help: "Holds a target's circuit put on one account's calls alone, by provider and upstream model: the account's calls failed (after dispatch, or with a 429) while no other account's did (the circuit stayed closed for the others).",
 		}, []string{"provider", "upstream_model"}),
+		unreported: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "gateway_upstream_usage_unreported_total", Help: "Calls a target answered whole without reporting usage, by provider and upstream model: billed from the tokenizer's count of the text sent and received, not from the upstream's.",
+		}, []string{"provider", "upstream_model"}),
 		attemptDuration: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name: "gateway_upstream_attempt_duration_seconds", Help: "Latency of one upstream attempt by provider and upstream model (streams: until the stream ends).",
 			Buckets: prometheus.ExponentialBuckets(0.005, 2.5, 12),
@@ -135,7 +139,7 @@ func New() *Metrics {
 			Name: "gateway_clock_offset_seconds", Help: "How far the database's clock is ahead of this replica's (negative: behind), compared every minute.",
 		}),
 	}
-	m.registry.MustRegister(m.attempts, m.replyCuts, m.tenantHolds, m.attemptDuration, m.circuitState, m.fallbacks, m.reloadOK, m.reloadTime, m.clockOffset,
+	m.registry.MustRegister(m.attempts, m.replyCuts, m.tenantHolds, m.unreported, m.attemptDuration, m.circuitState, m.fallbacks, m.reloadOK, m.reloadTime, m.clockOffset,
 		m.requests, m.requestDuration, m.rungs, m.upstreamDuration, m.upstreamErrors,
 		m.openStreams, m.streamErrors, m.batchItems, m.claimDuration, m.commitDuration, m.commitSize, m.queueDepth, m.leaseRescues, m.refusals, m.unconfirmed, m.clamps,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -333,12 +337,13 @@ func (m *Metrics) Clamp(model, side string) {
 // Target holds the instruments of one upstream target, resolved once so that
 // an attempt records without looking labels up. A nil *Target records nothing.
 type Target struct {
-	outcomes map[string]prometheus.Counter
-	other    prometheus.Counter
-	cuts     map[string]prometheus.Counter
-	holds    prometheus.Counter
-	duration prometheus.Observer
-	circuit  prometheus.Gauge
+	outcomes   map[string]prometheus.Counter
+	other      prometheus.Counter
+	cuts       map[string]prometheus.Counter
+	holds      prometheus.Counter
+	unreported prometheus.Counter
+	duration   prometheus.Observer
+	circuit    prometheus.Gauge
 }
 
 // attemptOutcomes are the outcome label values of an attempt: ok, or the
@@ -352,10 +357,11 @@ func (m *Metrics) Target(provider, upstreamModel string) *Target {
 		return nil
 	}
 	t := &Target{
-		outcomes: make(map[string]prometheus.Counter, len(attemptOutcomes)),
-		holds:    m.tenantHolds.WithLabelValues(provider, upstreamModel),
-		duration: m.attemptDuration.WithLabelValues(provider, upstreamModel),
-		circuit:  m.circuitState.WithLabelValues(provider, upstreamModel),
+		outcomes:   make(map[string]prometheus.Counter, len(attemptOutcomes)),
+		holds:      m.tenantHolds.WithLabelValues(provider, upstreamModel),
+		unreported: m.unreported.WithLabelValues(provider, upstreamModel),
+		duration:   m.attemptDuration.WithLabelValues(provider, upstreamModel),
+		circuit:    m.circuitState.WithLabelValues(provider, upstreamModel),
 	}
 	for _, o := range attemptOutcomes {
 		t.outcomes[o] = m.attempts.WithLabelValues(provider, upstreamModel, o)
@@ -396,6 +402,7 @@ func (m *Metrics) DropTarget(provider, upstreamModel string) {
 		m.replyCuts.DeleteLabelValues(provider, upstreamModel, c)
 	}
 	m.tenantHolds.DeleteLabelValues(provider, upstreamModel)
+	m.unreported.DeleteLabelValues(provider, upstreamModel)
 	m.attemptDuration.DeleteLabelValues(provider, upstreamModel)
 	m.circuitState.DeleteLabelValues(provider, upstreamModel)
 }
@@ -430,6 +437,13 @@ func (t *Target) Cut(bound string) {
 func (t *Target) TenantHold() {
 	if t != nil {
 		t.holds.Inc()
+	}
+}
+
+// UsageUnreported records a call the target answered whole without usage.
+func (t *Target) UsageUnreported() {
+	if t != nil {
+		t.unreported.Inc()
 	}
 }
 

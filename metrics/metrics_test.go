@@ -136,5 +136,5 @@ func TestAlertRulesSelectExportedSeries(t *testing.T) {
 			}
 		}
 	}
-	require.Equal(t, 12, rules)
+	require.Equal(t, 13, rules)
 }

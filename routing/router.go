@@ -358,6 +358,9 @@ func (r *Router) run(ctx context.Context, original *upstream.Request, emitted *b
 		kind := upstream.Kind(err)
 		t.metrics.Attempt(kind, time.Since(now))
 		tracing.EndAttempt(span, t.UpstreamModel, res.UsageReported, res.InputTokens, res.OutputTokens, kind)
+		if err == nil && !res.UsageReported {
+			t.metrics.UsageUnreported()
+		}
 		t.observe(err, req.Tenant)
 		if kind == upstream.KindDenied {
 			r.logger.ErrorContext(ctx, "the upstream refused the gateway's access: check the target's key, base URL and model in the configuration",
