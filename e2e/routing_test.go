@@ -8,6 +8,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -23,6 +24,7 @@ import (
 
 	"github.com/rungworks/gateway/gen/api"
 	"github.com/rungworks/gateway/internal/fakeupstream"
+	"github.com/rungworks/gateway/upstream/tryout"
 )
 
 // routed is a gateway over two fake providers from a configuration file:
@@ -580,6 +582,50 @@ func TestConfigCheck(t *testing.T) {
 	require.NoError(t, os.WriteFile(bad, []byte("providers:\n  local: {type: sim}\nmodels:\n  instant: {targets: [remote/tiny]}\n"), 0o600))
 	_, err = cli(t, "", "config", "check", bad)
 	require.ErrorContains(t, err, `bad.yaml:4: model instant: target "remote/tiny" names provider "remote"`)
+}
+
+// TestConfigCheckCalls: with --call, the check calls each target once whole
+// and once streamed, and says how each answered (what, with what usage, or
+// why not); a target that fails a call makes it exit non-zero. The calls
+// reach the upstream, once a target and kind.
+func TestConfigCheckCalls(t *testing.T) {
+	t.Parallel()
+	fake := fakeupstream.New()
+	t.Cleanup(fake.Close)
+	down := fakeupstream.New()
+	down.Close()
+	file := filepath.Join(t.TempDir(), "gateway.yaml")
+	require.NoError(t, os.WriteFile(file, []byte(fmt.Sprintf(`providers:
+  up: {base_url: %q}
+  quiet: {base_url: %q, stream_options: false}
+  gone: {base_url: %q}
+models:
+  instant: {targets: [up/small]}
+  reasoning: {targets: [up/small, gone/big]}
+  elements: {targets: [quiet/small]}
+`, fake.BaseURL(), fake.BaseURL(), down.BaseURL())), 0o600))
+
+	out, err := cli(t, "", "config", "check", "--call", file)
+	require.ErrorContains(t, err, "1 of 3 targets failed a call")
+	reply := regexp.QuoteMeta(strconv.Quote(fakeupstream.Reply(tryout.Prompt)))
+	pt, ct := fakeupstream.Usage(tryout.Prompt)
+	usage := fmt.Sprintf("usage %d in, %d out", pt, ct)
+	require.Regexp(t, `(?m)^up/small \(instant, reasoning\)
+  whole:    ok in [0-9.]+ ms: `+reply+`, `+usage+`
+  streamed: ok in [0-9.]+ ms, first output after [0-9.]+ ms: `+reply+`, `+usage+`
+gone/big \(reasoning\)
+  whole:    failed after [0-9.]+ ms: .+
+  streamed: failed after [0-9.]+ ms: .+
+quiet/small \(elements\)
+  whole:    ok in [0-9.]+ ms: `+reply+`, `+usage+`
+  streamed: ok in [0-9.]+ ms, first output after [0-9.]+ ms: `+reply+`, no usage reported \(billed from the gateway's tokenizer\)
+$`, out)
+	calls := fake.Calls()
+	require.Len(t, calls, 4, "a whole call and a streamed one, of each target that answers")
+	for _, c := range calls {
+		require.Equal(t, tryout.Prompt, c.Prompt)
+		require.Equal(t, "small", c.Model)
+	}
 }
 
 // metricValue is the value of one sample of a scrape; zero when absent.
