@@ -64,8 +64,15 @@ func environ(extra map[string]string) []string {
 // cli runs a gateway subcommand to completion and returns its stdout.
 func cli(t *testing.T, dbURL string, args ...string) (string, error) {
 	t.Helper()
+	return cliWith(t, map[string]string{"DATABASE_URL": dbURL}, args...)
+}
+
+// cliWith runs a gateway subcommand in the environment env (see environ) to
+// completion and returns its stdout.
+func cliWith(t *testing.T, env map[string]string, args ...string) (string, error) {
+	t.Helper()
 	cmd := exec.Command(binary, args...)
-	cmd.Env = environ(map[string]string{"DATABASE_URL": dbURL})
+	cmd.Env = environ(env)
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	err := cmd.Run()

@@ -587,7 +587,8 @@ func TestConfigCheck(t *testing.T) {
 // TestConfigCheckCalls: with --call, the check calls each target once whole
 // and once streamed, and says how each answered (what, with what usage, or
 // why not); a target that fails a call makes it exit non-zero. The calls
-// reach the upstream, once a target and kind.
+// reach the upstream, once a target and kind. Without a file, it checks the
+// environment's routes, the shorthand's here.
 func TestConfigCheckCalls(t *testing.T) {
 	t.Parallel()
 	fake := fakeupstream.New()
@@ -626,6 +627,15 @@ $`, out)
 		require.Equal(t, tryout.Prompt, c.Prompt)
 		require.Equal(t, "small", c.Model)
 	}
+
+	// Without a file, the environment's routes: here the shorthand's.
+	out, err = cliWith(t, map[string]string{"GATEWAY_UPSTREAM": fake.BaseURL(), "GATEWAY_MODEL_MAP": "instant=small"}, "config", "check", "--call")
+	require.NoError(t, err)
+	require.Regexp(t, `(?m)^upstream/small \(instant\)
+  whole:    ok in [0-9.]+ ms: `+reply+`, `+usage+`
+  streamed: ok in [0-9.]+ ms, first output after [0-9.]+ ms: `+reply+`, `+usage+`
+$`, out)
+	require.Len(t, fake.Calls(), 6)
 }
 
 // metricValue is the value of one sample of a scrape; zero when absent.

@@ -2,7 +2,6 @@ package main
 
 import (
 	"fmt"
-	"os"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -17,33 +16,38 @@ func configCmd() *cobra.Command {
 	var try bool
 	var timeout time.Duration
 	check := &cobra.Command{
-		Use:   "check FILE",
-		Short: "Check a configuration file: syntax, providers, routes, and every provider's key (api_key_env set, api_key_file readable)",
-		Long: "Reads FILE as `gateway serve` would with GATEWAY_CONFIG=FILE, reports every problem with its line, and exits non-zero if there is one; otherwise prints the routes it describes.\n\n" +
+		Use:   "check [FILE]",
+		Short: "Check a configuration file (or, without one, the environment's routes): syntax, providers, routes, and every provider's key (api_key_env set, api_key_file readable)",
+		Long: "Reads FILE as `gateway serve` would with GATEWAY_CONFIG=FILE, reports every problem with its line, and exits non-zero if there is one; otherwise prints the routes it describes. " +
+			"Without FILE, it reads the routes from the environment as `gateway serve` would: GATEWAY_CONFIG's file, or the one-provider shorthand (GATEWAY_UPSTREAM and the variables beside it).\n\n" +
 			"With --call, it then calls each target once asked for a whole reply and once streamed, with a prompt of a few tokens (real calls, which the upstreams bill), " +
 			"and says how each answered: in how long, what, and with what usage; it exits non-zero if a call failed.",
-		Args: cobra.ExactArgs(1),
+		Args: cobra.MaximumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			f, err := config.LoadFile(args[0])
-			if err != nil {
+			cfg := config.Config{}
+			if len(args) == 1 {
+				cfg.File = args[0]
+			} else if loaded, err := config.Load(); err != nil {
 				return err
-			}
-			keys, err := f.Keys(os.Getenv)
-			if err != nil {
-				return err
-			}
-			out := cmd.OutOrStdout()
-			fmt.Fprint(out, f.Describe())
-			if !try {
-				return nil
+			} else {
+				cfg = loaded
 			}
 			tok, err := metering.DefaultTokenizer()
 			if err != nil {
 				return err
 			}
+			routes, described, err := cfg.Routes(tok, nil, nil)
+			if err != nil {
+				return err
+			}
+			out := cmd.OutOrStdout()
+			fmt.Fprint(out, described)
+			if !try {
+				return nil
+			}
 			failed := 0
 			fmt.Fprintln(out)
-			reports := tryout.Run(cmd.Context(), tryout.Targets(f.RouterConfig(keys, tok, 0, nil, nil).Routes), timeout)
+			reports := tryout.Run(cmd.Context(), tryout.Targets(routes.Routes), timeout)
 			for _, r := range reports {
 				fmt.Fprint(out, r)
 				if r.Failed() {
