@@ -259,7 +259,7 @@ func TestUsageReportedAsNothingIsCounted(t *testing.T) {
 	settledExactly(t, g, b.key, mine)
 	m := g.scrape()
 	for _, side := range []string{"input", "output"} {
-		require.Contains(t, m, fmt.Sprintf(`gateway_upstream_usage_clamped_total{model="instant",side=%q} 3`, side))
+		require.Equal(t, 3.0, metricValue(t, m, fmt.Sprintf(`gateway_upstream_usage_clamped_total{model="instant",side=%q}`, side)), side)
 	}
 }
 

@@ -333,7 +333,7 @@ func TestUpstreamQuirksAreRead(t *testing.T) {
 	b.fake.SetSpread(true)
 	spread := completed("events spread over lines")
 
-	require.Contains(t, g.scrape(), `gateway_upstream_usage_unreported_total{provider="upstream",upstream_model="instant"} 1`,
+	require.Equal(t, 1.0, metricValue(t, g.scrape(), `gateway_upstream_usage_unreported_total{provider="upstream",upstream_model="instant"}`),
 		"the one reply without usage, the one streamed whole")
 
 	totals := g.usage(b.key).Totals
