@@ -455,10 +455,12 @@ type streamOptions struct {
 func stream(w http.ResponseWriter, r *http.Request, prompt string, o streamOptions, hostile *Hostile) {
 	flusher := w.(http.Flusher)
 	send := func(v any) {
-		b, _ := json.Marshal(v)
+		var b []byte
 		if o.spread {
 			b, _ = json.MarshalIndent(v, "", "  ")
 			b = bytes.ReplaceAll(b, []byte("\n"), []byte("\ndata: "))
+		} else {
+			b, _ = json.Marshal(v)
 		}
 		fmt.Fprintf(w, "data: %s\n\n", b)
 		flusher.Flush()
@@ -485,14 +487,9 @@ func stream(w http.ResponseWriter, r *http.Request, prompt string, o streamOptio
 		}
 		send(delta(map[string]any{"content": piece}))
 	}
-	for hostile != nil && hostile.KeepAlive > 0 {
-		select {
-		case <-time.After(hostile.KeepAlive):
-			fmt.Fprint(w, ": keep-alive\n\n")
-			flusher.Flush()
-		case <-r.Context().Done():
-			return
-		}
+	if hostile != nil && hostile.KeepAlive > 0 {
+		keepAlive(w, r, hostile.KeepAlive)
+		return
 	}
 	if !o.uncited {
 		for _, c := range citations(hostile, "", title) {
@@ -505,17 +502,23 @@ func stream(w http.ResponseWriter, r *http.Request, prompt string, o streamOptio
 	}
 	switch {
 	case o.leftOpen:
-		for {
-			select {
-			case <-r.Context().Done():
-				return
-			case <-time.After(50 * time.Millisecond):
-				fmt.Fprint(w, ": keep-alive\n\n")
-				flusher.Flush()
-			}
-		}
+		keepAlive(w, r, 50*time.Millisecond)
 	case !o.noDone:
 		fmt.Fprint(w, "data: [DONE]\n\n")
 		flusher.Flush()
+	}
+}
+
+// keepAlive sends a keep-alive comment line every beat until r's caller
+// leaves.
+func keepAlive(w http.ResponseWriter, r *http.Request, beat time.Duration) {
+	for {
+		select {
+		case <-time.After(beat):
+			fmt.Fprint(w, ": keep-alive\n\n")
+			w.(http.Flusher).Flush()
+		case <-r.Context().Done():
+			return
+		}
 	}
 }
