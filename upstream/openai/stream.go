@@ -147,6 +147,7 @@ func (w *watchdog) heard(ended bool) {
 // pausedDuring returns emit with the watchdog paused while it runs: the time
 // a client takes to accept a delta is not its upstream's silence. (readStream
 // rearms it, heard, before it reads on; the deadline stays where it was.)
+// Each delta is output, from which a stream's ending counts (heard).
 func (w *watchdog) pausedDuring(emit func(upstream.Delta) error) func(upstream.Delta) error {
 	return func(d upstream.Delta) error {
 		w.timer.Stop()

@@ -112,18 +112,18 @@ func (r Report) String() string {
 	}
 	var b strings.Builder
 	fmt.Fprintf(&b, "%s/%s (%s)\n", r.Target.Provider, r.Target.UpstreamModel, strings.Join(models, ", "))
-	fmt.Fprintf(&b, "  whole:    %s\n", r.Whole.describe(false))
-	fmt.Fprintf(&b, "  streamed: %s\n", r.Streamed.describe(true))
+	fmt.Fprintf(&b, "  whole:    %s\n", r.Whole.describe())
+	fmt.Fprintf(&b, "  streamed: %s\n", r.Streamed.describe())
 	return b.String()
 }
 
-// describe says how c went; streamed adds when its first output came.
-func (c Call) describe(streamed bool) string {
+// describe says how c went, and when its first output came if it streamed.
+func (c Call) describe() string {
 	if c.Err != nil {
 		return fmt.Sprintf("failed after %s: %v", ms(c.Took), c.Err)
 	}
 	s := "ok in " + ms(c.Took)
-	if streamed && c.FirstOutput > 0 {
+	if c.FirstOutput > 0 {
 		s += ", first output after " + ms(c.FirstOutput)
 	}
 	s += fmt.Sprintf(": %s, ", gateway.Quote(c.Result.Content))
