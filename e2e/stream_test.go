@@ -269,8 +269,9 @@ func TestAStreamFromAnUpstreamThatDoesNotStream(t *testing.T) {
 // answers the JSON request, billed from the tokenizer's count (it sent no
 // usage, which the target's metric counts); one that ends its streams without [DONE], after their
 // finish_reason, serves them whole, and so does one that leaves them open
-// after it, sending keep-alives, and one that spreads its events over
-// several data: lines. The usage view holds exactly what was sent.
+// after it, sending keep-alives, one that spreads its events over several
+// data: lines, and one that wraps keep-alives as data. The usage view holds
+// exactly what was sent.
 func TestUpstreamQuirksAreRead(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -332,13 +333,16 @@ func TestUpstreamQuirksAreRead(t *testing.T) {
 	b.fake.SetNoDone(false)
 	b.fake.SetSpread(true)
 	spread := completed("events spread over lines")
+	b.fake.SetSpread(false)
+	b.fake.SetWrappedKeepAlives(true)
+	wrapped := completed("keep-alives wrapped as data")
 
 	require.Equal(t, 1.0, metricValue(t, g.scrape(), `gateway_upstream_usage_unreported_total{provider="upstream",upstream_model="instant"}`),
 		"the one reply without usage, the one streamed whole")
 
 	totals := g.usage(b.key).Totals
-	require.Equal(t, int64(6), totals.Requests)
-	require.Equal(t, final.Usage.TotalRungs+whole.Usage.TotalRungs+streamed.Usage.TotalRungs+undone.TotalRungs+open.TotalRungs+spread.TotalRungs, totals.TotalRungs)
+	require.Equal(t, int64(7), totals.Requests)
+	require.Equal(t, final.Usage.TotalRungs+whole.Usage.TotalRungs+streamed.Usage.TotalRungs+undone.TotalRungs+open.TotalRungs+spread.TotalRungs+wrapped.TotalRungs, totals.TotalRungs)
 }
 
 func TestStreamKeepAliveWithSlowUpstream(t *testing.T) {

@@ -59,15 +59,10 @@ type Server struct {
 	mode       Mode
 	status     int
 	delay      time.Duration
-	chunkDelay time.Duration
-	breakAfter int
-	uncited    bool
+	streams    streamOptions // how streams are sent; withUsage is the call's
 	whole      bool
 	always     bool
 	mislabel   bool
-	noDone     bool
-	leftOpen   bool
-	spread     bool
 	hostile    map[string]Hostile
 	slow       map[string]time.Duration
 	headers    http.Header
@@ -250,7 +245,7 @@ func (s *Server) SetDelay(d time.Duration) { set(s, &s.delay, d) }
 
 // SetCitations says whether replies cite a source (an annotation, as a web
 // search's reply has), as they do unless told otherwise.
-func (s *Server) SetCitations(on bool) { set(s, &s.uncited, !on) }
+func (s *Server) SetCitations(on bool) { set(s, &s.streams.uncited, !on) }
 
 // SetNoStreaming makes the server answer calls that ask for a stream with
 // one JSON completion, as an upstream that does not stream does.
@@ -268,23 +263,28 @@ func (s *Server) SetMislabelled(on bool) { set(s, &s.mislabel, on) }
 
 // SetNoDone makes the server end its streams without [DONE], after their
 // finish_reason (and usage), as some OpenAI-compatible servers do.
-func (s *Server) SetNoDone(on bool) { set(s, &s.noDone, on) }
+func (s *Server) SetNoDone(on bool) { set(s, &s.streams.noDone, on) }
 
 // SetLeftOpen makes the server leave its streams open after their
 // finish_reason and usage, without [DONE], sending keep-alive comments until
 // the caller leaves, as some OpenAI-compatible servers and proxies do.
-func (s *Server) SetLeftOpen(on bool) { set(s, &s.leftOpen, on) }
+func (s *Server) SetLeftOpen(on bool) { set(s, &s.streams.leftOpen, on) }
 
 // SetSpread makes the server spread each stream event's JSON over several
 // data: lines, indented, as SSE allows and some servers do.
-func (s *Server) SetSpread(on bool) { set(s, &s.spread, on) }
+func (s *Server) SetSpread(on bool) { set(s, &s.streams.spread, on) }
+
+// SetWrappedKeepAlives makes the server send a keep-alive comment wrapped as
+// data ("data: : keepalive") before each stream event, as proxies that
+// re-send their upstream's keep-alives so do.
+func (s *Server) SetWrappedKeepAlives(on bool) { set(s, &s.streams.wrapped, on) }
 
 // SetChunkDelay makes a stream wait d before each content chunk.
-func (s *Server) SetChunkDelay(d time.Duration) { set(s, &s.chunkDelay, d) }
+func (s *Server) SetChunkDelay(d time.Duration) { set(s, &s.streams.chunkDelay, d) }
 
 // SetBreakAfter makes a stream drop its connection after n content chunks
 // (0: never), without [DONE] or usage.
-func (s *Server) SetBreakAfter(n int) { set(s, &s.breakAfter, n) }
+func (s *Server) SetBreakAfter(n int) { set(s, &s.streams.breakAfter, n) }
 
 // StreamPieces is how a stream splits Reply(prompt) into content chunks.
 func StreamPieces(prompt string) []string {
@@ -351,7 +351,7 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	s.mu.Lock()
-	mode, status, delay, chunkDelay, breakAfter, uncited, whole, noDone, leftOpen, spread := s.mode, s.status, s.delay, s.chunkDelay, s.breakAfter, s.uncited, s.whole, s.noDone, s.leftOpen, s.spread
+	mode, status, delay, opts, whole := s.mode, s.status, s.delay, s.streams, s.whole
 	streamed, labels := (req.Stream && !whole) || s.always, [2]string{"application/json", "text/event-stream"}
 	if s.mislabel {
 		labels[0], labels[1] = labels[1], labels[0]
@@ -411,8 +411,8 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 	}
 	if streamed {
 		w.Header().Set("Content-Type", labels[1])
-		withUsage := req.StreamOptions != nil && req.StreamOptions.IncludeUsage
-		stream(w, r, call.Prompt, streamOptions{chunkDelay, breakAfter, uncited, withUsage, noDone, leftOpen, spread}, hostile)
+		opts.withUsage = req.StreamOptions != nil && req.StreamOptions.IncludeUsage
+		stream(w, r, call.Prompt, opts, hostile)
 		return
 	}
 	w.Header().Set("Content-Type", labels[0])
@@ -422,7 +422,7 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 		content, title, pt, ct = strings.Join(hostile.pieces(), ""), hostile.SourceTitle, hostile.PromptTokens, hostile.CompletionTokens
 	}
 	message := map[string]any{"role": "assistant", "content": content}
-	if !uncited {
+	if !opts.uncited {
 		message["annotations"] = citations(hostile, content, title)
 	}
 	resp := map[string]any{
@@ -444,6 +444,7 @@ type streamOptions struct {
 	noDone     bool
 	leftOpen   bool
 	spread     bool
+	wrapped    bool
 }
 
 // stream answers as OpenAI does: a role-only delta, one delta per piece, an
@@ -451,7 +452,7 @@ type streamOptions struct {
 // (withUsage, as asked by stream_options.include_usage), then [DONE] (unless
 // noDone or leftOpen; leftOpen then sends keep-alives until the caller
 // leaves). Spread events take a data: line for each line of their indented
-// JSON.
+// JSON; wrapped ones follow a keep-alive wrapped as data.
 func stream(w http.ResponseWriter, r *http.Request, prompt string, o streamOptions, hostile *Hostile) {
 	flusher := w.(http.Flusher)
 	send := func(v any) {
@@ -461,6 +462,9 @@ func stream(w http.ResponseWriter, r *http.Request, prompt string, o streamOptio
 			b = bytes.ReplaceAll(b, []byte("\n"), []byte("\ndata: "))
 		} else {
 			b, _ = json.Marshal(v)
+		}
+		if o.wrapped {
+			fmt.Fprint(w, "data: : keepalive\n\n")
 		}
 		fmt.Fprintf(w, "data: %s\n\n", b)
 		flusher.Flush()

@@ -73,6 +73,7 @@ func FuzzReadStream(f *testing.F) {
 		"data: {\"choices\":[{\"delta\":{\"content\":\"x\"},\"finish_reason\":\"stop\"}]}\n\n",
 		"data: {\"choices\":[{\"delta\":{\"content\":[{\"type\":\"text\",\"text\":\"x\"},{\"type\":\"thinking\"}]}}]}\n\ndata: [DONE]\n\n",
 		"data: {\"choices\":\ndata: [{\"delta\":{\"content\":\"spread\"},\"finish_reason\":\"stop\"}]}\n\ndata:\n\n",
+		"data: : keepalive\n\ndata: {\"choices\":[{\"delta\":{\"content\":\"x\"},\"finish_reason\":\"stop\"}]}\n\ndata: : keepalive\n",
 	} {
 		f.Add([]byte(seed))
 	}

@@ -49,6 +49,9 @@ func (c *streamChunk[C]) asStrings() streamChunk[string] {
 
 var doneMarker = []byte("[DONE]")
 
+// commentMark begins an SSE comment line.
+var commentMark = []byte(":")
+
 // byteOrderMark is UTF-8's, which some servers put before a body: SSE and
 // JSON's RFC 8259 let a reader drop it.
 var byteOrderMark = []byte("\uFEFF")
@@ -325,6 +328,13 @@ func readStream(body io.Reader, limit int64, progress func(ended bool), emit fun
 		}
 		if bytes.Equal(data, doneMarker) {
 			return true, nil
+		}
+		if bytes.HasPrefix(data, commentMark) {
+			// A comment wrapped as data, as proxies that re-send their
+			// upstream's keep-alives so do (Vertex AI's for partner
+			// models: "data: : keepalive"): no JSON begins so, and it is
+			// a keep-alive still, not output.
+			return false, nil
 		}
 		var chunk streamChunk[string]
 		err = json.Unmarshal(data, &chunk)

@@ -111,6 +111,40 @@ func TestEventsSpreadOverLines(t *testing.T) {
 	}
 }
 
+// TestCommentsWrappedAsDataAreKeepAlives: a data line that holds an SSE
+// comment, as proxies that re-send their upstream's keep-alives as data send
+// (Vertex AI's for partner models, gateways before OpenRouter), is a
+// keep-alive: skipped, emitting nothing, before the first event, between
+// events and after the finish_reason; a stream of nothing else is no whole
+// stream.
+func TestCommentsWrappedAsDataAreKeepAlives(t *testing.T) {
+	t.Parallel()
+	read := func(body string) (upstream.Result, []string, error) {
+		var emitted []string
+		res, err := readStream(strings.NewReader(body), maxLineBytes, func(bool) {}, func(d upstream.Delta) error {
+			emitted = append(emitted, d.Content)
+			return nil
+		})
+		return res, emitted, err
+	}
+	const (
+		vertex = "data: : keepalive\n\n"
+		routed = "data: : OPENROUTER PROCESSING\n\n"
+		bare   = "data::\n\n"
+	)
+	body := vertex + routed + `data: {"choices":[{"delta":{"content":"one "}}]}` + "\n\n" + vertex + bare +
+		`data: {"choices":[{"delta":{"content":"two"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":4}}` + "\n\n" + vertex
+	res, emitted, err := read(body)
+	require.NoError(t, err)
+	require.Equal(t, []string{"one ", "two"}, emitted)
+	require.Equal(t, "one two", res.Content)
+	require.True(t, res.UsageReported)
+
+	_, emitted, err = read(vertex + routed + vertex)
+	require.ErrorContains(t, err, "connection closed before [DONE] or a finish_reason")
+	require.Empty(t, emitted)
+}
+
 // TestTextDecodesStringsAsJSONDoes: text, read again for a reply whose
 // content was not a string, decodes the strings of its other contents as
 // encoding/json does; null leaves what was there.
