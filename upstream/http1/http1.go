@@ -142,6 +142,7 @@ func (c *Client) Do(req *http.Request, connected func()) (*http.Response, error)
 	resp.Body = &body{
 		src: resp.Body, ctx: ctx, client: c, addr: addr, conn: cn, stop: stop,
 		reuse: keepAlive && !resp.Close, keep: c.keepFor(resp.Header),
+		eof: resp.Body == http.NoBody, // a reply without a body (Content-Length: 0) is at its end
 	}
 	return resp, nil
 }

@@ -487,6 +487,37 @@ func TestWaitReadableWaitsForTheUpstream(t *testing.T) {
 	require.ErrorIs(t, <-waited, context.Canceled)
 }
 
+// TestWaitReadableOfAnEmptyBodyReturnsAtOnce: a reply without a body
+// (Content-Length: 0) can be read at once, to its end, without a byte more
+// from the upstream, which sends none; its connection is then used again.
+func TestWaitReadableOfAnEmptyBodyReturnsAtOnce(t *testing.T) {
+	t.Parallel()
+	b := setup(t, http1.Config{}, func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Content-Length", "0")
+	})
+	for range 2 {
+		req, err := http.NewRequestWithContext(context.Background(), http.MethodPost, b.server.URL, strings.NewReader("x"))
+		require.NoError(t, err)
+		resp, err := b.client.Do(req, nil)
+		require.NoError(t, err)
+		waited := make(chan error, 1)
+		go func() { waited <- resp.Body.(interface{ WaitReadable() error }).WaitReadable() }()
+		select {
+		case err := <-waited:
+			require.NoError(t, err)
+		case <-time.After(5 * time.Second):
+			t.Fatal("WaitReadable waited on an empty body for a byte the upstream will not send")
+		}
+		n, err := resp.Body.Read(make([]byte, 1))
+		require.Zero(t, n)
+		require.ErrorIs(t, err, io.EOF)
+		require.NoError(t, resp.Body.Close())
+	}
+	calls := b.calls()
+	require.Len(t, calls, 2)
+	require.Equal(t, calls[0], calls[1], "the connection is used again")
+}
+
 // TestAnnouncedKeepAliveIsHonoured: a connection is used for a later call only
 // while it is within what its upstream announced it keeps connections
 // (Keep-Alive: timeout=N) less a second, or within IdleTimeout when it announced
