@@ -650,7 +650,8 @@ func TestAStreamAnsweredWholeIsTaken(t *testing.T) {
 // whole is read to its [DONE] (its usage counted by the caller when it sent
 // none); a completion that a proxy followed with an event stream's end
 // (data: [DONE]) is taken. A reply that is none of these fails after
-// dispatch.
+// dispatch, its error saying, of a body empty or without a data: line, so
+// and how it begins.
 func TestRepliesAreReadByWhatTheyHold(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {
@@ -679,19 +680,22 @@ func TestRepliesAreReadByWhatTheyHold(t *testing.T) {
 		completion := `{"choices":[{"message":{"content":"whole"}}],"usage":{"prompt_tokens":3,"completion_tokens":1}}`
 		for name, c := range map[string]struct {
 			label, body string
-			err         error // of Complete; Stream's is ErrStreamBroken
+			err         error  // of Complete; Stream's is ErrStreamBroken
+			says        string // both errors, for the log
 		}{
-			"a completion after blank lines":       {"text/event-stream", "\r\n\n  " + completion + "\n", nil},
-			"a completion, unlabelled":             {"", completion, nil},
-			"a stream with usage, as JSON":         {"application/json", "data: {\"choices\":[{\"delta\":{\"content\":\"whole\"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":1}}\n\ndata: [DONE]\n\n", nil},
-			"a stream cut before [DONE]":           {"application/json", "data: {\"choices\":[{\"delta\":{\"content\":\"whole\"}}]}\n\n", upstream.ErrFailed},
-			"a page of HTML":                       {"text/html", "<html>bad gateway</html>", upstream.ErrFailed},
-			"a JSON object after a comment":        {"text/event-stream", ": hi\n" + completion, upstream.ErrFailed},
-			"a completion, then [DONE]":            {"text/event-stream", completion + "data: [DONE]\n\n", nil},
-			"a completion with trailing data":      {"application/json", completion + "data: [DONE] and more", upstream.ErrFailed},
-			"two completions, then [DONE]":         {"application/json", completion + "\n" + completion + "\ndata: [DONE]", upstream.ErrFailed},
-			"a completion after a byte order mark": {"application/json", "\uFEFF" + completion, nil},
-			"a stream after a byte order mark":     {"text/event-stream", "\uFEFFdata: {\"choices\":[{\"delta\":{\"content\":\"whole\"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":1}}\n\ndata: [DONE]\n\n", nil},
+			"a completion after blank lines":       {"text/event-stream", "\r\n\n  " + completion + "\n", nil, ""},
+			"a completion, unlabelled":             {"", completion, nil, ""},
+			"a stream with usage, as JSON":         {"application/json", "data: {\"choices\":[{\"delta\":{\"content\":\"whole\"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":1}}\n\ndata: [DONE]\n\n", nil, ""},
+			"a stream cut before [DONE]":           {"application/json", "data: {\"choices\":[{\"delta\":{\"content\":\"whole\"}}]}\n\n", upstream.ErrFailed, "connection closed before [DONE] or a finish_reason"},
+			"a page of HTML":                       {"text/html", "\n<html>bad gateway</html>\n", upstream.ErrFailed, `no events (no data: line); it begins "<html>bad gateway</html>"`},
+			"a page of many lines":                 {"text/html", strings.Repeat("<p>blocked by policy</p>\n", 200), upstream.ErrFailed, `it begins "<p>blocked by policy</p>"`},
+			"an empty body":                        {"application/json", "", upstream.ErrFailed, "the body is empty"},
+			"a JSON object after a comment":        {"text/event-stream", ": hi\n" + completion, upstream.ErrFailed, ""},
+			"a completion, then [DONE]":            {"text/event-stream", completion + "data: [DONE]\n\n", nil, ""},
+			"a completion with trailing data":      {"application/json", completion + "data: [DONE] and more", upstream.ErrFailed, ""},
+			"two completions, then [DONE]":         {"application/json", completion + "\n" + completion + "\ndata: [DONE]", upstream.ErrFailed, ""},
+			"a completion after a byte order mark": {"application/json", "\uFEFF" + completion, nil, ""},
+			"a stream after a byte order mark":     {"text/event-stream", "\uFEFFdata: {\"choices\":[{\"delta\":{\"content\":\"whole\"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":1}}\n\ndata: [DONE]\n\n", nil, ""},
 		} {
 			client := b.handlerClient(t, func(w http.ResponseWriter, r *http.Request) {
 				_, _ = io.Copy(io.Discard, r.Body)
@@ -704,6 +708,8 @@ func TestRepliesAreReadByWhatTheyHold(t *testing.T) {
 			if c.err != nil {
 				require.ErrorIs(t, err, c.err, name)
 				require.ErrorIs(t, streamErr, upstream.ErrStreamBroken, name)
+				require.ErrorContains(t, err, c.says, name)
+				require.ErrorContains(t, streamErr, c.says, name)
 				continue
 			}
 			require.NoError(t, err, name)

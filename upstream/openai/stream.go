@@ -13,6 +13,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/upstream"
 )
 
@@ -271,7 +272,8 @@ const maxLineBytes = 8 << 20
 // what was received; the error is nil at [DONE], at the end of a body that
 // sent a finish_reason (some upstreams send no [DONE]), or after a
 // completion; an emitError when emit failed; otherwise why the stream is
-// broken (an end before either, an in-stream error, a malformed chunk or
+// broken (an end before either, which quotes the first line of a body
+// without a data: line, an in-stream error, a malformed chunk or
 // completion, a line longer than maxLineBytes or limit, or a completion
 // longer than limit: upstream.ErrTooLong). A body framed by its length
 // (chunked, Content-Length, HTTP/2) whose connection is lost before its end
@@ -283,6 +285,8 @@ func readStream(body io.Reader, limit int64, progress func(ended bool), emit fun
 	var res upstream.Result
 	var content bytes.Buffer
 	opened := false     // a line that is not blank was read
+	evented := false    // a data: line was read
+	opening := ""       // the first line that is not blank, unless a data: line
 	finished := false   // a choice's finish_reason was read
 	errorEvent := false // the event being read is named error
 	finish := func(err error) (upstream.Result, error) {
@@ -426,16 +430,28 @@ func readStream(body io.Reader, limit int64, progress func(ended bool), emit fun
 				if end, err := eventEnds(); end {
 					return finish(err)
 				}
-				if finished {
+				switch {
+				case finished:
 					return finish(nil) // ended whole, by an upstream that sends no [DONE]
+				case !opened:
+					return finish(errors.New("the body is empty"))
+				case !evented:
+					// A page from a proxy or a firewall, answered 200.
+					return finish(fmt.Errorf("the body holds no events (no data: line); it begins %s", gateway.Quote(opening)))
 				}
 				return finish(errors.New("connection closed before [DONE] or a finish_reason"))
 			}
 			return finish(err)
 		}
-		opened = opened || len(bytes.TrimSpace(line)) > 0
 		field := bytes.TrimRight(line, "\r\n")
 		data, ok := bytes.CutPrefix(field, []byte("data:"))
+		if t := bytes.TrimSpace(line); !opened && len(t) > 0 {
+			opened = true
+			if !ok {
+				opening = string(t[:min(len(t), 256)])
+			}
+		}
+		evented = evented || ok
 		if !ok {
 			// Comments, event names, blank lines (which end an event). An
 			// event named error holds an error, whatever its data says:
