@@ -302,6 +302,7 @@ type chatResponse[C ~string] struct {
 			Content     C            `json:"content"`
 			Annotations []annotation `json:"annotations"`
 		} `json:"message"`
+		FinishReason string `json:"finish_reason"`
 	} `json:"choices"`
 	Usage *usage `json:"usage"`
 	// Error is an error some upstreams answer with status 200.
@@ -514,6 +515,13 @@ func completionResult[C ~string](cr *chatResponse[C]) (upstream.Result, error) {
 			return upstream.Result{}, fmt.Errorf("%w: the upstream answered 200 with an error: %s", upstream.ErrFailed, errorMessage(cr.Error.Message))
 		}
 		return upstream.Result{}, fmt.Errorf("%w: the chat completion has no message", upstream.ErrFailed)
+	}
+	if cr.Choices[0].FinishReason == finishedInError {
+		says := finishedInErrorSays
+		if cr.Error != nil {
+			says = errorMessage(cr.Error.Message)
+		}
+		return upstream.Result{}, fmt.Errorf("%w: %s", upstream.ErrFailed, says)
 	}
 	msg := cr.Choices[0].Message
 	res := upstream.Result{Content: string(msg.Content), Sources: append(sources(string(msg.Content), msg.Annotations), cr.from(0)...)}

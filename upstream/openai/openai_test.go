@@ -757,8 +757,9 @@ func TestACompletionWithoutUsageIsTaken(t *testing.T) {
 // status 200 or in a stream, fails the call with the upstream's message, for
 // the log: an error object (OpenAI's), an error string
 // (text-generation-inference's), an event named error whatever its data
-// (as some servers send it), even when a [DONE] follows, or an error field
-// (as llama.cpp's server sent it). An error status's body gives its message
+// (as some servers send it), even when a [DONE] follows, an error field
+// (as llama.cpp's server sent it), or a choice's finish_reason "error", with
+// an error beside it (OpenRouter's) or alone. An error status's body gives its message
 // the same way, or as vLLM gives it, beside the error. Events of other names
 // are read.
 func TestErrorsInReplies(t *testing.T) {
@@ -766,14 +767,18 @@ func TestErrorsInReplies(t *testing.T) {
 	eachTransport(t, func(t *testing.T, b *testBundle) {
 		const delta = "data: {\"choices\":[{\"delta\":{\"content\":\"Hi\"}}]}\n\n"
 		for reply, want := range map[string]string{
-			`{"error":"Input validation error: too long","error_type":"validation"}`:                          "answered 200 with an error: Input validation error: too long",
-			delta + "data: {\"error\":{\"message\":\"overloaded\"}}\n\ndata: [DONE]\n\n":                      "upstream error in stream: overloaded",
-			delta + "data: {\"error\":\"Request failed during generation\"}\n\n":                              "upstream error in stream: Request failed during generation",
-			"event: error\ndata: {\"code\":422,\"details\":\"not with stream\"}\n\ndata: [DONE]\n\n":          `upstream error in stream: {"code":422,"details":"not with stream"}`,
-			delta + "event: error\r\ndata: {\"message\":\"Compute error.\"}\r\n\r\n":                          "upstream error in stream: Compute error.",
-			"event: error\ndata: {\"error\":{\"message\":\"context too long\"}}\n\n":                          "upstream error in stream: context too long",
-			delta + "error: {\"code\":500,\"message\":\"the context is full\",\"type\":\"server_error\"}\n\n": "upstream error in stream: the context is full",
-			"event: error\ndata: it broke\n\n":                                                                "upstream error in stream: it broke",
+			`{"error":"Input validation error: too long","error_type":"validation"}`:                                                                                       "answered 200 with an error: Input validation error: too long",
+			delta + "data: {\"error\":{\"message\":\"overloaded\"}}\n\ndata: [DONE]\n\n":                                                                                   "upstream error in stream: overloaded",
+			delta + "data: {\"error\":\"Request failed during generation\"}\n\n":                                                                                           "upstream error in stream: Request failed during generation",
+			"event: error\ndata: {\"code\":422,\"details\":\"not with stream\"}\n\ndata: [DONE]\n\n":                                                                       `upstream error in stream: {"code":422,"details":"not with stream"}`,
+			delta + "event: error\r\ndata: {\"message\":\"Compute error.\"}\r\n\r\n":                                                                                       "upstream error in stream: Compute error.",
+			"event: error\ndata: {\"error\":{\"message\":\"context too long\"}}\n\n":                                                                                       "upstream error in stream: context too long",
+			delta + "error: {\"code\":500,\"message\":\"the context is full\",\"type\":\"server_error\"}\n\n":                                                              "upstream error in stream: the context is full",
+			"event: error\ndata: it broke\n\n":                                                                                                                             "upstream error in stream: it broke",
+			delta + `data: {"error":{"code":502,"message":"Provider disconnected"},"choices":[{"delta":{"content":""},"finish_reason":"error"}]}` + "\n\ndata: [DONE]\n\n": "upstream error in stream: Provider disconnected",
+			delta + `data: {"choices":[{"delta":{"content":" the"},"finish_reason":"error"}]}` + "\n\ndata: [DONE]\n\n":                                                    `upstream error in stream: the upstream finished its output with finish_reason "error"`,
+			`{"choices":[{"message":{"content":"failed partial answer"},"finish_reason":"error"}],"usage":{"prompt_tokens":3,"completion_tokens":3}}`:                      `the upstream finished its output with finish_reason "error"`,
+			`{"error":{"message":"Provider disconnected"},"choices":[{"message":{"content":""},"finish_reason":"error"}]}`:                                                 "Provider disconnected",
 		} {
 			client := b.replyClient(t, func(w http.ResponseWriter) { _, _ = io.WriteString(w, reply) })
 			_, err := client.Complete(context.Background(), &req)

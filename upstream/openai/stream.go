@@ -248,6 +248,15 @@ func errorInStream(message string) error {
 	return fmt.Errorf("upstream error in stream: %s", message)
 }
 
+// finishedInError is the finish_reason of a choice whose generation failed
+// (OpenRouter's, with an error beside it; some servers send it alone): its
+// output so far is no whole reply.
+const finishedInError = "error"
+
+// finishedInErrorSays is the message of a choice finished in error without
+// an error beside it.
+const finishedInErrorSays = `the upstream finished its output with finish_reason "error"`
+
 // errorEventSays is what an error event's data, or an error field, says
 // (errorSays).
 func errorEventSays(data []byte) string {
@@ -371,6 +380,9 @@ func readStream(body io.Reader, limit int64, progress func(ended bool), emit fun
 			d.Sources = sources("", choice.Delta.Annotations)
 			if err := take(d); err != nil {
 				return true, emitError{err}
+			}
+			if choice.FinishReason != nil && *choice.FinishReason == finishedInError {
+				return true, errorInStream(finishedInErrorSays) // an error beside it was read above
 			}
 		}
 		if n := chunk.count(); n > searched {
