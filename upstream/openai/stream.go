@@ -457,10 +457,12 @@ func readStream(body io.Reader, limit int64, progress func(ended bool), emit fun
 		}
 		field := bytes.TrimRight(line, "\r\n")
 		data, ok := bytes.CutPrefix(field, []byte("data:"))
-		if t := bytes.TrimSpace(line); !opened && len(t) > 0 {
-			opened = true
-			if !ok {
-				opening = string(t[:min(len(t), 256)])
+		if !opened {
+			if t := bytes.TrimSpace(line); len(t) > 0 {
+				opened = true
+				if !ok {
+					opening = string(t[:min(len(t), 256)])
+				}
 			}
 		}
 		evented = evented || ok
