@@ -80,8 +80,11 @@ func (r responseSink) SetWriteDeadline(t time.Time) error { return r.rc.SetWrite
 func startSSE(w http.ResponseWriter, stream context.Context, keepalive, writeTimeout time.Duration) *sseWriter {
 	h := w.Header()
 	h.Set("Content-Type", "text/event-stream")
-	h.Set("Cache-Control", "no-cache")
-	h.Set("X-Accel-Buffering", "no") // no buffering in nginx-like proxies
+	// no-transform (RFC 9111) asks proxies not to alter the body, so not to
+	// compress it, holding events to fill a compressor's window;
+	// X-Accel-Buffering asks nginx-like ones not to buffer it.
+	h.Set("Cache-Control", "no-cache, no-transform")
+	h.Set("X-Accel-Buffering", "no")
 	w.WriteHeader(http.StatusOK)
 	s := &sseWriter{keepalive: keepalive, writeTimeout: writeTimeout, stream: stream}
 	s.mu.Lock()

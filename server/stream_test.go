@@ -57,7 +57,7 @@ func TestStreamHappyPath(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
 	r, s := b.stream("/api/v1/responses", map[string]any{"prompt": "hello stream", "model": "reasoning", "web_search": true, "include_regions": true})
-	require.Equal(t, "no-cache", r.header.Get("Cache-Control"))
+	require.Equal(t, "no-cache, no-transform", r.header.Get("Cache-Control"), "no proxy may hold events to compress them")
 	require.Equal(t, "no", r.header.Get("X-Accel-Buffering"))
 	require.Empty(t, r.header.Get("x-service-output-rungs"), "no output rung header on the stream")
 	require.Empty(t, r.header.Get("x-service-total-rungs"), "no total rung header on the stream")
