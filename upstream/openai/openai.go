@@ -11,6 +11,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"net/http"
 	"net/http/httptrace"
@@ -221,8 +222,42 @@ type streamOptions struct {
 }
 
 type usage struct {
-	PromptTokens     uint64 `json:"prompt_tokens"`
-	CompletionTokens uint64 `json:"completion_tokens"`
+	PromptTokens     tokenCount `json:"prompt_tokens"`
+	CompletionTokens tokenCount `json:"completion_tokens"`
+}
+
+// tokenCount is a count of tokens as an upstream reports it. A whole number
+// is read as it is; one with a fraction (some servers estimate, some
+// proxies weigh counts by cost: 2.25, 14417.92) is rounded up, as a part of
+// a token is priced as a whole one; a number in a string is read as the
+// number. Anything else (a negative number, another type) reads as 0, which
+// the metering counts with the tokenizer as nothing reported, so that a
+// reply is not lost for a count it cannot use; a count past uint64 reads as
+// the most it holds, which the metering clamps. null leaves it as it is.
+type tokenCount uint64
+
+// UnmarshalJSON implements json.Unmarshaler.
+func (c *tokenCount) UnmarshalJSON(b []byte) error {
+	if string(b) == "null" {
+		return nil
+	}
+	if n, err := strconv.ParseUint(string(b), 10, 64); err == nil {
+		*c = tokenCount(n) // the usual case
+		return nil
+	}
+	if len(b) >= 2 && b[0] == '"' && b[len(b)-1] == '"' {
+		b = b[1 : len(b)-1]
+	}
+	f, err := strconv.ParseFloat(string(b), 64)
+	switch {
+	case err != nil && !errors.Is(err, strconv.ErrRange), !(f > 0):
+		*c = 0 // not a count, negative or NaN
+	case f >= math.MaxUint64:
+		*c = math.MaxUint64
+	default:
+		*c = tokenCount(math.Ceil(f))
+	}
+	return nil
 }
 
 type annotation struct {
@@ -526,7 +561,7 @@ func completionResult[C ~string](cr *chatResponse[C]) (upstream.Result, error) {
 	msg := cr.Choices[0].Message
 	res := upstream.Result{Content: string(msg.Content), Sources: append(sources(string(msg.Content), msg.Annotations), cr.from(0)...)}
 	if cr.Usage != nil {
-		res.UsageReported, res.InputTokens, res.OutputTokens = true, cr.Usage.PromptTokens, cr.Usage.CompletionTokens
+		res.UsageReported, res.InputTokens, res.OutputTokens = true, uint64(cr.Usage.PromptTokens), uint64(cr.Usage.CompletionTokens)
 	}
 	return res, nil
 }

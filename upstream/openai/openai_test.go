@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -749,6 +750,57 @@ func TestACompletionWithoutUsageIsTaken(t *testing.T) {
 			require.NoError(t, err, reply)
 			require.Equal(t, strings.Contains(reply, "usage"), res.UsageReported, reply)
 			require.Equal(t, map[bool]string{true: "", false: "counted"}[res.UsageReported], res.Content, reply)
+		}
+	})
+}
+
+// TestTokenCountsAreReadAsTheyCome: a usage count is read whatever number
+// an upstream writes it as: a fraction (a server's estimate, a proxy's
+// count weighed by cost) rounded up, an exponent, a number in a string; a
+// count past uint64 as the most it holds (the metering clamps it); a count
+// that is no count (negative, another type, null) as 0, which the metering
+// counts with the tokenizer. None of them fails the reply it comes in, whole
+// or streamed, as one that json refused to decode into an integer did.
+func TestTokenCountsAreReadAsTheyCome(t *testing.T) {
+	t.Parallel()
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		for count, want := range map[string]uint64{
+			`12`:                   12,
+			`2.25`:                 3,
+			`14417.92`:             14418,
+			`7.0`:                  7,
+			`1e3`:                  1000,
+			`"12"`:                 12,
+			`"2.5"`:                3,
+			`18446744073709551616`: math.MaxUint64,
+			`1e400`:                math.MaxUint64,
+			`-1`:                   0,
+			`-0.5`:                 0,
+			`true`:                 0,
+			`"twelve"`:             0,
+			`{"tokens":12}`:        0,
+			`[12]`:                 0,
+			`null`:                 0,
+			`0.0000001`:            1,
+			`18446744073709551615`: math.MaxUint64,
+		} {
+			usage := `"usage":{"prompt_tokens":` + count + `,"completion_tokens":` + count + `}`
+			client := b.replyClient(t, func(w http.ResponseWriter) {
+				_, _ = io.WriteString(w, `{"choices":[{"message":{"content":"counted"}}],`+usage+`}`)
+			})
+			res, err := client.Complete(context.Background(), &req)
+			require.NoError(t, err, count)
+			require.True(t, res.UsageReported, count)
+			require.Equal(t, [2]uint64{want, want}, [2]uint64{res.InputTokens, res.OutputTokens}, count)
+
+			client = b.replyClient(t, func(w http.ResponseWriter) {
+				_, _ = io.WriteString(w, `data: {"choices":[{"delta":{"content":"counted"},"finish_reason":"stop"}]}`+"\n\n"+
+					`data: {"choices":[],`+usage+`}`+"\n\ndata: [DONE]\n\n")
+			})
+			res, err = client.Stream(context.Background(), &req, func(upstream.Delta) error { return nil })
+			require.NoError(t, err, count)
+			require.Equal(t, "counted", res.Content, count)
+			require.Equal(t, [2]uint64{want, want}, [2]uint64{res.InputTokens, res.OutputTokens}, count)
 		}
 	})
 }
