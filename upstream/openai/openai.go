@@ -337,7 +337,7 @@ type chatResponse[C ~string] struct {
 			Content     C            `json:"content"`
 			Annotations []annotation `json:"annotations"`
 		} `json:"message"`
-		FinishReason string `json:"finish_reason"`
+		FinishReason *finishReason `json:"finish_reason"`
 	} `json:"choices"`
 	Usage *usage `json:"usage"`
 	// Error is an error some upstreams answer with status 200.
@@ -551,7 +551,7 @@ func completionResult[C ~string](cr *chatResponse[C]) (upstream.Result, error) {
 		}
 		return upstream.Result{}, fmt.Errorf("%w: the chat completion has no message", upstream.ErrFailed)
 	}
-	if cr.Choices[0].FinishReason == finishedInError {
+	if cr.Choices[0].FinishReason.erred() {
 		says := finishedInErrorSays
 		if cr.Error != nil {
 			says = errorMessage(cr.Error.Message)

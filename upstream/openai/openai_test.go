@@ -915,9 +915,11 @@ func TestContentInParts(t *testing.T) {
 }
 
 // TestStreamsWithoutDone: a stream that ends without [DONE] after its
-// finish_reason, as some OpenAI-compatible servers send it, is whole; one
-// that ends without either is broken, and so is one whose body was cut
-// short of its declared length, finish_reason or not.
+// finish_reason, as some OpenAI-compatible servers send it, is whole,
+// whatever the finish_reason's type (SGLang's own API sends an object), as a
+// completion with one is taken; one that ends without either is broken, and
+// so is one whose body was cut short of its declared length, finish_reason
+// or not.
 func TestStreamsWithoutDone(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {
@@ -934,6 +936,20 @@ func TestStreamsWithoutDone(t *testing.T) {
 
 		const piece = "data: {\"choices\":[{\"delta\":{\"content\":\"cut\"}}]}\n\n"
 		const finish = "data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"length\"}]}\n\n"
+		for _, reason := range []string{`"length"`, `{"type":"stop"}`, `1`, `true`} {
+			client := b.replyClient(t, func(w http.ResponseWriter) {
+				_, _ = io.WriteString(w, piece+strings.Replace(finish, `"length"`, reason, 1))
+			})
+			res, err := client.Stream(context.Background(), &req, func(upstream.Delta) error { return nil })
+			require.NoError(t, err, reason)
+			require.Equal(t, "cut", res.Content, reason)
+			client = b.replyClient(t, func(w http.ResponseWriter) {
+				_, _ = io.WriteString(w, `{"choices":[{"message":{"content":"whole"},"finish_reason":`+reason+`}]}`)
+			})
+			res, err = client.Complete(context.Background(), &req)
+			require.NoError(t, err, reason)
+			require.Equal(t, "whole", res.Content, reason)
+		}
 		for name, reply := range map[string]func(w http.ResponseWriter){
 			"no finish_reason": func(w http.ResponseWriter) { _, _ = io.WriteString(w, piece) },
 			"an empty finish_reason": func(w http.ResponseWriter) {

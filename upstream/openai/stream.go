@@ -32,7 +32,7 @@ type streamChoice[C ~string] struct {
 		Content     *C           `json:"content"`
 		Annotations []annotation `json:"annotations"`
 	} `json:"delta"`
-	FinishReason *string `json:"finish_reason"`
+	FinishReason *finishReason `json:"finish_reason"`
 }
 
 // asStrings is the chunk with its contents as strings.
@@ -248,10 +248,25 @@ func errorInStream(message string) error {
 	return fmt.Errorf("upstream error in stream: %s", message)
 }
 
-// finishedInError is the finish_reason of a choice whose generation failed
-// (OpenRouter's, with an error beside it; some servers send it alone): its
-// output so far is no whole reply.
-const finishedInError = "error"
+// finishReason is a choice's finish_reason as it was sent, whatever its
+// type (null leaves the pointer to it nil): one that is not a string, as
+// SGLang's own API sends an object, fails nothing.
+type finishReason json.RawMessage
+
+// ends reports whether r, if any, ends its choice: any value but an empty
+// string.
+func (r *finishReason) ends() bool { return r != nil && string(*r) != `""` }
+
+// erred reports whether r is "error": the choice's generation failed
+// (OpenRouter's, with an error beside it; some servers send it alone), and
+// its output so far is no whole reply.
+func (r *finishReason) erred() bool { return r != nil && string(*r) == `"error"` }
+
+// UnmarshalJSON implements json.Unmarshaler, as json.RawMessage does.
+func (r *finishReason) UnmarshalJSON(b []byte) error {
+	*r = append((*r)[:0], b...)
+	return nil
+}
 
 // finishedInErrorSays is the message of a choice finished in error without
 // an error beside it.
@@ -372,7 +387,7 @@ func readStream(body io.Reader, limit int64, progress func(ended bool), emit fun
 			res.InputTokens, res.OutputTokens = uint64(chunk.Usage.PromptTokens), uint64(chunk.Usage.CompletionTokens)
 		}
 		for _, choice := range chunk.Choices {
-			finished = finished || choice.FinishReason != nil && *choice.FinishReason != ""
+			finished = finished || choice.FinishReason.ends()
 			var d upstream.Delta
 			if choice.Delta.Content != nil {
 				d.Content = *choice.Delta.Content
@@ -381,7 +396,7 @@ func readStream(body io.Reader, limit int64, progress func(ended bool), emit fun
 			if err := take(d); err != nil {
 				return true, emitError{err}
 			}
-			if choice.FinishReason != nil && *choice.FinishReason == finishedInError {
+			if choice.FinishReason.erred() {
 				return true, errorInStream(finishedInErrorSays) // an error beside it was read above
 			}
 		}
