@@ -334,8 +334,8 @@ func inParts(err error, path string) bool {
 type chatResponse[C ~string] struct {
 	Choices []struct {
 		Message *struct {
-			Content     C            `json:"content"`
-			Annotations []annotation `json:"annotations"`
+			Content     C                    `json:"content"`
+			Annotations evidence[annotation] `json:"annotations"`
 		} `json:"message"`
 		FinishReason *finishReason `json:"finish_reason"`
 	} `json:"choices"`
@@ -350,12 +350,66 @@ type chatResponse[C ~string] struct {
 // snippet), and its citations (URLs alone), which are the same sources
 // without their titles.
 type searchResults struct {
-	SearchResults []struct {
-		Title   string `json:"title"`
-		URL     string `json:"url"`
-		Snippet string `json:"snippet"`
-	} `json:"search_results"`
-	Citations []string `json:"citations"`
+	SearchResults evidence[searchResult] `json:"search_results"`
+	Citations     evidence[citedLink]    `json:"citations"`
+}
+
+// searchResult is one of Perplexity's search results.
+type searchResult struct {
+	Title   string `json:"title"`
+	URL     string `json:"url"`
+	Snippet string `json:"snippet"`
+}
+
+// citedLink is a citation: a URL, as Perplexity's API sends one, or an
+// object with a url and a title (or the name of its source), as other
+// servers send one (tale's agents, beside a RAG citation's own fields).
+type citedLink struct {
+	URL   string `json:"url"`
+	Title string `json:"title"`
+}
+
+// UnmarshalJSON implements json.Unmarshaler.
+func (l *citedLink) UnmarshalJSON(b []byte) error {
+	if len(b) > 0 && b[0] == '"' {
+		return json.Unmarshal(b, &l.URL)
+	}
+	var o struct {
+		URL    string `json:"url"`
+		Title  string `json:"title"`
+		Source string `json:"source"`
+	}
+	if err := json.Unmarshal(b, &o); err != nil {
+		return err
+	}
+	l.URL, l.Title = o.URL, cmp.Or(o.Title, o.Source)
+	return nil
+}
+
+// evidence is a list of sources an upstream sends beside its output,
+// read as far as it is of the expected shape: an element of another shape
+// is left empty (its URL empty, it names no source) and a list that is no
+// list is none, so that a reply is never failed for its evidence. An
+// element keeps its place, for the count of those taken (Perplexity
+// repeats the list, grown, in every event).
+type evidence[T any] []T
+
+// UnmarshalJSON implements json.Unmarshaler.
+func (e *evidence[T]) UnmarshalJSON(b []byte) error {
+	var raw []json.RawMessage
+	if json.Unmarshal(b, &raw) != nil {
+		*e = nil // null, or not a list
+		return nil
+	}
+	out := make(evidence[T], len(raw))
+	for i, r := range raw {
+		if json.Unmarshal(r, &out[i]) != nil {
+			var zero T
+			out[i] = zero
+		}
+	}
+	*e = out
+	return nil
 }
 
 // count is how many sources the search results, or else the citations,
@@ -380,8 +434,8 @@ func (s *searchResults) from(i int) []gateway.Source {
 		return out
 	}
 	for _, link := range s.Citations[min(i, len(s.Citations)):] {
-		if link != "" {
-			out = append(out, gateway.Source{Title: link, URL: link})
+		if link.URL != "" {
+			out = append(out, gateway.Source{Title: cmp.Or(link.Title, link.URL), URL: link.URL})
 		}
 	}
 	return out

@@ -23,6 +23,7 @@ func FuzzParseReply(f *testing.F) {
 		"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\ndata: [DONE]\n\n", ": keep-alive\n\ndata: [DONE]", "<html>",
 		`{"choices":[{"message":{"content":[{"type":"thinking","thinking":[{"type":"text","text":"t"}]},{"type":"text","text":"a"}]}}]}`,
 		"\uFEFF{\"choices\":[{\"message\":{\"content\":\"bom\"}}]}",
+		`{"choices":[{"message":{"content":"x","annotations":{"a":1}}}],"citations":[{"url":"u","source":"s"},1,"v"],"search_results":"no"}`,
 	} {
 		f.Add([]byte(seed))
 	}

@@ -29,8 +29,8 @@ type streamChunk[C ~string] struct {
 // streamChoice is a choice of a stream's event.
 type streamChoice[C ~string] struct {
 	Delta struct {
-		Content     *C           `json:"content"`
-		Annotations []annotation `json:"annotations"`
+		Content     *C                   `json:"content"`
+		Annotations evidence[annotation] `json:"annotations"`
 	} `json:"delta"`
 	FinishReason *finishReason `json:"finish_reason"`
 }
