@@ -449,22 +449,58 @@ type upstreamError struct {
 	// Code is the object's code, if it is a string (OpenAI's are; other
 	// servers send numbers, which are not kept).
 	Code string
+	// said is whether it says something. Beside a real answer some servers
+	// send an error member that is empty (null, "", false, 0, {}, [], a
+	// blank message: a struct serialized whole, as Copilot's API and
+	// gateways before it do): that is no error.
+	said bool
+}
+
+// present reports whether e, if any, is an error.
+func (e *upstreamError) present() bool { return e != nil && e.said }
+
+// what is what e says, for the log: its message, else its code.
+func (e *upstreamError) what() string {
+	return cmp.Or(errorMessage(e.Message), e.Code, "an error without a message")
 }
 
 // UnmarshalJSON decodes an error object's message and code, or an error
-// string.
+// string; a value of another type is its own message. Members of other
+// types than these are none: an error is never unreadable.
 func (e *upstreamError) UnmarshalJSON(b []byte) error {
-	if len(b) > 0 && b[0] == '"' {
-		return json.Unmarshal(b, &e.Message)
+	switch {
+	case len(b) > 0 && b[0] == '"':
+		if err := json.Unmarshal(b, &e.Message); err != nil {
+			return err
+		}
+		e.said = strings.TrimSpace(e.Message) != ""
+	case len(b) > 0 && b[0] == '{':
+		var o struct {
+			Message json.RawMessage `json:"message"`
+			Code    json.RawMessage `json:"code"`
+			Type    json.RawMessage `json:"type"`
+		}
+		_ = json.Unmarshal(b, &o)
+		if json.Unmarshal(o.Message, &e.Message) != nil {
+			e.Message = string(o.Message) // a message that is not a string
+		}
+		_ = json.Unmarshal(o.Code, &e.Code) // a code that is not a string is none
+		e.said = says(o.Message) || says(o.Code) || says(o.Type)
+	default:
+		e.Message, e.said = string(b), says(b)
 	}
-	var o struct {
-		Message string          `json:"message"`
-		Code    json.RawMessage `json:"code"`
+	return nil
+}
+
+// says reports whether a JSON value says something: it is not absent, null,
+// false, 0, an empty object or list, or a blank string.
+func says(v json.RawMessage) bool {
+	switch string(bytes.TrimSpace(v)) {
+	case "", "null", "false", "0", "{}", "[]":
+		return false
 	}
-	err := json.Unmarshal(b, &o)
-	e.Message = o.Message
-	_ = json.Unmarshal(o.Code, &e.Code) // a code that is not a string is none
-	return err
+	var str string
+	return json.Unmarshal(v, &str) != nil || strings.TrimSpace(str) != ""
 }
 
 // errorSays is what an error body or event says: its error's message,
@@ -479,12 +515,12 @@ func errorSays(body []byte) (message, code string) {
 	message = strings.TrimSpace(string(body))
 	if json.Unmarshal(body, &e) == nil {
 		switch {
-		case e.Error != nil && e.Error.Message != "":
+		case e.Error.present() && e.Error.Message != "":
 			message = e.Error.Message
 		case e.Message != "":
 			message = e.Message
 		}
-		if e.Error != nil {
+		if e.Error.present() {
 			code = e.Error.Code
 		}
 	}
@@ -600,17 +636,17 @@ func parseCompletion(raw []byte) (upstream.Result, error) {
 // completionResult is what a decoded chat completion says.
 func completionResult[C ~string](cr *chatResponse[C]) (upstream.Result, error) {
 	if len(cr.Choices) == 0 || cr.Choices[0].Message == nil {
-		if cr.Error != nil {
-			return upstream.Result{}, fmt.Errorf("%w: the upstream answered 200 with an error: %s", upstream.ErrFailed, errorMessage(cr.Error.Message))
+		if cr.Error.present() {
+			return upstream.Result{}, fmt.Errorf("%w: the upstream answered 200 with an error: %s", upstream.ErrFailed, cr.Error.what())
 		}
 		return upstream.Result{}, fmt.Errorf("%w: the chat completion has no message", upstream.ErrFailed)
 	}
 	if cr.Choices[0].FinishReason.erred() {
-		says := finishedInErrorSays
-		if cr.Error != nil {
-			says = errorMessage(cr.Error.Message)
+		why := finishedInErrorSays
+		if cr.Error.present() {
+			why = cr.Error.what()
 		}
-		return upstream.Result{}, fmt.Errorf("%w: %s", upstream.ErrFailed, says)
+		return upstream.Result{}, fmt.Errorf("%w: %s", upstream.ErrFailed, why)
 	}
 	msg := cr.Choices[0].Message
 	res := upstream.Result{Content: string(msg.Content), Sources: append(sources(string(msg.Content), msg.Annotations), cr.from(0)...)}

@@ -871,7 +871,10 @@ func TestTokenCountsAreReadAsTheyCome(t *testing.T) {
 // (text-generation-inference's), an event named error whatever its data
 // (as some servers send it), even when a [DONE] follows, an error field
 // (as llama.cpp's server sent it), or a choice's finish_reason "error", with
-// an error beside it (OpenRouter's) or alone. An error status's body gives its message
+// an error beside it (OpenRouter's) or alone, or an error of another type
+// that says something; an empty error member beside a real answer (null,
+// "", false, 0, {}, [], a blank message, as some servers serialize one) is
+// none. An error status's body gives its message
 // the same way, or as vLLM gives it, beside the error. Events of other names
 // are read.
 func TestErrorsInReplies(t *testing.T) {
@@ -891,6 +894,9 @@ func TestErrorsInReplies(t *testing.T) {
 			delta + `data: {"choices":[{"delta":{"content":" the"},"finish_reason":"error"}]}` + "\n\ndata: [DONE]\n\n":                                                    `upstream error in stream: the upstream finished its output with finish_reason "error"`,
 			`{"choices":[{"message":{"content":"failed partial answer"},"finish_reason":"error"}],"usage":{"prompt_tokens":3,"completion_tokens":3}}`:                      `the upstream finished its output with finish_reason "error"`,
 			`{"error":{"message":"Provider disconnected"},"choices":[{"message":{"content":""},"finish_reason":"error"}]}`:                                                 "Provider disconnected",
+			delta + `data: {"error":true}` + "\n\n":                                                                                                                        "upstream error in stream: true",
+			delta + `data: {"error":{"type":"server_error","message":null}}` + "\n\n":                                                                                      "upstream error in stream: an error without a message",
+			delta + `data: {"error":{"message":503,"code":"overloaded"}}` + "\n\n":                                                                                         "upstream error in stream: 503",
 		} {
 			client := b.replyClient(t, func(w http.ResponseWriter) { _, _ = io.WriteString(w, reply) })
 			_, err := client.Complete(context.Background(), &req)
@@ -901,6 +907,22 @@ func TestErrorsInReplies(t *testing.T) {
 			if !strings.HasPrefix(reply, "{") { // a completion's error says it was answered 200
 				require.ErrorContains(t, err, want, reply)
 			}
+		}
+
+		for _, blank := range []string{`""`, `" "`, `{}`, `false`, `0`, `[]`, `null`, `{"message":" "}`, `{"message":"","code":null,"type":""}`} {
+			client := b.replyClient(t, func(w http.ResponseWriter) {
+				_, _ = io.WriteString(w, `data: {"error":`+blank+`,"choices":[{"delta":{"content":"o"}}]}`+"\n\n"+
+					`data: {"error":`+blank+`,"choices":[{"delta":{"content":"k"},"finish_reason":"stop"}]}`+"\n\ndata: [DONE]\n\n")
+			})
+			res, err := client.Stream(context.Background(), &req, func(upstream.Delta) error { return nil })
+			require.NoError(t, err, blank)
+			require.Equal(t, "ok", res.Content, blank)
+			client = b.replyClient(t, func(w http.ResponseWriter) {
+				_, _ = io.WriteString(w, `{"error":`+blank+`,"choices":[{"message":{"content":"ok"},"finish_reason":"stop"}]}`)
+			})
+			res, err = client.Complete(context.Background(), &req)
+			require.NoError(t, err, blank)
+			require.Equal(t, "ok", res.Content, blank)
 		}
 
 		for _, reply := range []string{

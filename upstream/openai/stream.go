@@ -379,8 +379,8 @@ func readStream(body io.Reader, limit int64, progress func(ended bool), emit fun
 			}
 			return true, fmt.Errorf("malformed stream chunk: %w", err)
 		}
-		if chunk.Error != nil {
-			return true, errorInStream(errorMessage(chunk.Error.Message))
+		if chunk.Error.present() {
+			return true, errorInStream(chunk.Error.what())
 		}
 		if chunk.Usage != nil {
 			res.UsageReported = true
