@@ -382,7 +382,7 @@ func readStream(body io.Reader, limit int64, progress func(ended bool), emit fun
 		if chunk.Error.present() {
 			return true, errorInStream(chunk.Error.what())
 		}
-		if chunk.Usage != nil {
+		if chunk.Usage.counted() {
 			res.UsageReported = true
 			res.InputTokens, res.OutputTokens = uint64(chunk.Usage.PromptTokens), uint64(chunk.Usage.CompletionTokens)
 		}
