@@ -514,10 +514,17 @@ func (e *upstreamError) UnmarshalJSON(b []byte) error {
 
 // says reports whether a JSON value says something: it is not absent, null,
 // false, 0, an empty object or list, or a blank string.
-func says(v json.RawMessage) bool {
-	switch string(bytes.TrimSpace(v)) {
+func says(v []byte) bool {
+	v = bytes.TrimSpace(v)
+	switch string(v) {
 	case "", "null", "false", "0", "{}", "[]":
 		return false
+	}
+	if v[0] != '"' {
+		return true
+	}
+	if bytes.IndexByte(v, '\\') < 0 {
+		return len(bytes.TrimSpace(v[1:len(v)-1])) > 0 // the usual string, read as it is
 	}
 	var str string
 	return json.Unmarshal(v, &str) != nil || strings.TrimSpace(str) != ""

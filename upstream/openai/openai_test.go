@@ -1016,7 +1016,8 @@ func TestContentInParts(t *testing.T) {
 // TestStreamsWithoutDone: a stream that ends without [DONE] after its
 // finish_reason, as some OpenAI-compatible servers send it, is whole,
 // whatever the finish_reason's type (SGLang's own API sends an object), as a
-// completion with one is taken; one that ends without either is broken, and
+// completion with one is taken; one that ends without either (a
+// finish_reason that says nothing, "" or false or 0, is none) is broken, and
 // so is one whose body was cut short of its declared length, finish_reason
 // or not.
 func TestStreamsWithoutDone(t *testing.T) {
@@ -1051,8 +1052,11 @@ func TestStreamsWithoutDone(t *testing.T) {
 		}
 		for name, reply := range map[string]func(w http.ResponseWriter){
 			"no finish_reason": func(w http.ResponseWriter) { _, _ = io.WriteString(w, piece) },
-			"an empty finish_reason": func(w http.ResponseWriter) {
-				_, _ = io.WriteString(w, piece+strings.Replace(finish, `"length"`, `""`, 1))
+			"finish_reasons that say nothing": func(w http.ResponseWriter) {
+				for _, none := range []string{`""`, `" "`, `false`, `0`, `{}`} {
+					_, _ = io.WriteString(w, strings.Replace(finish, `"length"`, none, 1))
+				}
+				_, _ = io.WriteString(w, piece)
 			},
 			"cut short of its length": func(w http.ResponseWriter) {
 				w.Header().Set("Content-Length", strconv.Itoa(len(piece+finish)+100))

@@ -253,9 +253,10 @@ func errorInStream(message string) error {
 // SGLang's own API sends an object, fails nothing.
 type finishReason json.RawMessage
 
-// ends reports whether r, if any, ends its choice: any value but an empty
-// string.
-func (r *finishReason) ends() bool { return r != nil && string(*r) != `""` }
+// ends reports whether r, if any, ends its choice: any value that says
+// something (says), not an empty string, false or 0, which a server may
+// send for none.
+func (r *finishReason) ends() bool { return r != nil && says(*r) }
 
 // erred reports whether r is "error": the choice's generation failed
 // (OpenRouter's, with an error beside it; some servers send it alone), and
