@@ -52,6 +52,17 @@ func TestStreamLinesAreReadNoFurtherThanTheirBound(t *testing.T) {
 	require.Greater(t, body.read, int64(maxLine))
 }
 
+// readBody reads body with readStream, its lines bounded by maxLine, and
+// returns what it returned and the contents it emitted.
+func readBody(body string, maxLine int64) (upstream.Result, []string, error) {
+	var emitted []string
+	res, err := readStream(strings.NewReader(body), maxLine, func(bool) {}, func(d upstream.Delta) error {
+		emitted = append(emitted, d.Content)
+		return nil
+	})
+	return res, emitted, err
+}
+
 // TestEventsSpreadOverLines: an event's data spread over several data:
 // lines is joined, as SSE joins it, and read at the event's end (its blank
 // line, or the body's end); events of one line each are read as they come,
@@ -60,14 +71,6 @@ func TestStreamLinesAreReadNoFurtherThanTheirBound(t *testing.T) {
 // stream, with what came before it kept.
 func TestEventsSpreadOverLines(t *testing.T) {
 	t.Parallel()
-	read := func(body string, maxLine int64) (upstream.Result, []string, error) {
-		var emitted []string
-		res, err := readStream(strings.NewReader(body), maxLine, func(bool) {}, func(d upstream.Delta) error {
-			emitted = append(emitted, d.Content)
-			return nil
-		})
-		return res, emitted, err
-	}
 	const (
 		one    = `data: {"choices":[{"delta":{"content":"one "}}]}` + "\n"
 		spread = "data: {\ndata:   \"choices\": [{\"delta\": {\"content\": \"two \"}}],\ndata:   \"usage\": {\"prompt_tokens\": 3, \"completion_tokens\": 4}\ndata: }\n"
@@ -78,7 +81,7 @@ func TestEventsSpreadOverLines(t *testing.T) {
 		"the last ended by the body": one + "\n" + spread + "\n" + last,
 		"one-line events unparted":   one + one[:len(one)-1] + "\r\n" + spread + "\r\n" + last + "\n",
 	} {
-		res, emitted, err := read(body, maxLineBytes)
+		res, emitted, err := readBody(body, maxLineBytes)
 		require.NoError(t, err, name)
 		want := []string{"one ", "two ", "three"}
 		if name == "one-line events unparted" {
@@ -99,7 +102,7 @@ func TestEventsSpreadOverLines(t *testing.T) {
 		"not JSON at the body's end": {body: one + "\ndata: {\"choices\":\n", maxLine: maxLineBytes},
 		"longer than a line may be":  {body: one + "\ndata: {\n" + strings.Repeat("data: \"x\",\n", 100) + "data: }\n\n", maxLine: 256, want: upstream.ErrTooLong},
 	} {
-		res, emitted, err := read(tc.body, tc.maxLine)
+		res, emitted, err := readBody(tc.body, tc.maxLine)
 		require.Error(t, err, name)
 		if tc.want != nil {
 			require.ErrorIs(t, err, tc.want, name)
@@ -119,14 +122,6 @@ func TestEventsSpreadOverLines(t *testing.T) {
 // stream.
 func TestCommentsWrappedAsDataAreKeepAlives(t *testing.T) {
 	t.Parallel()
-	read := func(body string) (upstream.Result, []string, error) {
-		var emitted []string
-		res, err := readStream(strings.NewReader(body), maxLineBytes, func(bool) {}, func(d upstream.Delta) error {
-			emitted = append(emitted, d.Content)
-			return nil
-		})
-		return res, emitted, err
-	}
 	const (
 		vertex = "data: : keepalive\n\n"
 		routed = "data: : OPENROUTER PROCESSING\n\n"
@@ -134,13 +129,13 @@ func TestCommentsWrappedAsDataAreKeepAlives(t *testing.T) {
 	)
 	body := vertex + routed + `data: {"choices":[{"delta":{"content":"one "}}]}` + "\n\n" + vertex + bare +
 		`data: {"choices":[{"delta":{"content":"two"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":4}}` + "\n\n" + vertex
-	res, emitted, err := read(body)
+	res, emitted, err := readBody(body, maxLineBytes)
 	require.NoError(t, err)
 	require.Equal(t, []string{"one ", "two"}, emitted)
 	require.Equal(t, "one two", res.Content)
 	require.True(t, res.UsageReported)
 
-	_, emitted, err = read(vertex + routed + vertex)
+	_, emitted, err = readBody(vertex+routed+vertex, maxLineBytes)
 	require.ErrorContains(t, err, "connection closed before [DONE] or a finish_reason")
 	require.Empty(t, emitted)
 }
