@@ -533,13 +533,19 @@ func says(v []byte) bool {
 // errorSays is what an error body or event says: its error's message,
 // else its own message (as vLLM's error bodies and LM Studio's events give
 // one), else the body as it is, cut and cleaned (errorMessage); and its
-// error's code, when it is a string.
+// error's code, when it is a string. A body that is a list says what its
+// first element says, as Google's APIs (Gemini's OpenAI-compatible one
+// among them) send their errors in one.
 func errorSays(body []byte) (message, code string) {
 	var e struct {
 		Error   *upstreamError `json:"error"`
 		Message string         `json:"message"`
 	}
 	message = strings.TrimSpace(string(body))
+	var list []json.RawMessage
+	if strings.HasPrefix(message, "[") && json.Unmarshal(body, &list) == nil && len(list) > 0 {
+		body = list[0]
+	}
 	if json.Unmarshal(body, &e) == nil {
 		switch {
 		case e.Error.present() && e.Error.Message != "":
