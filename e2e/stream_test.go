@@ -270,7 +270,7 @@ func TestAStreamFromAnUpstreamThatDoesNotStream(t *testing.T) {
 // usage, which the target's metric counts); one that ends its streams without [DONE], after their
 // finish_reason, serves them whole, and so does one that leaves them open
 // after it, sending keep-alives, one that spreads its events over several
-// data: lines, and one that wraps keep-alives as data. The usage view holds
+// data: lines, and one that sends keep-alives as data. The usage view holds
 // exactly what was sent.
 func TestUpstreamQuirksAreRead(t *testing.T) {
 	t.Parallel()
@@ -335,7 +335,7 @@ func TestUpstreamQuirksAreRead(t *testing.T) {
 	spread := completed("events spread over lines")
 	b.fake.SetSpread(false)
 	b.fake.SetWrappedKeepAlives(true)
-	wrapped := completed("keep-alives wrapped as data")
+	wrapped := completed("keep-alives sent as data")
 
 	require.Equal(t, 1.0, metricValue(t, g.scrape(), `gateway_upstream_usage_unreported_total{provider="upstream",upstream_model="instant"}`),
 		"the one reply without usage, the one streamed whole")

@@ -274,9 +274,9 @@ func (s *Server) SetLeftOpen(on bool) { set(s, &s.streams.leftOpen, on) }
 // data: lines, indented, as SSE allows and some servers do.
 func (s *Server) SetSpread(on bool) { set(s, &s.streams.spread, on) }
 
-// SetWrappedKeepAlives makes the server send a keep-alive comment wrapped as
-// data ("data: : keepalive") before each stream event, as proxies that
-// re-send their upstream's keep-alives so do.
+// SetWrappedKeepAlives makes the server send keep-alives as data before each
+// stream event: a comment wrapped ("data: : keepalive"), as proxies that
+// re-send their upstream's keep-alives do, and a word ("data: ping").
 func (s *Server) SetWrappedKeepAlives(on bool) { set(s, &s.streams.wrapped, on) }
 
 // SetChunkDelay makes a stream wait d before each content chunk.
@@ -464,7 +464,7 @@ func stream(w http.ResponseWriter, r *http.Request, prompt string, o streamOptio
 			b, _ = json.Marshal(v)
 		}
 		if o.wrapped {
-			fmt.Fprint(w, "data: : keepalive\n\n")
+			fmt.Fprint(w, "data: : keepalive\n\ndata: ping\n\n")
 		}
 		fmt.Fprintf(w, "data: %s\n\n", b)
 		flusher.Flush()

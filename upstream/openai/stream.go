@@ -50,9 +50,6 @@ func (c *streamChunk[C]) asStrings() streamChunk[string] {
 
 var doneMarker = []byte("[DONE]")
 
-// commentMark begins an SSE comment line.
-var commentMark = []byte(":")
-
 // byteOrderMark is UTF-8's, which some servers put before a body: SSE and
 // JSON's RFC 8259 let a reader drop it.
 var byteOrderMark = []byte("\uFEFF")
@@ -312,6 +309,7 @@ func readStream(body io.Reader, limit int64, progress func(ended bool), emit fun
 	opened := false     // a line that is not blank was read
 	evented := false    // a data: line was read
 	opening := ""       // the first line that is not blank, unless a data: line
+	noChunk := ""       // the last data that was no chunk
 	finished := false   // a choice's finish_reason was read
 	errorEvent := false // the event being read is named error
 	finish := func(err error) (upstream.Result, error) {
@@ -358,11 +356,17 @@ func readStream(body io.Reader, limit int64, progress func(ended bool), emit fun
 		if bytes.Equal(data, doneMarker) {
 			return true, nil
 		}
-		if bytes.HasPrefix(data, commentMark) {
-			// A comment wrapped as data, as proxies that re-send their
-			// upstream's keep-alives so do (Vertex AI's for partner
-			// models: "data: : keepalive"): no JSON begins so, and it is
-			// a keep-alive still, not output.
+		if len(data) == 0 {
+			return false, nil // no event, or a blank first line of one spread over lines
+		}
+		if data[0] != '{' {
+			// No chunk, which is an object: a keep-alive sent as data, a
+			// comment wrapped (Vertex AI's proxy for partner models sends
+			// "data: : keepalive") or a word ("data: ping", as Express's
+			// documentation sends one), or a line a proxy put in. It is
+			// skipped as a keep-alive, not output; a stream that then
+			// ends without its finish says what it was.
+			noChunk = string(data[:min(len(data), 256)])
 			return false, nil
 		}
 		var chunk streamChunk[string]
@@ -466,6 +470,8 @@ func readStream(body io.Reader, limit int64, progress func(ended bool), emit fun
 				case !evented:
 					// A page from a proxy or a firewall, answered 200.
 					return finish(fmt.Errorf("the body holds no events (no data: line); it begins %s", gateway.Quote(opening)))
+				case noChunk != "":
+					return finish(fmt.Errorf("connection closed before [DONE] or a finish_reason (the last data that was no chunk: %s)", gateway.Quote(noChunk)))
 				}
 				return finish(errors.New("connection closed before [DONE] or a finish_reason"))
 			}

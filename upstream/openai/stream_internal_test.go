@@ -114,29 +114,34 @@ func TestEventsSpreadOverLines(t *testing.T) {
 	}
 }
 
-// TestCommentsWrappedAsDataAreKeepAlives: a data line that holds an SSE
-// comment, as proxies that re-send their upstream's keep-alives as data send
-// (Vertex AI's for partner models, gateways before OpenRouter), is a
-// keep-alive: skipped, emitting nothing, before the first event, between
-// events and after the finish_reason; a stream of nothing else is no whole
-// stream.
-func TestCommentsWrappedAsDataAreKeepAlives(t *testing.T) {
+// TestDataThatIsNoChunkIsAKeepAlive: data that is no chunk (an object) is
+// a keep-alive: a comment wrapped as data, as proxies that re-send their
+// upstream's keep-alives send it (Vertex AI's for partner models, gateways
+// before OpenRouter), a word ("data: ping", as Express's documentation
+// sends one), a line a proxy put in, a JSON value that is no object. It is
+// skipped, emitting nothing, before the first event, between events and
+// after the finish_reason; a stream of nothing else is no whole stream, and
+// its error says what the last of it was.
+func TestDataThatIsNoChunkIsAKeepAlive(t *testing.T) {
 	t.Parallel()
 	const (
 		vertex = "data: : keepalive\n\n"
 		routed = "data: : OPENROUTER PROCESSING\n\n"
 		bare   = "data::\n\n"
+		ping   = "data: ping\n\n"
+		junk   = "data: <html>proxy junk</html>\n\n"
+		values = "data: 42\n\ndata: \"text\"\n\ndata: [1]\n\ndata: null\n\n"
 	)
-	body := vertex + routed + `data: {"choices":[{"delta":{"content":"one "}}]}` + "\n\n" + vertex + bare +
-		`data: {"choices":[{"delta":{"content":"two"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":4}}` + "\n\n" + vertex
+	body := vertex + routed + ping + `data: {"choices":[{"delta":{"content":"one "}}]}` + "\n\n" + vertex + bare + junk + values +
+		`data: {"choices":[{"delta":{"content":"two"},"finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":4}}` + "\n\n" + vertex + ping
 	res, emitted, err := readBody(body, maxLineBytes)
 	require.NoError(t, err)
 	require.Equal(t, []string{"one ", "two"}, emitted)
 	require.Equal(t, "one two", res.Content)
 	require.True(t, res.UsageReported)
 
-	_, emitted, err = readBody(vertex+routed+vertex, maxLineBytes)
-	require.ErrorContains(t, err, "connection closed before [DONE] or a finish_reason")
+	_, emitted, err = readBody(vertex+routed+vertex+ping, maxLineBytes)
+	require.ErrorContains(t, err, `connection closed before [DONE] or a finish_reason (the last data that was no chunk: "ping")`)
 	require.Empty(t, emitted)
 }
 
