@@ -532,32 +532,52 @@ func says(v []byte) bool {
 
 // errorSays is what an error body or event says: its error's message,
 // else its own message (as vLLM's error bodies and LM Studio's events give
-// one), else the body as it is, cut and cleaned (errorMessage); and its
-// error's code, when it is a string. A body that is a list says what its
-// first element says, as Google's APIs (Gemini's OpenAI-compatible one
-// among them) send their errors in one.
+// one), else its detail (FastAPI's: a string, or validation errors, of
+// which the first's msg), else the body as it is, cut and cleaned
+// (errorMessage); and its error's code, when it is a string. A body that is
+// a list says what its first element says, as Google's APIs (Gemini's
+// OpenAI-compatible one among them) send their errors in one. Members of
+// other types than these are passed over.
 func errorSays(body []byte) (message, code string) {
 	var e struct {
-		Error   *upstreamError `json:"error"`
-		Message string         `json:"message"`
+		Error   *upstreamError  `json:"error"`
+		Message string          `json:"message"`
+		Detail  json.RawMessage `json:"detail"`
 	}
 	message = strings.TrimSpace(string(body))
 	var list []json.RawMessage
 	if strings.HasPrefix(message, "[") && json.Unmarshal(body, &list) == nil && len(list) > 0 {
 		body = list[0]
 	}
-	if json.Unmarshal(body, &e) == nil {
-		switch {
-		case e.Error.present() && e.Error.Message != "":
-			message = e.Error.Message
-		case e.Message != "":
-			message = e.Message
-		}
-		if e.Error.present() {
-			code = e.Error.Code
-		}
+	_ = json.Unmarshal(body, &e) // what it could read
+	switch detail := detailSays(e.Detail); {
+	case e.Error.present() && e.Error.Message != "":
+		message = e.Error.Message
+	case e.Message != "":
+		message = e.Message
+	case detail != "":
+		message = detail
+	}
+	if e.Error.present() {
+		code = e.Error.Code
 	}
 	return errorMessage(message), code
+}
+
+// detailSays is what a FastAPI error body's detail says: the detail, if it
+// is a string, or the msg of its first validation error.
+func detailSays(detail json.RawMessage) string {
+	var s string
+	if json.Unmarshal(detail, &s) == nil {
+		return strings.TrimSpace(s)
+	}
+	var errs []struct {
+		Msg string `json:"msg"`
+	}
+	if json.Unmarshal(detail, &errs) == nil && len(errs) > 0 {
+		return strings.TrimSpace(errs[0].Msg)
+	}
+	return ""
 }
 
 // insufficientQuota is the code of OpenAI's 429 that says the account

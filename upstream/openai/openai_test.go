@@ -892,8 +892,10 @@ func TestTokenCountsAreReadAsTheyCome(t *testing.T) {
 // that says something; an empty error member beside a real answer (null,
 // "", false, 0, {}, [], a blank message, as some servers serialize one) is
 // none. An error status's body gives its message
-// the same way, or as vLLM gives it, beside the error, or in a list, as
-// Gemini's OpenAI-compatible API gives it. Events of other names are read.
+// the same way, or as vLLM gives it, beside the error, or as FastAPI gives
+// it, its detail, or in a list, as Gemini's OpenAI-compatible API gives it;
+// a member of another type does not hide the others. Events of other names
+// are read.
 func TestErrorsInReplies(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {
@@ -956,6 +958,10 @@ func TestErrorsInReplies(t *testing.T) {
 			`{"error":"Input validation error: too long","error_type":"validation"}`:                                                                         "Input validation error: too long",
 			`{"object":"error","message":"This model's maximum context length is 4096","type":"BadRequestError","code":400}`:                                 "This model's maximum context length is 4096",
 			`[{"error":{"code":400,"message":"Invalid JSON payload received. Unknown name \"reasoning\": Cannot find field.","status":"INVALID_ARGUMENT"}}]`: `Invalid JSON payload received. Unknown name "reasoning": Cannot find field.`,
+			`{"detail":"Model not found: tiny"}`: "Model not found: tiny",
+			`{"detail":[{"loc":["body","messages"],"msg":"field required","type":"value_error.missing"}]}`: "field required",
+			`{"error":{"message":"context too long","code":400},"message":5}`:                              "context too long",
+			`{"detail":{"reason":"unknown"}}`:                                                              `{"detail":{"reason":"unknown"}}`,
 		} {
 			client := b.handlerClient(t, func(w http.ResponseWriter, r *http.Request) {
 				w.WriteHeader(http.StatusUnprocessableEntity)
