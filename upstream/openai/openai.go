@@ -481,7 +481,7 @@ func (e *upstreamError) present() bool { return e != nil && e.said }
 
 // what is what e says, for the log: its message, else its code.
 func (e *upstreamError) what() string {
-	return cmp.Or(errorMessage(e.Message), e.Code, "an error without a message")
+	return cmp.Or(errorMessage(e.Message), errorMessage(e.Code), "an error without a message")
 }
 
 // UnmarshalJSON decodes an error object's message and code, or an error
@@ -902,9 +902,10 @@ func transportError(ctx context.Context, err error, dispatched bool) error {
 // maxMessageBytes bounds the upstream's error message kept for callers.
 const maxMessageBytes = 500
 
-// errorMessage is an upstream's error message as kept for callers: cut to
-// maxMessageBytes and cleaned.
-func errorMessage(msg string) string { return upstream.Clean(upstream.Cut(msg, maxMessageBytes)) }
+// errorMessage is an upstream's error message as kept for callers: cleaned,
+// then cut to maxMessageBytes (cut first, cleaning could have made it up to
+// three times as long: a replacement character for each invalid byte).
+func errorMessage(msg string) string { return upstream.Cut(upstream.Clean(msg), maxMessageBytes) }
 
 // statusError classifies a non-2xx reply (D12): 429 and 503 say the call was
 // not processed, and so do 401, 407 and 404, which refuse the gateway's own

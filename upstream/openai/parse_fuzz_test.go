@@ -92,3 +92,23 @@ func FuzzReadStream(f *testing.F) {
 		}
 	})
 }
+
+// FuzzErrorSays feeds arbitrary error bodies to errorSays, whose message a
+// rejected caller is sent: it never panics, and the message is valid UTF-8
+// without NUL, at most maxMessageBytes long, whatever the body holds.
+func FuzzErrorSays(f *testing.F) {
+	for _, seed := range []string{
+		`{"error":{"message":"bad","code":"insufficient_quota"}}`, `{"error":"overloaded"}`, `{"object":"error","message":"too long"}`,
+		`[{"error":{"code":400,"message":"Invalid JSON payload","status":"INVALID_ARGUMENT"}}]`, `{"detail":[{"msg":"field required"}]}`,
+		`{"detail":"Not Found"}`, `{"error":{"message":5},"detail":["x"]}`, "[", "", "<html>bad gateway</html>", "\xff\x00",
+		strings.Repeat("\xffa", 300),
+	} {
+		f.Add([]byte(seed))
+	}
+	f.Fuzz(func(t *testing.T, body []byte) {
+		message, _ := errorSays(body)
+		if !utf8.ValidString(message) || strings.IndexByte(message, 0) >= 0 || len(message) > maxMessageBytes {
+			t.Fatalf("message %q: not valid UTF-8 without NUL within %d bytes", message, maxMessageBytes)
+		}
+	})
+}
