@@ -32,13 +32,14 @@ run: build
 test:
 	$(WITH_PG) $(GO) test -race -count=1 ./...
 
-## fuzz: each fuzz target for FUZZTIME executions (request decoding, upstream replies, streams, the guard's bounds and HTTP/1.1 replies)
+## fuzz: each fuzz target for FUZZTIME executions (request decoding, upstream replies, streams and error bodies, the guard's bounds and HTTP/1.1 replies)
 FUZZTIME ?= 20000x
 fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzBind$$' -fuzztime $(FUZZTIME) ./server
 	$(GO) test -run '^$$' -fuzz '^FuzzExactFieldNames$$' -fuzztime $(FUZZTIME) ./server
 	$(GO) test -run '^$$' -fuzz '^FuzzParseReply$$' -fuzztime $(FUZZTIME) ./upstream/openai
 	$(GO) test -run '^$$' -fuzz '^FuzzReadStream$$' -fuzztime $(FUZZTIME) ./upstream/openai
+	$(GO) test -run '^$$' -fuzz '^FuzzErrorSays$$' -fuzztime $(FUZZTIME) ./upstream/openai
 	$(GO) test -run '^$$' -fuzz '^FuzzGuard$$' -fuzztime $(FUZZTIME) ./upstream
 	$(GO) test -run '^$$' -fuzz '^FuzzReply$$' -fuzztime $(FUZZTIME) ./upstream/http1
 	$(GO) test -run '^$$' -fuzz '^FuzzPrice$$' -fuzztime $(FUZZTIME) ./metering
