@@ -887,15 +887,14 @@ func TestTokenCountsAreReadAsTheyCome(t *testing.T) {
 // the log: an error object (OpenAI's), an error string
 // (text-generation-inference's), an event named error whatever its data
 // (as some servers send it), even when a [DONE] follows, an error field
-// (as llama.cpp's server sent it), or a choice's finish_reason "error", with
+// (as llama.cpp's server sent it), a choice's finish_reason "error", with
 // an error beside it (OpenRouter's) or alone, or an error of another type
 // that says something; an empty error member beside a real answer (null,
 // "", false, 0, {}, [], a blank message, as some servers serialize one) is
-// none. An error status's body gives its message
-// the same way, or as vLLM gives it, beside the error, or as FastAPI gives
-// it, its detail, or in a list, as Gemini's OpenAI-compatible API gives it;
-// a member of another type does not hide the others. Events of other names
-// are read.
+// none. An error status's body gives its message the same way, or as vLLM
+// gives it, beside the error, or as FastAPI gives it, its detail, or in a
+// list, as Gemini's OpenAI-compatible API gives it; a member of another
+// type does not hide the others. Events of other names are read.
 func TestErrorsInReplies(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {
