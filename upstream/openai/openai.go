@@ -221,30 +221,10 @@ type streamOptions struct {
 	IncludeUsage bool `json:"include_usage"`
 }
 
-// usage is a reply's or an event's token counts.
 type usage struct {
 	PromptTokens     tokenCount `json:"prompt_tokens"`
 	CompletionTokens tokenCount `json:"completion_tokens"`
-	// reported is whether it was an object: a usage of another type reports
-	// nothing, and fails nothing.
-	reported bool
 }
-
-// UnmarshalJSON implements json.Unmarshaler.
-func (u *usage) UnmarshalJSON(b []byte) error {
-	if len(b) == 0 || b[0] != '{' {
-		return nil
-	}
-	type counts usage // without this method
-	if err := json.Unmarshal(b, (*counts)(u)); err != nil {
-		return err
-	}
-	u.reported = true
-	return nil
-}
-
-// counted reports whether u, if any, reported counts.
-func (u *usage) counted() bool { return u != nil && u.reported }
 
 // tokenCount is a count of tokens as an upstream reports it. A whole number
 // is read as it is; one with a fraction (some servers estimate, some
@@ -703,7 +683,7 @@ func completionResult[C ~string](cr *chatResponse[C]) (upstream.Result, error) {
 	}
 	msg := cr.Choices[0].Message
 	res := upstream.Result{Content: string(msg.Content), Sources: append(sources(string(msg.Content), msg.Annotations), cr.from(0)...)}
-	if cr.Usage.counted() {
+	if cr.Usage != nil {
 		res.UsageReported, res.InputTokens, res.OutputTokens = true, uint64(cr.Usage.PromptTokens), uint64(cr.Usage.CompletionTokens)
 	}
 	return res, nil

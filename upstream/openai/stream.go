@@ -387,7 +387,7 @@ func readStream(body io.Reader, limit int64, progress func(ended bool), emit fun
 		if chunk.Error.present() {
 			return true, errorInStream(chunk.Error.what())
 		}
-		if chunk.Usage.counted() {
+		if chunk.Usage != nil {
 			res.UsageReported = true
 			res.InputTokens, res.OutputTokens = uint64(chunk.Usage.PromptTokens), uint64(chunk.Usage.CompletionTokens)
 		}
