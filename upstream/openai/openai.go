@@ -334,10 +334,10 @@ func inParts(err error, path string) bool {
 type chatResponse[C ~string] struct {
 	Choices []struct {
 		Message *struct {
-			Content     C                    `json:"content"`
-			Annotations evidence[annotation] `json:"annotations"`
+			Content     C            `json:"content"`
+			Annotations []annotation `json:"annotations"`
 		} `json:"message"`
-		FinishReason *finishReason `json:"finish_reason"`
+		FinishReason finishReason `json:"finish_reason"`
 	} `json:"choices"`
 	Usage *usage `json:"usage"`
 	// Error is an error some upstreams answer with status 200.

@@ -29,8 +29,8 @@ type streamChunk[C ~string] struct {
 // streamChoice is a choice of a stream's event.
 type streamChoice[C ~string] struct {
 	Delta struct {
-		Content     *C                   `json:"content"`
-		Annotations evidence[annotation] `json:"annotations"`
+		Content     *C           `json:"content"`
+		Annotations []annotation `json:"annotations"`
 	} `json:"delta"`
 	FinishReason *finishReason `json:"finish_reason"`
 }
@@ -245,24 +245,38 @@ func errorInStream(message string) error {
 	return fmt.Errorf("upstream error in stream: %s", message)
 }
 
-// finishReason is a choice's finish_reason as it was sent, whatever its
-// type (null leaves the pointer to it nil): one that is not a string, as
-// SGLang's own API sends an object, fails nothing.
-type finishReason json.RawMessage
+// finishReason is what a choice's finish_reason says, whatever its type:
+// one that is not a string, as SGLang's own API sends an object, fails
+// nothing. It is read without being kept.
+type finishReason uint8
 
-// ends reports whether r, if any, ends its choice: any value that says
-// something (says), not an empty string, false or 0, which a server may
-// send for none.
-func (r *finishReason) ends() bool { return r != nil && says(*r) }
+// What a finish_reason says.
+const (
+	notFinished finishReason = iota // absent, null, or a value that says nothing
+	finishedWhole
+	finishedInError // "error": the generation failed (OpenRouter's, with an error beside it; some servers send it alone)
+)
 
-// erred reports whether r is "error": the choice's generation failed
-// (OpenRouter's, with an error beside it; some servers send it alone), and
-// its output so far is no whole reply.
-func (r *finishReason) erred() bool { return r != nil && string(*r) == `"error"` }
+// ends reports whether the choice ended: the finish_reason is there (a
+// stream's chunk holds it by address, so that a null, in every chunk but
+// the last, costs no call) and says something (says), not an empty string,
+// false or 0, which a server may send for none.
+func (r *finishReason) ends() bool { return r != nil && *r != notFinished }
 
-// UnmarshalJSON implements json.Unmarshaler, as json.RawMessage does.
+// erred reports whether the choice's generation failed, and its output so
+// far is no whole reply.
+func (r *finishReason) erred() bool { return r != nil && *r == finishedInError }
+
+// UnmarshalJSON implements json.Unmarshaler.
 func (r *finishReason) UnmarshalJSON(b []byte) error {
-	*r = append((*r)[:0], b...)
+	switch {
+	case string(b) == `"error"`:
+		*r = finishedInError
+	case says(b):
+		*r = finishedWhole
+	default:
+		*r = notFinished
+	}
 	return nil
 }
 
