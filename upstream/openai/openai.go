@@ -282,7 +282,7 @@ func (c *citation) spans(content string) bool {
 }
 
 // text is the content of a message or a delta as a decoding of a reply
-// reads it again when its content was not a string (see inParts): a string,
+// reads it again when its content was not a string (see mistyped): a string,
 // or, as Mistral's API sends it (its reasoning models' thinking among it), an
 // array of parts, whose parts of type text are the content, in order; other
 // parts (thinking, and kinds not known) are not.
@@ -317,25 +317,33 @@ func (t *text) UnmarshalJSON(b []byte) error {
 	return nil
 }
 
-// inParts reports whether err is the decoder's word that the content at path
-// (choices.message.content, choices.delta.content) is not a string: the
-// reply is decoded again with its content as text. The usual content, a
-// string, is decoded as a string, at no cost of its own.
-func inParts(err error, path string) bool {
+// mistyped reports whether err is the decoder's word that a value in a
+// reply is not of the type its field is decoded as (a content that is an
+// array of parts, an annotation of another shape): the reply is decoded
+// again, leniently (its content as text, its annotations as evidence). The
+// usual reply is decoded once, by the plain types, at no cost of leniency.
+func mistyped(err error) bool {
 	if err == nil {
-		return false
+		return false // before te is declared, whose address escapes
 	}
 	var te *json.UnmarshalTypeError
-	return errors.As(err, &te) && te.Field == path
+	return errors.As(err, &te)
 }
 
-// chatResponse is a chat completion; C is its messages' content: string, or
-// text when a content was not a string (inParts).
-type chatResponse[C ~string] struct {
+// annotationList is how a message's or a delta's annotations are decoded:
+// plainly ([]annotation), or leniently (evidence) in a second pass.
+type annotationList interface {
+	~[]annotation
+}
+
+// chatResponse is a chat completion; C is its messages' content and A their
+// annotations: string and []annotation, or text and evidence[annotation]
+// when the reply is decoded again leniently (mistyped).
+type chatResponse[C ~string, A annotationList] struct {
 	Choices []struct {
 		Message *struct {
-			Content     C            `json:"content"`
-			Annotations []annotation `json:"annotations"`
+			Content     C `json:"content"`
+			Annotations A `json:"annotations"`
 		} `json:"message"`
 		FinishReason finishReason `json:"finish_reason"`
 	} `json:"choices"`
@@ -652,12 +660,12 @@ func readReply(body io.Reader, size, limit int64) ([]byte, error) {
 // the caller to count, as a stream without usage.
 func parseCompletion(raw []byte) (upstream.Result, error) {
 	raw = withoutDone(raw)
-	var cr chatResponse[string]
+	var cr chatResponse[string, []annotation]
 	err := json.Unmarshal(raw, &cr)
-	if inParts(err, "choices.message.content") {
-		var parted chatResponse[text]
-		if err = json.Unmarshal(raw, &parted); err == nil {
-			return completionResult(&parted)
+	if mistyped(err) {
+		var lenient chatResponse[text, evidence[annotation]]
+		if err = json.Unmarshal(raw, &lenient); err == nil {
+			return completionResult(&lenient)
 		}
 	}
 	if err != nil {
@@ -667,7 +675,7 @@ func parseCompletion(raw []byte) (upstream.Result, error) {
 }
 
 // completionResult is what a decoded chat completion says.
-func completionResult[C ~string](cr *chatResponse[C]) (upstream.Result, error) {
+func completionResult[C ~string, A annotationList](cr *chatResponse[C, A]) (upstream.Result, error) {
 	if len(cr.Choices) == 0 || cr.Choices[0].Message == nil {
 		if cr.Error.present() {
 			return upstream.Result{}, fmt.Errorf("%w: the upstream answered 200 with an error: %s", upstream.ErrFailed, cr.Error.what())
@@ -682,7 +690,7 @@ func completionResult[C ~string](cr *chatResponse[C]) (upstream.Result, error) {
 		return upstream.Result{}, fmt.Errorf("%w: %s", upstream.ErrFailed, why)
 	}
 	msg := cr.Choices[0].Message
-	res := upstream.Result{Content: string(msg.Content), Sources: append(sources(string(msg.Content), msg.Annotations), cr.from(0)...)}
+	res := upstream.Result{Content: string(msg.Content), Sources: append(sources(string(msg.Content), []annotation(msg.Annotations)), cr.from(0)...)}
 	if cr.Usage != nil {
 		res.UsageReported, res.InputTokens, res.OutputTokens = true, uint64(cr.Usage.PromptTokens), uint64(cr.Usage.CompletionTokens)
 	}

@@ -268,10 +268,10 @@ func TestSearchResultsAreSources(t *testing.T) {
 
 // TestEvidenceOfOtherShapesFailsNothing: citations given as objects with a
 // url and a source's name (as tale's agents give them, a RAG citation
-// beside a web one) are sources; citations or search results of a shape the
-// gateway does not read (a list that is no list, an element of other types)
-// are left out, and the reply, whole or streamed, is taken with the sources
-// it names well.
+// beside a web one) are sources; evidence of a shape the gateway does not
+// read (a list that is no list, an element of other types, an annotation
+// whose indices are not numbers) is left out, and the reply, whole or
+// streamed, is taken with the sources it names well.
 func TestEvidenceOfOtherShapesFailsNothing(t *testing.T) {
 	t.Parallel()
 	web := gateway.Source{Title: "Example Page", URL: "https://example.com"}
@@ -281,6 +281,7 @@ func TestEvidenceOfOtherShapesFailsNothing(t *testing.T) {
 	eachTransport(t, func(t *testing.T, b *testBundle) {
 		for name, c := range map[string]struct {
 			fields string // beside the choices
+			notes  string // the message's or delta's annotations
 			want   []gateway.Source
 		}{
 			"citations as objects":            {fields: tale, want: []gateway.Source{web}},
@@ -288,9 +289,22 @@ func TestEvidenceOfOtherShapesFailsNothing(t *testing.T) {
 			"citations that are no list":      {fields: `"citations":"https://ok.example/"`},
 			"search results that are no list": {fields: `"search_results":{"url":"https://ok.example/"}`},
 			"search results of other types":   {fields: `"search_results":[{"title":1,"url":"https://bad.example/"},{"title":"ok","url":"https://ok.example/"}]`, want: []gateway.Source{ok}},
+			"annotations that are no list":    {notes: `{"type":"url_citation"}`},
+			"annotations of other types": {
+				notes: `[{"type":"url_citation","url_citation":{"url":"https://bad.example/","title":"bad","start_index":"0","end_index":2}},` +
+					`{"type":"url_citation","url_citation":{"url":"https://ok.example/","title":"ok"}},7]`,
+				want: []gateway.Source{ok},
+			},
 		} {
+			fields, notes := c.fields, ""
+			if fields != "" {
+				fields = "," + fields
+			}
+			if c.notes != "" {
+				notes = `,"annotations":` + c.notes
+			}
 			client := b.replyClient(t, func(w http.ResponseWriter) {
-				_, _ = io.WriteString(w, `{"choices":[{"message":{"content":"Hi [2]"}}],`+c.fields+`}`)
+				_, _ = io.WriteString(w, `{"choices":[{"message":{"content":"Hi [2]"`+notes+`}}]`+fields+`}`)
 			})
 			res, err := client.Complete(context.Background(), &req)
 			require.NoError(t, err, name)
@@ -298,8 +312,10 @@ func TestEvidenceOfOtherShapesFailsNothing(t *testing.T) {
 			require.Equal(t, c.want, res.Sources, name)
 
 			client = b.replyClient(t, func(w http.ResponseWriter) {
-				_, _ = io.WriteString(w, `data: {"choices":[{"delta":{"content":"Hi [2]"},"finish_reason":"stop"}]}`+"\n\n")
-				_, _ = io.WriteString(w, "data: {"+c.fields+"}\n\n") // as tale sends them: an event of their own
+				_, _ = io.WriteString(w, `data: {"choices":[{"delta":{"content":"Hi [2]"`+notes+`},"finish_reason":"stop"}]}`+"\n\n")
+				if fields != "" { // as tale sends them: an event of their own
+					_, _ = io.WriteString(w, "data: {"+fields[1:]+"}\n\n")
+				}
 				_, _ = io.WriteString(w, "data: [DONE]\n\n")
 			})
 			res, err = client.Stream(context.Background(), &req, func(upstream.Delta) error { return nil })

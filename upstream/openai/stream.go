@@ -17,29 +17,32 @@ import (
 	"github.com/rungworks/gateway/upstream"
 )
 
-// streamChunk is one event of a stream; C is its deltas' content: string, or
-// text when a content was not a string (inParts).
-type streamChunk[C ~string] struct {
-	Choices []streamChoice[C] `json:"choices"`
-	Usage   *usage            `json:"usage"`
-	Error   *upstreamError    `json:"error"`
+// streamChunk is one event of a stream; C is its deltas' content and A
+// their annotations: string and []annotation, or text and
+// evidence[annotation] when the event is decoded again leniently
+// (mistyped).
+type streamChunk[C ~string, A annotationList] struct {
+	Choices []streamChoice[C, A] `json:"choices"`
+	Usage   *usage               `json:"usage"`
+	Error   *upstreamError       `json:"error"`
 	searchResults
 }
 
 // streamChoice is a choice of a stream's event.
-type streamChoice[C ~string] struct {
+type streamChoice[C ~string, A annotationList] struct {
 	Delta struct {
-		Content     *C           `json:"content"`
-		Annotations []annotation `json:"annotations"`
+		Content     *C `json:"content"`
+		Annotations A  `json:"annotations"`
 	} `json:"delta"`
 	FinishReason *finishReason `json:"finish_reason"`
 }
 
-// asStrings is the chunk with its contents as strings.
-func (c *streamChunk[C]) asStrings() streamChunk[string] {
-	out := streamChunk[string]{Choices: make([]streamChoice[string], len(c.Choices)), Usage: c.Usage, Error: c.Error, searchResults: c.searchResults}
+// plain is the chunk with its contents as strings and its annotations as a
+// plain list.
+func (c *streamChunk[C, A]) plain() streamChunk[string, []annotation] {
+	out := streamChunk[string, []annotation]{Choices: make([]streamChoice[string, []annotation], len(c.Choices)), Usage: c.Usage, Error: c.Error, searchResults: c.searchResults}
 	for i, ch := range c.Choices {
-		out.Choices[i].Delta.Annotations, out.Choices[i].FinishReason = ch.Delta.Annotations, ch.FinishReason
+		out.Choices[i].Delta.Annotations, out.Choices[i].FinishReason = []annotation(ch.Delta.Annotations), ch.FinishReason
 		if ch.Delta.Content != nil {
 			content := string(*ch.Delta.Content)
 			out.Choices[i].Delta.Content = &content
@@ -383,12 +386,12 @@ func readStream(body io.Reader, limit int64, progress func(ended bool), emit fun
 			noChunk = string(data[:min(len(data), 256)])
 			return false, nil
 		}
-		var chunk streamChunk[string]
+		var chunk streamChunk[string, []annotation]
 		err = json.Unmarshal(data, &chunk)
-		if inParts(err, "choices.delta.content") {
-			var parted streamChunk[text]
-			if err = json.Unmarshal(data, &parted); err == nil {
-				chunk = parted.asStrings()
+		if mistyped(err) {
+			var lenient streamChunk[text, evidence[annotation]]
+			if err = json.Unmarshal(data, &lenient); err == nil {
+				chunk = lenient.plain()
 			}
 		}
 		if err != nil {
