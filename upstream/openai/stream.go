@@ -294,6 +294,11 @@ func errorEventSays(data []byte) string {
 	return message
 }
 
+// forQuote keeps the start of b for an error to quote (gateway.Quote, which
+// clips it further): enough of it to be clipped with an ellipsis, never a
+// copy of a long line whole.
+func forQuote(b []byte) string { return string(b[:min(len(b), 256)]) }
+
 // maxLineBytes bounds one data: line, whatever the request asks for; a
 // longer one breaks the stream. A line longer than a whole reply to its
 // request could be (replyBytes) breaks it too.
@@ -383,7 +388,7 @@ func readStream(body io.Reader, limit int64, progress func(ended bool), emit fun
 			// documentation sends one), or a line a proxy put in. It is
 			// skipped as a keep-alive, not output; a stream that then
 			// ends without its finish says what it was.
-			noChunk = string(data[:min(len(data), 256)])
+			noChunk = forQuote(data)
 			return false, nil
 		}
 		var chunk streamChunk[string, []annotation]
@@ -500,7 +505,7 @@ func readStream(body io.Reader, limit int64, progress func(ended bool), emit fun
 			if t := bytes.TrimSpace(line); len(t) > 0 {
 				opened = true
 				if !ok {
-					opening = string(t[:min(len(t), 256)])
+					opening = forQuote(t)
 				}
 			}
 		}
