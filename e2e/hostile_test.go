@@ -12,6 +12,7 @@ import (
 
 	"github.com/rungworks/gateway/gen/api"
 	"github.com/rungworks/gateway/internal/fakeupstream"
+	"github.com/rungworks/gateway/metering"
 )
 
 // received adds up usage objects a client was sent.
@@ -261,6 +262,52 @@ func TestUsageReportedAsNothingIsCounted(t *testing.T) {
 	for _, side := range []string{"input", "output"} {
 		require.Equal(t, 3.0, metricValue(t, m, fmt.Sprintf(`gateway_upstream_usage_clamped_total{model="instant",side=%q}`, side)), side)
 	}
+}
+
+// TestThinkingIsBilledWhenNoUsageIs: a reasoning model's thinking is output
+// its upstream charges for. When the upstream reports no count of it (zeros,
+// or a stream cut short after the model thought), the tokenizer counts it
+// with the text, once though it came under two names, in a reply and a
+// stream alike; the thinking itself is never sent.
+func TestThinkingIsBilledWhenNoUsageIs(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	const answer, thinking = "the sky is blue", "Rayleigh scattering: shorter wavelengths scatter more, so the sky looks blue."
+	b.fake.SetHostile("PLAIN", fakeupstream.Hostile{Content: answer})
+	b.fake.SetHostile("THINKS", fakeupstream.Hostile{Content: answer, Reasoning: thinking})
+	b.fake.SetHostile("CUT", fakeupstream.Hostile{Content: answer, Reasoning: thinking, Repeat: 2})
+	g := serve(t, b.db, b.fake.BaseURL(), nil)
+	tok, err := metering.DefaultTokenizer()
+	require.NoError(t, err)
+
+	var mine received
+	reply := func(prompt string) api.RungUsage {
+		r := g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": prompt})
+		require.Equal(t, http.StatusOK, r.status, string(r.body))
+		var resp api.Response
+		require.NoError(t, json.Unmarshal(r.body, &resp))
+		require.Equal(t, answer, resp.Content)
+		u := api.RungUsage{InputRungs: resp.Usage.InputRungs, OutputRungs: resp.Usage.OutputRungs, TotalRungs: resp.Usage.TotalRungs}
+		mine.add(u)
+		return u
+	}
+	plain, thinks := reply("PLAIN"), reply("THINKS")
+	require.Equal(t, plain.OutputRungs+int64(tok.CountUpTo(thinking, 1000)), thinks.OutputRungs, "instant's multiplier is 1")
+
+	sr, _ := g.stream(b.key, map[string]any{"prompt": "THINKS"})
+	require.NotContains(t, string(sr.body), "Rayleigh")
+	u := finalUsage(t, sr.body)
+	require.Equal(t, thinks, u)
+	mine.add(u)
+
+	b.fake.SetBreakAfter(1) // after the thinking and the first answer
+	sr, _ = g.stream(b.key, map[string]any{"prompt": "CUT"})
+	require.Contains(t, string(sr.body), "response.error")
+	u = finalUsage(t, sr.body)
+	require.Equal(t, thinks.OutputRungs, u.OutputRungs, "the thinking and the text sent")
+	mine.add(u)
+
+	settledExactly(t, g, b.key, mine)
 }
 
 // TestAStreamKeptOpenWithoutOutputEnds: an upstream that sends a stream's

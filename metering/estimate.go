@@ -201,28 +201,41 @@ func (e *Estimator) Estimate(req gateway.Request, entry gateway.EntryPoint) (Est
 
 // Actual prices what the upstream produced for req: its reported token counts,
 // or, when it reported none (a stream cut short), the tokenizer's count of the
-// input and of the output received. A reported count of no tokens for text
-// there was (a prompt is never empty; output only when text was received)
-// is none: servers that report zeros, or their counts under other names,
-// would have made their replies free, so the tokenizer counts that side.
+// input and of the output received, a reasoning model's thinking with its
+// content (the upstream charges for both). A reported count of no tokens for
+// text there was (a prompt is never empty; output only when text was
+// received) is none: servers that report zeros, or their counts under other
+// names, would have made their replies free, so the tokenizer counts that
+// side.
 // Either is clamped (D11): output to the output ceiling sent, input to
 // InputBound. So the admission estimate's output part is a true upper bound,
 // and no upstream can make a counter overflow.
 func (e *Estimator) Actual(req gateway.Request, entry gateway.EntryPoint, res upstream.Result) (gateway.Usage, error) {
 	in, out := res.InputTokens, res.OutputTokens
 	if !res.UsageReported {
-		in, out = e.InputTokens(req), e.Tokenizer.CountUpTo(res.Content, req.MaxOutputRungs)
+		in, out = e.InputTokens(req), e.outputTokens(req, res)
 	} else {
 		if in == 0 {
 			in = e.counted(req.Model, "input", e.InputTokens(req))
 		}
-		if out == 0 && res.Content != "" {
-			out = e.counted(req.Model, "output", e.Tokenizer.CountUpTo(res.Content, req.MaxOutputRungs))
+		if out == 0 && (res.Content != "" || res.Reasoning != "") {
+			out = e.counted(req.Model, "output", e.outputTokens(req, res))
 		}
 	}
 	in = e.clamp(req.Model, "input", in, InputBound(req))
 	out = e.clamp(req.Model, "output", out, req.MaxOutputRungs)
 	return e.RateCard.Usage(req.Model, entry, in, out)
+}
+
+// outputTokens counts the output of res, its content and its thinking, up
+// to one past the output ceiling of req (CountUpTo): the sum of the two may
+// pass it, which clamp then reports.
+func (e *Estimator) outputTokens(req gateway.Request, res upstream.Result) uint64 {
+	out := e.Tokenizer.CountUpTo(res.Content, req.MaxOutputRungs)
+	if res.Reasoning != "" {
+		out += e.Tokenizer.CountUpTo(res.Reasoning, req.MaxOutputRungs)
+	}
+	return out
 }
 
 // counted reports a count of no tokens replaced by the tokenizer's, n, and

@@ -204,6 +204,40 @@ func TestActualCountsWhatIsReportedAsNothing(t *testing.T) {
 	require.Empty(t, *clamps)
 }
 
+// TestActualCountsThinking: a reasoning model's thinking is output the
+// upstream charges for; when no usage is reported (a stream cut short while
+// the model thought) or none for the output, the tokenizer counts it with
+// the content, as much as the ceiling holds. A reported count stands.
+func TestActualCountsThinking(t *testing.T) {
+	t.Parallel()
+	est, clamps := clampRecorder(t)
+	req := gateway.Request{Prompt: "hello there", Model: gateway.ModelReasoning, MaxOutputRungs: 400}
+	const content, thinking = "a reply of some words", "first, what is asked; then what answers it"
+	count := func(s string) int64 { return int64(est.Tokenizer.CountUpTo(s, req.MaxOutputRungs)) }
+
+	for name, res := range map[string]upstream.Result{
+		"not reported":         {Content: content, Reasoning: thinking},
+		"reported as nothing":  {Content: content, Reasoning: thinking, UsageReported: true, InputTokens: 3},
+		"thinking, no content": {Reasoning: thinking, UsageReported: true, InputTokens: 3},
+	} {
+		u, err := est.Actual(req, gateway.EntryResponses, res)
+		require.NoError(t, err, name)
+		require.Equal(t, count(res.Content)+count(thinking), u.OutputTokens, name)
+	}
+
+	u, err := est.Actual(req, gateway.EntryResponses, upstream.Result{Content: content, Reasoning: thinking, UsageReported: true, InputTokens: 3, OutputTokens: 5})
+	require.NoError(t, err)
+	require.Equal(t, int64(5), u.OutputTokens, "a reported count holds the thinking already")
+
+	*clamps = nil
+	short := req
+	short.MaxOutputRungs = uint64(count(content)) + 1
+	u, err = est.Actual(short, gateway.EntryResponses, upstream.Result{Content: content, Reasoning: thinking})
+	require.NoError(t, err)
+	require.Equal(t, short.MaxOutputRungs, uint64(u.OutputTokens), "the ceiling holds content and thinking together")
+	require.Len(t, *clamps, 1)
+}
+
 // usageOf is the usage est prices for req's counts, in and out, as reported.
 func usageOf(t *testing.T, est *metering.Estimator, req gateway.Request, in, out uint64) gateway.Usage {
 	t.Helper()

@@ -100,7 +100,7 @@ func (g *guarded) Complete(ctx context.Context, req *Request) (Result, error) {
 	if errors.Is(err, ErrTooLong) {
 		b.cut(CutText)
 	}
-	res.Content = Clean(res.Content)
+	res.Content, res.Reasoning = Clean(res.Content), Clean(res.Reasoning)
 	if err == nil && len(res.Content) > b.maxText {
 		b.cut(CutText)
 		return Result{}, fmt.Errorf("%w: the reply holds %d bytes of text, more than %d output tokens can (%d bytes)",
@@ -142,7 +142,7 @@ func (g *guarded) Stream(ctx context.Context, req *Request, emit func(Delta) err
 	if errors.Is(err, ErrTooLong) {
 		b.cut(CutText)
 	}
-	res.Content = Cut(Clean(res.Content), sent)
+	res.Content, res.Reasoning = Cut(Clean(res.Content), sent), Clean(res.Reasoning)
 	res.Sources = kept
 	res.Verdict = b.verdict(res.Verdict)
 	return res, err

@@ -53,7 +53,7 @@ func TestClean(t *testing.T) {
 func TestGuardCleansEverythingReturned(t *testing.T) {
 	t.Parallel()
 	hostile := upstream.Result{
-		Content: "a\x00b\xff", Verdict: "v\x00",
+		Content: "a\x00b\xff", Reasoning: "r\x00\xfe", Verdict: "v\x00",
 		Sources: []gateway.Source{{Title: "t\x00", URL: "u\x00\xfe", Snippet: "s\x00"}},
 	}
 	p := upstream.Guard(scripted{res: hostile, deltas: []upstream.Delta{{Content: "d\x00", Sources: []gateway.Source{{Title: "x\x00"}}}}}, nil)
@@ -61,16 +61,18 @@ func TestGuardCleansEverythingReturned(t *testing.T) {
 	res, err := p.Complete(context.Background(), &upstream.Request{})
 	require.NoError(t, err)
 	require.Equal(t, "ab\uFFFD", res.Content)
+	require.Equal(t, "r\uFFFD", res.Reasoning)
 	require.Equal(t, "v", res.Verdict)
 	require.Equal(t, []gateway.Source{{Title: "t", URL: "u\uFFFD", Snippet: "s"}}, res.Sources)
 
 	var got []upstream.Delta
-	_, err = p.Stream(context.Background(), &upstream.Request{}, func(d upstream.Delta) error {
+	res, err = p.Stream(context.Background(), &upstream.Request{}, func(d upstream.Delta) error {
 		got = append(got, d)
 		return nil
 	})
 	require.NoError(t, err)
 	require.Equal(t, []upstream.Delta{{Content: "d", Sources: []gateway.Source{{Title: "x"}}}}, got)
+	require.Equal(t, "r\uFFFD", res.Reasoning)
 }
 
 func TestKind(t *testing.T) {

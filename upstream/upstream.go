@@ -50,8 +50,13 @@ func (r *Request) Dispatched() {
 // Result is a finished (or, from a broken stream, partial) inference call.
 type Result struct {
 	Content string
-	Sources []gateway.Source
-	Verdict string
+	// Reasoning is the thinking a reasoning model produced beside its
+	// content, as an upstream sends it. It is neither sent nor kept, but it is
+	// output the upstream charges for: when the upstream reports no usage (a
+	// stream cut short), the caller counts it with the content.
+	Reasoning string
+	Sources   []gateway.Source
+	Verdict   string
 	// UsageReported says the upstream reported the token counts; when false
 	// (a stream that broke or an upstream that sends no usage) they are zero and
 	// the caller estimates them.

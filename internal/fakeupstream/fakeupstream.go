@@ -92,11 +92,16 @@ func (s *Server) SetSlow(marker string, d time.Duration) {
 	s.slow[marker] = d
 }
 
-// Hostile is a reply an upstream should never send: text the gateway cannot
-// store as is, counts no tokenizer would give.
+// Hostile is a reply of the upstream's own to some prompts, most of it one
+// an upstream should never send: text the gateway cannot store as is,
+// counts no tokenizer would give.
 type Hostile struct {
 	// Content replaces the reply's text.
 	Content string
+	// Reasoning, when set, is thinking sent before the text, under both the
+	// names servers use (reasoning_content and reasoning, as servers between
+	// the two send it): a delta of its own in a stream.
+	Reasoning string
 	// SourceTitle replaces the citation's title.
 	SourceTitle string
 	// PromptTokens and CompletionTokens replace the reported usage.
@@ -422,6 +427,9 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 		content, title, pt, ct = strings.Join(hostile.pieces(), ""), hostile.SourceTitle, hostile.PromptTokens, hostile.CompletionTokens
 	}
 	message := map[string]any{"role": "assistant", "content": content}
+	if hostile != nil && hostile.Reasoning != "" {
+		message["reasoning_content"], message["reasoning"] = hostile.Reasoning, hostile.Reasoning
+	}
 	if !opts.uncited {
 		message["annotations"] = citations(hostile, content, title)
 	}
@@ -477,6 +485,9 @@ func stream(w http.ResponseWriter, r *http.Request, prompt string, o streamOptio
 	pt, ct := Usage(prompt)
 	if hostile != nil {
 		pieces, title, pt, ct = hostile.pieces(), hostile.SourceTitle, hostile.PromptTokens, hostile.CompletionTokens
+		if hostile.Reasoning != "" {
+			send(delta(map[string]any{"reasoning_content": hostile.Reasoning, "reasoning": hostile.Reasoning}))
+		}
 	}
 	for i, piece := range pieces {
 		if o.breakAfter > 0 && i == o.breakAfter {

@@ -317,6 +317,45 @@ func (t *text) UnmarshalJSON(b []byte) error {
 	return nil
 }
 
+// thinking is a reasoning model's thinking as an upstream sends it beside
+// a message's or a delta's content: reasoning_content (DeepSeek's API, and
+// the servers after it) or reasoning (OpenRouter's, vLLM's since its
+// rename); servers between the two send both, with the same text. It is
+// output the upstream charges for, never sent on (see
+// upstream.Result.Reasoning).
+type thinking struct {
+	ReasoningContent *thought `json:"reasoning_content"`
+	Reasoning        *thought `json:"reasoning"`
+}
+
+// text is the thinking: reasoning_content, or else reasoning, so that text
+// sent under both names counts once.
+func (t *thinking) text() string {
+	if t.ReasoningContent != nil && *t.ReasoningContent != "" {
+		return string(*t.ReasoningContent)
+	}
+	if t.Reasoning != nil {
+		return string(*t.Reasoning)
+	}
+	return ""
+}
+
+// thought is one of thinking's fields: a string, read as it is. Anything
+// else (a shape not known) is none, so that no reply fails for it; null
+// leaves the field nil without a call.
+type thought string
+
+// UnmarshalJSON implements json.Unmarshaler.
+func (t *thought) UnmarshalJSON(b []byte) error {
+	if len(b) > 0 && b[0] == '"' {
+		var s string
+		if json.Unmarshal(b, &s) == nil {
+			*t = thought(s)
+		}
+	}
+	return nil
+}
+
 // mistyped reports whether err is the decoder's word that a value in a
 // reply is not of the type its field is decoded as (a content that is an
 // array of parts, an annotation of another shape): the reply is decoded
@@ -344,6 +383,7 @@ type chatResponse[C ~string, A annotationList] struct {
 		Message *struct {
 			Content     C `json:"content"`
 			Annotations A `json:"annotations"`
+			thinking
 		} `json:"message"`
 		FinishReason finishReason `json:"finish_reason"`
 	} `json:"choices"`
@@ -690,7 +730,7 @@ func completionResult[C ~string, A annotationList](cr *chatResponse[C, A]) (upst
 		return upstream.Result{}, fmt.Errorf("%w: %s", upstream.ErrFailed, why)
 	}
 	msg := cr.Choices[0].Message
-	res := upstream.Result{Content: string(msg.Content), Sources: append(sources(string(msg.Content), []annotation(msg.Annotations)), cr.from(0)...)}
+	res := upstream.Result{Content: string(msg.Content), Reasoning: msg.text(), Sources: append(sources(string(msg.Content), []annotation(msg.Annotations)), cr.from(0)...)}
 	if cr.Usage != nil {
 		res.UsageReported, res.InputTokens, res.OutputTokens = true, uint64(cr.Usage.PromptTokens), uint64(cr.Usage.CompletionTokens)
 	}

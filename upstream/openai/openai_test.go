@@ -1002,6 +1002,58 @@ func TestContentInParts(t *testing.T) {
 	})
 }
 
+// TestThinkingIsOutputNotSent: a reasoning model's thinking, sent beside
+// its content as reasoning_content (DeepSeek's API), reasoning (OpenRouter,
+// vLLM since its rename) or both with the same text (servers between the
+// two), is the result's Reasoning, counted once, and never a delta; a
+// thinking field of another shape is none and fails nothing.
+func TestThinkingIsOutputNotSent(t *testing.T) {
+	t.Parallel()
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		for fields, want := range map[string]string{
+			`"reasoning_content":"Sky: light scatters."`:                                    "Sky: light scatters.",
+			`"reasoning":"Sky: light scatters."`:                                            "Sky: light scatters.",
+			`"reasoning_content":"Sky: light scatters.","reasoning":"Sky: light scatters."`: "Sky: light scatters.",
+			`"reasoning_content":null,"reasoning":"Sky."`:                                   "Sky.",
+			`"reasoning_content":"","reasoning":"Sky."`:                                     "Sky.",
+			`"reasoning":{"effort":"high"},"reasoning_content":["a"]`:                       "",
+		} {
+			client := b.replyClient(t, func(w http.ResponseWriter) {
+				_, _ = io.WriteString(w, `{"choices":[{"message":{"role":"assistant","content":"Blue.",`+fields+`}}]}`)
+			})
+			res, err := client.Complete(context.Background(), &req)
+			require.NoError(t, err, fields)
+			require.Equal(t, "Blue.", res.Content, fields)
+			require.Equal(t, want, res.Reasoning, fields)
+		}
+
+		events := []string{
+			`{"choices":[{"delta":{"role":"assistant","content":"","reasoning_content":"Sky: "}}]}`,
+			`{"choices":[{"delta":{"reasoning":"light "}}]}`,
+			`{"choices":[{"delta":{"reasoning_content":"scatters","reasoning":"scatters"}}]}`,
+			`{"choices":[{"delta":{"content":null,"reasoning":{"summary":"x"}}}]}`,
+			`{"choices":[{"delta":{"content":"Blue","reasoning_content":null}}]}`,
+			`{"choices":[{"delta":{"content":[{"type":"text","text":"."}],"reasoning":"."}}]}`,
+			`{"choices":[{"delta":{},"finish_reason":"stop"}]}`,
+		}
+		client := b.handlerClient(t, func(w http.ResponseWriter, r *http.Request) {
+			_, _ = io.Copy(io.Discard, r.Body)
+			w.Header().Set("Content-Type", "text/event-stream")
+			for _, e := range events {
+				_, _ = io.WriteString(w, "data: "+e+"\n\n")
+			}
+			_, _ = io.WriteString(w, "data: [DONE]\n\n")
+		})
+		var deltas []string
+		res, err := client.Stream(context.Background(), &req, func(d upstream.Delta) error { deltas = append(deltas, d.Content); return nil })
+		require.NoError(t, err)
+		require.Equal(t, []string{"Blue", "."}, deltas, "thinking is no delta")
+		require.Equal(t, "Blue.", res.Content)
+		require.Equal(t, "Sky: light scatters.", res.Reasoning)
+		require.False(t, res.UsageReported, "for the caller to count, thinking with the content")
+	})
+}
+
 // TestStreamsWithoutDone: a stream that ends without [DONE] after its
 // finish_reason, as some OpenAI-compatible servers send it, is whole,
 // whatever the finish_reason's type (SGLang's own API sends an object), as a

@@ -33,6 +33,7 @@ type streamChoice[C ~string, A annotationList] struct {
 	Delta struct {
 		Content     *C `json:"content"`
 		Annotations A  `json:"annotations"`
+		thinking
 	} `json:"delta"`
 	FinishReason *finishReason `json:"finish_reason"`
 }
@@ -43,6 +44,7 @@ func (c *streamChunk[C, A]) plain() streamChunk[string, []annotation] {
 	out := streamChunk[string, []annotation]{Choices: make([]streamChoice[string, []annotation], len(c.Choices)), Usage: c.Usage, Error: c.Error, searchResults: c.searchResults}
 	for i, ch := range c.Choices {
 		out.Choices[i].Delta.Annotations, out.Choices[i].FinishReason = []annotation(ch.Delta.Annotations), ch.FinishReason
+		out.Choices[i].Delta.thinking = ch.Delta.thinking
 		if ch.Delta.Content != nil {
 			content := string(*ch.Delta.Content)
 			out.Choices[i].Delta.Content = &content
@@ -327,7 +329,7 @@ const maxLineBytes = 8 << 20
 func readStream(body io.Reader, limit int64, progress func(ended bool), emit func(upstream.Delta) error) (upstream.Result, error) {
 	maxLine := min(maxLineBytes, limit)
 	var res upstream.Result
-	var content bytes.Buffer
+	var content, thoughts bytes.Buffer
 	opened := false     // a line that is not blank was read
 	evented := false    // a data: line was read
 	opening := ""       // the first line that is not blank, unless a data: line
@@ -335,7 +337,7 @@ func readStream(body io.Reader, limit int64, progress func(ended bool), emit fun
 	finished := false   // a choice's finish_reason was read
 	errorEvent := false // the event being read is named error
 	finish := func(err error) (upstream.Result, error) {
-		res.Content = content.String()
+		res.Content, res.Reasoning = content.String(), thoughts.String()
 		return res, err
 	}
 	searched := 0 // the search results taken (searchResults)
@@ -420,6 +422,7 @@ func readStream(body io.Reader, limit int64, progress func(ended bool), emit fun
 				d.Content = *choice.Delta.Content
 			}
 			d.Sources = sources("", choice.Delta.Annotations)
+			thoughts.WriteString(choice.Delta.text())
 			if err := take(d); err != nil {
 				return true, emitError{err}
 			}
