@@ -133,7 +133,7 @@ func load(defaults map[string]string) (Config, error) {
 		return Config{}, fmt.Errorf("GATEWAY_CONFIG names a file of providers: leave GATEWAY_UPSTREAM, GATEWAY_UPSTREAM_KEY, GATEWAY_UPSTREAM_KEY_HEADER, GATEWAY_UPSTREAM_H2C, GATEWAY_UPSTREAM_MAX_TOKENS_FIELD, GATEWAY_UPSTREAM_STREAM_OPTIONS and GATEWAY_MODEL_MAP unset (they are the one-provider shorthand)")
 	}
 	if cfg.UpstreamKeyHeader != "" {
-		if problem := keyHeaderProblem(cfg.UpstreamKeyHeader); problem != "" {
+		if problem := headerProblem(cfg.UpstreamKeyHeader); problem != "" {
 			return Config{}, fmt.Errorf("GATEWAY_UPSTREAM_KEY_HEADER %s", problem)
 		}
 	}

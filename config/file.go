@@ -282,7 +282,7 @@ func (p *fileParser) provider(name string, k, v *yaml.Node) {
 			spec.APIKeyFile = p.str(v, what+" api_key_file")
 		case "api_key_header":
 			spec.APIKeyHeader = p.str(v, what+" api_key_header")
-			if problem := keyHeaderProblem(spec.APIKeyHeader); problem != "" {
+			if problem := headerProblem(spec.APIKeyHeader); problem != "" {
 				p.errorf(v, "%s: api_key_header %s", what, problem)
 			}
 		case "timeout":
@@ -303,16 +303,11 @@ func (p *fileParser) provider(name string, k, v *yaml.Node) {
 		case "headers":
 			spec.Headers = map[string]string{}
 			p.mapping(v, what+" headers", nil, func(h string, k, v *yaml.Node) {
-				switch canonical := http.CanonicalHeaderKey(h); {
-				case !httpguts.ValidHeaderFieldName(h):
-					p.errorf(k, "%s: %q is not a valid header name", what, h)
-				case canonical == "Authorization":
-					p.errorf(k, "%s: header %s is set by the gateway (use api_key_env for the key)", what, canonical)
-				case gatewayHeader(canonical):
-					p.errorf(k, "%s: header %s is set by the gateway", what, canonical)
-				default:
-					spec.Headers[h] = p.str(v, what+" header "+h)
+				if problem := headerProblem(h); problem != "" {
+					p.errorf(k, "%s: header %s", what, problem)
+					return
 				}
+				spec.Headers[h] = p.str(v, what+" header "+h)
 			})
 		}
 	})
@@ -419,16 +414,17 @@ func gatewayHeader(canonical string) bool {
 	return false
 }
 
-// keyHeaderProblem says, after the setting's name, what is wrong with name
-// as the header that carries a provider's key; "" when nothing is.
-func keyHeaderProblem(name string) string {
+// headerProblem says, after the setting's name, what is wrong with name as
+// a header a provider's calls carry from the settings (the key's, or another);
+// "" when nothing is.
+func headerProblem(name string) string {
 	switch canonical := http.CanonicalHeaderKey(name); {
 	case !httpguts.ValidHeaderFieldName(name):
 		return fmt.Sprintf("%q is not a valid header name", name)
 	case canonical == "Authorization":
-		return "must not be Authorization: leave it unset to send the key there, as a bearer token"
+		return "Authorization is set by the gateway: it carries the key, as a bearer token, unless another header is named for it"
 	case gatewayHeader(canonical):
-		return fmt.Sprintf("must not be %s, which the gateway sets", canonical)
+		return canonical + " is set by the gateway"
 	}
 	return ""
 }

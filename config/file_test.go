@@ -181,7 +181,7 @@ circuit:
 		`g.yaml:4: provider "openai": api_key_env names an environment variable`,
 		`g.yaml:5: provider "openai" timeout must be a positive duration`,
 		`g.yaml:6: unknown key "colour" in provider "openai"`,
-		`g.yaml:8: provider "openai": header Authorization is set by the gateway`,
+		`g.yaml:8: provider "openai": header Authorization is set by the gateway: it carries the key`,
 		`g.yaml:9: provider name "a/b" must be non-empty, without '/'`,
 		`g.yaml:15: model instant: target "nobody/model" names provider "nobody", which providers does not define`,
 		`g.yaml:16: model instant: target "openai" must be provider/upstream-model`,
@@ -206,7 +206,7 @@ circuit:
 		"providers:\n  p: {type: sim, stream_limit: 0s}\nmodels:\n  instant: {targets: [p/m]}\n":             `g.yaml:2: provider "p" stream_limit must be a positive duration`,
 		"providers:\n  p: {type: sim}\n  p: {type: sim}\nmodels:\n  instant: {targets: [p/m]}\n":             `g.yaml:3: key "p" appears twice in providers`,
 		"providers:\n  p: {type: sim, max_tokens_field: max_output}\nmodels:\n  instant: {targets: [p/m]}\n": `g.yaml:2: provider "p": max_tokens_field must be max_completion_tokens (the default) or max_tokens, got "max_output"`,
-		"providers:\n  p: {type: sim, headers: {\"X Team\": a}}\nmodels:\n  instant: {targets: [p/m]}\n":     `g.yaml:2: provider "p": "X Team" is not a valid header name`,
+		"providers:\n  p: {type: sim, headers: {\"X Team\": a}}\nmodels:\n  instant: {targets: [p/m]}\n":     `g.yaml:2: provider "p": header "X Team" is not a valid header name`,
 	} {
 		_, err := config.ParseFile("g.yaml", []byte(content))
 		require.ErrorContains(t, err, want, "content %q", content)
@@ -394,12 +394,12 @@ func TestAPIKeyHeader(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, "api-key", f.Providers["p"].APIKeyHeader)
 	for fields, want := range map[string]string{
-		"api_key_header: Authorization":                  `provider "p": api_key_header must not be Authorization`,
+		"api_key_header: Authorization":                  `provider "p": api_key_header Authorization is set by the gateway: it carries the key`,
 		`api_key_header: "api key"`:                      `provider "p": api_key_header "api key" is not a valid header name`,
-		"api_key_header: x-gateway-hints":                `provider "p": api_key_header must not be X-Gateway-Hints, which the gateway sets`,
+		"api_key_header: x-gateway-hints":                `provider "p": api_key_header X-Gateway-Hints is set by the gateway`,
 		"api_key_header: api-key, headers: {Api-Key: x}": `provider "p": header Api-Key is api_key_header's`,
 		"headers: {Accept-Encoding: gzip}":               `provider "p": header Accept-Encoding is set by the gateway`,
-		"headers: {authorization: Basic eA==}":           `provider "p": header Authorization is set by the gateway (use api_key_env for the key)`,
+		"headers: {authorization: Basic eA==}":           `provider "p": header Authorization is set by the gateway: it carries the key, as a bearer token, unless another header is named for it`,
 	} {
 		_, err := config.ParseFile("g.yaml", []byte(provider(fields)))
 		require.ErrorContains(t, err, want, fields)
@@ -417,7 +417,7 @@ func TestAPIKeyHeader(t *testing.T) {
 
 	t.Setenv("GATEWAY_UPSTREAM_KEY_HEADER", "Authorization")
 	_, err = config.Load()
-	require.ErrorContains(t, err, "GATEWAY_UPSTREAM_KEY_HEADER must not be Authorization")
+	require.ErrorContains(t, err, "GATEWAY_UPSTREAM_KEY_HEADER Authorization is set by the gateway")
 }
 
 // TestUpstreamLimits: the shorthand's call and stream limits are read, and
