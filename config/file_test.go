@@ -413,7 +413,7 @@ func TestAPIKeyHeader(t *testing.T) {
 	_, err = shorthandRouter(t).Complete(context.Background(), &upstream.Request{Model: gateway.ModelInstant, Prompt: "hi", MaxOutputTokens: 10})
 	require.NoError(t, err)
 	require.Equal(t, "up-key", fake.Calls()[0].Header.Get("api-key"))
-	require.Empty(t, fake.Calls()[0].Authorization)
+	require.Empty(t, fake.Calls()[0].Header.Get("Authorization"))
 
 	t.Setenv("GATEWAY_UPSTREAM_KEY_HEADER", "Authorization")
 	_, err = config.Load()

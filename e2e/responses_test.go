@@ -60,8 +60,10 @@ func TestResponsesEndToEnd(t *testing.T) {
 
 	calls := b.fake.Calls()
 	require.Len(t, calls, 1)
+	require.Equal(t, "web_search", calls[0].Header.Get("X-Gateway-Hints"))
+	require.Equal(t, "Bearer upstream-secret", calls[0].Header.Get("Authorization"))
 	calls[0].At, calls[0].Header = time.Time{}, nil
-	require.Equal(t, fakeupstream.Call{Model: "small-model", System: "short", Prompt: prompt, MaxCompletionTokens: 50, Hints: "web_search", Authorization: "Bearer upstream-secret"}, calls[0])
+	require.Equal(t, fakeupstream.Call{Model: "small-model", System: "short", Prompt: prompt, MaxCompletionTokens: 50}, calls[0])
 
 	// The evidence is served from the database.
 	ev := g.call(http.MethodGet, body["sources_url"].(string), b.key, nil)

@@ -133,7 +133,7 @@ models:
 		r.primary.BaseURL()), "SIGHUP: routes reloaded")
 	require.Equal(t, "primary", provider("instant"))
 	calls := r.primary.Calls()
-	require.Equal(t, "Bearer sk-rotated", calls[len(calls)-1].Authorization)
+	require.Equal(t, "Bearer sk-rotated", calls[len(calls)-1].Header.Get("Authorization"))
 	require.Contains(t, r.g.scrape(), "\ngateway_config_last_reload_successful 1\n")
 }
 
@@ -166,9 +166,9 @@ func TestFallbackAcrossProviders(t *testing.T) {
 	got.add(api.RungUsage{InputRungs: body.Usage.InputRungs, OutputRungs: body.Usage.OutputRungs, TotalRungs: body.Usage.TotalRungs})
 	primaryCall := r.primary.Calls()[0]
 	require.Equal(t, "p-instant", primaryCall.Model)
-	require.Equal(t, "Bearer sk-primary", primaryCall.Authorization, "the key comes from the variable the file names")
+	require.Equal(t, "Bearer sk-primary", primaryCall.Header.Get("Authorization"), "the key comes from the variable the file names")
 	backupCall := r.backup.Calls()[0]
-	require.Empty(t, backupCall.Authorization)
+	require.Empty(t, backupCall.Header.Get("Authorization"))
 	require.Equal(t, [2]uint64{32000, 0}, [2]uint64{primaryCall.MaxCompletionTokens, primaryCall.MaxTokens}, "the output limit as OpenAI names it")
 	require.Equal(t, [2]uint64{0, 32000}, [2]uint64{backupCall.MaxCompletionTokens, backupCall.MaxTokens}, "as the backup's file says it knows it")
 
@@ -453,7 +453,7 @@ func TestTracesFollowTheRequest(t *testing.T) {
 	require.GreaterOrEqual(t, settled.StartTimeUnixNano, answered.EndTimeUnixNano, "settled once the upstream answered")
 	require.LessOrEqual(t, settled.EndTimeUnixNano, server.EndTimeUnixNano, "settled before the reply")
 
-	sent := r.backup.Calls()[0].Traceparent
+	sent := r.backup.Calls()[0].Header.Get("Traceparent")
 	require.Equal(t, "00-"+traceID+"-"+fmt.Sprintf("%x", answered.SpanId)+"-01", sent, "the attempt's context goes upstream")
 	receiver.mu.Lock()
 	defer receiver.mu.Unlock()

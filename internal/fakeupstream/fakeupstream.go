@@ -36,16 +36,13 @@ type Call struct {
 	MaxCompletionTokens uint64
 	// MaxTokens is the older field of the output limit, sent instead of
 	// max_completion_tokens to servers that know only it.
-	MaxTokens     uint64
-	Hints         string
-	Authorization string
-	// Traceparent is the W3C trace context the call carried, if any.
-	Traceparent string
+	MaxTokens uint64
 	// Query is the call's URL query, as sent.
 	Query string
 	// StreamOptions says the call carried stream_options.
 	StreamOptions bool
-	// Header is the call's header.
+	// Header is the call's header: its key (Authorization, or the header
+	// named for it), hints (X-Gateway-Hints), trace context (Traceparent).
 	Header http.Header
 	// At is when the call arrived.
 	At time.Time
@@ -346,7 +343,7 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, `{"error":{"message":"bad json"}}`, http.StatusBadRequest)
 		return
 	}
-	call := Call{Model: req.Model, MaxCompletionTokens: req.MaxCompletionTokens, MaxTokens: req.MaxTokens, Hints: r.Header.Get("X-Gateway-Hints"), Authorization: r.Header.Get("Authorization"), Traceparent: r.Header.Get("Traceparent"), Query: r.URL.RawQuery, StreamOptions: req.StreamOptions != nil, Header: r.Header.Clone(), At: time.Now()}
+	call := Call{Model: req.Model, MaxCompletionTokens: req.MaxCompletionTokens, MaxTokens: req.MaxTokens, Query: r.URL.RawQuery, StreamOptions: req.StreamOptions != nil, Header: r.Header.Clone(), At: time.Now()}
 	for _, m := range req.Messages {
 		switch m.Role {
 		case "system":
