@@ -281,39 +281,64 @@ func (c *citation) spans(content string) bool {
 	return c.StartIndex >= 0 && c.StartIndex < c.EndIndex && c.EndIndex <= len(content)
 }
 
-// text is the content of a message or a delta as a decoding of a reply
-// reads it again when its content was not a string (see mistyped): a string,
-// or, as Mistral's API sends it (its reasoning models' thinking among it), an
-// array of parts, whose parts of type text are the content, in order; other
-// parts (thinking, and kinds not known) are not.
-type text string
+// contents is how a message's or a delta's content is decoded: plainly
+// (plainText), or leniently (parts) when a reply is decoded again (see
+// mistyped). Either tells the content from the thinking it carried.
+type contents interface {
+	content() string
+	reasoning() string
+}
 
-// UnmarshalJSON implements json.Unmarshaler; null leaves t as it is.
-func (t *text) UnmarshalJSON(b []byte) error {
+// plainText is content as a string, as OpenAI's API sends it.
+type plainText string
+
+func (t plainText) content() string { return string(t) }
+func (plainText) reasoning() string { return "" }
+
+// parts is the content of a message or a delta as a decoding of a reply
+// reads it again when its content was not a string (see mistyped): a
+// string, or, as Mistral's API sends it, an array of parts, whose parts of
+// type text are the content, in order, and whose parts of type thinking
+// (its reasoning models', their own parts of type text, or a string) are
+// thinking; other parts (images, kinds not known) are neither.
+type parts struct{ text, thinking string }
+
+func (p parts) content() string   { return p.text }
+func (p parts) reasoning() string { return p.thinking }
+
+// UnmarshalJSON implements json.Unmarshaler; null leaves p as it is.
+func (p *parts) UnmarshalJSON(b []byte) error {
 	if len(b) == 0 || b[0] != '[' {
 		var s *string
 		if err := json.Unmarshal(b, &s); err != nil {
 			return err
 		}
 		if s != nil {
-			*t = text(*s)
+			*p = parts{text: *s}
 		}
 		return nil
 	}
-	var parts []struct {
-		Type string `json:"type"`
-		Text string `json:"text"`
+	var list []struct {
+		Type     string          `json:"type"`
+		Text     string          `json:"text"`
+		Thinking json.RawMessage `json:"thinking"`
 	}
-	if err := json.Unmarshal(b, &parts); err != nil {
+	if err := json.Unmarshal(b, &list); err != nil {
 		return err
 	}
-	var joined strings.Builder
-	for _, p := range parts {
-		if p.Type == "text" {
-			joined.WriteString(p.Text)
+	var text, thinking strings.Builder
+	for _, part := range list {
+		switch part.Type {
+		case "text":
+			text.WriteString(part.Text)
+		case "thinking":
+			var inner parts
+			if inner.UnmarshalJSON(part.Thinking) == nil {
+				thinking.WriteString(inner.text) // thinking is no deeper
+			}
 		}
 	}
-	*t = text(joined.String())
+	*p = parts{text: text.String(), thinking: thinking.String()}
 	return nil
 }
 
@@ -328,9 +353,9 @@ type thinking struct {
 	Reasoning        *thought `json:"reasoning"`
 }
 
-// text is the thinking: reasoning_content, or else reasoning, so that text
-// sent under both names counts once.
-func (t *thinking) text() string {
+// reasoning is the thinking: reasoning_content, or else reasoning, so that
+// text sent under both names counts once.
+func (t *thinking) reasoning() string {
 	if t.ReasoningContent != nil && *t.ReasoningContent != "" {
 		return string(*t.ReasoningContent)
 	}
@@ -378,7 +403,7 @@ type annotationList interface {
 // chatResponse is a chat completion; C is its messages' content and A their
 // annotations: string and []annotation, or text and evidence[annotation]
 // when the reply is decoded again leniently (mistyped).
-type chatResponse[C ~string, A annotationList] struct {
+type chatResponse[C contents, A annotationList] struct {
 	Choices []struct {
 		Message *struct {
 			Content     C `json:"content"`
@@ -700,10 +725,10 @@ func readReply(body io.Reader, size, limit int64) ([]byte, error) {
 // the caller to count, as a stream without usage.
 func parseCompletion(raw []byte) (upstream.Result, error) {
 	raw = withoutDone(raw)
-	var cr chatResponse[string, []annotation]
+	var cr chatResponse[plainText, []annotation]
 	err := json.Unmarshal(raw, &cr)
 	if mistyped(err) {
-		var lenient chatResponse[text, evidence[annotation]]
+		var lenient chatResponse[parts, evidence[annotation]]
 		if err = json.Unmarshal(raw, &lenient); err == nil {
 			return completionResult(&lenient)
 		}
@@ -715,7 +740,7 @@ func parseCompletion(raw []byte) (upstream.Result, error) {
 }
 
 // completionResult is what a decoded chat completion says.
-func completionResult[C ~string, A annotationList](cr *chatResponse[C, A]) (upstream.Result, error) {
+func completionResult[C contents, A annotationList](cr *chatResponse[C, A]) (upstream.Result, error) {
 	if len(cr.Choices) == 0 || cr.Choices[0].Message == nil {
 		if cr.Error.present() {
 			return upstream.Result{}, fmt.Errorf("%w: the upstream answered 200 with an error: %s", upstream.ErrFailed, cr.Error.what())
@@ -730,7 +755,8 @@ func completionResult[C ~string, A annotationList](cr *chatResponse[C, A]) (upst
 		return upstream.Result{}, fmt.Errorf("%w: %s", upstream.ErrFailed, why)
 	}
 	msg := cr.Choices[0].Message
-	res := upstream.Result{Content: string(msg.Content), Reasoning: msg.text(), Sources: append(sources(string(msg.Content), []annotation(msg.Annotations)), cr.from(0)...)}
+	content := msg.Content.content()
+	res := upstream.Result{Content: content, Reasoning: msg.Content.reasoning() + msg.reasoning(), Sources: append(sources(content, []annotation(msg.Annotations)), cr.from(0)...)}
 	if cr.Usage != nil {
 		res.UsageReported, res.InputTokens, res.OutputTokens = true, uint64(cr.Usage.PromptTokens), uint64(cr.Usage.CompletionTokens)
 	}

@@ -959,8 +959,8 @@ func TestErrorsInReplies(t *testing.T) {
 // TestContentInParts: content may come as an array of parts, as Mistral's
 // API sends it (thinking parts before the text when its models reason): the
 // text parts are the content, in order, in a completion and in a stream's
-// deltas alike; thinking and unknown parts are not. A part whose text is not
-// a string fails the reply.
+// deltas alike; thinking parts are the thinking (never a delta), unknown
+// parts neither. A part whose text is not a string fails the reply.
 func TestContentInParts(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {
@@ -972,9 +972,11 @@ func TestContentInParts(t *testing.T) {
 		res, err := client.Complete(context.Background(), &req)
 		require.NoError(t, err)
 		require.Equal(t, "Hello wörld", res.Content)
+		require.Equal(t, "hmm", res.Reasoning, "thinking parts are thinking")
 
 		events := []string{
 			`{"choices":[{"delta":{"role":"assistant","content":[{"type":"thinking","thinking":[{"type":"text","text":"hmm"}]}]}}]}`,
+			`{"choices":[{"delta":{"content":[{"type":"thinking","thinking":" so","closed":true},{"type":"thinking","thinking":7}]}}]}`,
 			`{"choices":[{"delta":{"content":[{"type":"text","text":"Hello "}]}}]}`,
 			`{"choices":[{"delta":{"content":"w\u00f6rld"}}]}`,
 			`{"choices":[{"delta":{"content":null},"finish_reason":"stop"}]}`,
@@ -992,6 +994,7 @@ func TestContentInParts(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, []string{"Hello ", "wörld"}, deltas, "the thinking part is no delta")
 		require.Equal(t, "Hello wörld", res.Content)
+		require.Equal(t, "hmm so", res.Reasoning, "thinking of a shape not known is none")
 
 		client = b.replyClient(t, func(w http.ResponseWriter) {
 			_, _ = io.WriteString(w, `{"choices":[{"message":{"content":[{"type":"text","text":5}]}}],"usage":{"prompt_tokens":3,"completion_tokens":2}}`)

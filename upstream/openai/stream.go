@@ -21,7 +21,7 @@ import (
 // their annotations: string and []annotation, or text and
 // evidence[annotation] when the event is decoded again leniently
 // (mistyped).
-type streamChunk[C ~string, A annotationList] struct {
+type streamChunk[C contents, A annotationList] struct {
 	Choices []streamChoice[C, A] `json:"choices"`
 	Usage   *usage               `json:"usage"`
 	Error   *upstreamError       `json:"error"`
@@ -29,7 +29,7 @@ type streamChunk[C ~string, A annotationList] struct {
 }
 
 // streamChoice is a choice of a stream's event.
-type streamChoice[C ~string, A annotationList] struct {
+type streamChoice[C contents, A annotationList] struct {
 	Delta struct {
 		Content     *C `json:"content"`
 		Annotations A  `json:"annotations"`
@@ -38,16 +38,21 @@ type streamChoice[C ~string, A annotationList] struct {
 	FinishReason *finishReason `json:"finish_reason"`
 }
 
-// plain is the chunk with its contents as strings and its annotations as a
-// plain list.
-func (c *streamChunk[C, A]) plain() streamChunk[string, []annotation] {
-	out := streamChunk[string, []annotation]{Choices: make([]streamChoice[string, []annotation], len(c.Choices)), Usage: c.Usage, Error: c.Error, searchResults: c.searchResults}
+// plain is the chunk with its contents as strings, the thinking they
+// carried with the delta's other thinking, and its annotations as a plain
+// list.
+func (c *streamChunk[C, A]) plain() streamChunk[plainText, []annotation] {
+	out := streamChunk[plainText, []annotation]{Choices: make([]streamChoice[plainText, []annotation], len(c.Choices)), Usage: c.Usage, Error: c.Error, searchResults: c.searchResults}
 	for i, ch := range c.Choices {
-		out.Choices[i].Delta.Annotations, out.Choices[i].FinishReason = []annotation(ch.Delta.Annotations), ch.FinishReason
-		out.Choices[i].Delta.thinking = ch.Delta.thinking
+		o := &out.Choices[i]
+		o.Delta.Annotations, o.FinishReason, o.Delta.thinking = []annotation(ch.Delta.Annotations), ch.FinishReason, ch.Delta.thinking
 		if ch.Delta.Content != nil {
-			content := string(*ch.Delta.Content)
-			out.Choices[i].Delta.Content = &content
+			content := plainText((*ch.Delta.Content).content())
+			o.Delta.Content = &content
+			if r := (*ch.Delta.Content).reasoning(); r != "" {
+				all := thought(r + ch.Delta.reasoning())
+				o.Delta.thinking = thinking{ReasoningContent: &all}
+			}
 		}
 	}
 	return out
@@ -393,10 +398,10 @@ func readStream(body io.Reader, limit int64, progress func(ended bool), emit fun
 			noChunk = forQuote(data)
 			return false, nil
 		}
-		var chunk streamChunk[string, []annotation]
+		var chunk streamChunk[plainText, []annotation]
 		err = json.Unmarshal(data, &chunk)
 		if mistyped(err) {
-			var lenient streamChunk[text, evidence[annotation]]
+			var lenient streamChunk[parts, evidence[annotation]]
 			if err = json.Unmarshal(data, &lenient); err == nil {
 				chunk = lenient.plain()
 			}
@@ -419,10 +424,10 @@ func readStream(body io.Reader, limit int64, progress func(ended bool), emit fun
 			finished = finished || choice.FinishReason.ends()
 			var d upstream.Delta
 			if choice.Delta.Content != nil {
-				d.Content = *choice.Delta.Content
+				d.Content = string(*choice.Delta.Content)
 			}
 			d.Sources = sources("", choice.Delta.Annotations)
-			thoughts.WriteString(choice.Delta.text())
+			thoughts.WriteString(choice.Delta.reasoning())
 			if err := take(d); err != nil {
 				return true, emitError{err}
 			}

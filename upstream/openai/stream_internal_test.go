@@ -145,19 +145,19 @@ func TestDataThatIsNoChunkIsAKeepAlive(t *testing.T) {
 	require.Empty(t, emitted)
 }
 
-// TestTextDecodesStringsAsJSONDoes: text, read again for a reply whose
+// TestPartsDecodeStringsAsJSONDoes: parts, read again for a reply whose
 // content was not a string, decodes the strings of its other contents as
 // encoding/json does; null leaves what was there.
-func TestTextDecodesStringsAsJSONDoes(t *testing.T) {
+func TestPartsDecodeStringsAsJSONDoes(t *testing.T) {
 	t.Parallel()
 	for _, raw := range []string{`"plain words"`, `""`, `"esc\"aped\\ \n"`, `"\u00e9\ud83d\ude00"`, "\"bad \xff utf-8\"", "\"ok é\""} {
 		var want string
 		require.NoError(t, json.Unmarshal([]byte(raw), &want), raw)
-		var got text
+		var got parts
 		require.NoError(t, json.Unmarshal([]byte(raw), &got), raw)
-		require.Equal(t, want, string(got), raw)
+		require.Equal(t, parts{text: want}, got, raw)
 	}
-	got := text("kept")
+	got := parts{text: "kept"}
 	require.NoError(t, json.Unmarshal([]byte(`null`), &got))
-	require.Equal(t, text("kept"), got)
+	require.Equal(t, parts{text: "kept"}, got)
 }
