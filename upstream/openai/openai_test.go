@@ -242,12 +242,7 @@ func TestSearchResultsAreSources(t *testing.T) {
 				`{"choices":[{"delta":{"content":"there."},"finish_reason":"stop"}],` + results + `}`,
 			},
 		} {
-			client := b.replyClient(t, func(w http.ResponseWriter) {
-				for _, e := range events {
-					_, _ = io.WriteString(w, "data: "+e+"\n\n")
-				}
-				_, _ = io.WriteString(w, "data: [DONE]\n\n")
-			})
+			client := b.eventsClient(t, events)
 			var emitted []upstream.Delta
 			res, err := client.Stream(context.Background(), &req, func(d upstream.Delta) error { emitted = append(emitted, d); return nil })
 			require.NoError(t, err, name)
@@ -981,14 +976,7 @@ func TestContentInParts(t *testing.T) {
 			`{"choices":[{"delta":{"content":"w\u00f6rld"}}]}`,
 			`{"choices":[{"delta":{"content":null},"finish_reason":"stop"}]}`,
 		}
-		client = b.handlerClient(t, func(w http.ResponseWriter, r *http.Request) {
-			_, _ = io.Copy(io.Discard, r.Body)
-			w.Header().Set("Content-Type", "text/event-stream")
-			for _, e := range events {
-				_, _ = io.WriteString(w, "data: "+e+"\n\n")
-			}
-			_, _ = io.WriteString(w, "data: [DONE]\n\n")
-		})
+		client = b.eventsClient(t, events)
 		var deltas []string
 		res, err = client.Stream(context.Background(), &req, func(d upstream.Delta) error { deltas = append(deltas, d.Content); return nil })
 		require.NoError(t, err)
@@ -1038,14 +1026,7 @@ func TestThinkingIsOutputNotSent(t *testing.T) {
 			`{"choices":[{"delta":{"content":[{"type":"text","text":"."}],"reasoning":"."}}]}`,
 			`{"choices":[{"delta":{},"finish_reason":"stop"}]}`,
 		}
-		client := b.handlerClient(t, func(w http.ResponseWriter, r *http.Request) {
-			_, _ = io.Copy(io.Discard, r.Body)
-			w.Header().Set("Content-Type", "text/event-stream")
-			for _, e := range events {
-				_, _ = io.WriteString(w, "data: "+e+"\n\n")
-			}
-			_, _ = io.WriteString(w, "data: [DONE]\n\n")
-		})
+		client := b.eventsClient(t, events)
 		var deltas []string
 		res, err := client.Stream(context.Background(), &req, func(d upstream.Delta) error { deltas = append(deltas, d.Content); return nil })
 		require.NoError(t, err)
@@ -1505,6 +1486,20 @@ func (b *testBundle) replyClient(t *testing.T, reply func(w http.ResponseWriter)
 		_, _ = io.Copy(io.Discard, r.Body)
 		w.Header().Set("Content-Type", "application/json")
 		reply(w)
+	})
+}
+
+// eventsClient returns a client, over the bundle's transport, to an
+// upstream that streams events, each a data: line, and then [DONE].
+func (b *testBundle) eventsClient(t *testing.T, events []string) *openai.Client {
+	t.Helper()
+	return b.handlerClient(t, func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		w.Header().Set("Content-Type", "text/event-stream")
+		for _, e := range events {
+			_, _ = io.WriteString(w, "data: "+e+"\n\n")
+		}
+		_, _ = io.WriteString(w, "data: [DONE]\n\n")
 	})
 }
 
