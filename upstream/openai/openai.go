@@ -12,6 +12,7 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"math/bits"
 	"net"
 	"net/http"
 	"net/http/httptrace"
@@ -221,9 +222,37 @@ type streamOptions struct {
 	IncludeUsage bool `json:"include_usage"`
 }
 
+// usage is a reply's or a stream's token counts.
 type usage struct {
 	PromptTokens     tokenCount `json:"prompt_tokens"`
 	CompletionTokens tokenCount `json:"completion_tokens"`
+	TotalTokens      tokenCount `json:"total_tokens"`
+	// Details is completion_tokens_details, read only when the total says
+	// it holds tokens the completion count does not (output): as it comes,
+	// so that one of another shape fails nothing.
+	Details json.RawMessage `json:"completion_tokens_details"`
+}
+
+// output is the output tokens u reports. In OpenAI's API completion_tokens
+// holds the reasoning tokens (completion_tokens_details.reasoning_tokens
+// is a part of it, and total_tokens is prompt and completion tokens); xAI's
+// counts them apart, on top of it, as its total_tokens shows (prompt,
+// completion and reasoning tokens). So the reasoning tokens are added when,
+// and only when, the total is that sum: a count is never taken twice, and a
+// model's thinking is never free.
+func (u *usage) output() uint64 {
+	out := uint64(u.CompletionTokens)
+	sum, carry := bits.Add64(uint64(u.PromptTokens), out, 0)
+	if carry != 0 || uint64(u.TotalTokens) <= sum {
+		return out // the usual total, or none
+	}
+	var details struct {
+		ReasoningTokens tokenCount `json:"reasoning_tokens"`
+	}
+	if json.Unmarshal(u.Details, &details) != nil || uint64(u.TotalTokens)-sum != uint64(details.ReasoningTokens) {
+		return out
+	}
+	return out + uint64(details.ReasoningTokens)
 }
 
 // tokenCount is a count of tokens as an upstream reports it. A whole number
@@ -758,7 +787,7 @@ func completionResult[C contents, A annotationList](cr *chatResponse[C, A]) (ups
 	content := msg.Content.content()
 	res := upstream.Result{Content: content, Reasoning: msg.Content.reasoning() + msg.reasoning(), Sources: append(sources(content, []annotation(msg.Annotations)), cr.from(0)...)}
 	if cr.Usage != nil {
-		res.UsageReported, res.InputTokens, res.OutputTokens = true, uint64(cr.Usage.PromptTokens), uint64(cr.Usage.CompletionTokens)
+		res.UsageReported, res.InputTokens, res.OutputTokens = true, uint64(cr.Usage.PromptTokens), cr.Usage.output()
 	}
 	return res, nil
 }
