@@ -222,16 +222,24 @@ type streamOptions struct {
 	IncludeUsage bool `json:"include_usage"`
 }
 
-// usage is a reply's or a stream's token counts.
+// usage is a reply's or a stream's token counts, under Chat Completions'
+// names or, as some servers send them in a chat completion, under those of
+// OpenAI's Responses API (input_tokens, output_tokens), which stand in for
+// counts of no tokens.
 type usage struct {
 	PromptTokens     tokenCount `json:"prompt_tokens"`
 	CompletionTokens tokenCount `json:"completion_tokens"`
+	InputTokens      tokenCount `json:"input_tokens"`
+	OutputTokens     tokenCount `json:"output_tokens"`
 	TotalTokens      tokenCount `json:"total_tokens"`
 	// Details is completion_tokens_details, read only when the total says
 	// it holds tokens the completion count does not (output): as it comes,
 	// so that one of another shape fails nothing.
 	Details json.RawMessage `json:"completion_tokens_details"`
 }
+
+// input is the input tokens u reports.
+func (u *usage) input() uint64 { return uint64(cmp.Or(u.PromptTokens, u.InputTokens)) }
 
 // output is the output tokens u reports. In OpenAI's API completion_tokens
 // holds the reasoning tokens (completion_tokens_details.reasoning_tokens
@@ -241,8 +249,8 @@ type usage struct {
 // and only when, the total is that sum: a count is never taken twice, and a
 // model's thinking is never free.
 func (u *usage) output() uint64 {
-	out := uint64(u.CompletionTokens)
-	sum, carry := bits.Add64(uint64(u.PromptTokens), out, 0)
+	out := uint64(cmp.Or(u.CompletionTokens, u.OutputTokens))
+	sum, carry := bits.Add64(u.input(), out, 0)
 	if carry != 0 || uint64(u.TotalTokens) <= sum {
 		return out // the usual total, or none
 	}
@@ -787,7 +795,7 @@ func completionResult[C contents, A annotationList](cr *chatResponse[C, A]) (ups
 	content := msg.Content.content()
 	res := upstream.Result{Content: content, Reasoning: msg.Content.reasoning() + msg.reasoning(), Sources: append(sources(content, []annotation(msg.Annotations)), cr.from(0)...)}
 	if cr.Usage != nil {
-		res.UsageReported, res.InputTokens, res.OutputTokens = true, uint64(cr.Usage.PromptTokens), cr.Usage.output()
+		res.UsageReported, res.InputTokens, res.OutputTokens = true, cr.Usage.input(), cr.Usage.output()
 	}
 	return res, nil
 }

@@ -859,38 +859,43 @@ func TestTokenCountsAreReadAsTheyCome(t *testing.T) {
 	})
 }
 
-// TestReasoningTokensCountedApartAreAdded: OpenAI's completion_tokens hold
+// TestUsageOfOtherConventions: OpenAI's completion_tokens hold
 // the reasoning tokens its details break out; xAI's API counts them on top,
 // its total_tokens their sum with the prompt and completion tokens. They are
 // added when the total says so, and never otherwise: not twice for OpenAI's
 // counts, not on a total that is another sum or none, and details of
-// another shape fail nothing.
-func TestReasoningTokensCountedApartAreAdded(t *testing.T) {
+// another shape fail nothing. Counts under the Responses API's names (as
+// some servers send them in a chat completion) are read as the others,
+// which come first.
+func TestUsageOfOtherConventions(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {
-		for usage, want := range map[string]uint64{
-			`"prompt_tokens":32,"completion_tokens":9,"total_tokens":135,"completion_tokens_details":{"reasoning_tokens":94}`:                     103,
-			`"prompt_tokens":32,"completion_tokens":9,"total_tokens":135,"completion_tokens_details":{"reasoning_tokens":"94","audio_tokens":0}`:  103,
-			`"prompt_tokens":10,"completion_tokens":500,"total_tokens":510,"completion_tokens_details":{"reasoning_tokens":200,"audio_tokens":0}`: 500,
-			`"prompt_tokens":10,"completion_tokens":5,"completion_tokens_details":{"reasoning_tokens":7}`:                                         5,
-			`"prompt_tokens":10,"completion_tokens":5,"total_tokens":20`:                                                                          5,
-			`"prompt_tokens":10,"completion_tokens":5,"total_tokens":20,"completion_tokens_details":{"reasoning_tokens":3}`:                       5,
-			`"prompt_tokens":32,"completion_tokens":9,"total_tokens":135,"completion_tokens_details":"n/a"`:                                       9,
-			`"prompt_tokens":32,"completion_tokens":9,"total_tokens":135,"completion_tokens_details":[94]`:                                        9,
-			`"prompt_tokens":32,"completion_tokens":9,"total_tokens":135,"completion_tokens_details":null`:                                        9,
-			`"prompt_tokens":18446744073709551615,"completion_tokens":9,"total_tokens":8,"completion_tokens_details":{"reasoning_tokens":1}`:      9,
+		for usage, want := range map[string][2]uint64{
+			`"prompt_tokens":32,"completion_tokens":9,"total_tokens":135,"completion_tokens_details":{"reasoning_tokens":94}`:                     {32, 103},
+			`"prompt_tokens":32,"completion_tokens":9,"total_tokens":135,"completion_tokens_details":{"reasoning_tokens":"94","audio_tokens":0}`:  {32, 103},
+			`"prompt_tokens":10,"completion_tokens":500,"total_tokens":510,"completion_tokens_details":{"reasoning_tokens":200,"audio_tokens":0}`: {10, 500},
+			`"prompt_tokens":10,"completion_tokens":5,"completion_tokens_details":{"reasoning_tokens":7}`:                                         {10, 5},
+			`"prompt_tokens":10,"completion_tokens":5,"total_tokens":20`:                                                                          {10, 5},
+			`"prompt_tokens":10,"completion_tokens":5,"total_tokens":20,"completion_tokens_details":{"reasoning_tokens":3}`:                       {10, 5},
+			`"prompt_tokens":32,"completion_tokens":9,"total_tokens":135,"completion_tokens_details":"n/a"`:                                       {32, 9},
+			`"prompt_tokens":32,"completion_tokens":9,"total_tokens":135,"completion_tokens_details":[94]`:                                        {32, 9},
+			`"prompt_tokens":32,"completion_tokens":9,"total_tokens":135,"completion_tokens_details":null`:                                        {32, 9},
+			`"prompt_tokens":18446744073709551615,"completion_tokens":9,"total_tokens":8,"completion_tokens_details":{"reasoning_tokens":1}`:      {math.MaxUint64, 9},
+			`"input_tokens":32,"output_tokens":9,"total_tokens":41`:                                                                               {32, 9},
+			`"input_tokens":32,"output_tokens":9,"total_tokens":135,"completion_tokens_details":{"reasoning_tokens":94}`:                          {32, 103},
+			`"prompt_tokens":32,"completion_tokens":9,"input_tokens":1,"output_tokens":1`:                                                         {32, 9},
 		} {
 			client := b.replyClient(t, func(w http.ResponseWriter) {
 				_, _ = io.WriteString(w, `{"choices":[{"message":{"content":"counted"}}],"usage":{`+usage+`}}`)
 			})
 			res, err := client.Complete(context.Background(), &req)
 			require.NoError(t, err, usage)
-			require.Equal(t, want, res.OutputTokens, usage)
+			require.Equal(t, want, [2]uint64{res.InputTokens, res.OutputTokens}, usage)
 
 			client = b.eventsClient(t, []string{`{"choices":[{"delta":{"content":"counted"},"finish_reason":"stop"}]}`, `{"choices":[],"usage":{` + usage + `}}`})
 			res, err = client.Stream(context.Background(), &req, func(upstream.Delta) error { return nil })
 			require.NoError(t, err, usage)
-			require.Equal(t, want, res.OutputTokens, usage)
+			require.Equal(t, want, [2]uint64{res.InputTokens, res.OutputTokens}, usage)
 		}
 	})
 }

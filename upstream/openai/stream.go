@@ -418,7 +418,7 @@ func readStream(body io.Reader, limit int64, progress func(ended bool), emit fun
 		}
 		if chunk.Usage != nil {
 			res.UsageReported = true
-			res.InputTokens, res.OutputTokens = uint64(chunk.Usage.PromptTokens), chunk.Usage.output()
+			res.InputTokens, res.OutputTokens = chunk.Usage.input(), chunk.Usage.output()
 		}
 		for _, choice := range chunk.Choices {
 			finished = finished || choice.FinishReason.ends()
