@@ -438,8 +438,9 @@ type annotationList interface {
 }
 
 // chatResponse is a chat completion; C is its messages' content and A their
-// annotations: string and []annotation, or text and evidence[annotation]
-// when the reply is decoded again leniently (mistyped).
+// annotations: plainText and []annotation, or parts and
+// evidence[annotation] when the reply is decoded again leniently
+// (mistyped).
 type chatResponse[C contents, A annotationList] struct {
 	Choices []struct {
 		Message *struct {

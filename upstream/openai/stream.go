@@ -18,7 +18,7 @@ import (
 )
 
 // streamChunk is one event of a stream; C is its deltas' content and A
-// their annotations: string and []annotation, or text and
+// their annotations: plainText and []annotation, or parts and
 // evidence[annotation] when the event is decoded again leniently
 // (mistyped).
 type streamChunk[C contents, A annotationList] struct {
