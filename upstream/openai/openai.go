@@ -5,6 +5,7 @@ package openai
 import (
 	"bytes"
 	"cmp"
+	"compress/gzip"
 	"context"
 	"crypto/tls"
 	"encoding/json"
@@ -892,12 +893,43 @@ func (c *Client) post(ctx context.Context, req *upstream.Request, stream bool) (
 		raw, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
 		return nil, true, statusError(resp.StatusCode, resp.Header, raw)
 	}
-	if ce := resp.Header.Get("Content-Encoding"); ce != "" && !strings.EqualFold(ce, "identity") {
+	switch ce := strings.TrimSpace(resp.Header.Get("Content-Encoding")); {
+	case ce == "", strings.EqualFold(ce, "identity"):
+	case strings.EqualFold(ce, "gzip"), strings.EqualFold(ce, "x-gzip"):
+		// Compressed though asked for uncompressed: a CDN or a proxy in
+		// front of the upstream may ignore identity. The reply was made,
+		// and is read inflated, its bounds on what it inflates to.
+		resp.Body, resp.ContentLength = &gunzipped{body: resp.Body}, -1
+		resp.Header.Del("Content-Encoding")
+	default:
 		resp.Body.Close()
 		return nil, true, fmt.Errorf("%w: the reply is compressed (Content-Encoding %s) though the call asked for it uncompressed", upstream.ErrFailed, gateway.Quote(ce))
 	}
 	return resp, true, nil
 }
+
+// gunzipped is a reply body compressed with gzip, read inflated. Its gzip
+// header is read with its first bytes, not before the reply is handed on:
+// a stream's may come with its first event.
+type gunzipped struct {
+	body   io.ReadCloser
+	reader *gzip.Reader
+}
+
+// Read implements io.Reader.
+func (g *gunzipped) Read(p []byte) (int, error) {
+	if g.reader == nil {
+		r, err := gzip.NewReader(g.body)
+		if err != nil {
+			return 0, fmt.Errorf("the reply is not the gzip its Content-Encoding says: %w", err)
+		}
+		g.reader = r
+	}
+	return g.reader.Read(p)
+}
+
+// Close implements io.Closer.
+func (g *gunzipped) Close() error { return g.body.Close() }
 
 // sendOnce lets net/http's transport send a call again only while no
 // attempt of it can have been processed. Over HTTP/2 the transport sends a

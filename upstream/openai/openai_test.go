@@ -433,8 +433,11 @@ func TestRedirectsAreNotFollowed(t *testing.T) {
 
 // TestRepliesAreAskedUncompressed: both transports ask for an uncompressed
 // reply, for a call and a stream (a compressing layer may hold a stream's
-// events until its buffer fills), and a reply compressed all the same fails
-// saying so, after dispatch, rather than as bytes that do not parse.
+// events until its buffer fills). A reply compressed with gzip all the same
+// (a CDN in front of the upstream may ignore identity) is read inflated, a
+// stream's events as they come; one in another coding, or not the gzip it
+// says, fails saying so, after dispatch, rather than as bytes that do not
+// parse.
 func TestRepliesAreAskedUncompressed(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {
@@ -455,20 +458,67 @@ func TestRepliesAreAskedUncompressed(t *testing.T) {
 		defer mu.Unlock()
 		require.Equal(t, []string{"identity", "identity"}, asked, "Accept-Encoding of a call and of a stream")
 
-		compressing := b.handlerClient(t, func(w http.ResponseWriter, r *http.Request) {
+		// A stream's second event waits for its first to reach the caller
+		// (seen closed).
+		compressing := func(coding string, seen <-chan struct{}) *openai.Client {
+			return b.handlerClient(t, func(w http.ResponseWriter, r *http.Request) {
+				var call struct{ Stream bool }
+				_ = json.NewDecoder(r.Body).Decode(&call)
+				w.Header().Set("Content-Encoding", coding)
+				zw := gzip.NewWriter(w)
+				defer zw.Close()
+				if !call.Stream {
+					w.Header().Set("Content-Type", "application/json")
+					_, _ = zw.Write([]byte(`{"choices":[{"message":{"content":"ok"}}],"usage":{"prompt_tokens":1,"completion_tokens":1}}`))
+					return
+				}
+				w.Header().Set("Content-Type", "text/event-stream")
+				for i, e := range []string{`{"choices":[{"delta":{"content":"o"}}]}`, `{"choices":[{"delta":{"content":"k"},"finish_reason":"stop"}]}`, "[DONE]"} {
+					_, _ = io.WriteString(zw, "data: "+e+"\n\n")
+					_ = zw.Flush()
+					w.(http.Flusher).Flush()
+					if i == 0 {
+						select {
+						case <-seen:
+						case <-r.Context().Done():
+							return
+						}
+					}
+				}
+			})
+		}
+		for _, coding := range []string{"gzip", "X-GZIP"} {
+			res, err := compressing(coding, nil).Complete(context.Background(), &req)
+			require.NoError(t, err, coding)
+			require.Equal(t, "ok", res.Content, coding)
+			seen := make(chan struct{})
+			var once sync.Once
+			res, err = compressing(coding, seen).Stream(context.Background(), &req, func(upstream.Delta) error {
+				once.Do(func() { close(seen) })
+				return nil
+			})
+			require.NoError(t, err, coding)
+			require.Equal(t, "ok", res.Content, coding, "the first event was read before the second was sent")
+		}
+
+		_, err = compressing("br", nil).Complete(context.Background(), &req)
+		require.ErrorIs(t, err, upstream.ErrFailed)
+		require.ErrorContains(t, err, `Content-Encoding "br"`)
+		_, _, err = collect(t, compressing("br", nil), context.Background())
+		require.ErrorIs(t, err, upstream.ErrFailed)
+		require.ErrorContains(t, err, `Content-Encoding "br"`)
+
+		notGzip := b.handlerClient(t, func(w http.ResponseWriter, r *http.Request) {
 			_, _ = io.Copy(io.Discard, r.Body)
-			w.Header().Set("Content-Type", "application/json")
 			w.Header().Set("Content-Encoding", "gzip")
-			zw := gzip.NewWriter(w)
-			_, _ = zw.Write([]byte(`{"choices":[{"message":{"content":"ok"}}],"usage":{"prompt_tokens":1,"completion_tokens":1}}`))
-			_ = zw.Close()
+			_, _ = io.WriteString(w, `{"choices":[{"message":{"content":"ok"}}]}`)
 		})
-		_, err = compressing.Complete(context.Background(), &req)
+		_, err = notGzip.Complete(context.Background(), &req)
 		require.ErrorIs(t, err, upstream.ErrFailed)
-		require.ErrorContains(t, err, `Content-Encoding "gzip"`)
-		_, _, err = collect(t, compressing, context.Background())
-		require.ErrorIs(t, err, upstream.ErrFailed)
-		require.ErrorContains(t, err, `Content-Encoding "gzip"`)
+		require.ErrorContains(t, err, "not the gzip its Content-Encoding says")
+		_, _, err = collect(t, notGzip, context.Background())
+		require.ErrorIs(t, err, upstream.ErrStreamBroken)
+		require.ErrorContains(t, err, "not the gzip its Content-Encoding says")
 	})
 }
 
