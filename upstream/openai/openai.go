@@ -888,24 +888,35 @@ func (c *Client) post(ctx context.Context, req *upstream.Request, stream bool) (
 	if err != nil {
 		return nil, dispatched.Load(), transportError(ctx, err, dispatched.Load())
 	}
+	coding := inflate(resp)
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
 		defer resp.Body.Close()
 		raw, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
 		return nil, true, statusError(resp.StatusCode, resp.Header, raw)
 	}
-	switch ce := strings.TrimSpace(resp.Header.Get("Content-Encoding")); {
-	case ce == "", strings.EqualFold(ce, "identity"):
-	case strings.EqualFold(ce, "gzip"), strings.EqualFold(ce, "x-gzip"):
-		// Compressed though asked for uncompressed: a CDN or a proxy in
-		// front of the upstream may ignore identity. The reply was made,
-		// and is read inflated, its bounds on what it inflates to.
-		resp.Body, resp.ContentLength = &gunzipped{body: resp.Body}, -1
-		resp.Header.Del("Content-Encoding")
-	default:
+	if coding != "" {
 		resp.Body.Close()
-		return nil, true, fmt.Errorf("%w: the reply is compressed (Content-Encoding %s) though the call asked for it uncompressed", upstream.ErrFailed, gateway.Quote(ce))
+		return nil, true, fmt.Errorf("%w: the reply is compressed (Content-Encoding %s) though the call asked for it uncompressed", upstream.ErrFailed, gateway.Quote(coding))
 	}
 	return resp, true, nil
+}
+
+// inflate makes resp's body read inflated when it is compressed with gzip
+// though the call asked for it uncompressed (a CDN or a proxy in front of
+// the upstream may ignore identity), its bounds then on what it inflates
+// to, and returns the coding of a body it cannot inflate ("" when none).
+// A reply's status is read whatever its coding.
+func inflate(resp *http.Response) string {
+	switch coding := strings.TrimSpace(resp.Header.Get("Content-Encoding")); {
+	case coding == "", strings.EqualFold(coding, "identity"):
+		return ""
+	case strings.EqualFold(coding, "gzip"), strings.EqualFold(coding, "x-gzip"):
+		resp.Body, resp.ContentLength = &gunzipped{body: resp.Body}, -1
+		resp.Header.Del("Content-Encoding")
+		return ""
+	default:
+		return coding
+	}
 }
 
 // gunzipped is a reply body compressed with gzip, read inflated. Its gzip

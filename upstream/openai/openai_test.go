@@ -435,9 +435,9 @@ func TestRedirectsAreNotFollowed(t *testing.T) {
 // reply, for a call and a stream (a compressing layer may hold a stream's
 // events until its buffer fills). A reply compressed with gzip all the same
 // (a CDN in front of the upstream may ignore identity) is read inflated, a
-// stream's events as they come; one in another coding, or not the gzip it
-// says, fails saying so, after dispatch, rather than as bytes that do not
-// parse.
+// stream's events as they come, and so is an error's body; one in another
+// coding, or not the gzip it says, fails saying so, after dispatch, rather
+// than as bytes that do not parse, but its status is read all the same.
 func TestRepliesAreAskedUncompressed(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {
@@ -507,6 +507,21 @@ func TestRepliesAreAskedUncompressed(t *testing.T) {
 		_, _, err = collect(t, compressing("br", nil), context.Background())
 		require.ErrorIs(t, err, upstream.ErrFailed)
 		require.ErrorContains(t, err, `Content-Encoding "br"`)
+
+		refusing := func(status int, coding string) *openai.Client {
+			return b.handlerClient(t, func(w http.ResponseWriter, r *http.Request) {
+				_, _ = io.Copy(io.Discard, r.Body)
+				w.Header().Set("Content-Encoding", coding)
+				w.WriteHeader(status)
+				zw := gzip.NewWriter(w)
+				_, _ = io.WriteString(zw, `{"error":{"message":"the prompt is refused"}}`)
+				_ = zw.Close()
+			})
+		}
+		_, err = refusing(http.StatusBadRequest, "gzip").Complete(context.Background(), &req)
+		require.ErrorContains(t, err, "the prompt is refused", "an error's body is read inflated too")
+		_, err = refusing(http.StatusServiceUnavailable, "br").Complete(context.Background(), &req)
+		require.ErrorIs(t, err, upstream.ErrUnavailable, "a status is read whatever the coding")
 
 		notGzip := b.handlerClient(t, func(w http.ResponseWriter, r *http.Request) {
 			_, _ = io.Copy(io.Discard, r.Body)
