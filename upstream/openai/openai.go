@@ -706,7 +706,7 @@ func parseReply(raw []byte) (upstream.Result, error) {
 	if completionFirst(raw) {
 		return parseCompletion(raw)
 	}
-	res, err := readStream(bytes.NewReader(raw), int64(len(raw)), func(bool) {}, func(upstream.Delta) error { return nil })
+	res, err := readStream(bytes.NewReader(raw), int64(len(raw)), len(raw), func(bool) {}, func(upstream.Delta) error { return nil })
 	if err != nil {
 		return upstream.Result{}, fmt.Errorf("%w: the reply is neither a chat completion nor a whole event stream: %w", upstream.ErrFailed, err)
 	}

@@ -80,7 +80,7 @@ func FuzzReadStream(f *testing.F) {
 	}
 	f.Fuzz(func(t *testing.T, raw []byte) {
 		var emitted strings.Builder
-		res, err := readStream(bytes.NewReader(raw), maxLineBytes, func(bool) {}, func(d upstream.Delta) error {
+		res, err := readStream(bytes.NewReader(raw), maxLineBytes, maxLineBytes, func(bool) {}, func(d upstream.Delta) error {
 			emitted.WriteString(d.Content)
 			return nil
 		})

@@ -86,7 +86,7 @@ func (c *Client) Stream(ctx context.Context, req *upstream.Request, emit func(up
 	if err != nil {
 		return upstream.Result{}, c.postError(w, dispatched, err)
 	}
-	return c.receive(ctx, w, resp, replyBytes(req), emit)
+	return c.receive(ctx, w, resp, replyBytes(req), upstream.MaxTextBytes(req), emit)
 }
 
 // watchdog cancels a stream's call after Timeout of silence, or at its
@@ -187,12 +187,13 @@ func (c *Client) postError(w *watchdog, dispatched bool, err error) error {
 	return err
 }
 
-// receive reads a stream's reply, of at most limit bytes (replyBytes), and
+// receive reads a stream's reply, of at most limit bytes (replyBytes) and
+// keeping at most maxThinking bytes of thinking (see readStream), and
 // classifies how it ended. The reply is read by what it holds, not by its
 // Content-Type (see readStream).
-func (c *Client) receive(ctx context.Context, w *watchdog, resp *http.Response, limit int64, emit func(upstream.Delta) error) (upstream.Result, error) {
+func (c *Client) receive(ctx context.Context, w *watchdog, resp *http.Response, limit int64, maxThinking int, emit func(upstream.Delta) error) (upstream.Result, error) {
 	defer resp.Body.Close()
-	res, err := readStream(resp.Body, limit, w.heard, w.pausedDuring(emit))
+	res, err := readStream(resp.Body, limit, maxThinking, w.heard, w.pausedDuring(emit))
 	switch {
 	case err == nil, errors.Is(err, errEmit):
 		return res, errors.Unwrap(err)
@@ -330,8 +331,11 @@ const maxLineBytes = 8 << 20
 // (chunked, Content-Length, HTTP/2) whose connection is lost before its end
 // fails with an error of its own, never io.EOF; one that ends as its
 // connection closes is whole only with its finish_reason or [DONE].
+// Thinking is kept up to maxThinking bytes, and no further: a stream's
+// length is bounded by its time alone. Past upstream.MaxTextBytes it holds
+// more tokens than the output ceiling, past which the metering counts none.
 // Everything in body is untrusted.
-func readStream(body io.Reader, limit int64, progress func(ended bool), emit func(upstream.Delta) error) (upstream.Result, error) {
+func readStream(body io.Reader, limit int64, maxThinking int, progress func(ended bool), emit func(upstream.Delta) error) (upstream.Result, error) {
 	maxLine := min(maxLineBytes, limit)
 	var res upstream.Result
 	var content, thoughts bytes.Buffer
@@ -427,7 +431,9 @@ func readStream(body io.Reader, limit int64, progress func(ended bool), emit fun
 				d.Content = string(*choice.Delta.Content)
 			}
 			d.Sources = sources("", choice.Delta.Annotations)
-			thoughts.WriteString(choice.Delta.reasoning())
+			if room := maxThinking - thoughts.Len(); room > 0 {
+				thoughts.WriteString(upstream.Cut(choice.Delta.reasoning(), room))
+			}
 			if err := take(d); err != nil {
 				return true, emitError{err}
 			}

@@ -22,7 +22,7 @@ func BenchmarkReadStream(b *testing.B) {
 	b.SetBytes(int64(len(raw)))
 	b.ReportAllocs()
 	for b.Loop() {
-		if _, err := readStream(bytes.NewReader(raw), maxLineBytes, func(bool) {}, func(upstream.Delta) error { return nil }); err != nil {
+		if _, err := readStream(bytes.NewReader(raw), maxLineBytes, maxLineBytes, func(bool) {}, func(upstream.Delta) error { return nil }); err != nil {
 			b.Fatal(err)
 		}
 	}

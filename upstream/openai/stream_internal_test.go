@@ -41,7 +41,7 @@ func TestStreamLinesAreReadNoFurtherThanTheirBound(t *testing.T) {
 	const maxLine = 1 << 20
 	body := &countingReader{r: io.MultiReader(strings.NewReader("data: {\"choices\":[{\"delta\":{\"content\":\"before \"}}]}\n\ndata: "), endless{})}
 	var emitted []string
-	res, err := readStream(body, maxLine, func(bool) {}, func(d upstream.Delta) error {
+	res, err := readStream(body, maxLine, maxLine, func(bool) {}, func(d upstream.Delta) error {
 		emitted = append(emitted, d.Content)
 		return nil
 	})
@@ -56,7 +56,7 @@ func TestStreamLinesAreReadNoFurtherThanTheirBound(t *testing.T) {
 // returns what it returned and the contents it emitted.
 func readBody(body string, maxLine int64) (upstream.Result, []string, error) {
 	var emitted []string
-	res, err := readStream(strings.NewReader(body), maxLine, func(bool) {}, func(d upstream.Delta) error {
+	res, err := readStream(strings.NewReader(body), maxLine, int(maxLine), func(bool) {}, func(d upstream.Delta) error {
 		emitted = append(emitted, d.Content)
 		return nil
 	})
@@ -160,4 +160,20 @@ func TestPartsDecodeStringsAsJSONDoes(t *testing.T) {
 	got := parts{text: "kept"}
 	require.NoError(t, json.Unmarshal([]byte(`null`), &got))
 	require.Equal(t, parts{text: "kept"}, got)
+}
+
+// TestThinkingIsKeptToItsBound: a stream keeps its thinking up to its bound,
+// cut at a character, and reads on: an upstream that thinks without end
+// holds no more memory for it (its stream is bounded by its time alone).
+func TestThinkingIsKeptToItsBound(t *testing.T) {
+	t.Parallel()
+	var body strings.Builder
+	for range 1000 {
+		body.WriteString(`data: {"choices":[{"delta":{"reasoning_content":"pensé "}}]}` + "\n\n")
+	}
+	body.WriteString(`data: {"choices":[{"delta":{"content":"done"},"finish_reason":"stop"}]}` + "\n\ndata: [DONE]\n\n")
+	res, err := readStream(strings.NewReader(body.String()), maxLineBytes, 19, func(bool) {}, func(upstream.Delta) error { return nil })
+	require.NoError(t, err)
+	require.Equal(t, "done", res.Content)
+	require.Equal(t, "pensé pensé pensp", res.Reasoning, "19 bytes, each delta cut at a character")
 }
