@@ -117,7 +117,8 @@ func (r Report) String() string {
 	return b.String()
 }
 
-// describe says how c went, and when its first output came if it streamed.
+// describe says how c went, and when its first output came if it streamed;
+// and of a reasoning model's, how much thinking came beside its text.
 func (c Call) describe() string {
 	if c.Err != nil {
 		return fmt.Sprintf("failed after %s: %v", ms(c.Took), c.Err)
@@ -127,6 +128,9 @@ func (c Call) describe() string {
 		s += ", first output after " + ms(c.FirstOutput)
 	}
 	s += fmt.Sprintf(": %s, ", gateway.Quote(c.Result.Content))
+	if c.Result.Reasoning != "" {
+		s += fmt.Sprintf("thinking of %d bytes (output, not sent), ", len(c.Result.Reasoning))
+	}
 	if !c.Result.UsageReported {
 		return s + "no usage reported (billed from the gateway's tokenizer)"
 	}

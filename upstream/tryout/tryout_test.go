@@ -28,6 +28,31 @@ func (r refusing) Stream(ctx context.Context, req *upstream.Request, _ func(upst
 	return r.Complete(ctx, req)
 }
 
+// thinking is an upstream whose model thinks before it answers, and reports
+// no usage.
+type thinking struct{}
+
+func (thinking) Complete(context.Context, *upstream.Request) (upstream.Result, error) {
+	return upstream.Result{Content: "Blue.", Reasoning: "Light scatters."}, nil
+}
+
+func (t thinking) Stream(ctx context.Context, req *upstream.Request, _ func(upstream.Delta) error) (upstream.Result, error) {
+	return t.Complete(ctx, req)
+}
+
+// TestThinkingIsReported: a target whose model thinks is said to, the
+// thinking counted as its output.
+func TestThinkingIsReported(t *testing.T) {
+	t.Parallel()
+	targets := tryout.Targets(map[gateway.Model]routing.Route{
+		gateway.ModelReasoning: {Targets: []routing.Target{{Provider: "r", UpstreamModel: "think", Client: thinking{}}}},
+	})
+	reports := tryout.Run(context.Background(), targets, time.Minute)
+	require.Len(t, reports, 1)
+	require.Regexp(t, `^  whole:    ok in [0-9.]+ ms: "Blue\.", thinking of 15 bytes \(output, not sent\), no usage reported \(billed from the gateway's tokenizer\)$`,
+		strings.Split(reports[0].String(), "\n")[1])
+}
+
 // TestTargetsAreTriedOnceEach: a target that serves several models is
 // listed, and called, once, in the order of the models and their targets;
 // each report says how its two calls went.
