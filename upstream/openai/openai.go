@@ -921,7 +921,7 @@ func inflate(resp *http.Response) string {
 
 // gunzipped is a reply body compressed with gzip, read inflated. Its gzip
 // header is read with its first bytes, not before the reply is handed on:
-// a stream's may come with its first event.
+// a stream's may come with its first event. An empty body is empty.
 type gunzipped struct {
 	body   io.ReadCloser
 	reader *gzip.Reader
@@ -931,6 +931,9 @@ type gunzipped struct {
 func (g *gunzipped) Read(p []byte) (int, error) {
 	if g.reader == nil {
 		r, err := gzip.NewReader(g.body)
+		if errors.Is(err, io.EOF) {
+			return 0, io.EOF
+		}
 		if err != nil {
 			return 0, fmt.Errorf("the reply is not the gzip its Content-Encoding says: %w", err)
 		}

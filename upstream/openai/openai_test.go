@@ -523,6 +523,17 @@ func TestRepliesAreAskedUncompressed(t *testing.T) {
 		_, err = refusing(http.StatusServiceUnavailable, "br").Complete(context.Background(), &req)
 		require.ErrorIs(t, err, upstream.ErrUnavailable, "a status is read whatever the coding")
 
+		empty := b.handlerClient(t, func(w http.ResponseWriter, r *http.Request) {
+			_, _ = io.Copy(io.Discard, r.Body)
+			w.Header().Set("Content-Encoding", "gzip")
+		})
+		_, err = empty.Complete(context.Background(), &req)
+		require.ErrorIs(t, err, upstream.ErrFailed)
+		require.ErrorContains(t, err, "the body is empty", "an empty body is empty, whatever its coding")
+		_, _, err = collect(t, empty, context.Background())
+		require.ErrorIs(t, err, upstream.ErrStreamBroken)
+		require.ErrorContains(t, err, "the body is empty")
+
 		notGzip := b.handlerClient(t, func(w http.ResponseWriter, r *http.Request) {
 			_, _ = io.Copy(io.Discard, r.Body)
 			w.Header().Set("Content-Encoding", "gzip")
