@@ -346,7 +346,7 @@ func completionResult[C contents, A annotationList](cr *chatResponse[C, A]) (ups
 	content := msg.Content.content()
 	res := upstream.Result{Content: content, Reasoning: msg.Content.reasoning() + msg.reasoning(), Sources: append(sources(content, []annotation(msg.Annotations)), cr.from(0)...)}
 	if cr.Usage != nil {
-		res.UsageReported, res.InputTokens, res.OutputTokens = true, cr.Usage.input(), cr.Usage.output()
+		cr.Usage.report(&res)
 	}
 	return res, nil
 }

@@ -15,6 +15,7 @@ import (
 	"strings"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/upstream"
 )
 
 // usage is a reply's or a stream's token counts, under Chat Completions'
@@ -31,6 +32,11 @@ type usage struct {
 	// it holds tokens the completion count does not (output): as it comes,
 	// so that one of another shape fails nothing.
 	Details json.RawMessage `json:"completion_tokens_details"`
+}
+
+// report puts the counts u reports in res.
+func (u *usage) report(res *upstream.Result) {
+	res.UsageReported, res.InputTokens, res.OutputTokens = true, u.input(), u.output()
 }
 
 // input is the input tokens u reports.
@@ -216,7 +222,7 @@ func (t *thought) UnmarshalJSON(b []byte) error {
 // mistyped reports whether err is the decoder's word that a value in a
 // reply is not of the type its field is decoded as (a content that is an
 // array of parts, an annotation of another shape): the reply is decoded
-// again, leniently (its content as text, its annotations as evidence). The
+// again, leniently (its content as parts, its annotations as evidence). The
 // usual reply is decoded once, by the plain types, at no cost of leniency.
 func mistyped(err error) bool {
 	if err == nil {

@@ -421,8 +421,7 @@ func readStream(body io.Reader, limit int64, maxThinking int, progress func(ende
 			return true, errorInStream(chunk.Error.what())
 		}
 		if chunk.Usage != nil {
-			res.UsageReported = true
-			res.InputTokens, res.OutputTokens = chunk.Usage.input(), chunk.Usage.output()
+			chunk.Usage.report(&res)
 		}
 		for _, choice := range chunk.Choices {
 			finished = finished || choice.FinishReason.ends()
