@@ -976,6 +976,55 @@ func TestUsageOfOtherConventions(t *testing.T) {
 	})
 }
 
+// TestAStreamsUsageInParts: a stream's usage is its last count of each
+// side, wherever it comes: in every event, as a running count (vLLM's
+// continuous usage, proxies that send it so), counts of no tokens in the
+// events before the last (DeepSeek's and Kimi's APIs), or in parts: an event
+// after the counts with no count in it (a proxy that adds the cached tokens
+// in an event of their own) or with only one side's (a translation of
+// Anthropic's events, whose first counts the input and whose last the
+// output) leaves the counts before it. A count of no tokens is no count
+// (the metering counts that side with the tokenizer), so it never replaces
+// one.
+func TestAStreamsUsageInParts(t *testing.T) {
+	t.Parallel()
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		for _, c := range []struct {
+			events []string
+			want   [2]uint64
+		}{{
+			[]string{
+				`{"choices":[{"delta":{"content":"a"}}],"usage":{"prompt_tokens":10,"completion_tokens":1,"total_tokens":11}}`,
+				`{"choices":[{"delta":{"content":"b"}}],"usage":{"prompt_tokens":10,"completion_tokens":2,"total_tokens":12}}`,
+				`{"choices":[{"delta":{},"finish_reason":"stop"}],"usage":{"prompt_tokens":10,"completion_tokens":3,"total_tokens":13}}`,
+			}, [2]uint64{10, 3},
+		}, {
+			[]string{
+				`{"choices":[{"delta":{"content":"a"}}],"usage":{"prompt_tokens":0,"completion_tokens":0,"total_tokens":0}}`,
+				`{"choices":[{"delta":{},"finish_reason":"stop"}],"usage":null}`,
+				`{"choices":[],"usage":{"prompt_tokens":10,"completion_tokens":5,"total_tokens":15}}`,
+			}, [2]uint64{10, 5},
+		}, {
+			[]string{
+				`{"choices":[{"delta":{"content":"a"},"finish_reason":"stop"}],"usage":{"prompt_tokens":10,"completion_tokens":5,"total_tokens":15}}`,
+				`{"choices":[],"usage":{"prompt_tokens_details":{"cached_tokens":8}}}`,
+			}, [2]uint64{10, 5},
+		}, {
+			[]string{
+				`{"choices":[{"delta":{"role":"assistant"}}],"usage":{"prompt_tokens":10,"completion_tokens":1}}`,
+				`{"choices":[{"delta":{"content":"a b c"}}]}`,
+				`{"choices":[{"delta":{},"finish_reason":"stop"}],"usage":{"prompt_tokens":0,"completion_tokens":7}}`,
+			}, [2]uint64{10, 7},
+		}} {
+			client := b.eventsClient(t, c.events)
+			res, err := client.Stream(context.Background(), &req, func(upstream.Delta) error { return nil })
+			require.NoError(t, err, c.events)
+			require.True(t, res.UsageReported, c.events)
+			require.Equal(t, c.want, [2]uint64{res.InputTokens, res.OutputTokens}, c.events)
+		}
+	})
+}
+
 // TestErrorsInReplies: an error an upstream sends in place of output, with
 // status 200 or in a stream, fails the call with the upstream's message, for
 // the log: an error object (OpenAI's), an error string

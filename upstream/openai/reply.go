@@ -34,9 +34,15 @@ type usage struct {
 	Details json.RawMessage `json:"completion_tokens_details"`
 }
 
-// report puts the counts u reports in res.
+// report puts the counts u reports in res. A count of no tokens leaves the
+// one in res: a stream's usage may come in parts (the input's count in one
+// event, the output's in a later one, the cached tokens in an event of
+// their own after both) and counts that run never fall, so a count of no
+// tokens after one is none; the metering counts a side with none with the
+// tokenizer.
 func (u *usage) report(res *upstream.Result) {
-	res.UsageReported, res.InputTokens, res.OutputTokens = true, u.input(), u.output()
+	res.UsageReported = true
+	res.InputTokens, res.OutputTokens = cmp.Or(u.input(), res.InputTokens), cmp.Or(u.output(), res.OutputTokens)
 }
 
 // input is the input tokens u reports.
