@@ -60,6 +60,7 @@ type Config struct {
 	CORSOrigins            []string      `env:"GATEWAY_CORS_ORIGINS" envSeparator:","`
 	TrustedProxies         []string      `env:"GATEWAY_TRUSTED_PROXIES" envSeparator:","`
 	TraceContent           bool          `env:"GATEWAY_TRACE_CONTENT"`
+	Compress               bool          `env:"GATEWAY_COMPRESS"`
 
 	// proxies are TrustedProxies read (see Proxies).
 	proxies []netip.Prefix

@@ -133,3 +133,23 @@ func TestReadyzDrainsBeforeTheListenerCloses(t *testing.T) {
 	require.NoError(t, <-g.done)
 	g.done <- nil
 }
+
+// TestLongRepliesAreCompressedWhenTurnedOn: the binary sends a long reply
+// (the OpenAPI document) as it is, a load balancer's to compress, and with
+// GATEWAY_COMPRESS=true gzips it for a client that accepts it.
+func TestLongRepliesAreCompressedWhenTurnedOn(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	for setting, want := range map[string]string{"": "", "true": "gzip"} {
+		g := serve(t, b.db, b.fake.BaseURL(), map[string]string{"GATEWAY_COMPRESS": setting})
+		req, err := http.NewRequest(http.MethodGet, g.base+"/openapi.json", nil)
+		require.NoError(t, err)
+		req.Header.Set("Accept-Encoding", "gzip")
+		resp, err := http.DefaultClient.Do(req)
+		require.NoError(t, err)
+		_, _ = io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		require.Equal(t, http.StatusOK, resp.StatusCode)
+		require.Equal(t, want, resp.Header.Get("Content-Encoding"), "GATEWAY_COMPRESS=%q", setting)
+	}
+}

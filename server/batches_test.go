@@ -3,6 +3,8 @@ package server_test
 import (
 	"bytes"
 	"context"
+	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -413,7 +415,8 @@ func TestBatchResultsAreWrittenPageByPage(t *testing.T) {
 // TestBatchResultsCutShortEndTheirConnection: a page of items that cannot be
 // read before the reply started is answered with its error; once it has
 // started, the connection ends without the reply's end (a client never takes
-// the items written so far for all of them), over HTTP/1.1 and HTTP/2, and
+// the items written so far for all of them), over HTTP/1.1 and HTTP/2,
+// compressed or not (no gzip trailer makes a compressed one look whole), and
 // both are logged.
 func TestBatchResultsCutShortEndTheirConnection(t *testing.T) {
 	t.Parallel()
@@ -422,12 +425,15 @@ func TestBatchResultsCutShortEndTheirConnection(t *testing.T) {
 		failFrom int // the read that fails (pages of four items here)
 		err      error
 		h2c      bool
+		gzip     bool // the server compresses (the client accepts gzip)
 	}{
 		{name: "first page, database away", failFrom: 1, err: dbAway},
 		{name: "second page, database away", failFrom: 2, err: dbAway},
 		{name: "second page, database away, HTTP/2", failFrom: 2, err: dbAway, h2c: true},
 		{name: "second page, batch deleted", failFrom: 2},
 		{name: "last page, batch deleted, HTTP/2", failFrom: 3, h2c: true},
+		{name: "second page, database away, compressed", failFrom: 2, err: dbAway, gzip: true},
+		{name: "last page, batch deleted, HTTP/2, compressed", failFrom: 3, h2c: true, gzip: true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -437,8 +443,14 @@ func TestBatchResultsCutShortEndTheirConnection(t *testing.T) {
 				pages.BatchStore = c.BatchData
 				c.BatchData = pages
 				c.Unavailable = store.Transient
+				c.Compress = tc.gzip
 			}})
-			id := b.completedBatch(t, 9, strings.Repeat("x", server.ResultsPageBytes/4))
+			// Text that shrinks little, so that a compressed reply's first
+			// page is on its way when the next one fails.
+			raw := make([]byte, server.ResultsPageBytes/8)
+			_, _ = rand.Read(raw)
+			content := hex.EncodeToString(raw)
+			id := b.completedBatch(t, 9, content)
 			req, err := http.NewRequest(http.MethodGet, b.http.URL+"/api/v1/batch/"+id+"/results", nil)
 			require.NoError(t, err)
 			req.Header.Set("Authorization", "Bearer "+b.key)
@@ -458,6 +470,7 @@ func TestBatchResultsCutShortEndTheirConnection(t *testing.T) {
 			if err == nil {
 				defer resp.Body.Close()
 				require.Equal(t, http.StatusOK, resp.StatusCode)
+				require.Equal(t, tc.gzip, resp.Uncompressed, "compressed when asked")
 				body, err = io.ReadAll(resp.Body)
 			}
 			require.Error(t, err, "the reply does not end as if whole")

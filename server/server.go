@@ -130,6 +130,9 @@ type Config struct {
 	// Unavailable reports whether an error means the database cannot be reached
 	// for the moment (SERVICE_UNAVAILABLE, 503); nil means never.
 	Unavailable func(error) bool
+	// Compress gzips long replies for clients that accept it (see
+	// compressReplies), for deployments whose load balancer does not.
+	Compress bool
 }
 
 // DefaultBodyTimeout is how long a request body may take to arrive.
@@ -247,6 +250,9 @@ func New(cfg Config) (*Server, error) {
 	s.echo.HTTPErrorHandler = s.handleError
 	s.echo.Binder = jsonBinder{}
 	s.echo.Use(s.observe, middleware.RecoverWithConfig(middleware.RecoverConfig{DisableStackAll: true, LogErrorFunc: s.logPanic}))
+	if cfg.Compress {
+		s.echo.Use(compressReplies)
+	}
 	if len(cfg.CORSOrigins) > 0 {
 		s.echo.Use(middleware.CORSWithConfig(middleware.CORSConfig{
 			AllowOrigins:  cfg.CORSOrigins,

@@ -156,6 +156,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 		TurnPlaces:     cfg.TurnPlaces,
 		TurnWait:       cfg.TurnWait,
 		Unavailable:    store.Transient,
+		Compress:       cfg.Compress,
 	})
 	if err != nil {
 		return err

@@ -4,6 +4,7 @@ package apitest
 
 import (
 	"bytes"
+	"compress/gzip"
 	"context"
 	"io"
 	"net/http"
@@ -52,6 +53,14 @@ func Validate(t testing.TB, req *http.Request, resp *http.Response) []byte {
 
 	// A HEAD is answered as its path's GET operation, without the body.
 	head := req.Method == http.MethodHead
+	if resp.Header.Get("Content-Encoding") == "gzip" && !head {
+		// A reply compressed as the request allowed (a client that asked
+		// for gzip itself): validated, and returned, as it inflates.
+		zr, err := gzip.NewReader(bytes.NewReader(body))
+		require.NoError(t, err, "a reply said to be gzip")
+		body, err = io.ReadAll(zr)
+		require.NoError(t, err, "a reply said to be gzip inflates whole")
+	}
 	if head {
 		get := req.Clone(req.Context())
 		get.Method = http.MethodGet
