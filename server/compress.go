@@ -2,6 +2,7 @@ package server
 
 import (
 	"bytes"
+	"cmp"
 	"compress/gzip"
 	"io"
 	"net/http"
@@ -142,10 +143,11 @@ func (z *compressing) Write(p []byte) (int, error) {
 }
 
 // FlushError implements the flushing http.ResponseController calls: a reply
-// still held goes as it is, since what follows may take long to come.
+// still held goes as it is, since what follows may take long to come (a
+// flush before any status sends 200, as net/http's does).
 func (z *compressing) FlushError() error {
-	if !z.begun && z.status != 0 {
-		z.begin(z.status, false)
+	if !z.begun {
+		z.begin(cmp.Or(z.status, http.StatusOK), false)
 		if err := z.release(); err != nil {
 			return err
 		}
