@@ -61,8 +61,8 @@ func compressReplies(next echo.HandlerFunc) echo.HandlerFunc {
 }
 
 // acceptsGzip reports whether Accept-Encoding values accept gzip (or its
-// alias x-gzip), by name or by *, with a weight above 0 (RFC 9110 §12.5.3).
-// It reads them in place: every request asks it.
+// alias x-gzip), by name or by *, with a weight above 0 (RFC 9110 §12.5.3),
+// reading them in place (no allocation).
 func acceptsGzip(values []string) bool {
 	gzipQ, anyQ := -1.0, -1.0
 	for _, v := range values {
@@ -96,9 +96,9 @@ func acceptsGzip(values []string) bool {
 }
 
 // compressing is the writer of a reply that may be compressed: it holds the
-// reply's status and first bytes until they reach CompressMinBytes, then
-// gzips them and what follows; a reply that ends (or is flushed) shorter
-// goes as it is. A reply that cannot be compressed passes through.
+// reply's status and first bytes until they would reach CompressMinBytes,
+// then gzips them and what follows; a reply that ends (or is flushed)
+// shorter goes as it is, and so does what follows a flush.
 type compressing struct {
 	w      http.ResponseWriter
 	status int           // the status held, 0 until it is written
@@ -134,12 +134,16 @@ func (z *compressing) Write(p []byte) (int, error) {
 	if z.held == nil {
 		z.held = pendingReplies.Get().(*bytes.Buffer)
 	}
-	z.held.Write(p)
-	if z.held.Len() < CompressMinBytes {
-		return len(p), nil
+	if z.held.Len()+len(p) < CompressMinBytes {
+		return z.held.Write(p)
 	}
+	// Long enough: what was held, then p, compressed (a buffer never holds
+	// more than CompressMinBytes).
 	z.begin(z.status, true)
-	return len(p), z.release()
+	if err := z.release(); err != nil {
+		return 0, err
+	}
+	return z.gz.Write(p)
 }
 
 // FlushError implements the flushing http.ResponseController calls: a reply
