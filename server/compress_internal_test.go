@@ -95,9 +95,8 @@ func TestCompressingWriter(t *testing.T) {
 				require.Empty(t, rec.Body.Bytes(), "nothing held is written")
 				continue
 			}
-			_, err := gzip.NewReader(bytes.NewReader(rec.Body.Bytes()))
+			zr, err := gzip.NewReader(bytes.NewReader(rec.Body.Bytes()))
 			if err == nil {
-				zr, _ := gzip.NewReader(bytes.NewReader(rec.Body.Bytes()))
 				_, err = io.ReadAll(zr)
 			}
 			require.Error(t, err, "a compressed reply dropped has no end")

@@ -16,8 +16,8 @@ import (
 // TestLongRepliesAreCompressed: a reply of server.CompressMinBytes or more
 // is gzipped when its request accepts gzip, by name, by its alias x-gzip or
 // by *, with a weight above 0, and inflates to the reply sent uncompressed;
-// one that does not accept it (no header, identity alone, another coding,
-// gzip weighed 0) is sent as it is. Shorter replies, errors and event
+// one that does not accept it (identity alone, another coding, gzip weighed
+// 0, a weight that is no number) is sent as it is. Shorter replies, errors and event
 // streams are never compressed, whether they end before they are detached
 // from their handlers or after; every reply says it varies by
 // Accept-Encoding. Over HTTP/1.1 and HTTP/2. Unless turned on
