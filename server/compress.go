@@ -76,8 +76,8 @@ func acceptsGzip(values []string) bool {
 				param, params, _ = strings.Cut(params, ";")
 				if k, val, ok := strings.Cut(param, "="); ok && strings.EqualFold(strings.TrimSpace(k), "q") {
 					var err error
-					if q, err = strconv.ParseFloat(strings.TrimSpace(val), 64); err != nil {
-						q = 0 // a weight that is no weight accepts nothing
+					if q, err = strconv.ParseFloat(strings.TrimSpace(val), 64); err != nil || !(q >= 0 && q <= 1) {
+						q = 0 // a weight that is no weight (RFC 9110: 0 to 1) accepts nothing
 					}
 				}
 			}

@@ -49,6 +49,8 @@ func TestLongRepliesAreCompressed(t *testing.T) {
 			"br":                         false,
 			"identity":                   false,
 			"gzip;q=high":                false,
+			"gzip;q=-1, *":               false,
+			"gzip;q=NaN":                 false,
 			" gzip ; q = 0.8 ":           true,
 			"deflate, gzip;q=1, *;q=0.1": true,
 		} {
