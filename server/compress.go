@@ -192,9 +192,7 @@ func (z *compressing) release() error {
 	} else {
 		_, err = z.w.Write(z.held.Bytes())
 	}
-	z.held.Reset()
-	pendingReplies.Put(z.held)
-	z.held = nil
+	z.putHeld()
 	return err
 }
 
@@ -215,15 +213,21 @@ func (z *compressing) end() {
 // drop gives back what the reply held without writing it.
 func (z *compressing) drop() {
 	if z.held != nil {
-		z.held.Reset()
-		pendingReplies.Put(z.held)
-		z.held = nil
+		z.putHeld()
 	}
 	if z.gz != nil {
 		z.putCompressor()
 	}
 }
 
+// putHeld gives the buffer of the bytes held back to its pool.
+func (z *compressing) putHeld() {
+	z.held.Reset()
+	pendingReplies.Put(z.held)
+	z.held = nil
+}
+
+// putCompressor gives the compressor back to its pool.
 func (z *compressing) putCompressor() {
 	z.gz.Reset(io.Discard)
 	gzipWriters.Put(z.gz)
