@@ -310,6 +310,26 @@ func TestThinkingIsBilledWhenNoUsageIs(t *testing.T) {
 	settledExactly(t, g, b.key, mine)
 }
 
+// TestAStreamsUsageInPartsIsBilledAsReported: an upstream that reports a
+// stream's usage in parts (the prompt's count first, the completion's alone
+// at the end, then the cached tokens alone, as a translation of Anthropic's
+// events does) is billed the counts it reported, not the tokenizer's, and
+// the usage view settles exactly.
+func TestAStreamsUsageInPartsIsBilledAsReported(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	const prompt = "PARTS: a prompt long enough for the input count reported to pass no bound"
+	b.fake.SetHostile("PARTS", fakeupstream.Hostile{Content: "an answer reported in parts", PromptTokens: 50, CompletionTokens: 9, UsageInParts: true})
+	g := serve(t, b.db, b.fake.BaseURL(), nil)
+
+	sr, _ := g.stream(b.key, map[string]any{"prompt": prompt})
+	u := finalUsage(t, sr.body)
+	require.Equal(t, api.RungUsage{InputRungs: 50, OutputRungs: 9, TotalRungs: 59}, u, "instant's multiplier is 1")
+	var mine received
+	mine.add(u)
+	settledExactly(t, g, b.key, mine)
+}
+
 // TestAStreamKeptOpenWithoutOutputEnds: an upstream that sends a stream's
 // first words and then only keep-alive lines, never its end, cannot hold the
 // stream (its reservation, its connections) past GATEWAY_UPSTREAM_STREAM_LIMIT:

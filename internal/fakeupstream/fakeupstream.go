@@ -116,6 +116,11 @@ type Hostile struct {
 	// but keep-alive comment lines, one every KeepAlive, until its caller
 	// leaves.
 	KeepAlive time.Duration
+	// UsageInParts makes a stream that asked for usage report it in parts,
+	// as a translation of Anthropic's events does: the prompt's count with
+	// the first delta, the completion's alone (its prompt count 0) after the
+	// finish_reason, then an event of the cached tokens alone.
+	UsageInParts bool
 }
 
 // pieces is the text h sends, a piece a stream delta.
@@ -477,9 +482,14 @@ func stream(w http.ResponseWriter, r *http.Request, prompt string, o streamOptio
 	delta := func(d map[string]any) map[string]any {
 		return map[string]any{"object": "chat.completion.chunk", "choices": []any{map[string]any{"index": 0, "delta": d}}}
 	}
-	send(delta(map[string]any{"role": "assistant", "content": ""}))
 	pieces, title := StreamPieces(prompt), "Example doc"
 	pt, ct := Usage(prompt)
+	inParts := hostile != nil && hostile.UsageInParts && o.withUsage
+	first := delta(map[string]any{"role": "assistant", "content": ""})
+	if inParts {
+		first["usage"] = map[string]any{"prompt_tokens": hostile.PromptTokens, "completion_tokens": 0}
+	}
+	send(first)
 	if hostile != nil {
 		pieces, title, pt, ct = hostile.pieces(), hostile.SourceTitle, hostile.PromptTokens, hostile.CompletionTokens
 		if hostile.Reasoning != "" {
@@ -509,7 +519,11 @@ func stream(w http.ResponseWriter, r *http.Request, prompt string, o streamOptio
 		}
 	}
 	send(map[string]any{"object": "chat.completion.chunk", "choices": []any{map[string]any{"index": 0, "delta": map[string]any{}, "finish_reason": "stop"}}})
-	if o.withUsage {
+	switch {
+	case inParts:
+		send(map[string]any{"object": "chat.completion.chunk", "choices": []any{}, "usage": map[string]any{"prompt_tokens": 0, "completion_tokens": ct}})
+		send(map[string]any{"object": "chat.completion.chunk", "choices": []any{}, "usage": map[string]any{"prompt_tokens_details": map[string]any{"cached_tokens": pt / 2}}})
+	case o.withUsage:
 		send(map[string]any{"object": "chat.completion.chunk", "choices": []any{}, "usage": map[string]any{"prompt_tokens": pt, "completion_tokens": ct}})
 	}
 	switch {
