@@ -484,17 +484,17 @@ func stream(w http.ResponseWriter, r *http.Request, prompt string, o streamOptio
 	}
 	pieces, title := StreamPieces(prompt), "Example doc"
 	pt, ct := Usage(prompt)
+	if hostile != nil {
+		pieces, title, pt, ct = hostile.pieces(), hostile.SourceTitle, hostile.PromptTokens, hostile.CompletionTokens
+	}
 	inParts := hostile != nil && hostile.UsageInParts && o.withUsage
 	first := delta(map[string]any{"role": "assistant", "content": ""})
 	if inParts {
-		first["usage"] = map[string]any{"prompt_tokens": hostile.PromptTokens, "completion_tokens": 0}
+		first["usage"] = map[string]any{"prompt_tokens": pt, "completion_tokens": 0}
 	}
 	send(first)
-	if hostile != nil {
-		pieces, title, pt, ct = hostile.pieces(), hostile.SourceTitle, hostile.PromptTokens, hostile.CompletionTokens
-		if hostile.Reasoning != "" {
-			send(delta(map[string]any{"reasoning_content": hostile.Reasoning, "reasoning": hostile.Reasoning}))
-		}
+	if hostile != nil && hostile.Reasoning != "" {
+		send(delta(map[string]any{"reasoning_content": hostile.Reasoning, "reasoning": hostile.Reasoning}))
 	}
 	for i, piece := range pieces {
 		if o.breakAfter > 0 && i == o.breakAfter {
