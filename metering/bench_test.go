@@ -8,6 +8,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/internal/wordtext"
 	"github.com/rungworks/gateway/metering"
 )
 
@@ -44,7 +45,7 @@ func BenchmarkEstimateVaried(b *testing.B) {
 	tok, err := metering.DefaultTokenizer()
 	require.NoError(b, err)
 	est := &metering.Estimator{Tokenizer: tok, RateCard: defaultCard(b)}
-	text := randomWords(1 << 20)
+	text := wordtext.Random(1 << 20)
 	var prompts []string
 	for start := 0; start+4096 < len(text) && len(prompts) < 256; start += 4093 {
 		from := start + strings.IndexByte(text[start:], ' ') + 1

@@ -10,6 +10,7 @@ import (
 	"github.com/tiktoken-go/tokenizer"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/internal/wordtext"
 	"github.com/rungworks/gateway/metering"
 	"github.com/rungworks/gateway/upstream"
 )
@@ -25,34 +26,7 @@ var adversarial = map[string]string{
 	"tabs":       strings.Repeat(" \t", gateway.MaxPromptBytes/2),
 	"prose":      strings.Repeat("The quick brown fox jumps over the lazy dog, said Tom. ", gateway.MaxPromptBytes/55),
 	"random":     randomText(gateway.MaxPromptBytes),
-	"words":      randomWords(gateway.MaxPromptBytes),
-}
-
-// randomWords is text of common words in an order that never repeats a segment.
-func randomWords(n int) string {
-	words := strings.Fields(`the of and to in is that for it as was with be by on not he this are or his from at which
-		but have an they you were her she there would their we him been has when who will more no if out so said what up
-		its about into than them can only other new some could time these two may then do first any my now such like our
-		over man me even most made after also did many before must through back years where much your way well down should
-		because each just those people Mr how too little state good very make world still own see men work long get here
-		between both life being under never day same another know while last might us great old year off come since against
-		go came right used take three gateway metering rungs budget ceiling replica stream batch upstream PostgreSQL ledger`)
-	rng := rand.New(rand.NewPCG(3, 4))
-	var b strings.Builder
-	for b.Len() < n-16 {
-		b.WriteString(words[rng.IntN(len(words))])
-		switch rng.IntN(12) {
-		case 0:
-			b.WriteString(". ")
-		case 1:
-			b.WriteString(", ")
-		case 2:
-			b.WriteString("\n")
-		default:
-			b.WriteByte(' ')
-		}
-	}
-	return b.String()
+	"words":      wordtext.Random(gateway.MaxPromptBytes),
 }
 
 // randomText is text that never repeats a segment: words of random letters,
