@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"time"
 
@@ -598,26 +599,26 @@ func texts[T ~string](values []T) []string {
 
 // ItemResult is a leased item's outcome.
 type ItemResult struct {
-	BatchID           uuid.UUID        `json:"batch_id"`
-	Index             int              `json:"idx"`
-	Status            string           `json:"status"`
-	Content           string           `json:"content,omitempty"`
-	InputTokens       int64            `json:"input_tokens"`
-	OutputTokens      int64            `json:"output_tokens"`
-	InputRungs        int64            `json:"input_rungs"`
-	OutputRungs       int64            `json:"output_rungs"`
-	TotalRungs        int64            `json:"total_rungs"`
-	ErrorCode         string           `json:"error_code,omitempty"`
-	ErrorMessage      string           `json:"error_message,omitempty"`
-	Sources           []gateway.Source `json:"sources,omitempty"`
-	Verdict           string           `json:"verdict,omitempty"`
-	EvidenceExpiresAt time.Time        `json:"evidence_expires_at"`
+	BatchID           uuid.UUID
+	Index             int
+	Status            string
+	Content           string
+	InputTokens       int64
+	OutputTokens      int64
+	InputRungs        int64
+	OutputRungs       int64
+	TotalRungs        int64
+	ErrorCode         string
+	ErrorMessage      string
+	Sources           []gateway.Source
+	Verdict           string
+	EvidenceExpiresAt time.Time
 	// Provider, UpstreamModel and Attempts are the route of a completed item.
-	Provider      string `json:"provider,omitempty"`
-	UpstreamModel string `json:"upstream_model,omitempty"`
-	Attempts      int    `json:"attempts,omitempty"`
+	Provider      string
+	UpstreamModel string
+	Attempts      int
 	// Model is the item's model, for the caller's metrics; not stored.
-	Model gateway.Model `json:"-"`
+	Model gateway.Model
 }
 
 // ItemKey names a batch item.
@@ -630,11 +631,31 @@ type ItemKey struct {
 // transaction, returning the items applied; an item whose lease was lost is
 // not. See complete_batch_items.
 func (s *Store) CompleteItems(ctx context.Context, owner uuid.UUID, results []ItemResult) ([]ItemKey, error) {
-	raw, err := json.Marshal(results)
-	if err != nil {
-		return nil, fmt.Errorf("error encoding item results: %w", err)
+	n := len(results)
+	p := db.CompleteBatchItemsParams{
+		Owner: owner, BatchIds: make([]uuid.UUID, n), Idxs: make([]int32, n), Statuses: make([]string, n),
+		Contents: make([]string, n), InputTokens: make([]int64, n), OutputTokens: make([]int64, n),
+		InputRungs: make([]int64, n), OutputRungs: make([]int64, n), TotalRungs: make([]int64, n),
+		ErrorCodes: make([]string, n), ErrorMessages: make([]string, n), Sources: make([][]byte, n),
+		Verdicts: make([]string, n), EvidenceExpiresAts: make([]time.Time, n), Providers: make([]string, n),
+		UpstreamModels: make([]string, n), Attempts: make([]int16, n),
 	}
-	rows, err := s.queries.CompleteBatchItems(ctx, s.pool, db.CompleteBatchItemsParams{Owner: owner, Results: raw})
+	for i, r := range results {
+		p.BatchIds[i], p.Idxs[i], p.Statuses[i], p.Contents[i] = r.BatchID, int32(r.Index), r.Status, r.Content
+		p.InputTokens[i], p.OutputTokens[i] = r.InputTokens, r.OutputTokens
+		p.InputRungs[i], p.OutputRungs[i], p.TotalRungs[i] = r.InputRungs, r.OutputRungs, r.TotalRungs
+		p.ErrorCodes[i], p.ErrorMessages[i], p.Verdicts[i] = r.ErrorCode, r.ErrorMessage, r.Verdict
+		p.EvidenceExpiresAts[i], p.Providers[i], p.UpstreamModels[i] = r.EvidenceExpiresAt, r.Provider, r.UpstreamModel
+		p.Attempts[i] = int16(min(r.Attempts, math.MaxInt16))
+		if len(r.Sources) > 0 { // none: NULL
+			sources, err := json.Marshal(r.Sources)
+			if err != nil {
+				return nil, fmt.Errorf("error encoding sources: %w", err)
+			}
+			p.Sources[i] = sources
+		}
+	}
+	rows, err := s.queries.CompleteBatchItems(ctx, s.pool, p)
 	if err != nil {
 		return nil, fmt.Errorf("error completing batch items: %w", err)
 	}

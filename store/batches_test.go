@@ -812,6 +812,42 @@ func (b *testBundle) copyItems(t testing.TB, from uuid.UUID, originals []uuid.UU
 	require.NoError(t, err)
 }
 
+// BenchmarkCompleteItems: the commit of a completion group of 64 items
+// whose outputs are 64 bytes or 4 KiB of text with characters JSON escapes,
+// each citing a source (the group's encoding, the statement and its
+// transaction), per group and per item.
+func BenchmarkCompleteItems(b *testing.B) {
+	for _, size := range []struct {
+		name  string
+		bytes int
+	}{{"64B", 64}, {"4KiB", 4 << 10}} {
+		b.Run(size.name, func(b *testing.B) {
+			tb := setup(b)
+			_, p := tb.key(b, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+			content := strings.Repeat(`an "output" <of> words `, size.bytes/23+1)[:size.bytes]
+			src := []gateway.Source{{Title: "T", URL: "https://example.com/a", Snippet: "s"}}
+			const group = 64
+			for b.Loop() {
+				b.StopTimer()
+				tb.newBatch(b, p, group, 10, "", day())
+				owner := uuid.Must(uuid.NewV7())
+				items, err := tb.store.ClaimItems(tb.ctx, store.ClaimParams{Owner: owner, Max: group, PerAccount: group, Lease: time.Minute})
+				require.NoError(b, err)
+				results := itemResults(items, 55)
+				for i := range results {
+					results[i].Content, results[i].Sources = content, src
+					results[i].Provider, results[i].UpstreamModel, results[i].Attempts = "primary", "m-1", 1
+				}
+				b.StartTimer()
+				applied, err := tb.store.CompleteItems(tb.ctx, owner, results)
+				require.NoError(b, err)
+				require.Len(b, applied, group)
+			}
+			b.ReportMetric(float64(b.Elapsed().Microseconds())/float64(b.N*group), "µs/item")
+		})
+	}
+}
+
 // BenchmarkBatchReadsAfterABurst: a client's reads of a batch of the burst
 // (its status, its results, the list of the account's batches) on a
 // connection that made its plans while the tables held two batches, one of
@@ -1089,6 +1125,91 @@ func TestCompletedItemsWriteEvidenceRowsOnlyWithEvidence(t *testing.T) {
 		}
 	}
 	require.Equal(t, withRows, b.evidenceRows(t))
+}
+
+// TestCompletedItemsStoreWhatTheDocumentStored: outcomes sent as arrays
+// (migration 00047) store exactly what the same outcomes sent as one JSON
+// document to the function replicas of the previous release call stored:
+// the items, their requests and their evidence, column by column (an empty
+// text and attempts of 0 as none).
+func TestCompletedItemsStoreWhatTheDocumentStored(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	arrays, document := b.newBatch(t, p, 5, 50, "", day()), b.newBatch(t, p, 5, 50, "", day())
+	owner := uuid.Must(uuid.NewV7())
+	items := b.claim(t, owner, 10, time.Minute)
+	require.Len(t, items, 10)
+
+	expires := time.Now().Add(time.Hour).Truncate(time.Microsecond)
+	src := []gateway.Source{{Title: "T", URL: "https://x", Snippet: "s"}}
+	outcomes := []store.ItemResult{
+		{Status: "completed", Content: "cited", InputTokens: 3, OutputTokens: 4, InputRungs: 3, OutputRungs: 4, TotalRungs: 7,
+			Sources: src, Verdict: "supported", Provider: "primary", UpstreamModel: "m-1", Attempts: 2},
+		{Status: "completed", Content: "plain", InputTokens: 1, OutputTokens: 2, InputRungs: 1, OutputRungs: 2, TotalRungs: 3,
+			Sources: []gateway.Source{}, Provider: "backup", UpstreamModel: "m-2", Attempts: 1},
+		{Status: "completed", InputTokens: 5, InputRungs: 5, TotalRungs: 5, Verdict: "unsupported"},
+		{Status: "failed", ErrorCode: "INFERENCE_BUSY", ErrorMessage: "no", InputTokens: 9, OutputTokens: 1, InputRungs: 9, OutputRungs: 1, TotalRungs: 10},
+		{Status: "failed", ErrorCode: "INTERRUPTED", ErrorMessage: "gone"},
+	}
+	var viaArrays []store.ItemResult
+	var viaDocument []map[string]any
+	for _, it := range items {
+		r := outcomes[it.Index]
+		r.BatchID, r.Index, r.EvidenceExpiresAt = it.BatchID, it.Index, expires
+		if it.BatchID == arrays {
+			viaArrays = append(viaArrays, r)
+			continue
+		}
+		doc := map[string]any{"batch_id": r.BatchID, "idx": r.Index, "status": r.Status,
+			"input_tokens": r.InputTokens, "output_tokens": r.OutputTokens, "input_rungs": r.InputRungs,
+			"output_rungs": r.OutputRungs, "total_rungs": r.TotalRungs, "evidence_expires_at": r.EvidenceExpiresAt}
+		// As the document's encoding left them out when empty.
+		for k, v := range map[string]string{"content": r.Content, "error_code": r.ErrorCode, "error_message": r.ErrorMessage,
+			"verdict": r.Verdict, "provider": r.Provider, "upstream_model": r.UpstreamModel} {
+			if v != "" {
+				doc[k] = v
+			}
+		}
+		if len(r.Sources) > 0 {
+			doc["sources"] = r.Sources
+		}
+		if r.Attempts != 0 {
+			doc["attempts"] = r.Attempts
+		}
+		viaDocument = append(viaDocument, doc)
+	}
+	applied, err := b.store.CompleteItems(b.ctx, owner, viaArrays)
+	require.NoError(t, err)
+	require.Len(t, applied, 5)
+	var n int
+	require.NoError(t, b.store.Pool().QueryRow(b.ctx, `SELECT count(*) FROM complete_batch_items($1, $2::jsonb)`, owner, viaDocument).Scan(&n))
+	require.Equal(t, 5, n)
+
+	stored := func(batch uuid.UUID) []string {
+		rows, err := b.store.Pool().Query(b.ctx, `
+			SELECT jsonb_build_object(
+			    'item', jsonb_build_object('status', i.status, 'content', i.content, 'input_rungs', i.input_rungs,
+			        'output_rungs', i.output_rungs, 'total_rungs', i.total_rungs, 'error_code', i.error_code,
+			        'error_message', i.error_message, 'provider', i.provider, 'upstream_model', i.upstream_model,
+			        'attempts', i.attempts, 'reserved_rungs', i.reserved_rungs, 'leased', i.lease_owner IS NOT NULL
+			        OR i.lease_expires_at IS NOT NULL, 'completed', i.completed_at IS NOT NULL),
+			    'request', to_jsonb(r) - '{id,created_at,completed_at}'::text[],
+			    'evidence', to_jsonb(e) - 'request_id'::text)::text
+			  FROM batch_items i
+			  LEFT JOIN requests r ON r.id = i.request_id
+			  LEFT JOIN evidence e ON e.request_id = i.request_id
+			 WHERE i.batch_id = $1 ORDER BY i.idx`, batch)
+		require.NoError(t, err)
+		out, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		require.NoError(t, err)
+		return out
+	}
+	got := stored(arrays)
+	require.Len(t, got, 5)
+	require.Equal(t, stored(document), got)
+	require.Contains(t, got[0], `"upstream_model": "m-1"`, "an item's route is stored")
+	require.Contains(t, got[4], `"content": null`, "a failed item has no content")
 }
 
 func TestCompleteItemsAndBatchLifecycle(t *testing.T) {

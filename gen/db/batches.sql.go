@@ -153,12 +153,31 @@ func (q *Queries) ClaimBatchItems(ctx context.Context, db DBTX, arg ClaimBatchIt
 
 const completeBatchItems = `-- name: CompleteBatchItems :many
 SELECT c.batch_id::uuid AS batch_id, c.idx::integer AS idx
-FROM complete_batch_items($1::uuid, $2::jsonb) AS c
+FROM complete_batch_items($1::uuid, $2::uuid[], $3::integer[], $4::text[], $5::text[],
+    $6::bigint[], $7::bigint[], $8::bigint[], $9::bigint[],
+    $10::bigint[], $11::text[], $12::text[], $13::jsonb[], $14::text[],
+    $15::timestamptz[], $16::text[], $17::text[], $18::smallint[]) AS c
 `
 
 type CompleteBatchItemsParams struct {
-	Owner   uuid.UUID
-	Results []byte
+	Owner              uuid.UUID
+	BatchIds           []uuid.UUID
+	Idxs               []int32
+	Statuses           []string
+	Contents           []string
+	InputTokens        []int64
+	OutputTokens       []int64
+	InputRungs         []int64
+	OutputRungs        []int64
+	TotalRungs         []int64
+	ErrorCodes         []string
+	ErrorMessages      []string
+	Sources            [][]byte
+	Verdicts           []string
+	EvidenceExpiresAts []time.Time
+	Providers          []string
+	UpstreamModels     []string
+	Attempts           []int16
 }
 
 type CompleteBatchItemsRow struct {
@@ -166,8 +185,29 @@ type CompleteBatchItemsRow struct {
 	Idx     int32
 }
 
+// The outcomes as one array a column (migration 00047): empty texts and
+// attempts of 0 are none, sources NULL none.
 func (q *Queries) CompleteBatchItems(ctx context.Context, db DBTX, arg CompleteBatchItemsParams) ([]CompleteBatchItemsRow, error) {
-	rows, err := db.Query(ctx, completeBatchItems, arg.Owner, arg.Results)
+	rows, err := db.Query(ctx, completeBatchItems,
+		arg.Owner,
+		arg.BatchIds,
+		arg.Idxs,
+		arg.Statuses,
+		arg.Contents,
+		arg.InputTokens,
+		arg.OutputTokens,
+		arg.InputRungs,
+		arg.OutputRungs,
+		arg.TotalRungs,
+		arg.ErrorCodes,
+		arg.ErrorMessages,
+		arg.Sources,
+		arg.Verdicts,
+		arg.EvidenceExpiresAts,
+		arg.Providers,
+		arg.UpstreamModels,
+		arg.Attempts,
+	)
 	if err != nil {
 		return nil, err
 	}

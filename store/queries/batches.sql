@@ -142,8 +142,13 @@ SELECT c.batch_id::uuid AS batch_id, c.idx::integer AS idx, c.account_id::uuid A
 FROM claim_batch_items(@owner::uuid, @max_items::integer, @per_account::integer, @lease::interval, @pivot::uuid, @claim_id::uuid, sqlc.narg('models')::text[], sqlc.narg('skip')::uuid[]) AS c;
 
 -- name: CompleteBatchItems :many
+-- The outcomes as one array a column (migration 00047): empty texts and
+-- attempts of 0 are none, sources NULL none.
 SELECT c.batch_id::uuid AS batch_id, c.idx::integer AS idx
-FROM complete_batch_items(@owner::uuid, @results::jsonb) AS c;
+FROM complete_batch_items(@owner::uuid, @batch_ids::uuid[], @idxs::integer[], @statuses::text[], @contents::text[],
+    @input_tokens::bigint[], @output_tokens::bigint[], @input_rungs::bigint[], @output_rungs::bigint[],
+    @total_rungs::bigint[], @error_codes::text[], @error_messages::text[], @sources::jsonb[], @verdicts::text[],
+    @evidence_expires_ats::timestamptz[], @providers::text[], @upstream_models::text[], @attempts::smallint[]) AS c;
 
 -- name: RequeueBatchItems :many
 SELECT r.batch_id::uuid AS batch_id, r.idx::integer AS idx, r.status::text AS status
