@@ -23,6 +23,7 @@ import (
 
 	"github.com/rungworks/gateway/bench/internal/benchenv"
 	"github.com/rungworks/gateway/internal/fakeupstream"
+	"github.com/rungworks/gateway/internal/wordtext"
 	"github.com/rungworks/gateway/store"
 )
 
@@ -37,12 +38,13 @@ func main() {
 	accounts := flag.Int("accounts", 1, "accounts the batches are spread over, in turn (each claim shares out its items among the accounts with work)")
 	capped := flag.Bool("capped", false, "give each account's project a budget cap (one that every item fits), so that each claimed item reserves its estimate")
 	uncited := flag.Bool("uncited", false, "replies cite no source (as most replies without a web search), so their evidence is empty")
+	outputBytes := flag.Int("output-bytes", 0, "outputs of about this many bytes of words, as a model's often are (the fake upstream echoes the prompt, which holds them); 0: a few words")
 	flag.Parse()
 	if *items < 1 || *items > 100 {
 		fmt.Fprintln(os.Stderr, "drain: -items must be 1 to 100")
 		os.Exit(2)
 	}
-	if err := run(*binary, *replicaList, *probes, *rounds, runOptions{batches: *batches, items: *items, warmup: *warmup, accounts: *accounts, capped: *capped, uncited: *uncited}); err != nil {
+	if err := run(*binary, *replicaList, *probes, *rounds, runOptions{batches: *batches, items: *items, warmup: *warmup, accounts: *accounts, capped: *capped, uncited: *uncited, outputBytes: *outputBytes}); err != nil {
 		fmt.Fprintln(os.Stderr, "drain:", err)
 		os.Exit(1)
 	}
@@ -50,10 +52,11 @@ func main() {
 
 // runOptions shape each drain run: batches of items measured, after warmup
 // drained, spread over accounts, whose projects are capped when capped is
-// set, answered without citations when uncited is.
+// set, answered without citations when uncited is, with outputs of about
+// outputBytes when it is set.
 type runOptions struct {
-	batches, items, warmup, accounts int
-	capped, uncited                  bool
+	batches, items, warmup, accounts, outputBytes int
+	capped, uncited                               bool
 }
 
 func run(binary, replicaList string, probes, rounds int, o runOptions) error {
@@ -65,8 +68,8 @@ func run(binary, replicaList string, probes, rounds int, o runOptions) error {
 		}
 		counts = append(counts, n)
 	}
-	if rounds < 1 || o.warmup < 0 || o.accounts < 1 || probes < 0 {
-		return fmt.Errorf("bad round count %d, warm-up %d, account count %d or probe count %d", rounds, o.warmup, o.accounts, probes)
+	if rounds < 1 || o.warmup < 0 || o.accounts < 1 || probes < 0 || o.outputBytes < 0 || o.outputBytes > 64<<10 {
+		return fmt.Errorf("bad round count %d, warm-up %d, account count %d, probe count %d or output size %d (0 to 65536)", rounds, o.warmup, o.accounts, probes, o.outputBytes)
 	}
 	env, err := benchenv.Start(binary)
 	if err != nil {
@@ -77,8 +80,12 @@ func run(binary, replicaList string, probes, rounds int, o runOptions) error {
 	defer fake.Close()
 	fake.SetCitations(!o.uncited)
 
-	fmt.Printf("batch drain, instant upstream, %d batches × %d items of %d accounts%s%s per run after %d not counted and the tables analyzed, %d cores\n\n",
-		o.batches, o.items, o.accounts, benchenv.CappedNote(o.capped), benchenv.CitedNote(o.uncited), o.warmup, runtime.NumCPU())
+	output := "a few words"
+	if o.outputBytes > 0 {
+		output = fmt.Sprintf("%d bytes", o.outputBytes)
+	}
+	fmt.Printf("batch drain, instant upstream, %d batches × %d items of %d accounts%s%s, outputs of %s, per run after %d not counted and the tables analyzed, %d cores\n\n",
+		o.batches, o.items, o.accounts, benchenv.CappedNote(o.capped), benchenv.CitedNote(o.uncited), output, o.warmup, runtime.NumCPU())
 	fmt.Println("| round | replicas | items | seconds (creating) | items/s | CPU/item gateway (creating) | CPU/item PostgreSQL (creating) | WAL flushes/item | WAL records/item |")
 	fmt.Println("|---|---|---|---|---|---|---|---|---|")
 	rates := map[int][]float64{}
@@ -188,8 +195,13 @@ func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, round int, o 
 		bases[i], pids[i] = p.Base, p.PID
 	}
 	requests := make([]map[string]any, o.items)
+	words := ""
+	if o.outputBytes > 0 {
+		words = " " + wordtext.Random(o.outputBytes)
+	}
 	for i := range requests {
-		requests[i] = map[string]any{"prompt": fmt.Sprintf("drain benchmark item %d", i), "max_output_rungs": 50}
+		// The output ceiling holds the echoed prompt's words (a token each).
+		requests[i] = map[string]any{"prompt": fmt.Sprintf("drain benchmark item %d", i) + words, "max_output_rungs": 50 + o.outputBytes}
 	}
 	body, _ := json.Marshal(map[string]any{"requests": requests})
 	// Warm-up, not measured: replicas that have drained before, with their
