@@ -200,8 +200,10 @@ func drain(env *benchenv.Env, fake *fakeupstream.Server, replicas, round int, o 
 		words = " " + wordtext.Random(o.outputBytes)
 	}
 	for i := range requests {
-		// The output ceiling holds the echoed prompt's words (a token each).
-		requests[i] = map[string]any{"prompt": fmt.Sprintf("drain benchmark item %d", i) + words, "max_output_rungs": 50 + o.outputBytes}
+		// The output ceiling holds the echoed prompt's words, a token each
+		// (a word and its space take two bytes at least), within the
+		// model's limit (32,000 rungs).
+		requests[i] = map[string]any{"prompt": fmt.Sprintf("drain benchmark item %d", i) + words, "max_output_rungs": 50 + o.outputBytes/4}
 	}
 	body, _ := json.Marshal(map[string]any{"requests": requests})
 	// Warm-up, not measured: replicas that have drained before, with their
