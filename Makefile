@@ -63,6 +63,7 @@ bench: build
 	$(GO) run ./bench/load -binary bin/gateway -rates 1000 -connections 0 -uncited -floor=false
 	$(GO) run ./bench/drain -binary bin/gateway -rounds 3
 	$(GO) run ./bench/drain -binary bin/gateway -replicas 1 -probes 5 -capped
+	$(GO) run ./bench/drain -binary bin/gateway -replicas 1 -probes 0 -output-bytes 4096
 	$(GO) run ./bench/stream -binary bin/gateway
 
 clean:
