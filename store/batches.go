@@ -647,13 +647,11 @@ func (s *Store) CompleteItems(ctx context.Context, owner uuid.UUID, results []It
 		p.ErrorCodes[i], p.ErrorMessages[i], p.Verdicts[i] = r.ErrorCode, r.ErrorMessage, r.Verdict
 		p.EvidenceExpiresAts[i], p.Providers[i], p.UpstreamModels[i] = r.EvidenceExpiresAt, r.Provider, r.UpstreamModel
 		p.Attempts[i] = int16(min(r.Attempts, math.MaxInt16))
-		if len(r.Sources) > 0 { // none: NULL
-			sources, err := json.Marshal(r.Sources)
-			if err != nil {
-				return nil, fmt.Errorf("error encoding sources: %w", err)
-			}
-			p.Sources[i] = sources
+		sources, err := sourcesJSON(r.Sources)
+		if err != nil {
+			return nil, err
 		}
+		p.Sources[i] = sources
 	}
 	rows, err := s.queries.CompleteBatchItems(ctx, s.pool, p)
 	if err != nil {

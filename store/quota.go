@@ -277,13 +277,11 @@ func (s *Store) SettleRequests(ctx context.Context, group []Settlement) error {
 		p.InputTokens[i], p.OutputTokens[i] = r.Usage.InputTokens, r.Usage.OutputTokens
 		p.InputRungs[i], p.OutputRungs[i], p.TotalRungs[i] = r.Usage.InputRungs, r.Usage.OutputRungs, r.Usage.TotalRungs
 		p.CreatedAts[i], p.CompletedAts[i], p.EvidenceExpiresAts[i] = r.CreatedAt, r.CompletedAt, r.EvidenceExpiresAt
-		if len(r.Sources) > 0 { // none: NULL
-			sources, err := json.Marshal(r.Sources)
-			if err != nil {
-				return fmt.Errorf("error encoding sources: %w", err)
-			}
-			p.Sources[i] = sources
+		sources, err := sourcesJSON(r.Sources)
+		if err != nil {
+			return err
 		}
+		p.Sources[i] = sources
 		p.Verdicts[i] = r.Verdict // empty: none
 		if st.LeaseID != nil {
 			p.LeaseIds[i] = *st.LeaseID // nil: none
@@ -293,4 +291,17 @@ func (s *Store) SettleRequests(ctx context.Context, group []Settlement) error {
 		return fmt.Errorf("error settling requests: %w", err)
 	}
 	return nil
+}
+
+// sourcesJSON is a request's or an item's sources as an element of a jsonb
+// array parameter: nil (NULL) when there are none.
+func sourcesJSON(sources []gateway.Source) ([]byte, error) {
+	if len(sources) == 0 {
+		return nil, nil
+	}
+	raw, err := json.Marshal(sources)
+	if err != nil {
+		return nil, fmt.Errorf("error encoding sources: %w", err)
+	}
+	return raw, nil
 }
