@@ -482,6 +482,9 @@ func stream(w http.ResponseWriter, r *http.Request, prompt string, o streamOptio
 	delta := func(d map[string]any) map[string]any {
 		return map[string]any{"object": "chat.completion.chunk", "choices": []any{map[string]any{"index": 0, "delta": d}}}
 	}
+	usageOnly := func(u map[string]any) map[string]any {
+		return map[string]any{"object": "chat.completion.chunk", "choices": []any{}, "usage": u}
+	}
 	pieces, title := StreamPieces(prompt), "Example doc"
 	pt, ct := Usage(prompt)
 	if hostile != nil {
@@ -521,10 +524,10 @@ func stream(w http.ResponseWriter, r *http.Request, prompt string, o streamOptio
 	send(map[string]any{"object": "chat.completion.chunk", "choices": []any{map[string]any{"index": 0, "delta": map[string]any{}, "finish_reason": "stop"}}})
 	switch {
 	case inParts:
-		send(map[string]any{"object": "chat.completion.chunk", "choices": []any{}, "usage": map[string]any{"prompt_tokens": 0, "completion_tokens": ct}})
-		send(map[string]any{"object": "chat.completion.chunk", "choices": []any{}, "usage": map[string]any{"prompt_tokens_details": map[string]any{"cached_tokens": pt / 2}}})
+		send(usageOnly(map[string]any{"prompt_tokens": 0, "completion_tokens": ct}))
+		send(usageOnly(map[string]any{"prompt_tokens_details": map[string]any{"cached_tokens": pt / 2}}))
 	case o.withUsage:
-		send(map[string]any{"object": "chat.completion.chunk", "choices": []any{}, "usage": map[string]any{"prompt_tokens": pt, "completion_tokens": ct}})
+		send(usageOnly(map[string]any{"prompt_tokens": pt, "completion_tokens": ct}))
 	}
 	switch {
 	case o.leftOpen:
