@@ -37,6 +37,28 @@ func (g *groupRecorder) CompleteItems(ctx context.Context, owner uuid.UUID, resu
 	return g.Store.CompleteItems(ctx, owner, results)
 }
 
+// claimedOutcomes claims, for owner, the items of a new batch of one item
+// for each of contents, and returns the batch and the items' outcomes in
+// index order: completed with their content, the item of index i billed 5 +
+// i rungs.
+func (b *testBundle) claimedOutcomes(t *testing.T, owner uuid.UUID, contents ...string) (uuid.UUID, []store.ItemResult) {
+	t.Helper()
+	id := b.newBatch(t, "claimed", len(contents))
+	claimed, err := b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: owner, ClaimID: uuid.Must(uuid.NewV7()), Max: 100, PerAccount: 100, Lease: time.Minute})
+	require.NoError(t, err)
+	require.Len(t, claimed, len(contents))
+	slices.SortFunc(claimed, func(x, y store.ClaimedItem) int { return x.Index - y.Index })
+	group := make([]store.ItemResult, len(claimed))
+	for i, it := range claimed {
+		group[i] = store.ItemResult{
+			BatchID: it.BatchID, Index: it.Index, Status: string(gateway.ItemCompleted), Content: contents[i],
+			InputTokens: 4, OutputTokens: 6, InputRungs: 2, OutputRungs: 3 + int64(i), TotalRungs: 5 + int64(i),
+			EvidenceExpiresAt: time.Now().Add(time.Hour), Model: gateway.ModelInstant,
+		}
+	}
+	return id, group
+}
+
 // TestAnUnstorableOutcomeIsIsolated: a group of outcomes one of which
 // PostgreSQL cannot hold (an output with U+0000, as one the guard had not
 // cleaned) is committed member by member: the others as they ran, billed,
@@ -45,21 +67,9 @@ func (g *groupRecorder) CompleteItems(ctx context.Context, owner uuid.UUID, resu
 func TestAnUnstorableOutcomeIsIsolated(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	id := b.newBatch(t, "isolated", 3)
 	owner := uuid.Must(uuid.NewV7())
-	claimed, err := b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: owner, ClaimID: uuid.Must(uuid.NewV7()), Max: 10, PerAccount: 10, Lease: time.Minute})
-	require.NoError(t, err)
-	require.Len(t, claimed, 3)
-	slices.SortFunc(claimed, func(x, y store.ClaimedItem) int { return x.Index - y.Index })
 	contents := []string{"first", "un\x00storable", "third"}
-	group := make([]store.ItemResult, 3)
-	for i, it := range claimed {
-		group[i] = store.ItemResult{
-			BatchID: it.BatchID, Index: it.Index, Status: string(gateway.ItemCompleted), Content: contents[i],
-			InputTokens: 4, OutputTokens: 6, InputRungs: 2, OutputRungs: 3 + int64(i), TotalRungs: 5 + int64(i),
-			EvidenceExpiresAt: time.Now().Add(time.Hour), Model: gateway.ModelInstant,
-		}
-	}
+	id, group := b.claimedOutcomes(t, owner, contents...)
 	rec := &groupRecorder{Store: b.store}
 	logs := &syncbuf.Buffer{}
 	d := drainer.New(drainer.Config{Owner: owner, EvidenceRetention: time.Hour}, rec, b.provider, b.estimator, slog.New(slog.NewJSONHandler(logs, nil)))
@@ -99,20 +109,24 @@ func TestAnUnstorableOutcomeIsIsolated(t *testing.T) {
 // its reply lost on the way back.
 type awayStore struct {
 	drainer.Store
-	mu    sync.Mutex
-	fails int
-	lost  bool
-	calls int
+	mu       sync.Mutex
+	fails    int
+	lost     bool
+	returned int // commits that returned, failed or not
 }
 
 func (a *awayStore) CompleteItems(ctx context.Context, owner uuid.UUID, results []store.ItemResult) ([]store.ItemKey, error) {
 	a.mu.Lock()
-	a.calls++
 	fail := a.fails != 0
 	if a.fails > 0 {
 		a.fails--
 	}
 	a.mu.Unlock()
+	defer func() {
+		a.mu.Lock()
+		defer a.mu.Unlock()
+		a.returned++
+	}()
 	switch {
 	case !fail:
 		return a.Store.CompleteItems(ctx, owner, results)
@@ -126,40 +140,73 @@ func (a *awayStore) CompleteItems(ctx context.Context, owner uuid.UUID, results 
 	}
 }
 
+// commits is how many commits of outcomes have returned.
+func (a *awayStore) commits() int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return a.returned
+}
+
 // TestOutcomesWaitOutTheDatabase: outcomes whose commit finds the database
-// away are committed once it is back, within a lease, and once only when
-// the replies of commits that went through were lost on the way back: each
-// item ran once, and its usage is billed once.
+// away are committed once it is back, within a lease: each item ran once,
+// and its usage is billed once.
 func TestOutcomesWaitOutTheDatabase(t *testing.T) {
 	t.Parallel()
-	for name, lost := range map[string]bool{"away": false, "replies lost after their commits": true} {
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			b := setup(t)
-			id := b.newBatch(t, "outage", 4)
-			away := &awayStore{Store: b.store, fails: 3, lost: lost}
-			b.run(t, away, drainer.Config{Concurrency: 4, Lease: time.Minute})
-			b.completed(t, id)
+	b := setup(t)
+	id := b.newBatch(t, "outage", 4)
+	away := &awayStore{Store: b.store, fails: 3}
+	b.run(t, away, drainer.Config{Concurrency: 4, Lease: time.Minute})
+	b.completed(t, id)
 
-			require.Len(t, b.fake.Calls(), 4, "each item reached the upstream once")
-			away.mu.Lock()
-			require.Greater(t, away.calls, 3, "the failed commits, then the ones that went through")
-			away.mu.Unlock()
-			var billed int64
-			for _, it := range b.items(t, id) {
-				require.Positive(t, it.Usage.TotalRungs)
-				billed += it.Usage.TotalRungs
-			}
-			usage, err := b.store.Usage(b.ctx, b.principal, time.Now().Add(-time.Hour), time.Now().Add(time.Hour))
-			require.NoError(t, err)
-			require.Equal(t, int64(4), usage.Totals.Requests, "each item counted once")
-			require.Equal(t, billed, usage.Totals.TotalRungs, "each item billed once")
-			batch, err := b.store.Batch(b.ctx, b.principal.AccountID, id)
-			require.NoError(t, err)
-			require.Equal(t, gateway.BatchCompleted, batch.Status)
-			require.Equal(t, billed, batch.Usage.TotalRungs)
-		})
+	require.Eventually(t, func() bool { return away.commits() > 3 }, 10*time.Second, 10*time.Millisecond,
+		"the failed commits, then the ones that went through")
+	require.Len(t, b.fake.Calls(), 4, "each item reached the upstream once")
+	var billed int64
+	for _, it := range b.items(t, id) {
+		require.Positive(t, it.Usage.TotalRungs)
+		billed += it.Usage.TotalRungs
 	}
+	usage, err := b.store.Usage(b.ctx, b.principal, time.Now().Add(-time.Hour), time.Now().Add(time.Hour))
+	require.NoError(t, err)
+	require.Equal(t, int64(4), usage.Totals.Requests, "each item counted once")
+	require.Equal(t, billed, usage.Totals.TotalRungs, "each item billed once")
+	require.Eventually(t, func() bool {
+		batch, err := b.store.Batch(b.ctx, b.principal.AccountID, id)
+		require.NoError(t, err)
+		return batch.Status == gateway.BatchCompleted && batch.Usage.TotalRungs == billed
+	}, 10*time.Second, 10*time.Millisecond)
+}
+
+// TestOutcomesWhoseRepliesWereLostAreStoredOnce: a group of outcomes whose
+// commit went through but whose reply was lost, twice, is sent again until a
+// reply comes, which applies nothing more: each item is stored and billed
+// once, and the batch, whose last items they were, is finished then, not
+// left in progress for the housekeeping to find.
+func TestOutcomesWhoseRepliesWereLostAreStoredOnce(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	owner := uuid.Must(uuid.NewV7())
+	id, group := b.claimedOutcomes(t, owner, "first", "second", "third")
+	away := &awayStore{Store: b.store, fails: 2, lost: true}
+	logs := &syncbuf.Buffer{}
+	d := drainer.New(drainer.Config{Owner: owner, Lease: time.Minute, EvidenceRetention: time.Hour}, away, b.provider, b.estimator, slog.New(slog.NewJSONHandler(logs, nil)))
+
+	d.Commit(b.ctx, group)
+
+	require.Equal(t, 3, away.commits(), "stored with its reply lost, sent again with its reply lost, then answered")
+	for i, it := range b.items(t, id) {
+		require.Equal(t, gateway.ItemCompleted, it.Status)
+		require.Equal(t, 5+int64(i), it.Usage.TotalRungs)
+	}
+	usage, err := b.store.Usage(b.ctx, b.principal, time.Now().Add(-time.Hour), time.Now().Add(time.Hour))
+	require.NoError(t, err)
+	require.Equal(t, int64(3), usage.Totals.Requests, "each item counted once")
+	require.Equal(t, int64(5+6+7), usage.Totals.TotalRungs, "each item billed once")
+	batch, err := b.store.Batch(b.ctx, b.principal.AccountID, id)
+	require.NoError(t, err)
+	require.Equal(t, gateway.BatchCompleted, batch.Status)
+	require.Equal(t, int64(5+6+7), batch.Usage.TotalRungs)
+	require.Contains(t, logs.String(), `"refused":3`)
 }
 
 // TestOutcomesPastALeaseOfOutageAreInterrupted: outcomes whose commit finds
@@ -171,12 +218,7 @@ func TestOutcomesPastALeaseOfOutageAreInterrupted(t *testing.T) {
 	b := setup(t)
 	id := b.newBatch(t, "outage", 2)
 	logs := &syncbuf.Buffer{}
-	d := drainer.New(drainer.Config{Concurrency: 2, Lease: time.Second, PollInterval: 50 * time.Millisecond, Grace: time.Second, EvidenceRetention: time.Hour},
-		&awayStore{Store: b.store, fails: -1}, b.provider, b.estimator, slog.New(slog.NewJSONHandler(logs, nil)))
-	ctx, cancel := context.WithCancel(b.ctx)
-	done := make(chan struct{})
-	go func() { defer close(done); d.Run(ctx) }()
-	t.Cleanup(func() { cancel(); <-done })
+	b.runLogging(t, &awayStore{Store: b.store, fails: -1}, drainer.Config{Concurrency: 2, Lease: time.Second}, logs)
 
 	require.Eventually(t, func() bool {
 		_, err := b.store.RescueExpiredLeases(b.ctx, 100)

@@ -538,19 +538,24 @@ func (d *Drainer) commit(ctx context.Context, group []store.ItemResult) {
 	}
 }
 
-// committed records a group's stored outcomes and finishes their batches.
+// committed records a group's stored outcomes and finishes their batches:
+// those of the whole group, since an outcome not applied may have been stored
+// by an attempt whose reply was lost, the last of its batch (the rescuer
+// finishes the batch of one whose lease was lost; FinishBatches moves only
+// batches whose items all ended).
 func (d *Drainer) committed(ctx context.Context, group []store.ItemResult, applied []store.ItemKey) {
 	if len(applied) < len(group) {
-		d.logger.Warn("outcomes refused: their leases were lost", "refused", len(group)-len(applied))
+		d.logger.Warn("outcomes refused: their leases were lost, or an attempt whose reply was lost stored them", "refused", len(group)-len(applied))
 	}
 	done := make(map[store.ItemKey]bool, len(applied))
 	for _, k := range applied {
 		done[k] = true
 	}
-	for _, r := range group {
-		key := store.ItemKey{BatchID: r.BatchID, Index: r.Index}
-		d.held.remove(key)
-		if !done[key] {
+	keys := make([]store.ItemKey, len(group))
+	for i, r := range group {
+		keys[i] = store.ItemKey{BatchID: r.BatchID, Index: r.Index}
+		d.held.remove(keys[i])
+		if !done[keys[i]] {
 			continue
 		}
 		if r.Status == string(gateway.ItemCompleted) {
@@ -558,7 +563,7 @@ func (d *Drainer) committed(ctx context.Context, group []store.ItemResult, appli
 		}
 		d.cfg.Metrics.BatchItem(r.Status)
 	}
-	d.finish(ctx, applied)
+	d.finish(ctx, keys)
 }
 
 // finish makes terminal the batches of items that reached an outcome.

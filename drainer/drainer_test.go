@@ -100,8 +100,15 @@ func (b *testBundle) newBatchFor(t *testing.T, p *gateway.Principal, prompts []s
 // run starts a drainer on st until the test ends.
 func (b *testBundle) run(t *testing.T, st drainer.Store, cfg drainer.Config) {
 	t.Helper()
+	b.runLogging(t, st, cfg, io.Discard)
+}
+
+// runLogging starts a drainer on st, logging JSON lines to logs, until the
+// test ends.
+func (b *testBundle) runLogging(t *testing.T, st drainer.Store, cfg drainer.Config, logs io.Writer) {
+	t.Helper()
 	cfg.PollInterval, cfg.Grace, cfg.EvidenceRetention = 50*time.Millisecond, time.Second, time.Hour
-	d := drainer.New(cfg, st, b.provider, b.estimator, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	d := drainer.New(cfg, st, b.provider, b.estimator, slog.New(slog.NewJSONHandler(logs, nil)))
 	ctx, cancel := context.WithCancel(b.ctx)
 	done := make(chan struct{})
 	go func() { defer close(done); d.Run(ctx) }()
@@ -616,12 +623,7 @@ func TestAnItemThatCannotBePricedFailsAndIsLogged(t *testing.T) {
 	b.estimator = &metering.Estimator{Tokenizer: b.estimator.Tokenizer, RateCard: rc}
 	id := b.newBatch(t, "overpriced", 2)
 	logs := &syncbuf.Buffer{}
-	d := drainer.New(drainer.Config{PollInterval: 50 * time.Millisecond, Grace: time.Second, EvidenceRetention: time.Hour},
-		b.store, b.provider, b.estimator, slog.New(slog.NewJSONHandler(logs, nil)))
-	ctx, cancel := context.WithCancel(b.ctx)
-	done := make(chan struct{})
-	go func() { defer close(done); d.Run(ctx) }()
-	t.Cleanup(func() { cancel(); <-done })
+	b.runLogging(t, b.store, drainer.Config{}, logs)
 
 	require.Eventually(t, func() bool {
 		batch, err := b.store.Batch(b.ctx, b.principal.AccountID, id)
