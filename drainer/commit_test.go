@@ -140,6 +140,22 @@ func (a *awayStore) CompleteItems(ctx context.Context, owner uuid.UUID, results 
 	}
 }
 
+// RequeueItems hands items back, its reply lost as a commit's is when lost
+// is set and fails are left.
+func (a *awayStore) RequeueItems(ctx context.Context, owner uuid.UUID, keys []store.ItemKey) (store.Requeued, error) {
+	a.mu.Lock()
+	fail := a.lost && a.fails != 0
+	if fail && a.fails > 0 {
+		a.fails--
+	}
+	a.mu.Unlock()
+	r, err := a.Store.RequeueItems(ctx, owner, keys)
+	if err == nil && fail {
+		return store.Requeued{}, fmt.Errorf("error requeueing batch items: %w", io.ErrUnexpectedEOF)
+	}
+	return r, err
+}
+
 // commits is how many commits of outcomes have returned.
 func (a *awayStore) commits() int {
 	a.mu.Lock()
@@ -237,4 +253,33 @@ func TestOutcomesPastALeaseOfOutageAreInterrupted(t *testing.T) {
 	require.NoError(t, err)
 	require.Zero(t, usage.Totals.TotalRungs)
 	require.Contains(t, logs.String(), `"msg":"error committing batch item outcomes; the rescuer will take the items"`)
+}
+
+// TestARequeueWhoseReplyWasLostFinishesItsBatch: an item handed back while
+// its batch is being cancelled is cancelled, the batch's last; when the
+// reply of that hand-back is lost, the one sent again finds nothing to hand
+// back, and the batch is cancelled all the same, not left cancelling for the
+// housekeeping to find.
+func TestARequeueWhoseReplyWasLostFinishesItsBatch(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	owner := uuid.Must(uuid.NewV7())
+	id := b.newBatch(t, "cancelled", 1)
+	claimed, err := b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: owner, ClaimID: uuid.Must(uuid.NewV7()), Max: 1, PerAccount: 1, Lease: time.Minute})
+	require.NoError(t, err)
+	require.Len(t, claimed, 1)
+	require.NoError(t, b.store.CancelBatch(b.ctx, b.principal.AccountID, id))
+	batch, err := b.store.Batch(b.ctx, b.principal.AccountID, id)
+	require.NoError(t, err)
+	require.Equal(t, gateway.BatchCancelling, batch.Status, "its item is running")
+	away := &awayStore{Store: b.store, fails: 1, lost: true}
+	d := drainer.New(drainer.Config{Owner: owner, Lease: time.Minute}, away, b.provider, b.estimator, slog.New(slog.NewJSONHandler(io.Discard, nil)))
+
+	d.Requeue(b.ctx, claimed[0])
+
+	require.Equal(t, 0, away.fails, "the first hand-back's reply was lost")
+	batch, err = b.store.Batch(b.ctx, b.principal.AccountID, id)
+	require.NoError(t, err)
+	require.Equal(t, gateway.BatchCancelled, batch.Status)
+	require.Equal(t, gateway.ItemCancelled, b.items(t, id)[0].Status)
 }

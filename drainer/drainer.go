@@ -448,8 +448,10 @@ func (d *Drainer) requeue(ctx context.Context, it store.ClaimedItem) {
 	key := store.ItemKey{BatchID: it.BatchID, Index: it.Index}
 	defer d.held.remove(key)
 	var r store.Requeued
+	var unsure bool // an attempt's reply was lost: it may have cancelled the item
 	err := d.retry(ctx, func(ctx context.Context) (err error) {
 		r, err = d.store.RequeueItems(ctx, d.cfg.Owner, []store.ItemKey{key})
+		unsure = unsure || store.MayHaveCommitted(err)
 		return err
 	})
 	if err != nil {
@@ -458,6 +460,11 @@ func (d *Drainer) requeue(ctx context.Context, it store.ClaimedItem) {
 		return
 	}
 	d.cfg.Metrics.BatchItem(metrics.ItemRequeued)
+	if unsure {
+		// Its batch is finished if the lost attempt cancelled its last item
+		// (FinishBatches moves only batches whose items all ended).
+		r.Cancelled = []store.ItemKey{key}
+	}
 	d.finish(ctx, r.Cancelled)
 }
 
