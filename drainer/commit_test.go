@@ -94,8 +94,7 @@ func TestAnUnstorableOutcomeIsIsolated(t *testing.T) {
 	batch, err := b.store.Batch(b.ctx, b.principal.AccountID, id)
 	require.NoError(t, err)
 	require.Equal(t, gateway.BatchCompleted, batch.Status, "every item ended: the batch finished")
-	usage, err := b.store.Usage(b.ctx, b.principal, time.Now().Add(-time.Hour), time.Now().Add(time.Hour))
-	require.NoError(t, err)
+	usage := b.usage(t)
 	require.Equal(t, int64(5+7), usage.Totals.TotalRungs, "the two stored outcomes billed, the unstorable one not")
 
 	require.Equal(t, 1, strings.Count(logs.String(), `"msg":"a group of batch item outcomes failed; committing them one by one"`))
@@ -182,8 +181,7 @@ func TestOutcomesWaitOutTheDatabase(t *testing.T) {
 		require.Positive(t, it.Usage.TotalRungs)
 		billed += it.Usage.TotalRungs
 	}
-	usage, err := b.store.Usage(b.ctx, b.principal, time.Now().Add(-time.Hour), time.Now().Add(time.Hour))
-	require.NoError(t, err)
+	usage := b.usage(t)
 	require.Equal(t, int64(4), usage.Totals.Requests, "each item counted once")
 	require.Equal(t, billed, usage.Totals.TotalRungs, "each item billed once")
 	require.Eventually(t, func() bool {
@@ -214,8 +212,7 @@ func TestOutcomesWhoseRepliesWereLostAreStoredOnce(t *testing.T) {
 		require.Equal(t, gateway.ItemCompleted, it.Status)
 		require.Equal(t, 5+int64(i), it.Usage.TotalRungs)
 	}
-	usage, err := b.store.Usage(b.ctx, b.principal, time.Now().Add(-time.Hour), time.Now().Add(time.Hour))
-	require.NoError(t, err)
+	usage := b.usage(t)
 	require.Equal(t, int64(3), usage.Totals.Requests, "each item counted once")
 	require.Equal(t, int64(5+6+7), usage.Totals.TotalRungs, "each item billed once")
 	batch, err := b.store.Batch(b.ctx, b.principal.AccountID, id)
@@ -243,14 +240,9 @@ func TestOutcomesPastALeaseOfOutageAreInterrupted(t *testing.T) {
 		require.NoError(t, err)
 		return batch.Status.Terminal()
 	}, 20*time.Second, 100*time.Millisecond)
-	for _, it := range b.items(t, id) {
-		require.Equal(t, gateway.ItemFailed, it.Status)
-		require.Equal(t, gateway.EInterrupted, it.Error.Code)
-		require.Zero(t, it.Usage.TotalRungs)
-	}
+	b.failedUnbilled(t, id, gateway.EInterrupted)
 	require.Len(t, b.fake.Calls(), 2, "each item reached the upstream once, and never again")
-	usage, err := b.store.Usage(b.ctx, b.principal, time.Now().Add(-time.Hour), time.Now().Add(time.Hour))
-	require.NoError(t, err)
+	usage := b.usage(t)
 	require.Zero(t, usage.Totals.TotalRungs)
 	require.Contains(t, logs.String(), `"msg":"error committing batch item outcomes; the rescuer will take the items"`)
 }

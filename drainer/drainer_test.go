@@ -120,6 +120,25 @@ func (b *testBundle) items(t *testing.T, id uuid.UUID) []gateway.BatchItem {
 	return b.itemsOf(t, b.principal, id)
 }
 
+// failedUnbilled requires every item of batch id failed with code, billed
+// nothing.
+func (b *testBundle) failedUnbilled(t *testing.T, id uuid.UUID, code gateway.ErrorCode) {
+	t.Helper()
+	for _, it := range b.items(t, id) {
+		require.Equal(t, gateway.ItemFailed, it.Status)
+		require.Equal(t, code, it.Error.Code)
+		require.Zero(t, it.Usage.TotalRungs)
+	}
+}
+
+// usage is the test principal's committed usage of the last hour.
+func (b *testBundle) usage(t *testing.T) *gateway.UsageView {
+	t.Helper()
+	v, err := b.store.Usage(b.ctx, b.principal, time.Now().Add(-time.Hour), time.Now().Add(time.Hour))
+	require.NoError(t, err)
+	return v
+}
+
 // itemsOf is the items of p's batch id.
 func (b *testBundle) itemsOf(t *testing.T, p *gateway.Principal, id uuid.UUID) []gateway.BatchItem {
 	t.Helper()
@@ -630,11 +649,7 @@ func TestAnItemThatCannotBePricedFailsAndIsLogged(t *testing.T) {
 		require.NoError(t, err)
 		return batch.Status.Terminal()
 	}, 10*time.Second, 20*time.Millisecond)
-	for _, it := range b.items(t, id) {
-		require.Equal(t, gateway.ItemFailed, it.Status)
-		require.Equal(t, gateway.EInternal, it.Error.Code)
-		require.Zero(t, it.Usage.TotalRungs)
-	}
+	b.failedUnbilled(t, id, gateway.EInternal)
 	require.Equal(t, 2, strings.Count(logs.String(), `"msg":"a batch item's usage could not be priced; failing the item"`))
 	require.Contains(t, logs.String(), metering.ErrOverflow.Error())
 }
