@@ -546,10 +546,10 @@ func (d *Drainer) commit(ctx context.Context, group []store.ItemResult) {
 }
 
 // committed records a group's stored outcomes and finishes their batches:
-// those of the whole group, since an outcome not applied may have been stored
-// by an attempt whose reply was lost, the last of its batch (the rescuer
-// finishes the batch of one whose lease was lost; FinishBatches moves only
-// batches whose items all ended).
+// those of the whole group, since an outcome the last attempt did not apply
+// may have been stored by an earlier one whose reply was lost, as its
+// batch's last (FinishBatches moves only batches whose items all ended; the
+// rescuer finishes the batch of an outcome refused for its lost lease).
 func (d *Drainer) committed(ctx context.Context, group []store.ItemResult, applied []store.ItemKey) {
 	if len(applied) < len(group) {
 		d.logger.Warn("outcomes refused: their leases were lost, or an attempt whose reply was lost stored them", "refused", len(group)-len(applied))
