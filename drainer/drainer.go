@@ -573,7 +573,9 @@ func (d *Drainer) committed(ctx context.Context, group []store.ItemResult, appli
 	d.finish(ctx, keys)
 }
 
-// finish makes terminal the batches of items that reached an outcome.
+// finish makes terminal the batches of items that reached an outcome,
+// retrying while the database is away for up to a lease (then the
+// housekeeping's pass over stranded batches finishes them).
 func (d *Drainer) finish(ctx context.Context, keys []store.ItemKey) {
 	if len(keys) == 0 {
 		return
@@ -582,8 +584,9 @@ func (d *Drainer) finish(ctx context.Context, keys []store.ItemKey) {
 	for i, k := range keys {
 		ids[i] = k.BatchID
 	}
-	if err := d.store.FinishBatches(ctx, unique(ids)); err != nil {
-		d.logger.Error("error finishing batches", "error", err)
+	ids = unique(ids)
+	if err := d.retry(ctx, func(ctx context.Context) error { return d.store.FinishBatches(ctx, ids) }); err != nil {
+		d.logger.Error("error finishing batches; the housekeeping will", "error", err)
 	}
 }
 
@@ -616,15 +619,17 @@ func (d *Drainer) heartbeat(ctx context.Context) {
 }
 
 // startBatches moves the batches whose first item was dispatched to
-// in_progress, off the dispatch path.
+// in_progress, off the dispatch path, retrying while the database is away
+// for up to a lease.
 func (d *Drainer) startBatches(ctx context.Context) {
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-d.starts.wake:
-			if err := d.store.StartBatches(ctx, d.starts.take()); err != nil && ctx.Err() == nil {
-				d.logger.Error("error starting batches", "error", err)
+			ids := d.starts.take()
+			if err := d.retry(ctx, func(ctx context.Context) error { return d.store.StartBatches(ctx, ids) }); err != nil && ctx.Err() == nil {
+				d.logger.Error("error starting batches; each starts at its next item's dispatch, or finishes", "error", err)
 			}
 		}
 	}

@@ -135,8 +135,80 @@ func (a *awayStore) CompleteItems(ctx context.Context, owner uuid.UUID, results 
 		}
 		return nil, fmt.Errorf("error completing batch items: %w", io.ErrUnexpectedEOF)
 	default:
-		return nil, fmt.Errorf("error completing batch items: %w", &pgconn.PgError{Code: "57P03", Message: "the database system is starting up"})
+		return nil, fmt.Errorf("error completing batch items: %w", errStartingUp)
 	}
+}
+
+// errStartingUp is what PostgreSQL answers while it starts: the database
+// away for a moment.
+var errStartingUp = &pgconn.PgError{Code: "57P03", Message: "the database system is starting up"}
+
+// unmovedStore is a Store whose moves of batches (their start and their
+// finish) fail as while the database is away, the first fails times.
+type unmovedStore struct {
+	drainer.Store
+	mu    sync.Mutex
+	fails int
+}
+
+// away says whether this move fails.
+func (u *unmovedStore) away() bool {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	if u.fails == 0 {
+		return false
+	}
+	u.fails--
+	return true
+}
+
+func (u *unmovedStore) StartBatches(ctx context.Context, ids []uuid.UUID) error {
+	if u.away() {
+		return fmt.Errorf("error finding the batches to move: %w", errStartingUp)
+	}
+	return u.Store.StartBatches(ctx, ids)
+}
+
+func (u *unmovedStore) FinishBatches(ctx context.Context, ids []uuid.UUID) error {
+	if u.away() {
+		return fmt.Errorf("error finding the batches to move: %w", errStartingUp)
+	}
+	return u.Store.FinishBatches(ctx, ids)
+}
+
+// TestBatchesMoveOnceTheDatabaseIsBack: a batch whose start finds the
+// database away starts once it is back, while its item still runs, and one
+// whose finish finds it away is finished once it is back, not left for the
+// housekeeping to find.
+func TestBatchesMoveOnceTheDatabaseIsBack(t *testing.T) {
+	t.Parallel()
+	t.Run("start", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		b.fake.SetDelay(20 * time.Second) // running until the test ends
+		id := b.newBatch(t, "slow", 1)
+		b.run(t, &unmovedStore{Store: b.store, fails: 2}, drainer.Config{Lease: time.Minute})
+		require.Eventually(t, func() bool {
+			batch, err := b.store.Batch(b.ctx, b.principal.AccountID, id)
+			require.NoError(t, err)
+			return batch.Status == gateway.BatchInProgress
+		}, 10*time.Second, 20*time.Millisecond)
+		require.Equal(t, gateway.ItemInProgress, b.items(t, id)[0].Status, "started while its item runs")
+	})
+	t.Run("finish", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		owner := uuid.Must(uuid.NewV7())
+		id, group := b.claimedOutcomes(t, owner, "first", "second")
+		d := drainer.New(drainer.Config{Owner: owner, Lease: time.Minute, EvidenceRetention: time.Hour},
+			&unmovedStore{Store: b.store, fails: 2}, b.provider, b.estimator, slog.New(slog.NewJSONHandler(io.Discard, nil)))
+
+		d.Commit(b.ctx, group)
+
+		batch, err := b.store.Batch(b.ctx, b.principal.AccountID, id)
+		require.NoError(t, err)
+		require.Equal(t, gateway.BatchCompleted, batch.Status)
+	})
 }
 
 // RequeueItems hands items back, its reply lost as a commit's is when lost
