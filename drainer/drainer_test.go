@@ -103,12 +103,18 @@ func (b *testBundle) run(t *testing.T, st drainer.Store, cfg drainer.Config) {
 	b.runLogging(t, st, cfg, io.Discard)
 }
 
+// newDrainer is a drainer on st with cfg, logging JSON lines to logs, not
+// started: for tests that start it or call its parts.
+func (b *testBundle) newDrainer(cfg drainer.Config, st drainer.Store, logs io.Writer) *drainer.Drainer {
+	return drainer.New(cfg, st, b.provider, b.estimator, slog.New(slog.NewJSONHandler(logs, nil)))
+}
+
 // runLogging starts a drainer on st, logging JSON lines to logs, until the
 // test ends.
 func (b *testBundle) runLogging(t *testing.T, st drainer.Store, cfg drainer.Config, logs io.Writer) {
 	t.Helper()
 	cfg.PollInterval, cfg.Grace, cfg.EvidenceRetention = 50*time.Millisecond, time.Second, time.Hour
-	d := drainer.New(cfg, st, b.provider, b.estimator, slog.New(slog.NewJSONHandler(logs, nil)))
+	d := b.newDrainer(cfg, st, logs)
 	ctx, cancel := context.WithCancel(b.ctx)
 	done := make(chan struct{})
 	go func() { defer close(done); d.Run(ctx) }()
@@ -280,8 +286,8 @@ func TestClaimInFlightAtShutdownIsHandedBack(t *testing.T) {
 	ctx, cancel := context.WithCancel(b.ctx)
 	defer cancel()
 	st := &stoppingStore{Store: b.store, stop: cancel}
-	d := drainer.New(drainer.Config{PollInterval: 50 * time.Millisecond, Grace: 10 * time.Second, EvidenceRetention: time.Hour, Lease: time.Minute},
-		st, b.provider, b.estimator, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	d := b.newDrainer(drainer.Config{PollInterval: 50 * time.Millisecond, Grace: 10 * time.Second, EvidenceRetention: time.Hour, Lease: time.Minute},
+		st, io.Discard)
 	d.Run(ctx)
 	require.True(t, st.claimed.Load(), "the claim ran to its end")
 	for _, it := range b.items(t, id) {

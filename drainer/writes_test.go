@@ -4,10 +4,10 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"log/slog"
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -72,7 +72,7 @@ func TestAnUnstorableOutcomeIsIsolated(t *testing.T) {
 	id, group := b.claimedOutcomes(t, owner, contents...)
 	rec := &groupRecorder{Store: b.store}
 	logs := &syncbuf.Buffer{}
-	d := drainer.New(drainer.Config{Owner: owner, EvidenceRetention: time.Hour}, rec, b.provider, b.estimator, slog.New(slog.NewJSONHandler(logs, nil)))
+	d := b.newDrainer(drainer.Config{Owner: owner, EvidenceRetention: time.Hour}, rec, logs)
 
 	d.Commit(b.ctx, group)
 
@@ -102,32 +102,41 @@ func TestAnUnstorableOutcomeIsIsolated(t *testing.T) {
 	require.NotContains(t, logs.String(), "the rescuer will take")
 }
 
-// awayStore is a Store whose commits of outcomes fail, as while the
-// database is away, for as long as fails says (-1: for good): before the
-// statement reaches the database, or, when lost is set, after it committed,
-// its reply lost on the way back.
+// outage counts the writes of a test store still to fail, as while the
+// database is away (-1: all of them).
+type outage struct {
+	mu    sync.Mutex
+	fails int
+}
+
+// fail says whether this write fails, and counts it.
+func (o *outage) fail() bool {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	if o.fails == 0 {
+		return false
+	}
+	if o.fails > 0 {
+		o.fails--
+	}
+	return true
+}
+
+// awayStore is a Store whose commits of outcomes fail during its outage:
+// before the statement reaches the database, or, when lost is set, after it
+// committed, its reply lost on the way back; so do its hand-backs, when lost
+// is set.
 type awayStore struct {
 	drainer.Store
-	mu       sync.Mutex
-	fails    int
+	outage
 	lost     bool
-	returned int // commits that returned, failed or not
+	returned atomic.Int32 // commits that returned, failed or not
 }
 
 func (a *awayStore) CompleteItems(ctx context.Context, owner uuid.UUID, results []store.ItemResult) ([]store.ItemKey, error) {
-	a.mu.Lock()
-	fail := a.fails != 0
-	if a.fails > 0 {
-		a.fails--
-	}
-	a.mu.Unlock()
-	defer func() {
-		a.mu.Lock()
-		defer a.mu.Unlock()
-		a.returned++
-	}()
+	defer a.returned.Add(1)
 	switch {
-	case !fail:
+	case !a.fail():
 		return a.Store.CompleteItems(ctx, owner, results)
 	case a.lost:
 		if _, err := a.Store.CompleteItems(ctx, owner, results); err != nil {
@@ -139,38 +148,40 @@ func (a *awayStore) CompleteItems(ctx context.Context, owner uuid.UUID, results 
 	}
 }
 
+// RequeueItems hands items back, its reply lost during the outage when lost
+// is set.
+func (a *awayStore) RequeueItems(ctx context.Context, owner uuid.UUID, keys []store.ItemKey) (store.Requeued, error) {
+	fail := a.lost && a.fail()
+	r, err := a.Store.RequeueItems(ctx, owner, keys)
+	if err == nil && fail {
+		return store.Requeued{}, fmt.Errorf("error requeueing batch items: %w", io.ErrUnexpectedEOF)
+	}
+	return r, err
+}
+
+// commits is how many commits of outcomes have returned.
+func (a *awayStore) commits() int { return int(a.returned.Load()) }
+
 // errStartingUp is what PostgreSQL answers while it starts: the database
 // away for a moment.
 var errStartingUp = &pgconn.PgError{Code: "57P03", Message: "the database system is starting up"}
 
 // unmovedStore is a Store whose moves of batches (their start and their
-// finish) fail as while the database is away, the first fails times.
+// finish) fail during its outage.
 type unmovedStore struct {
 	drainer.Store
-	mu    sync.Mutex
-	fails int
-}
-
-// away says whether this move fails.
-func (u *unmovedStore) away() bool {
-	u.mu.Lock()
-	defer u.mu.Unlock()
-	if u.fails == 0 {
-		return false
-	}
-	u.fails--
-	return true
+	outage
 }
 
 func (u *unmovedStore) StartBatches(ctx context.Context, ids []uuid.UUID) error {
-	if u.away() {
+	if u.fail() {
 		return fmt.Errorf("error finding the batches to move: %w", errStartingUp)
 	}
 	return u.Store.StartBatches(ctx, ids)
 }
 
 func (u *unmovedStore) FinishBatches(ctx context.Context, ids []uuid.UUID) error {
-	if u.away() {
+	if u.fail() {
 		return fmt.Errorf("error finding the batches to move: %w", errStartingUp)
 	}
 	return u.Store.FinishBatches(ctx, ids)
@@ -187,7 +198,7 @@ func TestBatchesMoveOnceTheDatabaseIsBack(t *testing.T) {
 		b := setup(t)
 		b.fake.SetDelay(20 * time.Second) // running until the test ends
 		id := b.newBatch(t, "slow", 1)
-		b.run(t, &unmovedStore{Store: b.store, fails: 2}, drainer.Config{Lease: time.Minute})
+		b.run(t, &unmovedStore{Store: b.store, outage: outage{fails: 2}}, drainer.Config{Lease: time.Minute})
 		require.Eventually(t, func() bool {
 			batch, err := b.store.Batch(b.ctx, b.principal.AccountID, id)
 			require.NoError(t, err)
@@ -200,8 +211,8 @@ func TestBatchesMoveOnceTheDatabaseIsBack(t *testing.T) {
 		b := setup(t)
 		owner := uuid.Must(uuid.NewV7())
 		id, group := b.claimedOutcomes(t, owner, "first", "second")
-		d := drainer.New(drainer.Config{Owner: owner, Lease: time.Minute, EvidenceRetention: time.Hour},
-			&unmovedStore{Store: b.store, fails: 2}, b.provider, b.estimator, slog.New(slog.NewJSONHandler(io.Discard, nil)))
+		d := b.newDrainer(drainer.Config{Owner: owner, Lease: time.Minute, EvidenceRetention: time.Hour},
+			&unmovedStore{Store: b.store, outage: outage{fails: 2}}, io.Discard)
 
 		d.Commit(b.ctx, group)
 
@@ -211,29 +222,6 @@ func TestBatchesMoveOnceTheDatabaseIsBack(t *testing.T) {
 	})
 }
 
-// RequeueItems hands items back, its reply lost as a commit's is when lost
-// is set and fails are left.
-func (a *awayStore) RequeueItems(ctx context.Context, owner uuid.UUID, keys []store.ItemKey) (store.Requeued, error) {
-	a.mu.Lock()
-	fail := a.lost && a.fails != 0
-	if fail && a.fails > 0 {
-		a.fails--
-	}
-	a.mu.Unlock()
-	r, err := a.Store.RequeueItems(ctx, owner, keys)
-	if err == nil && fail {
-		return store.Requeued{}, fmt.Errorf("error requeueing batch items: %w", io.ErrUnexpectedEOF)
-	}
-	return r, err
-}
-
-// commits is how many commits of outcomes have returned.
-func (a *awayStore) commits() int {
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	return a.returned
-}
-
 // TestOutcomesWaitOutTheDatabase: outcomes whose commit finds the database
 // away are committed once it is back, within a lease: each item ran once,
 // and its usage is billed once.
@@ -241,7 +229,7 @@ func TestOutcomesWaitOutTheDatabase(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	id := b.newBatch(t, "outage", 4)
-	away := &awayStore{Store: b.store, fails: 3}
+	away := &awayStore{Store: b.store, outage: outage{fails: 3}}
 	b.run(t, away, drainer.Config{Concurrency: 4, Lease: time.Minute})
 	b.completed(t, id)
 
@@ -273,9 +261,9 @@ func TestOutcomesWhoseRepliesWereLostAreStoredOnce(t *testing.T) {
 	b := setup(t)
 	owner := uuid.Must(uuid.NewV7())
 	id, group := b.claimedOutcomes(t, owner, "first", "second", "third")
-	away := &awayStore{Store: b.store, fails: 2, lost: true}
+	away := &awayStore{Store: b.store, outage: outage{fails: 2}, lost: true}
 	logs := &syncbuf.Buffer{}
-	d := drainer.New(drainer.Config{Owner: owner, Lease: time.Minute, EvidenceRetention: time.Hour}, away, b.provider, b.estimator, slog.New(slog.NewJSONHandler(logs, nil)))
+	d := b.newDrainer(drainer.Config{Owner: owner, Lease: time.Minute, EvidenceRetention: time.Hour}, away, logs)
 
 	d.Commit(b.ctx, group)
 
@@ -303,7 +291,7 @@ func TestOutcomesPastALeaseOfOutageAreInterrupted(t *testing.T) {
 	b := setup(t)
 	id := b.newBatch(t, "outage", 2)
 	logs := &syncbuf.Buffer{}
-	b.runLogging(t, &awayStore{Store: b.store, fails: -1}, drainer.Config{Concurrency: 2, Lease: time.Second}, logs)
+	b.runLogging(t, &awayStore{Store: b.store, outage: outage{fails: -1}}, drainer.Config{Concurrency: 2, Lease: time.Second}, logs)
 
 	require.Eventually(t, func() bool {
 		_, err := b.store.RescueExpiredLeases(b.ctx, 100)
@@ -336,8 +324,8 @@ func TestARequeueWhoseReplyWasLostFinishesItsBatch(t *testing.T) {
 	batch, err := b.store.Batch(b.ctx, b.principal.AccountID, id)
 	require.NoError(t, err)
 	require.Equal(t, gateway.BatchCancelling, batch.Status, "its item is running")
-	away := &awayStore{Store: b.store, fails: 1, lost: true}
-	d := drainer.New(drainer.Config{Owner: owner, Lease: time.Minute}, away, b.provider, b.estimator, slog.New(slog.NewJSONHandler(io.Discard, nil)))
+	away := &awayStore{Store: b.store, outage: outage{fails: 1}, lost: true}
+	d := b.newDrainer(drainer.Config{Owner: owner, Lease: time.Minute}, away, io.Discard)
 
 	d.Requeue(b.ctx, claimed[0])
 
