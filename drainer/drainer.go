@@ -126,9 +126,11 @@ type Drainer struct {
 	results chan outcome
 	held    heldItems
 	stopped stoppedBatches
-	starts  batchSet
-	waiting accountWaits
-	ahead   lookahead
+	// starts: batches whose first item was dispatched; refusals: batches
+	// whose items a claim refused their budget (see moveBatches).
+	starts, refusals batchSet
+	waiting          accountWaits
+	ahead            lookahead
 	// probes counts the items running as probes of a model with no target
 	// taking calls: one at a time.
 	probes atomic.Int32
@@ -153,8 +155,9 @@ func New(cfg Config, st Store, provider upstream.Provider, estimator *metering.E
 	}
 	return &Drainer{
 		cfg: cfg, store: st, provider: provider, estimator: estimator, logger: logger,
-		results: make(chan outcome, cfg.Concurrency),
-		starts:  batchSet{wake: make(chan struct{}, 1)},
+		results:  make(chan outcome, cfg.Concurrency),
+		starts:   batchSet{wake: make(chan struct{}, 1)},
+		refusals: batchSet{wake: make(chan struct{}, 1)},
 	}
 }
 
@@ -172,10 +175,17 @@ func (d *Drainer) Run(ctx context.Context) {
 
 	wake := make(chan struct{}, 1)
 	var background sync.WaitGroup
-	background.Add(3)
+	background.Add(4)
 	go func() { defer background.Done(); d.listen(ctx, wake) }()
 	go func() { defer background.Done(); d.heartbeat(commits) }()
-	go func() { defer background.Done(); d.startBatches(commits) }()
+	go func() {
+		defer background.Done()
+		d.moveBatches(commits, &d.starts, d.store.StartBatches, "error starting batches; each starts at its next item's dispatch, or finishes")
+	}()
+	go func() {
+		defer background.Done()
+		d.moveBatches(commits, &d.refusals, d.store.FinishBatches, "error finishing batches whose items were refused their budget; the housekeeping will")
+	}()
 	completerDone := make(chan struct{})
 	go func() { defer close(completerDone); d.complete(commits) }()
 
@@ -341,19 +351,15 @@ func (d *Drainer) claim(commits context.Context, n int, models []gateway.Model) 
 	elapsed := time.Since(start)
 	d.cfg.Metrics.Claim(elapsed)
 	d.ahead.observeClaim(elapsed)
-	var refused []uuid.UUID
 	runnable := items[:0]
 	for _, it := range items {
 		if it.BudgetRefused {
 			d.cfg.Metrics.BatchItem(metrics.ItemRefused)
-			refused = append(refused, it.BatchID)
+			d.refusals.add(it.BatchID)
 			continue
 		}
 		d.held.add(store.ItemKey{BatchID: it.BatchID, Index: it.Index})
 		runnable = append(runnable, it)
-	}
-	if err := d.store.FinishBatches(commits, unique(refused)); err != nil {
-		d.logger.Error("error finishing batches", "error", err)
 	}
 	return runnable, false
 }
@@ -618,18 +624,21 @@ func (d *Drainer) heartbeat(ctx context.Context) {
 	}
 }
 
-// startBatches moves the batches whose first item was dispatched to
-// in_progress, off the dispatch path, retrying while the database is away
-// for up to a lease.
-func (d *Drainer) startBatches(ctx context.Context) {
+// moveBatches moves the batches gathered in set with move, off the paths
+// that gather them (an item's dispatch, a claim), retrying while the
+// database is away for up to a lease, and logs failed when it cannot: the
+// starts of batches whose first item was dispatched (to in_progress), and the
+// finishes of batches whose items a claim refused their budget (the claim
+// failed them, and the rest of their batches, at once).
+func (d *Drainer) moveBatches(ctx context.Context, set *batchSet, move func(context.Context, []uuid.UUID) error, failed string) {
 	for {
 		select {
 		case <-ctx.Done():
 			return
-		case <-d.starts.wake:
-			ids := d.starts.take()
-			if err := d.retry(ctx, func(ctx context.Context) error { return d.store.StartBatches(ctx, ids) }); err != nil && ctx.Err() == nil {
-				d.logger.Error("error starting batches; each starts at its next item's dispatch, or finishes", "error", err)
+		case <-set.wake:
+			ids := set.take()
+			if err := d.retry(ctx, func(ctx context.Context) error { return move(ctx, ids) }); err != nil && ctx.Err() == nil {
+				d.logger.Error(failed, "error", err)
 			}
 		}
 	}

@@ -190,7 +190,8 @@ func (u *unmovedStore) FinishBatches(ctx context.Context, ids []uuid.UUID) error
 // TestBatchesMoveOnceTheDatabaseIsBack: a batch whose start finds the
 // database away starts once it is back, while its item still runs, and one
 // whose finish finds it away is finished once it is back, not left for the
-// housekeeping to find.
+// housekeeping to find: after its last outcome's commit, and after a claim
+// that refused its items their budget.
 func TestBatchesMoveOnceTheDatabaseIsBack(t *testing.T) {
 	t.Parallel()
 	t.Run("start", func(t *testing.T) {
@@ -219,6 +220,26 @@ func TestBatchesMoveOnceTheDatabaseIsBack(t *testing.T) {
 		batch, err := b.store.Batch(b.ctx, b.principal.AccountID, id)
 		require.NoError(t, err)
 		require.Equal(t, gateway.BatchCompleted, batch.Status)
+	})
+	t.Run("refused", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		// A budget below one item's estimate (60): the claim refuses the
+		// first item and fails the batch's others with it.
+		budget := int64(10)
+		require.NoError(t, b.store.SetLimits(b.ctx, store.SetLimitsParams{Account: "acme", Project: "default", BudgetRungs: &budget}))
+		id := b.newBatch(t, "refused", 3)
+		b.run(t, &unmovedStore{Store: b.store, outage: outage{fails: 2}}, drainer.Config{Lease: time.Minute})
+		require.Eventually(t, func() bool {
+			batch, err := b.store.Batch(b.ctx, b.principal.AccountID, id)
+			require.NoError(t, err)
+			return batch.Status == gateway.BatchFailed
+		}, 10*time.Second, 20*time.Millisecond)
+		for _, it := range b.items(t, id) {
+			require.Equal(t, gateway.ItemFailed, it.Status)
+			require.Equal(t, gateway.EBudgetExceeded, it.Error.Code)
+		}
+		require.Empty(t, b.fake.Calls(), "nothing reached the upstream")
 	})
 }
 
