@@ -128,9 +128,11 @@ type Drainer struct {
 	stopped stoppedBatches
 	// starts: batches whose first item was dispatched; refusals: batches
 	// whose items a claim refused their budget (see moveBatches).
-	starts, refusals batchSet
-	waiting          accountWaits
-	ahead            lookahead
+	starts, refusals idSet
+	// lostClaims: claims whose reply was lost (see releaseClaims).
+	lostClaims idSet
+	waiting    accountWaits
+	ahead      lookahead
 	// probes counts the items running as probes of a model with no target
 	// taking calls: one at a time.
 	probes atomic.Int32
@@ -155,9 +157,10 @@ func New(cfg Config, st Store, provider upstream.Provider, estimator *metering.E
 	}
 	return &Drainer{
 		cfg: cfg, store: st, provider: provider, estimator: estimator, logger: logger,
-		results:  make(chan outcome, cfg.Concurrency),
-		starts:   batchSet{wake: make(chan struct{}, 1)},
-		refusals: batchSet{wake: make(chan struct{}, 1)},
+		results:    make(chan outcome, cfg.Concurrency),
+		starts:     idSet{wake: make(chan struct{}, 1)},
+		refusals:   idSet{wake: make(chan struct{}, 1)},
+		lostClaims: idSet{wake: make(chan struct{}, 1)},
 	}
 }
 
@@ -175,7 +178,7 @@ func (d *Drainer) Run(ctx context.Context) {
 
 	wake := make(chan struct{}, 1)
 	var background sync.WaitGroup
-	background.Add(4)
+	background.Add(5)
 	go func() { defer background.Done(); d.listen(ctx, wake) }()
 	go func() { defer background.Done(); d.heartbeat(commits) }()
 	go func() {
@@ -186,6 +189,7 @@ func (d *Drainer) Run(ctx context.Context) {
 		defer background.Done()
 		d.moveBatches(commits, &d.refusals, d.store.FinishBatches, "error finishing batches whose items were refused their budget; the housekeeping will")
 	}()
+	go func() { defer background.Done(); d.releaseClaims(commits) }()
 	completerDone := make(chan struct{})
 	go func() { defer close(completerDone); d.complete(commits) }()
 
@@ -331,7 +335,7 @@ func (d *Drainer) health() (serving, probing []gateway.Model) {
 // hands its items back, instead of cancelling it at a moment it may have
 // committed.
 // Should the claim's reply have been lost after it committed, its items are
-// handed back (they were never dispatched) in the background.
+// handed back (they were never dispatched) in the background (releaseClaims).
 func (d *Drainer) claim(commits context.Context, n int, models []gateway.Model) (items []store.ClaimedItem, failed bool) {
 	start := time.Now()
 	claimID := uuid.Must(uuid.NewV7())
@@ -343,7 +347,7 @@ func (d *Drainer) claim(commits context.Context, n int, models []gateway.Model) 
 	cancel()
 	if err != nil {
 		if store.MayHaveCommitted(err) {
-			go d.releaseClaim(commits, claimID)
+			d.lostClaims.add(claimID)
 		}
 		d.logger.Error("error claiming batch items", "error", err)
 		return nil, true
@@ -362,6 +366,21 @@ func (d *Drainer) claim(commits context.Context, n int, models []gateway.Model) 
 		runnable = append(runnable, it)
 	}
 	return runnable, false
+}
+
+// releaseClaims hands back the items of the claims whose reply was lost, one
+// claim at a time, until ctx ends.
+func (d *Drainer) releaseClaims(ctx context.Context) {
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-d.lostClaims.wake:
+			for _, id := range d.lostClaims.take() {
+				d.releaseClaim(ctx, id)
+			}
+		}
+	}
 }
 
 // releaseClaim hands back the items of a claim whose reply was lost, retrying
@@ -630,7 +649,7 @@ func (d *Drainer) heartbeat(ctx context.Context) {
 // starts of batches whose first item was dispatched (to in_progress), and the
 // finishes of batches whose items a claim refused their budget (the claim
 // failed them, and the rest of their batches, at once).
-func (d *Drainer) moveBatches(ctx context.Context, set *batchSet, move func(context.Context, []uuid.UUID) error, failed string) {
+func (d *Drainer) moveBatches(ctx context.Context, set *idSet, move func(context.Context, []uuid.UUID) error, failed string) {
 	for {
 		select {
 		case <-ctx.Done():
@@ -773,14 +792,14 @@ func (s *stoppedBatches) has(id uuid.UUID) bool {
 	return ok
 }
 
-// batchSet gathers batch ids to act on, waking a consumer.
-type batchSet struct {
+// idSet gathers ids (of batches, of claims) to act on, waking a consumer.
+type idSet struct {
 	mu   sync.Mutex
 	ids  map[uuid.UUID]struct{}
 	wake chan struct{}
 }
 
-func (b *batchSet) add(id uuid.UUID) {
+func (b *idSet) add(id uuid.UUID) {
 	b.mu.Lock()
 	if b.ids == nil {
 		b.ids = map[uuid.UUID]struct{}{}
@@ -793,7 +812,7 @@ func (b *batchSet) add(id uuid.UUID) {
 	}
 }
 
-func (b *batchSet) take() []uuid.UUID {
+func (b *idSet) take() []uuid.UUID {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	out := make([]uuid.UUID, 0, len(b.ids))
