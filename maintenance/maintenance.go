@@ -51,12 +51,14 @@ const (
 	ReconcileInterval = 200 * time.Millisecond
 	// HousekeepingInterval paces recovery and cleaning.
 	HousekeepingInterval = 30 * time.Second
-	// queueDepthInterval paces the queue-depth sample, and queueDepthSpacing
-	// bounds its cost: counting the queued items takes longer the longer the
-	// queue (about a microsecond an item), so a long queue is sampled less
-	// often, with at most 1 % of the time going to the count.
+	// queueDepthInterval paces the queue-depth sample.
 	queueDepthInterval = 5 * time.Second
-	queueDepthSpacing  = 100
+	// scanSpacing bounds the cost of the jobs that read the whole queue:
+	// counting the queued items (about a microsecond an item) and looking
+	// for stranded batches among the open ones (about 10 µs a batch) take
+	// longer the longer the queue, so a long queue is read less often, with
+	// at most 1 % of the time going to each.
+	scanSpacing = 100
 	// batchRows bounds the rows one run of a job touches.
 	batchRows = 1000
 	// rateWindowKeep is how long rate-limit windows are kept: the sliding window
@@ -88,7 +90,7 @@ func Jobs(st Store, set Settings, m *metrics.Metrics) []Job {
 		{"fold expired quota leases", max(set.Lease/2, time.Second), func(ctx context.Context) (int64, error) {
 			return st.FoldExpiredQuotaLeases(ctx, batchRows)
 		}},
-		{"sample queue depth", queueDepthInterval, spaced(queueDepthSpacing, func(ctx context.Context) (int64, error) {
+		{"sample queue depth", queueDepthInterval, spaced(scanSpacing, func(ctx context.Context) (int64, error) {
 			n, err := st.QueueDepth(ctx)
 			if err == nil {
 				m.QueueDepth(n)
@@ -96,7 +98,9 @@ func Jobs(st Store, set Settings, m *metrics.Metrics) []Job {
 			return 0, err
 		})},
 		{"expire batches", time.Second, func(ctx context.Context) (int64, error) { return st.ExpireBatches(ctx, batchRows) }},
-		{"finish stranded batches", HousekeepingInterval, func(ctx context.Context) (int64, error) { return st.FinishStrandedBatches(ctx, batchRows) }},
+		{"finish stranded batches", HousekeepingInterval, spaced(scanSpacing, func(ctx context.Context) (int64, error) {
+			return st.FinishStrandedBatches(ctx, batchRows)
+		})},
 		{"delete old batches", HousekeepingInterval, func(ctx context.Context) (int64, error) {
 			return st.DeleteOldBatches(ctx, time.Now().Add(-set.BatchRetention), batchRows)
 		}},

@@ -895,6 +895,27 @@ func BenchmarkBatchReadsAfterABurst(b *testing.B) {
 	measure("analyzed")
 }
 
+// BenchmarkFinishStrandedBatches: the housekeeping's pass over stranded
+// batches while 10,000 batches of 10 items wait in the queue, none of them
+// stranded: it looks at each open batch's first unfinished item. Reported
+// per pass, and per open batch.
+func BenchmarkFinishStrandedBatches(b *testing.B) {
+	const batches = 10_000
+	tb := &testBundle{ctx: context.Background(), store: store.New(testdb.New(b))}
+	_, p := tb.key(b, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	id := tb.newBatch(b, p, 10, 1, "", day())
+	tb.openCopies(b, batches)
+	tb.copyItems(b, id, []uuid.UUID{id})
+	_, err := tb.store.Pool().Exec(tb.ctx, `VACUUM ANALYZE batches, batch_items`)
+	require.NoError(b, err)
+	for b.Loop() {
+		n, err := tb.store.FinishStrandedBatches(tb.ctx, 1000)
+		require.NoError(b, err)
+		require.Zero(b, n)
+	}
+	b.ReportMetric(float64(b.Elapsed().Microseconds())/float64(b.N)/batches, "µs/batch")
+}
+
 // requireFewOpenBatchesRead checks, in the claim's explained plans, that it
 // found where items start through the index of open batches, reading a few
 // of the open ones.
@@ -1404,6 +1425,66 @@ func TestBudgetExhaustedMidBatch(t *testing.T) {
 	require.Equal(t, int64(80), v.Budget.Spent)
 	require.Zero(t, v.Budget.Reserved)
 	require.Equal(t, int64(80), v.Daily.Charged)
+}
+
+// TestStrandedBatchesAreFinished: the housekeeping finishes the open batches
+// whose items all reached an outcome while their finish was missed (the
+// replica died between the two, or the database was away for longer than
+// its retries): a batch running, and a batch still queued whose items a claim
+// refused their budget, or that completed before the batch's start was
+// recorded. A queued batch with an item waiting is left as it is.
+func TestStrandedBatchesAreFinished(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, capped := b.key(t, "capped", gateway.TierDeveloper, gateway.ScopeInference)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "capped", nil, ptr(int64(10)))
+	owner := uuid.Must(uuid.NewV7())
+	claim := func() []store.ClaimedItem {
+		t.Helper()
+		items, err := b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: owner, Max: 10, PerAccount: 10, Lease: time.Minute})
+		require.NoError(t, err)
+		return items
+	}
+
+	refused := b.newBatch(t, capped, 3, 100, "", day())
+	items := claim()
+	require.Len(t, items, 1)
+	require.True(t, items[0].BudgetRefused, "the claim fails the batch's items")
+	running := b.newBatch(t, p, 2, 10, "", day())
+	items = claim()
+	require.Len(t, items, 2)
+	require.NoError(t, b.store.StartBatches(b.ctx, []uuid.UUID{running}))
+	b.completeItems(t, owner, items, 10)
+	unstarted := b.newBatch(t, p, 2, 10, "", day())
+	b.completeItems(t, owner, claim(), 10)
+	waiting := b.newBatch(t, p, 2, 10, "", day())
+	for owner, id := range map[*gateway.Principal]uuid.UUID{capped: refused, p: unstarted} {
+		batch, _ := b.batch(t, owner, id)
+		require.Equal(t, gateway.BatchQueued, batch.Status, "every item ended, the finish missed")
+	}
+
+	n, err := b.store.FinishStrandedBatches(b.ctx, 10)
+	require.NoError(t, err)
+	require.Equal(t, int64(3), n)
+	batch, results := b.batch(t, capped, refused)
+	require.Equal(t, gateway.BatchFailed, batch.Status)
+	require.Equal(t, gateway.EBudgetExceeded, batch.Error.Code)
+	require.Equal(t, 3, batch.Failed)
+	for _, r := range results {
+		require.Equal(t, gateway.EBudgetExceeded, r.Error.Code)
+	}
+	for _, id := range []uuid.UUID{running, unstarted} {
+		batch, _ := b.batch(t, p, id)
+		require.Equal(t, gateway.BatchCompleted, batch.Status)
+		require.Equal(t, 2, batch.Completed)
+	}
+	batch, _ = b.batch(t, p, waiting)
+	require.Equal(t, gateway.BatchQueued, batch.Status, "its items wait to be claimed")
+
+	n, err = b.store.FinishStrandedBatches(b.ctx, 10)
+	require.NoError(t, err)
+	require.Zero(t, n, "nothing is left stranded")
 }
 
 func TestCancelBatch(t *testing.T) {

@@ -969,13 +969,17 @@ func (q *Queries) TryJobLock(ctx context.Context, db DBTX, job string) (bool, er
 
 const unfinishedBatches = `-- name: UnfinishedBatches :many
 SELECT b.id FROM batches b
-WHERE b.status IN ('in_progress', 'cancelling')
+WHERE b.status IN ('queued', 'in_progress', 'cancelling')
   AND NOT EXISTS (SELECT 1 FROM batch_items i WHERE i.batch_id = b.id AND i.status IN ('queued', 'in_progress'))
 LIMIT $1
 `
 
 // Open batches none of whose items is unfinished: a finalization was missed
 // (the replica died between committing an item and finalizing its batch).
+// Queued ones too: a batch stays queued until its first item's dispatch is
+// recorded, and a claim that refuses a batch its budget fails its items at
+// once. Each open batch costs a look at its first unfinished item (under 10
+// µs): the housekeeping spaces its runs (maintenance.scanSpacing).
 func (q *Queries) UnfinishedBatches(ctx context.Context, db DBTX, maxRows int32) ([]uuid.UUID, error) {
 	rows, err := db.Query(ctx, unfinishedBatches, maxRows)
 	if err != nil {
