@@ -321,11 +321,7 @@ func TestCancelledBatchStartsNoClaimedItem(t *testing.T) {
 	b := setup(t)
 	id, prompts, _ := b.claimAheadOfSlowItems(t, 2*time.Second, time.Minute, io.Discard)
 	require.NoError(t, b.store.CancelBatch(b.ctx, b.principal.AccountID, id))
-	require.Eventually(t, func() bool {
-		batch, err := b.store.Batch(b.ctx, b.principal.AccountID, id)
-		require.NoError(t, err)
-		return batch.Status == gateway.BatchCancelled
-	}, 30*time.Second, 20*time.Millisecond)
+	b.batchReaches(t, id, gateway.BatchCancelled)
 
 	b.requireOnlyTheItemsAfterUnstarted(t, id, prompts, gateway.ItemCancelled)
 }
@@ -370,6 +366,16 @@ func (s *claimStore) ClaimItems(ctx context.Context, p store.ClaimParams) ([]sto
 		}
 	}
 	return s.Store.ClaimItems(ctx, p)
+}
+
+// batchReaches waits until batch id is status.
+func (b *testBundle) batchReaches(t *testing.T, id uuid.UUID, status gateway.BatchStatus) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		batch, err := b.store.Batch(b.ctx, b.principal.AccountID, id)
+		require.NoError(t, err)
+		return batch.Status == status
+	}, 30*time.Second, 20*time.Millisecond)
 }
 
 // completed waits until every item of batch id is completed.

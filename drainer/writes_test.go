@@ -200,11 +200,7 @@ func TestBatchesMoveOnceTheDatabaseIsBack(t *testing.T) {
 		b.fake.SetDelay(20 * time.Second) // running until the test ends
 		id := b.newBatch(t, "slow", 1)
 		b.run(t, &unmovedStore{Store: b.store, outage: outage{fails: 2}}, drainer.Config{Lease: time.Minute})
-		require.Eventually(t, func() bool {
-			batch, err := b.store.Batch(b.ctx, b.principal.AccountID, id)
-			require.NoError(t, err)
-			return batch.Status == gateway.BatchInProgress
-		}, 10*time.Second, 20*time.Millisecond)
+		b.batchReaches(t, id, gateway.BatchInProgress)
 		require.Equal(t, gateway.ItemInProgress, b.items(t, id)[0].Status, "started while its item runs")
 	})
 	t.Run("finish", func(t *testing.T) {
@@ -230,11 +226,7 @@ func TestBatchesMoveOnceTheDatabaseIsBack(t *testing.T) {
 		require.NoError(t, b.store.SetLimits(b.ctx, store.SetLimitsParams{Account: "acme", Project: "default", BudgetRungs: &budget}))
 		id := b.newBatch(t, "refused", 3)
 		b.run(t, &unmovedStore{Store: b.store, outage: outage{fails: 2}}, drainer.Config{Lease: time.Minute})
-		require.Eventually(t, func() bool {
-			batch, err := b.store.Batch(b.ctx, b.principal.AccountID, id)
-			require.NoError(t, err)
-			return batch.Status == gateway.BatchFailed
-		}, 10*time.Second, 20*time.Millisecond)
+		b.batchReaches(t, id, gateway.BatchFailed)
 		for _, it := range b.items(t, id) {
 			require.Equal(t, gateway.ItemFailed, it.Status)
 			require.Equal(t, gateway.EBudgetExceeded, it.Error.Code)
