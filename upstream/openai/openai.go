@@ -235,7 +235,7 @@ func (c *Client) Complete(ctx context.Context, req *upstream.Request) (upstream.
 		return upstream.Result{}, err
 	}
 	defer resp.Body.Close()
-	raw, err := readReply(resp.Body, resp.ContentLength, replyBytes(req))
+	raw, err := readWholeReply(resp.Body, resp.ContentLength, replyBytes(req))
 	if errors.Is(err, upstream.ErrTooLong) {
 		return upstream.Result{}, fmt.Errorf("%w: %w", upstream.ErrFailed, err)
 	}
@@ -305,6 +305,85 @@ func readReply(body io.Reader, size, limit int64) ([]byte, error) {
 		return nil, fmt.Errorf("%w: a reply to this request takes at most %d bytes", upstream.ErrTooLong, limit)
 	}
 	return buf.Bytes(), nil
+}
+
+// readWholeReply reads a reply asked for whole, as readReply does, but for
+// one that is an event stream (past a byte order mark and white space, its
+// first byte opens no JSON object): its reading ends with the line that
+// ends it, a `data: [DONE]` that begins an event (parseReply reads no
+// further). An upstream that streams what it was asked whole, then keeps its
+// connection open, is not waited for until the call's timeout; one that
+// ends its stream otherwise, or not at all, is read to the end of its body
+// as before.
+func readWholeReply(body io.Reader, size, limit int64) ([]byte, error) {
+	if size > limit {
+		return nil, fmt.Errorf("%w: %d bytes, where a reply to this request takes at most %d", upstream.ErrTooLong, size, limit)
+	}
+	buf := make([]byte, 0, min(max(size, 0), 64<<10)+bytes.MinRead)
+	in := io.LimitReader(body, limit+1)
+	var events eventEnd
+	for {
+		if len(buf) == cap(buf) {
+			buf = slices.Grow(buf, cap(buf))
+		}
+		n, err := in.Read(buf[len(buf):cap(buf)])
+		buf = buf[:len(buf)+n]
+		if int64(len(buf)) > limit {
+			return nil, fmt.Errorf("%w: a reply to this request takes at most %d bytes", upstream.ErrTooLong, limit)
+		}
+		if end := events.find(buf, err != nil); end > 0 {
+			return buf[:end], nil
+		}
+		switch {
+		case errors.Is(err, io.EOF):
+			return buf, nil
+		case err != nil:
+			return nil, err
+		}
+	}
+}
+
+// eventEnd finds, in a reply read so far, where an event stream's [DONE]
+// line ends (see readWholeReply).
+type eventEnd struct {
+	decided, stream bool
+	// scanned is where the first line not yet looked at begins; inEvent
+	// says a data: line came since the last blank line.
+	scanned int
+	inEvent bool
+}
+
+// find returns the end of the [DONE] line in buf, 0 if there is none yet;
+// ended says buf is all there is.
+func (e *eventEnd) find(buf []byte, ended bool) int {
+	if !e.decided {
+		// A byte order mark may still be arriving: three bytes decide.
+		start := bytes.TrimLeft(bytes.TrimPrefix(buf, byteOrderMark), " \t\r\n")
+		if len(start) == 0 || len(buf) < len(byteOrderMark) && !ended {
+			return 0
+		}
+		e.decided, e.stream = true, start[0] != '{'
+	}
+	if !e.stream {
+		return 0
+	}
+	for {
+		i := bytes.IndexByte(buf[e.scanned:], '\n')
+		if i < 0 {
+			return 0
+		}
+		field := bytes.TrimRight(buf[e.scanned:e.scanned+i], "\r")
+		e.scanned += i + 1
+		data, isData := bytes.CutPrefix(field, []byte("data:"))
+		switch {
+		case len(field) == 0:
+			e.inEvent = false
+		case isData && !e.inEvent && bytes.Equal(bytes.TrimSpace(data), doneMarker):
+			return e.scanned
+		case isData:
+			e.inEvent = true
+		}
+	}
 }
 
 // parseCompletion reads a chat completion body. Anything that is not one is a

@@ -853,6 +853,51 @@ func TestRepliesAreReadByWhatTheyHold(t *testing.T) {
 	})
 }
 
+// TestAReplyStreamedWholeEndsAtDone: a reply asked for whole and streamed,
+// its connection then kept open, is taken at its [DONE], not waited on until
+// the call's timeout; one whose stream stops without [DONE] is waited for,
+// and fails at the timeout, after dispatch. A [DONE] inside an event that is
+// spread over lines does not end it.
+func TestAReplyStreamedWholeEndsAtDone(t *testing.T) {
+	t.Parallel()
+	const (
+		chunk = `data: {"choices":[{"delta":{"content":"whole"},"finish_reason":"stop"}]}` + "\n\n"
+		usage = `data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1}}` + "\n\n"
+	)
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		for name, c := range map[string]struct {
+			body  string
+			whole bool
+		}{
+			"[DONE]":                         {chunk + usage + "data: [DONE]\n\n", true},
+			"[DONE] without a space":         {chunk + usage + "data:[DONE]\r\n\r\n", true},
+			"[DONE] after a byte order mark": {"\uFEFF" + chunk + usage + "data: [DONE]\n\n", true},
+			"no [DONE]":                      {chunk + usage, false},
+			"[DONE] in a spread event":       {chunk + usage + "data: {\"choices\":\ndata: [DONE]\n", false},
+		} {
+			t.Run(name, func(t *testing.T) {
+				t.Parallel()
+				url := b.serve(t, func(w http.ResponseWriter, r *http.Request) {
+					_, _ = io.Copy(io.Discard, r.Body)
+					w.Header().Set("Content-Type", "text/event-stream")
+					_, _ = io.WriteString(w, c.body)
+					w.(http.Flusher).Flush()
+					<-r.Context().Done() // open until the gateway leaves
+				})
+				client := b.newClient(openai.Config{BaseURL: url, Timeout: time.Second})
+				res, err := client.Complete(context.Background(), &req)
+				if !c.whole {
+					require.ErrorIs(t, err, upstream.ErrFailed)
+					return
+				}
+				require.NoError(t, err)
+				require.Equal(t, "whole", res.Content)
+				require.Equal(t, [2]uint64{3, 1}, [2]uint64{res.InputTokens, res.OutputTokens})
+			})
+		}
+	})
+}
+
 // TestACompletionWithoutUsageIsTaken: a completion from an upstream that
 // reports no usage is taken, for the caller to count (UsageReported false),
 // as a stream without usage is; a body without a message fails after

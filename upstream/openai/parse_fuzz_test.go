@@ -2,8 +2,10 @@ package openai
 
 import (
 	"bytes"
+	"reflect"
 	"strings"
 	"testing"
+	"testing/iotest"
 	"unicode/utf8"
 
 	"github.com/rungworks/gateway/upstream"
@@ -12,7 +14,8 @@ import (
 // FuzzParseReply feeds arbitrary bodies to the parser of replies asked for
 // whole: it never panics, anything it cannot use is a failure after
 // dispatch, and what it takes is a completion or an event stream to its
-// [DONE].
+// [DONE]. A body read as Complete reads it, a byte at a time, stopping at
+// an event stream's [DONE] (readWholeReply), parses to the same result.
 func FuzzParseReply(f *testing.F) {
 	for _, seed := range []string{
 		`{"choices":[{"message":{"content":"hi","annotations":[{"type":"url_citation","url_citation":{"url":"u","title":"t","start_index":0,"end_index":2}}]}}],"usage":{"prompt_tokens":3,"completion_tokens":1}}`,
@@ -29,6 +32,14 @@ func FuzzParseReply(f *testing.F) {
 	}
 	f.Fuzz(func(t *testing.T, raw []byte) {
 		res, err := parseReply(raw)
+		read, rerr := readWholeReply(iotest.OneByteReader(bytes.NewReader(raw)), -1, int64(len(raw)))
+		if rerr != nil {
+			t.Fatalf("reading the reply: %v", rerr)
+		}
+		again, againErr := parseReply(read)
+		if !reflect.DeepEqual(res, again) || (err == nil) != (againErr == nil) || err != nil && err.Error() != againErr.Error() {
+			t.Fatalf("the reply read to %d bytes of %d parses otherwise: %+v, %v against %+v, %v", len(read), len(raw), again, againErr, res, err)
+		}
 		if err == nil && !wholeStream(raw) {
 			t.Fatalf("an event stream without [DONE] or a finish_reason was taken")
 		}
