@@ -55,7 +55,7 @@ const (
 	queueDepthInterval = 5 * time.Second
 	// scanSpacing bounds the cost of the jobs that read the whole queue:
 	// counting the queued items (about a microsecond an item) and looking
-	// for stranded batches among the open ones (about 10 µs a batch) take
+	// for stranded batches among the open ones (4–9 µs a batch) take
 	// longer the longer the queue, so a long queue is read less often, with
 	// at most 1 % of the time going to each.
 	scanSpacing = 100

@@ -235,7 +235,7 @@ func (c *Client) Complete(ctx context.Context, req *upstream.Request) (upstream.
 		return upstream.Result{}, err
 	}
 	defer resp.Body.Close()
-	raw, err := readWholeReply(resp.Body, resp.ContentLength, replyBytes(req))
+	raw, err := readReply(resp.Body, resp.ContentLength, replyBytes(req))
 	if errors.Is(err, upstream.ErrTooLong) {
 		return upstream.Result{}, fmt.Errorf("%w: %w", upstream.ErrFailed, err)
 	}
@@ -289,36 +289,19 @@ func replyBytes(req *upstream.Request) int64 {
 
 // readReply reads a reply body of size bytes (-1: unknown) whole, or fails
 // (upstream.ErrTooLong) without reading on when it is, or says it is,
-// longer than limit.
+// longer than limit. An event stream (past a byte order mark and white
+// space, its first byte opens no JSON object) is read up to the line that
+// ends it, a `data: [DONE]` that begins an event, and no further: parseReply
+// reads no further, and an upstream that streams a reply asked for whole,
+// then keeps its connection open, is not waited for until the call's
+// timeout. One that ends its stream otherwise, or not at all, is read to
+// the end of its body, as a completion is.
 func readReply(body io.Reader, size, limit int64) ([]byte, error) {
 	if size > limit {
 		return nil, fmt.Errorf("%w: %d bytes, where a reply to this request takes at most %d", upstream.ErrTooLong, size, limit)
 	}
 	// Room for the whole of a reply of the usual size and for the read that
 	// finds its end; a longer one grows as it arrives, not as it is declared.
-	buf := bytes.NewBuffer(make([]byte, 0, min(max(size, 0), 64<<10)+bytes.MinRead))
-	n, err := buf.ReadFrom(io.LimitReader(body, limit+1))
-	if err != nil {
-		return nil, err
-	}
-	if n > limit {
-		return nil, fmt.Errorf("%w: a reply to this request takes at most %d bytes", upstream.ErrTooLong, limit)
-	}
-	return buf.Bytes(), nil
-}
-
-// readWholeReply reads a reply asked for whole, as readReply does, but for
-// one that is an event stream (past a byte order mark and white space, its
-// first byte opens no JSON object): its reading ends with the line that
-// ends it, a `data: [DONE]` that begins an event (parseReply reads no
-// further). An upstream that streams what it was asked whole, then keeps its
-// connection open, is not waited for until the call's timeout; one that
-// ends its stream otherwise, or not at all, is read to the end of its body
-// as before.
-func readWholeReply(body io.Reader, size, limit int64) ([]byte, error) {
-	if size > limit {
-		return nil, fmt.Errorf("%w: %d bytes, where a reply to this request takes at most %d", upstream.ErrTooLong, size, limit)
-	}
 	buf := make([]byte, 0, min(max(size, 0), 64<<10)+bytes.MinRead)
 	in := io.LimitReader(body, limit+1)
 	var events eventEnd
@@ -344,46 +327,55 @@ func readWholeReply(body io.Reader, size, limit int64) ([]byte, error) {
 }
 
 // eventEnd finds, in a reply read so far, where an event stream's [DONE]
-// line ends (see readWholeReply).
+// line ends (see readReply), looking at each byte once.
 type eventEnd struct {
 	decided, stream bool
-	// scanned is where the first line not yet looked at begins; inEvent
-	// says a data: line came since the last blank line.
-	scanned int
-	inEvent bool
+	// line is where the line being read begins, looked how far the reply
+	// was looked at; inEvent says a data: line came since the last blank
+	// line.
+	line, looked int
+	inEvent      bool
 }
 
 // find returns the end of the [DONE] line in buf, 0 if there is none yet;
 // ended says buf is all there is.
 func (e *eventEnd) find(buf []byte, ended bool) int {
 	if !e.decided {
-		// A byte order mark may still be arriving: three bytes decide.
-		start := bytes.TrimLeft(bytes.TrimPrefix(buf, byteOrderMark), " \t\r\n")
-		if len(start) == 0 || len(buf) < len(byteOrderMark) && !ended {
+		if e.looked == 0 {
+			if len(buf) < len(byteOrderMark) && bytes.HasPrefix(byteOrderMark, buf) && !ended {
+				return 0 // a byte order mark may still be arriving
+			}
+			if bytes.HasPrefix(buf, byteOrderMark) {
+				e.looked = len(byteOrderMark)
+			}
+		}
+		e.looked = len(buf) - len(bytes.TrimLeft(buf[e.looked:], " \t\r\n"))
+		if e.looked == len(buf) {
 			return 0
 		}
-		e.decided, e.stream = true, start[0] != '{'
+		e.decided, e.stream = true, buf[e.looked] != '{'
+		e.looked = 0
 	}
-	if !e.stream {
-		return 0
-	}
-	for {
-		i := bytes.IndexByte(buf[e.scanned:], '\n')
+	for e.stream {
+		i := bytes.IndexByte(buf[e.looked:], '\n')
 		if i < 0 {
+			e.looked = len(buf)
 			return 0
 		}
-		field := bytes.TrimRight(buf[e.scanned:e.scanned+i], "\r")
-		e.scanned += i + 1
+		end := e.looked + i + 1
+		field := bytes.TrimRight(buf[e.line:end-1], "\r")
+		e.line, e.looked = end, end
 		data, isData := bytes.CutPrefix(field, []byte("data:"))
 		switch {
 		case len(field) == 0:
 			e.inEvent = false
 		case isData && !e.inEvent && bytes.Equal(bytes.TrimSpace(data), doneMarker):
-			return e.scanned
+			return end
 		case isData:
 			e.inEvent = true
 		}
 	}
+	return 0
 }
 
 // parseCompletion reads a chat completion body. Anything that is not one is a

@@ -15,7 +15,7 @@ import (
 // whole: it never panics, anything it cannot use is a failure after
 // dispatch, and what it takes is a completion or an event stream to its
 // [DONE]. A body read as Complete reads it, a byte at a time, stopping at
-// an event stream's [DONE] (readWholeReply), parses to the same result.
+// an event stream's [DONE] (readReply), parses to the same result.
 func FuzzParseReply(f *testing.F) {
 	for _, seed := range []string{
 		`{"choices":[{"message":{"content":"hi","annotations":[{"type":"url_citation","url_citation":{"url":"u","title":"t","start_index":0,"end_index":2}}]}}],"usage":{"prompt_tokens":3,"completion_tokens":1}}`,
@@ -32,7 +32,7 @@ func FuzzParseReply(f *testing.F) {
 	}
 	f.Fuzz(func(t *testing.T, raw []byte) {
 		res, err := parseReply(raw)
-		read, rerr := readWholeReply(iotest.OneByteReader(bytes.NewReader(raw)), -1, int64(len(raw)))
+		read, rerr := readReply(iotest.OneByteReader(bytes.NewReader(raw)), -1, int64(len(raw)))
 		if rerr != nil {
 			t.Fatalf("reading the reply: %v", rerr)
 		}
