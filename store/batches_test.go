@@ -1459,8 +1459,8 @@ func TestStrandedBatchesAreFinished(t *testing.T) {
 	unstarted := b.newBatch(t, p, 2, 10, "", day())
 	b.completeItems(t, owner, claim(), 10)
 	waiting := b.newBatch(t, p, 2, 10, "", day())
-	for owner, id := range map[*gateway.Principal]uuid.UUID{capped: refused, p: unstarted} {
-		batch, _ := b.batch(t, owner, id)
+	for who, id := range map[*gateway.Principal]uuid.UUID{capped: refused, p: unstarted} {
+		batch, _ := b.batch(t, who, id)
 		require.Equal(t, gateway.BatchQueued, batch.Status, "every item ended, the finish missed")
 	}
 
