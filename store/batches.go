@@ -465,7 +465,10 @@ func eachBatch(ids []uuid.UUID, fn func(uuid.UUID) error) error {
 
 // ExpireBatches applies the end of the completion window to up to maxRows
 // open batches past it: unrun items are cancelled, and a batch with nothing
-// running becomes expired. It returns how many batches it looked at.
+// running becomes expired. A batch whose items all ended before (its finish
+// missed; see FinishStrandedBatches) is finished by them instead: expired
+// says the window ended before every item ran. It returns how many batches
+// it looked at.
 func (s *Store) ExpireBatches(ctx context.Context, maxRows int32) (int64, error) {
 	ids, err := s.queries.BatchesPastWindow(ctx, plannedPerCall{s.pool}, maxRows)
 	if err != nil {
@@ -473,6 +476,9 @@ func (s *Store) ExpireBatches(ctx context.Context, maxRows int32) (int64, error)
 	}
 	err = eachBatch(ids, func(id uuid.UUID) error {
 		return pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
+			if finished, err := s.finishIfDone(ctx, tx, id); err != nil || finished {
+				return err
+			}
 			reason := "expiry"
 			if _, err := s.queries.CancelQueuedItems(ctx, plannedPerCall{tx}, db.CancelQueuedItemsParams{BatchID: id, Reason: &reason}); err != nil {
 				return fmt.Errorf("error cancelling expired items: %w", err)

@@ -1764,6 +1764,32 @@ func TestExpireBatches(t *testing.T) {
 	require.Equal(t, int64(25), b.view(t, p).Totals.TotalRungs)
 }
 
+// TestABatchWhoseItemsEndedIsNotExpired: a batch whose items all ended
+// before its window did, its finish missed (here it was still queued: its
+// start was never recorded), is finished by its items when the window's end
+// finds it, not made expired: expired says the window ended before every
+// item ran.
+func TestABatchWhoseItemsEndedIsNotExpired(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	id := b.newBatch(t, p, 2, 50, "", day())
+	owner := uuid.Must(uuid.NewV7())
+	b.completeItems(t, owner, b.claim(t, owner, 10, time.Minute), 25)
+	b.pastWindow(t, id)
+
+	n, err := b.store.ExpireBatches(b.ctx, 10)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
+	batch, results := b.batch(t, p, id)
+	require.Equal(t, gateway.BatchCompleted, batch.Status)
+	require.Nil(t, batch.Error)
+	require.Equal(t, 2, batch.Completed)
+	for _, r := range results {
+		require.Equal(t, gateway.ItemCompleted, r.Status)
+	}
+}
+
 // pastWindow ends the completion window of batches and their items a
 // second ago.
 func (b *testBundle) pastWindow(t *testing.T, batches ...uuid.UUID) {
