@@ -36,6 +36,7 @@ type Store interface {
 	ClaimItems(ctx context.Context, p store.ClaimParams) ([]store.ClaimedItem, error)
 	ReleaseClaim(ctx context.Context, owner, claimID uuid.UUID) (store.Requeued, error)
 	CompleteItems(ctx context.Context, owner uuid.UUID, results []store.ItemResult) ([]store.ItemKey, error)
+	ItemOutcomes(ctx context.Context, keys []store.ItemKey) (map[store.ItemKey]store.ItemOutcome, error)
 	RequeueItems(ctx context.Context, owner uuid.UUID, keys []store.ItemKey) (store.Requeued, error)
 	RenewLeases(ctx context.Context, owner uuid.UUID, keys []store.ItemKey, lease time.Duration) (int64, error)
 	StartBatches(ctx context.Context, ids []uuid.UUID) error
@@ -534,17 +535,19 @@ func (d *Drainer) complete(ctx context.Context) {
 // a member that cannot be stored.
 func (d *Drainer) commit(ctx context.Context, group []store.ItemResult) {
 	var applied []store.ItemKey
+	var unsure bool // an attempt's reply was lost: it may have stored outcomes
 	err := d.retry(ctx, func(ctx context.Context) (err error) {
 		start := time.Now()
 		applied, err = d.store.CompleteItems(ctx, d.cfg.Owner, group)
 		if err == nil {
 			d.cfg.Metrics.GroupCommit(metrics.WorkBatchOutcomes, len(group), time.Since(start))
 		}
+		unsure = unsure || err != nil && store.MayHaveCommitted(err)
 		return err
 	})
 	switch {
 	case err == nil:
-		d.committed(ctx, group, applied)
+		d.committed(ctx, group, applied, unsure)
 		return
 	case store.Transient(err) || ctx.Err() != nil:
 		d.logger.Error("error committing batch item outcomes; the rescuer will take the items", "items", len(group), "error", err)
@@ -572,16 +575,24 @@ func (d *Drainer) commit(ctx context.Context, group []store.ItemResult) {
 
 // committed records a group's stored outcomes and finishes their batches:
 // those of the whole group, since an outcome the last attempt did not apply
-// may have been stored by an earlier one whose reply was lost, as its
-// batch's last (FinishBatches moves only batches whose items all ended; the
-// rescuer finishes the batch of an outcome refused for its lost lease).
-func (d *Drainer) committed(ctx context.Context, group []store.ItemResult, applied []store.ItemKey) {
-	if len(applied) < len(group) {
-		d.logger.Warn("outcomes refused: their leases were lost, or an attempt whose reply was lost stored them", "refused", len(group)-len(applied))
-	}
+// may have been stored by an earlier one whose reply was lost (unsure), as
+// its batch's last (FinishBatches moves only batches whose items all ended;
+// the rescuer finishes the batch of an outcome refused for its lost lease).
+// The outcomes such an attempt stored are counted as the ones applied are.
+func (d *Drainer) committed(ctx context.Context, group []store.ItemResult, applied []store.ItemKey, unsure bool) {
 	done := make(map[store.ItemKey]bool, len(applied))
 	for _, k := range applied {
 		done[k] = true
+	}
+	var unread error
+	if unsure && len(done) < len(group) {
+		unread = d.storedEarlier(ctx, group, done)
+	}
+	switch refused := len(group) - len(done); {
+	case refused > 0 && unread != nil:
+		d.logger.Warn("outcomes refused: their leases were lost, or an attempt whose reply was lost stored them (they are not counted)", "refused", refused, "error", unread)
+	case refused > 0:
+		d.logger.Warn("outcomes refused: their leases were lost", "refused", refused)
 	}
 	keys := make([]store.ItemKey, len(group))
 	for i, r := range group {
@@ -596,6 +607,34 @@ func (d *Drainer) committed(ctx context.Context, group []store.ItemResult, appli
 		d.cfg.Metrics.BatchItem(r.Status)
 	}
 	d.finish(ctx, keys)
+}
+
+// storedEarlier adds to done the outcomes of group that an attempt whose
+// reply was lost stored: those stored as the group has them (the rescuer's
+// are failed INTERRUPTED, billed nothing). It returns why they could not be
+// read, if they could not.
+func (d *Drainer) storedEarlier(ctx context.Context, group []store.ItemResult, done map[store.ItemKey]bool) error {
+	var keys []store.ItemKey
+	for _, r := range group {
+		if k := (store.ItemKey{BatchID: r.BatchID, Index: r.Index}); !done[k] {
+			keys = append(keys, k)
+		}
+	}
+	var stored map[store.ItemKey]store.ItemOutcome
+	err := d.retry(ctx, func(ctx context.Context) (err error) {
+		stored, err = d.store.ItemOutcomes(ctx, keys)
+		return err
+	})
+	if err != nil {
+		return err
+	}
+	for _, r := range group {
+		k := store.ItemKey{BatchID: r.BatchID, Index: r.Index}
+		if o, ok := stored[k]; ok && !done[k] && o == (store.ItemOutcome{Status: r.Status, ErrorCode: r.ErrorCode, TotalRungs: r.TotalRungs}) {
+			done[k] = true
+		}
+	}
+	return nil
 }
 
 // finish makes terminal the batches of items that reached an outcome,

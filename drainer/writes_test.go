@@ -17,7 +17,9 @@ import (
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/drainer"
+	"github.com/rungworks/gateway/internal/metricstest"
 	"github.com/rungworks/gateway/internal/syncbuf"
+	"github.com/rungworks/gateway/metrics"
 	"github.com/rungworks/gateway/store"
 )
 
@@ -268,7 +270,8 @@ func TestOutcomesWaitOutTheDatabase(t *testing.T) {
 // commit went through but whose reply was lost, twice, is sent again until a
 // reply comes, which applies nothing more: each item is stored and billed
 // once, and the batch, whose last items they were, is finished then, not
-// left in progress for the housekeeping to find.
+// left in progress for the housekeeping to find. The outcomes the lost
+// attempt stored are counted in the metrics, once, not reported refused.
 func TestOutcomesWhoseRepliesWereLostAreStoredOnce(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -276,7 +279,8 @@ func TestOutcomesWhoseRepliesWereLostAreStoredOnce(t *testing.T) {
 	id, group := b.claimedOutcomes(t, owner, "first", "second", "third")
 	away := &awayStore{Store: b.store, outage: outage{fails: 2}, lost: true}
 	logs := &syncbuf.Buffer{}
-	d := b.newDrainer(drainer.Config{Owner: owner, Lease: time.Minute, EvidenceRetention: time.Hour}, away, logs)
+	m := metrics.New()
+	d := b.newDrainer(drainer.Config{Owner: owner, Lease: time.Minute, EvidenceRetention: time.Hour, Metrics: m}, away, logs)
 
 	d.Commit(b.ctx, group)
 
@@ -292,7 +296,11 @@ func TestOutcomesWhoseRepliesWereLostAreStoredOnce(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, gateway.BatchCompleted, batch.Status)
 	require.Equal(t, int64(5+6+7), batch.Usage.TotalRungs)
-	require.Contains(t, logs.String(), `"refused":3`)
+	scraped := metricstest.Scrape(m)
+	require.Contains(t, scraped, `gateway_batch_items_total{outcome="completed"} 3`+"\n")
+	require.Contains(t, scraped, `gateway_rungs_total{entry_point="batch",model="instant",side="input"} 6`+"\n")
+	require.Contains(t, scraped, `gateway_rungs_total{entry_point="batch",model="instant",side="output"} 12`+"\n")
+	require.NotContains(t, logs.String(), "outcomes refused")
 }
 
 // TestOutcomesPastALeaseOfOutageAreInterrupted: outcomes whose commit finds

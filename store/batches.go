@@ -707,6 +707,27 @@ func (s *Store) requeue(ctx context.Context, p db.RequeueBatchItemsParams) (Requ
 	return out, nil
 }
 
+// ItemOutcome is what is stored of an item's outcome.
+type ItemOutcome struct {
+	Status, ErrorCode string
+	TotalRungs        int64
+}
+
+// ItemOutcomes returns the stored outcome of each of the items of keys that
+// exists.
+func (s *Store) ItemOutcomes(ctx context.Context, keys []ItemKey) (map[ItemKey]ItemOutcome, error) {
+	batchIDs, idxs := splitKeys(keys)
+	rows, err := s.queries.ItemOutcomes(ctx, plannedPerCall{s.pool}, db.ItemOutcomesParams{BatchIds: batchIDs, Idxs: idxs})
+	if err != nil {
+		return nil, fmt.Errorf("error reading item outcomes: %w", err)
+	}
+	out := make(map[ItemKey]ItemOutcome, len(rows))
+	for _, r := range rows {
+		out[ItemKey{BatchID: r.BatchID, Index: int(r.Idx)}] = ItemOutcome{Status: r.Status, ErrorCode: r.ErrorCode, TotalRungs: r.TotalRungs}
+	}
+	return out, nil
+}
+
 // RenewLeases extends the leases of the given items while owner holds them.
 func (s *Store) RenewLeases(ctx context.Context, owner uuid.UUID, keys []ItemKey, lease time.Duration) (int64, error) {
 	batchIDs, idxs := splitKeys(keys)

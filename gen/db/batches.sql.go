@@ -552,6 +552,54 @@ func (q *Queries) InsertBatches(ctx context.Context, db DBTX, arg InsertBatchesP
 	return items, nil
 }
 
+const itemOutcomes = `-- name: ItemOutcomes :many
+SELECT i.batch_id, i.idx, i.status, coalesce(i.error_code, '')::text AS error_code, i.total_rungs
+FROM batch_items i
+WHERE (i.batch_id, i.idx) IN (SELECT unnest($1::uuid[]), unnest($2::integer[]))
+`
+
+type ItemOutcomesParams struct {
+	BatchIds []uuid.UUID
+	Idxs     []int32
+}
+
+type ItemOutcomesRow struct {
+	BatchID    uuid.UUID
+	Idx        int32
+	Status     string
+	ErrorCode  string
+	TotalRungs int64
+}
+
+// The stored outcomes of the given items, each found by its key: read when a
+// group of outcomes was sent again after a reply lost on its way back, to
+// tell the outcomes the lost attempt stored from those another gave.
+func (q *Queries) ItemOutcomes(ctx context.Context, db DBTX, arg ItemOutcomesParams) ([]ItemOutcomesRow, error) {
+	rows, err := db.Query(ctx, itemOutcomes, arg.BatchIds, arg.Idxs)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []ItemOutcomesRow
+	for rows.Next() {
+		var i ItemOutcomesRow
+		if err := rows.Scan(
+			&i.BatchID,
+			&i.Idx,
+			&i.Status,
+			&i.ErrorCode,
+			&i.TotalRungs,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const listBatches = `-- name: ListBatches :many
 SELECT b.id, b.status, b.total_requests, b.error_code, b.error_message,
        b.created_at, b.started_at, b.completed_at, b.expires_at,

@@ -173,6 +173,14 @@ WITH held AS (
 UPDATE batch_items i SET lease_expires_at = now() + @lease::interval
 FROM held h WHERE i.batch_id = h.batch_id AND i.idx = h.idx;
 
+-- name: ItemOutcomes :many
+-- The stored outcomes of the given items, each found by its key: read when a
+-- group of outcomes was sent again after a reply lost on its way back, to
+-- tell the outcomes the lost attempt stored from those another gave.
+SELECT i.batch_id, i.idx, i.status, coalesce(i.error_code, '')::text AS error_code, i.total_rungs
+FROM batch_items i
+WHERE (i.batch_id, i.idx) IN (SELECT unnest(@batch_ids::uuid[]), unnest(@idxs::integer[]));
+
 -- name: RescueExpiredLeases :many
 SELECT r.batch_id::uuid AS batch_id FROM rescue_expired_leases(@max_rows::integer) AS r;
 
