@@ -363,7 +363,7 @@ func (d *Drainer) claim(commits context.Context, n int, models []gateway.Model) 
 			d.refusals.add(it.BatchID)
 			continue
 		}
-		d.held.add(store.ItemKey{BatchID: it.BatchID, Index: it.Index})
+		d.held.add(it.Key())
 		runnable = append(runnable, it)
 	}
 	return runnable, false
@@ -471,7 +471,7 @@ type outcome struct {
 // cancels it, when its batch is being cancelled), retrying for up to a lease
 // while the database is away.
 func (d *Drainer) requeue(ctx context.Context, it store.ClaimedItem) {
-	key := store.ItemKey{BatchID: it.BatchID, Index: it.Index}
+	key := it.Key()
 	defer d.held.remove(key)
 	var r store.Requeued
 	var unsure bool // an attempt's reply was lost: it may have cancelled the item
@@ -542,7 +542,7 @@ func (d *Drainer) commit(ctx context.Context, group []store.ItemResult) {
 		if err == nil {
 			d.cfg.Metrics.GroupCommit(metrics.WorkBatchOutcomes, len(group), time.Since(start))
 		}
-		unsure = unsure || err != nil && store.MayHaveCommitted(err)
+		unsure = unsure || store.MayHaveCommitted(err)
 		return err
 	})
 	switch {
@@ -569,7 +569,7 @@ func (d *Drainer) commit(ctx context.Context, group []store.ItemResult) {
 		d.logger.Error("error failing a batch item whose outcome cannot be stored; the rescuer will take it", "batch_id", group[0].BatchID, "index", group[0].Index, "error", err)
 	}
 	for _, r := range group {
-		d.held.remove(store.ItemKey{BatchID: r.BatchID, Index: r.Index})
+		d.held.remove(r.Key())
 	}
 }
 
@@ -596,7 +596,7 @@ func (d *Drainer) committed(ctx context.Context, group []store.ItemResult, appli
 	}
 	keys := make([]store.ItemKey, len(group))
 	for i, r := range group {
-		keys[i] = store.ItemKey{BatchID: r.BatchID, Index: r.Index}
+		keys[i] = r.Key()
 		d.held.remove(keys[i])
 		if !done[keys[i]] {
 			continue
@@ -614,10 +614,11 @@ func (d *Drainer) committed(ctx context.Context, group []store.ItemResult, appli
 // are failed INTERRUPTED, billed nothing). It returns why they could not be
 // read, if they could not.
 func (d *Drainer) storedEarlier(ctx context.Context, group []store.ItemResult, done map[store.ItemKey]bool) error {
+	var pending []store.ItemResult
 	var keys []store.ItemKey
 	for _, r := range group {
-		if k := (store.ItemKey{BatchID: r.BatchID, Index: r.Index}); !done[k] {
-			keys = append(keys, k)
+		if !done[r.Key()] {
+			pending, keys = append(pending, r), append(keys, r.Key())
 		}
 	}
 	var stored map[store.ItemKey]store.ItemOutcome
@@ -628,10 +629,9 @@ func (d *Drainer) storedEarlier(ctx context.Context, group []store.ItemResult, d
 	if err != nil {
 		return err
 	}
-	for _, r := range group {
-		k := store.ItemKey{BatchID: r.BatchID, Index: r.Index}
-		if o, ok := stored[k]; ok && !done[k] && o == (store.ItemOutcome{Status: r.Status, ErrorCode: r.ErrorCode, TotalRungs: r.TotalRungs}) {
-			done[k] = true
+	for _, r := range pending {
+		if o, ok := stored[r.Key()]; ok && o == (store.ItemOutcome{Status: r.Status, ErrorCode: r.ErrorCode, TotalRungs: r.TotalRungs}) {
+			done[r.Key()] = true
 		}
 	}
 	return nil

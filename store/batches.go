@@ -633,6 +633,12 @@ type ItemKey struct {
 	Index   int
 }
 
+// Key names the item of r.
+func (r ItemResult) Key() ItemKey { return ItemKey{BatchID: r.BatchID, Index: r.Index} }
+
+// Key names the item claimed.
+func (it ClaimedItem) Key() ItemKey { return ItemKey{BatchID: it.BatchID, Index: it.Index} }
+
 // CompleteItems commits the outcomes of items leased to owner in one
 // transaction, returning the items applied; an item whose lease was lost is
 // not. See complete_batch_items.

@@ -107,7 +107,7 @@ func perAccount(items []store.ClaimedItem) map[uuid.UUID]int {
 func keysOf(items []store.ClaimedItem) []store.ItemKey {
 	keys := make([]store.ItemKey, len(items))
 	for i, it := range items {
-		keys[i] = store.ItemKey{BatchID: it.BatchID, Index: it.Index}
+		keys[i] = it.Key()
 	}
 	return keys
 }
@@ -448,7 +448,7 @@ func TestClaimIsExclusive(t *testing.T) {
 		mu.Lock()
 		defer mu.Unlock()
 		for _, it := range items {
-			key := store.ItemKey{BatchID: it.BatchID, Index: it.Index}
+			key := it.Key()
 			prev, dup := seen[key]
 			assert.False(t, dup, "item %v claimed by %s and %s", key, prev, owner)
 			seen[key] = owner
