@@ -5,7 +5,7 @@ TOOLS := $(GO) tool -modfile=tools.mod
 # cluster (unless TEST_DATABASE_URL or DATABASE_URL is already set).
 WITH_PG := $(GO) run ./internal/testdb/testpg
 
-.PHONY: all generate check-generated build run test fuzz lint bench clean
+.PHONY: all generate check-generated build run test chaos fuzz lint bench clean
 
 all: build
 
@@ -31,6 +31,11 @@ run: build
 ## test: every test, on a real PostgreSQL
 test:
 	$(WITH_PG) $(GO) test -race -count=1 ./...
+
+## chaos: the end-to-end chaos test for CHAOS (make test runs it for 20s): replicas killed, PostgreSQL crashed, the upstream failing, under mixed load
+CHAOS ?= 5m
+chaos:
+	GATEWAY_CHAOS=$(CHAOS) $(WITH_PG) $(GO) test -count=1 -run '^TestChaos$$' -timeout 0 -v ./e2e
 
 ## fuzz: each fuzz target for FUZZTIME executions (request decoding, upstream replies, streams and error bodies, the guard's bounds and HTTP/1.1 replies)
 FUZZTIME ?= 20000x

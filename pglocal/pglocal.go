@@ -144,11 +144,18 @@ func (c *Cluster) URL(db string) string {
 }
 
 // Stop shuts the cluster down (fast mode: running sessions are ended).
-func (c *Cluster) Stop() error {
+func (c *Cluster) Stop() error { return c.stop("fast") }
+
+// Crash stops the cluster as a crash would (immediate mode: every process
+// quits at once, without a checkpoint; the next start recovers from the
+// WAL).
+func (c *Cluster) Crash() error { return c.stop("immediate") }
+
+func (c *Cluster) stop(mode string) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
-	if _, err := c.run(ctx, "pg_ctl", "-D", c.dataDir(), "-m", "fast", "-w", "stop"); err != nil {
-		return fmt.Errorf("error stopping PostgreSQL: %w", err)
+	if _, err := c.run(ctx, "pg_ctl", "-D", c.dataDir(), "-m", mode, "-w", "stop"); err != nil {
+		return fmt.Errorf("error stopping PostgreSQL (%s): %w", mode, err)
 	}
 	return nil
 }

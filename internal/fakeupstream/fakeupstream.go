@@ -46,6 +46,9 @@ type Call struct {
 	Header http.Header
 	// At is when the call arrived.
 	At time.Time
+	// Refused says the call was answered 503 or 429, which tells the
+	// caller that it was not processed.
+	Refused bool
 }
 
 // Server is the fake upstream.
@@ -377,6 +380,13 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 			delay += d
 		}
 	}
+	answer := status
+	if hostile != nil && hostile.Status != 0 {
+		answer = hostile.Status
+	} else if answer == 0 && mode == Down {
+		answer = http.StatusServiceUnavailable
+	}
+	call.Refused = answer == http.StatusServiceUnavailable || answer == http.StatusTooManyRequests
 	s.calls = append(s.calls, call)
 	if r.ProtoMajor == 2 {
 		s.http2Calls++

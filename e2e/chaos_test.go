@@ -1,0 +1,444 @@
+package e2e
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"math/rand/v2"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway/gen/api"
+	"github.com/rungworks/gateway/internal/fakeupstream"
+	"github.com/rungworks/gateway/pglocal"
+)
+
+// replicaPool is the replicas a chaos run sends its load to, changed as it
+// kills and restarts them.
+type replicaPool struct {
+	mu       sync.Mutex
+	replicas []*gateway
+	all      []*gateway // every replica ever started, for their logs
+}
+
+// pick is a replica at random.
+func (p *replicaPool) pick() *gateway {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.replicas[rand.IntN(len(p.replicas))]
+}
+
+// replace puts g in the place of the i-th replica.
+func (p *replicaPool) replace(i int, g *gateway) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.replicas[i] = g
+}
+
+// ledger is what one account's clients saw during a chaos run.
+type ledger struct {
+	account  string
+	mu       sync.Mutex
+	received received
+	lost     int               // requests whose reply a client never had whole (a batch's items each)
+	batches  map[string]string // id → the prefix of its items' prompts
+	statuses map[string]int
+}
+
+// note counts a call's outcome, the usage a client received, the requests
+// whose replies were lost, and a batch created (its id and prefix).
+func (l *ledger) note(status string, u *api.RungUsage, lost int, batch ...string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.statuses[status]++
+	if u != nil {
+		l.received.add(*u)
+	}
+	l.lost += lost
+	if len(batch) == 2 {
+		l.batches[batch[0]] = batch[1]
+	}
+}
+
+var chaosSeq atomic.Int64
+
+// chaosCall sends one random request of the load to a random replica and
+// notes what came back.
+func chaosCall(client *http.Client, pool *replicaPool, key string, l *ledger) {
+	g := pool.pick()
+	n := chaosSeq.Add(1)
+	var body map[string]any
+	prefix := fmt.Sprintf("chaos batch %d", n)
+	kind := rand.IntN(10)
+	switch {
+	case kind < 4:
+		body = map[string]any{"prompt": fmt.Sprintf("chaos json %d", n), "max_output_rungs": 200}
+	case kind < 8:
+		body = map[string]any{"prompt": fmt.Sprintf("chaos stream %d", n), "max_output_rungs": 200, "stream": true}
+	default:
+		reqs := prompts(prefix, 1+rand.IntN(20))
+		for _, r := range reqs {
+			r["max_output_rungs"] = 200
+		}
+		body = map[string]any{"requests": reqs}
+	}
+	raw, _ := json.Marshal(body)
+	path := "/api/v1/responses"
+	if kind >= 8 {
+		path = "/api/v1/batch"
+	}
+	weight := 1 // the requests the call makes
+	if reqs, ok := body["requests"].([]map[string]any); ok {
+		weight = len(reqs)
+	}
+	req, _ := http.NewRequest(http.MethodPost, g.base+path, bytes.NewReader(raw))
+	req.Header.Set("Authorization", "Bearer "+key)
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := client.Do(req)
+	if err != nil {
+		l.note("transport", nil, weight)
+		return
+	}
+	defer resp.Body.Close()
+	switch {
+	case kind >= 8:
+		var b api.Batch
+		if resp.StatusCode == http.StatusAccepted && json.NewDecoder(resp.Body).Decode(&b) == nil {
+			l.note("batch", nil, 0, b.Id.String(), prefix)
+			if rand.IntN(5) == 0 { // some batches are cancelled at once
+				c, err := http.NewRequest(http.MethodPost, g.base+"/api/v1/batch/"+b.Id.String()+"/cancel", nil)
+				if err == nil {
+					c.Header.Set("Authorization", "Bearer "+key)
+					if r, err := client.Do(c); err == nil {
+						r.Body.Close()
+					}
+				}
+			}
+			return
+		}
+		if resp.StatusCode == http.StatusAccepted {
+			l.note("batch unread", nil, weight)
+			return
+		}
+		all, _ := readAll(resp)
+		l.note(fmt.Sprintf("batch %d %s", resp.StatusCode, errorCode(all)), nil, 0)
+	case kind < 4:
+		all, err := readAll(resp)
+		var r api.Response
+		switch {
+		case err != nil:
+			l.note("json cut", nil, 1)
+		case resp.StatusCode == http.StatusOK && json.Unmarshal(all, &r) == nil:
+			l.note("json 200", &api.RungUsage{InputRungs: r.Usage.InputRungs, OutputRungs: r.Usage.OutputRungs, TotalRungs: r.Usage.TotalRungs}, 0)
+		default:
+			l.note(fmt.Sprintf("json %d %s", resp.StatusCode, errorCode(all)), nil, 0)
+		}
+	default:
+		if resp.StatusCode != http.StatusOK {
+			all, _ := readAll(resp)
+			l.note(fmt.Sprintf("stream %d %s", resp.StatusCode, errorCode(all)), nil, 0)
+			return
+		}
+		usage, failed, err := streamOutcome(resp)
+		switch {
+		case usage != nil:
+			l.note("stream completed", usage, 0)
+		case err != nil:
+			l.note("stream cut", nil, 1)
+		default:
+			l.note("stream error "+failed, nil, 0)
+		}
+	}
+}
+
+// readAll reads a reply's body.
+func readAll(resp *http.Response) ([]byte, error) {
+	var buf bytes.Buffer
+	_, err := buf.ReadFrom(resp.Body)
+	return buf.Bytes(), err
+}
+
+// errorCode is the code of an error envelope, or "".
+func errorCode(body []byte) string {
+	var e struct {
+		Error struct{ Code string } `json:"error"`
+	}
+	_ = json.Unmarshal(body, &e)
+	return e.Error.Code
+}
+
+// streamOutcome reads a stream to its end: the usage of its
+// response.completed, or the code of its response.error when none came, or
+// the error that cut it.
+func streamOutcome(resp *http.Response) (*api.RungUsage, string, error) {
+	sc := bufio.NewScanner(resp.Body)
+	sc.Buffer(make([]byte, 1<<16), 1<<20)
+	var failed string
+	for sc.Scan() {
+		line, ok := strings.CutPrefix(sc.Text(), "data: ")
+		if !ok {
+			continue
+		}
+		var c struct {
+			api.StreamChunk
+			Error *struct{ Code string } `json:"error"`
+		}
+		if json.Unmarshal([]byte(line), &c) != nil {
+			continue
+		}
+		if c.Error != nil {
+			failed = c.Error.Code
+		}
+		if c.Done && c.Usage != nil {
+			return c.Usage, failed, nil
+		}
+	}
+	if err := sc.Err(); err != nil {
+		return nil, failed, err
+	}
+	if failed == "" {
+		return nil, "", fmt.Errorf("the stream ended with neither response.completed nor response.error")
+	}
+	return nil, failed, nil
+}
+
+// chaosFor is how long TestChaos runs its load: GATEWAY_CHAOS, or 20s.
+func chaosFor(t *testing.T) time.Duration {
+	v := os.Getenv("GATEWAY_CHAOS")
+	if v == "" {
+		return 20 * time.Second
+	}
+	d, err := time.ParseDuration(v)
+	require.NoError(t, err, "GATEWAY_CHAOS is a duration")
+	return d
+}
+
+// chaosRun is the world of one TestChaos: its own PostgreSQL (stopped and
+// crashed), its upstream and its replicas.
+type chaosRun struct {
+	t       *testing.T
+	dir     string
+	cluster *pglocal.Cluster
+	b       *testBundle
+	env     map[string]string
+	pool    replicaPool
+}
+
+// startChaos starts a durable PostgreSQL of the run's own (a crash must not
+// lose a commit), migrates it, and starts three replicas.
+func startChaos(t *testing.T) *chaosRun {
+	parent, err := os.MkdirTemp("", "gateway-chaos-")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = os.RemoveAll(parent) })
+	require.NoError(t, os.Chmod(parent, 0o755)) // the postgres user enters it when the tests run as root
+	c := &chaosRun{t: t, dir: filepath.Join(parent, "pg")}
+	c.cluster, err = pglocal.Start(context.Background(), pglocal.Options{Dir: c.dir, Durable: true})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = c.cluster.Stop() })
+	require.NoError(t, c.cluster.CreateDatabase(context.Background(), "gw"))
+	c.b = &testBundle{db: c.cluster.URL("gw"), fake: fakeupstream.New()}
+	t.Cleanup(c.b.fake.Close)
+	mustCLI(t, c.b.db, "migrate")
+	c.b.key = strings.TrimSpace(mustCLI(t, c.b.db, "keys", "create", "--account", "acme"))
+	c.b.fake.SetDelay(20 * time.Millisecond)
+	c.b.fake.SetChunkDelay(5 * time.Millisecond)
+	c.env = map[string]string{"GATEWAY_LEASE": "2s", "GATEWAY_DRAIN_CONCURRENCY": "4", "GATEWAY_SHUTDOWN_GRACE": "2s", "GATEWAY_UPSTREAM_TIMEOUT": "1s"}
+	for range 3 {
+		c.pool.replicas = append(c.pool.replicas, c.serve())
+	}
+	return c
+}
+
+// serve starts a replica, noted for its logs.
+func (c *chaosRun) serve() *gateway {
+	g := serve(c.t, c.b.db, c.b.fake.BaseURL(), c.env)
+	c.pool.mu.Lock()
+	defer c.pool.mu.Unlock()
+	c.pool.all = append(c.pool.all, g)
+	return g
+}
+
+// act does one random thing to the replicas, the upstream or the database,
+// and says what.
+func (c *chaosRun) act() string {
+	t, fake := c.t, c.b.fake
+	i := rand.IntN(len(c.pool.replicas))
+	switch rand.IntN(8) {
+	case 0:
+		victim := c.pool.replicas[i]
+		require.NoError(t, victim.cmd.Process.Kill())
+		<-victim.done
+		victim.done <- nil
+		c.pool.replace(i, c.serve())
+		return "kill -9 a replica"
+	case 1:
+		_ = c.pool.replicas[i].stop()
+		c.pool.replace(i, c.serve())
+		return "stop a replica"
+	case 2:
+		fake.SetMode(fakeupstream.Down)
+		time.Sleep(time.Second)
+		fake.SetMode(fakeupstream.OK)
+		return "upstream 503"
+	case 3:
+		fake.SetStatus(http.StatusInternalServerError)
+		time.Sleep(500 * time.Millisecond)
+		fake.SetStatus(0)
+		return "upstream 500"
+	case 4:
+		fake.SetBreakAfter(2)
+		time.Sleep(time.Second)
+		fake.SetBreakAfter(0)
+		return "streams break"
+	case 5:
+		fake.SetDelay(1500 * time.Millisecond) // past GATEWAY_UPSTREAM_TIMEOUT
+		time.Sleep(2 * time.Second)
+		fake.SetDelay(20 * time.Millisecond)
+		return "upstream stalls"
+	case 6:
+		what := "database stopped"
+		if rand.IntN(2) == 0 {
+			require.NoError(t, c.cluster.Stop())
+		} else {
+			require.NoError(t, c.cluster.Crash())
+			what = "database crashed"
+		}
+		time.Sleep(time.Duration(rand.IntN(2000)) * time.Millisecond)
+		var err error
+		c.cluster, err = pglocal.Start(context.Background(), pglocal.Options{Dir: c.dir, Port: c.cluster.Port(), Durable: true})
+		require.NoError(t, err)
+		return what
+	default:
+		return "nothing"
+	}
+}
+
+// TestChaos runs mixed load (JSON replies, streams, batches, cancels) over
+// three replicas and two accounts, one of them with a budget cap it runs
+// into, while replicas are killed (-9) and stopped, PostgreSQL is stopped
+// and crashed, and the upstream answers 503, fails with 500, breaks its
+// streams and stalls past the timeout; then, from a fresh replica, checks
+// that no prompt was processed twice, every batch ended, each completed
+// item ran once and failed or cancelled ones were billed nothing, each
+// account's usage view is what its clients received plus at most the
+// requests whose replies they lost, the ledger settled, the cap held, and
+// no replica panicked. It runs for 20 s, or GATEWAY_CHAOS (make chaos).
+func TestChaos(t *testing.T) {
+	t.Parallel()
+	c := startChaos(t)
+	const tightCap = 4000
+	mustCLI(t, c.b.db, "limits", "set", "--account", "acme", "--project", "default", "--budget-rungs", "1000000000")
+	tight := strings.TrimSpace(mustCLI(t, c.b.db, "keys", "create", "--account", "tight"))
+	mustCLI(t, c.b.db, "limits", "set", "--account", "tight", "--project", "default", "--budget-rungs", fmt.Sprint(tightCap))
+	ledgers := map[string]*ledger{} // by key
+	for key, account := range map[string]string{c.b.key: "acme", tight: "tight"} {
+		ledgers[key] = &ledger{account: account, batches: map[string]string{}, statuses: map[string]int{}}
+	}
+
+	stop := make(chan struct{})
+	var clients sync.WaitGroup
+	client := &http.Client{Timeout: 90 * time.Second}
+	for key, l := range ledgers {
+		for range 3 { // about 8 calls a second a key, under its rate limit
+			clients.Add(1)
+			go func() {
+				defer clients.Done()
+				for {
+					select {
+					case <-stop:
+						return
+					case <-time.After(time.Duration(200+rand.IntN(300)) * time.Millisecond):
+					}
+					chaosCall(client, &c.pool, key, l)
+				}
+			}()
+		}
+	}
+	actions := map[string]int{}
+	for deadline := time.Now().Add(chaosFor(t)); time.Now().Before(deadline); {
+		time.Sleep(time.Duration(500+rand.IntN(2000)) * time.Millisecond)
+		actions[c.act()]++
+	}
+	close(stop)
+	clients.Wait()
+	t.Logf("chaos: %v", actions)
+
+	for _, g := range c.pool.replicas {
+		_ = g.stop()
+	}
+	final := c.serve()
+	checkers := map[*ledger]string{} // a fresh key of each account: the load's keys may be at their rate limit
+	results := map[*ledger][]api.BatchResults{}
+	for _, l := range ledgers {
+		checkers[l] = strings.TrimSpace(mustCLI(t, c.b.db, "keys", "create", "--account", l.account))
+		for id := range l.batches {
+			results[l] = append(results[l], final.waitTerminal(checkers[l], id, 3*time.Minute))
+		}
+	}
+	processed := map[string]int{} // once every batch ended
+	for _, call := range c.b.fake.Calls() {
+		if !call.Refused {
+			processed[call.Prompt]++
+		}
+	}
+	for p, n := range processed {
+		require.LessOrEqual(t, n, 1, "prompt %q was processed %d times", p, n)
+	}
+	for _, l := range ledgers {
+		outcomes := map[string]int{}
+		for _, res := range results[l] {
+			prefix := l.batches[res.BatchId.String()]
+			for _, it := range res.Results {
+				prompt := fmt.Sprintf("%s item %d", prefix, it.Index)
+				outcome := string(it.Status)
+				switch it.Status {
+				case "completed":
+					require.Equal(t, 1, processed[prompt], "a completed item ran once: %s", prompt)
+					l.received.add(it.Usage)
+				case "failed", "cancelled":
+					require.Equal(t, api.RungUsage{}, it.Usage, "%s: %s item billed", prompt, it.Status)
+					if it.Error != nil {
+						outcome += " " + string(it.Error.Code)
+					}
+				default:
+					t.Fatalf("%s is %s in a %s batch", prompt, it.Status, res.Status)
+				}
+				outcomes[outcome]++
+			}
+		}
+		var v api.UsageView
+		require.Eventually(t, func() bool {
+			v = final.usage(checkers[l])
+			return v.Daily.ChargedRungs == v.Totals.TotalRungs && v.Budget.ReservedRungs == 0
+		}, time.Minute, 200*time.Millisecond, "the ledger settles: %+v", v)
+		t.Logf("%s: calls %v; items %v; received %+v, lost %d; usage view %+v", l.account, l.statuses, outcomes, l.received.UsageTotals, l.lost, v.Totals)
+		require.Equal(t, v.Totals.TotalRungs, v.Budget.SpentRungs)
+		require.GreaterOrEqual(t, v.Totals.Requests, l.received.Requests)
+		require.GreaterOrEqual(t, v.Totals.TotalRungs, l.received.TotalRungs)
+		require.LessOrEqual(t, v.Totals.Requests-l.received.Requests, int64(l.lost), "only requests whose replies were lost are billed unseen")
+		if l.account == "tight" {
+			require.LessOrEqual(t, v.Budget.SpentRungs, int64(tightCap))
+		}
+	}
+	logged := map[string]int{}
+	for _, g := range c.pool.all {
+		require.NotContains(t, g.stderr.String(), "panic")
+		for _, line := range strings.Split(g.stderr.String(), "\n") {
+			var e struct{ Level, Msg, Error string }
+			if json.Unmarshal([]byte(line), &e) == nil && e.Level != "INFO" {
+				logged[e.Level+" "+e.Msg]++
+			}
+		}
+	}
+	t.Logf("logged: %v", logged)
+}
