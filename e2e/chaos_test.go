@@ -6,6 +6,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"math/rand/v2"
 	"net/http"
 	"os"
@@ -52,7 +53,10 @@ type ledger struct {
 	received received
 	lost     int               // requests whose reply a client never had whole (a batch's items each)
 	batches  map[string]string // id → the prefix of its items' prompts
-	statuses map[string]int
+	// unanswered is the batches created five times over without an
+	// answer: each may be stored, once.
+	unanswered int
+	statuses   map[string]int
 }
 
 // note counts a call's outcome, the usage a client received, the requests
@@ -72,78 +76,45 @@ func (l *ledger) note(status string, u *api.RungUsage, lost int, batch ...string
 
 var chaosSeq atomic.Int64
 
+// post sends body (nil: none) to a random replica's path with key and the
+// extra header's names and values.
+func post(client *http.Client, pool *replicaPool, path, key string, body any, header ...string) (*http.Response, error) {
+	req, err := http.NewRequest(http.MethodPost, pool.pick().base+path, nil)
+	if err != nil {
+		return nil, err
+	}
+	if body != nil {
+		raw, err := json.Marshal(body)
+		if err != nil {
+			return nil, err
+		}
+		req.Body, req.ContentLength = io.NopCloser(bytes.NewReader(raw)), int64(len(raw))
+		req.Header.Set("Content-Type", "application/json")
+	}
+	req.Header.Set("Authorization", "Bearer "+key)
+	for i := 0; i+1 < len(header); i += 2 {
+		req.Header.Set(header[i], header[i+1])
+	}
+	return client.Do(req)
+}
+
 // chaosCall sends one random request of the load to a random replica and
-// notes what came back.
+// notes what came back: a JSON reply, a stream, or a batch.
 func chaosCall(client *http.Client, pool *replicaPool, key string, l *ledger) {
-	g := pool.pick()
 	n := chaosSeq.Add(1)
-	var body map[string]any
-	prefix := fmt.Sprintf("chaos batch %d", n)
 	kind := rand.IntN(10)
 	switch {
-	case kind < 4:
-		body = map[string]any{"prompt": fmt.Sprintf("chaos json %d", n), "max_output_rungs": 200}
-	case kind < 8:
-		body = map[string]any{"prompt": fmt.Sprintf("chaos stream %d", n), "max_output_rungs": 200, "stream": true}
-	default:
-		reqs := prompts(prefix, 1+rand.IntN(20))
-		for _, r := range reqs {
-			r["max_output_rungs"] = 200
-		}
-		body = map[string]any{"requests": reqs}
-	}
-	raw, _ := json.Marshal(body)
-	path := "/api/v1/responses"
-	if kind >= 8 {
-		path = "/api/v1/batch"
-	}
-	weight := 1 // the requests the call makes
-	if reqs, ok := body["requests"].([]map[string]any); ok {
-		weight = len(reqs)
-	}
-	req, _ := http.NewRequest(http.MethodPost, g.base+path, bytes.NewReader(raw))
-	req.Header.Set("Authorization", "Bearer "+key)
-	req.Header.Set("Content-Type", "application/json")
-	resp, err := client.Do(req)
-	if err != nil {
-		l.note("transport", nil, weight)
-		return
-	}
-	defer resp.Body.Close()
-	switch {
 	case kind >= 8:
-		var b api.Batch
-		if resp.StatusCode == http.StatusAccepted && json.NewDecoder(resp.Body).Decode(&b) == nil {
-			l.note("batch", nil, 0, b.Id.String(), prefix)
-			if rand.IntN(5) == 0 { // some batches are cancelled at once
-				c, err := http.NewRequest(http.MethodPost, g.base+"/api/v1/batch/"+b.Id.String()+"/cancel", nil)
-				if err == nil {
-					c.Header.Set("Authorization", "Bearer "+key)
-					if r, err := client.Do(c); err == nil {
-						r.Body.Close()
-					}
-				}
-			}
+		chaosBatch(client, pool, key, l, n)
+		return
+	case kind >= 4:
+		stream := map[string]any{"prompt": fmt.Sprintf("chaos stream %d", n), "max_output_rungs": 200, "stream": true}
+		resp, err := post(client, pool, "/api/v1/responses", key, stream)
+		if err != nil {
+			l.note("transport", nil, 1)
 			return
 		}
-		if resp.StatusCode == http.StatusAccepted {
-			l.note("batch unread", nil, weight)
-			return
-		}
-		all, _ := readAll(resp)
-		l.note(fmt.Sprintf("batch %d %s", resp.StatusCode, errorCode(all)), nil, 0)
-	case kind < 4:
-		all, err := readAll(resp)
-		var r api.Response
-		switch {
-		case err != nil:
-			l.note("json cut", nil, 1)
-		case resp.StatusCode == http.StatusOK && json.Unmarshal(all, &r) == nil:
-			l.note("json 200", &api.RungUsage{InputRungs: r.Usage.InputRungs, OutputRungs: r.Usage.OutputRungs, TotalRungs: r.Usage.TotalRungs}, 0)
-		default:
-			l.note(fmt.Sprintf("json %d %s", resp.StatusCode, errorCode(all)), nil, 0)
-		}
-	default:
+		defer resp.Body.Close()
 		if resp.StatusCode != http.StatusOK {
 			all, _ := readAll(resp)
 			l.note(fmt.Sprintf("stream %d %s", resp.StatusCode, errorCode(all)), nil, 0)
@@ -158,7 +129,70 @@ func chaosCall(client *http.Client, pool *replicaPool, key string, l *ledger) {
 		default:
 			l.note("stream error "+failed, nil, 0)
 		}
+		return
 	}
+	resp, err := post(client, pool, "/api/v1/responses", key, map[string]any{"prompt": fmt.Sprintf("chaos json %d", n), "max_output_rungs": 200})
+	if err != nil {
+		l.note("transport", nil, 1)
+		return
+	}
+	defer resp.Body.Close()
+	all, err := readAll(resp)
+	var r api.Response
+	switch {
+	case err != nil:
+		l.note("json cut", nil, 1)
+	case resp.StatusCode == http.StatusOK && json.Unmarshal(all, &r) == nil:
+		l.note("json 200", &api.RungUsage{InputRungs: r.Usage.InputRungs, OutputRungs: r.Usage.OutputRungs, TotalRungs: r.Usage.TotalRungs}, 0)
+	default:
+		l.note(fmt.Sprintf("json %d %s", resp.StatusCode, errorCode(all)), nil, 0)
+	}
+}
+
+// chaosBatch creates a batch of 1–20 items with an Idempotency-Key, sent
+// again (to any replica) while its reply is lost or says the database is
+// away, up to five times; a fifth of the batches created are cancelled at
+// once.
+func chaosBatch(client *http.Client, pool *replicaPool, key string, l *ledger, n int64) {
+	prefix := fmt.Sprintf("chaos batch %d", n)
+	reqs := prompts(prefix, 1+rand.IntN(20))
+	for _, r := range reqs {
+		r["max_output_rungs"] = 200
+	}
+	outcome := ""
+	for range 5 {
+		resp, err := post(client, pool, "/api/v1/batch", key, map[string]any{"requests": reqs}, "Idempotency-Key", strings.ReplaceAll(prefix, " ", "-"))
+		if err != nil {
+			outcome = "transport"
+			time.Sleep(300 * time.Millisecond)
+			continue
+		}
+		all, err := readAll(resp)
+		resp.Body.Close()
+		var b api.Batch
+		switch {
+		case err != nil:
+			outcome = "cut"
+		case resp.StatusCode == http.StatusServiceUnavailable:
+			outcome = "503 " + errorCode(all)
+		case (resp.StatusCode == http.StatusAccepted || resp.StatusCode == http.StatusOK) && json.Unmarshal(all, &b) == nil:
+			l.note(fmt.Sprintf("batch %d", resp.StatusCode), nil, 0, b.Id.String(), prefix)
+			if rand.IntN(5) == 0 {
+				if r, err := post(client, pool, "/api/v1/batch/"+b.Id.String()+"/cancel", key, nil); err == nil {
+					r.Body.Close()
+				}
+			}
+			return
+		default:
+			l.note(fmt.Sprintf("batch %d %s", resp.StatusCode, errorCode(all)), nil, 0)
+			return
+		}
+		time.Sleep(300 * time.Millisecond)
+	}
+	l.note("batch unanswered, last "+outcome, nil, len(reqs))
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.unanswered++
 }
 
 // readAll reads a reply's body.
@@ -416,6 +450,28 @@ func TestChaos(t *testing.T) {
 				outcomes[outcome]++
 			}
 		}
+		for status := range l.statuses {
+			require.NotContains(t, status, " 400 ", "the load sends only valid requests")
+		}
+		listed, unknown := 0, 0
+		for after := ""; ; {
+			r := final.call(http.MethodGet, "/api/v1/batches?limit=50"+after, checkers[l], nil)
+			require.Equal(t, http.StatusOK, r.status, string(r.body))
+			var page api.BatchList
+			require.NoError(t, json.Unmarshal(r.body, &page))
+			for _, b := range page.Data {
+				listed++
+				if _, ok := l.batches[b.Id.String()]; !ok {
+					unknown++
+				}
+			}
+			if !page.HasMore {
+				break
+			}
+			after = "&after=" + page.Data[len(page.Data)-1].Id.String()
+		}
+		require.Equal(t, len(l.batches), listed-unknown)
+		require.LessOrEqual(t, unknown, l.unanswered, "a batch sent again with its Idempotency-Key is stored once")
 		var v api.UsageView
 		require.Eventually(t, func() bool {
 			v = final.usage(checkers[l])
