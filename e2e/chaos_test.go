@@ -246,6 +246,37 @@ func streamOutcome(resp *http.Response) (*api.RungUsage, string, error) {
 	return nil, failed, nil
 }
 
+// checker reads an account's batches and usage after a chaos run, with
+// keys of its own (the load's may be at their rate limit), a fresh one every
+// 500 requests, under the rate limit however many batches there are.
+type checker struct {
+	t           *testing.T
+	db, account string
+	current     string
+	used        int
+}
+
+// key is the key for the next request.
+func (c *checker) key() string {
+	if c.used%500 == 0 {
+		c.current = strings.TrimSpace(mustCLI(c.t, c.db, "keys", "create", "--account", c.account))
+	}
+	c.used++
+	return c.current
+}
+
+// waitTerminal polls batch id's results on g until it is terminal, for
+// three minutes at most.
+func (c *checker) waitTerminal(g *gateway, id string) api.BatchResults {
+	for deadline := time.Now().Add(3 * time.Minute); ; time.Sleep(100 * time.Millisecond) {
+		res := g.results(c.key(), id)
+		if terminal(res.Status) {
+			return res
+		}
+		require.True(c.t, time.Now().Before(deadline), "batch %s still %s", id, res.Status)
+	}
+}
+
 // chaosFor is how long TestChaos runs its load: GATEWAY_CHAOS, or 20s.
 func chaosFor(t *testing.T) time.Duration {
 	v := os.Getenv("GATEWAY_CHAOS")
@@ -411,12 +442,12 @@ func TestChaos(t *testing.T) {
 		_ = g.stop()
 	}
 	final := c.serve()
-	checkers := map[*ledger]string{} // a fresh key of each account: the load's keys may be at their rate limit
+	checkers := map[*ledger]*checker{}
 	results := map[*ledger][]api.BatchResults{}
 	for _, l := range ledgers {
-		checkers[l] = strings.TrimSpace(mustCLI(t, c.b.db, "keys", "create", "--account", l.account))
+		checkers[l] = &checker{t: t, db: c.b.db, account: l.account}
 		for id := range l.batches {
-			results[l] = append(results[l], final.waitTerminal(checkers[l], id, 3*time.Minute))
+			results[l] = append(results[l], checkers[l].waitTerminal(final, id))
 		}
 	}
 	processed := map[string]int{} // once every batch ended
@@ -455,7 +486,7 @@ func TestChaos(t *testing.T) {
 		}
 		listed, unknown := 0, 0
 		for after := ""; ; {
-			r := final.call(http.MethodGet, "/api/v1/batches?limit=50"+after, checkers[l], nil)
+			r := final.call(http.MethodGet, "/api/v1/batches?limit=50"+after, checkers[l].key(), nil)
 			require.Equal(t, http.StatusOK, r.status, string(r.body))
 			var page api.BatchList
 			require.NoError(t, json.Unmarshal(r.body, &page))
@@ -474,7 +505,7 @@ func TestChaos(t *testing.T) {
 		require.LessOrEqual(t, unknown, l.unanswered, "a batch sent again with its Idempotency-Key is stored once")
 		var v api.UsageView
 		require.Eventually(t, func() bool {
-			v = final.usage(checkers[l])
+			v = final.usage(checkers[l].key())
 			return v.Daily.ChargedRungs == v.Totals.TotalRungs && v.Budget.ReservedRungs == 0
 		}, time.Minute, 200*time.Millisecond, "the ledger settles: %+v", v)
 		t.Logf("%s: calls %v; items %v; received %+v, lost %d; usage view %+v", l.account, l.statuses, outcomes, l.received.UsageTotals, l.lost, v.Totals)
