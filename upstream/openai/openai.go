@@ -225,41 +225,52 @@ type streamOptions struct {
 // calling it has run out of credit, which no wait cures.
 const insufficientQuota = "insufficient_quota"
 
-// Complete implements upstream.Provider.
+// Complete implements upstream.Provider. Its reply is read by what it
+// holds, as a stream's is (receive): a chat completion, or the events of an
+// upstream that streams whatever it is asked, taken whole at their [DONE]
+// (their usage counted by the caller when they reported none), at the end
+// of a body that sent a finish_reason, or at the end of their ending
+// (endingGrace) when the finish_reason and the usage came and the upstream
+// keeps its connection open. The call, from its start to the whole reply,
+// takes Timeout at most, and its reply replyBytes; anything it cannot use is
+// a failure after dispatch.
 func (c *Client) Complete(ctx context.Context, req *upstream.Request) (upstream.Result, error) {
-	ctx, cancel := context.WithTimeout(ctx, c.cfg.Timeout)
+	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-
-	resp, _, err := c.post(ctx, req, false)
+	w := c.watch(cancel, wholeCall, c.cfg.Timeout)
+	defer w.timer.Stop()
+	resp, dispatched, err := c.post(ctx, req, false)
+	if err != nil {
+		return upstream.Result{}, c.postError(w, dispatched, err)
+	}
+	defer resp.Body.Close()
+	limit := replyBytes(req)
+	if resp.ContentLength > limit {
+		return upstream.Result{}, fmt.Errorf("%w: %w: %d bytes, where a reply to this request takes at most %d", upstream.ErrFailed, upstream.ErrTooLong, resp.ContentLength, limit)
+	}
+	res, err := c.receive(ctx, w, &capped{body: resp.Body, left: limit + 1, limit: limit}, limit, int(limit), func(upstream.Delta) error { return nil })
 	if err != nil {
 		return upstream.Result{}, err
 	}
-	defer resp.Body.Close()
-	raw, err := readReply(resp.Body, resp.ContentLength, replyBytes(req))
-	if errors.Is(err, upstream.ErrTooLong) {
-		return upstream.Result{}, fmt.Errorf("%w: %w", upstream.ErrFailed, err)
-	}
-	if err != nil {
-		return upstream.Result{}, transportError(ctx, err, true)
-	}
-	return parseReply(raw)
+	return res, nil
 }
 
-// parseReply reads a reply asked for whole by what it holds, not by its
-// Content-Type: a chat completion or, from an upstream that streams whatever
-// it is asked, an event stream read to its [DONE] (its usage counted by the
-// caller when it reported none), after a byte order mark if there is one.
-// Anything else is a failure after dispatch.
-func parseReply(raw []byte) (upstream.Result, error) {
-	raw = bytes.TrimPrefix(raw, byteOrderMark)
-	if completionFirst(raw) {
-		return parseCompletion(raw)
+// capped is a reply read whole, read no further than limit bytes: a read
+// past them fails (upstream.ErrTooLong), whatever the reply holds (an event
+// stream of blank lines included).
+type capped struct {
+	body        io.Reader
+	left, limit int64 // left counts down from limit+1
+}
+
+// Read implements io.Reader.
+func (c *capped) Read(p []byte) (int, error) {
+	if c.left <= 0 {
+		return 0, fmt.Errorf("%w: a reply to this request takes at most %d bytes", upstream.ErrTooLong, c.limit)
 	}
-	res, err := readStream(bytes.NewReader(raw), int64(len(raw)), len(raw), func(bool) {}, func(upstream.Delta) error { return nil })
-	if err != nil {
-		return upstream.Result{}, fmt.Errorf("%w: the reply is neither a chat completion nor a whole event stream: %w", upstream.ErrFailed, err)
-	}
-	return res, nil
+	n, err := c.body.Read(p[:min(int64(len(p)), c.left)])
+	c.left -= int64(n)
+	return n, err
 }
 
 // completionFirst reports whether b, past white space, opens a JSON object:
@@ -287,24 +298,16 @@ func replyBytes(req *upstream.Request) int64 {
 	return min(maxReplyBytes, 6*int64(upstream.MaxTextBytes(req))+sourcesRoom+64<<10)
 }
 
-// readReply reads a reply body of size bytes (-1: unknown) whole, or fails
-// (upstream.ErrTooLong) without reading on when it is, or says it is,
-// longer than limit. An event stream (past a byte order mark and white
-// space, its first byte opens no JSON object) is read up to the line that
-// ends it, a `data: [DONE]` that begins an event, and no further: parseReply
-// reads no further, and an upstream that streams a reply asked for whole,
-// then keeps its connection open, is not waited for until the call's
-// timeout. One that ends its stream otherwise, or not at all, is read to
-// the end of its body, as a completion is.
-func readReply(body io.Reader, size, limit int64) ([]byte, error) {
-	if size > limit {
-		return nil, fmt.Errorf("%w: %d bytes, where a reply to this request takes at most %d", upstream.ErrTooLong, size, limit)
+// readReply reads a completion's body whole, first and then the rest of it,
+// or fails (upstream.ErrTooLong) without reading on when it is longer than
+// limit. size is how much of it may be read at once, the room it starts
+// with.
+func readReply(first []byte, rest io.Reader, size int, limit int64) ([]byte, error) {
+	if int64(len(first)) > limit {
+		return nil, fmt.Errorf("%w: a reply to this request takes at most %d bytes", upstream.ErrTooLong, limit)
 	}
-	// Room for the whole of a reply of the usual size and for the read that
-	// finds its end; a longer one grows as it arrives, not as it is declared.
-	buf := make([]byte, 0, min(max(size, 0), 64<<10)+bytes.MinRead)
-	in := io.LimitReader(body, limit+1)
-	var events eventEnd
+	buf := append(make([]byte, 0, max(size, len(first))+bytes.MinRead), first...)
+	in := io.LimitReader(rest, limit+1-int64(len(first)))
 	for {
 		if len(buf) == cap(buf) {
 			buf = slices.Grow(buf, cap(buf))
@@ -314,9 +317,6 @@ func readReply(body io.Reader, size, limit int64) ([]byte, error) {
 		if int64(len(buf)) > limit {
 			return nil, fmt.Errorf("%w: a reply to this request takes at most %d bytes", upstream.ErrTooLong, limit)
 		}
-		if end := events.find(buf, err != nil); end > 0 {
-			return buf[:end], nil
-		}
 		switch {
 		case errors.Is(err, io.EOF):
 			return buf, nil
@@ -324,58 +324,6 @@ func readReply(body io.Reader, size, limit int64) ([]byte, error) {
 			return nil, err
 		}
 	}
-}
-
-// eventEnd finds, in a reply read so far, where an event stream's [DONE]
-// line ends (see readReply), looking at each byte once.
-type eventEnd struct {
-	decided, stream bool
-	// line is where the line being read begins, looked how far the reply
-	// was looked at; inEvent says a data: line came since the last blank
-	// line.
-	line, looked int
-	inEvent      bool
-}
-
-// find returns the end of the [DONE] line in buf, 0 if there is none yet;
-// ended says buf is all there is.
-func (e *eventEnd) find(buf []byte, ended bool) int {
-	if !e.decided {
-		if e.looked == 0 {
-			if len(buf) < len(byteOrderMark) && bytes.HasPrefix(byteOrderMark, buf) && !ended {
-				return 0 // a byte order mark may still be arriving
-			}
-			if bytes.HasPrefix(buf, byteOrderMark) {
-				e.looked = len(byteOrderMark)
-			}
-		}
-		e.looked = len(buf) - len(bytes.TrimLeft(buf[e.looked:], " \t\r\n"))
-		if e.looked == len(buf) {
-			return 0
-		}
-		e.decided, e.stream = true, buf[e.looked] != '{'
-		e.looked = 0
-	}
-	for e.stream {
-		i := bytes.IndexByte(buf[e.looked:], '\n')
-		if i < 0 {
-			e.looked = len(buf)
-			return 0
-		}
-		end := e.looked + i + 1
-		field := bytes.TrimRight(buf[e.line:end-1], "\r")
-		e.line, e.looked = end, end
-		data, isData := bytes.CutPrefix(field, []byte("data:"))
-		switch {
-		case len(field) == 0:
-			e.inEvent = false
-		case isData && !e.inEvent && bytes.Equal(bytes.TrimSpace(data), doneMarker):
-			return end
-		case isData:
-			e.inEvent = true
-		}
-	}
-	return 0
 }
 
 // parseCompletion reads a chat completion body. Anything that is not one is a

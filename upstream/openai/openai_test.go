@@ -853,27 +853,31 @@ func TestRepliesAreReadByWhatTheyHold(t *testing.T) {
 	})
 }
 
-// TestAReplyStreamedWholeEndsAtDone: a reply asked for whole and streamed,
-// its connection then kept open, is taken at its [DONE], not waited on until
-// the call's timeout; one whose stream stops without [DONE] is waited for,
-// and fails at the timeout, after dispatch. A [DONE] inside an event that is
-// spread over lines does not end it.
-func TestAReplyStreamedWholeEndsAtDone(t *testing.T) {
+// TestAReplyStreamedWholeEnds: a reply asked for whole and streamed, its
+// connection then kept open, is taken at its [DONE], or at the end of its
+// ending once its finish_reason and usage came, not waited on until the
+// call's timeout, when it would fail; one whose stream stops before its
+// finish_reason and usage came fails at the timeout, after dispatch. A
+// [DONE] inside an event that is spread over lines does not end it.
+func TestAReplyStreamedWholeEnds(t *testing.T) {
 	t.Parallel()
 	const (
-		chunk = `data: {"choices":[{"delta":{"content":"whole"},"finish_reason":"stop"}]}` + "\n\n"
-		usage = `data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1}}` + "\n\n"
+		text   = `data: {"choices":[{"delta":{"content":"whole"}}]}` + "\n\n"
+		finish = `data: {"choices":[{"delta":{},"finish_reason":"stop"}]}` + "\n\n"
+		usage  = `data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":1}}` + "\n\n"
 	)
 	eachTransport(t, func(t *testing.T, b *testBundle) {
 		for name, c := range map[string]struct {
 			body  string
 			whole bool
 		}{
-			"[DONE]":                         {chunk + usage + "data: [DONE]\n\n", true},
-			"[DONE] without a space":         {chunk + usage + "data:[DONE]\r\n\r\n", true},
-			"[DONE] after a byte order mark": {"\uFEFF" + chunk + usage + "data: [DONE]\n\n", true},
-			"no [DONE]":                      {chunk + usage, false},
-			"[DONE] in a spread event":       {chunk + usage + "data: {\"choices\":\ndata: [DONE]\n", false},
+			"[DONE]":                         {text + finish + usage + "data: [DONE]\n\n", true},
+			"[DONE] without a space":         {text + finish + usage + "data:[DONE]\r\n\r\n", true},
+			"[DONE] after a byte order mark": {"\uFEFF" + text + finish + usage + "data: [DONE]\n\n", true},
+			"finished, no [DONE]":            {text + finish + usage, true},
+			"no usage, no [DONE]":            {text + finish, false},
+			"no finish_reason, no [DONE]":    {text + usage, false},
+			"[DONE] in a spread event":       {text + "data: {\"choices\":\ndata: [DONE]\n", false},
 		} {
 			t.Run(name, func(t *testing.T) {
 				t.Parallel()
@@ -888,6 +892,7 @@ func TestAReplyStreamedWholeEndsAtDone(t *testing.T) {
 				res, err := client.Complete(context.Background(), &req)
 				if !c.whole {
 					require.ErrorIs(t, err, upstream.ErrFailed)
+					require.ErrorContains(t, err, "the call took longer than its limit of 1s")
 					return
 				}
 				require.NoError(t, err)

@@ -2,20 +2,23 @@ package openai
 
 import (
 	"bytes"
+	"context"
+	"io"
 	"reflect"
 	"strings"
 	"testing"
 	"testing/iotest"
+	"time"
 	"unicode/utf8"
 
 	"github.com/rungworks/gateway/upstream"
 )
 
-// FuzzParseReply feeds arbitrary bodies to the parser of replies asked for
+// FuzzParseReply feeds arbitrary bodies to the reader of replies asked for
 // whole: it never panics, anything it cannot use is a failure after
 // dispatch, and what it takes is a completion or an event stream to its
-// [DONE]. A body read as Complete reads it, a byte at a time, stopping at
-// an event stream's [DONE] (readReply), parses to the same result.
+// [DONE] or finish_reason. A body that arrives a byte at a time reads as the
+// whole body does.
 func FuzzParseReply(f *testing.F) {
 	for _, seed := range []string{
 		`{"choices":[{"message":{"content":"hi","annotations":[{"type":"url_citation","url_citation":{"url":"u","title":"t","start_index":0,"end_index":2}}]}}],"usage":{"prompt_tokens":3,"completion_tokens":1}}`,
@@ -31,14 +34,10 @@ func FuzzParseReply(f *testing.F) {
 		f.Add([]byte(seed))
 	}
 	f.Fuzz(func(t *testing.T, raw []byte) {
-		res, err := parseReply(raw)
-		read, rerr := readReply(iotest.OneByteReader(bytes.NewReader(raw)), -1, int64(len(raw)))
-		if rerr != nil {
-			t.Fatalf("reading the reply: %v", rerr)
-		}
-		again, againErr := parseReply(read)
+		res, err := readWhole(bytes.NewReader(raw), len(raw))
+		again, againErr := readWhole(iotest.OneByteReader(bytes.NewReader(raw)), len(raw))
 		if !reflect.DeepEqual(res, again) || (err == nil) != (againErr == nil) || err != nil && err.Error() != againErr.Error() {
-			t.Fatalf("the reply read to %d bytes of %d parses otherwise: %+v, %v against %+v, %v", len(read), len(raw), again, againErr, res, err)
+			t.Fatalf("the reply read a byte at a time reads otherwise: %+v, %v against %+v, %v", again, againErr, res, err)
 		}
 		if err == nil && !wholeStream(raw) {
 			t.Fatalf("an event stream without [DONE] or a finish_reason was taken")
@@ -58,6 +57,15 @@ func FuzzParseReply(f *testing.F) {
 			}
 		}
 	})
+}
+
+// readWhole reads body as Complete reads a reply of at most n bytes, with a
+// watchdog that does not fire.
+func readWhole(body io.Reader, n int) (upstream.Result, error) {
+	c := &Client{cfg: Config{Timeout: time.Hour}}
+	w := c.watch(func() {}, wholeCall, time.Hour)
+	defer w.timer.Stop()
+	return c.receive(context.Background(), w, &capped{body: body, left: int64(n) + 1, limit: int64(n)}, int64(n), n, func(upstream.Delta) error { return nil })
 }
 
 // wholeStream says whether raw may be taken as a whole reply: a completion

@@ -8,7 +8,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"net/http"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -80,22 +79,38 @@ var byteOrderMark = []byte("\uFEFF")
 func (c *Client) Stream(ctx context.Context, req *upstream.Request, emit func(upstream.Delta) error) (upstream.Result, error) {
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	w := c.watch(cancel)
+	w := c.watch(cancel, streamCall, c.cfg.StreamLimit)
 	defer w.timer.Stop()
 	resp, dispatched, err := c.post(ctx, req, true)
 	if err != nil {
 		return upstream.Result{}, c.postError(w, dispatched, err)
 	}
-	return c.receive(ctx, w, resp, replyBytes(req), upstream.MaxTextBytes(req), emit)
+	defer resp.Body.Close()
+	return c.receive(ctx, w, resp.Body, replyBytes(req), upstream.MaxTextBytes(req), emit)
 }
 
-// watchdog cancels a stream's call after Timeout of silence, or at its
-// deadline, StreamLimit after it began, however the upstream keeps talking
+// call is a kind of call to an upstream, as its watchdog tells its failures:
+// a stream's or a call asked for whole.
+type call struct {
+	name   string // in the watchdog's reasons
+	broken error  // the class of its failures while its reply is read
+}
+
+// The kinds of calls.
+var (
+	streamCall = call{name: "stream", broken: upstream.ErrStreamBroken}
+	wholeCall  = call{name: "call", broken: upstream.ErrFailed}
+)
+
+// watchdog cancels a call after Timeout of silence, or at its deadline, its
+// limit after it began (StreamLimit for a stream, Timeout for a call asked
+// for whole), however the upstream keeps talking
 // (comment lines and empty deltas reset the silence, not the deadline); and,
 // once a finish_reason and the usage are read, at the end of the stream's
 // ending (endingGrace), for an upstream that finishes but does not end its
 // stream. One timer serves all three: it is set to whichever comes first.
 type watchdog struct {
+	call
 	timer    *time.Timer
 	silence  time.Duration
 	limit    time.Duration
@@ -120,9 +135,11 @@ const (
 // early (Open WebUI with its reasoning chunks), and their output goes on.
 const endingGrace = 2 * time.Second
 
-// watch starts a stream's watchdog, which calls cancel when it fires.
-func (c *Client) watch(cancel context.CancelFunc) *watchdog {
-	w := &watchdog{silence: c.cfg.Timeout, limit: c.cfg.StreamLimit}
+// watch starts the watchdog of a call of kind k, which calls cancel when it
+// fires: after Timeout of silence, at limit from now, or at the end of its
+// ending.
+func (c *Client) watch(cancel context.CancelFunc, k call, limit time.Duration) *watchdog {
+	w := &watchdog{call: k, silence: c.cfg.Timeout, limit: limit}
 	w.deadline = time.Now().Add(w.limit)
 	w.timer = time.AfterFunc(min(w.silence, w.limit), func() {
 		why := int32(firedSilence)
@@ -170,7 +187,7 @@ func (w *watchdog) pausedDuring(emit func(upstream.Delta) error) func(upstream.D
 // reason says why the watchdog fired, after what: "no reply" or "no data".
 func (w *watchdog) reason(what string) string {
 	if w.fired.Load() == firedLimit {
-		return fmt.Sprintf("the stream took longer than its limit of %s", w.limit)
+		return fmt.Sprintf("the %s took longer than its limit of %s", w.name, w.limit)
 	}
 	return fmt.Sprintf("%s for %s", what, w.silence)
 }
@@ -187,26 +204,26 @@ func (c *Client) postError(w *watchdog, dispatched bool, err error) error {
 	return err
 }
 
-// receive reads a stream's reply, of at most limit bytes (replyBytes) and
-// keeping at most maxThinking bytes of thinking (see readStream), and
-// classifies how it ended. The reply is read by what it holds, not by its
+// receive reads a call's reply from body, of at most limit bytes a line or
+// a completion (replyBytes) and keeping at most maxThinking bytes of
+// thinking (see readStream), and classifies how it ended: a failure is of
+// the class of w's call. The reply is read by what it holds, not by its
 // Content-Type (see readStream).
-func (c *Client) receive(ctx context.Context, w *watchdog, resp *http.Response, limit int64, maxThinking int, emit func(upstream.Delta) error) (upstream.Result, error) {
-	defer resp.Body.Close()
-	res, err := readStream(resp.Body, limit, maxThinking, w.heard, w.pausedDuring(emit))
+func (c *Client) receive(ctx context.Context, w *watchdog, body io.Reader, limit int64, maxThinking int, emit func(upstream.Delta) error) (upstream.Result, error) {
+	res, err := readStream(body, limit, maxThinking, w.heard, w.pausedDuring(emit))
 	switch {
 	case err == nil, errors.Is(err, errEmit):
 		return res, errors.Unwrap(err)
 	case errors.Is(err, upstream.ErrTooLong):
-		return res, fmt.Errorf("%w: %w", upstream.ErrStreamBroken, err)
+		return res, fmt.Errorf("%w: %w", w.broken, err)
 	case w.fired.Load() == firedEnding:
 		return res, nil // finished, though not ended by its upstream
 	case ctx.Err() != nil && w.fired.Load() == 0:
 		return res, ctx.Err() // the caller went away
 	case w.fired.Load() != 0:
-		return res, fmt.Errorf("%w: %s", upstream.ErrStreamBroken, w.reason("no data"))
+		return res, fmt.Errorf("%w: %s", w.broken, w.reason("no data"))
 	default:
-		return res, fmt.Errorf("%w: %v", upstream.ErrStreamBroken, err)
+		return res, fmt.Errorf("%w: %v", w.broken, err)
 	}
 }
 
@@ -215,10 +232,10 @@ func (c *Client) receive(ctx context.Context, w *watchdog, resp *http.Response, 
 // upstream that does not stream. Its text and sources are emitted as one
 // delta: the call was answered, and its output is not dropped for coming in
 // one piece.
-func readCompletion(first []byte, rest io.Reader, limit int64, emit func(upstream.Delta) error) (upstream.Result, error) {
-	// first is the reader's buffer, which rest overwrites: it is read whole
-	// before rest is.
-	raw, err := readReply(io.MultiReader(bytes.NewReader(first), rest), -1, limit)
+func readCompletion(first []byte, rest *bufio.Reader, limit int64, emit func(upstream.Delta) error) (upstream.Result, error) {
+	// first is the reader's buffer, which rest overwrites: it is copied
+	// before rest is read.
+	raw, err := readReply(first, rest, len(first)+rest.Buffered(), limit)
 	if err != nil {
 		return upstream.Result{}, err
 	}

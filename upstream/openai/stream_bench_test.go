@@ -28,22 +28,40 @@ func BenchmarkReadStream(b *testing.B) {
 	}
 }
 
-// BenchmarkParseCompletion reads a completion as OpenAI's API sends one
+// BenchmarkParseCompletion decodes a completion as OpenAI's API sends one
 // with web search, its text citing a source, and its usage with its
-// details: the work a
-// reply asked for whole (a batch item's) costs its reader.
+// details (openAICompletion); BenchmarkReadWholeReply reads it as Complete
+// does, from its body: the work a reply asked for whole (a JSON reply's, a
+// batch item's) costs its reader.
 func BenchmarkParseCompletion(b *testing.B) {
-	raw := []byte(`{"id":"chatcmpl-1","object":"chat.completion","created":1700000000,"model":"gpt-4o-mini",` +
+	raw := openAICompletion()
+	b.SetBytes(int64(len(raw)))
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, err := parseCompletion(raw); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+func BenchmarkReadWholeReply(b *testing.B) {
+	raw := openAICompletion()
+	b.SetBytes(int64(len(raw)))
+	b.ReportAllocs()
+	for b.Loop() {
+		if _, err := readWhole(bytes.NewReader(raw), 64<<10); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
+
+// openAICompletion is a completion as OpenAI's API sends one with web
+// search.
+func openAICompletion() []byte {
+	return []byte(`{"id":"chatcmpl-1","object":"chat.completion","created":1700000000,"model":"gpt-4o-mini",` +
 		`"choices":[{"index":0,"message":{"role":"assistant","content":"The answer, with a source for it, in a sentence or two of plain text.",` +
 		`"annotations":[{"type":"url_citation","url_citation":{"url":"https://example.org/doc","title":"Example doc","start_index":4,"end_index":10}}]},` +
 		`"logprobs":null,"finish_reason":"stop"}],` +
 		`"usage":{"prompt_tokens":12,"completion_tokens":18,"total_tokens":30,"prompt_tokens_details":{"cached_tokens":0,"audio_tokens":0},` +
 		`"completion_tokens_details":{"reasoning_tokens":0,"audio_tokens":0,"accepted_prediction_tokens":0,"rejected_prediction_tokens":0}}}`)
-	b.SetBytes(int64(len(raw)))
-	b.ReportAllocs()
-	for b.Loop() {
-		if _, err := parseReply(raw); err != nil {
-			b.Fatal(err)
-		}
-	}
 }
