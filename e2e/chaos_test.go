@@ -77,9 +77,9 @@ func (l *ledger) note(status string, u *api.RungUsage, lost int, batch ...string
 var chaosSeq atomic.Int64
 
 // post sends body (nil: none) to a random replica's path with key and the
-// extra header's names and values.
-func post(client *http.Client, pool *replicaPool, path, key string, body any, header ...string) (*http.Response, error) {
-	req, err := http.NewRequest(http.MethodPost, pool.pick().base+path, nil)
+// extra header's names and values, for as long as ctx lasts.
+func post(ctx context.Context, client *http.Client, pool *replicaPool, path, key string, body any, header ...string) (*http.Response, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, pool.pick().base+path, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -99,9 +99,13 @@ func post(client *http.Client, pool *replicaPool, path, key string, body any, he
 }
 
 // chaosCall sends one random request of the load to a random replica and
-// notes what came back: a JSON reply, a stream, or a batch.
+// notes what came back: a JSON reply, a stream, or a batch. A tenth of the
+// JSON requests are given up within 100 ms, and a fifth of the streams
+// after their first event: their replies are lost.
 func chaosCall(client *http.Client, pool *replicaPool, key string, l *ledger) {
 	n := chaosSeq.Add(1)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
 	kind := rand.IntN(10)
 	switch {
 	case kind >= 8:
@@ -109,7 +113,7 @@ func chaosCall(client *http.Client, pool *replicaPool, key string, l *ledger) {
 		return
 	case kind >= 4:
 		stream := map[string]any{"prompt": fmt.Sprintf("chaos stream %d", n), "max_output_rungs": 200, "stream": true}
-		resp, err := post(client, pool, "/api/v1/responses", key, stream)
+		resp, err := post(ctx, client, pool, "/api/v1/responses", key, stream)
 		if err != nil {
 			l.note("transport", nil, 1)
 			return
@@ -118,6 +122,16 @@ func chaosCall(client *http.Client, pool *replicaPool, key string, l *ledger) {
 		if resp.StatusCode != http.StatusOK {
 			all, _ := readAll(resp)
 			l.note(fmt.Sprintf("stream %d %s", resp.StatusCode, errorCode(all)), nil, 0)
+			return
+		}
+		if rand.IntN(5) == 0 {
+			for sc := bufio.NewScanner(resp.Body); sc.Scan(); {
+				if strings.HasPrefix(sc.Text(), "data: ") {
+					break
+				}
+			}
+			cancel()
+			l.note("stream left", nil, 1)
 			return
 		}
 		usage, failed, err := streamOutcome(resp)
@@ -130,10 +144,12 @@ func chaosCall(client *http.Client, pool *replicaPool, key string, l *ledger) {
 			l.note("stream error "+failed, nil, 0)
 		}
 		return
+	case kind == 0:
+		time.AfterFunc(time.Duration(rand.IntN(100))*time.Millisecond, cancel)
 	}
-	resp, err := post(client, pool, "/api/v1/responses", key, map[string]any{"prompt": fmt.Sprintf("chaos json %d", n), "max_output_rungs": 200})
+	resp, err := post(ctx, client, pool, "/api/v1/responses", key, map[string]any{"prompt": fmt.Sprintf("chaos json %d", n), "max_output_rungs": 200})
 	if err != nil {
-		l.note("transport", nil, 1)
+		l.note(map[bool]string{true: "json left", false: "transport"}[ctx.Err() != nil], nil, 1)
 		return
 	}
 	defer resp.Body.Close()
@@ -141,7 +157,7 @@ func chaosCall(client *http.Client, pool *replicaPool, key string, l *ledger) {
 	var r api.Response
 	switch {
 	case err != nil:
-		l.note("json cut", nil, 1)
+		l.note(map[bool]string{true: "json left", false: "json cut"}[ctx.Err() != nil], nil, 1)
 	case resp.StatusCode == http.StatusOK && json.Unmarshal(all, &r) == nil:
 		l.note("json 200", &api.RungUsage{InputRungs: r.Usage.InputRungs, OutputRungs: r.Usage.OutputRungs, TotalRungs: r.Usage.TotalRungs}, 0)
 	default:
@@ -161,7 +177,7 @@ func chaosBatch(client *http.Client, pool *replicaPool, key string, l *ledger, n
 	}
 	outcome := ""
 	for range 5 {
-		resp, err := post(client, pool, "/api/v1/batch", key, map[string]any{"requests": reqs}, "Idempotency-Key", strings.ReplaceAll(prefix, " ", "-"))
+		resp, err := post(context.Background(), client, pool, "/api/v1/batch", key, map[string]any{"requests": reqs}, "Idempotency-Key", strings.ReplaceAll(prefix, " ", "-"))
 		if err != nil {
 			outcome = "transport"
 			time.Sleep(300 * time.Millisecond)
@@ -178,7 +194,7 @@ func chaosBatch(client *http.Client, pool *replicaPool, key string, l *ledger, n
 		case (resp.StatusCode == http.StatusAccepted || resp.StatusCode == http.StatusOK) && json.Unmarshal(all, &b) == nil:
 			l.note(fmt.Sprintf("batch %d", resp.StatusCode), nil, 0, b.Id.String(), prefix)
 			if rand.IntN(5) == 0 {
-				if r, err := post(client, pool, "/api/v1/batch/"+b.Id.String()+"/cancel", key, nil); err == nil {
+				if r, err := post(context.Background(), client, pool, "/api/v1/batch/"+b.Id.String()+"/cancel", key, nil); err == nil {
 					r.Body.Close()
 				}
 			}
@@ -338,7 +354,7 @@ func (c *chaosRun) serve() *gateway {
 func (c *chaosRun) act() string {
 	t, fake := c.t, c.b.fake
 	i := rand.IntN(len(c.pool.replicas))
-	switch rand.IntN(8) {
+	switch rand.IntN(9) {
 	case 0:
 		victim := c.pool.replicas[i]
 		require.NoError(t, victim.cmd.Process.Kill())
@@ -383,6 +399,13 @@ func (c *chaosRun) act() string {
 		c.cluster, err = pglocal.Start(context.Background(), pglocal.Options{Dir: c.dir, Port: c.cluster.Port(), Durable: true})
 		require.NoError(t, err)
 		return what
+	case 7:
+		fake.SetAlwaysStreaming(true)
+		fake.SetLeftOpen(true)
+		time.Sleep(1500 * time.Millisecond)
+		fake.SetAlwaysStreaming(false)
+		fake.SetLeftOpen(false)
+		return "upstream streams every reply, left open"
 	default:
 		return "nothing"
 	}
@@ -392,7 +415,8 @@ func (c *chaosRun) act() string {
 // three replicas and two accounts, one of them with a budget cap it runs
 // into, while replicas are killed (-9) and stopped, PostgreSQL is stopped
 // and crashed, and the upstream answers 503, fails with 500, breaks its
-// streams and stalls past the timeout; then, from a fresh replica, checks
+// streams, stalls past the timeout, and streams every reply (asked for whole
+// or not) and leaves it open; then, from a fresh replica, checks
 // that no prompt was processed twice, every batch ended, each completed
 // item ran once and failed or cancelled ones were billed nothing, each
 // account's usage view is what its clients received plus at most the
