@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"maps"
 	"math/rand/v2"
 	"net/http"
 	"os"
@@ -313,6 +314,9 @@ type chaosRun struct {
 	b       *testBundle
 	env     map[string]string
 	pool    replicaPool
+	// upstreams are the two providers of every model, primary then backup
+	// (c.b.fake), in GATEWAY_CONFIG.
+	upstreams [2]*fakeupstream.Server
 }
 
 // startChaos starts a durable PostgreSQL of the run's own (a crash must not
@@ -327,13 +331,25 @@ func startChaos(t *testing.T) *chaosRun {
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = c.cluster.Stop() })
 	require.NoError(t, c.cluster.CreateDatabase(context.Background(), "gw"))
-	c.b = &testBundle{db: c.cluster.URL("gw"), fake: fakeupstream.New()}
-	t.Cleanup(c.b.fake.Close)
+	for i := range c.upstreams {
+		c.upstreams[i] = fakeupstream.New()
+		t.Cleanup(c.upstreams[i].Close)
+		c.upstreams[i].SetDelay(20 * time.Millisecond)
+		c.upstreams[i].SetChunkDelay(5 * time.Millisecond)
+	}
+	c.b = &testBundle{db: c.cluster.URL("gw"), fake: c.upstreams[0]}
 	mustCLI(t, c.b.db, "migrate")
 	c.b.key = strings.TrimSpace(mustCLI(t, c.b.db, "keys", "create", "--account", "acme"))
-	c.b.fake.SetDelay(20 * time.Millisecond)
-	c.b.fake.SetChunkDelay(5 * time.Millisecond)
-	c.env = map[string]string{"GATEWAY_LEASE": "2s", "GATEWAY_DRAIN_CONCURRENCY": "4", "GATEWAY_SHUTDOWN_GRACE": "2s", "GATEWAY_UPSTREAM_TIMEOUT": "1s"}
+	config := filepath.Join(parent, "gateway.yaml")
+	require.NoError(t, os.WriteFile(config, []byte(fmt.Sprintf(`providers:
+  primary: {base_url: %s, timeout: 1s}
+  backup: {base_url: %s, timeout: 1s}
+models:
+  instant: {targets: [primary/instant, backup/instant]}
+  reasoning: {targets: [primary/reasoning, backup/reasoning]}
+  elements: {targets: [primary/elements, backup/elements]}
+`, c.upstreams[0].BaseURL(), c.upstreams[1].BaseURL())), 0o644))
+	c.env = map[string]string{"DATABASE_URL": c.b.db, "GATEWAY_CONFIG": config, "GATEWAY_LEASE": "2s", "GATEWAY_DRAIN_CONCURRENCY": "4", "GATEWAY_SHUTDOWN_GRACE": "2s"}
 	for range 3 {
 		c.pool.replicas = append(c.pool.replicas, c.serve())
 	}
@@ -342,17 +358,19 @@ func startChaos(t *testing.T) *chaosRun {
 
 // serve starts a replica, noted for its logs.
 func (c *chaosRun) serve() *gateway {
-	g := serve(c.t, c.b.db, c.b.fake.BaseURL(), c.env)
+	env := maps.Clone(c.env)
+	g := start(c.t, env, "serve")
 	c.pool.mu.Lock()
 	defer c.pool.mu.Unlock()
 	c.pool.all = append(c.pool.all, g)
 	return g
 }
 
-// act does one random thing to the replicas, the upstream or the database,
+// act does one random thing to the replicas, a provider or the database,
 // and says what.
 func (c *chaosRun) act() string {
-	t, fake := c.t, c.b.fake
+	u := rand.IntN(3) / 2 // the primary two times in three
+	t, fake, provider := c.t, c.upstreams[u], [...]string{"primary", "backup"}[u]
 	i := rand.IntN(len(c.pool.replicas))
 	switch rand.IntN(9) {
 	case 0:
@@ -370,22 +388,22 @@ func (c *chaosRun) act() string {
 		fake.SetMode(fakeupstream.Down)
 		time.Sleep(time.Second)
 		fake.SetMode(fakeupstream.OK)
-		return "upstream 503"
+		return provider + " 503"
 	case 3:
 		fake.SetStatus(http.StatusInternalServerError)
 		time.Sleep(500 * time.Millisecond)
 		fake.SetStatus(0)
-		return "upstream 500"
+		return provider + " 500"
 	case 4:
 		fake.SetBreakAfter(2)
 		time.Sleep(time.Second)
 		fake.SetBreakAfter(0)
-		return "streams break"
+		return provider + " streams break"
 	case 5:
-		fake.SetDelay(1500 * time.Millisecond) // past GATEWAY_UPSTREAM_TIMEOUT
+		fake.SetDelay(1500 * time.Millisecond) // past the providers' timeout
 		time.Sleep(2 * time.Second)
 		fake.SetDelay(20 * time.Millisecond)
-		return "upstream stalls"
+		return provider + " stalls"
 	case 6:
 		what := "database stopped"
 		if rand.IntN(2) == 0 {
@@ -405,7 +423,7 @@ func (c *chaosRun) act() string {
 		time.Sleep(1500 * time.Millisecond)
 		fake.SetAlwaysStreaming(false)
 		fake.SetLeftOpen(false)
-		return "upstream streams every reply, left open"
+		return provider + " streams every reply, left open"
 	default:
 		return "nothing"
 	}
@@ -413,11 +431,13 @@ func (c *chaosRun) act() string {
 
 // TestChaos runs mixed load (JSON replies, streams, batches, cancels) over
 // three replicas and two accounts, one of them with a budget cap it runs
-// into, while replicas are killed (-9) and stopped, PostgreSQL is stopped
-// and crashed, and the upstream answers 503, fails with 500, breaks its
-// streams, stalls past the timeout, and streams every reply (asked for whole
-// or not) and leaves it open; then, from a fresh replica, checks
-// that no prompt was processed twice, every batch ended, each completed
+// into, every model routed to a primary provider and then a backup, while
+// replicas are killed (-9) and stopped, PostgreSQL is stopped and crashed,
+// and a provider answers 503, fails with 500, breaks its streams, stalls
+// past its timeout, and streams every reply (asked for whole or not) and
+// leaves it open; then, from a fresh replica, checks that no prompt was
+// processed twice by a provider, nor a batch item's by the two, every batch
+// ended, each completed
 // item ran once and failed or cancelled ones were billed nothing, each
 // account's usage view is what its clients received plus at most the
 // requests whose replies they lost, the ledger settled, the cap held, and
@@ -474,14 +494,27 @@ func TestChaos(t *testing.T) {
 			results[l] = append(results[l], checkers[l].waitTerminal(final, id))
 		}
 	}
-	processed := map[string]int{} // once every batch ended
-	for _, call := range c.b.fake.Calls() {
-		if !call.Refused {
-			processed[call.Prompt]++
+	// Once every batch ended: a prompt is processed at most once by each
+	// provider, and a batch item's by one of them at most (D12); an
+	// interactive request may fall back to the backup after the primary
+	// failed after dispatch.
+	processed := map[string]int{}
+	for _, u := range c.upstreams {
+		mine := map[string]int{}
+		for _, call := range u.Calls() {
+			if !call.Refused {
+				mine[call.Prompt]++
+				processed[call.Prompt]++
+			}
+		}
+		for p, n := range mine {
+			require.LessOrEqual(t, n, 1, "prompt %q was processed %d times by one provider", p, n)
 		}
 	}
 	for p, n := range processed {
-		require.LessOrEqual(t, n, 1, "prompt %q was processed %d times", p, n)
+		if strings.HasPrefix(p, "chaos batch") {
+			require.LessOrEqual(t, n, 1, "batch item %q was processed %d times", p, n)
+		}
 	}
 	for _, l := range ledgers {
 		outcomes := map[string]int{}
