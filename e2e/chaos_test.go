@@ -314,8 +314,9 @@ type chaosRun struct {
 	b       *testBundle
 	env     map[string]string
 	pool    replicaPool
-	// upstreams are the two providers of every model, primary then backup
-	// (c.b.fake), in GATEWAY_CONFIG.
+	// upstreams are the two providers of every model, primary (c.b.fake,
+	// over HTTP/1.1) then backup (over HTTP/2 without TLS), in
+	// GATEWAY_CONFIG.
 	upstreams [2]*fakeupstream.Server
 }
 
@@ -343,7 +344,7 @@ func startChaos(t *testing.T) *chaosRun {
 	config := filepath.Join(parent, "gateway.yaml")
 	require.NoError(t, os.WriteFile(config, []byte(fmt.Sprintf(`providers:
   primary: {base_url: %s, timeout: 1s}
-  backup: {base_url: %s, timeout: 1s}
+  backup: {base_url: %s, timeout: 1s, h2c: true}
 models:
   instant: {targets: [primary/instant, backup/instant]}
   reasoning: {targets: [primary/reasoning, backup/reasoning]}
@@ -511,6 +512,7 @@ func TestChaos(t *testing.T) {
 			require.LessOrEqual(t, n, 1, "prompt %q was processed %d times by one provider", p, n)
 		}
 	}
+	require.Equal(t, len(c.upstreams[1].Calls()), c.upstreams[1].HTTP2Calls(), "the backup is called over HTTP/2")
 	for p, n := range processed {
 		if strings.HasPrefix(p, "chaos batch") {
 			require.LessOrEqual(t, n, 1, "batch item %q was processed %d times", p, n)
