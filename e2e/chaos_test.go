@@ -294,6 +294,77 @@ func (c *checker) waitTerminal(g *gateway, id string) api.BatchResults {
 	}
 }
 
+// doomedKey is a key of acme's that a chaos run revokes midway, and the
+// JSON requests sent with it: none that starts a second after the
+// revocation may be served, by any replica.
+type doomedKey struct {
+	key       string
+	revokedAt time.Time // set before the requests stop, read after
+	mu        sync.Mutex
+	served    []time.Time // when each request served 200 started
+	refused   int         // 401s
+}
+
+// call sends JSON requests with the key until stop, noting them in l and
+// when each served one started.
+func (d *doomedKey) call(client *http.Client, pool *replicaPool, l *ledger, stop chan struct{}) {
+	for {
+		select {
+		case <-stop:
+			return
+		case <-time.After(time.Duration(100+rand.IntN(200)) * time.Millisecond):
+		}
+		started := time.Now()
+		resp, err := post(context.Background(), client, pool, "/api/v1/responses", d.key, map[string]any{"prompt": fmt.Sprintf("chaos doomed %d", chaosSeq.Add(1)), "max_output_rungs": 200})
+		if err != nil {
+			l.note("doomed transport", nil, 1)
+			continue
+		}
+		all, err := readAll(resp)
+		resp.Body.Close()
+		var r api.Response
+		switch {
+		case err != nil:
+			l.note("doomed cut", nil, 1)
+		case resp.StatusCode == http.StatusOK && json.Unmarshal(all, &r) == nil:
+			l.note("doomed 200", &api.RungUsage{InputRungs: r.Usage.InputRungs, OutputRungs: r.Usage.OutputRungs, TotalRungs: r.Usage.TotalRungs}, 0)
+			d.mu.Lock()
+			d.served = append(d.served, started)
+			d.mu.Unlock()
+		default:
+			l.note(fmt.Sprintf("doomed %d %s", resp.StatusCode, errorCode(all)), nil, 0)
+			if resp.StatusCode == http.StatusUnauthorized {
+				d.mu.Lock()
+				d.refused++
+				d.mu.Unlock()
+			}
+		}
+	}
+}
+
+// revoke revokes the key, trying again while the database is starting up.
+func (d *doomedKey) revoke(t *testing.T, db string) {
+	for attempt := 0; ; attempt++ {
+		_, err := cli(t, db, "keys", "revoke", d.key[:12])
+		if err == nil {
+			d.revokedAt = time.Now()
+			return
+		}
+		require.Less(t, attempt, 50, "revoking the key: %v", err)
+		time.Sleep(200 * time.Millisecond)
+	}
+}
+
+// check requires that no request started a second after the revocation was
+// served, and that some were refused.
+func (d *doomedKey) check(t *testing.T) {
+	require.False(t, d.revokedAt.IsZero(), "the key was revoked")
+	for _, at := range d.served {
+		require.False(t, at.After(d.revokedAt.Add(time.Second)), "a request started %s after the key was revoked was served", at.Sub(d.revokedAt))
+	}
+	require.Positive(t, d.refused, "requests with the revoked key were refused")
+}
+
 // chaosFor is how long TestChaos runs its load: GATEWAY_CHAOS, or 20s.
 func chaosFor(t *testing.T) time.Duration {
 	v := os.Getenv("GATEWAY_CHAOS")
@@ -436,7 +507,9 @@ func (c *chaosRun) act() string {
 // replicas are killed (-9) and stopped, PostgreSQL is stopped and crashed,
 // and a provider answers 503, fails with 500, breaks its streams, stalls
 // past its timeout, and streams every reply (asked for whole or not) and
-// leaves it open; then, from a fresh replica, checks that no prompt was
+// leaves it open, and a key in use is revoked midway; then checks that no
+// request with it that started a second after was served and, from a fresh
+// replica, that no prompt was
 // processed twice by a provider, nor a batch item's by the two, every batch
 // ended, each completed
 // item ran once and failed or cancelled ones were billed nothing, each
@@ -474,14 +547,26 @@ func TestChaos(t *testing.T) {
 			}()
 		}
 	}
+	doomed := &doomedKey{key: strings.TrimSpace(mustCLI(t, c.b.db, "keys", "create", "--account", "acme"))}
+	clients.Add(1)
+	go func() {
+		defer clients.Done()
+		doomed.call(client, &c.pool, ledgers[c.b.key], stop)
+	}()
 	actions := map[string]int{}
-	for deadline := time.Now().Add(chaosFor(t)); time.Now().Before(deadline); {
+	run := chaosFor(t)
+	for start := time.Now(); time.Since(start) < run; {
 		time.Sleep(time.Duration(500+rand.IntN(2000)) * time.Millisecond)
+		if doomed.revokedAt.IsZero() && time.Since(start) > run/2 {
+			doomed.revoke(t, c.b.db)
+			continue
+		}
 		actions[c.act()]++
 	}
 	close(stop)
 	clients.Wait()
 	t.Logf("chaos: %v", actions)
+	doomed.check(t)
 
 	for _, g := range c.pool.replicas {
 		_ = g.stop()
