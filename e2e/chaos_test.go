@@ -148,22 +148,45 @@ func chaosCall(client *http.Client, pool *replicaPool, key string, l *ledger) {
 	case kind == 0:
 		time.AfterFunc(time.Duration(rand.IntN(100))*time.Millisecond, cancel)
 	}
-	resp, err := post(ctx, client, pool, "/api/v1/responses", key, map[string]any{"prompt": fmt.Sprintf("chaos json %d", n), "max_output_rungs": 200})
+	usage, status := jsonCall(ctx, client, pool, key, fmt.Sprintf("chaos json %d", n))
+	switch {
+	case usage != nil:
+		l.note("json "+status, usage, 0)
+	case status == "lost" && ctx.Err() != nil:
+		l.note("json left", nil, 1)
+	default:
+		l.note("json "+status, nil, lostOf(status))
+	}
+}
+
+// lostOf is the requests whose replies were lost of a call that ended so
+// (jsonCall).
+func lostOf(status string) int {
+	if status == "lost" {
+		return 1
+	}
+	return 0
+}
+
+// jsonCall sends a JSON request of prompt with key to a random replica and
+// says how it ended: the usage of a reply served, and its status with the
+// code of an error ("503 SERVICE_UNAVAILABLE"), or "lost" when the reply
+// never came whole.
+func jsonCall(ctx context.Context, client *http.Client, pool *replicaPool, key, prompt string) (*api.RungUsage, string) {
+	resp, err := post(ctx, client, pool, "/api/v1/responses", key, map[string]any{"prompt": prompt, "max_output_rungs": 200})
 	if err != nil {
-		l.note(map[bool]string{true: "json left", false: "transport"}[ctx.Err() != nil], nil, 1)
-		return
+		return nil, "lost"
 	}
 	defer resp.Body.Close()
 	all, err := readAll(resp)
 	var r api.Response
 	switch {
 	case err != nil:
-		l.note(map[bool]string{true: "json left", false: "json cut"}[ctx.Err() != nil], nil, 1)
+		return nil, "lost"
 	case resp.StatusCode == http.StatusOK && json.Unmarshal(all, &r) == nil:
-		l.note("json 200", &api.RungUsage{InputRungs: r.Usage.InputRungs, OutputRungs: r.Usage.OutputRungs, TotalRungs: r.Usage.TotalRungs}, 0)
-	default:
-		l.note(fmt.Sprintf("json %d %s", resp.StatusCode, errorCode(all)), nil, 0)
+		return &api.RungUsage{InputRungs: r.Usage.InputRungs, OutputRungs: r.Usage.OutputRungs, TotalRungs: r.Usage.TotalRungs}, "200"
 	}
+	return nil, fmt.Sprintf("%d %s", resp.StatusCode, errorCode(all))
 }
 
 // chaosBatch creates a batch of 1–20 items with an Idempotency-Key, sent
@@ -300,9 +323,10 @@ func (c *checker) waitTerminal(g *gateway, id string) api.BatchResults {
 type doomedKey struct {
 	key       string
 	revokedAt time.Time // set before the requests stop, read after
-	mu        sync.Mutex
-	served    []time.Time // when each request served 200 started
-	refused   int         // 401s
+	// served (when each request served started) and refused (401s) are
+	// the caller's until the requests stop.
+	served  []time.Time
+	refused int
 }
 
 // call sends JSON requests with the key until stop, noting them in l and
@@ -315,29 +339,13 @@ func (d *doomedKey) call(client *http.Client, pool *replicaPool, l *ledger, stop
 		case <-time.After(time.Duration(100+rand.IntN(200)) * time.Millisecond):
 		}
 		started := time.Now()
-		resp, err := post(context.Background(), client, pool, "/api/v1/responses", d.key, map[string]any{"prompt": fmt.Sprintf("chaos doomed %d", chaosSeq.Add(1)), "max_output_rungs": 200})
-		if err != nil {
-			l.note("doomed transport", nil, 1)
-			continue
-		}
-		all, err := readAll(resp)
-		resp.Body.Close()
-		var r api.Response
-		switch {
-		case err != nil:
-			l.note("doomed cut", nil, 1)
-		case resp.StatusCode == http.StatusOK && json.Unmarshal(all, &r) == nil:
-			l.note("doomed 200", &api.RungUsage{InputRungs: r.Usage.InputRungs, OutputRungs: r.Usage.OutputRungs, TotalRungs: r.Usage.TotalRungs}, 0)
-			d.mu.Lock()
+		usage, status := jsonCall(context.Background(), client, pool, d.key, fmt.Sprintf("chaos doomed %d", chaosSeq.Add(1)))
+		l.note("doomed "+status, usage, lostOf(status))
+		if usage != nil {
 			d.served = append(d.served, started)
-			d.mu.Unlock()
-		default:
-			l.note(fmt.Sprintf("doomed %d %s", resp.StatusCode, errorCode(all)), nil, 0)
-			if resp.StatusCode == http.StatusUnauthorized {
-				d.mu.Lock()
-				d.refused++
-				d.mu.Unlock()
-			}
+		}
+		if strings.HasPrefix(status, "401 ") {
+			d.refused++
 		}
 	}
 }
