@@ -248,11 +248,17 @@ func (c *Client) Complete(ctx context.Context, req *upstream.Request) (upstream.
 	if resp.ContentLength > limit {
 		return upstream.Result{}, fmt.Errorf("%w: %w: %d bytes, where a reply to this request takes at most %d", upstream.ErrFailed, upstream.ErrTooLong, resp.ContentLength, limit)
 	}
-	res, err := c.receive(ctx, w, &capped{body: resp.Body, left: limit + 1, limit: limit}, limit, int(limit), func(upstream.Delta) error { return nil })
+	res, err := c.receiveWhole(ctx, w, resp.Body, limit)
 	if err != nil {
 		return upstream.Result{}, err
 	}
 	return res, nil
+}
+
+// receiveWhole reads a reply asked for whole from body, no further than
+// limit bytes (capped), as a stream's call reads one (receive).
+func (c *Client) receiveWhole(ctx context.Context, w *watchdog, body io.Reader, limit int64) (upstream.Result, error) {
+	return c.receive(ctx, w, &capped{body: body, left: limit + 1, limit: limit}, limit, int(limit), func(upstream.Delta) error { return nil })
 }
 
 // capped is a reply read whole, read no further than limit bytes: a read

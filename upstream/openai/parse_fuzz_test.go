@@ -65,7 +65,7 @@ func readWhole(body io.Reader, n int) (upstream.Result, error) {
 	c := &Client{cfg: Config{Timeout: time.Hour}}
 	w := c.watch(func() {}, wholeCall, time.Hour)
 	defer w.timer.Stop()
-	return c.receive(context.Background(), w, &capped{body: body, left: int64(n) + 1, limit: int64(n)}, int64(n), n, func(upstream.Delta) error { return nil })
+	return c.receiveWhole(context.Background(), w, body, int64(n))
 }
 
 // wholeStream says whether raw may be taken as a whole reply: a completion
