@@ -380,13 +380,10 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 			delay += d
 		}
 	}
-	answer := status
 	if hostile != nil && hostile.Status != 0 {
-		answer = hostile.Status
-	} else if answer == 0 && mode == Down {
-		answer = http.StatusServiceUnavailable
+		status = hostile.Status
 	}
-	call.Refused = answer == http.StatusServiceUnavailable || answer == http.StatusTooManyRequests
+	call.Refused = status == http.StatusServiceUnavailable || status == http.StatusTooManyRequests || status == 0 && mode == Down
 	s.calls = append(s.calls, call)
 	if r.ProtoMajor == 2 {
 		s.http2Calls++
@@ -408,9 +405,6 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 		}
 	}
 	w.Header().Set("Content-Type", "application/json")
-	if hostile != nil && hostile.Status != 0 {
-		status = hostile.Status
-	}
 	if status != 0 {
 		w.WriteHeader(status)
 		fmt.Fprintf(w, `{"error":{"message":"status %d"}}`, status)
