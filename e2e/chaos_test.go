@@ -516,8 +516,9 @@ func (c *chaosRun) act() string {
 // and a provider answers 503, fails with 500, breaks its streams, stalls
 // past its timeout, and streams every reply (asked for whole or not) and
 // leaves it open, and a key in use is revoked midway; then checks that no
-// request with it that started a second after was served and, from a fresh
-// replica, that no prompt was
+// request was answered 500 (or a stream failed INTERNAL), that no request
+// with the revoked key that started a second after was served and, from a
+// fresh replica, that no prompt was
 // processed twice by a provider, nor a batch item's by the two, every batch
 // ended, each completed
 // item ran once and failed or cancelled ones were billed nothing, each
@@ -635,6 +636,8 @@ func TestChaos(t *testing.T) {
 		}
 		for status := range l.statuses {
 			require.NotContains(t, status, " 400 ", "the load sends only valid requests")
+			require.NotContains(t, status, " 500 ", "no failure is a 500, an outage of the database's included (D12)")
+			require.NotContains(t, status, "INTERNAL", "no stream fails INTERNAL")
 		}
 		listed, unknown := 0, 0
 		for after := ""; ; {
