@@ -50,9 +50,16 @@ func terminal(s api.BatchStatus) bool {
 // waitTerminal polls until the batch is terminal and returns its results.
 func (g *gateway) waitTerminal(key, id string, within time.Duration) api.BatchResults {
 	g.t.Helper()
+	return g.waitTerminalWith(func() string { return key }, id, within)
+}
+
+// waitTerminalWith is waitTerminal polling with the key keys gives for each
+// request.
+func (g *gateway) waitTerminalWith(keys func() string, id string, within time.Duration) api.BatchResults {
+	g.t.Helper()
 	deadline := time.Now().Add(within)
 	for {
-		res := g.results(key, id)
+		res := g.results(keys(), id)
 		if terminal(res.Status) {
 			return res
 		}

@@ -121,7 +121,7 @@ func chaosCall(client *http.Client, pool *replicaPool, key string, l *ledger) {
 		}
 		defer resp.Body.Close()
 		if resp.StatusCode != http.StatusOK {
-			all, _ := readAll(resp)
+			all, _ := io.ReadAll(resp.Body)
 			l.note(fmt.Sprintf("stream %d %s", resp.StatusCode, errorCode(all)), nil, 0)
 			return
 		}
@@ -178,7 +178,7 @@ func jsonCall(ctx context.Context, client *http.Client, pool *replicaPool, key, 
 		return nil, "lost"
 	}
 	defer resp.Body.Close()
-	all, err := readAll(resp)
+	all, err := io.ReadAll(resp.Body)
 	var r api.Response
 	switch {
 	case err != nil:
@@ -207,7 +207,7 @@ func chaosBatch(client *http.Client, pool *replicaPool, key string, l *ledger, n
 			time.Sleep(300 * time.Millisecond)
 			continue
 		}
-		all, err := readAll(resp)
+		all, err := io.ReadAll(resp.Body)
 		resp.Body.Close()
 		var b api.Batch
 		switch {
@@ -233,13 +233,6 @@ func chaosBatch(client *http.Client, pool *replicaPool, key string, l *ledger, n
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.unanswered++
-}
-
-// readAll reads a reply's body.
-func readAll(resp *http.Response) ([]byte, error) {
-	var buf bytes.Buffer
-	_, err := buf.ReadFrom(resp.Body)
-	return buf.Bytes(), err
 }
 
 // errorCode is the code of an error envelope, or "".
@@ -303,18 +296,6 @@ func (c *checker) key() string {
 	}
 	c.used++
 	return c.current
-}
-
-// waitTerminal polls batch id's results on g until it is terminal, for
-// three minutes at most.
-func (c *checker) waitTerminal(g *gateway, id string) api.BatchResults {
-	for deadline := time.Now().Add(3 * time.Minute); ; time.Sleep(100 * time.Millisecond) {
-		res := g.results(c.key(), id)
-		if terminal(res.Status) {
-			return res
-		}
-		require.True(c.t, time.Now().Before(deadline), "batch %s still %s", id, res.Status)
-	}
 }
 
 // doomedKey is a key of acme's that a chaos run revokes midway, and the
@@ -586,7 +567,7 @@ func TestChaos(t *testing.T) {
 	for _, l := range ledgers {
 		checkers[l] = &checker{t: t, db: c.b.db, account: l.account}
 		for id := range l.batches {
-			results[l] = append(results[l], checkers[l].waitTerminal(final, id))
+			results[l] = append(results[l], final.waitTerminalWith(checkers[l].key, id, 3*time.Minute))
 		}
 	}
 	// Once every batch ended: a prompt is processed at most once by each
