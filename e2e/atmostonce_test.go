@@ -18,6 +18,7 @@ import (
 
 	"github.com/rungworks/gateway/gen/api"
 	"github.com/rungworks/gateway/internal/fakeupstream"
+	"github.com/rungworks/gateway/internal/logsample"
 	"github.com/rungworks/gateway/pglocal"
 )
 
@@ -198,7 +199,9 @@ func streamsUntilEnd(t *testing.T, g *gateway, key, prompt string, n int) (wait 
 
 // TestDatabaseRestartIsServiceUnavailable pins D12: while PostgreSQL restarts,
 // requests get 503 SERVICE_UNAVAILABLE with Retry-After, never 500, and the
-// gateway serves again once it is back.
+// gateway serves again once it is back. The error line of each refusal is
+// sampled: fewer lines than refusals are written, and those written with
+// their counts of the lines left out account for every refusal.
 func TestDatabaseRestartIsServiceUnavailable(t *testing.T) {
 	t.Parallel()
 	parent, err := os.MkdirTemp("", "gateway-pg-restart-")
@@ -220,20 +223,41 @@ func TestDatabaseRestartIsServiceUnavailable(t *testing.T) {
 	require.Equal(t, http.StatusOK, g.call(http.MethodPost, "/api/v1/responses", key, map[string]any{"prompt": "before"}).status)
 
 	require.NoError(t, cluster.Stop())
-	for range 5 {
+	refused := 0
+	for range logsample.Burst {
 		r := g.call(http.MethodPost, "/api/v1/responses", key, map[string]any{"prompt": "during"})
 		require.Equal(t, http.StatusServiceUnavailable, r.status, string(r.body))
 		require.Equal(t, "SERVICE_UNAVAILABLE", r.code(t))
 		require.NotEmpty(t, r.header.Get("Retry-After"))
 		r = g.call(http.MethodGet, "/api/v1/usage", key, nil)
 		require.Equal(t, http.StatusServiceUnavailable, r.status, string(r.body))
+		refused += 2
 	}
 	cluster, err = pglocal.Start(ctx, pglocal.Options{Dir: dir, Port: cluster.Port()})
 	require.NoError(t, err)
 	require.Eventually(t, func() bool {
-		return g.call(http.MethodPost, "/api/v1/responses", key, map[string]any{"prompt": "after"}).status == http.StatusOK
+		status := g.call(http.MethodPost, "/api/v1/responses", key, map[string]any{"prompt": "after"}).status
+		if status == http.StatusServiceUnavailable {
+			refused++
+		}
+		return status == http.StatusOK
 	}, 30*time.Second, 200*time.Millisecond)
 	var v api.UsageView
 	require.NoError(t, json.Unmarshal(g.call(http.MethodGet, "/api/v1/usage", key, nil).body, &v))
 	require.Positive(t, v.Totals.Requests)
+
+	require.NoError(t, g.stop()) // writes the counts of the windows still open
+	lines, counted := 0, 0
+	for _, line := range strings.Split(g.stderr.String(), "\n") {
+		var entry struct {
+			Msg        string `json:"msg"`
+			Suppressed int    `json:"suppressed"`
+		}
+		if json.Unmarshal([]byte(line), &entry) == nil && entry.Msg == "request failed" {
+			lines++
+			counted += max(entry.Suppressed, 1) // a line with a count is one of those it counts
+		}
+	}
+	require.Less(t, lines, refused, "the refusals' error lines are sampled")
+	require.Equal(t, refused, counted, "every refusal is written or counted")
 }

@@ -16,6 +16,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/internal/logsample"
 	"github.com/rungworks/gateway/internal/retry"
 	"github.com/rungworks/gateway/metering"
 	"github.com/rungworks/gateway/metrics"
@@ -346,7 +347,7 @@ func (s *Service) settle(ctx context.Context, call *Call, res upstream.Result, f
 	tracing.EndSettlement(span, settlementOutcome(err, unconfirmed, s.unavailable))
 	if err != nil && unconfirmed {
 		s.Ledger.Unconfirmed(call.RequestID, usage.TotalRungs)
-		s.logger().ErrorContext(ctx, "a settlement's reply was lost and the database stayed away: the response is sent with its usage, which may not be stored yet; it is sent again until the database answers",
+		s.logger().ErrorContext(logsample.Each(ctx), "a settlement's reply was lost and the database stayed away: the response is sent with its usage, which may not be stored yet; it is sent again until the database answers",
 			"request_id", call.RequestID, "account_id", call.Principal.AccountID, "total_rungs", usage.TotalRungs, "error", err)
 		s.Metrics.Unconfirmed(metrics.UnconfirmedSent)
 		s.settleLater(record)
@@ -413,7 +414,7 @@ func (s *Service) settleLater(record gateway.UsageRecord) {
 // lateMissing reports a settlement sent with its usage that was given up on.
 func (s *Service) lateMissing(record gateway.UsageRecord, err error) {
 	s.Metrics.Unconfirmed(metrics.UnconfirmedMissing)
-	s.logger().Error("a settlement sent with its usage could not be stored; its usage may be missing", "request_id", record.RequestID,
+	s.logger().ErrorContext(logsample.Each(context.Background()), "a settlement sent with its usage could not be stored; its usage may be missing", "request_id", record.RequestID,
 		"account_id", record.Principal.AccountID, "total_rungs", record.Usage.TotalRungs, "error", err)
 }
 

@@ -23,6 +23,7 @@ import (
 	"github.com/rungworks/gateway/batch"
 	"github.com/rungworks/gateway/inference"
 	"github.com/rungworks/gateway/internal/apitest"
+	"github.com/rungworks/gateway/internal/logsample"
 	"github.com/rungworks/gateway/internal/syncbuf"
 	"github.com/rungworks/gateway/internal/testdb"
 	"github.com/rungworks/gateway/ledger"
@@ -257,7 +258,7 @@ func setupWith(t testing.TB, o options) *testBundle {
 		DetachAfter: 10 * time.Millisecond,
 	}
 	if o.logs != nil {
-		cfg.Logger = slog.New(slog.NewJSONHandler(o.logs, nil))
+		cfg.Logger = slog.New(logsample.New(slog.NewJSONHandler(o.logs, nil))) // as the command's
 	}
 	if o.server != nil {
 		o.server(&cfg)

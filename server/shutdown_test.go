@@ -20,6 +20,7 @@ import (
 	"github.com/rungworks/gateway/gen/api"
 	"github.com/rungworks/gateway/inference"
 	"github.com/rungworks/gateway/internal/apitest"
+	"github.com/rungworks/gateway/internal/logsample"
 	"github.com/rungworks/gateway/internal/metricstest"
 	"github.com/rungworks/gateway/internal/syncbuf"
 	"github.com/rungworks/gateway/metrics"
@@ -107,10 +108,12 @@ func TestFailedSettlementBillsNothingAndReleases(t *testing.T) {
 
 // unconfirmedLedger is the real ledger whose settlements do not learn their
 // outcome: the first is sent (and stored when stored is set) and its reply
-// lost; the ones after it find the database away until back is set.
+// lost; the ones after it find the database away until back is set. With
+// lost set, every settlement's reply is lost and none is stored.
 type unconfirmedLedger struct {
 	inference.Ledger
 	stored bool
+	lost   bool
 	sent   atomic.Int32
 	back   atomic.Bool
 }
@@ -133,6 +136,9 @@ func withUnconfirmed(l *unconfirmedLedger, logs *syncbuf.Buffer, m *metrics.Metr
 }
 
 func (l *unconfirmedLedger) Settle(ctx context.Context, r gateway.UsageRecord) error {
+	if l.lost {
+		return fmt.Errorf("error settling requests: %w", io.ErrUnexpectedEOF)
+	}
 	if l.sent.Add(1) > 1 {
 		if l.back.Load() {
 			return l.Ledger.Settle(ctx, r)
@@ -214,6 +220,30 @@ func TestUnconfirmedSettlementIsSentWithItsUsage(t *testing.T) {
 			require.Contains(t, metricstest.Scrape(m), `gateway_settlements_unconfirmed_total{outcome="stored"} 1`)
 		})
 	}
+}
+
+// TestEachUnconfirmedSettlementIsLogged: the lines that name a request whose
+// usage may be missing are never sampled, as the other errors are
+// (logsample): more of them than a window's burst are all written, when the
+// settlement is sent with its usage and when it is given up on.
+func TestEachUnconfirmedSettlementIsLogged(t *testing.T) {
+	t.Parallel()
+	logs := &syncbuf.Buffer{}
+	var infer *inference.Service
+	b := setupWith(t, withUnconfirmed(&unconfirmedLedger{lost: true}, logs, metrics.New(), 100*time.Millisecond, &infer))
+	n := logsample.Burst + 2
+	statuses := make(chan int, n)
+	for range n {
+		go func() { statuses <- b.post("/api/v1/responses", b.key, map[string]any{"prompt": "hi"}).status }()
+	}
+	for range n {
+		require.Equal(t, http.StatusOK, <-statuses)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	require.ErrorIs(t, infer.WaitLateSettlements(ctx), context.DeadlineExceeded)
+	require.Equal(t, n, strings.Count(logs.String(), "which may not be stored yet"))
+	require.Equal(t, n, strings.Count(logs.String(), "its usage may be missing"))
 }
 
 // TestAbortEndsCallsInFlight: at the end of the shutdown grace, a stream in

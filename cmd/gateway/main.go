@@ -14,16 +14,21 @@ import (
 	"github.com/spf13/cobra"
 
 	"github.com/rungworks/gateway/internal/logbuffer"
+	"github.com/rungworks/gateway/internal/logsample"
 )
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	logger := slog.New(slog.NewJSONHandler(os.Stderr, nil))
+	// Warnings and errors alike are sampled (a few and a count each window),
+	// so that an outage does not write one line a request.
+	logs := logsample.New(slog.NewJSONHandler(os.Stderr, nil))
+	logger := slog.New(logs)
 	slog.SetDefault(logger)
 	// A serving replica's lines (one a request) go out in groups; the other
 	// commands write theirs at once, in order with what they print.
-	serveLogs := logbuffer.New(os.Stderr, logbuffer.DefaultDelay)
+	serveBuffer := logbuffer.New(os.Stderr, logbuffer.DefaultDelay)
+	serveLogs := logsample.New(slog.NewJSONHandler(serveBuffer, nil))
 
 	root := &cobra.Command{
 		Use:           "gateway",
@@ -31,9 +36,11 @@ func main() {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(serveCmd(slog.New(slog.NewJSONHandler(serveLogs, nil))), devCmd(logger), migrateCmd(), keysCmd(), limitsCmd(), batchesCmd(), usageCmd(), probeCmd(), configCmd())
+	root.AddCommand(serveCmd(slog.New(serveLogs)), devCmd(logger), migrateCmd(), keysCmd(), limitsCmd(), batchesCmd(), usageCmd(), probeCmd(), configCmd())
 	err := root.ExecuteContext(ctx)
-	_ = serveLogs.Flush()
+	logs.Flush()
+	serveLogs.Flush()
+	_ = serveBuffer.Flush()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "gateway:", err)
 		os.Exit(1)
