@@ -34,6 +34,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/internal/inflight"
 	"github.com/rungworks/gateway/metrics"
 	"github.com/rungworks/gateway/store"
 	"github.com/rungworks/gateway/tracing"
@@ -135,7 +136,7 @@ type lease struct {
 	// changed is set when its account's limits may have changed after it
 	// was granted (Invalidate): nothing more is admitted from it.
 	changed  bool
-	granting chan struct{} // closed when the grant in flight ends
+	granting *inflight.Call // the grant in flight, if any
 	// refused is the last refusal, answering until refusedUntil for what
 	// needs more than it said was left.
 	refused      store.QuotaGrant
@@ -207,9 +208,10 @@ func (l *Ledger) Admit(ctx context.Context, a gateway.Admission) error {
 			l.mu.Unlock()
 			return nil
 		}
-		if wait := ls.granting; wait != nil {
+		if call := ls.granting; call != nil {
+			// Its failure is this request's too: the store did not answer.
 			l.mu.Unlock()
-			if err := await(ctx, wait); err != nil {
+			if err := call.Wait(ctx); err != nil {
 				return err
 			}
 			continue
@@ -219,8 +221,8 @@ func (l *Ledger) Admit(ctx context.Context, a gateway.Admission) error {
 			l.mu.Unlock()
 			return gateway.AdmissionError(refusal(refused, a.Estimate), "request", a.Estimate, a.Principal, key.day)
 		}
-		done := make(chan struct{})
-		ls.granting = done
+		call := inflight.Start()
+		ls.granting = call
 		need := a.Estimate - ls.avail // more than the estimate when settlements cost more than theirs
 		l.mu.Unlock()
 
@@ -229,7 +231,7 @@ func (l *Ledger) Admit(ctx context.Context, a gateway.Admission) error {
 
 		l.mu.Lock()
 		ls.granting = nil
-		close(done)
+		call.End(err)
 		if err == nil {
 			ls.stored = true
 			ls.validUntil = start.Add(l.cfg.Lease * 2 / 3)

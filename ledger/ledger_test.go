@@ -291,6 +291,32 @@ func (c *countingStore) GrantQuota(ctx context.Context, r store.QuotaRequest) (s
 	return c.Store.GrantQuota(ctx, r)
 }
 
+// TestAGrantThatFailsFailsForAllWhoWaitOnIt: while the database does not
+// answer, the requests of an account-day that wait for the grant in flight
+// fail with it, instead of each sending one more grant in turn after it
+// (each waiting for all the failures before its own).
+func TestAGrantThatFailsFailsForAllWhoWaitOnIt(t *testing.T) {
+	t.Parallel()
+	st := &countingStore{Store: store.New(testdb.Connect(t, testdb.Unanswering(t)))}
+	l := ledger.New(ledger.Config{}, st)
+	p := &gateway.Principal{AccountID: uuid.Must(uuid.NewV7()), ProjectID: uuid.Must(uuid.NewV7()), Tier: gateway.TierDeveloper}
+	const requests = 8
+	errs := make(chan error, requests)
+	request := func() {
+		_, err := admit(l, p, 10)
+		errs <- err
+	}
+	go request()
+	require.Eventually(t, func() bool { return st.grants.Load() == 1 }, 10*time.Second, time.Millisecond)
+	for range requests - 1 {
+		go request()
+	}
+	for range requests {
+		require.ErrorIs(t, <-errs, context.DeadlineExceeded)
+	}
+	require.Equal(t, int64(1), st.grants.Load(), "one grant for all")
+}
+
 // TestRefusalsAreAnsweredFromMemory: a burst of requests past the cap costs
 // one grant statement per RefusalMemory, not one each; a request the slice
 // still covers is admitted meanwhile.

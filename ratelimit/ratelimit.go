@@ -17,6 +17,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/internal/inflight"
 	"github.com/rungworks/gateway/store"
 )
 
@@ -70,7 +71,7 @@ type bucket struct {
 	current      int     // and this one's after the grant
 	touched      time.Time
 	refusedUntil time.Time
-	leasing      chan struct{} // closed when the lease in flight ends
+	leasing      *inflight.Call // the lease in flight, if any
 }
 
 // New returns a limiter over st.
@@ -126,24 +127,23 @@ func (l *Limiter) Take(ctx context.Context, keyID uuid.UUID, tier gateway.Tier) 
 			l.mu.Unlock()
 			return status, nil
 		}
-		if wait := b.leasing; wait != nil {
+		if call := b.leasing; call != nil {
+			// Its failure is this request's too: the store did not answer.
 			l.mu.Unlock()
-			select {
-			case <-wait:
-				continue
-			case <-ctx.Done():
-				return gateway.RateStatus{}, ctx.Err()
+			if err := call.Wait(ctx); err != nil {
+				return gateway.RateStatus{}, err
 			}
+			continue
 		}
-		done := make(chan struct{})
-		b.leasing = done
+		call := inflight.Start()
+		b.leasing = call
 		l.mu.Unlock()
 
 		grant, err := l.lease(ctx, keyID, now, limit)
 
 		l.mu.Lock()
 		b.leasing = nil
-		close(done)
+		call.End(err)
 		if err != nil {
 			l.mu.Unlock()
 			return gateway.RateStatus{}, err

@@ -115,6 +115,32 @@ func TestSlicesAreServedFromMemory(t *testing.T) {
 	require.Equal(t, int64(2), st.leases.Load()-before, "one grant, one refusal, then memory")
 }
 
+// TestALeaseThatFailsFailsForAllWhoWaitOnIt: while the database does not
+// answer, the requests of a key that wait for the lease in flight fail with
+// it, instead of each sending one more lease in turn after it (each waiting
+// for all the failures before its own).
+func TestALeaseThatFailsFailsForAllWhoWaitOnIt(t *testing.T) {
+	t.Parallel()
+	st := &countingStore{Store: store.New(testdb.Connect(t, testdb.Unanswering(t)))}
+	l := ratelimit.New(ratelimit.Config{}, st)
+	key := uuid.Must(uuid.NewV7())
+	const requests = 8
+	errs := make(chan error, requests)
+	take := func() {
+		_, err := l.Take(context.Background(), key, gateway.TierDeveloper)
+		errs <- err
+	}
+	go take()
+	require.Eventually(t, func() bool { return st.leases.Load() == 1 }, 10*time.Second, time.Millisecond)
+	for range requests - 1 {
+		go take()
+	}
+	for range requests {
+		require.ErrorIs(t, <-errs, context.DeadlineExceeded)
+	}
+	require.Equal(t, int64(1), st.leases.Load(), "one lease for all")
+}
+
 // TestUnusedSlicesAreReturned: a replica that stops seeing a key gives its
 // unused slice back, and another replica can use it.
 func TestUnusedSlicesAreReturned(t *testing.T) {

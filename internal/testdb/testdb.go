@@ -8,6 +8,7 @@ package testdb
 import (
 	"context"
 	"fmt"
+	"net"
 	neturl "net/url"
 	"os"
 	"path/filepath"
@@ -110,6 +111,40 @@ func Connect(t testing.TB, url string) *pgxpool.Pool {
 	}
 	t.Cleanup(pool.Close)
 	return pool
+}
+
+// Unanswering returns the connection string of a server that accepts
+// connections and never answers, as a frozen database, or one behind a
+// network that drops its packets, does: every call on it lasts until its
+// context ends.
+func Unanswering(t testing.TB) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatalf("error listening: %v", err)
+	}
+	var mu sync.Mutex
+	var held []net.Conn
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			mu.Lock()
+			held = append(held, c)
+			mu.Unlock()
+		}
+	}()
+	t.Cleanup(func() {
+		_ = l.Close()
+		mu.Lock()
+		defer mu.Unlock()
+		for _, c := range held {
+			_ = c.Close()
+		}
+	})
+	return fmt.Sprintf("postgres://postgres@%s/gateway?sslmode=disable", l.Addr())
 }
 
 func startServer() (pgtestdb.Config, func(), error) {

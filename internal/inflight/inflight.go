@@ -1,0 +1,36 @@
+// Package inflight lets the callers that need what one call in flight brings
+// wait for it and share its failure. A lease asked of a database that does
+// not answer fails once for all who wait on it, instead of once for each in
+// turn, each waiting for the failures of those before it.
+package inflight
+
+import "context"
+
+// Call is one call in flight. Start it, publish it where others find it
+// (under their lock), and End it once, with its outcome.
+type Call struct {
+	done chan struct{}
+	err  error
+}
+
+// Start returns a call in flight.
+func Start() *Call {
+	return &Call{done: make(chan struct{})}
+}
+
+// End ends c with err, the outcome its waiters share.
+func (c *Call) End(err error) {
+	c.err = err
+	close(c.done)
+}
+
+// Wait waits until c ends, and returns its error, or until ctx ends, and
+// returns ctx's.
+func (c *Call) Wait(ctx context.Context) error {
+	select {
+	case <-c.done:
+		return c.err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
