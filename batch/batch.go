@@ -24,6 +24,9 @@ type Store interface {
 // DefaultWindow is the completion window of a batch.
 const DefaultWindow = 24 * time.Hour
 
+// readTimeout bounds the read of a batch just stored, for its reply.
+const readTimeout = 5 * time.Second
+
 // DefaultResendWindow is how long a creation whose reply was lost is sent
 // again while the database is away, to learn whether it was stored.
 const DefaultResendWindow = 10 * time.Second
@@ -101,7 +104,9 @@ func (s *Service) Create(ctx context.Context, prepared Prepared) (*gateway.Batch
 	if err != nil {
 		return nil, false, err
 	}
-	b, err := s.Store.Batch(ctx, nb.Principal.AccountID, res.BatchID)
+	readCtx, cancel := context.WithTimeout(ctx, readTimeout)
+	defer cancel()
+	b, err := s.Store.Batch(readCtx, nb.Principal.AccountID, res.BatchID)
 	if err != nil {
 		return nil, false, err
 	}

@@ -37,7 +37,9 @@ func (s *Server) authorize(p openapi.Policy) echo.MiddlewareFunc {
 			if !ok {
 				return gateway.UnauthorizedError()
 			}
-			principal, err := s.auth.Authenticate(c.Request().Context(), token)
+			ctx, cancel := waitForDatabase(c.Request().Context())
+			principal, err := s.auth.Authenticate(ctx, token)
+			cancel()
 			if err != nil {
 				return err
 			}

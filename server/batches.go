@@ -31,7 +31,7 @@ func (s *Server) CreateBatch(ctx context.Context, req api.CreateBatchRequestObje
 	if err != nil {
 		return nil, err
 	}
-	b, replayed, err := s.batches.Create(ctx, prepared)
+	b, replayed, err := s.batches.Create(ctx, prepared) // its waits for the database are bounded within
 	if err != nil {
 		return nil, err
 	}
@@ -48,6 +48,8 @@ func (s *Server) GetBatch(ctx context.Context, req api.GetBatchRequestObject) (a
 	if err != nil {
 		return nil, err
 	}
+	ctx, cancel := waitForDatabase(ctx)
+	defer cancel()
 	b, err := s.batchData.Batch(ctx, gateway.PrincipalFrom(ctx).AccountID, id)
 	if err != nil {
 		return nil, err
@@ -65,15 +67,26 @@ func (s *Server) GetBatchResults(ctx context.Context, req api.GetBatchResultsReq
 		return nil, err
 	}
 	account := gateway.PrincipalFrom(ctx).AccountID
-	b, err := s.batchData.Batch(ctx, account, id)
-	if err != nil {
-		return nil, err
-	}
-	first, err := s.batchData.BatchItems(ctx, account, id, -1, ResultsPageBytes)
+	b, first, err := s.firstResults(ctx, account, id)
 	if err != nil {
 		return nil, err
 	}
 	return batchResults{s: s, ctx: ctx, account: account, batch: b, page: first}, nil
+}
+
+// firstResults reads the batch id of account and the first page of its items.
+func (s *Server) firstResults(ctx context.Context, account, id uuid.UUID) (*gateway.Batch, []gateway.BatchItem, error) {
+	ctx, cancel := waitForDatabase(ctx)
+	defer cancel()
+	b, err := s.batchData.Batch(ctx, account, id)
+	if err != nil {
+		return nil, nil, err
+	}
+	first, err := s.batchData.BatchItems(ctx, account, id, -1, ResultsPageBytes)
+	if err != nil {
+		return nil, nil, err
+	}
+	return b, first, nil
 }
 
 // CancelBatch implements POST /api/v1/batch/{batch_id}/cancel.
@@ -83,6 +96,8 @@ func (s *Server) CancelBatch(ctx context.Context, req api.CancelBatchRequestObje
 		return nil, err
 	}
 	account := gateway.PrincipalFrom(ctx).AccountID
+	ctx, cancel := waitForDatabase(ctx)
+	defer cancel()
 	if err := s.batchData.CancelBatch(ctx, account, id); err != nil {
 		return nil, err
 	}
@@ -103,6 +118,8 @@ func (s *Server) ListBatches(ctx context.Context, req api.ListBatchesRequestObje
 		}
 	}
 	// One more than asked tells whether more follow.
+	ctx, cancel := waitForDatabase(ctx)
+	defer cancel()
 	batches, err := s.batchData.Batches(ctx, gateway.PrincipalFrom(ctx).AccountID, req.Params.After, limit+1)
 	if err != nil {
 		return nil, err

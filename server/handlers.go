@@ -137,6 +137,8 @@ func (s *Server) sources(ctx context.Context, rawID string) (api.SourcesFoundJSO
 	if err != nil {
 		return api.SourcesFoundJSONResponse{}, gateway.Errorf(gateway.ESourcesNotFound, "no evidence is held for request %s", gateway.Quote(rawID))
 	}
+	ctx, cancel := waitForDatabase(ctx)
+	defer cancel()
 	ev, err := s.evidence.Evidence(ctx, gateway.PrincipalFrom(ctx).AccountID, id)
 	if err != nil {
 		return api.SourcesFoundJSONResponse{}, err
@@ -163,6 +165,8 @@ func (s *Server) GetUsage(ctx context.Context, req api.GetUsageRequestObject) (a
 	if !start.Before(end) {
 		return nil, gateway.Errorf(gateway.EInvalidRequest, "start must be before end (to the microsecond)")
 	}
+	ctx, cancel := waitForDatabase(ctx)
+	defer cancel()
 	v, err := s.usage.Usage(ctx, gateway.PrincipalFrom(ctx), start, end)
 	if err != nil {
 		return nil, err

@@ -18,6 +18,8 @@ func (s *Server) GetReadiness(ctx context.Context, _ api.GetReadinessRequestObje
 		detail := "shutting down"
 		return api.GetReadiness503JSONResponse{Status: api.Unavailable, Detail: &detail}, nil
 	}
+	ctx, cancel := waitForDatabase(ctx)
+	defer cancel()
 	if err := s.ready.Ready(ctx); err != nil {
 		detail := err.Error()
 		return api.GetReadiness503JSONResponse{Status: api.Unavailable, Detail: &detail}, nil

@@ -91,7 +91,7 @@ func (r batchResults) VisitGetBatchResultsResponse(w http.ResponseWriter) error 
 		if written >= r.batch.Total {
 			break
 		}
-		page, err = r.s.batchData.BatchItems(r.ctx, r.account, r.batch.ID, after, ResultsPageBytes)
+		page, err = r.nextPage(after)
 		if err != nil {
 			r.cut(err)
 		}
@@ -127,6 +127,13 @@ func (s *stridedWriter) write(p []byte) error {
 		p = p[n:]
 	}
 	return nil
+}
+
+// nextPage reads the page of items after index after.
+func (r batchResults) nextPage(after int) ([]gateway.BatchItem, error) {
+	ctx, cancel := waitForDatabase(r.ctx)
+	defer cancel()
+	return r.s.batchData.BatchItems(ctx, r.account, r.batch.ID, after, ResultsPageBytes)
 }
 
 // cut logs why the reply cannot go on and ends its connection unfinished.

@@ -149,6 +149,20 @@ const DefaultReplyWriteTimeout = 2 * time.Minute
 // unavailableRetryAfter is suggested to callers while the database is away.
 const unavailableRetryAfter = 2 * time.Second
 
+// DatabaseWait bounds how long a request waits for the database (its key
+// looked up, its rate counted, a read, a batch's creation sent): past it,
+// the request is answered 503 SERVICE_UNAVAILABLE, as when the database is
+// away. A database that does not answer (frozen, or cut off by a network
+// that drops its packets) would otherwise hold each request for as long as
+// it does not.
+const DatabaseWait = 5 * time.Second
+
+// waitForDatabase returns ctx bounded by DatabaseWait, for a request's work
+// with the database.
+func waitForDatabase(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(ctx, DatabaseWait)
+}
+
 // Server serves the public API.
 type Server struct {
 	echo      *echo.Echo

@@ -22,7 +22,12 @@ const (
 	// up to 100 items).
 	maxCreationGroup = 16
 	// creationTimeout bounds the transaction that stores a group.
-	creationTimeout = 30 * time.Second
+	creationTimeout = 10 * time.Second
+	// creationWait bounds a creation's wait to be sent (for its turn, and
+	// for a connection): while the database does not answer, the creations
+	// queued behind a group in flight give up, instead of each waiting for
+	// the groups before its own to time out.
+	creationWait = 5 * time.Second
 )
 
 // creationGroups queues the batch creations of an account-day that arrive
@@ -75,11 +80,13 @@ type creation struct {
 }
 
 // create stores c with the creations of its account-day waiting with it, and
-// returns its outcome. A creation whose ctx ends (or has ended) before its
-// group is sent leaves the queue, or gives up its turn to lead (see lead),
-// and returns a notSent error; once its group is sent, it waits for the
-// group's outcome.
+// returns its outcome. A creation whose ctx ends (or has ended), or that
+// waited creationWait, before its group is sent leaves the queue, or gives up
+// its turn to lead (see lead), and returns a notSent error; once its group is
+// sent, it waits for the group's outcome.
 func (g *creationGroups) create(ctx context.Context, s *Store, c *creation) (CreateResult, error) {
+	ctx, cancel := context.WithTimeout(ctx, creationWait) // stored without it: see lead
+	defer cancel()
 	key := creationKey{account: c.nb.Principal.AccountID, day: gateway.UTCDay(c.nb.CreatedAt)}
 	g.mu.Lock()
 	if g.queues == nil {
