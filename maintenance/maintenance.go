@@ -9,6 +9,7 @@
 package maintenance
 
 import (
+	"cmp"
 	"context"
 	"log/slog"
 	"math/rand/v2"
@@ -44,7 +45,7 @@ type Settings struct {
 	Lease time.Duration
 }
 
-// Default intervals.
+// Default intervals and bounds.
 const (
 	// ReconcileInterval keeps the counters close to the committed usage; until
 	// a settlement is folded in, admission counts it at its (larger) estimate.
@@ -61,6 +62,12 @@ const (
 	scanSpacing = 100
 	// batchRows bounds the rows one run of a job touches.
 	batchRows = 1000
+	// DefaultRunTimeout bounds one run of a job: a database that does not
+	// answer (frozen, or cut off by a network that drops its packets) fails
+	// the run, which is logged, and the next turn tries again, instead of
+	// holding every job of the replica behind it until the connection gives
+	// up.
+	DefaultRunTimeout = time.Minute
 	// rateWindowKeep is how long rate-limit windows are kept: the sliding window
 	// reads the current and the previous minute.
 	rateWindowKeep = 2 * time.Minute
@@ -75,44 +82,46 @@ const (
 type Job struct {
 	Name     string
 	Interval time.Duration
-	Run      func(ctx context.Context) (int64, error)
+	// Timeout bounds a run; zero is DefaultRunTimeout.
+	Timeout time.Duration
+	Run     func(ctx context.Context) (int64, error)
 }
 
 // Jobs are the gateway's maintenance jobs over st; m, when set, records lease
 // rescues and the queue depth.
 func Jobs(st Store, set Settings, m *metrics.Metrics) []Job {
 	return []Job{
-		{"rescue expired leases", max(set.Lease/2, time.Second), func(ctx context.Context) (int64, error) {
+		{Name: "rescue expired leases", Interval: max(set.Lease/2, time.Second), Run: func(ctx context.Context) (int64, error) {
 			n, err := st.RescueExpiredLeases(ctx, batchRows)
 			m.LeaseRescues(n)
 			return n, err
 		}},
-		{"fold expired quota leases", max(set.Lease/2, time.Second), func(ctx context.Context) (int64, error) {
+		{Name: "fold expired quota leases", Interval: max(set.Lease/2, time.Second), Run: func(ctx context.Context) (int64, error) {
 			return st.FoldExpiredQuotaLeases(ctx, batchRows)
 		}},
-		{"sample queue depth", queueDepthInterval, spaced(scanSpacing, func(ctx context.Context) (int64, error) {
+		{Name: "sample queue depth", Interval: queueDepthInterval, Run: spaced(scanSpacing, func(ctx context.Context) (int64, error) {
 			n, err := st.QueueDepth(ctx)
 			if err == nil {
 				m.QueueDepth(n)
 			}
 			return 0, err
 		})},
-		{"expire batches", time.Second, func(ctx context.Context) (int64, error) { return st.ExpireBatches(ctx, batchRows) }},
-		{"finish stranded batches", HousekeepingInterval, spaced(scanSpacing, func(ctx context.Context) (int64, error) {
+		{Name: "expire batches", Interval: time.Second, Run: func(ctx context.Context) (int64, error) { return st.ExpireBatches(ctx, batchRows) }},
+		{Name: "finish stranded batches", Interval: HousekeepingInterval, Run: spaced(scanSpacing, func(ctx context.Context) (int64, error) {
 			return st.FinishStrandedBatches(ctx, batchRows)
 		})},
-		{"delete old batches", HousekeepingInterval, func(ctx context.Context) (int64, error) {
+		{Name: "delete old batches", Interval: HousekeepingInterval, Run: func(ctx context.Context) (int64, error) {
 			return st.DeleteOldBatches(ctx, time.Now().Add(-set.BatchRetention), batchRows)
 		}},
-		{"expire idempotency keys", HousekeepingInterval, func(ctx context.Context) (int64, error) {
+		{Name: "expire idempotency keys", Interval: HousekeepingInterval, Run: func(ctx context.Context) (int64, error) {
 			return st.ExpireIdempotencyKeys(ctx, time.Now().Add(-set.BatchWindow), batchRows)
 		}},
-		{"reconcile settlements", ReconcileInterval, func(ctx context.Context) (int64, error) { return st.ReconcileSettlements(ctx, batchRows) }},
-		{"delete old rate windows", HousekeepingInterval, func(ctx context.Context) (int64, error) {
+		{Name: "reconcile settlements", Interval: ReconcileInterval, Run: func(ctx context.Context) (int64, error) { return st.ReconcileSettlements(ctx, batchRows) }},
+		{Name: "delete old rate windows", Interval: HousekeepingInterval, Run: func(ctx context.Context) (int64, error) {
 			return st.DeleteOldRateWindows(ctx, time.Now().Add(-rateWindowKeep))
 		}},
-		{"delete expired evidence", HousekeepingInterval, func(ctx context.Context) (int64, error) { return st.DeleteExpiredEvidence(ctx, batchRows) }},
-		{"fold usage minutes", HousekeepingInterval, func(ctx context.Context) (int64, error) {
+		{Name: "delete expired evidence", Interval: HousekeepingInterval, Run: func(ctx context.Context) (int64, error) { return st.DeleteExpiredEvidence(ctx, batchRows) }},
+		{Name: "fold usage minutes", Interval: HousekeepingInterval, Run: func(ctx context.Context) (int64, error) {
 			return st.FoldUsageMinutes(ctx, time.Now().Add(-usageFoldAfter), batchRows)
 		}},
 	}
@@ -153,10 +162,12 @@ func Run(ctx context.Context, st Store, jobs []Job, logger *slog.Logger) {
 			for {
 				var n int64
 				oneAtATime.Lock()
-				_, err := st.WithJobLock(ctx, job.Name, func() (err error) {
-					n, err = job.Run(ctx)
+				runCtx, cancel := context.WithTimeout(ctx, cmp.Or(job.Timeout, DefaultRunTimeout))
+				_, err := st.WithJobLock(runCtx, job.Name, func() (err error) {
+					n, err = job.Run(runCtx)
 					return err
 				})
+				cancel()
 				oneAtATime.Unlock()
 				switch {
 				case err != nil && ctx.Err() == nil:

@@ -3,6 +3,7 @@ package maintenance_test
 import (
 	"context"
 	"log/slog"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -10,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/rungworks/gateway/internal/syncbuf"
 	"github.com/rungworks/gateway/internal/testdb"
 	"github.com/rungworks/gateway/maintenance"
 	"github.com/rungworks/gateway/store"
@@ -50,6 +52,36 @@ func TestRunFitsASmallPool(t *testing.T) {
 		}
 		return true
 	}, 10*time.Second, 10*time.Millisecond, "every job keeps running")
+	cancel()
+	<-done
+}
+
+// TestARunTheDatabaseDoesNotAnswerFails: a run whose database does not
+// answer (frozen, or behind a network that drops its packets) fails at its
+// timeout and is logged, and every job keeps its turns, instead of all of
+// them waiting behind it for as long as the database does not answer.
+func TestARunTheDatabaseDoesNotAnswerFails(t *testing.T) {
+	t.Parallel()
+	st := store.New(testdb.Connect(t, testdb.Unanswering(t)))
+	logs := &syncbuf.Buffer{}
+	jobs := make([]maintenance.Job, 2)
+	for i := range jobs {
+		jobs[i] = maintenance.Job{Name: "job " + string(rune('a'+i)), Interval: 10 * time.Millisecond, Timeout: 100 * time.Millisecond, Run: func(ctx context.Context) (int64, error) {
+			_, err := st.QueueDepth(ctx)
+			return 0, err
+		}}
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); maintenance.Run(ctx, st, jobs, slog.New(slog.NewJSONHandler(logs, nil))) }()
+	require.Eventually(t, func() bool {
+		for _, job := range jobs {
+			if strings.Count(logs.String(), `"msg":"maintenance job failed","job":"`+job.Name+`"`) < 2 {
+				return false
+			}
+		}
+		return true
+	}, 10*time.Second, 10*time.Millisecond, "every job fails at its timeout, and runs again")
 	cancel()
 	<-done
 }

@@ -807,6 +807,10 @@ func (s *Store) QueueDepth(ctx context.Context) (int64, error) {
 	return n, nil
 }
 
+// jobLockReleaseTimeout bounds the release of a job's lock; past it, the
+// lock's session is closed, which releases it too.
+const jobLockReleaseTimeout = 5 * time.Second
+
 // WithJobLock runs fn unless another replica runs the job named job: it holds a
 // session advisory lock on a connection of its own while fn runs. ran says
 // whether fn ran.
@@ -821,9 +825,11 @@ func (s *Store) WithJobLock(ctx context.Context, job string, fn func() error) (r
 		return false, err
 	}
 	defer func() {
-		if uerr := s.queries.ReleaseJobLock(context.WithoutCancel(ctx), conn, job); uerr != nil {
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), jobLockReleaseTimeout)
+		defer cancel()
+		if uerr := s.queries.ReleaseJobLock(rctx, conn, job); uerr != nil {
 			// A lock that cannot be released must not outlive its session.
-			_ = conn.Conn().Close(context.WithoutCancel(ctx))
+			_ = conn.Conn().Close(rctx)
 		}
 	}()
 	return true, fn()
