@@ -204,16 +204,7 @@ func streamsUntilEnd(t *testing.T, g *gateway, key, prompt string, n int) (wait 
 // their counts of the lines left out account for every refusal.
 func TestDatabaseRestartIsServiceUnavailable(t *testing.T) {
 	t.Parallel()
-	parent, err := os.MkdirTemp("", "gateway-pg-restart-")
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = os.RemoveAll(parent) })
-	require.NoError(t, os.Chmod(parent, 0o755)) // the postgres user enters it when the tests run as root
-	dir := filepath.Join(parent, "pg")
-	ctx := context.Background()
-	cluster, err := pglocal.Start(ctx, pglocal.Options{Dir: dir})
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = cluster.Stop() })
-	require.NoError(t, cluster.CreateDatabase(ctx, "gw"))
+	cluster, dir := ownCluster(t, false)
 	db := cluster.URL("gw")
 	mustCLI(t, db, "migrate")
 	key := strings.TrimSpace(mustCLI(t, db, "keys", "create", "--account", "acme"))
@@ -233,7 +224,7 @@ func TestDatabaseRestartIsServiceUnavailable(t *testing.T) {
 		require.Equal(t, http.StatusServiceUnavailable, r.status, string(r.body))
 		refused += 2
 	}
-	cluster, err = pglocal.Start(ctx, pglocal.Options{Dir: dir, Port: cluster.Port()})
+	cluster, err := pglocal.Start(context.Background(), pglocal.Options{Dir: dir, Port: cluster.Port()})
 	require.NoError(t, err)
 	require.Eventually(t, func() bool {
 		status := g.call(http.MethodPost, "/api/v1/responses", key, map[string]any{"prompt": "after"}).status
@@ -260,4 +251,122 @@ func TestDatabaseRestartIsServiceUnavailable(t *testing.T) {
 	}
 	require.Less(t, lines, refused, "the refusals' error lines are sampled")
 	require.Equal(t, refused, counted, "every refusal is written or counted")
+}
+
+// ownCluster starts a PostgreSQL of the test's own, with a database "gw", to
+// stop, crash or freeze (durable: a crash loses no commit); dir, its folder,
+// starts it again. It is thawed and stopped when the test ends.
+func ownCluster(t *testing.T, durable bool) (cluster *pglocal.Cluster, dir string) {
+	t.Helper()
+	parent, err := os.MkdirTemp("", "gateway-pg-")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = os.RemoveAll(parent) })
+	require.NoError(t, os.Chmod(parent, 0o755)) // the postgres user enters it when the tests run as root
+	dir = filepath.Join(parent, "pg")
+	cluster, err = pglocal.Start(context.Background(), pglocal.Options{Dir: dir, Durable: durable})
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_ = cluster.Thaw() // the cluster running now, restarted or not, is the one in dir
+		_ = cluster.Stop()
+	})
+	require.NoError(t, cluster.CreateDatabase(context.Background(), "gw"))
+	return cluster, dir
+}
+
+// TestADatabaseThatDoesNotAnswerIsServiceUnavailable pins D12 when
+// PostgreSQL hangs (frozen: its connections accepted and never answered, as
+// behind a network that drops its packets): every request is answered while
+// it hangs, none held for as long as it does: 503 SERVICE_UNAVAILABLE with
+// Retry-After (an unknown key's lookup, reads, a batch's creation, the
+// readiness probe) or, for a response admitted from the replica's slices,
+// its reply with its usage, stored once the database answers. Then what was
+// sent is what is billed, and the batch sent again with its Idempotency-Key
+// exists once.
+func TestADatabaseThatDoesNotAnswerIsServiceUnavailable(t *testing.T) {
+	t.Parallel()
+	cluster, _ := ownCluster(t, false)
+	db := cluster.URL("gw")
+	mustCLI(t, db, "migrate")
+	key := strings.TrimSpace(mustCLI(t, db, "keys", "create", "--account", "acme"))
+	unknown := strings.TrimSpace(mustCLI(t, db, "keys", "create", "--account", "acme")) // first used while the database hangs
+	fake := fakeupstream.New()
+	t.Cleanup(fake.Close)
+	g := serve(t, db, fake.BaseURL(), nil)
+	first := g.call(http.MethodPost, "/api/v1/responses", key, map[string]any{"prompt": "before"})
+	require.Equal(t, http.StatusOK, first.status, string(first.body))
+	var before api.Response
+	require.NoError(t, json.Unmarshal(first.body, &before))
+
+	require.NoError(t, cluster.Freeze())
+	batch := map[string]any{"requests": []map[string]any{{"prompt": "a batch sent while the database hangs"}}}
+	idempotency := http.Header{"Idempotency-Key": {"frozen-1"}}
+	type call struct {
+		method, path, key string
+		body              any
+		header            http.Header
+	}
+	calls := []call{
+		{http.MethodGet, "/readyz", "", nil, nil},
+		{http.MethodGet, "/api/v1/usage", key, nil, nil},
+		{http.MethodGet, "/api/v1/usage", unknown, nil, nil},
+		{http.MethodGet, "/api/v1/batches", key, nil, nil},
+		{http.MethodGet, "/api/v1/batch/" + before.RequestId.String(), key, nil, nil},
+		{http.MethodGet, "/api/v1/batch/" + before.RequestId.String() + "/results", key, nil, nil},
+		{http.MethodGet, "/api/v1/sources/" + before.RequestId.String(), key, nil, nil},
+		{http.MethodPost, "/api/v1/batch", key, batch, idempotency},
+	}
+	for i := range 4 {
+		calls = append(calls, call{http.MethodPost, "/api/v1/responses", key, map[string]any{"prompt": fmt.Sprintf("during %d", i)}, nil})
+	}
+	type answer struct {
+		call
+		r reply
+	}
+	answers := make(chan answer, len(calls))
+	for _, c := range calls {
+		go func() { answers <- answer{c, g.callWith(c.method, c.path, c.key, c.body, c.header)} }()
+	}
+	var served, sent int64 // responses answered with their usage, and its rungs
+	held := time.After(90 * time.Second)
+	for range calls {
+		var a answer
+		select {
+		case a = <-answers:
+		case <-held:
+			t.Fatal("a request is held by the database that does not answer")
+		}
+		what := a.method + " " + a.path
+		if a.r.status == http.StatusOK && a.path == "/api/v1/responses" {
+			var res api.Response
+			require.NoError(t, json.Unmarshal(a.r.body, &res))
+			served++
+			sent += res.Usage.TotalRungs
+			continue
+		}
+		require.Equal(t, http.StatusServiceUnavailable, a.r.status, "%s: %s", what, a.r.body)
+		if a.path == "/readyz" {
+			continue
+		}
+		require.Equal(t, "SERVICE_UNAVAILABLE", a.r.code(t), what)
+		require.NotEmpty(t, a.r.header.Get("Retry-After"), what)
+	}
+
+	require.NoError(t, cluster.Thaw())
+	var resent reply
+	require.Eventually(t, func() bool {
+		resent = g.callWith(http.MethodPost, "/api/v1/batch", key, batch, idempotency)
+		return resent.status == http.StatusOK || resent.status == http.StatusAccepted
+	}, 30*time.Second, 200*time.Millisecond)
+	results := g.waitTerminal(key, resent.object(t)["id"].(string), 60*time.Second)
+	require.Equal(t, api.BatchStatusCompleted, results.Status)
+	list := g.call(http.MethodGet, "/api/v1/batches", key, nil)
+	require.Len(t, list.object(t)["data"], 1, "the batch exists once")
+	item := results.Results[0].Usage
+	var v api.UsageView
+	require.Eventually(t, func() bool {
+		require.NoError(t, json.Unmarshal(g.call(http.MethodGet, "/api/v1/usage", key, nil).body, &v))
+		return v.Totals.Requests == 2+served
+	}, 30*time.Second, 200*time.Millisecond, "the responses sent with their usage are stored")
+	require.Equal(t, before.Usage.TotalRungs+sent+item.TotalRungs, v.Totals.TotalRungs, "billed is what was sent")
+	require.Zero(t, v.Budget.ReservedRungs)
 }

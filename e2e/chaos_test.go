@@ -383,15 +383,9 @@ type chaosRun struct {
 // startChaos starts a durable PostgreSQL of the run's own (a crash must not
 // lose a commit), migrates it, and starts three replicas.
 func startChaos(t *testing.T) *chaosRun {
-	parent, err := os.MkdirTemp("", "gateway-chaos-")
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = os.RemoveAll(parent) })
-	require.NoError(t, os.Chmod(parent, 0o755)) // the postgres user enters it when the tests run as root
-	c := &chaosRun{t: t, dir: filepath.Join(parent, "pg")}
-	c.cluster, err = pglocal.Start(context.Background(), pglocal.Options{Dir: c.dir, Durable: true})
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = c.cluster.Stop() })
-	require.NoError(t, c.cluster.CreateDatabase(context.Background(), "gw"))
+	c := &chaosRun{t: t}
+	c.cluster, c.dir = ownCluster(t, true)
+	parent := filepath.Dir(c.dir)
 	for i := range c.upstreams {
 		c.upstreams[i] = fakeupstream.New()
 		t.Cleanup(c.upstreams[i].Close)
@@ -467,11 +461,18 @@ func (c *chaosRun) act() string {
 		return provider + " stalls"
 	case 6:
 		what := "database stopped"
-		if rand.IntN(2) == 0 {
+		switch rand.IntN(3) {
+		case 0:
 			require.NoError(t, c.cluster.Stop())
-		} else {
+		case 1:
 			require.NoError(t, c.cluster.Crash())
 			what = "database crashed"
+		default:
+			// Past the waits of requests and statements (5 s) at times.
+			require.NoError(t, c.cluster.Freeze())
+			time.Sleep(time.Duration(rand.IntN(7000)) * time.Millisecond)
+			require.NoError(t, c.cluster.Thaw())
+			return "database frozen"
 		}
 		time.Sleep(time.Duration(rand.IntN(2000)) * time.Millisecond)
 		var err error
@@ -493,8 +494,8 @@ func (c *chaosRun) act() string {
 // TestChaos runs mixed load (JSON replies, streams, batches, cancels) over
 // three replicas and two accounts, one of them with a budget cap it runs
 // into, every model routed to a primary provider and then a backup, while
-// replicas are killed (-9) and stopped, PostgreSQL is stopped and crashed,
-// and a provider answers 503, fails with 500, breaks its streams, stalls
+// replicas are killed (-9) and stopped, PostgreSQL is stopped, crashed and
+// frozen, and a provider answers 503, fails with 500, breaks its streams, stalls
 // past its timeout, and streams every reply (asked for whole or not) and
 // leaves it open, and a key in use is revoked midway; then checks that no
 // request was answered 500 (or a stream failed INTERNAL), that no request

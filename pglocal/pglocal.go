@@ -18,6 +18,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 )
 
@@ -150,6 +151,69 @@ func (c *Cluster) Stop() error { return c.stop("fast") }
 // quits at once, without a checkpoint; the next start recovers from the
 // WAL).
 func (c *Cluster) Crash() error { return c.stop("immediate") }
+
+// Freeze stops every process of the cluster where it stands (SIGSTOP):
+// connections are accepted by the kernel and never answered, as those of a
+// server that hangs, or of one behind a network that drops its packets.
+// Thaw lets it go on. Its processes are found in /proc (Linux).
+func (c *Cluster) Freeze() error { return c.signal(syscall.SIGSTOP) }
+
+// Thaw lets a frozen cluster go on (SIGCONT).
+func (c *Cluster) Thaw() error { return c.signal(syscall.SIGCONT) }
+
+// signal sends sig to the postmaster, then to each of its children (each
+// in a session of its own, so not in the postmaster's process group).
+func (c *Cluster) signal(sig syscall.Signal) error {
+	pidFile := filepath.Join(c.dataDir(), "postmaster.pid")
+	b, err := os.ReadFile(pidFile)
+	if err != nil {
+		return fmt.Errorf("error reading the postmaster's pid: %w", err)
+	}
+	first, _, _ := strings.Cut(string(b), "\n")
+	postmaster, err := strconv.Atoi(strings.TrimSpace(first))
+	if err != nil {
+		return fmt.Errorf("error reading the postmaster's pid from %s: %w", pidFile, err)
+	}
+	if err := syscall.Kill(postmaster, sig); err != nil {
+		return fmt.Errorf("error signalling PostgreSQL (%v): %w", sig, err)
+	}
+	// Listed once the postmaster is stopped: it starts no other meanwhile.
+	children, err := childrenOf(postmaster)
+	if err != nil {
+		return err
+	}
+	for _, pid := range children {
+		if err := syscall.Kill(pid, sig); err != nil && !errors.Is(err, syscall.ESRCH) {
+			return fmt.Errorf("error signalling PostgreSQL's process %d (%v): %w", pid, sig, err)
+		}
+	}
+	return nil
+}
+
+// childrenOf returns the processes whose parent is pid, read from /proc.
+func childrenOf(pid int) ([]int, error) {
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return nil, fmt.Errorf("error listing processes: %w", err)
+	}
+	var children []int
+	for _, e := range entries {
+		child, err := strconv.Atoi(e.Name())
+		if err != nil {
+			continue
+		}
+		stat, err := os.ReadFile(filepath.Join("/proc", e.Name(), "stat"))
+		if err != nil {
+			continue // ended meanwhile
+		}
+		// pid (comm) state ppid …: comm may hold spaces and parentheses.
+		fields := strings.Fields(string(stat[bytes.LastIndexByte(stat, ')')+1:]))
+		if len(fields) > 1 && fields[1] == strconv.Itoa(pid) {
+			children = append(children, child)
+		}
+	}
+	return children, nil
+}
 
 func (c *Cluster) stop(mode string) error {
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
