@@ -224,7 +224,7 @@ func TestDatabaseRestartIsServiceUnavailable(t *testing.T) {
 		require.Equal(t, http.StatusServiceUnavailable, r.status, string(r.body))
 		refused += 2
 	}
-	cluster, err := pglocal.Start(context.Background(), pglocal.Options{Dir: dir, Port: cluster.Port()})
+	_, err := pglocal.Start(context.Background(), pglocal.Options{Dir: dir, Port: cluster.Port()}) // stopped with the test (ownCluster)
 	require.NoError(t, err)
 	require.Eventually(t, func() bool {
 		status := g.call(http.MethodPost, "/api/v1/responses", key, map[string]any{"prompt": "after"}).status
