@@ -204,13 +204,7 @@ func streamsUntilEnd(t *testing.T, g *gateway, key, prompt string, n int) (wait 
 // their counts of the lines left out account for every refusal.
 func TestDatabaseRestartIsServiceUnavailable(t *testing.T) {
 	t.Parallel()
-	cluster, dir := ownCluster(t, false)
-	db := cluster.URL("gw")
-	mustCLI(t, db, "migrate")
-	key := strings.TrimSpace(mustCLI(t, db, "keys", "create", "--account", "acme"))
-	fake := fakeupstream.New()
-	t.Cleanup(fake.Close)
-	g := serve(t, db, fake.BaseURL(), nil)
+	cluster, dir, key, g := ownGateway(t)
 	require.Equal(t, http.StatusOK, g.call(http.MethodPost, "/api/v1/responses", key, map[string]any{"prompt": "before"}).status)
 
 	require.NoError(t, cluster.Stop())
@@ -253,9 +247,9 @@ func TestDatabaseRestartIsServiceUnavailable(t *testing.T) {
 	require.Equal(t, refused, counted, "every refusal is written or counted")
 }
 
-// ownCluster starts a PostgreSQL of the test's own, with a database "gw", to
-// stop, crash or freeze (durable: a crash loses no commit); dir, its folder,
-// starts it again. It is thawed and stopped when the test ends.
+// ownCluster starts a PostgreSQL of the test's own, with a migrated database
+// "gw", to stop, crash or freeze (durable: a crash loses no commit); dir, its
+// folder, starts it again. It is thawed and stopped when the test ends.
 func ownCluster(t *testing.T, durable bool) (cluster *pglocal.Cluster, dir string) {
 	t.Helper()
 	parent, err := os.MkdirTemp("", "gateway-pg-")
@@ -270,7 +264,19 @@ func ownCluster(t *testing.T, durable bool) (cluster *pglocal.Cluster, dir strin
 		_ = cluster.Stop()
 	})
 	require.NoError(t, cluster.CreateDatabase(context.Background(), "gw"))
+	mustCLI(t, cluster.URL("gw"), "migrate")
 	return cluster, dir
+}
+
+// ownGateway serves one replica, with a fake upstream, on an ownCluster (not
+// durable), and returns a key of account acme.
+func ownGateway(t *testing.T) (cluster *pglocal.Cluster, dir, key string, g *gateway) {
+	t.Helper()
+	cluster, dir = ownCluster(t, false)
+	key = strings.TrimSpace(mustCLI(t, cluster.URL("gw"), "keys", "create", "--account", "acme"))
+	fake := fakeupstream.New()
+	t.Cleanup(fake.Close)
+	return cluster, dir, key, serve(t, cluster.URL("gw"), fake.BaseURL(), nil)
 }
 
 // TestADatabaseThatDoesNotAnswerIsServiceUnavailable pins D12 when
@@ -284,14 +290,8 @@ func ownCluster(t *testing.T, durable bool) (cluster *pglocal.Cluster, dir strin
 // exists once.
 func TestADatabaseThatDoesNotAnswerIsServiceUnavailable(t *testing.T) {
 	t.Parallel()
-	cluster, _ := ownCluster(t, false)
-	db := cluster.URL("gw")
-	mustCLI(t, db, "migrate")
-	key := strings.TrimSpace(mustCLI(t, db, "keys", "create", "--account", "acme"))
-	unknown := strings.TrimSpace(mustCLI(t, db, "keys", "create", "--account", "acme")) // first used while the database hangs
-	fake := fakeupstream.New()
-	t.Cleanup(fake.Close)
-	g := serve(t, db, fake.BaseURL(), nil)
+	cluster, _, key, g := ownGateway(t)
+	unknown := strings.TrimSpace(mustCLI(t, cluster.URL("gw"), "keys", "create", "--account", "acme")) // first used while the database hangs
 	first := g.call(http.MethodPost, "/api/v1/responses", key, map[string]any{"prompt": "before"})
 	require.Equal(t, http.StatusOK, first.status, string(first.body))
 	var before api.Response

@@ -393,7 +393,6 @@ func startChaos(t *testing.T) *chaosRun {
 		c.upstreams[i].SetChunkDelay(5 * time.Millisecond)
 	}
 	c.b = &testBundle{db: c.cluster.URL("gw"), fake: c.upstreams[0]}
-	mustCLI(t, c.b.db, "migrate")
 	c.b.key = strings.TrimSpace(mustCLI(t, c.b.db, "keys", "create", "--account", "acme"))
 	config := filepath.Join(parent, "gateway.yaml")
 	require.NoError(t, os.WriteFile(config, []byte(fmt.Sprintf(`providers:

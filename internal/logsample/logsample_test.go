@@ -1,46 +1,32 @@
 package logsample
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"log/slog"
 	"strings"
-	"sync"
 	"testing"
 	"testing/synctest"
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway/internal/syncbuf"
 )
 
-// lines is what a JSON handler wrote, safe to read while it writes.
-type lines struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (l *lines) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.buf.Write(p)
-}
-
-// all returns each line written, decoded.
-func (l *lines) all(t *testing.T) []map[string]any {
+// decoded returns each line written to out, decoded.
+func decoded(t *testing.T, out *syncbuf.Buffer) []map[string]any {
 	t.Helper()
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	var out []map[string]any
-	for _, line := range strings.Split(strings.TrimSpace(l.buf.String()), "\n") {
+	var lines []map[string]any
+	for _, line := range strings.Split(strings.TrimSpace(out.String()), "\n") {
 		if line == "" {
 			continue
 		}
 		var m map[string]any
 		require.NoError(t, json.Unmarshal([]byte(line), &m), line)
-		out = append(out, m)
+		lines = append(lines, m)
 	}
-	return out
+	return lines
 }
 
 // count returns how many lines have msg, and the suppressed counts of those that have one.
@@ -59,13 +45,13 @@ func count(t *testing.T, written []map[string]any, msg string) (n int, suppresse
 }
 
 type testBundle struct {
-	out     *lines
+	out     *syncbuf.Buffer
 	handler *Handler
 	logger  *slog.Logger
 }
 
 func setup() *testBundle {
-	out := &lines{}
+	out := &syncbuf.Buffer{}
 	h := New(slog.NewJSONHandler(out, nil))
 	return &testBundle{out: out, handler: h, logger: slog.New(h)}
 }
@@ -79,13 +65,13 @@ func TestAFloodIsKeptToItsBurstAndACount(t *testing.T) {
 			time.Sleep(time.Millisecond)
 		}
 		// 1 s in: the first Burst are written, the rest wait for the window's end.
-		n, suppressed := count(t, b.out.all(t), "request failed")
+		n, suppressed := count(t, decoded(t, b.out), "request failed")
 		require.Equal(t, Burst, n)
 		require.Empty(t, suppressed)
 
 		time.Sleep(Window)
 		synctest.Wait()
-		written := b.out.all(t)
+		written := decoded(t, b.out)
 		n, suppressed = count(t, written, "request failed")
 		require.Equal(t, Burst+1, n)
 		require.Equal(t, []float64{1000 - Burst}, suppressed)
@@ -105,7 +91,7 @@ func TestEachKindIsCountedApart(t *testing.T) {
 		}
 		time.Sleep(Window)
 		synctest.Wait()
-		written := b.out.all(t)
+		written := decoded(t, b.out)
 		var errors, warnings int
 		for _, m := range written {
 			if m["msg"] == "request failed" && m["level"] == "ERROR" {
@@ -132,14 +118,14 @@ func TestInfoAndEachAreAllWritten(t *testing.T) {
 			b.logger.Info("request")
 			b.logger.ErrorContext(each, "its usage may be missing")
 		}
-		written := b.out.all(t)
+		written := decoded(t, b.out)
 		n, _ := count(t, written, "request")
 		require.Equal(t, 5*Burst, n)
 		n, _ = count(t, written, "its usage may be missing")
 		require.Equal(t, 5*Burst, n)
 		time.Sleep(Window)
 		synctest.Wait()
-		require.Len(t, b.out.all(t), 10*Burst, "nothing was left out to count")
+		require.Len(t, decoded(t, b.out), 10*Burst, "nothing was left out to count")
 	})
 }
 
@@ -155,7 +141,7 @@ func TestAWindowEndsAndTheNextBegins(t *testing.T) {
 		time.Sleep(Window)
 		b.logger.Error("request failed", "window", 2)
 		synctest.Wait()
-		written := b.out.all(t)
+		written := decoded(t, b.out)
 		n, suppressed := count(t, written, "request failed")
 		require.Equal(t, Burst+2, n)
 		require.Equal(t, []float64{Burst}, suppressed)
@@ -166,7 +152,7 @@ func TestAWindowEndsAndTheNextBegins(t *testing.T) {
 		for range 2 * Burst {
 			b.logger.Error("request failed")
 		}
-		n, _ = count(t, b.out.all(t), "request failed")
+		n, _ = count(t, decoded(t, b.out), "request failed")
 		require.Equal(t, 2*Burst+2, n, "a new flood gets its burst again")
 	})
 }
@@ -179,12 +165,12 @@ func TestFlushWritesTheOpenWindowsCounts(t *testing.T) {
 			b.logger.Warn("upstream usage clamped")
 		}
 		b.handler.Flush()
-		n, suppressed := count(t, b.out.all(t), "upstream usage clamped")
+		n, suppressed := count(t, decoded(t, b.out), "upstream usage clamped")
 		require.Equal(t, Burst+1, n)
 		require.Equal(t, []float64{3}, suppressed)
 		time.Sleep(Window)
 		synctest.Wait()
-		n, _ = count(t, b.out.all(t), "upstream usage clamped")
+		n, _ = count(t, decoded(t, b.out), "upstream usage clamped")
 		require.Equal(t, Burst+1, n, "a count flushed is not written again")
 	})
 }
@@ -200,7 +186,7 @@ func TestDerivedLoggersShareTheirCounts(t *testing.T) {
 		}
 		time.Sleep(Window)
 		synctest.Wait()
-		written := b.out.all(t)
+		written := decoded(t, b.out)
 		n, suppressed := count(t, written, "request failed")
 		require.Equal(t, Burst+1, n)
 		require.Equal(t, []float64{Burst}, suppressed)
