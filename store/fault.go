@@ -19,11 +19,13 @@ import (
 
 // Transient reports whether err means the database did not answer (connection
 // refused or lost, server shutting down or overloaded, a serialization failure
-// or deadlock): the same work may succeed later. An error the server answered
+// or deadlock, a write refused by a standby while a failover settles): the
+// same work may succeed later. An error the server answered
 // with for this statement and its data (a constraint, a bad value, an
 // overflow) is not transient: retrying it fails the same way.
 // Anything else (an encoding bug, a closed pool) is not transient either.
 func Transient(err error) bool {
+	const readOnlyTransaction = "25006" // a standby's refusal, as a failover may leave a connection on one
 	var pgErr *pgconn.PgError
 	var domain *gateway.Error
 	var connectErr *pgconn.ConnectError
@@ -32,6 +34,9 @@ func Transient(err error) bool {
 	case err == nil, errors.Is(err, pgx.ErrNoRows), errors.Is(err, context.Canceled), errors.As(err, &domain):
 		return false
 	case errors.As(err, &pgErr):
+		if pgErr.Code == readOnlyTransaction {
+			return true
+		}
 		switch pgErr.Code[:2] {
 		case "08", // connection exception
 			"40", // serialization failure, deadlock

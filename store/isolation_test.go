@@ -11,6 +11,7 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
@@ -91,10 +92,29 @@ func TestTransient(t *testing.T) {
 	require.True(t, store.Transient(&pgconn.PgError{Code: "57P01"}), "admin shutdown")
 	require.True(t, store.Transient(&pgconn.PgError{Code: "08006"}), "connection failure")
 	require.True(t, store.Transient(&pgconn.PgError{Code: "40001"}), "serialization failure")
+	require.True(t, store.Transient(&pgconn.PgError{Code: "25006"}), "a write refused by a standby")
+	require.False(t, store.Transient(&pgconn.PgError{Code: "25001"}), "another invalid transaction state")
 	require.False(t, store.Transient(&pgconn.PgError{Code: "22P05"}), "untranslatable character")
 	require.False(t, store.Transient(&pgconn.PgError{Code: "22003"}), "numeric value out of range")
 	require.False(t, store.Transient(gateway.Errorf(gateway.EBatchNotFound, "x")))
 	require.False(t, store.Transient(nil))
+}
+
+// TestAReadOnlyDatabaseIsNotReady: a database that takes no writes (a
+// standby a failover left a connection on; here one whose transactions are
+// read-only) is not ready, and its refusal of a write is transient: the
+// database away for a moment (503), not a fault of the gateway's (500).
+func TestAReadOnlyDatabaseIsNotReady(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	require.NoError(t, b.store.Ready(b.ctx))
+	readOnly := store.New(b.poolWith(t, func(cfg *pgxpool.Config) {
+		cfg.ConnConfig.RuntimeParams["default_transaction_read_only"] = "on"
+	}))
+	require.ErrorContains(t, readOnly.Ready(b.ctx), "takes no writes")
+	_, err := readOnly.CreateKey(b.ctx, store.CreateKeyParams{Account: "acme", Project: "default", Scopes: []gateway.Scope{gateway.ScopeInference}})
+	require.Error(t, err)
+	require.True(t, store.Transient(err), "%v", err)
 }
 
 // TestMayHaveCommitted: only a reply lost after the statement was sent leaves

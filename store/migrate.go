@@ -39,10 +39,16 @@ func Migrate(ctx context.Context, pool *pgxpool.Pool) (int, error) {
 // that has every embedded migration stays so.
 var migrationsCurrent atomic.Bool
 
-// Ready reports whether the database answers and has every embedded migration.
+// Ready reports whether the database answers, takes writes (a standby, or
+// a database set read-only, would refuse every request's settlement) and has
+// every embedded migration.
 func (s *Store) Ready(ctx context.Context) error {
-	if err := s.pool.Ping(ctx); err != nil {
+	writable, err := s.queries.AcceptsWrites(ctx, s.pool)
+	if err != nil {
 		return fmt.Errorf("database unreachable: %w", err)
+	}
+	if writable != nil && !*writable {
+		return errors.New("the database takes no writes (a standby, or set read-only)")
 	}
 	if migrationsCurrent.Load() {
 		return nil

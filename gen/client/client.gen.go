@@ -1291,7 +1291,8 @@ type ClientInterface interface {
 
 	// GetReadiness Readiness
 	//
-	// 200 when this replica should receive traffic: the database answers, its
+	// 200 when this replica should receive traffic: the database answers
+	// within 5 s and takes writes (not a standby, nor read-only), its
 	// schema has every migration this binary knows, and the replica listens for
 	// changes to keys and limits (from its start until it first does, it would
 	// miss a revocation). 503 while it does not, and
@@ -1795,7 +1796,8 @@ func (c *Client) GetOpenAPI(ctx context.Context, reqEditors ...RequestEditorFn) 
 
 // GetReadiness Readiness
 //
-// 200 when this replica should receive traffic: the database answers, its
+// 200 when this replica should receive traffic: the database answers
+// within 5 s and takes writes (not a standby, nor read-only), its
 // schema has every migration this binary knows, and the replica listens for
 // changes to keys and limits (from its start until it first does, it would
 // miss a revocation). 503 while it does not, and
@@ -2757,7 +2759,8 @@ type ClientWithResponsesInterface interface {
 
 	// GetReadinessWithResponse Readiness
 	//
-	// 200 when this replica should receive traffic: the database answers, its
+	// 200 when this replica should receive traffic: the database answers
+	// within 5 s and takes writes (not a standby, nor read-only), its
 	// schema has every migration this binary knows, and the replica listens for
 	// changes to keys and limits (from its start until it first does, it would
 	// miss a revocation). 503 while it does not, and
@@ -4947,7 +4950,8 @@ func (c *ClientWithResponses) GetOpenAPIWithResponse(ctx context.Context, reqEdi
 
 // GetReadinessWithResponse Readiness
 //
-// 200 when this replica should receive traffic: the database answers, its
+// 200 when this replica should receive traffic: the database answers
+// within 5 s and takes writes (not a standby, nor read-only), its
 // schema has every migration this binary knows, and the replica listens for
 // changes to keys and limits (from its start until it first does, it would
 // miss a revocation). 503 while it does not, and

@@ -10,6 +10,19 @@ import (
 	"time"
 )
 
+const acceptsWrites = `-- name: AcceptsWrites :one
+SELECT NOT current_setting('transaction_read_only')::boolean AS accepts_writes
+`
+
+// Whether the database takes writes: not a standby (a replica in recovery,
+// as a failover may leave a connection on), nor set read-only.
+func (q *Queries) AcceptsWrites(ctx context.Context, db DBTX) (*bool, error) {
+	row := db.QueryRow(ctx, acceptsWrites)
+	var accepts_writes *bool
+	err := row.Scan(&accepts_writes)
+	return accepts_writes, err
+}
+
 const analyzeQueue = `-- name: AnalyzeQueue :exec
 ANALYZE batches, batch_items
 `

@@ -13,3 +13,8 @@ ANALYZE batches, batch_items;
 -- name: DatabaseTime :one
 -- The database's clock now (not the transaction's start).
 SELECT clock_timestamp()::timestamptz AS now;
+
+-- name: AcceptsWrites :one
+-- Whether the database takes writes: not a standby (a replica in recovery,
+-- as a failover may leave a connection on), nor set read-only.
+SELECT NOT current_setting('transaction_read_only')::boolean AS accepts_writes;
