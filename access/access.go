@@ -51,6 +51,11 @@ const (
 	maxRefused = 10_000
 	// relistenDelay is the pause before listening again after a failure.
 	relistenDelay = time.Second
+	// lookupTimeout bounds a lookup, its wait for its turn included: a
+	// database that does not answer fails it (503 SERVICE_UNAVAILABLE)
+	// instead of holding the request for as long as it does not. A key the
+	// cache holds waits for nothing.
+	lookupTimeout = 5 * time.Second
 )
 
 // Config configures a Keys cache; zero fields take the defaults.
@@ -133,6 +138,8 @@ func (k *Keys) Lookup(ctx context.Context, token string) (*gateway.Principal, er
 	if _, err := apikey.Parse(token); err != nil {
 		return nil, gateway.UnauthorizedError()
 	}
+	ctx, cancel := context.WithTimeout(ctx, lookupTimeout)
+	defer cancel()
 	// While the cache serves the keys it knows, those it does not take
 	// their turn for a lookup. While it does not, every request is looked
 	// up, and a bound would bound the replica's requests.

@@ -136,6 +136,19 @@ func TestLookupsInFlightAreBounded(t *testing.T) {
 	refusedAll(t, errs)
 }
 
+// TestALookupTheDatabaseDoesNotAnswerFails: a key looked up on a database
+// that does not answer fails at the lookup's bound, transient (503), instead
+// of holding the request for as long as the database does not answer.
+func TestALookupTheDatabaseDoesNotAnswerFails(t *testing.T) {
+	t.Parallel()
+	keys := access.NewKeys(access.Config{}, store.New(testdb.Connect(t, testdb.Unanswering(t))))
+	key, err := apikey.Generate()
+	require.NoError(t, err)
+	_, err = keys.Lookup(context.Background(), key.Token)
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.True(t, store.Transient(err))
+}
+
 // lookUpMadeUp starts n lookups of made-up keys, whose outcomes arrive on
 // the returned channel.
 func lookUpMadeUp(t *testing.T, keys *access.Keys, n int) <-chan error {

@@ -149,8 +149,9 @@ const DefaultReplyWriteTimeout = 2 * time.Minute
 // unavailableRetryAfter is suggested to callers while the database is away.
 const unavailableRetryAfter = 2 * time.Second
 
-// DatabaseWait bounds how long a request waits for the database (its key
-// looked up, its rate counted, a read, a batch's creation sent): past it,
+// DatabaseWait bounds how long a request waits for the database for a read
+// or the readiness probe (its key's lookup, its rate's lease and a batch's
+// creation are bounded alike where they are made): past it,
 // the request is answered 503 SERVICE_UNAVAILABLE, as when the database is
 // away. A database that does not answer (frozen, or cut off by a network
 // that drops its packets) would otherwise hold each request for as long as

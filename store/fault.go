@@ -79,8 +79,12 @@ func (notSent) SafeToRetry() bool { return true }
 // Retry calls fn until it succeeds, fails for a reason other than the
 // database being away (see Transient), ctx ends, or window has passed,
 // waiting between calls from 100 ms, doubled each time up to maxBackoff. It
-// returns fn's last error.
+// returns fn's last error. A call ends with the window at the latest (its
+// context does): one that a database that does not answer holds fails then,
+// instead of holding the caller for as long as the database does not answer.
 func Retry(ctx context.Context, window, maxBackoff time.Duration, fn func(context.Context) error) error {
+	ctx, cancel := context.WithTimeout(ctx, window)
+	defer cancel()
 	return retry.Until(ctx, window, maxBackoff, Transient, fn)
 }
 

@@ -117,6 +117,20 @@ func TestAReadOnlyDatabaseIsNotReady(t *testing.T) {
 	require.True(t, store.Transient(err), "%v", err)
 }
 
+// TestRetryEndsACallWithTheWindow: a call that a database that does not
+// answer holds ends with the window.
+func TestRetryEndsACallWithTheWindow(t *testing.T) {
+	t.Parallel()
+	calls := 0
+	err := store.Retry(context.Background(), 50*time.Millisecond, time.Millisecond, func(ctx context.Context) error {
+		calls++
+		<-ctx.Done()
+		return ctx.Err()
+	})
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.Equal(t, 1, calls)
+}
+
 // TestMayHaveCommitted: only a reply lost after the statement was sent leaves
 // its outcome unknown.
 func TestMayHaveCommitted(t *testing.T) {

@@ -12,14 +12,9 @@ const firstWait = 100 * time.Millisecond
 
 // Until calls fn until it succeeds, fails with an error passing does not
 // report, ctx ends, or window has passed, waiting between calls from 100 ms,
-// doubled each time up to maxWait. It returns fn's last error. A call ends
-// with the window at the latest (its context does): one that a database
-// that does not answer holds fails then, instead of holding the caller for
-// as long as the database does not answer.
+// doubled each time up to maxWait. It returns fn's last error.
 func Until(ctx context.Context, window, maxWait time.Duration, passing func(error) bool, fn func(context.Context) error) error {
 	deadline := time.Now().Add(window)
-	ctx, cancel := context.WithDeadline(ctx, deadline)
-	defer cancel()
 	for wait := firstWait; ; wait = min(2*wait, maxWait) {
 		err := fn(ctx)
 		if err == nil || !passing(err) || ctx.Err() != nil || time.Now().Add(wait).After(deadline) {

@@ -62,15 +62,3 @@ func TestUntilStopsWithItsContext(t *testing.T) {
 	require.ErrorIs(t, err, errAway)
 	require.Equal(t, 1, n)
 }
-
-func TestACallEndsWithTheWindow(t *testing.T) {
-	t.Parallel()
-	n := 0
-	err := Until(context.Background(), 50*time.Millisecond, time.Millisecond, passing, func(ctx context.Context) error {
-		n++
-		<-ctx.Done() // as a call on a database that does not answer
-		return ctx.Err()
-	})
-	require.ErrorIs(t, err, context.DeadlineExceeded)
-	require.Equal(t, 1, n)
-}
