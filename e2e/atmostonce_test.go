@@ -305,6 +305,8 @@ func TestADatabaseThatDoesNotAnswerIsServiceUnavailable(t *testing.T) {
 		body              any
 		header            http.Header
 	}
+	// The batch reads name an id that is no batch's (404 once the database
+	// answers): they read the database all the same.
 	calls := []call{
 		{http.MethodGet, "/readyz", "", nil, nil},
 		{http.MethodGet, "/api/v1/usage", key, nil, nil},
