@@ -196,6 +196,7 @@ func childrenOf(pid int) ([]int, error) {
 	if err != nil {
 		return nil, fmt.Errorf("error listing processes: %w", err)
 	}
+	parent := strconv.Itoa(pid)
 	var children []int
 	for _, e := range entries {
 		child, err := strconv.Atoi(e.Name())
@@ -208,7 +209,7 @@ func childrenOf(pid int) ([]int, error) {
 		}
 		// pid (comm) state ppid …: comm may hold spaces and parentheses.
 		fields := strings.Fields(string(stat[bytes.LastIndexByte(stat, ')')+1:]))
-		if len(fields) > 1 && fields[1] == strconv.Itoa(pid) {
+		if len(fields) > 1 && fields[1] == parent {
 			children = append(children, child)
 		}
 	}
