@@ -25,6 +25,7 @@ import (
 	"github.com/testcontainers/testcontainers-go"
 	tcpostgres "github.com/testcontainers/testcontainers-go/modules/postgres"
 
+	"github.com/rungworks/gateway/internal/tcpproxy"
 	"github.com/rungworks/gateway/migrations"
 	"github.com/rungworks/gateway/pglocal"
 	"github.com/rungworks/gateway/store"
@@ -111,6 +112,30 @@ func Connect(t testing.TB, url string) *pgxpool.Pool {
 	}
 	t.Cleanup(pool.Close)
 	return pool
+}
+
+// Cuttable returns a pool on url whose connections pass through a proxy the
+// test can cut, as a network that loses the connections open at a moment
+// without closing them does (see tcpproxy). Both close when the test ends.
+func Cuttable(t testing.TB, url string) (*pgxpool.Pool, *tcpproxy.Proxy) {
+	t.Helper()
+	u, err := neturl.Parse(url)
+	if err != nil {
+		t.Fatalf("error parsing database URL: %v", err)
+	}
+	p, err := tcpproxy.Start(u.Host)
+	if err != nil {
+		t.Fatalf("error starting proxy: %v", err)
+	}
+	u.Host = p.Addr()
+	q := u.Query()
+	q.Set("pool_max_conns", "8") // the gateway's default (GATEWAY_DB_MAX_CONNS)
+	u.RawQuery = q.Encode()
+	pool := Connect(t, u.String())
+	// Before the pool closes: a lost connection's close waits for the
+	// server's, up to 15 s, unless the proxy ends it.
+	t.Cleanup(func() { _ = p.Close() })
+	return pool, p
 }
 
 // Unanswering returns the connection string of a server that accepts
