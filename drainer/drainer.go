@@ -41,7 +41,7 @@ type Store interface {
 	RenewLeases(ctx context.Context, owner uuid.UUID, keys []store.ItemKey, lease time.Duration) (int64, error)
 	StartBatches(ctx context.Context, ids []uuid.UUID) error
 	FinishBatches(ctx context.Context, ids []uuid.UUID) error
-	ListenBatches(ctx context.Context, created func(), stopped func(uuid.UUID)) error
+	ListenBatches(ctx context.Context, listening, created func(), stopped func(uuid.UUID)) error
 }
 
 // Health is what the drainer needs to know of the upstream targets (see
@@ -662,7 +662,9 @@ func (d *Drainer) retry(ctx context.Context, fn func(context.Context) error) err
 
 // heartbeat renews, every third of a lease, the leases of the items this
 // replica holds, and only those: an item leased to it that it does not hold
-// (a claim whose reply was lost) runs out its lease.
+// (a claim whose reply was lost) runs out its lease. A renewal ends by the
+// next beat: one sent on a connection that no longer answers leaves the
+// next to another connection, before the leases run out.
 func (d *Drainer) heartbeat(ctx context.Context) {
 	ticker := time.NewTicker(d.cfg.Lease / 3)
 	defer ticker.Stop()
@@ -675,9 +677,11 @@ func (d *Drainer) heartbeat(ctx context.Context) {
 			if len(keys) == 0 {
 				continue
 			}
-			if _, err := d.store.RenewLeases(ctx, d.cfg.Owner, keys, d.cfg.Lease); err != nil && ctx.Err() == nil {
+			rctx, cancel := context.WithTimeout(ctx, d.cfg.Lease/3)
+			if _, err := d.store.RenewLeases(rctx, d.cfg.Owner, keys, d.cfg.Lease); err != nil && ctx.Err() == nil {
 				d.logger.Error("error renewing leases", "error", err)
 			}
+			cancel()
 		}
 	}
 }
@@ -702,16 +706,18 @@ func (d *Drainer) moveBatches(ctx context.Context, set *idSet, move func(context
 	}
 }
 
-// listen wakes the claim loop on every batch creation, and notes the batches
-// stopped (cancelled, or past their window), reconnecting on failure.
+// listen wakes the claim loop on every batch creation, and once it listens
+// (for the batches created while it did not), and notes the batches stopped
+// (cancelled, or past their window), reconnecting on failure.
 func (d *Drainer) listen(ctx context.Context, wake chan<- struct{}) {
+	awake := func() {
+		select {
+		case wake <- struct{}{}:
+		default:
+		}
+	}
 	for ctx.Err() == nil {
-		err := d.store.ListenBatches(ctx, func() {
-			select {
-			case wake <- struct{}{}:
-			default:
-			}
-		}, func(id uuid.UUID) {
+		err := d.store.ListenBatches(ctx, awake, awake, func(id uuid.UUID) {
 			d.stopped.add(id, time.Now(), d.held.batches())
 		})
 		if ctx.Err() == nil {

@@ -204,6 +204,40 @@ func TestOrphanedClaimRunsOutItsLease(t *testing.T) {
 	require.Len(t, b.fake.Calls(), 1, "the orphan never reached the upstream")
 }
 
+// hangingStore's first renewal of leases answers nothing until its context
+// ends, as one sent on a connection the network lost without closing it.
+type hangingStore struct {
+	*store.Store
+	hung atomic.Bool
+}
+
+func (s *hangingStore) RenewLeases(ctx context.Context, owner uuid.UUID, keys []store.ItemKey, lease time.Duration) (int64, error) {
+	if !s.hung.Swap(true) {
+		<-ctx.Done()
+		return 0, ctx.Err()
+	}
+	return s.Store.RenewLeases(ctx, owner, keys, lease)
+}
+
+// TestARenewalThatHangsLeavesTheNextToItsBeat: a renewal of leases that
+// answers nothing ends by the next beat, which renews them: a held item
+// outlives several leases and completes, where a renewal waiting on would
+// have let its lease run out (the item failed INTERRUPTED).
+func TestARenewalThatHangsLeavesTheNextToItsBeat(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetSlow("held", 2*time.Second)
+	held := b.newBatch(t, "held", 1)
+	b.run(t, &hangingStore{Store: b.store}, drainer.Config{Owner: uuid.Must(uuid.NewV7()), Lease: 600 * time.Millisecond})
+	require.Eventually(t, func() bool {
+		_, err := b.store.RescueExpiredLeases(b.ctx, 100)
+		require.NoError(t, err)
+		return b.items(t, held)[0].Status != gateway.ItemInProgress && b.items(t, held)[0].Status != gateway.ItemQueued
+	}, 10*time.Second, 50*time.Millisecond)
+	it := b.items(t, held)[0]
+	require.Equal(t, gateway.ItemCompleted, it.Status, "%+v", it.Error)
+}
+
 // lossyStore loses the reply of the first claims: they commit, but the
 // drainer sees an error, as when PostgreSQL restarts after the commit.
 type lossyStore struct {

@@ -13,7 +13,9 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/gen/db"
@@ -753,37 +755,25 @@ func splitKeys(keys []ItemKey) ([]uuid.UUID, []int32) {
 	return batchIDs, idxs
 }
 
-// ListenBatches, until ctx ends, calls created whenever a batch is created,
-// and stopped with the id of a batch cancelled or past its window while
-// items of it are claimed (their replicas must not start those they have
-// not), on a connection of its own. It returns when the connection fails,
-// for the caller to retry.
-func (s *Store) ListenBatches(ctx context.Context, created func(), stopped func(uuid.UUID)) error {
-	conn, err := s.pool.Acquire(ctx)
-	if err != nil {
-		return fmt.Errorf("error acquiring listen connection: %w", err)
-	}
-	defer conn.Release()
-	if err := s.queries.ListenBatchCreated(ctx, conn); err != nil {
-		return fmt.Errorf("error listening: %w", err)
-	}
-	if err := s.queries.ListenBatchStopped(ctx, conn); err != nil {
-		_ = conn.Conn().Close(context.WithoutCancel(ctx)) // it LISTENs to batch_created
-		return fmt.Errorf("error listening: %w", err)
-	}
-	for {
-		n, err := conn.Conn().WaitForNotification(ctx)
-		if err != nil {
-			// The session still LISTENs; drop it rather than return it to the pool.
-			_ = conn.Conn().Close(context.WithoutCancel(ctx))
+// ListenBatches calls listening once it listens, then, until ctx ends,
+// created whenever a batch is created, and stopped with the id of a batch
+// cancelled or past its window while items of it are claimed (their replicas
+// must not start those they have not), on a connection of its own. It
+// returns when the connection fails or stops answering, for the caller to
+// retry; what happened while it was not listening is not reported.
+func (s *Store) ListenBatches(ctx context.Context, listening, created func(), stopped func(uuid.UUID)) error {
+	return s.listen(ctx, func(ctx context.Context, conn *pgxpool.Conn) error {
+		if err := s.queries.ListenBatchCreated(ctx, conn); err != nil {
 			return err
 		}
+		return s.queries.ListenBatchStopped(ctx, conn)
+	}, listening, func(n *pgconn.Notification) {
 		if n.Channel != "batch_stopped" {
 			created()
 		} else if id, err := uuid.Parse(n.Payload); err == nil {
 			stopped(id)
 		}
-	}
+	})
 }
 
 func interval(d time.Duration) pgtype.Interval {
@@ -807,30 +797,43 @@ func (s *Store) QueueDepth(ctx context.Context) (int64, error) {
 	return n, nil
 }
 
-// jobLockReleaseTimeout bounds the release of a job's lock; past it, the
-// lock's session is closed, which releases it too.
+// jobLockReleaseTimeout bounds the release of a job's lock (the end of its
+// transaction); past it, the lock's connection is closed, which releases it
+// too.
 const jobLockReleaseTimeout = 5 * time.Second
 
-// WithJobLock runs fn unless another replica runs the job named job: it holds a
-// session advisory lock on a connection of its own while fn runs. ran says
-// whether fn ran.
+// defaultJobLockHold is how long a lock whose client was lost outlives its
+// last statement, for a run whose context has no deadline.
+const defaultJobLockHold = 10 * time.Minute
+
+// WithJobLock runs fn unless another replica runs the job named job: it holds
+// a transaction advisory lock on a connection of its own while fn runs. Should
+// that connection be lost while the lock is held (the network to the database
+// failing without closing it), the server releases the lock once ctx's
+// deadline (ten minutes away without one) and the release's bound have
+// passed, not hours later when its kernel gives the connection up: another
+// replica runs the job then. ran says whether fn ran.
 func (s *Store) WithJobLock(ctx context.Context, job string, fn func() error) (ran bool, err error) {
-	conn, err := s.pool.Acquire(ctx)
-	if err != nil {
-		return false, fmt.Errorf("error acquiring job lock connection: %w", err)
+	hold := defaultJobLockHold
+	if deadline, ok := ctx.Deadline(); ok {
+		hold = time.Until(deadline)
 	}
-	defer conn.Release()
-	locked, err := s.queries.TryJobLock(ctx, conn, job)
-	if err != nil || !locked {
-		return false, err
+	hold += jobLockReleaseTimeout
+	tx, err := s.pool.Begin(ctx)
+	if err != nil {
+		return false, fmt.Errorf("error beginning job lock transaction: %w", err)
 	}
 	defer func() {
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), jobLockReleaseTimeout)
 		defer cancel()
-		if uerr := s.queries.ReleaseJobLock(rctx, conn, job); uerr != nil {
-			// A lock that cannot be released must not outlive its session.
-			_ = conn.Conn().Close(rctx)
-		}
+		_ = tx.Rollback(rctx) // one that fails closes the connection, which ends the lock too
 	}()
+	row, err := s.queries.TryJobLock(ctx, tx, db.TryJobLockParams{Hold: milliseconds(hold), Job: job})
+	if err != nil {
+		return false, fmt.Errorf("error taking job lock: %w", err)
+	}
+	if !row.Locked {
+		return false, nil
+	}
 	return true, fn()
 }

@@ -2407,7 +2407,7 @@ func TestListenBatches(t *testing.T) {
 	t.Cleanup(cancel) // before the database goes: the listener holds a connection
 	listened := make(chan error, 1)
 	go func() {
-		listened <- b.store.ListenBatches(ctx, func() { created.Add(1) }, func(id uuid.UUID) { stopped <- id })
+		listened <- b.store.ListenBatches(ctx, func() {}, func() { created.Add(1) }, func(id uuid.UUID) { stopped <- id })
 	}()
 	require.Eventually(t, func() bool {
 		var n int

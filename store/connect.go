@@ -3,15 +3,43 @@ package store
 import (
 	"context"
 	"fmt"
+	"strconv"
+	"time"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/rungworks/gateway/gen/db"
 )
 
+// IdleTransactionTimeout is how long the server lets a transaction of the
+// gateway's wait for its next statement before it ends the session
+// (idle_in_transaction_session_timeout), unless the database URL sets it.
+// The gateway sends a transaction's statements one after the other, so only
+// a transaction whose client was lost waits that long: one the network lost
+// without closing its connection (a NAT or firewall that forgot it, an
+// address a failover moved) would otherwise hold its row locks for as long
+// as the server's kernel keeps the connection (two hours and more by
+// default), and every replica's statement on those rows would wait for it.
+const IdleTransactionTimeout = 10 * time.Second
+
+const idleInTransactionSetting = "idle_in_transaction_session_timeout"
+
+// PingTimeout bounds the probe of a connection taken from the pool after a
+// second or more idle (pgxpool's, unless the database URL sets
+// pool_ping_timeout): one that has not answered within it is dropped and
+// another taken. A healthy server answers at once; after a network failure
+// that left the pool's connections open but lost, each taker would
+// otherwise spend its whole deadline on the first it drew.
+const PingTimeout = time.Second
+
 // Connect returns a pool on url whose connections encode uuid.UUID
-// directly (see RegisterUUID); maxConns, when positive, caps it.
+// directly (see RegisterUUID), whose idle connections are probed within
+// PingTimeout when taken, and whose transactions the server ends when they
+// wait longer than IdleTransactionTimeout for their client; maxConns, when
+// positive, caps it.
 func Connect(ctx context.Context, url string, maxConns int32) (*pgxpool.Pool, error) {
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
@@ -20,8 +48,18 @@ func Connect(ctx context.Context, url string, maxConns int32) (*pgxpool.Pool, er
 	if maxConns > 0 {
 		cfg.MaxConns = maxConns
 	}
-	cfg.AfterConnect = func(_ context.Context, conn *pgx.Conn) error {
+	if cfg.PingTimeout == 0 {
+		cfg.PingTimeout = PingTimeout
+	}
+	_, idleSet := cfg.ConnConfig.RuntimeParams[idleInTransactionSetting]
+	cfg.AfterConnect = func(ctx context.Context, conn *pgx.Conn) error {
 		RegisterUUID(conn.TypeMap())
+		if idleSet {
+			return nil
+		}
+		if err := db.New().BoundIdleTransactions(ctx, conn, milliseconds(IdleTransactionTimeout)); err != nil {
+			return fmt.Errorf("error bounding idle transactions: %w", err)
+		}
 		return nil
 	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
@@ -63,3 +101,6 @@ func (p *uuidEncodePlan) SetNext(next pgtype.EncodePlan) { p.next = next }
 func (p *uuidEncodePlan) Encode(value any, buf []byte) ([]byte, error) {
 	return p.next.Encode(pgUUID(value.(uuid.UUID)), buf)
 }
+
+// milliseconds formats d as a setting's value in milliseconds.
+func milliseconds(d time.Duration) string { return strconv.FormatInt(d.Milliseconds(), 10) }

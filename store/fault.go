@@ -19,13 +19,17 @@ import (
 
 // Transient reports whether err means the database did not answer (connection
 // refused or lost, server shutting down or overloaded, a serialization failure
-// or deadlock, a write refused by a standby while a failover settles): the
-// same work may succeed later. An error the server answered
-// with for this statement and its data (a constraint, a bad value, an
-// overflow) is not transient: retrying it fails the same way.
+// or deadlock, a write refused by a standby while a failover settles, a
+// session ended for its transaction's wait): the same work may succeed
+// later. An error the server answered with for this statement and its data
+// (a constraint, a bad value, an overflow) is not transient: retrying it
+// fails the same way.
 // Anything else (an encoding bug, a closed pool) is not transient either.
 func Transient(err error) bool {
-	const readOnlyTransaction = "25006" // a standby's refusal, as a failover may leave a connection on one
+	const (
+		readOnlyTransaction = "25006" // a standby's refusal, as a failover may leave a connection on one
+		idleInTransaction   = "25P03" // the server ended a session whose transaction waited too long (see IdleTransactionTimeout)
+	)
 	var pgErr *pgconn.PgError
 	var domain *gateway.Error
 	var connectErr *pgconn.ConnectError
@@ -34,7 +38,7 @@ func Transient(err error) bool {
 	case err == nil, errors.Is(err, pgx.ErrNoRows), errors.Is(err, context.Canceled), errors.As(err, &domain):
 		return false
 	case errors.As(err, &pgErr):
-		if pgErr.Code == readOnlyTransaction {
+		if pgErr.Code == readOnlyTransaction || pgErr.Code == idleInTransaction {
 			return true
 		}
 		switch pgErr.Code[:2] {

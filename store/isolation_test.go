@@ -93,6 +93,7 @@ func TestTransient(t *testing.T) {
 	require.True(t, store.Transient(&pgconn.PgError{Code: "08006"}), "connection failure")
 	require.True(t, store.Transient(&pgconn.PgError{Code: "40001"}), "serialization failure")
 	require.True(t, store.Transient(&pgconn.PgError{Code: "25006"}), "a write refused by a standby")
+	require.True(t, store.Transient(&pgconn.PgError{Code: "25P03"}), "a session ended for its transaction's wait")
 	require.False(t, store.Transient(&pgconn.PgError{Code: "25001"}), "another invalid transaction state")
 	require.False(t, store.Transient(&pgconn.PgError{Code: "22P05"}), "untranslatable character")
 	require.False(t, store.Transient(&pgconn.PgError{Code: "22003"}), "numeric value out of range")

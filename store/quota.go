@@ -10,6 +10,8 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/apikey"
@@ -50,32 +52,20 @@ func (s *Store) LookupKey(ctx context.Context, token string) (*gateway.Principal
 // accounts and projects, then changed on every change, with the table's name
 // and the account the changed row belongs to (uuid.Nil when the notification
 // does not name one: any account may have changed), until ctx ends, on a
-// connection of its own. It returns when the connection fails, for the caller
-// to retry; changes made while it was not listening are not reported.
+// connection of its own. It returns when the connection fails or stops
+// answering, for the caller to retry; changes made while it was not
+// listening are not reported.
 func (s *Store) ListenPrincipals(ctx context.Context, listening func(), changed func(table string, account uuid.UUID)) error {
-	conn, err := s.pool.Acquire(ctx)
-	if err != nil {
-		return fmt.Errorf("error acquiring listen connection: %w", err)
-	}
-	defer conn.Release()
-	if err := s.queries.ListenPrincipals(ctx, conn); err != nil {
-		return fmt.Errorf("error listening: %w", err)
-	}
-	listening()
-	for {
-		n, err := conn.Conn().WaitForNotification(ctx)
-		if err != nil {
-			// The session still LISTENs; drop it rather than return it to the pool.
-			_ = conn.Conn().Close(context.WithoutCancel(ctx))
-			return err
-		}
+	return s.listen(ctx, func(ctx context.Context, conn *pgxpool.Conn) error {
+		return s.queries.ListenPrincipals(ctx, conn)
+	}, listening, func(n *pgconn.Notification) {
 		table, account, _ := strings.Cut(n.Payload, ":")
 		id, err := uuid.Parse(account)
 		if err != nil {
 			id = uuid.Nil
 		}
 		changed(table, id)
-	}
+	})
 }
 
 // RateGrant is a slice of a key's requests for one minute.

@@ -864,15 +864,6 @@ func (q *Queries) QueuedBatches(ctx context.Context, db DBTX, ids []uuid.UUID) (
 	return items, nil
 }
 
-const releaseJobLock = `-- name: ReleaseJobLock :exec
-SELECT pg_advisory_unlock(7120, hashtext($1::text))
-`
-
-func (q *Queries) ReleaseJobLock(ctx context.Context, db DBTX, job string) error {
-	_, err := db.Exec(ctx, releaseJobLock, job)
-	return err
-}
-
 const renewLeases = `-- name: RenewLeases :execrows
 WITH held AS (
     SELECT i.batch_id, i.idx FROM batch_items i
@@ -1003,16 +994,31 @@ func (q *Queries) SetBatchStatus(ctx context.Context, db DBTX, arg SetBatchStatu
 }
 
 const tryJobLock = `-- name: TryJobLock :one
-SELECT pg_try_advisory_lock(7120, hashtext($1::text))
+SELECT set_config('idle_in_transaction_session_timeout', $1::text, true)::text AS hold,
+       pg_try_advisory_xact_lock(7120, hashtext($2::text)) AS locked
 `
 
-// A session advisory lock naming a maintenance job (namespace 7120, apart from
-// the migrations' lock): one replica runs the job at a time.
-func (q *Queries) TryJobLock(ctx context.Context, db DBTX, job string) (bool, error) {
-	row := db.QueryRow(ctx, tryJobLock, job)
-	var pg_try_advisory_lock bool
-	err := row.Scan(&pg_try_advisory_lock)
-	return pg_try_advisory_lock, err
+type TryJobLockParams struct {
+	Hold string
+	Job  string
+}
+
+type TryJobLockRow struct {
+	Hold   string
+	Locked bool
+}
+
+// A transaction advisory lock naming a maintenance job (namespace 7120, apart
+// from the migrations' lock): one replica runs the job at a time. The
+// transaction waits, idle, while the job runs on other connections; should
+// its client be lost, the server ends it @hold (milliseconds) after its last
+// statement, and the lock with it, where a session's lock would be held for
+// as long as the server keeps the connection.
+func (q *Queries) TryJobLock(ctx context.Context, db DBTX, arg TryJobLockParams) (TryJobLockRow, error) {
+	row := db.QueryRow(ctx, tryJobLock, arg.Hold, arg.Job)
+	var i TryJobLockRow
+	err := row.Scan(&i.Hold, &i.Locked)
+	return i, err
 }
 
 const unfinishedBatches = `-- name: UnfinishedBatches :many

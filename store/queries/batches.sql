@@ -217,9 +217,11 @@ WHERE batches.id IN (SELECT x.id FROM batches x WHERE x.idempotency_key IS NOT N
 SELECT count(*) FROM batch_items WHERE status = 'queued';
 
 -- name: TryJobLock :one
--- A session advisory lock naming a maintenance job (namespace 7120, apart from
--- the migrations' lock): one replica runs the job at a time.
-SELECT pg_try_advisory_lock(7120, hashtext(@job::text));
-
--- name: ReleaseJobLock :exec
-SELECT pg_advisory_unlock(7120, hashtext(@job::text));
+-- A transaction advisory lock naming a maintenance job (namespace 7120, apart
+-- from the migrations' lock): one replica runs the job at a time. The
+-- transaction waits, idle, while the job runs on other connections; should
+-- its client be lost, the server ends it @hold (milliseconds) after its last
+-- statement, and the lock with it, where a session's lock would be held for
+-- as long as the server keeps the connection.
+SELECT set_config('idle_in_transaction_session_timeout', @hold::text, true)::text AS hold,
+       pg_try_advisory_xact_lock(7120, hashtext(@job::text)) AS locked;
