@@ -19,6 +19,7 @@ import (
 	"github.com/rungworks/gateway/gen/api"
 	"github.com/rungworks/gateway/internal/fakeupstream"
 	"github.com/rungworks/gateway/internal/logsample"
+	"github.com/rungworks/gateway/internal/testdb"
 	"github.com/rungworks/gateway/pglocal"
 )
 
@@ -371,4 +372,43 @@ func TestADatabaseThatDoesNotAnswerIsServiceUnavailable(t *testing.T) {
 	}, 30*time.Second, 200*time.Millisecond, "the responses sent with their usage are stored")
 	require.Equal(t, before.Usage.TotalRungs+sent+item.TotalRungs, v.Totals.TotalRungs, "billed is what was sent")
 	require.Zero(t, v.Budget.ReservedRungs)
+}
+
+// TestConnectionsTheNetworkLostAreReplaced: when the network loses the
+// replica's connections to PostgreSQL without closing them (a NAT or
+// firewall that forgot them, an address a failover moved), the replica
+// notices within seconds and goes on with new ones: a key revoked meanwhile,
+// whose notification the lost listening connection never delivers, is
+// refused long before the cache's TTL (30 s) would have refused it, and
+// requests and batches go on being served.
+func TestConnectionsTheNetworkLostAreReplaced(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	pool, proxy := testdb.Cuttable(t, b.db)
+	g := serve(t, pool.Config().ConnString(), b.fake.BaseURL(), nil)
+	victim := strings.TrimSpace(mustCLI(t, b.db, "keys", "create", "--account", "other"))
+	for i := range 10 {
+		require.Equal(t, http.StatusOK, g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": fmt.Sprint("before ", i)}).status)
+	}
+	require.Equal(t, http.StatusOK, g.call(http.MethodGet, "/api/v1/usage", victim, nil).status, "the victim's key is cached")
+
+	// The replica notices within 3 s; a transaction the loss caught holds
+	// its row locks until the server ends it (store.IdleTransactionTimeout,
+	// 10 s), and a call waiting on them fails after 5 s. The cache's TTL
+	// would refuse the key only 30 s after it was cached.
+	const lostWithin = 20 * time.Second
+	require.Positive(t, proxy.Cut())
+	mustCLI(t, b.db, "keys", "revoke", "--account", "other")
+	require.Eventually(t, func() bool {
+		return g.call(http.MethodGet, "/api/v1/usage", victim, nil).status == http.StatusUnauthorized
+	}, lostWithin, 100*time.Millisecond, "the revoked key is refused")
+
+	var r reply
+	require.Eventually(t, func() bool {
+		r = g.call(http.MethodPost, "/api/v1/batch", b.key, map[string]any{"requests": prompts("after", 3)})
+		return r.status == http.StatusAccepted
+	}, lostWithin, 100*time.Millisecond, "batches are taken")
+	res := g.waitTerminal(b.key, r.object(t)["id"].(string), 30*time.Second)
+	require.Equal(t, api.BatchStatusCompleted, res.Status)
+	require.Equal(t, http.StatusOK, g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "after"}).status)
 }
