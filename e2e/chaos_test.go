@@ -22,6 +22,7 @@ import (
 
 	"github.com/rungworks/gateway/gen/api"
 	"github.com/rungworks/gateway/internal/fakeupstream"
+	"github.com/rungworks/gateway/internal/tcpproxy"
 	"github.com/rungworks/gateway/pglocal"
 )
 
@@ -378,6 +379,7 @@ type chaosRun struct {
 	// over HTTP/1.1) then backup (over HTTP/2 without TLS), in
 	// GATEWAY_CONFIG.
 	upstreams [2]*fakeupstream.Server
+	proxy     *tcpproxy.Proxy
 }
 
 // startChaos starts a durable PostgreSQL of the run's own (a crash must not
@@ -403,7 +405,14 @@ models:
   reasoning: {targets: [primary/reasoning, backup/reasoning]}
   elements: {targets: [primary/elements, backup/elements]}
 `, c.upstreams[0].BaseURL(), c.upstreams[1].BaseURL())), 0o644))
-	c.env = map[string]string{"DATABASE_URL": c.b.db, "GATEWAY_CONFIG": config, "GATEWAY_LEASE": "2s", "GATEWAY_DRAIN_CONCURRENCY": "4", "GATEWAY_SHUTDOWN_GRACE": "2s"}
+	// The replicas reach the database through a proxy that can lose their
+	// connections (see act).
+	proxy, err := tcpproxy.Start(fmt.Sprintf("127.0.0.1:%d", c.cluster.Port()))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = proxy.Close() })
+	c.proxy = proxy
+	proxied := strings.Replace(c.b.db, fmt.Sprintf("127.0.0.1:%d", c.cluster.Port()), proxy.Addr(), 1)
+	c.env = map[string]string{"DATABASE_URL": proxied, "GATEWAY_CONFIG": config, "GATEWAY_LEASE": "2s", "GATEWAY_DRAIN_CONCURRENCY": "4", "GATEWAY_SHUTDOWN_GRACE": "2s"}
 	for range 3 {
 		c.pool.replicas = append(c.pool.replicas, c.serve())
 	}
@@ -426,7 +435,7 @@ func (c *chaosRun) act() string {
 	u := rand.IntN(3) / 2 // the primary two times in three
 	t, fake, provider := c.t, c.upstreams[u], [...]string{"primary", "backup"}[u]
 	i := rand.IntN(len(c.pool.replicas))
-	switch rand.IntN(9) {
+	switch rand.IntN(10) {
 	case 0:
 		victim := c.pool.replicas[i]
 		require.NoError(t, victim.cmd.Process.Kill())
@@ -478,6 +487,13 @@ func (c *chaosRun) act() string {
 		c.cluster, err = pglocal.Start(context.Background(), pglocal.Options{Dir: c.dir, Port: c.cluster.Port(), Durable: true})
 		require.NoError(t, err)
 		return what
+	case 8:
+		// The network loses every connection open now without closing it;
+		// the server's keepalives close its ends later.
+		c.proxy.Cut()
+		time.Sleep(time.Duration(rand.IntN(12000)) * time.Millisecond)
+		c.proxy.Drop()
+		return "connections lost"
 	case 7:
 		fake.SetAlwaysStreaming(true)
 		fake.SetLeftOpen(true)
@@ -494,7 +510,7 @@ func (c *chaosRun) act() string {
 // three replicas and two accounts, one of them with a budget cap it runs
 // into, every model routed to a primary provider and then a backup, while
 // replicas are killed (-9) and stopped, PostgreSQL is stopped, crashed and
-// frozen, and a provider answers 503, fails with 500, breaks its streams, stalls
+// frozen, the network loses the replicas' connections to it, and a provider answers 503, fails with 500, breaks its streams, stalls
 // past its timeout, and streams every reply (asked for whole or not) and
 // leaves it open, and a key in use is revoked midway; then checks that no
 // request was answered 500 (or a stream failed INTERNAL), that no request

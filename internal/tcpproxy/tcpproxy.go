@@ -60,6 +60,20 @@ func (p *Proxy) Cut() int {
 	return n
 }
 
+// Drop closes both ends of every cut connection, as the server's TCP
+// keepalives, in time, close its end of one its client lost.
+func (p *Proxy) Drop() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for c := range p.pairs {
+		if c.cut.Load() {
+			_ = c.in.Close()
+			_ = c.out.Close()
+			delete(p.pairs, c)
+		}
+	}
+}
+
 // Close stops listening and closes every connection, cut or not.
 func (p *Proxy) Close() error {
 	err := p.listener.Close()
