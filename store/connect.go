@@ -1,6 +1,7 @@
 package store
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"strconv"
@@ -25,7 +26,18 @@ import (
 // default), and every replica's statement on those rows would wait for it.
 const IdleTransactionTimeout = 10 * time.Second
 
-const idleInTransactionSetting = "idle_in_transaction_session_timeout"
+// KeepaliveIdle, KeepaliveInterval and KeepaliveCount are the server's TCP
+// keepalives on the gateway's sessions (tcp_keepalives_idle, _interval and
+// _count, unless the database URL sets them): a session whose client the
+// network lost is closed by the server some 25 s after it went silent, not
+// after the two hours and more of the kernel's defaults, so that lost
+// sessions, each network failure's worth of them, do not pile up against
+// max_connections until the database refuses new ones.
+const (
+	KeepaliveIdle     = 10 * time.Second
+	KeepaliveInterval = 5 * time.Second
+	KeepaliveCount    = 3
+)
 
 // PingTimeout bounds the probe of a connection taken from the pool after a
 // second or more idle (pgxpool's, unless the database URL sets
@@ -51,14 +63,18 @@ func Connect(ctx context.Context, url string, maxConns int32) (*pgxpool.Pool, er
 	if cfg.PingTimeout == 0 {
 		cfg.PingTimeout = PingTimeout
 	}
-	_, idleSet := cfg.ConnConfig.RuntimeParams[idleInTransactionSetting]
+	// The URL's settings, sent when the session started, are kept.
+	setting := func(name, value string) string { return cmp.Or(cfg.ConnConfig.RuntimeParams[name], value) }
+	bounds := db.BoundLostSessionsParams{
+		IdleInTransaction:  setting("idle_in_transaction_session_timeout", milliseconds(IdleTransactionTimeout)),
+		KeepalivesIdle:     setting("tcp_keepalives_idle", seconds(KeepaliveIdle)),
+		KeepalivesInterval: setting("tcp_keepalives_interval", seconds(KeepaliveInterval)),
+		KeepalivesCount:    setting("tcp_keepalives_count", strconv.Itoa(KeepaliveCount)),
+	}
 	cfg.AfterConnect = func(ctx context.Context, conn *pgx.Conn) error {
 		RegisterUUID(conn.TypeMap())
-		if idleSet {
-			return nil
-		}
-		if err := db.New().BoundIdleTransactions(ctx, conn, milliseconds(IdleTransactionTimeout)); err != nil {
-			return fmt.Errorf("error bounding idle transactions: %w", err)
+		if err := db.New().BoundLostSessions(ctx, conn, bounds); err != nil {
+			return fmt.Errorf("error bounding what a lost session holds: %w", err)
 		}
 		return nil
 	}
@@ -104,3 +120,6 @@ func (p *uuidEncodePlan) Encode(value any, buf []byte) ([]byte, error) {
 
 // milliseconds formats d as a setting's value in milliseconds.
 func milliseconds(d time.Duration) string { return strconv.FormatInt(d.Milliseconds(), 10) }
+
+// seconds formats d as a setting's value in seconds.
+func seconds(d time.Duration) string { return strconv.FormatInt(int64(d/time.Second), 10) }

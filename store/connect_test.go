@@ -7,6 +7,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway/internal/testdb"
@@ -34,6 +35,26 @@ func TestUUIDsRoundTrip(t *testing.T) {
 	require.Equal(t, &two, gotPtr)
 	require.Equal(t, one.String(), text, "PostgreSQL received the same uuid")
 
+}
+
+// TestSessionsBoundWhatALostClientHolds: each session the store opens has the
+// server end it when its client is lost (a transaction idle past
+// IdleTransactionTimeout, keepalives unanswered), and the database URL's own
+// settings are kept. The keepalives' effect needs a network that drops
+// packets, which a test here cannot make; TestATransactionTheNetworkLost-
+// ReleasesItsLocks shows the idle bound's.
+func TestSessionsBoundWhatALostClientHolds(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	show := func(pool *pgxpool.Pool) (settings [4]string) {
+		require.NoError(t, pool.QueryRow(ctx, `SELECT current_setting('idle_in_transaction_session_timeout'),
+			current_setting('tcp_keepalives_idle'), current_setting('tcp_keepalives_interval'), current_setting('tcp_keepalives_count')`).
+			Scan(&settings[0], &settings[1], &settings[2], &settings[3]))
+		return settings
+	}
+	url := testdb.URL(t)
+	require.Equal(t, [4]string{"10s", "10", "5", "3"}, show(testdb.Connect(t, url)))
+	require.Equal(t, [4]string{"1min", "20", "5", "3"}, show(testdb.Connect(t, url+"&idle_in_transaction_session_timeout=60000&tcp_keepalives_idle=20")))
 }
 
 // BenchmarkEncodeUUID: a uuid.UUID sent in binary, as pgx finds it on its own

@@ -9,15 +9,33 @@ import (
 	"context"
 )
 
-const boundIdleTransactions = `-- name: BoundIdleTransactions :exec
-SELECT set_config('idle_in_transaction_session_timeout', $1::text, false)
+const boundLostSessions = `-- name: BoundLostSessions :exec
+SELECT set_config('idle_in_transaction_session_timeout', $1::text, false),
+       set_config('tcp_keepalives_idle', $2::text, false),
+       set_config('tcp_keepalives_interval', $3::text, false),
+       set_config('tcp_keepalives_count', $4::text, false)
 `
 
-// Has the server end this session should a transaction of it wait longer
-// than @timeout (milliseconds) for its client's next statement: its client,
-// or the network to it, is lost, and the transaction's locks must not outlive
-// it (see Connect).
-func (q *Queries) BoundIdleTransactions(ctx context.Context, db DBTX, timeout string) error {
-	_, err := db.Exec(ctx, boundIdleTransactions, timeout)
+type BoundLostSessionsParams struct {
+	IdleInTransaction  string
+	KeepalivesIdle     string
+	KeepalivesInterval string
+	KeepalivesCount    string
+}
+
+// Has the server end this session when its client, or the network to it, is
+// lost (see Connect): a transaction that waits longer than
+// @idle_in_transaction (milliseconds) for its next statement, and a
+// connection whose client answers no TCP keepalive (the first sent after
+// @keepalives_idle seconds of silence, then one every @keepalives_interval
+// seconds, @keepalives_count in all). On a Unix socket the keepalives are
+// ignored.
+func (q *Queries) BoundLostSessions(ctx context.Context, db DBTX, arg BoundLostSessionsParams) error {
+	_, err := db.Exec(ctx, boundLostSessions,
+		arg.IdleInTransaction,
+		arg.KeepalivesIdle,
+		arg.KeepalivesInterval,
+		arg.KeepalivesCount,
+	)
 	return err
 }

@@ -1,6 +1,12 @@
--- name: BoundIdleTransactions :exec
--- Has the server end this session should a transaction of it wait longer
--- than @timeout (milliseconds) for its client's next statement: its client,
--- or the network to it, is lost, and the transaction's locks must not outlive
--- it (see Connect).
-SELECT set_config('idle_in_transaction_session_timeout', @timeout::text, false);
+-- name: BoundLostSessions :exec
+-- Has the server end this session when its client, or the network to it, is
+-- lost (see Connect): a transaction that waits longer than
+-- @idle_in_transaction (milliseconds) for its next statement, and a
+-- connection whose client answers no TCP keepalive (the first sent after
+-- @keepalives_idle seconds of silence, then one every @keepalives_interval
+-- seconds, @keepalives_count in all). On a Unix socket the keepalives are
+-- ignored.
+SELECT set_config('idle_in_transaction_session_timeout', @idle_in_transaction::text, false),
+       set_config('tcp_keepalives_idle', @keepalives_idle::text, false),
+       set_config('tcp_keepalives_interval', @keepalives_interval::text, false),
+       set_config('tcp_keepalives_count', @keepalives_count::text, false);
