@@ -656,8 +656,16 @@ func (d *Drainer) finish(ctx context.Context, keys []store.ItemKey) {
 
 // retry runs fn until it succeeds, fails for a reason other than the database
 // being away, a lease has passed, or ctx ends; it returns fn's last error.
+// Each attempt ends within a quarter of a lease (a second at least): one
+// sent on a connection that no longer answers leaves the next attempt to
+// another connection, instead of lasting the whole lease.
 func (d *Drainer) retry(ctx context.Context, fn func(context.Context) error) error {
-	return store.Retry(ctx, d.cfg.Lease, d.cfg.Lease/4, fn)
+	attempt := max(d.cfg.Lease/4, time.Second)
+	return store.Retry(ctx, d.cfg.Lease, d.cfg.Lease/4, func(ctx context.Context) error {
+		ctx, cancel := context.WithTimeout(ctx, attempt)
+		defer cancel()
+		return fn(ctx)
+	})
 }
 
 // heartbeat renews, every third of a lease, the leases of the items this

@@ -204,19 +204,52 @@ func TestOrphanedClaimRunsOutItsLease(t *testing.T) {
 	require.Len(t, b.fake.Calls(), 1, "the orphan never reached the upstream")
 }
 
-// hangingStore's first renewal of leases answers nothing until its context
-// ends, as one sent on a connection the network lost without closing it.
+// hangingStore's next renewal of leases, or next commit of outcomes, when
+// armed, answers nothing until its context ends, as one sent on a connection
+// the network lost without closing it.
 type hangingStore struct {
 	*store.Store
-	hung atomic.Bool
+	renewal, completion atomic.Bool
+}
+
+// hang waits for ctx to end if armed was set, and unsets it.
+func hang(ctx context.Context, armed *atomic.Bool) error {
+	if armed.Swap(false) {
+		<-ctx.Done()
+		return ctx.Err()
+	}
+	return nil
 }
 
 func (s *hangingStore) RenewLeases(ctx context.Context, owner uuid.UUID, keys []store.ItemKey, lease time.Duration) (int64, error) {
-	if !s.hung.Swap(true) {
-		<-ctx.Done()
-		return 0, ctx.Err()
+	if err := hang(ctx, &s.renewal); err != nil {
+		return 0, err
 	}
 	return s.Store.RenewLeases(ctx, owner, keys, lease)
+}
+
+func (s *hangingStore) CompleteItems(ctx context.Context, owner uuid.UUID, results []store.ItemResult) ([]store.ItemKey, error) {
+	if err := hang(ctx, &s.completion); err != nil {
+		return nil, err
+	}
+	return s.Store.CompleteItems(ctx, owner, results)
+}
+
+// completesDespite runs a drainer with lease on st and requires the item of
+// a new batch whose prompt holds marker to complete, the test rescuing
+// expired leases meanwhile, as any replica's maintenance does.
+func (b *testBundle) completesDespite(t *testing.T, st *hangingStore, marker string, lease time.Duration) {
+	t.Helper()
+	id := b.newBatch(t, marker, 1)
+	b.run(t, st, drainer.Config{Owner: uuid.Must(uuid.NewV7()), Lease: lease})
+	require.Eventually(t, func() bool {
+		_, err := b.store.RescueExpiredLeases(b.ctx, 100)
+		require.NoError(t, err)
+		status := b.items(t, id)[0].Status
+		return status != gateway.ItemInProgress && status != gateway.ItemQueued
+	}, 15*time.Second, 50*time.Millisecond)
+	it := b.items(t, id)[0]
+	require.Equal(t, gateway.ItemCompleted, it.Status, "%+v", it.Error)
 }
 
 // TestARenewalThatHangsLeavesTheNextToItsBeat: a renewal of leases that
@@ -227,15 +260,22 @@ func TestARenewalThatHangsLeavesTheNextToItsBeat(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	b.fake.SetSlow("held", 2*time.Second)
-	held := b.newBatch(t, "held", 1)
-	b.run(t, &hangingStore{Store: b.store}, drainer.Config{Owner: uuid.Must(uuid.NewV7()), Lease: 600 * time.Millisecond})
-	require.Eventually(t, func() bool {
-		_, err := b.store.RescueExpiredLeases(b.ctx, 100)
-		require.NoError(t, err)
-		return b.items(t, held)[0].Status != gateway.ItemInProgress && b.items(t, held)[0].Status != gateway.ItemQueued
-	}, 10*time.Second, 50*time.Millisecond)
-	it := b.items(t, held)[0]
-	require.Equal(t, gateway.ItemCompleted, it.Status, "%+v", it.Error)
+	st := &hangingStore{Store: b.store}
+	st.renewal.Store(true)
+	b.completesDespite(t, st, "held", 600*time.Millisecond)
+}
+
+// TestACommitThatHangsIsSentAgain: a commit of outcomes that answers nothing
+// ends within a quarter of a lease (a second at least), and the next attempt
+// stores them, where the one attempt used to last the whole window of a
+// lease, after which the item was left to the rescuer (failed INTERRUPTED,
+// its output lost).
+func TestACommitThatHangsIsSentAgain(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	st := &hangingStore{Store: b.store}
+	st.completion.Store(true)
+	b.completesDespite(t, st, "committed", 4*time.Second)
 }
 
 // lossyStore loses the reply of the first claims: they commit, but the
