@@ -640,6 +640,39 @@ func TestHeldLeasesAreRenewedAndIdleOnesFolded(t *testing.T) {
 	require.Eventually(t, func() bool { return b.admits(q, 990) }, 10*time.Second, 20*time.Millisecond, "the idle slice came back")
 }
 
+// TestASliceFoldedElsewhereAdmitsNothingMore: a slice that its replica's
+// renewal finds folded (by another replica, after this one stalled past its
+// lease, say) admits nothing more, though its replica still counts room in
+// it: another replica leases what the fold gave back, and the cap holds.
+// What settles under the folded slice is charged directly, once.
+func TestASliceFoldedElsewhereAdmitsNothingMore(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	owner := uuid.Must(uuid.NewV7())
+	l := b.replica(t, ledger.Config{Owner: owner, Lease: 600 * time.Millisecond, Idle: time.Hour, Share: 1})
+	p := b.principal(t, "acme", nil, ptr(int64(1000)))
+	id, err := admit(l, p, 100)
+	require.NoError(t, err)
+	var lease uuid.UUID
+	require.NoError(t, b.store.Pool().QueryRow(b.ctx, `SELECT id FROM quota_leases WHERE owner = $1`, owner).Scan(&lease))
+	n, err := b.store.FoldQuotaLeases(b.ctx, owner, []uuid.UUID{lease})
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n, "folded elsewhere")
+	time.Sleep(700 * time.Millisecond) // past a renewal (a third of a lease)
+
+	other := b.replica(t, ledger.Config{Owner: uuid.Must(uuid.NewV7()), Share: 1})
+	theirs, err := admit(other, p, 960)
+	require.NoError(t, err, "the fold gave the slice back")
+	_, err = admit(l, p, 100)
+	require.Equal(t, gateway.EBudgetExceeded, gateway.ErrorCodeOf(err), "the folded slice admits nothing more")
+
+	require.NoError(t, l.Settle(b.ctx, record(p, id, 40)))
+	require.NoError(t, other.Settle(b.ctx, record(p, theirs, 960)))
+	v := b.view(t, p)
+	require.Equal(t, int64(1000), v.Budget.Spent)
+	require.Zero(t, v.Budget.Reserved)
+}
+
 // foldFailingStore fails the first folds asked of it, as a database away for
 // a moment would, and, when refuse is set, every fold of a lease it names.
 type foldFailingStore struct {
