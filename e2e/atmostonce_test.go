@@ -384,7 +384,7 @@ func TestADatabaseThatDoesNotAnswerIsServiceUnavailable(t *testing.T) {
 func TestConnectionsTheNetworkLostAreReplaced(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	pool, proxy := testdb.Cuttable(t, b.db)
+	pool, proxy := testdb.Cuttable(t, b.db) // the replica's URL is the pool's, through the proxy
 	g := serve(t, pool.Config().ConnString(), b.fake.BaseURL(), nil)
 	victim := strings.TrimSpace(mustCLI(t, b.db, "keys", "create", "--account", "other"))
 	for i := range 10 {

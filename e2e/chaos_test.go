@@ -510,9 +510,10 @@ func (c *chaosRun) act() string {
 // three replicas and two accounts, one of them with a budget cap it runs
 // into, every model routed to a primary provider and then a backup, while
 // replicas are killed (-9) and stopped, PostgreSQL is stopped, crashed and
-// frozen, the network loses the replicas' connections to it, and a provider answers 503, fails with 500, breaks its streams, stalls
-// past its timeout, and streams every reply (asked for whole or not) and
-// leaves it open, and a key in use is revoked midway; then checks that no
+// frozen, the network loses the replicas' connections to it, and a provider
+// answers 503, fails with 500, breaks its streams, stalls past its timeout,
+// and streams every reply (asked for whole or not) and leaves it open, and a
+// key in use is revoked midway; then checks that no
 // request was answered 500 (or a stream failed INTERNAL), that no request
 // with the revoked key that started a second after was served and, from a
 // fresh replica, that no prompt was

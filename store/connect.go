@@ -49,9 +49,9 @@ const PingTimeout = time.Second
 
 // Connect returns a pool on url whose connections encode uuid.UUID
 // directly (see RegisterUUID), whose idle connections are probed within
-// PingTimeout when taken, and whose transactions the server ends when they
-// wait longer than IdleTransactionTimeout for their client; maxConns, when
-// positive, caps it.
+// PingTimeout when taken, and whose sessions the server ends when their
+// client is lost (a transaction idle past IdleTransactionTimeout, TCP
+// keepalives unanswered: KeepaliveIdle); maxConns, when positive, caps it.
 func Connect(ctx context.Context, url string, maxConns int32) (*pgxpool.Pool, error) {
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {

@@ -70,6 +70,9 @@ func (s *Store) listen(ctx context.Context, setup func(context.Context, *pgxpool
 		err = conn.Ping(pctx)
 		cancel()
 		if err != nil {
+			if ctx.Err() != nil {
+				return err
+			}
 			// The pool's connections were most likely lost with this one:
 			// new ones are made, rather than each taker finding a lost one
 			// in turn, a timeout each.

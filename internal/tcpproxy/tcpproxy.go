@@ -46,8 +46,8 @@ func (p *Proxy) Addr() string { return p.listener.Addr().String() }
 
 // Cut stops forwarding on every connection open now, in both directions, and
 // returns how many it cut. A cut connection stays open at both ends until
-// the proxy is closed: what either end sends is dropped, and neither learns
-// that the other closed.
+// Drop or Close: what either end sends is dropped, and neither learns that
+// the other closed.
 func (p *Proxy) Cut() int {
 	p.mu.Lock()
 	defer p.mu.Unlock()
@@ -118,7 +118,7 @@ func (p *Proxy) accept() {
 
 // forward copies from src to dst until src ends, dropping what it reads once
 // c is cut. A connection that ends uncut closes both ends; a cut one is left
-// open for Close.
+// open for Drop or Close.
 func (p *Proxy) forward(c *pair, src, dst net.Conn) {
 	defer p.wg.Done()
 	buf := make([]byte, 32<<10)
