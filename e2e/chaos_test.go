@@ -379,7 +379,9 @@ type chaosRun struct {
 	// over HTTP/1.1) then backup (over HTTP/2 without TLS), in
 	// GATEWAY_CONFIG.
 	upstreams [2]*fakeupstream.Server
-	proxy     *tcpproxy.Proxy
+	// proxies are the replicas' ways to the database, which can lose their
+	// connections (see act).
+	proxies map[*gateway]*tcpproxy.Proxy
 }
 
 // startChaos starts a durable PostgreSQL of the run's own (a crash must not
@@ -405,24 +407,25 @@ models:
   reasoning: {targets: [primary/reasoning, backup/reasoning]}
   elements: {targets: [primary/elements, backup/elements]}
 `, c.upstreams[0].BaseURL(), c.upstreams[1].BaseURL())), 0o644))
-	// The replicas reach the database through a proxy that can lose their
-	// connections (see act).
-	proxy, err := tcpproxy.Start(fmt.Sprintf("127.0.0.1:%d", c.cluster.Port()))
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = proxy.Close() })
-	c.proxy = proxy
-	proxied := strings.Replace(c.b.db, fmt.Sprintf("127.0.0.1:%d", c.cluster.Port()), proxy.Addr(), 1)
-	c.env = map[string]string{"DATABASE_URL": proxied, "GATEWAY_CONFIG": config, "GATEWAY_LEASE": "2s", "GATEWAY_DRAIN_CONCURRENCY": "4", "GATEWAY_SHUTDOWN_GRACE": "2s"}
+	c.proxies = map[*gateway]*tcpproxy.Proxy{}
+	c.env = map[string]string{"GATEWAY_CONFIG": config, "GATEWAY_LEASE": "2s", "GATEWAY_DRAIN_CONCURRENCY": "4", "GATEWAY_SHUTDOWN_GRACE": "2s"}
 	for range 3 {
 		c.pool.replicas = append(c.pool.replicas, c.serve())
 	}
 	return c
 }
 
-// serve starts a replica, noted for its logs.
+// serve starts a replica, noted for its logs, that reaches the database
+// through a proxy of its own.
 func (c *chaosRun) serve() *gateway {
+	direct := fmt.Sprintf("127.0.0.1:%d", c.cluster.Port())
+	proxy, err := tcpproxy.Start(direct)
+	require.NoError(c.t, err)
+	c.t.Cleanup(func() { _ = proxy.Close() })
 	env := maps.Clone(c.env)
+	env["DATABASE_URL"] = strings.Replace(c.b.db, direct, proxy.Addr(), 1)
 	g := start(c.t, env, "serve")
+	c.proxies[g] = proxy
 	c.pool.mu.Lock()
 	defer c.pool.mu.Unlock()
 	c.pool.all = append(c.pool.all, g)
@@ -490,10 +493,19 @@ func (c *chaosRun) act() string {
 	case 8:
 		// The network loses every connection open now without closing it;
 		// the server's keepalives close its ends later.
-		c.proxy.Cut()
+		// A replica's, or every replica's.
+		what, lost := "a replica's connections lost", c.pool.replicas[i:i+1]
+		if rand.IntN(2) == 0 {
+			what, lost = "every replica's connections lost", c.pool.replicas
+		}
+		for _, g := range lost {
+			c.proxies[g].Cut()
+		}
 		time.Sleep(time.Duration(rand.IntN(12000)) * time.Millisecond)
-		c.proxy.Drop()
-		return "connections lost"
+		for _, g := range lost {
+			c.proxies[g].Drop()
+		}
+		return what
 	case 7:
 		fake.SetAlwaysStreaming(true)
 		fake.SetLeftOpen(true)
@@ -510,10 +522,10 @@ func (c *chaosRun) act() string {
 // three replicas and two accounts, one of them with a budget cap it runs
 // into, every model routed to a primary provider and then a backup, while
 // replicas are killed (-9) and stopped, PostgreSQL is stopped, crashed and
-// frozen, the network loses the replicas' connections to it, and a provider
-// answers 503, fails with 500, breaks its streams, stalls past its timeout,
-// and streams every reply (asked for whole or not) and leaves it open, and a
-// key in use is revoked midway; then checks that no
+// frozen, the network loses a replica's connections to it, or every
+// replica's, and a provider answers 503, fails with 500, breaks its streams,
+// stalls past its timeout, and streams every reply (asked for whole or not)
+// and leaves it open, and a key in use is revoked midway; then checks that no
 // request was answered 500 (or a stream failed INTERNAL), that no request
 // with the revoked key that started a second after was served and, from a
 // fresh replica, that no prompt was
