@@ -27,6 +27,7 @@ import (
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/apikey"
+	"github.com/rungworks/gateway/metrics"
 )
 
 // KeyStore resolves keys and announces changes to them.
@@ -73,6 +74,8 @@ type Config struct {
 	// listener reconnected), uuid.Nil alone when any account may have changed.
 	OnChange func(table string, account uuid.UUID)
 	Logger   *slog.Logger
+	// Metrics, when set, records whether changes are being listened for.
+	Metrics *metrics.Metrics
 }
 
 // Keys caches principals by the hash of their key.
@@ -243,12 +246,14 @@ func (k *Keys) Run(ctx context.Context) {
 		err := k.store.ListenPrincipals(ctx, func() {
 			k.drop(true)
 			k.started.Store(true)
+			k.cfg.Metrics.Listening(metrics.ListenerKeys, true)
 			k.changed("", uuid.Nil)
 		}, func(table string, account uuid.UUID) {
 			k.dropAccount(account)
 			k.changed(table, account)
 		})
 		k.drop(false)
+		k.cfg.Metrics.Listening(metrics.ListenerKeys, false)
 		if ctx.Err() != nil {
 			return
 		}

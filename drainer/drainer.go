@@ -725,9 +725,13 @@ func (d *Drainer) listen(ctx context.Context, wake chan<- struct{}) {
 		}
 	}
 	for ctx.Err() == nil {
-		err := d.store.ListenBatches(ctx, awake, awake, func(id uuid.UUID) {
+		err := d.store.ListenBatches(ctx, func() {
+			d.cfg.Metrics.Listening(metrics.ListenerBatches, true)
+			awake()
+		}, awake, func(id uuid.UUID) {
 			d.stopped.add(id, time.Now(), d.held.batches())
 		})
+		d.cfg.Metrics.Listening(metrics.ListenerBatches, false)
 		if ctx.Err() == nil {
 			d.logger.Warn("batch notifications interrupted; polling until they resume", "error", err)
 			sleep(ctx, d.cfg.PollInterval)

@@ -202,7 +202,9 @@ func streamsUntilEnd(t *testing.T, g *gateway, key, prompt string, n int) (wait 
 // requests get 503 SERVICE_UNAVAILABLE with Retry-After, never 500, and the
 // gateway serves again once it is back. The error line of each refusal is
 // sampled: fewer lines than refusals are written, and those written with
-// their counts of the lines left out account for every refusal.
+// their counts of the lines left out account for every refusal. The
+// replica's metrics say it hears no notifications while the database is
+// away, and that it does again once it is back.
 func TestDatabaseRestartIsServiceUnavailable(t *testing.T) {
 	t.Parallel()
 	cluster, dir, key, g := ownGateway(t)
@@ -219,6 +221,8 @@ func TestDatabaseRestartIsServiceUnavailable(t *testing.T) {
 		require.Equal(t, http.StatusServiceUnavailable, r.status, string(r.body))
 		refused += 2
 	}
+	listening := func(on int) string { return fmt.Sprintf(`gateway_notifications_listening{listener="keys"} %d`, on) }
+	require.Contains(t, g.scrape(), listening(0), "the replica says it hears no notifications")
 	_, err := pglocal.Start(context.Background(), pglocal.Options{Dir: dir, Port: cluster.Port()}) // stopped with the test (ownCluster)
 	require.NoError(t, err)
 	require.Eventually(t, func() bool {
@@ -228,6 +232,7 @@ func TestDatabaseRestartIsServiceUnavailable(t *testing.T) {
 		}
 		return status == http.StatusOK
 	}, 30*time.Second, 200*time.Millisecond)
+	require.Eventually(t, func() bool { return strings.Contains(g.scrape(), listening(1)) }, 10*time.Second, 100*time.Millisecond)
 	var v api.UsageView
 	require.NoError(t, json.Unmarshal(g.call(http.MethodGet, "/api/v1/usage", key, nil).body, &v))
 	require.Positive(t, v.Totals.Requests)

@@ -51,6 +51,8 @@ func TestMetrics(t *testing.T) {
 			`gateway_group_commit_size_sum{work="batch_outcomes"} 3`,
 			`gateway_group_commit_size_sum{work="batch_creations"} 1`,
 			`gateway_batch_queue_depth`,
+			`gateway_notifications_listening{listener="keys"} 1`,
+			`gateway_notifications_listening{listener="batches"} 1`,
 			`process_resident_memory_bytes`,
 		} {
 			if !strings.Contains(m, want) {

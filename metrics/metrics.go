@@ -45,6 +45,7 @@ type Metrics struct {
 	reloadOK         prometheus.Gauge
 	reloadTime       prometheus.Gauge
 	clockOffset      prometheus.Gauge
+	listening        *prometheus.GaugeVec
 }
 
 // New registers the gateway's metrics (and the Go and process collectors) on a
@@ -138,8 +139,14 @@ func New() *Metrics {
 		clockOffset: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "gateway_clock_offset_seconds", Help: "How far the database's clock is ahead of this replica's (negative: behind), compared every minute.",
 		}),
+		listening: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "gateway_notifications_listening", Help: "Whether this replica hears the database's notifications (1) or not (0), by listener: keys (changes to keys and limits; while not, keys are looked up for every request) and batches (creations and cancels; while not, they are found by polling).",
+		}, []string{"listener"}),
 	}
-	m.registry.MustRegister(m.attempts, m.replyCuts, m.tenantHolds, m.unreported, m.attemptDuration, m.circuitState, m.fallbacks, m.reloadOK, m.reloadTime, m.clockOffset,
+	for _, listener := range []string{ListenerKeys, ListenerBatches} {
+		m.listening.WithLabelValues(listener).Set(0)
+	}
+	m.registry.MustRegister(m.attempts, m.replyCuts, m.tenantHolds, m.unreported, m.attemptDuration, m.circuitState, m.fallbacks, m.reloadOK, m.reloadTime, m.clockOffset, m.listening,
 		m.requests, m.requestDuration, m.rungs, m.upstreamDuration, m.upstreamErrors,
 		m.openStreams, m.streamErrors, m.batchItems, m.claimDuration, m.commitDuration, m.commitSize, m.queueDepth, m.leaseRescues, m.refusals, m.unconfirmed, m.clamps,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -458,6 +465,20 @@ func (t *Target) Circuit(state int) {
 func (m *Metrics) ClockOffset(d time.Duration) {
 	if m != nil {
 		m.clockOffset.Set(d.Seconds())
+	}
+}
+
+// The listeners of gateway_notifications_listening.
+const (
+	ListenerKeys    = "keys"
+	ListenerBatches = "batches"
+)
+
+// Listening records whether listener (ListenerKeys, ListenerBatches) hears
+// the database's notifications.
+func (m *Metrics) Listening(listener string, on bool) {
+	if m != nil {
+		m.listening.WithLabelValues(listener).Set(map[bool]float64{false: 0, true: 1}[on])
 	}
 }
 

@@ -136,5 +136,5 @@ func TestAlertRulesSelectExportedSeries(t *testing.T) {
 			}
 		}
 	}
-	require.Equal(t, 13, rules)
+	require.Equal(t, 14, rules)
 }

@@ -121,7 +121,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	ledge := ledger.New(ledger.Config{Owner: owner, Lease: cfg.Lease, Unavailable: store.Transient, Logger: logger, Metrics: m}, st)
 	// A quarter of the connections at most for key lookups: a flood of
 	// unknown keys leaves the rest to settlements and grants.
-	keys := access.NewKeys(access.Config{Logger: logger, MaxLookups: max(1, int(cfg.DBMaxConns)/4), OnChange: func(table string, account uuid.UUID) {
+	keys := access.NewKeys(access.Config{Logger: logger, Metrics: m, MaxLookups: max(1, int(cfg.DBMaxConns)/4), OnChange: func(table string, account uuid.UUID) {
 		if table != "api_keys" {
 			ledge.Invalidate(account)
 		}
