@@ -491,9 +491,9 @@ func (c *chaosRun) act() string {
 		require.NoError(t, err)
 		return what
 	case 8:
-		// The network loses every connection open now without closing it;
-		// the server's keepalives close its ends later.
-		// A replica's, or every replica's.
+		// The network loses a replica's connections open now, or every
+		// replica's, without closing them; the server's keepalives close
+		// its ends later.
 		what, lost := "a replica's connections lost", c.pool.replicas[i:i+1]
 		if rand.IntN(2) == 0 {
 			what, lost = "every replica's connections lost", c.pool.replicas

@@ -477,9 +477,14 @@ const (
 // Listening records whether listener (ListenerKeys, ListenerBatches) hears
 // the database's notifications.
 func (m *Metrics) Listening(listener string, on bool) {
-	if m != nil {
-		m.listening.WithLabelValues(listener).Set(map[bool]float64{false: 0, true: 1}[on])
+	if m == nil {
+		return
 	}
+	v := 0.0
+	if on {
+		v = 1
+	}
+	m.listening.WithLabelValues(listener).Set(v)
 }
 
 // Fallback records a call of model moving on to its next target.
