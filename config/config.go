@@ -339,7 +339,7 @@ func (f *File) RouterConfig(keys map[string]string, tok *metering.Tokenizer, sim
 		}
 		clients[name] = openai.New(openai.Config{
 			BaseURL: pr.BaseURL, APIKey: keys[name], APIKeyHeader: pr.APIKeyHeader, Timeout: pr.Timeout, StreamLimit: pr.StreamLimit, IdleTimeout: pr.IdleTimeout, H2C: pr.H2C, Headers: pr.Headers,
-			MaxTokensField: pr.MaxTokensField, NoStreamOptions: pr.NoStreamOptions,
+			PingAfter: pr.PingAfter, MaxTokensField: pr.MaxTokensField, NoStreamOptions: pr.NoStreamOptions,
 		})
 	}
 	routes := map[gateway.Model]routing.Route{}

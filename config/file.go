@@ -54,8 +54,11 @@ type ProviderSpec struct {
 	// IdleTimeout is how long an idle connection is kept for the next call;
 	// zero takes openai.Config's default.
 	IdleTimeout time.Duration
-	H2C         bool
-	Headers     map[string]string
+	// PingAfter is how long an HTTP/2 connection may be silent before it is
+	// pinged (openai.Config.PingAfter); zero takes its default.
+	PingAfter time.Duration
+	H2C       bool
+	Headers   map[string]string
 	// MaxTokensField names the field of a call's output limit
 	// (openai.Config.MaxTokensField); empty takes its default.
 	MaxTokensField string
@@ -261,7 +264,7 @@ func (p *fileParser) provider(name string, k, v *yaml.Node) {
 	}
 	spec := ProviderSpec{Type: "openai", line: k.Line}
 	what := fmt.Sprintf("provider %q", name)
-	p.mapping(v, what, []string{"type", "base_url", "api_key_env", "api_key_file", "api_key_header", "timeout", "stream_limit", "idle_timeout", "h2c", "max_tokens_field", "stream_options", "headers"}, func(key string, _, v *yaml.Node) {
+	p.mapping(v, what, []string{"type", "base_url", "api_key_env", "api_key_file", "api_key_header", "timeout", "stream_limit", "idle_timeout", "ping_after", "h2c", "max_tokens_field", "stream_options", "headers"}, func(key string, _, v *yaml.Node) {
 		switch key {
 		case "type":
 			spec.Type = p.str(v, what+" type")
@@ -291,6 +294,8 @@ func (p *fileParser) provider(name string, k, v *yaml.Node) {
 			spec.StreamLimit = p.duration(v, what+" stream_limit")
 		case "idle_timeout":
 			spec.IdleTimeout = p.duration(v, what+" idle_timeout")
+		case "ping_after":
+			spec.PingAfter = p.duration(v, what+" ping_after")
 		case "h2c":
 			spec.H2C = p.boolean(v, what+" h2c")
 		case "max_tokens_field":

@@ -32,6 +32,7 @@ providers:
     api_key_file: /run/secrets/vllm_key
     timeout: 120s
     idle_timeout: 4s
+    ping_after: 20s
     stream_limit: 1h
     h2c: true
     max_tokens_field: max_tokens
@@ -67,6 +68,7 @@ func TestParseWorkedExample(t *testing.T) {
 	require.True(t, f.Providers["vllm"].H2C)
 	require.Equal(t, 4*time.Second, f.Providers["vllm"].IdleTimeout)
 	require.Equal(t, time.Hour, f.Providers["vllm"].StreamLimit)
+	require.Equal(t, 20*time.Second, f.Providers["vllm"].PingAfter)
 	require.Equal(t, "max_tokens", f.Providers["vllm"].MaxTokensField)
 	require.Equal(t, routing.Ordered, f.Models[gateway.ModelInstant].Strategy)
 	require.Equal(t, "meta-llama/Llama-3.1-8B-Instruct", f.Models[gateway.ModelInstant].Targets[1].UpstreamModel, "model names keep their slashes")
@@ -204,6 +206,7 @@ circuit:
 		"providers:\n  p: {type: openai}\nmodels:\n  instant: {targets: [p/m]}\n":                            `g.yaml:2: provider "p" needs a base_url`,
 		"providers:\n  p: {type: sim, idle_timeout: -1s}\nmodels:\n  instant: {targets: [p/m]}\n":            `g.yaml:2: provider "p" idle_timeout must be a positive duration`,
 		"providers:\n  p: {type: sim, stream_limit: 0s}\nmodels:\n  instant: {targets: [p/m]}\n":             `g.yaml:2: provider "p" stream_limit must be a positive duration`,
+		"providers:\n  p: {type: sim, ping_after: 0s}\nmodels:\n  instant: {targets: [p/m]}\n":               `g.yaml:2: provider "p" ping_after must be a positive duration`,
 		"providers:\n  p: {type: sim}\n  p: {type: sim}\nmodels:\n  instant: {targets: [p/m]}\n":             `g.yaml:3: key "p" appears twice in providers`,
 		"providers:\n  p: {type: sim, max_tokens_field: max_output}\nmodels:\n  instant: {targets: [p/m]}\n": `g.yaml:2: provider "p": max_tokens_field must be max_completion_tokens (the default) or max_tokens, got "max_output"`,
 		"providers:\n  p: {type: sim, headers: {\"X Team\": a}}\nmodels:\n  instant: {targets: [p/m]}\n":     `g.yaml:2: provider "p": header "X Team" is not a valid header name`,

@@ -19,6 +19,7 @@ import (
 	"github.com/rungworks/gateway/gen/api"
 	"github.com/rungworks/gateway/internal/fakeupstream"
 	"github.com/rungworks/gateway/internal/logsample"
+	"github.com/rungworks/gateway/internal/tcpproxy"
 	"github.com/rungworks/gateway/internal/testdb"
 	"github.com/rungworks/gateway/pglocal"
 )
@@ -416,4 +417,48 @@ func TestConnectionsTheNetworkLostAreReplaced(t *testing.T) {
 	res := g.waitTerminal(b.key, r.object(t)["id"].(string), 30*time.Second)
 	require.Equal(t, api.BatchStatusCompleted, res.Status)
 	require.Equal(t, http.StatusOK, g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "after"}).status)
+}
+
+// TestProviderConnectionsTheNetworkLostAreReplaced loses the replica's
+// HTTP/2 connection to its provider with a batch item's call on it: a ping
+// goes unanswered, the connection is closed, the item fails after dispatch
+// (never sent again, D12; billed nothing), and the next call goes on a new
+// connection. Without the ping, the item and every call after it wait on
+// the lost connection for the provider's timeout (a minute here).
+func TestProviderConnectionsTheNetworkLostAreReplaced(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	proxy, err := tcpproxy.Start(b.fake.Listener.Addr().String())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = proxy.Close() })
+	file := filepath.Join(t.TempDir(), "gateway.yaml")
+	require.NoError(t, os.WriteFile(file, []byte(fmt.Sprintf(`providers:
+  up: {base_url: "http://%s/v1", timeout: 1m, h2c: true, ping_after: 200ms}
+models:
+  instant: {targets: [up/instant]}
+`, proxy.Addr())), 0o600))
+	g := start(t, map[string]string{"DATABASE_URL": b.db, "GATEWAY_CONFIG": file}, "serve")
+	var want received
+	respond := func(prompt string) {
+		r := g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": prompt})
+		require.Equal(t, http.StatusOK, r.status, string(r.body))
+		var res api.Response
+		require.NoError(t, json.Unmarshal(r.body, &res))
+		want.add(api.RungUsage{InputRungs: res.Usage.InputRungs, OutputRungs: res.Usage.OutputRungs, TotalRungs: res.Usage.TotalRungs})
+	}
+	respond("before")
+
+	b.fake.SetSlow("lost", 3*time.Second) // its reply is sent after the loss, and lost
+	batch := g.createBatch(b.key, prompts("lost", 1))
+	require.Eventually(t, func() bool { return len(b.fake.Calls()) == 2 }, 10*time.Second, 10*time.Millisecond, "the item's call is out")
+	require.Equal(t, 1, proxy.Cut(), "the connection the calls share")
+	res := g.waitTerminal(b.key, batch.Id.String(), 30*time.Second)
+	require.Equal(t, api.BatchStatus("failed"), res.Status)
+	require.Equal(t, api.ErrorCode("INFERENCE_BUSY"), res.Results[0].Error.Code)
+	require.Equal(t, api.RungUsage{}, res.Results[0].Usage)
+
+	respond("after")
+	require.Equal(t, 2, b.fake.Connections(), "the next call went on a new connection")
+	atMostOnce(t, b.fake, "lost")
+	settledExactly(t, g, b.key, want)
 }

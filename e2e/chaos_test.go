@@ -382,6 +382,9 @@ type chaosRun struct {
 	// proxies are the replicas' ways to the database, which can lose their
 	// connections (see act).
 	proxies map[*gateway]*tcpproxy.Proxy
+	// upstreamProxies are the replicas' ways to each provider, which can lose
+	// their connections too.
+	upstreamProxies [2]*tcpproxy.Proxy
 }
 
 // startChaos starts a durable PostgreSQL of the run's own (a crash must not
@@ -395,6 +398,10 @@ func startChaos(t *testing.T) *chaosRun {
 		t.Cleanup(c.upstreams[i].Close)
 		c.upstreams[i].SetDelay(20 * time.Millisecond)
 		c.upstreams[i].SetChunkDelay(5 * time.Millisecond)
+		proxy, err := tcpproxy.Start(c.upstreams[i].Listener.Addr().String())
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = proxy.Close() })
+		c.upstreamProxies[i] = proxy
 	}
 	c.b = &testBundle{db: c.cluster.URL("gw"), fake: c.upstreams[0]}
 	c.b.key = strings.TrimSpace(mustCLI(t, c.b.db, "keys", "create", "--account", "acme"))
@@ -406,7 +413,7 @@ models:
   instant: {targets: [primary/instant, backup/instant]}
   reasoning: {targets: [primary/reasoning, backup/reasoning]}
   elements: {targets: [primary/elements, backup/elements]}
-`, c.upstreams[0].BaseURL(), c.upstreams[1].BaseURL())), 0o644))
+`, "http://"+c.upstreamProxies[0].Addr()+"/v1", "http://"+c.upstreamProxies[1].Addr()+"/v1")), 0o644))
 	c.proxies = map[*gateway]*tcpproxy.Proxy{}
 	c.env = map[string]string{"GATEWAY_CONFIG": config, "GATEWAY_LEASE": "2s", "GATEWAY_DRAIN_CONCURRENCY": "4", "GATEWAY_SHUTDOWN_GRACE": "2s"}
 	for range 3 {
@@ -438,7 +445,7 @@ func (c *chaosRun) act() string {
 	u := rand.IntN(3) / 2 // the primary two times in three
 	t, fake, provider := c.t, c.upstreams[u], [...]string{"primary", "backup"}[u]
 	i := rand.IntN(len(c.pool.replicas))
-	switch rand.IntN(10) {
+	switch rand.IntN(11) {
 	case 0:
 		victim := c.pool.replicas[i]
 		require.NoError(t, victim.cmd.Process.Kill())
@@ -506,6 +513,13 @@ func (c *chaosRun) act() string {
 			c.proxies[g].Drop()
 		}
 		return what
+	case 9:
+		// The network loses the replicas' connections to a provider, calls
+		// on them included; the provider's keepalives close its ends later.
+		c.upstreamProxies[u].Cut()
+		time.Sleep(time.Duration(rand.IntN(3000)) * time.Millisecond)
+		c.upstreamProxies[u].Drop()
+		return provider + "'s connections lost"
 	case 7:
 		fake.SetAlwaysStreaming(true)
 		fake.SetLeftOpen(true)
@@ -523,7 +537,8 @@ func (c *chaosRun) act() string {
 // into, every model routed to a primary provider and then a backup, while
 // replicas are killed (-9) and stopped, PostgreSQL is stopped, crashed and
 // frozen, the network loses a replica's connections to it, or every
-// replica's, and a provider answers 503, fails with 500, breaks its streams,
+// replica's, or the replicas' connections to a provider, and a provider
+// answers 503, fails with 500, breaks its streams,
 // stalls past its timeout, and streams every reply (asked for whole or not)
 // and leaves it open, and a key in use is revoked midway; then checks that no
 // request was answered 500 (or a stream failed INTERNAL), that no request

@@ -33,8 +33,6 @@ import (
 type Config struct {
 	// DialTimeout bounds connecting (default 5 s).
 	DialTimeout time.Duration
-	// KeepAlive is the TCP keep-alive period of connections (default 30 s).
-	KeepAlive time.Duration
 	// MaxIdlePerHost is how many idle connections are kept per host (default 512).
 	MaxIdlePerHost int
 	// IdleTimeout is how long a connection is kept for the next call after a
@@ -53,9 +51,6 @@ func (c *Config) defaults() {
 	if c.DialTimeout <= 0 {
 		c.DialTimeout = 5 * time.Second
 	}
-	if c.KeepAlive == 0 {
-		c.KeepAlive = 30 * time.Second
-	}
 	if c.MaxIdlePerHost <= 0 {
 		c.MaxIdlePerHost = 512
 	}
@@ -69,6 +64,17 @@ func (c *Config) defaults() {
 		c.BufferSize = 1 << 10
 	}
 }
+
+// KeepAlive is the TCP keep-alive of connections to upstreams (package
+// openai's transport dials with it too): one silent for 10 s is probed every
+// 5 s, and closed after 3 probes unanswered, so that a call whose request
+// was delivered, on a connection the network then lost (a NAT or firewall
+// that forgot it, an address a failover moved), fails some 25 s after the
+// upstream went silent, not at its timeout. Go's default (15 s, then 9
+// probes 15 s apart) takes 2.5 minutes. The peer's kernel answers the
+// probes however busy the upstream is: they end no call that waits for a
+// slow model.
+var KeepAlive = net.KeepAliveConfig{Enable: true, Idle: 10 * time.Second, Interval: 5 * time.Second, Count: 3}
 
 // Client keeps idle connections per host and makes calls on them. It is safe
 // for concurrent use.
@@ -93,7 +99,7 @@ func New(cfg Config) *Client {
 	cfg.defaults()
 	return &Client{
 		cfg:     cfg,
-		dialer:  net.Dialer{Timeout: cfg.DialTimeout, KeepAlive: cfg.KeepAlive},
+		dialer:  net.Dialer{Timeout: cfg.DialTimeout, KeepAliveConfig: KeepAlive},
 		readers: sync.Pool{New: func() any { return bufio.NewReaderSize(nil, cfg.BufferSize) }},
 		idle:    map[string][]*conn{},
 		now:     time.Now,

@@ -3,6 +3,7 @@ package http1_test
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -17,6 +18,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/rungworks/gateway/internal/sockopt"
 	"github.com/rungworks/gateway/upstream/http1"
 )
 
@@ -575,4 +577,23 @@ func TestAnnouncedKeepAliveIsHonoured(t *testing.T) {
 			require.False(t, reusedAfter(tc.keep), "idle for %v", tc.keep)
 		})
 	}
+}
+
+// TestConnectionsProbeTheirSilence checks the keep-alive of a call's
+// connection: one the network lost fails its call after 25 s of silence, not
+// at the call's timeout.
+func TestConnectionsProbeTheirSilence(t *testing.T) {
+	t.Parallel()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+	nc, err := http1.Dial(http1.New(http1.Config{}), context.Background(), l.Addr().String())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = nc.Close() })
+	got, err := sockopt.KeepAlive(nc)
+	if errors.Is(err, errors.ErrUnsupported) {
+		t.Skip(err)
+	}
+	require.NoError(t, err)
+	require.Equal(t, http1.KeepAlive, got)
 }

@@ -65,6 +65,13 @@ type Config struct {
 	// transport's (default 90 s: HTTP/2 upstreams close idle connections with
 	// GOAWAY, which says which calls they did not process).
 	IdleTimeout time.Duration
+	// PingAfter is how long an HTTP/2 connection may go without a frame from
+	// the upstream before it is sent a ping, and how long the ping's answer
+	// may take: a connection that does not answer (one the network lost) is
+	// closed, and the calls on it fail after dispatch, instead of each
+	// waiting for its Timeout while new calls join them (default 10 s). An
+	// upstream answers pings however long its model takes.
+	PingAfter time.Duration
 	// MaxTokensField names the field that carries a call's output limit:
 	// MaxCompletionTokens (OpenAI's, the default; its reasoning models refuse
 	// the other) or MaxTokens, for servers that know only the older name
@@ -83,6 +90,9 @@ const (
 	MaxCompletionTokens = "max_completion_tokens"
 	MaxTokens           = "max_tokens"
 )
+
+// defaultPingAfter is Config.PingAfter's default.
+const defaultPingAfter = 10 * time.Second
 
 // defaultStreamLimit is Config.StreamLimit's default: longer than any
 // generation of a model's whole output limit at a slow model's pace.
@@ -128,7 +138,7 @@ func New(cfg Config) *Client {
 	}
 	transport := &http.Transport{
 		Proxy:               http.ProxyFromEnvironment,
-		DialContext:         (&net.Dialer{Timeout: 5 * time.Second, KeepAlive: 30 * time.Second}).DialContext,
+		DialContext:         (&net.Dialer{Timeout: 5 * time.Second, KeepAliveConfig: http1.KeepAlive}).DialContext,
 		MaxIdleConns:        1024,
 		MaxIdleConnsPerHost: 512,
 		IdleConnTimeout:     cmp.Or(cfg.IdleTimeout, 90*time.Second),
@@ -157,7 +167,16 @@ func New(cfg Config) *Client {
 		// what is not yet read: 4 MiB a call by default, which a stream to a
 		// slow client of a hostile upstream would hold. A token stream needs a
 		// fraction of maxReceiveBufferPerCall a round trip.
-		HTTP2: &http.HTTP2Config{MaxReceiveBufferPerStream: maxReceiveBufferPerCall},
+		// A connection silent for PingAfter is asked for a ping: without,
+		// one the network lost takes every call net/http puts on it (up to
+		// the upstream's limit of concurrent streams) until each one's
+		// timeout, and net/http keeps it for the kernel's retransmissions
+		// (15 minutes).
+		HTTP2: &http.HTTP2Config{
+			MaxReceiveBufferPerStream: maxReceiveBufferPerCall,
+			SendPingTimeout:           cmp.Or(cfg.PingAfter, defaultPingAfter),
+			PingTimeout:               cmp.Or(cfg.PingAfter, defaultPingAfter),
+		},
 		// A custom DialContext turns HTTP/2 off unless asked for: HTTPS upstreams
 		// multiplex calls over few connections instead of one per call.
 		ForceAttemptHTTP2: true,

@@ -12,6 +12,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/http/httptrace"
 	"strconv"
 	"strings"
 	"sync"
@@ -22,7 +23,10 @@ import (
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/internal/fakeupstream"
+	"github.com/rungworks/gateway/internal/sockopt"
+	"github.com/rungworks/gateway/internal/tcpproxy"
 	"github.com/rungworks/gateway/upstream"
+	"github.com/rungworks/gateway/upstream/http1"
 	"github.com/rungworks/gateway/upstream/openai"
 )
 
@@ -638,6 +642,61 @@ func TestIdleConnectionsLastAsLongAsTheUpstreamKeepsThem(t *testing.T) {
 		completeTwice(t, b.newClient(openai.Config{Timeout: 2 * time.Second, IdleTimeout: 50 * time.Millisecond}), 300*time.Millisecond)
 		require.Equal(t, 6, b.fake.Connections(), "what the upstream announces sets how long a connection is kept")
 	})
+}
+
+// TestALostHTTP2ConnectionIsClosed loses an HTTP/2 connection in the
+// network (the proxy drops what either end sends; neither learns of a
+// close): once a ping goes unanswered the connection is closed, the call
+// that waited on it fails after dispatch (the upstream had it), and the next
+// call goes on a new connection. Without the ping, each waits for its
+// timeout on the lost connection, the next call too.
+func TestALostHTTP2ConnectionIsClosed(t *testing.T) {
+	t.Parallel()
+	fake := fakeupstream.New()
+	t.Cleanup(fake.Close)
+	proxy, err := tcpproxy.Start(fake.Listener.Addr().String())
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = proxy.Close() })
+	client := openai.New(openai.Config{BaseURL: "http://" + proxy.Addr() + "/v1", H2C: true, Timeout: time.Minute, PingAfter: 100 * time.Millisecond})
+	_, err = client.Complete(context.Background(), &req)
+	require.NoError(t, err)
+
+	fake.SetDelay(2 * time.Second) // its reply is sent after the loss, and lost
+	waiting := make(chan error, 1)
+	go func() {
+		_, err := client.Complete(context.Background(), &req)
+		waiting <- err
+	}()
+	require.Eventually(t, func() bool { return len(fake.Calls()) == 2 }, 10*time.Second, time.Millisecond)
+	require.Equal(t, 1, proxy.Cut())
+	fake.SetDelay(0)
+	err = <-waiting
+	require.ErrorIs(t, err, upstream.ErrFailed, "the upstream may have processed it")
+	require.ErrorContains(t, err, "connection lost", "not its timeout")
+
+	_, err = client.Complete(context.Background(), &req)
+	require.NoError(t, err, "the next call goes on a new connection")
+	require.Equal(t, 2, fake.Connections())
+}
+
+// TestConnectionsOverNetHTTPProbeTheirSilence checks the keep-alive of a
+// connection made by net/http's transport (package http1 checks its own), as
+// TestALostHTTP2ConnectionIsClosed cannot: the proxy's kernel answers probes.
+func TestConnectionsOverNetHTTPProbeTheirSilence(t *testing.T) {
+	t.Parallel()
+	fake := fakeupstream.New()
+	t.Cleanup(fake.Close)
+	client := openai.New(openai.Config{BaseURL: fake.BaseURL(), H2C: true, Timeout: 5 * time.Second})
+	conns := make(chan net.Conn, 1)
+	ctx := httptrace.WithClientTrace(context.Background(), &httptrace.ClientTrace{GotConn: func(info httptrace.GotConnInfo) { conns <- info.Conn }})
+	_, err := client.Complete(ctx, &req)
+	require.NoError(t, err)
+	got, err := sockopt.KeepAlive(<-conns)
+	if errors.Is(err, errors.ErrUnsupported) {
+		t.Skip(err)
+	}
+	require.NoError(t, err)
+	require.Equal(t, http1.KeepAlive, got)
 }
 
 func TestDispatchIsReported(t *testing.T) {
