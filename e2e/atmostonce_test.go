@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"os"
@@ -17,6 +18,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway/gen/api"
+	"github.com/rungworks/gateway/internal/blackhole"
 	"github.com/rungworks/gateway/internal/fakeupstream"
 	"github.com/rungworks/gateway/internal/logsample"
 	"github.com/rungworks/gateway/internal/tcpproxy"
@@ -461,4 +463,41 @@ models:
 	require.Equal(t, 2, b.fake.Connections(), "the next call went on a new connection")
 	atMostOnce(t, b.fake, "lost")
 	settledExactly(t, g, b.key, want)
+}
+
+// TestClientsTheNetworkLostAreLetGo loses the network to two clients (every
+// packet the replica sends them dropped, probes included) while a JSON reply
+// and a stream wait for their upstream calls: the replica finds each
+// connection lost within seconds (lostpeer: keepalives for the JSON reply,
+// which sends nothing while it waits; for the stream, its keep-alive events
+// left unacknowledged) and ends its upstream call, as when a client leaves.
+// With Go's defaults the first took 2.5 minutes, and the second the
+// kernel's retransmissions, some 15.
+func TestClientsTheNetworkLostAreLetGo(t *testing.T) {
+	t.Parallel()
+	hole := blackhole.New(t)
+	b := setup(t)
+	g := serve(t, b.db, b.fake.BaseURL(), nil)
+	b.fake.SetSlow("held", 10*time.Minute)
+	client := &http.Client{Transport: &http.Transport{
+		DialContext: (&net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(hole.Addr())}}).DialContext,
+	}}
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel)
+	for _, stream := range []bool{false, true} {
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, g.base+"/api/v1/responses",
+			strings.NewReader(fmt.Sprintf(`{"prompt":"held %v","stream":%v}`, stream, stream)))
+		require.NoError(t, err)
+		req.Header.Set("Authorization", "Bearer "+b.key)
+		req.Header.Set("Content-Type", "application/json")
+		go func() {
+			if resp, err := client.Do(req); err == nil {
+				_, _ = io.Copy(io.Discard, resp.Body)
+				_ = resp.Body.Close()
+			}
+		}()
+	}
+	require.Eventually(t, func() bool { return b.fake.InFlight() == 2 }, 10*time.Second, 10*time.Millisecond, "both calls are out")
+	hole.Drop()
+	require.Eventually(t, func() bool { return b.fake.InFlight() == 0 }, 90*time.Second, 100*time.Millisecond, "the replica ended both calls")
 }

@@ -128,6 +128,16 @@ func Start(ctx context.Context, opts Options) (*Cluster, error) {
 		if _, err := c.run(ctx, "initdb", "-D", c.dataDir(), "-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-locale", "--no-sync"); err != nil {
 			return nil, fmt.Errorf("error initialising PostgreSQL in %s: %w", c.dataDir(), err)
 		}
+		// initdb trusts 127.0.0.1; every loopback address is this host's,
+		// and tests connect from others (internal/blackhole).
+		hba, err := os.OpenFile(filepath.Join(c.dataDir(), "pg_hba.conf"), os.O_APPEND|os.O_WRONLY, 0)
+		if err != nil {
+			return nil, fmt.Errorf("error opening pg_hba.conf: %w", err)
+		}
+		_, err = fmt.Fprintln(hba, "host all all 127.0.0.0/8 trust")
+		if err = errors.Join(err, hba.Close()); err != nil {
+			return nil, fmt.Errorf("error writing pg_hba.conf: %w", err)
+		}
 	}
 	settings := fmt.Sprintf("-k %s -p %d -c listen_addresses=127.0.0.1 -c max_connections=300", dir, port)
 	if !opts.Durable {

@@ -13,6 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/rungworks/gateway/gen/db"
+	"github.com/rungworks/gateway/internal/lostpeer"
 )
 
 // IdleTransactionTimeout is how long the server lets a transaction of the
@@ -26,19 +27,6 @@ import (
 // default), and every replica's statement on those rows would wait for it.
 const IdleTransactionTimeout = 10 * time.Second
 
-// KeepaliveIdle, KeepaliveInterval and KeepaliveCount are the server's TCP
-// keepalives on the gateway's sessions (tcp_keepalives_idle, _interval and
-// _count, unless the database URL sets them): a session whose client the
-// network lost is closed by the server some 25 s after it went silent, not
-// after the two hours and more of the kernel's defaults, so that lost
-// sessions, each network failure's worth of them, do not pile up against
-// max_connections until the database refuses new ones.
-const (
-	KeepaliveIdle     = 10 * time.Second
-	KeepaliveInterval = 5 * time.Second
-	KeepaliveCount    = 3
-)
-
 // PingTimeout bounds the probe of a connection taken from the pool after a
 // second or more idle (pgxpool's, unless the database URL sets
 // pool_ping_timeout): one that has not answered within it is dropped and
@@ -50,9 +38,29 @@ const PingTimeout = time.Second
 // Connect returns a pool on url whose connections encode uuid.UUID
 // directly (see RegisterUUID), whose idle connections are probed within
 // PingTimeout when taken, and whose sessions the server ends when their
-// client is lost (a transaction idle past IdleTransactionTimeout, TCP
-// keepalives unanswered: KeepaliveIdle); maxConns, when positive, caps it.
+// client is lost: a transaction idle past IdleTransactionTimeout, and a
+// connection the network lost, found as the gateway's own connections find
+// a lost peer (tcp_keepalives_idle, _interval and _count and
+// tcp_user_timeout, as package lostpeer sets them), some 25 s after it went
+// silent or stopped acknowledging, not after the two hours and more (15
+// minutes with a reply in flight) of the kernel's defaults: lost sessions,
+// each network failure's worth of them, would pile up against
+// max_connections until the database refused new ones. The database URL's
+// own settings are kept. maxConns, when positive, caps the pool.
 func Connect(ctx context.Context, url string, maxConns int32) (*pgxpool.Pool, error) {
+	cfg, err := poolConfig(url, maxConns)
+	if err != nil {
+		return nil, err
+	}
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, fmt.Errorf("error connecting to PostgreSQL: %w", err)
+	}
+	return pool, nil
+}
+
+// poolConfig is the configuration of Connect's pool.
+func poolConfig(url string, maxConns int32) (*pgxpool.Config, error) {
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		return nil, fmt.Errorf("error parsing database URL: %w", err)
@@ -67,9 +75,10 @@ func Connect(ctx context.Context, url string, maxConns int32) (*pgxpool.Pool, er
 	setting := func(name, value string) string { return cmp.Or(cfg.ConnConfig.RuntimeParams[name], value) }
 	bounds := db.BoundLostSessionsParams{
 		IdleInTransaction:  setting("idle_in_transaction_session_timeout", milliseconds(IdleTransactionTimeout)),
-		KeepalivesIdle:     setting("tcp_keepalives_idle", seconds(KeepaliveIdle)),
-		KeepalivesInterval: setting("tcp_keepalives_interval", seconds(KeepaliveInterval)),
-		KeepalivesCount:    setting("tcp_keepalives_count", strconv.Itoa(KeepaliveCount)),
+		KeepalivesIdle:     setting("tcp_keepalives_idle", seconds(lostpeer.KeepAlive.Idle)),
+		KeepalivesInterval: setting("tcp_keepalives_interval", seconds(lostpeer.KeepAlive.Interval)),
+		KeepalivesCount:    setting("tcp_keepalives_count", strconv.Itoa(lostpeer.KeepAlive.Count)),
+		UserTimeout:        setting("tcp_user_timeout", milliseconds(lostpeer.UserTimeout)),
 	}
 	cfg.AfterConnect = func(ctx context.Context, conn *pgx.Conn) error {
 		RegisterUUID(conn.TypeMap())
@@ -78,11 +87,7 @@ func Connect(ctx context.Context, url string, maxConns int32) (*pgxpool.Pool, er
 		}
 		return nil
 	}
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		return nil, fmt.Errorf("error connecting to PostgreSQL: %w", err)
-	}
-	return pool, nil
+	return cfg, nil
 }
 
 // RegisterUUID teaches m to send uuid.UUID as PostgreSQL's binary uuid.

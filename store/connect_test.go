@@ -2,7 +2,9 @@ package store_test
 
 import (
 	"context"
+	"net"
 	"testing"
+	"time"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
@@ -10,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
+	"github.com/rungworks/gateway/internal/blackhole"
 	"github.com/rungworks/gateway/internal/testdb"
 	"github.com/rungworks/gateway/store"
 )
@@ -40,21 +43,70 @@ func TestUUIDsRoundTrip(t *testing.T) {
 // TestSessionsBoundWhatALostClientHolds: each session the store opens has the
 // server end it when its client is lost (a transaction idle past
 // IdleTransactionTimeout, keepalives unanswered), and the database URL's own
-// settings are kept. The keepalives' effect needs a network that drops
-// packets, which a test here cannot make; TestATransactionTheNetworkLost-
-// ReleasesItsLocks shows the idle bound's.
+// settings are kept. TestTheServerClosesASessionTheNetworkLost shows the
+// keepalives' effect, TestATransactionTheNetworkLostReleasesItsLocks the
+// idle bound's.
 func TestSessionsBoundWhatALostClientHolds(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	show := func(pool *pgxpool.Pool) (settings [4]string) {
+	show := func(pool *pgxpool.Pool) (settings [5]string) {
 		require.NoError(t, pool.QueryRow(ctx, `SELECT current_setting('idle_in_transaction_session_timeout'),
-			current_setting('tcp_keepalives_idle'), current_setting('tcp_keepalives_interval'), current_setting('tcp_keepalives_count')`).
-			Scan(&settings[0], &settings[1], &settings[2], &settings[3]))
+			current_setting('tcp_keepalives_idle'), current_setting('tcp_keepalives_interval'), current_setting('tcp_keepalives_count'),
+			current_setting('tcp_user_timeout')`).
+			Scan(&settings[0], &settings[1], &settings[2], &settings[3], &settings[4]))
 		return settings
 	}
 	url := testdb.URL(t)
-	require.Equal(t, [4]string{"10s", "10", "5", "3"}, show(testdb.Connect(t, url)))
-	require.Equal(t, [4]string{"1min", "20", "5", "3"}, show(testdb.Connect(t, url+"&idle_in_transaction_session_timeout=60000&tcp_keepalives_idle=20")))
+	require.Equal(t, [5]string{"10s", "10", "5", "3", "25000"}, show(testdb.Connect(t, url)))
+	require.Equal(t, [5]string{"1min", "20", "5", "3", "60000"},
+		show(testdb.Connect(t, url+"&idle_in_transaction_session_timeout=60000&tcp_keepalives_idle=20&tcp_user_timeout=60000")))
+}
+
+// TestTheServerClosesASessionTheNetworkLost loses the network to a client
+// (every packet the server sends it dropped, probes included) while its
+// session waits for its next statement, and while the server sends it a
+// notification: the server closes the session some 25 s later (the
+// keepalives each session sets, and its tcp_user_timeout for what it sent),
+// instead of keeping it, counted against max_connections, for the two hours
+// and more of the kernel's defaults (15 minutes with a notification in
+// flight, which keepalives do not probe).
+func TestTheServerClosesASessionTheNetworkLost(t *testing.T) {
+	t.Parallel()
+	for _, sending := range []bool{false, true} {
+		t.Run(map[bool]string{false: "waiting", true: "sending"}[sending], func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			hole := blackhole.New(t)
+			url := testdb.URL(t)
+			cfg, err := store.PoolConfig(url, 1)
+			require.NoError(t, err)
+			// The client's keepalives, which a lost network would drop too,
+			// would reach the server and spare the session its probes: off.
+			cfg.ConnConfig.DialFunc = (&net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(hole.Addr())}, KeepAlive: -1}).DialContext
+			lost, err := pgxpool.NewWithConfig(ctx, cfg)
+			require.NoError(t, err)
+			t.Cleanup(lost.Close) // after the route's removal (cleanups run last first): the server's refusal ends it at once
+			var pid int32
+			require.NoError(t, lost.QueryRow(ctx, "SELECT pg_backend_pid()").Scan(&pid))
+			_, err = lost.Exec(ctx, "LISTEN lost")
+			require.NoError(t, err)
+			watcher := testdb.Connect(t, url)
+			// What the server sent is acknowledged by now (loopback answers
+			// in microseconds), so the waiting session has nothing in flight.
+			time.Sleep(time.Second)
+
+			hole.Drop()
+			if sending {
+				_, err = watcher.Exec(ctx, "NOTIFY lost")
+				require.NoError(t, err)
+			}
+			require.Eventually(t, func() bool {
+				var open bool
+				require.NoError(t, watcher.QueryRow(ctx, "SELECT EXISTS (SELECT FROM pg_stat_activity WHERE pid = $1)", pid).Scan(&open))
+				return !open
+			}, 90*time.Second, 100*time.Millisecond, "the server closes the session")
+		})
+	}
 }
 
 // BenchmarkEncodeUUID: a uuid.UUID sent in binary, as pgx finds it on its own

@@ -1,6 +1,15 @@
 package store
 
-import "context"
+import (
+	"context"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+)
+
+// PoolConfig is the configuration of Connect's pool.
+func PoolConfig(url string, maxConns int32) (*pgxpool.Config, error) {
+	return poolConfig(url, maxConns)
+}
 
 // CancelAccountBatchesPaged is CancelAccountBatches listing page batches at
 // a time.

@@ -21,6 +21,7 @@ import (
 	"github.com/rungworks/gateway/config"
 	"github.com/rungworks/gateway/drainer"
 	"github.com/rungworks/gateway/inference"
+	"github.com/rungworks/gateway/internal/lostpeer"
 	"github.com/rungworks/gateway/internal/memrelease"
 	"github.com/rungworks/gateway/ledger"
 	"github.com/rungworks/gateway/maintenance"
@@ -162,7 +163,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 		return err
 	}
 
-	ln, err := net.Listen("tcp", cfg.Listen)
+	ln, err := lostpeer.Listen(ctx, cfg.Listen)
 	if err != nil {
 		return fmt.Errorf("cannot listen on %s: %w; set GATEWAY_LISTEN to another address (another gateway on this host?)", cfg.Listen, err)
 	}

@@ -13,7 +13,8 @@ const boundLostSessions = `-- name: BoundLostSessions :exec
 SELECT set_config('idle_in_transaction_session_timeout', $1::text, false),
        set_config('tcp_keepalives_idle', $2::text, false),
        set_config('tcp_keepalives_interval', $3::text, false),
-       set_config('tcp_keepalives_count', $4::text, false)
+       set_config('tcp_keepalives_count', $4::text, false),
+       set_config('tcp_user_timeout', $5::text, false)
 `
 
 type BoundLostSessionsParams struct {
@@ -21,6 +22,7 @@ type BoundLostSessionsParams struct {
 	KeepalivesIdle     string
 	KeepalivesInterval string
 	KeepalivesCount    string
+	UserTimeout        string
 }
 
 // Has the server end this session when its client, or the network to it, is
@@ -28,14 +30,16 @@ type BoundLostSessionsParams struct {
 // @idle_in_transaction (milliseconds) for its next statement, and a
 // connection whose client answers no TCP keepalive (the first sent after
 // @keepalives_idle seconds of silence, then one every @keepalives_interval
-// seconds, @keepalives_count in all). On a Unix socket the keepalives are
-// ignored.
+// seconds, @keepalives_count in all), or leaves what the server sent it
+// unacknowledged for @user_timeout milliseconds. On a Unix socket the TCP
+// settings are ignored.
 func (q *Queries) BoundLostSessions(ctx context.Context, db DBTX, arg BoundLostSessionsParams) error {
 	_, err := db.Exec(ctx, boundLostSessions,
 		arg.IdleInTransaction,
 		arg.KeepalivesIdle,
 		arg.KeepalivesInterval,
 		arg.KeepalivesCount,
+		arg.UserTimeout,
 	)
 	return err
 }

@@ -237,6 +237,13 @@ func (s *Server) Connections() int {
 	return s.conns
 }
 
+// InFlight is how many calls it is answering now.
+func (s *Server) InFlight() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.inFlight
+}
+
 // OpenConnections is how many of its connections are open now.
 func (s *Server) OpenConnections() int {
 	s.mu.Lock()

@@ -27,6 +27,8 @@ import (
 	"strings"
 	"sync"
 	"time"
+
+	"github.com/rungworks/gateway/internal/lostpeer"
 )
 
 // Config configures a Client. Zero fields take the defaults named.
@@ -65,22 +67,14 @@ func (c *Config) defaults() {
 	}
 }
 
-// KeepAlive is the TCP keep-alive of connections to upstreams (package
-// openai's transport dials with it too): one silent for 10 s is probed every
-// 5 s, and closed after 3 probes unanswered, so that a call whose request
-// was delivered, on a connection the network then lost (a NAT or firewall
-// that forgot it, an address a failover moved), fails some 25 s after the
-// upstream went silent, not at its timeout. Go's default (15 s, then 9
-// probes 15 s apart) takes 2.5 minutes. The peer's kernel answers the
-// probes however busy the upstream is: they end no call that waits for a
-// slow model.
-var KeepAlive = net.KeepAliveConfig{Enable: true, Idle: 10 * time.Second, Interval: 5 * time.Second, Count: 3}
-
 // Client keeps idle connections per host and makes calls on them. It is safe
 // for concurrent use.
 type Client struct {
-	cfg    Config
-	dialer net.Dialer
+	cfg Config
+	// dialer's connections find an upstream the network lost (lostpeer):
+	// a call on one fails some 25 s after it went silent, not at its
+	// timeout.
+	dialer *net.Dialer
 
 	// readers are the connections' read buffers, held only while a reply
 	// is read.
@@ -99,7 +93,7 @@ func New(cfg Config) *Client {
 	cfg.defaults()
 	return &Client{
 		cfg:     cfg,
-		dialer:  net.Dialer{Timeout: cfg.DialTimeout, KeepAliveConfig: KeepAlive},
+		dialer:  lostpeer.Dialer(cfg.DialTimeout),
 		readers: sync.Pool{New: func() any { return bufio.NewReaderSize(nil, cfg.BufferSize) }},
 		idle:    map[string][]*conn{},
 		now:     time.Now,

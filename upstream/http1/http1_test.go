@@ -18,7 +18,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/rungworks/gateway/internal/sockopt"
+	"github.com/rungworks/gateway/internal/blackhole"
+	"github.com/rungworks/gateway/internal/lostpeer"
 	"github.com/rungworks/gateway/upstream/http1"
 )
 
@@ -579,10 +580,9 @@ func TestAnnouncedKeepAliveIsHonoured(t *testing.T) {
 	}
 }
 
-// TestConnectionsProbeTheirSilence checks the keep-alive of a call's
-// connection: one the network lost fails its call after 25 s of silence, not
-// at the call's timeout.
-func TestConnectionsProbeTheirSilence(t *testing.T) {
+// TestConnectionsFindALostUpstream checks how a call's connection is set up
+// (see lostpeer).
+func TestConnectionsFindALostUpstream(t *testing.T) {
 	t.Parallel()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
@@ -590,10 +590,65 @@ func TestConnectionsProbeTheirSilence(t *testing.T) {
 	nc, err := http1.Dial(http1.New(http1.Config{}), context.Background(), l.Addr().String())
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = nc.Close() })
-	got, err := sockopt.KeepAlive(nc)
+	err = lostpeer.Check(nc)
 	if errors.Is(err, errors.ErrUnsupported) {
 		t.Skip(err)
 	}
 	require.NoError(t, err)
-	require.Equal(t, http1.KeepAlive, got)
+}
+
+// TestACallTheNetworkLostFails loses the network to an upstream (every
+// packet sent to it dropped, probes included) while a call waits for the
+// rest of its reply, and while one sends its request on a kept connection:
+// each fails some 25 s later (lostpeer), not at its deadline (two minutes here; Go's keepalives took 5 minutes, the
+// kernel's retransmissions some 15).
+func TestACallTheNetworkLostFails(t *testing.T) {
+	t.Parallel()
+	for _, stage := range []string{"reading", "sending"} {
+		t.Run(stage, func(t *testing.T) {
+			t.Parallel()
+			hole := blackhole.New(t)
+			held := make(chan struct{}, 1)
+			server := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if r.Header.Get("X-Hold") == "" {
+					return
+				}
+				w.WriteHeader(http.StatusOK)
+				w.(http.Flusher).Flush()
+				held <- struct{}{}
+				<-r.Context().Done()
+			}))
+			l, err := net.Listen("tcp", hole.Addr()+":0")
+			require.NoError(t, err)
+			server.Listener = l
+			server.Start()
+			t.Cleanup(server.Close)
+			client := http1.New(http1.Config{IdleTimeout: time.Hour})
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+			t.Cleanup(cancel)
+			do := func(hold bool) (*http.Response, error) {
+				req, err := http.NewRequestWithContext(ctx, http.MethodPost, server.URL, strings.NewReader("x"))
+				require.NoError(t, err)
+				if hold {
+					req.Header.Set("X-Hold", "1")
+				}
+				return client.Do(req, nil)
+			}
+			resp, err := do(stage == "reading")
+			require.NoError(t, err)
+			if stage == "reading" {
+				<-held
+				hole.Drop()
+				_, err = io.ReadAll(resp.Body)
+			} else {
+				_, err = io.ReadAll(resp.Body) // the connection is kept for the next call
+				require.NoError(t, err)
+				require.NoError(t, resp.Body.Close())
+				hole.Drop()
+				_, err = do(false)
+			}
+			require.Error(t, err)
+			require.NoError(t, ctx.Err(), "the call failed before its deadline: %v", err)
+		})
+	}
 }

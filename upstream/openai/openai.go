@@ -24,6 +24,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/internal/lostpeer"
 	"github.com/rungworks/gateway/tracing"
 	"github.com/rungworks/gateway/upstream"
 	"github.com/rungworks/gateway/upstream/http1"
@@ -138,7 +139,7 @@ func New(cfg Config) *Client {
 	}
 	transport := &http.Transport{
 		Proxy:               http.ProxyFromEnvironment,
-		DialContext:         (&net.Dialer{Timeout: 5 * time.Second, KeepAliveConfig: http1.KeepAlive}).DialContext,
+		DialContext:         lostpeer.Dialer(5 * time.Second).DialContext,
 		MaxIdleConns:        1024,
 		MaxIdleConnsPerHost: 512,
 		IdleConnTimeout:     cmp.Or(cfg.IdleTimeout, 90*time.Second),
