@@ -468,9 +468,11 @@ models:
 // TestClientsTheNetworkLostAreLetGo loses the network to two clients (every
 // packet the replica sends them dropped, probes included) while a JSON reply
 // and a stream wait for their upstream calls: the replica finds each
-// connection lost within seconds (lostpeer: keepalives for the JSON reply,
-// which sends nothing while it waits; for the stream, its keep-alive events
-// left unacknowledged) and ends its upstream call, as when a client leaves.
+// connection lost some 25 s after its client went silent or stopped
+// acknowledging (lostpeer: keepalives for the JSON reply, which sends
+// nothing while it waits; for the stream, its keep-alive events, sent
+// every 15 s, left unacknowledged) and ends its upstream call, as when a
+// client leaves.
 // With Go's defaults the first took 2.5 minutes, and the second the
 // kernel's retransmissions, some 15.
 func TestClientsTheNetworkLostAreLetGo(t *testing.T) {

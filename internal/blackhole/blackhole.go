@@ -18,8 +18,9 @@ import (
 
 // Hole is a loopback address whose packets the network drops once asked.
 type Hole struct {
-	t    testing.TB
-	addr string
+	t       testing.TB
+	addr    string
+	dropped bool // the route is in place
 }
 
 // New returns a loopback address of t's own (in 127.0.0.0/8, whose
@@ -48,17 +49,28 @@ func New(t testing.TB) *Hole {
 func (h *Hole) Addr() string { return h.addr }
 
 // Drop has the network drop every packet sent to the address from now until
-// the test ends.
+// Restore or the test's end.
 func (h *Hole) Drop() {
 	h.t.Helper()
 	if out, err := h.route("replace"); err != nil {
 		h.t.Fatalf("blackhole: %v: %s", err, out)
 	}
-	h.t.Cleanup(func() {
-		if out, err := h.route("del"); err != nil {
-			h.t.Errorf("blackhole: %v: %s", err, out)
-		}
-	})
+	if !h.dropped {
+		h.t.Cleanup(h.Restore)
+	}
+	h.dropped = true
+}
+
+// Restore has the network deliver what is sent to the address again, as a
+// network whose partition healed: the kernels send again what was lost.
+func (h *Hole) Restore() {
+	if !h.dropped {
+		return
+	}
+	if out, err := h.route("del"); err != nil {
+		h.t.Errorf("blackhole: %v: %s", err, out)
+	}
+	h.dropped = false
 }
 
 // route adds (replace) or removes (del) the blackhole route of the address
