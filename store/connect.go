@@ -37,7 +37,8 @@ const PingTimeout = time.Second
 
 // Connect returns a pool on url whose connections encode uuid.UUID
 // directly (see RegisterUUID), whose idle connections are probed within
-// PingTimeout when taken, and whose sessions the server ends when their
+// PingTimeout when taken, whose connections find a server the network lost
+// as lostpeer says, and whose sessions the server ends when their
 // client is lost: a transaction idle past IdleTransactionTimeout, and a
 // connection the network lost, found as the gateway's own connections find
 // a lost peer (tcp_keepalives_idle, _interval and _count and
@@ -71,6 +72,13 @@ func poolConfig(url string, maxConns int32) (*pgxpool.Config, error) {
 	if cfg.PingTimeout == 0 {
 		cfg.PingTimeout = PingTimeout
 	}
+	// The gateway's end finds a lost server as the server finds a lost
+	// gateway (below): a wait without a deadline of its own (the
+	// migrations at start, a command's statements) fails some 25 s after
+	// the loss, where pgx's dialer (keepalives after 5 minutes, 9 of them
+	// 5 minutes apart) left it waiting close to an hour. Every other wait
+	// has a shorter bound of its own.
+	cfg.ConnConfig.DialFunc = lostpeer.Dialer(0).DialContext
 	// The URL's settings, sent when the session started, are kept.
 	setting := func(name, value string) string { return cmp.Or(cfg.ConnConfig.RuntimeParams[name], value) }
 	bounds := db.BoundLostSessionsParams{

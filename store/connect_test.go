@@ -2,6 +2,7 @@ package store_test
 
 import (
 	"context"
+	"errors"
 	"net"
 	"testing"
 	"time"
@@ -13,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway/internal/blackhole"
+	"github.com/rungworks/gateway/internal/lostpeer"
 	"github.com/rungworks/gateway/internal/testdb"
 	"github.com/rungworks/gateway/store"
 )
@@ -43,7 +45,7 @@ func TestUUIDsRoundTrip(t *testing.T) {
 // TestSessionsBoundWhatALostClientHolds: each session the store opens has the
 // server end it when its client is lost (a transaction idle past
 // IdleTransactionTimeout, keepalives unanswered), and the database URL's own
-// settings are kept. TestTheServerClosesASessionTheNetworkLost shows the
+// settings are kept; the gateway's end is set up as lostpeer says. TestTheServerClosesASessionTheNetworkLost shows the
 // keepalives' effect, TestATransactionTheNetworkLostReleasesItsLocks the
 // idle bound's.
 func TestSessionsBoundWhatALostClientHolds(t *testing.T) {
@@ -57,7 +59,14 @@ func TestSessionsBoundWhatALostClientHolds(t *testing.T) {
 		return settings
 	}
 	url := testdb.URL(t)
-	require.Equal(t, [5]string{"10s", "10", "5", "3", "25000"}, show(testdb.Connect(t, url)))
+	pool := testdb.Connect(t, url)
+	conn, err := pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer conn.Release()
+	if err := lostpeer.Check(conn.Conn().PgConn().Conn()); !errors.Is(err, errors.ErrUnsupported) {
+		require.NoError(t, err, "the gateway's end finds a lost server too")
+	}
+	require.Equal(t, [5]string{"10s", "10", "5", "3", "25000"}, show(pool))
 	require.Equal(t, [5]string{"1min", "20", "5", "3", "60000"},
 		show(testdb.Connect(t, url+"&idle_in_transaction_session_timeout=60000&tcp_keepalives_idle=20&tcp_user_timeout=60000")))
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"io"
 	"net"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -78,4 +79,16 @@ func TestABriefPartitionLosesNothing(t *testing.T) {
 	require.NoError(t, err)
 	_, err = io.ReadFull(server, got[:1])
 	require.NoError(t, err, "the connection lives on")
+}
+
+// TestUnixSocketsAreLeftAsTheyAre: the dialer reaches a Unix socket (a
+// database's, say) as a plain one does; TCP's settings are not for it.
+func TestUnixSocketsAreLeftAsTheyAre(t *testing.T) {
+	t.Parallel()
+	l, err := net.Listen("unix", filepath.Join(t.TempDir(), "s"))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+	c, err := lostpeer.Dialer(time.Second).Dial("unix", l.Addr().String())
+	require.NoError(t, err)
+	require.NoError(t, c.Close())
 }
