@@ -600,8 +600,9 @@ func TestConnectionsFindALostUpstream(t *testing.T) {
 // TestACallTheNetworkLostFails loses the network to an upstream (every
 // packet sent to it dropped, probes included) while a call waits for the
 // rest of its reply, and while one sends its request on a kept connection:
-// each fails some 25 s later (lostpeer), not at its deadline (two minutes here; Go's keepalives took 5 minutes, the
-// kernel's retransmissions some 15).
+// each fails some 25 s later (lostpeer), not at its deadline (two minutes
+// here; the keepalives before took 5 minutes, the kernel's retransmissions
+// some 15).
 func TestACallTheNetworkLostFails(t *testing.T) {
 	t.Parallel()
 	for _, stage := range []string{"reading", "sending"} {
