@@ -29,6 +29,12 @@ type pair struct {
 	cut     atomic.Bool
 }
 
+// close closes both ends.
+func (c *pair) close() {
+	_ = c.in.Close()
+	_ = c.out.Close()
+}
+
 // Start listens on a local port and forwards what it accepts to target.
 func Start(target string) (*Proxy, error) {
 	l, err := net.Listen("tcp", "127.0.0.1:0")
@@ -67,8 +73,7 @@ func (p *Proxy) Drop() {
 	defer p.mu.Unlock()
 	for c := range p.pairs {
 		if c.cut.Load() {
-			_ = c.in.Close()
-			_ = c.out.Close()
+			c.close()
 			delete(p.pairs, c)
 		}
 	}
@@ -80,8 +85,7 @@ func (p *Proxy) Close() error {
 	p.mu.Lock()
 	p.closed = true
 	for c := range p.pairs {
-		_ = c.in.Close()
-		_ = c.out.Close()
+		c.close()
 	}
 	p.mu.Unlock()
 	p.wg.Wait()
@@ -104,8 +108,7 @@ func (p *Proxy) accept() {
 		p.mu.Lock()
 		if p.closed {
 			p.mu.Unlock()
-			_ = in.Close()
-			_ = out.Close()
+			c.close()
 			return
 		}
 		p.pairs[c] = struct{}{}
@@ -136,8 +139,7 @@ func (p *Proxy) forward(c *pair, src, dst net.Conn) {
 			p.mu.Lock()
 			delete(p.pairs, c)
 			p.mu.Unlock()
-			_ = src.Close()
-			_ = dst.Close()
+			c.close()
 			return
 		}
 	}

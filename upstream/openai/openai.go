@@ -130,6 +130,9 @@ func New(cfg Config) *Client {
 	if cfg.StreamLimit <= 0 {
 		cfg.StreamLimit = defaultStreamLimit
 	}
+	if cfg.PingAfter <= 0 {
+		cfg.PingAfter = defaultPingAfter
+	}
 	endpoint := chatURL(cfg.BaseURL)
 	if plainHTTP1(cfg) {
 		// http1's defaults are the transport's below: 5 s to connect, 512
@@ -175,8 +178,8 @@ func New(cfg Config) *Client {
 		// (15 minutes).
 		HTTP2: &http.HTTP2Config{
 			MaxReceiveBufferPerStream: maxReceiveBufferPerCall,
-			SendPingTimeout:           cmp.Or(cfg.PingAfter, defaultPingAfter),
-			PingTimeout:               cmp.Or(cfg.PingAfter, defaultPingAfter),
+			SendPingTimeout:           cfg.PingAfter,
+			PingTimeout:               cfg.PingAfter,
 		},
 		// A custom DialContext turns HTTP/2 off unless asked for: HTTPS upstreams
 		// multiplex calls over few connections instead of one per call.
