@@ -32,6 +32,42 @@ type UsageRecord struct {
 	EvidenceExpiresAt time.Time
 }
 
+// RetentionMargin is how much sooner than the request retention the usage
+// view treats a time as past it: the replica that folds old requests may
+// read a clock ahead of the one serving the view.
+const RetentionMargin = time.Hour
+
+// CheckUsagePeriod refuses (EInvalidRequest) a usage period [start, end) with
+// an end inside a minute whose requests may be past the request retention
+// (completed before now - retention + RetentionMargin): such requests are
+// folded into their day's sums and only the minute's sums of usage remain,
+// so the part of the minute inside the period cannot be counted. A retention
+// of zero keeps requests for good.
+func CheckUsagePeriod(start, end, now time.Time, retention time.Duration) error {
+	if retention == 0 {
+		return nil
+	}
+	kept := now.Add(-retention + RetentionMargin)
+	for _, t := range []struct {
+		name string
+		at   time.Time
+	}{{"start", start}, {"end", end}} {
+		if t.at.Before(kept) && !t.at.Equal(t.at.Truncate(time.Minute)) {
+			return Errorf(EInvalidRequest, "%s: usage older than %s (the request retention) is kept by the minute; give a time on a whole minute",
+				t.name, retentionText(retention))
+		}
+	}
+	return nil
+}
+
+// retentionText is a retention as an operator sets it: whole days as days.
+func retentionText(d time.Duration) string {
+	if d%(24*time.Hour) == 0 {
+		return fmt.Sprintf("%d days", d/(24*time.Hour))
+	}
+	return d.String()
+}
+
 // Admission is what a request charges and reserves before it runs.
 type Admission struct {
 	RequestID uuid.UUID

@@ -46,6 +46,7 @@ type Config struct {
 	RateLimit              int           `env:"GATEWAY_RATE_LIMIT"`
 	BatchWindow            time.Duration `env:"GATEWAY_BATCH_WINDOW" envDefault:"24h"`
 	BatchRetention         time.Duration `env:"GATEWAY_BATCH_RETENTION" envDefault:"720h"`
+	RequestRetention       time.Duration `env:"GATEWAY_REQUEST_RETENTION" envDefault:"2160h"`
 	Lease                  time.Duration `env:"GATEWAY_LEASE" envDefault:"30s"`
 	DrainConcurrency       int           `env:"GATEWAY_DRAIN_CONCURRENCY" envDefault:"32"`
 	SimTokenLatency        time.Duration `env:"GATEWAY_SIM_TOKEN_LATENCY" envDefault:"2ms"`
@@ -65,6 +66,10 @@ type Config struct {
 	// proxies are TrustedProxies read (see Proxies).
 	proxies []netip.Prefix
 }
+
+// minRequestRetention is the shortest request retention: the usage view
+// treats times as past the retention an hour early (gateway.RetentionMargin).
+const minRequestRetention = 24 * time.Hour
 
 // Load reads the configuration from the environment.
 func Load() (Config, error) {
@@ -102,6 +107,9 @@ func load(defaults map[string]string) (Config, error) {
 	}
 	if cfg.BatchWindow <= 0 || cfg.BatchRetention <= 0 {
 		return Config{}, fmt.Errorf("GATEWAY_BATCH_WINDOW and GATEWAY_BATCH_RETENTION must be positive")
+	}
+	if cfg.RequestRetention != 0 && cfg.RequestRetention < max(minRequestRetention, cfg.EvidenceRetention) {
+		return Config{}, fmt.Errorf("GATEWAY_REQUEST_RETENTION must be 0 (requests kept for good) or at least 24h and GATEWAY_EVIDENCE_RETENTION (%s): a request without sources holds its evidence in its own row", cfg.EvidenceRetention)
 	}
 	if cfg.Lease < time.Second {
 		return Config{}, fmt.Errorf("GATEWAY_LEASE must be at least 1s")

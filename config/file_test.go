@@ -444,3 +444,33 @@ func TestUpstreamLimits(t *testing.T) {
 		t.Setenv(name, "1m")
 	}
 }
+
+// TestRequestRetention: GATEWAY_REQUEST_RETENTION is 90 days by default, 0
+// keeps requests for good, and a retention shorter than a day or than the
+// evidence's is refused.
+func TestRequestRetention(t *testing.T) {
+	t.Setenv("GATEWAY_REQUEST_RETENTION", "")
+	t.Setenv("GATEWAY_EVIDENCE_RETENTION", "")
+	cfg, err := config.Load()
+	require.NoError(t, err)
+	require.Equal(t, 90*24*time.Hour, cfg.RequestRetention)
+
+	for value, want := range map[string]time.Duration{"0s": 0, "168h": 7 * 24 * time.Hour, "8760h": 365 * 24 * time.Hour} {
+		t.Setenv("GATEWAY_REQUEST_RETENTION", value)
+		cfg, err = config.Load()
+		require.NoError(t, err, value)
+		require.Equal(t, want, cfg.RequestRetention, value)
+	}
+	for _, value := range []string{"23h", "-24h", "100h"} { // 100h: under the evidence's 168h
+		t.Setenv("GATEWAY_REQUEST_RETENTION", value)
+		_, err = config.Load()
+		require.ErrorContains(t, err, "GATEWAY_REQUEST_RETENTION must be 0 (requests kept for good) or at least 24h and GATEWAY_EVIDENCE_RETENTION (168h0m0s)", value)
+	}
+	t.Setenv("GATEWAY_EVIDENCE_RETENTION", "1h")
+	t.Setenv("GATEWAY_REQUEST_RETENTION", "100h")
+	_, err = config.Load()
+	require.NoError(t, err)
+	t.Setenv("GATEWAY_REQUEST_RETENTION", "23h")
+	_, err = config.Load()
+	require.ErrorContains(t, err, "at least 24h")
+}

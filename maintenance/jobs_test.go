@@ -21,9 +21,9 @@ import (
 // migrated database, and the jobs with work waiting do it: a quota lease that
 // ran out is folded, an item whose batch lease ran out is rescued (and
 // counted), the queue is sampled, a batch past its window ends, what they
-// settled is folded into the counters, and the usage sums of a minute long
-// past are folded into one. The jobs that run every 30 s in a replica run
-// here at once.
+// settled is folded into the counters, the usage sums of a minute long past
+// are folded into one, and a request past the request retention into its
+// day's sums. The jobs that run every 30 s in a replica run here at once.
 func TestEveryJobRunsAgainstTheSchema(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -56,16 +56,17 @@ func TestEveryJobRunsAgainstTheSchema(t *testing.T) {
 	require.NoError(t, err)
 	require.Len(t, claimed, 1)
 	batch(2, now.Add(-time.Second)) // past its window, its items queued
-	past := now.Add(-10 * time.Minute)
-	require.NoError(t, st.SettleRequests(ctx, []store.Settlement{{Record: gateway.UsageRecord{
-		RequestID: uuid.Must(uuid.NewV7()), Principal: p, Model: gateway.ModelInstant, Entry: gateway.EntryResponses,
-		Usage:     gateway.Usage{InputTokens: 1, OutputTokens: 1, InputRungs: 1, OutputRungs: 1, TotalRungs: 2},
-		CreatedAt: past, CompletedAt: past, EvidenceExpiresAt: now,
-	}}}))
+	for _, past := range []time.Time{now.Add(-10 * time.Minute), now.Add(-72 * time.Hour)} {
+		require.NoError(t, st.SettleRequests(ctx, []store.Settlement{{Record: gateway.UsageRecord{
+			RequestID: uuid.Must(uuid.NewV7()), Principal: p, Model: gateway.ModelInstant, Entry: gateway.EntryResponses,
+			Usage:     gateway.Usage{InputTokens: 1, OutputTokens: 1, InputRungs: 1, OutputRungs: 1, TotalRungs: 2},
+			CreatedAt: past, CompletedAt: past, EvidenceExpiresAt: now,
+		}}}))
+	}
 	time.Sleep(10 * time.Millisecond) // the claimed item's lease runs out
 
 	m := metrics.New()
-	jobs := maintenance.Jobs(st, maintenance.Settings{BatchWindow: 24 * time.Hour, BatchRetention: 24 * time.Hour, Lease: 30 * time.Second}, m)
+	jobs := maintenance.Jobs(st, maintenance.Settings{BatchWindow: 24 * time.Hour, BatchRetention: 24 * time.Hour, Lease: 30 * time.Second, RequestRetention: 48 * time.Hour}, m)
 	done := map[string]int64{}
 	for _, job := range jobs {
 		require.Positive(t, job.Interval, job.Name)
@@ -78,8 +79,20 @@ func TestEveryJobRunsAgainstTheSchema(t *testing.T) {
 	require.Equal(t, int64(1), done["rescue expired leases"], "one batch rescued")
 	require.Equal(t, int64(1), done["expire batches"])
 	require.Positive(t, done["reconcile settlements"], "what the rescue and the expiry settled is folded into the counters")
-	require.Equal(t, int64(1), done["fold usage minutes"])
+	require.Equal(t, int64(2), done["fold usage minutes"], "the two requests' minutes")
+	require.Equal(t, int64(1), done["fold old requests"], "the request of three days ago")
 	scrape := metricstest.Scrape(m)
 	require.Contains(t, scrape, "gateway_batch_lease_rescues_total 1\n")
 	require.Contains(t, scrape, "gateway_batch_queue_depth 2\n", "the expired batch's items, sampled before it ended")
+}
+
+// TestRequestsAreKeptWithoutARetention: with no request retention (zero),
+// there is no job that folds requests.
+func TestRequestsAreKeptWithoutARetention(t *testing.T) {
+	t.Parallel()
+	for _, job := range maintenance.Jobs(nil, maintenance.Settings{BatchWindow: time.Hour, BatchRetention: time.Hour, Lease: time.Second}, nil) {
+		require.NotEqual(t, "fold old requests", job.Name)
+	}
+	jobs := maintenance.Jobs(nil, maintenance.Settings{BatchWindow: time.Hour, BatchRetention: time.Hour, Lease: time.Second, RequestRetention: 24 * time.Hour}, nil)
+	require.Equal(t, "fold old requests", jobs[len(jobs)-1].Name)
 }

@@ -1,9 +1,9 @@
 // Package maintenance runs the gateway's periodic jobs in every replica:
 // folding settled batch items into the daily and budget counters, failing
 // batch items whose replica died (lease rescuer), ending batches past their
-// window (expiry sweeper), folding the usage sums of past minutes, and
-// removing batches, idempotency keys, rate-limit windows and evidence past
-// retention. Every job is one statement or function that is safe to run on
+// window (expiry sweeper), folding the usage sums of past minutes and the
+// requests past their retention into sums by day, and removing batches,
+// idempotency keys, rate-limit windows and evidence past retention. Every job is one statement or function that is safe to run on
 // several replicas at once (SKIP LOCKED, or idempotent deletes), so no leader
 // is needed.
 package maintenance
@@ -25,6 +25,7 @@ type Store interface {
 	DeleteOldRateWindows(ctx context.Context, before time.Time) (int64, error)
 	DeleteExpiredEvidence(ctx context.Context, maxRows int32) (int64, error)
 	FoldUsageMinutes(ctx context.Context, before time.Time, maxRows int32) (int64, error)
+	FoldOldRequests(ctx context.Context, before time.Time, maxRows int32) (int64, error)
 	RescueExpiredLeases(ctx context.Context, maxRows int32) (int64, error)
 	FoldExpiredQuotaLeases(ctx context.Context, maxRows int) (int64, error)
 	ExpireBatches(ctx context.Context, maxRows int32) (int64, error)
@@ -43,6 +44,9 @@ type Settings struct {
 	BatchRetention time.Duration
 	// Lease is the batch item lease: the rescuer looks this often.
 	Lease time.Duration
+	// RequestRetention is how long a request is kept before it is folded
+	// into its day's sums; zero keeps requests for good (no job).
+	RequestRetention time.Duration
 }
 
 // Default intervals and bounds.
@@ -90,7 +94,7 @@ type Job struct {
 // Jobs are the gateway's maintenance jobs over st; m, when set, records lease
 // rescues and the queue depth.
 func Jobs(st Store, set Settings, m *metrics.Metrics) []Job {
-	return []Job{
+	jobs := []Job{
 		{Name: "rescue expired leases", Interval: max(set.Lease/2, time.Second), Run: func(ctx context.Context) (int64, error) {
 			n, err := st.RescueExpiredLeases(ctx, batchRows)
 			m.LeaseRescues(n)
@@ -125,6 +129,12 @@ func Jobs(st Store, set Settings, m *metrics.Metrics) []Job {
 			return st.FoldUsageMinutes(ctx, time.Now().Add(-usageFoldAfter), batchRows)
 		}},
 	}
+	if set.RequestRetention > 0 {
+		jobs = append(jobs, Job{Name: "fold old requests", Interval: HousekeepingInterval, Run: func(ctx context.Context) (int64, error) {
+			return st.FoldOldRequests(ctx, time.Now().Add(-set.RequestRetention), batchRows)
+		}})
+	}
+	return jobs
 }
 
 // spaced returns run, made to skip its turns until spacing times as long as

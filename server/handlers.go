@@ -165,6 +165,9 @@ func (s *Server) GetUsage(ctx context.Context, req api.GetUsageRequestObject) (a
 	if !start.Before(end) {
 		return nil, gateway.Errorf(gateway.EInvalidRequest, "start must be before end (to the microsecond)")
 	}
+	if err := gateway.CheckUsagePeriod(start, end, time.Now(), s.requestRetention); err != nil {
+		return nil, err
+	}
 	ctx, cancel := waitForDatabase(ctx)
 	defer cancel()
 	v, err := s.usage.Usage(ctx, gateway.PrincipalFrom(ctx), start, end)

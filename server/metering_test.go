@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"net/http"
+	"net/url"
 	"strings"
 	"testing"
 	"time"
@@ -15,6 +16,7 @@ import (
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/gen/api"
 	"github.com/rungworks/gateway/ratelimit"
+	"github.com/rungworks/gateway/server"
 	"github.com/rungworks/gateway/store"
 )
 
@@ -211,4 +213,26 @@ func TestUsageViewParameters(t *testing.T) {
 	require.Equal(t, "2026-01-01T00:00:01Z", period["end"])
 	r = b.do(http.MethodGet, "/api/v1/usage?start=2026-01-01T00:00:00.0000001Z&end=2026-01-01T00:00:00.0000009Z", b.key, "", nil)
 	require.Equal(t, http.StatusBadRequest, r.status)
+}
+
+// TestUsageViewPastTheRequestRetention: an end of the usage period older
+// than the request retention must be on a whole minute (only the minute's
+// sums are kept), else 400 INVALID_REQUEST saying so; newer ends may be
+// anything.
+func TestUsageViewPastTheRequestRetention(t *testing.T) {
+	t.Parallel()
+	b := setupWith(t, options{server: func(c *server.Config) { c.RequestRetention = 90 * 24 * time.Hour }})
+	old := time.Now().UTC().Add(-100 * 24 * time.Hour).Truncate(time.Minute)
+	query := func(start, end time.Time) string {
+		return "/api/v1/usage?" + url.Values{"start": {start.Format(time.RFC3339Nano)}, "end": {end.Format(time.RFC3339Nano)}}.Encode()
+	}
+	r := b.do(http.MethodGet, query(old.Add(30*time.Second), time.Now()), b.key, "", nil)
+	require.Equal(t, http.StatusBadRequest, r.status)
+	require.Equal(t, gateway.EInvalidRequest, r.errorCode(t))
+	require.Contains(t, string(r.body), "start: usage older than 90 days (the request retention) is kept by the minute")
+	r = b.do(http.MethodGet, query(old, time.Now()), b.key, "", nil)
+	require.Equal(t, http.StatusOK, r.status, "whole minutes")
+	recent := time.Now().Add(-24 * time.Hour)
+	r = b.do(http.MethodGet, query(recent, recent.Add(time.Second)), b.key, "", nil)
+	require.Equal(t, http.StatusOK, r.status, "inside the retention")
 }

@@ -133,6 +133,10 @@ type Config struct {
 	// Compress gzips long replies for clients that accept it (see
 	// compressReplies), for deployments whose load balancer does not.
 	Compress bool
+	// RequestRetention is how long requests are kept before they are folded
+	// into their day's sums (zero: for good); the usage view takes only whole
+	// minutes at ends older than it (gateway.CheckUsagePeriod).
+	RequestRetention time.Duration
 }
 
 // DefaultBodyTimeout is how long a request body may take to arrive.
@@ -202,6 +206,8 @@ type Server struct {
 	// (takeTurn, prepare).
 	turns    *turnstile.Gate
 	turnWait time.Duration
+	// requestRetention is Config.RequestRetention.
+	requestRetention time.Duration
 }
 
 // New builds the server: routes come from the generated RegisterHandlers, and
@@ -258,6 +264,7 @@ func New(cfg Config) (*Server, error) {
 		schema:             schema,
 		turns:              turnstile.New(cmp.Or(cfg.TurnPlaces, DefaultTurnPlaces())),
 		turnWait:           cmp.Or(cfg.TurnWait, DefaultTurnWait),
+		requestRetention:   cfg.RequestRetention,
 	}
 	s.abort, s.abortCalls = context.WithCancelCause(context.Background())
 	s.echo.HideBanner = true

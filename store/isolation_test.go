@@ -339,3 +339,53 @@ func TestUsageFoldIsolatesAFailingAccount(t *testing.T) {
 	require.Equal(t, 1, unfolded(bad))
 	require.Equal(t, int64(57), view(good).Totals.TotalRungs)
 }
+
+// TestRequestFoldIsolatesAFailingAccount: an account whose old requests
+// cannot be folded into their day's sums does not stop the other accounts'
+// from being folded, and is set aside while the others go on.
+func TestRequestFoldIsolatesAFailingAccount(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, bad := b.key(t, "bad", gateway.TierDeveloper, gateway.ScopeInference)
+	_, good := b.key(t, "good", gateway.TierDeveloper, gateway.ScopeInference)
+	horizon := time.Now().Add(-90 * 24 * time.Hour)
+	old := horizon.Add(-time.Hour)
+	settle := func(p *gateway.Principal, total int64) {
+		require.NoError(t, b.store.SettleRequests(b.ctx, []store.Settlement{{Record: at(p, old, gateway.ModelInstant, total)}}))
+	}
+	settle(bad, 5)
+	n, err := b.store.FoldOldRequests(b.ctx, horizon, 1000)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
+	// Fault injection: the bad account's day is one rung short of
+	// overflowing.
+	_, err = b.store.Pool().Exec(b.ctx, `UPDATE usage_days SET total_rungs = $1 WHERE account_id = $2`, int64(math.MaxInt64-1), bad.AccountID)
+	require.NoError(t, err)
+	settle(bad, 10)
+	settle(good, 20)
+	settle(good, 30)
+
+	n, err = b.store.FoldOldRequests(b.ctx, horizon, 1000)
+	require.Error(t, err, "the failing account is reported")
+	require.Contains(t, err.Error(), bad.AccountID.String())
+	require.Equal(t, int64(2), n, "the other account's requests are folded")
+	kept := func(p *gateway.Principal) (rows int) {
+		err := b.store.Pool().QueryRow(b.ctx, `SELECT count(*) FROM requests WHERE account_id = $1`, p.AccountID).Scan(&rows)
+		require.NoError(t, err)
+		return rows
+	}
+	require.Zero(t, kept(good))
+	require.Equal(t, 1, kept(bad), "the failing request stays, to be folded once mended")
+	day := gateway.UTCDay(old)
+	lines, err := b.store.UsageReport(b.ctx, day, day.AddDate(0, 0, 1), "good")
+	require.NoError(t, err)
+	require.Len(t, lines, 1)
+	require.Equal(t, int64(50), lines[0].TotalRungs)
+
+	// The failing account is set aside: later runs fold everyone else at once.
+	settle(good, 7)
+	n, err = b.store.FoldOldRequests(b.ctx, horizon, 1000)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
+	require.Equal(t, 1, kept(bad))
+}

@@ -98,12 +98,27 @@ func (s *Store) FoldUsageMinutes(ctx context.Context, before time.Time, maxRows 
 	})
 }
 
+// FoldOldRequests removes up to maxRows requests completed before before
+// (past the request retention) and adds them to their day's sums, which the
+// usage report reads besides the requests still kept, in one statement: the
+// report stays exact. The usage view reads the sums by hour and minute,
+// which stay. Isolated as FoldUsageMinutes is: an account whose requests
+// cannot be folded is set aside, the others go on (D11).
+func (s *Store) FoldOldRequests(ctx context.Context, before time.Time, maxRows int32) (int64, error) {
+	return s.requestQuarantine.isolated("folding old requests", func(skip []uuid.UUID, account *uuid.UUID) (int64, error) {
+		return s.queries.FoldOldRequests(ctx, s.pool, db.FoldOldRequestsParams{Before: before, MaxRows: maxRows, Skip: skip, AccountID: account})
+	}, func(skip []uuid.UUID) ([]uuid.UUID, error) {
+		return s.queries.OldRequestAccounts(ctx, s.pool, db.OldRequestAccountsParams{Before: before, Skip: skip, MaxRows: maxRows})
+	})
+}
+
 // UsageLine is one line of a usage report: what one project of an account
 // used of one model through one entry point on one UTC day.
 type UsageLine = db.UsageReportRow
 
-// UsageReport returns the usage committed in [start, end) per account,
-// project, UTC day of completion, model and entry point, in that order; only
+// UsageReport returns the usage committed on the UTC days [start, end) (UTC
+// midnights) per account, project, UTC day of completion, model and entry
+// point, in that order, requests past the retention included; only
 // account's when it is not empty (ErrAccountNotFound when there is no such
 // account).
 func (s *Store) UsageReport(ctx context.Context, start, end time.Time, account string) ([]UsageLine, error) {

@@ -34,6 +34,8 @@ type Store struct {
 	foldQuarantine quarantine
 	// usageQuarantine holds accounts whose usage sums by minute fail to fold.
 	usageQuarantine quarantine
+	// requestQuarantine holds accounts whose old requests fail to fold.
+	requestQuarantine quarantine
 	// creations bounds the batch creations holding a connection at once (see
 	// creationSlots).
 	creations chan struct{}

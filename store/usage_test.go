@@ -328,3 +328,118 @@ func BenchmarkUsageView(b *testing.B) {
 		})
 	}
 }
+
+// TestOldRequestsAreFoldedIntoDays: the requests completed before the
+// retention's horizon are removed and added to their day's sums in the same
+// statement, a few at a time: the usage report, which
+// reads both, and the usage view over whole minutes, which reads neither,
+// are what they were; the requests after the horizon stay, and evidence is
+// held until its own expiry.
+func TestOldRequestsAreFoldedIntoDays(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, acme := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	_, globex := b.key(t, "globex", gateway.TierDeveloper, gateway.ScopeInference)
+	now := time.Now().UTC()
+	horizon := now.Add(-90 * 24 * time.Hour)
+	entries := []gateway.EntryPoint{gateway.EntryResponses, gateway.EntryChat, gateway.EntryBatch}
+	models := []gateway.Model{gateway.ModelInstant, gateway.ModelReasoning}
+	rng := rand.New(rand.NewPCG(3, 4))
+	var old, kept []uuid.UUID
+	var lastOld gateway.UsageRecord
+	for i := range 60 {
+		p := []*gateway.Principal{acme, globex}[i%2]
+		// Over the eight days around the horizon, to the microsecond.
+		completed := horizon.Add(time.Duration(rng.Int64N(int64(8*24*time.Hour))) - 4*24*time.Hour).Truncate(time.Microsecond)
+		r := at(p, completed, models[i%len(models)], int64(2+i))
+		r.Entry = entries[i%len(entries)]
+		r.Sources = []gateway.Source{{Title: "source", URL: "https://example.com/" + r.RequestID.String()}}
+		r.EvidenceExpiresAt = now.Add(time.Hour) // held for the test, to see it go with its request
+		require.NoError(t, b.store.SettleRequests(b.ctx, []store.Settlement{{Record: r}}))
+		if completed.Before(horizon) {
+			old, lastOld = append(old, r.RequestID), r
+		} else {
+			kept = append(kept, r.RequestID)
+		}
+	}
+	require.NotEmpty(t, old)
+	require.NotEmpty(t, kept)
+
+	first, end := gateway.UTCDay(horizon).AddDate(0, 0, -5), gateway.UTCDay(now).AddDate(0, 0, 1)
+	report := func() []store.UsageLine {
+		lines, err := b.store.UsageReport(b.ctx, first, end, "")
+		require.NoError(t, err)
+		return lines
+	}
+	views := func() (out []*gateway.UsageView) {
+		for _, p := range []*gateway.Principal{acme, globex} {
+			for _, period := range [][2]time.Time{{first, end}, {horizon.Truncate(time.Minute), end}, {first, horizon.Truncate(time.Hour).Add(17 * time.Minute)}} {
+				v, err := b.store.Usage(b.ctx, p, period[0], period[1])
+				require.NoError(t, err)
+				out = append(out, v)
+			}
+		}
+		return out
+	}
+	lines, before := report(), views()
+	require.Positive(t, before[0].Totals.Requests)
+
+	var folded int64
+	for {
+		n, err := b.store.FoldOldRequests(b.ctx, horizon, 7)
+		require.NoError(t, err)
+		if n == 0 {
+			break
+		}
+		require.LessOrEqual(t, n, int64(7))
+		folded += n
+	}
+	require.Equal(t, int64(len(old)), folded)
+	var left int
+	require.NoError(t, b.store.Pool().QueryRow(b.ctx, `SELECT count(*) FROM requests WHERE id = ANY($1)`, old).Scan(&left))
+	require.Zero(t, left)
+	require.NoError(t, b.store.Pool().QueryRow(b.ctx, `SELECT count(*) FROM requests WHERE id = ANY($1)`, kept).Scan(&left))
+	require.Equal(t, len(kept), left, "the requests after the horizon stay")
+	ev, err := b.store.Evidence(b.ctx, lastOld.Principal.AccountID, lastOld.RequestID)
+	require.NoError(t, err, "evidence is held until it expires")
+	require.Len(t, ev.Sources, 1)
+	require.Equal(t, lines, report(), "the report reads the folded requests from their days")
+	require.Equal(t, before, views(), "the view reads whole minutes from their sums")
+}
+
+// BenchmarkFoldOldRequests: one run of the fold of requests past their
+// retention (1,000 requests), among accounts holding 400,000 requests of the
+// last 100 days between them, 90 % of them past the horizon. Reported per
+// run and per request folded.
+func BenchmarkFoldOldRequests(b *testing.B) {
+	const requests = 400_000
+	for _, accounts := range []int{1, 4} {
+		b.Run(fmt.Sprintf("accounts=%d", accounts), func(b *testing.B) {
+			ctx := context.Background()
+			bundle := &testBundle{ctx: ctx, store: store.New(testdb.New(b))}
+			now := time.Now().UTC()
+			horizon, from := now.Add(-10*24*time.Hour), now.Add(-100*24*time.Hour)
+			for i := range accounts {
+				_, p := bundle.key(b, fmt.Sprintf("account %d", i), gateway.TierDeveloper, gateway.ScopeInference)
+				_, err := bundle.store.Pool().Exec(ctx, `
+					INSERT INTO requests (id, account_id, project_id, api_key_id, model, entry_point, status,
+					                      input_tokens, output_tokens, input_rungs, output_rungs, total_rungs, created_at, completed_at)
+					SELECT gen_random_uuid(), $1, $2, $3, 'instant', 'responses', 'completed', 10, 20, 10, 20, 30, t, t
+					  FROM (SELECT $4::timestamptz + i * ($5::interval / $6) AS t FROM generate_series(0, $6 - 1) i) g`,
+					p.AccountID, p.ProjectID, p.KeyID, from, now.Sub(from), requests/accounts)
+				require.NoError(b, err)
+			}
+			_, err := bundle.store.Pool().Exec(ctx, `VACUUM ANALYZE requests`)
+			require.NoError(b, err)
+			var folded int64
+			for b.Loop() {
+				n, err := bundle.store.FoldOldRequests(ctx, horizon, 1000)
+				if err != nil || n != 1000 {
+					b.Fatalf("folded %d of 1000 (%d before): %v", n, folded, err)
+				}
+				folded += n
+			}
+			b.ReportMetric(float64(b.Elapsed().Microseconds())/float64(folded), "µs/request")
+		})
+	}
+}

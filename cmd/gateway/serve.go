@@ -141,23 +141,24 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 		Metrics:           m,
 	}
 	srv, err := server.New(server.Config{
-		Auth:           &access.Authenticator{Keys: keys, Rates: rates},
-		Inference:      infer,
-		Evidence:       st,
-		Usage:          st,
-		Batches:        &batch.Service{Store: st, Models: router, Estimator: estimator, Window: cfg.BatchWindow},
-		BatchData:      st,
-		Readiness:      server.AllReady{st, keys},
-		Metrics:        m,
-		Logger:         logger,
-		SSEKeepalive:   cfg.SSEKeepalive,
-		CORSOrigins:    cfg.CORSOrigins,
-		TrustedProxies: cfg.Proxies(),
-		BodyTimeout:    cfg.BodyTimeout,
-		TurnPlaces:     cfg.TurnPlaces,
-		TurnWait:       cfg.TurnWait,
-		Unavailable:    store.Transient,
-		Compress:       cfg.Compress,
+		Auth:             &access.Authenticator{Keys: keys, Rates: rates},
+		Inference:        infer,
+		Evidence:         st,
+		Usage:            st,
+		Batches:          &batch.Service{Store: st, Models: router, Estimator: estimator, Window: cfg.BatchWindow},
+		BatchData:        st,
+		Readiness:        server.AllReady{st, keys},
+		Metrics:          m,
+		Logger:           logger,
+		SSEKeepalive:     cfg.SSEKeepalive,
+		CORSOrigins:      cfg.CORSOrigins,
+		TrustedProxies:   cfg.Proxies(),
+		BodyTimeout:      cfg.BodyTimeout,
+		TurnPlaces:       cfg.TurnPlaces,
+		TurnWait:         cfg.TurnWait,
+		Unavailable:      store.Transient,
+		Compress:         cfg.Compress,
+		RequestRetention: cfg.RequestRetention,
 	})
 	if err != nil {
 		return err
@@ -200,7 +201,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	defer signal.Stop(hangups)
 	go cfg.ReloadRoutes(background, hangups, router, tok, m, logger)
 	go maintenance.Run(background, st, maintenance.Jobs(st, maintenance.Settings{
-		BatchWindow: cfg.BatchWindow, BatchRetention: cfg.BatchRetention, Lease: cfg.Lease,
+		BatchWindow: cfg.BatchWindow, BatchRetention: cfg.BatchRetention, Lease: cfg.Lease, RequestRetention: cfg.RequestRetention,
 	}, m), logger)
 	drain := drainer.New(drainer.Config{
 		Owner: owner, Concurrency: cfg.DrainConcurrency, Lease: cfg.Lease, Grace: cfg.ShutdownGrace,

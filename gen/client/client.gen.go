@@ -868,10 +868,12 @@ type GetUsageParams struct {
 	// Start Start of the period (inclusive), RFC 3339. Default the start of the current UTC day.
 	// Times count to the microsecond, the precision usage is stored with: a finer
 	// fraction is cut, and `period` in the reply is the period counted.
+	// Older than the request retention (see above), a whole minute.
 	Start *time.Time `form:"start,omitempty" json:"start,omitempty"`
 
 	// End End of the period (exclusive), RFC 3339. Default the start of the next UTC day.
 	// Cut to the microsecond as `start` is; it must then be after `start`.
+	// Older than the request retention, a whole minute.
 	End *time.Time `form:"end,omitempty" json:"end,omitempty"`
 }
 
@@ -1271,6 +1273,13 @@ type ClientInterface interface {
 	// usage was committed in the period (streamed ones included), the state of the
 	// daily rung ceiling, and the budget of the caller's project. Accepts a key
 	// with the `inference` or the `usage` scope.
+	//
+	// Usage is kept for good, as sums by minute and by hour. The requests
+	// themselves are kept for the gateway's request retention (90 days unless
+	// its operator sets another, or keeps them for good), after which only
+	// those sums remain: an end of the period older than the retention must
+	// then fall on a whole minute (`…:00Z`, no fraction), else 400
+	// `INVALID_REQUEST` names it.
 	//
 	// Corresponds with GET /api/v1/usage (the `GetUsage` operationId).
 	GetUsage(ctx context.Context, params *GetUsageParams, reqEditors ...RequestEditorFn) (*http.Response, error)
@@ -1746,6 +1755,13 @@ func (c *Client) GetSources(ctx context.Context, requestId RequestID, reqEditors
 // usage was committed in the period (streamed ones included), the state of the
 // daily rung ceiling, and the budget of the caller's project. Accepts a key
 // with the `inference` or the `usage` scope.
+//
+// Usage is kept for good, as sums by minute and by hour. The requests
+// themselves are kept for the gateway's request retention (90 days unless
+// its operator sets another, or keeps them for good), after which only
+// those sums remain: an end of the period older than the retention must
+// then fall on a whole minute (`…:00Z`, no fraction), else 400
+// `INVALID_REQUEST` names it.
 //
 // Corresponds with GET /api/v1/usage (the `GetUsage` operationId).
 func (c *Client) GetUsage(ctx context.Context, params *GetUsageParams, reqEditors ...RequestEditorFn) (*http.Response, error) {
@@ -2733,6 +2749,13 @@ type ClientWithResponsesInterface interface {
 	// usage was committed in the period (streamed ones included), the state of the
 	// daily rung ceiling, and the budget of the caller's project. Accepts a key
 	// with the `inference` or the `usage` scope.
+	//
+	// Usage is kept for good, as sums by minute and by hour. The requests
+	// themselves are kept for the gateway's request retention (90 days unless
+	// its operator sets another, or keeps them for good), after which only
+	// those sums remain: an end of the period older than the retention must
+	// then fall on a whole minute (`…:00Z`, no fraction), else 400
+	// `INVALID_REQUEST` names it.
 	//
 	// Returns a wrapper object for the known response body format(s).
 	//
@@ -4906,6 +4929,13 @@ func (c *ClientWithResponses) GetSourcesWithResponse(ctx context.Context, reques
 // usage was committed in the period (streamed ones included), the state of the
 // daily rung ceiling, and the budget of the caller's project. Accepts a key
 // with the `inference` or the `usage` scope.
+//
+// Usage is kept for good, as sums by minute and by hour. The requests
+// themselves are kept for the gateway's request retention (90 days unless
+// its operator sets another, or keeps them for good), after which only
+// those sums remain: an end of the period older than the retention must
+// then fall on a whole minute (`…:00Z`, no fraction), else 400
+// `INVALID_REQUEST` names it.
 //
 // Returns a wrapper object for the known response body format(s).
 //

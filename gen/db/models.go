@@ -148,6 +148,18 @@ type Request struct {
 	EmptyEvidenceExpiresAt *time.Time
 }
 
+type UsageDay struct {
+	AccountID   uuid.UUID
+	Day         time.Time
+	ProjectID   uuid.UUID
+	Model       string
+	EntryPoint  string
+	Requests    int64
+	InputRungs  int64
+	OutputRungs int64
+	TotalRungs  int64
+}
+
 type UsageHour struct {
 	AccountID   uuid.UUID
 	Hour        time.Time

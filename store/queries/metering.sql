@@ -208,26 +208,80 @@ WHERE f.backend <> 0 AND f.minute < @before AND NOT (f.account_id = ANY (@skip::
 LIMIT @max_rows;
 
 -- name: UsageReport :many
--- Committed usage in [@start, @end_time), per account, project, UTC day of
--- completion, model and entry point; only the account named @account when it
--- is given. Each account's requests are read through its index on completion
--- time, so no index on the requests table serves this report alone.
+-- Committed usage on the UTC days [@start, @end_time) (both UTC midnights),
+-- per account, project, UTC day of completion, model and entry point; only
+-- the account named @account when it is given. A request is counted from its
+-- row while it is kept and from usage_days once it is past the retention
+-- (migration 00048), never from both. Each account's requests are read
+-- through its index on completion time, so no index on the requests table
+-- serves this report alone.
 SELECT a.name AS account, p.name AS project, u.day, u.model, u.entry_point,
-       u.requests, u.input_rungs, u.output_rungs, u.total_rungs
+       sum(u.requests)::bigint AS requests,
+       sum(u.input_rungs)::bigint AS input_rungs,
+       sum(u.output_rungs)::bigint AS output_rungs,
+       sum(u.total_rungs)::bigint AS total_rungs
 FROM accounts a
 CROSS JOIN LATERAL (
     SELECT r.project_id, (r.completed_at AT TIME ZONE 'UTC')::date AS day, r.model, r.entry_point,
-           count(*)::bigint AS requests,
-           sum(r.input_rungs)::bigint AS input_rungs,
-           sum(r.output_rungs)::bigint AS output_rungs,
-           sum(r.total_rungs)::bigint AS total_rungs
+           count(*) AS requests, sum(r.input_rungs) AS input_rungs,
+           sum(r.output_rungs) AS output_rungs, sum(r.total_rungs) AS total_rungs
     FROM requests r
     WHERE r.account_id = a.id AND r.completed_at >= @start AND r.completed_at < @end_time
     GROUP BY r.project_id, 2, r.model, r.entry_point
+    UNION ALL
+    SELECT d.project_id, d.day, d.model, d.entry_point, d.requests, d.input_rungs, d.output_rungs, d.total_rungs
+    FROM usage_days d
+    WHERE d.account_id = a.id
+      AND d.day >= timezone('UTC', @start)::date AND d.day < timezone('UTC', @end_time)::date
 ) u
 JOIN projects p ON p.id = u.project_id
 WHERE sqlc.narg(account)::text IS NULL OR a.name = sqlc.narg(account)::text
+GROUP BY a.name, p.name, u.day, u.model, u.entry_point
 ORDER BY a.name, p.name, u.day, u.model, u.entry_point;
+
+-- name: FoldOldRequests :one
+-- Removes up to @max_rows requests completed before @before and adds them to
+-- their day's sums in usage_days, in one statement: a request is in one or
+-- the other, never both. The requests of the account @account_id when it is
+-- given, and none of the accounts @skip; each account's oldest first,
+-- through its index on completion time (migration 00001). Evidence rows are
+-- removed at their own expiry (DeleteExpiredEvidence), long past when the
+-- retention is at least the evidence's.
+WITH old AS (
+    SELECT o.id
+      FROM accounts a
+     CROSS JOIN LATERAL (
+        SELECT r.id FROM requests r
+         WHERE r.account_id = a.id AND r.completed_at < @before
+         ORDER BY r.completed_at
+         LIMIT @max_rows
+     ) o
+     WHERE (sqlc.narg(account_id)::uuid IS NULL OR a.id = sqlc.narg(account_id)::uuid)
+       AND NOT (a.id = ANY (@skip::uuid[]))
+     LIMIT @max_rows
+), moved AS (
+    DELETE FROM requests r USING old WHERE r.id = old.id
+    RETURNING r.account_id, r.project_id, r.completed_at, r.model, r.entry_point, r.input_rungs, r.output_rungs, r.total_rungs
+), days AS (
+    INSERT INTO usage_days AS d (account_id, day, project_id, model, entry_point, requests, input_rungs, output_rungs, total_rungs)
+    SELECT account_id, (completed_at AT TIME ZONE 'UTC')::date, project_id, model, entry_point,
+           count(*), sum(input_rungs), sum(output_rungs), sum(total_rungs)
+      FROM moved
+     GROUP BY 1, 2, 3, 4, 5
+    ON CONFLICT (account_id, day, project_id, model, entry_point) DO UPDATE
+       SET requests = d.requests + EXCLUDED.requests,
+           input_rungs = d.input_rungs + EXCLUDED.input_rungs,
+           output_rungs = d.output_rungs + EXCLUDED.output_rungs,
+           total_rungs = d.total_rungs + EXCLUDED.total_rungs
+)
+SELECT count(*)::bigint AS folded FROM moved;
+
+-- name: OldRequestAccounts :many
+-- Accounts with requests completed before @before, apart from @skip.
+SELECT a.id FROM accounts a
+WHERE NOT (a.id = ANY (@skip::uuid[]))
+  AND EXISTS (SELECT 1 FROM requests r WHERE r.account_id = a.id AND r.completed_at < @before)
+LIMIT @max_rows;
 
 -- name: DailyState :one
 -- The account's ceiling and today's charge, with settlements not yet folded in
