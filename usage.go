@@ -38,11 +38,11 @@ type UsageRecord struct {
 const RetentionMargin = time.Hour
 
 // CheckUsagePeriod refuses (EInvalidRequest) a usage period [start, end) with
-// an end inside a minute whose requests may be past the request retention
-// (completed before now - retention + RetentionMargin): such requests are
-// folded into their day's sums and only the minute's sums of usage remain,
-// so the part of the minute inside the period cannot be counted. A retention
-// of zero keeps requests for good.
+// an end inside an hour that may be past the request retention (before now -
+// retention + RetentionMargin): the requests of such an hour are folded into
+// their day's sums and its sums by minute removed, so only its hour's sums
+// remain, and the part of the hour inside the period cannot be counted. A
+// retention of zero keeps requests and minutes for good.
 func CheckUsagePeriod(start, end, now time.Time, retention time.Duration) error {
 	if retention == 0 {
 		return nil
@@ -52,8 +52,8 @@ func CheckUsagePeriod(start, end, now time.Time, retention time.Duration) error 
 		name string
 		at   time.Time
 	}{{"start", start}, {"end", end}} {
-		if t.at.Before(kept) && !t.at.Equal(t.at.Truncate(time.Minute)) {
-			return Errorf(EInvalidRequest, "%s: usage older than %s (the request retention) is kept by the minute; give a time on a whole minute",
+		if t.at.Before(kept) && !t.at.Equal(t.at.Truncate(time.Hour)) {
+			return Errorf(EInvalidRequest, "%s: usage older than %s (the request retention) is kept by the hour; give a time on a whole hour",
 				t.name, retentionText(retention))
 		}
 	}

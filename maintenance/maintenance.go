@@ -3,7 +3,8 @@
 // batch items whose replica died (lease rescuer), ending batches past their
 // window (expiry sweeper), folding the usage sums of past minutes and the
 // requests past their retention into sums by day, and removing batches,
-// idempotency keys, rate-limit windows and evidence past retention. Every job is one statement or function that is safe to run on
+// idempotency keys, rate-limit windows, evidence and usage sums by minute
+// past retention. Every job is one statement or function that is safe to run on
 // several replicas at once (SKIP LOCKED, or idempotent deletes), so no leader
 // is needed.
 package maintenance
@@ -26,6 +27,7 @@ type Store interface {
 	DeleteExpiredEvidence(ctx context.Context, maxRows int32) (int64, error)
 	FoldUsageMinutes(ctx context.Context, before time.Time, maxRows int32) (int64, error)
 	FoldOldRequests(ctx context.Context, before time.Time, maxRows int32) (int64, error)
+	DeleteOldUsageMinutes(ctx context.Context, before time.Time, maxRows int32) (int64, error)
 	RescueExpiredLeases(ctx context.Context, maxRows int32) (int64, error)
 	FoldExpiredQuotaLeases(ctx context.Context, maxRows int) (int64, error)
 	ExpireBatches(ctx context.Context, maxRows int32) (int64, error)
@@ -45,7 +47,8 @@ type Settings struct {
 	// Lease is the batch item lease: the rescuer looks this often.
 	Lease time.Duration
 	// RequestRetention is how long a request is kept before it is folded
-	// into its day's sums; zero keeps requests for good (no job).
+	// into its day's sums, and the usage sums of a minute before they are
+	// left to their hour's; zero keeps both for good (no job).
 	RequestRetention time.Duration
 }
 
@@ -132,6 +135,8 @@ func Jobs(st Store, set Settings, m *metrics.Metrics) []Job {
 	if set.RequestRetention > 0 {
 		jobs = append(jobs, Job{Name: "fold old requests", Interval: HousekeepingInterval, Run: func(ctx context.Context) (int64, error) {
 			return st.FoldOldRequests(ctx, time.Now().Add(-set.RequestRetention), batchRows)
+		}}, Job{Name: "delete old usage minutes", Interval: HousekeepingInterval, Run: func(ctx context.Context) (int64, error) {
+			return st.DeleteOldUsageMinutes(ctx, time.Now().Add(-set.RequestRetention), batchRows)
 		}})
 	}
 	return jobs

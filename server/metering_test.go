@@ -216,22 +216,21 @@ func TestUsageViewParameters(t *testing.T) {
 }
 
 // TestUsageViewPastTheRequestRetention: an end of the usage period older
-// than the request retention must be on a whole minute (only the minute's
-// sums are kept), else 400 INVALID_REQUEST saying so; newer ends may be
-// anything.
+// than the request retention must be on a whole hour (only the hour's sums
+// are kept), else 400 INVALID_REQUEST saying so; newer ends may be anything.
 func TestUsageViewPastTheRequestRetention(t *testing.T) {
 	t.Parallel()
 	b := setupWith(t, options{server: func(c *server.Config) { c.RequestRetention = 90 * 24 * time.Hour }})
-	old := time.Now().UTC().Add(-100 * 24 * time.Hour).Truncate(time.Minute)
+	old := time.Now().UTC().Add(-100 * 24 * time.Hour).Truncate(time.Hour)
 	query := func(start, end time.Time) string {
 		return "/api/v1/usage?" + url.Values{"start": {start.Format(time.RFC3339Nano)}, "end": {end.Format(time.RFC3339Nano)}}.Encode()
 	}
-	r := b.do(http.MethodGet, query(old.Add(30*time.Second), time.Now()), b.key, "", nil)
+	r := b.do(http.MethodGet, query(old.Add(30*time.Minute), time.Now()), b.key, "", nil)
 	require.Equal(t, http.StatusBadRequest, r.status)
 	require.Equal(t, gateway.EInvalidRequest, r.errorCode(t))
-	require.Contains(t, string(r.body), "start: usage older than 90 days (the request retention) is kept by the minute")
+	require.Contains(t, string(r.body), "start: usage older than 90 days (the request retention) is kept by the hour")
 	r = b.do(http.MethodGet, query(old, time.Now()), b.key, "", nil)
-	require.Equal(t, http.StatusOK, r.status, "whole minutes")
+	require.Equal(t, http.StatusOK, r.status, "whole hours")
 	recent := time.Now().Add(-24 * time.Hour)
 	r = b.do(http.MethodGet, query(recent, recent.Add(time.Second)), b.key, "", nil)
 	require.Equal(t, http.StatusOK, r.status, "inside the retention")

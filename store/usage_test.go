@@ -331,10 +331,11 @@ func BenchmarkUsageView(b *testing.B) {
 
 // TestOldRequestsAreFoldedIntoDays: the requests completed before the
 // retention's horizon are removed and added to their day's sums in the same
-// statement, a few at a time: the usage report, which
-// reads both, and the usage view over whole minutes, which reads neither,
-// are what they were; the requests after the horizon stay, and evidence is
-// held until its own expiry.
+// statement, a few at a time, and the folded sums of the minutes before it
+// are removed: the usage report, which reads the requests and the days, and
+// the usage view over whole hours before the horizon and any times after it
+// are what they were. The requests and minutes after the horizon stay, and
+// evidence is held until its own expiry.
 func TestOldRequestsAreFoldedIntoDays(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -354,7 +355,7 @@ func TestOldRequestsAreFoldedIntoDays(t *testing.T) {
 		r := at(p, completed, models[i%len(models)], int64(2+i))
 		r.Entry = entries[i%len(entries)]
 		r.Sources = []gateway.Source{{Title: "source", URL: "https://example.com/" + r.RequestID.String()}}
-		r.EvidenceExpiresAt = now.Add(time.Hour) // held for the test, to see it go with its request
+		r.EvidenceExpiresAt = now.Add(time.Hour) // held past the fold, to see it stay until it expires
 		require.NoError(t, b.store.SettleRequests(b.ctx, []store.Settlement{{Record: r}}))
 		if completed.Before(horizon) {
 			old, lastOld = append(old, r.RequestID), r
@@ -364,6 +365,8 @@ func TestOldRequestsAreFoldedIntoDays(t *testing.T) {
 	}
 	require.NotEmpty(t, old)
 	require.NotEmpty(t, kept)
+	_, err := b.store.FoldUsageMinutes(b.ctx, now, 1000)
+	require.NoError(t, err)
 
 	first, end := gateway.UTCDay(horizon).AddDate(0, 0, -5), gateway.UTCDay(now).AddDate(0, 0, 1)
 	report := func() []store.UsageLine {
@@ -371,9 +374,14 @@ func TestOldRequestsAreFoldedIntoDays(t *testing.T) {
 		require.NoError(t, err)
 		return lines
 	}
+	hour := horizon.Truncate(time.Hour)
+	periods := [][2]time.Time{
+		{first, end}, {hour, end}, {first, hour.Add(-3 * time.Hour)},
+		{hour.Add(-24 * time.Hour), hour.Add(2*time.Hour + 17*time.Minute + 3*time.Second)}, // a time after the horizon, inside a minute
+	}
 	views := func() (out []*gateway.UsageView) {
 		for _, p := range []*gateway.Principal{acme, globex} {
-			for _, period := range [][2]time.Time{{first, end}, {horizon.Truncate(time.Minute), end}, {first, horizon.Truncate(time.Hour).Add(17 * time.Minute)}} {
+			for _, period := range periods {
 				v, err := b.store.Usage(b.ctx, p, period[0], period[1])
 				require.NoError(t, err)
 				out = append(out, v)
@@ -381,20 +389,33 @@ func TestOldRequestsAreFoldedIntoDays(t *testing.T) {
 		}
 		return out
 	}
-	lines, before := report(), views()
+	minutes := func(older bool) (rows int) {
+		err := b.store.Pool().QueryRow(b.ctx, `SELECT count(*) FROM usage_minutes WHERE (minute < $1) = $2`, horizon, older).Scan(&rows)
+		require.NoError(t, err)
+		return rows
+	}
+	lines, before, newer := report(), views(), minutes(false)
 	require.Positive(t, before[0].Totals.Requests)
+	require.Positive(t, minutes(true))
+	require.Positive(t, newer)
 
-	var folded int64
+	var folded, deleted int64
 	for {
 		n, err := b.store.FoldOldRequests(b.ctx, horizon, 7)
 		require.NoError(t, err)
-		if n == 0 {
+		m, err := b.store.DeleteOldUsageMinutes(b.ctx, horizon, 7)
+		require.NoError(t, err)
+		if n == 0 && m == 0 {
 			break
 		}
 		require.LessOrEqual(t, n, int64(7))
-		folded += n
+		require.LessOrEqual(t, m, int64(7))
+		folded, deleted = folded+n, deleted+m
 	}
 	require.Equal(t, int64(len(old)), folded)
+	require.Positive(t, deleted)
+	require.Zero(t, minutes(true), "the minutes before the horizon are left to their hours")
+	require.Equal(t, newer, minutes(false))
 	var left int
 	require.NoError(t, b.store.Pool().QueryRow(b.ctx, `SELECT count(*) FROM requests WHERE id = ANY($1)`, old).Scan(&left))
 	require.Zero(t, left)
@@ -404,7 +425,7 @@ func TestOldRequestsAreFoldedIntoDays(t *testing.T) {
 	require.NoError(t, err, "evidence is held until it expires")
 	require.Len(t, ev.Sources, 1)
 	require.Equal(t, lines, report(), "the report reads the folded requests from their days")
-	require.Equal(t, before, views(), "the view reads whole minutes from their sums")
+	require.Equal(t, before, views(), "the view reads whole hours from their sums")
 }
 
 // BenchmarkFoldOldRequests: one run of the fold of requests past their
@@ -442,4 +463,29 @@ func BenchmarkFoldOldRequests(b *testing.B) {
 			b.ReportMetric(float64(b.Elapsed().Microseconds())/float64(folded), "µs/request")
 		})
 	}
+}
+
+// BenchmarkDeleteOldUsageMinutes: one run of the removal of the sums by
+// minute past the retention (1,000 minutes), in a table that keeps 100,000
+// newer ones. Reported per run and per minute removed.
+func BenchmarkDeleteOldUsageMinutes(b *testing.B) {
+	ctx := context.Background()
+	bundle := &testBundle{ctx: ctx, store: store.New(testdb.New(b))}
+	_, p := bundle.key(b, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	horizon := time.Now().UTC().Add(-90 * 24 * time.Hour).Truncate(time.Minute)
+	_, err := bundle.store.Pool().Exec(ctx, `
+		INSERT INTO usage_minutes (account_id, minute, model, backend, requests, input_rungs, output_rungs, total_rungs)
+		SELECT $1, $2::timestamptz + i * interval '1 minute', 'instant', 0, 1, 10, 20, 30
+		  FROM generate_series(-$3::integer, 99999) i`, p.AccountID, horizon, b.N*1000)
+	require.NoError(b, err)
+	_, err = bundle.store.Pool().Exec(ctx, `VACUUM ANALYZE usage_minutes`)
+	require.NoError(b, err)
+	b.ResetTimer()
+	for range b.N {
+		n, err := bundle.store.DeleteOldUsageMinutes(ctx, horizon, 1000)
+		if err != nil || n != 1000 {
+			b.Fatalf("removed %d of 1000: %v", n, err)
+		}
+	}
+	b.ReportMetric(float64(b.Elapsed().Microseconds())/float64(b.N*1000), "µs/minute")
 }

@@ -868,12 +868,12 @@ type GetUsageParams struct {
 	// Start Start of the period (inclusive), RFC 3339. Default the start of the current UTC day.
 	// Times count to the microsecond, the precision usage is stored with: a finer
 	// fraction is cut, and `period` in the reply is the period counted.
-	// Older than the request retention (see above), a whole minute.
+	// Older than the request retention (see above), a whole hour.
 	Start *time.Time `form:"start,omitempty" json:"start,omitempty"`
 
 	// End End of the period (exclusive), RFC 3339. Default the start of the next UTC day.
 	// Cut to the microsecond as `start` is; it must then be after `start`.
-	// Older than the request retention, a whole minute.
+	// Older than the request retention, a whole hour.
 	End *time.Time `form:"end,omitempty" json:"end,omitempty"`
 }
 
@@ -1274,12 +1274,12 @@ type ClientInterface interface {
 	// daily rung ceiling, and the budget of the caller's project. Accepts a key
 	// with the `inference` or the `usage` scope.
 	//
-	// Usage is kept for good, as sums by minute and by hour. The requests
-	// themselves are kept for the gateway's request retention (90 days unless
-	// its operator sets another, or keeps them for good), after which only
-	// those sums remain: an end of the period older than the retention must
-	// then fall on a whole minute (`…:00Z`, no fraction), else 400
-	// `INVALID_REQUEST` names it.
+	// Usage is kept for good, as sums by hour. The requests themselves and
+	// their sums by minute are kept for the gateway's request retention (90
+	// days unless its operator sets another, or keeps them for good), after
+	// which only the sums by hour remain: an end of the period older than the
+	// retention must then fall on a whole UTC hour (`…:00:00Z`, no fraction),
+	// else 400 `INVALID_REQUEST` names it.
 	//
 	// Corresponds with GET /api/v1/usage (the `GetUsage` operationId).
 	GetUsage(ctx context.Context, params *GetUsageParams, reqEditors ...RequestEditorFn) (*http.Response, error)
@@ -1756,12 +1756,12 @@ func (c *Client) GetSources(ctx context.Context, requestId RequestID, reqEditors
 // daily rung ceiling, and the budget of the caller's project. Accepts a key
 // with the `inference` or the `usage` scope.
 //
-// Usage is kept for good, as sums by minute and by hour. The requests
-// themselves are kept for the gateway's request retention (90 days unless
-// its operator sets another, or keeps them for good), after which only
-// those sums remain: an end of the period older than the retention must
-// then fall on a whole minute (`…:00Z`, no fraction), else 400
-// `INVALID_REQUEST` names it.
+// Usage is kept for good, as sums by hour. The requests themselves and
+// their sums by minute are kept for the gateway's request retention (90
+// days unless its operator sets another, or keeps them for good), after
+// which only the sums by hour remain: an end of the period older than the
+// retention must then fall on a whole UTC hour (`…:00:00Z`, no fraction),
+// else 400 `INVALID_REQUEST` names it.
 //
 // Corresponds with GET /api/v1/usage (the `GetUsage` operationId).
 func (c *Client) GetUsage(ctx context.Context, params *GetUsageParams, reqEditors ...RequestEditorFn) (*http.Response, error) {
@@ -2750,12 +2750,12 @@ type ClientWithResponsesInterface interface {
 	// daily rung ceiling, and the budget of the caller's project. Accepts a key
 	// with the `inference` or the `usage` scope.
 	//
-	// Usage is kept for good, as sums by minute and by hour. The requests
-	// themselves are kept for the gateway's request retention (90 days unless
-	// its operator sets another, or keeps them for good), after which only
-	// those sums remain: an end of the period older than the retention must
-	// then fall on a whole minute (`…:00Z`, no fraction), else 400
-	// `INVALID_REQUEST` names it.
+	// Usage is kept for good, as sums by hour. The requests themselves and
+	// their sums by minute are kept for the gateway's request retention (90
+	// days unless its operator sets another, or keeps them for good), after
+	// which only the sums by hour remain: an end of the period older than the
+	// retention must then fall on a whole UTC hour (`…:00:00Z`, no fraction),
+	// else 400 `INVALID_REQUEST` names it.
 	//
 	// Returns a wrapper object for the known response body format(s).
 	//
@@ -4930,12 +4930,12 @@ func (c *ClientWithResponses) GetSourcesWithResponse(ctx context.Context, reques
 // daily rung ceiling, and the budget of the caller's project. Accepts a key
 // with the `inference` or the `usage` scope.
 //
-// Usage is kept for good, as sums by minute and by hour. The requests
-// themselves are kept for the gateway's request retention (90 days unless
-// its operator sets another, or keeps them for good), after which only
-// those sums remain: an end of the period older than the retention must
-// then fall on a whole minute (`…:00Z`, no fraction), else 400
-// `INVALID_REQUEST` names it.
+// Usage is kept for good, as sums by hour. The requests themselves and
+// their sums by minute are kept for the gateway's request retention (90
+// days unless its operator sets another, or keeps them for good), after
+// which only the sums by hour remain: an end of the period older than the
+// retention must then fall on a whole UTC hour (`…:00:00Z`, no fraction),
+// else 400 `INVALID_REQUEST` names it.
 //
 // Returns a wrapper object for the known response body format(s).
 //

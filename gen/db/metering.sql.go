@@ -94,6 +94,40 @@ func (q *Queries) DeleteOldRateWindows(ctx context.Context, db DBTX, before time
 	return result.RowsAffected(), nil
 }
 
+const deleteOldUsageMinutes = `-- name: DeleteOldUsageMinutes :execrows
+DELETE FROM usage_minutes m
+ WHERE m.ctid = ANY (ARRAY(
+        SELECT o.ctid
+          FROM accounts a
+         CROSS JOIN LATERAL (
+            SELECT f.ctid FROM usage_minutes f
+             WHERE f.account_id = a.id AND f.minute < $1 AND f.backend = 0
+             ORDER BY f.minute
+             LIMIT $2
+         ) o
+         LIMIT $2))
+   AND m.minute < $1 AND m.backend = 0
+`
+
+type DeleteOldUsageMinutesParams struct {
+	Before  time.Time
+	MaxRows int32
+}
+
+// Removes up to @max_rows folded sums by minute (backend 0) of minutes before
+// @before: what they hold is in their hour's sums already (FoldUsageMinutes
+// adds to both in one statement). Each account's oldest first, through the
+// table's key, and removed by their addresses (a join on the key was planned
+// as a hash join over the whole table). Rows not yet folded stay, for the
+// fold.
+func (q *Queries) DeleteOldUsageMinutes(ctx context.Context, db DBTX, arg DeleteOldUsageMinutesParams) (int64, error) {
+	result, err := db.Exec(ctx, deleteOldUsageMinutes, arg.Before, arg.MaxRows)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
 const expiredQuotaLeases = `-- name: ExpiredQuotaLeases :many
 SELECT q.id, q.owner FROM quota_leases q
 WHERE q.expires_at < now() AND NOT (q.id = ANY ($1::uuid[]))
@@ -146,7 +180,7 @@ WITH old AS (
        AND NOT (a.id = ANY ($4::uuid[]))
      LIMIT $2
 ), moved AS (
-    DELETE FROM requests r USING old WHERE r.id = old.id
+    DELETE FROM requests r WHERE r.id = ANY (ARRAY(SELECT id FROM old)) AND r.completed_at < $1
     RETURNING r.account_id, r.project_id, r.completed_at, r.model, r.entry_point, r.input_rungs, r.output_rungs, r.total_rungs
 ), days AS (
     INSERT INTO usage_days AS d (account_id, day, project_id, model, entry_point, requests, input_rungs, output_rungs, total_rungs)
@@ -174,7 +208,9 @@ type FoldOldRequestsParams struct {
 // their day's sums in usage_days, in one statement: a request is in one or
 // the other, never both. The requests of the account @account_id when it is
 // given, and none of the accounts @skip; each account's oldest first,
-// through its index on completion time (migration 00001). Evidence rows are
+// through its index on completion time (migration 00001), removed through
+// the primary key (ANY of an array: never a join planned over the whole
+// table). Evidence rows are
 // removed at their own expiry (DeleteExpiredEvidence), long past when the
 // retention is at least the evidence's.
 func (q *Queries) FoldOldRequests(ctx context.Context, db DBTX, arg FoldOldRequestsParams) (int64, error) {

@@ -244,7 +244,9 @@ ORDER BY a.name, p.name, u.day, u.model, u.entry_point;
 -- their day's sums in usage_days, in one statement: a request is in one or
 -- the other, never both. The requests of the account @account_id when it is
 -- given, and none of the accounts @skip; each account's oldest first,
--- through its index on completion time (migration 00001). Evidence rows are
+-- through its index on completion time (migration 00001), removed through
+-- the primary key (ANY of an array: never a join planned over the whole
+-- table). Evidence rows are
 -- removed at their own expiry (DeleteExpiredEvidence), long past when the
 -- retention is at least the evidence's.
 WITH old AS (
@@ -260,7 +262,7 @@ WITH old AS (
        AND NOT (a.id = ANY (@skip::uuid[]))
      LIMIT @max_rows
 ), moved AS (
-    DELETE FROM requests r USING old WHERE r.id = old.id
+    DELETE FROM requests r WHERE r.id = ANY (ARRAY(SELECT id FROM old)) AND r.completed_at < @before
     RETURNING r.account_id, r.project_id, r.completed_at, r.model, r.entry_point, r.input_rungs, r.output_rungs, r.total_rungs
 ), days AS (
     INSERT INTO usage_days AS d (account_id, day, project_id, model, entry_point, requests, input_rungs, output_rungs, total_rungs)
@@ -275,6 +277,26 @@ WITH old AS (
            total_rungs = d.total_rungs + EXCLUDED.total_rungs
 )
 SELECT count(*)::bigint AS folded FROM moved;
+
+-- name: DeleteOldUsageMinutes :execrows
+-- Removes up to @max_rows folded sums by minute (backend 0) of minutes before
+-- @before: what they hold is in their hour's sums already (FoldUsageMinutes
+-- adds to both in one statement). Each account's oldest first, through the
+-- table's key, and removed by their addresses (a join on the key was planned
+-- as a hash join over the whole table). Rows not yet folded stay, for the
+-- fold.
+DELETE FROM usage_minutes m
+ WHERE m.ctid = ANY (ARRAY(
+        SELECT o.ctid
+          FROM accounts a
+         CROSS JOIN LATERAL (
+            SELECT f.ctid FROM usage_minutes f
+             WHERE f.account_id = a.id AND f.minute < @before AND f.backend = 0
+             ORDER BY f.minute
+             LIMIT @max_rows
+         ) o
+         LIMIT @max_rows))
+   AND m.minute < @before AND m.backend = 0;
 
 -- name: OldRequestAccounts :many
 -- Accounts with requests completed before @before, apart from @skip.
