@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"net/url"
 	"strconv"
 	"strings"
 	"sync"
@@ -18,6 +19,7 @@ import (
 
 	"github.com/rungworks/gateway/gen/api"
 	"github.com/rungworks/gateway/internal/fakeupstream"
+	"github.com/rungworks/gateway/internal/testdb"
 )
 
 func (g *gateway) usage(key string) api.UsageView {
@@ -331,4 +333,69 @@ func TestUsageViewEqualsReceivedUsage(t *testing.T) {
 	require.Equal(t, map[string]bool{"elements": true, "instant": true}, models)
 	_, err = cli(t, b.db, "usage", "--account", "acmee")
 	require.ErrorContains(t, err, `no such account "acmee"`, "a misspelt account is not one that used nothing")
+}
+
+// TestUsagePastTheRetentionIsKeptInSums: requests past the request retention
+// (90 days by default) are folded into their days' sums by a replica's
+// maintenance: the operator's report says what it said, and the usage view
+// over whole hours the same; an end inside an hour that old is refused with
+// 400 INVALID_REQUEST. Time passes by moving the requests served, and their
+// sums by minute, 100 days back, while no replica runs.
+func TestUsagePastTheRetentionIsKeptInSums(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	g := serve(t, b.db, b.fake.BaseURL(), nil)
+	for i := range 5 {
+		r := g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": fmt.Sprintf("question %d", i), "model": []string{"instant", "reasoning"}[i%2]})
+		require.Equal(t, http.StatusOK, r.status, string(r.body))
+	}
+	require.NoError(t, g.stop())
+	pool := testdb.Connect(t, b.db)
+	for _, statement := range []string{
+		`UPDATE requests SET created_at = created_at - interval '100 days', completed_at = completed_at - interval '100 days'`,
+		`UPDATE usage_minutes SET minute = minute - interval '100 days'`,
+	} {
+		_, err := pool.Exec(context.Background(), statement)
+		require.NoError(t, err)
+	}
+	then := time.Now().UTC().AddDate(0, 0, -100)
+	report := func() string {
+		day := func(t time.Time, d int) string { return t.AddDate(0, 0, d).Format("2006-01-02") }
+		return mustCLI(t, b.db, "usage", "--csv", "--from", day(then, -1), "--to", day(then, 1))
+	}
+	before := report()
+	rows, err := csv.NewReader(strings.NewReader(before)).ReadAll()
+	require.NoError(t, err)
+	var reported api.UsageTotals
+	for _, row := range rows[1:] {
+		for i, sum := range []*int64{&reported.Requests, &reported.InputRungs, &reported.OutputRungs, &reported.TotalRungs} {
+			n, err := strconv.ParseInt(row[5+i], 10, 64)
+			require.NoError(t, err)
+			*sum += n
+		}
+	}
+	require.Equal(t, int64(5), reported.Requests, before)
+
+	g = serve(t, b.db, b.fake.BaseURL(), nil)
+	require.Eventually(t, func() bool {
+		var left int
+		require.NoError(t, pool.QueryRow(context.Background(), `SELECT count(*) FROM requests`).Scan(&left))
+		return left == 0
+	}, 20*time.Second, 100*time.Millisecond, "the replica folds the old requests into their days")
+	require.Equal(t, before, report())
+	period := "/api/v1/usage?" + url.Values{
+		"start": {then.Truncate(time.Hour).Add(-24 * time.Hour).Format(time.RFC3339)},
+		"end":   {then.Truncate(time.Hour).Add(24 * time.Hour).Format(time.RFC3339)},
+	}.Encode()
+	r := g.call(http.MethodGet, period, b.key, nil)
+	require.Equal(t, http.StatusOK, r.status, string(r.body))
+	var v api.UsageView
+	require.NoError(t, json.Unmarshal(r.body, &v))
+	require.Equal(t, reported, v.Totals, "the view over whole hours, from their sums")
+
+	inside := "/api/v1/usage?" + url.Values{"start": {then.Truncate(time.Hour).Add(-90 * time.Minute).Format(time.RFC3339)}}.Encode()
+	r = g.call(http.MethodGet, inside, b.key, nil)
+	require.Equal(t, http.StatusBadRequest, r.status, string(r.body))
+	require.Equal(t, "INVALID_REQUEST", r.code(t))
+	require.Contains(t, string(r.body), "usage older than 90 days (the request retention) is kept by the hour")
 }
