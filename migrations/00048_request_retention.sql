@@ -5,10 +5,11 @@
 -- statement, adds them to usage_days: their sums by account, UTC day of
 -- completion, project, model and entry point, what the operator's usage
 -- report (`gateway usage`) reads besides the requests still kept. A request
--- is in one or the other, never both, so the report stays exact; the usage
--- view reads its sums by hour and minute (migration 00039), which stay. As
--- those sums, it refers to accounts and projects without foreign keys: they
--- are never deleted (migration 00007).
+-- is in one or the other, never both, so the report stays exact. The usage
+-- view reads its sums by hour (migration 00039), which stay; its sums by
+-- minute as old are removed by another job, their hours holding them. As
+-- those sums, usage_days refers to accounts and projects without foreign
+-- keys: they are never deleted (migration 00007).
 CREATE TABLE usage_days (
     account_id   uuid NOT NULL,
     day          date NOT NULL,

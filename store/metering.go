@@ -102,8 +102,8 @@ func (s *Store) FoldUsageMinutes(ctx context.Context, before time.Time, maxRows 
 // (past the request retention) and adds them to their day's sums, which the
 // usage report reads besides the requests still kept, in one statement: the
 // report stays exact. The usage view reads the sums by hour, which stay.
-// Isolated as FoldUsageMinutes is: an account whose requests
-// cannot be folded is set aside, the others go on (D11).
+// Isolated as FoldUsageMinutes is: an account whose requests cannot be
+// folded is set aside, the others go on (D11).
 func (s *Store) FoldOldRequests(ctx context.Context, before time.Time, maxRows int32) (int64, error) {
 	return s.requestQuarantine.isolated("folding old requests", func(skip []uuid.UUID, account *uuid.UUID) (int64, error) {
 		return s.queries.FoldOldRequests(ctx, s.pool, db.FoldOldRequestsParams{Before: before, MaxRows: maxRows, Skip: skip, AccountID: account})

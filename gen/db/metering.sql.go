@@ -210,9 +210,9 @@ type FoldOldRequestsParams struct {
 // given, and none of the accounts @skip; each account's oldest first,
 // through its index on completion time (migration 00001), removed through
 // the primary key (ANY of an array: never a join planned over the whole
-// table). Evidence rows are
-// removed at their own expiry (DeleteExpiredEvidence), long past when the
-// retention is at least the evidence's.
+// table). Evidence rows are removed at their own expiry
+// (DeleteExpiredEvidence), long past when the retention is at least the
+// evidence's.
 func (q *Queries) FoldOldRequests(ctx context.Context, db DBTX, arg FoldOldRequestsParams) (int64, error) {
 	row := db.QueryRow(ctx, foldOldRequests,
 		arg.Before,

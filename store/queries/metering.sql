@@ -246,9 +246,9 @@ ORDER BY a.name, p.name, u.day, u.model, u.entry_point;
 -- given, and none of the accounts @skip; each account's oldest first,
 -- through its index on completion time (migration 00001), removed through
 -- the primary key (ANY of an array: never a join planned over the whole
--- table). Evidence rows are
--- removed at their own expiry (DeleteExpiredEvidence), long past when the
--- retention is at least the evidence's.
+-- table). Evidence rows are removed at their own expiry
+-- (DeleteExpiredEvidence), long past when the retention is at least the
+-- evidence's.
 WITH old AS (
     SELECT o.id
       FROM accounts a
