@@ -26,8 +26,7 @@ type Store interface {
 	DeleteOldRateWindows(ctx context.Context, before time.Time) (int64, error)
 	DeleteExpiredEvidence(ctx context.Context, maxRows int32) (int64, error)
 	FoldUsageMinutes(ctx context.Context, before time.Time, maxRows int32) (int64, error)
-	FoldOldRequests(ctx context.Context, before time.Time, maxRows int32) (int64, error)
-	DeleteOldUsageMinutes(ctx context.Context, before time.Time, maxRows int32) (int64, error)
+	FoldOldUsage(ctx context.Context, before time.Time, maxRows int32) (int64, error)
 	RescueExpiredLeases(ctx context.Context, maxRows int32) (int64, error)
 	FoldExpiredQuotaLeases(ctx context.Context, maxRows int) (int64, error)
 	ExpireBatches(ctx context.Context, maxRows int32) (int64, error)
@@ -133,10 +132,8 @@ func Jobs(st Store, set Settings, m *metrics.Metrics) []Job {
 		}},
 	}
 	if set.RequestRetention > 0 {
-		jobs = append(jobs, Job{Name: "fold old requests", Interval: HousekeepingInterval, Run: func(ctx context.Context) (int64, error) {
-			return st.FoldOldRequests(ctx, time.Now().Add(-set.RequestRetention), batchRows)
-		}}, Job{Name: "delete old usage minutes", Interval: HousekeepingInterval, Run: func(ctx context.Context) (int64, error) {
-			return st.DeleteOldUsageMinutes(ctx, time.Now().Add(-set.RequestRetention), batchRows)
+		jobs = append(jobs, Job{Name: "fold old usage", Interval: HousekeepingInterval, Run: func(ctx context.Context) (int64, error) {
+			return st.FoldOldUsage(ctx, time.Now().Add(-set.RequestRetention), batchRows)
 		}})
 	}
 	return jobs

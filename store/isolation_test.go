@@ -354,7 +354,7 @@ func TestRequestFoldIsolatesAFailingAccount(t *testing.T) {
 		require.NoError(t, b.store.SettleRequests(b.ctx, []store.Settlement{{Record: at(p, old, gateway.ModelInstant, total)}}))
 	}
 	settle(bad, 5)
-	n, err := b.store.FoldOldRequests(b.ctx, horizon, 1000)
+	n, err := b.store.FoldOldUsage(b.ctx, horizon, 1000)
 	require.NoError(t, err)
 	require.Equal(t, int64(1), n)
 	// Fault injection: the bad account's day is one rung short of
@@ -365,7 +365,7 @@ func TestRequestFoldIsolatesAFailingAccount(t *testing.T) {
 	settle(good, 20)
 	settle(good, 30)
 
-	n, err = b.store.FoldOldRequests(b.ctx, horizon, 1000)
+	n, err = b.store.FoldOldUsage(b.ctx, horizon, 1000)
 	require.Error(t, err, "the failing account is reported")
 	require.Contains(t, err.Error(), bad.AccountID.String())
 	require.Equal(t, int64(2), n, "the other account's requests are folded")
@@ -384,7 +384,7 @@ func TestRequestFoldIsolatesAFailingAccount(t *testing.T) {
 
 	// The failing account is set aside: later runs fold everyone else at once.
 	settle(good, 7)
-	n, err = b.store.FoldOldRequests(b.ctx, horizon, 1000)
+	n, err = b.store.FoldOldUsage(b.ctx, horizon, 1000)
 	require.NoError(t, err)
 	require.Equal(t, int64(1), n)
 	require.Equal(t, 1, kept(bad))

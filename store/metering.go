@@ -98,32 +98,6 @@ func (s *Store) FoldUsageMinutes(ctx context.Context, before time.Time, maxRows 
 	})
 }
 
-// FoldOldRequests removes up to maxRows requests completed before before
-// (past the request retention) and adds them to their day's sums, which the
-// usage report reads besides the requests still kept, in one statement: the
-// report stays exact. The usage view reads the sums by hour, which stay.
-// Isolated as FoldUsageMinutes is: an account whose requests cannot be
-// folded is set aside, the others go on (D11).
-func (s *Store) FoldOldRequests(ctx context.Context, before time.Time, maxRows int32) (int64, error) {
-	return s.requestQuarantine.isolated("folding old requests", func(skip []uuid.UUID, account *uuid.UUID) (int64, error) {
-		return s.queries.FoldOldRequests(ctx, s.pool, db.FoldOldRequestsParams{Before: before, MaxRows: maxRows, Skip: skip, AccountID: account})
-	}, func(skip []uuid.UUID) ([]uuid.UUID, error) {
-		return s.queries.OldRequestAccounts(ctx, s.pool, db.OldRequestAccountsParams{Before: before, Skip: skip, MaxRows: maxRows})
-	})
-}
-
-// DeleteOldUsageMinutes removes up to maxRows folded sums by minute of
-// minutes before before (past the request retention): their hours' sums hold
-// what they did, and the usage view takes only whole hours at ends older than
-// the retention (gateway.CheckUsagePeriod).
-func (s *Store) DeleteOldUsageMinutes(ctx context.Context, before time.Time, maxRows int32) (int64, error) {
-	n, err := s.queries.DeleteOldUsageMinutes(ctx, s.pool, db.DeleteOldUsageMinutesParams{Before: before, MaxRows: maxRows})
-	if err != nil {
-		return 0, fmt.Errorf("error deleting old usage minutes: %w", err)
-	}
-	return n, nil
-}
-
 // UsageLine is one line of a usage report: what one project of an account
 // used of one model through one entry point on one UTC day.
 type UsageLine = db.UsageReportRow

@@ -34,8 +34,9 @@ type Store struct {
 	foldQuarantine quarantine
 	// usageQuarantine holds accounts whose usage sums by minute fail to fold.
 	usageQuarantine quarantine
-	// requestQuarantine holds accounts whose old requests fail to fold.
-	requestQuarantine quarantine
+	// retention is where the pass over usage past the retention goes on
+	// (FoldOldUsage).
+	retention retentionPass
 	// creations bounds the batch creations holding a connection at once (see
 	// creationSlots).
 	creations chan struct{}

@@ -94,38 +94,50 @@ func (q *Queries) DeleteOldRateWindows(ctx context.Context, db DBTX, before time
 	return result.RowsAffected(), nil
 }
 
-const deleteOldUsageMinutes = `-- name: DeleteOldUsageMinutes :execrows
-DELETE FROM usage_minutes m
- WHERE m.ctid = ANY (ARRAY(
-        SELECT o.ctid
-          FROM accounts a
-         CROSS JOIN LATERAL (
+const deleteOldUsageMinutes = `-- name: DeleteOldUsageMinutes :one
+WITH removed AS (
+    DELETE FROM usage_minutes m
+     WHERE m.ctid = ANY (ARRAY(
             SELECT f.ctid FROM usage_minutes f
-             WHERE f.account_id = a.id AND f.minute < $1 AND f.backend = 0
+             WHERE f.account_id = $1 AND f.minute < $2 AND f.backend = 0
+               AND f.minute >= coalesce($3::timestamptz, '-infinity')
              ORDER BY f.minute
-             LIMIT $2
-         ) o
-         LIMIT $2))
-   AND m.minute < $1 AND m.backend = 0
+             LIMIT $4))
+       AND m.minute < $2 AND m.backend = 0
+    RETURNING m.minute
+), marked AS (
+    INSERT INTO retention_marks AS k (account_id, minutes_from)
+    SELECT $1, max(minute) FROM removed HAVING count(*) > 0
+    ON CONFLICT (account_id) DO UPDATE
+       SET minutes_from = greatest(k.minutes_from, EXCLUDED.minutes_from)
+)
+SELECT count(*)::bigint AS removed FROM removed
 `
 
 type DeleteOldUsageMinutesParams struct {
-	Before  time.Time
-	MaxRows int32
+	AccountID   uuid.UUID
+	Before      time.Time
+	MinutesFrom *time.Time
+	MaxRows     int32
 }
 
-// Removes up to @max_rows folded sums by minute (backend 0) of minutes before
-// @before: what they hold is in their hour's sums already (FoldUsageMinutes
-// adds to both in one statement). Each account's oldest first, through the
-// table's key, and removed by their addresses (a join on the key was planned
-// as a hash join over the whole table). Rows not yet folded stay, for the
-// fold.
+// Removes up to @max_rows folded sums by minute (backend 0) of the account
+// @account_id of minutes before @before, oldest first from @minutes_from
+// (its mark, or NULL): what they hold is in their hour's sums already
+// (FoldUsageMinutes adds to both in one statement). Its mark moves to the
+// last removed. Found through the table's key and removed by their
+// addresses (a join on the key was planned as a hash join over the whole
+// table). Rows not yet folded stay, for the fold.
 func (q *Queries) DeleteOldUsageMinutes(ctx context.Context, db DBTX, arg DeleteOldUsageMinutesParams) (int64, error) {
-	result, err := db.Exec(ctx, deleteOldUsageMinutes, arg.Before, arg.MaxRows)
-	if err != nil {
-		return 0, err
-	}
-	return result.RowsAffected(), nil
+	row := db.QueryRow(ctx, deleteOldUsageMinutes,
+		arg.AccountID,
+		arg.Before,
+		arg.MinutesFrom,
+		arg.MaxRows,
+	)
+	var removed int64
+	err := row.Scan(&removed)
+	return removed, err
 }
 
 const expiredQuotaLeases = `-- name: ExpiredQuotaLeases :many
@@ -167,20 +179,15 @@ func (q *Queries) ExpiredQuotaLeases(ctx context.Context, db DBTX, arg ExpiredQu
 }
 
 const foldOldRequests = `-- name: FoldOldRequests :one
-WITH old AS (
-    SELECT o.id
-      FROM accounts a
-     CROSS JOIN LATERAL (
-        SELECT r.id FROM requests r
-         WHERE r.account_id = a.id AND r.completed_at < $1
-         ORDER BY r.completed_at
-         LIMIT $2
-     ) o
-     WHERE ($3::uuid IS NULL OR a.id = $3::uuid)
-       AND NOT (a.id = ANY ($4::uuid[]))
-     LIMIT $2
-), moved AS (
-    DELETE FROM requests r WHERE r.id = ANY (ARRAY(SELECT id FROM old)) AND r.completed_at < $1
+WITH moved AS (
+    DELETE FROM requests r
+     WHERE r.id = ANY (ARRAY(
+            SELECT o.id FROM requests o
+             WHERE o.account_id = $1 AND o.completed_at < $2
+               AND o.completed_at >= coalesce($3::timestamptz, '-infinity')
+             ORDER BY o.completed_at
+             LIMIT $4))
+       AND r.completed_at < $2
     RETURNING r.account_id, r.project_id, r.completed_at, r.model, r.entry_point, r.input_rungs, r.output_rungs, r.total_rungs
 ), days AS (
     INSERT INTO usage_days AS d (account_id, day, project_id, model, entry_point, requests, input_rungs, output_rungs, total_rungs)
@@ -193,32 +200,37 @@ WITH old AS (
            input_rungs = d.input_rungs + EXCLUDED.input_rungs,
            output_rungs = d.output_rungs + EXCLUDED.output_rungs,
            total_rungs = d.total_rungs + EXCLUDED.total_rungs
+), marked AS (
+    INSERT INTO retention_marks AS k (account_id, requests_from)
+    SELECT $1, max(completed_at) FROM moved HAVING count(*) > 0
+    ON CONFLICT (account_id) DO UPDATE
+       SET requests_from = greatest(k.requests_from, EXCLUDED.requests_from)
 )
 SELECT count(*)::bigint AS folded FROM moved
 `
 
 type FoldOldRequestsParams struct {
-	Before    time.Time
-	MaxRows   int32
-	AccountID *uuid.UUID
-	Skip      []uuid.UUID
+	AccountID    uuid.UUID
+	Before       time.Time
+	RequestsFrom *time.Time
+	MaxRows      int32
 }
 
-// Removes up to @max_rows requests completed before @before and adds them to
-// their day's sums in usage_days, in one statement: a request is in one or
-// the other, never both. The requests of the account @account_id when it is
-// given, and none of the accounts @skip; each account's oldest first,
-// through its index on completion time (migration 00001), removed through
-// the primary key (ANY of an array: never a join planned over the whole
-// table). Evidence rows are removed at their own expiry
-// (DeleteExpiredEvidence), long past when the retention is at least the
-// evidence's.
+// Removes up to @max_rows requests of the account @account_id completed
+// before @before, oldest first from @requests_from (its mark, or NULL), and
+// adds them to their day's sums in usage_days, in one statement: a request
+// is in one or the other, never both. Its mark moves to the last removed.
+// Found through the account's index on completion time (migration 00001)
+// and removed through the primary key (ANY of an array: never a join
+// planned over the whole table). Evidence rows are removed at their own
+// expiry (DeleteExpiredEvidence), long past when the retention is at least
+// the evidence's.
 func (q *Queries) FoldOldRequests(ctx context.Context, db DBTX, arg FoldOldRequestsParams) (int64, error) {
 	row := db.QueryRow(ctx, foldOldRequests,
-		arg.Before,
-		arg.MaxRows,
 		arg.AccountID,
-		arg.Skip,
+		arg.Before,
+		arg.RequestsFrom,
+		arg.MaxRows,
 	)
 	var folded int64
 	err := row.Scan(&folded)
@@ -460,33 +472,60 @@ func (q *Queries) LookupKey(ctx context.Context, db DBTX, arg LookupKeyParams) (
 	return i, err
 }
 
-const oldRequestAccounts = `-- name: OldRequestAccounts :many
-SELECT a.id FROM accounts a
-WHERE NOT (a.id = ANY ($1::uuid[]))
-  AND EXISTS (SELECT 1 FROM requests r WHERE r.account_id = a.id AND r.completed_at < $2)
+const oldUsageAccounts = `-- name: OldUsageAccounts :many
+SELECT a.id, k.requests_from, k.minutes_from,
+       coalesce((SELECT r.completed_at FROM requests r
+                  WHERE r.account_id = a.id AND r.completed_at >= coalesce(k.requests_from, '-infinity')
+                  ORDER BY r.completed_at LIMIT 1) < $1, false)::boolean AS old_requests,
+       coalesce((SELECT m.minute FROM usage_minutes m
+                  WHERE m.account_id = a.id AND m.minute >= coalesce(k.minutes_from, '-infinity') AND m.backend = 0
+                  ORDER BY m.minute LIMIT 1) < $1, false)::boolean AS old_minutes
+FROM accounts a
+LEFT JOIN retention_marks k ON k.account_id = a.id
+WHERE a.id >= $2
+ORDER BY a.id
 LIMIT $3
 `
 
-type OldRequestAccountsParams struct {
-	Skip    []uuid.UUID
-	Before  time.Time
-	MaxRows int32
+type OldUsageAccountsParams struct {
+	Before       time.Time
+	FirstAccount uuid.UUID
+	MaxRows      int32
 }
 
-// Accounts with requests completed before @before, apart from @skip.
-func (q *Queries) OldRequestAccounts(ctx context.Context, db DBTX, arg OldRequestAccountsParams) ([]uuid.UUID, error) {
-	rows, err := db.Query(ctx, oldRequestAccounts, arg.Skip, arg.Before, arg.MaxRows)
+type OldUsageAccountsRow struct {
+	ID           uuid.UUID
+	RequestsFrom *time.Time
+	MinutesFrom  *time.Time
+	OldRequests  bool
+	OldMinutes   bool
+}
+
+// Up to @max_rows accounts from @first_account on, in order of id, each
+// with whether it has requests completed before @before (to fold into their
+// days) and folded sums by minute of minutes before it (to remove), and
+// where the pass stands in it (retention_marks): the oldest of each, read
+// from there in each table's index. (EXISTS was planned as a scan of the
+// whole table when few accounts hold the requests.)
+func (q *Queries) OldUsageAccounts(ctx context.Context, db DBTX, arg OldUsageAccountsParams) ([]OldUsageAccountsRow, error) {
+	rows, err := db.Query(ctx, oldUsageAccounts, arg.Before, arg.FirstAccount, arg.MaxRows)
 	if err != nil {
 		return nil, err
 	}
 	defer rows.Close()
-	var items []uuid.UUID
+	var items []OldUsageAccountsRow
 	for rows.Next() {
-		var id uuid.UUID
-		if err := rows.Scan(&id); err != nil {
+		var i OldUsageAccountsRow
+		if err := rows.Scan(
+			&i.ID,
+			&i.RequestsFrom,
+			&i.MinutesFrom,
+			&i.OldRequests,
+			&i.OldMinutes,
+		); err != nil {
 			return nil, err
 		}
-		items = append(items, id)
+		items = append(items, i)
 	}
 	if err := rows.Err(); err != nil {
 		return nil, err

@@ -148,6 +148,12 @@ type Request struct {
 	EmptyEvidenceExpiresAt *time.Time
 }
 
+type RetentionMark struct {
+	AccountID    uuid.UUID
+	RequestsFrom *time.Time
+	MinutesFrom  *time.Time
+}
+
 type UsageDay struct {
 	AccountID   uuid.UUID
 	Day         time.Time

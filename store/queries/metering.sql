@@ -239,30 +239,45 @@ WHERE sqlc.narg(account)::text IS NULL OR a.name = sqlc.narg(account)::text
 GROUP BY a.name, p.name, u.day, u.model, u.entry_point
 ORDER BY a.name, p.name, u.day, u.model, u.entry_point;
 
+-- name: OldUsageAccounts :many
+-- Up to @max_rows accounts from @first_account on, in order of id, each
+-- with whether it has requests completed before @before (to fold into their
+-- days) and folded sums by minute of minutes before it (to remove), and
+-- where the pass stands in it (retention_marks): the oldest of each, read
+-- from there in each table's index. (EXISTS was planned as a scan of the
+-- whole table when few accounts hold the requests.)
+SELECT a.id, k.requests_from, k.minutes_from,
+       coalesce((SELECT r.completed_at FROM requests r
+                  WHERE r.account_id = a.id AND r.completed_at >= coalesce(k.requests_from, '-infinity')
+                  ORDER BY r.completed_at LIMIT 1) < @before, false)::boolean AS old_requests,
+       coalesce((SELECT m.minute FROM usage_minutes m
+                  WHERE m.account_id = a.id AND m.minute >= coalesce(k.minutes_from, '-infinity') AND m.backend = 0
+                  ORDER BY m.minute LIMIT 1) < @before, false)::boolean AS old_minutes
+FROM accounts a
+LEFT JOIN retention_marks k ON k.account_id = a.id
+WHERE a.id >= @first_account
+ORDER BY a.id
+LIMIT @max_rows;
+
 -- name: FoldOldRequests :one
--- Removes up to @max_rows requests completed before @before and adds them to
--- their day's sums in usage_days, in one statement: a request is in one or
--- the other, never both. The requests of the account @account_id when it is
--- given, and none of the accounts @skip; each account's oldest first,
--- through its index on completion time (migration 00001), removed through
--- the primary key (ANY of an array: never a join planned over the whole
--- table). Evidence rows are removed at their own expiry
--- (DeleteExpiredEvidence), long past when the retention is at least the
--- evidence's.
-WITH old AS (
-    SELECT o.id
-      FROM accounts a
-     CROSS JOIN LATERAL (
-        SELECT r.id FROM requests r
-         WHERE r.account_id = a.id AND r.completed_at < @before
-         ORDER BY r.completed_at
-         LIMIT @max_rows
-     ) o
-     WHERE (sqlc.narg(account_id)::uuid IS NULL OR a.id = sqlc.narg(account_id)::uuid)
-       AND NOT (a.id = ANY (@skip::uuid[]))
-     LIMIT @max_rows
-), moved AS (
-    DELETE FROM requests r WHERE r.id = ANY (ARRAY(SELECT id FROM old)) AND r.completed_at < @before
+-- Removes up to @max_rows requests of the account @account_id completed
+-- before @before, oldest first from @requests_from (its mark, or NULL), and
+-- adds them to their day's sums in usage_days, in one statement: a request
+-- is in one or the other, never both. Its mark moves to the last removed.
+-- Found through the account's index on completion time (migration 00001)
+-- and removed through the primary key (ANY of an array: never a join
+-- planned over the whole table). Evidence rows are removed at their own
+-- expiry (DeleteExpiredEvidence), long past when the retention is at least
+-- the evidence's.
+WITH moved AS (
+    DELETE FROM requests r
+     WHERE r.id = ANY (ARRAY(
+            SELECT o.id FROM requests o
+             WHERE o.account_id = @account_id AND o.completed_at < @before
+               AND o.completed_at >= coalesce(sqlc.narg(requests_from)::timestamptz, '-infinity')
+             ORDER BY o.completed_at
+             LIMIT @max_rows))
+       AND r.completed_at < @before
     RETURNING r.account_id, r.project_id, r.completed_at, r.model, r.entry_point, r.input_rungs, r.output_rungs, r.total_rungs
 ), days AS (
     INSERT INTO usage_days AS d (account_id, day, project_id, model, entry_point, requests, input_rungs, output_rungs, total_rungs)
@@ -275,35 +290,39 @@ WITH old AS (
            input_rungs = d.input_rungs + EXCLUDED.input_rungs,
            output_rungs = d.output_rungs + EXCLUDED.output_rungs,
            total_rungs = d.total_rungs + EXCLUDED.total_rungs
+), marked AS (
+    INSERT INTO retention_marks AS k (account_id, requests_from)
+    SELECT @account_id, max(completed_at) FROM moved HAVING count(*) > 0
+    ON CONFLICT (account_id) DO UPDATE
+       SET requests_from = greatest(k.requests_from, EXCLUDED.requests_from)
 )
 SELECT count(*)::bigint AS folded FROM moved;
 
--- name: DeleteOldUsageMinutes :execrows
--- Removes up to @max_rows folded sums by minute (backend 0) of minutes before
--- @before: what they hold is in their hour's sums already (FoldUsageMinutes
--- adds to both in one statement). Each account's oldest first, through the
--- table's key, and removed by their addresses (a join on the key was planned
--- as a hash join over the whole table). Rows not yet folded stay, for the
--- fold.
-DELETE FROM usage_minutes m
- WHERE m.ctid = ANY (ARRAY(
-        SELECT o.ctid
-          FROM accounts a
-         CROSS JOIN LATERAL (
+-- name: DeleteOldUsageMinutes :one
+-- Removes up to @max_rows folded sums by minute (backend 0) of the account
+-- @account_id of minutes before @before, oldest first from @minutes_from
+-- (its mark, or NULL): what they hold is in their hour's sums already
+-- (FoldUsageMinutes adds to both in one statement). Its mark moves to the
+-- last removed. Found through the table's key and removed by their
+-- addresses (a join on the key was planned as a hash join over the whole
+-- table). Rows not yet folded stay, for the fold.
+WITH removed AS (
+    DELETE FROM usage_minutes m
+     WHERE m.ctid = ANY (ARRAY(
             SELECT f.ctid FROM usage_minutes f
-             WHERE f.account_id = a.id AND f.minute < @before AND f.backend = 0
+             WHERE f.account_id = @account_id AND f.minute < @before AND f.backend = 0
+               AND f.minute >= coalesce(sqlc.narg(minutes_from)::timestamptz, '-infinity')
              ORDER BY f.minute
-             LIMIT @max_rows
-         ) o
-         LIMIT @max_rows))
-   AND m.minute < @before AND m.backend = 0;
-
--- name: OldRequestAccounts :many
--- Accounts with requests completed before @before, apart from @skip.
-SELECT a.id FROM accounts a
-WHERE NOT (a.id = ANY (@skip::uuid[]))
-  AND EXISTS (SELECT 1 FROM requests r WHERE r.account_id = a.id AND r.completed_at < @before)
-LIMIT @max_rows;
+             LIMIT @max_rows))
+       AND m.minute < @before AND m.backend = 0
+    RETURNING m.minute
+), marked AS (
+    INSERT INTO retention_marks AS k (account_id, minutes_from)
+    SELECT @account_id, max(minute) FROM removed HAVING count(*) > 0
+    ON CONFLICT (account_id) DO UPDATE
+       SET minutes_from = greatest(k.minutes_from, EXCLUDED.minutes_from)
+)
+SELECT count(*)::bigint AS removed FROM removed;
 
 -- name: DailyState :one
 -- The account's ceiling and today's charge, with settlements not yet folded in
