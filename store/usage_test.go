@@ -540,6 +540,62 @@ func TestTheFoldReadsPastWhatItRemoved(t *testing.T) {
 	require.Less(t, pages, 20, "pages read for the oldest request: %s", probe[0])
 }
 
+// TestExpiredEvidenceIsReadPastWhatWasRemoved: evidence past its expiry is
+// removed, the earliest first, a run at a time, and nothing before its
+// expiry; each run reads from where the last stopped (less a minute, for
+// replicas' clocks), a few pages, not through the index entries of the
+// 30,000 rows removed before, which stay until a vacuum (autovacuum is off
+// here, as it is for days on a large table).
+func TestExpiredEvidenceIsReadPastWhatWasRemoved(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	_, err := b.store.Pool().Exec(b.ctx, `ALTER TABLE evidence SET (autovacuum_enabled = off)`)
+	require.NoError(t, err)
+	_, err = b.store.Pool().Exec(b.ctx, `
+		INSERT INTO evidence (request_id, account_id, sources, expires_at)
+		SELECT gen_random_uuid(), $1, '[]', now() + i * interval '1 second' FROM generate_series(-30000, 1000) i`, p.AccountID)
+	require.NoError(t, err)
+	held := func() (n int64) {
+		require.NoError(t, b.store.Pool().QueryRow(b.ctx, `SELECT count(*) FROM evidence`).Scan(&n))
+		return n
+	}
+	var removed int64
+	for {
+		n, err := b.store.DeleteExpiredEvidence(b.ctx, 7000)
+		require.NoError(t, err)
+		require.LessOrEqual(t, n, int64(7000))
+		if n == 0 {
+			break
+		}
+		removed += n
+	}
+	require.GreaterOrEqual(t, removed, int64(30_000))
+	require.Less(t, removed, int64(30_010), "only what expired")
+	require.Equal(t, 30_001-removed+1000, held())
+
+	explained, plans := b.explained(t)
+	_, err = explained.Pool().Exec(b.ctx, `SET auto_explain.log_analyze = on; SET auto_explain.log_buffers = on`)
+	require.NoError(t, err)
+	for range 2 { // from the start, then from where the first run stopped
+		_, err = explained.DeleteExpiredEvidence(b.ctx, 7000)
+		require.NoError(t, err)
+	}
+	runs := plansOf(t, plans(), []string{"-- name: DeleteExpiredEvidence "})
+	require.Len(t, runs, 2, "both runs were explained: %q", plans())
+	pages := regexp.MustCompile(`Buffers: shared hit=(\d+)`) // the whole statement's, the first
+	var read []int
+	for _, run := range runs {
+		m := pages.FindStringSubmatch(run)
+		require.NotNil(t, m, run)
+		n, err := strconv.Atoi(m[1])
+		require.NoError(t, err)
+		read = append(read, n)
+	}
+	require.Greater(t, read[0], 50, "a replica that starts reads from the start: %s", runs[0])
+	require.Less(t, read[1], 20, "then from where it stopped: %s", runs[1])
+}
+
 // BenchmarkFoldOldUsage: one run of the pass over usage past the retention,
 // 1,000 rows a run:
 //   - requests: among accounts holding 400,000 requests of the last 100 days

@@ -7,24 +7,47 @@ package db
 
 import (
 	"context"
+	"time"
 
 	"github.com/google/uuid"
 )
 
-const deleteExpiredEvidence = `-- name: DeleteExpiredEvidence :execrows
-DELETE FROM evidence
-WHERE request_id IN (
-    SELECT e.request_id FROM evidence e WHERE e.expires_at <= now() ORDER BY e.expires_at LIMIT $1
+const deleteExpiredEvidence = `-- name: DeleteExpiredEvidence :one
+WITH removed AS (
+    DELETE FROM evidence
+     WHERE request_id = ANY (ARRAY(
+            SELECT e.request_id FROM evidence e
+             WHERE e.expires_at <= now() AND e.expires_at >= $2
+             ORDER BY e.expires_at
+             LIMIT $1))
+       AND expires_at <= now()
+    RETURNING expires_at
 )
+SELECT count(*)::bigint AS removed,
+       (CASE WHEN count(*) < $1 THEN now() ELSE max(expires_at) END)::timestamptz AS read_from
+  FROM removed
 `
 
-// Removes up to @max_rows evidence rows past retention.
-func (q *Queries) DeleteExpiredEvidence(ctx context.Context, db DBTX, maxRows int32) (int64, error) {
-	result, err := db.Exec(ctx, deleteExpiredEvidence, maxRows)
-	if err != nil {
-		return 0, err
-	}
-	return result.RowsAffected(), nil
+type DeleteExpiredEvidenceParams struct {
+	MaxRows     interface{}
+	ExpiredFrom time.Time
+}
+
+type DeleteExpiredEvidenceRow struct {
+	Removed  int64
+	ReadFrom time.Time
+}
+
+// Removes up to @max_rows evidence rows past retention, the earliest expiry
+// first from @expired_from on, and returns how many and where the next run
+// reads from: the last expiry removed, or, when fewer than @max_rows were
+// left, now (none before it is left). Not from the start, through the index
+// entries of the rows removed, which stay until a vacuum.
+func (q *Queries) DeleteExpiredEvidence(ctx context.Context, db DBTX, arg DeleteExpiredEvidenceParams) (DeleteExpiredEvidenceRow, error) {
+	row := db.QueryRow(ctx, deleteExpiredEvidence, arg.MaxRows, arg.ExpiredFrom)
+	var i DeleteExpiredEvidenceRow
+	err := row.Scan(&i.Removed, &i.ReadFrom)
+	return i, err
 }
 
 const getEvidence = `-- name: GetEvidence :one
