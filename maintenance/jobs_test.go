@@ -23,7 +23,8 @@ import (
 // counted), the queue is sampled, a batch past its window ends, what they
 // settled is folded into the counters, the usage sums of a minute long past
 // are folded into one, and a request past the request retention into its
-// day's sums, its minute's sums left to its hour's. The jobs that run every 30 s in a replica run here at once.
+// day's sums, its minute's sums left to its hour's. The jobs that run every
+// 30 s in a replica run here at once.
 func TestEveryJobRunsAgainstTheSchema(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()

@@ -4,9 +4,9 @@
 // window (expiry sweeper), folding the usage sums of past minutes and the
 // requests past their retention into sums by day, and removing batches,
 // idempotency keys, rate-limit windows, evidence and usage sums by minute
-// past retention. Every job is one statement or function that is safe to run on
-// several replicas at once (SKIP LOCKED, or idempotent deletes), so no leader
-// is needed.
+// past retention. Every job is one statement or function that is safe to run
+// on several replicas at once (SKIP LOCKED, or idempotent deletes), so no
+// leader is needed.
 package maintenance
 
 import (

@@ -133,9 +133,9 @@ type Config struct {
 	// Compress gzips long replies for clients that accept it (see
 	// compressReplies), for deployments whose load balancer does not.
 	Compress bool
-	// RequestRetention is how long requests are kept before they are folded
-	// into their day's sums (zero: for good); the usage view takes only whole
-	// minutes at ends older than it (gateway.CheckUsagePeriod).
+	// RequestRetention is how long requests and the usage sums by minute are
+	// kept (zero: for good); the usage view takes only whole hours at ends
+	// older than it (gateway.CheckUsagePeriod).
 	RequestRetention time.Duration
 }
 
