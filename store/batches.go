@@ -519,23 +519,30 @@ func (s *Store) RescueExpiredLeases(ctx context.Context, maxRows int32) (int64, 
 	return int64(len(ids)), s.FinishBatches(ctx, ids)
 }
 
-// DeleteOldBatches removes up to maxRows terminal batches completed before before.
+// DeleteOldBatches removes up to maxRows terminal batches completed before
+// before, the earliest first, reading from where its last run stopped (see
+// resumeMark).
 func (s *Store) DeleteOldBatches(ctx context.Context, before time.Time, maxRows int32) (int64, error) {
-	n, err := s.queries.DeleteOldBatches(ctx, plannedPerCall{s.pool}, db.DeleteOldBatchesParams{Before: &before, MaxRows: maxRows})
-	if err != nil {
-		return 0, fmt.Errorf("error deleting old batches: %w", err)
-	}
-	return n, nil
+	return s.batchesMark.run(func(from time.Time) (int64, time.Time, error) {
+		row, err := s.queries.DeleteOldBatches(ctx, plannedPerCall{s.pool}, db.DeleteOldBatchesParams{Before: before, CompletedFrom: from, MaxRows: maxRows})
+		if err != nil {
+			return 0, time.Time{}, fmt.Errorf("error deleting old batches: %w", err)
+		}
+		return row.Removed, row.ReadFrom, nil
+	})
 }
 
 // ExpireIdempotencyKeys forgets up to maxRows idempotency keys of batches
-// created before before.
+// created before before, the earliest first, reading from where its last
+// run stopped (see resumeMark).
 func (s *Store) ExpireIdempotencyKeys(ctx context.Context, before time.Time, maxRows int32) (int64, error) {
-	n, err := s.queries.ExpireIdempotencyKeys(ctx, plannedPerCall{s.pool}, db.ExpireIdempotencyKeysParams{Before: before, MaxRows: maxRows})
-	if err != nil {
-		return 0, fmt.Errorf("error expiring idempotency keys: %w", err)
-	}
-	return n, nil
+	return s.keysMark.run(func(from time.Time) (int64, time.Time, error) {
+		row, err := s.queries.ExpireIdempotencyKeys(ctx, plannedPerCall{s.pool}, db.ExpireIdempotencyKeysParams{Before: before, CreatedFrom: from, MaxRows: maxRows})
+		if err != nil {
+			return 0, time.Time{}, fmt.Errorf("error expiring idempotency keys: %w", err)
+		}
+		return row.Expired, row.ReadFrom, nil
+	})
 }
 
 // ClaimedItem is a batch item leased to a replica.

@@ -38,10 +38,9 @@ type Store struct {
 	// retention is where the pass over usage past the retention goes on
 	// (FoldOldUsage).
 	retention retentionPass
-	// evidenceFrom is the expiry DeleteExpiredEvidence reads from, under
-	// evidenceMark.
-	evidenceMark sync.Mutex
-	evidenceFrom time.Time
+	// evidenceMark, batchesMark and keysMark are where DeleteExpiredEvidence,
+	// DeleteOldBatches and ExpireIdempotencyKeys stopped.
+	evidenceMark, batchesMark, keysMark resumeMark
 	// creations bounds the batch creations holding a connection at once (see
 	// creationSlots).
 	creations chan struct{}
@@ -415,26 +414,47 @@ func (s *Store) Evidence(ctx context.Context, accountID, requestID uuid.UUID) (*
 	return ev, nil
 }
 
-// evidenceSkew is how far before where the last run of DeleteExpiredEvidence
-// stopped the next reads from: evidence stamped by a replica whose clock is
-// behind the database's by less expires after it (clockwatch warns past a
-// second); a replica that starts reads from the start.
-const evidenceSkew = time.Minute
-
 // DeleteExpiredEvidence removes up to maxRows evidence rows past retention,
-// the earliest expiry first, and reads from where its last run stopped (less
-// evidenceSkew): the index entries of the rows removed stay until a vacuum,
-// days of removals on a large table, and a read from the start of the index
-// went through all of them each run.
+// the earliest expiry first, reading from where its last run stopped (see
+// resumeMark).
 func (s *Store) DeleteExpiredEvidence(ctx context.Context, maxRows int32) (int64, error) {
-	s.evidenceMark.Lock()
-	defer s.evidenceMark.Unlock()
-	row, err := s.queries.DeleteExpiredEvidence(ctx, s.pool, db.DeleteExpiredEvidenceParams{ExpiredFrom: s.evidenceFrom, MaxRows: maxRows})
+	return s.evidenceMark.run(func(from time.Time) (int64, time.Time, error) {
+		row, err := s.queries.DeleteExpiredEvidence(ctx, s.pool, db.DeleteExpiredEvidenceParams{ExpiredFrom: from, MaxRows: maxRows})
+		if err != nil {
+			return 0, time.Time{}, fmt.Errorf("error deleting expired evidence: %w", err)
+		}
+		return row.Removed, row.ReadFrom, nil
+	})
+}
+
+// markSkew is how far before where a job's last run stopped its next run
+// reads from (resumeMark): rows stamped by a replica whose clock is behind
+// the database's by less come after it (clockwatch warns past a second).
+const markSkew = time.Minute
+
+// resumeMark is where a job that removes (or clears) a table's oldest rows
+// first stopped, for its next run to read from there, less markSkew, rather
+// than from the start of the table's index, through the entries of the rows
+// it removed: those stay until a vacuum, which autovacuum runs once a fifth
+// of a table has changed (days of removals on a large one), and a read from
+// the start went through every one of them, each run. A replica that starts
+// reads from the start once.
+type resumeMark struct {
+	mu   sync.Mutex
+	from time.Time
+}
+
+// run calls step with where to read from, and keeps where step says the
+// next run reads from; it returns what step counted.
+func (m *resumeMark) run(step func(from time.Time) (n int64, next time.Time, err error)) (int64, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	n, next, err := step(m.from)
 	if err != nil {
-		return 0, fmt.Errorf("error deleting expired evidence: %w", err)
+		return 0, err
 	}
-	s.evidenceFrom = row.ReadFrom.Add(-evidenceSkew)
-	return row.Removed, nil
+	m.from = next.Add(-markSkew)
+	return n, nil
 }
 
 func newID() uuid.UUID { return uuid.Must(uuid.NewV7()) }

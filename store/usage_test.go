@@ -540,60 +540,98 @@ func TestTheFoldReadsPastWhatItRemoved(t *testing.T) {
 	require.Less(t, pages, 20, "pages read for the oldest request: %s", probe[0])
 }
 
-// TestExpiredEvidenceIsReadPastWhatWasRemoved: evidence past its expiry is
-// removed, the earliest first, a run at a time, and nothing before its
-// expiry; each run reads from where the last stopped (less a minute, for
+// TestRemovalsReadFromWhereTheyStopped: the jobs that remove (or clear) a
+// table's oldest rows first — expired evidence, old batches, idempotency
+// keys past the window — remove what is due a run at a time, and nothing
+// else; then each run reads from where the last stopped (less a minute, for
 // replicas' clocks), a few pages, not through the index entries of the
-// 30,000 rows removed before, which stay until a vacuum (autovacuum is off
-// here, as it is for days on a large table).
-func TestExpiredEvidenceIsReadPastWhatWasRemoved(t *testing.T) {
+// 30,000 rows handled before, which stay until a vacuum (autovacuum is off
+// here, as it is for days on a large table). A replica that starts reads
+// from the start once.
+func TestRemovalsReadFromWhereTheyStopped(t *testing.T) {
 	t.Parallel()
-	b := setup(t)
-	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
-	_, err := b.store.Pool().Exec(b.ctx, `ALTER TABLE evidence SET (autovacuum_enabled = off)`)
-	require.NoError(t, err)
-	_, err = b.store.Pool().Exec(b.ctx, `
-		INSERT INTO evidence (request_id, account_id, sources, expires_at)
-		SELECT gen_random_uuid(), $1, '[]', now() + i * interval '1 second' FROM generate_series(-30000, 1000) i`, p.AccountID)
-	require.NoError(t, err)
-	held := func() (n int64) {
-		require.NoError(t, b.store.Pool().QueryRow(b.ctx, `SELECT count(*) FROM evidence`).Scan(&n))
-		return n
-	}
-	var removed int64
-	for {
-		n, err := b.store.DeleteExpiredEvidence(b.ctx, 7000)
-		require.NoError(t, err)
-		require.LessOrEqual(t, n, int64(7000))
-		if n == 0 {
-			break
-		}
-		removed += n
-	}
-	require.GreaterOrEqual(t, removed, int64(30_000))
-	require.Less(t, removed, int64(30_010), "only what expired")
-	require.Equal(t, 30_001-removed+1000, held())
+	before := time.Now().UTC().Add(-30 * 24 * time.Hour)
+	for _, c := range []struct {
+		name, table, fill, left, statement string
+		run                                func(*store.Store) (int64, error)
+	}{
+		{
+			name: "expired evidence", table: "evidence", statement: "DeleteExpiredEvidence",
+			fill: `INSERT INTO evidence (request_id, account_id, sources, expires_at)
+			       SELECT gen_random_uuid(), $1, '[]', now() + i * interval '1 second' FROM generate_series(-29999, 1000) i`,
+			left: `SELECT count(*) FROM evidence`,
+			run:  func(st *store.Store) (int64, error) { return st.DeleteExpiredEvidence(context.Background(), 7000) },
+		},
+		{
+			name: "old batches", table: "batches", statement: "DeleteOldBatches",
+			fill: `INSERT INTO batches (id, account_id, project_id, status, total_requests, request_hash, created_at, completed_at, expires_at)
+			       SELECT gen_random_uuid(), $1, $2, 'completed', 1, '\x00', t, t, t
+			         FROM (SELECT $3::timestamptz + i * interval '1 second' AS t FROM generate_series(-30000, 999) i) g`,
+			left: `SELECT count(*) FROM batches`,
+			run: func(st *store.Store) (int64, error) {
+				return st.DeleteOldBatches(context.Background(), before, 7000)
+			},
+		},
+		{
+			name: "idempotency keys", table: "batches", statement: "ExpireIdempotencyKeys",
+			fill: `INSERT INTO batches (id, account_id, project_id, status, total_requests, idempotency_key, request_hash, created_at, expires_at)
+			       SELECT gen_random_uuid(), $1, $2, 'queued', 1, 'key ' || i, '\x00', t, t
+			         FROM (SELECT i, $3::timestamptz + i * interval '1 second' AS t FROM generate_series(-30000, 999) i) g`,
+			left: `SELECT count(*) FROM batches WHERE idempotency_key IS NOT NULL`,
+			run: func(st *store.Store) (int64, error) {
+				return st.ExpireIdempotencyKeys(context.Background(), before, 7000)
+			},
+		},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+			_, err := b.store.Pool().Exec(b.ctx, `ALTER TABLE `+c.table+` SET (autovacuum_enabled = off)`)
+			require.NoError(t, err)
+			args := []any{p.AccountID, p.ProjectID, before}
+			if c.table == "evidence" {
+				args = args[:1]
+			}
+			_, err = b.store.Pool().Exec(b.ctx, c.fill, args...)
+			require.NoError(t, err)
+			var handled int64
+			for {
+				n, err := c.run(b.store)
+				require.NoError(t, err)
+				require.LessOrEqual(t, n, int64(7000))
+				if n == 0 {
+					break
+				}
+				handled += n
+			}
+			var left int64
+			require.NoError(t, b.store.Pool().QueryRow(b.ctx, c.left).Scan(&left))
+			require.Equal(t, int64(31_000), handled+left)
+			require.GreaterOrEqual(t, handled, int64(30_000), "what was due")
+			require.Less(t, handled, int64(30_010), "and only that")
 
-	explained, plans := b.explained(t)
-	_, err = explained.Pool().Exec(b.ctx, `SET auto_explain.log_analyze = on; SET auto_explain.log_buffers = on`)
-	require.NoError(t, err)
-	for range 2 { // from the start, then from where the first run stopped
-		_, err = explained.DeleteExpiredEvidence(b.ctx, 7000)
-		require.NoError(t, err)
+			explained, plans := b.explained(t)
+			_, err = explained.Pool().Exec(b.ctx, `SET auto_explain.log_analyze = on; SET auto_explain.log_buffers = on`)
+			require.NoError(t, err)
+			for range 2 { // from the start, then from where the first run stopped
+				_, err = c.run(explained)
+				require.NoError(t, err)
+			}
+			runs := plansOf(t, plans(), []string{"-- name: " + c.statement + " "})
+			require.Len(t, runs, 2, "both runs were explained: %q", plans())
+			var read []int
+			for _, run := range runs {
+				m := regexp.MustCompile(`Buffers: shared hit=(\d+)`).FindStringSubmatch(run) // the whole statement's, the first
+				require.NotNil(t, m, run)
+				n, err := strconv.Atoi(m[1])
+				require.NoError(t, err)
+				read = append(read, n)
+			}
+			require.Greater(t, read[0], 50, "a replica that starts reads from the start: %s", runs[0])
+			require.Less(t, read[1], 20, "then from where it stopped: %s", runs[1])
+		})
 	}
-	runs := plansOf(t, plans(), []string{"-- name: DeleteExpiredEvidence "})
-	require.Len(t, runs, 2, "both runs were explained: %q", plans())
-	pages := regexp.MustCompile(`Buffers: shared hit=(\d+)`) // the whole statement's, the first
-	var read []int
-	for _, run := range runs {
-		m := pages.FindStringSubmatch(run)
-		require.NotNil(t, m, run)
-		n, err := strconv.Atoi(m[1])
-		require.NoError(t, err)
-		read = append(read, n)
-	}
-	require.Greater(t, read[0], 50, "a replica that starts reads from the start: %s", runs[0])
-	require.Less(t, read[1], 20, "then from where it stopped: %s", runs[1])
 }
 
 // BenchmarkFoldOldUsage: one run of the pass over usage past the retention,

@@ -255,24 +255,40 @@ func (q *Queries) DayCharge(ctx context.Context, db DBTX, arg DayChargeParams) (
 	return i, err
 }
 
-const deleteOldBatches = `-- name: DeleteOldBatches :execrows
-DELETE FROM batches
-WHERE batches.id IN (SELECT x.id FROM batches x WHERE x.completed_at < $1 ORDER BY x.completed_at LIMIT $2)
+const deleteOldBatches = `-- name: DeleteOldBatches :one
+WITH removed AS (
+    DELETE FROM batches
+    WHERE batches.id IN (SELECT x.id FROM batches x
+                          WHERE x.completed_at < $2 AND x.completed_at >= $3::timestamptz
+                          ORDER BY x.completed_at LIMIT $1::integer)
+    RETURNING batches.completed_at
+)
+SELECT count(*)::bigint AS removed,
+       (CASE WHEN count(*) < $1::integer THEN $2::timestamptz ELSE max(completed_at) END)::timestamptz AS read_from
+  FROM removed
 `
 
 type DeleteOldBatchesParams struct {
-	Before  *time.Time
-	MaxRows int32
+	MaxRows       int32
+	Before        time.Time
+	CompletedFrom time.Time
 }
 
-// Removes terminal batches (and their items) completed before @before. Their
-// usage stays in requests.
-func (q *Queries) DeleteOldBatches(ctx context.Context, db DBTX, arg DeleteOldBatchesParams) (int64, error) {
-	result, err := db.Exec(ctx, deleteOldBatches, arg.Before, arg.MaxRows)
-	if err != nil {
-		return 0, err
-	}
-	return result.RowsAffected(), nil
+type DeleteOldBatchesRow struct {
+	Removed  int64
+	ReadFrom time.Time
+}
+
+// Removes up to @max_rows terminal batches (and their items) completed before
+// @before, the earliest first from @completed_from on, and returns how many
+// and where the next run reads from: the last completion removed, or
+// @before when fewer were left (see resumeMark). Their usage stays (in
+// requests, and the sums they are folded into).
+func (q *Queries) DeleteOldBatches(ctx context.Context, db DBTX, arg DeleteOldBatchesParams) (DeleteOldBatchesRow, error) {
+	row := db.QueryRow(ctx, deleteOldBatches, arg.MaxRows, arg.Before, arg.CompletedFrom)
+	var i DeleteOldBatchesRow
+	err := row.Scan(&i.Removed, &i.ReadFrom)
+	return i, err
 }
 
 const deleteRefusedBatches = `-- name: DeleteRefusedBatches :exec
@@ -313,22 +329,38 @@ func (q *Queries) DoneBatches(ctx context.Context, db DBTX, ids []uuid.UUID) ([]
 	return items, nil
 }
 
-const expireIdempotencyKeys = `-- name: ExpireIdempotencyKeys :execrows
-UPDATE batches SET idempotency_key = NULL
-WHERE batches.id IN (SELECT x.id FROM batches x WHERE x.idempotency_key IS NOT NULL AND x.created_at < $1 LIMIT $2)
+const expireIdempotencyKeys = `-- name: ExpireIdempotencyKeys :one
+WITH expired AS (
+    UPDATE batches SET idempotency_key = NULL
+    WHERE batches.id IN (SELECT x.id FROM batches x
+                          WHERE x.idempotency_key IS NOT NULL AND x.created_at < $2 AND x.created_at >= $3
+                          ORDER BY x.created_at LIMIT $1::integer)
+    RETURNING batches.created_at
+)
+SELECT count(*)::bigint AS expired,
+       (CASE WHEN count(*) < $1::integer THEN $2::timestamptz ELSE max(created_at) END)::timestamptz AS read_from
+  FROM expired
 `
 
 type ExpireIdempotencyKeysParams struct {
-	Before  time.Time
-	MaxRows int32
+	MaxRows     int32
+	Before      time.Time
+	CreatedFrom time.Time
 }
 
-func (q *Queries) ExpireIdempotencyKeys(ctx context.Context, db DBTX, arg ExpireIdempotencyKeysParams) (int64, error) {
-	result, err := db.Exec(ctx, expireIdempotencyKeys, arg.Before, arg.MaxRows)
-	if err != nil {
-		return 0, err
-	}
-	return result.RowsAffected(), nil
+type ExpireIdempotencyKeysRow struct {
+	Expired  int64
+	ReadFrom time.Time
+}
+
+// Forgets the idempotency keys of up to @max_rows batches created before
+// @before, the earliest first from @created_from on, and returns how many
+// and where the next run reads from, as DeleteOldBatches does.
+func (q *Queries) ExpireIdempotencyKeys(ctx context.Context, db DBTX, arg ExpireIdempotencyKeysParams) (ExpireIdempotencyKeysRow, error) {
+	row := db.QueryRow(ctx, expireIdempotencyKeys, arg.MaxRows, arg.Before, arg.CreatedFrom)
+	var i ExpireIdempotencyKeysRow
+	err := row.Scan(&i.Expired, &i.ReadFrom)
+	return i, err
 }
 
 const getBatch = `-- name: GetBatch :one

@@ -203,15 +203,37 @@ WHERE b.status IN ('queued', 'in_progress', 'cancelling')
   AND NOT EXISTS (SELECT 1 FROM batch_items i WHERE i.batch_id = b.id AND i.status IN ('queued', 'in_progress'))
 LIMIT @max_rows;
 
--- name: DeleteOldBatches :execrows
--- Removes terminal batches (and their items) completed before @before. Their
--- usage stays in requests.
-DELETE FROM batches
-WHERE batches.id IN (SELECT x.id FROM batches x WHERE x.completed_at < @before ORDER BY x.completed_at LIMIT @max_rows);
+-- name: DeleteOldBatches :one
+-- Removes up to @max_rows terminal batches (and their items) completed before
+-- @before, the earliest first from @completed_from on, and returns how many
+-- and where the next run reads from: the last completion removed, or
+-- @before when fewer were left (see resumeMark). Their usage stays (in
+-- requests, and the sums they are folded into).
+WITH removed AS (
+    DELETE FROM batches
+    WHERE batches.id IN (SELECT x.id FROM batches x
+                          WHERE x.completed_at < @before AND x.completed_at >= @completed_from::timestamptz
+                          ORDER BY x.completed_at LIMIT @max_rows::integer)
+    RETURNING batches.completed_at
+)
+SELECT count(*)::bigint AS removed,
+       (CASE WHEN count(*) < @max_rows::integer THEN @before::timestamptz ELSE max(completed_at) END)::timestamptz AS read_from
+  FROM removed;
 
--- name: ExpireIdempotencyKeys :execrows
-UPDATE batches SET idempotency_key = NULL
-WHERE batches.id IN (SELECT x.id FROM batches x WHERE x.idempotency_key IS NOT NULL AND x.created_at < @before LIMIT @max_rows);
+-- name: ExpireIdempotencyKeys :one
+-- Forgets the idempotency keys of up to @max_rows batches created before
+-- @before, the earliest first from @created_from on, and returns how many
+-- and where the next run reads from, as DeleteOldBatches does.
+WITH expired AS (
+    UPDATE batches SET idempotency_key = NULL
+    WHERE batches.id IN (SELECT x.id FROM batches x
+                          WHERE x.idempotency_key IS NOT NULL AND x.created_at < @before AND x.created_at >= @created_from
+                          ORDER BY x.created_at LIMIT @max_rows::integer)
+    RETURNING batches.created_at
+)
+SELECT count(*)::bigint AS expired,
+       (CASE WHEN count(*) < @max_rows::integer THEN @before::timestamptz ELSE max(created_at) END)::timestamptz AS read_from
+  FROM expired;
 
 -- name: QueueDepth :one
 SELECT count(*) FROM batch_items WHERE status = 'queued';
