@@ -2,7 +2,9 @@ package maintenance_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"slices"
 	"testing"
 	"time"
 
@@ -83,6 +85,11 @@ func TestEveryJobRunsAgainstTheSchema(t *testing.T) {
 	require.Equal(t, int64(2), done["fold usage minutes"], "the two requests' minutes")
 	require.Equal(t, int64(2), done["fold old usage"], "the request of three days ago, and its minute (folded into its hour)")
 	scrape := metricstest.Scrape(m)
+	require.Contains(t, scrape, `gateway_maintenance_rows_total{task="fold old usage"} 2`+"\n")
+	require.Contains(t, scrape, `gateway_maintenance_rows_total{task="rescue expired leases"} 1`+"\n")
+	for _, job := range jobs {
+		require.Contains(t, scrape, `gateway_maintenance_failures_total{task="`+job.Name+`"} 0`+"\n")
+	}
 	require.Contains(t, scrape, "gateway_batch_lease_rescues_total 1\n")
 	require.Contains(t, scrape, "gateway_batch_queue_depth 2\n", "the expired batch's items, sampled before it ended")
 }
@@ -96,4 +103,37 @@ func TestRequestsAreKeptWithoutARetention(t *testing.T) {
 	}
 	jobs := maintenance.Jobs(nil, maintenance.Settings{BatchWindow: time.Hour, BatchRetention: time.Hour, Lease: time.Second, RequestRetention: 24 * time.Hour}, nil)
 	require.Equal(t, "fold old usage", jobs[len(jobs)-1].Name)
+}
+
+// failingStore fails the removal of old rate windows, as a database away
+// would; the other jobs are not run.
+type failingStore struct{ maintenance.Store }
+
+func (failingStore) DeleteOldRateWindows(context.Context, time.Time) (int64, error) {
+	return 0, errors.New("the database is away")
+}
+
+// TestFailuresAreCounted: a job's failed run is counted under its name; a
+// run the shutdown cut short is not a failure.
+func TestFailuresAreCounted(t *testing.T) {
+	t.Parallel()
+	m := metrics.New()
+	jobs := maintenance.Jobs(failingStore{}, maintenance.Settings{BatchWindow: time.Hour, BatchRetention: time.Hour, Lease: time.Second}, m)
+	i := slices.IndexFunc(jobs, func(j maintenance.Job) bool { return j.Name == "delete old rate windows" })
+	require.GreaterOrEqual(t, i, 0)
+	_, err := jobs[i].Run(context.Background())
+	require.Error(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	jobs = maintenance.Jobs(cancelledStore{}, maintenance.Settings{BatchWindow: time.Hour, BatchRetention: time.Hour, Lease: time.Second}, m)
+	_, err = jobs[i].Run(ctx)
+	require.ErrorIs(t, err, context.Canceled)
+	require.Contains(t, metricstest.Scrape(m), `gateway_maintenance_failures_total{task="delete old rate windows"} 1`+"\n")
+}
+
+// cancelledStore's removal of old rate windows ends with its context.
+type cancelledStore struct{ maintenance.Store }
+
+func (cancelledStore) DeleteOldRateWindows(ctx context.Context, _ time.Time) (int64, error) {
+	return 0, fmt.Errorf("error deleting old rate windows: %w", ctx.Err())
 }

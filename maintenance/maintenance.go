@@ -12,6 +12,7 @@ package maintenance
 import (
 	"cmp"
 	"context"
+	"errors"
 	"log/slog"
 	"math/rand/v2"
 	"sync"
@@ -93,8 +94,8 @@ type Job struct {
 	Run     func(ctx context.Context) (int64, error)
 }
 
-// Jobs are the gateway's maintenance jobs over st; m, when set, records lease
-// rescues and the queue depth.
+// Jobs are the gateway's maintenance jobs over st; m, when set, records each
+// job's rows and failures, lease rescues and the queue depth.
 func Jobs(st Store, set Settings, m *metrics.Metrics) []Job {
 	jobs := []Job{
 		{Name: "rescue expired leases", Interval: max(set.Lease/2, time.Second), Run: func(ctx context.Context) (int64, error) {
@@ -136,7 +137,23 @@ func Jobs(st Store, set Settings, m *metrics.Metrics) []Job {
 			return st.FoldOldUsage(ctx, time.Now().Add(-set.RequestRetention), batchRows)
 		}})
 	}
+	for i := range jobs {
+		jobs[i].Run = recorded(jobs[i].Name, jobs[i].Run, m)
+	}
 	return jobs
+}
+
+// recorded returns run, its rows and failures counted in m under name; a
+// run the replica's shutdown cut short is not a failure.
+func recorded(name string, run func(ctx context.Context) (int64, error), m *metrics.Metrics) func(ctx context.Context) (int64, error) {
+	m.MaintenanceJob(name)
+	return func(ctx context.Context) (int64, error) {
+		n, err := run(ctx)
+		if !errors.Is(err, context.Canceled) {
+			m.MaintenanceRun(name, n, err)
+		}
+		return n, err
+	}
 }
 
 // spaced returns run, made to skip its turns until spacing times as long as

@@ -32,6 +32,8 @@ type Metrics struct {
 	commitSize       *prometheus.HistogramVec
 	queueDepth       prometheus.Gauge
 	leaseRescues     prometheus.Counter
+	maintenanceRows  *prometheus.CounterVec
+	maintenanceFails *prometheus.CounterVec
 	refusals         *prometheus.CounterVec
 	unconfirmed      *prometheus.CounterVec
 	clamps           *prometheus.CounterVec
@@ -98,6 +100,12 @@ func New() *Metrics {
 		leaseRescues: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "gateway_batch_lease_rescues_total", Help: "Batches with items failed as INTERRUPTED after their replica's lease ran out (rescued by this replica).",
 		}),
+		maintenanceRows: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "gateway_maintenance_rows_total", Help: "Rows a maintenance job handled on this replica (removed, folded, rescued, expired), by job (label task: Prometheus keeps job for the scrape target).",
+		}, []string{"task"}),
+		maintenanceFails: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "gateway_maintenance_failures_total", Help: "Runs of a maintenance job on this replica that failed, by job (label task): the database away, or an account whose rows fail the job (set aside, named in the log; the job goes on with the others).",
+		}, []string{"task"}),
 		refusals: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "gateway_admission_refusals_total", Help: "Requests refused by admission: rate_limit, daily_ceiling, budget, turn_wait (a large request that waited too long for its account's turn to be priced).",
 		}, []string{"reason"}),
@@ -148,7 +156,7 @@ func New() *Metrics {
 	}
 	m.registry.MustRegister(m.attempts, m.replyCuts, m.tenantHolds, m.unreported, m.attemptDuration, m.circuitState, m.fallbacks, m.reloadOK, m.reloadTime, m.clockOffset, m.listening,
 		m.requests, m.requestDuration, m.rungs, m.upstreamDuration, m.upstreamErrors,
-		m.openStreams, m.streamErrors, m.batchItems, m.claimDuration, m.commitDuration, m.commitSize, m.queueDepth, m.leaseRescues, m.refusals, m.unconfirmed, m.clamps,
+		m.openStreams, m.streamErrors, m.batchItems, m.claimDuration, m.commitDuration, m.commitSize, m.queueDepth, m.leaseRescues, m.maintenanceRows, m.maintenanceFails, m.refusals, m.unconfirmed, m.clamps,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	// The counters that alerts (deploy/prometheus) take increases of are
 	// exported at zero from the start: a series that first appears at 1
@@ -308,6 +316,27 @@ func (m *Metrics) QueueDepth(n int64) {
 func (m *Metrics) LeaseRescues(n int64) {
 	if m != nil {
 		m.leaseRescues.Add(float64(n))
+	}
+}
+
+// MaintenanceJob exports a maintenance job's series at zero, before its
+// first run (alerts take increases).
+func (m *Metrics) MaintenanceJob(job string) {
+	if m != nil {
+		m.maintenanceRows.WithLabelValues(job)
+		m.maintenanceFails.WithLabelValues(job)
+	}
+}
+
+// MaintenanceRun records a run of a maintenance job (named in the code, a
+// fixed set): the rows it handled, and whether it failed.
+func (m *Metrics) MaintenanceRun(job string, rows int64, err error) {
+	if m == nil {
+		return
+	}
+	m.maintenanceRows.WithLabelValues(job).Add(float64(rows))
+	if err != nil {
+		m.maintenanceFails.WithLabelValues(job).Inc()
 	}
 }
 
