@@ -10,7 +10,6 @@ import (
 	"fmt"
 	"slices"
 	"strings"
-	"sync"
 	"time"
 	"unicode"
 	"unicode/utf8"
@@ -425,36 +424,6 @@ func (s *Store) DeleteExpiredEvidence(ctx context.Context, maxRows int32) (int64
 		}
 		return row.Removed, row.ReadFrom, nil
 	})
-}
-
-// markSkew is how far before where a job's last run stopped its next run
-// reads from (resumeMark): rows stamped by a replica whose clock is behind
-// the database's by less come after it (clockwatch warns past a second).
-const markSkew = time.Minute
-
-// resumeMark is where a job that removes (or clears) a table's oldest rows
-// first stopped, for its next run to read from there, less markSkew, rather
-// than from the start of the table's index, through the entries of the rows
-// it removed: those stay until a vacuum, which autovacuum runs once a fifth
-// of a table has changed (days of removals on a large one), and a read from
-// the start went through every one of them, each run. A replica that starts
-// reads from the start once.
-type resumeMark struct {
-	mu   sync.Mutex
-	from time.Time
-}
-
-// run calls step with where to read from, and keeps where step says the
-// next run reads from; it returns what step counted.
-func (m *resumeMark) run(step func(from time.Time) (n int64, next time.Time, err error)) (int64, error) {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	n, next, err := step(m.from)
-	if err != nil {
-		return 0, err
-	}
-	m.from = next.Add(-markSkew)
-	return n, nil
 }
 
 func newID() uuid.UUID { return uuid.Must(uuid.NewV7()) }
