@@ -53,9 +53,10 @@ func main() {
 	capped := flag.Bool("capped", false, "give each tenant's project a budget cap (one that no request reaches), so that each request reserves its estimate on it")
 	uncited := flag.Bool("uncited", false, "replies cite no source (as most replies without a web search), so their evidence is empty")
 	withFloor := flag.Bool("floor", true, "also measure a bare proxy that commits a row a request before it answers (see bench/internal/floor)")
+	backlog := flag.Int("backlog", 0, "requests of the first tenant completed 100 days ago, past the request retention, stored before the gateway starts: its maintenance folds them while the load is measured")
 	flag.Parse()
 	o := options{duration: *duration, warmup: *warmup, connections: *connections, h2c: *h2c, promptBytes: *promptBytes,
-		tenants: *tenants, limitChanges: *limitChanges, capped: *capped, uncited: *uncited, floor: *withFloor}
+		tenants: *tenants, limitChanges: *limitChanges, capped: *capped, uncited: *uncited, floor: *withFloor, backlog: *backlog}
 	if err := run(*binary, *rates, o); err != nil {
 		fmt.Fprintln(os.Stderr, "load:", err)
 		os.Exit(1)
@@ -66,6 +67,7 @@ func main() {
 type options struct {
 	duration, warmup, limitChanges    time.Duration
 	connections, promptBytes, tenants int
+	backlog                           int
 	h2c, capped, uncited, floor       bool
 }
 
@@ -91,16 +93,20 @@ func run(binary, rateList string, o options) error {
 			return err
 		}
 	}
-	gateway, err := env.ServeProcess(vars)
-	if err != nil {
-		return err
-	}
-	base, pid := gateway.Base, gateway.PID
 	st, err := benchenv.OpenStore(vars)
 	if err != nil {
 		return err
 	}
 	defer st.Pool().Close()
+	if err := storeBacklog(st, accounts[0], o.backlog); err != nil {
+		return err
+	}
+	gateway, err := env.ServeProcess(vars)
+	if err != nil {
+		return err
+	}
+	base, pid := gateway.Base, gateway.PID
+	started := time.Now()
 
 	client := &http.Client{Transport: &http.Transport{MaxIdleConns: 4096, MaxIdleConnsPerHost: 4096, IdleConnTimeout: time.Minute}}
 	gatewayClient, protocol := client, "HTTP/1.1"
@@ -133,8 +139,12 @@ func run(binary, rateList string, o options) error {
 		floorNote = " and a bare proxy (HTTP/1.1, a committed row a request)"
 	}
 
-	fmt.Printf("gateway (%s) vs. upstream direct%s, open loop, %s per rate (after %s warm-up), %d cores, %d tenants%s%s\n\n",
-		protocol, floorNote, o.duration, o.warmup, runtime.NumCPU(), len(keys), benchenv.CappedNote(o.capped), benchenv.CitedNote(o.uncited))
+	backlogNote := ""
+	if o.backlog > 0 {
+		backlogNote = fmt.Sprintf(", a backlog of %d requests past the retention folded meanwhile", o.backlog)
+	}
+	fmt.Printf("gateway (%s) vs. upstream direct%s, open loop, %s per rate (after %s warm-up), %d cores, %d tenants%s%s%s\n\n",
+		protocol, floorNote, o.duration, o.warmup, runtime.NumCPU(), len(keys), benchenv.CappedNote(o.capped), benchenv.CitedNote(o.uncited), backlogNote)
 	fmt.Println("| rate (req/s) | target | achieved req/s | errors | p50 | p90 | p99 | CPU/req gateway (or bare proxy) | CPU/req PostgreSQL | CPU/req load + fake upstream | commits/req | WAL flushes/req | WAL records/req |")
 	fmt.Println("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 	for _, field := range strings.Split(rateList, ",") {
@@ -170,6 +180,11 @@ func run(binary, rateList string, o options) error {
 				ms(results[i+1].pct(50)-results[0].pct(50)), ms(results[i+1].pct(90)-results[0].pct(90)), ms(results[i+1].pct(99)-results[0].pct(99)))
 		}
 	}
+	if o.backlog > 0 {
+		if err := reportBacklog(st, o.backlog, time.Since(started)); err != nil {
+			return err
+		}
+	}
 	if o.connections > 0 {
 		fmt.Printf("\nsaturation, closed loop, %d connections, %s each\n\n", o.connections, o.duration)
 		fmt.Println("| target | req/s | errors | p50 | p99 |")
@@ -180,6 +195,50 @@ func run(binary, rateList string, o options) error {
 			fmt.Printf("| %s | %.0f | %d | %s | %s |\n", t.name, r.achieved, r.errors, ms(r.pct(50)), ms(r.pct(99)))
 		}
 	}
+	return nil
+}
+
+// storeBacklog stores n requests of account completed 100 days ago, a
+// millisecond apart, past the default request retention (90 days), as a
+// database of months of requests holds them when a release with the
+// retention first starts on it.
+func storeBacklog(st *store.Store, account string, n int) error {
+	if n == 0 {
+		return nil
+	}
+	_, err := st.Pool().Exec(context.Background(), `
+		INSERT INTO requests (id, account_id, project_id, model, entry_point, status,
+		                      input_tokens, output_tokens, input_rungs, output_rungs, total_rungs, created_at, completed_at)
+		SELECT gen_random_uuid(), a.id, p.id, 'instant', 'responses', 'completed', 10, 20, 10, 20, 30, t, t
+		  FROM accounts a
+		  JOIN projects p ON p.account_id = a.id AND p.name = 'default',
+		       LATERAL (SELECT now() - interval '100 days' + i * interval '1 millisecond' AS t FROM generate_series(1, $2::integer) i) g
+		 WHERE a.name = $1`, account, n)
+	if err != nil {
+		return fmt.Errorf("error storing a backlog of old requests: %w", err)
+	}
+	// What the insert leaves to do (its vacuum, a checkpoint of what it
+	// wrote) is done now, not while the load is measured.
+	if _, err := st.Pool().Exec(context.Background(), `VACUUM ANALYZE requests`); err != nil {
+		return fmt.Errorf("error vacuuming the backlog: %w", err)
+	}
+	if _, err := st.Pool().Exec(context.Background(), `CHECKPOINT`); err != nil {
+		return fmt.Errorf("error checkpointing the backlog: %w", err)
+	}
+	return nil
+}
+
+// reportBacklog prints how much of a backlog of n requests (storeBacklog)
+// the gateway folded in the time it has run.
+func reportBacklog(st *store.Store, n int, ran time.Duration) error {
+	var left int
+	err := st.Pool().QueryRow(context.Background(),
+		`SELECT count(*) FROM requests WHERE completed_at < now() - interval '90 days'`).Scan(&left)
+	if err != nil {
+		return fmt.Errorf("error counting the backlog left: %w", err)
+	}
+	fmt.Printf("\nthe backlog: %d of %d requests folded in the gateway's first %s, %.0f a second\n",
+		n-left, n, ran.Round(time.Second), float64(n-left)/ran.Seconds())
 	return nil
 }
 
