@@ -4,6 +4,7 @@ import (
 	"context"
 	"log/slog"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -84,4 +85,69 @@ func TestARunTheDatabaseDoesNotAnswerFails(t *testing.T) {
 	}, 10*time.Second, 10*time.Millisecond, "every job fails at its timeout, and runs again")
 	cancel()
 	<-done
+}
+
+// freeLocks is a Store whose job locks are always free; the jobs of the
+// tests that use it call nothing else.
+type freeLocks struct{ maintenance.Store }
+
+func (freeLocks) WithJobLock(_ context.Context, _ string, fn func() error) (bool, error) {
+	return true, fn()
+}
+
+// TestACleanupJobPausesThroughABacklog: a cleanup job whose runs keep
+// finding a full batch waits nine times as long as each run took before the
+// next, leaving the database to the requests, where another job runs again
+// at once (both wait an hour between runs that find nothing left).
+func TestACleanupJobPausesThroughABacklog(t *testing.T) {
+	t.Parallel()
+	type span struct{ start, end time.Time }
+	for _, cleanup := range []bool{true, false} {
+		var mu sync.Mutex
+		var runs []span
+		ctx, cancel := context.WithCancel(context.Background())
+		job := maintenance.Job{Name: "job", Interval: time.Hour, Cleanup: cleanup, Run: func(context.Context) (int64, error) {
+			start := time.Now()
+			time.Sleep(20 * time.Millisecond)
+			mu.Lock()
+			defer mu.Unlock()
+			if runs = append(runs, span{start, time.Now()}); len(runs) == 4 {
+				cancel() // a run again at once may still start
+			}
+			return 1 << 20, nil // a full batch: more is left
+		}}
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			maintenance.Run(ctx, freeLocks{}, []maintenance.Job{job}, slog.New(slog.DiscardHandler))
+		}()
+		select {
+		case <-done:
+		case <-time.After(10 * time.Second):
+			cancel()
+			<-done
+		}
+		require.GreaterOrEqual(t, len(runs), 4, "cleanup %t: runs before the next interval", cleanup)
+		if !cleanup {
+			continue
+		}
+		for i := 1; i < 4; i++ {
+			took, paused := runs[i-1].end.Sub(runs[i-1].start), runs[i].start.Sub(runs[i-1].end)
+			require.GreaterOrEqual(t, paused, 9*took, "run %d took %s", i, took)
+		}
+	}
+}
+
+// TestWhichJobsAreCleanups: the jobs that remove or compact old rows pause
+// through a backlog; those that requests and batches wait for do not.
+func TestWhichJobsAreCleanups(t *testing.T) {
+	t.Parallel()
+	var cleanups []string
+	for _, job := range maintenance.Jobs(nil, maintenance.Settings{BatchWindow: time.Hour, BatchRetention: time.Hour, Lease: time.Second, RequestRetention: 24 * time.Hour}, nil) {
+		if job.Cleanup {
+			cleanups = append(cleanups, job.Name)
+		}
+	}
+	require.ElementsMatch(t, []string{"delete old batches", "expire idempotency keys", "delete old rate windows",
+		"delete expired evidence", "fold usage minutes", "fold old usage"}, cleanups)
 }
