@@ -104,9 +104,9 @@ type Job struct {
 	Timeout time.Duration
 	// Cleanup marks a job that removes or compacts old rows, which nothing
 	// waits for: through a backlog its full runs are spaced to
-	// 1/backlogShare of the time. The others (rescues, expiries,
-	// reconciliation), whose work requests and batches wait for, run again
-	// at once.
+	// 1/backlogShare of the time. The others (rescues, expiries of batches
+	// and idempotency keys, reconciliation), whose work requests and
+	// batches wait for, run again at once.
 	Cleanup bool
 	Run     func(ctx context.Context) (int64, error)
 }
@@ -137,7 +137,7 @@ func Jobs(st Store, set Settings, m *metrics.Metrics) []Job {
 		{Name: "delete old batches", Interval: HousekeepingInterval, Cleanup: true, Run: func(ctx context.Context) (int64, error) {
 			return st.DeleteOldBatches(ctx, time.Now().Add(-set.BatchRetention), batchRows)
 		}},
-		{Name: "expire idempotency keys", Interval: HousekeepingInterval, Cleanup: true, Run: func(ctx context.Context) (int64, error) {
+		{Name: "expire idempotency keys", Interval: HousekeepingInterval, Run: func(ctx context.Context) (int64, error) {
 			return st.ExpireIdempotencyKeys(ctx, time.Now().Add(-set.BatchWindow), batchRows)
 		}},
 		{Name: "reconcile settlements", Interval: ReconcileInterval, Run: func(ctx context.Context) (int64, error) { return st.ReconcileSettlements(ctx, batchRows) }},
