@@ -66,6 +66,7 @@ bench: build
 	$(GO) run ./bench/load -binary bin/gateway
 	$(GO) run ./bench/load -binary bin/gateway -rates 1000 -connections 0 -tenants 5000 -warmup 12s -floor=false
 	$(GO) run ./bench/load -binary bin/gateway -rates 1000 -connections 0 -uncited -floor=false
+	$(GO) run ./bench/load -binary bin/gateway -rates 1000 -connections 0 -floor=false -backlog 5000000 -duration 20s
 	$(GO) run ./bench/drain -binary bin/gateway -rounds 3
 	$(GO) run ./bench/drain -binary bin/gateway -replicas 1 -probes 5 -capped
 	$(GO) run ./bench/drain -binary bin/gateway -replicas 1 -probes 0 -output-bytes 4096
