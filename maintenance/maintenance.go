@@ -76,7 +76,7 @@ const (
 	// so it runs a tenth of the time at most in each replica, however slow
 	// the database has become. Run back to back, the fold of old requests
 	// kept a database backend busy and filled the WAL every commit flushes,
-	// and requests waited up to three times as long (docs/benchmarks.md,
+	// and requests waited up to four times as long (docs/benchmarks.md,
 	// "Cleanup through a backlog"); at a tenth it still folds some 5,000
 	// requests a second under a load of 1,000 a second.
 	backlogShare = 10
