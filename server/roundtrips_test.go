@@ -6,6 +6,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -68,7 +69,10 @@ func TestHotPathRoundTrips(t *testing.T) {
 	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
-	b := setupWith(t, options{pool: pool, rates: ratelimit.Config{Limits: gateway.RateLimits{Free: 1 << 20, Developer: 1 << 20}}})
+	// A fixed clock keeps every request in one rate window: a minute that
+	// turns leases a slice of the next.
+	at := time.Now().Truncate(time.Minute).Add(30 * time.Second)
+	b := setupWith(t, options{pool: pool, rates: ratelimit.Config{Limits: gateway.RateLimits{Free: 1 << 20, Developer: 1 << 20}, Clock: func() time.Time { return at }}})
 	b.waitListening(t)
 
 	// The first request fills the cache and leases the slices.
