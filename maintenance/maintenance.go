@@ -35,7 +35,10 @@ type Store interface {
 	DeleteOldBatches(ctx context.Context, before time.Time, maxRows int32) (int64, error)
 	ExpireIdempotencyKeys(ctx context.Context, before time.Time, maxRows int32) (int64, error)
 	QueueDepth(ctx context.Context) (int64, error)
-	WithJobLock(ctx context.Context, job string, fn func() error) (bool, error)
+	// WithJobLock runs fn unless another replica runs the job or it rests;
+	// a positive rest from fn rests the job on every replica for rest times
+	// as long as it ran.
+	WithJobLock(ctx context.Context, job string, fn func() (rest int, err error)) (bool, error)
 }
 
 // Settings are the periods the jobs enforce.
@@ -72,9 +75,9 @@ const (
 	// backlogShare bounds the time a cleanup job takes while it works
 	// through a backlog (old rows piled up: a first start on a database of
 	// months of requests, a retention made shorter, a replica long stopped):
-	// after a full run it waits backlogShare-1 times as long as the run took,
-	// so it runs a tenth of the time at most in each replica, however slow
-	// the database has become. Run back to back, the fold of old requests
+	// after a full run it rests backlogShare-1 times as long as the run took,
+	// on every replica, so it runs a tenth of the time at most however many
+	// replicas there are and however slow the database has become. Run back to back, the fold of old requests
 	// kept a database backend busy and filled the WAL every commit flushes,
 	// and requests waited up to four times as long (docs/benchmarks.md,
 	// "Cleanup through a backlog"); at a tenth it still folds some 5,000
@@ -104,7 +107,7 @@ type Job struct {
 	Timeout time.Duration
 	// Cleanup marks a job that removes or compacts old rows, which nothing
 	// waits for: through a backlog its full runs are spaced to
-	// 1/backlogShare of the time. The others (rescues, expiries of batches
+	// 1/backlogShare of the time, over all replicas. The others (rescues, expiries of batches
 	// and idempotency keys, reconciliation), whose work requests and
 	// batches wait for, run again at once.
 	Cleanup bool
@@ -197,8 +200,9 @@ func spaced(spacing int, run func(ctx context.Context) (int64, error)) func(ctx 
 // (a replica that finds it taken skips that run). A replica runs one job at a
 // time, so maintenance holds at most two database connections (the lock's and
 // the job's). A run that handled a full batch is repeated at once, or, for a
-// cleanup job, after backlogShare-1 times as long as it took; intervals
-// carry up to 20% jitter so replicas spread out.
+// cleanup job, after backlogShare-1 times as long as it took, a rest the
+// other replicas keep too (they find the job resting and wait for their
+// next interval); intervals carry up to 20% jitter so replicas spread out.
 func Run(ctx context.Context, st Store, jobs []Job, logger *slog.Logger) {
 	var wg sync.WaitGroup
 	var oneAtATime sync.Mutex
@@ -211,9 +215,12 @@ func Run(ctx context.Context, st Store, jobs []Job, logger *slog.Logger) {
 				oneAtATime.Lock()
 				start := time.Now()
 				runCtx, cancel := context.WithTimeout(ctx, cmp.Or(job.Timeout, DefaultRunTimeout))
-				_, err := st.WithJobLock(runCtx, job.Name, func() (err error) {
+				_, err := st.WithJobLock(runCtx, job.Name, func() (rest int, err error) {
 					n, err = job.Run(runCtx)
-					return err
+					if err == nil && n >= batchRows && job.Cleanup {
+						rest = backlogShare - 1
+					}
+					return rest, err
 				})
 				cancel()
 				took := time.Since(start)

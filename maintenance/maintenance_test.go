@@ -2,7 +2,9 @@ package maintenance_test
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -91,8 +93,9 @@ func TestARunTheDatabaseDoesNotAnswerFails(t *testing.T) {
 // tests that use it call nothing else.
 type freeLocks struct{ maintenance.Store }
 
-func (freeLocks) WithJobLock(_ context.Context, _ string, fn func() error) (bool, error) {
-	return true, fn()
+func (freeLocks) WithJobLock(_ context.Context, _ string, fn func() (int, error)) (bool, error) {
+	_, err := fn()
+	return true, err
 }
 
 // TestACleanupJobPausesThroughABacklog: a cleanup job whose runs keep
@@ -101,40 +104,75 @@ func (freeLocks) WithJobLock(_ context.Context, _ string, fn func() error) (bool
 // at once (both wait an hour between runs that find nothing left).
 func TestACleanupJobPausesThroughABacklog(t *testing.T) {
 	t.Parallel()
-	type span struct{ start, end time.Time }
 	for _, cleanup := range []bool{true, false} {
-		var mu sync.Mutex
-		var runs []span
-		ctx, cancel := context.WithCancel(context.Background())
-		job := maintenance.Job{Name: "job", Interval: time.Hour, Cleanup: cleanup, Run: func(context.Context) (int64, error) {
-			start := time.Now()
-			time.Sleep(20 * time.Millisecond)
-			mu.Lock()
-			defer mu.Unlock()
-			if runs = append(runs, span{start, time.Now()}); len(runs) == 4 {
-				cancel() // a run again at once may still start
-			}
-			return 1 << 20, nil // a full batch: more is left
-		}}
-		done := make(chan struct{})
-		go func() {
-			defer close(done)
-			maintenance.Run(ctx, freeLocks{}, []maintenance.Job{job}, slog.New(slog.DiscardHandler))
-		}()
-		select {
-		case <-done:
-		case <-time.After(10 * time.Second):
-			cancel()
-			<-done
+		runs := backlogRuns(t, freeLocks{}, 1, maintenance.Job{Name: "job", Interval: time.Hour, Cleanup: cleanup})
+		if cleanup {
+			requirePaused(t, runs)
 		}
-		require.GreaterOrEqual(t, len(runs), 4, "cleanup %t: runs before the next interval", cleanup)
-		if !cleanup {
-			continue
+	}
+}
+
+// TestACleanupJobRestsOnEveryReplica: while the replica that ran a cleanup
+// job through a backlog pauses, the job rests on the others too, though they
+// look for it every 10 ms: over two replicas it takes a tenth of the time,
+// not a tenth of each replica's. Alone, the replica takes the job up again
+// as its pause ends, not an interval (an hour) later.
+func TestACleanupJobRestsOnEveryReplica(t *testing.T) {
+	t.Parallel()
+	st := store.New(testdb.Connect(t, testdb.URL(t)))
+	for replicas, interval := range map[int]time.Duration{1: time.Hour, 2: 10 * time.Millisecond} {
+		job := maintenance.Job{Name: fmt.Sprintf("job on %d replicas", replicas), Interval: interval, Cleanup: true}
+		requirePaused(t, backlogRuns(t, st, replicas, job))
+	}
+}
+
+// span is when one run of a job started and ended.
+type span struct{ start, end time.Time }
+
+// backlogRuns runs job on replicas replicas sharing st, its runs each taking
+// 20 ms and finding a full batch, and returns the first four runs, in order.
+func backlogRuns(t *testing.T, st maintenance.Store, replicas int, job maintenance.Job) []span {
+	t.Helper()
+	var mu sync.Mutex
+	var runs []span
+	ctx, cancel := context.WithCancel(context.Background())
+	job.Run = func(context.Context) (int64, error) {
+		start := time.Now()
+		time.Sleep(20 * time.Millisecond)
+		mu.Lock()
+		defer mu.Unlock()
+		if runs = append(runs, span{start, time.Now()}); len(runs) == 4 {
+			cancel() // a run again at once may still start
 		}
-		for i := 1; i < 4; i++ {
-			took, paused := runs[i-1].end.Sub(runs[i-1].start), runs[i].start.Sub(runs[i-1].end)
-			require.GreaterOrEqual(t, paused, 9*took, "run %d took %s", i, took)
-		}
+		return 1 << 20, nil // a full batch: more is left
+	}
+	var wg sync.WaitGroup
+	for range replicas {
+		wg.Go(func() { maintenance.Run(ctx, st, []maintenance.Job{job}, slog.New(slog.DiscardHandler)) })
+	}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		wg.Wait()
+	}()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		cancel()
+		<-done
+	}
+	require.GreaterOrEqual(t, len(runs), 4, "cleanup %t, %d replicas: runs before the next interval", job.Cleanup, replicas)
+	slices.SortFunc(runs, func(a, b span) int { return a.start.Compare(b.start) })
+	return runs[:4]
+}
+
+// requirePaused requires each run after the first to start nine times as
+// long as the one before took after its end.
+func requirePaused(t *testing.T, runs []span) {
+	t.Helper()
+	for i := 1; i < len(runs); i++ {
+		took, paused := runs[i-1].end.Sub(runs[i-1].start), runs[i].start.Sub(runs[i-1].end)
+		require.GreaterOrEqual(t, paused, 9*took, "run %d took %s", i, took)
 	}
 }
 

@@ -813,14 +813,17 @@ const jobLockReleaseTimeout = 5 * time.Second
 // last statement, for a run whose context has no deadline.
 const defaultJobLockHold = 10 * time.Minute
 
-// WithJobLock runs fn unless another replica runs the job named job: it holds
-// a transaction advisory lock on a connection of its own while fn runs. Should
-// that connection be lost while the lock is held (the network to the database
-// failing without closing it), the server releases the lock once ctx's
-// deadline (ten minutes away without one) and the release's bound have
-// passed, not hours later when its kernel gives the connection up: another
-// replica runs the job then. ran says whether fn ran.
-func (s *Store) WithJobLock(ctx context.Context, job string, fn func() error) (ran bool, err error) {
+// WithJobLock runs fn unless another replica runs the job named job or the
+// job rests: it holds a transaction advisory lock on a connection of its own
+// while fn runs. Should that connection be lost while the lock is held (the
+// network to the database failing without closing it), the server releases
+// the lock once ctx's deadline (ten minutes away without one) and the
+// release's bound have passed, not hours later when its kernel gives the
+// connection up: another replica runs the job then. When fn returns a
+// positive rest, the job rests, on every replica, for rest times as long as
+// the lock was held, measured by the database's clock and written before the
+// lock is released. ran says whether fn ran.
+func (s *Store) WithJobLock(ctx context.Context, job string, fn func() (rest int, err error)) (ran bool, err error) {
 	hold := defaultJobLockHold
 	if deadline, ok := ctx.Deadline(); ok {
 		hold = time.Until(deadline)
@@ -842,5 +845,15 @@ func (s *Store) WithJobLock(ctx context.Context, job string, fn func() error) (r
 	if !row.Locked {
 		return false, nil
 	}
-	return true, fn()
+	rest, err := fn()
+	if err != nil || rest <= 0 {
+		return true, err
+	}
+	if err := s.queries.RestJob(ctx, tx, db.RestJobParams{Job: job, Rest: int32(rest)}); err != nil {
+		return true, fmt.Errorf("error resting job: %w", err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return true, fmt.Errorf("error committing job rest: %w", err)
+	}
+	return true, nil
 }

@@ -158,18 +158,18 @@ func TestAJobLockTheNetworkLostIsReleased(t *testing.T) {
 	st, proxy := b.behindProxy(t)
 	ctx, cancel := context.WithTimeout(b.ctx, time.Second)
 	defer cancel()
-	ran, err := st.WithJobLock(ctx, "sweep", func() error {
+	ran, err := st.WithJobLock(ctx, "sweep", func() (int, error) {
 		require.Equal(t, 1, proxy.Cut())
-		return nil
+		return 0, nil
 	})
 	require.NoError(t, err)
 	require.True(t, ran)
 
-	ran, err = b.store.WithJobLock(b.ctx, "sweep", func() error { return nil })
+	ran, err = b.store.WithJobLock(b.ctx, "sweep", func() (int, error) { return 0, nil })
 	require.NoError(t, err)
 	require.False(t, ran, "the lost lock is held until its bound")
 	require.Eventually(t, func() bool {
-		ran, err := b.store.WithJobLock(b.ctx, "sweep", func() error { return nil })
+		ran, err := b.store.WithJobLock(b.ctx, "sweep", func() (int, error) { return 0, nil })
 		require.NoError(t, err)
 		return ran
 	}, cutWithin, 100*time.Millisecond, "another replica runs the job")

@@ -502,31 +502,74 @@ func TestMigrateConcurrently(t *testing.T) {
 func TestWithJobLock(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
+	idle := func() (int, error) { return 0, nil }
 	inside, release, done := make(chan struct{}), make(chan struct{}), make(chan struct{})
 	go func() {
 		defer close(done)
-		ran, err := b.store.WithJobLock(b.ctx, "sweep", func() error {
+		ran, err := b.store.WithJobLock(b.ctx, "sweep", func() (int, error) {
 			close(inside)
 			<-release
-			return nil
+			return 0, nil
 		})
 		require.NoError(t, err)
 		require.True(t, ran)
 	}()
 	<-inside
-	ran, err := b.store.WithJobLock(b.ctx, "sweep", func() error {
+	ran, err := b.store.WithJobLock(b.ctx, "sweep", func() (int, error) {
 		t.Error("a second replica ran the job while the first held it")
-		return nil
+		return 0, nil
 	})
 	require.NoError(t, err)
 	require.False(t, ran)
-	ran, err = b.store.WithJobLock(b.ctx, "clean", func() error { return nil })
+	ran, err = b.store.WithJobLock(b.ctx, "clean", idle)
 	require.NoError(t, err)
 	require.True(t, ran, "another job is not held up")
 	close(release)
 	<-done
 	failed := errors.New("job failed")
-	ran, err = b.store.WithJobLock(b.ctx, "sweep", func() error { return failed })
+	ran, err = b.store.WithJobLock(b.ctx, "sweep", func() (int, error) { return 9, failed })
 	require.True(t, ran, "free again once released")
 	require.ErrorIs(t, err, failed)
+	ran, err = b.store.WithJobLock(b.ctx, "sweep", idle)
+	require.NoError(t, err)
+	require.True(t, ran, "a failed run does not rest the job")
+}
+
+// TestAJobRests: a run that asks for a rest of nine keeps the job from every
+// replica for nine times as long as it held the lock, counted from its end;
+// the other jobs run meanwhile, and the job runs again once the rest is over.
+func TestAJobRests(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	idle := func() (int, error) { return 0, nil }
+	var start, end time.Time
+	ran, err := b.store.WithJobLock(b.ctx, "sweep", func() (int, error) {
+		start = time.Now()
+		time.Sleep(50 * time.Millisecond)
+		end = time.Now()
+		return 9, nil
+	})
+	require.NoError(t, err)
+	require.True(t, ran)
+
+	other := store.New(b.poolWith(t, func(*pgxpool.Config) {})) // another replica
+	ran, err = other.WithJobLock(b.ctx, "sweep", func() (int, error) {
+		t.Error("a replica ran the job while it rested")
+		return 0, nil
+	})
+	require.NoError(t, err)
+	require.False(t, ran)
+	ran, err = other.WithJobLock(b.ctx, "clean", idle)
+	require.NoError(t, err)
+	require.True(t, ran, "another job does not rest")
+	var again time.Time
+	require.Eventually(t, func() bool {
+		ran, err := other.WithJobLock(b.ctx, "sweep", func() (int, error) {
+			again = time.Now()
+			return 0, nil
+		})
+		require.NoError(t, err)
+		return ran
+	}, 10*time.Second, 5*time.Millisecond, "the job runs again after its rest")
+	require.GreaterOrEqual(t, again.Sub(end), 9*end.Sub(start))
 }

@@ -1003,6 +1003,25 @@ func (q *Queries) RescueExpiredLeases(ctx context.Context, db DBTX, maxRows int3
 	return items, nil
 }
 
+const restJob = `-- name: RestJob :exec
+INSERT INTO job_rests (job, until)
+VALUES ($1::text, clock_timestamp() + (clock_timestamp() - now()) * $2::integer)
+ON CONFLICT (job) DO UPDATE SET until = excluded.until
+`
+
+type RestJobParams struct {
+	Job  string
+	Rest int32
+}
+
+// Rests the job, in the transaction holding its lock, for @rest times as long
+// as the transaction has lasted so far (the job's run), from now on: the
+// database's clock measures both ends, so the replicas' clocks do not matter.
+func (q *Queries) RestJob(ctx context.Context, db DBTX, arg RestJobParams) error {
+	_, err := db.Exec(ctx, restJob, arg.Job, arg.Rest)
+	return err
+}
+
 const setBatchStatus = `-- name: SetBatchStatus :exec
 SELECT set_batch_status($1::uuid, $2::text, $3::text, $4::text)
 `
@@ -1027,7 +1046,8 @@ func (q *Queries) SetBatchStatus(ctx context.Context, db DBTX, arg SetBatchStatu
 
 const tryJobLock = `-- name: TryJobLock :one
 SELECT set_config('idle_in_transaction_session_timeout', $1::text, true)::text AS hold,
-       pg_try_advisory_xact_lock(7120, hashtext($2::text)) AS locked
+       (NOT EXISTS (SELECT 1 FROM job_rests r WHERE r.job = $2::text AND r.until > clock_timestamp())
+        AND pg_try_advisory_xact_lock(7120, hashtext($2::text)))::boolean AS locked
 `
 
 type TryJobLockParams struct {
@@ -1045,7 +1065,8 @@ type TryJobLockRow struct {
 // transaction waits, idle, while the job runs on other connections; should
 // its client be lost, the server ends it @hold (milliseconds) after its last
 // statement, and the lock with it, where a session's lock would be held for
-// as long as the server keeps the connection.
+// as long as the server keeps the connection. A job resting (job_rests) is
+// not taken up: locked is then false too.
 func (q *Queries) TryJobLock(ctx context.Context, db DBTX, arg TryJobLockParams) (TryJobLockRow, error) {
 	row := db.QueryRow(ctx, tryJobLock, arg.Hold, arg.Job)
 	var i TryJobLockRow

@@ -102,6 +102,11 @@ type Evidence struct {
 	ExpiresAt time.Time
 }
 
+type JobRest struct {
+	Job   string
+	Until time.Time
+}
+
 type Project struct {
 	ID             uuid.UUID
 	AccountID      uuid.UUID

@@ -244,6 +244,16 @@ SELECT count(*) FROM batch_items WHERE status = 'queued';
 -- transaction waits, idle, while the job runs on other connections; should
 -- its client be lost, the server ends it @hold (milliseconds) after its last
 -- statement, and the lock with it, where a session's lock would be held for
--- as long as the server keeps the connection.
+-- as long as the server keeps the connection. A job resting (job_rests) is
+-- not taken up: locked is then false too.
 SELECT set_config('idle_in_transaction_session_timeout', @hold::text, true)::text AS hold,
-       pg_try_advisory_xact_lock(7120, hashtext(@job::text)) AS locked;
+       (NOT EXISTS (SELECT 1 FROM job_rests r WHERE r.job = @job::text AND r.until > clock_timestamp())
+        AND pg_try_advisory_xact_lock(7120, hashtext(@job::text)))::boolean AS locked;
+
+-- name: RestJob :exec
+-- Rests the job, in the transaction holding its lock, for @rest times as long
+-- as the transaction has lasted so far (the job's run), from now on: the
+-- database's clock measures both ends, so the replicas' clocks do not matter.
+INSERT INTO job_rests (job, until)
+VALUES (@job::text, clock_timestamp() + (clock_timestamp() - now()) * @rest::integer)
+ON CONFLICT (job) DO UPDATE SET until = excluded.until;
