@@ -77,11 +77,12 @@ const (
 	// months of requests, a retention made shorter, a replica long stopped):
 	// after a full run it rests backlogShare-1 times as long as the run took,
 	// on every replica, so it runs a tenth of the time at most however many
-	// replicas there are and however slow the database has become. Run back to back, the fold of old requests
-	// kept a database backend busy and filled the WAL every commit flushes,
-	// and requests waited up to four times as long (docs/benchmarks.md,
-	// "Cleanup through a backlog"); at a tenth it still folds some 5,000
-	// requests a second under a load of 1,000 a second.
+	// replicas there are and however slow the database has become. Run back
+	// to back, the fold of old requests kept a database backend busy and
+	// filled the WAL every commit flushes, and requests waited up to four
+	// times as long (docs/benchmarks.md, "Cleanup through a backlog"); at a
+	// tenth it still folds some 5,000 requests a second under a load of 1,000
+	// a second.
 	backlogShare = 10
 	// DefaultRunTimeout bounds one run of a job: a database that does not
 	// answer (frozen, or cut off by a network that drops its packets) fails
@@ -107,9 +108,9 @@ type Job struct {
 	Timeout time.Duration
 	// Cleanup marks a job that removes or compacts old rows, which nothing
 	// waits for: through a backlog its full runs are spaced to
-	// 1/backlogShare of the time, over all replicas. The others (rescues, expiries of batches
-	// and idempotency keys, reconciliation), whose work requests and
-	// batches wait for, run again at once.
+	// 1/backlogShare of the time, over all replicas. The others (rescues,
+	// expiries of batches and idempotency keys, reconciliation), whose work
+	// requests and batches wait for, run again at once.
 	Cleanup bool
 	Run     func(ctx context.Context) (int64, error)
 }
