@@ -545,7 +545,7 @@ func TestAJobRests(t *testing.T) {
 	var start, end time.Time
 	ran, err := b.store.WithJobLock(b.ctx, "sweep", func() (int, error) {
 		start = time.Now()
-		time.Sleep(50 * time.Millisecond)
+		time.Sleep(200 * time.Millisecond) // a rest of 1.8 s: the next call comes well inside it
 		end = time.Now()
 		return 9, nil
 	})
