@@ -1,6 +1,7 @@
 package store_test
 
 import (
+	"bytes"
 	"context"
 	"sync"
 	"sync/atomic"
@@ -8,6 +9,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
@@ -193,6 +195,56 @@ func TestSettleUnderAFoldedLease(t *testing.T) {
 	require.Equal(t, int64(60), v.Daily.Charged)
 	require.Equal(t, int64(60), v.Budget.Spent)
 	require.Zero(t, v.Budget.Reserved)
+}
+
+// TestDirectChargesLockProjectsInKeyOrder: a settlement that charges two
+// projects directly (requests whose leases were folded while they ran) locks
+// them in key order, as a claim of batch items does, whatever the order of
+// their rows in the heap: while a claim holds the first project, the
+// settlement waits for it holding neither, and the claim takes the second.
+// Locked in the order of a scan of the heap, where the first project's row
+// now comes after the second's, the settlement held the second and waited
+// for the first: a deadlock, which PostgreSQL ended by failing one of them.
+func TestDirectChargesLockProjectsInKeyOrder(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	_, q := b.key(t, "globex", gateway.TierDeveloper, gateway.ScopeInference)
+	first, second := p.ProjectID, q.ProjectID
+	if bytes.Compare(second[:], first[:]) < 0 {
+		first, second = second, first
+	}
+	_, err := b.store.Pool().Exec(b.ctx, `UPDATE projects SET spent_rungs = spent_rungs WHERE id = $1`, first)
+	require.NoError(t, err, "the first project's row moves past the second's")
+	settler := store.New(b.poolWith(t, func(cfg *pgxpool.Config) { // a scan of the heap, as over a small table
+		cfg.ConnConfig.RuntimeParams["enable_indexscan"] = "off"
+		cfg.ConnConfig.RuntimeParams["enable_bitmapscan"] = "off"
+	}))
+
+	claim, err := b.store.Pool().Begin(b.ctx)
+	require.NoError(t, err)
+	defer func() { _ = claim.Rollback(b.ctx) }()
+	const lock = `SELECT 1 FROM projects WHERE id = $1 FOR NO KEY UPDATE`
+	_, err = claim.Exec(b.ctx, lock, first)
+	require.NoError(t, err)
+	settled := make(chan error, 1)
+	go func() {
+		settled <- settler.SettleRequests(b.ctx, []store.Settlement{
+			{Record: record(p, uuid.Must(uuid.NewV7()), 3)}, {Record: record(q, uuid.Must(uuid.NewV7()), 5)},
+		})
+	}()
+	require.Eventually(t, func() bool {
+		var waiting int
+		err := b.store.Pool().QueryRow(b.ctx, `SELECT count(*) FROM pg_stat_activity
+			WHERE datname = current_database() AND wait_event_type = 'Lock'`).Scan(&waiting)
+		return err == nil && waiting == 1
+	}, 10*time.Second, 5*time.Millisecond, "the settlement waits for the first project")
+	_, err = claim.Exec(b.ctx, lock, second)
+	require.NoError(t, err, "the claim takes the second project")
+	require.NoError(t, claim.Commit(b.ctx))
+	require.NoError(t, <-settled)
+	require.Equal(t, int64(3), b.view(t, p).Budget.Spent)
+	require.Equal(t, int64(5), b.view(t, q).Budget.Spent)
 }
 
 // TestRenewAndFoldOnlyOwnLeases: a replica renews and returns its own leases,
