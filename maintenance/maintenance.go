@@ -115,6 +115,10 @@ type Job struct {
 	Run     func(ctx context.Context) (int64, error)
 }
 
+// pauses says whether a run that handled n rows is followed by a pause: a
+// cleanup job's full run, through a backlog.
+func (j Job) pauses(n int64) bool { return j.Cleanup && n >= batchRows }
+
 // Jobs are the gateway's maintenance jobs over st; m, when set, records each
 // job's rows and failures, lease rescues and the queue depth.
 func Jobs(st Store, set Settings, m *metrics.Metrics) []Job {
@@ -218,7 +222,7 @@ func Run(ctx context.Context, st Store, jobs []Job, logger *slog.Logger) {
 				runCtx, cancel := context.WithTimeout(ctx, cmp.Or(job.Timeout, DefaultRunTimeout))
 				_, err := st.WithJobLock(runCtx, job.Name, func() (rest int, err error) {
 					n, err = job.Run(runCtx)
-					if err == nil && n >= batchRows && job.Cleanup {
+					if err == nil && job.pauses(n) {
 						rest = backlogShare - 1
 					}
 					return rest, err
@@ -234,7 +238,7 @@ func Run(ctx context.Context, st Store, jobs []Job, logger *slog.Logger) {
 				}
 				wait := job.Interval + time.Duration(rand.Int64N(int64(job.Interval)/5+1))
 				switch {
-				case n >= batchRows && job.Cleanup:
+				case job.pauses(n):
 					wait = (backlogShare - 1) * took
 				case n >= batchRows:
 					wait = 0

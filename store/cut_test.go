@@ -165,11 +165,11 @@ func TestAJobLockTheNetworkLostIsReleased(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, ran)
 
-	ran, err = b.store.WithJobLock(b.ctx, "sweep", func() (int, error) { return 0, nil })
+	ran, err = b.store.WithJobLock(b.ctx, "sweep", idle)
 	require.NoError(t, err)
 	require.False(t, ran, "the lost lock is held until its bound")
 	require.Eventually(t, func() bool {
-		ran, err := b.store.WithJobLock(b.ctx, "sweep", func() (int, error) { return 0, nil })
+		ran, err := b.store.WithJobLock(b.ctx, "sweep", idle)
 		require.NoError(t, err)
 		return ran
 	}, cutWithin, 100*time.Millisecond, "another replica runs the job")

@@ -499,10 +499,12 @@ func TestMigrateConcurrently(t *testing.T) {
 	require.Zero(t, n)
 }
 
+// idle is a maintenance job's run that does nothing and asks for no rest.
+func idle() (int, error) { return 0, nil }
+
 func TestWithJobLock(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	idle := func() (int, error) { return 0, nil }
 	inside, release, done := make(chan struct{}), make(chan struct{}), make(chan struct{})
 	go func() {
 		defer close(done)
@@ -541,7 +543,6 @@ func TestWithJobLock(t *testing.T) {
 func TestAJobRests(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	idle := func() (int, error) { return 0, nil }
 	var start, end time.Time
 	ran, err := b.store.WithJobLock(b.ctx, "sweep", func() (int, error) {
 		start = time.Now()
