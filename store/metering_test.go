@@ -3,6 +3,8 @@ package store_test
 import (
 	"bytes"
 	"context"
+	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -197,54 +199,156 @@ func TestSettleUnderAFoldedLease(t *testing.T) {
 	require.Zero(t, v.Budget.Reserved)
 }
 
-// TestDirectChargesLockProjectsInKeyOrder: a settlement that charges two
-// projects directly (requests whose leases were folded while they ran) locks
-// them in key order, as a claim of batch items does, whatever the order of
-// their rows in the heap: while a claim holds the first project, the
-// settlement waits for it holding neither, and the claim takes the second.
-// Locked in the order of a scan of the heap, where the first project's row
-// now comes after the second's, the settlement held the second and waited
-// for the first: a deadlock, which PostgreSQL ended by failing one of them.
-func TestDirectChargesLockProjectsInKeyOrder(t *testing.T) {
-	t.Parallel()
-	b := setup(t)
-	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
-	_, q := b.key(t, "globex", gateway.TierDeveloper, gateway.ScopeInference)
-	first, second := p.ProjectID, q.ProjectID
-	if bytes.Compare(second[:], first[:]) < 0 {
-		first, second = second, first
+// keyedRow names a row of table by the columns of its key and their values.
+type keyedRow struct {
+	table string
+	key   []string
+	value []any
+}
+
+func (r keyedRow) where() string {
+	conds := make([]string, len(r.key))
+	for i, col := range r.key {
+		conds[i] = fmt.Sprintf("%s = $%d", col, i+1)
 	}
-	_, err := b.store.Pool().Exec(b.ctx, `UPDATE projects SET spent_rungs = spent_rungs WHERE id = $1`, first)
-	require.NoError(t, err, "the first project's row moves past the second's")
-	settler := store.New(b.poolWith(t, func(cfg *pgxpool.Config) { // a scan of the heap, as over a small table
+	return strings.Join(conds, " AND ")
+}
+
+// requireLocksInKeyOrder: op, given a store whose planner scans the heap (as
+// over a small table), locks first before second, the row after it in key
+// order, even with first's row moved past second's in the heap. A transaction
+// holding first (as a claim, a grant or another replica's statement that
+// locks in key order would) while op waits, then takes second and commits;
+// op then succeeds. An op that took second before waiting for first
+// deadlocked with it, and PostgreSQL failed one of the two after a second.
+func (b *testBundle) requireLocksInKeyOrder(t *testing.T, first, second keyedRow, op func(*store.Store) error) {
+	t.Helper()
+	_, err := b.store.Pool().Exec(b.ctx, fmt.Sprintf(`UPDATE %s SET %s = %[2]s WHERE %s`, first.table, first.key[0], first.where()), first.value...)
+	require.NoError(t, err, "the first row moves past the second")
+	heap := store.New(b.poolWith(t, func(cfg *pgxpool.Config) {
 		cfg.ConnConfig.RuntimeParams["enable_indexscan"] = "off"
 		cfg.ConnConfig.RuntimeParams["enable_bitmapscan"] = "off"
 	}))
 
-	claim, err := b.store.Pool().Begin(b.ctx)
+	holder, err := b.store.Pool().Begin(b.ctx)
 	require.NoError(t, err)
-	defer func() { _ = claim.Rollback(b.ctx) }()
-	const lock = `SELECT 1 FROM projects WHERE id = $1 FOR NO KEY UPDATE`
-	_, err = claim.Exec(b.ctx, lock, first)
-	require.NoError(t, err)
-	settled := make(chan error, 1)
-	go func() {
-		settled <- settler.SettleRequests(b.ctx, []store.Settlement{
-			{Record: record(p, uuid.Must(uuid.NewV7()), 3)}, {Record: record(q, uuid.Must(uuid.NewV7()), 5)},
-		})
-	}()
+	defer func() { _ = holder.Rollback(b.ctx) }()
+	lock := func(r keyedRow) error {
+		ctx, cancel := context.WithTimeout(b.ctx, 10*time.Second)
+		defer cancel()
+		_, err := holder.Exec(ctx, fmt.Sprintf(`SELECT 1 FROM %s WHERE %s FOR NO KEY UPDATE`, r.table, r.where()), r.value...)
+		return err
+	}
+	require.NoError(t, lock(first))
+	done := make(chan error, 1)
+	go func() { done <- op(heap) }()
 	require.Eventually(t, func() bool {
 		var waiting int
 		err := b.store.Pool().QueryRow(b.ctx, `SELECT count(*) FROM pg_stat_activity
 			WHERE datname = current_database() AND wait_event_type = 'Lock'`).Scan(&waiting)
 		return err == nil && waiting == 1
-	}, 10*time.Second, 5*time.Millisecond, "the settlement waits for the first project")
-	_, err = claim.Exec(b.ctx, lock, second)
-	require.NoError(t, err, "the claim takes the second project")
-	require.NoError(t, claim.Commit(b.ctx))
-	require.NoError(t, <-settled)
+	}, 10*time.Second, 5*time.Millisecond, "op waits for the first row")
+	require.NoError(t, lock(second), "the holder takes the second row")
+	require.NoError(t, holder.Commit(b.ctx))
+	require.NoError(t, <-done)
+}
+
+// inKeyOrder returns a and b, the lesser first.
+func inKeyOrder(a, b uuid.UUID) (first, second uuid.UUID) {
+	if bytes.Compare(b[:], a[:]) < 0 {
+		return b, a
+	}
+	return a, b
+}
+
+// TestDirectChargesLockProjectsInKeyOrder: a settlement of requests charged
+// directly (no lease) locks their projects in key order, as a claim of batch
+// items does.
+func TestDirectChargesLockProjectsInKeyOrder(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	_, q := b.key(t, "globex", gateway.TierDeveloper, gateway.ScopeInference)
+	first, second := inKeyOrder(p.ProjectID, q.ProjectID)
+	b.requireLocksInKeyOrder(t, keyedRow{"projects", []string{"id"}, []any{first}}, keyedRow{"projects", []string{"id"}, []any{second}},
+		func(st *store.Store) error {
+			return st.SettleRequests(b.ctx, []store.Settlement{
+				{Record: record(p, uuid.Must(uuid.NewV7()), 3)}, {Record: record(q, uuid.Must(uuid.NewV7()), 5)},
+			})
+		})
 	require.Equal(t, int64(3), b.view(t, p).Budget.Spent)
 	require.Equal(t, int64(5), b.view(t, q).Budget.Spent)
+}
+
+// TestSettlementsAndRenewalsLockLeasesInKeyOrder: a settlement whose group
+// charges two leases, and the renewal of a replica's leases, which run side
+// by side in a replica, lock the leases in key order, as the fold of leases
+// does.
+func TestSettlementsAndRenewalsLockLeasesInKeyOrder(t *testing.T) {
+	t.Parallel()
+	for _, name := range []string{"settlement", "renewal"} {
+		renewal := name == "renewal"
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+			_, q := b.key(t, "globex", gateway.TierDeveloper, gateway.ScopeInference)
+			lp, lq := uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7())
+			b.grant(t, p, lp, 10, 4, time.Hour)
+			b.grant(t, q, lq, 10, 4, time.Hour)
+			first, second := inKeyOrder(lp, lq)
+			b.requireLocksInKeyOrder(t, keyedRow{"quota_leases", []string{"id"}, []any{first}}, keyedRow{"quota_leases", []string{"id"}, []any{second}},
+				func(st *store.Store) error {
+					if renewal {
+						held, err := st.RenewQuotaLeases(b.ctx, owner, []uuid.UUID{lp, lq}, 2*time.Hour)
+						if err == nil && len(held) != 2 {
+							err = fmt.Errorf("renewed %d leases of 2", len(held))
+						}
+						return err
+					}
+					return st.SettleRequests(b.ctx, []store.Settlement{
+						{Record: record(p, uuid.Must(uuid.NewV7()), 3), LeaseID: &lp}, {Record: record(q, uuid.Must(uuid.NewV7()), 5), LeaseID: &lq},
+					})
+				})
+			if !renewal {
+				require.Equal(t, int64(3), b.view(t, p).Daily.Charged, "charged under its lease")
+				require.Equal(t, int64(5), b.view(t, q).Daily.Charged)
+			}
+		})
+	}
+}
+
+// TestRateReturnsLockWindowsInKeyOrder: a replica's return of unused rate
+// slices locks the keys' windows in key order: the returns of two replicas
+// may name the same keys.
+func TestRateReturnsLockWindowsInKeyOrder(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	at := time.Now()
+	window := at.Truncate(time.Minute)
+	k, l := uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7())
+	for _, key := range []uuid.UUID{k, l} {
+		_, err := b.store.LeaseRate(b.ctx, key, at, 50, 1)
+		require.NoError(t, err)
+	}
+	// Other keys' windows, as a replica sees them: PostgreSQL then hashes
+	// the return and probes it with the table's rows.
+	_, err := b.store.Pool().Exec(b.ctx, `INSERT INTO rate_windows SELECT gen_random_uuid(), $1, 1 FROM generate_series(1, 300)`, window)
+	require.NoError(t, err)
+	_, err = b.store.Pool().Exec(b.ctx, `ANALYZE rate_windows`)
+	require.NoError(t, err)
+	first, second := inKeyOrder(k, l)
+	row := func(key uuid.UUID) keyedRow {
+		return keyedRow{"rate_windows", []string{"key_id", "window_start"}, []any{key, window}}
+	}
+	b.requireLocksInKeyOrder(t, row(first), row(second), func(st *store.Store) error {
+		return st.ReturnRate(b.ctx, []store.RateReturn{{KeyID: k, Window: window, Count: 20}, {KeyID: l, Window: window, Count: 30}})
+	})
+	for key, counted := range map[uuid.UUID]int{k: 30, l: 20} {
+		g, err := b.store.LeaseRate(b.ctx, key, at, 50, 1)
+		require.NoError(t, err)
+		require.Equal(t, 50-counted, g.Granted, "the return counted")
+	}
 }
 
 // TestRenewAndFoldOnlyOwnLeases: a replica renews and returns its own leases,

@@ -61,7 +61,11 @@ SELECT renew_quota_leases(@owner::uuid, @ids::uuid[], now() + @lease::interval):
 -- ms a settlement at 20,000 leases). Named by the parameter @lease_ids, an
 -- array the generic plan takes for ten, they made the generic plan look
 -- dearer than a plan for the group's own leases, and every settlement was
--- planned again (TestSettlementKeepsItsPlan). The requests charged directly
+-- planned again (TestSettlementKeepsItsPlan). They are locked first, in key
+-- order, by a locking SELECT, which sorts before it locks: updated in the
+-- order of the UPDATE's plan (over few leases, a scan of the heap), they
+-- deadlocked with the replica's renewal of its leases (migration 00052),
+-- which locks them in key order too. The requests charged directly
 -- (no lease, or one gone) are charged by the function charge_directly
 -- (migration 00032), called only when there are some: the statement does not
 -- prepare that rarer work on every execution. Its result (nearly always no
@@ -100,11 +104,14 @@ WITH u AS (
     INSERT INTO evidence (request_id, account_id, sources, verdict, expires_at)
     SELECT r.id, r.account_id, coalesce(r.sources, '[]'::jsonb), r.verdict, r.evidence_expires_at
       FROM r JOIN stored USING (id) WHERE NOT r.empty_evidence
+), locked AS (
+    SELECT q.id FROM quota_leases q WHERE q.id = ANY (ARRAY(SELECT r.lease_id FROM r))
+     ORDER BY q.id FOR NO KEY UPDATE
 ), leased AS (
     UPDATE quota_leases q SET used_rungs = q.used_rungs + c.cost
       FROM (SELECT r.lease_id, sum(r.total_rungs) AS cost FROM r JOIN stored USING (id)
-             WHERE r.lease_id IS NOT NULL GROUP BY r.lease_id ORDER BY r.lease_id) c
-     WHERE q.id = c.lease_id AND q.id = ANY (ARRAY(SELECT r.lease_id FROM r))
+             WHERE r.lease_id IS NOT NULL GROUP BY r.lease_id) c
+     WHERE q.id = c.lease_id AND q.id = ANY (ARRAY(SELECT l.id FROM locked l))
     RETURNING q.id
 ), direct AS (
     SELECT r.account_id, r.day, r.project_id, r.total_rungs FROM r JOIN stored USING (id)
