@@ -19,13 +19,14 @@ import (
 // TestEverythingOfTwoTenantsAtOnce: two replicas (two stores, each with its
 // own queue of creations) create, claim, start, complete, hand back, finish
 // and cancel batches of two tenants with capped projects, while interactive
-// requests are granted slices, settled and folded back, an operator changes
-// the tenants' limits, and a replica's maintenance jobs reconcile batch
-// settlements, fold expired leases, rescue items whose lease ran out, end
-// stranded and expired batches and delete what is past retention — all at
-// once. No statement fails (PostgreSQL fails one of
-// two that deadlock), every batch ends, and each tenant's day and budget hold
-// exactly what it used.
+// requests are granted slices, settled in groups under both tenants' slices
+// and folded back, each replica renews its slices' leases and returns rate
+// slices of both tenants' keys, an operator changes the tenants' limits,
+// and a replica's maintenance jobs reconcile batch settlements, fold expired
+// leases, rescue items whose lease ran out, end stranded and expired batches
+// and delete what is past retention — all at once. No statement fails
+// (PostgreSQL fails one of two that deadlock), every batch ends, and each
+// tenant's day and budget hold exactly what it used.
 func TestEverythingOfTwoTenantsAtOnce(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -133,35 +134,95 @@ func TestEverythingOfTwoTenantsAtOnce(t *testing.T) {
 				}
 			}
 		}()
+		owner := uuid.Must(uuid.NewV7())
+		var (
+			heldMu sync.Mutex
+			held   []uuid.UUID // the replica's leases that last an hour
+		)
+		interactive := make(chan struct{})
 		work.Add(1)
 		go func() { // interactive requests of both tenants
 			defer work.Done()
-			owner := uuid.Must(uuid.NewV7())
-			for i := range 30 {
-				n := (r + i) % 2
-				p, other := tenants[n], tenants[1-n]
-				id, lease := uuid.Must(uuid.NewV7()), time.Hour
-				if i%3 == 0 {
-					lease = -time.Second // left to the folds of expired leases
-				}
+			defer close(interactive)
+			grant := func(p *gateway.Principal, id uuid.UUID, lease time.Duration) error {
 				_, err := st.GrantQuota(ctx, store.QuotaRequest{
 					LeaseID: id, Owner: owner, AccountID: p.AccountID, ProjectID: p.ProjectID, Day: time.Now(),
 					DefaultCeiling: p.Tier.DefaultDailyCeiling(), Need: 10, Share: 8, Lease: lease,
 				})
+				return err
+			}
+			for i := range 30 {
+				n := (r + i) % 2
+				p, other := tenants[n], tenants[1-n]
+				id, otherID, lease := uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7()), time.Hour
+				if i%3 == 0 {
+					lease = -time.Second // left to the folds of expired leases
+				}
+				err := grant(p, id, lease)
 				if err == nil {
+					err = grant(other, otherID, time.Hour)
+				}
+				heldMu.Lock()
+				held = append(held, otherID)
+				if i%3 != 0 {
+					held = append(held, id)
+				}
+				heldMu.Unlock()
+				if err == nil { // a group under two leases, and charged directly
 					err = st.SettleRequests(ctx, []store.Settlement{
 						{Record: record(p, uuid.Must(uuid.NewV7()), 3), LeaseID: &id},
 						{Record: record(other, uuid.Must(uuid.NewV7()), 5)},
+						{Record: record(other, uuid.Must(uuid.NewV7()), 4), LeaseID: &otherID},
 					})
 				}
 				if err == nil {
 					used[n].Add(3)
-					used[1-n].Add(5)
+					used[1-n].Add(9)
 				}
 				if err == nil && i%3 != 0 {
 					_, err = st.FoldQuotaLeases(ctx, owner, []uuid.UUID{id})
 				}
 				if err != nil {
+					fail(err)
+					return
+				}
+			}
+		}()
+		work.Add(1)
+		go func() { // the replica renewing its leases while they settle
+			defer work.Done()
+			for {
+				select {
+				case <-interactive:
+					return
+				default:
+				}
+				heldMu.Lock()
+				ids := append([]uuid.UUID(nil), held...)
+				heldMu.Unlock()
+				if _, err := st.RenewQuotaLeases(ctx, owner, ids, time.Hour); err != nil {
+					fail(err)
+					return
+				}
+				time.Sleep(time.Millisecond)
+			}
+		}()
+		work.Add(1)
+		go func() { // the replica leasing rate slices of both keys, and returning them
+			defer work.Done()
+			for i := range 60 {
+				keys := []uuid.UUID{tenants[(r+i)%2].KeyID, tenants[(r+i+1)%2].KeyID}
+				now := time.Now()
+				var returns []store.RateReturn
+				for _, key := range keys {
+					g, err := st.LeaseRate(ctx, key, now, 1_000_000, 8)
+					if err != nil {
+						fail(err)
+						return
+					}
+					returns = append(returns, store.RateReturn{KeyID: key, Window: now.Truncate(time.Minute), Count: g.Granted})
+				}
+				if err := st.ReturnRate(ctx, returns); err != nil {
 					fail(err)
 					return
 				}
