@@ -633,12 +633,14 @@ WITH u AS (
       FROM r JOIN stored USING (id) WHERE NOT r.empty_evidence
 ), locked AS (
     SELECT q.id FROM quota_leases q WHERE q.id = ANY (ARRAY(SELECT r.lease_id FROM r))
+       AND (SELECT count(DISTINCT r.lease_id) FROM r) > 1
      ORDER BY q.id FOR NO KEY UPDATE
 ), leased AS (
     UPDATE quota_leases q SET used_rungs = q.used_rungs + c.cost
       FROM (SELECT r.lease_id, sum(r.total_rungs) AS cost FROM r JOIN stored USING (id)
              WHERE r.lease_id IS NOT NULL GROUP BY r.lease_id) c
-     WHERE q.id = c.lease_id AND q.id = ANY (ARRAY(SELECT l.id FROM locked l))
+     WHERE q.id = c.lease_id AND q.id = ANY (ARRAY(SELECT r.lease_id FROM r))
+       AND (SELECT count(*) FROM locked) >= 0
     RETURNING q.id
 ), direct AS (
     SELECT r.account_id, r.day, r.project_id, r.total_rungs FROM r JOIN stored USING (id)
@@ -685,11 +687,15 @@ type SettleRequestsParams struct {
 // ms a settlement at 20,000 leases). Named by the parameter @lease_ids, an
 // array the generic plan takes for ten, they made the generic plan look
 // dearer than a plan for the group's own leases, and every settlement was
-// planned again (TestSettlementKeepsItsPlan). They are locked first, in key
-// order, by a locking SELECT, which sorts before it locks: updated in the
-// order of the UPDATE's plan (over few leases, a scan of the heap), they
-// deadlocked with the replica's renewal of its leases (migration 00052),
-// which locks them in key order too. The requests charged directly
+// planned again (TestSettlementKeepsItsPlan). A group that charges two
+// leases or more locks them first, in key order, by a locking SELECT, which
+// sorts before it locks (the update waits for it: the one-time filter on
+// its count): updated in the order of the UPDATE's plan (over few leases, a
+// scan of the heap), they deadlocked with the replica's renewal of its
+// leases (migration 00052), which locks them in key order too. A group
+// under one lease, the common case, locks nothing more: a statement that
+// waits for one row while holding none cannot deadlock on it, and a lock
+// writes a record to the WAL. The requests charged directly
 // (no lease, or one gone) are charged by the function charge_directly
 // (migration 00032), called only when there are some: the statement does not
 // prepare that rarer work on every execution. Its result (nearly always no
