@@ -214,14 +214,15 @@ func (r keyedRow) where() string {
 	return strings.Join(conds, " AND ")
 }
 
-// requireLocksInKeyOrder: op, given a store whose planner scans the heap (as
-// over a small table), locks first before second, the row after it in key
-// order, even with first's row moved past second's in the heap. A transaction
-// holding first (as a claim, a grant or another replica's statement that
-// locks in key order would) while op waits, then takes second and commits;
-// op then succeeds. An op that took second before waiting for first
-// deadlocked with it, and PostgreSQL failed one of the two after a second.
-func (b *testBundle) requireLocksInKeyOrder(t *testing.T, first, second keyedRow, op func(*store.Store) error) {
+// requireLocksInOrder: op, given a store whose planner scans the heap (as
+// over a small table), locks first before second (of one table: the row
+// after it in key order), even with first's row moved past second's in the
+// heap. A transaction holding first (as a claim, a grant or another
+// replica's statement that locks in that order would) while op waits, then
+// takes second and commits; op then succeeds. An op that took second before
+// waiting for first deadlocked with it, and PostgreSQL failed one of the two
+// after a second.
+func (b *testBundle) requireLocksInOrder(t *testing.T, first, second keyedRow, op func(*store.Store) error) {
 	t.Helper()
 	_, err := b.store.Pool().Exec(b.ctx, fmt.Sprintf(`UPDATE %s SET %s = %[2]s WHERE %s`, first.table, first.key[0], first.where()), first.value...)
 	require.NoError(t, err, "the first row moves past the second")
@@ -270,7 +271,7 @@ func TestDirectChargesLockProjectsInKeyOrder(t *testing.T) {
 	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
 	_, q := b.key(t, "globex", gateway.TierDeveloper, gateway.ScopeInference)
 	first, second := inKeyOrder(p.ProjectID, q.ProjectID)
-	b.requireLocksInKeyOrder(t, keyedRow{"projects", []string{"id"}, []any{first}}, keyedRow{"projects", []string{"id"}, []any{second}},
+	b.requireLocksInOrder(t, keyedRow{"projects", []string{"id"}, []any{first}}, keyedRow{"projects", []string{"id"}, []any{second}},
 		func(st *store.Store) error {
 			return st.SettleRequests(b.ctx, []store.Settlement{
 				{Record: record(p, uuid.Must(uuid.NewV7()), 3)}, {Record: record(q, uuid.Must(uuid.NewV7()), 5)},
@@ -297,7 +298,7 @@ func TestSettlementsAndRenewalsLockLeasesInKeyOrder(t *testing.T) {
 			b.grant(t, p, lp, 10, 4, time.Hour)
 			b.grant(t, q, lq, 10, 4, time.Hour)
 			first, second := inKeyOrder(lp, lq)
-			b.requireLocksInKeyOrder(t, keyedRow{"quota_leases", []string{"id"}, []any{first}}, keyedRow{"quota_leases", []string{"id"}, []any{second}},
+			b.requireLocksInOrder(t, keyedRow{"quota_leases", []string{"id"}, []any{first}}, keyedRow{"quota_leases", []string{"id"}, []any{second}},
 				func(st *store.Store) error {
 					if renewal {
 						held, err := st.RenewQuotaLeases(b.ctx, owner, []uuid.UUID{lp, lq}, 2*time.Hour)
@@ -341,7 +342,7 @@ func TestRateReturnsLockWindowsInKeyOrder(t *testing.T) {
 	row := func(key uuid.UUID) keyedRow {
 		return keyedRow{"rate_windows", []string{"key_id", "window_start"}, []any{key, window}}
 	}
-	b.requireLocksInKeyOrder(t, row(first), row(second), func(st *store.Store) error {
+	b.requireLocksInOrder(t, row(first), row(second), func(st *store.Store) error {
 		return st.ReturnRate(b.ctx, []store.RateReturn{{KeyID: k, Window: window, Count: 20}, {KeyID: l, Window: window, Count: 30}})
 	})
 	for key, counted := range map[uuid.UUID]int{k: 30, l: 20} {
@@ -412,33 +413,13 @@ func TestAFoldTakesTheAccountDayBeforeTheProject(t *testing.T) {
 	lease := uuid.Must(uuid.NewV7())
 	b.grant(t, p, lease, 10, 4, time.Hour)
 
-	// A grant's first lock, held: its account-day.
-	grant, err := b.store.Pool().Begin(b.ctx)
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = grant.Rollback(b.ctx) })
-	_, err = grant.Exec(b.ctx, `UPDATE daily_charges SET charged_rungs = charged_rungs WHERE account_id = $1 AND day = $2`,
-		p.AccountID, gateway.UTCDay(time.Now()))
-	require.NoError(t, err)
-
-	folded := make(chan error, 1)
-	go func() {
-		_, err := b.store.FoldQuotaLeases(b.ctx, owner, []uuid.UUID{lease})
-		folded <- err
-	}()
-	require.Eventually(t, func() bool {
-		var waiting int
-		err := b.store.Pool().QueryRow(b.ctx, `SELECT count(*) FROM pg_stat_activity
-			WHERE datname = current_database() AND wait_event_type = 'Lock'`).Scan(&waiting)
-		return err == nil && waiting == 1
-	}, 10*time.Second, 5*time.Millisecond, "the fold waits for the account-day")
-
-	// The grant's next lock: its project, which the fold must not hold yet.
-	ctx, cancel := context.WithTimeout(b.ctx, 10*time.Second)
-	defer cancel()
-	_, err = grant.Exec(ctx, `SELECT 1 FROM projects WHERE id = $1 FOR NO KEY UPDATE`, p.ProjectID)
-	require.NoError(t, err, "the grant takes its project")
-	require.NoError(t, grant.Commit(b.ctx))
-	require.NoError(t, <-folded, "the fold ends once the grant has")
+	// A grant's locks: its account-day, then its project.
+	b.requireLocksInOrder(t, keyedRow{"daily_charges", []string{"account_id", "day"}, []any{p.AccountID, gateway.UTCDay(time.Now())}},
+		keyedRow{"projects", []string{"id"}, []any{p.ProjectID}},
+		func(st *store.Store) error {
+			_, err := st.FoldQuotaLeases(b.ctx, owner, []uuid.UUID{lease})
+			return err
+		})
 	require.Zero(t, b.view(t, p).Budget.Reserved, "the slice is back")
 }
 
