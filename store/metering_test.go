@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
@@ -317,6 +318,57 @@ func TestSettlementsAndRenewalsLockLeasesInKeyOrder(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestASettlementHoldsItsLeasesUntilItEnds: a group that charges two leases
+// locks them in its own transaction (LockQuotaLeases is sent with the
+// settlement, not committed before it), so they stay locked, in key order,
+// until its update has run: a settlement kept waiting (here for one of its
+// requests, which another transaction is inserting) holds both, then
+// commits. Were the locks released before the update, the update could take
+// them in the order of its plan and deadlock with a renewal.
+func TestASettlementHoldsItsLeasesUntilItEnds(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	_, q := b.key(t, "globex", gateway.TierDeveloper, gateway.ScopeInference)
+	lp, lq := uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7())
+	b.grant(t, p, lp, 10, 4, time.Hour)
+	b.grant(t, q, lq, 10, 4, time.Hour)
+	x := record(p, uuid.Must(uuid.NewV7()), 3)
+
+	inserting, err := b.store.Pool().Begin(b.ctx)
+	require.NoError(t, err)
+	defer func() { _ = inserting.Rollback(b.ctx) }()
+	_, err = inserting.Exec(b.ctx, `INSERT INTO requests (id, account_id, project_id, api_key_id, model, entry_point, status,
+		    input_tokens, output_tokens, input_rungs, output_rungs, total_rungs, created_at, completed_at)
+		VALUES ($1, $2, $3, $4, 'instant', 'responses', 'completed', 1, 1, 1, 2, 3, now(), now())`,
+		x.RequestID, p.AccountID, p.ProjectID, p.KeyID)
+	require.NoError(t, err)
+
+	done := make(chan error, 1)
+	go func() {
+		done <- b.store.SettleRequests(b.ctx, []store.Settlement{
+			{Record: x, LeaseID: &lp}, {Record: record(q, uuid.Must(uuid.NewV7()), 5), LeaseID: &lq},
+		})
+	}()
+	require.Eventually(t, func() bool {
+		var waiting int
+		err := b.store.Pool().QueryRow(b.ctx, `SELECT count(*) FROM pg_stat_activity
+			WHERE datname = current_database() AND wait_event_type = 'Lock'`).Scan(&waiting)
+		return err == nil && waiting == 1
+	}, 10*time.Second, 5*time.Millisecond, "the settlement waits for the request being inserted")
+	for _, lease := range []uuid.UUID{lp, lq} {
+		_, err := b.store.Pool().Exec(b.ctx, `SELECT 1 FROM quota_leases WHERE id = $1 FOR NO KEY UPDATE NOWAIT`, lease)
+		var pgErr *pgconn.PgError
+		require.ErrorAs(t, err, &pgErr, "lease %s is locked while its settlement waits", lease)
+		require.Equal(t, "55P03", pgErr.Code, "lock_not_available")
+	}
+
+	require.NoError(t, inserting.Rollback(b.ctx))
+	require.NoError(t, <-done)
+	require.Equal(t, int64(3), b.view(t, p).Daily.Charged, "charged under its lease")
+	require.Equal(t, int64(5), b.view(t, q).Daily.Charged)
 }
 
 // TestRateReturnsLockWindowsInKeyOrder: a replica's return of unused rate

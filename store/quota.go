@@ -1,10 +1,12 @@
 package store
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"time"
 
@@ -244,9 +246,12 @@ type Settlement struct {
 }
 
 // SettleRequests commits a group of finished requests durably in one
-// statement and one transaction: their usage and evidence, and their actual
+// transaction and one round trip: their usage and evidence, and their actual
 // cost on their leases. A request already stored is skipped, so a group whose
-// reply was lost may be sent again. The group commits whole or not at all.
+// reply was lost may be sent again. The group commits whole or not at all. A
+// group that charges two leases or more locks them first, in key order, in
+// the same transaction and round trip (see LockQuotaLeases in
+// queries/metering.sql).
 func (s *Store) SettleRequests(ctx context.Context, group []Settlement) error {
 	n := len(group)
 	p := db.SettleRequestsParams{
@@ -277,10 +282,53 @@ func (s *Store) SettleRequests(ctx context.Context, group []Settlement) error {
 			p.LeaseIds[i] = *st.LeaseID // nil: none
 		}
 	}
-	if err := s.queries.SettleRequests(ctx, s.pool, p); err != nil {
+	leases := severalLeases(p.LeaseIds)
+	if leases == nil {
+		if err := s.queries.SettleRequests(ctx, s.pool, p); err != nil {
+			return fmt.Errorf("error settling requests: %w", err)
+		}
+		return nil
+	}
+	b := &pgx.Batch{}
+	_ = s.queries.LockQuotaLeases(ctx, queued{Batch: b}, leases)
+	_ = s.queries.SettleRequests(ctx, queued{Batch: b}, p)
+	if err := s.pool.SendBatch(ctx, b).Close(); err != nil {
 		return fmt.Errorf("error settling requests: %w", err)
 	}
 	return nil
+}
+
+// severalLeases returns the distinct leases of ids (uuid.Nil: none) when
+// there are two or more, nil otherwise.
+func severalLeases(ids []uuid.UUID) []uuid.UUID {
+	first := uuid.Nil
+	for _, id := range ids {
+		if id == uuid.Nil || id == first {
+			continue
+		}
+		if first == uuid.Nil {
+			first = id
+			continue
+		}
+		leases := slices.DeleteFunc(slices.Clone(ids), func(id uuid.UUID) bool { return id == uuid.Nil })
+		slices.SortFunc(leases, func(a, b uuid.UUID) int { return bytes.Compare(a[:], b[:]) })
+		return slices.Compact(leases)
+	}
+	return nil
+}
+
+// queued is a db.DBTX that queues the statements of :exec queries into a
+// batch, which pgx sends in one round trip and PostgreSQL runs in one
+// transaction (its statements end at one Sync). Only Exec is implemented.
+type queued struct {
+	db.DBTX
+	*pgx.Batch
+}
+
+// Exec queues sql with args.
+func (q queued) Exec(_ context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	q.Queue(sql, args...)
+	return pgconn.CommandTag{}, nil
 }
 
 // sourcesJSON is a request's or an item's sources as an element of a jsonb

@@ -428,6 +428,29 @@ func (q *Queries) ListenPrincipals(ctx context.Context, db DBTX) error {
 	return err
 }
 
+const lockQuotaLeases = `-- name: LockQuotaLeases :exec
+SELECT 1 FROM quota_leases WHERE id = ANY ($1::uuid[]) ORDER BY id FOR NO KEY UPDATE
+`
+
+// Locks the quota leases named, in key order: a locking SELECT sorts before
+// it locks. Sent before a settlement group that charges two leases or more,
+// in the group's transaction, so that its update, which locks them in the
+// order of its plan (over few leases, a scan of the heap, whose order each
+// update changes), finds them locked: otherwise it could hold one and wait
+// for another that the replica's renewal of its leases (migration 00052,
+// key order) held while it waited for the first, and PostgreSQL failed one
+// of the two after a second. A group under one lease, the common case, is
+// sent alone: a statement that waits for one row while holding none cannot
+// deadlock on it. Its own statement rather than a part of the settlement's,
+// which PostgreSQL set up at each execution, taking the lock or not: a
+// settlement under one lease costs it 25-60 µs less, one under two about 70
+// more (docs/benchmarks.md, "Settlements that lock their leases in key
+// order").
+func (q *Queries) LockQuotaLeases(ctx context.Context, db DBTX, ids []uuid.UUID) error {
+	_, err := db.Exec(ctx, lockQuotaLeases, ids)
+	return err
+}
+
 const lookupKey = `-- name: LookupKey :one
 SELECT k.id AS key_id, k.scopes, k.expires_at, p.id AS project_id, p.name AS project_name,
        a.id AS account_id, a.name AS account_name, a.tier
@@ -631,16 +654,11 @@ WITH u AS (
     INSERT INTO evidence (request_id, account_id, sources, verdict, expires_at)
     SELECT r.id, r.account_id, coalesce(r.sources, '[]'::jsonb), r.verdict, r.evidence_expires_at
       FROM r JOIN stored USING (id) WHERE NOT r.empty_evidence
-), locked AS (
-    SELECT q.id FROM quota_leases q WHERE q.id = ANY (ARRAY(SELECT r.lease_id FROM r))
-       AND (SELECT count(DISTINCT r.lease_id) FROM r) > 1
-     ORDER BY q.id FOR NO KEY UPDATE
 ), leased AS (
     UPDATE quota_leases q SET used_rungs = q.used_rungs + c.cost
       FROM (SELECT r.lease_id, sum(r.total_rungs) AS cost FROM r JOIN stored USING (id)
              WHERE r.lease_id IS NOT NULL GROUP BY r.lease_id) c
      WHERE q.id = c.lease_id AND q.id = ANY (ARRAY(SELECT r.lease_id FROM r))
-       AND (SELECT count(*) FROM locked) >= 0
     RETURNING q.id
 ), direct AS (
     SELECT r.account_id, r.day, r.project_id, r.total_rungs FROM r JOIN stored USING (id)
@@ -687,15 +705,10 @@ type SettleRequestsParams struct {
 // ms a settlement at 20,000 leases). Named by the parameter @lease_ids, an
 // array the generic plan takes for ten, they made the generic plan look
 // dearer than a plan for the group's own leases, and every settlement was
-// planned again (TestSettlementKeepsItsPlan). A group that charges two
-// leases or more locks them first, in key order, by a locking SELECT, which
-// sorts before it locks (the update waits for it: the one-time filter on
-// its count): updated in the order of the UPDATE's plan (over few leases, a
-// scan of the heap), they deadlocked with the replica's renewal of its
-// leases (migration 00052), which locks them in key order too. A group
-// under one lease, the common case, locks nothing more: a statement that
-// waits for one row while holding none cannot deadlock on it, and a lock
-// writes a record to the WAL. The requests charged directly
+// planned again (TestSettlementKeepsItsPlan). The statement updates the
+// leases in the order of its plan (over few leases, a scan of the heap): a
+// group that charges two leases or more is sent after LockQuotaLeases, in
+// one transaction (see Store.SettleRequests). The requests charged directly
 // (no lease, or one gone) are charged by the function charge_directly
 // (migration 00032), called only when there are some: the statement does not
 // prepare that rarer work on every execution. Its result (nearly always no
