@@ -244,15 +244,34 @@ func (b *testBundle) requireLocksInOrder(t *testing.T, first, second keyedRow, o
 	require.NoError(t, lock(first))
 	done := make(chan error, 1)
 	go func() { done <- op(heap) }()
+	b.requireOneWaiting(t, "op waits for the first row")
+	require.NoError(t, lock(second), "the holder takes the second row")
+	require.NoError(t, holder.Commit(b.ctx))
+	require.NoError(t, <-done)
+}
+
+// requireOneWaiting waits until one statement of the test's database waits
+// for a lock.
+func (b *testBundle) requireOneWaiting(t *testing.T, msg string) {
+	t.Helper()
 	require.Eventually(t, func() bool {
 		var waiting int
 		err := b.store.Pool().QueryRow(b.ctx, `SELECT count(*) FROM pg_stat_activity
 			WHERE datname = current_database() AND wait_event_type = 'Lock'`).Scan(&waiting)
 		return err == nil && waiting == 1
-	}, 10*time.Second, 5*time.Millisecond, "op waits for the first row")
-	require.NoError(t, lock(second), "the holder takes the second row")
-	require.NoError(t, holder.Commit(b.ctx))
-	require.NoError(t, <-done)
+	}, 10*time.Second, 5*time.Millisecond, msg)
+}
+
+// twoLeases makes the keys of two accounts, acme (p) and globex (q), and
+// grants each a slice under a lease of an hour (lp, lq).
+func (b *testBundle) twoLeases(t *testing.T) (p, q *gateway.Principal, lp, lq uuid.UUID) {
+	t.Helper()
+	_, p = b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	_, q = b.key(t, "globex", gateway.TierDeveloper, gateway.ScopeInference)
+	lp, lq = uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7())
+	b.grant(t, p, lp, 10, 4, time.Hour)
+	b.grant(t, q, lq, 10, 4, time.Hour)
+	return p, q, lp, lq
 }
 
 // inKeyOrder returns a and b, the lesser first.
@@ -293,11 +312,7 @@ func TestSettlementsAndRenewalsLockLeasesInKeyOrder(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
 			b := setup(t)
-			_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
-			_, q := b.key(t, "globex", gateway.TierDeveloper, gateway.ScopeInference)
-			lp, lq := uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7())
-			b.grant(t, p, lp, 10, 4, time.Hour)
-			b.grant(t, q, lq, 10, 4, time.Hour)
+			p, q, lp, lq := b.twoLeases(t)
 			first, second := inKeyOrder(lp, lq)
 			b.requireLocksInOrder(t, keyedRow{"quota_leases", []string{"id"}, []any{first}}, keyedRow{"quota_leases", []string{"id"}, []any{second}},
 				func(st *store.Store) error {
@@ -330,11 +345,7 @@ func TestSettlementsAndRenewalsLockLeasesInKeyOrder(t *testing.T) {
 func TestASettlementHoldsItsLeasesUntilItEnds(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
-	_, q := b.key(t, "globex", gateway.TierDeveloper, gateway.ScopeInference)
-	lp, lq := uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7())
-	b.grant(t, p, lp, 10, 4, time.Hour)
-	b.grant(t, q, lq, 10, 4, time.Hour)
+	p, q, lp, lq := b.twoLeases(t)
 	x := record(p, uuid.Must(uuid.NewV7()), 3)
 
 	inserting, err := b.store.Pool().Begin(b.ctx)
@@ -352,12 +363,7 @@ func TestASettlementHoldsItsLeasesUntilItEnds(t *testing.T) {
 			{Record: x, LeaseID: &lp}, {Record: record(q, uuid.Must(uuid.NewV7()), 5), LeaseID: &lq},
 		})
 	}()
-	require.Eventually(t, func() bool {
-		var waiting int
-		err := b.store.Pool().QueryRow(b.ctx, `SELECT count(*) FROM pg_stat_activity
-			WHERE datname = current_database() AND wait_event_type = 'Lock'`).Scan(&waiting)
-		return err == nil && waiting == 1
-	}, 10*time.Second, 5*time.Millisecond, "the settlement waits for the request being inserted")
+	b.requireOneWaiting(t, "the settlement waits for the request being inserted")
 	for _, lease := range []uuid.UUID{lp, lq} {
 		_, err := b.store.Pool().Exec(b.ctx, `SELECT 1 FROM quota_leases WHERE id = $1 FOR NO KEY UPDATE NOWAIT`, lease)
 		var pgErr *pgconn.PgError
