@@ -182,9 +182,9 @@ func tenantIndexes(plan string) []string {
 	return indexes
 }
 
-// BenchmarkMeteringAmongTenants: a settlement under a lease, and a slice
-// granted then folded back, as the tables hold few tenants and many. The
-// figures do not grow with the tenants.
+// BenchmarkMeteringAmongTenants: a settlement under a lease (and a group
+// under two leases), and a slice granted then folded back, as the tables
+// hold few tenants and many. The figures do not grow with the tenants.
 func BenchmarkMeteringAmongTenants(b *testing.B) {
 	for _, tenants := range []int{100, 10_000} {
 		b.Run(fmt.Sprintf("tenants=%d", tenants), func(b *testing.B) {
@@ -203,19 +203,33 @@ func BenchmarkMeteringAmongTenants(b *testing.B) {
 				})
 				require.NoError(b, err)
 			}
-			b.Run("settle", func(b *testing.B) {
-				lease := uuid.Must(uuid.NewV7())
-				grant(lease)
-				// One connection, whose server process's CPU is counted.
-				single, one := singleConnection(b, st)
-				cpu := backendCPU(b, one)
-				for b.Loop() {
-					if err := single.SettleRequests(ctx, []store.Settlement{{Record: record(p, uuid.Must(uuid.NewV7()), 10), LeaseID: &lease}}); err != nil {
-						b.Fatal(err)
+			// A group of one request under its lease, and a group of two
+			// under two leases (sent after their lock, in one batch).
+			for _, c := range []struct {
+				name   string
+				leases int
+			}{{"settle", 1}, {"settle-two-leases", 2}} {
+				b.Run(c.name, func(b *testing.B) {
+					leases := make([]uuid.UUID, c.leases)
+					for i := range leases {
+						leases[i] = uuid.Must(uuid.NewV7())
+						grant(leases[i])
 					}
-				}
-				cpu.report(b)
-			})
+					// One connection, whose server process's CPU is counted.
+					single, one := singleConnection(b, st)
+					cpu := backendCPU(b, one)
+					group := make([]store.Settlement, c.leases)
+					for b.Loop() {
+						for i := range group {
+							group[i] = store.Settlement{Record: record(p, uuid.Must(uuid.NewV7()), 10), LeaseID: &leases[i]}
+						}
+						if err := single.SettleRequests(ctx, group); err != nil {
+							b.Fatal(err)
+						}
+					}
+					cpu.report(b)
+				})
+			}
 			b.Run("grant-fold", func(b *testing.B) {
 				for b.Loop() {
 					lease := uuid.Must(uuid.NewV7())
