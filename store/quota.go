@@ -1,12 +1,10 @@
 package store
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"slices"
 	"strings"
 	"time"
 
@@ -282,15 +280,15 @@ func (s *Store) SettleRequests(ctx context.Context, group []Settlement) error {
 			p.LeaseIds[i] = *st.LeaseID // nil: none
 		}
 	}
-	leases := severalLeases(p.LeaseIds)
-	if leases == nil {
+	if !severalLeases(p.LeaseIds) {
 		if err := s.queries.SettleRequests(ctx, s.pool, p); err != nil {
 			return fmt.Errorf("error settling requests: %w", err)
 		}
 		return nil
 	}
+	// The lock sorts the leases and reads each once; uuid.Nil names none.
 	b := &pgx.Batch{}
-	_ = s.queries.LockQuotaLeases(ctx, queued{Batch: b}, leases)
+	_ = s.queries.LockQuotaLeases(ctx, queued{Batch: b}, p.LeaseIds)
 	_ = s.queries.SettleRequests(ctx, queued{Batch: b}, p)
 	if err := s.pool.SendBatch(ctx, b).Close(); err != nil {
 		return fmt.Errorf("error settling requests: %w", err)
@@ -298,23 +296,19 @@ func (s *Store) SettleRequests(ctx context.Context, group []Settlement) error {
 	return nil
 }
 
-// severalLeases returns the distinct leases of ids (uuid.Nil: none) when
-// there are two or more, nil otherwise.
-func severalLeases(ids []uuid.UUID) []uuid.UUID {
+// severalLeases reports whether ids (uuid.Nil: none) name two leases or more.
+func severalLeases(ids []uuid.UUID) bool {
 	first := uuid.Nil
 	for _, id := range ids {
 		if id == uuid.Nil || id == first {
 			continue
 		}
-		if first == uuid.Nil {
-			first = id
-			continue
+		if first != uuid.Nil {
+			return true
 		}
-		leases := slices.DeleteFunc(slices.Clone(ids), func(id uuid.UUID) bool { return id == uuid.Nil })
-		slices.SortFunc(leases, func(a, b uuid.UUID) int { return bytes.Compare(a[:], b[:]) })
-		return slices.Compact(leases)
+		first = id
 	}
-	return nil
+	return false
 }
 
 // queued is a db.DBTX that queues the statements of :exec queries into a
