@@ -533,6 +533,12 @@ func TestCreateResponseValidation(t *testing.T) {
 	require.Equal(t, `field "max_output_rungs": number 18446744073709551616 is out of range (at most 18446744073709551615)`, r.message(t))
 	r = b.do(http.MethodPost, "/api/v1/responses", b.key, "application/json", []byte(`{"prompt": "p", "max_output_rungs": 1.5}`))
 	require.Equal(t, `field "max_output_rungs": number 1.5 is not a valid non-negative integer`, r.message(t))
+	// OpenAPI 3.0's integer is digits alone: a whole number with a fraction
+	// or an exponent is refused as one with a fraction is.
+	for _, n := range []string{"1000.0", "1e3", "1E+3"} {
+		r = b.do(http.MethodPost, "/api/v1/responses", b.key, "application/json", []byte(`{"prompt": "p", "max_output_rungs": `+n+`}`))
+		require.Equal(t, `field "max_output_rungs": number `+n+` is not a valid non-negative integer`, r.message(t))
+	}
 	r = b.do(http.MethodGet, "/api/v1/sources/"+strings.Repeat("s", 20000), b.key, "", nil)
 	require.Equal(t, gateway.ESourcesNotFound, r.errorCode(t))
 	require.Less(t, len(r.body), 300, string(r.body))
