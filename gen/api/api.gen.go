@@ -571,10 +571,11 @@ type ResponseRequest struct {
 	// output rungs, or 80 in a batch at the default discount of 0.5. Default
 	// and limit per model: `instant` 32000, `reasoning` 64000, `elements`
 	// 64000. 0 or a value above the selected model's limit is
-	// `INVALID_REQUEST`. Written as OpenAPI 3.0's integers are, digits alone:
-	// `1000.0` and `1e3` are `INVALID_REQUEST` naming the field, as is any number
-	// with a fraction. The accepted value, priced, is the output part of the
-	// estimate reserved on the budget and charged to the day.
+	// `INVALID_REQUEST`. A whole number in digits, as OpenAPI 3.0's `integer`
+	// is (no fraction or exponent part): `1000.0` and `1e3` are
+	// `INVALID_REQUEST` naming the field, as `1.5` is. The accepted value,
+	// priced, is the output part of the estimate reserved on the budget and
+	// charged to the day.
 	MaxOutputRungs *uint64 `json:"max_output_rungs,omitempty"`
 
 	// Model `instant`, `reasoning` or `elements`, or an alias (`fast`; `think`,
