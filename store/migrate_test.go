@@ -112,8 +112,8 @@ func migratedTo(t *testing.T, version int64) (*pgxpool.Pool, *goose.Provider) {
 }
 
 // keyAt00010 makes account acme, its project default and a key in it with the
-// columns a schema at migration 00010 has (today's statements write columns
-// added since), and returns the key's principal.
+// columns a schema at migration 00010 has, which later ones keep (today's
+// statements write columns added since), and returns the key's principal.
 func keyAt00010(t *testing.T, pool *pgxpool.Pool) *gateway.Principal {
 	t.Helper()
 	p := &gateway.Principal{

@@ -256,17 +256,22 @@ func TestMigrationSumsExistingUsage(t *testing.T) {
 	pool, provider := migratedTo(t, 38)
 
 	b := &testBundle{ctx: ctx, store: store.New(pool)}
-	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	p := keyAt00010(t, pool)
 	base := time.Now().UTC().Truncate(time.Minute).Add(-time.Hour)
 	var before settled
 	for i := range 30 {
-		before = append(before, at(p, base.Add(time.Duration(i)*17*time.Second), gateway.ModelInstant, int64(i+2)))
+		r := at(p, base.Add(time.Duration(i)*17*time.Second), gateway.ModelInstant, int64(i+2))
+		before = append(before, r)
+		// Stored with the columns a schema at 00038 has, as its release
+		// stored them (today's settlement may name objects added since).
+		_, err := pool.Exec(ctx, `
+			INSERT INTO requests (id, account_id, project_id, api_key_id, model, entry_point, status,
+			                      input_tokens, output_tokens, input_rungs, output_rungs, total_rungs, created_at, completed_at)
+			VALUES ($1, $2, $3, $4, $5, $6, 'completed', $7, $8, $9, $10, $11, $12, $13)`,
+			r.RequestID, p.AccountID, p.ProjectID, p.KeyID, string(r.Model), string(r.Entry),
+			r.Usage.InputTokens, r.Usage.OutputTokens, r.Usage.InputRungs, r.Usage.OutputRungs, r.Usage.TotalRungs, r.CreatedAt, r.CompletedAt)
+		require.NoError(t, err)
 	}
-	var group []store.Settlement
-	for _, r := range before {
-		group = append(group, store.Settlement{Record: r})
-	}
-	require.NoError(t, b.store.SettleRequests(ctx, group))
 
 	_, err := provider.Up(ctx)
 	require.NoError(t, err)
