@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/gen/db"
 	"github.com/rungworks/gateway/internal/testdb"
 	"github.com/rungworks/gateway/store"
 )
@@ -26,6 +27,20 @@ func (b *testBundle) settle(t *testing.T, p *gateway.Principal, lease *uuid.UUID
 	id := uuid.Must(uuid.NewV7())
 	require.NoError(t, b.store.SettleRequests(b.ctx, []store.Settlement{{Record: record(p, id, total), LeaseID: lease}}))
 	return id
+}
+
+// insertRequest stores r as a completed request's row alone (no evidence,
+// no charge), with the columns every schema since migration 00038 has,
+// through conn: the pool, or a transaction left open.
+func (b *testBundle) insertRequest(t *testing.T, conn db.DBTX, r gateway.UsageRecord) {
+	t.Helper()
+	_, err := conn.Exec(b.ctx, `
+		INSERT INTO requests (id, account_id, project_id, api_key_id, model, entry_point, status,
+		                      input_tokens, output_tokens, input_rungs, output_rungs, total_rungs, created_at, completed_at)
+		VALUES ($1, $2, $3, $4, $5, $6, 'completed', $7, $8, $9, $10, $11, $12, $13)`,
+		r.RequestID, r.Principal.AccountID, r.Principal.ProjectID, r.Principal.KeyID, string(r.Model), string(r.Entry),
+		r.Usage.InputTokens, r.Usage.OutputTokens, r.Usage.InputRungs, r.Usage.OutputRungs, r.Usage.TotalRungs, r.CreatedAt, r.CompletedAt)
+	require.NoError(t, err)
 }
 
 func record(p *gateway.Principal, id uuid.UUID, total int64) gateway.UsageRecord {
@@ -351,11 +366,7 @@ func TestASettlementHoldsItsLeasesUntilItEnds(t *testing.T) {
 	inserting, err := b.store.Pool().Begin(b.ctx)
 	require.NoError(t, err)
 	defer func() { _ = inserting.Rollback(b.ctx) }()
-	_, err = inserting.Exec(b.ctx, `INSERT INTO requests (id, account_id, project_id, api_key_id, model, entry_point, status,
-		    input_tokens, output_tokens, input_rungs, output_rungs, total_rungs, created_at, completed_at)
-		VALUES ($1, $2, $3, $4, 'instant', 'responses', 'completed', 1, 1, 1, 2, 3, now(), now())`,
-		x.RequestID, p.AccountID, p.ProjectID, p.KeyID)
-	require.NoError(t, err)
+	b.insertRequest(t, inserting, x)
 
 	done := make(chan error, 1)
 	go func() {

@@ -264,13 +264,7 @@ func TestMigrationSumsExistingUsage(t *testing.T) {
 		before = append(before, r)
 		// Stored with the columns a schema at 00038 has, as its release
 		// stored them (today's settlement may name objects added since).
-		_, err := pool.Exec(ctx, `
-			INSERT INTO requests (id, account_id, project_id, api_key_id, model, entry_point, status,
-			                      input_tokens, output_tokens, input_rungs, output_rungs, total_rungs, created_at, completed_at)
-			VALUES ($1, $2, $3, $4, $5, $6, 'completed', $7, $8, $9, $10, $11, $12, $13)`,
-			r.RequestID, p.AccountID, p.ProjectID, p.KeyID, string(r.Model), string(r.Entry),
-			r.Usage.InputTokens, r.Usage.OutputTokens, r.Usage.InputRungs, r.Usage.OutputRungs, r.Usage.TotalRungs, r.CreatedAt, r.CompletedAt)
-		require.NoError(t, err)
+		b.insertRequest(t, pool, r)
 	}
 
 	_, err := provider.Up(ctx)
