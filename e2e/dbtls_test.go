@@ -30,11 +30,11 @@ import (
 // TestTheDatabaseOverTLS: with a DATABASE_URL that asks for TLS
 // (sslmode=verify-full) and logs in with a client certificate, the only login
 // the server takes over TLS, the operator commands and `gateway serve` work
-// and every session of the replica is encrypted under that certificate. When
-// the certificate's files are replaced by one of another authority, which
-// alone the server then trusts, the replica's connections made after (the
-// server restarted) use the new files: it serves again without a restart,
-// where the old certificate is refused.
+// and every session of the replica is encrypted under that certificate.
+// When the server (restarted) trusts another authority alone, the replica,
+// its logins refused, answers 503 SERVICE_UNAVAILABLE; once the
+// certificate's files are replaced by one of that authority, the
+// connections it makes use them: it serves again without a restart.
 func TestTheDatabaseOverTLS(t *testing.T) {
 	t.Parallel()
 	cluster, dir := ownCluster(t, false)
@@ -95,23 +95,24 @@ func TestTheDatabaseOverTLS(t *testing.T) {
 	require.Equal(t, http.StatusOK, r.status, string(r.body))
 	requireSessionsUnder(t, admin, "authority one")
 
-	// The rotation: the files replaced, the server trusting the new
-	// authority alone, and restarted, so that every connection is new.
-	stale := filepath.Join(clientDir, "stale")
-	require.NoError(t, os.Mkdir(stale, 0o700))
-	staleCert, staleKey := filepath.Join(stale, "client.crt"), filepath.Join(stale, "client.key")
-	require.NoError(t, os.WriteFile(staleCert, first.cert, 0o600))
-	require.NoError(t, os.WriteFile(staleKey, first.key, 0o600))
-	place(second)
+	// The rotation: the server restarted trusting the new authority alone,
+	// so that every connection is new, before the files are replaced. A
+	// database that refuses the replica's logins is away (503), not a fault
+	// of the gateway's (500).
 	serverFile("clients.crt", two.cert)
 	require.NoError(t, cluster.Stop())
 	_, err = pglocal.Start(context.Background(), pglocal.Options{Dir: dir, Port: cluster.Port()}) // stopped with the test (ownCluster)
 	require.NoError(t, err)
-	conn, err := pgx.Connect(context.Background(), url(staleCert, staleKey))
+	conn, err := pgx.Connect(context.Background(), dbURL)
 	if err == nil {
 		_ = conn.Close(context.Background())
 	}
 	require.Error(t, err, "the old certificate is refused")
+	r = g.call(http.MethodPost, "/api/v1/responses", key, map[string]any{"prompt": "refused"})
+	require.Equal(t, http.StatusServiceUnavailable, r.status, string(r.body))
+	require.Equal(t, "SERVICE_UNAVAILABLE", r.code(t))
+	require.NotEmpty(t, r.header.Get("Retry-After"))
+	place(second)
 	require.Eventually(t, func() bool {
 		r := g.call(http.MethodPost, "/api/v1/responses", key, map[string]any{"prompt": "after the rotation"})
 		return r.status == http.StatusOK

@@ -20,8 +20,10 @@ import (
 // Transient reports whether err means the database did not answer (connection
 // refused or lost, server shutting down or overloaded, a serialization failure
 // or deadlock, a write refused by a standby while a failover settles, a
-// session ended for its transaction's wait): the same work may succeed
-// later. An error the server answered with for this statement and its data
+// session ended for its transaction's wait) or could not be used (a session
+// that could not be opened, the server's refusal of the login included: a
+// password or client certificate that a rotation left behind, a database
+// not there yet): the same work may succeed later. An error the server answered with for this statement and its data
 // (a constraint, a bad value, an overflow) is not transient: retrying it
 // fails the same way.
 // Anything else (an encoding bug, a closed pool) is not transient either.
@@ -37,6 +39,8 @@ func Transient(err error) bool {
 	switch {
 	case err == nil, errors.Is(err, pgx.ErrNoRows), errors.Is(err, context.Canceled), errors.As(err, &domain):
 		return false
+	case errors.As(err, &connectErr): // whatever the server answered, no statement was run
+		return true
 	case errors.As(err, &pgErr):
 		if pgErr.Code == readOnlyTransaction || pgErr.Code == idleInTransaction {
 			return true
@@ -51,7 +55,7 @@ func Transient(err error) bool {
 		return false
 	}
 	// Not a reply of the server: did the connection or a deadline fail?
-	return pgconn.SafeToRetry(err) || pgconn.Timeout(err) || errors.As(err, &connectErr) || errors.As(err, &netErr) ||
+	return pgconn.SafeToRetry(err) || pgconn.Timeout(err) || errors.As(err, &netErr) ||
 		errors.Is(err, pgconn.ErrConnClosed) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, io.EOF) ||
 		errors.Is(err, context.DeadlineExceeded)
 }

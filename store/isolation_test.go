@@ -10,11 +10,13 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/internal/testdb"
 	"github.com/rungworks/gateway/store"
 )
 
@@ -99,6 +101,23 @@ func TestTransient(t *testing.T) {
 	require.False(t, store.Transient(&pgconn.PgError{Code: "22003"}), "numeric value out of range")
 	require.False(t, store.Transient(gateway.Errorf(gateway.EBatchNotFound, "x")))
 	require.False(t, store.Transient(nil))
+}
+
+// TestARefusedLoginIsTransient: a session the server refuses to open (here
+// for a database that is not there; a password or client certificate a
+// rotation left behind is refused alike) is the database away, not a fault
+// of the statement's, and nothing of it was sent.
+func TestARefusedLoginIsTransient(t *testing.T) {
+	t.Parallel()
+	cfg, err := pgx.ParseConfig(testdb.URL(t))
+	require.NoError(t, err)
+	cfg.Database = "no_such_database"
+	_, err = pgx.ConnectConfig(context.Background(), cfg)
+	var pgErr *pgconn.PgError
+	require.ErrorAs(t, err, &pgErr)
+	require.Equal(t, "3D000", pgErr.Code, "the server answered")
+	require.True(t, store.Transient(err), "%v", err)
+	require.False(t, store.MayHaveCommitted(err))
 }
 
 // TestAReadOnlyDatabaseIsNotReady: a database that takes no writes (a
