@@ -20,13 +20,14 @@ import (
 // Transient reports whether err means the database did not answer (connection
 // refused or lost, server shutting down or overloaded, a serialization failure
 // or deadlock, a write refused by a standby while a failover settles, a
-// session ended for its transaction's wait) or could not be used (a session
-// that could not be opened, the server's refusal of the login included: a
-// password or client certificate that a rotation left behind, a database
-// not there yet): the same work may succeed later. An error the server answered with for this statement and its data
-// (a constraint, a bad value, an overflow) is not transient: retrying it
-// fails the same way.
-// Anything else (an encoding bug, a closed pool) is not transient either.
+// session ended for its transaction's wait, an I/O error of the server's) or
+// could not be used (a session that could not be opened, the server's
+// refusal of the login included: a password or client certificate that a
+// rotation left behind, a database not there yet): the same work may succeed
+// later. An error the server answered with for this statement and its data
+// (a constraint, a bad value, an overflow, a corrupted page) is not
+// transient: retrying it fails the same way. Anything else (an encoding
+// bug, a closed pool) is not transient either.
 func Transient(err error) bool {
 	const (
 		readOnlyTransaction = "25006" // a standby's refusal, as a failover may leave a connection on one
@@ -49,7 +50,8 @@ func Transient(err error) bool {
 		case "08", // connection exception
 			"40", // serialization failure, deadlock
 			"53", // insufficient resources (too many connections, disk full)
-			"57": // operator intervention (shutdown, crash, cannot connect now, statement timeout)
+			"57", // operator intervention (shutdown, crash, cannot connect now, statement timeout)
+			"58": // the server's system failing under it (an I/O error): no row's fault
 			return true
 		}
 		return false

@@ -96,6 +96,8 @@ func TestTransient(t *testing.T) {
 	require.True(t, store.Transient(&pgconn.PgError{Code: "40001"}), "serialization failure")
 	require.True(t, store.Transient(&pgconn.PgError{Code: "25006"}), "a write refused by a standby")
 	require.True(t, store.Transient(&pgconn.PgError{Code: "25P03"}), "a session ended for its transaction's wait")
+	require.True(t, store.Transient(&pgconn.PgError{Code: "58030"}), "an I/O error of the server's")
+	require.False(t, store.Transient(&pgconn.PgError{Code: "XX001"}), "a corrupted page is some rows' fault")
 	require.False(t, store.Transient(&pgconn.PgError{Code: "25001"}), "another invalid transaction state")
 	require.False(t, store.Transient(&pgconn.PgError{Code: "22P05"}), "untranslatable character")
 	require.False(t, store.Transient(&pgconn.PgError{Code: "22003"}), "numeric value out of range")
