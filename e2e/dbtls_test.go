@@ -78,11 +78,8 @@ func TestTheDatabaseOverTLS(t *testing.T) {
 		require.NoError(t, os.WriteFile(keyFile, c.key, 0o600))
 	}
 	place(first)
-	url := func(cert, key string) string {
-		return fmt.Sprintf("postgres://postgres@127.0.0.1:%d/gw?sslmode=verify-full&sslrootcert=%s&sslcert=%s&sslkey=%s",
-			cluster.Port(), rootFile, cert, key)
-	}
-	dbURL := url(certFile, keyFile)
+	dbURL := fmt.Sprintf("postgres://postgres@127.0.0.1:%d/gw?sslmode=verify-full&sslrootcert=%s&sslcert=%s&sslkey=%s",
+		cluster.Port(), rootFile, certFile, keyFile)
 	require.Eventually(t, func() bool { // the reload is the server's, at its pace
 		_, err := cli(t, dbURL, "migrate")
 		return err == nil
