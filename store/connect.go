@@ -5,10 +5,12 @@ import (
 	"context"
 	"fmt"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -47,7 +49,9 @@ const PingTimeout = time.Second
 // minutes with a reply in flight) of the kernel's defaults: lost sessions,
 // each network failure's worth of them, would pile up against
 // max_connections until the database refused new ones. The database URL's
-// own settings are kept. maxConns, when positive, caps the pool.
+// own settings are kept. A connection whose write the server refuses as
+// read-only (one on a standby) is closed rather than kept. maxConns, when
+// positive, caps the pool.
 func Connect(ctx context.Context, url string, maxConns int32) (*pgxpool.Pool, error) {
 	cfg, err := poolConfig(url, maxConns)
 	if err != nil {
@@ -79,6 +83,16 @@ func poolConfig(url string, maxConns int32) (*pgxpool.Config, error) {
 	// 5 minutes apart) left it waiting close to an hour. Every other wait
 	// has a shorter bound of its own.
 	cfg.ConnConfig.DialFunc = lostpeer.Dialer(0).DialContext
+	// A connection whose write the server refused as read-only is closed
+	// (besides one whose session a FATAL error ended, as pgx's own
+	// handler does) rather than kept in the pool: it is on a standby,
+	// where a failover's address not yet moved led it, and the connection
+	// made in its place goes where the address leads now, the new primary
+	// once the failover is done. Kept, it would refuse every write for as
+	// long as the pool keeps a connection (an hour).
+	cfg.ConnConfig.OnPgError = func(_ *pgconn.PgConn, pgErr *pgconn.PgError) bool {
+		return !strings.EqualFold(pgErr.Severity, "FATAL") && pgErr.Code != readOnlyTransaction
+	}
 	// The URL's settings, sent when the session started, are kept.
 	setting := func(name, value string) string { return cmp.Or(cfg.ConnConfig.RuntimeParams[name], value) }
 	bounds := db.BoundLostSessionsParams{

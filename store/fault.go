@@ -29,10 +29,7 @@ import (
 // transient: retrying it fails the same way. Anything else (an encoding
 // bug, a closed pool) is not transient either.
 func Transient(err error) bool {
-	const (
-		readOnlyTransaction = "25006" // a standby's refusal, as a failover may leave a connection on one
-		idleInTransaction   = "25P03" // the server ended a session whose transaction waited too long (see IdleTransactionTimeout)
-	)
+	const idleInTransaction = "25P03" // the server ended a session whose transaction waited too long (see IdleTransactionTimeout)
 	var pgErr *pgconn.PgError
 	var domain *gateway.Error
 	var connectErr *pgconn.ConnectError
@@ -75,6 +72,11 @@ func MayHaveCommitted(err error) bool {
 	}
 	return Transient(err) || errors.Is(err, context.Canceled)
 }
+
+// readOnlyTransaction is a write's refusal by a server that takes none: a
+// standby, as a failover may leave a connection on one, or a database set
+// read-only.
+const readOnlyTransaction = "25006"
 
 // notSent is the error of an operation that ended before it sent anything to
 // the database: transient, and certainly not committed (pgconn.SafeToRetry,

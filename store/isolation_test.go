@@ -139,6 +139,39 @@ func TestAReadOnlyDatabaseIsNotReady(t *testing.T) {
 	require.True(t, store.Transient(err), "%v", err)
 }
 
+// TestAConnectionToAStandbyIsDropped: a connection whose write the server
+// refused as read-only (here every session of the database is made
+// read-only, as one to a standby that a failover's address not yet moved
+// leads to) is closed, not kept in the pool: once the address leads to a
+// server that takes writes (here the setting is reset), the next write is
+// made on a new connection and stored.
+func TestAConnectionToAStandbyIsDropped(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	var database string
+	require.NoError(t, b.store.Pool().QueryRow(b.ctx, "SELECT current_database()").Scan(&database))
+	admin, err := b.store.Pool().Acquire(b.ctx) // a session of before, which takes writes
+	require.NoError(t, err)
+	defer admin.Release()
+	alter := "ALTER DATABASE " + pgx.Identifier{database}.Sanitize()
+	_, err = admin.Exec(b.ctx, alter+" SET default_transaction_read_only = on")
+	require.NoError(t, err)
+	b.store.Pool().Reset() // the pool's sessions from now on are read-only (the admin's is kept)
+	create := func() error {
+		_, err := b.store.CreateKey(b.ctx, store.CreateKeyParams{Account: "acme", Project: "default", Scopes: []gateway.Scope{gateway.ScopeInference}})
+		return err
+	}
+	err = create()
+	var pgErr *pgconn.PgError
+	require.ErrorAs(t, err, &pgErr)
+	require.Equal(t, "25006", pgErr.Code)
+	require.True(t, store.Transient(err))
+
+	_, err = admin.Exec(b.ctx, alter+" RESET default_transaction_read_only")
+	require.NoError(t, err)
+	require.NoError(t, create(), "the write is made on a new connection, which takes writes")
+}
+
 // TestRetryEndsACallWithTheWindow: a call that a database that does not
 // answer holds ends with the window.
 func TestRetryEndsACallWithTheWindow(t *testing.T) {
