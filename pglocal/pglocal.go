@@ -291,5 +291,36 @@ func (c *Cluster) CreateDatabase(ctx context.Context, name string) error {
 	return nil
 }
 
+// Standby copies the running cluster into opts.Dir (a base backup, with the
+// settings that make the copy follow it) and starts the copy as its
+// standby: it replays the cluster's changes and takes no writes until
+// promoted.
+func (c *Cluster) Standby(ctx context.Context, opts Options) (*Cluster, error) {
+	dir, err := filepath.Abs(opts.Dir)
+	if err != nil {
+		return nil, fmt.Errorf("error resolving %s: %w", opts.Dir, err)
+	}
+	standby := &Cluster{dir: dir, bin: c.bin, runAs: c.runAs}
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return nil, fmt.Errorf("error creating %s: %w", dir, err)
+	}
+	if err := standby.chown(); err != nil {
+		return nil, err
+	}
+	if _, err := standby.run(ctx, "pg_basebackup", "-h", "127.0.0.1", "-p", strconv.Itoa(c.port), "-U", "postgres",
+		"-D", standby.dataDir(), "--write-recovery-conf", "--checkpoint=fast", "--no-sync"); err != nil {
+		return nil, fmt.Errorf("error copying PostgreSQL into %s: %w", dir, err)
+	}
+	return Start(ctx, opts)
+}
+
+// Promote ends a standby's recovery: it takes writes from then on.
+func (c *Cluster) Promote(ctx context.Context) error {
+	if _, err := c.run(ctx, "pg_ctl", "-D", c.dataDir(), "-w", "promote"); err != nil {
+		return fmt.Errorf("error promoting PostgreSQL: %w", err)
+	}
+	return nil
+}
+
 // Port is the cluster's TCP port on 127.0.0.1.
 func (c *Cluster) Port() int { return c.port }

@@ -88,8 +88,9 @@ func poolConfig(url string, maxConns int32) (*pgxpool.Config, error) {
 	// handler does) rather than kept in the pool: it is on a standby,
 	// where a failover's address not yet moved led it, and the connection
 	// made in its place goes where the address leads now, the new primary
-	// once the failover is done. Kept, it would refuse every write for as
-	// long as the pool keeps a connection (an hour).
+	// once the failover is done. Kept, it would go on refusing writes
+	// until replaced otherwise (the listeners, while they cannot listen
+	// there, take and close a pool connection each a second).
 	cfg.ConnConfig.OnPgError = func(_ *pgconn.PgConn, pgErr *pgconn.PgError) bool {
 		return !strings.EqualFold(pgErr.Severity, "FATAL") && pgErr.Code != readOnlyTransaction
 	}

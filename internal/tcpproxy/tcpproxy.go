@@ -15,9 +15,9 @@ import (
 // Proxy forwards the connections it accepts to its target.
 type Proxy struct {
 	listener net.Listener
-	target   string
 
 	mu     sync.Mutex
+	target string
 	pairs  map[*pair]struct{}
 	closed bool
 	wg     sync.WaitGroup
@@ -49,6 +49,14 @@ func Start(target string) (*Proxy, error) {
 
 // Addr is the address the proxy listens on.
 func (p *Proxy) Addr() string { return p.listener.Addr().String() }
+
+// Retarget forwards the connections accepted from now on to target, as an
+// address a failover moved; those open now stay with the old one.
+func (p *Proxy) Retarget(target string) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.target = target
+}
 
 // Cut stops forwarding on every connection open now, in both directions, and
 // returns how many it cut. A cut connection stays open at both ends until
@@ -99,7 +107,10 @@ func (p *Proxy) accept() {
 		if err != nil {
 			return
 		}
-		out, err := net.Dial("tcp", p.target)
+		p.mu.Lock()
+		target := p.target
+		p.mu.Unlock()
+		out, err := net.Dial("tcp", target)
 		if err != nil {
 			_ = in.Close()
 			continue
