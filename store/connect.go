@@ -5,7 +5,6 @@ import (
 	"context"
 	"fmt"
 	"strconv"
-	"strings"
 	"time"
 
 	"github.com/google/uuid"
@@ -84,15 +83,16 @@ func poolConfig(url string, maxConns int32) (*pgxpool.Config, error) {
 	// has a shorter bound of its own.
 	cfg.ConnConfig.DialFunc = lostpeer.Dialer(0).DialContext
 	// A connection whose write the server refused as read-only is closed
-	// (besides one whose session a FATAL error ended, as pgx's own
-	// handler does) rather than kept in the pool: it is on a standby,
+	// (as pgx's own handler closes one whose session a FATAL error ended)
+	// rather than kept in the pool: it is on a standby,
 	// where a failover's address not yet moved led it, and the connection
 	// made in its place goes where the address leads now, the new primary
 	// once the failover is done. Kept, it would go on refusing writes
 	// until replaced otherwise (the listeners, while they cannot listen
 	// there, take and close a pool connection each a second).
-	cfg.ConnConfig.OnPgError = func(_ *pgconn.PgConn, pgErr *pgconn.PgError) bool {
-		return !strings.EqualFold(pgErr.Severity, "FATAL") && pgErr.Code != readOnlyTransaction
+	keep := cfg.ConnConfig.OnPgError
+	cfg.ConnConfig.OnPgError = func(conn *pgconn.PgConn, pgErr *pgconn.PgError) bool {
+		return pgErr.Code != readOnlyTransaction && (keep == nil || keep(conn, pgErr))
 	}
 	// The URL's settings, sent when the session started, are kept.
 	setting := func(name, value string) string { return cmp.Or(cfg.ConnConfig.RuntimeParams[name], value) }
