@@ -11,7 +11,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway/gen/api"
@@ -50,12 +49,10 @@ func TestFailoverToAStandby(t *testing.T) {
 	require.Equal(t, http.StatusOK, respond("from the primary").status)
 
 	// What the primary committed is on the standby before it stops.
+	admin := adminConn(t, primary)
 	caughtUp := func() bool {
-		conn, err := pgx.Connect(ctx, primary.URL("postgres"))
-		require.NoError(t, err)
-		defer conn.Close(ctx)
 		var replayed bool
-		require.NoError(t, conn.QueryRow(ctx, `SELECT coalesce(bool_and(replay_lsn >= pg_current_wal_lsn()), false)
+		require.NoError(t, admin.QueryRow(ctx, `SELECT coalesce(bool_and(replay_lsn >= pg_current_wal_lsn()), false)
 			FROM pg_stat_replication`).Scan(&replayed))
 		return replayed
 	}

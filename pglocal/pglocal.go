@@ -87,6 +87,19 @@ func isFile(p string) bool {
 // Start initialises the cluster on first use (reusing its data afterwards) and
 // starts it.
 func Start(ctx context.Context, opts Options) (*Cluster, error) {
+	c, err := prepare(ctx, opts)
+	if err != nil {
+		return nil, err
+	}
+	if err := c.start(ctx, opts.Durable); err != nil {
+		return nil, err
+	}
+	return c, nil
+}
+
+// prepare makes the cluster's folder, the server's user's, and picks its
+// port.
+func prepare(ctx context.Context, opts Options) (*Cluster, error) {
 	bin, err := FindBinaries()
 	if err != nil {
 		return nil, err
@@ -116,7 +129,7 @@ func Start(ctx context.Context, opts Options) (*Cluster, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("error creating %s: %w", dir, err)
 	}
-	if err := c.chown(); err != nil {
+	if err := c.Chown(); err != nil {
 		return nil, err
 	}
 	if c.runAs != "" {
@@ -124,29 +137,34 @@ func Start(ctx context.Context, opts Options) (*Cluster, error) {
 			return nil, fmt.Errorf("as root, PostgreSQL runs as the %q user, which cannot reach %s; choose a data folder whose parents it can enter (e.g. under /tmp or /work)", c.runAs, dir)
 		}
 	}
+	return c, nil
+}
+
+// start initialises the cluster when its folder holds none, and starts it.
+func (c *Cluster) start(ctx context.Context, durable bool) error {
 	if !isFile(filepath.Join(c.dataDir(), "PG_VERSION")) {
 		if _, err := c.run(ctx, "initdb", "-D", c.dataDir(), "-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-locale", "--no-sync"); err != nil {
-			return nil, fmt.Errorf("error initialising PostgreSQL in %s: %w", c.dataDir(), err)
+			return fmt.Errorf("error initialising PostgreSQL in %s: %w", c.dataDir(), err)
 		}
 		// initdb trusts 127.0.0.1; every loopback address is this host's,
 		// and tests connect from others (internal/blackhole).
 		hba, err := os.OpenFile(filepath.Join(c.dataDir(), "pg_hba.conf"), os.O_APPEND|os.O_WRONLY, 0)
 		if err != nil {
-			return nil, fmt.Errorf("error opening pg_hba.conf: %w", err)
+			return fmt.Errorf("error opening pg_hba.conf: %w", err)
 		}
 		_, err = fmt.Fprintln(hba, "host all all 127.0.0.0/8 trust")
 		if err = errors.Join(err, hba.Close()); err != nil {
-			return nil, fmt.Errorf("error writing pg_hba.conf: %w", err)
+			return fmt.Errorf("error writing pg_hba.conf: %w", err)
 		}
 	}
-	settings := fmt.Sprintf("-k %s -p %d -c listen_addresses=127.0.0.1 -c max_connections=300", dir, port)
-	if !opts.Durable {
+	settings := fmt.Sprintf("-k %s -p %d -c listen_addresses=127.0.0.1 -c max_connections=300", c.dir, c.port)
+	if !durable {
 		settings += " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
 	}
-	if _, err := c.run(ctx, "pg_ctl", "-D", c.dataDir(), "-l", filepath.Join(dir, "postgres.log"), "-w", "-t", "60", "-o", settings, "start"); err != nil {
-		return nil, fmt.Errorf("error starting PostgreSQL (log: %s): %w", filepath.Join(dir, "postgres.log"), err)
+	if _, err := c.run(ctx, "pg_ctl", "-D", c.dataDir(), "-l", filepath.Join(c.dir, "postgres.log"), "-w", "-t", "60", "-o", settings, "start"); err != nil {
+		return fmt.Errorf("error starting PostgreSQL (log: %s): %w", filepath.Join(c.dir, "postgres.log"), err)
 	}
-	return c, nil
+	return nil
 }
 
 // URL is the connection string of the cluster's database name db.
@@ -237,8 +255,10 @@ func (c *Cluster) stop(mode string) error {
 
 func (c *Cluster) dataDir() string { return filepath.Join(c.dir, "data") }
 
-// chown hands the folder to the user the server runs as.
-func (c *Cluster) chown() error {
+// Chown hands the cluster's folder, with what was written into it since
+// (a test's certificates), to the user the server runs as: as root, the
+// postgres user, which reads a key file only if it owns it.
+func (c *Cluster) Chown() error {
 	if c.runAs == "" {
 		return nil
 	}
@@ -296,22 +316,18 @@ func (c *Cluster) CreateDatabase(ctx context.Context, name string) error {
 // standby: it replays the cluster's changes and takes no writes until
 // promoted.
 func (c *Cluster) Standby(ctx context.Context, opts Options) (*Cluster, error) {
-	dir, err := filepath.Abs(opts.Dir)
+	standby, err := prepare(ctx, opts)
 	if err != nil {
-		return nil, fmt.Errorf("error resolving %s: %w", opts.Dir, err)
-	}
-	standby := &Cluster{dir: dir, bin: c.bin, runAs: c.runAs}
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return nil, fmt.Errorf("error creating %s: %w", dir, err)
-	}
-	if err := standby.chown(); err != nil {
 		return nil, err
 	}
 	if _, err := standby.run(ctx, "pg_basebackup", "-h", "127.0.0.1", "-p", strconv.Itoa(c.port), "-U", "postgres",
 		"-D", standby.dataDir(), "--write-recovery-conf", "--checkpoint=fast", "--no-sync"); err != nil {
-		return nil, fmt.Errorf("error copying PostgreSQL into %s: %w", dir, err)
+		return nil, fmt.Errorf("error copying PostgreSQL into %s: %w", standby.dir, err)
 	}
-	return Start(ctx, opts)
+	if err := standby.start(ctx, opts.Durable); err != nil {
+		return nil, err
+	}
+	return standby, nil
 }
 
 // Promote ends a standby's recovery: it takes writes from then on.
