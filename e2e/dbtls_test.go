@@ -25,19 +25,31 @@ import (
 	"github.com/rungworks/gateway/pglocal"
 )
 
-// TestTheDatabaseOverTLS: with a DATABASE_URL that asks for TLS
-// (sslmode=verify-full) and logs in with a client certificate, the only login
-// the server takes over TLS, the operator commands and `gateway serve` work
-// and every session of the replica is encrypted under that certificate.
-// When the server (restarted) trusts another authority alone, the replica,
-// its logins refused, answers 503 SERVICE_UNAVAILABLE; once the
-// certificate's files are replaced by one of that authority, the
-// connections it makes use them: it serves again without a restart.
+// TestTheDatabaseOverTLS: with a DATABASE_URL that asks for TLS, the
+// server's certificate checked against sslrootcert's authority with its name
+// (sslmode=verify-full) or without (verify-ca), and that logs in with a
+// client certificate, the only login the server takes over TLS, the
+// operator commands and `gateway serve` work and every session of the
+// replica is encrypted under that certificate. When the server (restarted)
+// trusts another authority alone, and presents a certificate of that
+// authority, the replica, its logins refused, answers 503
+// SERVICE_UNAVAILABLE; once the client certificate's files and the
+// sslrootcert file are replaced by that authority's, the connections it
+// makes use them: it serves again without a restart.
 func TestTheDatabaseOverTLS(t *testing.T) {
 	t.Parallel()
+	for _, mode := range []string{"verify-full", "verify-ca"} {
+		t.Run(mode, func(t *testing.T) {
+			t.Parallel()
+			testTheDatabaseOverTLS(t, mode)
+		})
+	}
+}
+
+func testTheDatabaseOverTLS(t *testing.T, sslmode string) {
 	cluster, dir := ownCluster(t, false)
 	one, two := newAuthority(t, "gateway test authority one"), newAuthority(t, "gateway test authority two")
-	server := one.issue(t, "localhost", net.IPv4(127, 0, 0, 1))
+	server, serverTwo := one.issue(t, "localhost", net.IPv4(127, 0, 0, 1)), two.issue(t, "localhost", net.IPv4(127, 0, 0, 1))
 	first, second := one.issue(t, "postgres", nil), two.issue(t, "postgres", nil)
 
 	// The server: its certificate, the client authority it trusts, and
@@ -76,8 +88,8 @@ func TestTheDatabaseOverTLS(t *testing.T) {
 		require.NoError(t, os.WriteFile(keyFile, c.key, 0o600))
 	}
 	place(first)
-	dbURL := fmt.Sprintf("postgres://postgres@127.0.0.1:%d/gw?sslmode=verify-full&sslrootcert=%s&sslcert=%s&sslkey=%s",
-		cluster.Port(), rootFile, certFile, keyFile)
+	dbURL := fmt.Sprintf("postgres://postgres@127.0.0.1:%d/gw?sslmode=%s&sslrootcert=%s&sslcert=%s&sslkey=%s",
+		cluster.Port(), sslmode, rootFile, certFile, keyFile)
 	require.Eventually(t, func() bool { // the reload is the server's, at its pace
 		_, err := cli(t, dbURL, "migrate")
 		return err == nil
@@ -90,11 +102,13 @@ func TestTheDatabaseOverTLS(t *testing.T) {
 	require.Equal(t, http.StatusOK, r.status, string(r.body))
 	requireSessionsUnder(t, admin, "authority one")
 
-	// The rotation: the server restarted trusting the new authority alone,
-	// so that every connection is new, before the files are replaced. A
-	// database that refuses the replica's logins is away (503), not a fault
-	// of the gateway's (500).
+	// The rotation: the server restarted under the new authority alone, so
+	// that every connection is new, before the client's files are replaced.
+	// A database that refuses the replica's logins, or that the replica
+	// cannot trust, is away (503), not a fault of the gateway's (500).
 	serverFile("clients.crt", two.cert)
+	serverFile("server.crt", serverTwo.cert)
+	serverFile("server.key", serverTwo.key)
 	require.NoError(t, cluster.Stop())
 	_, err = pglocal.Start(context.Background(), pglocal.Options{Dir: dir, Port: cluster.Port()}) // stopped with the test (ownCluster)
 	require.NoError(t, err)
@@ -108,6 +122,7 @@ func TestTheDatabaseOverTLS(t *testing.T) {
 	require.Equal(t, "SERVICE_UNAVAILABLE", r.code(t))
 	require.NotEmpty(t, r.header.Get("Retry-After"))
 	place(second)
+	require.NoError(t, os.WriteFile(rootFile, two.cert, 0o600))
 	require.Eventually(t, func() bool {
 		r := g.call(http.MethodPost, "/api/v1/responses", key, map[string]any{"prompt": "after the rotation"})
 		return r.status == http.StatusOK

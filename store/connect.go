@@ -3,8 +3,10 @@ package store
 import (
 	"cmp"
 	"context"
+	"crypto/tls"
 	"fmt"
 	"strconv"
+	"sync/atomic"
 	"time"
 
 	"github.com/google/uuid"
@@ -49,7 +51,8 @@ const PingTimeout = time.Second
 // each network failure's worth of them, would pile up against
 // max_connections until the database refused new ones. The database URL's
 // own settings are kept. A connection whose write the server refuses as
-// read-only (one on a standby) is closed rather than kept. maxConns, when
+// read-only (one on a standby) is closed rather than kept. Each new
+// connection reads the URL's files again (see rereader). maxConns, when
 // positive, caps the pool.
 func Connect(ctx context.Context, url string, maxConns int32) (*pgxpool.Pool, error) {
 	cfg, err := poolConfig(url, maxConns)
@@ -94,6 +97,9 @@ func poolConfig(url string, maxConns int32) (*pgxpool.Config, error) {
 	cfg.ConnConfig.OnPgError = func(conn *pgconn.PgConn, pgErr *pgconn.PgError) bool {
 		return pgErr.Code != readOnlyTransaction && (keep == nil || keep(conn, pgErr))
 	}
+	files := &rereader{url: url}
+	files.last.Store(cfg.ConnConfig)
+	cfg.BeforeConnect = files.beforeConnect
 	// The URL's settings, sent when the session started, are kept.
 	setting := func(name, value string) string { return cmp.Or(cfg.ConnConfig.RuntimeParams[name], value) }
 	bounds := db.BoundLostSessionsParams{
@@ -111,6 +117,53 @@ func poolConfig(url string, maxConns int32) (*pgxpool.Config, error) {
 		return nil
 	}
 	return cfg, nil
+}
+
+// rereader gives each new connection what the files of the database URL
+// hold now, as libpq reads them for each connection: the password of a
+// passfile (when neither the URL nor PGPASSWORD gives one) and the
+// authorities of sslrootcert. pgx reads them once, when it parses the URL
+// (the client certificate's files it reads for each connection itself), so
+// a password or an authority rotated under a running replica would refuse
+// its logins until it restarted. What pgx chooses from them (the passfile's
+// entry for the URL's first host, as it does) is its own: the URL is parsed
+// again and only those values are taken. A file missing or empty while a
+// rotation replaces it leaves what was read last: the authorities when the
+// URL cannot be parsed, the password when none is found (a server that
+// does not ask for one is not sent one).
+type rereader struct {
+	url  string
+	last atomic.Pointer[pgx.ConnConfig] // what was read last
+}
+
+// beforeConnect is pgxpool's BeforeConnect: c is a copy of the pool's
+// configuration, for one new connection.
+func (r *rereader) beforeConnect(_ context.Context, c *pgx.ConnConfig) error {
+	now, err := pgx.ParseConfig(r.url)
+	if err != nil || len(now.Fallbacks) != len(c.Fallbacks) {
+		now = r.last.Load()
+	} else {
+		if now.Password == "" {
+			now.Password = r.last.Load().Password
+		}
+		r.last.Store(now)
+	}
+	c.Password = now.Password
+	trust(c.TLSConfig, now.TLSConfig)
+	for i, fallback := range c.Fallbacks {
+		trust(fallback.TLSConfig, now.Fallbacks[i].TLSConfig)
+	}
+	return nil
+}
+
+// trust gives c the authorities of now and the check of the server's
+// certificate that uses them (sslmode=verify-ca's), in place: the client
+// certificate pgx reads for each connection is bound to c itself.
+func trust(c, now *tls.Config) {
+	if c == nil || now == nil {
+		return
+	}
+	c.RootCAs, c.ClientCAs, c.VerifyPeerCertificate = now.RootCAs, now.ClientCAs, now.VerifyPeerCertificate
 }
 
 // RegisterUUID teaches m to send uuid.UUID as PostgreSQL's binary uuid.

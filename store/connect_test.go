@@ -2,8 +2,12 @@ package store_test
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"net"
+	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -40,6 +44,56 @@ func TestUUIDsRoundTrip(t *testing.T) {
 	require.Equal(t, &two, gotPtr)
 	require.Equal(t, one.String(), text, "PostgreSQL received the same uuid")
 
+}
+
+// TestNewConnectionsReadTheFilesAgain: each new connection of the pool
+// takes the passfile's password and sslrootcert's authorities as they are
+// then; a file missing or empty while a rotation replaces it leaves what was
+// read last. TestARotatedPassword and TestTheDatabaseOverTLS (e2e) show
+// logins with what a rotation placed.
+func TestNewConnectionsReadTheFilesAgain(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	passfile, rootFile := filepath.Join(dir, "pgpass"), filepath.Join(dir, "root.crt")
+	authority := func(name string) []byte {
+		pem, err := os.ReadFile(filepath.Join("testdata", "authority-"+name+".crt"))
+		require.NoError(t, err)
+		return pem
+	}
+	place := func(path string, content []byte) { require.NoError(t, os.WriteFile(path, content, 0o600)) }
+	place(passfile, []byte("*:*:gw:gateway:first\n"))
+	place(rootFile, authority("one"))
+	cfg, err := store.PoolConfig("postgres://gateway@127.0.0.1:5432,127.0.0.1:5433/gw?sslmode=verify-ca&passfile="+passfile+"&sslrootcert="+rootFile, 0)
+	require.NoError(t, err)
+	requireNext := func(password, authorityName string) {
+		t.Helper()
+		c := cfg.ConnConfig.Copy()
+		require.NoError(t, cfg.BeforeConnect(context.Background(), c))
+		require.Equal(t, password, c.Password)
+		want := x509.NewCertPool()
+		require.True(t, want.AppendCertsFromPEM(authority(authorityName)))
+		for _, tlsConfig := range []*tls.Config{c.TLSConfig, c.Fallbacks[0].TLSConfig} {
+			require.True(t, tlsConfig.RootCAs.Equal(want), "the authority of %s", authorityName)
+		}
+	}
+	requireNext("first", "one")
+
+	place(passfile, []byte("*:*:gw:gateway:second\n"))
+	place(rootFile, authority("two"))
+	requireNext("second", "two")
+
+	place(passfile, nil)
+	requireNext("second", "two")
+	require.NoError(t, os.Remove(passfile))
+	requireNext("second", "two")
+	place(rootFile, nil)
+	requireNext("second", "two")
+	require.NoError(t, os.Remove(rootFile))
+	requireNext("second", "two")
+
+	place(passfile, []byte("*:*:gw:gateway:third\n"))
+	place(rootFile, authority("one"))
+	requireNext("third", "one")
 }
 
 // TestSessionsBoundWhatALostClientHolds: each session the store opens has the
