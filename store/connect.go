@@ -4,8 +4,10 @@ import (
 	"cmp"
 	"context"
 	"crypto/tls"
+	"errors"
 	"fmt"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -112,7 +114,7 @@ func poolConfig(url string, maxConns int32) (*pgxpool.Config, error) {
 	cfg.AfterConnect = func(ctx context.Context, conn *pgx.Conn) error {
 		RegisterUUID(conn.TypeMap())
 		if err := db.New().BoundLostSessions(ctx, conn, bounds); err != nil {
-			return fmt.Errorf("error bounding what a lost session holds: %w", err)
+			return fmt.Errorf("error bounding what a lost session holds: %w%s", err, sharedSessionHint(err))
 		}
 		return nil
 	}
@@ -164,6 +166,29 @@ func trust(c, now *tls.Config) {
 		return
 	}
 	c.RootCAs, c.ClientCAs, c.VerifyPeerCertificate = now.RootCAs, now.ClientCAs, now.VerifyPeerCertificate
+}
+
+// sharedSessionHint names the likely cause of err, when it says that a new
+// connection's session was not its own: a statement pgx prepared in it and
+// named after its text (stmtcache_…) already there, or gone. Another client
+// prepared it, or the statement was prepared in another session: the
+// database URL leads to a pooler that shares its server sessions among its
+// clients between transactions (PgBouncer's pool_mode=transaction, a hosted
+// database's "transaction" pooler), where the gateway needs sessions of its
+// own (prepared statements, LISTEN, advisory locks and settings are the
+// session's). The first connection after another's ends there at once.
+func sharedSessionHint(err error) string {
+	const (
+		duplicatePreparedStatement = "42P05"
+		undefinedPreparedStatement = "26000" // invalid_sql_statement_name
+	)
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || (pgErr.Code != duplicatePreparedStatement && pgErr.Code != undefinedPreparedStatement) ||
+		!strings.Contains(pgErr.Message, `"stmtcache_`) {
+		return ""
+	}
+	return " (the database URL seems to lead to a connection pooler that pools by transaction, sharing its sessions " +
+		"among its clients: the gateway needs sessions of its own, from a pooler that pools by session or from the database itself)"
 }
 
 // RegisterUUID teaches m to send uuid.UUID as PostgreSQL's binary uuid.

@@ -13,6 +13,7 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
@@ -20,6 +21,7 @@ import (
 	"github.com/rungworks/gateway/internal/blackhole"
 	"github.com/rungworks/gateway/internal/lostpeer"
 	"github.com/rungworks/gateway/internal/testdb"
+	"github.com/rungworks/gateway/internal/txpooler"
 	"github.com/rungworks/gateway/store"
 )
 
@@ -94,6 +96,32 @@ func TestNewConnectionsReadTheFilesAgain(t *testing.T) {
 	place(passfile, []byte("*:*:gw:gateway:third\n"))
 	place(rootFile, authority("one"))
 	requireNext("third", "one")
+}
+
+// TestAPoolerThatSharesSessionsIsNamed: through a pooler that pools by
+// transaction (its clients share one server session here), the second
+// connection finds the statement the first prepared in the session, and the
+// error names the likely cause.
+func TestAPoolerThatSharesSessionsIsNamed(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pooler, err := txpooler.Start(ctx, testdb.URL(t))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = pooler.Close() })
+	pool, err := store.Connect(ctx, "postgres://postgres@"+pooler.Addr()+"/gw?sslmode=disable", 2)
+	require.NoError(t, err)
+	t.Cleanup(pool.Close)
+	first, err := pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer first.Release()
+	require.NoError(t, first.Ping(ctx))
+
+	_, err = pool.Acquire(ctx)
+	var pgErr *pgconn.PgError
+	require.ErrorAs(t, err, &pgErr)
+	require.Equal(t, "42P05", pgErr.Code)
+	require.ErrorContains(t, err, "pooler that pools by transaction")
+	require.False(t, store.Transient(err), "a misconfiguration, not an outage")
 }
 
 // TestSessionsBoundWhatALostClientHolds: each session the store opens has the
