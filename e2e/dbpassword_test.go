@@ -19,7 +19,8 @@ import (
 // a password rotated while the replica runs (the role's password changed,
 // its sessions ended) is refused until the passfile holds the new one: the
 // replica answers 503 SERVICE_UNAVAILABLE, then serves again without a
-// restart, its new connections logged in with the new password.
+// restart, its new connections (named gateway serve) logged in with the new
+// password.
 func TestARotatedPassword(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -74,6 +75,7 @@ func TestARotatedPassword(t *testing.T) {
 	require.Eventually(t, func() bool { return call().status == http.StatusOK }, 20*time.Second, 100*time.Millisecond,
 		"the replica logs in with the passfile's new password")
 	var sessions int
-	require.NoError(t, admin.QueryRow(ctx, "SELECT count(*) FROM pg_stat_activity WHERE usename = 'gateway'").Scan(&sessions))
-	require.Positive(t, sessions)
+	require.NoError(t, admin.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+		WHERE usename = 'gateway' AND application_name = 'gateway serve'`).Scan(&sessions))
+	require.Positive(t, sessions, "the replica's sessions, named after it")
 }

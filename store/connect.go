@@ -54,10 +54,12 @@ const PingTimeout = time.Second
 // max_connections until the database refused new ones. The database URL's
 // own settings are kept. A connection whose write the server refuses as
 // read-only (one on a standby) is closed rather than kept. Each new
-// connection reads the URL's files again (see rereader). maxConns, when
+// connection reads the URL's files again (see rereader). Its sessions are
+// named name (application_name, as pg_stat_activity and the server's log
+// show them) unless the URL or PGAPPNAME names them. maxConns, when
 // positive, caps the pool.
-func Connect(ctx context.Context, url string, maxConns int32) (*pgxpool.Pool, error) {
-	cfg, err := poolConfig(url, maxConns)
+func Connect(ctx context.Context, url, name string, maxConns int32) (*pgxpool.Pool, error) {
+	cfg, err := poolConfig(url, name, maxConns)
 	if err != nil {
 		return nil, err
 	}
@@ -69,10 +71,13 @@ func Connect(ctx context.Context, url string, maxConns int32) (*pgxpool.Pool, er
 }
 
 // poolConfig is the configuration of Connect's pool.
-func poolConfig(url string, maxConns int32) (*pgxpool.Config, error) {
+func poolConfig(url, name string, maxConns int32) (*pgxpool.Config, error) {
 	cfg, err := pgxpool.ParseConfig(url)
 	if err != nil {
 		return nil, fmt.Errorf("error parsing database URL: %w", err)
+	}
+	if _, named := cfg.ConnConfig.RuntimeParams["application_name"]; !named {
+		cfg.ConnConfig.RuntimeParams["application_name"] = name
 	}
 	if maxConns > 0 {
 		cfg.MaxConns = maxConns

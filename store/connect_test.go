@@ -65,7 +65,7 @@ func TestNewConnectionsReadTheFilesAgain(t *testing.T) {
 	place := func(path string, content []byte) { require.NoError(t, os.WriteFile(path, content, 0o600)) }
 	place(passfile, []byte("*:*:gw:gateway:first\n"))
 	place(rootFile, authority("one"))
-	cfg, err := store.PoolConfig("postgres://gateway@127.0.0.1:5432,127.0.0.1:5433/gw?sslmode=verify-ca&passfile="+passfile+"&sslrootcert="+rootFile, 0)
+	cfg, err := store.PoolConfig("postgres://gateway@127.0.0.1:5432,127.0.0.1:5433/gw?sslmode=verify-ca&passfile="+passfile+"&sslrootcert="+rootFile, t.Name(), 0)
 	require.NoError(t, err)
 	requireNext := func(password, authorityName string) {
 		t.Helper()
@@ -108,7 +108,7 @@ func TestAPoolerThatSharesSessionsIsNamed(t *testing.T) {
 	pooler, err := txpooler.Start(ctx, testdb.URL(t))
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = pooler.Close() })
-	pool, err := store.Connect(ctx, "postgres://postgres@"+pooler.Addr()+"/gw?sslmode=disable", 2)
+	pool, err := store.Connect(ctx, "postgres://postgres@"+pooler.Addr()+"/gw?sslmode=disable", t.Name(), 2)
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
 	first, err := pool.Acquire(ctx)
@@ -153,6 +153,24 @@ func TestSessionsBoundWhatALostClientHolds(t *testing.T) {
 		show(testdb.Connect(t, url+"&idle_in_transaction_session_timeout=60000&tcp_keepalives_idle=20&tcp_user_timeout=60000")))
 }
 
+// TestSessionsAreNamed: the pool's sessions carry the name Connect is
+// given, as pg_stat_activity shows them, unless the URL names them.
+func TestSessionsAreNamed(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := testdb.URL(t)
+	named := func(url string) string {
+		pool, err := store.Connect(ctx, url, "gateway serve", 1)
+		require.NoError(t, err)
+		defer pool.Close()
+		var name string
+		require.NoError(t, pool.QueryRow(ctx, "SELECT application_name FROM pg_stat_activity WHERE pid = pg_backend_pid()").Scan(&name))
+		return name
+	}
+	require.Equal(t, "gateway serve", named(url))
+	require.Equal(t, "billing-replica-2", named(url+"&application_name=billing-replica-2"))
+}
+
 // TestTheServerClosesASessionTheNetworkLost loses the network to a client
 // (every packet the server sends it dropped, probes included) while its
 // session waits for its next statement, and while the server sends it a
@@ -169,7 +187,7 @@ func TestTheServerClosesASessionTheNetworkLost(t *testing.T) {
 			ctx := context.Background()
 			hole := blackhole.New(t)
 			url := testdb.URL(t)
-			cfg, err := store.PoolConfig(url, 1)
+			cfg, err := store.PoolConfig(url, t.Name(), 1)
 			require.NoError(t, err)
 			// The client's keepalives, which a lost network would drop too,
 			// would reach the server and spare the session its probes: off.

@@ -7,8 +7,8 @@ import (
 )
 
 // PoolConfig is the configuration of Connect's pool.
-func PoolConfig(url string, maxConns int32) (*pgxpool.Config, error) {
-	return poolConfig(url, maxConns)
+func PoolConfig(url, name string, maxConns int32) (*pgxpool.Config, error) {
+	return poolConfig(url, name, maxConns)
 }
 
 // CancelAccountBatchesPaged is CancelAccountBatches listing page batches at

@@ -248,7 +248,7 @@ func BenchmarkMeteringAmongTenants(b *testing.B) {
 // session.
 func singleConnection(tb testing.TB, st *store.Store) (*store.Store, *pgxpool.Pool) {
 	tb.Helper()
-	pool, err := store.Connect(context.Background(), st.Pool().Config().ConnString(), 1)
+	pool, err := store.Connect(context.Background(), st.Pool().Config().ConnString(), tb.Name(), 1)
 	require.NoError(tb, err)
 	tb.Cleanup(pool.Close)
 	return store.New(pool), pool

@@ -1,7 +1,6 @@
 package main
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -33,8 +32,10 @@ const devDataDir = ".gateway"
 const databaseURLFile = "database-url"
 
 // withStore runs fn with a store over DATABASE_URL, or over the dev database
-// when it is unset in a folder holding .gateway/ (no migrations applied).
-func withStore(ctx context.Context, stderr io.Writer, fn func(*store.Store) error) error {
+// when it is unset in a folder holding .gateway/ (no migrations applied),
+// its sessions named after cmd.
+func withStore(cmd *cobra.Command, fn func(*store.Store) error) error {
+	ctx, stderr := cmd.Context(), cmd.ErrOrStderr()
 	cfg, err := config.Load()
 	if err != nil {
 		return err
@@ -48,7 +49,7 @@ func withStore(ctx context.Context, stderr io.Writer, fn func(*store.Store) erro
 		cfg.DatabaseURL, dev = strings.TrimSpace(string(raw)), true
 		fmt.Fprintf(stderr, "DATABASE_URL is unset: using the dev database of %s/ (%s)\n", devDataDir, cfg.DatabaseURL)
 	}
-	pool, err := store.Connect(ctx, cfg.DatabaseURL, 0)
+	pool, err := store.Connect(ctx, cfg.DatabaseURL, cmd.CommandPath(), 0)
 	if err != nil {
 		return err
 	}
@@ -69,7 +70,7 @@ func migrateCmd() *cobra.Command {
 		Long:  "Applies pending migrations, under a PostgreSQL advisory lock, and exits.\n" + databaseHelp,
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			return withStore(cmd.Context(), cmd.ErrOrStderr(), func(st *store.Store) error {
+			return withStore(cmd, func(st *store.Store) error {
 				n, err := store.Migrate(cmd.Context(), st.Pool())
 				if err != nil {
 					return err
@@ -105,7 +106,7 @@ func keysCmd() *cobra.Command {
 					p.Scopes = append(p.Scopes, gateway.Scope(s))
 				}
 			}
-			return withStore(cmd.Context(), cmd.ErrOrStderr(), func(st *store.Store) error {
+			return withStore(cmd, func(st *store.Store) error {
 				token, err := st.CreateKey(cmd.Context(), p)
 				if err != nil {
 					return err
@@ -134,7 +135,7 @@ func keysCmd() *cobra.Command {
 			if (len(args) == 1) == (revokeAccount != "") || (revokeProject != "" && revokeAccount == "") {
 				return errors.New("name a key (KEY_PREFIX_OR_ID) or an account (--account A, and --project P for one of its projects), not both")
 			}
-			return withStore(cmd.Context(), cmd.ErrOrStderr(), func(st *store.Store) error {
+			return withStore(cmd, func(st *store.Store) error {
 				if revokeAccount == "" {
 					if err := st.RevokeKey(cmd.Context(), args[0]); err != nil {
 						return err
@@ -169,7 +170,7 @@ func keysCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			return withStore(cmd.Context(), cmd.ErrOrStderr(), func(st *store.Store) error {
+			return withStore(cmd, func(st *store.Store) error {
 				rotated, err := st.RotateKey(cmd.Context(), args[0], keep, expires)
 				if err != nil {
 					return err
@@ -190,7 +191,7 @@ func keysCmd() *cobra.Command {
 		Long:  "Lists the keys, newest first: prefix, account, tier, project, scopes, when created, when it expires and when revoked, id.\n" + databaseHelp,
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			return withStore(cmd.Context(), cmd.ErrOrStderr(), func(st *store.Store) error {
+			return withStore(cmd, func(st *store.Store) error {
 				found, err := st.ListKeys(cmd.Context(), account)
 				if err != nil {
 					return err
@@ -291,7 +292,7 @@ func limitsCmd() *cobra.Command {
 			if !cmd.Flags().Changed("daily-rungs") && !cmd.Flags().Changed("budget-rungs") {
 				return errors.New("nothing to set: give --daily-rungs and/or --budget-rungs")
 			}
-			return withStore(cmd.Context(), cmd.ErrOrStderr(), func(st *store.Store) error {
+			return withStore(cmd, func(st *store.Store) error {
 				return st.SetLimits(cmd.Context(), p)
 			})
 		},
@@ -309,7 +310,7 @@ func limitsCmd() *cobra.Command {
 		Long:  "Shows an account's daily rung ceiling with today's charge, and each of its projects' budget cap with what is spent and reserved.\n" + databaseHelp,
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			return withStore(cmd.Context(), cmd.ErrOrStderr(), func(st *store.Store) error {
+			return withStore(cmd, func(st *store.Store) error {
 				l, err := st.Limits(cmd.Context(), account)
 				if err != nil {
 					return err

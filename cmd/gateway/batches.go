@@ -46,7 +46,7 @@ func batchesCmd() *cobra.Command {
 				}
 				cursor = &id
 			}
-			return withStore(cmd.Context(), cmd.ErrOrStderr(), func(st *store.Store) error {
+			return withStore(cmd, func(st *store.Store) error {
 				found, err := st.BatchesForOperator(cmd.Context(), account, statuses, cursor, limit)
 				if err != nil {
 					return err
@@ -76,7 +76,7 @@ func batchesCmd() *cobra.Command {
 				return errors.New("name a batch (BATCH_ID) or an account (--account A), not both")
 			}
 			if cancelAccount != "" {
-				return withStore(cmd.Context(), cmd.ErrOrStderr(), func(st *store.Store) error {
+				return withStore(cmd, func(st *store.Store) error {
 					outcomes, err := st.CancelAccountBatches(cmd.Context(), cancelAccount)
 					return reportCancels(cmd.OutOrStdout(), cmd.ErrOrStderr(), outcomes, err)
 				})
@@ -85,7 +85,7 @@ func batchesCmd() *cobra.Command {
 			if err != nil {
 				return fmt.Errorf("want a batch id (a UUID, as batches list shows), got %q", args[0])
 			}
-			return withStore(cmd.Context(), cmd.ErrOrStderr(), func(st *store.Store) error {
+			return withStore(cmd, func(st *store.Store) error {
 				status, err := st.CancelBatchForOperator(cmd.Context(), id)
 				if err != nil {
 					return err

@@ -71,7 +71,7 @@ GATEWAY_DRAIN_DELAY is 0 unless set.`,
 					return fmt.Errorf("error saving the dev database's address: %w", err)
 				}
 			}
-			st, err := openStore(ctx, cfg)
+			st, err := openStore(ctx, cfg, cmd.CommandPath())
 			if err != nil {
 				return err
 			}

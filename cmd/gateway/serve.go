@@ -50,7 +50,7 @@ func serveCmd(logger *slog.Logger) *cobra.Command {
 			if cfg.DatabaseURL == "" {
 				return errors.New("DATABASE_URL is required (or run `gateway dev` for a private database)")
 			}
-			st, err := openStore(cmd.Context(), cfg)
+			st, err := openStore(cmd.Context(), cfg, cmd.CommandPath())
 			if err != nil {
 				return err
 			}
@@ -60,9 +60,10 @@ func serveCmd(logger *slog.Logger) *cobra.Command {
 	}
 }
 
-// openStore connects to PostgreSQL and applies pending migrations.
-func openStore(ctx context.Context, cfg config.Config) (*store.Store, error) {
-	pool, err := store.Connect(ctx, cfg.DatabaseURL, cfg.DBMaxConns)
+// openStore connects to PostgreSQL, its sessions named name, and applies
+// pending migrations.
+func openStore(ctx context.Context, cfg config.Config, name string) (*store.Store, error) {
+	pool, err := store.Connect(ctx, cfg.DatabaseURL, name, cfg.DBMaxConns)
 	if err != nil {
 		return nil, err
 	}

@@ -34,7 +34,7 @@ func usageCmd() *cobra.Command {
 			if err != nil {
 				return err
 			}
-			return withStore(cmd.Context(), cmd.ErrOrStderr(), func(st *store.Store) error {
+			return withStore(cmd, func(st *store.Store) error {
 				lines, err := st.UsageReport(cmd.Context(), start, end, account)
 				if err != nil {
 					return err

@@ -106,7 +106,7 @@ func New(t testing.TB) *pgxpool.Pool {
 // Connect returns a pool on url, closed when the test ends.
 func Connect(t testing.TB, url string) *pgxpool.Pool {
 	t.Helper()
-	pool, err := store.Connect(context.Background(), url, 0)
+	pool, err := store.Connect(context.Background(), url, "gateway test "+t.Name(), 0)
 	if err != nil {
 		t.Fatalf("error connecting to test database: %v", err)
 	}
