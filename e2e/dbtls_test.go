@@ -2,14 +2,7 @@ package e2e
 
 import (
 	"context"
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
-	"crypto/x509"
-	"crypto/x509/pkix"
-	"encoding/pem"
 	"fmt"
-	"math/big"
 	"net"
 	"net/http"
 	"os"
@@ -22,6 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway/internal/fakeupstream"
+	"github.com/rungworks/gateway/internal/testcert"
 	"github.com/rungworks/gateway/pglocal"
 )
 
@@ -48,9 +42,9 @@ func TestTheDatabaseOverTLS(t *testing.T) {
 
 func testTheDatabaseOverTLS(t *testing.T, sslmode string) {
 	cluster, dir := ownCluster(t, false)
-	one, two := newAuthority(t, "gateway test authority one"), newAuthority(t, "gateway test authority two")
-	server, serverTwo := one.issue(t, "localhost", net.IPv4(127, 0, 0, 1)), two.issue(t, "localhost", net.IPv4(127, 0, 0, 1))
-	first, second := one.issue(t, "postgres", nil), two.issue(t, "postgres", nil)
+	one, two := testcert.NewAuthority(t, "gateway test authority one"), testcert.NewAuthority(t, "gateway test authority two")
+	server, serverTwo := one.Issue(t, "localhost", net.IPv4(127, 0, 0, 1)), two.Issue(t, "localhost", net.IPv4(127, 0, 0, 1))
+	first, second := one.Issue(t, "postgres", nil), two.Issue(t, "postgres", nil)
 
 	// The server: its certificate, the client authority it trusts, and
 	// certificate logins over TLS from 127.0.0.1 (plain connections, the
@@ -63,9 +57,9 @@ func testTheDatabaseOverTLS(t *testing.T, sslmode string) {
 	}
 	settings := map[string]string{
 		"ssl":           "on",
-		"ssl_cert_file": serverFile("server.crt", server.cert),
-		"ssl_key_file":  serverFile("server.key", server.key),
-		"ssl_ca_file":   serverFile("clients.crt", one.cert),
+		"ssl_cert_file": serverFile("server.crt", server.Cert),
+		"ssl_key_file":  serverFile("server.Key", server.Key),
+		"ssl_ca_file":   serverFile("clients.crt", one.Cert),
 	}
 	hba := filepath.Join(dir, "data", "pg_hba.conf")
 	was, err := os.ReadFile(hba)
@@ -82,10 +76,10 @@ func testTheDatabaseOverTLS(t *testing.T, sslmode string) {
 	// The client's files, where a rotation replaces them.
 	clientDir := t.TempDir()
 	certFile, keyFile, rootFile := filepath.Join(clientDir, "client.crt"), filepath.Join(clientDir, "client.key"), filepath.Join(clientDir, "root.crt")
-	require.NoError(t, os.WriteFile(rootFile, one.cert, 0o600))
-	place := func(c credentials) {
-		require.NoError(t, os.WriteFile(certFile, c.cert, 0o600))
-		require.NoError(t, os.WriteFile(keyFile, c.key, 0o600))
+	require.NoError(t, os.WriteFile(rootFile, one.Cert, 0o600))
+	place := func(c testcert.Credentials) {
+		require.NoError(t, os.WriteFile(certFile, c.Cert, 0o600))
+		require.NoError(t, os.WriteFile(keyFile, c.Key, 0o600))
 	}
 	place(first)
 	dbURL := fmt.Sprintf("postgres://postgres@127.0.0.1:%d/gw?sslmode=%s&sslrootcert=%s&sslcert=%s&sslkey=%s",
@@ -106,9 +100,9 @@ func testTheDatabaseOverTLS(t *testing.T, sslmode string) {
 	// that every connection is new, before the client's files are replaced.
 	// A database that refuses the replica's logins, or that the replica
 	// cannot trust, is away (503), not a fault of the gateway's (500).
-	serverFile("clients.crt", two.cert)
-	serverFile("server.crt", serverTwo.cert)
-	serverFile("server.key", serverTwo.key)
+	serverFile("clients.crt", two.Cert)
+	serverFile("server.crt", serverTwo.Cert)
+	serverFile("server.Key", serverTwo.Key)
 	require.NoError(t, cluster.Stop())
 	_, err = pglocal.Start(context.Background(), pglocal.Options{Dir: dir, Port: cluster.Port()}) // stopped with the test (ownCluster)
 	require.NoError(t, err)
@@ -122,7 +116,7 @@ func testTheDatabaseOverTLS(t *testing.T, sslmode string) {
 	require.Equal(t, "SERVICE_UNAVAILABLE", r.code(t))
 	require.NotEmpty(t, r.header.Get("Retry-After"))
 	place(second)
-	require.NoError(t, os.WriteFile(rootFile, two.cert, 0o600))
+	require.NoError(t, os.WriteFile(rootFile, two.Cert, 0o600))
 	require.Eventually(t, func() bool {
 		r := g.call(http.MethodPost, "/api/v1/responses", key, map[string]any{"prompt": "after the rotation"})
 		return r.status == http.StatusOK
@@ -151,66 +145,4 @@ func adminConn(t *testing.T, cluster *pglocal.Cluster) *pgx.Conn {
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = conn.Close(context.Background()) })
 	return conn
-}
-
-// credentials are a certificate and its key, PEM-encoded.
-type credentials struct{ cert, key []byte }
-
-// authority issues certificates for a test.
-type authority struct {
-	credentials
-	template *x509.Certificate
-	signer   *ecdsa.PrivateKey
-}
-
-func newAuthority(t *testing.T, name string) authority {
-	t.Helper()
-	template := certificateTemplate(name)
-	template.IsCA, template.BasicConstraintsValid = true, true
-	template.KeyUsage = x509.KeyUsageCertSign | x509.KeyUsageCRLSign
-	a := authority{template: template}
-	a.credentials, a.signer = sign(t, template, template, nil)
-	return a
-}
-
-// issue returns a certificate for name (a client's user, or a server's host
-// with its address ip) signed by a.
-func (a authority) issue(t *testing.T, name string, ip net.IP) credentials {
-	t.Helper()
-	template := certificateTemplate(name)
-	template.KeyUsage = x509.KeyUsageDigitalSignature
-	template.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}
-	if ip != nil {
-		template.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}
-		template.DNSNames, template.IPAddresses = []string{name}, []net.IP{ip}
-	}
-	c, _ := sign(t, template, a.template, a.signer)
-	return c
-}
-
-func certificateTemplate(name string) *x509.Certificate {
-	serial, _ := rand.Int(rand.Reader, big.NewInt(1<<62)) // crypto/rand does not fail
-	return &x509.Certificate{
-		SerialNumber: serial, Subject: pkix.Name{CommonName: name},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(24 * time.Hour),
-	}
-}
-
-// sign makes a key for template and signs it with parent's signer (its own
-// when signer is nil).
-func sign(t *testing.T, template, parent *x509.Certificate, signer *ecdsa.PrivateKey) (credentials, *ecdsa.PrivateKey) {
-	t.Helper()
-	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	require.NoError(t, err)
-	if signer == nil {
-		signer = key
-	}
-	der, err := x509.CreateCertificate(rand.Reader, template, parent, &key.PublicKey, signer)
-	require.NoError(t, err)
-	pkcs8, err := x509.MarshalPKCS8PrivateKey(key)
-	require.NoError(t, err)
-	return credentials{
-		cert: pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}),
-		key:  pem.EncodeToMemory(&pem.Block{Type: "PRIVATE KEY", Bytes: pkcs8}),
-	}, key
 }

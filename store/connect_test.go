@@ -20,6 +20,7 @@ import (
 
 	"github.com/rungworks/gateway/internal/blackhole"
 	"github.com/rungworks/gateway/internal/lostpeer"
+	"github.com/rungworks/gateway/internal/testcert"
 	"github.com/rungworks/gateway/internal/testdb"
 	"github.com/rungworks/gateway/internal/txpooler"
 	"github.com/rungworks/gateway/store"
@@ -57,11 +58,8 @@ func TestNewConnectionsReadTheFilesAgain(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
 	passfile, rootFile := filepath.Join(dir, "pgpass"), filepath.Join(dir, "root.crt")
-	authority := func(name string) []byte {
-		pem, err := os.ReadFile(filepath.Join("testdata", "authority-"+name+".crt"))
-		require.NoError(t, err)
-		return pem
-	}
+	authorities := map[string][]byte{"one": testcert.NewAuthority(t, "one").Cert, "two": testcert.NewAuthority(t, "two").Cert}
+	authority := func(name string) []byte { return authorities[name] }
 	place := func(path string, content []byte) { require.NoError(t, os.WriteFile(path, content, 0o600)) }
 	place(passfile, []byte("*:*:gw:gateway:first\n"))
 	place(rootFile, authority("one"))
