@@ -16,6 +16,7 @@ import (
 	"github.com/caarlos0/env/v11"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/internal/certfile"
 	"github.com/rungworks/gateway/metering"
 	"github.com/rungworks/gateway/metrics"
 	"github.com/rungworks/gateway/routing"
@@ -29,6 +30,8 @@ type Config struct {
 	DatabaseURL            string        `env:"DATABASE_URL"`
 	Listen                 string        `env:"GATEWAY_LISTEN" envDefault:":8080"`
 	H2C                    bool          `env:"GATEWAY_H2C"`
+	TLSCert                string        `env:"GATEWAY_TLS_CERT"`
+	TLSKey                 string        `env:"GATEWAY_TLS_KEY"`
 	File                   string        `env:"GATEWAY_CONFIG"`
 	Upstream               string        `env:"GATEWAY_UPSTREAM"`
 	UpstreamKey            string        `env:"GATEWAY_UPSTREAM_KEY"`
@@ -149,6 +152,12 @@ func load(defaults map[string]string) (Config, error) {
 	if !maxTokensField(cfg.UpstreamMaxTokensField) {
 		return Config{}, fmt.Errorf("GATEWAY_UPSTREAM_MAX_TOKENS_FIELD must be %s or %s, got %q", openai.MaxCompletionTokens, openai.MaxTokens, cfg.UpstreamMaxTokensField)
 	}
+	if (cfg.TLSCert == "") != (cfg.TLSKey == "") {
+		return Config{}, fmt.Errorf("GATEWAY_TLS_CERT and GATEWAY_TLS_KEY go together: set both (a certificate file and its key's) or neither")
+	}
+	if cfg.TLSCert != "" && cfg.H2C {
+		return Config{}, fmt.Errorf("GATEWAY_H2C is HTTP/2 without TLS: leave it unset with GATEWAY_TLS_CERT (over TLS, HTTP/2 is served to the clients that ask for it)")
+	}
 	if cfg.DBMaxConns < 2 {
 		return Config{}, fmt.Errorf("GATEWAY_DB_MAX_CONNS must be at least 2")
 	}
@@ -195,11 +204,28 @@ func (c Config) Check() error {
 	if _, err := c.RateCard(); err != nil {
 		return err
 	}
+	if _, err := c.Certificate(nil); err != nil {
+		return err
+	}
 	_, _, err := c.routesWithKeys()
 	if err != nil && c.File != "" {
 		return fmt.Errorf("GATEWAY_CONFIG: %w", err)
 	}
 	return err
+}
+
+// Certificate returns the certificate GATEWAY_TLS_CERT and GATEWAY_TLS_KEY
+// name, read again when their files change (onError is told of a change
+// that does not read), or nil when the API is served without TLS.
+func (c Config) Certificate(onError func(error)) (*certfile.Pair, error) {
+	if c.TLSCert == "" {
+		return nil, nil
+	}
+	pair, err := certfile.Load(c.TLSCert, c.TLSKey, onError)
+	if err != nil {
+		return nil, fmt.Errorf("GATEWAY_TLS_CERT/GATEWAY_TLS_KEY: %w", err)
+	}
+	return pair, nil
 }
 
 // RateLimits returns the requests per minute per key: GATEWAY_RATE_LIMIT for

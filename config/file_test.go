@@ -327,6 +327,36 @@ func TestTurnSettings(t *testing.T) {
 	require.ErrorContains(t, err, "GATEWAY_TURN_WAIT must be positive")
 }
 
+// TestTLSSettings: GATEWAY_TLS_CERT and GATEWAY_TLS_KEY go together, not
+// with GATEWAY_H2C, and Check reads them: files that do not read as a pair
+// stop the start, named.
+func TestTLSSettings(t *testing.T) {
+	t.Setenv("GATEWAY_H2C", "")
+	t.Setenv("GATEWAY_TLS_KEY", "")
+	t.Setenv("GATEWAY_TLS_CERT", "tls.crt")
+	_, err := config.Load()
+	require.ErrorContains(t, err, "GATEWAY_TLS_CERT and GATEWAY_TLS_KEY go together")
+	t.Setenv("GATEWAY_TLS_KEY", "tls.key")
+	t.Setenv("GATEWAY_H2C", "true")
+	_, err = config.Load()
+	require.ErrorContains(t, err, "GATEWAY_H2C is HTTP/2 without TLS")
+
+	t.Setenv("GATEWAY_H2C", "")
+	cfg, err := config.Load()
+	require.NoError(t, err)
+	err = cfg.Check()
+	require.ErrorContains(t, err, "GATEWAY_TLS_CERT/GATEWAY_TLS_KEY")
+	require.ErrorIs(t, err, os.ErrNotExist)
+
+	t.Setenv("GATEWAY_TLS_CERT", "")
+	t.Setenv("GATEWAY_TLS_KEY", "")
+	cfg, err = config.Load()
+	require.NoError(t, err)
+	certificate, err := cfg.Certificate(nil)
+	require.NoError(t, err)
+	require.Nil(t, certificate, "served without TLS")
+}
+
 // TestUpstreamMaxTokensField: the shorthand's field of the output limit is
 // read, one of the two names, and not beside a file of providers.
 func TestUpstreamMaxTokensField(t *testing.T) {

@@ -7,6 +7,7 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"crypto/tls"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -138,8 +139,16 @@ func startOnce(t *testing.T, env map[string]string, args ...string) (*gateway, e
 	}
 	cmd := exec.Command(binary, args...)
 	cmd.Env = environ(env)
+	scheme, probe := "http", http.DefaultClient
+	if env["GATEWAY_TLS_CERT"] != "" {
+		// The readiness probe does not check the certificate (the test
+		// does, with a client of its own).
+		scheme = "https"
+		probe = &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}}
+		defer probe.CloseIdleConnections()
+	}
 	g := &gateway{
-		t: t, cmd: cmd, base: fmt.Sprintf("http://127.0.0.1:%d", port), metrics: fmt.Sprintf("http://127.0.0.1:%d", metricsPort),
+		t: t, cmd: cmd, base: fmt.Sprintf("%s://127.0.0.1:%d", scheme, port), metrics: fmt.Sprintf("http://127.0.0.1:%d", metricsPort),
 		stderr: &syncbuf.Buffer{}, stdout: &syncbuf.Buffer{}, done: make(chan error, 1),
 	}
 	cmd.Stdout, cmd.Stderr = g.stdout, g.stderr
@@ -157,7 +166,7 @@ func startOnce(t *testing.T, env map[string]string, args ...string) (*gateway, e
 	deadline := time.Now().Add(60 * time.Second)
 	for {
 		if g.listening(port) {
-			resp, err := http.Get(g.base + "/readyz")
+			resp, err := probe.Get(g.base + "/readyz")
 			if err == nil {
 				resp.Body.Close()
 				if resp.StatusCode == http.StatusOK {

@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -165,11 +166,23 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 		return err
 	}
 
+	certificate, err := cfg.Certificate(func(err error) {
+		logger.Error("the TLS certificate's files changed and were not read; the certificate read before is served", "error", err)
+	})
+	if err != nil {
+		return err
+	}
 	ln, err := lostpeer.Listen(ctx, cfg.Listen)
 	if err != nil {
 		return fmt.Errorf("cannot listen on %s: %w; set GATEWAY_LISTEN to another address (another gateway on this host?)", cfg.Listen, err)
 	}
 	httpServer := newHTTPServer(srv, cfg.H2C)
+	if certificate != nil {
+		// HTTP/2 for the clients that ask for it (ALPN), HTTP/1.1 for the
+		// others; a renewed certificate from the next handshake on.
+		httpServer.TLSConfig = &tls.Config{GetCertificate: certificate.GetCertificate, NextProtos: []string{"h2", "http/1.1"}}
+		ln = tls.NewListener(ln, httpServer.TLSConfig)
+	}
 	servers := []*http.Server{httpServer}
 	errc := make(chan error, 2)
 	go func() { errc <- httpServer.Serve(srv.Listener(ln)) }()
@@ -211,7 +224,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	drained := make(chan struct{})
 	go func() { defer close(drained); drain.Run(ctx) }()
 
-	logger.Info("gateway listening", "addr", ln.Addr().String(), "upstream", cfg.UpstreamName())
+	logger.Info("gateway listening", "addr", ln.Addr().String(), "tls", certificate != nil, "upstream", cfg.UpstreamName())
 	if ready != nil {
 		ready(ln.Addr().String())
 	}

@@ -1,0 +1,91 @@
+// Package certfile serves a TLS certificate from a certificate file and a
+// key file that a rotation replaces (cert-manager, a mounted secret, an ACME
+// client's renewal): each handshake looks at the files, and when they have
+// changed since they were read, reads them again, so a renewed certificate
+// is served from the next connection on, without a restart.
+package certfile
+
+import (
+	"crypto/tls"
+	"fmt"
+	"os"
+	"sync"
+	"time"
+)
+
+// Pair is a certificate and its key, read from their files.
+type Pair struct {
+	certFile, keyFile string
+	// onError is told of files that changed and could not be read as a
+	// pair, once for each change; the certificate read before is served.
+	onError func(error)
+
+	mu      sync.Mutex
+	tried   stamp // the files' stamp when last read or tried
+	current *tls.Certificate
+}
+
+// stamp tells a file's versions apart: a rewrite or a replacement changes
+// its size or modification time.
+type stamp struct {
+	certSize, keySize int64
+	certTime, keyTime time.Time
+}
+
+// Load reads the pair from certFile (PEM, the certificate followed by its
+// chain) and keyFile (its PEM private key). onError is told of each later
+// change of the files that does not read as a pair (one file replaced before
+// the other, or a mistake), while the certificate read before is served.
+func Load(certFile, keyFile string, onError func(error)) (*Pair, error) {
+	p := &Pair{certFile: certFile, keyFile: keyFile, onError: onError}
+	var err error
+	if p.tried, err = p.stamp(); err != nil {
+		return nil, err
+	}
+	if err := p.load(); err != nil {
+		return nil, err
+	}
+	return p, nil
+}
+
+// GetCertificate is tls.Config's: the pair as the files hold it now, or,
+// when they cannot be read as one, as they were last read.
+func (p *Pair) GetCertificate(*tls.ClientHelloInfo) (*tls.Certificate, error) {
+	s, err := p.stamp()
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if s == p.tried {
+		return p.current, nil
+	}
+	p.tried = s
+	if err == nil {
+		err = p.load()
+	}
+	if err != nil {
+		p.onError(err)
+	}
+	return p.current, nil
+}
+
+// stamp reads the files' stamps.
+func (p *Pair) stamp() (stamp, error) {
+	cert, err := os.Stat(p.certFile)
+	if err != nil {
+		return stamp{}, fmt.Errorf("error reading the certificate: %w", err)
+	}
+	key, err := os.Stat(p.keyFile)
+	if err != nil {
+		return stamp{}, fmt.Errorf("error reading the key: %w", err)
+	}
+	return stamp{certSize: cert.Size(), keySize: key.Size(), certTime: cert.ModTime(), keyTime: key.ModTime()}, nil
+}
+
+// load reads the pair and serves it; on failure the pair served stays.
+func (p *Pair) load() error {
+	cert, err := tls.LoadX509KeyPair(p.certFile, p.keyFile)
+	if err != nil {
+		return fmt.Errorf("error reading the certificate and its key: %w", err)
+	}
+	p.current = &cert
+	return nil
+}
