@@ -181,7 +181,8 @@ func trust(c, now *tls.Config) {
 // clients between transactions (PgBouncer's pool_mode=transaction, a hosted
 // database's "transaction" pooler), where the gateway needs sessions of its
 // own (prepared statements, LISTEN, advisory locks and settings are the
-// session's). The first connection after another's ends there at once.
+// session's). Through such a pooler, a connection opened after another one
+// fails there, at its first statement.
 func sharedSessionHint(err error) string {
 	const (
 		duplicatePreparedStatement = "42P05"
