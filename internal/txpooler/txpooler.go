@@ -23,6 +23,9 @@ type Pooler struct {
 
 	mu sync.Mutex // held by the client whose transaction runs
 	wg sync.WaitGroup
+
+	clientsMu sync.Mutex
+	clients   map[net.Conn]struct{} // open; nil once closed
 }
 
 // Start opens the session on url and listens on a local port.
@@ -41,7 +44,7 @@ func Start(ctx context.Context, url string) (*Pooler, error) {
 		_ = session.Conn.Close()
 		return nil, fmt.Errorf("error listening: %w", err)
 	}
-	p := &Pooler{listener: l, session: session}
+	p := &Pooler{listener: l, session: session, clients: map[net.Conn]struct{}{}}
 	p.wg.Go(p.accept)
 	return p, nil
 }
@@ -49,10 +52,17 @@ func Start(ctx context.Context, url string) (*Pooler, error) {
 // Addr is the address the pooler listens on.
 func (p *Pooler) Addr() string { return p.listener.Addr().String() }
 
-// Close stops listening, ends the session and waits for the clients to go.
+// Close stops listening, ends the session and the clients' connections, and
+// waits for their goroutines.
 func (p *Pooler) Close() error {
 	err := p.listener.Close()
 	_ = p.session.Conn.Close()
+	p.clientsMu.Lock()
+	for conn := range p.clients {
+		_ = conn.Close()
+	}
+	p.clients = nil
+	p.clientsMu.Unlock()
 	p.wg.Wait()
 	return err
 }
@@ -63,8 +73,21 @@ func (p *Pooler) accept() {
 		if err != nil {
 			return
 		}
+		p.clientsMu.Lock()
+		if p.clients == nil {
+			p.clientsMu.Unlock()
+			_ = conn.Close()
+			return
+		}
+		p.clients[conn] = struct{}{}
+		p.clientsMu.Unlock()
 		p.wg.Go(func() {
-			defer conn.Close()
+			defer func() {
+				p.clientsMu.Lock()
+				delete(p.clients, conn)
+				p.clientsMu.Unlock()
+				_ = conn.Close()
+			}()
 			_ = p.serve(conn)
 		})
 	}
