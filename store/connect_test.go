@@ -58,11 +58,10 @@ func TestNewConnectionsReadTheFilesAgain(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
 	passfile, rootFile := filepath.Join(dir, "pgpass"), filepath.Join(dir, "root.crt")
-	authorities := map[string][]byte{"one": testcert.NewAuthority(t, "one").Cert, "two": testcert.NewAuthority(t, "two").Cert}
-	authority := func(name string) []byte { return authorities[name] }
+	authority := map[string][]byte{"one": testcert.NewAuthority(t, "one").Cert, "two": testcert.NewAuthority(t, "two").Cert}
 	place := func(path string, content []byte) { require.NoError(t, os.WriteFile(path, content, 0o600)) }
 	place(passfile, []byte("*:*:gw:gateway:first\n"))
-	place(rootFile, authority("one"))
+	place(rootFile, authority["one"])
 	cfg, err := store.PoolConfig("postgres://gateway@127.0.0.1:5432,127.0.0.1:5433/gw?sslmode=verify-ca&passfile="+passfile+"&sslrootcert="+rootFile, t.Name(), 0)
 	require.NoError(t, err)
 	requireNext := func(password, authorityName string) {
@@ -71,7 +70,7 @@ func TestNewConnectionsReadTheFilesAgain(t *testing.T) {
 		require.NoError(t, cfg.BeforeConnect(context.Background(), c))
 		require.Equal(t, password, c.Password)
 		want := x509.NewCertPool()
-		require.True(t, want.AppendCertsFromPEM(authority(authorityName)))
+		require.True(t, want.AppendCertsFromPEM(authority[authorityName]))
 		for _, tlsConfig := range []*tls.Config{c.TLSConfig, c.Fallbacks[0].TLSConfig} {
 			require.True(t, tlsConfig.RootCAs.Equal(want), "the authority of %s", authorityName)
 		}
@@ -79,7 +78,7 @@ func TestNewConnectionsReadTheFilesAgain(t *testing.T) {
 	requireNext("first", "one")
 
 	place(passfile, []byte("*:*:gw:gateway:second\n"))
-	place(rootFile, authority("two"))
+	place(rootFile, authority["two"])
 	requireNext("second", "two")
 
 	place(passfile, nil)
@@ -92,7 +91,7 @@ func TestNewConnectionsReadTheFilesAgain(t *testing.T) {
 	requireNext("second", "two")
 
 	place(passfile, []byte("*:*:gw:gateway:third\n"))
-	place(rootFile, authority("one"))
+	place(rootFile, authority["one"])
 	requireNext("third", "one")
 }
 
