@@ -8,9 +8,9 @@ package certfile
 import (
 	"crypto/tls"
 	"fmt"
-	"os"
 	"sync"
-	"time"
+
+	"github.com/rungworks/gateway/internal/filestamp"
 )
 
 // Pair is a certificate and its key, read from their files.
@@ -21,15 +21,8 @@ type Pair struct {
 	onError func(error)
 
 	mu      sync.Mutex
-	tried   stamp // the files' stamp when last read or tried
+	tried   filestamp.Stamp // the files' when last read or tried
 	current *tls.Certificate
-}
-
-// stamp tells a file's versions apart: a rewrite or a replacement changes
-// its size or modification time.
-type stamp struct {
-	certSize, keySize int64
-	certTime, keyTime time.Time
 }
 
 // Load reads the pair from certFile (PEM, the certificate followed by its
@@ -37,11 +30,7 @@ type stamp struct {
 // change of the files that does not read as a pair (one file replaced before
 // the other, or a mistake), while the certificate read before is served.
 func Load(certFile, keyFile string, onError func(error)) (*Pair, error) {
-	p := &Pair{certFile: certFile, keyFile: keyFile, onError: onError}
-	var err error
-	if p.tried, err = p.stamp(); err != nil {
-		return nil, err
-	}
+	p := &Pair{certFile: certFile, keyFile: keyFile, onError: onError, tried: filestamp.Of(certFile, keyFile)}
 	if err := p.load(); err != nil {
 		return nil, err
 	}
@@ -51,33 +40,17 @@ func Load(certFile, keyFile string, onError func(error)) (*Pair, error) {
 // GetCertificate is tls.Config's: the pair as the files hold it now, or,
 // when they cannot be read as one, as they were last read.
 func (p *Pair) GetCertificate(*tls.ClientHelloInfo) (*tls.Certificate, error) {
-	s, err := p.stamp()
+	s := filestamp.Of(p.certFile, p.keyFile)
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	if s == p.tried {
+	if s.Equal(p.tried) {
 		return p.current, nil
 	}
 	p.tried = s
-	if err == nil {
-		err = p.load()
-	}
-	if err != nil {
+	if err := p.load(); err != nil {
 		p.onError(err)
 	}
 	return p.current, nil
-}
-
-// stamp reads the files' stamps.
-func (p *Pair) stamp() (stamp, error) {
-	cert, err := os.Stat(p.certFile)
-	if err != nil {
-		return stamp{}, fmt.Errorf("error reading the certificate: %w", err)
-	}
-	key, err := os.Stat(p.keyFile)
-	if err != nil {
-		return stamp{}, fmt.Errorf("error reading the key: %w", err)
-	}
-	return stamp{certSize: cert.Size(), keySize: key.Size(), certTime: cert.ModTime(), keyTime: key.ModTime()}, nil
 }
 
 // load reads the pair and serves it; on failure the pair served stays.
