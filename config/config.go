@@ -17,6 +17,7 @@ import (
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/internal/certfile"
+	"github.com/rungworks/gateway/internal/filestamp"
 	"github.com/rungworks/gateway/metering"
 	"github.com/rungworks/gateway/metrics"
 	"github.com/rungworks/gateway/routing"
@@ -298,33 +299,70 @@ func (c Config) routesWithKeys() (*File, map[string]string, error) {
 	return f, keys, nil
 }
 
+// FileCheck is how often a replica looks at GATEWAY_CONFIG's file and the
+// key files it names for a change.
+const FileCheck = 5 * time.Second
+
 // ReloadRoutes replaces router's routes with those of GATEWAY_CONFIG's file,
-// read anew, at each signal of hangups (SIGHUP) until ctx ends, recording
-// each load in m. A file that does not check leaves the routes in use as they
-// are; without a file (the routes come from the environment, which a running
-// process cannot read again) nothing is reloaded.
+// read anew, at each signal of hangups (SIGHUP), and when the file or a key
+// file it names (api_key_file) has changed, looked at every FileCheck (as a
+// mounted ConfigMap or Secret changes under a running replica), until ctx
+// ends, recording each load in m. A file that does not check leaves the
+// routes in use as they are, until it changes again; without a file (the
+// routes come from the environment, which a running process cannot read
+// again) nothing is reloaded.
 func (c Config) ReloadRoutes(ctx context.Context, hangups <-chan os.Signal, router *routing.Router, tok *metering.Tokenizer, m *metrics.Metrics, logger *slog.Logger) {
+	var check <-chan time.Time
+	var watched []string
+	var seen filestamp.Stamp
+	look := func() {
+		watched = c.files()
+		seen = filestamp.Of(watched...)
+	}
+	if c.File != "" {
+		ticker := time.NewTicker(FileCheck)
+		defer ticker.Stop()
+		check = ticker.C
+		look()
+	}
 	for {
+		cause := "SIGHUP"
 		select {
 		case <-ctx.Done():
 			return
 		case <-hangups:
+		case <-check:
+			if filestamp.Of(watched...).Equal(seen) {
+				continue
+			}
+			cause = "the configuration's files changed"
 		}
 		if c.File == "" {
 			logger.Warn("SIGHUP: the routes come from the environment, which a running process cannot read again; nothing was reloaded (restart the replica, or use GATEWAY_CONFIG)")
 			continue
 		}
+		look() // before reading them: a change meanwhile is seen at the next check
 		rc, routes, err := c.Routes(tok, m, logger)
 		if err == nil {
 			err = router.Replace(rc)
 		}
 		m.ConfigLoaded(err == nil, time.Now())
 		if err != nil {
-			logger.Error("SIGHUP: the configuration file was not loaded; the routes in use stay", "file", c.File, "error", err)
+			logger.Error(cause+": the configuration file was not loaded; the routes in use stay", "file", c.File, "error", err)
 			continue
 		}
-		logger.Info("SIGHUP: routes reloaded", "file", c.File, "routes", routes)
+		logger.Info(cause+": routes reloaded", "file", c.File, "routes", routes)
 	}
+}
+
+// files are GATEWAY_CONFIG's file and the key files it names, as it reads
+// now (the file alone when it does not read).
+func (c Config) files() []string {
+	files := []string{c.File}
+	if f, err := LoadFile(c.File); err == nil {
+		files = append(files, f.keyFiles()...)
+	}
+	return files
 }
 
 // routes returns the file, or the shorthand as if it were one.

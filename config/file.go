@@ -144,6 +144,18 @@ func (f *File) Keys(getenv func(string) string) (map[string]string, error) {
 	return keys, errors.Join(errs...)
 }
 
+// keyFiles are the key files the providers name (api_key_file), resolved.
+func (f *File) keyFiles() []string {
+	var files []string
+	for _, pr := range f.Providers {
+		if pr.APIKeyFile != "" {
+			files = append(files, f.keyPath(pr.APIKeyFile))
+		}
+	}
+	slices.Sort(files)
+	return files
+}
+
 // keyPath resolves an api_key_file against the configuration file's folder.
 func (f *File) keyPath(name string) string {
 	if filepath.IsAbs(name) {

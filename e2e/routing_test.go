@@ -75,19 +75,23 @@ circuit:
 	return &routed{testBundle: b, primary: b.fake, backup: backup, g: start(t, env, "serve"), file: file}
 }
 
+// provider is the provider that served a response of model.
+func (r *routed) provider(t *testing.T, model string) string {
+	t.Helper()
+	res := r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "which target", "model": model})
+	require.Equal(t, http.StatusOK, res.status, string(res.body))
+	var body api.Response
+	require.NoError(t, json.Unmarshal(res.body, &body))
+	return *body.Route.Provider
+}
+
 // TestSIGHUPReloadsTheRoutes: a replica sent SIGHUP serves the routes of its
 // configuration file as it is now, from the next request on; a file that
 // does not check changes nothing; neither stops the replica.
 func TestSIGHUPReloadsTheRoutes(t *testing.T) {
 	t.Parallel()
 	r := serveRouted(t, nil)
-	provider := func(model string) string {
-		res := r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "which target", "model": model})
-		require.Equal(t, http.StatusOK, res.status, string(res.body))
-		var body api.Response
-		require.NoError(t, json.Unmarshal(res.body, &body))
-		return *body.Route.Provider
-	}
+	provider := func(model string) string { return r.provider(t, model) }
 	reload := func(content, logged string) {
 		require.NoError(t, os.WriteFile(r.file, []byte(content), 0o600))
 		before := strings.Count(r.g.stderr.String(), logged)
@@ -135,6 +139,38 @@ models:
 	calls := r.primary.Calls()
 	require.Equal(t, "Bearer sk-rotated", calls[len(calls)-1].Header.Get("Authorization"))
 	require.Contains(t, r.g.scrape(), "\ngateway_config_last_reload_successful 1\n")
+}
+
+// TestChangedFilesReloadTheRoutes: without a signal, a replica serves the
+// routes of its configuration file once the file has changed (as a mounted
+// ConfigMap changes), and takes a key file's new key once it has changed
+// (as a mounted Secret does), within moments (config.FileCheck).
+func TestChangedFilesReloadTheRoutes(t *testing.T) {
+	t.Parallel()
+	r := serveRouted(t, nil)
+	require.Equal(t, "primary", r.provider(t, "instant"))
+	keyFile := filepath.Join(filepath.Dir(r.file), "primary.key")
+	require.NoError(t, os.WriteFile(keyFile, []byte("sk-first\n"), 0o600))
+	require.NoError(t, os.WriteFile(r.file, []byte(fmt.Sprintf(`providers:
+  primary: {base_url: %s, api_key_file: primary.key}
+  backup: {base_url: %s}
+models:
+  instant: {targets: [backup/b-instant]}
+  reasoning: {targets: [primary/p-reasoning]}
+`, r.primary.BaseURL(), r.backup.BaseURL())), 0o600))
+	require.Eventually(t, func() bool { return r.provider(t, "instant") == "backup" }, 20*time.Second, 100*time.Millisecond,
+		"the file's routes, without a signal")
+	require.Contains(t, r.g.stderr.String(), "the configuration's files changed: routes reloaded")
+	lastKey := func() string {
+		require.Equal(t, "primary", r.provider(t, "reasoning"))
+		calls := r.primary.Calls()
+		return calls[len(calls)-1].Header.Get("Authorization")
+	}
+	require.Equal(t, "Bearer sk-first", lastKey())
+
+	require.NoError(t, os.WriteFile(keyFile, []byte("sk-second\n"), 0o600))
+	require.Eventually(t, func() bool { return lastKey() == "Bearer sk-second" }, 20*time.Second, 100*time.Millisecond,
+		"the key file's new key, the configuration file unchanged")
 }
 
 // TestSIGHUPWithoutAConfigurationFile: routes from the environment cannot be
