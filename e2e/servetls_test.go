@@ -111,10 +111,10 @@ func TestServingOverTLS(t *testing.T) {
 	g.client = tlsClient(t, two, 1)
 	r = g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "during a broken renewal"})
 	require.Equal(t, http.StatusOK, r.status, string(r.body))
-	require.Eventually(t, func() bool {
+	logged := func() bool {
 		return strings.Contains(g.stderr.String(), "the TLS certificate's files changed and were not read")
-	},
-		10*time.Second, 10*time.Millisecond)
+	}
+	require.Eventually(t, logged, 10*time.Second, 10*time.Millisecond)
 }
 
 // tlsClient is a client that trusts a alone and speaks HTTP/major.
