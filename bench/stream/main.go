@@ -8,6 +8,7 @@ package main
 import (
 	"bufio"
 	"bytes"
+	"crypto/tls"
 	"flag"
 	"fmt"
 	"io"
@@ -75,7 +76,7 @@ func run(binary string, warmup, requests, idle int, release time.Duration) error
 	if idle == 0 {
 		return nil
 	}
-	for _, p := range []protocols{{}, {upstream: true}, {upstream: true, inbound: true}} {
+	for _, p := range []protocols{{}, {upstream: true}, {upstream: true, tls: true}, {upstream: true, inbound: true}} {
 		n := fitting
 		if p.inbound {
 			n = idle
@@ -88,11 +89,14 @@ func run(binary string, warmup, requests, idle int, release time.Duration) error
 }
 
 // protocols says where HTTP/2 without TLS (h2c) is spoken: from the gateway to
-// the upstream, and from the clients (a load balancer) to the gateway.
-type protocols struct{ upstream, inbound bool }
+// the upstream, and from the clients (a load balancer) to the gateway; and
+// whether the clients speak HTTP/1.1 over TLS (GATEWAY_TLS_CERT).
+type protocols struct{ upstream, inbound, tls bool }
 
 func (p protocols) String() string {
 	switch {
+	case p.tls:
+		return "HTTP/1.1 over TLS from the clients (GATEWAY_TLS_CERT), HTTP/2 upstream (h2c)"
 	case p.inbound:
 		return "HTTP/2 both ways (h2c from the clients, as a load balancer would, and to the upstream)"
 	case p.upstream:
@@ -197,17 +201,30 @@ func idleStreams(env *benchenv.Env, n int, p protocols, release time.Duration) e
 	defer env.StopServers()
 	fake := fakeupstream.New()
 	defer fake.Close()
-	vars, key, err := env.Fresh(fmt.Sprintf("idle_streams_%v_%v", p.upstream, p.inbound), fake.BaseURL(), "GATEWAY_SSE_KEEPALIVE=5s", "GATEWAY_UPSTREAM_TIMEOUT=10m",
+	vars, key, err := env.Fresh(fmt.Sprintf("idle_streams_%v_%v_%v", p.upstream, p.inbound, p.tls), fake.BaseURL(), "GATEWAY_SSE_KEEPALIVE=5s", "GATEWAY_UPSTREAM_TIMEOUT=10m",
 		fmt.Sprintf("GATEWAY_UPSTREAM_H2C=%v", p.upstream), fmt.Sprintf("GATEWAY_H2C=%v", p.inbound))
 	if err != nil {
 		return err
+	}
+	transport := &http.Transport{MaxIdleConnsPerHost: -1}
+	if p.tls {
+		dir, err := os.MkdirTemp("", "gateway-bench-tls-")
+		if err != nil {
+			return err
+		}
+		defer os.RemoveAll(dir)
+		served, err := benchenv.TLS(dir)
+		if err != nil {
+			return err
+		}
+		vars = append(vars, served...)
+		transport.TLSClientConfig = &tls.Config{InsecureSkipVerify: true} // the benchmark's own certificate
 	}
 	gateway, err := env.ServeProcess(vars)
 	if err != nil {
 		return err
 	}
 	base, pid := gateway.Base, gateway.PID
-	transport := &http.Transport{MaxIdleConnsPerHost: -1}
 	if p.inbound {
 		transport.Protocols = new(http.Protocols)
 		transport.Protocols.SetUnencryptedHTTP2(true)

@@ -11,11 +11,17 @@ import (
 	"encoding/pem"
 	"math/big"
 	"net"
-	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 )
+
+// T is what the package needs of a test: *testing.T, or a benchmark's
+// stand-in.
+type T interface {
+	Helper()
+	require.TestingT
+}
 
 // Credentials are a certificate and its key, PEM-encoded.
 type Credentials struct{ Cert, Key []byte }
@@ -29,7 +35,7 @@ type Authority struct {
 
 // NewAuthority returns an authority named name, valid from an hour ago for
 // a day.
-func NewAuthority(t testing.TB, name string) Authority {
+func NewAuthority(t T, name string) Authority {
 	t.Helper()
 	template := certificateTemplate(name)
 	template.IsCA, template.BasicConstraintsValid = true, true
@@ -41,7 +47,7 @@ func NewAuthority(t testing.TB, name string) Authority {
 
 // Issue returns a certificate for name (a client's user, or a server's host
 // with its address ip) signed by a.
-func (a Authority) Issue(t testing.TB, name string, ip net.IP) Credentials {
+func (a Authority) Issue(t T, name string, ip net.IP) Credentials {
 	t.Helper()
 	template := certificateTemplate(name)
 	template.KeyUsage = x509.KeyUsageDigitalSignature
@@ -64,7 +70,7 @@ func certificateTemplate(name string) *x509.Certificate {
 
 // sign makes a key for template and signs it with parent's signer (its own
 // when signer is nil).
-func sign(t testing.TB, template, parent *x509.Certificate, signer *ecdsa.PrivateKey) (Credentials, *ecdsa.PrivateKey) {
+func sign(t T, template, parent *x509.Certificate, signer *ecdsa.PrivateKey) (Credentials, *ecdsa.PrivateKey) {
 	t.Helper()
 	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
 	require.NoError(t, err)

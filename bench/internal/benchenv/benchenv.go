@@ -217,8 +217,12 @@ func (e *Env) ServeProcess(env []string) (Process, error) {
 	e.procs = append(e.procs, cmd)
 	e.mu.Unlock()
 	p := Process{Base: "http://" + addr, Metrics: "http://" + metricsAddr + "/metrics", PID: cmd.Process.Pid}
+	secure, probe := servedOverTLS(env)
+	if secure {
+		p.Base = "https://" + addr
+	}
 	for deadline := time.Now().Add(30 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
-		if resp, err := http.Get(p.Base + "/readyz"); err == nil {
+		if resp, err := probe.Get(p.Base + "/readyz"); err == nil {
 			resp.Body.Close()
 			if resp.StatusCode == http.StatusOK {
 				return p, nil
