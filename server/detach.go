@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"net"
@@ -425,7 +426,11 @@ func (c *handedConn) SyscallConn() (syscall.RawConn, error) {
 	if len(c.prefix) > 0 {
 		return nil, errReadAhead
 	}
-	sc, ok := c.Conn.(syscall.Conn)
+	under := c.Conn
+	if tc, ok := under.(*tls.Conn); ok {
+		under = tc.NetConn() // watched for something to read, read through TLS (see connwatch)
+	}
+	sc, ok := under.(syscall.Conn)
 	if !ok {
 		return nil, errors.ErrUnsupported
 	}

@@ -1,6 +1,7 @@
 package connwatch
 
 import (
+	"crypto/tls"
 	"io"
 	"net"
 	"runtime"
@@ -8,6 +9,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway/internal/testcert"
 )
 
 // result is what a watch's read returned.
@@ -186,4 +189,48 @@ func TestWatchedConnectionsCostNoGoroutine(t *testing.T) {
 		t.Fatalf("a connection whose peer sent nothing was read: %+v", r)
 	default:
 	}
+}
+
+// tlsPair is pair's two ends over TLS, the handshake done.
+func tlsPair(t *testing.T) (watched, peer *tls.Conn) {
+	t.Helper()
+	c, p := pair(t)
+	issued := testcert.NewAuthority(t, "connwatch test").Issue(t, "localhost", net.IPv4(127, 0, 0, 1))
+	cert, err := tls.X509KeyPair(issued.Cert, issued.Key)
+	require.NoError(t, err)
+	watched = tls.Server(c, &tls.Config{Certificates: []tls.Certificate{cert}})
+	peer = tls.Client(p, &tls.Config{InsecureSkipVerify: true}) // the test's own certificate
+	handshake := make(chan error, 1)
+	go func() { handshake <- peer.Handshake() }()
+	require.NoError(t, watched.Handshake())
+	require.NoError(t, <-handshake)
+	return watched, peer
+}
+
+// TestATLSConnectionWaitsInThePoller: on Linux, a TLS connection is watched
+// through its descriptor (no goroutine while its peer is silent), and what
+// its peer sends is read through TLS: the first byte of what it wrote, or
+// its end.
+func TestATLSConnectionWaitsInThePoller(t *testing.T) {
+	if runtime.GOOS != "linux" {
+		t.Skip("the poller is epoll's")
+	}
+	// Not parallel: it counts the process's goroutines.
+	first, firstPeer := tlsPair(t)
+	second, secondPeer := tlsPair(t)
+	Watch(first, func(int, byte, error) {})() // the poller's own goroutine starts with the first watch
+	before := runtime.NumGoroutine()
+	results := make(chan result, 2)
+	stopFirst, stopSecond := Watch(first, record(results)), Watch(second, record(results))
+	require.LessOrEqual(t, runtime.NumGoroutine(), before, "no goroutine a watched connection")
+
+	_, err := firstPeer.Write([]byte("GET"))
+	require.NoError(t, err)
+	require.Equal(t, result{n: 1, b: 'G'}, <-results, "the plaintext's first byte")
+	stopFirst()
+	require.NoError(t, secondPeer.Close())
+	r := <-results
+	require.Zero(t, r.n)
+	require.ErrorIs(t, r.err, io.EOF, "the peer's end")
+	stopSecond()
 }
