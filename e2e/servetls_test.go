@@ -143,3 +143,20 @@ func TestAnUnreadableCertificateStopsTheStart(t *testing.T) {
 	}, "serve")
 	require.ErrorContains(t, err, "GATEWAY_TLS_CERT/GATEWAY_TLS_KEY: error reading the certificate and its key")
 }
+
+// TestDevOverTLS: `gateway dev` serves over TLS too, and its banner's
+// addresses say https.
+func TestDevOverTLS(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	certFile, keyFile := filepath.Join(dir, "tls.crt"), filepath.Join(dir, "tls.key")
+	issued := testcert.NewAuthority(t, "gateway test authority").Issue(t, "localhost", net.IPv4(127, 0, 0, 1))
+	require.NoError(t, os.WriteFile(certFile, issued.Cert, 0o600))
+	require.NoError(t, os.WriteFile(keyFile, issued.Key, 0o600))
+	g := start(t, map[string]string{"GATEWAY_TLS_CERT": certFile, "GATEWAY_TLS_KEY": keyFile},
+		"dev", "--data", filepath.Join(reachableTempDir(t), ".gateway"), "--pg-port", "0")
+	line := waitForLine(t, g.stdout, "Gateway ready on")
+	require.Contains(t, line, g.base, "the banner names the address it serves, https")
+	require.True(t, strings.HasPrefix(g.base, "https://"))
+	require.Contains(t, waitForLine(t, g.stdout, "OpenAPI document:"), g.base+"/openapi.json")
+}

@@ -81,7 +81,7 @@ GATEWAY_DRAIN_DELAY is 0 unless set.`,
 				return err
 			}
 			return serve(ctx, cfg, st, logger, func(addr string) {
-				printWelcome(cmd.OutOrStdout(), addr, key, cfg.UpstreamName(), cfg.DatabaseURL)
+				printWelcome(cmd.OutOrStdout(), cfg.TLSCert != "", addr, key, cfg.UpstreamName(), cfg.DatabaseURL)
 			})
 		},
 	}
@@ -118,12 +118,16 @@ func devKey(ctx context.Context, st *store.Store, path string) (string, error) {
 	return token, nil
 }
 
-func printWelcome(w io.Writer, addr, key, upstreamName, databaseURL string) {
+func printWelcome(w io.Writer, overTLS bool, addr, key, upstreamName, databaseURL string) {
 	host, port, _ := net.SplitHostPort(addr)
 	if host == "" || host == "::" || host == "0.0.0.0" {
 		host = "127.0.0.1"
 	}
-	base := "http://" + net.JoinHostPort(host, port)
+	scheme := "http://"
+	if overTLS {
+		scheme = "https://"
+	}
+	base := scheme + net.JoinHostPort(host, port)
 	fmt.Fprintf(w, `
 Gateway ready on %s (upstream: %s)
 API key: %s
