@@ -30,10 +30,7 @@ func TestARotatedPassword(t *testing.T) {
 	require.NoError(t, err)
 	// The role's logins from 127.0.0.1 take its password (the test's own,
 	// as postgres, stay trusted).
-	hba := filepath.Join(dir, "data", "pg_hba.conf")
-	was, err := os.ReadFile(hba)
-	require.NoError(t, err)
-	require.NoError(t, os.WriteFile(hba, append([]byte("host gw gateway 127.0.0.1/32 scram-sha-256\n"), was...), 0o600))
+	loginRuleFirst(t, dir, "host gw gateway 127.0.0.1/32 scram-sha-256")
 	_, err = admin.Exec(ctx, "SELECT pg_reload_conf()")
 	require.NoError(t, err)
 

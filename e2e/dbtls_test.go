@@ -58,19 +58,16 @@ func testTheDatabaseOverTLS(t *testing.T, sslmode string) {
 	settings := map[string]string{
 		"ssl":           "on",
 		"ssl_cert_file": serverFile("server.crt", server.Cert),
-		"ssl_key_file":  serverFile("server.Key", server.Key),
+		"ssl_key_file":  serverFile("server.key", server.Key),
 		"ssl_ca_file":   serverFile("clients.crt", one.Cert),
 	}
-	hba := filepath.Join(dir, "data", "pg_hba.conf")
-	was, err := os.ReadFile(hba)
-	require.NoError(t, err)
-	require.NoError(t, os.WriteFile(hba, append([]byte("hostssl all all 127.0.0.1/32 cert\n"), was...), 0o600))
+	loginRuleFirst(t, dir, "hostssl all all 127.0.0.1/32 cert")
 	admin := adminConn(t, cluster)
 	for name, value := range settings {
 		_, err := admin.Exec(context.Background(), fmt.Sprintf("ALTER SYSTEM SET %s = '%s'", name, value))
 		require.NoError(t, err)
 	}
-	_, err = admin.Exec(context.Background(), "SELECT pg_reload_conf()")
+	_, err := admin.Exec(context.Background(), "SELECT pg_reload_conf()")
 	require.NoError(t, err)
 
 	// The client's files, where a rotation replaces them.
@@ -102,7 +99,7 @@ func testTheDatabaseOverTLS(t *testing.T, sslmode string) {
 	// cannot trust, is away (503), not a fault of the gateway's (500).
 	serverFile("clients.crt", two.Cert)
 	serverFile("server.crt", serverTwo.Cert)
-	serverFile("server.Key", serverTwo.Key)
+	serverFile("server.key", serverTwo.Key)
 	require.NoError(t, cluster.Stop())
 	_, err = pglocal.Start(context.Background(), pglocal.Options{Dir: dir, Port: cluster.Port()}) // stopped with the test (ownCluster)
 	require.NoError(t, err)
@@ -135,6 +132,16 @@ func requireSessionsUnder(t *testing.T, admin *pgx.Conn, authority string) {
 		authority).Scan(&sessions, &all))
 	require.Positive(t, sessions)
 	require.True(t, all, "every session encrypted under a certificate of %s", authority)
+}
+
+// loginRuleFirst puts rule ahead of the login rules (pg_hba.conf) of the
+// cluster in dir, in force from the server's next reload.
+func loginRuleFirst(t *testing.T, dir, rule string) {
+	t.Helper()
+	hba := filepath.Join(dir, "data", "pg_hba.conf")
+	was, err := os.ReadFile(hba)
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(hba, append([]byte(rule+"\n"), was...), 0o600))
 }
 
 // adminConn is a plain connection to the cluster's database postgres,
