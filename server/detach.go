@@ -2,7 +2,6 @@ package server
 
 import (
 	"context"
-	"crypto/tls"
 	"errors"
 	"fmt"
 	"net"
@@ -426,11 +425,7 @@ func (c *handedConn) SyscallConn() (syscall.RawConn, error) {
 	if len(c.prefix) > 0 {
 		return nil, errReadAhead
 	}
-	under := c.Conn
-	if tc, ok := under.(*tls.Conn); ok {
-		under = tc.NetConn() // watched for something to read, read through TLS (see connwatch)
-	}
-	sc, ok := under.(syscall.Conn)
+	sc, ok := connwatch.Descriptor(c.Conn)
 	if !ok {
 		return nil, errors.ErrUnsupported
 	}

@@ -7,9 +7,25 @@
 package connwatch
 
 import (
+	"crypto/tls"
 	"net"
+	"syscall"
 	"time"
 )
+
+// Descriptor is what a watch of c waits on: c's own descriptor, or a TLS
+// connection's underneath, whose bytes are not c's (the watch waits there
+// for something to read, and reads its byte through TLS). What TLS had read
+// from the descriptor already, and holds, is found only with the peer's
+// next bytes or its end: a client that sent its next request ahead, in the
+// record that ended the request before.
+func Descriptor(c net.Conn) (syscall.Conn, bool) {
+	if tc, ok := c.(*tls.Conn); ok {
+		c = tc.NetConn()
+	}
+	sc, ok := c.(syscall.Conn)
+	return sc, ok
+}
 
 // Done is called with what the watching read returned: n is 1 and b the
 // byte read, or n is 0 and err says why (the peer closed or reset the

@@ -1,7 +1,6 @@
 package connwatch
 
 import (
-	"crypto/tls"
 	"net"
 	"os"
 	"sync"
@@ -40,18 +39,10 @@ var (
 )
 
 // watchByPoller watches c in the process's poller, if c has a descriptor to
-// put there: its own, or a TLS connection's underneath, which the poller
-// watches for something to read while the byte is read through TLS. (What
-// TLS had read from the descriptor already, and holds, is found only with
-// the peer's next bytes or its end: a client that sent its next request
-// ahead, in the record that ended the request before.)
+// put there (see Descriptor).
 func watchByPoller(c net.Conn, done Done) (func(), bool) {
 	startOnce.Do(start)
-	under := c
-	if tc, ok := c.(*tls.Conn); ok {
-		under = tc.NetConn()
-	}
-	sc, ok := under.(syscall.Conn)
+	sc, ok := Descriptor(c)
 	if shared == nil || !ok {
 		return nil, false
 	}
