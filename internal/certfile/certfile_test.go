@@ -46,6 +46,14 @@ func selfSigned(t *testing.T, name string) testcert.Credentials {
 	return testcert.NewAuthority(t, name).Credentials
 }
 
+// load loads the bundle's pair, its errors kept in b.errs.
+func (b *testBundle) load(t *testing.T) *Pair {
+	t.Helper()
+	p, err := Load(b.certFile, b.keyFile, func(err error) { b.errs = append(b.errs, err) })
+	require.NoError(t, err)
+	return p
+}
+
 // served is the name of the certificate a handshake gets.
 func served(t *testing.T, p *Pair) string {
 	t.Helper()
@@ -60,8 +68,7 @@ func TestARenewedCertificateIsServed(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	b.place(t, selfSigned(t, "one"))
-	p, err := Load(b.certFile, b.keyFile, func(err error) { b.errs = append(b.errs, err) })
-	require.NoError(t, err)
+	p := b.load(t)
 	require.Equal(t, "one", served(t, p))
 	require.Equal(t, "one", served(t, p))
 
@@ -74,8 +81,7 @@ func TestFilesThatDoNotReadAsAPairLeaveThePairBefore(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	b.place(t, selfSigned(t, "one"))
-	p, err := Load(b.certFile, b.keyFile, func(err error) { b.errs = append(b.errs, err) })
-	require.NoError(t, err)
+	p := b.load(t)
 
 	// The certificate replaced before its key: the pair before is served,
 	// and the mismatch told once.
