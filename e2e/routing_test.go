@@ -160,7 +160,10 @@ models:
 `, r.primary.BaseURL(), r.backup.BaseURL())), 0o600))
 	require.Eventually(t, func() bool { return r.provider(t, "instant") == "backup" }, 20*time.Second, 100*time.Millisecond,
 		"the file's routes, without a signal")
-	require.Contains(t, r.g.stderr.String(), "the configuration's files changed: routes reloaded")
+	logged := func() bool {
+		return strings.Contains(r.g.stderr.String(), "the configuration's files changed: routes reloaded")
+	}
+	require.Eventually(t, logged, 10*time.Second, 20*time.Millisecond, "the replica's log lines go out in groups, after the reload")
 	lastKey := func() string {
 		require.Equal(t, "primary", r.provider(t, "reasoning"))
 		calls := r.primary.Calls()
