@@ -22,7 +22,8 @@ import (
 // served over TLS alone, to HTTP/1.1 and HTTP/2 clients (ALPN), responses
 // and streams; a stream that outlives the moment streams are detached
 // leaves its connection to the client's next request, and its call ends when
-// its client leaves; a plain HTTP request is refused; `gateway probe
+// its client leaves; a plain HTTP request is refused and logged as a
+// warning, a connection closed before its handshake is not; `gateway probe
 // --insecure` checks the replica's readiness without its certificate's
 // authority. A renewed certificate (its files replaced, of another
 // authority) is served from the next connection on, without a restart;
@@ -85,10 +86,20 @@ func TestServingOverTLS(t *testing.T) {
 	require.Eventually(t, func() bool { return b.fake.InFlight() == 0 }, 10*time.Second, 10*time.Millisecond,
 		"the call of a stream whose client left is ended")
 
+	// A TCP check that closes without a handshake writes no line; plain
+	// HTTP is refused, and logged once as what it is.
+	check, err := net.Dial("tcp", strings.TrimPrefix(g.base, "https://"))
+	require.NoError(t, err)
+	require.NoError(t, check.Close())
 	resp, err = http.Get(strings.Replace(g.base, "https://", "http://", 1) + "/healthz")
 	require.NoError(t, err)
 	require.NoError(t, resp.Body.Close())
 	require.Equal(t, http.StatusBadRequest, resp.StatusCode, "plain HTTP is refused")
+	require.Eventually(t, func() bool {
+		return strings.Contains(g.stderr.String(), `"level":"WARN","msg":"a client sent plain HTTP to the TLS listener (answered 400)"`)
+	}, 10*time.Second, 10*time.Millisecond)
+	require.NotContains(t, g.stderr.String(), "TLS handshake error", "net/http's own line")
+	require.NotContains(t, g.stderr.String(), "a client left before its TLS handshake ended")
 
 	// A container's health check: the replica's own address, which a
 	// certificate need not name.

@@ -13,6 +13,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/internal/serverlog"
 	"github.com/rungworks/gateway/upstream"
 )
 
@@ -48,6 +49,7 @@ type Metrics struct {
 	reloadTime       prometheus.Gauge
 	clockOffset      prometheus.Gauge
 	listening        *prometheus.GaugeVec
+	handshakeFails   *prometheus.CounterVec
 }
 
 // New registers the gateway's metrics (and the Go and process collectors) on a
@@ -139,7 +141,7 @@ func New() *Metrics {
 			Name: "gateway_upstream_fallbacks_total", Help: "Calls of a canonical model that moved on from a failed target to the next one.",
 		}, []string{"model"}),
 		reloadOK: prometheus.NewGauge(prometheus.GaugeOpts{
-			Name: "gateway_config_last_reload_successful", Help: "Whether the last reload of the configuration file (SIGHUP) took effect: 1, or 0 when the file did not check and the routes in use stayed.",
+			Name: "gateway_config_last_reload_successful", Help: "Whether the last reload of the configuration file (on SIGHUP or a change of its files) took effect: 1, or 0 when the file did not check and the routes in use stayed.",
 		}),
 		reloadTime: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "gateway_config_last_reload_success_timestamp_seconds", Help: "When the routes in use were loaded (at start, or by the last reload that took effect), in seconds since the epoch.",
@@ -150,11 +152,14 @@ func New() *Metrics {
 		listening: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "gateway_notifications_listening", Help: "Whether this replica hears the database's notifications (1) or not (0), by listener: keys (changes to keys and limits; while not, keys are looked up for every request) and batches (creations and cancels; while not, they are found by polling).",
 		}, []string{"listener"}),
+		handshakeFails: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "gateway_tls_handshake_failures_total", Help: "TLS handshakes on the API's listener that failed, by kind: closed (the client left before it ended: a TCP health check, a scanner), plain_http (answered 400), refused (the client ended it with an alert: the certificate, or no common version or cipher), other.",
+		}, []string{"kind"}),
 	}
 	for _, listener := range []string{ListenerKeys, ListenerBatches} {
 		m.listening.WithLabelValues(listener).Set(0)
 	}
-	m.registry.MustRegister(m.attempts, m.replyCuts, m.tenantHolds, m.unreported, m.attemptDuration, m.circuitState, m.fallbacks, m.reloadOK, m.reloadTime, m.clockOffset, m.listening,
+	m.registry.MustRegister(m.attempts, m.replyCuts, m.tenantHolds, m.unreported, m.attemptDuration, m.circuitState, m.fallbacks, m.reloadOK, m.reloadTime, m.clockOffset, m.listening, m.handshakeFails,
 		m.requests, m.requestDuration, m.rungs, m.upstreamDuration, m.upstreamErrors,
 		m.openStreams, m.streamErrors, m.batchItems, m.claimDuration, m.commitDuration, m.commitSize, m.queueDepth, m.leaseRescues, m.maintenanceRows, m.maintenanceFails, m.refusals, m.unconfirmed, m.clamps,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -521,4 +526,18 @@ func (m *Metrics) Fallback(model string) {
 	if m != nil {
 		m.fallbacks.WithLabelValues(model).Inc()
 	}
+}
+
+// TLSHandshakeFailed records a failed TLS handshake of kind (serverlog's
+// kinds; anything else is Other).
+func (m *Metrics) TLSHandshakeFailed(kind string) {
+	if m == nil {
+		return
+	}
+	switch kind {
+	case serverlog.Closed, serverlog.PlainHTTP, serverlog.Refused:
+	default:
+		kind = Other
+	}
+	m.handshakeFails.WithLabelValues(kind).Inc()
 }

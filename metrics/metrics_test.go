@@ -35,6 +35,10 @@ func TestLabelsComeFromFixedSets(t *testing.T) {
 		`gateway_http_requests_total{method="GET",route="/api/v1/responses",status="0"} 1`,
 		`gateway_http_requests_total{method="other",route="/api/v1/responses",status="404"} 1000`,
 	}, lines)
+	m.TLSHandshakeFailed("closed")
+	m.TLSHandshakeFailed("tls: a reason of the client's making")
+	require.Contains(t, metricstest.Scrape(m), `gateway_tls_handshake_failures_total{kind="closed"} 1`)
+	require.Contains(t, metricstest.Scrape(m), `gateway_tls_handshake_failures_total{kind="other"} 1`)
 	require.Equal(t, "POST", metrics.Method("POST"))
 	require.Equal(t, metrics.Other, metrics.Method("post"))
 }

@@ -5,6 +5,7 @@ import (
 	"crypto/tls"
 	"errors"
 	"fmt"
+	"log"
 	"log/slog"
 	"net"
 	"net/http"
@@ -24,6 +25,7 @@ import (
 	"github.com/rungworks/gateway/inference"
 	"github.com/rungworks/gateway/internal/lostpeer"
 	"github.com/rungworks/gateway/internal/memrelease"
+	"github.com/rungworks/gateway/internal/serverlog"
 	"github.com/rungworks/gateway/ledger"
 	"github.com/rungworks/gateway/maintenance"
 	"github.com/rungworks/gateway/metering"
@@ -176,7 +178,9 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	if err != nil {
 		return fmt.Errorf("cannot listen on %s: %w; set GATEWAY_LISTEN to another address (another gateway on this host?)", cfg.Listen, err)
 	}
-	httpServer := newHTTPServer(srv, cfg.H2C)
+	// net/http's own lines (a failed TLS handshake, a panic) as records.
+	errorLog := serverlog.New(logger, m.TLSHandshakeFailed)
+	httpServer := newHTTPServer(srv, cfg.H2C, errorLog)
 	if certificate != nil {
 		// HTTP/2 for the clients that ask for it (ALPN), HTTP/1.1 for the
 		// others; a renewed certificate from the next handshake on.
@@ -192,7 +196,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 			ln.Close()
 			return fmt.Errorf("cannot listen for metrics on %s: %w; set GATEWAY_METRICS_LISTEN to another address, or off (each replica on a host needs its own)", cfg.MetricsListen, err)
 		}
-		metricsServer := newHTTPServer(m.Handler(cfg.Pprof), false)
+		metricsServer := newHTTPServer(m.Handler(cfg.Pprof), false, errorLog)
 		servers = append(servers, metricsServer)
 		go func() { errc <- metricsServer.Serve(metricsLn) }()
 		logger.Info("metrics listening", "addr", metricsLn.Addr().String())
@@ -295,9 +299,11 @@ func finish(ctx context.Context, srv *server.Server, hs *http.Server) error {
 // timeout: streams last as long as inference does. With h2c, HTTP/2 without
 // TLS (prior knowledge, as a load balancer speaks it) is served beside
 // HTTP/1.1: many requests share a connection instead of one connection each.
-func newHTTPServer(h http.Handler, h2c bool) *http.Server {
+// What the server logs on its own goes to errorLog.
+func newHTTPServer(h http.Handler, h2c bool, errorLog *log.Logger) *http.Server {
 	s := &http.Server{
 		Handler:           h,
+		ErrorLog:          errorLog,
 		ReadHeaderTimeout: 10 * time.Second,
 		IdleTimeout:       server.IdleTimeout,
 		MaxHeaderBytes:    64 << 10,
