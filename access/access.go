@@ -27,6 +27,7 @@ import (
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/apikey"
+	"github.com/rungworks/gateway/internal/retrylog"
 	"github.com/rungworks/gateway/metrics"
 )
 
@@ -95,6 +96,8 @@ type Keys struct {
 	// generation changes whenever the cache is dropped, so a lookup that
 	// raced a change does not store what it read before it.
 	generation uint64
+	// interruptions logs the listener's runs of failures.
+	interruptions *retrylog.Failure
 }
 
 type entry struct {
@@ -116,7 +119,11 @@ func NewKeys(cfg Config, st KeyStore) *Keys {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
-	return &Keys{cfg: cfg, store: st, lookups: make(chan struct{}, cfg.MaxLookups), entries: map[[sha256.Size]byte]entry{}, refused: map[[sha256.Size]byte]time.Time{}}
+	return &Keys{
+		cfg: cfg, store: st, lookups: make(chan struct{}, cfg.MaxLookups), entries: map[[sha256.Size]byte]entry{}, refused: map[[sha256.Size]byte]time.Time{},
+		interruptions: retrylog.New(cfg.Logger, slog.LevelWarn,
+			"key change notifications interrupted; authenticating every request against the database until they resume", "key change notifications resumed"),
+	}
 }
 
 // Lookup returns the principal of token (Rate unset), from the cache when it
@@ -240,13 +247,16 @@ func (k *Keys) dropAccount(account uuid.UUID) {
 }
 
 // Run listens for changes until ctx ends, reconnecting after failures; while
-// it is not listening nothing is served from the cache.
+// it is not listening nothing is served from the cache. An interruption is
+// logged when it begins, each retrylog.Remind while it lasts, and when it
+// ends.
 func (k *Keys) Run(ctx context.Context) {
 	for ctx.Err() == nil {
 		err := k.store.ListenPrincipals(ctx, func() {
 			k.drop(true)
 			k.started.Store(true)
 			k.cfg.Metrics.Listening(metrics.ListenerKeys, true)
+			k.interruptions.Succeeded()
 			k.changed("", uuid.Nil)
 		}, func(table string, account uuid.UUID) {
 			k.dropAccount(account)
@@ -257,7 +267,7 @@ func (k *Keys) Run(ctx context.Context) {
 		if ctx.Err() != nil {
 			return
 		}
-		k.cfg.Logger.Warn("key change notifications interrupted; authenticating every request against the database until they resume", "error", err)
+		k.interruptions.Failed(err)
 		select {
 		case <-ctx.Done():
 		case <-time.After(relistenDelay):

@@ -24,6 +24,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/internal/retrylog"
 	"github.com/rungworks/gateway/metering"
 	"github.com/rungworks/gateway/metrics"
 	"github.com/rungworks/gateway/store"
@@ -137,6 +138,9 @@ type Drainer struct {
 	// probes counts the items running as probes of a model with no target
 	// taking calls: one at a time.
 	probes atomic.Int32
+	// claimFailures and interruptions log the claims' and the listener's
+	// runs of failures.
+	claimFailures, interruptions *retrylog.Failure
 }
 
 // New returns a drainer; zero Config fields take their defaults.
@@ -158,10 +162,12 @@ func New(cfg Config, st Store, provider upstream.Provider, estimator *metering.E
 	}
 	return &Drainer{
 		cfg: cfg, store: st, provider: provider, estimator: estimator, logger: logger,
-		results:    make(chan outcome, cfg.Concurrency),
-		starts:     idSet{wake: make(chan struct{}, 1)},
-		refusals:   idSet{wake: make(chan struct{}, 1)},
-		lostClaims: idSet{wake: make(chan struct{}, 1)},
+		results:       make(chan outcome, cfg.Concurrency),
+		starts:        idSet{wake: make(chan struct{}, 1)},
+		refusals:      idSet{wake: make(chan struct{}, 1)},
+		lostClaims:    idSet{wake: make(chan struct{}, 1)},
+		claimFailures: retrylog.New(logger, slog.LevelError, "error claiming batch items", "claiming batch items again"),
+		interruptions: retrylog.New(logger, slog.LevelWarn, "batch notifications interrupted; polling until they resume", "batch notifications resumed"),
 	}
 }
 
@@ -350,9 +356,10 @@ func (d *Drainer) claim(commits context.Context, n int, models []gateway.Model) 
 		if store.MayHaveCommitted(err) {
 			d.lostClaims.add(claimID)
 		}
-		d.logger.Error("error claiming batch items", "error", err)
+		d.claimFailures.Failed(err)
 		return nil, true
 	}
+	d.claimFailures.Succeeded()
 	elapsed := time.Since(start)
 	d.cfg.Metrics.Claim(elapsed)
 	d.ahead.observeClaim(elapsed)
@@ -727,13 +734,14 @@ func (d *Drainer) listen(ctx context.Context, wake chan<- struct{}) {
 	for ctx.Err() == nil {
 		err := d.store.ListenBatches(ctx, func() {
 			d.cfg.Metrics.Listening(metrics.ListenerBatches, true)
+			d.interruptions.Succeeded()
 			awake()
 		}, awake, func(id uuid.UUID) {
 			d.stopped.add(id, time.Now(), d.held.batches())
 		})
 		d.cfg.Metrics.Listening(metrics.ListenerBatches, false)
 		if ctx.Err() == nil {
-			d.logger.Warn("batch notifications interrupted; polling until they resume", "error", err)
+			d.interruptions.Failed(err)
 			sleep(ctx, d.cfg.PollInterval)
 		}
 	}

@@ -207,7 +207,9 @@ func streamsUntilEnd(t *testing.T, g *gateway, key, prompt string, n int) (wait 
 // sampled: fewer lines than refusals are written, and those written with
 // their counts of the lines left out account for every refusal. The
 // replica's metrics say it hears no notifications while the database is
-// away, and that it does again once it is back.
+// away, and that it does again once it is back. The loops that retry
+// meanwhile (the listeners, the claims, the maintenance jobs) log the
+// outage once when it begins and once when it ends, not each try.
 func TestDatabaseRestartIsServiceUnavailable(t *testing.T) {
 	t.Parallel()
 	cluster, dir, key, g := ownGateway(t)
@@ -226,6 +228,10 @@ func TestDatabaseRestartIsServiceUnavailable(t *testing.T) {
 	}
 	listening := func(on int) string { return fmt.Sprintf(`gateway_notifications_listening{listener="keys"} %d`, on) }
 	require.Contains(t, g.scrape(), listening(0), "the replica says it hears no notifications")
+	// Long enough for the loops that retry to have failed a few times.
+	require.Eventually(t, func() bool {
+		return metricValue(t, g.scrape(), `gateway_maintenance_failures_total{task="reconcile settlements"}`) >= 5
+	}, 30*time.Second, 50*time.Millisecond)
 	_, err := pglocal.Start(context.Background(), pglocal.Options{Dir: dir, Port: cluster.Port()}) // stopped with the test (ownCluster)
 	require.NoError(t, err)
 	require.Eventually(t, func() bool {
@@ -254,6 +260,21 @@ func TestDatabaseRestartIsServiceUnavailable(t *testing.T) {
 	}
 	require.Less(t, lines, refused, "the refusals' error lines are sampled")
 	require.Equal(t, refused, counted, "every refusal is written or counted")
+
+	// The loops that retried wrote the outage's beginning and end, not a
+	// line a try.
+	logged := g.stderr.String()
+	for _, msg := range []string{
+		`"msg":"key change notifications interrupted; authenticating every request against the database until they resume"`,
+		`"msg":"key change notifications resumed"`,
+		`"msg":"batch notifications interrupted; polling until they resume"`,
+		`"msg":"batch notifications resumed"`,
+		`"msg":"maintenance job failed","job":"reconcile settlements"`,
+		`"msg":"maintenance job runs again","job":"reconcile settlements"`,
+	} {
+		require.Equal(t, 1, strings.Count(logged, msg), msg)
+	}
+	require.LessOrEqual(t, strings.Count(logged, `"msg":"error claiming batch items"`), 1)
 }
 
 // ownCluster starts a PostgreSQL of the test's own, with a migrated database

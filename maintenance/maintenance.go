@@ -18,6 +18,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/rungworks/gateway/internal/retrylog"
 	"github.com/rungworks/gateway/metrics"
 )
 
@@ -113,6 +114,10 @@ type Job struct {
 	// requests and batches wait for, run again at once.
 	Cleanup bool
 	Run     func(ctx context.Context) (int64, error)
+	// Record, when set, is told of each run's rows and failure, the job
+	// lock's included (the database away fails there, before Run), but for
+	// a run the replica's shutdown cut short.
+	Record func(rows int64, err error)
 }
 
 // pauses says whether a run that handled n rows is followed by a pause: a
@@ -163,22 +168,11 @@ func Jobs(st Store, set Settings, m *metrics.Metrics) []Job {
 		}})
 	}
 	for i := range jobs {
-		jobs[i].Run = recorded(jobs[i].Name, jobs[i].Run, m)
+		name := jobs[i].Name
+		m.MaintenanceJob(name)
+		jobs[i].Record = func(rows int64, err error) { m.MaintenanceRun(name, rows, err) }
 	}
 	return jobs
-}
-
-// recorded returns run, its rows and failures counted in m under name; a
-// run the replica's shutdown cut short is not a failure.
-func recorded(name string, run func(ctx context.Context) (int64, error), m *metrics.Metrics) func(ctx context.Context) (int64, error) {
-	m.MaintenanceJob(name)
-	return func(ctx context.Context) (int64, error) {
-		n, err := run(ctx)
-		if !errors.Is(err, context.Canceled) {
-			m.MaintenanceRun(name, n, err)
-		}
-		return n, err
-	}
 }
 
 // spaced returns run, made to skip its turns until spacing times as long as
@@ -215,6 +209,7 @@ func Run(ctx context.Context, st Store, jobs []Job, logger *slog.Logger) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
+			failures := retrylog.New(logger, slog.LevelError, "maintenance job failed", "maintenance job runs again")
 			for {
 				var n int64
 				oneAtATime.Lock()
@@ -230,10 +225,16 @@ func Run(ctx context.Context, st Store, jobs []Job, logger *slog.Logger) {
 				cancel()
 				took := time.Since(start)
 				oneAtATime.Unlock()
+				if job.Record != nil && !errors.Is(err, context.Canceled) {
+					job.Record(n, err)
+				}
 				switch {
 				case err != nil && ctx.Err() == nil:
-					logger.Error("maintenance job failed", "job", job.Name, "error", err)
-				case n > 0 && job.Interval > ReconcileInterval:
+					failures.Failed(err, "job", job.Name)
+				case err == nil:
+					failures.Succeeded("job", job.Name)
+				}
+				if err == nil && n > 0 && job.Interval > ReconcileInterval {
 					logger.Info("maintenance job done", "job", job.Name, "rows", n)
 				}
 				wait := job.Interval + time.Duration(rand.Int64N(int64(job.Interval)/5+1))

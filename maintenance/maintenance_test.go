@@ -61,32 +61,42 @@ func TestRunFitsASmallPool(t *testing.T) {
 
 // TestARunTheDatabaseDoesNotAnswerFails: a run whose database does not
 // answer (frozen, or behind a network that drops its packets) fails at its
-// timeout and is logged, and every job keeps its turns, instead of all of
+// timeout and is recorded (for the failures' metric) and logged, once for
+// the run of failures, and every job keeps its turns, instead of all of
 // them waiting behind it for as long as the database does not answer.
 func TestARunTheDatabaseDoesNotAnswerFails(t *testing.T) {
 	t.Parallel()
 	st := store.New(testdb.Connect(t, testdb.Unanswering(t)))
 	logs := &syncbuf.Buffer{}
 	jobs := make([]maintenance.Job, 2)
+	failures := make([]atomic.Int32, len(jobs))
 	for i := range jobs {
 		jobs[i] = maintenance.Job{Name: "job " + string(rune('a'+i)), Interval: 10 * time.Millisecond, Timeout: 100 * time.Millisecond, Run: func(ctx context.Context) (int64, error) {
 			_, err := st.QueueDepth(ctx)
 			return 0, err
+		}, Record: func(_ int64, err error) {
+			if err != nil {
+				failures[i].Add(1)
+			}
 		}}
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { defer close(done); maintenance.Run(ctx, st, jobs, slog.New(slog.NewJSONHandler(logs, nil))) }()
 	require.Eventually(t, func() bool {
-		for _, job := range jobs {
-			if strings.Count(logs.String(), `"msg":"maintenance job failed","job":"`+job.Name+`"`) < 2 {
+		for i := range jobs {
+			if failures[i].Load() < 3 {
 				return false
 			}
 		}
 		return true
-	}, 10*time.Second, 10*time.Millisecond, "every job fails at its timeout, and runs again")
+	}, 10*time.Second, 10*time.Millisecond, "every job fails at its timeout (its lock's, before it runs), is recorded, and runs again")
 	cancel()
 	<-done
+	for _, job := range jobs {
+		require.Equal(t, 1, strings.Count(logs.String(), `"msg":"maintenance job failed","job":"`+job.Name+`"`),
+			"a run of failures is logged when it begins (and each retrylog.Remind)")
+	}
 }
 
 // freeLocks is a Store whose job locks are always free; the jobs of the
