@@ -3,8 +3,10 @@
 // than one line an attempt: while the database is away each loop fails every
 // second or so, and a replica with no traffic at all wrote four lines a
 // second for as long as the outage lasted. A Failure writes the first
-// failure of a run, a reminder with the latest error while it lasts, and a
-// line when the work succeeds again.
+// failure of a run (and the second, when its error differs: the first is
+// often the loss of a connection, the second why it cannot be made again), a
+// reminder with the latest error while it lasts, and a line when the work
+// succeeds again.
 package retrylog
 
 import (
@@ -30,6 +32,7 @@ type Failure struct {
 	since    time.Time // the run's first failure; zero while none
 	logged   time.Time // when the run was last logged
 	attempts int       // failed attempts in the run
+	first    string    // the run's first error
 }
 
 // New returns a Failure that logs a run's failures at level with message
@@ -38,20 +41,21 @@ func New(logger *slog.Logger, level slog.Level, failed, ended string) *Failure {
 	return &Failure{logger: logger, level: level, failed: failed, ended: ended, now: time.Now}
 }
 
-// Failed records a failed attempt. The first of a run is logged, and the
-// latest at most once a Remind after that, with the run's attempts and how
-// long it has lasted; attrs are added to the line.
+// Failed records a failed attempt. The first of a run is logged, so is the
+// second when its error reads otherwise, and then the latest at most once a
+// Remind, with the run's attempts and how long it has lasted; attrs are
+// added to the line.
 func (f *Failure) Failed(err error, attrs ...any) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	now := f.now()
 	f.attempts++
 	if f.since.IsZero() {
-		f.since, f.logged = now, now
+		f.since, f.logged, f.first = now, now, err.Error()
 		f.logger.Log(context.Background(), f.level, f.failed, append(attrs, "error", err)...)
 		return
 	}
-	if now.Sub(f.logged) < Remind {
+	if now.Sub(f.logged) < Remind && (f.attempts > 2 || err.Error() == f.first) {
 		return
 	}
 	f.logged = now

@@ -46,7 +46,9 @@ func (b *testBundle) lines(t *testing.T) []map[string]any {
 
 // TestARunOfFailures: the first failure is logged, the next ones only a
 // Remind after the last line (the latest error, how long, how many), and the
-// success that ends the run once; successes outside a run log nothing.
+// success that ends the run once; successes outside a run log nothing. The
+// second failure of a run is logged too when its error differs from the
+// first's.
 func TestARunOfFailures(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -79,7 +81,16 @@ func TestARunOfFailures(t *testing.T) {
 	b.failure.Succeeded("job", "a")
 	require.Empty(t, b.lines(t), "the run ended once")
 
-	b.failure.Failed(errors.New("connection refused"), "job", "a")
-	require.Equal(t, []map[string]any{{"level": "WARN", "msg": "the work failed", "job": "a", "error": "connection refused"}}, b.lines(t),
+	b.failure.Failed(errors.New("conn closed"), "job", "a")
+	require.Equal(t, []map[string]any{{"level": "WARN", "msg": "the work failed", "job": "a", "error": "conn closed"}}, b.lines(t),
 		"a new run is logged at once")
+	b.now = b.now.Add(time.Second)
+	b.failure.Failed(errors.New("password authentication failed"), "job", "a")
+	require.Equal(t, []map[string]any{{
+		"level": "WARN", "msg": "the work failed", "job": "a", "error": "password authentication failed",
+		"failing_for": "1s", "attempts": float64(2),
+	}}, b.lines(t), "why the connection cannot be made again")
+	b.now = b.now.Add(time.Second)
+	b.failure.Failed(errors.New("the database system is starting up"), "job", "a")
+	require.Empty(t, b.lines(t), "past the second, a Remind after the last line")
 }
