@@ -26,7 +26,8 @@ import (
 // warning, a connection closed before its handshake is not; `gateway probe
 // --insecure` checks the replica's readiness without its certificate's
 // authority. A renewed certificate (its files replaced, of another
-// authority) is served from the next connection on, without a restart;
+// authority) is served from the next connection on, without a restart, and
+// the metrics tell the end of the certificate the files hold;
 // files that do not read as a pair are logged, and the certificate read
 // before stays.
 func TestServingOverTLS(t *testing.T) {
@@ -40,8 +41,13 @@ func TestServingOverTLS(t *testing.T) {
 		require.NoError(t, os.WriteFile(keyFile, c.Key, 0o600))
 	}
 	loopback := net.IPv4(127, 0, 0, 1)
-	place(one.Issue(t, "localhost", loopback))
+	month, quarter := time.Now().Add(30*24*time.Hour), time.Now().Add(90*24*time.Hour)
+	place(one.IssueUntil(t, "localhost", loopback, month))
 	g := serve(t, b.db, b.fake.BaseURL(), map[string]string{"GATEWAY_TLS_CERT": certFile, "GATEWAY_TLS_KEY": keyFile})
+	expiry := func() int64 {
+		return int64(metricValue(t, g.scrape(), "gateway_tls_certificate_expiry_timestamp_seconds"))
+	}
+	require.Equal(t, month.Unix(), expiry())
 
 	for _, major := range []int{1, 2} {
 		g.client = tlsClient(t, one, major)
@@ -108,8 +114,10 @@ func TestServingOverTLS(t *testing.T) {
 	_, err = cliWith(t, map[string]string{}, "probe", "--insecure", g.base+"/readyz")
 	require.NoError(t, err)
 
-	// The renewal: the next connection gets the new certificate.
-	place(two.Issue(t, "localhost", loopback))
+	// The renewal: the metrics tell its end without a handshake, and the
+	// next connection gets the new certificate.
+	place(two.IssueUntil(t, "localhost", loopback, quarter))
+	require.Equal(t, quarter.Unix(), expiry())
 	g.client = tlsClient(t, two, 1)
 	r := g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "after the renewal"})
 	require.Equal(t, http.StatusOK, r.status, string(r.body))

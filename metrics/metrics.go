@@ -541,3 +541,18 @@ func (m *Metrics) TLSHandshakeFailed(kind string) {
 	}
 	m.handshakeFails.WithLabelValues(kind).Inc()
 }
+
+// TLSCertificate exports, as gateway_tls_certificate_expiry_timestamp_seconds,
+// when the certificate served on the API's listener stops being valid:
+// notAfter is asked at each scrape (certfile.Pair.NotAfter reads a renewal
+// of the files then, handshake or not). Called once, by a replica serving
+// TLS.
+func (m *Metrics) TLSCertificate(notAfter func() time.Time) {
+	if m == nil {
+		return
+	}
+	m.registry.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "gateway_tls_certificate_expiry_timestamp_seconds",
+		Help: "When the certificate served on the API's listener (GATEWAY_TLS_CERT) stops being valid (its NotAfter), in seconds since the epoch; its files are looked at on each scrape, so a renewal shows at once.",
+	}, func() float64 { return float64(notAfter().Unix()) }))
+}

@@ -84,7 +84,9 @@ func TestAlertRulesSelectExportedSeries(t *testing.T) {
 	m.Request("/api/v1/responses", "POST", 200, time.Millisecond)
 	m.GroupCommit(metrics.WorkSettlement, 1, time.Millisecond)
 	m.Target("openai", "gpt-4.1-mini").Circuit(0)
-	m.MaintenanceJob("fold old usage") // as maintenance.Jobs does for each job
+	// As maintenance.Jobs does for each job, and a replica serving TLS.
+	m.MaintenanceJob("fold old usage")
+	m.TLSCertificate(func() time.Time { return time.Now().Add(time.Hour) })
 
 	labels := map[string]map[string]bool{} // series name → its label names
 	sample := regexp.MustCompile(`^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? `)
@@ -141,5 +143,5 @@ func TestAlertRulesSelectExportedSeries(t *testing.T) {
 			}
 		}
 	}
-	require.Equal(t, 15, rules)
+	require.Equal(t, 17, rules)
 }

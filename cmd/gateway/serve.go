@@ -186,6 +186,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 		// others; a renewed certificate from the next handshake on.
 		httpServer.TLSConfig = &tls.Config{GetCertificate: certificate.GetCertificate, NextProtos: []string{"h2", "http/1.1"}}
 		ln = tls.NewListener(ln, httpServer.TLSConfig)
+		m.TLSCertificate(certificate.NotAfter)
 	}
 	servers := []*http.Server{httpServer}
 	errc := make(chan error, 2)

@@ -9,6 +9,7 @@ import (
 	"crypto/tls"
 	"fmt"
 	"sync"
+	"time"
 
 	"github.com/rungworks/gateway/internal/filestamp"
 )
@@ -51,6 +52,14 @@ func (p *Pair) GetCertificate(*tls.ClientHelloInfo) (*tls.Certificate, error) {
 		p.onError(err)
 	}
 	return p.current, nil
+}
+
+// NotAfter is when the certificate served stops being valid: the one the
+// files hold now, read again as a handshake would when they changed, or the
+// one read before when they do not read as a pair.
+func (p *Pair) NotAfter() time.Time {
+	cert, _ := p.GetCertificate(nil) // never fails: a pair was read at Load
+	return cert.Leaf.NotAfter
 }
 
 // load reads the pair and serves it; on failure the pair served stays.

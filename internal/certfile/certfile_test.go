@@ -3,6 +3,7 @@ package certfile
 import (
 	"crypto/tls"
 	"crypto/x509"
+	"net"
 	"os"
 	"path/filepath"
 	"testing"
@@ -75,6 +76,26 @@ func TestARenewedCertificateIsServed(t *testing.T) {
 	b.place(t, selfSigned(t, "two"))
 	require.Equal(t, "two", served(t, p))
 	require.Empty(t, b.errs)
+}
+
+// TestNotAfterIsTheServedCertificates: the end of the certificate the files
+// hold now, a renewal read again by the call itself (no handshake needed),
+// and the one served before while the files do not read as a pair.
+func TestNotAfterIsTheServedCertificates(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	authority := testcert.NewAuthority(t, "certfile test authority")
+	month, quarter := time.Now().Add(30*24*time.Hour), time.Now().Add(90*24*time.Hour)
+	b.place(t, authority.IssueUntil(t, "localhost", net.IPv4(127, 0, 0, 1), month))
+	p := b.load(t)
+	require.Equal(t, month.Unix(), p.NotAfter().Unix())
+
+	b.place(t, authority.IssueUntil(t, "localhost", net.IPv4(127, 0, 0, 1), quarter))
+	require.Equal(t, quarter.Unix(), p.NotAfter().Unix())
+
+	b.write(t, b.certFile, []byte("not a certificate"))
+	require.Equal(t, quarter.Unix(), p.NotAfter().Unix())
+	require.Len(t, b.errs, 1)
 }
 
 func TestFilesThatDoNotReadAsAPairLeaveThePairBefore(t *testing.T) {

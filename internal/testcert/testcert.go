@@ -46,10 +46,17 @@ func NewAuthority(t T, name string) Authority {
 }
 
 // Issue returns a certificate for name (a client's user, or a server's host
-// with its address ip) signed by a.
+// with its address ip) signed by a, valid from an hour ago for a day.
 func (a Authority) Issue(t T, name string, ip net.IP) Credentials {
 	t.Helper()
+	return a.IssueUntil(t, name, ip, time.Now().Add(24*time.Hour))
+}
+
+// IssueUntil is Issue of a certificate valid until notAfter.
+func (a Authority) IssueUntil(t T, name string, ip net.IP, notAfter time.Time) Credentials {
+	t.Helper()
 	template := certificateTemplate(name)
+	template.NotAfter = notAfter
 	template.KeyUsage = x509.KeyUsageDigitalSignature
 	template.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageClientAuth}
 	if ip != nil {
