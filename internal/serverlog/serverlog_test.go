@@ -156,27 +156,27 @@ func TestNetHTTPLines(t *testing.T) {
 		require.Equal(t, []string{serverlog.PlainHTTP}, b.counted())
 	})
 
-	t.Run("ACertificateTheClientRefuses", func(t *testing.T) {
-		t.Parallel()
-		b := setup(t)
-		_, err := client(t, x509.NewCertPool(), 0).Get("https://" + b.addr + "/")
-		require.Error(t, err)
-		rec := b.await(t, "a client refused the TLS handshake")
-		require.Equal(t, slog.LevelWarn, rec.level)
-		require.Contains(t, rec.attrs["reason"], "remote error: tls: bad certificate")
-		require.Equal(t, []string{serverlog.Refused}, b.counted())
-	})
-
-	t.Run("AVersionTheServerRefuses", func(t *testing.T) {
-		t.Parallel()
-		b := setup(t)
-		_, err := client(t, nil, tls.VersionTLS11).Get("https://" + b.addr + "/")
-		require.Error(t, err)
-		rec := b.await(t, "a TLS handshake failed")
-		require.Equal(t, slog.LevelWarn, rec.level)
-		require.Contains(t, rec.attrs["reason"], "unsupported versions")
-		require.Equal(t, []string{serverlog.Other}, b.counted())
-	})
+	for _, refusal := range []struct {
+		name, msg, reason, kind string
+		roots                   *x509.CertPool
+		maxVersion              uint16
+	}{
+		{name: "ACertificateTheClientRefuses", roots: x509.NewCertPool(),
+			msg: "a client refused the TLS handshake", reason: "remote error: tls: bad certificate", kind: serverlog.Refused},
+		{name: "AVersionTheServerRefuses", maxVersion: tls.VersionTLS11,
+			msg: "a TLS handshake failed", reason: "unsupported versions", kind: serverlog.Other},
+	} {
+		t.Run(refusal.name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			_, err := client(t, refusal.roots, refusal.maxVersion).Get("https://" + b.addr + "/")
+			require.Error(t, err)
+			rec := b.await(t, refusal.msg)
+			require.Equal(t, slog.LevelWarn, rec.level)
+			require.Contains(t, rec.attrs["reason"], refusal.reason)
+			require.Equal(t, []string{refusal.kind}, b.counted())
+		})
+	}
 
 	t.Run("AHandlersMistakeAndPanic", func(t *testing.T) {
 		t.Parallel()
