@@ -3,7 +3,8 @@
 // structured records, at a level by what they tell. Unhandled, they went out
 // at INFO one a line: over TLS, a load balancer's TCP check or a port
 // scanner, which close their connections without a handshake, wrote a line
-// each, and a client refusing the certificate was one more such line.
+// each (now they are counted only), and a client refusing the certificate
+// was one more such line.
 package serverlog
 
 import (
@@ -17,7 +18,7 @@ import (
 const (
 	// Closed: the client closed its connection or sent nothing before the
 	// handshake ended (a TCP health check, a scanner, a preconnect left
-	// unused). Logged at DEBUG only.
+	// unused). Counted, not logged.
 	Closed = "closed"
 	// PlainHTTP: the client sent plain HTTP (answered 400 by net/http).
 	PlainHTTP = "plain_http"
@@ -31,8 +32,8 @@ const (
 
 // New returns the ErrorLog of an http.Server: each line is written to logger,
 // a failed TLS handshake as one of the kinds above (counted with
-// handshakeFailed, which may be nil), a handler's panic at ERROR, anything
-// else at WARN. Messages are fixed, the details in attributes, so that a
+// handshakeFailed, which may be nil; Closed is not written), a handler's
+// panic at ERROR, anything else at WARN. Messages are fixed, the details in attributes, so that a
 // sampling handler counts a flood of them as one kind.
 func New(logger *slog.Logger, handshakeFailed func(kind string)) *log.Logger {
 	return log.New(writer{logger: logger, handshakeFailed: handshakeFailed}, "", 0)
@@ -61,16 +62,16 @@ func (w writer) Write(p []byte) (int, error) {
 		if w.handshakeFailed != nil {
 			w.handshakeFailed(kind)
 		}
-		level, msg := slog.LevelWarn, "a TLS handshake failed"
+		msg := "a TLS handshake failed"
 		switch kind {
 		case Closed:
-			level, msg = slog.LevelDebug, "a client left before its TLS handshake ended"
+			return len(p), nil
 		case PlainHTTP:
 			msg = "a client sent plain HTTP to the TLS listener (answered 400)"
 		case Refused:
 			msg = "a client refused the TLS handshake (the certificate, or no common version or cipher)"
 		}
-		w.logger.Log(ctx, level, msg, "remote", remote, "reason", reason)
+		w.logger.Log(ctx, slog.LevelWarn, msg, "remote", remote, "reason", reason)
 	case strings.HasPrefix(line, "http: panic serving"), strings.HasPrefix(line, "http2: panic serving"):
 		w.logger.Log(ctx, slog.LevelError, "a request's handler panicked", "error", line)
 	default:
