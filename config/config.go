@@ -6,6 +6,7 @@ package config
 
 import (
 	"context"
+	"crypto/x509"
 	"fmt"
 	"log/slog"
 	"net/netip"
@@ -216,13 +217,13 @@ func (c Config) Check() error {
 }
 
 // Certificate returns the certificate GATEWAY_TLS_CERT and GATEWAY_TLS_KEY
-// name, read again when their files change (onError is told of a change
-// that does not read), or nil when the API is served without TLS.
-func (c Config) Certificate(onError func(error)) (*certfile.Pair, error) {
+// name, read again when their files change (onChange, when set, is told of
+// each change: certfile.Load), or nil when the API is served without TLS.
+func (c Config) Certificate(onChange func(*x509.Certificate, error)) (*certfile.Pair, error) {
 	if c.TLSCert == "" {
 		return nil, nil
 	}
-	pair, err := certfile.Load(c.TLSCert, c.TLSKey, onError)
+	pair, err := certfile.Load(c.TLSCert, c.TLSKey, onChange)
 	if err != nil {
 		return nil, fmt.Errorf("GATEWAY_TLS_CERT/GATEWAY_TLS_KEY: %w", err)
 	}

@@ -27,7 +27,7 @@ import (
 // --insecure` checks the replica's readiness without its certificate's
 // authority. A renewed certificate (its files replaced, of another
 // authority) is served from the next connection on, without a restart, and
-// the metrics tell the end of the certificate the files hold;
+// the metrics and the log tell the end of the certificate the files hold;
 // files that do not read as a pair are logged, and the certificate read
 // before stays.
 func TestServingOverTLS(t *testing.T) {
@@ -48,6 +48,9 @@ func TestServingOverTLS(t *testing.T) {
 		return int64(metricValue(t, g.scrape(), "gateway_tls_certificate_expiry_timestamp_seconds"))
 	}
 	require.Equal(t, month.Unix(), expiry())
+	require.Eventually(t, func() bool {
+		return strings.Contains(g.stderr.String(), `"tls":true,"upstream":"`+b.fake.BaseURL()+`","certificate_names":["localhost","127.0.0.1"],"certificate_not_after":"`+month.UTC().Format(time.RFC3339)+`"`)
+	}, 10*time.Second, 10*time.Millisecond, "the start names the certificate served")
 
 	for _, major := range []int{1, 2} {
 		g.client = tlsClient(t, one, major)
@@ -118,6 +121,9 @@ func TestServingOverTLS(t *testing.T) {
 	// next connection gets the new certificate.
 	place(two.IssueUntil(t, "localhost", loopback, quarter))
 	require.Equal(t, quarter.Unix(), expiry())
+	require.Eventually(t, func() bool {
+		return strings.Contains(g.stderr.String(), `"msg":"the TLS certificate's files changed: the new certificate is served from the next connection","certificate_names":["localhost","127.0.0.1"],"certificate_not_after":"`+quarter.UTC().Format(time.RFC3339)+`"`)
+	}, 10*time.Second, 10*time.Millisecond, "the renewal is logged")
 	g.client = tlsClient(t, two, 1)
 	r := g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "after the renewal"})
 	require.Equal(t, http.StatusOK, r.status, string(r.body))

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"crypto/tls"
+	"crypto/x509"
 	"errors"
 	"fmt"
 	"log"
@@ -11,6 +12,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"slices"
 	"syscall"
 	"time"
 
@@ -168,8 +170,12 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 		return err
 	}
 
-	certificate, err := cfg.Certificate(func(err error) {
-		logger.Error("the TLS certificate's files changed and were not read; the certificate read before is served", "error", err)
+	certificate, err := cfg.Certificate(func(served *x509.Certificate, err error) {
+		if err != nil {
+			logger.Error("the TLS certificate's files changed and were not read; the certificate read before is served", "error", err)
+			return
+		}
+		logger.Info("the TLS certificate's files changed: the new certificate is served from the next connection", certificateAttrs(served)...)
 	})
 	if err != nil {
 		return err
@@ -229,7 +235,12 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	drained := make(chan struct{})
 	go func() { defer close(drained); drain.Run(ctx) }()
 
-	logger.Info("gateway listening", "addr", ln.Addr().String(), "tls", certificate != nil, "upstream", cfg.UpstreamName())
+	listening := []any{"addr", ln.Addr().String(), "tls", certificate != nil, "upstream", cfg.UpstreamName()}
+	if certificate != nil {
+		leaf, _ := certificate.GetCertificate(nil) // never fails: a pair was read
+		listening = append(listening, certificateAttrs(leaf.Leaf)...)
+	}
+	logger.Info("gateway listening", listening...)
 	if ready != nil {
 		ready(ln.Addr().String())
 	}
@@ -250,6 +261,16 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	<-drained
 	logger.Info("gateway stopped")
 	return nil
+}
+
+// certificateAttrs are what the log says of a certificate served: the names
+// it serves, and its end.
+func certificateAttrs(c *x509.Certificate) []any {
+	names := slices.Clone(c.DNSNames)
+	for _, ip := range c.IPAddresses {
+		names = append(names, ip.String())
+	}
+	return []any{"certificate_names", names, "certificate_not_after", c.NotAfter.UTC().Format(time.RFC3339)}
 }
 
 // finalWindow is how long, past the grace, calls cut at its end have to send

@@ -7,6 +7,7 @@ package certfile
 
 import (
 	"crypto/tls"
+	"crypto/x509"
 	"fmt"
 	"sync"
 	"time"
@@ -17,9 +18,10 @@ import (
 // Pair is a certificate and its key, read from their files.
 type Pair struct {
 	certFile, keyFile string
-	// onError is told of files that changed and could not be read as a
-	// pair, once for each change; the certificate read before is served.
-	onError func(error)
+	// onChange is told of each change of the files: the certificate served
+	// from then on and, when they could not be read as a pair, why (the
+	// certificate read before stays).
+	onChange func(*x509.Certificate, error)
 
 	mu      sync.Mutex
 	tried   filestamp.Stamp // the files' when last read or tried
@@ -27,11 +29,12 @@ type Pair struct {
 }
 
 // Load reads the pair from certFile (PEM, the certificate followed by its
-// chain) and keyFile (its PEM private key). onError is told of each later
-// change of the files that does not read as a pair (one file replaced before
-// the other, or a mistake), while the certificate read before is served.
-func Load(certFile, keyFile string, onError func(error)) (*Pair, error) {
-	p := &Pair{certFile: certFile, keyFile: keyFile, onError: onError, tried: filestamp.Of(certFile, keyFile)}
+// chain) and keyFile (its PEM private key). onChange, when set, is told of
+// each later change of the files, once each, with the certificate served
+// from then on and, when they do not read as a pair (one file replaced
+// before the other, or a mistake), why: the certificate read before stays.
+func Load(certFile, keyFile string, onChange func(*x509.Certificate, error)) (*Pair, error) {
+	p := &Pair{certFile: certFile, keyFile: keyFile, onChange: onChange, tried: filestamp.Of(certFile, keyFile)}
 	if err := p.load(); err != nil {
 		return nil, err
 	}
@@ -48,8 +51,9 @@ func (p *Pair) GetCertificate(*tls.ClientHelloInfo) (*tls.Certificate, error) {
 		return p.current, nil
 	}
 	p.tried = s
-	if err := p.load(); err != nil {
-		p.onError(err)
+	err := p.load()
+	if p.onChange != nil {
+		p.onChange(p.current.Leaf, err)
 	}
 	return p.current, nil
 }

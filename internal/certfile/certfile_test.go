@@ -16,7 +16,10 @@ import (
 
 type testBundle struct {
 	certFile, keyFile string
-	errs              []error
+	// errs and renewed are what the pair told of each change: why the files
+	// did not read, or the name of the certificate then served.
+	errs    []error
+	renewed []string
 	// written is the modification time the next write gets: each later
 	// than the one before, as a rotation's writes are.
 	written time.Time
@@ -50,7 +53,13 @@ func selfSigned(t *testing.T, name string) testcert.Credentials {
 // load loads the bundle's pair, its errors kept in b.errs.
 func (b *testBundle) load(t *testing.T) *Pair {
 	t.Helper()
-	p, err := Load(b.certFile, b.keyFile, func(err error) { b.errs = append(b.errs, err) })
+	p, err := Load(b.certFile, b.keyFile, func(served *x509.Certificate, err error) {
+		if err != nil {
+			b.errs = append(b.errs, err)
+			return
+		}
+		b.renewed = append(b.renewed, served.Subject.CommonName)
+	})
 	require.NoError(t, err)
 	return p
 }
@@ -75,7 +84,9 @@ func TestARenewedCertificateIsServed(t *testing.T) {
 
 	b.place(t, selfSigned(t, "two"))
 	require.Equal(t, "two", served(t, p))
+	require.Equal(t, "two", served(t, p))
 	require.Empty(t, b.errs)
+	require.Equal(t, []string{"two"}, b.renewed, "told once")
 }
 
 // TestNotAfterIsTheServedCertificates: the end of the certificate the files
@@ -128,6 +139,7 @@ func TestFilesThatDoNotReadAsAPairLeaveThePairBefore(t *testing.T) {
 	b.place(t, three)
 	require.Equal(t, "three", served(t, p))
 	require.Len(t, b.errs, 3)
+	require.Equal(t, []string{"two", "three"}, b.renewed)
 }
 
 func TestLoadRefusesFilesThatDoNotReadAsAPair(t *testing.T) {
