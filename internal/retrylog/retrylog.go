@@ -6,7 +6,10 @@
 // failure of a run (and the second, when its error differs: the first is
 // often the loss of a connection, the second why it cannot be made again), a
 // reminder with the latest error while it lasts, and a line when the work
-// succeeds again.
+// succeeds again. Being few, its lines are all written past a sampling
+// handler (logsample.Each): the first failures of every loop that an outage
+// meets come together, a dozen lines of one message that a window's burst
+// would have cut.
 package retrylog
 
 import (
@@ -14,6 +17,8 @@ import (
 	"log/slog"
 	"sync"
 	"time"
+
+	"github.com/rungworks/gateway/internal/logsample"
 )
 
 // Remind is how often a run of failures that goes on is logged again.
@@ -52,14 +57,14 @@ func (f *Failure) Failed(err error, attrs ...any) {
 	f.attempts++
 	if f.since.IsZero() {
 		f.since, f.logged, f.first = now, now, err.Error()
-		f.logger.Log(context.Background(), f.level, f.failed, append(attrs, "error", err)...)
+		f.logger.Log(logsample.Each(context.Background()), f.level, f.failed, append(attrs, "error", err)...)
 		return
 	}
 	if now.Sub(f.logged) < Remind && (f.attempts > 2 || err.Error() == f.first) {
 		return
 	}
 	f.logged = now
-	f.logger.Log(context.Background(), f.level, f.failed, append(attrs, "error", err,
+	f.logger.Log(logsample.Each(context.Background()), f.level, f.failed, append(attrs, "error", err,
 		"failing_for", now.Sub(f.since).Round(time.Second).String(), "attempts", f.attempts)...)
 }
 

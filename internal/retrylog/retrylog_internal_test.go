@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway/internal/logsample"
 )
 
 type testBundle struct {
@@ -93,4 +95,21 @@ func TestARunOfFailures(t *testing.T) {
 	b.now = b.now.Add(time.Second)
 	b.failure.Failed(errors.New("the database system is starting up"), "job", "a")
 	require.Empty(t, b.lines(t), "past the second, a Remind after the last line")
+}
+
+// TestEveryLoopsRunIsWritten: the runs of many loops beginning together, as
+// an outage makes them, are all written through a sampling handler, whose
+// burst would have cut them.
+func TestEveryLoopsRunIsWritten(t *testing.T) {
+	t.Parallel()
+	logs := &bytes.Buffer{}
+	sampling := logsample.New(slog.NewJSONHandler(logs, nil))
+	logger := slog.New(sampling)
+	jobs := 2 * logsample.Burst
+	for i := range jobs {
+		New(logger, slog.LevelError, "maintenance job failed", "maintenance job runs again").Failed(errors.New("connection refused"), "job", i)
+	}
+	require.Equal(t, jobs, strings.Count(logs.String(), `"msg":"maintenance job failed"`))
+	sampling.Flush()
+	require.NotContains(t, logs.String(), logsample.SuppressedKey)
 }
