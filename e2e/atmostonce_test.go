@@ -209,7 +209,7 @@ func streamsUntilEnd(t *testing.T, g *gateway, key, prompt string, n int) (wait 
 // replica's metrics say it hears no notifications while the database is
 // away, and that it does again once it is back. The loops that retry
 // meanwhile (the listeners, the claims, the maintenance jobs) log the
-// outage once when it begins and once when it ends, not each try.
+// outage's beginning and its end, not each try.
 func TestDatabaseRestartIsServiceUnavailable(t *testing.T) {
 	t.Parallel()
 	cluster, dir, key, g := ownGateway(t)

@@ -143,7 +143,10 @@ func TestFailuresAreCounted(t *testing.T) {
 	jobs = maintenance.Jobs(freeLocks{cancelledStore{}}, settings, m)
 	i := slices.IndexFunc(jobs, func(j maintenance.Job) bool { return j.Name == "delete old rate windows" })
 	require.GreaterOrEqual(t, i, 0)
+	runs, run := 0, jobs[i].Run
+	jobs[i].Run = func(ctx context.Context) (int64, error) { runs++; return run(ctx) }
 	maintenance.Run(ctx, freeLocks{cancelledStore{}}, jobs[i:i+1], slog.New(slog.DiscardHandler)) // ctx ended: one run, cut short
+	require.Equal(t, 1, runs)
 	require.Contains(t, metricstest.Scrape(m), `gateway_maintenance_failures_total{task="delete old rate windows"} 0`+"\n")
 }
 

@@ -237,8 +237,8 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 
 	listening := []any{"addr", ln.Addr().String(), "tls", certificate != nil, "upstream", cfg.UpstreamName()}
 	if certificate != nil {
-		leaf, _ := certificate.GetCertificate(nil) // never fails: a pair was read
-		listening = append(listening, certificateAttrs(leaf.Leaf)...)
+		served, _ := certificate.GetCertificate(nil) // never fails: a pair was read
+		listening = append(listening, certificateAttrs(served.Leaf)...)
 	}
 	logger.Info("gateway listening", listening...)
 	if ready != nil {

@@ -33,8 +33,8 @@ const (
 // New returns the ErrorLog of an http.Server: each line is written to logger,
 // a failed TLS handshake as one of the kinds above (counted with
 // handshakeFailed, which may be nil; Closed is not written), a handler's
-// panic at ERROR, anything else at WARN. Messages are fixed, the details in attributes, so that a
-// sampling handler counts a flood of them as one kind.
+// panic at ERROR, anything else at WARN. Messages are fixed, the details in
+// attributes, so that a sampling handler counts a flood of them as one kind.
 func New(logger *slog.Logger, handshakeFailed func(kind string)) *log.Logger {
 	return log.New(writer{logger: logger, handshakeFailed: handshakeFailed}, "", 0)
 }
