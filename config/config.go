@@ -308,14 +308,16 @@ const FileCheck = 5 * time.Second
 // read anew, at each signal of hangups (SIGHUP), and when the file or a key
 // file it names (api_key_file) has changed, looked at every FileCheck (as a
 // mounted ConfigMap or Secret changes under a running replica), until ctx
-// ends, recording each load in m. A file that does not check leaves the
+// ends, recording each load in m. read is the files' stamp taken before the
+// routes in use were read (FilesStamp), so that a change made since, before
+// this loop began, is reloaded too. A file that does not check leaves the
 // routes in use as they are, until it changes again; without a file (the
 // routes come from the environment, which a running process cannot read
 // again) nothing is reloaded.
-func (c Config) ReloadRoutes(ctx context.Context, hangups <-chan os.Signal, router *routing.Router, tok *metering.Tokenizer, m *metrics.Metrics, logger *slog.Logger) {
+func (c Config) ReloadRoutes(ctx context.Context, hangups <-chan os.Signal, router *routing.Router, read filestamp.Stamp, tok *metering.Tokenizer, m *metrics.Metrics, logger *slog.Logger) {
 	var check <-chan time.Time
 	var watched []string
-	var seen filestamp.Stamp
+	seen := read
 	look := func() {
 		watched = c.files()
 		seen = filestamp.Of(watched...)
@@ -324,7 +326,7 @@ func (c Config) ReloadRoutes(ctx context.Context, hangups <-chan os.Signal, rout
 		ticker := time.NewTicker(FileCheck)
 		defer ticker.Stop()
 		check = ticker.C
-		look()
+		watched = c.files()
 	}
 	for {
 		cause := "SIGHUP"
@@ -354,6 +356,15 @@ func (c Config) ReloadRoutes(ctx context.Context, hangups <-chan os.Signal, rout
 		}
 		logger.Info(cause+": routes reloaded", "file", c.File, "routes", routes)
 	}
+}
+
+// FilesStamp stamps GATEWAY_CONFIG's file and the key files it names, for
+// ReloadRoutes: taken before the routes are read.
+func (c Config) FilesStamp() filestamp.Stamp {
+	if c.File == "" {
+		return nil
+	}
+	return filestamp.Of(c.files()...)
 }
 
 // files are GATEWAY_CONFIG's file and the key files it names, as it reads

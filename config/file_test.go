@@ -3,6 +3,7 @@ package config_test
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
@@ -230,6 +231,27 @@ func TestRouterFromFile(t *testing.T) {
 	t.Setenv("GATEWAY_UPSTREAM", "http://127.0.0.1:1/v1")
 	_, err = config.Load()
 	require.ErrorContains(t, err, "leave GATEWAY_UPSTREAM")
+}
+
+// TestAChangeBeforeTheReloadsBeginIsReloaded: a file changed after the
+// routes were read at start, before the reload loop began, is reloaded at
+// the loop's first look.
+func TestAChangeBeforeTheReloadsBeginIsReloaded(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "gateway.yaml")
+	require.NoError(t, os.WriteFile(path, []byte("providers:\n  local: {type: sim}\nmodels:\n  instant: {targets: [local/tiny]}\n"), 0o600))
+	t.Setenv("GATEWAY_CONFIG", path)
+	cfg, err := config.Load()
+	require.NoError(t, err)
+	read := cfg.FilesStamp()
+	r, err := cfg.Router(nil, nil, nil)
+	require.NoError(t, err)
+	require.False(t, r.Available(gateway.ModelReasoning))
+
+	require.NoError(t, os.WriteFile(path, []byte("providers:\n  local: {type: sim}\nmodels:\n  instant: {targets: [local/tiny]}\n  reasoning: {targets: [local/deep]}\n"), 0o600))
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	go cfg.ReloadRoutes(ctx, nil, r, read, nil, nil, slog.New(slog.DiscardHandler))
+	require.Eventually(t, func() bool { return r.Available(gateway.ModelReasoning) }, 2*config.FileCheck, 10*time.Millisecond)
 }
 
 // shorthandRouter is the router of the shorthand the environment sets.

@@ -99,6 +99,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	// One router for interactive requests and the drainer alike: what one
 	// learns of a target's health, the other uses. It guards every target
 	// (D11: what an upstream returns is untrusted).
+	routesRead := cfg.FilesStamp() // before the read: a change from then on is reloaded
 	router, err := cfg.Router(tok, m, logger)
 	if err != nil {
 		return err
@@ -224,7 +225,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	hangups := make(chan os.Signal, 1)
 	signal.Notify(hangups, syscall.SIGHUP)
 	defer signal.Stop(hangups)
-	go cfg.ReloadRoutes(background, hangups, router, tok, m, logger)
+	go cfg.ReloadRoutes(background, hangups, router, routesRead, tok, m, logger)
 	go maintenance.Run(background, st, maintenance.Jobs(st, maintenance.Settings{
 		BatchWindow: cfg.BatchWindow, BatchRetention: cfg.BatchRetention, Lease: cfg.Lease, RequestRetention: cfg.RequestRetention,
 	}, m), logger)
