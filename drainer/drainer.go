@@ -138,9 +138,9 @@ type Drainer struct {
 	// probes counts the items running as probes of a model with no target
 	// taking calls: one at a time.
 	probes atomic.Int32
-	// claimFailures and interruptions log the claims' and the listener's
-	// runs of failures.
-	claimFailures, interruptions *retrylog.Failure
+	// claimFailures, renewals and interruptions log the runs of failures of
+	// the claims, the leases' renewals and the listener.
+	claimFailures, renewals, interruptions *retrylog.Failure
 }
 
 // New returns a drainer; zero Config fields take their defaults.
@@ -167,6 +167,7 @@ func New(cfg Config, st Store, provider upstream.Provider, estimator *metering.E
 		refusals:      idSet{wake: make(chan struct{}, 1)},
 		lostClaims:    idSet{wake: make(chan struct{}, 1)},
 		claimFailures: retrylog.New(logger, slog.LevelError, "error claiming batch items", "claiming batch items again"),
+		renewals:      retrylog.New(logger, slog.LevelError, "error renewing leases", "leases renewed again"),
 		interruptions: retrylog.New(logger, slog.LevelWarn, "batch notifications interrupted; polling until they resume", "batch notifications resumed"),
 	}
 }
@@ -693,10 +694,14 @@ func (d *Drainer) heartbeat(ctx context.Context) {
 				continue
 			}
 			rctx, cancel := context.WithTimeout(ctx, d.cfg.Lease/3)
-			if _, err := d.store.RenewLeases(rctx, d.cfg.Owner, keys, d.cfg.Lease); err != nil && ctx.Err() == nil {
-				d.logger.Error("error renewing leases", "error", err)
-			}
+			_, err := d.store.RenewLeases(rctx, d.cfg.Owner, keys, d.cfg.Lease)
 			cancel()
+			switch {
+			case err == nil:
+				d.renewals.Succeeded()
+			case ctx.Err() == nil:
+				d.renewals.Failed(err)
+			}
 		}
 	}
 }

@@ -35,6 +35,7 @@ import (
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/internal/inflight"
+	"github.com/rungworks/gateway/internal/retrylog"
 	"github.com/rungworks/gateway/metrics"
 	"github.com/rungworks/gateway/store"
 	"github.com/rungworks/gateway/tracing"
@@ -111,6 +112,9 @@ type Ledger struct {
 	current  map[sliceKey]*lease
 	leases   map[uuid.UUID]*lease
 	admitted map[uuid.UUID]ticket
+
+	// renewals logs the renewals' runs of failures.
+	renewals *retrylog.Failure
 }
 
 // sliceKey is what a lease is a slice of: an account-day and a project.
@@ -178,6 +182,8 @@ func New(cfg Config, st Store) *Ledger {
 		cfg: cfg, store: st, stale: make(chan struct{}, 1),
 		folding: map[sliceKey]chan struct{}{}, unfolded: map[uuid.UUID]time.Time{},
 		current: map[sliceKey]*lease{}, leases: map[uuid.UUID]*lease{}, admitted: map[uuid.UUID]ticket{},
+		renewals: retrylog.New(cfg.Logger, slog.LevelWarn,
+			"error renewing quota leases; admissions will lease anew once they run out", "quota leases renewed again"),
 	}
 }
 
@@ -523,10 +529,11 @@ func (l *Ledger) renew(ctx context.Context) {
 	cancel()
 	if err != nil {
 		if ctx.Err() == nil {
-			l.cfg.Logger.Warn("error renewing quota leases; admissions will lease anew once they run out", "error", err)
+			l.renewals.Failed(err)
 		}
 		return
 	}
+	l.renewals.Succeeded()
 	still := make(map[uuid.UUID]bool, len(held))
 	for _, id := range held {
 		still[id] = true
