@@ -108,7 +108,10 @@ func TestServingOverTLS(t *testing.T) {
 		return strings.Contains(g.stderr.String(), `"level":"WARN","msg":"a client sent plain HTTP to the TLS listener (answered 400)"`)
 	}, 10*time.Second, 10*time.Millisecond)
 	require.NotContains(t, g.stderr.String(), "TLS handshake error", "net/http's own line")
-	require.NotContains(t, g.stderr.String(), "a client left before its TLS handshake ended")
+	require.Eventually(t, func() bool {
+		return metricValue(t, g.scrape(), `gateway_tls_handshake_failures_total{kind="closed"}`) >= 1
+	}, 10*time.Second, 10*time.Millisecond, "the TCP check is counted")
+	require.Equal(t, 1, strings.Count(g.stderr.String(), `"remote":"127.0.0.1:`), "and not logged: the plain HTTP request alone is")
 
 	// A container's health check: the replica's own address, which a
 	// certificate need not name.
