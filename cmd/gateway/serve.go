@@ -238,8 +238,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 
 	listening := []any{"addr", ln.Addr().String(), "tls", certificate != nil, "upstream", cfg.UpstreamName()}
 	if certificate != nil {
-		served, _ := certificate.GetCertificate(nil) // never fails: a pair was read
-		listening = append(listening, certificateAttrs(served.Leaf)...)
+		listening = append(listening, certificateAttrs(certificate.Leaf())...)
 	}
 	logger.Info("gateway listening", listening...)
 	if ready != nil {

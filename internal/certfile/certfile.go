@@ -58,13 +58,16 @@ func (p *Pair) GetCertificate(*tls.ClientHelloInfo) (*tls.Certificate, error) {
 	return p.current, nil
 }
 
-// NotAfter is when the certificate served stops being valid: the one the
-// files hold now, read again as a handshake would when they changed, or the
-// one read before when they do not read as a pair.
-func (p *Pair) NotAfter() time.Time {
+// Leaf is the certificate served: the one the files hold now, read again as
+// a handshake would when they changed, or the one read before when they do
+// not read as a pair.
+func (p *Pair) Leaf() *x509.Certificate {
 	cert, _ := p.GetCertificate(nil) // never fails: a pair was read at Load
-	return cert.Leaf.NotAfter
+	return cert.Leaf
 }
+
+// NotAfter is when the certificate served (Leaf) stops being valid.
+func (p *Pair) NotAfter() time.Time { return p.Leaf().NotAfter }
 
 // load reads the pair and serves it; on failure the pair served stays.
 func (p *Pair) load() error {
