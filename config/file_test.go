@@ -217,10 +217,21 @@ circuit:
 	}
 }
 
-func TestRouterFromFile(t *testing.T) {
+// instantOnly is a configuration file that serves the instant model alone.
+const instantOnly = "providers:\n  local: {type: sim}\nmodels:\n  instant: {targets: [local/tiny]}\n"
+
+// configFile writes content to a file of the test's and names it in
+// GATEWAY_CONFIG, returning its path.
+func configFile(t *testing.T, content string) string {
+	t.Helper()
 	path := filepath.Join(t.TempDir(), "gateway.yaml")
-	require.NoError(t, os.WriteFile(path, []byte("providers:\n  local: {type: sim}\nmodels:\n  instant: {targets: [local/tiny]}\n"), 0o600))
+	require.NoError(t, os.WriteFile(path, []byte(content), 0o600))
 	t.Setenv("GATEWAY_CONFIG", path)
+	return path
+}
+
+func TestRouterFromFile(t *testing.T) {
+	configFile(t, instantOnly)
 	cfg, err := config.Load()
 	require.NoError(t, err)
 	r, err := cfg.Router(nil, nil, nil)
@@ -237,9 +248,7 @@ func TestRouterFromFile(t *testing.T) {
 // routes were read at start, before the reload loop began, is reloaded at
 // the loop's first look.
 func TestAChangeBeforeTheReloadsBeginIsReloaded(t *testing.T) {
-	path := filepath.Join(t.TempDir(), "gateway.yaml")
-	require.NoError(t, os.WriteFile(path, []byte("providers:\n  local: {type: sim}\nmodels:\n  instant: {targets: [local/tiny]}\n"), 0o600))
-	t.Setenv("GATEWAY_CONFIG", path)
+	path := configFile(t, instantOnly)
 	cfg, err := config.Load()
 	require.NoError(t, err)
 	read := cfg.FilesStamp()
@@ -247,7 +256,7 @@ func TestAChangeBeforeTheReloadsBeginIsReloaded(t *testing.T) {
 	require.NoError(t, err)
 	require.False(t, r.Available(gateway.ModelReasoning))
 
-	require.NoError(t, os.WriteFile(path, []byte("providers:\n  local: {type: sim}\nmodels:\n  instant: {targets: [local/tiny]}\n  reasoning: {targets: [local/deep]}\n"), 0o600))
+	require.NoError(t, os.WriteFile(path, []byte(instantOnly+"  reasoning: {targets: [local/deep]}\n"), 0o600))
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	go cfg.ReloadRoutes(ctx, nil, r, read, nil, nil, slog.New(slog.DiscardHandler))
@@ -391,9 +400,7 @@ func TestUpstreamMaxTokensField(t *testing.T) {
 	_, err = config.Load()
 	require.ErrorContains(t, err, `GATEWAY_UPSTREAM_MAX_TOKENS_FIELD must be max_completion_tokens or max_tokens, got "max_new_tokens"`)
 
-	path := filepath.Join(t.TempDir(), "gateway.yaml")
-	require.NoError(t, os.WriteFile(path, []byte("providers:\n  local: {type: sim}\nmodels:\n  instant: {targets: [local/tiny]}\n"), 0o600))
-	t.Setenv("GATEWAY_CONFIG", path)
+	configFile(t, instantOnly)
 	t.Setenv("GATEWAY_UPSTREAM_MAX_TOKENS_FIELD", "max_tokens")
 	_, err = config.Load()
 	require.ErrorContains(t, err, "leave GATEWAY_UPSTREAM, GATEWAY_UPSTREAM_KEY, GATEWAY_UPSTREAM_KEY_HEADER, GATEWAY_UPSTREAM_H2C, GATEWAY_UPSTREAM_MAX_TOKENS_FIELD, GATEWAY_UPSTREAM_STREAM_OPTIONS and GATEWAY_MODEL_MAP unset")
@@ -429,10 +436,8 @@ func TestStreamOptions(t *testing.T) {
 		require.Equal(t, set != "false", calls[len(calls)-1].StreamOptions, "GATEWAY_UPSTREAM_STREAM_OPTIONS=%q", set)
 	}
 
-	path := filepath.Join(t.TempDir(), "gateway.yaml")
-	require.NoError(t, os.WriteFile(path, []byte("providers:\n  local: {type: sim}\nmodels:\n  instant: {targets: [local/tiny]}\n"), 0o600))
 	t.Setenv("GATEWAY_UPSTREAM", "")
-	t.Setenv("GATEWAY_CONFIG", path)
+	configFile(t, instantOnly)
 	t.Setenv("GATEWAY_UPSTREAM_STREAM_OPTIONS", "true")
 	_, err = config.Load()
 	require.ErrorContains(t, err, "GATEWAY_UPSTREAM_STREAM_OPTIONS")
