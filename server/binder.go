@@ -15,6 +15,7 @@ import (
 	"strings"
 	"sync"
 	"time"
+	"unicode/utf8"
 
 	"github.com/labstack/echo/v4"
 
@@ -52,6 +53,9 @@ func (jsonBinder) Bind(i any, c echo.Context) error {
 		// encoding/json takes null for an object and leaves it empty.
 		return notAnObject()
 	}
+	if !utf8.Valid(body) {
+		return notUTF8(body)
+	}
 	twice, at, found := exactFieldNames(body, fieldNames(reflect.TypeOf(i)))
 	if err := json.Unmarshal(body, i); err != nil {
 		return decodeError(body, err)
@@ -84,50 +88,77 @@ func inElement(body []byte, offset int64, field string, describe func(rest strin
 }
 
 // elementAt finds the field of body's object whose value holds byte offset
-// and, when that value is an array, the index of its element that does. It
-// reads body again with encoding/json's tokenizer: it runs only on a body
-// already refused.
+// and, when that value is an array, the index of its element that does.
 func elementAt(body []byte, offset int64) (field string, index int, ok bool) {
-	dec := json.NewDecoder(bytes.NewReader(body))
-	if tok, err := dec.Token(); err != nil || tok != json.Delim('{') {
+	field, value, start, found := valueAt(body, offset)
+	if !found {
 		return "", 0, false
+	}
+	index, _, _, ok = elementOf(value, offset-start)
+	return field, index, ok
+}
+
+// fieldAt is the path of the field whose value holds byte offset of body, as
+// encoding/json names fields: `prompt`, or `requests.prompt` for a batch
+// item's (its index is inElement's to find); "" when offset is in no field's
+// value (in a key, say).
+func fieldAt(body []byte, offset int64) string {
+	name, value, start, ok := valueAt(body, offset)
+	if !ok {
+		return ""
+	}
+	_, element, at, ok := elementOf(value, offset-start)
+	if !ok || name != batchItems {
+		return name
+	}
+	if inner, _, _, ok := valueAt(element, offset-start-at); ok {
+		return name + "." + inner
+	}
+	return name
+}
+
+// valueAt finds the field of object whose value holds byte offset of it: its
+// name, its value and where the value starts in object. It reads object with
+// encoding/json's tokenizer: it runs only on a body already refused.
+func valueAt(object []byte, offset int64) (name string, value json.RawMessage, start int64, ok bool) {
+	dec := json.NewDecoder(bytes.NewReader(object))
+	if tok, err := dec.Token(); err != nil || tok != json.Delim('{') {
+		return "", nil, 0, false
 	}
 	for dec.More() {
 		tok, err := dec.Token()
 		key, isKey := tok.(string)
-		var value json.RawMessage
 		if err != nil || !isKey || dec.Decode(&value) != nil {
-			return "", 0, false
+			return "", nil, 0, false
 		}
 		if end := dec.InputOffset(); end >= offset {
-			start := end - int64(len(value))
+			start = end - int64(len(value))
 			if offset < start {
-				return "", 0, false // offset is in the key
+				return "", nil, 0, false // offset is in the key
 			}
-			index, ok = elementOf(value, offset-start)
-			return key, index, ok
+			return key, value, start, true
 		}
 	}
-	return "", 0, false
+	return "", nil, 0, false
 }
 
 // elementOf returns the index of the element of array that holds byte offset
-// of it, when array is an array.
-func elementOf(array json.RawMessage, offset int64) (int, bool) {
+// of it, when array is an array, with the element and where it starts in
+// array.
+func elementOf(array json.RawMessage, offset int64) (index int, element json.RawMessage, start int64, ok bool) {
 	dec := json.NewDecoder(bytes.NewReader(array))
 	if tok, err := dec.Token(); err != nil || tok != json.Delim('[') {
-		return 0, false
+		return 0, nil, 0, false
 	}
 	for i := 0; dec.More(); i++ {
-		var element json.RawMessage
 		if dec.Decode(&element) != nil {
-			return 0, false
+			return 0, nil, 0, false
 		}
-		if dec.InputOffset() >= offset {
-			return i, true
+		if end := dec.InputOffset(); end >= offset {
+			return i, element, end - int64(len(element)), true
 		}
 	}
-	return 0, false
+	return 0, nil, 0, false
 }
 
 // checkContentType accepts JSON in UTF-8: application/json (most clients'
@@ -178,6 +209,29 @@ func readError(err error) error {
 func tooLarge(err error) bool {
 	var mbe *http.MaxBytesError
 	return errors.As(err, &mbe)
+}
+
+// notUTF8 is the reply to a body that is not UTF-8 (RFC 8259 requires it;
+// encoding/json would take each invalid byte for U+FFFD, three bytes, so a
+// prompt the client sent within the limit could be refused as over it, and
+// what reached the model would not be what was sent). It names the first
+// invalid byte (counted from 1, as a malformed body's reply does), the field
+// that holds it and, in a batch, its item.
+func notUTF8(body []byte) error {
+	at := 0
+	for at < len(body) {
+		r, n := utf8.DecodeRune(body[at:])
+		if r == utf8.RuneError && n == 1 {
+			break
+		}
+		at += n
+	}
+	return inElement(body, int64(at), fieldAt(body, int64(at)), func(field string) *gateway.Error {
+		if field == "" {
+			return gateway.Errorf(gateway.EInvalidRequest, "the body is not valid UTF-8 (byte %d)", at+1)
+		}
+		return gateway.Errorf(gateway.EInvalidRequest, "field %q is not valid UTF-8 (byte %d of the body)", field, at+1)
+	})
 }
 
 // notAnObject is the reply to a body that is JSON but not an object.

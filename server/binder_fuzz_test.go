@@ -9,6 +9,7 @@ import (
 	"reflect"
 	"strings"
 	"testing"
+	"unicode/utf8"
 
 	"github.com/labstack/echo/v4"
 
@@ -18,12 +19,13 @@ import (
 
 // FuzzBind feeds arbitrary bodies to the request decoder: it never panics,
 // every refusal is a domain error (the contract's envelope, never a parser's
-// text), and no field is ever filled from a name that differs from it in case.
+// text), a body accepted is UTF-8, and no field is ever filled from a name
+// that differs from it in case.
 func FuzzBind(f *testing.F) {
 	for _, seed := range []string{
 		`{"prompt":"hi"}`, `{"prompt":"","Prompt":"hi"}`, `{"prompt":"hi","Stream":true}`,
 		`{"requests":[{"prompt":"a","PROMPT":"b"}]}`, `{"\u0050rompt":"x","prompt":"y"}`, `{"ſtream":true,"prompt":"p"}`,
-		`{"prompt":1}`, `[]`, `{"prompt":"a"} {}`, `{"max_output_rungs":-1,"prompt":"x"}`, `{"prompt":"a\u0000b"}`, "",
+		`{"prompt":1}`, `[]`, `{"prompt":"a"} {}`, `{"max_output_rungs":-1,"prompt":"x"}`, `{"prompt":"a\u0000b"}`, "", "{\"prompt\":\"caf\xe9\"}", "{\"requests\":[{\"\xff\":1}]}",
 	} {
 		f.Add([]byte(seed), false)
 		f.Add([]byte(seed), true)
@@ -48,6 +50,9 @@ func FuzzBind(f *testing.F) {
 				}
 			}
 			return
+		}
+		if !utf8.Valid(body) {
+			t.Fatalf("a body that is not UTF-8 was accepted: %q", body)
 		}
 		if !batch {
 			checkExactNames(t, body, target.(*api.ResponseRequest))

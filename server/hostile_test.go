@@ -60,6 +60,56 @@ func TestNULIsRefusedOnEveryPath(t *testing.T) {
 	require.Zero(t, b.upstream.callCount(), "nothing reached the upstream")
 }
 
+// TestBodyMustBeUTF8: a body holding bytes that are not UTF-8 is refused,
+// naming the first such byte, its field and, in a batch, its item, on every
+// path (a stream's too: a body that does not decode is refused before its
+// head), and nothing is stored; encoding/json would take each such byte for
+// U+FFFD, so a prompt sent within the limit could be refused as over it. An
+// escape of a lone surrogate is valid JSON: it is decoded as U+FFFD.
+func TestBodyMustBeUTF8(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	post := func(path, body string) reply {
+		return b.do(http.MethodPost, path, b.key, "application/json", []byte(body))
+	}
+	for body, message := range map[string]string{
+		"{\"prompt\":\"ab\xffcd\"}":                                        `field "prompt" is not valid UTF-8 (byte 14 of the body)`,
+		"{\"prompt\":\"cut short \xe2\x82\"}":                              `field "prompt" is not valid UTF-8 (byte 22 of the body)`,
+		"{\"prompt\":\"fine\",\"custom_instructions\":\"\xc0\xaf\"}":       `field "custom_instructions" is not valid UTF-8 (byte 41 of the body)`,
+		"{\"prompt\":\"fine\",\"stream\":true,\"model\":\"\xed\xa0\x80\"}": `field "model" is not valid UTF-8 (byte 41 of the body)`,
+		"{\"prompt\":\"fine\",\"\xfe\":1}":                                 `the body is not valid UTF-8 (byte 19)`,
+	} {
+		for _, path := range []string{"/api/v1/responses", "/api/v1/chat"} {
+			r := post(path, body)
+			require.Equal(t, http.StatusBadRequest, r.status, "%s %q", path, body)
+			require.Equal(t, gateway.EInvalidRequest, r.errorCode(t))
+			require.Equal(t, message, r.message(t))
+		}
+	}
+
+	r := post("/api/v1/batch", "{\"requests\":[{\"prompt\":\"ok\"},{\"prompt\":\"fine\"},{\"prompt\":\"caf\xe9\"}]}")
+	require.Equal(t, http.StatusBadRequest, r.status)
+	require.Equal(t, gateway.EInvalidRequest, r.errorCode(t))
+	require.Equal(t, `requests[2]: field "prompt" is not valid UTF-8 (byte 62 of the body)`, r.message(t))
+	require.Equal(t, "2", r.header.Get("x-service-batch-index"))
+	r = post("/api/v1/batch", "{\"requests\":[{\"prompt\":\"ok\",\"\x80\":1}]}")
+	require.Equal(t, http.StatusBadRequest, r.status)
+	require.Equal(t, `requests[0]: the body is not valid UTF-8 (byte 30)`, r.message(t))
+	require.Equal(t, "0", r.header.Get("x-service-batch-index"))
+	require.Zero(t, b.upstream.callCount(), "nothing reached the upstream")
+	var batches api.BatchList
+	require.NoError(t, json.Unmarshal(b.do(http.MethodGet, "/api/v1/batches", b.key, "", nil).body, &batches))
+	require.Empty(t, batches.Data, "nothing was stored")
+
+	r = post("/api/v1/responses", `{"prompt":"caf\u00e9 \ud83c\udf0d, half \ud83c!","custom_instructions":"na\u00efve"}`)
+	require.Equal(t, http.StatusOK, r.status, string(r.body))
+	var res api.Response
+	require.NoError(t, json.Unmarshal(r.body, &res))
+	require.Equal(t, "answer to café 🌍, half \uFFFD!", res.Content, "a lone surrogate's escape is U+FFFD")
+	r = post("/api/v1/responses", `{"prompt":"café naïve 🌍"}`)
+	require.Equal(t, http.StatusOK, r.status, string(r.body))
+}
+
 func TestIdempotencyKeyMustBePrintableASCII(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)

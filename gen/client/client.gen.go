@@ -548,7 +548,12 @@ type ResponseModel string
 // silently (RFC 8259 leaves the choice to each parser). `null` for an
 // optional field means absent. No string field may hold U+0000
 // (`400 INVALID_REQUEST` naming the field). The body is UTF-8 JSON
-// (`Content-Type: application/json`, with no charset or `charset=utf-8`).
+// (`Content-Type: application/json`, with no charset or `charset=utf-8`):
+// a byte that is not UTF-8 (a string cut inside a character, Latin-1
+// text) is `400 INVALID_REQUEST` naming the first one, its field and
+// place (`field "prompt" is not valid UTF-8 (byte 14 of the body)`),
+// rather than replaced. An escaped lone surrogate (`\ud83c` without its
+// pair), which JSON's grammar allows, is taken as U+FFFD.
 type ResponseRequest struct {
 	// CodeMode Code and documentation mode (passed upstream as a hint).
 	CodeMode *bool `json:"code_mode,omitempty"`
@@ -845,7 +850,12 @@ type Unauthorized = ErrorEnvelope
 // silently (RFC 8259 leaves the choice to each parser). `null` for an
 // optional field means absent. No string field may hold U+0000
 // (`400 INVALID_REQUEST` naming the field). The body is UTF-8 JSON
-// (`Content-Type: application/json`, with no charset or `charset=utf-8`).
+// (`Content-Type: application/json`, with no charset or `charset=utf-8`):
+// a byte that is not UTF-8 (a string cut inside a character, Latin-1
+// text) is `400 INVALID_REQUEST` naming the first one, its field and
+// place (`field "prompt" is not valid UTF-8 (byte 14 of the body)`),
+// rather than replaced. An escaped lone surrogate (`\ud83c` without its
+// pair), which JSON's grammar allows, is taken as U+FFFD.
 type ResponseRequestBody = ResponseRequest
 
 // CreateBatchParams defines parameters for CreateBatch.
