@@ -98,93 +98,6 @@ func (e BatchStatus) Valid() bool {
 	}
 }
 
-// Defines values for ErrorCode.
-const (
-	BATCHEXPIRED         ErrorCode = "BATCH_EXPIRED"
-	BATCHNOTCANCELLABLE  ErrorCode = "BATCH_NOT_CANCELLABLE"
-	BATCHNOTFOUND        ErrorCode = "BATCH_NOT_FOUND"
-	BATCHTOOLARGE        ErrorCode = "BATCH_TOO_LARGE"
-	BUDGETEXCEEDED       ErrorCode = "BUDGET_EXCEEDED"
-	EMPTYBATCH           ErrorCode = "EMPTY_BATCH"
-	EMPTYPROMPT          ErrorCode = "EMPTY_PROMPT"
-	IDEMPOTENCYKEYREUSED ErrorCode = "IDEMPOTENCY_KEY_REUSED"
-	INFERENCEBUSY        ErrorCode = "INFERENCE_BUSY"
-	INSUFFICIENTSCOPE    ErrorCode = "INSUFFICIENT_SCOPE"
-	INSUFFICIENTTIER     ErrorCode = "INSUFFICIENT_TIER"
-	INTERNAL             ErrorCode = "INTERNAL"
-	INTERRUPTED          ErrorCode = "INTERRUPTED"
-	INVALIDMODEL         ErrorCode = "INVALID_MODEL"
-	INVALIDREQUEST       ErrorCode = "INVALID_REQUEST"
-	METHODNOTALLOWED     ErrorCode = "METHOD_NOT_ALLOWED"
-	MODELUNAVAILABLE     ErrorCode = "MODEL_UNAVAILABLE"
-	NOTFOUND             ErrorCode = "NOT_FOUND"
-	PROMPTTOOLARGE       ErrorCode = "PROMPT_TOO_LARGE"
-	RATELIMITED          ErrorCode = "RATE_LIMITED"
-	REQUESTTIMEOUT       ErrorCode = "REQUEST_TIMEOUT"
-	REQUESTTOOLARGE      ErrorCode = "REQUEST_TOO_LARGE"
-	SERVICEUNAVAILABLE   ErrorCode = "SERVICE_UNAVAILABLE"
-	SOURCESNOTFOUND      ErrorCode = "SOURCES_NOT_FOUND"
-	UNAUTHORIZED         ErrorCode = "UNAUTHORIZED"
-)
-
-// Valid indicates whether the value is a known member of the ErrorCode enum.
-func (e ErrorCode) Valid() bool {
-	switch e {
-	case BATCHEXPIRED:
-		return true
-	case BATCHNOTCANCELLABLE:
-		return true
-	case BATCHNOTFOUND:
-		return true
-	case BATCHTOOLARGE:
-		return true
-	case BUDGETEXCEEDED:
-		return true
-	case EMPTYBATCH:
-		return true
-	case EMPTYPROMPT:
-		return true
-	case IDEMPOTENCYKEYREUSED:
-		return true
-	case INFERENCEBUSY:
-		return true
-	case INSUFFICIENTSCOPE:
-		return true
-	case INSUFFICIENTTIER:
-		return true
-	case INTERNAL:
-		return true
-	case INTERRUPTED:
-		return true
-	case INVALIDMODEL:
-		return true
-	case INVALIDREQUEST:
-		return true
-	case METHODNOTALLOWED:
-		return true
-	case MODELUNAVAILABLE:
-		return true
-	case NOTFOUND:
-		return true
-	case PROMPTTOOLARGE:
-		return true
-	case RATELIMITED:
-		return true
-	case REQUESTTIMEOUT:
-		return true
-	case REQUESTTOOLARGE:
-		return true
-	case SERVICEUNAVAILABLE:
-		return true
-	case SOURCESNOTFOUND:
-		return true
-	case UNAUTHORIZED:
-		return true
-	default:
-		return false
-	}
-}
-
 // Defines values for HealthStatus.
 const (
 	Ok          HealthStatus = "ok"
@@ -454,6 +367,16 @@ type Error struct {
 	// `INTERRUPTED` appears only as a batch item error; `BATCH_EXPIRED` only as
 	// the batch-level `error` of an expired batch. A failed batch's `error`
 	// carries the code of its first failed item.
+	//
+	// **The set grows within v1**: a code may be added where the gateway comes to
+	// tell a failure apart (`REQUEST_TIMEOUT` and `SERVICE_UNAVAILABLE` were), each
+	// under one of the statuses above. A client treats a code it does not know by
+	// the reply's HTTP status, and one in a batch item or a stream's
+	// `response.error` as that item's or stream's failure. So the known codes are
+	// listed in `x-extensible-enum`, not `enum`: a client generated with enum
+	// validation (ogen, Java or Rust generators) still reads a reply carrying a
+	// code newer than its document. A code is never removed or given another
+	// meaning.
 	Code ErrorCode `json:"code"`
 
 	// Message For humans; may change between releases.
@@ -472,7 +395,17 @@ type Error struct {
 // `INTERRUPTED` appears only as a batch item error; `BATCH_EXPIRED` only as
 // the batch-level `error` of an expired batch. A failed batch's `error`
 // carries the code of its first failed item.
-type ErrorCode string
+//
+// **The set grows within v1**: a code may be added where the gateway comes to
+// tell a failure apart (`REQUEST_TIMEOUT` and `SERVICE_UNAVAILABLE` were), each
+// under one of the statuses above. A client treats a code it does not know by
+// the reply's HTTP status, and one in a batch item or a stream's
+// `response.error` as that item's or stream's failure. So the known codes are
+// listed in `x-extensible-enum`, not `enum`: a client generated with enum
+// validation (ogen, Java or Rust generators) still reads a reply carrying a
+// code newer than its document. A code is never removed or given another
+// meaning.
+type ErrorCode = string
 
 // ErrorEnvelope The body of every non-streaming error, and the data of the `response.error` event.
 type ErrorEnvelope struct {
