@@ -50,7 +50,7 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz '^FuzzPrice$$' -fuzztime $(FUZZTIME) ./metering
 	$(GO) test -run '^$$' -fuzz '^FuzzCounterMatchesTheCodec$$' -fuzztime $(FUZZTIME) ./metering
 
-## lint: go vet, staticcheck, gofmt and the OpenAPI lints (Redocly, Spectral's spectral:oas)
+## lint: go vet, staticcheck, gofmt, the OpenAPI lints (Redocly, Spectral's spectral:oas) and no change to the contract that breaks a client generated from the released one (oasdiff)
 lint:
 	$(GO) vet ./...
 	$(TOOLS) staticcheck ./...
@@ -59,6 +59,7 @@ lint:
 	npm ci --no-audit --no-fund --loglevel=error
 	npx redocly lint openapi/openapi.yaml
 	npx spectral lint --fail-severity=hint openapi/openapi.yaml
+	$(TOOLS) oasdiff breaking --allow-external-refs=false --fail-on WARN openapi/released/v1.yaml openapi/openapi.yaml
 
 ## bench: Go benchmarks, then gateway vs. upstream-direct load (see docs/benchmarks.md)
 bench: build
