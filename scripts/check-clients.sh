@@ -4,8 +4,8 @@
 # from it (it must equal the committed gen/client), generates a TypeScript
 # client with openapi-typescript, which must type-check against a usage sample,
 # and generates a Go client and server with ogen (another generator family),
-# which must compile and read a reply carrying an error code newer than the
-# document.
+# which must compile and read a reply carrying an error code and fields newer
+# than the document.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -62,7 +62,8 @@ echo "ogen client and server from the served document: compile"
 
 # ogen validates what it decodes against the document: a reply carrying an
 # error code added after the client was generated must still be read (the
-# document lists its codes as an extensible enum).
+# document lists its codes as an extensible enum), and so must one carrying
+# fields added since (replies gain fields within v1).
 cat > "$ogen/newer_code_test.go" <<'GO'
 package gatewayclient
 
@@ -79,11 +80,11 @@ func (key) BearerAuth(context.Context, OperationName) (BearerAuth, error) {
 	return BearerAuth{Token: "igw_test"}, nil
 }
 
-func TestACodeNewerThanTheDocumentIsRead(t *testing.T) {
+func TestAReplyNewerThanTheDocumentIsRead(t *testing.T) {
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Content-Type", "application/json")
 		w.WriteHeader(http.StatusBadRequest)
-		_, _ = w.Write([]byte(`{"error":{"code":"A_NEWER_CODE","message":"added later"}}`))
+		_, _ = w.Write([]byte(`{"error":{"code":"A_NEWER_CODE","message":"added later","param":"prompt"},"request_id":"r"}`))
 	}))
 	defer srv.Close()
 	c, err := NewClient(srv.URL, key{})
@@ -92,7 +93,7 @@ func TestACodeNewerThanTheDocumentIsRead(t *testing.T) {
 	}
 	res, err := c.CreateResponse(context.Background(), &ResponseRequest{Prompt: "hi"})
 	if err != nil {
-		t.Fatalf("a reply with a newer error code was refused: %v", err)
+		t.Fatalf("a reply with a newer error code and fields was refused: %v", err)
 	}
 	bad, ok := res.(*BadRequestHeaders)
 	if !ok || bad.Response.Error.Code != "A_NEWER_CODE" {
@@ -101,4 +102,4 @@ func TestACodeNewerThanTheDocumentIsRead(t *testing.T) {
 }
 GO
 go test -modfile=tools.mod -count=1 "$ogen" >"$tmp/ogen-test.log" 2>&1 || { cat "$tmp/ogen-test.log"; exit 1; }
-echo "ogen client from the served document: reads an error code newer than the document"
+echo "ogen client from the served document: reads an error code and fields newer than the document"
