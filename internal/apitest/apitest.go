@@ -35,8 +35,20 @@ func load() {
 	if loadErr = doc.Validate(context.Background()); loadErr != nil {
 		return
 	}
+	closeExtensibleEnums(doc)
 	doc.Servers = nil // match paths on any host
 	router, loadErr = gorillamux.NewRouter(doc)
+}
+
+// closeExtensibleEnums makes each component schema's x-extensible-enum its
+// enum: clients are told such a set grows (a code newer than their document),
+// but the gateway itself sends only the values its document lists.
+func closeExtensibleEnums(doc *openapi3.T) {
+	for _, ref := range doc.Components.Schemas {
+		if values, ok := ref.Value.Extensions["x-extensible-enum"].([]any); ok {
+			ref.Value.Enum = values
+		}
+	}
 }
 
 // Validate fails t unless resp (with its body) is a reply the document allows
