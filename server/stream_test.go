@@ -120,6 +120,27 @@ func TestStreamValidationFailure(t *testing.T) {
 	require.Zero(t, b.upstream.callCount())
 }
 
+// TestABodyThatDoesNotDecodeIsNoStream: a body that is not read as a request
+// (malformed JSON, a field of the wrong type or named twice, bytes that are
+// not UTF-8) is answered 400 in the envelope, whatever its stream says: only
+// a request read whole streams.
+func TestABodyThatDoesNotDecodeIsNoStream(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	for _, body := range []string{
+		`{"prompt":"p","stream":true,}`,
+		`{"prompt":"p","stream":true,"max_output_rungs":"5"}`,
+		`{"prompt":"p","stream":true,"model":"instant","model":"reasoning"}`,
+		"{\"prompt\":\"caf\xe9\",\"stream\":true}",
+	} {
+		r := b.do(http.MethodPost, "/api/v1/responses", b.key, "application/json", []byte(body))
+		require.Equal(t, http.StatusBadRequest, r.status, body)
+		require.Equal(t, "application/json", r.header.Get("Content-Type"), body)
+		require.Equal(t, gateway.EInvalidRequest, r.errorCode(t), body)
+	}
+	require.Zero(t, b.upstream.callCount())
+}
+
 func TestStreamFailsToStart(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)

@@ -1115,7 +1115,11 @@ type ClientInterface interface {
 	// JSON object carrying the rung headers. With `stream: true` the reply is
 	// always `200` with `text/event-stream` (see the `text/event-stream` content
 	// below): every failure after authentication arrives as a `response.error`
-	// event. Requires the `inference` scope.
+	// event. Only a body read as a request streams: one that is not (another
+	// `Content-Type` or `Content-Encoding`, malformed JSON, a field of the wrong
+	// type or named twice, bytes that are not UTF-8, a body over the size limit
+	// or not in within the read timeout) is answered `400`, `413` or `408` in
+	// the envelope, whatever its `stream` says. Requires the `inference` scope.
 	//
 	// The usage is recorded durably before the reply is sent (in a stream, before
 	// `response.completed`). When the gateway's database goes away at that moment,
@@ -1157,7 +1161,11 @@ type ClientInterface interface {
 	// JSON object carrying the rung headers. With `stream: true` the reply is
 	// always `200` with `text/event-stream` (see the `text/event-stream` content
 	// below): every failure after authentication arrives as a `response.error`
-	// event. Requires the `inference` scope.
+	// event. Only a body read as a request streams: one that is not (another
+	// `Content-Type` or `Content-Encoding`, malformed JSON, a field of the wrong
+	// type or named twice, bytes that are not UTF-8, a body over the size limit
+	// or not in within the read timeout) is answered `400`, `413` or `408` in
+	// the envelope, whatever its `stream` says. Requires the `inference` scope.
 	//
 	// The usage is recorded durably before the reply is sent (in a stream, before
 	// `response.completed`). When the gateway's database goes away at that moment,
@@ -1557,7 +1565,11 @@ func (c *Client) CreateChat(ctx context.Context, body CreateChatJSONRequestBody,
 // JSON object carrying the rung headers. With `stream: true` the reply is
 // always `200` with `text/event-stream` (see the `text/event-stream` content
 // below): every failure after authentication arrives as a `response.error`
-// event. Requires the `inference` scope.
+// event. Only a body read as a request streams: one that is not (another
+// `Content-Type` or `Content-Encoding`, malformed JSON, a field of the wrong
+// type or named twice, bytes that are not UTF-8, a body over the size limit
+// or not in within the read timeout) is answered `400`, `413` or `408` in
+// the envelope, whatever its `stream` says. Requires the `inference` scope.
 //
 // The usage is recorded durably before the reply is sent (in a stream, before
 // `response.completed`). When the gateway's database goes away at that moment,
@@ -1609,7 +1621,11 @@ func (c *Client) CreateResponseWithBody(ctx context.Context, contentType string,
 // JSON object carrying the rung headers. With `stream: true` the reply is
 // always `200` with `text/event-stream` (see the `text/event-stream` content
 // below): every failure after authentication arrives as a `response.error`
-// event. Requires the `inference` scope.
+// event. Only a body read as a request streams: one that is not (another
+// `Content-Type` or `Content-Encoding`, malformed JSON, a field of the wrong
+// type or named twice, bytes that are not UTF-8, a body over the size limit
+// or not in within the read timeout) is answered `400`, `413` or `408` in
+// the envelope, whatever its `stream` says. Requires the `inference` scope.
 //
 // The usage is recorded durably before the reply is sent (in a stream, before
 // `response.completed`). When the gateway's database goes away at that moment,
@@ -2587,7 +2603,11 @@ type ClientWithResponsesInterface interface {
 	// JSON object carrying the rung headers. With `stream: true` the reply is
 	// always `200` with `text/event-stream` (see the `text/event-stream` content
 	// below): every failure after authentication arrives as a `response.error`
-	// event. Requires the `inference` scope.
+	// event. Only a body read as a request streams: one that is not (another
+	// `Content-Type` or `Content-Encoding`, malformed JSON, a field of the wrong
+	// type or named twice, bytes that are not UTF-8, a body over the size limit
+	// or not in within the read timeout) is answered `400`, `413` or `408` in
+	// the envelope, whatever its `stream` says. Requires the `inference` scope.
 	//
 	// The usage is recorded durably before the reply is sent (in a stream, before
 	// `response.completed`). When the gateway's database goes away at that moment,
@@ -2629,7 +2649,11 @@ type ClientWithResponsesInterface interface {
 	// JSON object carrying the rung headers. With `stream: true` the reply is
 	// always `200` with `text/event-stream` (see the `text/event-stream` content
 	// below): every failure after authentication arrives as a `response.error`
-	// event. Requires the `inference` scope.
+	// event. Only a body read as a request streams: one that is not (another
+	// `Content-Type` or `Content-Encoding`, malformed JSON, a field of the wrong
+	// type or named twice, bytes that are not UTF-8, a body over the size limit
+	// or not in within the read timeout) is answered `400`, `413` or `408` in
+	// the envelope, whatever its `stream` says. Requires the `inference` scope.
 	//
 	// The usage is recorded durably before the reply is sent (in a stream, before
 	// `response.completed`). When the gateway's database goes away at that moment,
@@ -4743,7 +4767,11 @@ func (c *ClientWithResponses) CreateChatWithResponse(ctx context.Context, body C
 // JSON object carrying the rung headers. With `stream: true` the reply is
 // always `200` with `text/event-stream` (see the `text/event-stream` content
 // below): every failure after authentication arrives as a `response.error`
-// event. Requires the `inference` scope.
+// event. Only a body read as a request streams: one that is not (another
+// `Content-Type` or `Content-Encoding`, malformed JSON, a field of the wrong
+// type or named twice, bytes that are not UTF-8, a body over the size limit
+// or not in within the read timeout) is answered `400`, `413` or `408` in
+// the envelope, whatever its `stream` says. Requires the `inference` scope.
 //
 // The usage is recorded durably before the reply is sent (in a stream, before
 // `response.completed`). When the gateway's database goes away at that moment,
@@ -4791,7 +4819,11 @@ func (c *ClientWithResponses) CreateResponseWithBodyWithResponse(ctx context.Con
 // JSON object carrying the rung headers. With `stream: true` the reply is
 // always `200` with `text/event-stream` (see the `text/event-stream` content
 // below): every failure after authentication arrives as a `response.error`
-// event. Requires the `inference` scope.
+// event. Only a body read as a request streams: one that is not (another
+// `Content-Type` or `Content-Encoding`, malformed JSON, a field of the wrong
+// type or named twice, bytes that are not UTF-8, a body over the size limit
+// or not in within the read timeout) is answered `400`, `413` or `408` in
+// the envelope, whatever its `stream` says. Requires the `inference` scope.
 //
 // The usage is recorded durably before the reply is sent (in a stream, before
 // `response.completed`). When the gateway's database goes away at that moment,
