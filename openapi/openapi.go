@@ -87,6 +87,19 @@ func jsonSchema(doc map[string]any) map[string]any {
 // openAPIOnly are OpenAPI 3.0 schema keywords with no JSON Schema meaning.
 var openAPIOnly = map[string]bool{"nullable": true, "discriminator": true, "xml": true, "externalDocs": true, "example": true}
 
+// knownFormats are the formats JSON Schema 2020-12 defines and OpenAPI's data
+// types add (int32, int64, ...), which validators that assert formats know
+// (Ajv with ajv-formats). Any other (uint64, which the document gives for the
+// code generator) is left out of the JSON Schema: such a validator refuses a
+// schema naming a format it does not know, and the type and bounds say the
+// rest.
+var knownFormats = map[string]bool{
+	"date-time": true, "date": true, "time": true, "duration": true, "email": true, "hostname": true,
+	"ipv4": true, "ipv6": true, "uri": true, "uri-reference": true, "uri-template": true, "uuid": true,
+	"json-pointer": true, "relative-json-pointer": true, "regex": true,
+	"int32": true, "int64": true, "float": true, "double": true, "byte": true, "binary": true, "password": true,
+}
+
 func translate(v any) any {
 	switch t := v.(type) {
 	case map[string]any:
@@ -98,6 +111,7 @@ func translate(v any) any {
 				out[k] = strings.Replace(ref, "#/components/schemas/", "#/$defs/", 1)
 			case openAPIOnly[k]:
 			case strings.HasPrefix(k, "x-"):
+			case k == "format" && isUnknownFormat(val):
 			default:
 				out[k] = translate(val)
 			}
@@ -120,4 +134,11 @@ func translate(v any) any {
 	default:
 		return v
 	}
+}
+
+// isUnknownFormat tells a format keyword's value that knownFormats lacks (a
+// property named format, an object, is not one).
+func isUnknownFormat(v any) bool {
+	f, ok := v.(string)
+	return ok && !knownFormats[f]
 }

@@ -39,6 +39,10 @@ func TestJSONSchemaIsDerivedFromComponents(t *testing.T) {
 	usage := defs["Usage"].(map[string]any)["properties"].(map[string]any)
 	require.Equal(t, []any{"integer", "null"}, usage["regions_activated"].(map[string]any)["type"])
 	require.NotContains(t, string(raw), "nullable")
+	rungs := defs["ResponseRequest"].(map[string]any)["properties"].(map[string]any)["max_output_rungs"].(map[string]any)
+	require.NotContains(t, rungs, "format", "uint64 is no format a validator knows")
+	require.Equal(t, "integer", rungs["type"])
+	require.Equal(t, "date-time", defs["Batch"].(map[string]any)["properties"].(map[string]any)["created_at"].(map[string]any)["format"])
 	require.NotContains(t, string(raw), "#/components/")
 
 	// Every reference resolves inside $defs.

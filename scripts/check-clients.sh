@@ -3,6 +3,7 @@
 # gateway (embedded default), fetches /openapi.json, regenerates the Go client
 # from it (it must equal the committed gen/client), generates a TypeScript
 # client with openapi-typescript, which must type-check against a usage sample,
+# compiles the served JSON Schema in Ajv and validates a reply with it,
 # and generates a Go client and server with ogen (another generator family),
 # which must compile and read a reply carrying an error code and fields newer
 # than the document.
@@ -51,6 +52,42 @@ export { request, rungs, done };
 TS
 npx --no-install tsc --noEmit --strict --skipLibCheck --target es2020 "$tmp/usage.ts"
 echo "TypeScript client from the served document: type-checks"
+
+# The JSON Schema the gateway serves compiles in Ajv as Ajv is mostly used
+# (JSON Schema 2020-12, its strict defaults, formats asserted by ajv-formats)
+# and describes what the gateway answers: a reply it sent validates, a
+# request without its prompt does not.
+curl -sf "http://127.0.0.1:$port/api/schema.json" -o "$tmp/schema.json"
+key=""
+for _ in $(seq 1 100); do
+	key=$(grep -o 'igw_[a-z0-9]*' "$tmp/dev.log" | head -1 || true)
+	[ -n "$key" ] && break
+	sleep 0.1
+done
+[ -n "$key" ] || { cat "$tmp/dev.log"; echo "gateway dev printed no key" >&2; exit 1; }
+curl -sf "http://127.0.0.1:$port/api/v1/responses" -H "Authorization: Bearer $key" \
+	-H 'Content-Type: application/json' -d '{"prompt":"hello","web_search":true}' -o "$tmp/reply.json"
+node - "$tmp/schema.json" "$tmp/reply.json" <<'JS'
+const fs = require("fs");
+const Ajv2020 = require("ajv/dist/2020").default;
+const addFormats = require("ajv-formats");
+const [schema, reply] = process.argv.slice(2).map((f) => JSON.parse(fs.readFileSync(f, "utf8")));
+const ajv = new Ajv2020();
+addFormats(ajv);
+ajv.addSchema(schema, "gateway");
+const check = (def, value, want) => {
+  const valid = ajv.validate({ $ref: `gateway#/$defs/${def}` }, value);
+  if (valid !== want) {
+    console.error(`${def} ${JSON.stringify(value).slice(0, 300)}: valid ${valid}, want ${want}`, ajv.errors);
+    process.exit(1);
+  }
+};
+check("Response", reply, true);
+check("ResponseRequest", { prompt: "hello", max_output_rungs: 100 }, true);
+check("ResponseRequest", { max_output_rungs: 100 }, false);
+check("ErrorEnvelope", { error: { code: "A_NEWER_CODE", message: "added later" } }, true);
+JS
+echo "JSON Schema served: compiles in Ajv (2020-12, strict, formats) and validates a reply"
 
 # ogen does not generate the two operations whose replies are not JSON it
 # knows (application/schema+json, text/event-stream); everything else must.

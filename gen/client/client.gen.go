@@ -910,6 +910,11 @@ type ClientInterface interface {
 	//
 	// A JSON Schema (draft 2020-12) whose `$defs` hold every request and reply
 	// payload of this document, derived from its `components.schemas`. No key needed.
+	// It names only formats that validators asserting them know (JSON Schema's own,
+	// and OpenAPI's `int32` and `int64`): this document's `uint64` is left out, the
+	// type and bounds saying the rest, so the schema compiles in Ajv's strict
+	// defaults with `ajv-formats`. Extensions (`x-…`) are left out: the error
+	// codes, an extensible set, are any string there.
 	//
 	// Corresponds with GET /api/schema.json (the `GetJSONSchema` operationId).
 	GetJSONSchema(ctx context.Context, reqEditors ...RequestEditorFn) (*http.Response, error)
@@ -1270,6 +1275,11 @@ type ClientInterface interface {
 //
 // A JSON Schema (draft 2020-12) whose `$defs` hold every request and reply
 // payload of this document, derived from its `components.schemas`. No key needed.
+// It names only formats that validators asserting them know (JSON Schema's own,
+// and OpenAPI's `int32` and `int64`): this document's `uint64` is left out, the
+// type and bounds saying the rest, so the schema compiles in Ajv's strict
+// defaults with `ajv-formats`. Extensions (`x-…`) are left out: the error
+// codes, an extensible set, are any string there.
 //
 // Corresponds with GET /api/schema.json (the `GetJSONSchema` operationId).
 func (c *Client) GetJSONSchema(ctx context.Context, reqEditors ...RequestEditorFn) (*http.Response, error) {
@@ -2388,6 +2398,11 @@ type ClientWithResponsesInterface interface {
 	//
 	// A JSON Schema (draft 2020-12) whose `$defs` hold every request and reply
 	// payload of this document, derived from its `components.schemas`. No key needed.
+	// It names only formats that validators asserting them know (JSON Schema's own,
+	// and OpenAPI's `int32` and `int64`): this document's `uint64` is left out, the
+	// type and bounds saying the rest, so the schema compiles in Ajv's strict
+	// defaults with `ajv-formats`. Extensions (`x-…`) are left out: the error
+	// codes, an extensible set, are any string there.
 	//
 	// Returns a wrapper object for the known response body format(s).
 	//
@@ -4498,6 +4513,11 @@ func (r GetReadinessResponse) ContentType() string {
 //
 // A JSON Schema (draft 2020-12) whose `$defs` hold every request and reply
 // payload of this document, derived from its `components.schemas`. No key needed.
+// It names only formats that validators asserting them know (JSON Schema's own,
+// and OpenAPI's `int32` and `int64`): this document's `uint64` is left out, the
+// type and bounds saying the rest, so the schema compiles in Ajv's strict
+// defaults with `ajv-formats`. Extensions (`x-…`) are left out: the error
+// codes, an extensible set, are any string there.
 //
 // Returns a wrapper object for the known response body format(s).
 //
