@@ -374,7 +374,7 @@ type Error struct {
 	// the reply's HTTP status, and one in a batch item or a stream's
 	// `response.error` as that item's or stream's failure. So the known codes are
 	// listed in `x-extensible-enum`, not `enum`: a client generated with enum
-	// validation (ogen, Java or Rust generators) still reads a reply carrying a
+	// validation (ogen's; many Java and Rust generators') still reads a reply carrying a
 	// code newer than its document. A code is never removed or given another
 	// meaning.
 	Code ErrorCode `json:"code"`
@@ -402,7 +402,7 @@ type Error struct {
 // the reply's HTTP status, and one in a batch item or a stream's
 // `response.error` as that item's or stream's failure. So the known codes are
 // listed in `x-extensible-enum`, not `enum`: a client generated with enum
-// validation (ogen, Java or Rust generators) still reads a reply carrying a
+// validation (ogen's; many Java and Rust generators') still reads a reply carrying a
 // code newer than its document. A code is never removed or given another
 // meaning.
 type ErrorCode = string
