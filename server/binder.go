@@ -46,6 +46,12 @@ func (jsonBinder) Bind(i any, c echo.Context) error {
 	}
 	// The body is in: later reads (a stream's client going away) have no deadline.
 	_ = http.NewResponseController(c.Response()).SetReadDeadline(time.Time{})
+	if bytes.HasPrefix(body, byteOrderMark) {
+		// RFC 8259 lets a parser ignore it, and some clients write one
+		// (Windows PowerShell's UTF-8): read as whitespace, so that the
+		// offsets of later refusals still count the client's bytes.
+		copy(body, "   ")
+	}
 	switch trimmed := bytes.TrimSpace(body); {
 	case len(trimmed) == 0:
 		return gateway.Errorf(gateway.EInvalidRequest, "a JSON body is required")
@@ -67,6 +73,9 @@ func (jsonBinder) Bind(i any, c echo.Context) error {
 	}
 	return nil
 }
+
+// byteOrderMark is UTF-8's byte order mark, U+FEFF.
+var byteOrderMark = []byte{0xEF, 0xBB, 0xBF}
 
 // batchItems is the field of a batch's body that holds its items.
 const batchItems = "requests"

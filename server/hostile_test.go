@@ -110,6 +110,31 @@ func TestBodyMustBeUTF8(t *testing.T) {
 	require.Equal(t, http.StatusOK, r.status, string(r.body))
 }
 
+// TestAByteOrderMarkIsIgnored: a body that begins with UTF-8's byte order
+// mark (RFC 8259 lets a parser ignore it; Windows PowerShell writes one) is
+// read as the JSON after it, on every path, and a refusal's offset still
+// counts the mark's bytes.
+func TestAByteOrderMarkIsIgnored(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	post := func(path, body string) reply {
+		return b.do(http.MethodPost, path, b.key, "application/json", []byte("\xef\xbb\xbf"+body))
+	}
+	r := post("/api/v1/responses", `{"prompt":"hi"}`)
+	require.Equal(t, http.StatusOK, r.status, string(r.body))
+	var res api.Response
+	require.NoError(t, json.Unmarshal(r.body, &res))
+	require.Equal(t, "answer to hi", res.Content)
+	require.Equal(t, http.StatusAccepted, post("/api/v1/batch", `{"requests":[{"prompt":"hi"}]}`).status)
+
+	r = post("/api/v1/responses", `{"prompt":}`)
+	require.Equal(t, http.StatusBadRequest, r.status)
+	require.Equal(t, "malformed JSON at byte 14", r.message(t), "the mark's three bytes are counted")
+	r = post("/api/v1/responses", "")
+	require.Equal(t, http.StatusBadRequest, r.status)
+	require.Equal(t, "a JSON body is required", r.message(t))
+}
+
 func TestIdempotencyKeyMustBePrintableASCII(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)

@@ -481,8 +481,9 @@ type ResponseModel string
 // silently (RFC 8259 leaves the choice to each parser). `null` for an
 // optional field means absent. No string field may hold U+0000
 // (`400 INVALID_REQUEST` naming the field). The body is UTF-8 JSON
-// (`Content-Type: application/json`, with no charset or `charset=utf-8`):
-// a byte that is not UTF-8 (a string cut inside a character, Latin-1
+// (`Content-Type: application/json`, with no charset or `charset=utf-8`;
+// a byte order mark before it, which RFC 8259 lets a parser ignore, is
+// ignored): a byte that is not UTF-8 (a string cut inside a character, Latin-1
 // text) is `400 INVALID_REQUEST` naming the first one, its field and
 // place (`field "prompt" is not valid UTF-8 (byte 14 of the body)`),
 // rather than replaced. An escaped lone surrogate (`\ud83c` without its
@@ -783,8 +784,9 @@ type Unauthorized = ErrorEnvelope
 // silently (RFC 8259 leaves the choice to each parser). `null` for an
 // optional field means absent. No string field may hold U+0000
 // (`400 INVALID_REQUEST` naming the field). The body is UTF-8 JSON
-// (`Content-Type: application/json`, with no charset or `charset=utf-8`):
-// a byte that is not UTF-8 (a string cut inside a character, Latin-1
+// (`Content-Type: application/json`, with no charset or `charset=utf-8`;
+// a byte order mark before it, which RFC 8259 lets a parser ignore, is
+// ignored): a byte that is not UTF-8 (a string cut inside a character, Latin-1
 // text) is `400 INVALID_REQUEST` naming the first one, its field and
 // place (`field "prompt" is not valid UTF-8 (byte 14 of the body)`),
 // rather than replaced. An escaped lone surrogate (`\ud83c` without its
