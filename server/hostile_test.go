@@ -69,9 +69,6 @@ func TestNULIsRefusedOnEveryPath(t *testing.T) {
 func TestBodyMustBeUTF8(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
-	post := func(path, body string) reply {
-		return b.do(http.MethodPost, path, b.key, "application/json", []byte(body))
-	}
 	for body, message := range map[string]string{
 		"{\"prompt\":\"ab\xffcd\"}":                                        `field "prompt" is not valid UTF-8 (byte 14 of the body)`,
 		"{\"prompt\":\"cut short \xe2\x82\"}":                              `field "prompt" is not valid UTF-8 (byte 22 of the body)`,
@@ -80,19 +77,19 @@ func TestBodyMustBeUTF8(t *testing.T) {
 		"{\"prompt\":\"fine\",\"\xfe\":1}":                                 `the body is not valid UTF-8 (byte 19)`,
 	} {
 		for _, path := range []string{"/api/v1/responses", "/api/v1/chat"} {
-			r := post(path, body)
+			r := b.postRaw(path, body)
 			require.Equal(t, http.StatusBadRequest, r.status, "%s %q", path, body)
 			require.Equal(t, gateway.EInvalidRequest, r.errorCode(t))
 			require.Equal(t, message, r.message(t))
 		}
 	}
 
-	r := post("/api/v1/batch", "{\"requests\":[{\"prompt\":\"ok\"},{\"prompt\":\"fine\"},{\"prompt\":\"caf\xe9\"}]}")
+	r := b.postRaw("/api/v1/batch", "{\"requests\":[{\"prompt\":\"ok\"},{\"prompt\":\"fine\"},{\"prompt\":\"caf\xe9\"}]}")
 	require.Equal(t, http.StatusBadRequest, r.status)
 	require.Equal(t, gateway.EInvalidRequest, r.errorCode(t))
 	require.Equal(t, `requests[2]: field "prompt" is not valid UTF-8 (byte 62 of the body)`, r.message(t))
 	require.Equal(t, "2", r.header.Get("x-service-batch-index"))
-	r = post("/api/v1/batch", "{\"requests\":[{\"prompt\":\"ok\",\"\x80\":1}]}")
+	r = b.postRaw("/api/v1/batch", "{\"requests\":[{\"prompt\":\"ok\",\"\x80\":1}]}")
 	require.Equal(t, http.StatusBadRequest, r.status)
 	require.Equal(t, `requests[0]: the body is not valid UTF-8 (byte 30)`, r.message(t))
 	require.Equal(t, "0", r.header.Get("x-service-batch-index"))
@@ -101,12 +98,12 @@ func TestBodyMustBeUTF8(t *testing.T) {
 	require.NoError(t, json.Unmarshal(b.do(http.MethodGet, "/api/v1/batches", b.key, "", nil).body, &batches))
 	require.Empty(t, batches.Data, "nothing was stored")
 
-	r = post("/api/v1/responses", `{"prompt":"caf\u00e9 \ud83c\udf0d, half \ud83c!","custom_instructions":"na\u00efve"}`)
+	r = b.postRaw("/api/v1/responses", `{"prompt":"caf\u00e9 \ud83c\udf0d, half \ud83c!","custom_instructions":"na\u00efve"}`)
 	require.Equal(t, http.StatusOK, r.status, string(r.body))
 	var res api.Response
 	require.NoError(t, json.Unmarshal(r.body, &res))
 	require.Equal(t, "answer to café 🌍, half \uFFFD!", res.Content, "a lone surrogate's escape is U+FFFD")
-	r = post("/api/v1/responses", `{"prompt":"café naïve 🌍"}`)
+	r = b.postRaw("/api/v1/responses", `{"prompt":"café naïve 🌍"}`)
 	require.Equal(t, http.StatusOK, r.status, string(r.body))
 }
 
@@ -117,9 +114,7 @@ func TestBodyMustBeUTF8(t *testing.T) {
 func TestAByteOrderMarkIsIgnored(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
-	post := func(path, body string) reply {
-		return b.do(http.MethodPost, path, b.key, "application/json", []byte("\xef\xbb\xbf"+body))
-	}
+	post := func(path, body string) reply { return b.postRaw(path, "\xef\xbb\xbf"+body) }
 	r := post("/api/v1/responses", `{"prompt":"hi"}`)
 	require.Equal(t, http.StatusOK, r.status, string(r.body))
 	var res api.Response
@@ -234,28 +229,25 @@ func TestFieldNamesMatchExactly(t *testing.T) {
 func TestFieldNamedTwiceIsRefused(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
-	post := func(path, body string) reply {
-		return b.do(http.MethodPost, path, b.key, "application/json", []byte(body))
-	}
 	for body, field := range map[string]string{
 		`{"prompt":"checked","prompt":"smuggled"}`:                    "prompt",
 		`{"prompt":"checked","pro\u006dpt":"smuggled"}`:               "prompt",
 		`{"prompt":"hi","max_output_rungs":10,"max_output_rungs":20}`: "max_output_rungs",
 		`{"prompt":"hi","stream":true,"stream":false}`:                "stream",
 	} {
-		r := post("/api/v1/responses", body)
+		r := b.postRaw("/api/v1/responses", body)
 		require.Equal(t, http.StatusBadRequest, r.status, body)
 		require.Equal(t, gateway.EInvalidRequest, r.errorCode(t))
 		require.Equal(t, fmt.Sprintf("field %q appears more than once in one object; name each field once", field), r.message(t))
 	}
-	r := post("/api/v1/batch", `{"requests":[{"prompt":"a"},{"prompt":"b","model":"instant","model":"reasoning"}]}`)
+	r := b.postRaw("/api/v1/batch", `{"requests":[{"prompt":"a"},{"prompt":"b","model":"instant","model":"reasoning"}]}`)
 	require.Equal(t, http.StatusBadRequest, r.status)
 	require.Contains(t, r.message(t), `field "model" appears more than once`)
 	require.Zero(t, b.upstream.callCount(), "nothing reached the upstream")
 
-	r = post("/api/v1/batch", `{"requests":[{"prompt":"a","model":"instant"},{"prompt":"b","model":"instant"}]}`)
+	r = b.postRaw("/api/v1/batch", `{"requests":[{"prompt":"a","model":"instant"},{"prompt":"b","model":"instant"}]}`)
 	require.Equal(t, http.StatusAccepted, r.status, "one name in two objects")
-	r = post("/api/v1/responses", `{"prompt":"hi","PROMPT":"x","PROMPT":"y","note":1,"note":2}`)
+	r = b.postRaw("/api/v1/responses", `{"prompt":"hi","PROMPT":"x","PROMPT":"y","note":1,"note":2}`)
 	require.Equal(t, http.StatusOK, r.status, "unknown keys are ignored, twice or not")
 }
 

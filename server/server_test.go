@@ -323,6 +323,12 @@ func (b *testBundle) do(method, path, key, contentType string, body []byte) repl
 	return b.doWith(method, path, key, contentType, body, nil)
 }
 
+// postRaw posts body, bytes as they are, as JSON with the bundle's key.
+func (b *testBundle) postRaw(path, body string) reply {
+	b.t.Helper()
+	return b.do(http.MethodPost, path, b.key, "application/json", []byte(body))
+}
+
 // outside sends a request without a body or a key and returns the reply's
 // head, unchecked against the OpenAPI document: for a method or path the
 // document does not declare.

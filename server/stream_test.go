@@ -133,7 +133,7 @@ func TestABodyThatDoesNotDecodeIsNoStream(t *testing.T) {
 		`{"prompt":"p","stream":true,"model":"instant","model":"reasoning"}`,
 		"{\"prompt\":\"caf\xe9\",\"stream\":true}",
 	} {
-		r := b.do(http.MethodPost, "/api/v1/responses", b.key, "application/json", []byte(body))
+		r := b.postRaw("/api/v1/responses", body)
 		require.Equal(t, http.StatusBadRequest, r.status, body)
 		require.Equal(t, "application/json", r.header.Get("Content-Type"), body)
 		require.Equal(t, gateway.EInvalidRequest, r.errorCode(t), body)
