@@ -213,6 +213,13 @@ func TestUsageViewParameters(t *testing.T) {
 	require.Equal(t, "2026-01-01T00:00:01Z", period["end"])
 	r = b.do(http.MethodGet, "/api/v1/usage?start=2026-01-01T00:00:00.0000001Z&end=2026-01-01T00:00:00.0000009Z", b.key, "", nil)
 	require.Equal(t, http.StatusBadRequest, r.status)
+
+	// A date alone is its midnight, UTC.
+	r = b.do(http.MethodGet, "/api/v1/usage?start=2026-01-01&end=2026-01-03", b.key, "", nil)
+	require.Equal(t, http.StatusOK, r.status)
+	period = r.json(t)["period"].(map[string]any)
+	require.Equal(t, "2026-01-01T00:00:00Z", period["start"])
+	require.Equal(t, "2026-01-03T00:00:00Z", period["end"])
 }
 
 // TestUsageViewPastTheRequestRetention: an end of the usage period older

@@ -813,13 +813,15 @@ type ListBatchesParams struct {
 
 // GetUsageParams defines parameters for GetUsage.
 type GetUsageParams struct {
-	// Start Start of the period (inclusive), RFC 3339. Default the start of the current UTC day.
+	// Start Start of the period (inclusive), RFC 3339 (a date alone, `2026-12-01`, is its
+	// midnight UTC). Default the start of the current UTC day.
 	// Times count to the microsecond, the precision usage is stored with: a finer
 	// fraction is cut, and `period` in the reply is the period counted.
 	// Older than the request retention (see above), a whole hour.
 	Start *time.Time `form:"start,omitempty" json:"start,omitempty"`
 
-	// End End of the period (exclusive), RFC 3339. Default the start of the next UTC day.
+	// End End of the period (exclusive), RFC 3339 (a date alone is its midnight UTC).
+	// Default the start of the next UTC day.
 	// Cut to the microsecond as `start` is; it must then be after `start`.
 	// Older than the request retention, a whole hour.
 	End *time.Time `form:"end,omitempty" json:"end,omitempty"`
