@@ -189,6 +189,32 @@ func TestUsageViewBilledDisconnect(t *testing.T) {
 	}, 10*time.Second, 20*time.Millisecond, "the output before the disconnect is billed and reconciled")
 }
 
+// TestAResponseSentAgainRunsAgain: the responses routes take no
+// Idempotency-Key (the document's "Retrying a response"): a request sent
+// again with the same key runs again and is billed again, and the usage view
+// shows both.
+func TestAResponseSentAgainRunsAgain(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	header := http.Header{"Idempotency-Key": {"retry-1"}}
+	var ids []uuid.UUID
+	var want int64
+	for range 2 {
+		r := b.postWith("/api/v1/responses", b.key, map[string]any{"prompt": "same"}, header)
+		require.Equal(t, http.StatusOK, r.status, string(r.body))
+		require.Empty(t, r.header.Get("Idempotent-Replayed"))
+		var resp api.Response
+		require.NoError(t, json.Unmarshal(r.body, &resp))
+		ids = append(ids, resp.RequestId)
+		want += resp.Usage.TotalRungs
+	}
+	require.NotEqual(t, ids[0], ids[1], "each ran")
+	require.Equal(t, 2, b.upstream.callCount(), "both reached the upstream")
+	v := b.usage(t, b.key)
+	require.Equal(t, int64(2), v.Totals.Requests)
+	require.Equal(t, want, v.Totals.TotalRungs, "both billed")
+}
+
 func TestUsageViewParameters(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
