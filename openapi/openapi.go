@@ -53,7 +53,9 @@ func JSON() ([]byte, error) {
 
 // JSONSchema returns a JSON Schema (draft 2020-12) whose $defs are the document's
 // components.schemas translated from OpenAPI 3.0: nullable becomes a "null"
-// type, references point into $defs, and OpenAPI-only keywords are dropped.
+// type, references point into $defs, an x-extensible-enum's values (the
+// error codes, a set that grows) become examples, which constrain nothing,
+// and OpenAPI-only keywords are dropped.
 func JSONSchema() ([]byte, error) {
 	parseOnce.Do(parse)
 	return schema, parseErr
@@ -118,6 +120,9 @@ func translate(v any) any {
 		}
 		if ex, ok := t["example"]; ok {
 			out["examples"] = []any{ex}
+		}
+		if values, ok := t["x-extensible-enum"].([]any); ok {
+			out["examples"] = values
 		}
 		if nullable, _ := t["nullable"].(bool); nullable {
 			if typ, ok := t["type"].(string); ok {

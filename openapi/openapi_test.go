@@ -44,6 +44,9 @@ func TestJSONSchemaIsDerivedFromComponents(t *testing.T) {
 	require.Equal(t, "integer", rungs["type"])
 	require.Equal(t, "date-time", defs["Batch"].(map[string]any)["properties"].(map[string]any)["created_at"].(map[string]any)["format"])
 	require.NotContains(t, string(raw), "#/components/")
+	codes := defs["ErrorCode"].(map[string]any)
+	require.NotContains(t, codes, "enum", "a code newer than the document still validates")
+	require.Equal(t, components["ErrorCode"].(map[string]any)["x-extensible-enum"], codes["examples"], "the codes are named")
 
 	// Every reference resolves inside $defs.
 	for _, part := range strings.Split(string(raw), `"#/$defs/`)[1:] {

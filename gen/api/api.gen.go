@@ -375,8 +375,8 @@ type Error struct {
 	// `response.error` as that item's or stream's failure. So the known codes are
 	// listed in `x-extensible-enum`, not `enum`: a client generated with enum
 	// validation (ogen's; many Java and Rust generators') still reads a reply carrying a
-	// code newer than its document. A code is never removed or given another
-	// meaning.
+	// code newer than its document (the JSON Schema at `/api/schema.json` gives
+	// them as `examples`). A code is never removed or given another meaning.
 	Code ErrorCode `json:"code"`
 
 	// Message For humans; may change between releases.
@@ -403,8 +403,8 @@ type Error struct {
 // `response.error` as that item's or stream's failure. So the known codes are
 // listed in `x-extensible-enum`, not `enum`: a client generated with enum
 // validation (ogen's; many Java and Rust generators') still reads a reply carrying a
-// code newer than its document. A code is never removed or given another
-// meaning.
+// code newer than its document (the JSON Schema at `/api/schema.json` gives
+// them as `examples`). A code is never removed or given another meaning.
 type ErrorCode = string
 
 // ErrorEnvelope The body of every non-streaming error, and the data of the `response.error` event.
