@@ -184,7 +184,10 @@ func TestCORS(t *testing.T) {
 	on := setupWith(t, options{server: func(c *server.Config) { c.CORSOrigins = []string{"https://app.example.com"} }})
 	h := preflight(on)
 	require.Equal(t, "https://app.example.com", h.Get("Access-Control-Allow-Origin"))
-	require.Contains(t, h.Get("Access-Control-Allow-Headers"), "Authorization")
+	allowed := strings.Split(strings.ToLower(h.Get("Access-Control-Allow-Headers")), ",")
+	for _, name := range []string{"authorization", "content-type", "idempotency-key", "x-request-id", "traceparent", "tracestate"} {
+		require.Contains(t, allowed, name, "every request header the document names, a browser's trace context too")
+	}
 }
 
 // TestOneRequestID: without an X-Request-Id from the client, the reply's header

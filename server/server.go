@@ -279,7 +279,7 @@ func New(cfg Config) (*Server, error) {
 		s.echo.Use(middleware.CORSWithConfig(middleware.CORSConfig{
 			AllowOrigins:  cfg.CORSOrigins,
 			AllowMethods:  []string{http.MethodGet, http.MethodPost},
-			AllowHeaders:  []string{"Authorization", "Content-Type", "Idempotency-Key", RequestIDHeader},
+			AllowHeaders:  []string{"Authorization", "Content-Type", "Idempotency-Key", RequestIDHeader, "traceparent", "tracestate"},
 			ExposeHeaders: []string{"x-service-input-rungs", "x-service-output-rungs", "x-service-total-rungs", "x-ratelimit-limit", "x-ratelimit-remaining", "Retry-After", "x-service-batch-index", "Idempotent-Replayed", RequestIDHeader},
 			MaxAge:        600,
 		}))
