@@ -88,7 +88,11 @@ type Request struct {
 
 // RequestInput is a request as the caller sent it, before validation.
 type RequestInput struct {
-	Prompt             string
+	Prompt string
+	// Misplaced names the field that holds the text of a request sent in
+	// another API's shape (`messages`, `input`) without a prompt, for the
+	// refusal to name it.
+	Misplaced          string
 	Model              *string
 	MaxOutputRungs     *uint64
 	IncludeRegions     bool
@@ -118,6 +122,9 @@ func Validate(in RequestInput, catalog Catalog) (Request, error) {
 		if strings.IndexByte(f.value, 0) >= 0 {
 			return Request{}, Errorf(EInvalidRequest, "field %q must not contain the character U+0000", f.name)
 		}
+	}
+	if in.Prompt == "" && in.Misplaced != "" {
+		return Request{}, Errorf(EEmptyPrompt, "prompt must be a non-empty string: this API takes the text in %q, and does not read %q", "prompt", in.Misplaced)
 	}
 	if in.Prompt == "" {
 		return Request{}, Errorf(EEmptyPrompt, "prompt must be a non-empty string")

@@ -17,7 +17,7 @@ const DefaultBatchListLimit = 50
 func (s *Server) CreateBatch(ctx context.Context, req api.CreateBatchRequestObject) (api.CreateBatchResponseObject, error) {
 	items := make([]gateway.RequestInput, len(req.Body.Requests))
 	for i := range req.Body.Requests {
-		items[i] = requestInput(&req.Body.Requests[i])
+		items[i] = requestInput(&req.Body.Requests[i], misplacedText(ctx, i))
 	}
 	var key string
 	if req.Params.IdempotencyKey != nil {

@@ -71,6 +71,7 @@ func (jsonBinder) Bind(i any, c echo.Context) error {
 			return gateway.Errorf(gateway.EInvalidRequest, "field %q appears more than once in one object; name each field once", twice)
 		})
 	}
+	noteMisplacedText(c, i, body)
 	return nil
 }
 

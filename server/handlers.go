@@ -73,7 +73,7 @@ func (s *Server) respond(ctx context.Context, entry gateway.EntryPoint, body *ap
 // admits it (daily charge, budget reservation). A call refused at admission is
 // returned with the error, for a stream to report its estimate.
 func (s *Server) admit(ctx context.Context, entry gateway.EntryPoint, body *api.ResponseRequest) (*inference.Call, error) {
-	call, err := s.prepare(ctx, entry, requestInput(body))
+	call, err := s.prepare(ctx, entry, requestInput(body, misplacedText(ctx, 0)))
 	if err != nil {
 		return nil, err
 	}
@@ -218,9 +218,12 @@ func (r rawJSON) VisitGetOpenAPIResponse(w http.ResponseWriter) error { return r
 // VisitGetJSONSchemaResponse implements api.GetJSONSchemaResponseObject.
 func (r rawJSON) VisitGetJSONSchemaResponse(w http.ResponseWriter) error { return r.write(w) }
 
-func requestInput(b *api.ResponseRequest) gateway.RequestInput {
+// requestInput is the request b; misplaced, the field of another API's
+// request shape that holds its text (see noteMisplacedText), if any.
+func requestInput(b *api.ResponseRequest, misplaced string) gateway.RequestInput {
 	in := gateway.RequestInput{
 		Prompt:         b.Prompt,
+		Misplaced:      misplaced,
 		Model:          b.Model,
 		MaxOutputRungs: b.MaxOutputRungs,
 		IncludeRegions: deref(b.IncludeRegions),

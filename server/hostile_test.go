@@ -398,3 +398,47 @@ func TestMetricsCannotBeGrownByCallers(t *testing.T) {
 	}
 	require.Equal(t, 1, series)
 }
+
+// TestARequestInAnotherAPIsShapeIsNamed: a body that holds its text under
+// Chat Completions' `messages` or the Responses API's `input`, with no
+// prompt, is refused EMPTY_PROMPT as any empty prompt is, on every path,
+// with a message that says where the text goes; nothing reaches the upstream.
+func TestARequestInAnotherAPIsShapeIsNamed(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	messages := []any{map[string]any{"role": "user", "content": "hi"}}
+	const hint = `this API takes the text in "prompt", and does not read`
+
+	r := b.post("/api/v1/chat", b.key, map[string]any{"model": "instant", "messages": messages})
+	require.Equal(t, http.StatusBadRequest, r.status)
+	require.Equal(t, gateway.EEmptyPrompt, r.errorCode(t))
+	require.Contains(t, r.message(t), hint+` "messages"`)
+
+	r = b.post("/api/v1/responses", b.key, map[string]any{"input": "hi"})
+	require.Equal(t, gateway.EEmptyPrompt, r.errorCode(t))
+	require.Contains(t, r.message(t), hint+` "input"`)
+
+	_, s := b.stream("/api/v1/responses", map[string]any{"messages": messages})
+	require.Len(t, s.Events, 1)
+	var env api.ErrorEnvelope
+	s.Events[0].Decode(t, &env)
+	require.Equal(t, "EMPTY_PROMPT", env.Error.Code)
+	require.Contains(t, env.Error.Message, hint+` "messages"`, "a stream's refusal says so too")
+
+	r = b.post("/api/v1/batch", b.key, map[string]any{"requests": []any{
+		map[string]any{"prompt": "fine", "messages": messages},
+		map[string]any{"input": []any{map[string]any{"role": "user", "content": "hi"}}},
+	}})
+	require.Equal(t, http.StatusBadRequest, r.status)
+	require.Equal(t, gateway.EEmptyPrompt, r.errorCode(t))
+	require.Equal(t, "1", r.header.Get("x-service-batch-index"), "a prompt beside messages is read; the item without one is named")
+	require.Contains(t, r.message(t), `requests[1]: prompt must be a non-empty string: `+hint+` "input"`)
+
+	// An empty prompt alone, or beside a null, is refused as before.
+	for _, body := range []map[string]any{{"prompt": ""}, {"input": nil}} {
+		r = b.post("/api/v1/responses", b.key, body)
+		require.Equal(t, gateway.EEmptyPrompt, r.errorCode(t))
+		require.Equal(t, "prompt must be a non-empty string", r.message(t))
+	}
+	require.Zero(t, b.upstream.callCount())
+}

@@ -529,6 +529,11 @@ type ResponseRequest struct {
 	// (`PROMPT_TOO_LARGE`). `maxLength` counts characters, as JSON Schema does,
 	// so a client-side check against it lets through prompts of many-byte
 	// characters that the server refuses: the server's byte count decides.
+	// The text goes here alone: a body in another API's shape, its text in
+	// `messages` (Chat Completions) or `input` (OpenAI's Responses API)
+	// and no `prompt`, is refused `EMPTY_PROMPT` with a message naming
+	// that field (`prompt must be a non-empty string: this API takes the
+	// text in "prompt", and does not read "messages"`).
 	Prompt string `json:"prompt"`
 
 	// Stream Enables server-sent event streaming on the same route. Ignored in batch items.
