@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"slices"
 
 	"github.com/labstack/echo/v4"
 
@@ -26,6 +27,7 @@ type misplacedKey struct{}
 // requestInput to carry to validation. It reads body again only when a
 // prompt is empty.
 func noteMisplacedText(c echo.Context, v any, body []byte) {
+	var requests []api.ResponseRequest
 	var objects []map[string]json.RawMessage
 	switch v := v.(type) {
 	case *api.ResponseRequest:
@@ -36,24 +38,27 @@ func noteMisplacedText(c echo.Context, v any, body []byte) {
 		if json.Unmarshal(body, &object) != nil {
 			return
 		}
-		objects = append(objects, object)
+		requests, objects = []api.ResponseRequest{*v}, []map[string]json.RawMessage{object}
 	case *api.BatchRequest:
-		if !hasEmptyPrompt(v.Requests) {
+		if !slices.ContainsFunc(v.Requests, func(r api.ResponseRequest) bool { return r.Prompt == "" }) {
 			return
 		}
 		var batch struct {
 			Requests []map[string]json.RawMessage `json:"requests"`
 		}
-		if json.Unmarshal(body, &batch) != nil {
+		if json.Unmarshal(body, &batch) != nil || len(batch.Requests) != len(v.Requests) {
 			return
 		}
-		objects = batch.Requests
+		requests, objects = v.Requests, batch.Requests
 	default:
 		return
 	}
 	names := make([]string, len(objects))
 	found := false
 	for i, object := range objects {
+		if requests[i].Prompt != "" {
+			continue
+		}
 		for _, name := range otherAPIFields {
 			if value, ok := object[name]; ok && !bytes.Equal(bytes.TrimSpace(value), []byte("null")) {
 				names[i], found = name, true
@@ -65,15 +70,6 @@ func noteMisplacedText(c echo.Context, v any, body []byte) {
 		r := c.Request()
 		c.SetRequest(r.WithContext(context.WithValue(r.Context(), misplacedKey{}, names)))
 	}
-}
-
-func hasEmptyPrompt(items []api.ResponseRequest) bool {
-	for i := range items {
-		if items[i].Prompt == "" {
-			return true
-		}
-	}
-	return false
 }
 
 // misplacedText is the field of otherAPIFields that request index of the
