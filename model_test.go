@@ -50,6 +50,8 @@ func TestValidate(t *testing.T) {
 		{name: "prompt over limit", in: gateway.RequestInput{Prompt: strings.Repeat("a", 100001)}, wantCode: gateway.EPromptTooLarge},
 		{name: "multibyte prompt over limit in bytes", in: gateway.RequestInput{Prompt: strings.Repeat("é", 50001)}, wantCode: gateway.EPromptTooLarge},
 		{name: "empty prompt wins over bad model", in: gateway.RequestInput{Model: ptr("nope")}, wantCode: gateway.EEmptyPrompt},
+		{name: "text in another field", in: gateway.RequestInput{Misplaced: "messages"}, wantCode: gateway.EEmptyPrompt},
+		{name: "a prompt beside another field", in: gateway.RequestInput{Prompt: "p", Misplaced: "messages"}, wantModel: gateway.ModelInstant, wantMax: 32000},
 		{name: "bad model", in: gateway.RequestInput{Prompt: "p", Model: ptr("nope")}, wantCode: gateway.EInvalidModel},
 		{name: "alias", in: gateway.RequestInput{Prompt: "p", Model: ptr(" Think ")}, wantModel: gateway.ModelReasoning, wantMax: 64000, explicit: true},
 		{name: "auto instant", in: gateway.RequestInput{Prompt: "p"}, wantModel: gateway.ModelInstant, wantMax: 32000},
