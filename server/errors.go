@@ -73,6 +73,11 @@ func (s *Server) handleError(err error, c echo.Context) {
 		panic(http.ErrAbortHandler)
 	}
 	e := s.domainError(err)
+	if e.Code == gateway.ENotFound {
+		if near := s.pathTemplates.near(c.Request().Method, c.Request().URL.Path); near != "" {
+			e = gateway.Errorf(gateway.ENotFound, "no such route; did you mean %s?", near)
+		}
+	}
 	if x := exchangeFrom(c.Request().Context()); x != nil {
 		x.errorCode = e.Code
 	}

@@ -194,6 +194,7 @@ type Server struct {
 	unavailable        func(error) bool
 	trustedProxies     []netip.Prefix
 	paramForms         map[string]string
+	pathTemplates      routeTemplates
 	// routes are the route templates served, the only route label values.
 	routes  map[string]bool
 	openAPI []byte
@@ -260,6 +261,7 @@ func New(cfg Config) (*Server, error) {
 		unavailable:        cfg.Unavailable,
 		trustedProxies:     cfg.TrustedProxies,
 		paramForms:         paramForms,
+		pathTemplates:      newRouteTemplates(policies),
 		openAPI:            doc,
 		schema:             schema,
 		turns:              turnstile.New(cmp.Or(cfg.TurnPlaces, DefaultTurnPlaces())),

@@ -683,9 +683,27 @@ func TestUnknownRouteAndMethod(t *testing.T) {
 		r := b.do(http.MethodGet, path, b.key, "", nil)
 		require.Equal(t, http.StatusNotFound, r.status, path)
 		require.Equal(t, gateway.ENotFound, r.errorCode(t), path)
+		require.Equal(t, "no such route", r.message(t), "%s is near no route that GET serves", path)
 	}
 	r := b.do(http.MethodPost, "/api/v1/batch//cancel", b.key, "", nil)
 	require.Equal(t, http.StatusNotFound, r.status)
+
+	// A route but for a trailing slash or the letter case is named.
+	for path, want := range map[string]string{
+		"POST /api/v1/responses/":        "/api/v1/responses",
+		"POST /API/V1/Chat//":            "/api/v1/chat",
+		"POST /api/v1/batch/":            "/api/v1/batch",
+		"GET /api/v1/Batch/abc/Results":  "/api/v1/batch/{batch_id}/results",
+		"HEAD /ReadyZ":                   "/readyz",
+		"POST /api/v1/batch/abc/cancel/": "/api/v1/batch/{batch_id}/cancel",
+	} {
+		method, target, _ := strings.Cut(path, " ")
+		r := b.do(method, target, b.key, "application/json", []byte(`{"prompt":"p"}`))
+		require.Equal(t, http.StatusNotFound, r.status, path)
+		if method != http.MethodHead {
+			require.Equal(t, "no such route; did you mean "+want+"?", r.message(t), path)
+		}
+	}
 
 	require.Equal(t, http.StatusMethodNotAllowed, b.outside(http.MethodDelete, "/api/v1/responses").StatusCode)
 }
