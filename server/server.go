@@ -194,7 +194,9 @@ type Server struct {
 	unavailable        func(error) bool
 	trustedProxies     []netip.Prefix
 	paramForms         map[string]string
-	pathTemplates      routeTemplates
+	// pathTemplates are the document's operations, for a 404 to name the
+	// route a path nearly is.
+	pathTemplates routeTemplates
 	// routes are the route templates served, the only route label values.
 	routes  map[string]bool
 	openAPI []byte
