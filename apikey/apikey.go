@@ -6,7 +6,6 @@ package apikey
 import (
 	"crypto/rand"
 	"crypto/sha256"
-	"crypto/subtle"
 	"encoding/base32"
 	"errors"
 	"strings"
@@ -60,9 +59,4 @@ func Parse(token string) (prefix string, err error) {
 func Hash(token string) []byte {
 	sum := sha256.Sum256([]byte(token))
 	return sum[:]
-}
-
-// Matches compares token with a stored hash in constant time.
-func Matches(token string, stored []byte) bool {
-	return subtle.ConstantTimeCompare(Hash(token), stored) == 1
 }
