@@ -679,7 +679,7 @@ func TestUnknownRouteAndMethod(t *testing.T) {
 	b := setup(t, nil)
 	// An empty path segment where a parameter goes is no route either, as a
 	// missing last one is.
-	for _, path := range []string{"/api/v2/nothing", "/api/v1/batch/", "/api/v1/batch//results", "/api/v1/responses//sources"} {
+	for _, path := range []string{"/api/v2/nothing", "/api/v1/batch/", "/api/v1/batch//results", "/api/v1/responses//sources", "/api/v1/sources/a/b"} {
 		r := b.do(http.MethodGet, path, b.key, "", nil)
 		require.Equal(t, http.StatusNotFound, r.status, path)
 		require.Equal(t, gateway.ENotFound, r.errorCode(t), path)
@@ -690,11 +690,13 @@ func TestUnknownRouteAndMethod(t *testing.T) {
 
 	// A route but for a trailing slash or the letter case is named.
 	for path, want := range map[string]string{
-		"POST /api/v1/responses/":        "/api/v1/responses",
-		"POST /API/V1/Chat//":            "/api/v1/chat",
-		"POST /api/v1/batch/":            "/api/v1/batch",
-		"GET /api/v1/Batch/abc/Results":  "/api/v1/batch/{batch_id}/results",
-		"POST /api/v1/batch/abc/cancel/": "/api/v1/batch/{batch_id}/cancel",
+		"POST /api/v1/responses/":            "/api/v1/responses",
+		"POST /API/V1/Chat//":                "/api/v1/chat",
+		"POST /api/v1/batch/":                "/api/v1/batch",
+		"GET /api/v1/Batch/abc/Results":      "/api/v1/batch/{batch_id}/results",
+		"POST /api/v1/batch/abc/cancel/":     "/api/v1/batch/{batch_id}/cancel",
+		"GET /api/v1/sources/abc/":           "/api/v1/sources/{request_id}",
+		"GET /api/v1/responses/abc/sources/": "/api/v1/responses/{request_id}/sources",
 	} {
 		method, target, _ := strings.Cut(path, " ")
 		r := b.do(method, target, b.key, "application/json", []byte(`{"prompt":"p"}`))
