@@ -274,7 +274,8 @@ func limitsCmd() *cobra.Command {
 	set := &cobra.Command{
 		Use:   "set",
 		Short: "Set an account's daily rung ceiling and/or a project's budget cap",
-		Long: "Sets an account's daily rung ceiling (default: back to its tier's) and/or a project's budget cap (none: uncapped). " +
+		Long: "Sets an account's daily rung ceiling (default: back to its tier's) and/or a project's budget cap (none: uncapped), " +
+			"then shows the account's limits as limits show does. " +
 			"The account and the project must exist (gateway keys create creates them).\n" + databaseHelp,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
@@ -293,7 +294,10 @@ func limitsCmd() *cobra.Command {
 				return errors.New("nothing to set: give --daily-rungs and/or --budget-rungs")
 			}
 			return withStore(cmd, func(st *store.Store) error {
-				return st.SetLimits(cmd.Context(), p)
+				if err := st.SetLimits(cmd.Context(), p); err != nil {
+					return err
+				}
+				return showLimits(cmd, st, p.Account)
 			})
 		},
 	}
@@ -311,12 +315,7 @@ func limitsCmd() *cobra.Command {
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			return withStore(cmd, func(st *store.Store) error {
-				l, err := st.Limits(cmd.Context(), account)
-				if err != nil {
-					return err
-				}
-				printLimits(cmd.OutOrStdout(), l)
-				return nil
+				return showLimits(cmd, st, account)
 			})
 		},
 	}
@@ -337,6 +336,16 @@ func parseLimit(v, unset string) (rungs *int64, cleared bool, err error) {
 		return nil, false, fmt.Errorf("want a whole number of rungs (0 or more) or %s, got %q", unset, v)
 	}
 	return &n, false, nil
+}
+
+// showLimits prints the limits of account.
+func showLimits(cmd *cobra.Command, st *store.Store, account string) error {
+	l, err := st.Limits(cmd.Context(), account)
+	if err != nil {
+		return err // names the account when it does not exist
+	}
+	printLimits(cmd.OutOrStdout(), l)
+	return nil
 }
 
 // printLimits writes an account's limits as two tables: the account's daily
