@@ -237,7 +237,7 @@ func (s *Store) RotateKey(ctx context.Context, idOrPrefix string, grace time.Dur
 
 // ErrKeyNotFound is returned when revoking or rotating a key that does not
 // exist or is no longer active.
-var ErrKeyNotFound = errors.New("no active key with that id or prefix")
+var ErrKeyNotFound = errors.New("no active key with that id or prefix (gateway keys list names each key, and whether it was revoked or expired)")
 
 // RevokeKey revokes a key by its id or its prefix.
 func (s *Store) RevokeKey(ctx context.Context, idOrPrefix string) error {
