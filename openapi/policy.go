@@ -159,7 +159,7 @@ func form(schema map[string]any) string {
 	case typ == "integer":
 		return "a whole number"
 	case format == "date-time":
-		return "an RFC 3339 timestamp such as 2026-01-02T15:04:05Z"
+		return "an RFC 3339 timestamp such as 2026-01-02T15:04:05Z, or a date such as 2026-01-02 (its midnight UTC)"
 	case format == "uuid":
 		return "a UUID such as 0190a7c2-5b1e-7d3a-9f00-3c2b1a000000"
 	default:

@@ -156,7 +156,7 @@ func TestParameterErrorsSpeakPlainly(t *testing.T) {
 		"/api/v1/batches?limit=x":                                             "parameter limit must be a whole number from 1 to 50",
 		"/api/v1/batches?limit=0":                                             "parameter limit must be a whole number from 1 to 50, not 0",
 		"/api/v1/batches?limit=51":                                            "parameter limit must be a whole number from 1 to 50, not 51",
-		"/api/v1/usage?start=tomorrow":                                        "parameter start must be an RFC 3339 timestamp",
+		"/api/v1/usage?start=tomorrow":                                        "parameter start must be an RFC 3339 timestamp such as 2026-01-02T15:04:05Z, or a date such as 2026-01-02 (its midnight UTC)",
 		"/api/v1/usage?end=2026-13-45T00:00":                                  "parameter end must be an RFC 3339 timestamp",
 		"/api/v1/batches?limit=5&limit=10":                                    "parameter limit must be given once",
 		"/api/v1/usage?start=2026-11-01T00:00:00Z&start=2026-11-20T00:00:00Z": "parameter start must be given once",
