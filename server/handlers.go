@@ -60,6 +60,7 @@ func (s *Server) respond(ctx context.Context, entry gateway.EntryPoint, body *ap
 	if err != nil {
 		return api.ResponseCreatedJSONResponse{}, err
 	}
+	noteBilled(ctx, res)
 	return api.ResponseCreatedJSONResponse{
 		Body: responseBody(res),
 		Headers: api.ResponseCreatedResponseHeaders{

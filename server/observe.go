@@ -11,6 +11,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/inference"
 	"github.com/rungworks/gateway/metrics"
 	"github.com/rungworks/gateway/tracing"
 )
@@ -25,7 +26,7 @@ const maxRequestIDLen = 128
 // observe gives every request an id, and once it is answered writes one JSON
 // log line (id, method, route, status, duration, bytes, client address,
 // account, the error's code if it failed, whether a stream's client left
-// before its end; never a key or a prompt) and records it in the metrics. Errors
+// before its end, what a response was billed; never a key or a prompt) and records it in the metrics. Errors
 // are answered here, through the error handler, so the status is known. A
 // stream detached from its connection's goroutine (see serveDetachable) is
 // logged when it ends. A reply that is not a stream must be read within
@@ -91,6 +92,24 @@ type exchange struct {
 	// any; clientLeft says a stream's client left before its end.
 	errorCode  gateway.ErrorCode
 	clientLeft bool
+	// billed is what the request was billed, if anything (noteBilled).
+	billed *billing
+}
+
+// billing is what a request's log line says of a committed response.
+type billing struct {
+	requestID uuid.UUID
+	model     gateway.Model
+	upstream  gateway.UpstreamRoute
+	usage     gateway.Usage
+}
+
+// noteBilled records res, a committed response (or the committed part of a
+// stream), for the log line of the request whose context is ctx.
+func noteBilled(ctx context.Context, res *inference.Result) {
+	if x := exchangeFrom(ctx); x != nil && res != nil {
+		x.billed = &billing{requestID: res.RequestID, model: res.Model, upstream: res.Route.Upstream, usage: res.Usage}
+	}
 }
 
 // replyDeadline bounds the time the client may take to read the reply about
@@ -155,6 +174,18 @@ func (x *exchange) finish(ctx context.Context, status int, size int64) {
 	}
 	if x.clientLeft {
 		attrs = append(attrs, slog.Bool("client_left", true))
+	}
+	if b := x.billed; b != nil {
+		attrs = append(attrs, slog.String("model", string(b.model)),
+			slog.Int64("input_rungs", b.usage.InputRungs), slog.Int64("output_rungs", b.usage.OutputRungs))
+		if b.upstream.Provider != "" {
+			attrs = append(attrs, slog.String("provider", b.upstream.Provider), slog.String("upstream_model", b.upstream.UpstreamModel))
+		}
+		if id := b.requestID.String(); id != x.id {
+			// The client named the request (x-request-id): the response's
+			// own id, as its body and the sources endpoint give it.
+			attrs = append(attrs, slog.String("response_request_id", id))
+		}
 	}
 	x.s.logger.LogAttrs(ctx, slog.LevelInfo, "request", attrs...)
 }

@@ -71,6 +71,13 @@ type accessLogLine struct {
 	Account    string  `json:"account"`
 	ErrorCode  string  `json:"error_code"`
 	ClientLeft bool    `json:"client_left"`
+	// What a response was billed.
+	Model             string `json:"model"`
+	InputRungs        *int64 `json:"input_rungs"`
+	OutputRungs       *int64 `json:"output_rungs"`
+	Provider          string `json:"provider"`
+	UpstreamModel     string `json:"upstream_model"`
+	ResponseRequestID string `json:"response_request_id"`
 }
 
 // loggedRequest is the first access log line in logs (JSON lines) that
@@ -143,6 +150,59 @@ func TestAccessLogNamesTheClient(t *testing.T) {
 	require.Eventually(t, func() bool { return strings.Contains(logs.String(), `"request_id":"forwarded"`) }, 5*time.Second, 10*time.Millisecond)
 	require.Contains(t, logs.String(), `"client":"198.51.100.7"`, "the address the trusted proxy saw, not the one its client wrote")
 	require.NotContains(t, logs.String(), "192.0.2.66")
+}
+
+// TestAccessLogSaysWhatWasBilled: a response's log line names the model used,
+// the target that answered and the rungs billed, and, when the client named
+// the request (x-request-id), the response's own request_id; a refused one
+// names none of it.
+func TestAccessLogSaysWhatWasBilled(t *testing.T) {
+	t.Parallel()
+	logs := &syncbuf.Buffer{}
+	b := setupWith(t, options{logs: logs})
+	logged := func(id string) accessLogLine {
+		t.Helper()
+		var line accessLogLine
+		require.Eventually(t, func() bool {
+			var ok bool
+			line, ok = loggedRequest(t, logs, func(l accessLogLine) bool { return l.RequestID == id })
+			return ok
+		}, 5*time.Second, 10*time.Millisecond)
+		return line
+	}
+
+	r := b.post("/api/v1/responses", b.key, map[string]any{"prompt": "what does this cost", "model": "reasoning"})
+	require.Equal(t, http.StatusOK, r.status)
+	var body api.Response
+	require.NoError(t, json.Unmarshal(r.body, &body))
+	line := logged(body.RequestId.String())
+	require.Equal(t, "reasoning", line.Model)
+	require.Equal(t, body.Usage.InputRungs, *line.InputRungs)
+	require.Equal(t, body.Usage.OutputRungs, *line.OutputRungs)
+	require.NotZero(t, *line.OutputRungs)
+	require.NotNil(t, body.Route.Provider)
+	require.Equal(t, *body.Route.Provider, line.Provider)
+	require.Equal(t, *body.Route.UpstreamModel, line.UpstreamModel)
+	require.Empty(t, line.ResponseRequestID, "one id everywhere: the log's is the response's")
+
+	r = b.postWith("/api/v1/responses", b.key, map[string]any{"prompt": "stream it", "stream": true}, http.Header{"X-Request-Id": {"client-named"}})
+	require.Equal(t, http.StatusOK, r.status)
+	events := apitest.ParseEvents(t, strings.NewReader(string(r.body))).Events
+	var final api.StreamChunk
+	events[len(events)-1].Decode(t, &final)
+	require.True(t, final.Done)
+	line = logged("client-named")
+	require.Equal(t, final.RequestId.String(), line.ResponseRequestID, "the id to give the sources endpoint")
+	require.Equal(t, final.Usage.InputRungs, *line.InputRungs)
+	require.Equal(t, final.Usage.OutputRungs, *line.OutputRungs)
+	require.Equal(t, string(*final.Model), line.Model)
+
+	r = b.postWith("/api/v1/responses", b.key, map[string]any{"prompt": "p", "model": "nope"}, http.Header{"X-Request-Id": {"refused"}})
+	require.Equal(t, http.StatusBadRequest, r.status)
+	line = logged("refused")
+	require.Equal(t, "INVALID_MODEL", line.ErrorCode)
+	require.Empty(t, line.Model)
+	require.Nil(t, line.OutputRungs, "nothing billed, nothing said")
 }
 
 // panicking is an upstream that panics.

@@ -100,6 +100,7 @@ func (r streamReply) run(ctx context.Context, sse *sseWriter) {
 	res, err := r.s.inference.Stream(ctx, r.call, func(d upstream.Delta) error {
 		return sse.Event(eventDelta, chunk(d.Content, d.Sources))
 	})
+	noteBilled(r.ctx, res)
 	if errors.Is(err, inference.ErrCallerGone) {
 		gone = true
 		return // its output, if any, is billed; nobody is listening
