@@ -35,6 +35,7 @@ func (s *Server) CreateBatch(ctx context.Context, req api.CreateBatchRequestObje
 	if err != nil {
 		return nil, err
 	}
+	noteBatch(ctx, b.ID)
 	if replayed {
 		replay := "true"
 		return api.CreateBatch200JSONResponse{Body: apiBatch(b), Headers: api.CreateBatch200ResponseHeaders{IdempotentReplayed: &replay}}, nil
@@ -44,7 +45,7 @@ func (s *Server) CreateBatch(ctx context.Context, req api.CreateBatchRequestObje
 
 // GetBatch implements GET /api/v1/batch/{batch_id}.
 func (s *Server) GetBatch(ctx context.Context, req api.GetBatchRequestObject) (api.GetBatchResponseObject, error) {
-	id, err := batchID(req.BatchId)
+	id, err := batchID(ctx, req.BatchId)
 	if err != nil {
 		return nil, err
 	}
@@ -62,7 +63,7 @@ func (s *Server) GetBatch(ctx context.Context, req api.GetBatchRequestObject) (a
 // a missing batch or an unreachable database is answered with its error;
 // the rest is read as the reply is written (batchResults).
 func (s *Server) GetBatchResults(ctx context.Context, req api.GetBatchResultsRequestObject) (api.GetBatchResultsResponseObject, error) {
-	id, err := batchID(req.BatchId)
+	id, err := batchID(ctx, req.BatchId)
 	if err != nil {
 		return nil, err
 	}
@@ -91,7 +92,7 @@ func (s *Server) firstResults(ctx context.Context, account, id uuid.UUID) (*gate
 
 // CancelBatch implements POST /api/v1/batch/{batch_id}/cancel.
 func (s *Server) CancelBatch(ctx context.Context, req api.CancelBatchRequestObject) (api.CancelBatchResponseObject, error) {
-	id, err := batchID(req.BatchId)
+	id, err := batchID(ctx, req.BatchId)
 	if err != nil {
 		return nil, err
 	}
@@ -133,12 +134,14 @@ func (s *Server) ListBatches(ctx context.Context, req api.ListBatchesRequestObje
 	return api.ListBatches200JSONResponse{Body: body}, nil
 }
 
-// batchID parses a batch id; a malformed one is reported like a missing batch.
-func batchID(raw string) (uuid.UUID, error) {
+// batchID parses a batch id, and names it in the log line of the request
+// whose context is ctx; a malformed one is reported like a missing batch.
+func batchID(ctx context.Context, raw string) (uuid.UUID, error) {
 	id, err := uuid.Parse(raw)
 	if err != nil {
 		return uuid.Nil, gateway.Errorf(gateway.EBatchNotFound, "no batch %s", gateway.Quote(raw))
 	}
+	noteBatch(ctx, id)
 	return id, nil
 }
 

@@ -26,7 +26,8 @@ const maxRequestIDLen = 128
 // observe gives every request an id, and once it is answered writes one JSON
 // log line (id, method, route, status, duration, bytes, client address,
 // account, the error's code if it failed, whether a stream's client left
-// before its end, what a response was billed; never a key or a prompt) and records it in the metrics. Errors
+// before its end, what a response was billed, the batch a batch route
+// named; never a key or a prompt) and records it in the metrics. Errors
 // are answered here, through the error handler, so the status is known. A
 // stream detached from its connection's goroutine (see serveDetachable) is
 // logged when it ends. A reply that is not a stream must be read within
@@ -94,6 +95,15 @@ type exchange struct {
 	clientLeft bool
 	// billed is what the request was billed, if anything (noteBilled).
 	billed *billing
+	// batch is the batch a batch route created or named (noteBatch).
+	batch uuid.UUID
+}
+
+// noteBatch names batch in the log line of the request whose context is ctx.
+func noteBatch(ctx context.Context, batch uuid.UUID) {
+	if x := exchangeFrom(ctx); x != nil {
+		x.batch = batch
+	}
 }
 
 // billing is what a request's log line says of a committed response.
@@ -174,6 +184,9 @@ func (x *exchange) finish(ctx context.Context, status int, size int64) {
 	}
 	if x.clientLeft {
 		attrs = append(attrs, slog.Bool("client_left", true))
+	}
+	if x.batch != uuid.Nil {
+		attrs = append(attrs, slog.String("batch_id", x.batch.String()))
 	}
 	if b := x.billed; b != nil {
 		attrs = append(attrs, slog.String("model", string(b.model)),

@@ -78,6 +78,7 @@ type accessLogLine struct {
 	Provider          string `json:"provider"`
 	UpstreamModel     string `json:"upstream_model"`
 	ResponseRequestID string `json:"response_request_id"`
+	BatchID           string `json:"batch_id"`
 }
 
 // loggedRequest is the first access log line in logs (JSON lines) that
@@ -150,6 +151,36 @@ func TestAccessLogNamesTheClient(t *testing.T) {
 	require.Eventually(t, func() bool { return strings.Contains(logs.String(), `"request_id":"forwarded"`) }, 5*time.Second, 10*time.Millisecond)
 	require.Contains(t, logs.String(), `"client":"198.51.100.7"`, "the address the trusted proxy saw, not the one its client wrote")
 	require.NotContains(t, logs.String(), "192.0.2.66")
+}
+
+// TestAccessLogNamesTheBatch: a batch route's log line names the batch it
+// created or named, not a malformed id.
+func TestAccessLogNamesTheBatch(t *testing.T) {
+	t.Parallel()
+	logs := &syncbuf.Buffer{}
+	b := setupWith(t, options{logs: logs})
+	batchOf := func(id string) string {
+		t.Helper()
+		var line accessLogLine
+		require.Eventually(t, func() bool {
+			var ok bool
+			line, ok = loggedRequest(t, logs, func(l accessLogLine) bool { return l.RequestID == id })
+			return ok
+		}, 5*time.Second, 10*time.Millisecond)
+		return line.BatchID
+	}
+	r := b.postWith("/api/v1/batch", b.key, map[string]any{"requests": []map[string]any{{"prompt": "p"}}}, http.Header{"X-Request-Id": {"create"}})
+	require.Equal(t, http.StatusAccepted, r.status)
+	created := r.json(t)["id"].(string)
+	require.Equal(t, created, batchOf("create"))
+	b.doWith(http.MethodPost, "/api/v1/batch/"+created+"/cancel", b.key, "", nil, http.Header{"X-Request-Id": {"cancel"}})
+	require.Equal(t, created, batchOf("cancel"))
+	missing := uuid.Must(uuid.NewV7()).String()
+	r = b.doWith(http.MethodGet, "/api/v1/batch/"+missing, b.key, "", nil, http.Header{"X-Request-Id": {"missing"}})
+	require.Equal(t, http.StatusNotFound, r.status)
+	require.Equal(t, missing, batchOf("missing"), "the id asked for, found or not")
+	b.doWith(http.MethodGet, "/api/v1/batch/not-an-id/results", b.key, "", nil, http.Header{"X-Request-Id": {"malformed"}})
+	require.Empty(t, batchOf("malformed"))
 }
 
 // TestAccessLogSaysWhatWasBilled: a response's log line names the model used,
