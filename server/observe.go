@@ -93,8 +93,9 @@ type exchange struct {
 	// any; clientLeft says a stream's client left before its end.
 	errorCode  gateway.ErrorCode
 	clientLeft bool
-	// billed is what the request was billed, if anything (noteBilled).
-	billed *billing
+	// billed is what the request was billed, if anything (noteBilled): its
+	// model is empty otherwise.
+	billed billing
 	// batch is the batch a batch route created or named (noteBatch).
 	batch uuid.UUID
 }
@@ -118,7 +119,7 @@ type billing struct {
 // stream), for the log line of the request whose context is ctx.
 func noteBilled(ctx context.Context, res *inference.Result) {
 	if x := exchangeFrom(ctx); x != nil && res != nil {
-		x.billed = &billing{requestID: res.RequestID, model: res.Model, upstream: res.Route.Upstream, usage: res.Usage}
+		x.billed = billing{requestID: res.RequestID, model: res.Model, upstream: res.Route.Upstream, usage: res.Usage}
 	}
 }
 
@@ -167,7 +168,7 @@ func (x *exchange) finish(ctx context.Context, status int, size int64) {
 	elapsed := time.Since(x.start)
 	tracing.EndRequest(x.span, status)
 	x.s.metrics.Request(x.route, x.method, status, elapsed)
-	attrs := []slog.Attr{
+	attrs := append(make([]slog.Attr, 0, 18),
 		slog.String("request_id", x.id),
 		slog.String("method", x.method),
 		slog.String("route", x.route),
@@ -175,7 +176,7 @@ func (x *exchange) finish(ctx context.Context, status int, size int64) {
 		slog.Float64("duration_ms", float64(elapsed.Microseconds())/1000),
 		slog.Int64("bytes", size),
 		slog.String("client", x.client),
-	}
+	)
 	if p := gateway.PrincipalFrom(ctx); p != nil {
 		attrs = append(attrs, slog.String("account", p.AccountName), slog.String("key_id", p.KeyID.String()))
 	}
@@ -188,7 +189,7 @@ func (x *exchange) finish(ctx context.Context, status int, size int64) {
 	if x.batch != uuid.Nil {
 		attrs = append(attrs, slog.String("batch_id", x.batch.String()))
 	}
-	if b := x.billed; b != nil {
+	if b := x.billed; b.model != "" {
 		attrs = append(attrs, slog.String("model", string(b.model)),
 			slog.Int64("input_rungs", b.usage.InputRungs), slog.Int64("output_rungs", b.usage.OutputRungs))
 		if b.upstream.Provider != "" {
