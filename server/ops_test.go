@@ -98,6 +98,19 @@ func loggedRequest(t *testing.T, logs *syncbuf.Buffer, match func(accessLogLine)
 	return accessLogLine{}, false
 }
 
+// awaitLogged waits for the access log line of the request with id, and
+// returns it.
+func awaitLogged(t *testing.T, logs *syncbuf.Buffer, id string) accessLogLine {
+	t.Helper()
+	var line accessLogLine
+	require.Eventually(t, func() bool {
+		var ok bool
+		line, ok = loggedRequest(t, logs, func(l accessLogLine) bool { return l.RequestID == id })
+		return ok
+	}, 5*time.Second, 10*time.Millisecond)
+	return line
+}
+
 // loggedLine is the first line of logs (JSON lines) with msg.
 func loggedLine(t *testing.T, logs *syncbuf.Buffer, msg string) map[string]any {
 	t.Helper()
@@ -159,16 +172,7 @@ func TestAccessLogNamesTheBatch(t *testing.T) {
 	t.Parallel()
 	logs := &syncbuf.Buffer{}
 	b := setupWith(t, options{logs: logs})
-	batchOf := func(id string) string {
-		t.Helper()
-		var line accessLogLine
-		require.Eventually(t, func() bool {
-			var ok bool
-			line, ok = loggedRequest(t, logs, func(l accessLogLine) bool { return l.RequestID == id })
-			return ok
-		}, 5*time.Second, 10*time.Millisecond)
-		return line.BatchID
-	}
+	batchOf := func(id string) string { return awaitLogged(t, logs, id).BatchID }
 	r := b.postWith("/api/v1/batch", b.key, map[string]any{"requests": []map[string]any{{"prompt": "p"}}}, http.Header{"X-Request-Id": {"create"}})
 	require.Equal(t, http.StatusAccepted, r.status)
 	created := r.json(t)["id"].(string)
@@ -191,22 +195,12 @@ func TestAccessLogSaysWhatWasBilled(t *testing.T) {
 	t.Parallel()
 	logs := &syncbuf.Buffer{}
 	b := setupWith(t, options{logs: logs})
-	logged := func(id string) accessLogLine {
-		t.Helper()
-		var line accessLogLine
-		require.Eventually(t, func() bool {
-			var ok bool
-			line, ok = loggedRequest(t, logs, func(l accessLogLine) bool { return l.RequestID == id })
-			return ok
-		}, 5*time.Second, 10*time.Millisecond)
-		return line
-	}
 
 	r := b.post("/api/v1/responses", b.key, map[string]any{"prompt": "what does this cost", "model": "reasoning"})
 	require.Equal(t, http.StatusOK, r.status)
 	var body api.Response
 	require.NoError(t, json.Unmarshal(r.body, &body))
-	line := logged(body.RequestId.String())
+	line := awaitLogged(t, logs, body.RequestId.String())
 	require.Equal(t, "reasoning", line.Model)
 	require.Equal(t, body.Usage.InputRungs, *line.InputRungs)
 	require.Equal(t, body.Usage.OutputRungs, *line.OutputRungs)
@@ -222,7 +216,7 @@ func TestAccessLogSaysWhatWasBilled(t *testing.T) {
 	var final api.StreamChunk
 	events[len(events)-1].Decode(t, &final)
 	require.True(t, final.Done)
-	line = logged("client-named")
+	line = awaitLogged(t, logs, "client-named")
 	require.Equal(t, final.RequestId.String(), line.ResponseRequestID, "the id to give the sources endpoint")
 	require.Equal(t, final.Usage.InputRungs, *line.InputRungs)
 	require.Equal(t, final.Usage.OutputRungs, *line.OutputRungs)
@@ -230,7 +224,7 @@ func TestAccessLogSaysWhatWasBilled(t *testing.T) {
 
 	r = b.postWith("/api/v1/responses", b.key, map[string]any{"prompt": "p", "model": "nope"}, http.Header{"X-Request-Id": {"refused"}})
 	require.Equal(t, http.StatusBadRequest, r.status)
-	line = logged("refused")
+	line = awaitLogged(t, logs, "refused")
 	require.Equal(t, "INVALID_MODEL", line.ErrorCode)
 	require.Empty(t, line.Model)
 	require.Nil(t, line.OutputRungs, "nothing billed, nothing said")
@@ -515,16 +509,6 @@ func TestStreamErrorsAreLoggedAndCounted(t *testing.T) {
 		b.testBundle, b.logs, b.m = setupObserved(t, h2c, withLedger(b.ledger).server)
 		return b
 	}
-	// logged is the access log line of the request with id.
-	logged := func(t *testing.T, b bundle, id string) accessLogLine {
-		var line accessLogLine
-		require.Eventually(t, func() bool {
-			var found bool
-			line, found = loggedRequest(t, b.logs, func(l accessLogLine) bool { return l.RequestID == id })
-			return found
-		}, 5*time.Second, 5*time.Millisecond, "the request is logged")
-		return line
-	}
 	lastError := func(t *testing.T, s apitest.Stream) gateway.ErrorCode {
 		var env api.ErrorEnvelope
 		for _, e := range s.Events {
@@ -542,7 +526,7 @@ func TestStreamErrorsAreLoggedAndCounted(t *testing.T) {
 		r, s := b.stream("/api/v1/responses", map[string]any{"prompt": "p"})
 		require.Equal(t, gateway.EInternal, lastError(t, s), "the settlement was refused")
 		id := r.header.Get("x-request-id")
-		line := logged(t, b, id)
+		line := awaitLogged(t, b.logs, id)
 		require.Equal(t, http.StatusOK, line.Status)
 		require.Equal(t, "INTERNAL", line.ErrorCode)
 		require.False(t, line.ClientLeft)
@@ -554,7 +538,7 @@ func TestStreamErrorsAreLoggedAndCounted(t *testing.T) {
 		// A JSON request's error line names its request too.
 		r = b.post("/api/v1/responses", b.key, map[string]any{"prompt": "p"})
 		require.Equal(t, http.StatusInternalServerError, r.status)
-		require.Equal(t, "INTERNAL", logged(t, b, r.header.Get("x-request-id")).ErrorCode)
+		require.Equal(t, "INTERNAL", awaitLogged(t, b.logs, r.header.Get("x-request-id")).ErrorCode)
 		failed = loggedLine(t, b.logs, "request failed")
 		require.Equal(t, r.header.Get("x-request-id"), failed["request_id"])
 		require.Contains(t, failed["error"], "disk on fire")
@@ -565,13 +549,13 @@ func TestStreamErrorsAreLoggedAndCounted(t *testing.T) {
 		b.upstream.fail(upstream.ErrUnavailable)
 		r, s := b.stream("/api/v1/responses", map[string]any{"prompt": "p"})
 		require.Equal(t, gateway.EInferenceBusy, lastError(t, s))
-		require.Equal(t, "INFERENCE_BUSY", logged(t, b, r.header.Get("x-request-id")).ErrorCode)
+		require.Equal(t, "INFERENCE_BUSY", awaitLogged(t, b.logs, r.header.Get("x-request-id")).ErrorCode)
 		r, s = b.stream("/api/v1/chat", map[string]any{"prompt": ""})
 		require.Equal(t, gateway.EEmptyPrompt, lastError(t, s))
-		require.Equal(t, "EMPTY_PROMPT", logged(t, b, r.header.Get("x-request-id")).ErrorCode)
+		require.Equal(t, "EMPTY_PROMPT", awaitLogged(t, b.logs, r.header.Get("x-request-id")).ErrorCode)
 		r = b.post("/api/v1/responses", b.key, map[string]any{"prompt": ""})
 		require.Equal(t, http.StatusBadRequest, r.status)
-		require.Equal(t, "EMPTY_PROMPT", logged(t, b, r.header.Get("x-request-id")).ErrorCode, "a JSON reply's too")
+		require.Equal(t, "EMPTY_PROMPT", awaitLogged(t, b.logs, r.header.Get("x-request-id")).ErrorCode, "a JSON reply's too")
 		require.NotContains(t, b.logs.String(), `"level":"ERROR"`, "none is the gateway's failure")
 		scraped := metricstest.Scrape(b.m)
 		require.Contains(t, scraped, `gateway_stream_errors_total{code="INFERENCE_BUSY"} 1`)
@@ -584,7 +568,7 @@ func TestStreamErrorsAreLoggedAndCounted(t *testing.T) {
 			b := setup(t, h2c)
 			r, s := b.stream("/api/v1/responses", map[string]any{"prompt": "p"})
 			require.Equal(t, "response.completed", s.Events[len(s.Events)-1].Name)
-			line := logged(t, b, r.header.Get("x-request-id"))
+			line := awaitLogged(t, b.logs, r.header.Get("x-request-id"))
 			require.Empty(t, line.ErrorCode)
 			require.False(t, line.ClientLeft)
 
@@ -610,7 +594,7 @@ func TestStreamErrorsAreLoggedAndCounted(t *testing.T) {
 				}
 				cancel()
 				_ = resp.Body.Close()
-				line = logged(t, b, resp.Header.Get("x-request-id"))
+				line = awaitLogged(t, b.logs, resp.Header.Get("x-request-id"))
 				require.Equal(t, http.StatusOK, line.Status, "the head said 200")
 				require.True(t, line.ClientLeft)
 				require.Empty(t, line.ErrorCode)
