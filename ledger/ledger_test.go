@@ -763,3 +763,51 @@ func TestAFoldRefusedForOneLeaseKeepsNoOtherAway(t *testing.T) {
 	defer mu.Unlock()
 	require.NotEqual(t, uuid.Nil, poisoned)
 }
+
+// renewalRecordingStore records the size of each renewal statement.
+type renewalRecordingStore struct {
+	*store.Store
+	mu    sync.Mutex
+	sizes []int
+}
+
+func (r *renewalRecordingStore) RenewQuotaLeases(ctx context.Context, owner uuid.UUID, ids []uuid.UUID, lease time.Duration) ([]uuid.UUID, error) {
+	r.mu.Lock()
+	r.sizes = append(r.sizes, len(ids))
+	r.mu.Unlock()
+	return r.Store.RenewQuotaLeases(ctx, owner, ids, lease)
+}
+
+// TestManyLeasesAreRenewedInSmallStatements: a replica holding the leases of
+// many accounts renews them a hundred at a time (a statement holds the
+// leases it locks until it commits, and each settlement waits for the lease
+// it charges), and every one of them stays held.
+func TestManyLeasesAreRenewedInSmallStatements(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	st := &renewalRecordingStore{Store: store.New(testdb.Connect(t, b.url))}
+	l := ledger.New(ledger.Config{Lease: 900 * time.Millisecond, Idle: time.Hour}, st)
+	b.run(t, l)
+	const accounts = 250
+	for i := range accounts {
+		p := b.principal(t, fmt.Sprintf("tenant-%d", i), nil, nil)
+		_, err := admit(l, p, 10)
+		require.NoError(t, err)
+	}
+	require.Eventually(t, func() bool {
+		st.mu.Lock()
+		defer st.mu.Unlock()
+		renewed := 0
+		for _, n := range st.sizes {
+			renewed += n
+		}
+		return renewed >= 2*accounts
+	}, 10*time.Second, 20*time.Millisecond, "the leases are renewed, twice over")
+	st.mu.Lock()
+	require.LessOrEqual(t, slices.Max(st.sizes), 100, "no renewal statement extends more than a hundred leases: %v", st.sizes)
+	st.mu.Unlock()
+	time.Sleep(2 * 900 * time.Millisecond) // two leases more
+	n, err := b.store.FoldExpiredQuotaLeases(b.ctx, accounts)
+	require.NoError(t, err)
+	require.Zero(t, n, "every lease is held: none ran out")
+}
