@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway/gen/api"
@@ -90,6 +91,25 @@ func primaryAndStandby(t *testing.T) (primary, standby *pglocal.Cluster) {
 	return primary, standby
 }
 
+// replayed waits until standby has replayed what primary has written.
+func replayed(t *testing.T, primary, standby *pglocal.Cluster) {
+	t.Helper()
+	ctx := context.Background()
+	p, err := pgx.Connect(ctx, primary.URL("postgres"))
+	require.NoError(t, err)
+	defer p.Close(ctx)
+	var written string
+	require.NoError(t, p.QueryRow(ctx, "SELECT pg_current_wal_lsn()::text").Scan(&written))
+	s, err := pgx.Connect(ctx, standby.URL("postgres"))
+	require.NoError(t, err)
+	defer s.Close(ctx)
+	require.Eventually(t, func() bool {
+		var caughtUp bool
+		require.NoError(t, s.QueryRow(ctx, "SELECT pg_last_wal_replay_lsn() >= $1::pg_lsn", written).Scan(&caughtUp))
+		return caughtUp
+	}, 20*time.Second, 20*time.Millisecond, "the standby replays what the primary wrote")
+}
+
 // TestConnectionsToAStandbyAreReplaced: the database's address (a proxy
 // here, as a name a failover moves) leads for a while to a standby, and the
 // replica's connections made then land there: its writes are refused (503,
@@ -113,6 +133,9 @@ func TestConnectionsToAStandbyAreReplaced(t *testing.T) {
 		return g.call(http.MethodPost, "/api/v1/responses", key, map[string]any{"prompt": "hello"})
 	}
 	require.Equal(t, http.StatusOK, call().status)
+	// The standby has replayed the key before the address leads there:
+	// what it refuses is the writes, not a key it has not caught up with.
+	replayed(t, primary, standby)
 
 	address.Retarget(fmt.Sprintf("127.0.0.1:%d", standby.Port()))
 	address.Cut()
