@@ -3,7 +3,6 @@ package server
 import (
 	"context"
 	"net/http"
-	"strings"
 	"time"
 
 	"github.com/google/uuid"
@@ -135,12 +134,6 @@ func (s *Server) GetResponseSources(ctx context.Context, req api.GetResponseSour
 }
 
 func (s *Server) sources(ctx context.Context, rawID string) (api.SourcesFoundJSONResponse, error) {
-	if strings.Contains(rawID, "/") {
-		// The router's last parameter takes the rest of the path
-		// (/api/v1/sources/{id}/, /api/v1/sources/a/b): no route of the
-		// document, answered as one (with the route it nearly is).
-		return api.SourcesFoundJSONResponse{}, noSuchRoute()
-	}
 	id, err := uuid.Parse(rawID)
 	if err != nil {
 		return api.SourcesFoundJSONResponse{}, gateway.Errorf(gateway.ESourcesNotFound, "no evidence is held for request %s", gateway.Quote(rawID))

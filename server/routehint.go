@@ -6,8 +6,25 @@ import (
 	"slices"
 	"strings"
 
+	"github.com/labstack/echo/v4"
+
 	"github.com/rungworks/gateway/openapi"
 )
+
+// oneSegmentParams answers as no route (with the route it nearly is) a path
+// whose parameter holds a slash: a parameter of the document is one
+// segment, but the router's last one takes the rest of the path
+// (/api/v1/sources/{id}/, /api/v1/sources/a/b).
+func oneSegmentParams(next echo.HandlerFunc) echo.HandlerFunc {
+	return func(c echo.Context) error {
+		for _, v := range c.ParamValues() {
+			if strings.Contains(v, "/") {
+				return noSuchRoute()
+			}
+		}
+		return next(c)
+	}
+}
 
 // routeTemplates are the document's operations, their paths split into
 // segments, for a 404 to name the route a request nearly is.

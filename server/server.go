@@ -295,6 +295,7 @@ func New(cfg Config) (*Server, error) {
 		if !p.Public {
 			mws = append(mws, s.authorize(p))
 		}
+		mws = append(mws, oneSegmentParams)
 		if len(p.Query) > 0 {
 			mws = append(mws, s.checkQuery(p.Query))
 		}
