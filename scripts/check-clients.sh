@@ -6,12 +6,15 @@
 # compiles the served JSON Schema in Ajv and validates a reply with it,
 # and generates a Go client and server with ogen (another generator family),
 # which must compile and read a reply carrying an error code and fields newer
-# than the document.
+# than the document; and then follows the README's "Generating a client": its
+# oapi-codegen command (the version tools.mod pins) and its Go call, built as
+# written and run against the gateway.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 tmp=$(mktemp -d)
 ogen=$(mktemp -d ./.ogen-check.XXXXXX) # inside the module, to build with tools.mod
+readme=$(mktemp -d ./readme-client-XXXXXX) # inside the module, to build with its go.mod (an import path has no leading dot)
 chmod 755 "$tmp" # as root, the private PostgreSQL runs as postgres and must reach it
 pid=""
 cleanup() {
@@ -19,7 +22,7 @@ cleanup() {
 		kill -INT "$pid" 2>/dev/null || true
 		wait "$pid" 2>/dev/null || true
 	fi
-	rm -rf "$tmp" "$ogen"
+	rm -rf "$tmp" "$ogen" "$readme"
 }
 trap cleanup EXIT
 
@@ -140,3 +143,45 @@ func TestAReplyNewerThanTheDocumentIsRead(t *testing.T) {
 GO
 go test -modfile=tools.mod -count=1 "$ogen" >"$tmp/ogen-test.log" 2>&1 || { cat "$tmp/ogen-test.log"; exit 1; }
 echo "ogen client from the served document: reads an error code and fields newer than the document"
+
+# The README's way to a Go client, as a reader follows it: its oapi-codegen
+# command (the version it names must be the one tools.mod pins), then its Go
+# call, built as written inside a program and run against the gateway.
+readme_version=$(grep -o 'oapi-codegen/v2/cmd/oapi-codegen@v[0-9.]*' README.md | head -1 | sed 's/.*@//')
+pinned=$(awk '$1 == "github.com/oapi-codegen/oapi-codegen/v2" {print $2}' tools.mod)
+[ -n "$readme_version" ] && [ "$readme_version" = "$pinned" ] ||
+	{ echo "README.md names oapi-codegen ${readme_version:-(none)}, tools.mod pins ${pinned:-(none)}" >&2; exit 1; }
+mkdir "$readme/gateway"
+# The command's flags, from the line after its first: "-generate … gateway.json > gateway.gen.go".
+flags=$(grep -A1 'oapi-codegen/v2/cmd/oapi-codegen@v' README.md | sed -n 2p | sed -n 's/^ *\(-.*\) gateway\.json > gateway\.gen\.go$/\1/p')
+[ -n "$flags" ] || { echo "README.md's oapi-codegen command is not \"… gateway.json > gateway.gen.go\" on its second line" >&2; exit 1; }
+# shellcheck disable=SC2086 # the flags are words
+go tool -modfile=tools.mod oapi-codegen $flags "$tmp/served.json" >"$readme/gateway/gateway.gen.go"
+call=$(awk '/^## Generating a client/ {in_section = 1; next} /^## / {in_section = 0}
+	in_section && /^```go$/ {in_code = 1; next} in_code && /^```$/ {exit} in_code {print "\t" $0}' README.md)
+[ -n "$call" ] || { echo "README.md's \"Generating a client\" has no Go block" >&2; exit 1; }
+module=$(go list -m)
+cat >"$readme/main.go" <<GO
+package main
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"os"
+
+	"$module/${readme#./}/gateway"
+)
+
+func main() {
+	ctx := context.Background()
+$(printf '%s\n' "$call" | sed "s|http://127.0.0.1:8080|http://127.0.0.1:$port|")
+	if err != nil || res.JSON200 == nil {
+		fmt.Fprintln(os.Stderr, "no reply:", err)
+		os.Exit(1)
+	}
+}
+GO
+out=$(GATEWAY_KEY="$key" go run "$readme") || { cat "$readme/main.go"; exit 1; }
+[[ "$out" =~ [^[:space:]]+\ [1-9][0-9]*$ ]] || { echo "the README's Go call printed \"$out\", want the content and its rungs" >&2; exit 1; }
+echo "README's Go client call: builds as written and prints a reply (its content, then ${out##* } rungs)"
