@@ -6,6 +6,7 @@ import (
 	"compress/gzip"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"strings"
@@ -13,7 +14,6 @@ import (
 	"time"
 
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
@@ -338,35 +338,37 @@ func TestForbiddenRepliesCarryRateHeaders(t *testing.T) {
 func TestSlowBodyIsRequestTimeout(t *testing.T) {
 	t.Parallel()
 	b := setupWith(t, options{server: func(c *server.Config) { c.BodyTimeout = 200 * time.Millisecond }})
+	r := b.trickle(t, "/api/v1/responses", `{"prompt":`)
+	require.Equal(t, http.StatusRequestTimeout, r.status)
+	require.Equal(t, gateway.ErrorCode("REQUEST_TIMEOUT"), r.errorCode(t))
+	require.NotContains(t, r.message(t), "127.0.0.1")
+	require.NotContains(t, r.message(t), "i/o timeout")
+}
+
+// trickle posts to path, with the bundle's key, a body that declares 100
+// bytes and sends only start, and returns the reply the server sends
+// without waiting for the rest.
+func (b *testBundle) trickle(t *testing.T, path, start string) reply {
+	t.Helper()
 	conn, err := net.Dial("tcp", strings.TrimPrefix(b.http.URL, "http://"))
 	require.NoError(t, err)
 	defer conn.Close()
-	_, err = fmt.Fprintf(conn, "POST /api/v1/responses HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\":", b.key)
+	_, err = fmt.Fprintf(conn, "POST %s HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n%s", path, b.key, start)
 	require.NoError(t, err)
 	require.NoError(t, conn.SetReadDeadline(time.Now().Add(10*time.Second)))
 	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
 	require.NoError(t, err)
 	defer resp.Body.Close()
-	require.Equal(t, http.StatusRequestTimeout, resp.StatusCode)
-	var env api.ErrorEnvelope
-	require.NoError(t, json.NewDecoder(resp.Body).Decode(&env))
-	require.Equal(t, api.ErrorCode("REQUEST_TIMEOUT"), env.Error.Code)
-	require.NotContains(t, env.Error.Message, "127.0.0.1")
-	require.NotContains(t, env.Error.Message, "i/o timeout")
+	body, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	return reply{proto: resp.Proto, status: resp.StatusCode, header: resp.Header, body: body}
 }
 
 // TestDatabaseAwayIsServiceUnavailable pins D12: with PostgreSQL out of
 // reach, requests are 503 SERVICE_UNAVAILABLE with Retry-After, not 500.
 func TestDatabaseAwayIsServiceUnavailable(t *testing.T) {
 	t.Parallel()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	addr := l.Addr().String()
-	require.NoError(t, l.Close())
-	pool, err := pgxpool.New(t.Context(), "postgres://nobody@"+addr+"/none?connect_timeout=2")
-	require.NoError(t, err)
-	t.Cleanup(pool.Close)
-	away := store.New(pool)
+	away, addr := unreachableStore(t)
 	b := setupWith(t, options{server: func(c *server.Config) {
 		c.Auth = &access.Authenticator{Keys: access.NewKeys(access.Config{}, away), Rates: ratelimit.New(ratelimit.Config{}, away)}
 		c.Unavailable = store.Transient
