@@ -18,6 +18,7 @@ import (
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/access"
+	"github.com/rungworks/gateway/internal/apitest"
 	"github.com/rungworks/gateway/openapi"
 	"github.com/rungworks/gateway/ratelimit"
 	"github.com/rungworks/gateway/server"
@@ -32,8 +33,9 @@ type errorExample struct {
 }
 
 // errorExamples returns the document's examples of error replies (status
-// 400 or more), named by the reply they belong to (a shared reply's name,
-// or the operation and status of one written in place) and their own name.
+// 400 or more) and of streams' error events (status 200), named by the reply
+// they belong to (a shared reply's name, or the operation and status of one
+// written in place) and their own name.
 func errorExamples(t *testing.T) map[string]errorExample {
 	t.Helper()
 	type reply struct {
@@ -59,13 +61,26 @@ func errorExamples(t *testing.T) map[string]errorExample {
 			for status, r := range op.Responses {
 				code, err := strconv.Atoi(status)
 				require.NoError(t, err, "%s %s: a status, not %q", method, route, status)
-				if code < 400 {
-					continue // a reply's own error field (a batch's) is no error reply
-				}
 				owner := fmt.Sprintf("%s %s %s", method, route, status)
 				if r.Ref != "" {
 					owner = strings.TrimPrefix(r.Ref, "#/components/responses/")
 					r = doc.Components.Responses[owner]
+				}
+				for name, e := range r.Content["text/event-stream"].Examples {
+					var text string
+					require.NoError(t, json.Unmarshal(e.Value, &text), "%s: example %s", owner, name)
+					for _, ev := range apitest.ParseEvents(t, strings.NewReader(text)).Events {
+						if ev.Name == "response.error" {
+							var v struct {
+								Error json.RawMessage `json:"error"`
+							}
+							ev.Decode(t, &v)
+							examples[owner+"/"+name] = errorExample{status: code, error: v.Error}
+						}
+					}
+				}
+				if code < 400 {
+					continue // a reply's own error field (a batch's) is no error reply
 				}
 				for name, e := range r.Content["application/json"].Examples {
 					var v struct {
@@ -81,9 +96,10 @@ func errorExamples(t *testing.T) map[string]errorExample {
 	return examples
 }
 
-// TestErrorExamplesAreWhatTheGatewaySends: each error reply the document
-// shows is what the request it depicts gets, status, code and message word
-// for word. An example added to the document needs its request here.
+// TestErrorExamplesAreWhatTheGatewaySends: each error reply and stream error
+// event the document shows is what the request it depicts gets, status,
+// code and message word for word. An example added to the document needs its
+// request here.
 func TestErrorExamplesAreWhatTheGatewaySends(t *testing.T) {
 	t.Parallel()
 	const (
@@ -134,21 +150,18 @@ func TestErrorExamplesAreWhatTheGatewaySends(t *testing.T) {
 		"RequestTooLarge/declared": {send: func(_ *testing.T, b *testBundle) reply {
 			return b.do(http.MethodPost, "/api/v1/responses", b.key, "application/json", make([]byte, 2<<20))
 		}},
-		"RateLimited/rate": {
-			// The refusal 49 s into a minute full with the key's 600 is
-			// answered 12 s later: a second into the next, the minute's 600
-			// weigh 599.
-			options: func(*testing.T) options {
-				at := time.Now().Truncate(time.Minute).Add(49 * time.Second)
-				return options{rates: ratelimit.Config{Clock: func() time.Time { return at }}}
-			},
-			send: func(t *testing.T, b *testBundle) reply {
-				for range 600 {
-					require.Equal(t, http.StatusOK, b.do(http.MethodGet, "/api/v1/usage", b.key, "", nil).status)
-				}
-				return b.do(http.MethodGet, "/api/v1/usage", b.key, "", nil)
-			},
-		},
+		"RateLimited/rate": {options: at49s, send: func(t *testing.T, b *testBundle) reply {
+			b.fillMinute(t)
+			return b.do(http.MethodGet, "/api/v1/usage", b.key, "", nil)
+		}},
+		"ResponseCreated/refused": {options: at49s, send: func(t *testing.T, b *testBundle) reply {
+			b.fillMinute(t)
+			return streamError(t, b)
+		}},
+		"ResponseCreated/brokenOff": {send: func(t *testing.T, b *testBundle) reply {
+			b.upstream.configure(func(s *scripted) { s.breakAfter = 1 })
+			return streamError(t, b)
+		}},
 		"RateLimited/ceiling": {send: func(t *testing.T, b *testBundle) reply {
 			b.setLimits(t, ptr(int64(1000)), nil)
 			return b.post("/api/v1/responses", b.key, map[string]any{"prompt": "hi"})
@@ -206,6 +219,37 @@ func TestErrorExamplesAreWhatTheGatewaySends(t *testing.T) {
 			require.JSONEq(t, string(want.error), string(got.Error))
 		})
 	}
+}
+
+// at49s counts the keys' minutes 49 s into a minute, which stays: a key's
+// 600 requests fill it, and the next is refused until a second into the next
+// minute, 12 s later, where the 600 weigh 599.
+func at49s(*testing.T) options {
+	at := time.Now().Truncate(time.Minute).Add(49 * time.Second)
+	return options{rates: ratelimit.Config{Clock: func() time.Time { return at }}}
+}
+
+// fillMinute sends the 600 requests of the bundle key's minute.
+func (b *testBundle) fillMinute(t *testing.T) {
+	t.Helper()
+	for range 600 {
+		require.Equal(t, http.StatusOK, b.do(http.MethodGet, "/api/v1/usage", b.key, "", nil).status)
+	}
+}
+
+// streamError streams a response and returns its reply with the data of
+// its response.error event, an error envelope, as the body.
+func streamError(t *testing.T, b *testBundle) reply {
+	t.Helper()
+	r, s := b.stream("/api/v1/responses", map[string]any{"prompt": "hi"})
+	for _, ev := range s.Events {
+		if ev.Name == "response.error" {
+			r.body = ev.Data
+			return r
+		}
+	}
+	require.FailNow(t, "the stream sent no response.error", "%+v", s.Events)
+	return r
 }
 
 // unreachableStore is a store whose database, at addr, refuses every
