@@ -1,12 +1,14 @@
 package gateway_test
 
 import (
+	"encoding/json"
 	"maps"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/internal/apitest"
 )
 
 // TestNextBatchStatus checks every status × every event (items done in each of
@@ -92,4 +94,14 @@ func TestBatchError(t *testing.T) {
 	for _, s := range []gateway.BatchStatus{gateway.BatchCompleted, gateway.BatchCancelled, gateway.BatchQueued} {
 		require.Nil(t, gateway.BatchError(s, gateway.EInferenceBusy))
 	}
+}
+
+// TestTheDocumentShowsTheExpiredBatchsError: the error of an expired batch
+// the document shows is the one the gateway sets.
+func TestTheDocumentShowsTheExpiredBatchsError(t *testing.T) {
+	t.Parallel()
+	e := gateway.BatchError(gateway.BatchExpired, "")
+	set, err := json.Marshal(map[string]any{"code": e.Code, "message": e.Message})
+	require.NoError(t, err)
+	require.JSONEq(t, string(set), string(apitest.Example(t, "/components/responses/BatchFound/content/application~1json/examples/expired/value/error")))
 }

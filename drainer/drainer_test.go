@@ -2,6 +2,7 @@ package drainer_test
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"log/slog"
@@ -16,6 +17,7 @@ import (
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/drainer"
+	"github.com/rungworks/gateway/internal/apitest"
 	"github.com/rungworks/gateway/internal/fakeupstream"
 	"github.com/rungworks/gateway/internal/metricstest"
 	"github.com/rungworks/gateway/internal/syncbuf"
@@ -738,4 +740,24 @@ func TestAnItemThatCannotBePricedFailsAndIsLogged(t *testing.T) {
 	b.failedUnbilled(t, id, gateway.EInternal)
 	require.Equal(t, 2, strings.Count(logs.String(), `"msg":"a batch item's usage could not be priced; failing the item"`))
 	require.Contains(t, logs.String(), metering.ErrOverflow.Error())
+}
+
+// TestAnItemThatFailsOnceSentFailsAsTheDocumentShows: an item whose call
+// failed once sent (a 500) fails with the error the document's example of
+// results shows, code and message.
+func TestAnItemThatFailsOnceSentFailsAsTheDocumentShows(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetStatus(http.StatusInternalServerError)
+	id := b.newBatch(t, "fails", 1)
+	b.run(t, b.store, drainer.Config{Concurrency: 1, Lease: time.Minute})
+	var item gateway.BatchItem
+	require.Eventually(t, func() bool {
+		item = b.items(t, id)[0]
+		return item.Status == gateway.ItemFailed
+	}, 10*time.Second, 10*time.Millisecond)
+	got, err := json.Marshal(map[string]any{"code": item.Error.Code, "message": item.Error.Message})
+	require.NoError(t, err)
+	shown := apitest.Example(t, "/paths/~1api~1v1~1batch~1{batch_id}~1results/get/responses/200/content/application~1json/examples/results/value/results/1/error")
+	require.JSONEq(t, string(shown), string(got))
 }
