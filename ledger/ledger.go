@@ -446,8 +446,8 @@ func (l *Ledger) Invalidate(account uuid.UUID) {
 	}
 }
 
-// Run, until ctx ends, folds back idle slices, tries again the folds that
-// failed and, every third of a lease, renews the slices held; then it folds
+// Run folds back idle slices, tries again the folds that failed and, every
+// third of a lease, renews the slices held, until ctx ends; then it folds
 // back every slice nothing runs under.
 func (l *Ledger) Run(ctx context.Context) {
 	tick := time.NewTicker(min(l.cfg.Idle, l.cfg.Lease/3))
