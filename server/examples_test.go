@@ -26,7 +26,8 @@ import (
 	"github.com/rungworks/gateway/upstream"
 )
 
-// errorExample is an error reply the document shows.
+// errorExample is an error the document shows, in a reply or a stream's
+// event.
 type errorExample struct {
 	status int
 	error  json.RawMessage // the envelope's error: code and message
@@ -221,9 +222,9 @@ func TestErrorExamplesAreWhatTheGatewaySends(t *testing.T) {
 	}
 }
 
-// at49s counts the keys' minutes 49 s into a minute, which stays: a key's
-// 600 requests fill it, and the next is refused until a second into the next
-// minute, 12 s later, where the 600 weigh 599.
+// at49s stops the rate limiter's clock 49 s into the current minute: a key's
+// 600 requests fill that minute, and the next is refused until a second into
+// the next minute, 12 s later, where the 600 weigh 599.
 func at49s(*testing.T) options {
 	at := time.Now().Truncate(time.Minute).Add(49 * time.Second)
 	return options{rates: ratelimit.Config{Clock: func() time.Time { return at }}}
