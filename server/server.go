@@ -12,6 +12,7 @@ import (
 	"net/http"
 	"net/netip"
 	"regexp"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -295,7 +296,9 @@ func New(cfg Config) (*Server, error) {
 		if !p.Public {
 			mws = append(mws, s.authorize(p))
 		}
-		mws = append(mws, oneSegmentParams)
+		if strings.Contains(p.Path, "{") {
+			mws = append(mws, oneSegmentParams)
+		}
 		if len(p.Query) > 0 {
 			mws = append(mws, s.checkQuery(p.Query))
 		}
