@@ -25,6 +25,7 @@
 package ledger
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"log/slog"
@@ -446,13 +447,18 @@ func (l *Ledger) Invalidate(account uuid.UUID) {
 	}
 }
 
-// Run folds back idle slices, tries again the folds that failed and, every
-// third of a lease, renews the slices held, until ctx ends; then it folds
-// back every slice nothing runs under.
+// Run folds back idle slices and tries again the folds that failed at each
+// beat, and renews the slices held every third of a lease, until ctx ends;
+// then it folds back every slice nothing runs under. Renewals keep their own
+// beat: a slice is used for two thirds of a lease from its last renewal's
+// start, so a renewal skipped for a beat that a fold made late would let it
+// lapse here while the database still holds it, and its next request would
+// be granted a new one.
 func (l *Ledger) Run(ctx context.Context) {
 	tick := time.NewTicker(min(l.cfg.Idle, l.cfg.Lease/3))
 	defer tick.Stop()
-	lastRenewal := time.Now()
+	renewal := time.NewTicker(l.cfg.Lease / 3)
+	defer renewal.Stop()
 	for {
 		select {
 		case <-ctx.Done():
@@ -468,10 +474,8 @@ func (l *Ledger) Run(ctx context.Context) {
 		case <-tick.C:
 			_ = l.foldIdle(ctx, false)
 			l.refold(ctx)
-			if time.Since(lastRenewal) >= l.cfg.Lease/3 {
-				lastRenewal = time.Now()
-				l.renew(ctx)
-			}
+		case <-renewal.C:
+			l.renew(ctx)
 		}
 	}
 }
@@ -517,8 +521,12 @@ func (l *Ledger) unavailable(err error) bool {
 	return l.cfg.Unavailable != nil && l.cfg.Unavailable(err)
 }
 
-// renew extends the leases held; one the database no longer holds (it ran
-// out, and another replica folded it) is used no more.
+// renew extends the leases held, a hundred at a time in the order of their
+// ids (oldest first); one the database no longer holds (it ran out, and
+// another replica folded it) is used no more. A statement that fails for its
+// data is split so that one lease the database refuses keeps no other from
+// its renewal (D11); when the database is away, the leases renewed before it
+// went are kept and the others wait for the next round.
 func (l *Ledger) renew(ctx context.Context) {
 	l.mu.Lock()
 	ids := make([]uuid.UUID, 0, len(l.leases))
@@ -531,28 +539,60 @@ func (l *Ledger) renew(ctx context.Context) {
 	if len(ids) == 0 {
 		return
 	}
+	slices.SortFunc(ids, func(a, b uuid.UUID) int { return bytes.Compare(a[:], b[:]) })
 	start := time.Now()
-	var held []uuid.UUID
-	for chunk := range slices.Chunk(ids, renewChunk) {
-		rctx, cancel := context.WithTimeout(ctx, statementTimeout)
-		renewed, err := l.store.RenewQuotaLeases(rctx, l.cfg.Owner, chunk, l.cfg.Lease)
-		cancel()
-		if err != nil {
-			if ctx.Err() == nil {
-				l.renewals.Failed(err)
+	var tried, held []uuid.UUID
+	var failure error
+	queue := slices.Collect(slices.Chunk(ids, renewChunk))
+	for len(queue) > 0 {
+		chunk := queue[0]
+		queue = queue[1:]
+		renewed, err := l.renewChunk(ctx, chunk)
+		switch {
+		case err == nil:
+			tried = append(tried, chunk...)
+			held = append(held, renewed...)
+		case l.unavailable(err) || ctx.Err() != nil:
+			failure = err
+			queue = nil // the rest wait for the next round
+		case len(chunk) > 1:
+			l.cfg.Logger.Warn("a renewal of quota leases failed; renewing them one by one", "leases", len(chunk), "error", err)
+			singles := make([][]uuid.UUID, len(chunk))
+			for i := range chunk {
+				singles[i] = chunk[i : i+1]
 			}
-			return
+			queue = append(singles, queue...)
+		default:
+			failure = err // this lease alone: tried again at the next round
 		}
-		held = append(held, renewed...)
 	}
-	l.renewals.Succeeded()
+	switch {
+	case failure == nil:
+		l.renewals.Succeeded()
+	case ctx.Err() == nil:
+		l.renewals.Failed(failure)
+	}
+	l.renewed(start, tried, held)
+}
+
+// renewChunk renews ids in one statement and returns those still held.
+func (l *Ledger) renewChunk(ctx context.Context, ids []uuid.UUID) ([]uuid.UUID, error) {
+	rctx, cancel := context.WithTimeout(ctx, statementTimeout)
+	defer cancel()
+	return l.store.RenewQuotaLeases(rctx, l.cfg.Owner, ids, l.cfg.Lease)
+}
+
+// renewed records a renewal that started at start: of the leases tried,
+// those held are used for two thirds of a lease from start, the others no
+// more. Leases not tried are left as they were.
+func (l *Ledger) renewed(start time.Time, tried, held []uuid.UUID) {
 	still := make(map[uuid.UUID]bool, len(held))
 	for _, id := range held {
 		still[id] = true
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	for _, id := range ids {
+	for _, id := range tried {
 		ls := l.leases[id]
 		if ls == nil {
 			continue

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
@@ -810,4 +811,130 @@ func TestManyLeasesAreRenewedInSmallStatements(t *testing.T) {
 	n, err := b.store.FoldExpiredQuotaLeases(b.ctx, accounts)
 	require.NoError(t, err)
 	require.Zero(t, n, "every lease is held: none ran out")
+}
+
+// TestASliceInSteadyUseIsGrantedOnce: a slice used all the time is renewed
+// before its replica stops using it, lease after lease, so it is granted
+// once. Renewals skipped a beat whenever the beat before had come late (the
+// folds ran first), and then the slice lapsed here while the database still
+// held it: the next request was granted a new one, a durable commit before
+// its dispatch.
+func TestASliceInSteadyUseIsGrantedOnce(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	st := &countingStore{Store: store.New(testdb.Connect(t, b.url))}
+	const lease = 900 * time.Millisecond
+	l := ledger.New(ledger.Config{Lease: lease, Idle: lease / 3}, st)
+	b.run(t, l)
+	p := b.principal(t, "acme", nil, nil)
+	for deadline := time.Now().Add(6 * lease); time.Now().Before(deadline); {
+		id, err := admit(l, p, 10)
+		require.NoError(t, err)
+		require.NoError(t, l.Settle(b.ctx, record(p, id, 5)))
+		time.Sleep(2 * time.Millisecond)
+	}
+	require.Equal(t, int64(1), st.grants.Load(), "one grant in six leases")
+}
+
+// renewalFailingStore fails the renewals that fail, called with mu held,
+// returns an error for, and counts grants.
+type renewalFailingStore struct {
+	*countingStore
+	mu   sync.Mutex
+	fail func(ids []uuid.UUID) error
+}
+
+func (r *renewalFailingStore) RenewQuotaLeases(ctx context.Context, owner uuid.UUID, ids []uuid.UUID, lease time.Duration) ([]uuid.UUID, error) {
+	r.mu.Lock()
+	var err error
+	if r.fail != nil {
+		err = r.fail(ids)
+	}
+	r.mu.Unlock()
+	if err != nil {
+		return nil, err
+	}
+	return r.Store.RenewQuotaLeases(ctx, owner, ids, lease)
+}
+
+// heldLeases admits a request of each of n accounts that never ends, so that
+// l holds a lease of each.
+func (b *testBundle) heldLeases(t *testing.T, l *ledger.Ledger, n int) []*gateway.Principal {
+	t.Helper()
+	principals := make([]*gateway.Principal, n)
+	for i := range principals {
+		principals[i] = b.principal(t, fmt.Sprintf("tenant-%d", i), nil, nil)
+	}
+	for _, p := range principals {
+		_, err := admit(l, p, 10)
+		require.NoError(t, err)
+	}
+	return principals
+}
+
+// TestARenewalRefusedForOneLeaseRenewsTheOthers: when a renewal statement
+// fails for its data, its leases are renewed one by one, so that the one the
+// database refuses runs out alone and the other statements go on (D11).
+func TestARenewalRefusedForOneLeaseRenewsTheOthers(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	var poisoned uuid.UUID // the first lease of the first renewal, refused ever after
+	st := &renewalFailingStore{countingStore: &countingStore{Store: store.New(testdb.Connect(t, b.url))}}
+	st.fail = func(ids []uuid.UUID) error {
+		if poisoned == uuid.Nil {
+			poisoned = ids[0]
+		}
+		if slices.Contains(ids, poisoned) {
+			return errors.New("refused for its data")
+		}
+		return nil
+	}
+	const lease = 900 * time.Millisecond
+	l := ledger.New(ledger.Config{Lease: lease, Idle: time.Hour, Unavailable: store.Transient}, st)
+	b.run(t, l)
+	const accounts = 250 // three statements a renewal
+	b.heldLeases(t, l, accounts)
+	time.Sleep(2 * lease)
+	n, err := b.store.FoldExpiredQuotaLeases(b.ctx, accounts)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n, "only the refused lease ran out")
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	require.NotEqual(t, uuid.Nil, poisoned)
+}
+
+// TestARenewalCutShortKeepsWhatItRenewed: when the database goes away in the
+// middle of a renewal, the leases it renewed before are used on, and only
+// the others are granted anew once they lapse.
+func TestARenewalCutShortKeepsWhatItRenewed(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	st := &renewalFailingStore{countingStore: &countingStore{Store: store.New(testdb.Connect(t, b.url))}}
+	const lease = 900 * time.Millisecond
+	l := ledger.New(ledger.Config{Lease: lease, Idle: time.Hour, Unavailable: store.Transient}, st)
+	b.run(t, l)
+	principals := b.heldLeases(t, l, 150) // two statements a renewal
+	rows, err := b.store.Pool().Query(b.ctx, `SELECT id FROM quota_leases ORDER BY id LIMIT 100`)
+	require.NoError(t, err)
+	oldest, err := pgx.CollectRows(rows, pgx.RowTo[uuid.UUID])
+	require.NoError(t, err)
+	// From now on a renewal statement of the oldest hundred leases passes,
+	// and one of any other times out.
+	st.mu.Lock()
+	st.fail = func(ids []uuid.UUID) error {
+		for _, id := range ids {
+			if !slices.Contains(oldest, id) {
+				return fmt.Errorf("error renewing: %w", context.DeadlineExceeded)
+			}
+		}
+		return nil
+	}
+	st.mu.Unlock()
+	time.Sleep(lease) // the newest fifty lapse here
+	grants := st.grants.Load()
+	for _, p := range principals {
+		_, err := admit(l, p, 10)
+		require.NoError(t, err)
+	}
+	require.Equal(t, int64(50), st.grants.Load()-grants, "the fifty leases not renewed are granted anew, the others used on")
 }
