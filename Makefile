@@ -65,7 +65,7 @@ lint:
 bench: build
 	$(WITH_PG) $(GO) test -run '^$$' -bench . -benchmem ./...
 	$(GO) run ./bench/load -binary bin/gateway
-	$(GO) run ./bench/load -binary bin/gateway -rates 1000 -connections 0 -tenants 5000 -warmup 12s -floor=false
+	$(GO) run ./bench/load -binary bin/gateway -rates 1000 -connections 0 -tenants 5000 -warmup 12s -duration 60s -floor=false
 	$(GO) run ./bench/load -binary bin/gateway -rates 1000 -connections 0 -uncited -floor=false
 	$(GO) run ./bench/load -binary bin/gateway -rates 1000 -connections 0 -floor=false -backlog 5000000 -duration 20s
 	$(GO) run ./bench/drain -binary bin/gateway -rounds 3
