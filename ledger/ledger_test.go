@@ -836,8 +836,8 @@ func TestASliceInSteadyUseIsGrantedOnce(t *testing.T) {
 	require.Equal(t, int64(1), st.grants.Load(), "one grant in six leases")
 }
 
-// renewalFailingStore fails the renewals that fail, called with mu held,
-// returns an error for, and counts grants.
+// renewalFailingStore fails each renewal for which fail, called with mu
+// held, returns an error, and counts grants.
 type renewalFailingStore struct {
 	*countingStore
 	mu   sync.Mutex
