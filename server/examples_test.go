@@ -173,11 +173,8 @@ func TestErrorExamplesAreWhatTheGatewaySends(t *testing.T) {
 		}},
 		"ServiceUnavailable/database": {
 			options: func(t *testing.T) options {
-				away, _ := unreachableStore(t)
-				return options{server: func(c *server.Config) {
-					c.Auth = &access.Authenticator{Keys: access.NewKeys(access.Config{}, away), Rates: ratelimit.New(ratelimit.Config{}, away)}
-					c.Unavailable = store.Transient
-				}}
+				o, _ := databaseAway(t)
+				return o
 			},
 			send: post("/api/v1/responses", map[string]any{"prompt": "hi"}),
 		},
@@ -253,9 +250,9 @@ func streamError(t *testing.T, b *testBundle) reply {
 	return r
 }
 
-// unreachableStore is a store whose database, at addr, refuses every
-// connection.
-func unreachableStore(t *testing.T) (away *store.Store, addr string) {
+// databaseAway returns the options of a server that authenticates against a
+// database, at addr, that refuses every connection.
+func databaseAway(t *testing.T) (o options, addr string) {
 	t.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
@@ -264,7 +261,11 @@ func unreachableStore(t *testing.T) (away *store.Store, addr string) {
 	pool, err := pgxpool.New(t.Context(), "postgres://nobody@"+addr+"/none?connect_timeout=2")
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
-	return store.New(pool), addr
+	away := store.New(pool)
+	return options{server: func(c *server.Config) {
+		c.Auth = &access.Authenticator{Keys: access.NewKeys(access.Config{}, away), Rates: ratelimit.New(ratelimit.Config{}, away)}
+		c.Unavailable = store.Transient
+	}}, addr
 }
 
 // failingUsage is a usage view that fails for a reason no caller may see.

@@ -17,13 +17,10 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
-	"github.com/rungworks/gateway/access"
 	"github.com/rungworks/gateway/gen/api"
 	"github.com/rungworks/gateway/internal/metricstest"
 	"github.com/rungworks/gateway/metrics"
-	"github.com/rungworks/gateway/ratelimit"
 	"github.com/rungworks/gateway/server"
-	"github.com/rungworks/gateway/store"
 )
 
 func (r reply) message(t *testing.T) string {
@@ -368,11 +365,8 @@ func (b *testBundle) trickle(t *testing.T, path, start string) reply {
 // reach, requests are 503 SERVICE_UNAVAILABLE with Retry-After, not 500.
 func TestDatabaseAwayIsServiceUnavailable(t *testing.T) {
 	t.Parallel()
-	away, addr := unreachableStore(t)
-	b := setupWith(t, options{server: func(c *server.Config) {
-		c.Auth = &access.Authenticator{Keys: access.NewKeys(access.Config{}, away), Rates: ratelimit.New(ratelimit.Config{}, away)}
-		c.Unavailable = store.Transient
-	}})
+	o, addr := databaseAway(t)
+	b := setupWith(t, o)
 	for _, path := range []string{"/api/v1/responses", "/api/v1/batch"} {
 		r := b.post(path, b.key, map[string]any{"prompt": "hi", "requests": items(1)})
 		require.Equal(t, http.StatusServiceUnavailable, r.status, path)
