@@ -67,6 +67,7 @@ type Server struct {
 	slow       map[string]time.Duration
 	headers    http.Header
 	calls      []Call
+	unrecorded bool
 	http2Calls int
 	inFlight   int
 	peak       int
@@ -274,6 +275,13 @@ func (s *Server) SetNoStreaming(on bool) { set(s, &s.whole, on) }
 // (stream_options.include_usage).
 func (s *Server) SetAlwaysStreaming(on bool) { set(s, &s.always, on) }
 
+// SetUnrecorded makes the server keep none of the calls it receives from
+// then on (Calls returns those before): a load generator's hundreds of
+// thousands of calls, some 800 bytes each with their headers, would grow its
+// heap through the run, and the collections of that heap take the cores it
+// shares with the processes it measures.
+func (s *Server) SetUnrecorded(on bool) { set(s, &s.unrecorded, on) }
+
 // SetMislabelled makes the server label its streams application/json and
 // its completions text/event-stream, as some upstreams and proxies do.
 func (s *Server) SetMislabelled(on bool) { set(s, &s.mislabel, on) }
@@ -391,7 +399,9 @@ func (s *Server) handle(w http.ResponseWriter, r *http.Request) {
 		status = hostile.Status
 	}
 	call.Refused = status == http.StatusServiceUnavailable || status == http.StatusTooManyRequests || status == 0 && mode == Down
-	s.calls = append(s.calls, call)
+	if !s.unrecorded {
+		s.calls = append(s.calls, call)
+	}
 	if r.ProtoMajor == 2 {
 		s.http2Calls++
 	}
