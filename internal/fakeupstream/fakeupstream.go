@@ -316,7 +316,8 @@ func StreamPieces(prompt string) []string {
 	return strings.SplitAfter(Reply(prompt), " ")
 }
 
-// Calls returns the requests received so far.
+// Calls returns the requests received so far, but for those received while
+// the server was unrecorded (SetUnrecorded).
 func (s *Server) Calls() []Call {
 	s.mu.Lock()
 	defer s.mu.Unlock()
