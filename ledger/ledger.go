@@ -7,7 +7,9 @@
 // so the sum of all replicas' slices never passes either cap, and an admitted
 // estimate is always covered. Slices are sized to a share of what the caps
 // leave, so they shrink as the remainder does; a request that the slice and
-// the remainder together cannot cover is refused exactly as before.
+// the remainder together cannot cover is refused exactly as before. A slice
+// running low is refilled in the background, so that the requests of an
+// account in steady use do not wait for a grant.
 //
 // Finished requests are settled in groups: those that finish together are
 // committed in one statement and one transaction (usage, evidence, and their
@@ -75,8 +77,11 @@ const (
 	renewChunk = 100
 	// refusalMemory is how long a refused grant answers for its lease: a
 	// burst of requests past a cap is refused from memory, not with a
-	// statement each.
+	// statement each. A refill that failed waits as long before the next.
 	refusalMemory = 250 * time.Millisecond
+	// lowWater refills a slice once less than 1/lowWater of its last grant
+	// is available.
+	lowWater = 4
 )
 
 // Config configures a Ledger; zero fields take the defaults.
@@ -139,6 +144,8 @@ type lease struct {
 	// avail is what admissions may still take: granted, minus the estimates
 	// of requests running, minus the actual cost of those settled.
 	avail int64
+	// lastGrant is the last grant's size, which tells when to refill.
+	lastGrant int64
 	// stored is set once a grant statement created the lease's row.
 	stored   bool
 	inflight int
@@ -154,6 +161,8 @@ type lease struct {
 	// needs more than it said was left.
 	refused      store.QuotaGrant
 	refusedUntil time.Time
+	// refillAfter is when a refill may follow one that failed.
+	refillAfter time.Time
 }
 
 // ticket is what an admitted request took from which lease.
@@ -197,8 +206,9 @@ func New(cfg Config, st Store) *Ledger {
 }
 
 // Admit takes the request's estimate from the slice of its account-day and
-// project, leasing a new slice when this one cannot cover it. A refusal is
-// RATE_LIMITED (daily ceiling) or BUDGET_EXCEEDED, worded as D5 and D11 say.
+// project, leasing a new slice when this one cannot cover it, and refills the
+// slice in the background once it runs low. A refusal is RATE_LIMITED (daily
+// ceiling) or BUDGET_EXCEEDED, worded as D5 and D11 say.
 func (l *Ledger) Admit(ctx context.Context, a gateway.Admission) error {
 	key := sliceKey{account: a.Principal.AccountID, project: a.Principal.ProjectID, day: gateway.UTCDay(a.Day)}
 	for {
@@ -220,6 +230,7 @@ func (l *Ledger) Admit(ctx context.Context, a gateway.Admission) error {
 			ls.inflight++
 			ls.touched = time.Now()
 			l.admitted[a.RequestID] = ticket{lease: ls, estimate: a.Estimate}
+			l.refill(ls, a, ls.touched)
 			l.mu.Unlock()
 			return nil
 		}
@@ -245,17 +256,7 @@ func (l *Ledger) Admit(ctx context.Context, a gateway.Admission) error {
 		grant, err := l.grant(ctx, ls, a.Principal, need)
 
 		l.mu.Lock()
-		ls.granting = nil
-		call.End(err)
-		if err == nil {
-			ls.stored = true
-			ls.validUntil = start.Add(l.cfg.Lease * 2 / 3)
-			if grant.Outcome == gateway.AdmitOK {
-				ls.avail += grant.Granted
-			} else {
-				ls.refused, ls.refusedUntil = grant, start.Add(refusalMemory)
-			}
-		}
+		l.granted(ls, call, start, grant, err)
 		l.mu.Unlock()
 		if err != nil {
 			return err
@@ -263,6 +264,65 @@ func (l *Ledger) Admit(ctx context.Context, a gateway.Admission) error {
 		if grant.Outcome != gateway.AdmitOK {
 			return gateway.AdmissionError(refusal(grant, a.Estimate), "request", a.Estimate, a.Principal, key.day)
 		}
+	}
+}
+
+// refill starts, in the background, a grant of at least a's estimate to ls
+// once less than a quarter of its last grant is available, so that the next
+// requests find it covered. Nothing is started while a grant is in flight, on
+// a slice no longer used, while a refusal answers for it, or for a while after
+// a refill failed. Called with l.mu held.
+func (l *Ledger) refill(ls *lease, a gateway.Admission, now time.Time) {
+	if ls.granting != nil || ls.avail >= ls.lastGrant/lowWater || l.retired(ls, now) ||
+		now.Before(ls.refusedUntil) || now.Before(ls.refillAfter) {
+		return
+	}
+	call := inflight.Start()
+	ls.granting = call
+	go func() {
+		start := time.Now()
+		grant, err := l.grant(context.Background(), ls, a.Principal, a.Estimate)
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		if err != nil {
+			ls.refillAfter = time.Now().Add(refusalMemory)
+			l.cfg.Logger.Debug("error refilling a quota slice ahead of need", "error", err)
+		}
+		l.granted(ls, call, start, grant, err)
+	}()
+}
+
+// granted ends the grant call to ls, started at start, with its outcome.
+// Called with l.mu held.
+func (l *Ledger) granted(ls *lease, call *inflight.Call, start time.Time, grant store.QuotaGrant, err error) {
+	ls.granting = nil
+	call.End(err)
+	if err != nil {
+		return
+	}
+	ls.stored = true
+	ls.validUntil = start.Add(l.cfg.Lease * 2 / 3)
+	if grant.Outcome == gateway.AdmitOK {
+		ls.avail += grant.Granted
+		ls.lastGrant = grant.Granted
+	} else {
+		ls.refused, ls.refusedUntil = grant, start.Add(refusalMemory)
+	}
+}
+
+// grantsInFlight waits for the grants in flight, refills included, so that
+// the leases they add to can be folded back.
+func (l *Ledger) grantsInFlight(ctx context.Context) {
+	l.mu.Lock()
+	var calls []*inflight.Call
+	for _, ls := range l.leases {
+		if ls.granting != nil {
+			calls = append(calls, ls.granting)
+		}
+	}
+	l.mu.Unlock()
+	for _, call := range calls {
+		_ = call.Wait(ctx) // each ends within its statement's timeout
 	}
 }
 
@@ -465,6 +525,7 @@ func (l *Ledger) Run(ctx context.Context) {
 			// Past a failed fold, the database is likely away: the slices
 			// not folded are left to run out rather than the shutdown
 			// waiting for another statement timeout.
+			l.grantsInFlight(context.WithoutCancel(ctx))
 			if l.foldIdle(context.WithoutCancel(ctx), true) == nil {
 				l.refold(context.WithoutCancel(ctx))
 			}

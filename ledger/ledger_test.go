@@ -292,6 +292,89 @@ func (c *countingStore) GrantQuota(ctx context.Context, r store.QuotaRequest) (s
 	return c.Store.GrantQuota(ctx, r)
 }
 
+// heldStore holds each grant after the first at gate until gate is closed
+// (or for ten seconds, so that a ledger that waits for one fails its test
+// rather than hang it), counting the grants sent and those answered.
+type heldStore struct {
+	*store.Store
+	gate           chan struct{}
+	sent, answered atomic.Int64
+}
+
+func (h *heldStore) GrantQuota(ctx context.Context, r store.QuotaRequest) (store.QuotaGrant, error) {
+	if h.sent.Add(1) > 1 {
+		select {
+		case <-h.gate:
+		case <-time.After(10 * time.Second):
+		}
+	}
+	defer h.answered.Add(1)
+	return h.Store.GrantQuota(ctx, r)
+}
+
+// refilling is a ledger over a heldStore whose first slice of p's day, of
+// 1,000 rungs under a ceiling of 16,000, is down to 200 after eight requests
+// of 100 each: the refill has started, and is held.
+func (b *testBundle) refilling(t *testing.T, run func(*ledger.Ledger)) (*ledger.Ledger, *heldStore, *gateway.Principal) {
+	t.Helper()
+	st := &heldStore{Store: b.store, gate: make(chan struct{})}
+	l := ledger.New(ledger.Config{}, st)
+	run(l)
+	p := b.principal(t, "acme", ptr(int64(16_000)), nil)
+	for i := range 8 {
+		b.request(t, l, p)
+		if i < 7 {
+			require.Equal(t, int64(1), st.sent.Load(), "served from the slice")
+		}
+	}
+	require.Eventually(t, func() bool { return st.sent.Load() == 2 }, 10*time.Second, time.Millisecond, "the refill started at 200 available")
+	return l, st, p
+}
+
+// request admits and settles a request of p of 100 rungs.
+func (b *testBundle) request(t *testing.T, l *ledger.Ledger, p *gateway.Principal) {
+	t.Helper()
+	id, err := admit(l, p, 100)
+	require.NoError(t, err)
+	require.NoError(t, l.Settle(b.ctx, record(p, id, 100)))
+}
+
+// TestASliceIsRefilledAheadOfNeed: once less than a quarter of its last grant
+// is available, a slice is refilled in the background; the requests after go
+// on from what is left meanwhile, and none waits for a grant.
+func TestASliceIsRefilledAheadOfNeed(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	l, st, p := b.refilling(t, func(l *ledger.Ledger) { b.run(t, l) })
+	b.request(t, l, p)
+	b.request(t, l, p)
+	require.Equal(t, int64(1), st.answered.Load(), "the last two requests of the slice went on while the refill was held")
+	close(st.gate)
+	require.Eventually(t, func() bool { return st.answered.Load() == 2 }, 10*time.Second, time.Millisecond)
+	for range 7 { // from the refill, 1/16 of 15,000
+		b.request(t, l, p)
+	}
+	require.Equal(t, int64(2), st.sent.Load())
+	require.Equal(t, int64(1700), b.view(t, p).Daily.Charged, "what was used, never the slices")
+}
+
+// TestARefillInFlightAtShutdownIsFoldedBack: a ledger that stops while a
+// refill is in flight waits for it, then folds its slice back with the rest.
+func TestARefillInFlightAtShutdownIsFoldedBack(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx, stop := context.WithCancel(b.ctx)
+	done := make(chan struct{})
+	_, st, p := b.refilling(t, func(l *ledger.Ledger) {
+		go func() { defer close(done); l.Run(ctx) }()
+	})
+	stop()
+	close(st.gate)
+	<-done
+	require.Equal(t, int64(2), st.answered.Load())
+	require.True(t, b.admits(p, 16_000-800), "the ceiling but what was used is free again")
+}
+
 // TestAGrantThatFailsFailsForAllWhoWaitOnIt: while the database does not
 // answer, the requests of an account-day that wait for the grant in flight
 // fail with it, instead of each sending one more grant in turn after it

@@ -4,6 +4,11 @@
 // it did not use. The sum of every replica's slices never passes the limit, so
 // however many replicas serve a key, it is never admitted more than its limit
 // in the sliding minute the store counts.
+//
+// A key in steady use does not wait for its leases: a slice running low is
+// refilled in the background, and in the last seconds of a minute the next
+// minute's slice is leased ahead, so that the key's first request of the new
+// minute finds it held.
 package ratelimit
 
 import (
@@ -24,6 +29,7 @@ import (
 // Store leases and returns slices of keys' minutes.
 type Store interface {
 	LeaseRate(ctx context.Context, keyID uuid.UUID, now time.Time, limit, share int) (store.RateGrant, error)
+	LeaseRateAhead(ctx context.Context, keyID uuid.UUID, window time.Time, limit, share int) (store.RateGrant, error)
 	ReturnRate(ctx context.Context, returns []store.RateReturn) error
 }
 
@@ -35,8 +41,16 @@ const (
 	// a key used three times a minute keeps its slice until the minute turns.
 	DefaultIdle = 20 * time.Second
 	// DefaultRetryRefused is how long a refused key is answered from memory
-	// before the store is asked again.
+	// before the store is asked again, and how long a lease in the background
+	// that failed waits before the next.
 	DefaultRetryRefused = 250 * time.Millisecond
+	// DefaultAhead is how long before a minute ends a key in use leases its
+	// slice of the next: a key used every few seconds finds it held as the
+	// minute turns.
+	DefaultAhead = 10 * time.Second
+	// lowWater refills a slice once less than 1/lowWater of its last grant
+	// is left of it.
+	lowWater = 4
 	// grantTimeout bounds one lease statement.
 	grantTimeout = 5 * time.Second
 )
@@ -47,6 +61,7 @@ type Config struct {
 	Share        int
 	Idle         time.Duration
 	RetryRefused time.Duration
+	Ahead        time.Duration
 	// Clock is the time windows are counted at; nil means time.Now.
 	Clock  func() time.Time
 	Logger *slog.Logger
@@ -62,16 +77,28 @@ type Limiter struct {
 	returns []store.RateReturn
 }
 
-// bucket is one key's slice of the current minute.
-type bucket struct {
+// slice is what this replica holds of one minute of a key.
+type slice struct {
 	window       time.Time
 	left         int
+	granted      int     // the last grant, which tells when to refill
 	used         float64 // the key's count after this replica's last grant
 	previous     int     // the counts used weighs: the previous minute's,
 	current      int     // and this one's after the grant
-	touched      time.Time
 	refusedUntil time.Time
-	leasing      *inflight.Call // the lease in flight, if any
+}
+
+// bucket is one key's slice of the current minute and, once leased ahead,
+// of the next.
+type bucket struct {
+	slice
+	next    *slice
+	touched time.Time
+	// leasing is the lease in flight, if any: of this minute, or of the
+	// next one ahead of it.
+	leasing *inflight.Call
+	// retryAt is when a lease in the background may follow one that failed.
+	retryAt time.Time
 }
 
 // New returns a limiter over st.
@@ -87,6 +114,9 @@ func New(cfg Config, st Store) *Limiter {
 	}
 	if cfg.RetryRefused <= 0 {
 		cfg.RetryRefused = DefaultRetryRefused
+	}
+	if cfg.Ahead <= 0 {
+		cfg.Ahead = DefaultAhead
 	}
 	if cfg.Clock == nil {
 		cfg.Clock = time.Now
@@ -106,8 +136,9 @@ func (l *Limiter) Limit(t gateway.Tier) int {
 }
 
 // Take counts one request of key against its limit: admitted from the slice
-// in memory, or after leasing a new one. A request past the limit is not
-// counted and comes back with Admitted false.
+// in memory, or after leasing a new one, and starts the lease in the
+// background that the slice will need next, if any. A request past the limit
+// is not counted and comes back with Admitted false.
 func (l *Limiter) Take(ctx context.Context, keyID uuid.UUID, tier gateway.Tier) (gateway.RateStatus, error) {
 	limit := l.Limit(tier)
 	for {
@@ -119,6 +150,7 @@ func (l *Limiter) Take(ctx context.Context, keyID uuid.UUID, tier gateway.Tier) 
 		if b.left > 0 {
 			b.left--
 			status := b.status(limit, true, now)
+			l.refill(keyID, b, now, limit)
 			l.mu.Unlock()
 			return status, nil
 		}
@@ -139,62 +171,138 @@ func (l *Limiter) Take(ctx context.Context, keyID uuid.UUID, tier gateway.Tier) 
 		b.leasing = call
 		l.mu.Unlock()
 
-		grant, err := l.lease(ctx, keyID, now, limit)
+		grant, err := l.lease(ctx, keyID, window, now, limit)
 
 		l.mu.Lock()
-		b.leasing = nil
-		call.End(err)
+		l.landed(keyID, b, window, now, call, grant, err)
+		l.mu.Unlock()
 		if err != nil {
-			l.mu.Unlock()
 			return gateway.RateStatus{}, err
 		}
-		if b.window.Equal(window) {
-			b.left += grant.Granted
-			b.used, b.previous, b.current = grant.Used, grant.Previous, grant.Current
-			if grant.Granted == 0 {
-				b.refusedUntil = now.Add(l.cfg.RetryRefused)
-			}
-		} else if grant.Granted > 0 {
-			// The minute turned while the lease was in flight.
-			l.returns = append(l.returns, store.RateReturn{KeyID: keyID, Window: window, Count: grant.Granted})
-		}
-		l.mu.Unlock()
 	}
 }
 
-func (l *Limiter) lease(ctx context.Context, keyID uuid.UUID, now time.Time, limit int) (store.RateGrant, error) {
+// refill starts, in the background, the lease b will need next: more of this
+// minute once less than a quarter of the last grant is left, or the next
+// minute's slice once this minute ends within Config.Ahead. A slice leased
+// ahead is room the rest of this minute no longer has (the next minute weighs
+// this one whole as it starts), so it is leased only while the key's slices
+// hold a few requests (lowWater): far from its limit. Nothing is started
+// while a lease is in flight, and for a while after one in the background
+// failed. Called with l.mu held.
+func (l *Limiter) refill(keyID uuid.UUID, b *bucket, now time.Time, limit int) {
+	if b.leasing != nil || now.Before(b.retryAt) {
+		return
+	}
+	window := b.window
+	next := window.Add(time.Minute)
+	switch {
+	case b.left < b.granted/lowWater:
+	case b.next == nil && next.Sub(now) <= l.cfg.Ahead && b.granted >= lowWater:
+		window = next
+	default:
+		return
+	}
+	call := inflight.Start()
+	b.leasing = call
+	go func() {
+		grant, err := l.lease(context.Background(), keyID, window, now, limit)
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		if err != nil {
+			b.retryAt = l.cfg.Clock().Add(l.cfg.RetryRefused)
+			l.cfg.Logger.Debug("error refilling a rate-limit slice ahead of need", "error", err)
+		}
+		l.landed(keyID, b, window, now, call, grant, err)
+	}()
+}
+
+// lease leases a slice of key's minute window, asked at now: as at now when
+// now is in it, as at its start when it is ahead.
+func (l *Limiter) lease(ctx context.Context, keyID uuid.UUID, window, now time.Time, limit int) (store.RateGrant, error) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), grantTimeout)
 	defer cancel()
-	g, err := l.store.LeaseRate(ctx, keyID, now, limit, l.cfg.Share)
+	var g store.RateGrant
+	var err error
+	if window.After(now) {
+		g, err = l.store.LeaseRateAhead(ctx, keyID, window, limit, l.cfg.Share)
+	} else {
+		g, err = l.store.LeaseRate(ctx, keyID, now, limit, l.cfg.Share)
+	}
 	if err != nil {
 		return g, fmt.Errorf("error counting the request against its rate limit: %w", err)
 	}
 	return g, nil
 }
 
-// bucket returns key's bucket for window, setting aside the unused slice of
-// an earlier minute to be returned. Called with l.mu held.
+// landed ends the lease call of key's minute window, asked at now, with its
+// outcome: the grant goes to the slice of its minute, or back to the store
+// when its minute is past. Called with l.mu held.
+func (l *Limiter) landed(keyID uuid.UUID, b *bucket, window, now time.Time, call *inflight.Call, grant store.RateGrant, err error) {
+	b.leasing = nil
+	call.End(err)
+	if err != nil {
+		return
+	}
+	switch {
+	case b.window.Equal(window):
+		b.add(grant, now.Add(l.cfg.RetryRefused))
+	case b.window.Add(time.Minute).Equal(window):
+		if b.next == nil {
+			b.next = &slice{window: window}
+		}
+		b.next.add(grant, now.Add(l.cfg.RetryRefused))
+	case grant.Granted > 0:
+		// The minute turned while the lease was in flight.
+		l.returns = append(l.returns, store.RateReturn{KeyID: keyID, Window: window, Count: grant.Granted})
+	}
+}
+
+// add adds a grant to s; a refusal is answered from memory until refusedUntil.
+func (s *slice) add(g store.RateGrant, refusedUntil time.Time) {
+	s.left += g.Granted
+	s.granted = g.Granted
+	s.used, s.previous, s.current = g.Used, g.Previous, g.Current
+	if g.Granted == 0 {
+		s.refusedUntil = refusedUntil
+	}
+}
+
+// bucket returns key's bucket for window, its slice leased ahead of window
+// made current, setting aside the unused slices of other minutes to be
+// returned. Called with l.mu held.
 func (l *Limiter) bucket(keyID uuid.UUID, window time.Time) *bucket {
 	b := l.buckets[keyID]
 	if b == nil {
-		b = &bucket{window: window}
+		b = &bucket{slice: slice{window: window}}
 		l.buckets[keyID] = b
 	}
 	if !b.window.Equal(window) {
-		if b.left > 0 {
-			l.returns = append(l.returns, store.RateReturn{KeyID: keyID, Window: b.window, Count: b.left})
+		l.setAside(keyID, &b.slice)
+		current := slice{window: window}
+		if b.next != nil && b.next.window.Equal(window) {
+			current = *b.next
+		} else if b.next != nil {
+			l.setAside(keyID, b.next)
 		}
-		*b = bucket{window: window, leasing: b.leasing}
+		*b = bucket{slice: current, leasing: b.leasing, retryAt: b.retryAt}
 	}
 	return b
 }
 
-// status is the rate outcome a request is told at now. Called with l.mu held.
-func (b *bucket) status(limit int, admitted bool, now time.Time) gateway.RateStatus {
-	if !admitted {
-		return gateway.RateStatus{Limit: limit, RetryAfter: untilAdmitted(now, limit, b.previous, b.current)}
+// setAside adds what is left of s to the returns. Called with l.mu held.
+func (l *Limiter) setAside(keyID uuid.UUID, s *slice) {
+	if s.left > 0 {
+		l.returns = append(l.returns, store.RateReturn{KeyID: keyID, Window: s.window, Count: s.left})
 	}
-	remaining := b.left + max(0, int(math.Floor(float64(limit)-b.used)))
+}
+
+// status is the rate outcome a request is told at now. Called with l.mu held.
+func (s *slice) status(limit int, admitted bool, now time.Time) gateway.RateStatus {
+	if !admitted {
+		return gateway.RateStatus{Limit: limit, RetryAfter: untilAdmitted(now, limit, s.previous, s.current)}
+	}
+	remaining := s.left + max(0, int(math.Floor(float64(limit)-s.used)))
 	return gateway.RateStatus{Limit: limit, Remaining: remaining, Admitted: true}
 }
 
@@ -252,8 +360,9 @@ func (l *Limiter) flush(ctx context.Context, all bool) {
 		if b.leasing != nil || (!all && now.Sub(b.touched) < l.cfg.Idle) {
 			continue
 		}
-		if b.left > 0 {
-			l.returns = append(l.returns, store.RateReturn{KeyID: id, Window: b.window, Count: b.left})
+		l.setAside(id, &b.slice)
+		if b.next != nil {
+			l.setAside(id, b.next)
 		}
 		delete(l.buckets, id)
 	}

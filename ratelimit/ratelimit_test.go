@@ -18,15 +18,45 @@ import (
 
 func TestMain(m *testing.M) { testdb.Main(m) }
 
-// countingStore counts the lease statements a limiter sends.
+// countingStore counts the lease statements a limiter sends and those
+// answered; while holding is set, it holds each at gate until gate is closed
+// (or, so that a limiter that waited for one fails its test rather than hang
+// it, for ten seconds).
 type countingStore struct {
 	*store.Store
-	leases atomic.Int64
+	leases, ahead, answered atomic.Int64
+	holding                 atomic.Bool
+	gate                    chan struct{}
+}
+
+func (c *countingStore) hold() {
+	if c.holding.Load() {
+		select {
+		case <-c.gate:
+		case <-time.After(10 * time.Second):
+		}
+	}
 }
 
 func (c *countingStore) LeaseRate(ctx context.Context, keyID uuid.UUID, now time.Time, limit, share int) (store.RateGrant, error) {
 	c.leases.Add(1)
+	defer c.answered.Add(1)
+	c.hold()
 	return c.Store.LeaseRate(ctx, keyID, now, limit, share)
+}
+
+func (c *countingStore) LeaseRateAhead(ctx context.Context, keyID uuid.UUID, window time.Time, limit, share int) (store.RateGrant, error) {
+	c.leases.Add(1)
+	c.ahead.Add(1)
+	defer c.answered.Add(1)
+	c.hold()
+	return c.Store.LeaseRateAhead(ctx, keyID, window, limit, share)
+}
+
+// settled waits until every lease sent is answered.
+func (c *countingStore) settled(t *testing.T) {
+	t.Helper()
+	require.Eventually(t, func() bool { return c.answered.Load() == c.leases.Load() }, 10*time.Second, time.Millisecond)
 }
 
 // clock is a settable time.
@@ -86,23 +116,39 @@ func TestLimitAcrossReplicas(t *testing.T) {
 }
 
 // TestSlicesAreServedFromMemory: a key's requests lease a slice once and are
-// then counted without the database, until the slice runs out.
+// then counted without the database; the slice is refilled in the background
+// once a quarter of it is left, and the requests go on from what is left
+// meanwhile.
 func TestSlicesAreServedFromMemory(t *testing.T) {
 	t.Parallel()
-	st := &countingStore{Store: store.New(testdb.New(t))}
+	st := &countingStore{Store: store.New(testdb.New(t)), gate: make(chan struct{})}
 	c := &clock{at: time.Now().Truncate(time.Minute).Add(time.Second)}
 	l := ratelimit.New(ratelimit.Config{Limits: gateway.RateLimits{Free: 1600, Developer: 1600}, Clock: c.now}, st)
 	key := uuid.Must(uuid.NewV7())
-	for i := range 100 {
+	take := func() gateway.RateStatus {
 		r, err := l.Take(context.Background(), key, gateway.TierDeveloper)
 		require.NoError(t, err)
 		require.True(t, r.Admitted)
-		require.Equal(t, 1600-i-1, r.Remaining)
+		return r
 	}
-	require.Equal(t, int64(1), st.leases.Load(), "a slice of 1/16 of 1,600 serves 100 requests")
-	_, err := l.Take(context.Background(), key, gateway.TierDeveloper)
-	require.NoError(t, err)
-	require.Equal(t, int64(2), st.leases.Load())
+	take()
+	require.Equal(t, int64(1), st.leases.Load(), "a slice of 1/16 of 1,600: 100 requests")
+	st.holding.Store(true)
+	for i := 1; i < 100; i++ {
+		require.Equal(t, 1600-i-1, take().Remaining)
+		if i < 75 {
+			require.Equal(t, int64(1), st.leases.Load(), "served from memory")
+		}
+	}
+	require.Eventually(t, func() bool { return st.leases.Load() == 2 }, 10*time.Second, time.Millisecond, "the refill started at 24 left")
+	require.Equal(t, int64(1), st.answered.Load(), "the requests after it went on while it was held")
+	st.holding.Store(false)
+	close(st.gate)
+	st.settled(t)
+	for range 50 {
+		take()
+	}
+	require.Equal(t, int64(2), st.leases.Load(), "the refill of 1/16 of 1,500 serves the next 93")
 
 	// Refused keys are answered from memory for a while too.
 	tiny := uuid.Must(uuid.NewV7())
@@ -115,133 +161,117 @@ func TestSlicesAreServedFromMemory(t *testing.T) {
 	require.Equal(t, int64(2), st.leases.Load()-before, "one grant, one refusal, then memory")
 }
 
-// TestALeaseThatFailsFailsForAllWhoWaitOnIt: while the database does not
-// answer, the requests of a key that wait for the lease in flight fail with
-// it, instead of each sending one more lease in turn after it (each waiting
-// for all the failures before its own).
-func TestALeaseThatFailsFailsForAllWhoWaitOnIt(t *testing.T) {
+// TestTheNextMinuteIsLeasedAhead: a key in use in the last seconds of a
+// minute leases its slice of the next one ahead, so that its first request
+// of the new minute is admitted from memory.
+func TestTheNextMinuteIsLeasedAhead(t *testing.T) {
 	t.Parallel()
-	st := &countingStore{Store: store.New(testdb.Connect(t, testdb.Unanswering(t)))}
-	l := ratelimit.New(ratelimit.Config{}, st)
+	st := &countingStore{Store: store.New(testdb.New(t))}
+	minute := time.Now().Truncate(time.Minute)
+	c := &clock{at: minute.Add(45 * time.Second)}
+	l := ratelimit.New(ratelimit.Config{Limits: gateway.RateLimits{Free: 1600, Developer: 1600}, Clock: c.now}, st)
 	key := uuid.Must(uuid.NewV7())
-	const requests = 8
-	errs := make(chan error, requests)
 	take := func() {
-		_, err := l.Take(context.Background(), key, gateway.TierDeveloper)
-		errs <- err
+		r, err := l.Take(context.Background(), key, gateway.TierDeveloper)
+		require.NoError(t, err)
+		require.True(t, r.Admitted)
 	}
-	go take()
-	require.Eventually(t, func() bool { return st.leases.Load() == 1 }, 10*time.Second, time.Millisecond)
-	for range requests - 1 {
-		go take()
-	}
-	for range requests {
-		require.ErrorIs(t, <-errs, context.DeadlineExceeded)
-	}
-	require.Equal(t, int64(1), st.leases.Load(), "one lease for all")
+	take()
+	require.False(t, l.Leasing(key), "15 s before the minute ends: not yet")
+	c.set(minute.Add(52 * time.Second))
+	take()
+	require.True(t, l.Leasing(key), "within 10 s of its end")
+	require.Eventually(t, func() bool { return st.ahead.Load() == 1 }, 10*time.Second, time.Millisecond)
+	st.settled(t)
+	take()
+	require.Equal(t, int64(2), st.leases.Load(), "once a minute")
+
+	c.set(minute.Add(60 * time.Second))
+	take()
+	require.Equal(t, int64(2), st.leases.Load(), "the new minute's first request is admitted from the slice leased ahead")
 }
 
-// TestUnusedSlicesAreReturned: a replica that stops seeing a key gives its
-// unused slice back, and another replica can use it.
-func TestUnusedSlicesAreReturned(t *testing.T) {
+// TestASliceLeasedAheadIsReturnedUnused: a key that stops being used after its
+// next minute's slice was leased gives it back with the rest.
+func TestASliceLeasedAheadIsReturnedUnused(t *testing.T) {
 	t.Parallel()
 	url := testdb.URL(t)
-	c := &clock{at: time.Now().Truncate(time.Minute).Add(time.Second)}
-	cfg := ratelimit.Config{Limits: gateway.RateLimits{Free: 32, Developer: 32}, Clock: c.now, Idle: time.Millisecond, Share: 1}
-	a := ratelimit.New(cfg, store.New(testdb.Connect(t, url)))
-	b := ratelimit.New(cfg, store.New(testdb.Connect(t, url)))
+	minute := time.Now().Truncate(time.Minute)
+	c := &clock{at: minute.Add(55 * time.Second)}
+	st := &countingStore{Store: store.New(testdb.Connect(t, url))}
+	limits := gateway.RateLimits{Free: 32, Developer: 32}
+	a := ratelimit.New(ratelimit.Config{Limits: limits, Clock: c.now, Idle: time.Millisecond, Share: 2}, st)
 	key := uuid.Must(uuid.NewV7())
-	r, err := a.Take(context.Background(), key, gateway.TierDeveloper)
+	_, err := a.Take(context.Background(), key, gateway.TierDeveloper)
 	require.NoError(t, err)
-	require.True(t, r.Admitted, "a takes the whole minute as its slice")
-	r, err = b.Take(context.Background(), key, gateway.TierDeveloper)
-	require.NoError(t, err)
-	require.False(t, r.Admitted, "b finds nothing left")
+	require.Eventually(t, func() bool { return st.ahead.Load() == 1 }, 10*time.Second, time.Millisecond, "16 of this minute, then 8 of the next")
+	st.settled(t)
 
 	ctx, stop := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { defer close(done); a.Run(ctx) }()
-	c.set(c.now().Add(5 * time.Second)) // a's slice is idle
+	c.set(minute.Add(90 * time.Second)) // a's slices are idle
+	probe := store.New(testdb.Connect(t, url))
 	require.Eventually(t, func() bool {
-		c.set(c.now().Add(ratelimit.DefaultRetryRefused)) // b asks the database again
-		r, err := b.Take(context.Background(), key, gateway.TierDeveloper)
+		// What the key's window leaves, given back at once.
+		g, err := probe.LeaseRate(context.Background(), key, c.now(), 32, 1)
 		require.NoError(t, err)
-		return r.Admitted
+		require.NoError(t, probe.ReturnRate(context.Background(), []store.RateReturn{{KeyID: key, Window: minute.Add(time.Minute), Count: g.Granted}}))
+		// Half of the minute before (its one request) and nothing of this one.
+		return g.Granted == 31
 	}, 10*time.Second, 50*time.Millisecond)
 	stop()
 	<-done
 }
 
-// TestSlidingWindow: the previous minute counts by how much of it still
-// overlaps the last 60 s.
-func TestSlidingWindow(t *testing.T) {
+// TestLimitAcrossTheTurnOfAMinute: three replicas serving one key lease
+// slices of the next minute ahead, then are asked until they refuse in the
+// last seconds of a minute and again as the next one starts (when the sliding
+// window weighs the first whole): over both they admit no more than the limit.
+func TestLimitAcrossTheTurnOfAMinute(t *testing.T) {
 	t.Parallel()
+	url := testdb.URL(t)
 	minute := time.Now().Truncate(time.Minute)
-	c := &clock{}
-	l := ratelimit.New(ratelimit.Config{Limits: gateway.RateLimits{Free: 10, Developer: 10}, Clock: c.now}, store.New(testdb.New(t)))
+	c := &clock{at: minute.Add(55 * time.Second)}
+	limits := gateway.RateLimits{Free: 3, Developer: 500}
+	stores := make([]*countingStore, 3)
+	replicas := make([]*ratelimit.Limiter, 3)
+	for i := range replicas {
+		stores[i] = &countingStore{Store: store.New(testdb.Connect(t, url))}
+		replicas[i] = ratelimit.New(ratelimit.Config{Limits: limits, Clock: c.now}, stores[i])
+	}
 	key := uuid.Must(uuid.NewV7())
-	count := func(at time.Time, n int) (admitted int) {
-		c.set(at)
-		for range n {
-			r, err := l.Take(context.Background(), key, gateway.TierDeveloper)
-			require.NoError(t, err)
-			if r.Admitted {
-				admitted++
-			}
-		}
-		return admitted
-	}
-	require.Equal(t, 10, count(minute.Add(50*time.Second), 12), "the limit within a minute")
-	// 15 s into the next minute, 3/4 of the previous minute still counts: 7.5 used.
-	require.Equal(t, 2, count(minute.Add(75*time.Second), 5))
-	// Two minutes later only the new window's own requests count.
-	require.Equal(t, 8, count(minute.Add(180*time.Second), 8))
-}
-
-// TestRetryAfterIsWhenTheWindowAdmits: a refused request is told how long
-// until the sliding window admits one more. Asked again that many whole
-// seconds later (as a Retry-After header says it), the key is admitted; a
-// second sooner, it is refused. The end of the minute, which it was told
-// before, is too soon after a burst early in a minute (the minute weighs all
-// of it then) and most of a minute too late when the minute before weighs.
-func TestRetryAfterIsWhenTheWindowAdmits(t *testing.T) {
-	t.Parallel()
-	st := store.New(testdb.New(t))
-	minute := time.Now().Truncate(time.Minute)
-	for _, tt := range []struct {
-		name string
-		// bursts are the instants, after minute, at which the key takes
-		// until it is refused; the last refusal is the one checked.
-		bursts []time.Duration
-		want   int // Retry-After, in seconds
-	}{
-		{"a burst early in a minute", []time.Duration{2500 * time.Millisecond}, 68},
-		{"a burst late in a minute", []time.Duration{59700 * time.Millisecond}, 11},
-		{"the minute before weighs", []time.Duration{50 * time.Second, 70500 * time.Millisecond}, 10},
-	} {
-		t.Run(tt.name, func(t *testing.T) {
-			t.Parallel()
-			c := &clock{}
-			l := ratelimit.New(ratelimit.Config{Limits: gateway.RateLimits{Free: 6, Developer: 6}, Clock: c.now}, st)
-			key := uuid.Must(uuid.NewV7())
-			take := func() gateway.RateStatus {
-				r, err := l.Take(context.Background(), key, gateway.TierDeveloper)
+	var admitted atomic.Int64
+	burst := func(n int) {
+		var wg sync.WaitGroup
+		for i := range n {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				r, err := replicas[i%3].Take(context.Background(), key, gateway.TierDeveloper)
 				require.NoError(t, err)
-				return r
-			}
-			var refused gateway.RateStatus
-			for _, at := range tt.bursts {
-				c.set(minute.Add(at))
-				for refused = take(); refused.Admitted; refused = take() {
+				if r.Admitted {
+					admitted.Add(1)
 				}
-			}
-			retry := gateway.RateLimitedError(refused).RetryAfterSeconds() // as the header says it
-			require.Equal(t, tt.want, retry)
-			last := minute.Add(tt.bursts[len(tt.bursts)-1])
-			c.set(last.Add(time.Duration(retry-1) * time.Second))
-			require.False(t, take().Admitted, "a second sooner")
-			c.set(last.Add(time.Duration(retry) * time.Second))
-			require.True(t, take().Admitted, "at the second it was told")
-		})
+			}()
+		}
+		wg.Wait()
 	}
+	burst(30)
+	require.Eventually(t, func() bool {
+		var ahead int64
+		for _, st := range stores {
+			ahead += st.ahead.Load()
+		}
+		return ahead == 3
+	}, 10*time.Second, time.Millisecond, "each replica leases its slice of the next minute")
+	for _, st := range stores {
+		st.settled(t)
+	}
+	c.set(minute.Add(56 * time.Second))
+	burst(600)
+	c.set(minute.Add(time.Minute))
+	burst(600)
+	require.LessOrEqual(t, admitted.Load(), int64(500), "at the start of a minute the one before weighs whole")
+	require.Greater(t, admitted.Load(), int64(400))
 }

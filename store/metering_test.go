@@ -545,6 +545,35 @@ func TestLeaseRateSlidingWindow(t *testing.T) {
 	require.Equal(t, 10, lease(minute.Add(180*time.Second)))
 }
 
+// TestLeaseRateAhead: a slice of the next minute is sized as at its start,
+// where the minute before weighs whole; while it is held, grants of the minute
+// before leave room for it.
+func TestLeaseRateAhead(t *testing.T) {
+	t.Parallel()
+	st := store.New(testdb.New(t))
+	ctx := context.Background()
+	key := uuid.Must(uuid.NewV7())
+	minute := time.Now().Truncate(time.Minute)
+	next := minute.Add(time.Minute)
+	lease := func(at time.Time, share int) store.RateGrant {
+		g, err := st.LeaseRate(ctx, key, at, 20, share)
+		require.NoError(t, err)
+		return g
+	}
+	ahead := func() store.RateGrant {
+		g, err := st.LeaseRateAhead(ctx, key, next, 20, 2)
+		require.NoError(t, err)
+		return g
+	}
+	require.Equal(t, 5, lease(minute.Add(30*time.Second), 4).Granted)
+	require.Equal(t, store.RateGrant{Granted: 7, Used: 12, Previous: 5, Current: 7}, ahead(), "half of 20 - 5")
+	require.Equal(t, store.RateGrant{Granted: 8, Used: 13, Current: 13}, lease(minute.Add(50*time.Second), 1),
+		"the window leaves 15, of which 7 are the next minute's")
+	require.Zero(t, ahead().Granted)
+	require.Zero(t, lease(next, 1).Granted, "13 + 7 as the minute starts")
+	require.Equal(t, 6, lease(next.Add(30*time.Second), 1).Granted, "half of 13, and 7")
+}
+
 func TestUsageView(t *testing.T) {
 	t.Parallel()
 	b := setup(t)

@@ -89,6 +89,17 @@ func (s *Store) LeaseRate(ctx context.Context, keyID uuid.UUID, now time.Time, l
 	return RateGrant{Granted: int(row.Granted), Used: row.Used, Previous: int(row.PreviousCount), Current: int(row.CurrentCount)}, nil
 }
 
+// LeaseRateAhead grants a slice of key's requests of the minute starting at
+// window before it starts, sized as LeaseRate sizes one at its start; while
+// it is held, the grants of the minute before leave room for it.
+func (s *Store) LeaseRateAhead(ctx context.Context, keyID uuid.UUID, window time.Time, limit, share int) (RateGrant, error) {
+	row, err := s.queries.LeaseRateAhead(ctx, s.pool, db.LeaseRateAheadParams{KeyID: keyID, WindowStart: window, RateLimit: int32(limit), Share: int32(share)})
+	if err != nil {
+		return RateGrant{}, fmt.Errorf("error leasing rate ahead: %w", err)
+	}
+	return RateGrant{Granted: int(row.Granted), Used: row.Used, Previous: int(row.PreviousCount), Current: int(row.CurrentCount)}, nil
+}
+
 // RateReturn is the unused part of a key's slice of one minute.
 type RateReturn struct {
 	KeyID  uuid.UUID

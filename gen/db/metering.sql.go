@@ -419,6 +419,46 @@ func (q *Queries) LeaseRate(ctx context.Context, db DBTX, arg LeaseRateParams) (
 	return i, err
 }
 
+const leaseRateAhead = `-- name: LeaseRateAhead :one
+SELECT l.granted::integer AS granted, l.used::double precision AS used,
+       l.previous_count::integer AS previous_count, l.current_count::integer AS current_count
+FROM lease_rate_ahead($1::uuid, $2::timestamptz, $3::integer, $4::integer) AS l
+`
+
+type LeaseRateAheadParams struct {
+	KeyID       uuid.UUID
+	WindowStart time.Time
+	RateLimit   int32
+	Share       int32
+}
+
+type LeaseRateAheadRow struct {
+	Granted       int32
+	Used          float64
+	PreviousCount int32
+	CurrentCount  int32
+}
+
+// A slice of the minute starting at @window_start, leased before it starts: what
+// the limit leaves after the minute before it and its own count, as the
+// sliding window weighs them at its start.
+func (q *Queries) LeaseRateAhead(ctx context.Context, db DBTX, arg LeaseRateAheadParams) (LeaseRateAheadRow, error) {
+	row := db.QueryRow(ctx, leaseRateAhead,
+		arg.KeyID,
+		arg.WindowStart,
+		arg.RateLimit,
+		arg.Share,
+	)
+	var i LeaseRateAheadRow
+	err := row.Scan(
+		&i.Granted,
+		&i.Used,
+		&i.PreviousCount,
+		&i.CurrentCount,
+	)
+	return i, err
+}
+
 const listenPrincipals = `-- name: ListenPrincipals :exec
 LISTEN gateway_principals
 `

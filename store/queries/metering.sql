@@ -17,6 +17,14 @@ SELECT l.granted::integer AS granted, l.used::double precision AS used,
        l.previous_count::integer AS previous_count, l.current_count::integer AS current_count
 FROM lease_rate_counts(@key_id::uuid, @now::timestamptz, @rate_limit::integer, @share::integer) AS l;
 
+-- name: LeaseRateAhead :one
+-- A slice of the minute starting at @window_start, leased before it starts: what
+-- the limit leaves after the minute before it and its own count, as the
+-- sliding window weighs them at its start.
+SELECT l.granted::integer AS granted, l.used::double precision AS used,
+       l.previous_count::integer AS previous_count, l.current_count::integer AS current_count
+FROM lease_rate_ahead(@key_id::uuid, @window_start::timestamptz, @rate_limit::integer, @share::integer) AS l;
+
 -- name: ReturnRate :exec
 SELECT return_rate(@key_ids::uuid[], @windows::timestamptz[], @counts::integer[]);
 
