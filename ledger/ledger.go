@@ -31,6 +31,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"maps"
 	"slices"
 	"sync"
 	"time"
@@ -310,22 +311,6 @@ func (l *Ledger) granted(ls *lease, call *inflight.Call, start time.Time, grant 
 	}
 }
 
-// grantsInFlight waits for the grants in flight, refills included, so that
-// the leases they add to can be folded back.
-func (l *Ledger) grantsInFlight(ctx context.Context) {
-	l.mu.Lock()
-	var calls []*inflight.Call
-	for _, ls := range l.leases {
-		if ls.granting != nil {
-			calls = append(calls, ls.granting)
-		}
-	}
-	l.mu.Unlock()
-	for _, call := range calls {
-		_ = call.Wait(ctx) // each ends within its statement's timeout
-	}
-}
-
 // await waits until ch is closed or ctx ends.
 func await(ctx context.Context, ch <-chan struct{}) error {
 	select {
@@ -525,7 +510,9 @@ func (l *Ledger) Run(ctx context.Context) {
 			// Past a failed fold, the database is likely away: the slices
 			// not folded are left to run out rather than the shutdown
 			// waiting for another statement timeout.
-			l.grantsInFlight(context.WithoutCancel(ctx))
+			// The grants in flight, refills included, land first, so that
+			// the slices they add to are folded back.
+			inflight.Await(context.WithoutCancel(ctx), &l.mu, maps.Values(l.leases), func(ls *lease) *inflight.Call { return ls.granting })
 			if l.foldIdle(context.WithoutCancel(ctx), true) == nil {
 				l.refold(context.WithoutCancel(ctx))
 			}

@@ -15,6 +15,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"maps"
 	"math"
 	"sync"
 	"time"
@@ -337,13 +338,14 @@ func untilAdmitted(now time.Time, limit, previous, current int) time.Duration {
 
 // Run returns, every second until ctx ends, the slices of keys idle for
 // Config.Idle and of minutes past, in one statement; the last returns are
-// made as ctx ends.
+// made as ctx ends, once the leases in flight have landed.
 func (l *Limiter) Run(ctx context.Context) {
 	ticker := time.NewTicker(time.Second)
 	defer ticker.Stop()
 	for {
 		select {
 		case <-ctx.Done():
+			inflight.Await(context.WithoutCancel(ctx), &l.mu, maps.Values(l.buckets), func(b *bucket) *inflight.Call { return b.leasing })
 			l.flush(context.WithoutCancel(ctx), true)
 			return
 		case <-ticker.C:

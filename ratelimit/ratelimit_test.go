@@ -224,6 +224,38 @@ func TestASliceLeasedAheadIsReturnedUnused(t *testing.T) {
 	<-done
 }
 
+// TestALeaseInFlightAtShutdownIsReturned: a limiter that stops while a lease
+// ahead is in flight waits for it, then returns its slice with the rest.
+func TestALeaseInFlightAtShutdownIsReturned(t *testing.T) {
+	t.Parallel()
+	url := testdb.URL(t)
+	minute := time.Now().Truncate(time.Minute)
+	c := &clock{at: minute.Add(45 * time.Second)}
+	st := &countingStore{Store: store.New(testdb.Connect(t, url)), gate: make(chan struct{})}
+	l := ratelimit.New(ratelimit.Config{Limits: gateway.RateLimits{Free: 32, Developer: 32}, Clock: c.now, Share: 2}, st)
+	ctx, stop := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); l.Run(ctx) }()
+	key := uuid.Must(uuid.NewV7())
+	take := func() {
+		_, err := l.Take(context.Background(), key, gateway.TierDeveloper)
+		require.NoError(t, err)
+	}
+	take() // 16 of this minute
+	st.holding.Store(true)
+	c.set(minute.Add(55 * time.Second))
+	take() // and 8 of the next, held
+	require.Eventually(t, func() bool { return st.ahead.Load() == 1 }, 10*time.Second, time.Millisecond)
+	stop()
+	close(st.gate)
+	<-done
+	require.Equal(t, int64(2), st.answered.Load())
+	g, err := st.LeaseRateAhead(context.Background(), key, minute.Add(time.Minute), 32, 1)
+	require.NoError(t, err)
+	require.Equal(t, store.RateGrant{Granted: 30, Used: 32, Previous: 2, Current: 30}, g,
+		"the minute's two requests left, nothing of the next minute held")
+}
+
 // TestLimitAcrossTheTurnOfAMinute: three replicas serving one key lease
 // slices of the next minute ahead, then are asked until they refuse in the
 // last seconds of a minute and again as the next one starts (when the sliding

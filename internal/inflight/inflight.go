@@ -4,7 +4,11 @@
 // turn, each waiting for the failures of those before it.
 package inflight
 
-import "context"
+import (
+	"context"
+	"iter"
+	"sync"
+)
 
 // Call is one call in flight. Start it, publish it where others find it
 // (under their lock), and End it once, with its outcome.
@@ -32,5 +36,22 @@ func (c *Call) Wait(ctx context.Context) error {
 		return c.err
 	case <-ctx.Done():
 		return ctx.Err()
+	}
+}
+
+// Await waits until the calls in flight of holders have ended, or ctx has:
+// call reads a holder's call (nil when none), with mu held while they are
+// read; those started after are not waited for.
+func Await[T any](ctx context.Context, mu sync.Locker, holders iter.Seq[T], call func(T) *Call) {
+	mu.Lock()
+	var calls []*Call
+	for h := range holders {
+		if c := call(h); c != nil {
+			calls = append(calls, c)
+		}
+	}
+	mu.Unlock()
+	for _, c := range calls {
+		_ = c.Wait(ctx) // the outcome is its callers'
 	}
 }

@@ -3,6 +3,9 @@ package inflight
 import (
 	"context"
 	"errors"
+	"slices"
+	"sync"
+	"sync/atomic"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -32,4 +35,24 @@ func TestAWaiterLeavesWithItsContext(t *testing.T) {
 	require.ErrorIs(t, c.Wait(ctx), context.Canceled)
 	c.End(nil)
 	require.NoError(t, c.Wait(context.Background()))
+}
+
+func TestAwaitWaitsForTheCallsInFlight(t *testing.T) {
+	t.Parallel()
+	var mu sync.Mutex
+	calls := []*Call{Start(), nil, Start()}
+	var last atomic.Bool
+	returned := make(chan bool)
+	go func() {
+		Await(context.Background(), &mu, slices.Values(calls), func(c *Call) *Call { return c })
+		returned <- last.Load()
+	}()
+	calls[0].End(nil)
+	last.Store(true)
+	calls[2].End(errors.New("database away"))
+	require.True(t, <-returned, "returned once the last call had ended")
+
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	Await(ctx, &mu, slices.Values([]*Call{Start()}), func(c *Call) *Call { return c }) // returns with ctx
 }
