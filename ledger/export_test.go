@@ -9,3 +9,7 @@ func (l *Ledger) Waiting() int {
 
 // RefusalMemory is how long a refusal answers for its lease.
 const RefusalMemory = refusalMemory
+
+// AheadOf is how long before a day ends the next day's slice of account is
+// granted.
+var AheadOf = aheadOf

@@ -9,7 +9,10 @@
 // leave, so they shrink as the remainder does; a request that the slice and
 // the remainder together cannot cover is refused exactly as before. A slice
 // running low is refilled in the background, so that the requests of an
-// account in steady use do not wait for a grant.
+// account in steady use do not wait for a grant; so is the next day's slice
+// granted in the last minutes of a day, each account at its own instant, so
+// that the turn of the day neither makes every account's first request wait
+// for a grant nor sends all the grants at once.
 //
 // Finished requests are settled in groups: those that finish together are
 // committed in one statement and one transaction (usage, evidence, and their
@@ -29,6 +32,7 @@ package ledger
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"fmt"
 	"log/slog"
 	"maps"
@@ -83,6 +87,9 @@ const (
 	// lowWater refills a slice once less than 1/lowWater of its last grant
 	// is available.
 	lowWater = 4
+	// DefaultDayAhead is how long before a day ends the next day's slice of
+	// an account in use may be granted.
+	DefaultDayAhead = 5 * time.Minute
 )
 
 // Config configures a Ledger; zero fields take the defaults.
@@ -93,6 +100,11 @@ type Config struct {
 	Share    int
 	Idle     time.Duration
 	MaxGroup int
+	// DayAhead is how long before a day ends the next day's slice of an
+	// account in use may be granted: each account's grant starts at an
+	// instant of its first half that the account's id sets (aheadOf).
+	// Negative: none is granted ahead.
+	DayAhead time.Duration
 	// Unavailable reports whether an error means the database is away for
 	// the moment; a group failing so is not split. Nil means never.
 	Unavailable func(error) bool
@@ -194,6 +206,9 @@ func New(cfg Config, st Store) *Ledger {
 	if cfg.MaxGroup <= 0 {
 		cfg.MaxGroup = DefaultMaxGroup
 	}
+	if cfg.DayAhead == 0 {
+		cfg.DayAhead = DefaultDayAhead
+	}
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -232,6 +247,7 @@ func (l *Ledger) Admit(ctx context.Context, a gateway.Admission) error {
 			ls.touched = time.Now()
 			l.admitted[a.RequestID] = ticket{lease: ls, estimate: a.Estimate}
 			l.refill(ls, a, ls.touched)
+			l.grantAhead(key, a)
 			l.mu.Unlock()
 			return nil
 		}
@@ -278,6 +294,38 @@ func (l *Ledger) refill(ls *lease, a gateway.Admission, now time.Time) {
 		now.Before(ls.refusedUntil) || now.Before(ls.refillAfter) {
 		return
 	}
+	l.grantInBackground(ls, a)
+}
+
+// grantAhead starts, in the background, the grant of the next day's slice of
+// key's account and project once a's day ends within the account's aheadOf,
+// unless there is one. Called with l.mu held.
+func (l *Ledger) grantAhead(key sliceKey, a gateway.Admission) {
+	if l.cfg.DayAhead < 0 {
+		return
+	}
+	next := sliceKey{account: key.account, project: key.project, day: key.day.AddDate(0, 0, 1)}
+	if next.day.Sub(a.Day) > aheadOf(key.account, l.cfg.DayAhead) || l.current[next] != nil || l.folding[next] != nil {
+		return
+	}
+	ls := &lease{id: uuid.Must(uuid.NewV7()), key: next, touched: time.Now()}
+	l.current[next] = ls
+	l.leases[ls.id] = ls
+	l.grantInBackground(ls, a)
+}
+
+// aheadOf is how long before a day ends the next day's slice of account is
+// granted: an instant of ahead's first half, spread over it by the id's
+// random bits. Accounts granted all at once as the day turned would each
+// wait for its own grant behind all the others'.
+func aheadOf(account uuid.UUID, ahead time.Duration) time.Duration {
+	half := max(uint64(ahead/2), 1)
+	return ahead - time.Duration(binary.BigEndian.Uint64(account[8:])%half)
+}
+
+// grantInBackground grants ls a slice of at least a's estimate, in the
+// background. Called with l.mu held.
+func (l *Ledger) grantInBackground(ls *lease, a gateway.Admission) {
 	call := inflight.Start()
 	ls.granting = call
 	go func() {
@@ -287,7 +335,7 @@ func (l *Ledger) refill(ls *lease, a gateway.Admission, now time.Time) {
 		defer l.mu.Unlock()
 		if err != nil {
 			ls.refillAfter = time.Now().Add(refusalMemory)
-			l.cfg.Logger.Debug("error refilling a quota slice ahead of need", "error", err)
+			l.cfg.Logger.Debug("error granting a quota slice ahead of need", "error", err)
 		}
 		l.granted(ls, call, start, grant, err)
 	}()
@@ -670,7 +718,8 @@ func (l *Ledger) foldIdle(ctx context.Context, all bool) error {
 		if ls.inflight > 0 || ls.granting != nil {
 			continue
 		}
-		if !all && !l.retired(ls, now) && now.Sub(ls.touched) < l.cfg.Idle {
+		// A slice granted ahead of its day is idle only from its start.
+		if !all && !l.retired(ls, now) && now.Sub(later(ls.touched, ls.key.day)) < l.cfg.Idle {
 			continue
 		}
 		delete(l.leases, id)
@@ -686,6 +735,14 @@ func (l *Ledger) foldIdle(ctx context.Context, all bool) error {
 		return nil
 	}
 	return l.fold(ctx, idle)
+}
+
+// later is the later of a and b.
+func later(a, b time.Time) time.Time {
+	if a.After(b) {
+		return a
+	}
+	return b
 }
 
 // fold folds back leases this replica no longer uses, with l.mu held on

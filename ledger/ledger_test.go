@@ -69,9 +69,15 @@ func (b *testBundle) view(t *testing.T, p *gateway.Principal) *gateway.UsageView
 	return v
 }
 
+// admit admits a request of today, asked at noon: far from the minutes
+// before the day's end, when the next day's slice is granted ahead.
 func admit(l *ledger.Ledger, p *gateway.Principal, estimate int64) (uuid.UUID, error) {
+	return admitAt(l, p, estimate, gateway.UTCDay(time.Now()).Add(12*time.Hour))
+}
+
+func admitAt(l *ledger.Ledger, p *gateway.Principal, estimate int64, at time.Time) (uuid.UUID, error) {
 	id := uuid.Must(uuid.NewV7())
-	return id, l.Admit(context.Background(), gateway.Admission{RequestID: id, Principal: p, Estimate: estimate, Day: time.Now()})
+	return id, l.Admit(context.Background(), gateway.Admission{RequestID: id, Principal: p, Estimate: estimate, Day: at})
 }
 
 func record(p *gateway.Principal, id uuid.UUID, total int64) gateway.UsageRecord {
@@ -373,6 +379,70 @@ func TestARefillInFlightAtShutdownIsFoldedBack(t *testing.T) {
 	<-done
 	require.Equal(t, int64(2), st.answered.Load())
 	require.True(t, b.admits(p, 16_000-800), "the ceiling but what was used is free again")
+}
+
+// foldCountingStore counts grants and folds.
+type foldCountingStore struct {
+	countingStore
+	folds atomic.Int64
+}
+
+func (f *foldCountingStore) FoldQuotaLeases(ctx context.Context, owner uuid.UUID, ids []uuid.UUID) (int64, error) {
+	f.folds.Add(1)
+	return f.Store.FoldQuotaLeases(ctx, owner, ids)
+}
+
+// TestTheNextDayIsGrantedAhead: in the last minutes of a day, a request of an
+// account starts the grant of the next day's slice in the background, so that
+// its first request of the next day is admitted from memory; the slice of a
+// day not yet started is not folded back as idle.
+func TestTheNextDayIsGrantedAhead(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	st := &foldCountingStore{countingStore: countingStore{Store: store.New(testdb.Connect(t, b.url))}}
+	l := ledger.New(ledger.Config{Idle: 20 * time.Millisecond}, st)
+	b.run(t, l)
+	p := b.principal(t, "acme", nil, nil)
+	tomorrow := gateway.UTCDay(time.Now()).AddDate(0, 0, 1)
+
+	id, err := admitAt(l, p, 10, tomorrow.Add(-ledger.DefaultDayAhead-time.Second))
+	require.NoError(t, err)
+	require.NoError(t, l.Settle(b.ctx, record(p, id, 5)))
+	require.Equal(t, int64(1), st.grants.Load(), "not yet")
+	id, err = admitAt(l, p, 10, tomorrow.Add(-time.Second))
+	require.NoError(t, err)
+	require.NoError(t, l.Settle(b.ctx, record(p, id, 5)))
+	require.Eventually(t, func() bool { return st.grants.Load() == 2 }, 10*time.Second, time.Millisecond, "tomorrow's slice")
+
+	// Today's slice, idle, is folded back; tomorrow's, granted ahead, is kept
+	// by the same beats.
+	require.Eventually(t, func() bool { return st.folds.Load() >= 1 }, 10*time.Second, time.Millisecond)
+	id, err = admitAt(l, p, 10, tomorrow.Add(time.Second))
+	require.NoError(t, err)
+	r := record(p, id, 5)
+	r.CreatedAt, r.CompletedAt = tomorrow.Add(time.Second), tomorrow.Add(time.Second)
+	require.NoError(t, l.Settle(b.ctx, r))
+	require.Equal(t, int64(2), st.grants.Load(), "tomorrow's first request is admitted from the slice granted ahead")
+	require.Equal(t, int64(10), b.view(t, p).Daily.Charged, "today's requests, and nothing of tomorrow's slice")
+	v, err := b.store.Usage(b.ctx, p, tomorrow, tomorrow.AddDate(0, 0, 1))
+	require.NoError(t, err)
+	require.Equal(t, int64(5), v.Totals.TotalRungs)
+}
+
+// TestNextDaysAreGrantedAtInstantsSpreadOverTheirFirstHalf: accounts start
+// their next day's grant at instants spread over the first half of
+// DefaultDayAhead.
+func TestNextDaysAreGrantedAtInstantsSpreadOverTheirFirstHalf(t *testing.T) {
+	t.Parallel()
+	var least, most time.Duration = ledger.DefaultDayAhead, 0
+	for range 1000 {
+		d := ledger.AheadOf(uuid.Must(uuid.NewV7()), ledger.DefaultDayAhead)
+		require.Greater(t, d, ledger.DefaultDayAhead/2)
+		require.LessOrEqual(t, d, ledger.DefaultDayAhead)
+		least, most = min(least, d), max(most, d)
+	}
+	require.Less(t, least, ledger.DefaultDayAhead*51/100)
+	require.Greater(t, most, ledger.DefaultDayAhead*99/100)
 }
 
 // TestAGrantThatFailsFailsForAllWhoWaitOnIt: while the database does not

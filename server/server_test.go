@@ -197,6 +197,8 @@ type options struct {
 	h2c bool
 	// logs, when set, receives the server's log as JSON lines.
 	logs *syncbuf.Buffer
+	// dayAhead is the ledger's DayAhead.
+	dayAhead time.Duration
 }
 
 func setupWith(t testing.TB, o options) *testBundle {
@@ -206,7 +208,7 @@ func setupWith(t testing.TB, o options) *testBundle {
 	}
 	st := store.New(o.pool)
 	ctx, stop := context.WithCancel(context.Background())
-	ledge := ledger.New(ledger.Config{Unavailable: store.Transient}, st)
+	ledge := ledger.New(ledger.Config{Unavailable: store.Transient, DayAhead: o.dayAhead}, st)
 	heard := &heardTables{}
 	keys := access.NewKeys(access.Config{OnChange: func(table string, account uuid.UUID) {
 		ledge.Invalidate(account)
