@@ -555,12 +555,12 @@ func (l *Ledger) Run(ctx context.Context) {
 	for {
 		select {
 		case <-ctx.Done():
+			// The grants in flight, those in the background included, land
+			// first, so that the slices they add to are folded back.
+			inflight.Await(context.WithoutCancel(ctx), &l.mu, maps.Values(l.leases), func(ls *lease) *inflight.Call { return ls.granting })
 			// Past a failed fold, the database is likely away: the slices
 			// not folded are left to run out rather than the shutdown
 			// waiting for another statement timeout.
-			// The grants in flight, refills included, land first, so that
-			// the slices they add to are folded back.
-			inflight.Await(context.WithoutCancel(ctx), &l.mu, maps.Values(l.leases), func(ls *lease) *inflight.Call { return ls.granting })
 			if l.foldIdle(context.WithoutCancel(ctx), true) == nil {
 				l.refold(context.WithoutCancel(ctx))
 			}
