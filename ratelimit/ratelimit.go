@@ -298,13 +298,19 @@ func (l *Limiter) setAside(keyID uuid.UUID, s *slice) {
 	}
 }
 
-// status is the rate outcome a request is told at now. Called with l.mu held.
-func (s *slice) status(limit int, admitted bool, now time.Time) gateway.RateStatus {
+// status is the rate outcome a request is told at now: what is left counts
+// what this replica holds and what the window leaves to lease, less the next
+// minute's slices leased ahead, which the rest of this one leaves room for.
+// Called with l.mu held.
+func (b *bucket) status(limit int, admitted bool, now time.Time) gateway.RateStatus {
 	if !admitted {
-		return gateway.RateStatus{Limit: limit, RetryAfter: untilAdmitted(now, limit, s.previous, s.current)}
+		return gateway.RateStatus{Limit: limit, RetryAfter: untilAdmitted(now, limit, b.previous, b.current)}
 	}
-	remaining := s.left + max(0, int(math.Floor(float64(limit)-s.used)))
-	return gateway.RateStatus{Limit: limit, Remaining: remaining, Admitted: true}
+	room := int(math.Floor(float64(limit) - b.used))
+	if b.next != nil {
+		room = min(room, limit-b.current-b.next.current)
+	}
+	return gateway.RateStatus{Limit: limit, Remaining: b.left + max(0, room), Admitted: true}
 }
 
 // untilAdmitted is how long after now the sliding window admits one more

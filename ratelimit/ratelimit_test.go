@@ -171,19 +171,20 @@ func TestTheNextMinuteIsLeasedAhead(t *testing.T) {
 	c := &clock{at: minute.Add(45 * time.Second)}
 	l := ratelimit.New(ratelimit.Config{Limits: gateway.RateLimits{Free: 1600, Developer: 1600}, Clock: c.now}, st)
 	key := uuid.Must(uuid.NewV7())
-	take := func() {
+	take := func() gateway.RateStatus {
 		r, err := l.Take(context.Background(), key, gateway.TierDeveloper)
 		require.NoError(t, err)
 		require.True(t, r.Admitted)
+		return r
 	}
-	take()
+	require.Equal(t, 1599, take().Remaining, "a slice of 100")
 	require.False(t, l.Leasing(key), "15 s before the minute ends: not yet")
 	c.set(minute.Add(52 * time.Second))
 	take()
 	require.True(t, l.Leasing(key), "within 10 s of its end")
 	require.Eventually(t, func() bool { return st.ahead.Load() == 1 }, 10*time.Second, time.Millisecond)
 	st.settled(t)
-	take()
+	require.Equal(t, 97+1600-100-93, take().Remaining, "the next minute's 93 are room this one no longer has")
 	require.Equal(t, int64(2), st.leases.Load(), "once a minute")
 
 	c.set(minute.Add(60 * time.Second))
