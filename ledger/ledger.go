@@ -304,8 +304,14 @@ func (l *Ledger) grantAhead(key sliceKey, a gateway.Admission) {
 	if l.cfg.DayAhead < 0 {
 		return
 	}
-	next := sliceKey{account: key.account, project: key.project, day: key.day.AddDate(0, 0, 1)}
-	if next.day.Sub(a.Day) > aheadOf(key.account, l.cfg.DayAhead) || l.current[next] != nil || l.folding[next] != nil {
+	// Every admission asks: the day's end (a UTC day is 24 hours) before
+	// any map is read.
+	end := key.day.Add(24 * time.Hour)
+	if end.Sub(a.Day) > aheadOf(key.account, l.cfg.DayAhead) {
+		return
+	}
+	next := sliceKey{account: key.account, project: key.project, day: end}
+	if l.current[next] != nil || l.folding[next] != nil {
 		return
 	}
 	ls := &lease{id: uuid.Must(uuid.NewV7()), key: next, touched: time.Now()}
