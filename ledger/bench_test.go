@@ -11,7 +11,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
-	"github.com/rungworks/gateway/internal/testdb"
 	"github.com/rungworks/gateway/ledger"
 	"github.com/rungworks/gateway/store"
 )
@@ -48,15 +47,11 @@ func (a *answeringStore) answeredFor(day time.Time) int {
 // reported, the first second's admissions' p50, p99 and slowest.
 func BenchmarkTheTurnOfADay(b *testing.B) {
 	const accounts = 1000
-	ctx := context.Background()
-	url := testdb.URL(b)
-	admin := store.New(testdb.Connect(b, url))
+	bundle := setup(b)
+	ctx, url := bundle.ctx, bundle.url
 	principals := make([]*gateway.Principal, accounts)
 	for i := range principals {
-		token, err := admin.CreateKey(ctx, store.CreateKeyParams{Account: fmt.Sprintf("tenant-%d", i), Project: "default", Scopes: []gateway.Scope{gateway.ScopeInference}})
-		require.NoError(b, err)
-		principals[i], err = admin.LookupKey(ctx, token)
-		require.NoError(b, err)
+		principals[i] = bundle.principal(b, fmt.Sprintf("tenant-%d", i), nil, nil)
 	}
 	for n, c := range []struct {
 		name     string

@@ -30,7 +30,7 @@ type testBundle struct {
 	store *store.Store
 }
 
-func setup(t *testing.T) *testBundle {
+func setup(t testing.TB) *testBundle {
 	t.Helper()
 	url := testdb.URL(t)
 	return &testBundle{ctx: context.Background(), url: url, store: store.New(testdb.Connect(t, url))}
@@ -51,7 +51,7 @@ func (b *testBundle) run(t *testing.T, l *ledger.Ledger) {
 	t.Cleanup(func() { stop(); <-done })
 }
 
-func (b *testBundle) principal(t *testing.T, account string, daily, budget *int64) *gateway.Principal {
+func (b *testBundle) principal(t testing.TB, account string, daily, budget *int64) *gateway.Principal {
 	t.Helper()
 	token, err := b.store.CreateKey(b.ctx, store.CreateKeyParams{Account: account, Project: "default", Scopes: []gateway.Scope{gateway.ScopeInference}})
 	require.NoError(t, err)
