@@ -1,5 +1,11 @@
 package ledger
 
+import (
+	"time"
+
+	"github.com/rungworks/gateway"
+)
+
 // Waiting is how many settlements wait for a commit.
 func (l *Ledger) Waiting() int {
 	l.groupMu.Lock()
@@ -10,6 +16,10 @@ func (l *Ledger) Waiting() int {
 // RefusalMemory is how long a refusal answers for its lease.
 const RefusalMemory = refusalMemory
 
-// AheadOf is how long before a day ends the next day's slice of account is
-// granted.
-var AheadOf = aheadOf
+// Holds reports whether the ledger holds, or is being granted, a slice of
+// p's account and project for day.
+func (l *Ledger) Holds(p *gateway.Principal, day time.Time) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.current[sliceKey{account: p.AccountID, project: p.ProjectID, day: day}] != nil
+}

@@ -32,7 +32,6 @@ package ledger
 import (
 	"bytes"
 	"context"
-	"encoding/binary"
 	"fmt"
 	"log/slog"
 	"maps"
@@ -45,6 +44,7 @@ import (
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/internal/inflight"
 	"github.com/rungworks/gateway/internal/retrylog"
+	"github.com/rungworks/gateway/internal/stagger"
 	"github.com/rungworks/gateway/metrics"
 	"github.com/rungworks/gateway/store"
 	"github.com/rungworks/gateway/tracing"
@@ -102,7 +102,7 @@ type Config struct {
 	MaxGroup int
 	// DayAhead is how long before a day ends the next day's slice of an
 	// account in use may be granted: each account's grant starts at an
-	// instant of its first half that the account's id sets (aheadOf).
+	// instant of its first half that the account's id sets (stagger.Lead).
 	// Negative: none is granted ahead.
 	DayAhead time.Duration
 	// Unavailable reports whether an error means the database is away for
@@ -298,7 +298,7 @@ func (l *Ledger) refill(ls *lease, a gateway.Admission, now time.Time) {
 }
 
 // grantAhead starts, in the background, the grant of the next day's slice of
-// key's account and project once a's day ends within the account's aheadOf,
+// key's account and project once a's day ends within the account's lead (stagger.Lead),
 // unless there is one. Called with l.mu held.
 func (l *Ledger) grantAhead(key sliceKey, a gateway.Admission) {
 	if l.cfg.DayAhead < 0 {
@@ -307,7 +307,7 @@ func (l *Ledger) grantAhead(key sliceKey, a gateway.Admission) {
 	// Every admission asks: the day's end (a UTC day is 24 hours) before
 	// any map is read.
 	end := key.day.Add(24 * time.Hour)
-	if end.Sub(a.Day) > aheadOf(key.account, l.cfg.DayAhead) {
+	if end.Sub(a.Day) > stagger.Lead(key.account, l.cfg.DayAhead) {
 		return
 	}
 	next := sliceKey{account: key.account, project: key.project, day: end}
@@ -318,15 +318,6 @@ func (l *Ledger) grantAhead(key sliceKey, a gateway.Admission) {
 	l.current[next] = ls
 	l.leases[ls.id] = ls
 	l.grantInBackground(ls, a)
-}
-
-// aheadOf is how long before a day ends the next day's slice of account is
-// granted: an instant of ahead's first half, spread over it by the id's
-// random bits. Accounts granted all at once as the day turned would each
-// wait for its own grant behind all the others'.
-func aheadOf(account uuid.UUID, ahead time.Duration) time.Duration {
-	half := max(uint64(ahead/2), 1)
-	return ahead - time.Duration(binary.BigEndian.Uint64(account[8:])%half)
 }
 
 // grantInBackground grants ls a slice of at least a's estimate, in the

@@ -16,6 +16,7 @@ import (
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/internal/metricstest"
+	"github.com/rungworks/gateway/internal/stagger"
 	"github.com/rungworks/gateway/internal/testdb"
 	"github.com/rungworks/gateway/ledger"
 	"github.com/rungworks/gateway/metrics"
@@ -429,20 +430,31 @@ func TestTheNextDayIsGrantedAhead(t *testing.T) {
 	require.Equal(t, int64(5), v.Totals.TotalRungs)
 }
 
-// TestNextDaysAreGrantedAtInstantsSpreadOverTheirFirstHalf: accounts start
-// their next day's grant at instants spread over the first half of
-// DefaultDayAhead.
-func TestNextDaysAreGrantedAtInstantsSpreadOverTheirFirstHalf(t *testing.T) {
+// TestTheNextDayIsGrantedFromTheAccountsOwnInstant: an account's next day is
+// granted ahead from the instant of DefaultDayAhead's first half that its id
+// sets (stagger.Lead), not before: accounts do not all start their grants as
+// the window opens.
+func TestTheNextDayIsGrantedFromTheAccountsOwnInstant(t *testing.T) {
 	t.Parallel()
-	var least, most time.Duration = ledger.DefaultDayAhead, 0
-	for range 1000 {
-		d := ledger.AheadOf(uuid.Must(uuid.NewV7()), ledger.DefaultDayAhead)
-		require.Greater(t, d, ledger.DefaultDayAhead/2)
-		require.LessOrEqual(t, d, ledger.DefaultDayAhead)
-		least, most = min(least, d), max(most, d)
+	b := setup(t)
+	st := &countingStore{Store: b.store}
+	l := ledger.New(ledger.Config{}, st)
+	b.run(t, l)
+	p := b.principal(t, "acme", nil, nil)
+	tomorrow := gateway.UTCDay(time.Now()).AddDate(0, 0, 1)
+	lead := stagger.Lead(p.AccountID, ledger.DefaultDayAhead)
+
+	for _, at := range []time.Duration{ledger.DefaultDayAhead + time.Second, lead + time.Millisecond} {
+		id, err := admitAt(l, p, 10, tomorrow.Add(-at))
+		require.NoError(t, err)
+		l.Release(id)
 	}
-	require.Less(t, least, ledger.DefaultDayAhead*51/100)
-	require.Greater(t, most, ledger.DefaultDayAhead*99/100)
+	require.False(t, l.Holds(p, tomorrow), "a millisecond before its instant")
+	id, err := admitAt(l, p, 10, tomorrow.Add(-lead))
+	require.NoError(t, err)
+	l.Release(id)
+	require.True(t, l.Holds(p, tomorrow), "from its instant")
+	require.Eventually(t, func() bool { return st.grants.Load() == 2 }, 10*time.Second, time.Millisecond, "tomorrow's slice")
 }
 
 // TestAGrantThatFailsFailsForAllWhoWaitOnIt: while the database does not

@@ -24,6 +24,7 @@ import (
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/internal/inflight"
+	"github.com/rungworks/gateway/internal/stagger"
 	"github.com/rungworks/gateway/store"
 )
 
@@ -45,9 +46,9 @@ const (
 	// before the store is asked again, and how long a lease in the background
 	// that failed waits before the next.
 	DefaultRetryRefused = 250 * time.Millisecond
-	// DefaultAhead is how long before a minute ends a key in use leases its
-	// slice of the next: a key used every few seconds finds it held as the
-	// minute turns.
+	// DefaultAhead is how long before a minute ends a key in use may lease
+	// its slice of the next (each key from an instant of its first half): a
+	// key used every few seconds finds it held as the minute turns.
 	DefaultAhead = 10 * time.Second
 	// lowWater refills a slice once less than 1/lowWater of its last grant
 	// is left of it.
@@ -185,7 +186,9 @@ func (l *Limiter) Take(ctx context.Context, keyID uuid.UUID, tier gateway.Tier) 
 
 // refill starts, in the background, the lease b will need next: more of this
 // minute once less than a quarter of the last grant is left, or the next
-// minute's slice once this minute ends within Config.Ahead. A slice leased
+// minute's slice once this minute ends within the key's lead, an instant of
+// Config.Ahead's first half set by its id (stagger.Lead): the keys in use do
+// not all lease as the window opens, each replica's at once. A slice leased
 // ahead is room the rest of this minute no longer has (the next minute weighs
 // this one whole as it starts), so it is leased only while the key's slices
 // hold a few requests (lowWater): far from its limit. Nothing is started
@@ -199,7 +202,7 @@ func (l *Limiter) refill(keyID uuid.UUID, b *bucket, now time.Time, limit int) {
 	next := window.Add(time.Minute)
 	switch {
 	case b.left < b.granted/lowWater:
-	case b.next == nil && next.Sub(now) <= l.cfg.Ahead && b.granted >= lowWater:
+	case b.next == nil && next.Sub(now) <= stagger.Lead(keyID, l.cfg.Ahead) && b.granted >= lowWater:
 		window = next
 	default:
 		return
@@ -303,27 +306,31 @@ func (l *Limiter) setAside(keyID uuid.UUID, s *slice) {
 // minute's slices leased ahead, which the rest of this one leaves room for.
 // Called with l.mu held.
 func (b *bucket) status(limit int, admitted bool, now time.Time) gateway.RateStatus {
-	if !admitted {
-		return gateway.RateStatus{Limit: limit, RetryAfter: untilAdmitted(now, limit, b.previous, b.current)}
-	}
-	room := int(math.Floor(float64(limit) - b.used))
+	next := 0
 	if b.next != nil {
-		room = min(room, limit-b.current-b.next.current)
+		next = b.next.current
 	}
+	if !admitted {
+		return gateway.RateStatus{Limit: limit, RetryAfter: untilAdmitted(now, limit, b.previous, b.current, next)}
+	}
+	room := min(int(math.Floor(float64(limit)-b.used)), limit-b.current-next)
 	return gateway.RateStatus{Limit: limit, Remaining: b.left + max(0, room), Admitted: true}
 }
 
 // untilAdmitted is how long after now the sliding window admits one more
 // request of a key with limit (at least 1), whose previous minute counted
-// previous and whose current minute (that of now) counts current, when
-// nothing else is counted meanwhile: the window admits one while
-// previous × (the part of the previous minute still in the last 60 s) +
-// current ≤ limit − 1. It is at least a second, the least a Retry-After
-// header can say.
-func untilAdmitted(now time.Time, limit, previous, current int) time.Duration {
+// previous, whose current minute (that of now) counts current and whose next
+// one next (its slices leased ahead, as far as this replica knows), when
+// nothing else is counted meanwhile. A minute admits one while previous × (the
+// part of the previous minute still in the last 60 s) + current ≤ limit − 1
+// and current + next ≤ limit − 1, which leaves room for the slices of the
+// minute after it already leased (see lease_rate_counts, migration 00053). It
+// is at least a second, the least a Retry-After header can say.
+func untilAdmitted(now time.Time, limit, previous, current, next int) time.Duration {
 	elapsed := now.Sub(now.UTC().Truncate(time.Minute))
-	// fallen is when, into its minute, weight × (1 − t/minute) ≤ room: at
-	// minute × (weight − room) / weight, rounded up to the nanosecond.
+	// fallen is when, into its minute, weight × (1 − t/minute) ≤ room (at
+	// least 0): at minute × (weight − room) / weight, rounded up to the
+	// nanosecond.
 	fallen := func(room, weight int) time.Duration {
 		if weight <= room {
 			return 0
@@ -332,12 +339,17 @@ func untilAdmitted(now time.Time, limit, previous, current int) time.Duration {
 		return (over + time.Duration(weight) - 1) / time.Duration(weight)
 	}
 	var wait time.Duration
-	if room := limit - 1 - current; room >= 0 {
+	switch {
+	case current+next <= limit-1:
 		// Within this minute, as the previous one weighs less.
-		wait = fallen(room, previous) - elapsed
-	} else {
+		wait = fallen(limit-1-current, previous) - elapsed
+	case next <= limit-1:
 		// In the next minute, as this one weighs less.
-		wait = time.Minute - elapsed + fallen(limit-1, current)
+		wait = time.Minute - elapsed + fallen(limit-1-next, current)
+	default:
+		// The next minute is full already: in the one after, as it weighs
+		// less.
+		wait = 2*time.Minute - elapsed + fallen(limit-1, next)
 	}
 	return max(wait, time.Second)
 }

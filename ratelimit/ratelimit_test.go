@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/internal/stagger"
 	"github.com/rungworks/gateway/internal/testdb"
 	"github.com/rungworks/gateway/ratelimit"
 	"github.com/rungworks/gateway/store"
@@ -179,9 +180,9 @@ func TestTheNextMinuteIsLeasedAhead(t *testing.T) {
 	}
 	require.Equal(t, 1599, take().Remaining, "a slice of 100")
 	require.False(t, l.Leasing(key), "15 s before the minute ends: not yet")
-	c.set(minute.Add(52 * time.Second))
+	c.set(minute.Add(55 * time.Second))
 	take()
-	require.True(t, l.Leasing(key), "within 10 s of its end")
+	require.True(t, l.Leasing(key), "within 5 s of its end, every key's lead")
 	require.Eventually(t, func() bool { return st.ahead.Load() == 1 }, 10*time.Second, time.Millisecond)
 	st.settled(t)
 	require.Equal(t, 97+1600-100-93, take().Remaining, "the next minute's 93 are room this one no longer has")
@@ -190,6 +191,65 @@ func TestTheNextMinuteIsLeasedAhead(t *testing.T) {
 	c.set(minute.Add(60 * time.Second))
 	take()
 	require.Equal(t, int64(2), st.leases.Load(), "the new minute's first request is admitted from the slice leased ahead")
+}
+
+// TestEachKeyLeasesAheadFromAnInstantOfItsOwn: a key leases its next minute
+// ahead from the instant of DefaultAhead's first half that its id sets
+// (stagger.Lead), not before: the keys in use do not all lease as the last
+// seconds of a minute start.
+func TestEachKeyLeasesAheadFromAnInstantOfItsOwn(t *testing.T) {
+	t.Parallel()
+	st := &countingStore{Store: store.New(testdb.New(t))}
+	minute := time.Now().Truncate(time.Minute)
+	c := &clock{at: minute.Add(45 * time.Second)}
+	l := ratelimit.New(ratelimit.Config{Limits: gateway.RateLimits{Free: 1600, Developer: 1600}, Clock: c.now}, st)
+	key := uuid.Must(uuid.NewV7())
+	lead := stagger.Lead(key, ratelimit.DefaultAhead)
+	take := func() {
+		r, err := l.Take(context.Background(), key, gateway.TierDeveloper)
+		require.NoError(t, err)
+		require.True(t, r.Admitted)
+	}
+	take()
+	c.set(minute.Add(time.Minute - lead - time.Millisecond))
+	take()
+	require.False(t, l.Leasing(key), "a millisecond before its instant")
+	c.set(minute.Add(time.Minute - lead))
+	take()
+	require.True(t, l.Leasing(key), "from its instant")
+	require.Eventually(t, func() bool { return st.ahead.Load() == 1 }, 10*time.Second, time.Millisecond)
+	st.settled(t)
+}
+
+// TestARefusalWaitsForTheNextMinuteLeasedAhead: a key refused after its
+// next minute's slice was leased ahead is told to retry once that minute
+// leaves it room, not as this one's count would: its minute leaves room for
+// the next minute's slices, so none of it comes back before the turn.
+func TestARefusalWaitsForTheNextMinuteLeasedAhead(t *testing.T) {
+	t.Parallel()
+	st := &countingStore{Store: store.New(testdb.New(t))}
+	minute := time.Now().Truncate(time.Minute)
+	c := &clock{at: minute.Add(45 * time.Second)}
+	l := ratelimit.New(ratelimit.Config{Limits: gateway.RateLimits{Free: 32, Developer: 32}, Clock: c.now, Share: 2}, st)
+	key := uuid.Must(uuid.NewV7())
+	take := func() gateway.RateStatus {
+		r, err := l.Take(context.Background(), key, gateway.TierDeveloper)
+		require.NoError(t, err)
+		return r
+	}
+	take() // 16 of this minute
+	c.set(minute.Add(55 * time.Second))
+	take() // and 8 of the next, ahead
+	require.Eventually(t, func() bool { return st.ahead.Load() == 1 }, 10*time.Second, time.Millisecond)
+	st.settled(t)
+	admitted := 2
+	for r := take(); r.Admitted; r = take() {
+		admitted++
+		require.Less(t, admitted, 32)
+	}
+	require.Equal(t, 24, admitted, "this minute leaves the next one's 8")
+	// The next minute admits one once this one's 24 weigh 23: 2.5 s into it.
+	require.Equal(t, 7500*time.Millisecond, take().RetryAfter)
 }
 
 // TestASliceLeasedAheadIsReturnedUnused: a key that stops being used after its
