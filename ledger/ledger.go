@@ -298,8 +298,8 @@ func (l *Ledger) refill(ls *lease, a gateway.Admission, now time.Time) {
 }
 
 // grantAhead starts, in the background, the grant of the next day's slice of
-// key's account and project once a's day ends within the account's lead (stagger.Lead),
-// unless there is one. Called with l.mu held.
+// key's account and project once a's day ends within the account's lead
+// (stagger.Lead), unless there is one. Called with l.mu held.
 func (l *Ledger) grantAhead(key sliceKey, a gateway.Admission) {
 	if l.cfg.DayAhead < 0 {
 		return

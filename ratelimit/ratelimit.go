@@ -328,9 +328,9 @@ func (b *bucket) status(limit int, admitted bool, now time.Time) gateway.RateSta
 // is at least a second, the least a Retry-After header can say.
 func untilAdmitted(now time.Time, limit, previous, current, next int) time.Duration {
 	elapsed := now.Sub(now.UTC().Truncate(time.Minute))
-	// fallen is when, into its minute, weight × (1 − t/minute) ≤ room (at
-	// least 0): at minute × (weight − room) / weight, rounded up to the
-	// nanosecond.
+	// fallen is when, into its minute, weight × (1 − t/minute) ≤ room (room
+	// ≥ 0 in each case below): at minute × (weight − room) / weight, rounded
+	// up to the nanosecond.
 	fallen := func(room, weight int) time.Duration {
 		if weight <= room {
 			return 0
