@@ -23,3 +23,12 @@ func (l *Ledger) Holds(p *gateway.Principal, day time.Time) bool {
 	defer l.mu.Unlock()
 	return l.current[sliceKey{account: p.AccountID, project: p.ProjectID, day: day}] != nil
 }
+
+// Granting reports whether a grant of the slice of p's account and project
+// for day is in flight.
+func (l *Ledger) Granting(p *gateway.Principal, day time.Time) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	ls := l.current[sliceKey{account: p.AccountID, project: p.ProjectID, day: day}]
+	return ls != nil && ls.granting != nil
+}

@@ -306,6 +306,8 @@ type heldStore struct {
 	*store.Store
 	gate           chan struct{}
 	sent, answered atomic.Int64
+	// failing fails the grants, as a database away does.
+	failing atomic.Bool
 }
 
 func (h *heldStore) GrantQuota(ctx context.Context, r store.QuotaRequest) (store.QuotaGrant, error) {
@@ -316,6 +318,9 @@ func (h *heldStore) GrantQuota(ctx context.Context, r store.QuotaRequest) (store
 		}
 	}
 	defer h.answered.Add(1)
+	if h.failing.Load() {
+		return store.QuotaGrant{}, errors.New("the database is away")
+	}
 	return h.Store.GrantQuota(ctx, r)
 }
 
@@ -363,6 +368,34 @@ func TestASliceIsRefilledAheadOfNeed(t *testing.T) {
 	}
 	require.Equal(t, int64(2), st.sent.Load())
 	require.Equal(t, int64(1700), b.view(t, p).Daily.Charged, "what was used, never the slices")
+}
+
+// TestAFailedRefillWaitsBeforeTheNext: a refill that fails (the database
+// away) is not started again by the next admission, nor by each after it,
+// only once RefusalMemory has passed: the admissions go on from what is left
+// without a grant statement each.
+func TestAFailedRefillWaitsBeforeTheNext(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	l, st, p := b.refilling(t, func(l *ledger.Ledger) { b.run(t, l) })
+	today := gateway.UTCDay(time.Now())
+	admitOne := func() { // 200 available stay 200: below a quarter of the last grant
+		id, err := admit(l, p, 10)
+		require.NoError(t, err)
+		l.Release(id)
+	}
+	st.failing.Store(true)
+	start := time.Now()
+	close(st.gate)
+	require.Eventually(t, func() bool { return st.answered.Load() == 2 && !l.Granting(p, today) }, 10*time.Second, time.Millisecond, "the refill failed")
+	admitOne()
+	granting := l.Granting(p, today)
+	if time.Since(start) < ledger.RefusalMemory {
+		require.False(t, granting, "no refill again within RefusalMemory of the failure")
+	}
+	require.Eventually(t, func() bool { admitOne(); return st.sent.Load() >= 3 }, 10*time.Second, 10*time.Millisecond, "then one")
+	elapsed := time.Since(start)
+	require.LessOrEqual(t, st.sent.Load(), int64(2+elapsed/ledger.RefusalMemory), "one refill a RefusalMemory at the most, after %s", elapsed)
 }
 
 // TestARefillInFlightAtShutdownIsFoldedBack: a ledger that stops while a

@@ -2,6 +2,7 @@ package ratelimit_test
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -28,6 +29,8 @@ type countingStore struct {
 	leases, ahead, answered atomic.Int64
 	holding                 atomic.Bool
 	gate                    chan struct{}
+	// failing fails the leases of this minute, as a database away does.
+	failing atomic.Bool
 }
 
 func (c *countingStore) hold() {
@@ -43,6 +46,9 @@ func (c *countingStore) LeaseRate(ctx context.Context, keyID uuid.UUID, now time
 	c.leases.Add(1)
 	defer c.answered.Add(1)
 	c.hold()
+	if c.failing.Load() {
+		return store.RateGrant{}, errors.New("the database is away")
+	}
 	return c.Store.LeaseRate(ctx, keyID, now, limit, share)
 }
 
@@ -160,6 +166,28 @@ func TestSlicesAreServedFromMemory(t *testing.T) {
 		require.NoError(t, err)
 	}
 	require.Equal(t, int64(2), st.leases.Load()-before, "one grant, one refusal, then memory")
+}
+
+// TestAFailedRefillWaitsBeforeTheNext: a refill that fails (the database
+// away) is not started again by the next request, nor by each after it, only
+// once RetryRefused has passed: the requests go on from what is left without
+// a lease statement each.
+func TestAFailedRefillWaitsBeforeTheNext(t *testing.T) {
+	t.Parallel()
+	k := setupOneKey(t, 1600, 0)
+	for range 75 { // of a slice of 100
+		require.True(t, k.take(t, 45*time.Second).Admitted)
+	}
+	k.st.failing.Store(true)
+	require.True(t, k.take(t, 45*time.Second).Admitted) // the refill starts at 24 left
+	require.Eventually(t, func() bool { return k.st.leases.Load() == 2 && !k.l.Leasing(k.key) }, 10*time.Second, time.Millisecond, "the refill failed")
+	for range 10 {
+		require.True(t, k.take(t, 45*time.Second).Admitted, "from what is left")
+		require.False(t, k.l.Leasing(k.key), "no refill again within RetryRefused")
+	}
+	require.True(t, k.take(t, 45*time.Second+ratelimit.DefaultRetryRefused).Admitted)
+	require.True(t, k.l.Leasing(k.key), "then one")
+	require.Eventually(t, func() bool { return k.st.leases.Load() == 3 }, 10*time.Second, time.Millisecond)
 }
 
 // TestALeaseThatFailsFailsForAllWhoWaitOnIt: while the database does not
