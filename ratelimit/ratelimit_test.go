@@ -186,8 +186,7 @@ func TestAFailedRefillWaitsBeforeTheNext(t *testing.T) {
 		require.False(t, k.l.Leasing(k.key), "no refill again within RetryRefused")
 	}
 	require.True(t, k.take(t, 45*time.Second+ratelimit.DefaultRetryRefused).Admitted)
-	require.True(t, k.l.Leasing(k.key), "then one")
-	require.Eventually(t, func() bool { return k.st.leases.Load() == 3 }, 10*time.Second, time.Millisecond)
+	require.Eventually(t, func() bool { return k.st.leases.Load() == 3 }, 10*time.Second, time.Millisecond, "then one")
 }
 
 // TestALeaseThatFailsFailsForAllWhoWaitOnIt: while the database does not
@@ -324,6 +323,7 @@ func TestRetryAfterIsWhenTheWindowAdmits(t *testing.T) {
 // oneKey is a limiter over a database of its own, on a clock set 45 s into a
 // minute, and the key its test takes for.
 type oneKey struct {
+	url    string // the database's
 	st     *countingStore
 	minute time.Time
 	c      *clock
@@ -335,7 +335,8 @@ type oneKey struct {
 // default).
 func setupOneKey(t *testing.T, limit, share int) *oneKey {
 	t.Helper()
-	k := &oneKey{st: &countingStore{Store: store.New(testdb.New(t))}, minute: time.Now().Truncate(time.Minute), key: uuid.Must(uuid.NewV7())}
+	k := &oneKey{url: testdb.URL(t), minute: time.Now().Truncate(time.Minute), key: uuid.Must(uuid.NewV7())}
+	k.st = &countingStore{Store: store.New(testdb.Connect(t, k.url))}
 	k.c = &clock{at: k.minute.Add(45 * time.Second)}
 	k.l = ratelimit.New(ratelimit.Config{Limits: gateway.RateLimits{Free: limit, Developer: limit}, Clock: k.c.now, Share: share}, k.st)
 	return k
@@ -348,6 +349,81 @@ func (k *oneKey) take(t *testing.T, at time.Duration) gateway.RateStatus {
 	r, err := k.l.Take(context.Background(), k.key, gateway.TierDeveloper)
 	require.NoError(t, err)
 	return r
+}
+
+// TestASliceLeasedAheadOfAMinuteSkippedIsReturned: a key leases its next
+// minute's slice, then is not used until a minute later than that one; the
+// slice, of a minute now past, is returned with the rest as the key's bucket
+// turns, not dropped (its minute would go on counting it).
+func TestASliceLeasedAheadOfAMinuteSkippedIsReturned(t *testing.T) {
+	t.Parallel()
+	k := setupOneKey(t, 32, 2)
+	k.take(t, 45*time.Second) // 16 of this minute
+	k.take(t, 55*time.Second) // and 8 of the next, ahead
+	require.Eventually(t, func() bool { return k.st.ahead.Load() == 1 }, 10*time.Second, time.Millisecond)
+	k.st.settled(t)
+	k.take(t, 2*time.Minute+30*time.Second) // 14 of the minute after the next (the 8 not yet back weigh 4)
+	// Only now: had the returns run meanwhile, the key idle would have
+	// returned everything anyway.
+	ctx, stop := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); k.l.Run(ctx) }()
+	probe := store.New(testdb.Connect(t, k.url))
+	require.Eventually(t, func() bool {
+		// The skipped minute at its middle: the 2 requests of the minute
+		// before weigh 1, and the 14 held of the minute after leave 18 (10
+		// were its 8 still counted).
+		g, err := probe.LeaseRate(context.Background(), k.key, k.minute.Add(90*time.Second), 32, 1)
+		require.NoError(t, err)
+		require.NoError(t, probe.ReturnRate(context.Background(), []store.RateReturn{{KeyID: k.key, Window: k.minute.Add(time.Minute), Count: g.Granted}}))
+		return g.Granted == 18
+	}, 10*time.Second, 50*time.Millisecond)
+	stop()
+	<-done
+}
+
+// TestAGrantThatLandsAfterItsMinuteIsReturned: a lease in flight as its
+// minute ends lands in a bucket that has turned to the next; what it granted
+// is returned to its minute, not held or lost there.
+func TestAGrantThatLandsAfterItsMinuteIsReturned(t *testing.T) {
+	t.Parallel()
+	url := testdb.URL(t)
+	minute := time.Now().Truncate(time.Minute)
+	c := &clock{at: minute.Add(59900 * time.Millisecond)}
+	st := &countingStore{Store: store.New(testdb.Connect(t, url)), gate: make(chan struct{})}
+	l := ratelimit.New(ratelimit.Config{Limits: gateway.RateLimits{Free: 32, Developer: 32}, Clock: c.now, Share: 1}, st)
+	ctx, stop := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); l.Run(ctx) }()
+	key := uuid.Must(uuid.NewV7())
+	var takes sync.WaitGroup
+	take := func() {
+		defer takes.Done()
+		_, err := l.Take(context.Background(), key, gateway.TierDeveloper)
+		require.NoError(t, err)
+	}
+	st.holding.Store(true)
+	takes.Add(1)
+	go take() // its lease, of the whole minute, held
+	require.Eventually(t, func() bool { return st.leases.Load() == 1 }, 10*time.Second, time.Millisecond)
+	c.set(minute.Add(time.Minute + 500*time.Millisecond))
+	takes.Add(1)
+	go take() // the bucket turns to the next minute
+	require.Eventually(t, func() bool { return l.Window(key).Equal(minute.Add(time.Minute)) }, 10*time.Second, time.Millisecond)
+	st.holding.Store(false)
+	close(st.gate)
+	takes.Wait()
+
+	probe := store.New(testdb.Connect(t, url))
+	require.Eventually(t, func() bool {
+		// What the first minute leaves, given back at once.
+		g, err := probe.LeaseRate(context.Background(), key, minute.Add(59950*time.Millisecond), 32, 1)
+		require.NoError(t, err)
+		require.NoError(t, probe.ReturnRate(context.Background(), []store.RateReturn{{KeyID: key, Window: minute, Count: g.Granted}}))
+		return g.Granted == 32
+	}, 10*time.Second, 50*time.Millisecond, "the grant that landed late went back to its minute")
+	stop()
+	<-done
 }
 
 // TestTheNextMinuteIsLeasedAhead: a key in use in the last seconds of a
