@@ -542,6 +542,39 @@ func TestRefusalsAreAnsweredFromMemory(t *testing.T) {
 	require.Equal(t, before, st.grants.Load(), "from memory")
 }
 
+// TestARefusedRefillIsNotAskedAgainAtEachAdmission: a slice whose refill
+// the ceiling refused goes on admitting what it holds without asking for
+// more at each admission: the refusal answers for RefusalMemory.
+func TestARefusedRefillIsNotAskedAgainAtEachAdmission(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	st := &countingStore{Store: b.store}
+	l := ledger.New(ledger.Config{}, st)
+	b.run(t, l)
+	p := b.principal(t, "acme", ptr(int64(1600)), nil)
+	today := gateway.UTCDay(time.Now())
+	id, err := admit(l, p, 10) // a slice of 100
+	require.NoError(t, err)
+	l.Release(id)
+	_, err = admit(b.replica(t, ledger.Config{}), p, 1500) // another replica holds the rest of the day
+	require.NoError(t, err)
+
+	start := time.Now()
+	_, err = admit(l, p, 80) // the refill starts at 20 available, and is refused
+	require.NoError(t, err)
+	require.Eventually(t, func() bool { return st.grants.Load() == 2 && !l.Granting(p, today) }, 10*time.Second, time.Millisecond)
+	_, err = admit(l, p, 30)
+	require.Equal(t, gateway.ERateLimited, gateway.ErrorCodeOf(err), "more than the slice holds: the refusal, from memory")
+	for range 10 {
+		id, err := admit(l, p, 10)
+		require.NoError(t, err, "what the slice holds is still admitted")
+		l.Release(id)
+		require.Eventually(t, func() bool { return !l.Granting(p, today) }, 10*time.Second, time.Millisecond)
+	}
+	elapsed := time.Since(start)
+	require.LessOrEqual(t, st.grants.Load(), int64(2+elapsed/ledger.RefusalMemory), "after %s", elapsed)
+}
+
 // TestConcurrentAdmissionsNeverPassTheCap: 200 concurrent requests against a
 // budget and a ceiling that fit 10, over 1 and 3 replicas, with usage
 // reported above the estimate: exactly 10 are admitted, and what is billed is
