@@ -1,6 +1,7 @@
 package ratelimit
 
 import (
+	"context"
 	"time"
 
 	"github.com/google/uuid"
@@ -24,3 +25,7 @@ func (l *Limiter) Window(keyID uuid.UUID) time.Time {
 	}
 	return time.Time{}
 }
+
+// Flush returns the slices of idle keys and of minutes past now, as Run does
+// each second.
+func (l *Limiter) Flush(ctx context.Context) { l.flush(ctx, false) }

@@ -382,6 +382,33 @@ func TestASliceLeasedAheadOfAMinuteSkippedIsReturned(t *testing.T) {
 	<-done
 }
 
+// TestAnIdleKeysLeaseInFlightIsReturnedWithTheRest: a key gone idle while
+// a refill of its slice is in flight keeps its bucket until the refill has
+// landed, so that what it grants is returned with the rest rather than held
+// by a bucket no longer kept.
+func TestAnIdleKeysLeaseInFlightIsReturnedWithTheRest(t *testing.T) {
+	t.Parallel()
+	k := setupOneKey(t, 32, 2)
+	k.st.gate = make(chan struct{})
+	k.take(t, 10*time.Second) // 16 of the minute
+	k.st.holding.Store(true)
+	for range 12 { // the refill starts at 3 left, and is held
+		k.take(t, 10*time.Second)
+	}
+	require.Eventually(t, func() bool { return k.st.leases.Load() == 2 }, 10*time.Second, time.Millisecond)
+	k.c.set(k.minute.Add(40 * time.Second)) // the key idle
+	k.l.Flush(context.Background())
+	k.st.holding.Store(false)
+	close(k.st.gate)
+	k.st.settled(t)
+	require.Eventually(t, func() bool { return !k.l.Leasing(k.key) }, 10*time.Second, time.Millisecond)
+	k.l.Flush(context.Background())
+	probe := store.New(testdb.Connect(t, k.url))
+	g, err := probe.LeaseRate(context.Background(), k.key, k.minute.Add(50*time.Second), 32, 1)
+	require.NoError(t, err)
+	require.Equal(t, 32-13, g.Granted, "the minute counts its 13 requests, nothing held")
+}
+
 // TestAGrantThatLandsAfterItsMinuteIsReturned: a lease in flight as its
 // minute ends lands in a bucket that has turned to the next; what it granted
 // is returned to its minute, not held or lost there.
