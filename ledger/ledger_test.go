@@ -299,6 +299,15 @@ func (c *countingStore) GrantQuota(ctx context.Context, r store.QuotaRequest) (s
 	return c.Store.GrantQuota(ctx, r)
 }
 
+// counted is a running ledger of cfg whose grants are counted.
+func (b *testBundle) counted(t *testing.T, cfg ledger.Config) (*ledger.Ledger, *countingStore) {
+	t.Helper()
+	st := &countingStore{Store: b.store}
+	l := ledger.New(cfg, st)
+	b.run(t, l)
+	return l, st
+}
+
 // heldStore holds each grant after the first at gate until gate is closed
 // (or for ten seconds, so that a ledger that waits for one fails its test
 // rather than hang it), counting the grants sent and those answered.
@@ -470,9 +479,7 @@ func TestTheNextDayIsGrantedAhead(t *testing.T) {
 func TestTheNextDayIsGrantedFromTheAccountsOwnInstant(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	st := &countingStore{Store: b.store}
-	l := ledger.New(ledger.Config{}, st)
-	b.run(t, l)
+	l, st := b.counted(t, ledger.Config{})
 	p := b.principal(t, "acme", nil, nil)
 	tomorrow := gateway.UTCDay(time.Now()).AddDate(0, 0, 1)
 	lead := stagger.Lead(p.AccountID, ledger.DefaultDayAhead)
@@ -522,9 +529,7 @@ func TestAGrantThatFailsFailsForAllWhoWaitOnIt(t *testing.T) {
 func TestRefusalsAreAnsweredFromMemory(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	st := &countingStore{Store: b.store}
-	l := ledger.New(ledger.Config{}, st)
-	b.run(t, l)
+	l, st := b.counted(t, ledger.Config{})
 	p := b.principal(t, "acme", nil, ptr(int64(100)))
 	id, err := admit(l, p, 80)
 	require.NoError(t, err)
@@ -548,9 +553,7 @@ func TestRefusalsAreAnsweredFromMemory(t *testing.T) {
 func TestARefusedRefillIsNotAskedAgainAtEachAdmission(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	st := &countingStore{Store: b.store}
-	l := ledger.New(ledger.Config{}, st)
-	b.run(t, l)
+	l, st := b.counted(t, ledger.Config{})
 	p := b.principal(t, "acme", ptr(int64(1600)), nil)
 	today := gateway.UTCDay(time.Now())
 	id, err := admit(l, p, 10) // a slice of 100
@@ -825,9 +828,7 @@ func TestLimitChangesApply(t *testing.T) {
 func TestLimitChangesApplyToTheirAccountOnly(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	st := &countingStore{Store: b.store}
-	l := ledger.New(ledger.Config{Idle: time.Hour}, st)
-	b.run(t, l)
+	l, st := b.counted(t, ledger.Config{Idle: time.Hour})
 	changed := b.principal(t, "changed", nil, ptr(int64(100_000)))
 	other := b.principal(t, "other", nil, ptr(int64(100_000)))
 	serve := func() {

@@ -84,6 +84,24 @@ func (c *clock) set(at time.Time) {
 	c.at = at
 }
 
+// running runs l until the test ends.
+func running(t *testing.T, l *ratelimit.Limiter) {
+	ctx, stop := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); l.Run(ctx) }()
+	t.Cleanup(func() { stop(); <-done })
+}
+
+// leaves is what the minute of at leaves key of limit, asked at at: all of
+// it leased by probe and given back at once.
+func leaves(t *testing.T, probe *store.Store, key uuid.UUID, at time.Time, limit int) int {
+	t.Helper()
+	g, err := probe.LeaseRate(context.Background(), key, at, limit, 1)
+	require.NoError(t, err)
+	require.NoError(t, probe.ReturnRate(context.Background(), []store.RateReturn{{KeyID: key, Window: at.UTC().Truncate(time.Minute), Count: g.Granted}}))
+	return g.Granted
+}
+
 // TestLimitAcrossReplicas: three replicas serving one key, every one of them
 // asked until it refuses, admit the limit together, never more.
 func TestLimitAcrossReplicas(t *testing.T) {
@@ -232,9 +250,7 @@ func TestUnusedSlicesAreReturned(t *testing.T) {
 	require.NoError(t, err)
 	require.False(t, r.Admitted, "b finds nothing left")
 
-	ctx, stop := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); a.Run(ctx) }()
+	running(t, a)
 	c.set(c.now().Add(5 * time.Second)) // a's slice is idle
 	require.Eventually(t, func() bool {
 		c.set(c.now().Add(ratelimit.DefaultRetryRefused)) // b asks the database again
@@ -242,8 +258,6 @@ func TestUnusedSlicesAreReturned(t *testing.T) {
 		require.NoError(t, err)
 		return r.Admitted
 	}, 10*time.Second, 50*time.Millisecond)
-	stop()
-	<-done
 }
 
 // TestSlidingWindow: the previous minute counts by how much of it still
@@ -358,28 +372,18 @@ func (k *oneKey) take(t *testing.T, at time.Duration) gateway.RateStatus {
 func TestASliceLeasedAheadOfAMinuteSkippedIsReturned(t *testing.T) {
 	t.Parallel()
 	k := setupOneKey(t, 32, 2)
-	k.take(t, 45*time.Second) // 16 of this minute
-	k.take(t, 55*time.Second) // and 8 of the next, ahead
-	require.Eventually(t, func() bool { return k.st.ahead.Load() == 1 }, 10*time.Second, time.Millisecond)
-	k.st.settled(t)
+	k.leaseAhead(t)
 	k.take(t, 2*time.Minute+30*time.Second) // 14 of the minute after the next (the 8 not yet back weigh 4)
 	// Only now: had the returns run meanwhile, the key idle would have
 	// returned everything anyway.
-	ctx, stop := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); k.l.Run(ctx) }()
+	running(t, k.l)
 	probe := store.New(testdb.Connect(t, k.url))
 	require.Eventually(t, func() bool {
 		// The skipped minute at its middle: the 2 requests of the minute
 		// before weigh 1, and the 14 held of the minute after leave 18 (10
 		// were its 8 still counted).
-		g, err := probe.LeaseRate(context.Background(), k.key, k.minute.Add(90*time.Second), 32, 1)
-		require.NoError(t, err)
-		require.NoError(t, probe.ReturnRate(context.Background(), []store.RateReturn{{KeyID: k.key, Window: k.minute.Add(time.Minute), Count: g.Granted}}))
-		return g.Granted == 18
+		return leaves(t, probe, k.key, k.minute.Add(90*time.Second), 32) == 18
 	}, 10*time.Second, 50*time.Millisecond)
-	stop()
-	<-done
 }
 
 // TestAnIdleKeysLeaseInFlightIsReturnedWithTheRest: a key gone idle while
@@ -404,9 +408,7 @@ func TestAnIdleKeysLeaseInFlightIsReturnedWithTheRest(t *testing.T) {
 	require.Eventually(t, func() bool { return !k.l.Leasing(k.key) }, 10*time.Second, time.Millisecond)
 	k.l.Flush(context.Background())
 	probe := store.New(testdb.Connect(t, k.url))
-	g, err := probe.LeaseRate(context.Background(), k.key, k.minute.Add(50*time.Second), 32, 1)
-	require.NoError(t, err)
-	require.Equal(t, 32-13, g.Granted, "the minute counts its 13 requests, nothing held")
+	require.Equal(t, 32-13, leaves(t, probe, k.key, k.minute.Add(50*time.Second), 32), "the minute counts its 13 requests, nothing held")
 }
 
 // TestAGrantThatLandsAfterItsMinuteIsReturned: a lease in flight as its
@@ -414,43 +416,44 @@ func TestAnIdleKeysLeaseInFlightIsReturnedWithTheRest(t *testing.T) {
 // is returned to its minute, not held or lost there.
 func TestAGrantThatLandsAfterItsMinuteIsReturned(t *testing.T) {
 	t.Parallel()
-	url := testdb.URL(t)
-	minute := time.Now().Truncate(time.Minute)
-	c := &clock{at: minute.Add(59900 * time.Millisecond)}
-	st := &countingStore{Store: store.New(testdb.Connect(t, url)), gate: make(chan struct{})}
-	l := ratelimit.New(ratelimit.Config{Limits: gateway.RateLimits{Free: 32, Developer: 32}, Clock: c.now, Share: 1}, st)
-	ctx, stop := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); l.Run(ctx) }()
-	key := uuid.Must(uuid.NewV7())
+	k := setupOneKey(t, 32, 1)
+	k.st.gate = make(chan struct{})
+	running(t, k.l)
 	var takes sync.WaitGroup
 	take := func() {
 		defer takes.Done()
-		_, err := l.Take(context.Background(), key, gateway.TierDeveloper)
+		_, err := k.l.Take(context.Background(), k.key, gateway.TierDeveloper)
 		require.NoError(t, err)
 	}
-	st.holding.Store(true)
+	k.st.holding.Store(true)
+	k.c.set(k.minute.Add(59900 * time.Millisecond))
 	takes.Add(1)
 	go take() // its lease, of the whole minute, held
-	require.Eventually(t, func() bool { return st.leases.Load() == 1 }, 10*time.Second, time.Millisecond)
-	c.set(minute.Add(time.Minute + 500*time.Millisecond))
+	require.Eventually(t, func() bool { return k.st.leases.Load() == 1 }, 10*time.Second, time.Millisecond)
+	k.c.set(k.minute.Add(time.Minute + 500*time.Millisecond))
 	takes.Add(1)
 	go take() // the bucket turns to the next minute
-	require.Eventually(t, func() bool { return l.Window(key).Equal(minute.Add(time.Minute)) }, 10*time.Second, time.Millisecond)
-	st.holding.Store(false)
-	close(st.gate)
+	require.Eventually(t, func() bool { return k.l.Window(k.key).Equal(k.minute.Add(time.Minute)) }, 10*time.Second, time.Millisecond)
+	k.st.holding.Store(false)
+	close(k.st.gate)
 	takes.Wait()
 
-	probe := store.New(testdb.Connect(t, url))
+	probe := store.New(testdb.Connect(t, k.url))
 	require.Eventually(t, func() bool {
-		// What the first minute leaves, given back at once.
-		g, err := probe.LeaseRate(context.Background(), key, minute.Add(59950*time.Millisecond), 32, 1)
-		require.NoError(t, err)
-		require.NoError(t, probe.ReturnRate(context.Background(), []store.RateReturn{{KeyID: key, Window: minute, Count: g.Granted}}))
-		return g.Granted == 32
+		return leaves(t, probe, k.key, k.minute.Add(59950*time.Millisecond), 32) == 32
 	}, 10*time.Second, 50*time.Millisecond, "the grant that landed late went back to its minute")
-	stop()
-	<-done
+}
+
+// leaseAhead takes a request of the key 45 s into its minute and one at 55
+// s, and waits until the second's lease of the next minute has landed: under
+// a limit of 32 in slices of half what is left, 16 of this minute and 8 of
+// the next.
+func (k *oneKey) leaseAhead(t *testing.T) {
+	t.Helper()
+	k.take(t, 45*time.Second)
+	k.take(t, 55*time.Second)
+	require.Eventually(t, func() bool { return k.st.ahead.Load() == 1 }, 10*time.Second, time.Millisecond)
+	k.st.settled(t)
 }
 
 // TestTheNextMinuteIsLeasedAhead: a key in use in the last seconds of a
@@ -496,10 +499,7 @@ func TestEachKeyLeasesAheadFromAnInstantOfItsOwn(t *testing.T) {
 func TestARefusalWaitsForTheNextMinuteLeasedAhead(t *testing.T) {
 	t.Parallel()
 	k := setupOneKey(t, 32, 2)
-	k.take(t, 45*time.Second) // 16 of this minute
-	k.take(t, 55*time.Second) // and 8 of the next, ahead
-	require.Eventually(t, func() bool { return k.st.ahead.Load() == 1 }, 10*time.Second, time.Millisecond)
-	k.st.settled(t)
+	k.leaseAhead(t)
 	admitted := 2
 	for r := k.take(t, 55*time.Second); r.Admitted; r = k.take(t, 55*time.Second) {
 		admitted++
@@ -526,21 +526,13 @@ func TestASliceLeasedAheadIsReturnedUnused(t *testing.T) {
 	require.Eventually(t, func() bool { return st.ahead.Load() == 1 }, 10*time.Second, time.Millisecond, "16 of this minute, then 8 of the next")
 	st.settled(t)
 
-	ctx, stop := context.WithCancel(context.Background())
-	done := make(chan struct{})
-	go func() { defer close(done); a.Run(ctx) }()
+	running(t, a)
 	c.set(minute.Add(90 * time.Second)) // a's slices are idle
 	probe := store.New(testdb.Connect(t, url))
 	require.Eventually(t, func() bool {
-		// What the key's window leaves, given back at once.
-		g, err := probe.LeaseRate(context.Background(), key, c.now(), 32, 1)
-		require.NoError(t, err)
-		require.NoError(t, probe.ReturnRate(context.Background(), []store.RateReturn{{KeyID: key, Window: minute.Add(time.Minute), Count: g.Granted}}))
 		// Half of the minute before (its one request) and nothing of this one.
-		return g.Granted == 31
+		return leaves(t, probe, key, c.now(), 32) == 31
 	}, 10*time.Second, 50*time.Millisecond)
-	stop()
-	<-done
 }
 
 // TestALeaseInFlightAtShutdownIsReturned: a limiter that stops while a lease
