@@ -428,10 +428,18 @@ func TestARefillInFlightAtShutdownIsFoldedBack(t *testing.T) {
 type foldCountingStore struct {
 	countingStore
 	folds atomic.Int64
+	// gate, when set, holds each fold until it is closed; held is set once
+	// one waits there.
+	gate chan struct{}
+	held atomic.Bool
 }
 
 func (f *foldCountingStore) FoldQuotaLeases(ctx context.Context, owner uuid.UUID, ids []uuid.UUID) (int64, error) {
 	f.folds.Add(1)
+	if f.gate != nil {
+		f.held.Store(true)
+		<-f.gate
+	}
 	return f.Store.FoldQuotaLeases(ctx, owner, ids)
 }
 
@@ -495,6 +503,40 @@ func TestTheNextDayIsGrantedFromTheAccountsOwnInstant(t *testing.T) {
 	l.Release(id)
 	require.True(t, l.Holds(p, tomorrow), "from its instant")
 	require.Eventually(t, func() bool { return st.grants.Load() == 2 }, 10*time.Second, time.Millisecond, "tomorrow's slice")
+}
+
+// TestNoNextDayIsGrantedAheadWhileItsSliceIsFoldedBack: a next day's slice
+// granted ahead and then retired (its account's limits changed) is folded
+// back; meanwhile the admissions of the day before grant no other ahead of
+// it, which would not see what the folded one held given back.
+func TestNoNextDayIsGrantedAheadWhileItsSliceIsFoldedBack(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	st := &foldCountingStore{countingStore: countingStore{Store: b.store}, gate: make(chan struct{})}
+	open := sync.OnceFunc(func() { close(st.gate) })
+	defer open() // before the ledger's last folds, should the test fail with the gate shut
+	l := ledger.New(ledger.Config{}, st)
+	b.run(t, l)
+	p := b.principal(t, "acme", nil, nil)
+	tomorrow := gateway.UTCDay(time.Now()).AddDate(0, 0, 1)
+	running, err := admitAt(l, p, 10, tomorrow.Add(-time.Second)) // today's slice, in use until the end
+	require.NoError(t, err)
+	defer l.Release(running)
+	require.Eventually(t, func() bool { return st.grants.Load() == 2 && !l.Granting(p, tomorrow) }, 10*time.Second, time.Millisecond, "tomorrow's slice")
+
+	l.Invalidate(p.AccountID) // tomorrow's slice, unused, is folded back; today's waits for its request
+	require.Eventually(t, st.held.Load, 10*time.Second, time.Millisecond)
+	id, err := admitAt(l, p, 10, tomorrow.Add(-time.Second))
+	require.NoError(t, err, "today's admissions go on, from a new slice")
+	require.False(t, l.Holds(p, tomorrow), "no slice of tomorrow while its last is folded back")
+	open()
+	l.Release(id)
+	require.Eventually(t, func() bool {
+		id, err := admitAt(l, p, 10, tomorrow.Add(-time.Second))
+		require.NoError(t, err)
+		l.Release(id)
+		return l.Holds(p, tomorrow)
+	}, 10*time.Second, time.Millisecond, "once folded, tomorrow's slice is granted ahead again")
 }
 
 // TestAGrantThatFailsFailsForAllWhoWaitOnIt: while the database does not
