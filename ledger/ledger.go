@@ -247,7 +247,7 @@ func (l *Ledger) Admit(ctx context.Context, a gateway.Admission) error {
 			ls.touched = time.Now()
 			l.admitted[a.RequestID] = ticket{lease: ls, estimate: a.Estimate}
 			l.refill(ls, a, ls.touched)
-			l.grantAhead(key, a)
+			l.grantAhead(key, a, ls.touched)
 			l.mu.Unlock()
 			return nil
 		}
@@ -297,10 +297,10 @@ func (l *Ledger) refill(ls *lease, a gateway.Admission, now time.Time) {
 	l.grantInBackground(ls, a)
 }
 
-// grantAhead starts, in the background, the grant of the next day's slice of
-// key's account and project once a's day ends within the account's lead
-// (stagger.Lead), unless there is one. Called with l.mu held.
-func (l *Ledger) grantAhead(key sliceKey, a gateway.Admission) {
+// grantAhead starts, at now, in the background, the grant of the next day's
+// slice of key's account and project once a's day ends within the account's
+// lead (stagger.Lead), unless there is one. Called with l.mu held.
+func (l *Ledger) grantAhead(key sliceKey, a gateway.Admission, now time.Time) {
 	if l.cfg.DayAhead < 0 {
 		return
 	}
@@ -314,10 +314,7 @@ func (l *Ledger) grantAhead(key sliceKey, a gateway.Admission) {
 	if l.current[next] != nil || l.folding[next] != nil {
 		return
 	}
-	ls := &lease{id: uuid.Must(uuid.NewV7()), key: next, touched: time.Now()}
-	l.current[next] = ls
-	l.leases[ls.id] = ls
-	l.grantInBackground(ls, a)
+	l.grantInBackground(l.newLease(next, now), a)
 }
 
 // grantInBackground grants ls a slice of at least a's estimate, in the
@@ -412,11 +409,18 @@ func (l *Ledger) slice(key sliceKey, now time.Time) (ls, replaced *lease) {
 		ls = nil
 	}
 	if ls == nil {
-		ls = &lease{id: uuid.Must(uuid.NewV7()), key: key, touched: now}
-		l.current[key] = ls
-		l.leases[ls.id] = ls
+		ls = l.newLease(key, now)
 	}
 	return ls, replaced
+}
+
+// newLease starts the lease of key that admissions draw on, not yet granted.
+// Called with l.mu held.
+func (l *Ledger) newLease(key sliceKey, now time.Time) *lease {
+	ls := &lease{id: uuid.Must(uuid.NewV7()), key: key, touched: now}
+	l.current[key] = ls
+	l.leases[ls.id] = ls
+	return ls
 }
 
 // Settle commits a finished request with its group and gives what its
