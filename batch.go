@@ -66,6 +66,7 @@ const (
 // BatchEvents lists every event.
 var BatchEvents = []BatchEvent{EventDrainStarted, EventCancel, EventWindowElapsed, EventItemsDone}
 
+// String names the event in messages ("drain started", "cancel", …).
 func (e BatchEvent) String() string {
 	return [...]string{"drain started", "cancel", "window elapsed", "items done"}[e]
 }
