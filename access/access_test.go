@@ -333,3 +333,217 @@ func TestAnExpiredKeyIsRefusedThoughCached(t *testing.T) {
 	_, err = keys.Lookup(context.Background(), token)
 	require.Equal(t, gateway.EUnauthorized, gateway.ErrorCodeOf(err))
 }
+
+// racingStore, once armed, reads a key and then holds its lookup until
+// released, so that a change comes between the read and the cache's use of
+// it; and it listens only when let (one token on listen a listen), until
+// interrupted.
+type racingStore struct {
+	*store.Store
+	armed   atomic.Bool
+	read    chan struct{}
+	release chan struct{}
+	listen  chan struct{}
+	stop    atomic.Pointer[context.CancelFunc]
+}
+
+func newRacingStore(st *store.Store) *racingStore {
+	return &racingStore{Store: st, read: make(chan struct{}, 1), release: make(chan struct{}), listen: make(chan struct{}, 1)}
+}
+
+func (r *racingStore) LookupKey(ctx context.Context, token string) (*gateway.Principal, error) {
+	p, err := r.Store.LookupKey(ctx, token)
+	if r.armed.CompareAndSwap(true, false) {
+		r.read <- struct{}{}
+		<-r.release
+	}
+	return p, err
+}
+
+func (r *racingStore) ListenPrincipals(ctx context.Context, listening func(), changed func(string, uuid.UUID)) error {
+	select {
+	case <-r.listen:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	r.stop.Store(&cancel)
+	return r.Store.ListenPrincipals(ctx, listening, changed)
+}
+
+// interrupt ends the listen in progress, as a lost connection would.
+func (r *racingStore) interrupt() { (*r.stop.Load())() }
+
+// heldLookup starts a lookup of token that reads its key and then waits for
+// st's release; its outcome arrives on the returned channel.
+func heldLookup(t *testing.T, keys *access.Keys, st *racingStore, token string) <-chan error {
+	t.Helper()
+	st.armed.Store(true)
+	errs := make(chan error, 1)
+	go func() {
+		_, err := keys.Lookup(context.Background(), token)
+		errs <- err
+	}()
+	select {
+	case <-st.read:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the lookup never read its key")
+	}
+	return errs
+}
+
+// refused requires token to be refused by keys.
+func refused(t *testing.T, keys *access.Keys, token string, msg string) {
+	t.Helper()
+	_, err := keys.Lookup(context.Background(), token)
+	require.Equal(t, gateway.EUnauthorized, gateway.ErrorCodeOf(err), msg)
+}
+
+// TestALookupThatRacesAChangeIsNotCached: a principal read before a change
+// that is announced while its lookup is still on its way is not cached: the
+// next request is looked up again, and its key, revoked meanwhile, refused.
+func TestALookupThatRacesAChangeIsNotCached(t *testing.T) {
+	t.Parallel()
+	st := newRacingStore(store.New(testdb.New(t)))
+	st.listen <- struct{}{}
+	keys, changes := replica(t, st)
+	token := newKey(t, st.Store, "acme", gateway.TierDeveloper)
+	held := heldLookup(t, keys, st, token)
+	require.NoError(t, st.RevokeKey(context.Background(), token[:12]))
+	awaitRevocation(t, changes)
+	close(st.release)
+	require.NoError(t, <-held, "read before the revocation")
+	refused(t, keys, token, "looked up again, not served from what the raced lookup read")
+}
+
+// TestAChangeMissedWhileNotListeningIsNotServed: while its listener is down
+// a replica serves nothing from memory (a key revoked meanwhile is refused
+// at once); once it listens again it drops what it read before (a change
+// may have been missed), a lookup on its way included, and tells its users
+// so (OnChange with no table and no account), at its first listen too.
+func TestAChangeMissedWhileNotListeningIsNotServed(t *testing.T) {
+	t.Parallel()
+	st := newRacingStore(store.New(testdb.New(t)))
+	resumed := make(chan struct{}, 10)
+	keys := access.NewKeys(access.Config{OnChange: func(table string, account uuid.UUID) {
+		if table == "" && account == uuid.Nil {
+			resumed <- struct{}{}
+		}
+	}}, st)
+	ctx, stop := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { defer close(done); keys.Run(ctx) }()
+	t.Cleanup(func() { stop(); <-done })
+	awaitResumed := func() {
+		t.Helper()
+		select {
+		case <-resumed:
+		case <-time.After(10 * time.Second):
+			t.Fatal("the users were not told that changes may have been missed")
+		}
+	}
+	st.listen <- struct{}{}
+	awaitResumed()
+	revoked := newKey(t, st.Store, "acme", gateway.TierDeveloper)
+	raced := newKey(t, st.Store, "acme", gateway.TierDeveloper)
+	for _, token := range []string{revoked, raced} {
+		_, err := keys.Lookup(ctx, token)
+		require.NoError(t, err)
+	}
+
+	st.interrupt()
+	require.Eventually(t, func() bool { return !keys.Listening() }, 10*time.Second, time.Millisecond)
+	require.NoError(t, st.RevokeKey(ctx, revoked[:12]))
+	refused(t, keys, revoked, "looked up while not listening, not served from memory")
+
+	held := heldLookup(t, keys, st, raced)
+	require.NoError(t, st.RevokeKey(ctx, raced[:12]))
+	st.listen <- struct{}{}
+	require.Eventually(t, keys.Listening, 10*time.Second, time.Millisecond)
+	awaitResumed()
+	close(st.release)
+	require.NoError(t, <-held, "read before the revocation")
+	refused(t, keys, raced, "looked up again, not served from what was read before listening again")
+}
+
+// TestAChangeThatNamesNoAccountDropsEveryKey: a change announced without
+// its account (any may have changed) drops every account's keys.
+func TestAChangeThatNamesNoAccountDropsEveryKey(t *testing.T) {
+	t.Parallel()
+	st := &countingStore{Store: store.New(testdb.New(t))}
+	keys, changes := replica(t, st)
+	tokens := []string{newKey(t, st.Store, "acme", gateway.TierDeveloper), newKey(t, st.Store, "globex", gateway.TierDeveloper)}
+	lookUp := func() {
+		t.Helper()
+		for _, token := range tokens {
+			_, err := keys.Lookup(context.Background(), token)
+			require.NoError(t, err)
+		}
+	}
+	lookUp()
+	lookUp()
+	require.Equal(t, int64(2), st.lookups.Load())
+	_, err := st.Pool().Exec(context.Background(), `SELECT pg_notify('gateway_principals', 'accounts')`)
+	require.NoError(t, err)
+	select {
+	case table := <-changes:
+		require.Equal(t, "accounts", table)
+	case <-time.After(10 * time.Second):
+		t.Fatal("the change was never announced")
+	}
+	lookUp()
+	require.Equal(t, int64(4), st.lookups.Load(), "both accounts' keys looked up again")
+}
+
+// TestAFullCacheStartsOver: a cache that holds MaxEntries keys starts over
+// with the next one, so that a flood of valid keys bounds its memory; a key
+// it dropped is looked up again.
+func TestAFullCacheStartsOver(t *testing.T) {
+	t.Parallel()
+	st := &countingStore{Store: store.New(testdb.New(t))}
+	keys, _ := replicaWith(t, st, access.Config{MaxEntries: 2})
+	a, b, c := newKey(t, st.Store, "acme", gateway.TierDeveloper), newKey(t, st.Store, "acme", gateway.TierDeveloper), newKey(t, st.Store, "acme", gateway.TierDeveloper)
+	lookUp := func(token string, lookups int64, msg string) {
+		t.Helper()
+		_, err := keys.Lookup(context.Background(), token)
+		require.NoError(t, err)
+		require.Equal(t, lookups, st.lookups.Load(), msg)
+	}
+	lookUp(a, 1, "a looked up")
+	lookUp(b, 2, "b looked up")
+	lookUp(a, 2, "a held")
+	lookUp(c, 3, "c looked up, the cache full")
+	lookUp(c, 3, "c held in the cache started over")
+	lookUp(a, 4, "a dropped as the cache started over")
+}
+
+// TestEntriesLastTheirTTL: a key served from memory, and one refused from
+// memory, are looked up again once the TTL has passed.
+func TestEntriesLastTheirTTL(t *testing.T) {
+	t.Parallel()
+	st := &countingStore{Store: store.New(testdb.New(t))}
+	const ttl = 200 * time.Millisecond
+	keys, _ := replicaWith(t, st, access.Config{TTL: ttl})
+	valid := newKey(t, st.Store, "acme", gateway.TierDeveloper)
+	unknown, err := apikey.Generate()
+	require.NoError(t, err)
+	for _, k := range []struct {
+		token string
+		valid bool
+	}{{valid, true}, {unknown.Token, false}} {
+		before := st.lookups.Load()
+		start := time.Now()
+		for range 2 {
+			_, err := keys.Lookup(context.Background(), k.token)
+			require.Equal(t, k.valid, err == nil, err)
+		}
+		if time.Since(start) < ttl {
+			require.Equal(t, before+1, st.lookups.Load(), "served from memory within the TTL")
+		}
+		require.Eventually(t, func() bool {
+			_, err := keys.Lookup(context.Background(), k.token)
+			return (err == nil) == k.valid && st.lookups.Load() == before+2
+		}, 10*time.Second, 10*time.Millisecond, "looked up again after the TTL, with the same outcome")
+	}
+}
