@@ -394,7 +394,7 @@ func heldLookup(t *testing.T, keys *access.Keys, st *racingStore, token string) 
 }
 
 // refused requires token to be refused by keys.
-func refused(t *testing.T, keys *access.Keys, token string, msg string) {
+func refused(t *testing.T, keys *access.Keys, token, msg string) {
 	t.Helper()
 	_, err := keys.Lookup(context.Background(), token)
 	require.Equal(t, gateway.EUnauthorized, gateway.ErrorCodeOf(err), msg)
