@@ -60,16 +60,23 @@ func replicaWith(t *testing.T, st access.KeyStore, cfg access.Config) (*access.K
 	return keys, changes
 }
 
-// awaitRevocation waits until a replica hears of a change to a key, the
-// next change it hears of.
-func awaitRevocation(t *testing.T, changes <-chan string) {
+// awaitChange waits until a replica hears of a change to table (api_keys
+// for a revocation), the next change it hears of.
+func awaitChange(t *testing.T, changes <-chan string, table string) {
 	t.Helper()
 	select {
-	case table := <-changes:
-		require.Equal(t, "api_keys", table)
+	case heard := <-changes:
+		require.Equal(t, table, heard)
 	case <-time.After(10 * time.Second):
-		t.Fatal("the revocation was never announced")
+		t.Fatalf("the change to %s was never announced", table)
 	}
+}
+
+// refused requires token to be refused by keys.
+func refused(t *testing.T, keys *access.Keys, token, msg string) {
+	t.Helper()
+	_, err := keys.Lookup(context.Background(), token)
+	require.Equal(t, gateway.EUnauthorized, gateway.ErrorCodeOf(err), msg)
 }
 
 func newKey(t *testing.T, st *store.Store, account string, tier gateway.Tier) string {
@@ -207,8 +214,7 @@ func TestRefusedKeysAreRefusedFromMemory(t *testing.T) {
 	refuse := func(key string) {
 		t.Helper()
 		for range 3 {
-			_, err := keys.Lookup(context.Background(), key)
-			require.Equal(t, gateway.EUnauthorized, gateway.ErrorCodeOf(err))
+			refused(t, keys, key, "refused at each try")
 		}
 	}
 
@@ -221,7 +227,7 @@ func TestRefusedKeysAreRefusedFromMemory(t *testing.T) {
 	_, err := keys.Lookup(context.Background(), revoked)
 	require.NoError(t, err)
 	require.NoError(t, st.RevokeKey(context.Background(), revoked[:12]))
-	awaitRevocation(t, changes)
+	awaitChange(t, changes, "api_keys")
 	refuse(revoked)
 	require.Equal(t, int64(3), st.lookups.Load(), "a revoked key is looked up once after its revocation")
 
@@ -260,11 +266,10 @@ func TestRevokedKeyIsRefusedByEveryReplica(t *testing.T) {
 	}
 	require.NoError(t, admin.RevokeKey(context.Background(), token[:12]))
 	for _, changes := range []<-chan string{aChanges, bChanges} {
-		awaitRevocation(t, changes)
+		awaitChange(t, changes, "api_keys")
 	}
 	for _, keys := range []*access.Keys{a, b} {
-		_, err := keys.Lookup(context.Background(), token)
-		require.Equal(t, gateway.EUnauthorized, gateway.ErrorCodeOf(err))
+		refused(t, keys, token, "revoked")
 	}
 }
 
@@ -285,7 +290,7 @@ func TestAChangeDropsItsAccountsKeysOnly(t *testing.T) {
 	}
 	require.Equal(t, int64(2), st.lookups.Load())
 	require.NoError(t, admin.RevokeKey(context.Background(), revoked[:12]))
-	awaitRevocation(t, changes)
+	awaitChange(t, changes, "api_keys")
 	_, err := keys.Lookup(context.Background(), kept)
 	require.NoError(t, err)
 	require.Equal(t, int64(2), st.lookups.Load(), "another account's key is served from memory")
@@ -305,7 +310,7 @@ func TestTierChangeReachesTheCache(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, gateway.TierDeveloper, p.Tier)
 	newKey(t, st, "acme", gateway.TierFree) // an explicit tier changes the account's
-	require.Equal(t, "accounts", <-changes)
+	awaitChange(t, changes, "accounts")
 	p, err = keys.Lookup(context.Background(), token)
 	require.NoError(t, err)
 	require.Equal(t, gateway.TierFree, p.Tier)
@@ -335,8 +340,7 @@ func TestAnExpiredKeyIsRefusedThoughCached(t *testing.T) {
 		_, err := keys.Lookup(context.Background(), token)
 		return err != nil
 	}, 10*time.Second, 20*time.Millisecond, "refused once expired, within the cache's 30 s")
-	_, err = keys.Lookup(context.Background(), token)
-	require.Equal(t, gateway.EUnauthorized, gateway.ErrorCodeOf(err))
+	refused(t, keys, token, "expired")
 }
 
 // racingStore, once armed, reads a key and then holds its lookup until
@@ -398,13 +402,6 @@ func heldLookup(t *testing.T, keys *access.Keys, st *racingStore, token string) 
 	return errs
 }
 
-// refused requires token to be refused by keys.
-func refused(t *testing.T, keys *access.Keys, token, msg string) {
-	t.Helper()
-	_, err := keys.Lookup(context.Background(), token)
-	require.Equal(t, gateway.EUnauthorized, gateway.ErrorCodeOf(err), msg)
-}
-
 // TestALookupThatRacesAChangeIsNotCached: a principal read before a change
 // that is announced while its lookup is still on its way is not cached: the
 // next request is looked up again, and its key, revoked meanwhile, refused.
@@ -416,7 +413,7 @@ func TestALookupThatRacesAChangeIsNotCached(t *testing.T) {
 	token := newKey(t, st.Store, "acme", gateway.TierDeveloper)
 	held := heldLookup(t, keys, st, token)
 	require.NoError(t, st.RevokeKey(context.Background(), token[:12]))
-	awaitRevocation(t, changes)
+	awaitChange(t, changes, "api_keys")
 	close(st.release)
 	require.NoError(t, <-held, "read before the revocation")
 	refused(t, keys, token, "looked up again, not served from what the raced lookup read")
@@ -488,12 +485,7 @@ func TestAChangeThatNamesNoAccountDropsEveryKey(t *testing.T) {
 	require.Equal(t, int64(2), st.lookups.Load())
 	_, err := st.Pool().Exec(context.Background(), `SELECT pg_notify('gateway_principals', 'accounts')`)
 	require.NoError(t, err)
-	select {
-	case table := <-changes:
-		require.Equal(t, "accounts", table)
-	case <-time.After(10 * time.Second):
-		t.Fatal("the change was never announced")
-	}
+	awaitChange(t, changes, "accounts")
 	lookUp()
 	require.Equal(t, int64(4), st.lookups.Load(), "both accounts' keys looked up again")
 }
