@@ -89,9 +89,16 @@ func (b *testBundle) newBatchOf(t *testing.T, prompts []string) uuid.UUID {
 // newBatchFor creates p's batch of one item per prompt, in their order.
 func (b *testBundle) newBatchFor(t *testing.T, p *gateway.Principal, prompts []string) uuid.UUID {
 	t.Helper()
+	return b.newBatchOfModel(t, p, gateway.ModelInstant, prompts)
+}
+
+// newBatchOfModel creates p's batch of one item of model per prompt, in
+// their order.
+func (b *testBundle) newBatchOfModel(t *testing.T, p *gateway.Principal, model gateway.Model, prompts []string) uuid.UUID {
+	t.Helper()
 	items := make([]store.NewItem, len(prompts))
 	for i, prompt := range prompts {
-		items[i] = store.NewItem{Request: store.ItemRequest{Prompt: prompt, Model: gateway.ModelInstant, MaxOutputRungs: 100}, Estimate: 60}
+		items[i] = store.NewItem{Request: store.ItemRequest{Prompt: prompt, Model: model, MaxOutputRungs: 100}, Estimate: 60}
 	}
 	now := time.Now().UTC()
 	res, err := b.store.CreateBatch(b.ctx, store.NewBatch{Principal: p, RequestHash: []byte(strings.Join(prompts, "\n")), Items: items, CreatedAt: now, ExpiresAt: now.Add(time.Hour)})
@@ -111,16 +118,25 @@ func (b *testBundle) newDrainer(cfg drainer.Config, st drainer.Store, logs io.Wr
 	return drainer.New(cfg, st, b.provider, b.estimator, slog.New(slog.NewJSONHandler(logs, nil)))
 }
 
-// runLogging starts a drainer on st, logging JSON lines to logs, until the
-// test ends.
+// runLogging starts a drainer on st, polling every 50 ms with a second's
+// grace, logging JSON lines to logs, until the test ends.
 func (b *testBundle) runLogging(t *testing.T, st drainer.Store, cfg drainer.Config, logs io.Writer) {
 	t.Helper()
 	cfg.PollInterval, cfg.Grace, cfg.EvidenceRetention = 50*time.Millisecond, time.Second, time.Hour
+	b.start(t, st, cfg, logs)
+}
+
+// start runs a drainer on st with cfg as given, logging JSON lines to logs,
+// until the test ends or stop, which stops it and waits for it to return.
+func (b *testBundle) start(t *testing.T, st drainer.Store, cfg drainer.Config, logs io.Writer) (stop func()) {
+	t.Helper()
 	d := b.newDrainer(cfg, st, logs)
 	ctx, cancel := context.WithCancel(b.ctx)
 	done := make(chan struct{})
 	go func() { defer close(done); d.Run(ctx) }()
-	t.Cleanup(func() { cancel(); <-done })
+	stop = func() { cancel(); <-done }
+	t.Cleanup(stop)
+	return stop
 }
 
 func (b *testBundle) items(t *testing.T, id uuid.UUID) []gateway.BatchItem {
@@ -457,9 +473,15 @@ func (b *testBundle) batchReaches(t *testing.T, id uuid.UUID, status gateway.Bat
 // completed waits until every item of batch id is completed.
 func (b *testBundle) completed(t *testing.T, id uuid.UUID) {
 	t.Helper()
+	b.itemsReach(t, id, gateway.ItemCompleted)
+}
+
+// itemsReach waits until every item of batch id is status.
+func (b *testBundle) itemsReach(t *testing.T, id uuid.UUID, status gateway.ItemStatus) {
+	t.Helper()
 	require.Eventually(t, func() bool {
 		for _, it := range b.items(t, id) {
-			if it.Status != gateway.ItemCompleted {
+			if it.Status != status {
 				return false
 			}
 		}
@@ -547,13 +569,7 @@ func (b *testBundle) claimAheadOfSlowItems(t *testing.T, slow, grace time.Durati
 	}
 	id = b.newBatchOf(t, prompts)
 	st := &claimStore{Store: b.store, delay: 200 * time.Millisecond}
-	ctx, cancel := context.WithCancel(b.ctx)
-	d := drainer.New(drainer.Config{Concurrency: 2, PollInterval: 50 * time.Millisecond, Grace: grace, EvidenceRetention: time.Hour, Lease: time.Minute},
-		st, b.provider, b.estimator, slog.New(slog.NewTextHandler(logs, nil)))
-	done := make(chan struct{})
-	go func() { defer close(done); d.Run(ctx) }()
-	stop = func() { cancel(); <-done }
-	t.Cleanup(stop)
+	stop = b.start(t, st, drainer.Config{Concurrency: 2, PollInterval: 50 * time.Millisecond, Grace: grace, EvidenceRetention: time.Hour, Lease: time.Minute}, logs)
 	require.Eventually(t, func() bool {
 		slow := 0
 		for _, c := range b.fake.Calls() {

@@ -356,3 +356,27 @@ func TestARequeueWhoseReplyWasLostFinishesItsBatch(t *testing.T) {
 	require.Equal(t, gateway.BatchCancelled, batch.Status)
 	require.Equal(t, gateway.ItemCancelled, b.items(t, id)[0].Status)
 }
+
+// TestOutcomesWhoseLeasesWereLostAreRefused: outcomes committed by a replica
+// that no longer holds their items' leases (another owns them) are refused:
+// nothing is stored or billed, the metrics count none of them, and the
+// operator is told.
+func TestOutcomesWhoseLeasesWereLostAreRefused(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	id, group := b.claimedOutcomes(t, uuid.Must(uuid.NewV7()), "first", "second")
+	logs := &syncbuf.Buffer{}
+	m := metrics.New()
+	d := b.newDrainer(drainer.Config{Owner: uuid.Must(uuid.NewV7()), Lease: time.Minute, EvidenceRetention: time.Hour, Metrics: m}, b.store, logs)
+
+	d.Commit(b.ctx, group)
+
+	for _, it := range b.items(t, id) {
+		require.Equal(t, gateway.ItemInProgress, it.Status, "still its owner's")
+	}
+	require.Zero(t, b.usage(t).Totals.TotalRungs)
+	scraped := metricstest.Scrape(m)
+	require.Contains(t, scraped, `gateway_batch_items_total{outcome="completed"} 0`+"\n")
+	require.NotContains(t, scraped, `gateway_rungs_total{entry_point="batch"`)
+	require.Contains(t, logs.String(), `"msg":"outcomes refused: their leases were lost","refused":2`)
+}
