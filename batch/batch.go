@@ -52,20 +52,24 @@ type Prepared struct{ nb store.NewBatch }
 
 // Prepare validates every item of a batch and prices it, before anything is
 // stored: the part of a creation that takes CPU, as long as a second for 100
-// long prompts. body identifies the request for idempotency.
-func (s *Service) Prepare(p *gateway.Principal, items []gateway.RequestInput, idempotencyKey string, body any) (Prepared, error) {
+// long prompts. idempotencyKey is the request's Idempotency-Key, nil when it
+// has none: one sent empty is refused as any other outside its form. body
+// identifies the request for idempotency.
+func (s *Service) Prepare(p *gateway.Principal, items []gateway.RequestInput, idempotencyKey *string, body any) (Prepared, error) {
+	var key string
+	if idempotencyKey != nil {
+		key = *idempotencyKey
+		if err := gateway.ValidateIdempotencyKey(key); err != nil {
+			return Prepared{}, err
+		}
+	}
 	switch {
 	case len(items) == 0:
 		return Prepared{}, gateway.Errorf(gateway.EEmptyBatch, "requests must hold at least one item")
 	case len(items) > gateway.MaxBatchItems:
 		return Prepared{}, gateway.Errorf(gateway.EBatchTooLarge, "requests holds %d items; the limit is %d", len(items), gateway.MaxBatchItems)
 	}
-	if idempotencyKey != "" {
-		if err := gateway.ValidateIdempotencyKey(idempotencyKey); err != nil {
-			return Prepared{}, err
-		}
-	}
-	nb := store.NewBatch{Principal: p, IdempotencyKey: idempotencyKey, Items: make([]store.NewItem, len(items))}
+	nb := store.NewBatch{Principal: p, IdempotencyKey: key, Items: make([]store.NewItem, len(items))}
 	for i, in := range items {
 		req, err := gateway.Validate(in, s.Models)
 		if err == nil {

@@ -19,14 +19,7 @@ func (s *Server) CreateBatch(ctx context.Context, req api.CreateBatchRequestObje
 	for i := range req.Body.Requests {
 		items[i] = requestInput(&req.Body.Requests[i], misplacedText(ctx, i))
 	}
-	var key string
-	if req.Params.IdempotencyKey != nil {
-		key = *req.Params.IdempotencyKey
-		if err := gateway.ValidateIdempotencyKey(key); err != nil {
-			return nil, err
-		}
-	}
-	prepared, err := s.batches.Prepare(gateway.PrincipalFrom(ctx), items, key, req.Body)
+	prepared, err := s.batches.Prepare(gateway.PrincipalFrom(ctx), items, req.Params.IdempotencyKey, req.Body)
 	endTurn(ctx)
 	if err != nil {
 		return nil, err

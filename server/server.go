@@ -48,7 +48,7 @@ type UsageReader interface {
 type BatchCreator interface {
 	// Prepare validates and prices a batch: the part of its creation held
 	// to the account's turns.
-	Prepare(p *gateway.Principal, items []gateway.RequestInput, idempotencyKey string, body any) (batch.Prepared, error)
+	Prepare(p *gateway.Principal, items []gateway.RequestInput, idempotencyKey *string, body any) (batch.Prepared, error)
 	// Create stores a prepared batch and says whether it was an idempotent
 	// replay.
 	Create(ctx context.Context, b batch.Prepared) (*gateway.Batch, bool, error)
