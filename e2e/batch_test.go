@@ -34,6 +34,39 @@ func (g *gateway) createBatch(key string, requests []map[string]any) api.Batch {
 	return b
 }
 
+// batch reads batch id.
+func (g *gateway) batch(key, id string) api.Batch {
+	g.t.Helper()
+	r := g.call(http.MethodGet, "/api/v1/batch/"+id, key, nil)
+	require.Equal(g.t, http.StatusOK, r.status, string(r.body))
+	var b api.Batch
+	require.NoError(g.t, json.Unmarshal(r.body, &b))
+	return b
+}
+
+// finished requires batch id, ended, to count its items as res shows them,
+// its usage their sum, and its times in their order: created, started (when
+// an item ran), completed.
+func (g *gateway) finished(key string, res api.BatchResults) api.Batch {
+	g.t.Helper()
+	b := g.batch(key, res.BatchId.String())
+	require.Equal(g.t, res.Status, b.Status)
+	counts := map[api.BatchItemStatus]int{}
+	for _, it := range res.Results {
+		counts[it.Status]++
+	}
+	require.Equal(g.t, len(res.Results), b.TotalRequests)
+	require.Equal(g.t, []int{counts["completed"], counts["failed"], counts["cancelled"]}, []int{b.CompletedRequests, b.FailedRequests, b.CancelledRequests})
+	require.Equal(g.t, sumItems(res), b.Usage.TotalRungs)
+	require.NotNil(g.t, b.CompletedAt)
+	if counts["completed"]+counts["failed"] > 0 {
+		require.NotNil(g.t, b.StartedAt)
+		require.False(g.t, b.StartedAt.Before(b.CreatedAt), "started %s, created %s", b.StartedAt, b.CreatedAt)
+		require.False(g.t, b.CompletedAt.Before(*b.StartedAt), "completed %s, started %s", b.CompletedAt, b.StartedAt)
+	}
+	return b
+}
+
 func (g *gateway) results(key, id string) api.BatchResults {
 	g.t.Helper()
 	r := g.call(http.MethodGet, "/api/v1/batch/"+id+"/results", key, nil)
@@ -108,6 +141,8 @@ func TestBatchesDrainAcrossReplicas(t *testing.T) {
 			require.Equal(t, fakeupstream.Reply(fmt.Sprintf("batch %d item %d", i, it.Index)), *it.Content)
 		}
 		all = append(all, res)
+		g := replicas[(i+2)%3]
+		g.finished(b.key, res)
 		// Another account sees nothing of it.
 		r := replicas[i%3].call(http.MethodGet, "/api/v1/batch/"+id, other, nil)
 		require.Equal(t, http.StatusNotFound, r.status)
@@ -245,9 +280,7 @@ func TestBatchExpires(t *testing.T) {
 	for _, it := range res.Results {
 		require.Equal(t, api.BatchItemStatus("cancelled"), it.Status)
 	}
-	got := g.call(http.MethodGet, "/api/v1/batch/"+batch.Id.String(), b.key, nil)
-	var final api.Batch
-	require.NoError(t, json.Unmarshal(got.body, &final))
+	final := g.finished(b.key, res)
 	require.Equal(t, api.ErrorCode("BATCH_EXPIRED"), final.Error.Code)
 	require.Zero(t, g.usage(b.key).Daily.ChargedRungs, "unrun items give their estimates back")
 }
@@ -277,6 +310,7 @@ func TestBatchCancelInFlight(t *testing.T) {
 		}
 	}
 	require.Equal(t, 2, completed)
+	g.finished(b.key, res)
 	require.Len(t, b.fake.Calls(), 2, "nothing else was dispatched")
 	require.Equal(t, sumItems(res), g.usage(b.key).Totals.TotalRungs)
 
@@ -312,6 +346,7 @@ func TestBatchBudgetExhausted(t *testing.T) {
 	require.Positive(t, completed)
 	require.Positive(t, refused)
 	require.Equal(t, 6, completed+refused)
+	g.finished(b.key, res)
 	v := g.usage(b.key)
 	require.LessOrEqual(t, v.Budget.SpentRungs, *v.Budget.CapRungs)
 }
