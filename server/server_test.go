@@ -591,12 +591,15 @@ func TestAuthentication(t *testing.T) {
 		require.Equal(t, gateway.EUnauthorized, r.errorCode(t), name)
 		require.Equal(t, `Bearer realm="gateway"`, r.header.Get("WWW-Authenticate"), name)
 	}
-	req, _ := http.NewRequest(http.MethodGet, b.http.URL+"/api/v1/usage", nil)
-	req.Header.Set("Authorization", "Basic "+b.key)
-	resp, err := http.DefaultClient.Do(req)
-	require.NoError(t, err)
-	resp.Body.Close()
-	require.Equal(t, http.StatusUnauthorized, resp.StatusCode, "only the Bearer scheme is accepted")
+	// The scheme is Bearer in any case (RFC 9110 §11.1), the token around
+	// spaces.
+	for header, status := range map[string]int{
+		"Basic " + b.key: http.StatusUnauthorized, "Bearer": http.StatusUnauthorized, "Bearer   ": http.StatusUnauthorized,
+		"bearer " + b.key: http.StatusOK, "BEARER  " + b.key + " ": http.StatusOK,
+	} {
+		r := b.doWith(http.MethodGet, "/api/v1/usage", "", "", nil, http.Header{"Authorization": {header}})
+		require.Equal(t, status, r.status, header)
+	}
 }
 
 func TestScopesAndTiers(t *testing.T) {

@@ -107,8 +107,8 @@ func testReadAndPricedInTurn(t *testing.T, b *testBundle) {
 		"the place is free again, and the refused creation's key was never stored")
 }
 
-// TestLargeResponsesArePricedInTurn: a response request whose text is over
-// 64 KiB is priced in its account's turn, which large batch creations take
+// TestLargeResponsesArePricedInTurn: a response request whose text (its
+// prompt and instructions together) is over 64 KiB is priced in its account's turn, which large batch creations take
 // too. While a creation holds the place, a large response is refused
 // RATE_LIMITED in the form it asked for: a 429, or in its stream; a small one
 // does not wait. Neither refusal is billed.
@@ -122,6 +122,9 @@ func TestLargeResponsesArePricedInTurn(t *testing.T) {
 	require.Equal(t, http.StatusTooManyRequests, r.status)
 	require.Equal(t, gateway.ERateLimited, r.errorCode(t))
 	require.Equal(t, "5", r.header.Get("Retry-After"))
+
+	r = b.post("/api/v1/responses", b.key, map[string]any{"prompt": "small", "custom_instructions": largePrompt})
+	require.Equal(t, http.StatusTooManyRequests, r.status, "the instructions count with the prompt")
 
 	_, s := b.stream("/api/v1/responses", map[string]any{"prompt": largePrompt})
 	require.Len(t, s.Events, 1, "a stream refused before it starts ends with its error")
