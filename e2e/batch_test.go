@@ -351,6 +351,29 @@ func TestBatchBudgetExhausted(t *testing.T) {
 	require.LessOrEqual(t, v.Budget.SpentRungs, *v.Budget.CapRungs)
 }
 
+// TestARunningItemReservesItsBudget: while a capped project's batch item
+// runs, the usage view shows its estimate reserved (interactive requests'
+// slices are not shown there); once it completes, its cost spent and
+// nothing reserved.
+func TestARunningItemReservesItsBudget(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	mustCLI(t, b.db, "limits", "set", "--account", "acme", "--budget-rungs", "100000")
+	b.fake.SetSlow("reserved", 2*time.Second)
+	g := serve(t, b.db, b.fake.BaseURL(), nil)
+	batch := g.createBatch(b.key, prompts("reserved", 1))
+	require.Eventually(t, func() bool { return len(b.fake.Calls()) == 1 }, 10*time.Second, 10*time.Millisecond)
+	v := g.usage(b.key)
+	require.Positive(t, v.Budget.ReservedRungs)
+	require.Zero(t, v.Budget.SpentRungs)
+
+	res := g.waitTerminal(b.key, batch.Id.String(), 30*time.Second)
+	require.Equal(t, api.BatchStatus("completed"), res.Status)
+	v = g.usage(b.key)
+	require.Zero(t, v.Budget.ReservedRungs)
+	require.Equal(t, sumItems(res), v.Budget.SpentRungs)
+}
+
 func TestBatchIdempotencyAcrossReplicas(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
