@@ -673,9 +673,11 @@ func TestPublicDocuments(t *testing.T) {
 	r := b.do(http.MethodGet, "/openapi.json", "", "", nil)
 	require.Equal(t, http.StatusOK, r.status)
 	require.Equal(t, "3.0.3", r.json(t)["openapi"])
+	require.Equal(t, "public, max-age=300", r.header.Get("Cache-Control"), "as the document says")
 	r = b.do(http.MethodGet, "/api/schema.json", "", "", nil)
 	require.Equal(t, http.StatusOK, r.status)
 	require.Equal(t, "application/schema+json", r.header.Get("Content-Type"))
+	require.Equal(t, "public, max-age=300", r.header.Get("Cache-Control"))
 	require.Contains(t, r.json(t)["$defs"], "Response")
 }
 

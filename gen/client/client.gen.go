@@ -918,7 +918,8 @@ type ClientInterface interface {
 	// GetJSONSchema JSON Schema of the payloads
 	//
 	// A JSON Schema (draft 2020-12) whose `$defs` hold every request and reply
-	// payload of this document, derived from its `components.schemas`. No key needed.
+	// payload of this document, derived from its `components.schemas`. No key needed;
+	// it may be kept for five minutes (`Cache-Control: public, max-age=300`).
 	// It names only formats that validators asserting them know (JSON Schema's own,
 	// and OpenAPI's `int32` and `int64`): this document's `uint64` is left out, the
 	// type and bounds saying the rest, so the schema compiles in Ajv's strict
@@ -1261,7 +1262,7 @@ type ClientInterface interface {
 
 	// GetOpenAPI This OpenAPI document
 	//
-	// The OpenAPI document of the public API, as JSON. No key needed.
+	// The OpenAPI document of the public API, as JSON. No key needed. Clients and shared caches may keep it for five minutes (`Cache-Control: public, max-age=300`), as `/api/schema.json`.
 	//
 	// Corresponds with GET /openapi.json (the `GetOpenAPI` operationId).
 	GetOpenAPI(ctx context.Context, reqEditors ...RequestEditorFn) (*http.Response, error)
@@ -1283,7 +1284,8 @@ type ClientInterface interface {
 // GetJSONSchema JSON Schema of the payloads
 //
 // A JSON Schema (draft 2020-12) whose `$defs` hold every request and reply
-// payload of this document, derived from its `components.schemas`. No key needed.
+// payload of this document, derived from its `components.schemas`. No key needed;
+// it may be kept for five minutes (`Cache-Control: public, max-age=300`).
 // It names only formats that validators asserting them know (JSON Schema's own,
 // and OpenAPI's `int32` and `int64`): this document's `uint64` is left out, the
 // type and bounds saying the rest, so the schema compiles in Ajv's strict
@@ -1776,7 +1778,7 @@ func (c *Client) GetHealth(ctx context.Context, reqEditors ...RequestEditorFn) (
 
 // GetOpenAPI This OpenAPI document
 //
-// The OpenAPI document of the public API, as JSON. No key needed.
+// The OpenAPI document of the public API, as JSON. No key needed. Clients and shared caches may keep it for five minutes (`Cache-Control: public, max-age=300`), as `/api/schema.json`.
 //
 // Corresponds with GET /openapi.json (the `GetOpenAPI` operationId).
 func (c *Client) GetOpenAPI(ctx context.Context, reqEditors ...RequestEditorFn) (*http.Response, error) {
@@ -2406,7 +2408,8 @@ type ClientWithResponsesInterface interface {
 	// GetJSONSchemaWithResponse JSON Schema of the payloads
 	//
 	// A JSON Schema (draft 2020-12) whose `$defs` hold every request and reply
-	// payload of this document, derived from its `components.schemas`. No key needed.
+	// payload of this document, derived from its `components.schemas`. No key needed;
+	// it may be kept for five minutes (`Cache-Control: public, max-age=300`).
 	// It names only formats that validators asserting them know (JSON Schema's own,
 	// and OpenAPI's `int32` and `int64`): this document's `uint64` is left out, the
 	// type and bounds saying the rest, so the schema compiles in Ajv's strict
@@ -2767,7 +2770,7 @@ type ClientWithResponsesInterface interface {
 
 	// GetOpenAPIWithResponse This OpenAPI document
 	//
-	// The OpenAPI document of the public API, as JSON. No key needed.
+	// The OpenAPI document of the public API, as JSON. No key needed. Clients and shared caches may keep it for five minutes (`Cache-Control: public, max-age=300`), as `/api/schema.json`.
 	//
 	// Returns a wrapper object for the known response body format(s).
 	//
@@ -4521,7 +4524,8 @@ func (r GetReadinessResponse) ContentType() string {
 // GetJSONSchemaWithResponse JSON Schema of the payloads
 //
 // A JSON Schema (draft 2020-12) whose `$defs` hold every request and reply
-// payload of this document, derived from its `components.schemas`. No key needed.
+// payload of this document, derived from its `components.schemas`. No key needed;
+// it may be kept for five minutes (`Cache-Control: public, max-age=300`).
 // It names only formats that validators asserting them know (JSON Schema's own,
 // and OpenAPI's `int32` and `int64`): this document's `uint64` is left out, the
 // type and bounds saying the rest, so the schema compiles in Ajv's strict
@@ -4972,7 +4976,7 @@ func (c *ClientWithResponses) GetHealthWithResponse(ctx context.Context, reqEdit
 
 // GetOpenAPIWithResponse This OpenAPI document
 //
-// The OpenAPI document of the public API, as JSON. No key needed.
+// The OpenAPI document of the public API, as JSON. No key needed. Clients and shared caches may keep it for five minutes (`Cache-Control: public, max-age=300`), as `/api/schema.json`.
 //
 // Returns a wrapper object for the known response body format(s).
 //
