@@ -336,11 +336,16 @@ type countedPages struct {
 	server.BatchStore
 	failFrom int // 0: never
 	err      error
+	hold     bool // the read that fails waits for its context to end, and fails with its error
 	reads    atomic.Int32
 }
 
 func (s *countedPages) BatchItems(ctx context.Context, accountID, id uuid.UUID, after int, maxBytes int64) ([]gateway.BatchItem, error) {
 	if n := int(s.reads.Add(1)); s.failFrom > 0 && n >= s.failFrom {
+		if s.hold {
+			<-ctx.Done()
+			return nil, ctx.Err()
+		}
 		return nil, s.err
 	}
 	return s.BatchStore.BatchItems(ctx, accountID, id, after, maxBytes)
@@ -486,8 +491,47 @@ func TestBatchResultsCutShortEndTheirConnection(t *testing.T) {
 				return strings.Contains(logs.String(), "batch results cut short") && strings.Contains(logs.String(), cause) &&
 					strings.Contains(logs.String(), `"route":"/api/v1/batch/:batch_id/results","status":200`)
 			}, 5*time.Second, 10*time.Millisecond, "cut and logged: %s", logs.String())
+			for _, line := range strings.Split(logs.String(), "\n") {
+				if strings.Contains(line, "batch results cut short") {
+					require.Contains(t, line, `"request_id":"`, "the cut names its request")
+				}
+			}
 			require.Equal(t, tc.failFrom, int(pages.reads.Load()), "pages read")
 		})
+	}
+}
+
+// TestBatchResultsToAClientThatLeftAreAWarning: a client that leaves while
+// its results reply waits for a page is logged as a warning, naming the
+// cancel, not as an error: nothing failed on the gateway's side.
+func TestBatchResultsToAClientThatLeftAreAWarning(t *testing.T) {
+	t.Parallel()
+	logs := &syncbuf.Buffer{}
+	pages := &countedPages{failFrom: 2, hold: true}
+	b := setupWith(t, options{logs: logs, server: func(c *server.Config) {
+		pages.BatchStore = c.BatchData
+		c.BatchData = pages
+	}})
+	id := b.completedBatch(t, 9, strings.Repeat("x", server.ResultsPageBytes/4))
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, b.http.URL+"/api/v1/batch/"+id+"/results", nil)
+	require.NoError(t, err)
+	req.Header.Set("Authorization", "Bearer "+b.key)
+	resp, err := b.client.Do(req)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	read := make(chan error, 1)
+	go func() { _, err := io.Copy(io.Discard, resp.Body); read <- err }()
+	require.Eventually(t, func() bool { return pages.reads.Load() == 2 }, 10*time.Second, time.Millisecond, "the first page written, the reply waits for the next")
+	cancel()
+	require.Error(t, <-read)
+	require.Eventually(t, func() bool { return strings.Contains(logs.String(), "batch results cut short") }, 10*time.Second, 10*time.Millisecond)
+	for _, line := range strings.Split(logs.String(), "\n") {
+		if strings.Contains(line, "batch results cut short") {
+			require.Contains(t, line, `"level":"WARN"`)
+			require.Contains(t, line, context.Canceled.Error())
+		}
 	}
 }
 
