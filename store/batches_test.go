@@ -2449,3 +2449,28 @@ func TestListenBatches(t *testing.T) {
 	require.ErrorIs(t, <-listened, context.Canceled)
 	require.Equal(t, int64(4), created.Load(), "every creation heard")
 }
+
+// TestABatchDoneBeforeItsStartKeepsOne: a batch whose items all finish
+// before its start is recorded (the drainer starts batches in the
+// background, after an item is sent) ends with the time its first item that
+// ran was claimed as its start, before its end; one none of whose items ran
+// (cancelled while queued) ends without a start.
+func TestABatchDoneBeforeItsStartKeepsOne(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	ran := b.newBatch(t, p, 2, 1, "", day())
+	owner := uuid.Must(uuid.NewV7())
+	before := time.Now()
+	b.complete(t, owner, b.claim(t, owner, 2, time.Minute), 3)
+	batch, _ := b.batch(t, p, ran)
+	require.Equal(t, gateway.BatchCompleted, batch.Status)
+	require.NotNil(t, batch.StartedAt, "its items ran")
+	require.WithinRange(t, *batch.StartedAt, before.Add(-time.Second), *batch.CompletedAt)
+
+	unrun := b.newBatch(t, p, 1, 1, "", day())
+	require.NoError(t, b.store.CancelBatch(b.ctx, p.AccountID, unrun))
+	batch, _ = b.batch(t, p, unrun)
+	require.Equal(t, gateway.BatchCancelled, batch.Status)
+	require.Nil(t, batch.StartedAt, "none of its items ran")
+}
