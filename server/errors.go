@@ -140,7 +140,8 @@ func envelopeOf(e *gateway.Error) api.ErrorEnvelope {
 // domainError maps any error to a *gateway.Error: domain errors as they are,
 // the database being away to SERVICE_UNAVAILABLE, Echo's routing and parameter
 // errors to their codes, anything else to INTERNAL with a message that leaks
-// nothing.
+// nothing. Bodies are read by jsonBinder, whose errors (a body too large, a
+// Content-Type not JSON) are domain errors already.
 func (s *Server) domainError(err error) *gateway.Error {
 	var e *gateway.Error
 	if errors.As(err, &e) {
@@ -157,9 +158,7 @@ func (s *Server) domainError(err error) *gateway.Error {
 			return noSuchRoute()
 		case http.StatusMethodNotAllowed:
 			return gateway.Errorf(gateway.EMethodNotAllowed, "method not allowed on this route")
-		case http.StatusRequestEntityTooLarge:
-			return gateway.Errorf(gateway.ERequestTooLarge, "request body too large")
-		case http.StatusBadRequest, http.StatusUnsupportedMediaType:
+		case http.StatusBadRequest:
 			return s.parameterError(he)
 		}
 	}
