@@ -137,7 +137,10 @@ func TestIdempotencyKeyMustBePrintableASCII(t *testing.T) {
 		require.Equal(t, gateway.EInvalidRequest, r.errorCode(t))
 		require.Contains(t, r.message(t), "Idempotency-Key")
 	}
-	r := b.postWith("/api/v1/batch", b.key, body, http.Header{"Idempotency-Key": {"~ok-Key_1!" + strings.Repeat("k", 245)}})
+	r := b.postWith("/api/v1/batch", b.key, body, http.Header{"Idempotency-Key": {"one", "two"}})
+	require.Equal(t, http.StatusBadRequest, r.status)
+	require.Equal(t, "parameter Idempotency-Key must be given once", r.message(t))
+	r = b.postWith("/api/v1/batch", b.key, body, http.Header{"Idempotency-Key": {"~ok-Key_1!" + strings.Repeat("k", 245)}})
 	require.Equal(t, http.StatusAccepted, r.status)
 }
 
