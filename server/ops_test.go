@@ -604,3 +604,20 @@ func TestStreamErrorsAreLoggedAndCounted(t *testing.T) {
 		})
 	}
 }
+
+// TestOpenStreamsAreCounted: gateway_open_streams counts a stream while it
+// is open, and no longer once it ends.
+func TestOpenStreamsAreCounted(t *testing.T) {
+	t.Parallel()
+	b, _, m := setupObserved(t, false, nil)
+	b.upstream.configure(func(s *scripted) { s.hang = true })
+	ctx, cancel := context.WithCancel(context.Background())
+	t.Cleanup(cancel) // runs before the server's, which waits for its streams
+	resp := b.openStream(ctx, t, `{"prompt": "held", "stream": true}`)
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	require.Eventually(t, func() bool { return b.upstream.callCount() == 1 }, 10*time.Second, time.Millisecond)
+	require.Contains(t, metricstest.Scrape(m), "gateway_open_streams 1\n")
+	cancel()
+	require.Eventually(t, func() bool { return strings.Contains(metricstest.Scrape(m), "gateway_open_streams 0\n") },
+		10*time.Second, 10*time.Millisecond, "the stream ended as its client left")
+}
