@@ -2474,3 +2474,31 @@ func TestABatchDoneBeforeItsStartKeepsOne(t *testing.T) {
 	require.Equal(t, gateway.BatchCancelled, batch.Status)
 	require.Nil(t, batch.StartedAt, "none of its items ran")
 }
+
+// TestABatchEndsAfterAStartItWaitedFor: a finish that waits for the
+// batch's lock while another replica starts the batch ends it after that
+// start, not at the moment its own transaction began.
+func TestABatchEndsAfterAStartItWaitedFor(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	id := b.newBatch(t, p, 1, 1, "", day())
+	owner := uuid.Must(uuid.NewV7())
+	b.completeItems(t, owner, b.claim(t, owner, 1, time.Minute), 3)
+	holder, err := b.store.Pool().Begin(b.ctx)
+	require.NoError(t, err)
+	defer func() { _ = holder.Rollback(b.ctx) }()
+	_, err = holder.Exec(b.ctx, `SELECT 1 FROM batches WHERE id = $1 FOR UPDATE`, id)
+	require.NoError(t, err)
+	done := make(chan error, 1)
+	go func() { done <- b.store.FinishBatches(b.ctx, []uuid.UUID{id}) }()
+	b.requireOneWaiting(t, "the finish waits for the batch")
+	// The start of another replica, which took the lock first.
+	_, err = holder.Exec(b.ctx, `UPDATE batches SET status = 'in_progress', started_at = clock_timestamp() WHERE id = $1`, id)
+	require.NoError(t, err)
+	require.NoError(t, holder.Commit(b.ctx))
+	require.NoError(t, <-done)
+	batch, _ := b.batch(t, p, id)
+	require.Equal(t, gateway.BatchCompleted, batch.Status)
+	require.False(t, batch.CompletedAt.Before(*batch.StartedAt), "completed %s, started %s", batch.CompletedAt, batch.StartedAt)
+}
