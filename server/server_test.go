@@ -591,8 +591,8 @@ func TestAuthentication(t *testing.T) {
 		require.Equal(t, gateway.EUnauthorized, r.errorCode(t), name)
 		require.Equal(t, `Bearer realm="gateway"`, r.header.Get("WWW-Authenticate"), name)
 	}
-	// The scheme is Bearer in any case (RFC 9110 §11.1), the token around
-	// spaces.
+	// The scheme is Bearer in any case (RFC 9110 §11.1); spaces around the
+	// token are left out.
 	for header, status := range map[string]int{
 		"Basic " + b.key: http.StatusUnauthorized, "Bearer": http.StatusUnauthorized, "Bearer   ": http.StatusUnauthorized,
 		"bearer " + b.key: http.StatusOK, "BEARER  " + b.key + " ": http.StatusOK,
