@@ -82,12 +82,20 @@ type listenLater struct {
 }
 
 func (s *listenLater) ListenBatches(ctx context.Context, listening, created func(), stopped func(uuid.UUID)) error {
+	if err := await(ctx, s.listen); err != nil {
+		return err
+	}
+	return s.Store.ListenBatches(ctx, listening, created, stopped)
+}
+
+// await waits until ch is closed or ctx ends, and returns ctx's error then.
+func await(ctx context.Context, ch <-chan struct{}) error {
 	select {
 	case <-ctx.Done():
 		return ctx.Err()
-	case <-s.listen:
+	case <-ch:
+		return nil
 	}
-	return s.Store.ListenBatches(ctx, listening, created, stopped)
 }
 
 func (s *listenLater) ClaimItems(ctx context.Context, p store.ClaimParams) ([]store.ClaimedItem, error) {
@@ -219,10 +227,8 @@ type heldRelease struct {
 }
 
 func (s *heldRelease) ReleaseClaim(ctx context.Context, owner, claimID uuid.UUID) (store.Requeued, error) {
-	select {
-	case <-ctx.Done():
-		return store.Requeued{}, ctx.Err()
-	case <-s.release:
+	if err := await(ctx, s.release); err != nil {
+		return store.Requeued{}, err
 	}
 	return s.lossyStore.ReleaseClaim(ctx, owner, claimID)
 }

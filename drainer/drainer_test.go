@@ -476,6 +476,18 @@ func (b *testBundle) completed(t *testing.T, id uuid.UUID) {
 	b.itemsReach(t, id, gateway.ItemCompleted)
 }
 
+// failedItem waits until the first item of batch id has failed, and returns
+// it.
+func (b *testBundle) failedItem(t *testing.T, id uuid.UUID) gateway.BatchItem {
+	t.Helper()
+	var item gateway.BatchItem
+	require.Eventually(t, func() bool {
+		item = b.items(t, id)[0]
+		return item.Status == gateway.ItemFailed
+	}, 10*time.Second, 10*time.Millisecond)
+	return item
+}
+
 // itemsReach waits until every item of batch id is status.
 func (b *testBundle) itemsReach(t *testing.T, id uuid.UUID, status gateway.ItemStatus) {
 	t.Helper()
@@ -767,11 +779,7 @@ func TestAnItemThatFailsOnceSentFailsAsTheDocumentShows(t *testing.T) {
 	b.fake.SetStatus(http.StatusInternalServerError)
 	id := b.newBatch(t, "fails", 1)
 	b.run(t, b.store, drainer.Config{Concurrency: 1, Lease: time.Minute})
-	var item gateway.BatchItem
-	require.Eventually(t, func() bool {
-		item = b.items(t, id)[0]
-		return item.Status == gateway.ItemFailed
-	}, 10*time.Second, 10*time.Millisecond)
+	item := b.failedItem(t, id)
 	got, err := json.Marshal(map[string]any{"code": item.Error.Code, "message": item.Error.Message})
 	require.NoError(t, err)
 	shown := apitest.Example(t, "/paths/~1api~1v1~1batch~1{batch_id}~1results/get/responses/200/content/application~1json/examples/results/value/results/1/error")

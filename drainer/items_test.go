@@ -94,11 +94,7 @@ func TestARejectedItemFailsWithTheProvidersWord(t *testing.T) {
 	b.fake.SetHostile("rejected", fakeupstream.Hostile{Status: http.StatusBadRequest})
 	id := b.newBatch(t, "rejected", 1)
 	b.run(t, b.store, drainer.Config{Lease: time.Minute})
-	var item gateway.BatchItem
-	require.Eventually(t, func() bool {
-		item = b.items(t, id)[0]
-		return item.Status == gateway.ItemFailed
-	}, 10*time.Second, 10*time.Millisecond)
+	item := b.failedItem(t, id)
 	require.Equal(t, gateway.EInferenceBusy, item.Error.Code)
 	require.Equal(t, "the inference provider rejected the request: status 400", item.Error.Message)
 	require.Zero(t, item.Usage.TotalRungs)

@@ -27,21 +27,13 @@ func prompts(prefix string, n int) []map[string]any {
 
 func (g *gateway) createBatch(key string, requests []map[string]any) api.Batch {
 	g.t.Helper()
-	r := g.call(http.MethodPost, "/api/v1/batch", key, map[string]any{"requests": requests})
-	require.Equal(g.t, http.StatusAccepted, r.status, string(r.body))
-	var b api.Batch
-	require.NoError(g.t, json.Unmarshal(r.body, &b))
-	return b
+	return expect[api.Batch](g.t, g.call(http.MethodPost, "/api/v1/batch", key, map[string]any{"requests": requests}), http.StatusAccepted)
 }
 
 // batch reads batch id.
 func (g *gateway) batch(key, id string) api.Batch {
 	g.t.Helper()
-	r := g.call(http.MethodGet, "/api/v1/batch/"+id, key, nil)
-	require.Equal(g.t, http.StatusOK, r.status, string(r.body))
-	var b api.Batch
-	require.NoError(g.t, json.Unmarshal(r.body, &b))
-	return b
+	return expect[api.Batch](g.t, g.call(http.MethodGet, "/api/v1/batch/"+id, key, nil), http.StatusOK)
 }
 
 // finished requires batch id, ended, to count its items as res shows them,
@@ -69,11 +61,7 @@ func (g *gateway) finished(key string, res api.BatchResults) api.Batch {
 
 func (g *gateway) results(key, id string) api.BatchResults {
 	g.t.Helper()
-	r := g.call(http.MethodGet, "/api/v1/batch/"+id+"/results", key, nil)
-	require.Equal(g.t, http.StatusOK, r.status, string(r.body))
-	var res api.BatchResults
-	require.NoError(g.t, json.Unmarshal(r.body, &res))
-	return res
+	return expect[api.BatchResults](g.t, g.call(http.MethodGet, "/api/v1/batch/"+id+"/results", key, nil), http.StatusOK)
 }
 
 func terminal(s api.BatchStatus) bool {

@@ -284,6 +284,15 @@ func jsonBody(t *testing.T, v any) io.Reader {
 	return bytes.NewReader(raw)
 }
 
+// expect requires r to have status and returns its body decoded as T.
+func expect[T any](t *testing.T, r reply, status int) T {
+	t.Helper()
+	require.Equal(t, status, r.status, string(r.body))
+	var v T
+	require.NoError(t, json.Unmarshal(r.body, &v), string(r.body))
+	return v
+}
+
 func (r reply) object(t *testing.T) map[string]any {
 	t.Helper()
 	var m map[string]any

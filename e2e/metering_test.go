@@ -24,11 +24,7 @@ import (
 
 func (g *gateway) usage(key string) api.UsageView {
 	g.t.Helper()
-	r := g.call(http.MethodGet, "/api/v1/usage", key, nil)
-	require.Equal(g.t, http.StatusOK, r.status, string(r.body))
-	var v api.UsageView
-	require.NoError(g.t, json.Unmarshal(r.body, &v))
-	return v
+	return expect[api.UsageView](g.t, g.call(http.MethodGet, "/api/v1/usage", key, nil), http.StatusOK)
 }
 
 // TestRateLimitHoldsAcrossReplicas: three replicas counting one key from

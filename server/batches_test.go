@@ -491,11 +491,7 @@ func TestBatchResultsCutShortEndTheirConnection(t *testing.T) {
 				return strings.Contains(logs.String(), "batch results cut short") && strings.Contains(logs.String(), cause) &&
 					strings.Contains(logs.String(), `"route":"/api/v1/batch/:batch_id/results","status":200`)
 			}, 5*time.Second, 10*time.Millisecond, "cut and logged: %s", logs.String())
-			for _, line := range strings.Split(logs.String(), "\n") {
-				if strings.Contains(line, "batch results cut short") {
-					require.Contains(t, line, `"request_id":"`, "the cut names its request")
-				}
-			}
+			require.NotEmpty(t, loggedLine(t, logs, "batch results cut short")["request_id"], "the cut names its request")
 			require.Equal(t, tc.failFrom, int(pages.reads.Load()), "pages read")
 		})
 	}
@@ -527,12 +523,9 @@ func TestBatchResultsToAClientThatLeftAreAWarning(t *testing.T) {
 	cancel()
 	require.Error(t, <-read)
 	require.Eventually(t, func() bool { return strings.Contains(logs.String(), "batch results cut short") }, 10*time.Second, 10*time.Millisecond)
-	for _, line := range strings.Split(logs.String(), "\n") {
-		if strings.Contains(line, "batch results cut short") {
-			require.Contains(t, line, `"level":"WARN"`)
-			require.Contains(t, line, context.Canceled.Error())
-		}
-	}
+	line := loggedLine(t, logs, "batch results cut short")
+	require.Equal(t, "WARN", line["level"])
+	require.Contains(t, line["error"], context.Canceled.Error())
 }
 
 // TestBatchResultsToAClientThatReadsNothing: the write deadline a results

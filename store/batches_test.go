@@ -1526,6 +1526,18 @@ func TestCancelBatch(t *testing.T) {
 	require.Equal(t, int64(30), b.view(t, p).Daily.Charged)
 }
 
+// lockBatch holds batch id's row in a transaction, as a replica moving the
+// batch does, until the caller commits it or the test ends.
+func (b *testBundle) lockBatch(t *testing.T, id uuid.UUID) pgx.Tx {
+	t.Helper()
+	tx, err := b.store.Pool().Begin(b.ctx)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = tx.Rollback(context.Background()) })
+	_, err = tx.Exec(b.ctx, `SELECT 1 FROM batches WHERE id = $1 FOR UPDATE`, id)
+	require.NoError(t, err)
+	return tx
+}
+
 // startedBatch creates a batch of n items for p, in progress with its first
 // item claimed by owner (the queue holding no other item), and returns them.
 func (b *testBundle) startedBatch(t *testing.T, p *gateway.Principal, n int) (id, owner uuid.UUID, item store.ClaimedItem) {
@@ -2335,11 +2347,7 @@ func TestRequeueWaitsForACancelOfItsBatch(t *testing.T) {
 	require.Len(t, items, 1)
 	keys := keysOf(items)
 
-	cancel, err := b.store.Pool().Begin(b.ctx)
-	require.NoError(t, err)
-	defer func() { _ = cancel.Rollback(b.ctx) }()
-	_, err = cancel.Exec(b.ctx, `SELECT 1 FROM batches WHERE id = $1 FOR UPDATE`, id)
-	require.NoError(t, err)
+	cancel := b.lockBatch(t, id)
 
 	done := make(chan store.Requeued, 1)
 	go func() {
@@ -2348,7 +2356,7 @@ func TestRequeueWaitsForACancelOfItsBatch(t *testing.T) {
 		done <- r
 	}()
 	time.Sleep(300 * time.Millisecond) // a requeue that does not wait has finished by now
-	_, err = cancel.Exec(b.ctx, `UPDATE batch_items SET status = 'cancelled', cancel_reason = 'owner', completed_at = now() WHERE batch_id = $1 AND status = 'queued'`, id)
+	_, err := cancel.Exec(b.ctx, `UPDATE batch_items SET status = 'cancelled', cancel_reason = 'owner', completed_at = now() WHERE batch_id = $1 AND status = 'queued'`, id)
 	require.NoError(t, err)
 	_, err = cancel.Exec(b.ctx, `UPDATE batches SET status = 'cancelling' WHERE id = $1`, id)
 	require.NoError(t, err)
@@ -2485,16 +2493,12 @@ func TestABatchEndsAfterAStartItWaitedFor(t *testing.T) {
 	id := b.newBatch(t, p, 1, 1, "", day())
 	owner := uuid.Must(uuid.NewV7())
 	b.completeItems(t, owner, b.claim(t, owner, 1, time.Minute), 3)
-	holder, err := b.store.Pool().Begin(b.ctx)
-	require.NoError(t, err)
-	defer func() { _ = holder.Rollback(b.ctx) }()
-	_, err = holder.Exec(b.ctx, `SELECT 1 FROM batches WHERE id = $1 FOR UPDATE`, id)
-	require.NoError(t, err)
+	holder := b.lockBatch(t, id)
 	done := make(chan error, 1)
 	go func() { done <- b.store.FinishBatches(b.ctx, []uuid.UUID{id}) }()
 	b.requireOneWaiting(t, "the finish waits for the batch")
 	// The start of another replica, which took the lock first.
-	_, err = holder.Exec(b.ctx, `UPDATE batches SET status = 'in_progress', started_at = clock_timestamp() WHERE id = $1`, id)
+	_, err := holder.Exec(b.ctx, `UPDATE batches SET status = 'in_progress', started_at = clock_timestamp() WHERE id = $1`, id)
 	require.NoError(t, err)
 	require.NoError(t, holder.Commit(b.ctx))
 	require.NoError(t, <-done)
