@@ -100,9 +100,8 @@ type table struct {
 	maxTime     time.Duration
 
 	// Once replaced (retired), the table's clients close their idle
-	// connections at once and again when its last call ends: a provider
+	// connections at once and again as each of its calls ends: a provider
 	// routed no more is not kept connected to until its idle time runs out.
-	calls   atomic.Int64
 	retired atomic.Bool
 	idlers  []idleCloser
 }
@@ -126,19 +125,16 @@ type target struct {
 }
 
 // retire marks tb replaced: its clients close their idle connections now,
-// and those its running calls still use when the last one ends (see done).
+// and those its running calls still use as each ends (see done).
 func (tb *table) retire() {
 	tb.retired.Store(true)
 	tb.closeIdle()
 }
 
-// start counts a call running on tb, which done ends.
-func (tb *table) start() { tb.calls.Add(1) }
-
-// done ends a call counted by start; the last call of a retired table closes
-// its clients' idle connections, including the one it just returned.
+// done ends a call on tb; on a retired table, its clients close their idle
+// connections, including the one the call just returned.
 func (tb *table) done() {
-	if tb.calls.Add(-1) == 0 && tb.retired.Load() {
+	if tb.retired.Load() {
 		tb.closeIdle()
 	}
 }
@@ -166,15 +162,14 @@ func New(cfg Config) (*Router, error) {
 	if err != nil {
 		return nil, err
 	}
-	r.table.Store(t)
-	t.closeCircuits()
+	r.table.Store(t) // its targets' circuit gauges start at 0: closed
 	return r, nil
 }
 
 // Replace serves cfg's routes (its Metrics and Logger aside: the router keeps
 // its own) from the next call on; calls running finish on the routes they
 // started with. The clients of the routes replaced close their idle
-// connections at once, and those of the calls running when the last ends
+// connections at once, and those of the calls running as each ends
 // (cfg brings clients of its own). Every target starts with a closed
 // circuit, and the metrics of the targets no longer routed are dropped. On
 // an error the routes in use stay.
@@ -219,7 +214,8 @@ func (r *Router) tenantHeld(t *target, tenant uuid.UUID) {
 	t.metrics.TenantHold()
 }
 
-// closeCircuits reports the table's circuits closed, as they start.
+// closeCircuits reports the table's circuits closed, as they start (the
+// gauges of targets kept by a replacement may say otherwise).
 func (tb *table) closeCircuits() {
 	for _, t := range tb.targets {
 		t.metrics.Circuit(stateClosed)
@@ -318,7 +314,6 @@ func (r *Router) run(ctx context.Context, original *upstream.Request, emitted *b
 	// caller's request is not changed.
 	req := *original
 	tb := r.table.Load()
-	tb.start()
 	defer tb.done()
 	rt := tb.routes[req.Model]
 	if rt == nil {
