@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net/http"
 	"strings"
@@ -195,18 +196,18 @@ func TestATargetThatAsksToWaitIsWaitedFor(t *testing.T) {
 	require.Equal(t, 1, res.Route.Attempts, "a's circuit stays open for the 30 s it asked")
 	require.Equal(t, 2, b.calls("a"))
 
-	for _, name := range []string{"b", "c"} {
+	for name, wait := range map[string]string{"b": "20", "c": "25"} {
 		b.fakes[name].SetStatus(http.StatusServiceUnavailable)
-		b.fakes[name].SetReplyHeader("Retry-After", "20")
+		b.fakes[name].SetReplyHeader("Retry-After", wait)
 	}
 	for range 2 {
 		_, err = b.router.Complete(context.Background(), request("p"))
 		require.ErrorIs(t, err, upstream.ErrUnavailable)
-		require.Equal(t, 20*time.Second, upstream.RetryAfter(err), "the last target's wait")
+		require.Equal(t, 25*time.Second, upstream.RetryAfter(err), "the last target's wait")
 	}
 	_, err = b.router.Complete(context.Background(), request("p"))
 	require.ErrorIs(t, err, upstream.ErrUnavailable)
-	require.InDelta(t, 20*time.Second, upstream.RetryAfter(err), float64(time.Second), "no target takes calls: the soonest reopens in 20 s")
+	require.InDelta(t, 20*time.Second, upstream.RetryAfter(err), float64(time.Second), "no target takes calls: the soonest, b, reopens in 20 s")
 	require.Equal(t, []int{2, 2, 2}, []int{b.calls("a"), b.calls("b") - 3, b.calls("c")}, "b answered three before")
 }
 
@@ -260,6 +261,12 @@ func TestAttemptsAreBounded(t *testing.T) {
 	require.ErrorIs(t, err, upstream.ErrUnavailable)
 	require.Equal(t, 1, res.Route.Attempts)
 	require.Zero(t, b.calls("b"))
+
+	// The first attempt is made however short MaxTime is.
+	b = setup(t, routing.Config{MaxTime: time.Nanosecond})
+	res, err = b.router.Complete(context.Background(), request("p"))
+	require.NoError(t, err)
+	require.Equal(t, "a", res.Route.Provider)
 }
 
 func TestCircuitOpensThenProbes(t *testing.T) {
@@ -442,6 +449,20 @@ func TestHealthAndWait(t *testing.T) {
 	require.Equal(t, []gateway.Model{gateway.ModelInstant}, serving)
 	require.Empty(t, probing)
 
+	// Every circuit closed, Wait returns when its caller leaves.
+	ctx, cancel := context.WithCancel(context.Background())
+	left := make(chan struct{})
+	go func() {
+		b.router.Wait(ctx, time.Hour)
+		close(left)
+	}()
+	cancel()
+	select {
+	case <-left:
+	case <-time.After(10 * time.Second):
+		t.Fatal("Wait did not return when its context ended")
+	}
+
 	for _, name := range []string{"a", "b", "c"} {
 		b.fakes[name].SetMode(fakeupstream.Down)
 	}
@@ -465,58 +486,92 @@ func TestHealthAndWait(t *testing.T) {
 	require.Empty(t, serving)
 	require.Equal(t, []gateway.Model{gateway.ModelInstant}, probing)
 
-	// A successful probe closes its circuit and wakes whoever waits.
+	// A successful probe closes its circuit (and wakes whoever waits:
+	// TestTheRouterReportsTheRoutesInUse).
 	b.fakes["a"].SetMode(fakeupstream.OK)
-	woke := make(chan struct{})
-	var once sync.Once
-	go func() {
-		b.router.Wait(context.Background(), time.Minute)
-		once.Do(func() { close(woke) })
-	}()
 	_, err = b.router.Complete(context.Background(), request("p"))
 	require.NoError(t, err)
-	<-woke
 	serving, _ = b.router.Health()
 	require.Equal(t, []gateway.Model{gateway.ModelInstant}, serving)
 }
 
-// counting is an in-process provider that answers at once and counts calls.
+// counting is an in-process provider that counts calls and answers each at
+// once, or as its outcome says when it has one.
 type counting struct {
+	outcome func(context.Context, *upstream.Request) (upstream.Result, error)
+
 	mu sync.Mutex
 	n  int
 }
 
-func (c *counting) Complete(context.Context, *upstream.Request) (upstream.Result, error) {
+// failing is a provider whose calls of prompt fail with err, and whose other
+// calls are answered.
+func failing(prompt string, err error) *counting {
+	return &counting{outcome: func(_ context.Context, req *upstream.Request) (upstream.Result, error) {
+		if req.Prompt == prompt {
+			return upstream.Result{}, err
+		}
+		return answer, nil
+	}}
+}
+
+var answer = upstream.Result{Content: "ok", UsageReported: true}
+
+func (c *counting) Complete(ctx context.Context, req *upstream.Request) (upstream.Result, error) {
 	c.mu.Lock()
-	defer c.mu.Unlock()
 	c.n++
-	return upstream.Result{Content: "ok", UsageReported: true}, nil
+	c.mu.Unlock()
+	if c.outcome != nil {
+		return c.outcome(ctx, req)
+	}
+	return answer, nil
 }
 
 func (c *counting) Stream(ctx context.Context, req *upstream.Request, _ func(upstream.Delta) error) (upstream.Result, error) {
 	return c.Complete(ctx, req)
 }
 
+func (c *counting) calls() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.n
+}
+
+// only is routes sending the instant model to targets, in order.
+func only(targets ...routing.Target) map[gateway.Model]routing.Route {
+	return map[gateway.Model]routing.Route{gateway.ModelInstant: {Targets: targets}}
+}
+
 // TestWeightedSpread: with weights 3:1, the first target gets 75 % of 4,000
-// calls within ±5 points (seven standard deviations).
+// calls within ±5 points (seven standard deviations); the same two targets
+// weigh 1:3 in another model's route, and a weight left zero weighs 1.
 func TestWeightedSpread(t *testing.T) {
 	t.Parallel()
 	heavy, light := &counting{}, &counting{}
-	r, err := routing.New(routing.Config{Routes: map[gateway.Model]routing.Route{gateway.ModelInstant: {
-		Strategy: routing.Weighted,
-		Targets: []routing.Target{
-			{Provider: "heavy", UpstreamModel: "m", Weight: 3, Client: heavy},
-			{Provider: "light", UpstreamModel: "m", Weight: 1, Client: light},
-		},
-	}}})
-	require.NoError(t, err)
-	const n = 4000
-	for range n {
-		_, err := r.Complete(context.Background(), request("p"))
-		require.NoError(t, err)
+	targets := func(heavyWeight, lightWeight int) routing.Route {
+		return routing.Route{Strategy: routing.Weighted, Targets: []routing.Target{
+			{Provider: "heavy", UpstreamModel: "m", Weight: heavyWeight, Client: heavy},
+			{Provider: "light", UpstreamModel: "m", Weight: lightWeight, Client: light},
+		}}
 	}
-	require.Equal(t, n, heavy.n+light.n)
-	require.InDelta(t, 0.75, float64(heavy.n)/n, 0.05)
+	r, err := routing.New(routing.Config{Routes: map[gateway.Model]routing.Route{
+		gateway.ModelInstant:   targets(3, 1),
+		gateway.ModelReasoning: targets(1, 3),
+		gateway.ModelElements:  targets(0, 0),
+	}})
+	require.NoError(t, err)
+	for model, share := range map[gateway.Model]float64{gateway.ModelInstant: 0.75, gateway.ModelReasoning: 0.25, gateway.ModelElements: 0.5} {
+		const n = 4000
+		before := heavy.calls()
+		req := request("p")
+		req.Model = model
+		for range n {
+			_, err := r.Complete(context.Background(), req)
+			require.NoError(t, err)
+		}
+		require.InDelta(t, share, float64(heavy.calls()-before)/n, 0.05, model)
+	}
+	require.Equal(t, 3*4000, heavy.calls()+light.calls())
 }
 
 func TestNewRefusesBadRoutes(t *testing.T) {
@@ -705,5 +760,226 @@ func TestReloadsRacingCallsLeaveOnlyTheLastRoutesConnected(t *testing.T) {
 		}
 		require.Eventually(t, func() bool { return b.fakes[name].OpenConnections() <= want }, 5*time.Second, time.Millisecond,
 			"%s: at most %d connections stay open", name, want)
+	}
+}
+
+// TestTargetsOfOneUpstreamModelShareACircuit: a provider's model serving two
+// canonical models has one circuit: opened by one model's calls, it is
+// skipped by the other's.
+func TestTargetsOfOneUpstreamModelShareACircuit(t *testing.T) {
+	t.Parallel()
+	down := failing("p", fmt.Errorf("%w: no connection", upstream.ErrUnavailable))
+	shared, backup := routing.Target{Provider: "a", UpstreamModel: "m", Client: down}, routing.Target{Provider: "b", UpstreamModel: "m", Client: &counting{}}
+	r, err := routing.New(routing.Config{
+		Routes: map[gateway.Model]routing.Route{
+			gateway.ModelInstant:   {Targets: []routing.Target{shared}},
+			gateway.ModelReasoning: {Targets: []routing.Target{shared, backup}},
+		},
+		Circuit: routing.CircuitConfig{Failures: 1, Cooldown: time.Hour},
+	})
+	require.NoError(t, err)
+	_, err = r.Complete(context.Background(), request("p"))
+	require.ErrorIs(t, err, upstream.ErrUnavailable)
+	req := request("p")
+	req.Model = gateway.ModelReasoning
+	res, err := r.Complete(context.Background(), req)
+	require.NoError(t, err)
+	require.Equal(t, "b", res.Route.Provider)
+	require.Equal(t, 1, res.Route.Attempts, "a's circuit, opened by an instant call, is skipped")
+	require.Equal(t, 1, down.calls())
+}
+
+// TestABrokenStreamIsAFailureAfterDispatch: a stream that broke before any
+// output moves on to the next target unless the call is to reach one
+// upstream at most, and counts as its tenant's own failure: a run of them
+// holds off that tenant alone, which is logged and counted.
+func TestABrokenStreamIsAFailureAfterDispatch(t *testing.T) {
+	t.Parallel()
+	broken := failing("POISON", fmt.Errorf("%w: the connection dropped", upstream.ErrStreamBroken))
+	backup := &counting{}
+	var log syncbuf.Buffer
+	m := metrics.New()
+	r, err := routing.New(routing.Config{
+		Routes:  only(routing.Target{Provider: "a", UpstreamModel: "m", Client: broken}, routing.Target{Provider: "b", UpstreamModel: "m", Client: backup}),
+		Circuit: routing.CircuitConfig{Failures: 2, Cooldown: time.Hour},
+		Metrics: m,
+		Logger:  slog.New(slog.NewJSONHandler(&log, nil)),
+	})
+	require.NoError(t, err)
+	stream := func(req *upstream.Request) (upstream.Result, error) {
+		return r.Stream(context.Background(), req, func(upstream.Delta) error { return nil })
+	}
+	poisoner, bystander := uuid.New(), uuid.New()
+	req := request("POISON")
+	req.Tenant = poisoner
+	res, err := stream(req)
+	require.NoError(t, err)
+	require.Equal(t, "b", res.Route.Provider)
+	require.Equal(t, 2, res.Route.Attempts)
+
+	req.AtMostOnce = true
+	_, err = stream(req)
+	require.ErrorIs(t, err, upstream.ErrStreamBroken)
+	require.Equal(t, 1, backup.calls(), "a call to reach one upstream at most is not sent again")
+
+	req = request("fine")
+	req.Tenant = poisoner
+	res, err = stream(req)
+	require.NoError(t, err)
+	require.Equal(t, "b", res.Route.Provider, "a holds off the poisoner after its two broken streams")
+	req.Tenant = bystander
+	res, err = stream(req)
+	require.NoError(t, err)
+	require.Equal(t, "a", res.Route.Provider, "and takes everyone else's calls")
+
+	var entry map[string]any
+	require.NoError(t, json.Unmarshal([]byte(log.String()), &entry))
+	require.Equal(t, "WARN", entry["level"])
+	require.Contains(t, entry["msg"], "holds off one account's calls")
+	require.Equal(t, []any{"a", poisoner.String()}, []any{entry["provider"], entry["account_id"]})
+	require.Contains(t, metricstest.Scrape(m), `gateway_upstream_tenant_holds_total{provider="a",upstream_model="m"} 1`)
+}
+
+// TestAnAnswerEndsARunOfFailures: a rejection of the request is an answer:
+// like one, it ends the run of failures that opens a circuit.
+func TestAnAnswerEndsARunOfFailures(t *testing.T) {
+	t.Parallel()
+	a := &counting{outcome: func(_ context.Context, req *upstream.Request) (upstream.Result, error) {
+		switch req.Prompt {
+		case "down":
+			return upstream.Result{}, fmt.Errorf("%w: 503", upstream.ErrUnavailable)
+		case "refused":
+			return upstream.Result{}, &upstream.RejectedError{Status: http.StatusBadRequest, Message: "no"}
+		}
+		return answer, nil
+	}}
+	r, err := routing.New(routing.Config{
+		Routes:  only(routing.Target{Provider: "a", UpstreamModel: "m", Client: a}, routing.Target{Provider: "b", UpstreamModel: "m", Client: &counting{}}),
+		Circuit: routing.CircuitConfig{Failures: 2, Cooldown: time.Hour},
+	})
+	require.NoError(t, err)
+	served := func(prompt string) string {
+		res, _ := r.Complete(context.Background(), request(prompt))
+		return res.Route.Provider
+	}
+	for _, between := range []string{"fine", "refused"} {
+		require.Equal(t, "b", served("down"))
+		require.Equal(t, "a", served(between))
+		require.Equal(t, "b", served("down"))
+		require.Equal(t, "a", served("fine"), "one failure, %s, one failure: a's circuit stays closed", between)
+	}
+	require.Equal(t, "b", served("down"))
+	require.Equal(t, "b", served("down"))
+	require.Equal(t, "b", served("fine"), "two failures in a row open it")
+}
+
+// TestACallerLeavingFreesTheProbe: a probe whose caller went away says
+// nothing of the target: the next call probes it.
+func TestACallerLeavingFreesTheProbe(t *testing.T) {
+	t.Parallel()
+	a := &counting{outcome: func(ctx context.Context, req *upstream.Request) (upstream.Result, error) {
+		switch req.Prompt {
+		case "down":
+			return upstream.Result{}, fmt.Errorf("%w: 503", upstream.ErrUnavailable)
+		case "hang":
+			<-ctx.Done()
+			return upstream.Result{}, ctx.Err()
+		}
+		return answer, nil
+	}}
+	cooldown := 10 * time.Millisecond
+	r, err := routing.New(routing.Config{
+		Routes:  only(routing.Target{Provider: "a", UpstreamModel: "m", Client: a}),
+		Circuit: routing.CircuitConfig{Failures: 1, Cooldown: cooldown, MaxCooldown: cooldown},
+	})
+	require.NoError(t, err)
+	_, err = r.Complete(context.Background(), request("down"))
+	require.ErrorIs(t, err, upstream.ErrUnavailable)
+	time.Sleep(2 * cooldown)
+
+	ctx, cancel := context.WithCancel(context.Background())
+	left := make(chan error, 1)
+	go func() {
+		_, err := r.Complete(ctx, request("hang"))
+		left <- err
+	}()
+	require.Eventually(t, func() bool { return a.calls() == 2 }, 5*time.Second, time.Millisecond)
+	cancel()
+	require.ErrorIs(t, <-left, context.Canceled)
+
+	res, err := r.Complete(context.Background(), request("fine"))
+	require.NoError(t, err)
+	require.Equal(t, "a", res.Route.Provider)
+	require.Equal(t, 3, a.calls())
+}
+
+// TestACallerOutOfTimeIsSentNowhereElse: a call whose caller's deadline
+// passed during an attempt ends there, on that target's outcome.
+func TestACallerOutOfTimeIsSentNowhereElse(t *testing.T) {
+	t.Parallel()
+	b := setup(t, routing.Config{})
+	b.fakes["a"].SetDelay(2 * time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	res, err := b.router.Complete(ctx, request("p"))
+	require.Error(t, err)
+	require.Equal(t, "a", res.Route.Provider)
+	require.Equal(t, 1, res.Route.Attempts)
+}
+
+// TestCutRepliesAreReported: a reply that passed one of the gateway's bounds
+// is logged for the operator, naming its target and the bound, and counted.
+func TestCutRepliesAreReported(t *testing.T) {
+	t.Parallel()
+	var log syncbuf.Buffer
+	m := metrics.New()
+	long := &counting{outcome: func(context.Context, *upstream.Request) (upstream.Result, error) {
+		return upstream.Result{Content: strings.Repeat("x", 1<<20), UsageReported: true}, nil
+	}}
+	r, err := routing.New(routing.Config{
+		Routes:  only(routing.Target{Provider: "a", UpstreamModel: "m", Client: long}),
+		Metrics: m,
+		Logger:  slog.New(slog.NewJSONHandler(&log, nil)),
+	})
+	require.NoError(t, err)
+	_, err = r.Complete(context.Background(), request("p"))
+	require.ErrorIs(t, err, upstream.ErrFailed)
+	var entry map[string]any
+	require.NoError(t, json.Unmarshal([]byte(log.String()), &entry))
+	require.Equal(t, "WARN", entry["level"])
+	require.Contains(t, entry["msg"], "passed a bound")
+	require.Equal(t, map[string]any{"provider": "a", "upstream_model": "m", "bound": "text"},
+		map[string]any{"provider": entry["provider"], "upstream_model": entry["upstream_model"], "bound": entry["bound"]})
+	require.Contains(t, metricstest.Scrape(m), `gateway_upstream_reply_cuts_total{bound="text",provider="a",upstream_model="m"} 1`)
+}
+
+// TestAttemptsAreCounted: each attempt is counted by its target and outcome
+// and timed, a move to the next target is counted by model, and an answer
+// without usage by its target.
+func TestAttemptsAreCounted(t *testing.T) {
+	t.Parallel()
+	m := metrics.New()
+	unmetered := &counting{outcome: func(context.Context, *upstream.Request) (upstream.Result, error) {
+		return upstream.Result{Content: "ok"}, nil
+	}}
+	r, err := routing.New(routing.Config{
+		Routes: only(routing.Target{Provider: "a", UpstreamModel: "m", Client: failing("p", fmt.Errorf("%w: 503", upstream.ErrUnavailable))},
+			routing.Target{Provider: "b", UpstreamModel: "m", Client: unmetered}),
+		Metrics: m,
+	})
+	require.NoError(t, err)
+	res, err := r.Complete(context.Background(), request("p"))
+	require.NoError(t, err)
+	require.Equal(t, "b", res.Route.Provider)
+	scrape := metricstest.Scrape(m)
+	for _, want := range []string{
+		`gateway_upstream_attempts_total{outcome="unavailable",provider="a",upstream_model="m"} 1`,
+		`gateway_upstream_attempts_total{outcome="ok",provider="b",upstream_model="m"} 1`,
+		`gateway_upstream_attempt_duration_seconds_count{provider="a",upstream_model="m"} 1`,
+		`gateway_upstream_fallbacks_total{model="instant"} 1`,
+		`gateway_upstream_usage_unreported_total{provider="a",upstream_model="m"} 0`,
+		`gateway_upstream_usage_unreported_total{provider="b",upstream_model="m"} 1`,
+	} {
+		require.Contains(t, scrape, want)
 	}
 }
