@@ -4,8 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"strings"
 	"testing"
+	"time"
 	"unicode/utf8"
 
 	"github.com/stretchr/testify/require"
@@ -56,7 +58,7 @@ func TestGuardCleansEverythingReturned(t *testing.T) {
 		Content: "a\x00b\xff", Reasoning: "r\x00\xfe", Verdict: "v\x00",
 		Sources: []gateway.Source{{Title: "t\x00", URL: "u\x00\xfe", Snippet: "s\x00"}},
 	}
-	p := upstream.Guard(scripted{res: hostile, deltas: []upstream.Delta{{Content: "d\x00", Sources: []gateway.Source{{Title: "x\x00"}}}}}, nil)
+	p := upstream.Guard(scripted{res: hostile, deltas: []upstream.Delta{{Content: "\x00"}, {Content: "d\x00", Sources: []gateway.Source{{Title: "x\x00"}}}}}, nil)
 
 	res, err := p.Complete(context.Background(), &upstream.Request{})
 	require.NoError(t, err)
@@ -71,13 +73,67 @@ func TestGuardCleansEverythingReturned(t *testing.T) {
 		return nil
 	})
 	require.NoError(t, err)
-	require.Equal(t, []upstream.Delta{{Content: "d", Sources: []gateway.Source{{Title: "x"}}}}, got)
+	require.Equal(t, []upstream.Delta{{Content: "d", Sources: []gateway.Source{{Title: "x"}}}}, got, "a delta left empty is not sent")
 	require.Equal(t, "r\uFFFD", res.Reasoning)
+	require.Equal(t, "v", res.Verdict)
+
+	stop := errors.New("the client left")
+	_, err = p.Stream(context.Background(), &upstream.Request{}, func(upstream.Delta) error { return stop })
+	require.ErrorIs(t, err, stop, "emit's error stops the stream")
+}
+
+// TestGuardBoundsHoldTheirLimit: what is as long as its bound passes whole,
+// reported as no cut; sources none of which is kept are no slice at all (the
+// upstream's are not held).
+func TestGuardBoundsHoldTheirLimit(t *testing.T) {
+	t.Parallel()
+	req := &upstream.Request{MaxOutputTokens: 1}
+	atBound := gateway.Source{
+		URL:     "https://a.example/" + strings.Repeat("u", upstream.MaxURLBytes-len("https://a.example/")),
+		Title:   strings.Repeat("t", upstream.MaxTitleBytes),
+		Snippet: strings.Repeat("s", upstream.MaxSnippetBytes),
+	}
+	text := strings.Repeat("a", upstream.MaxTextBytes(req))
+	var cuts []string
+	onCut := func(bound string) { cuts = append(cuts, bound) }
+	res, err := upstream.Guard(scripted{res: upstream.Result{Content: text, Sources: []gateway.Source{atBound}, Verdict: strings.Repeat("v", upstream.MaxVerdictBytes)}}, onCut).
+		Complete(context.Background(), req)
+	require.NoError(t, err)
+	require.Equal(t, []gateway.Source{atBound}, res.Sources)
+	require.Len(t, res.Verdict, upstream.MaxVerdictBytes)
+
+	res, err = upstream.Guard(scripted{deltas: []upstream.Delta{{Content: text[:10]}, {Content: text[10:]}}, res: upstream.Result{Content: text}}, onCut).
+		Stream(context.Background(), req, func(upstream.Delta) error { return nil })
+	require.NoError(t, err, "a stream of as much text as its tokens hold is whole")
+	require.Equal(t, text, res.Content)
+	require.Empty(t, cuts)
+
+	// A byte more is past the bound.
+	pastTitle := atBound
+	pastTitle.Title += "t"
+	res, err = upstream.Guard(scripted{res: upstream.Result{Content: "a", Sources: []gateway.Source{pastTitle}}}, onCut).Complete(context.Background(), req)
+	require.NoError(t, err)
+	require.Equal(t, []gateway.Source{atBound}, res.Sources)
+	require.Equal(t, []string{upstream.CutTitle}, cuts)
+
+	cuts = nil
+	pastURL := atBound
+	pastURL.URL += "/"
+	res, err = upstream.Guard(scripted{res: upstream.Result{Content: "a", Sources: []gateway.Source{pastURL}}}, onCut).Complete(context.Background(), req)
+	require.NoError(t, err)
+	require.Nil(t, res.Sources)
+	require.Equal(t, []string{upstream.CutURL}, cuts)
+}
+
+func TestMaxTextBytesIsBounded(t *testing.T) {
+	t.Parallel()
+	require.Equal(t, 1<<40, upstream.MaxTextBytes(&upstream.Request{MaxOutputTokens: math.MaxUint64}), "no overflow: a terabyte at most")
 }
 
 func TestKind(t *testing.T) {
 	t.Parallel()
 	require.Equal(t, "unavailable", upstream.Kind(upstream.ErrUnavailable))
+	require.Equal(t, "denied", upstream.Kind(fmt.Errorf("%w: %w", upstream.ErrUnavailable, upstream.ErrDenied)))
 	require.Equal(t, "failed", upstream.Kind(upstream.ErrFailed))
 	require.Equal(t, "rejected", upstream.Kind(&upstream.RejectedError{}))
 	require.Equal(t, "broken", upstream.Kind(upstream.ErrStreamBroken))
@@ -183,4 +239,37 @@ func TestGuardBoundsWhatIsReturned(t *testing.T) {
 		require.Equal(t, "kept", res.Content)
 		require.Equal(t, []string{upstream.CutText}, cuts, "a stream whose line its provider stopped reading passed its text's bound")
 	})
+}
+
+// TestRetryAfter: a wait is carried when positive, at most MaxRetryAfter.
+func TestRetryAfter(t *testing.T) {
+	t.Parallel()
+	for asked, want := range map[time.Duration]time.Duration{
+		-time.Second: 0,
+		0:            0,
+		time.Second:  time.Second,
+		time.Hour:    upstream.MaxRetryAfter,
+	} {
+		err := upstream.WithRetryAfter(upstream.ErrUnavailable, asked)
+		require.ErrorIs(t, err, upstream.ErrUnavailable)
+		require.Equal(t, want, upstream.RetryAfter(err), "%s asked", asked)
+	}
+}
+
+func TestParseModelPairs(t *testing.T) {
+	t.Parallel()
+	got, err := upstream.ParseModelPairs(" instant = a ,, reasoning=b ,")
+	require.NoError(t, err)
+	require.Equal(t, map[gateway.Model]string{gateway.ModelInstant: "a", gateway.ModelReasoning: "b"}, got)
+	got, err = upstream.ParseModelPairs("")
+	require.NoError(t, err)
+	require.Empty(t, got)
+	for in, want := range map[string]string{
+		"instant":   "not of the form model=value",
+		"instant= ": "not of the form model=value",
+		"fastest=a": `unknown model "fastest"`,
+	} {
+		_, err := upstream.ParseModelPairs(in)
+		require.ErrorContains(t, err, want, in)
+	}
 }
