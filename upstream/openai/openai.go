@@ -332,9 +332,6 @@ func replyBytes(req *upstream.Request) int64 {
 // limit. size is how much of it may be read at once, the room it starts
 // with.
 func readReply(first []byte, rest io.Reader, size int, limit int64) ([]byte, error) {
-	if int64(len(first)) > limit {
-		return nil, fmt.Errorf("%w: a reply to this request takes at most %d bytes", upstream.ErrTooLong, limit)
-	}
 	buf := append(make([]byte, 0, max(size, len(first))+bytes.MinRead), first...)
 	in := io.LimitReader(rest, limit+1-int64(len(first)))
 	for {
