@@ -1,7 +1,6 @@
 package openai_test
 
 import (
-	"bytes"
 	"compress/gzip"
 	"context"
 	"encoding/json"
@@ -161,7 +160,8 @@ func TestTheKeysHeader(t *testing.T) {
 	eachTransport(t, func(t *testing.T, b *testBundle) {
 		_, err := b.client.Complete(context.Background(), &req)
 		require.NoError(t, err)
-		named := b.newClient(openai.Config{APIKey: "up-key", APIKeyHeader: "api-key", Timeout: 2 * time.Second})
+		named := b.newClient(openai.Config{APIKey: "up-key", APIKeyHeader: "api-key", Timeout: 2 * time.Second,
+			Headers: map[string]string{"OpenAI-Project": "proj_1"}})
 		_, err = named.Stream(context.Background(), &req, func(upstream.Delta) error { return nil })
 		require.NoError(t, err)
 
@@ -171,6 +171,7 @@ func TestTheKeysHeader(t *testing.T) {
 		require.Empty(t, calls[0].Header.Get("api-key"))
 		require.Empty(t, calls[1].Header.Get("Authorization"))
 		require.Equal(t, "up-key", calls[1].Header.Get("api-key"))
+		require.Equal(t, "proj_1", calls[1].Header.Get("OpenAI-Project"), "the configured headers")
 	})
 }
 
@@ -289,7 +290,9 @@ func TestEvidenceOfOtherShapesFailsNothing(t *testing.T) {
 			"annotations that are no list":    {notes: `{"type":"url_citation"}`},
 			"annotations of other types": {
 				notes: `[{"type":"url_citation","url_citation":{"url":"https://bad.example/","title":"bad","start_index":"0","end_index":2}},` +
-					`{"type":"url_citation","url_citation":{"url":"https://ok.example/","title":"ok"}},7]`,
+					`{"type":"url_citation","url_citation":{"url":"https://ok.example/","title":"ok"}},7,` +
+					`{"type":"file_citation","url_citation":{"url":"https://typed.example/","title":"another type"}},` +
+					`{"type":"url_citation","url_citation":{"url":"","title":"no address"}}]`,
 				want: []gateway.Source{ok},
 			},
 		} {
@@ -504,6 +507,15 @@ func TestRepliesAreAskedUncompressed(t *testing.T) {
 			require.Equal(t, "ok", res.Content, coding, "the first event was read before the second was sent")
 		}
 
+		identity := b.handlerClient(t, func(w http.ResponseWriter, r *http.Request) {
+			_, _ = io.Copy(io.Discard, r.Body)
+			w.Header().Set("Content-Encoding", " Identity")
+			_, _ = w.Write([]byte(`{"choices":[{"message":{"content":"ok"}}]}`))
+		})
+		res, err := identity.Complete(context.Background(), &req)
+		require.NoError(t, err, "a reply labelled uncompressed")
+		require.Equal(t, "ok", res.Content)
+
 		_, err = compressing("br", nil).Complete(context.Background(), &req)
 		require.ErrorIs(t, err, upstream.ErrFailed)
 		require.ErrorContains(t, err, `Content-Encoding "br"`)
@@ -578,6 +590,7 @@ func TestRetryAfter(t *testing.T) {
 			{429, "Retry-After", "-3", 0},
 			{429, "Retry-After", "soon", 0},
 			{429, "Retry-After-Ms", "NaN", 0},
+			{429, "Retry-After-Ms", "0", 0},
 			{429, "Retry-After", "", 0},
 			{401, "Retry-After", "7", 0},
 		} {
@@ -586,8 +599,14 @@ func TestRetryAfter(t *testing.T) {
 			require.Equal(t, tc.want, stream, "stream, %d %s: %q", tc.status, tc.header, tc.value)
 		}
 
+		// A retry-after-ms that asks for no wait leaves it to Retry-After.
+		b.fake.SetReplyHeader("Retry-After-Ms", "-5")
+		complete, stream := wait(503, "Retry-After", "4")
+		require.Equal(t, []time.Duration{4 * time.Second, 4 * time.Second}, []time.Duration{complete, stream})
+		b.fake.SetReplyHeader("Retry-After-Ms", "")
+
 		// An HTTP date: the time left until it.
-		complete, _ := wait(429, "Retry-After", time.Now().Add(30*time.Second).UTC().Format(http.TimeFormat))
+		complete, _ = wait(429, "Retry-After", time.Now().Add(30*time.Second).UTC().Format(http.TimeFormat))
 		require.InDelta(t, 30*time.Second, complete, float64(2*time.Second))
 
 		// A 500 asks no wait, whatever its header: it is no outage.
@@ -740,7 +759,8 @@ func TestConnectionRefusedIsUnavailable(t *testing.T) {
 }
 
 // TestTimeoutAfterDispatchIsFailed: the upstream got the call and may process
-// it, so it must never be retried (D12).
+// it, so it must never be retried (D12), whether the client's timeout or
+// the caller's deadline ended it.
 func TestTimeoutAfterDispatchIsFailed(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {
@@ -751,6 +771,16 @@ func TestTimeoutAfterDispatchIsFailed(t *testing.T) {
 		require.NotErrorIs(t, err, upstream.ErrUnavailable)
 		_, _, err = collect(t, client, context.Background())
 		require.ErrorIs(t, err, upstream.ErrFailed)
+
+		for _, call := range []func(context.Context) error{
+			func(ctx context.Context) error { _, err := b.client.Complete(ctx, &req); return err },
+			func(ctx context.Context) error { _, _, err := collect(t, b.client, ctx); return err },
+		} {
+			ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+			err := call(ctx)
+			cancel()
+			require.ErrorIs(t, err, upstream.ErrFailed, "the caller's deadline passed after dispatch")
+		}
 	})
 }
 
@@ -1686,23 +1716,21 @@ func TestReplyHeadsAreBounded(t *testing.T) {
 
 // TestRepliesAreReadNoFurtherThanTheirRequestAllows: a non-streaming reply
 // longer than its request's text and sources could make it fails after
-// dispatch, read no further (D11). One that says so in its Content-Length is
-// not read at all, one of unknown length up to the bound; either way the
-// upstream can write no more than the bound and the sockets' buffers. The
-// longest reply the request allows, every byte of it escaped, is read whole,
-// as the answer to a stream's call too.
+// dispatch, read no further (D11): one of unknown length up to the bound,
+// whatever it holds (one endless line, or blank lines without end), so the
+// upstream can write no more than the bound and the sockets' buffers; one
+// that says so in its Content-Length not at all (its upstream here writes
+// nothing more). The longest reply the request allows, every byte of it
+// escaped, is read whole, as the answer to a stream's call too.
 func TestRepliesAreReadNoFurtherThanTheirRequestAllows(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {
-		for _, declared := range []bool{false, true} {
-			t.Run(fmt.Sprintf("declared=%v", declared), func(t *testing.T) {
+		for name, chunk := range map[string]string{"one line": " ", "blank lines": "\n"} {
+			t.Run(name, func(t *testing.T) {
 				t.Parallel()
 				written := make(chan int64, 1)
 				client := b.replyClient(t, func(w http.ResponseWriter) {
-					if declared {
-						w.Header().Set("Content-Length", strconv.Itoa(1<<30))
-					}
-					chunk := bytes.Repeat([]byte(" "), 64<<10)
+					chunk := []byte(strings.Repeat(chunk, 64<<10))
 					var n int64
 					for n < 1<<30 {
 						m, err := w.Write(chunk)
@@ -1723,6 +1751,20 @@ func TestRepliesAreReadNoFurtherThanTheirRequestAllows(t *testing.T) {
 				}
 			})
 		}
+
+		t.Run("declared", func(t *testing.T) {
+			t.Parallel()
+			client := b.handlerClient(t, func(w http.ResponseWriter, r *http.Request) {
+				_, _ = io.Copy(io.Discard, r.Body)
+				w.Header().Set("Content-Length", strconv.Itoa(1<<30))
+				w.WriteHeader(http.StatusOK)
+				w.(http.Flusher).Flush()
+				<-r.Context().Done()
+			})
+			_, err := client.Complete(context.Background(), &req)
+			require.ErrorIs(t, err, upstream.ErrFailed)
+			require.ErrorIs(t, err, upstream.ErrTooLong, "refused for its length, not waited for")
+		})
 
 		t.Run("longest", func(t *testing.T) {
 			t.Parallel()
