@@ -758,6 +758,24 @@ func TestConnectionRefusedIsUnavailable(t *testing.T) {
 	})
 }
 
+// TestAConnectionNotMadeInTimeIsUnavailable: a call whose connection is not
+// made by its Timeout (here a TLS handshake its upstream never answers) was
+// never sent: it is unavailable, safe to send elsewhere (D12).
+func TestAConnectionNotMadeInTimeIsUnavailable(t *testing.T) {
+	t.Parallel()
+	l, err := net.Listen("tcp", "127.0.0.1:0") // the kernel accepts; no one answers
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = l.Close() })
+	client := openai.New(openai.Config{BaseURL: "https://" + l.Addr().String() + "/v1", Timeout: 100 * time.Millisecond})
+	r := req
+	r.OnDispatch = func() { t.Error("a call never connected was reported dispatched") }
+	_, err = client.Complete(context.Background(), &r)
+	require.ErrorIs(t, err, upstream.ErrUnavailable)
+	require.ErrorContains(t, err, "100ms", "ended by its Timeout")
+	_, err = client.Stream(context.Background(), &r, func(upstream.Delta) error { return nil })
+	require.ErrorIs(t, err, upstream.ErrUnavailable)
+}
+
 // TestTimeoutAfterDispatchIsFailed: the upstream got the call and may process
 // it, so it must never be retried (D12), whether the client's timeout or
 // the caller's deadline ended it.
@@ -1604,7 +1622,12 @@ func TestAFinishedStreamLeftOpenIsWhole(t *testing.T) {
 						}
 					}
 				})
-				client := b.newClient(openai.Config{BaseURL: url, Timeout: 5 * time.Second, StreamLimit: 6 * time.Second})
+				limit := time.Minute // a whole stream ends long before
+				if tc.broken {
+					limit = 6 * time.Second
+				}
+				client := b.newClient(openai.Config{BaseURL: url, Timeout: 5 * time.Second, StreamLimit: limit})
+				start := time.Now()
 				res, err := client.Stream(context.Background(), &req, func(upstream.Delta) error { return nil })
 				require.Equal(t, "all of it", res.Content)
 				if tc.broken {
@@ -1613,6 +1636,7 @@ func TestAFinishedStreamLeftOpenIsWhole(t *testing.T) {
 					return
 				}
 				require.NoError(t, err)
+				require.Less(t, time.Since(start), limit/2, "ended by its ending, not at its limit")
 				require.True(t, res.UsageReported)
 				require.Equal(t, [2]uint64{3, 4}, [2]uint64{res.InputTokens, res.OutputTokens})
 			})
