@@ -163,10 +163,9 @@ func TestADeniedTargetIsReportedAndSkipped(t *testing.T) {
 		require.Equal(t, "b", res.Route.Provider)
 	}
 	require.Equal(t, 2, b.calls("a"), "two refusals opened the circuit")
-	lines := strings.Split(strings.TrimSpace(log.String()), "\n")
+	lines := logged(t, &log)
 	require.Len(t, lines, 2)
-	var entry map[string]any
-	require.NoError(t, json.Unmarshal([]byte(lines[0]), &entry))
+	entry := lines[0]
 	require.Equal(t, "ERROR", entry["level"])
 	require.Equal(t, "a", entry["provider"])
 	require.Equal(t, "a-model", entry["upstream_model"])
@@ -493,6 +492,18 @@ func TestHealthAndWait(t *testing.T) {
 	require.NoError(t, err)
 	serving, _ = b.router.Health()
 	require.Equal(t, []gateway.Model{gateway.ModelInstant}, serving)
+}
+
+// logged is the lines of a JSON log, decoded.
+func logged(t *testing.T, log *syncbuf.Buffer) []map[string]any {
+	t.Helper()
+	var lines []map[string]any
+	for _, line := range strings.Split(strings.TrimSpace(log.String()), "\n") {
+		var entry map[string]any
+		require.NoError(t, json.Unmarshal([]byte(line), &entry), line)
+		lines = append(lines, entry)
+	}
+	return lines
 }
 
 // counting is an in-process provider that counts calls and answers each at
@@ -832,8 +843,9 @@ func TestABrokenStreamIsAFailureAfterDispatch(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, "a", res.Route.Provider, "and takes everyone else's calls")
 
-	var entry map[string]any
-	require.NoError(t, json.Unmarshal([]byte(log.String()), &entry))
+	lines := logged(t, &log)
+	require.Len(t, lines, 1)
+	entry := lines[0]
 	require.Equal(t, "WARN", entry["level"])
 	require.Contains(t, entry["msg"], "holds off one account's calls")
 	require.Equal(t, []any{"a", poisoner.String()}, []any{entry["provider"], entry["account_id"]})
@@ -944,8 +956,9 @@ func TestCutRepliesAreReported(t *testing.T) {
 	require.NoError(t, err)
 	_, err = r.Complete(context.Background(), request("p"))
 	require.ErrorIs(t, err, upstream.ErrFailed)
-	var entry map[string]any
-	require.NoError(t, json.Unmarshal([]byte(log.String()), &entry))
+	lines := logged(t, &log)
+	require.Len(t, lines, 1)
+	entry := lines[0]
 	require.Equal(t, "WARN", entry["level"])
 	require.Contains(t, entry["msg"], "passed a bound")
 	require.Equal(t, map[string]any{"provider": "a", "upstream_model": "m", "bound": "text"},
