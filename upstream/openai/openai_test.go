@@ -1395,6 +1395,13 @@ func TestStreamsWithoutDone(t *testing.T) {
 			require.NoError(t, err, reason)
 			require.Equal(t, "whole", res.Content, reason)
 		}
+		// The last line may end with the body, without its line end.
+		client := b.replyClient(t, func(w http.ResponseWriter) {
+			_, _ = io.WriteString(w, piece+strings.TrimRight(finish, "\n"))
+		})
+		res, err = client.Stream(context.Background(), &req, func(upstream.Delta) error { return nil })
+		require.NoError(t, err, "a last line without its line end")
+		require.Equal(t, "cut", res.Content)
 		for name, reply := range map[string]func(w http.ResponseWriter){
 			"no finish_reason": func(w http.ResponseWriter) { _, _ = io.WriteString(w, piece) },
 			"finish_reasons that say nothing": func(w http.ResponseWriter) {
