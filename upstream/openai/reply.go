@@ -64,7 +64,8 @@ func (u *usage) output() uint64 {
 	var details struct {
 		ReasoningTokens tokenCount `json:"reasoning_tokens"`
 	}
-	if json.Unmarshal(u.Details, &details) != nil || uint64(u.TotalTokens)-sum != uint64(details.ReasoningTokens) {
+	_ = json.Unmarshal(u.Details, &details) // of another shape, it counts none
+	if uint64(u.TotalTokens)-sum != uint64(details.ReasoningTokens) {
 		return out
 	}
 	return out + uint64(details.ReasoningTokens)
