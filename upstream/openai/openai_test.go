@@ -1063,6 +1063,7 @@ func TestTokenCountsAreReadAsTheyCome(t *testing.T) {
 			`-0.5`:                 0,
 			`true`:                 0,
 			`"twelve"`:             0,
+			`"NaN"`:                0,
 			`{"tokens":12}`:        0,
 			`[12]`:                 0,
 			`null`:                 0,
