@@ -178,7 +178,8 @@ func TestTheKeysHeader(t *testing.T) {
 // TestCitationsCountCharacters: a citation's start and end index count
 // characters, as OpenAI's API gives them, not bytes: its snippet is the
 // text between them in content that is not ASCII too. An index past the
-// content's end gives no snippet.
+// content's end, or before its start, gives no snippet, in content of
+// either kind, and leaves the other citations' snippets as they are.
 func TestCitationsCountCharacters(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {
@@ -191,24 +192,36 @@ func TestCitationsCountCharacters(t *testing.T) {
 				"url": "https://example.org/" + snippet, "title": snippet, "start_index": from, "end_index": from + len([]rune(snippet)),
 			}}
 		}
-		past := map[string]any{"type": "url_citation", "url_citation": map[string]any{
-			"url": "https://example.org/past", "title": "past", "start_index": len(chars) - 2, "end_index": len(chars) + 1,
-		}}
-		reply, err := json.Marshal(map[string]any{
-			"choices": []any{map[string]any{"message": map[string]any{"content": content,
-				"annotations": []any{cite("le ciel est bleu"), cite("東京"), cite("Tokyo."), past}}}},
-			"usage": map[string]any{"prompt_tokens": 1, "completion_tokens": 1},
-		})
-		require.NoError(t, err)
-		client := b.replyClient(t, func(w http.ResponseWriter) { _, _ = w.Write(reply) })
-		res, err := client.Complete(context.Background(), &req)
-		require.NoError(t, err)
+		span := func(title string, start, end int) map[string]any {
+			return map[string]any{"type": "url_citation", "url_citation": map[string]any{
+				"url": "https://example.org/" + title, "title": title, "start_index": start, "end_index": end,
+			}}
+		}
+		complete := func(content string, annotations ...any) []gateway.Source {
+			reply, err := json.Marshal(map[string]any{
+				"choices": []any{map[string]any{"message": map[string]any{"content": content, "annotations": annotations}}},
+				"usage":   map[string]any{"prompt_tokens": 1, "completion_tokens": 1},
+			})
+			require.NoError(t, err)
+			client := b.replyClient(t, func(w http.ResponseWriter) { _, _ = w.Write(reply) })
+			res, err := client.Complete(context.Background(), &req)
+			require.NoError(t, err)
+			return res.Sources
+		}
+		// A span that is not one of the content's characters is no snippet,
+		// and changes none of the others.
 		require.Equal(t, []gateway.Source{
 			{Title: "le ciel est bleu", URL: "https://example.org/le ciel est bleu", Snippet: "le ciel est bleu"},
 			{Title: "東京", URL: "https://example.org/東京", Snippet: "東京"},
 			{Title: "Tokyo.", URL: "https://example.org/Tokyo.", Snippet: "Tokyo."},
 			{Title: "past", URL: "https://example.org/past"},
-		}, res.Sources)
+			{Title: "before", URL: "https://example.org/before"},
+		}, complete(content, cite("le ciel est bleu"), cite("東京"), cite("Tokyo."), span("past", len(chars)-2, len(chars)+1), span("before", -1, 3)))
+		require.Equal(t, []gateway.Source{
+			{Title: "sky", URL: "https://example.org/sky", Snippet: "sky"},
+			{Title: "past", URL: "https://example.org/past"},
+			{Title: "before", URL: "https://example.org/before"},
+		}, complete("The sky is blue.", span("sky", 4, 7), span("past", 12, 17), span("before", -1, 3)))
 	})
 }
 
