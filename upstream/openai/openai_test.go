@@ -274,6 +274,13 @@ func TestSearchResultsAreSources(t *testing.T) {
 				require.Equal(t, []upstream.Delta{{Content: "Hi "}, {Sources: []gateway.Source{a}}, {Content: "there"}, {Content: "."}, {Sources: []gateway.Source{b2}}}, emitted)
 			}
 		}
+		client := b.eventsClient(t, []string{
+			`{"choices":[{"delta":{"content":"Hi "}}],"citations":["https://a.example/"]}`,
+			`{"choices":[{"delta":{"content":"there."},"finish_reason":"stop"}],"citations":["https://a.example/","https://b.example/"]}`,
+		})
+		res, err := client.Stream(context.Background(), &req, func(upstream.Delta) error { return nil })
+		require.NoError(t, err)
+		require.Equal(t, []gateway.Source{{Title: "https://a.example/", URL: "https://a.example/"}, b2}, res.Sources, "citations alone, repeated and grown")
 	})
 }
 
@@ -1197,16 +1204,17 @@ func TestAStreamsUsageInParts(t *testing.T) {
 // TestErrorsInReplies: an error an upstream sends in place of output, with
 // status 200 or in a stream, fails the call with the upstream's message, for
 // the log: an error object (OpenAI's), an error string
-// (text-generation-inference's), an event named error whatever its data
-// (as some servers send it), even when a [DONE] follows, an error field
-// (as llama.cpp's server sent it), a choice's finish_reason "error", with
-// an error beside it (OpenRouter's) or alone, or an error of another type
-// that says something; an empty error member beside a real answer (null,
-// "", false, 0, {}, [], a blank message, as some servers serialize one) is
-// none. An error status's body gives its message the same way, or as vLLM
-// gives it, beside the error, or as FastAPI gives it, its detail, or in a
-// list, as Gemini's OpenAI-compatible API gives it; a member of another
-// type does not hide the others. Events of other names are read.
+// (text-generation-inference's), an event named error whatever its data (as
+// some servers send it), even when a [DONE] follows, an error field (as
+// llama.cpp's server sent it), a choice's finish_reason "error", with an
+// error beside it (OpenRouter's) or alone, or an error of another type that
+// says something (an error with a code alone says its code); an empty error
+// member beside a real answer (null, "", false, 0, {}, [], a blank message,
+// as some servers serialize one) is none. An error status's body gives its
+// message the same way, or as vLLM gives it, beside the error, or as FastAPI
+// gives it, its detail, or in a list, as Gemini's OpenAI-compatible API
+// gives it; a member of another type does not hide the others. Events of
+// other names are read.
 func TestErrorsInReplies(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {
@@ -1227,6 +1235,7 @@ func TestErrorsInReplies(t *testing.T) {
 			delta + `data: {"error":true}` + "\n\n":                                                                                                                        "upstream error in stream: true",
 			delta + `data: {"error":{"type":"server_error","message":null}}` + "\n\n":                                                                                      "upstream error in stream: an error without a message",
 			delta + `data: {"error":{"message":503,"code":"overloaded"}}` + "\n\n":                                                                                         "upstream error in stream: 503",
+			delta + `data: {"error":{"message":"","code":"rate_limit_exceeded"}}` + "\n\n":                                                                                 "upstream error in stream: rate_limit_exceeded",
 		} {
 			client := b.replyClient(t, func(w http.ResponseWriter) { _, _ = io.WriteString(w, reply) })
 			_, err := client.Complete(context.Background(), &req)
