@@ -411,10 +411,10 @@ func (e *upstreamError) UnmarshalJSON(b []byte) error {
 	return nil
 }
 
-// says reports whether a JSON value says something: it is not absent, null,
-// false, 0, an empty object or list, or a blank string.
+// says reports whether a JSON value, as the decoder hands one on (without
+// the space around it), says something: it is not absent, null, false, 0,
+// an empty object or list, or a blank string.
 func says(v []byte) bool {
-	v = bytes.TrimSpace(v)
 	switch string(v) {
 	case "", "null", "false", "0", "{}", "[]":
 		return false
