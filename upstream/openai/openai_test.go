@@ -1248,7 +1248,7 @@ func TestErrorsInReplies(t *testing.T) {
 			}
 		}
 
-		for _, blank := range []string{`""`, `" "`, `{}`, `false`, `0`, `[]`, `null`, `{"message":" "}`, `{"message":"","code":null,"type":""}`} {
+		for _, blank := range []string{`""`, `" "`, `{}`, `false`, `0`, `[]`, `null`, `{"message":" "}`, `{"message":"\t\n"}`, `{"message":"","code":null,"type":""}`} {
 			client := b.replyClient(t, func(w http.ResponseWriter) {
 				_, _ = io.WriteString(w, `data: {"error":`+blank+`,"choices":[{"delta":{"content":"o"}}]}`+"\n\n"+
 					`data: {"error":`+blank+`,"choices":[{"delta":{"content":"k"},"finish_reason":"stop"}]}`+"\n\ndata: [DONE]\n\n")
@@ -1282,6 +1282,8 @@ func TestErrorsInReplies(t *testing.T) {
 			`{"detail":[{"loc":["body","messages"],"msg":"field required","type":"value_error.missing"}]}`: "field required",
 			`{"error":{"message":"context too long","code":400},"message":5}`:                              "context too long",
 			`{"detail":{"reason":"unknown"}}`:                                                              `{"detail":{"reason":"unknown"}}`,
+			`{"detail":" "}`:                                                                               `{"detail":" "}`,
+			`{"error":{"code":"model_not_found"},"message":"The model tiny does not exist"}`:               "The model tiny does not exist",
 		} {
 			client := b.handlerClient(t, func(w http.ResponseWriter, r *http.Request) {
 				w.WriteHeader(http.StatusUnprocessableEntity)
