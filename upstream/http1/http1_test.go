@@ -147,6 +147,38 @@ func TestConnectedIsCalledOnlyWithAConnection(t *testing.T) {
 	require.True(t, connected)
 }
 
+// TestOnlyPlainHTTPIsSpoken: an https:// URL is refused before any
+// connection; an http:// URL without a port is called on port 80.
+func TestOnlyPlainHTTPIsSpoken(t *testing.T) {
+	t.Parallel()
+	client := http1.New(http1.Config{})
+	t.Cleanup(client.CloseIdleConnections)
+	connected := false
+	req, err := http.NewRequest(http.MethodPost, "https://127.0.0.1:1/", strings.NewReader("x"))
+	require.NoError(t, err)
+	_, err = client.Do(req, func() { connected = true })
+	require.ErrorContains(t, err, `unsupported scheme "https"`)
+	require.False(t, connected)
+
+	req, err = http.NewRequest(http.MethodPost, "http://127.0.0.1/port", strings.NewReader("x"))
+	require.NoError(t, err)
+	ln, err := net.Listen("tcp", "127.0.0.1:80")
+	if err != nil {
+		// Port 80 is taken, or not ours to listen on: the call's dial
+		// names it.
+		_, err = client.Do(req, nil)
+		require.ErrorContains(t, err, "127.0.0.1:80")
+		return
+	}
+	server := &http.Server{Handler: http.HandlerFunc(echo), ReadHeaderTimeout: time.Minute}
+	go func() { _ = server.Serve(ln) }()
+	t.Cleanup(func() { _ = server.Close() })
+	resp, err := client.Do(req, nil)
+	require.NoError(t, err)
+	require.NoError(t, resp.Body.Close())
+	require.Equal(t, "/port", resp.Header.Get("X-Path"))
+}
+
 func TestAConnectionTheUpstreamClosedIsNotUsed(t *testing.T) {
 	t.Parallel()
 	b := setup(t, http1.Config{}, echo)
@@ -171,6 +203,118 @@ func TestConnectionCloseIsHonoured(t *testing.T) {
 	call(t, context.Background(), b.client, b.server.URL, "two")
 	calls := b.calls()
 	require.NotEqual(t, calls[0], calls[1])
+}
+
+// TestAClosingExchangeIsNotReused: after a reply that says Connection:
+// close, or a request that did, the next call takes a new connection, even
+// where the upstream keeps the old one open; otherwise it takes the old one.
+func TestAClosingExchangeIsNotReused(t *testing.T) {
+	t.Parallel()
+	for name, c := range map[string]struct{ replyCloses, requestCloses, reused bool }{
+		"neither":            {reused: true},
+		"the reply closes":   {replyCloses: true},
+		"the request closes": {requestCloses: true},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			url := serveRaw(t, func(conn net.Conn, _ *http.Request) bool {
+				head := "HTTP/1.1 200 OK\r\nContent-Length: %d\r\n"
+				if c.replyCloses {
+					head += "Connection: close\r\n"
+				}
+				from := conn.RemoteAddr().String()
+				_, _ = fmt.Fprintf(conn, head+"\r\n%s", len(from), from)
+				return true // and read on: the connection stays open
+			})
+			client := http1.New(http1.Config{})
+			t.Cleanup(client.CloseIdleConnections)
+			var from []string
+			for range 2 {
+				req, err := http.NewRequest(http.MethodPost, url, strings.NewReader("x"))
+				require.NoError(t, err)
+				req.Close = c.requestCloses
+				resp, err := client.Do(req, nil)
+				require.NoError(t, err)
+				got, err := io.ReadAll(resp.Body)
+				require.NoError(t, err)
+				require.NoError(t, resp.Body.Close())
+				from = append(from, string(got))
+			}
+			require.Equal(t, c.reused, from[0] == from[1], from)
+		})
+	}
+}
+
+// TestAFailedExchangeClosesItsConnection: a reply that cannot be read
+// closes the connection it came on (the upstream reads its end), not left
+// open for the collector.
+func TestAFailedExchangeClosesItsConnection(t *testing.T) {
+	t.Parallel()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = ln.Close() })
+	closed := make(chan error, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			closed <- err
+			return
+		}
+		defer c.Close()
+		_, _ = http.ReadRequest(bufio.NewReader(c))
+		_, _ = io.WriteString(c, "NOT HTTP\r\n\r\n")
+		_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		_, err = c.Read(make([]byte, 1))
+		closed <- err
+	}()
+	_, err = post(t, "http://"+ln.Addr().String())
+	require.ErrorContains(t, err, "malformed HTTP")
+	require.ErrorIs(t, <-closed, io.EOF)
+}
+
+// TestTheLastConnectionBackIsUsedFirst: of the idle connections, a call
+// takes the one used last (the least likely to have been closed by the
+// upstream's own idle timeout).
+func TestTheLastConnectionBackIsUsedFirst(t *testing.T) {
+	t.Parallel()
+	var arrived sync.WaitGroup
+	gates := map[string]chan struct{}{"/first": make(chan struct{}), "/second": make(chan struct{})}
+	b := setup(t, http1.Config{}, func(w http.ResponseWriter, r *http.Request) {
+		if gate, ok := gates[r.URL.Path]; ok {
+			arrived.Done()
+			<-gate
+		}
+		_, _ = io.WriteString(w, r.RemoteAddr)
+	})
+	arrived.Add(2)
+	replies := map[string]chan string{}
+	for path := range gates {
+		reply := make(chan string, 1)
+		replies[path] = reply
+		go func() {
+			req, err := http.NewRequest(http.MethodPost, b.server.URL+path, strings.NewReader("x"))
+			if err != nil {
+				reply <- err.Error()
+				return
+			}
+			resp, err := b.client.Do(req, nil)
+			if err != nil {
+				reply <- err.Error()
+				return
+			}
+			got, _ := io.ReadAll(resp.Body)
+			_ = resp.Body.Close()
+			reply <- string(got)
+		}()
+	}
+	arrived.Wait() // two connections, each with a call
+	close(gates["/first"])
+	first := <-replies["/first"]
+	close(gates["/second"])
+	second := <-replies["/second"]
+	require.NotEqual(t, first, second)
+	_, next := call(t, context.Background(), b.client, b.server.URL+"/next", "x")
+	require.Equal(t, second, next)
 }
 
 func TestABodyClosedEarlyClosesItsConnectionWithoutReadingOn(t *testing.T) {
