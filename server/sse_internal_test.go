@@ -1,0 +1,78 @@
+package server
+
+import (
+	"net/http/httptest"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// deadlineSink is a sink that takes every write and records the write
+// deadlines set on it.
+type deadlineSink struct {
+	mu        sync.Mutex
+	deadlines []time.Time
+}
+
+func (*deadlineSink) Write(p []byte) (int, error) { return len(p), nil }
+func (*deadlineSink) Flush() error                { return nil }
+
+func (d *deadlineSink) SetWriteDeadline(t time.Time) error {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	d.deadlines = append(d.deadlines, t)
+	return nil
+}
+
+func (d *deadlineSink) set() []time.Time {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return append([]time.Time(nil), d.deadlines...)
+}
+
+// TestAWriteIsGivenUpOnceItWaitedItsTimeout: the beat that finds a write
+// waiting for less than the write timeout comes back when the write will
+// have waited it, not a whole timeout later; one that finds it waiting for
+// the timeout fails it (a deadline of now).
+func TestAWriteIsGivenUpOnceItWaitedItsTimeout(t *testing.T) {
+	t.Parallel()
+	const timeout = time.Minute
+	beat := make(chan struct{}, 1)
+	s := &sseWriter{keepalive: time.Hour, writeTimeout: timeout}
+	s.timer = time.AfterFunc(time.Hour, func() { beat <- struct{}{} })
+	t.Cleanup(func() { s.timer.Stop() })
+	sink := &deadlineSink{}
+	w := &watchedSink{sink: sink}
+
+	w.since.Store(time.Now().Add(-timeout + 50*time.Millisecond).UnixNano())
+	s.watch(w)
+	require.Empty(t, sink.set(), "a write within its timeout")
+	select {
+	case <-beat:
+	case <-time.After(timeout / 2):
+		require.Fail(t, "the beat did not come back when the write had waited its timeout")
+	}
+
+	w.since.Store(time.Now().Add(-timeout).UnixNano())
+	before := time.Now()
+	s.watch(w)
+	set := sink.set()
+	require.Len(t, set, 1, "a write that waited its timeout")
+	require.WithinRange(t, set[0], before, time.Now())
+}
+
+// TestABeatAfterCloseWritesNothing: a keep-alive beat that fires as the
+// stream closes (its timer stopped too late) writes nothing after the
+// response's end.
+func TestABeatAfterCloseWritesNothing(t *testing.T) {
+	t.Parallel()
+	rec := httptest.NewRecorder()
+	s := startSSE(rec, nil, time.Hour, time.Minute)
+	require.NoError(t, s.Event(eventDelta, map[string]string{"delta": "Hi"}))
+	written := rec.Body.String()
+	s.Close()
+	s.ping()
+	require.Equal(t, written, rec.Body.String())
+}
