@@ -1,6 +1,7 @@
 package server
 
 import (
+	"errors"
 	"net/http/httptest"
 	"sync"
 	"testing"
@@ -75,4 +76,32 @@ func TestABeatAfterCloseWritesNothing(t *testing.T) {
 	s.Close()
 	s.ping()
 	require.Equal(t, written, rec.Body.String())
+}
+
+// failingSink is a sink whose first write fails, and which counts its
+// writes.
+type failingSink struct{ writes int }
+
+func (f *failingSink) Write(p []byte) (int, error) {
+	f.writes++
+	if f.writes == 1 {
+		return 0, errors.New("the client left")
+	}
+	return len(p), nil
+}
+func (*failingSink) Flush() error                     { return nil }
+func (*failingSink) SetWriteDeadline(time.Time) error { return nil }
+
+// TestAfterAFailedWriteEveryWriteFails: once a write failed, every event
+// fails with its error, unwritten: no event follows one that was lost.
+func TestAfterAFailedWriteEveryWriteFails(t *testing.T) {
+	t.Parallel()
+	sink := &failingSink{}
+	s := &sseWriter{}
+	s.setOutLocked(sink)
+	err := s.Event(eventDelta, map[string]string{"delta": "Hi"})
+	require.EqualError(t, err, "the client left")
+	require.True(t, s.failed())
+	require.Equal(t, err, s.Event(eventDelta, map[string]string{"delta": " there"}))
+	require.Equal(t, 1, sink.writes)
 }

@@ -670,6 +670,23 @@ func TestWaitReadableOfAnEmptyBodyReturnsAtOnce(t *testing.T) {
 // (Keep-Alive: timeout=N) less a second, or within IdleTimeout when it announced
 // nothing readable; so no call is sent on a connection the upstream may be
 // closing at that moment.
+// TestAnExpiredConnectionPassedOverIsClosed: an idle connection past its
+// time, found by a call before the sweep of expired connections, is closed
+// (the upstream reads its end), and the call takes a new one.
+func TestAnExpiredConnectionPassedOverIsClosed(t *testing.T) {
+	t.Parallel()
+	b := setup(t, http1.Config{IdleTimeout: time.Minute}, echo) // the sweep's first run is a minute away
+	var elapsed atomic.Int64
+	start := time.Now()
+	http1.SetClock(b.client, func() time.Time { return start.Add(time.Duration(elapsed.Load())) })
+	call(t, context.Background(), b.client, b.server.URL, "one")
+	elapsed.Store(int64(2 * time.Minute))
+	call(t, context.Background(), b.client, b.server.URL, "two")
+	calls := b.calls()
+	require.NotEqual(t, calls[0], calls[1])
+	require.Eventually(t, func() bool { return b.closed.Load() == 1 }, 5*time.Second, time.Millisecond)
+}
+
 func TestAnnouncedKeepAliveIsHonoured(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
