@@ -160,7 +160,7 @@ func (s *sseWriter) writeLocked(b []byte) error {
 // set going first (as a beat of silence starts now), so that a write the
 // client does not take is found waiting.
 func (s *sseWriter) sendLocked(b []byte) error {
-	if s.timer != nil && !s.closed {
+	if s.timer != nil {
 		s.timer.Reset(s.keepalive)
 	}
 	out := s.out
