@@ -105,3 +105,36 @@ func TestAfterAFailedWriteEveryWriteFails(t *testing.T) {
 	require.Equal(t, err, s.Event(eventDelta, map[string]string{"delta": " there"}))
 	require.Equal(t, 1, sink.writes)
 }
+
+// blockingSink is a deadlineSink whose writes wait until released, saying
+// when one begins.
+type blockingSink struct {
+	deadlineSink
+	began   chan struct{}
+	release chan struct{}
+}
+
+func (b *blockingSink) Write(p []byte) (int, error) {
+	b.began <- struct{}{}
+	<-b.release
+	return len(p), nil
+}
+
+// TestAWriteWaitingWithinItsTimeoutGoesOn: a beat that finds a write
+// waiting for less than the write timeout leaves it waiting, and it ends
+// well.
+func TestAWriteWaitingWithinItsTimeoutGoesOn(t *testing.T) {
+	t.Parallel()
+	sink := &blockingSink{began: make(chan struct{}), release: make(chan struct{})}
+	s := &sseWriter{keepalive: time.Hour, writeTimeout: time.Minute}
+	s.timer = time.AfterFunc(time.Hour, s.ping)
+	t.Cleanup(func() { s.timer.Stop() })
+	s.setOutLocked(sink)
+	written := make(chan error, 1)
+	go func() { written <- s.Event(eventDelta, map[string]string{"delta": "Hi"}) }()
+	<-sink.began
+	s.ping()
+	require.Empty(t, sink.set())
+	close(sink.release)
+	require.NoError(t, <-written)
+}
