@@ -687,6 +687,89 @@ func TestAnExpiredConnectionPassedOverIsClosed(t *testing.T) {
 	require.Eventually(t, func() bool { return b.closed.Load() == 1 }, 5*time.Second, time.Millisecond)
 }
 
+// TestTheSweepClosesEachIdleConnectionInItsTime: the sweep of expired idle
+// connections closes each when its time is up (a sweep comes back for the
+// soonest of those left, on any upstream, however they are ordered), and
+// while any is idle.
+func TestTheSweepClosesEachIdleConnectionInItsTime(t *testing.T) {
+	t.Parallel()
+	var mu sync.Mutex
+	closedAt := map[string]time.Time{} // by the client's address
+	gates := map[string]chan struct{}{"/first": make(chan struct{}), "/long": make(chan struct{}), "/short": make(chan struct{})}
+	var arrived sync.WaitGroup
+	server := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case "/long":
+			w.Header().Set("Keep-Alive", "timeout=7") // kept 6 s
+		case "/short":
+			w.Header().Set("Keep-Alive", "timeout=3") // kept 2 s
+		}
+		if gate, ok := gates[r.URL.Path]; ok {
+			arrived.Done()
+			<-gate
+		}
+		_, _ = io.WriteString(w, r.RemoteAddr)
+	}))
+	server.Config.ConnState = func(c net.Conn, state http.ConnState) {
+		if state == http.StateClosed {
+			mu.Lock()
+			closedAt[c.RemoteAddr().String()] = time.Now()
+			mu.Unlock()
+		}
+	}
+	server.Start()
+	t.Cleanup(server.Close)
+	client := http1.New(http1.Config{IdleTimeout: time.Second})
+	t.Cleanup(client.CloseIdleConnections)
+	closed := func(addr string) bool {
+		mu.Lock()
+		defer mu.Unlock()
+		_, ok := closedAt[addr]
+		return ok
+	}
+
+	// Three connections at once. The first idle is kept a second: the
+	// first sweep is then; of the two others, the one kept longer is idle
+	// first.
+	start := time.Now()
+	arrived.Add(len(gates))
+	replies := map[string]chan string{}
+	for path := range gates {
+		reply := make(chan string, 1)
+		replies[path] = reply
+		go func() {
+			req, err := http.NewRequest(http.MethodPost, server.URL+path, strings.NewReader("x"))
+			if err != nil {
+				reply <- err.Error()
+				return
+			}
+			resp, err := client.Do(req, nil)
+			if err != nil {
+				reply <- err.Error()
+				return
+			}
+			got, _ := io.ReadAll(resp.Body)
+			_ = resp.Body.Close()
+			reply <- string(got)
+		}()
+	}
+	arrived.Wait()
+	close(gates["/first"])
+	first := <-replies["/first"]
+	close(gates["/long"])
+	long := <-replies["/long"]
+	close(gates["/short"])
+	short := <-replies["/short"]
+	require.Len(t, map[string]bool{first: true, long: true, short: true}, 3)
+
+	require.Eventually(t, func() bool { return closed(first) }, 5*time.Second, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return closed(short) }, 5*time.Second, 10*time.Millisecond)
+	require.Eventually(t, func() bool { return closed(long) }, 10*time.Second, 10*time.Millisecond)
+	mu.Lock()
+	defer mu.Unlock()
+	require.Less(t, closedAt[short].Sub(start), 4*time.Second, "kept 2 s, closed by the sweep after the first")
+}
+
 func TestAnnouncedKeepAliveIsHonoured(t *testing.T) {
 	t.Parallel()
 	for _, tc := range []struct {
