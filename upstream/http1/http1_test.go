@@ -784,6 +784,7 @@ func TestAnnouncedKeepAliveIsHonoured(t *testing.T) {
 		{name: "spaces and case", headers: []string{" Timeout = 30 "}, keep: 29 * time.Second},
 		{name: "quoted", headers: []string{`timeout="7"`}, keep: 6 * time.Second},
 		{name: "the least of several", headers: []string{"timeout=30", "timeout=10"}, keep: 9 * time.Second},
+		{name: "the least first", headers: []string{"timeout=10", "timeout=30"}, keep: 9 * time.Second},
 		{name: "a second: never kept", headers: []string{"timeout=1"}},
 		{name: "zero: never kept", headers: []string{"timeout=0"}},
 		{name: "a day: bounded", headers: []string{"timeout=86400"}, keep: 10*time.Minute - time.Second},
@@ -791,6 +792,7 @@ func TestAnnouncedKeepAliveIsHonoured(t *testing.T) {
 		{name: "negative", headers: []string{"timeout=-5"}, keep: 4 * time.Second},
 		{name: "past int64", headers: []string{"timeout=99999999999999999999"}, keep: 4 * time.Second},
 		{name: "unreadable beside readable", headers: []string{"timeout=x, timeout=3"}, keep: 2 * time.Second},
+		{name: "negative beside readable", headers: []string{"timeout=3, timeout=-5"}, keep: 2 * time.Second},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
