@@ -78,9 +78,12 @@ func TestABeatAfterCloseWritesNothing(t *testing.T) {
 	require.Equal(t, written, rec.Body.String())
 }
 
-// failingSink is a sink whose first write fails, and which counts its
-// writes.
-type failingSink struct{ writes int }
+// failingSink is a deadlineSink whose first write fails, and which counts
+// its writes.
+type failingSink struct {
+	deadlineSink
+	writes int
+}
 
 func (f *failingSink) Write(p []byte) (int, error) {
 	f.writes++
@@ -89,21 +92,45 @@ func (f *failingSink) Write(p []byte) (int, error) {
 	}
 	return len(p), nil
 }
-func (*failingSink) Flush() error                     { return nil }
-func (*failingSink) SetWriteDeadline(time.Time) error { return nil }
 
 // TestAfterAFailedWriteEveryWriteFails: once a write failed, every event
-// fails with its error, unwritten: no event follows one that was lost.
+// fails with its error, unwritten: no event follows one that was lost. The
+// close sets no deadline of its own then.
 func TestAfterAFailedWriteEveryWriteFails(t *testing.T) {
 	t.Parallel()
 	sink := &failingSink{}
-	s := &sseWriter{}
+	s := &sseWriter{writeTimeout: time.Minute}
 	s.setOutLocked(sink)
 	err := s.Event(eventDelta, map[string]string{"delta": "Hi"})
 	require.EqualError(t, err, "the client left")
 	require.True(t, s.failed())
 	require.Equal(t, err, s.Event(eventDelta, map[string]string{"delta": " there"}))
 	require.Equal(t, 1, sink.writes)
+	s.Close()
+	require.Empty(t, sink.set())
+}
+
+// TestCloseBoundsTheResponsesEnd: the close stops the keep-alive beat and
+// bounds what is written after it (a detached stream's last chunk) by a
+// write's timeout; without a timeout, by nothing.
+func TestCloseBoundsTheResponsesEnd(t *testing.T) {
+	t.Parallel()
+	for _, timeout := range []time.Duration{time.Minute, 0} {
+		sink := &deadlineSink{}
+		s := &sseWriter{keepalive: time.Hour, writeTimeout: timeout}
+		s.timer = time.AfterFunc(time.Hour, s.ping)
+		s.setOutLocked(sink)
+		before := time.Now()
+		s.Close()
+		require.False(t, s.timer.Stop(), "the beat is stopped by the close")
+		if timeout == 0 {
+			require.Empty(t, sink.set())
+			continue
+		}
+		set := sink.set()
+		require.Len(t, set, 1)
+		require.WithinRange(t, set[0], before.Add(timeout), time.Now().Add(timeout))
+	}
 }
 
 // blockingSink is a deadlineSink whose writes wait until released, saying
