@@ -103,6 +103,9 @@ func TestCallsReuseTheirConnection(t *testing.T) {
 	require.Len(t, calls, 3)
 	require.Equal(t, calls[0], calls[1])
 	require.Equal(t, calls[0], calls[2])
+	require.Zero(t, b.closed.Load())
+	b.client.CloseIdleConnections()
+	require.Eventually(t, func() bool { return b.closed.Load() == 1 }, 5*time.Second, time.Millisecond, "closed with the idle connections")
 }
 
 func TestLargeBodiesAndChunkedRepliesPassTheSmallBuffer(t *testing.T) {
