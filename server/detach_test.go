@@ -380,7 +380,7 @@ func (b *testBundle) openStream(ctx context.Context, t *testing.T, body string) 
 }
 
 // panicsMidStream is an upstream whose streams panic after their first piece,
-// once past DetachAfter.
+// 50 ms later (past the tests' DetachAfter).
 type panicsMidStream struct{ upstream.Provider }
 
 func (panicsMidStream) Stream(_ context.Context, _ *upstream.Request, emit func(upstream.Delta) error) (upstream.Result, error) {
@@ -406,6 +406,30 @@ func TestDetachedStreamPanics(t *testing.T) {
 			require.Contains(t, string(body), "half", "what was sent before the panic arrived")
 			require.NotContains(t, string(body), "response.completed")
 			require.Eventually(t, func() bool { return strings.Contains(logs.String(), "panic serving a stream") }, 5*time.Second, 10*time.Millisecond)
+			require.Equal(t, http.StatusOK, b.do(http.MethodGet, "/healthz", "", "", nil).status, "the server lives on")
+		})
+	}
+}
+
+// TestAStreamPanickingBeforeItIsDetachedIsCut: a stream that panics while
+// still its handler's is logged as any handler's panic and cut, never ended
+// as if whole; the server goes on.
+func TestAStreamPanickingBeforeItIsDetachedIsCut(t *testing.T) {
+	t.Parallel()
+	for _, h2c := range []bool{false, true} {
+		t.Run(protoName(h2c), func(t *testing.T) {
+			t.Parallel()
+			logs := &syncbuf.Buffer{}
+			b := setupWith(t, options{h2c: h2c, provider: panicsMidStream{}, logs: logs,
+				server: func(c *server.Config) { c.DetachAfter = time.Hour }})
+			resp := b.openStream(context.Background(), t, `{"prompt":"p","stream":true}`)
+			require.Equal(t, http.StatusOK, resp.StatusCode)
+			body, err := io.ReadAll(resp.Body)
+			require.Error(t, err, "the stream is cut, not ended")
+			require.Contains(t, string(body), "half")
+			require.NotContains(t, string(body), "response.completed")
+			require.Eventually(t, func() bool { return strings.Contains(logs.String(), "panic serving request") }, 5*time.Second, 10*time.Millisecond)
+			require.NotContains(t, logs.String(), "panic serving a stream", "not detached")
 			require.Equal(t, http.StatusOK, b.do(http.MethodGet, "/healthz", "", "", nil).status, "the server lives on")
 		})
 	}

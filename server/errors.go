@@ -59,11 +59,14 @@ const statusClientClosed = 499
 // exchange is cut (http.ErrAbortHandler) rather than answered to no one; an
 // error the ending did not cause is still logged as a failure. A domain
 // error is answered: a body cut at the body timeout also ends the context,
-// and its client is still there to read the 408.
+// and its client is still there to read the 408. An error once the reply
+// has started (a stream's handler that panicked, a reply whose writes
+// failed) cannot be answered: the exchange is cut, so that no client takes
+// what was written for the whole.
 func (s *Server) handleError(err error, c echo.Context) {
 	if c.Response().Committed {
 		s.logger.Warn("error after the reply started", requestAttrs(c, err)...)
-		return
+		panic(http.ErrAbortHandler)
 	}
 	if failedAsClientLeft(c.Request().Context(), err) {
 		if !errors.Is(err, context.Canceled) {
