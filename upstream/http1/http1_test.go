@@ -108,9 +108,16 @@ func TestCallsReuseTheirConnection(t *testing.T) {
 	require.Eventually(t, func() bool { return b.closed.Load() == 1 }, 5*time.Second, time.Millisecond, "closed with the idle connections")
 }
 
+// TestLargeBodiesAndChunkedRepliesPassTheSmallBuffer: a 100 KB request and
+// its reply, chunked, pass a read buffer of 16 bytes and a bound of 4 KiB on
+// a reply's head; a reply to HEAD has no body, whatever its length says.
 func TestLargeBodiesAndChunkedRepliesPassTheSmallBuffer(t *testing.T) {
 	t.Parallel()
-	b := setup(t, http1.Config{BufferSize: 16}, func(w http.ResponseWriter, r *http.Request) {
+	b := setup(t, http1.Config{BufferSize: 16, MaxHeaderBytes: 4 << 10}, func(w http.ResponseWriter, r *http.Request) {
+		if r.Method == http.MethodHead {
+			w.Header().Set("Content-Length", "5") // the length a GET would have, and no body
+			return
+		}
 		body, _ := io.ReadAll(r.Body)
 		for i := 0; i < len(body); i += 1000 {
 			_, _ = w.Write(body[i:min(i+1000, len(body))])
@@ -124,6 +131,19 @@ func TestLargeBodiesAndChunkedRepliesPassTheSmallBuffer(t *testing.T) {
 	call(t, context.Background(), b.client, b.server.URL, "again")
 	calls := b.calls()
 	require.Equal(t, calls[0], calls[1])
+
+	// A reply to HEAD has no body, whatever its length says.
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodHead, b.server.URL, nil)
+	require.NoError(t, err)
+	resp, err = b.client.Do(req, nil)
+	require.NoError(t, err)
+	require.Equal(t, int64(5), resp.ContentLength)
+	body, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	require.Empty(t, body)
+	require.NoError(t, resp.Body.Close())
 }
 
 func TestConnectedIsCalledOnlyWithAConnection(t *testing.T) {
