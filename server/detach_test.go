@@ -479,6 +479,54 @@ func (b *testBundle) requireBilledOnce(t *testing.T) {
 	}, 5*time.Second, 10*time.Millisecond, "the output sent is billed, the reservation settled")
 }
 
+// TestARequestBegunDuringADetachedStreamIsServedAfterIt: the next request's
+// first bytes, sent while a detached stream still runs (its client watched),
+// are not lost: the request is answered after the stream, on the same
+// connection.
+func TestARequestBegunDuringADetachedStreamIsServedAfterIt(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	b.upstream.configure(func(s *scripted) { s.firstDelay = 200 * time.Millisecond })
+	conn, r := b.dialRaw(t)
+	_, err := io.WriteString(conn, b.rawRequest(http.MethodPost, "/api/v1/responses", "HTTP/1.1", `{"prompt":"first","stream":true}`))
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Millisecond)
+		defer cancel()
+		return b.server.WaitStreams(ctx) != nil
+	}, 5*time.Second, time.Millisecond, "the stream is detached")
+	_, err = io.WriteString(conn, b.rawRequest(http.MethodGet, "/healthz", "HTTP/1.1", ""))
+	require.NoError(t, err)
+	readStream(t, r)
+	resp, err := http.ReadResponse(r, nil)
+	require.NoError(t, err)
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	_, err = io.Copy(io.Discard, resp.Body)
+	require.NoError(t, err)
+}
+
+// TestAConnectionBackAfterAStreamKeepsNoDeadline: the write deadline that
+// bounded a detached stream's end is lifted when its connection goes back
+// to the server: a request sent on it later than that is answered, even by
+// net/http itself (which sets no deadline of its own: a 400 for a request
+// it cannot read).
+func TestAConnectionBackAfterAStreamKeepsNoDeadline(t *testing.T) {
+	t.Parallel()
+	const timeout = 100 * time.Millisecond
+	b := setupWith(t, options{server: func(c *server.Config) { c.StreamWriteTimeout = timeout }})
+	b.upstream.configure(func(s *scripted) { s.firstDelay = 50 * time.Millisecond })
+	conn, r := b.dialRaw(t)
+	_, err := io.WriteString(conn, b.rawRequest(http.MethodPost, "/api/v1/responses", "HTTP/1.1", `{"prompt":"first","stream":true}`))
+	require.NoError(t, err)
+	readStream(t, r)
+	time.Sleep(3 * timeout) // past the deadline set as the stream ended
+	_, err = io.WriteString(conn, "GET /healthz HTTP/1.1\r\nHost: gateway\r\nBad Header\r\n\r\n")
+	require.NoError(t, err)
+	resp, err := http.ReadResponse(r, nil)
+	require.NoError(t, err)
+	require.Equal(t, http.StatusBadRequest, resp.StatusCode)
+}
+
 // TestStreamNotYetDetachedEndsWithItsClient: before a stream is detached, the
 // client going away (seen by net/http) ends its call too; what it produced is
 // billed.
