@@ -469,6 +469,17 @@ func (b *testBundle) hangingStream(t *testing.T) (net.Conn, *http.Response) {
 	return conn, resp
 }
 
+// awaitDetached waits until a stream is detached: shutdown would wait for
+// it.
+func (b *testBundle) awaitDetached(t *testing.T) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Millisecond)
+		defer cancel()
+		return b.server.WaitStreams(ctx) != nil
+	}, 5*time.Second, time.Millisecond, "the stream is detached")
+}
+
 // requireBilledOnce waits until one request is billed and nothing is
 // reserved any more.
 func (b *testBundle) requireBilledOnce(t *testing.T) {
@@ -490,11 +501,7 @@ func TestARequestBegunDuringADetachedStreamIsServedAfterIt(t *testing.T) {
 	conn, r := b.dialRaw(t)
 	_, err := io.WriteString(conn, b.rawRequest(http.MethodPost, "/api/v1/responses", "HTTP/1.1", `{"prompt":"first","stream":true}`))
 	require.NoError(t, err)
-	require.Eventually(t, func() bool {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Millisecond)
-		defer cancel()
-		return b.server.WaitStreams(ctx) != nil
-	}, 5*time.Second, time.Millisecond, "the stream is detached")
+	b.awaitDetached(t)
 	_, err = io.WriteString(conn, b.rawRequest(http.MethodGet, "/healthz", "HTTP/1.1", ""))
 	require.NoError(t, err)
 	readStream(t, r)
@@ -503,6 +510,24 @@ func TestARequestBegunDuringADetachedStreamIsServedAfterIt(t *testing.T) {
 	require.Equal(t, http.StatusOK, resp.StatusCode)
 	_, err = io.Copy(io.Discard, resp.Body)
 	require.NoError(t, err)
+}
+
+// TestADrainingReplicaClosesAStreamsConnectionAtItsEnd: a detached stream
+// that ends once its replica drains closes its connection after the last
+// chunk rather than giving it back for another request.
+func TestADrainingReplicaClosesAStreamsConnectionAtItsEnd(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	b.upstream.configure(func(s *scripted) { s.firstDelay = 200 * time.Millisecond })
+	conn, r := b.dialRaw(t)
+	_, err := io.WriteString(conn, b.rawRequest(http.MethodPost, "/api/v1/responses", "HTTP/1.1", `{"prompt":"first","stream":true}`))
+	require.NoError(t, err)
+	b.awaitDetached(t)
+	b.server.Drain()
+	readStream(t, r)
+	require.NoError(t, conn.SetReadDeadline(time.Now().Add(5*time.Second)))
+	_, err = r.ReadByte()
+	require.ErrorIs(t, err, io.EOF, "the connection is closed")
 }
 
 // TestAConnectionBackAfterAStreamKeepsNoDeadline: the write deadline that
