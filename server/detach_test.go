@@ -568,6 +568,23 @@ func TestStreamNotYetDetachedEndsWithItsClient(t *testing.T) {
 	require.NoError(t, b.server.WaitStreams(context.Background()), "it was never detached")
 }
 
+// TestADetachedStreamEndsWithItsClient: once a stream is detached, its
+// client going away (seen by the watch on its connection, long before a
+// keep-alive would fail) ends its call; what it produced is billed.
+func TestADetachedStreamEndsWithItsClient(t *testing.T) {
+	t.Parallel()
+	b := setupWith(t, options{keepalive: time.Hour})
+	conn, resp := b.hangingStream(t)
+	b.awaitDetached(t)
+	line, err := bufio.NewReader(resp.Body).ReadString('\n')
+	require.NoError(t, err)
+	require.Equal(t, "event: response.output_text.delta\n", line, "the first piece is out")
+	require.NoError(t, conn.Close())
+
+	b.requireBilledOnce(t)
+	require.NoError(t, b.server.WaitStreams(context.Background()))
+}
+
 // TestStreamsStayWithoutTheListener: a server whose listener is not wrapped
 // (nothing would take connections back) keeps its streams on their
 // connections' goroutines, however long they run.
