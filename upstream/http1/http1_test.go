@@ -268,6 +268,26 @@ func TestAClosingExchangeIsNotReused(t *testing.T) {
 	}
 }
 
+// TestABodyClosedTwiceGivesItsConnectionBackOnce: a second close of a
+// body does nothing: the connection it gave back stays open for the next
+// call.
+func TestABodyClosedTwiceGivesItsConnectionBackOnce(t *testing.T) {
+	t.Parallel()
+	b := setup(t, http1.Config{}, echo)
+	req, err := http.NewRequest(http.MethodPost, b.server.URL, strings.NewReader("x"))
+	require.NoError(t, err)
+	resp, err := b.client.Do(req, nil)
+	require.NoError(t, err)
+	_, err = io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	require.NoError(t, resp.Body.Close())
+	require.NoError(t, resp.Body.Close())
+	call(t, context.Background(), b.client, b.server.URL, "next")
+	calls := b.calls()
+	require.Equal(t, calls[0], calls[1])
+	require.Zero(t, b.closed.Load())
+}
+
 // TestAFailedExchangeClosesItsConnection: a reply that cannot be read
 // closes the connection it came on (the upstream reads its end), not left
 // open for the collector.
@@ -310,25 +330,9 @@ func TestTheLastConnectionBackIsUsedFirst(t *testing.T) {
 		_, _ = io.WriteString(w, r.RemoteAddr)
 	})
 	arrived.Add(2)
-	replies := map[string]chan string{}
+	replies := map[string]<-chan string{}
 	for path := range gates {
-		reply := make(chan string, 1)
-		replies[path] = reply
-		go func() {
-			req, err := http.NewRequest(http.MethodPost, b.server.URL+path, strings.NewReader("x"))
-			if err != nil {
-				reply <- err.Error()
-				return
-			}
-			resp, err := b.client.Do(req, nil)
-			if err != nil {
-				reply <- err.Error()
-				return
-			}
-			got, _ := io.ReadAll(resp.Body)
-			_ = resp.Body.Close()
-			reply <- string(got)
-		}()
+		replies[path] = callAsync(b.client, b.server.URL+path)
 	}
 	arrived.Wait() // two connections, each with a call
 	close(gates["/first"])
@@ -448,6 +452,28 @@ func serveRaw(tb testing.TB, answer func(c net.Conn, req *http.Request) bool) st
 		}
 	}()
 	return "http://" + ln.Addr().String()
+}
+
+// callAsync makes a POST on a goroutine of its own; its reply's body, read
+// to its end, or its error, comes on the channel.
+func callAsync(c *http1.Client, url string) <-chan string {
+	reply := make(chan string, 1)
+	go func() {
+		req, err := http.NewRequest(http.MethodPost, url, strings.NewReader("x"))
+		if err != nil {
+			reply <- err.Error()
+			return
+		}
+		resp, err := c.Do(req, nil)
+		if err != nil {
+			reply <- err.Error()
+			return
+		}
+		got, _ := io.ReadAll(resp.Body)
+		_ = resp.Body.Close()
+		reply <- string(got)
+	}()
+	return reply
 }
 
 // post sends a small POST to url with a new client.
@@ -756,25 +782,9 @@ func TestTheSweepClosesEachIdleConnectionInItsTime(t *testing.T) {
 	// first.
 	start := time.Now()
 	arrived.Add(len(gates))
-	replies := map[string]chan string{}
+	replies := map[string]<-chan string{}
 	for path := range gates {
-		reply := make(chan string, 1)
-		replies[path] = reply
-		go func() {
-			req, err := http.NewRequest(http.MethodPost, server.URL+path, strings.NewReader("x"))
-			if err != nil {
-				reply <- err.Error()
-				return
-			}
-			resp, err := client.Do(req, nil)
-			if err != nil {
-				reply <- err.Error()
-				return
-			}
-			got, _ := io.ReadAll(resp.Body)
-			_ = resp.Body.Close()
-			reply <- string(got)
-		}()
+		replies[path] = callAsync(client, server.URL+path)
 	}
 	arrived.Wait()
 	close(gates["/first"])
