@@ -113,3 +113,23 @@ func TestHandedConnGivesItsDescriptorOnceTheBytesReadAheadAreRead(t *testing.T) 
 	_, err = handBack(inMemory, nil).SyscallConn()
 	require.ErrorIs(t, err, errors.ErrUnsupported, "a connection without a descriptor")
 }
+
+// TestAChunkedSinkKeepsNoLargeBuffer: a flushed chunk's buffer is kept for
+// the next (no allocation an event), unless it grew past 4 KiB: a waiting
+// stream holds no large buffer.
+func TestAChunkedSinkKeepsNoLargeBuffer(t *testing.T) {
+	t.Parallel()
+	server, client := net.Pipe()
+	t.Cleanup(func() { server.Close(); client.Close() })
+	go func() { _, _ = io.Copy(io.Discard, client) }()
+	c := &chunkedSink{conn: server}
+	_, err := c.Write([]byte("event: small"))
+	require.NoError(t, err)
+	require.NoError(t, c.Flush())
+	require.Empty(t, c.buf)
+	require.NotZero(t, cap(c.buf), "kept for the next chunk")
+	_, err = c.Write(make([]byte, 8<<10))
+	require.NoError(t, err)
+	require.NoError(t, c.Flush())
+	require.Nil(t, c.buf, "let go")
+}
