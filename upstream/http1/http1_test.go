@@ -344,12 +344,24 @@ func TestTheLastConnectionBackIsUsedFirst(t *testing.T) {
 	require.Equal(t, second, next)
 }
 
+// TestABodyClosedEarlyClosesItsConnectionWithoutReadingOn: a body closed
+// before its end closes its connection at once, without reading what is
+// left, even when the client has read all it was sent so far.
 func TestABodyClosedEarlyClosesItsConnectionWithoutReadingOn(t *testing.T) {
 	t.Parallel()
 	var b *testBundle
-	b = setup(t, http1.Config{}, func(w http.ResponseWriter, r *http.Request) {
-		if r.URL.Path == "/endless" {
+	b = setup(t, http1.Config{IdleTimeout: time.Minute}, func(w http.ResponseWriter, r *http.Request) {
+		switch r.URL.Path {
+		case "/endless":
 			_, _ = w.Write([]byte("a first piece"))
+			w.(http.Flusher).Flush()
+			b.hold(r)
+			return
+		case "/longer":
+			// All the client has read is all it was sent, but not the
+			// body's end.
+			w.Header().Set("Content-Length", "100")
+			_, _ = w.Write([]byte("ten bytes."))
 			w.(http.Flusher).Flush()
 			b.hold(r)
 			return
@@ -369,6 +381,16 @@ func TestABodyClosedEarlyClosesItsConnectionWithoutReadingOn(t *testing.T) {
 	call(t, context.Background(), b.client, b.server.URL, "next")
 	calls := b.calls()
 	require.NotEqual(t, calls[0], calls[1])
+
+	req, err = http.NewRequest(http.MethodPost, b.server.URL+"/longer", strings.NewReader("x"))
+	require.NoError(t, err)
+	resp, err = b.client.Do(req, nil)
+	require.NoError(t, err)
+	buf = make([]byte, len("ten bytes."))
+	_, err = io.ReadFull(resp.Body, buf)
+	require.NoError(t, err)
+	require.NoError(t, resp.Body.Close())
+	require.Eventually(t, func() bool { return b.closed.Load() == 2 }, 5*time.Second, time.Millisecond)
 }
 
 func TestCancellingWakesTheCall(t *testing.T) {
