@@ -19,6 +19,7 @@ func TestHandedConnWaitsLikeAnIdleConnection(t *testing.T) {
 	server, client := net.Pipe()
 	t.Cleanup(func() { server.Close(); client.Close() })
 	h := handBack(server, nil)
+	require.WithinDuration(t, time.Now().Add(IdleTimeout), h.idleUntil, time.Second, "it waits as long as an idle connection")
 	const header = 100 * time.Millisecond
 	require.NoError(t, h.SetReadDeadline(time.Now().Add(header)), "as net/http does on a new connection")
 
