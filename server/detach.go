@@ -168,11 +168,11 @@ func (d *detached) take(w http.ResponseWriter) bool {
 		return false
 	}
 	// net/http has written the head and every event, flushed, as chunks.
+	// Hijack lifts the connection's deadlines.
 	conn, brw, err := http.NewResponseController(w).Hijack()
 	if err != nil {
 		return false
 	}
-	_ = conn.SetDeadline(time.Time{})
 	if n := brw.Reader.Buffered(); n > 0 {
 		// The client's next request, sent ahead (pipelined).
 		ahead, _ := brw.Reader.Peek(n)
