@@ -477,8 +477,9 @@ func (b *body) Close() error {
 	}
 	b.closed = true
 	// stop reports false once the call's context was done: its deadline may
-	// be set on the connection at any moment.
-	if b.stop() && b.eof && b.reuse && b.conn.idle() && b.conn.nc.SetDeadline(time.Time{}) == nil {
+	// be set on the connection at any moment. Otherwise no deadline was set
+	// on it: it goes back as it came.
+	if b.stop() && b.eof && b.reuse && b.conn.idle() {
 		b.client.put(b.addr, b.conn, b.keep)
 		return nil
 	}
