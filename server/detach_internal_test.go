@@ -34,17 +34,24 @@ func TestHandedConnWaitsLikeAnIdleConnection(t *testing.T) {
 
 	// From the first byte the header timeout runs: a client that stalls
 	// mid-request is cut, long before an idle connection would be.
-	read := make(chan error, 1)
-	go func() {
-		_, err := h.Read(buf)
-		read <- err
-	}()
-	select {
-	case err := <-read:
-		require.True(t, errors.Is(err, os.ErrDeadlineExceeded), "got %v", err)
-	case <-time.After(IdleTimeout / 2):
-		require.Fail(t, "a client stalled mid-request waits as long as an idle one")
+	requireCut := func(msg string) {
+		t.Helper()
+		read := make(chan error, 1)
+		go func() {
+			_, err := h.Read(buf)
+			read <- err
+		}()
+		select {
+		case err := <-read:
+			require.True(t, errors.Is(err, os.ErrDeadlineExceeded), "got %v", err)
+		case <-time.After(IdleTimeout / 2):
+			require.Fail(t, msg)
+		}
 	}
+	requireCut("a client stalled mid-request waits as long as an idle one")
+	// From then on the deadlines asked for are the connection's own.
+	require.NoError(t, h.SetReadDeadline(time.Now()))
+	requireCut("a deadline asked for once the request began is not the idle one")
 }
 
 // TestHandedConnReturnsTheBytesReadAhead: the next request's bytes read while
