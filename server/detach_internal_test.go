@@ -70,6 +70,28 @@ func TestHandedConnReturnsTheBytesReadAhead(t *testing.T) {
 	require.Equal(t, "GET /healthz", string(got))
 }
 
+// TestHandedConnSetsBothDeadlines: SetDeadline, as net/http calls it when
+// it hands a connection over (a second stream detached on it), bounds its
+// writes too, not only its reads.
+func TestHandedConnSetsBothDeadlines(t *testing.T) {
+	t.Parallel()
+	server, client := net.Pipe() // nobody reads client: a write waits for its deadline
+	t.Cleanup(func() { server.Close(); client.Close() })
+	h := handBack(server, []byte("G"))
+	require.NoError(t, h.SetDeadline(time.Now()))
+	written := make(chan error, 1)
+	go func() {
+		_, err := h.Write([]byte("HTTP/1.1 200 OK\r\n"))
+		written <- err
+	}()
+	select {
+	case err := <-written:
+		require.ErrorIs(t, err, os.ErrDeadlineExceeded)
+	case <-time.After(5 * time.Second):
+		require.Fail(t, "the write waits past its deadline")
+	}
+}
+
 // TestRelistener: it accepts new connections and those given back; once
 // closed, it accepts nothing and closes what is given back.
 func TestRelistener(t *testing.T) {
