@@ -121,16 +121,22 @@ func TestStreamThenPipelinedRequest(t *testing.T) {
 		b.rawRequest(http.MethodGet, "/healthz", "HTTP/1.1", ""))
 	require.NoError(t, err)
 	readStream(t, r)
-	resp, err := http.ReadResponse(r, nil)
-	require.NoError(t, err)
-	require.Equal(t, http.StatusOK, resp.StatusCode)
-	_, err = io.Copy(io.Discard, resp.Body)
-	require.NoError(t, err)
+	readOK(t, r)
 
 	// And a request sent once the stream is over is served too.
 	_, err = io.WriteString(conn, b.rawRequest(http.MethodPost, "/api/v1/responses", "HTTP/1.1", `{"prompt":"second","stream":true}`))
 	require.NoError(t, err)
 	readStream(t, r)
+}
+
+// readOK reads a reply from r, which must be a 200, to its end.
+func readOK(t *testing.T, r *bufio.Reader) {
+	t.Helper()
+	resp, err := http.ReadResponse(r, nil)
+	require.NoError(t, err)
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	_, err = io.Copy(io.Discard, resp.Body)
+	require.NoError(t, err)
 }
 
 // TestStreamConnectionClose: a client that asks to close gets its stream, told
@@ -469,6 +475,17 @@ func (b *testBundle) hangingStream(t *testing.T) (net.Conn, *http.Response) {
 	return conn, resp
 }
 
+// rawStream asks for a stream, whose upstream's first piece comes after
+// firstDelay, on a connection of its own, and returns it.
+func (b *testBundle) rawStream(t *testing.T, firstDelay time.Duration) (net.Conn, *bufio.Reader) {
+	t.Helper()
+	b.upstream.configure(func(s *scripted) { s.firstDelay = firstDelay })
+	conn, r := b.dialRaw(t)
+	_, err := io.WriteString(conn, b.rawRequest(http.MethodPost, "/api/v1/responses", "HTTP/1.1", `{"prompt":"first","stream":true}`))
+	require.NoError(t, err)
+	return conn, r
+}
+
 // awaitDetached waits until a stream is detached: shutdown would wait for
 // it.
 func (b *testBundle) awaitDetached(t *testing.T) {
@@ -497,19 +514,12 @@ func (b *testBundle) requireBilledOnce(t *testing.T) {
 func TestARequestBegunDuringADetachedStreamIsServedAfterIt(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
-	b.upstream.configure(func(s *scripted) { s.firstDelay = 200 * time.Millisecond })
-	conn, r := b.dialRaw(t)
-	_, err := io.WriteString(conn, b.rawRequest(http.MethodPost, "/api/v1/responses", "HTTP/1.1", `{"prompt":"first","stream":true}`))
-	require.NoError(t, err)
+	conn, r := b.rawStream(t, 200*time.Millisecond)
 	b.awaitDetached(t)
-	_, err = io.WriteString(conn, b.rawRequest(http.MethodGet, "/healthz", "HTTP/1.1", ""))
+	_, err := io.WriteString(conn, b.rawRequest(http.MethodGet, "/healthz", "HTTP/1.1", ""))
 	require.NoError(t, err)
 	readStream(t, r)
-	resp, err := http.ReadResponse(r, nil)
-	require.NoError(t, err)
-	require.Equal(t, http.StatusOK, resp.StatusCode)
-	_, err = io.Copy(io.Discard, resp.Body)
-	require.NoError(t, err)
+	readOK(t, r)
 }
 
 // TestADrainingReplicaClosesAStreamsConnectionAtItsEnd: a detached stream
@@ -518,15 +528,12 @@ func TestARequestBegunDuringADetachedStreamIsServedAfterIt(t *testing.T) {
 func TestADrainingReplicaClosesAStreamsConnectionAtItsEnd(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
-	b.upstream.configure(func(s *scripted) { s.firstDelay = 200 * time.Millisecond })
-	conn, r := b.dialRaw(t)
-	_, err := io.WriteString(conn, b.rawRequest(http.MethodPost, "/api/v1/responses", "HTTP/1.1", `{"prompt":"first","stream":true}`))
-	require.NoError(t, err)
+	conn, r := b.rawStream(t, 200*time.Millisecond)
 	b.awaitDetached(t)
 	b.server.Drain()
 	readStream(t, r)
 	require.NoError(t, conn.SetReadDeadline(time.Now().Add(5*time.Second)))
-	_, err = r.ReadByte()
+	_, err := r.ReadByte()
 	require.ErrorIs(t, err, io.EOF, "the connection is closed")
 }
 
@@ -539,13 +546,10 @@ func TestAConnectionBackAfterAStreamKeepsNoDeadline(t *testing.T) {
 	t.Parallel()
 	const timeout = 100 * time.Millisecond
 	b := setupWith(t, options{server: func(c *server.Config) { c.StreamWriteTimeout = timeout }})
-	b.upstream.configure(func(s *scripted) { s.firstDelay = 50 * time.Millisecond })
-	conn, r := b.dialRaw(t)
-	_, err := io.WriteString(conn, b.rawRequest(http.MethodPost, "/api/v1/responses", "HTTP/1.1", `{"prompt":"first","stream":true}`))
-	require.NoError(t, err)
+	conn, r := b.rawStream(t, 50*time.Millisecond)
 	readStream(t, r)
 	time.Sleep(3 * timeout) // past the deadline set as the stream ended
-	_, err = io.WriteString(conn, "GET /healthz HTTP/1.1\r\nHost: gateway\r\nBad Header\r\n\r\n")
+	_, err := io.WriteString(conn, "GET /healthz HTTP/1.1\r\nHost: gateway\r\nBad Header\r\n\r\n")
 	require.NoError(t, err)
 	resp, err := http.ReadResponse(r, nil)
 	require.NoError(t, err)
