@@ -5,6 +5,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"syscall"
 	"testing"
 	"time"
 
@@ -93,7 +94,8 @@ func TestHandedConnSetsBothDeadlines(t *testing.T) {
 }
 
 // TestRelistener: it accepts new connections and those given back; once
-// closed, it accepts nothing and closes what is given back.
+// closed, it accepts nothing and closes what is given back, and what it
+// accepted that no one took.
 func TestRelistener(t *testing.T) {
 	t.Parallel()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
@@ -114,7 +116,17 @@ func TestRelistener(t *testing.T) {
 	require.NoError(t, err)
 	require.Same(t, back, again)
 
+	// A connection accepted that no one took when the listener closes is
+	// closed, not left open.
+	late, err := net.Dial("tcp", ln.Addr().String())
+	require.NoError(t, err)
+	defer late.Close()
+	time.Sleep(100 * time.Millisecond) // accepted, and waiting to be taken
 	require.NoError(t, l.Close())
+	_ = late.SetReadDeadline(time.Now().Add(5 * time.Second))
+	_, err = late.Read(make([]byte, 1))
+	// (Reset, had it been still in the listener's backlog.)
+	require.True(t, errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET), "a connection accepted as the listener closed is closed: %v", err)
 	_, err = l.Accept()
 	require.ErrorIs(t, err, net.ErrClosed)
 	s.relisten.Load().give(again)
