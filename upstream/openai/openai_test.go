@@ -1111,14 +1111,14 @@ func TestTokenCountsAreReadAsTheyCome(t *testing.T) {
 	})
 }
 
-// TestUsageOfOtherConventions: OpenAI's completion_tokens hold
-// the reasoning tokens its details break out; xAI's API counts them on top,
-// its total_tokens their sum with the prompt and completion tokens. They are
+// TestUsageOfOtherConventions: OpenAI's completion_tokens hold the reasoning
+// tokens its details break out; xAI's API counts them on top, its
+// total_tokens their sum with the prompt and completion tokens. They are
 // added when the total says so, and never otherwise: not twice for OpenAI's
-// counts, not on a total that is another sum or none, and details of
-// another shape fail nothing. Counts under the Responses API's names (as
-// some servers send them in a chat completion) are read as the others,
-// which come first.
+// counts, not on a total that is another sum, none, or a sum past the
+// counts' range (which wraps), and details of another shape fail nothing.
+// Counts under the Responses API's names (as some servers send them in a
+// chat completion) are read as the others, which come first.
 func TestUsageOfOtherConventions(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {
@@ -1133,6 +1133,7 @@ func TestUsageOfOtherConventions(t *testing.T) {
 			`"prompt_tokens":32,"completion_tokens":9,"total_tokens":135,"completion_tokens_details":[94]`:                                        {32, 9},
 			`"prompt_tokens":32,"completion_tokens":9,"total_tokens":135,"completion_tokens_details":null`:                                        {32, 9},
 			`"prompt_tokens":18446744073709551615,"completion_tokens":9,"total_tokens":8,"completion_tokens_details":{"reasoning_tokens":1}`:      {math.MaxUint64, 9},
+			`"prompt_tokens":18446744073709551615,"completion_tokens":9,"total_tokens":9,"completion_tokens_details":{"reasoning_tokens":1}`:      {math.MaxUint64, 9},
 			`"input_tokens":32,"output_tokens":9,"total_tokens":41`:                                                                               {32, 9},
 			`"input_tokens":32,"output_tokens":9,"total_tokens":135,"completion_tokens_details":{"reasoning_tokens":94}`:                          {32, 103},
 			`"prompt_tokens":32,"completion_tokens":9,"input_tokens":1,"output_tokens":1`:                                                         {32, 9},
