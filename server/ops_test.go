@@ -54,8 +54,10 @@ func TestRequestID(t *testing.T) {
 	require.Equal(t, "trace-abc-123", r.header.Get("x-request-id"), "a client's id is echoed")
 	r = b.do(http.MethodGet, "/healthz", "", "", nil)
 	require.Len(t, r.header.Get("x-request-id"), 36, "one is generated otherwise")
-	r = b.doWith(http.MethodGet, "/healthz", "", "", nil, http.Header{"X-Request-Id": {strings.Repeat("x", 200)}})
-	require.Len(t, r.header.Get("x-request-id"), 36, "an unusable one is replaced")
+	for _, unusable := range []string{strings.Repeat("x", 200), "trace abc", "trace\tabc", "tracé"} {
+		r = b.doWith(http.MethodGet, "/healthz", "", "", nil, http.Header{"X-Request-Id": {unusable}})
+		require.Len(t, r.header.Get("x-request-id"), 36, "an unusable one is replaced: %q", unusable)
+	}
 	r = b.do(http.MethodGet, "/nowhere", "", "", nil)
 	require.NotEmpty(t, r.header.Get("x-request-id"), "errors carry it too")
 }
