@@ -466,9 +466,7 @@ func TestWaitStreams(t *testing.T) {
 func (b *testBundle) hangingStream(t *testing.T) (net.Conn, *http.Response) {
 	t.Helper()
 	b.upstream.configure(func(s *scripted) { s.hang = true })
-	conn, r := b.dialRaw(t)
-	_, err := io.WriteString(conn, b.rawRequest(http.MethodPost, "/api/v1/responses", "HTTP/1.1", `{"prompt":"hang on","stream":true}`))
-	require.NoError(t, err)
+	conn, r := b.rawStream(t, 0)
 	resp, err := http.ReadResponse(r, nil)
 	require.NoError(t, err)
 	require.Equal(t, http.StatusOK, resp.StatusCode)
@@ -556,37 +554,32 @@ func TestAConnectionBackAfterAStreamKeepsNoDeadline(t *testing.T) {
 	require.Equal(t, http.StatusBadRequest, resp.StatusCode)
 }
 
-// TestStreamNotYetDetachedEndsWithItsClient: before a stream is detached, the
-// client going away (seen by net/http) ends its call too; what it produced is
-// billed.
-func TestStreamNotYetDetachedEndsWithItsClient(t *testing.T) {
+// TestAStreamEndsWithItsClient: the client of a stream going away ends its
+// call, before the stream is detached (seen by net/http) or after (seen by
+// the watch on its connection, long before a keep-alive would fail); what
+// it produced is billed.
+func TestAStreamEndsWithItsClient(t *testing.T) {
 	t.Parallel()
-	b := setupWith(t, options{server: func(c *server.Config) { c.DetachAfter = time.Hour }})
-	conn, resp := b.hangingStream(t)
-	line, err := bufio.NewReader(resp.Body).ReadString('\n')
-	require.NoError(t, err)
-	require.Equal(t, "event: response.output_text.delta\n", line, "the first piece is out")
-	require.NoError(t, conn.Close())
+	for name, o := range map[string]options{
+		"not yet detached": {server: func(c *server.Config) { c.DetachAfter = time.Hour }},
+		"detached":         {keepalive: time.Hour},
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			b := setupWith(t, o)
+			conn, resp := b.hangingStream(t)
+			if name == "detached" {
+				b.awaitDetached(t)
+			}
+			line, err := bufio.NewReader(resp.Body).ReadString('\n')
+			require.NoError(t, err)
+			require.Equal(t, "event: response.output_text.delta\n", line, "the first piece is out")
+			require.NoError(t, conn.Close())
 
-	b.requireBilledOnce(t)
-	require.NoError(t, b.server.WaitStreams(context.Background()), "it was never detached")
-}
-
-// TestADetachedStreamEndsWithItsClient: once a stream is detached, its
-// client going away (seen by the watch on its connection, long before a
-// keep-alive would fail) ends its call; what it produced is billed.
-func TestADetachedStreamEndsWithItsClient(t *testing.T) {
-	t.Parallel()
-	b := setupWith(t, options{keepalive: time.Hour})
-	conn, resp := b.hangingStream(t)
-	b.awaitDetached(t)
-	line, err := bufio.NewReader(resp.Body).ReadString('\n')
-	require.NoError(t, err)
-	require.Equal(t, "event: response.output_text.delta\n", line, "the first piece is out")
-	require.NoError(t, conn.Close())
-
-	b.requireBilledOnce(t)
-	require.NoError(t, b.server.WaitStreams(context.Background()))
+			b.requireBilledOnce(t)
+			require.NoError(t, b.server.WaitStreams(context.Background()), "nothing is left open")
+		})
+	}
 }
 
 // TestStreamsStayWithoutTheListener: a server whose listener is not wrapped
