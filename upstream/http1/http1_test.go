@@ -320,25 +320,13 @@ func TestAFailedExchangeClosesItsConnection(t *testing.T) {
 // upstream's own idle timeout).
 func TestTheLastConnectionBackIsUsedFirst(t *testing.T) {
 	t.Parallel()
-	var arrived sync.WaitGroup
-	gates := map[string]chan struct{}{"/first": make(chan struct{}), "/second": make(chan struct{})}
+	g := newGates("/first", "/second")
 	b := setup(t, http1.Config{}, func(w http.ResponseWriter, r *http.Request) {
-		if gate, ok := gates[r.URL.Path]; ok {
-			arrived.Done()
-			<-gate
-		}
+		g.pass(r.URL.Path)
 		_, _ = io.WriteString(w, r.RemoteAddr)
 	})
-	arrived.Add(2)
-	replies := map[string]<-chan string{}
-	for path := range gates {
-		replies[path] = callAsync(b.client, b.server.URL+path)
-	}
-	arrived.Wait() // two connections, each with a call
-	close(gates["/first"])
-	first := <-replies["/first"]
-	close(gates["/second"])
-	second := <-replies["/second"]
+	from := g.callInOrder(b.client, b.server.URL)
+	first, second := from[0], from[1]
 	require.NotEqual(t, first, second)
 	_, next := call(t, context.Background(), b.client, b.server.URL+"/next", "x")
 	require.Equal(t, second, next)
@@ -476,26 +464,62 @@ func serveRaw(tb testing.TB, answer func(c net.Conn, req *http.Request) bool) st
 	return "http://" + ln.Addr().String()
 }
 
-// callAsync makes a POST on a goroutine of its own; its reply's body, read
-// to its end, or its error, comes on the channel.
-func callAsync(c *http1.Client, url string) <-chan string {
-	reply := make(chan string, 1)
-	go func() {
-		req, err := http.NewRequest(http.MethodPost, url, strings.NewReader("x"))
-		if err != nil {
-			reply <- err.Error()
-			return
-		}
-		resp, err := c.Do(req, nil)
-		if err != nil {
-			reply <- err.Error()
-			return
-		}
-		got, _ := io.ReadAll(resp.Body)
-		_ = resp.Body.Close()
-		reply <- string(got)
-	}()
-	return reply
+// gates hold the calls to their paths at the upstream until released, so
+// that each takes a connection of its own.
+type gates struct {
+	paths   []string
+	open    map[string]chan struct{}
+	arrived sync.WaitGroup
+}
+
+func newGates(paths ...string) *gates {
+	g := &gates{paths: paths, open: map[string]chan struct{}{}}
+	for _, p := range paths {
+		g.open[p] = make(chan struct{})
+	}
+	return g
+}
+
+// pass holds the upstream's handler of a call to path until its gate opens
+// (at once for a path without a gate).
+func (g *gates) pass(path string) {
+	if gate, ok := g.open[path]; ok {
+		g.arrived.Done()
+		<-gate
+	}
+}
+
+// callInOrder makes a POST to each path at once and, once all have reached
+// the upstream, releases them one at a time, in order, each reply's body
+// (or its error) read before the next is released.
+func (g *gates) callInOrder(c *http1.Client, base string) []string {
+	g.arrived.Add(len(g.paths))
+	replies := make([]chan string, len(g.paths))
+	for i, path := range g.paths {
+		replies[i] = make(chan string, 1)
+		go func() {
+			req, err := http.NewRequest(http.MethodPost, base+path, strings.NewReader("x"))
+			if err != nil {
+				replies[i] <- err.Error()
+				return
+			}
+			resp, err := c.Do(req, nil)
+			if err != nil {
+				replies[i] <- err.Error()
+				return
+			}
+			got, _ := io.ReadAll(resp.Body)
+			_ = resp.Body.Close()
+			replies[i] <- string(got)
+		}()
+	}
+	g.arrived.Wait()
+	got := make([]string, len(g.paths))
+	for i, path := range g.paths {
+		close(g.open[path])
+		got[i] = <-replies[i]
+	}
+	return got
 }
 
 // post sends a small POST to url with a new client.
@@ -766,8 +790,7 @@ func TestTheSweepClosesEachIdleConnectionInItsTime(t *testing.T) {
 	t.Parallel()
 	var mu sync.Mutex
 	closedAt := map[string]time.Time{} // by the client's address
-	gates := map[string]chan struct{}{"/first": make(chan struct{}), "/long": make(chan struct{}), "/short": make(chan struct{})}
-	var arrived sync.WaitGroup
+	g := newGates("/first", "/long", "/short")
 	server := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		switch r.URL.Path {
 		case "/long":
@@ -775,10 +798,7 @@ func TestTheSweepClosesEachIdleConnectionInItsTime(t *testing.T) {
 		case "/short":
 			w.Header().Set("Keep-Alive", "timeout=3") // kept 2 s
 		}
-		if gate, ok := gates[r.URL.Path]; ok {
-			arrived.Done()
-			<-gate
-		}
+		g.pass(r.URL.Path)
 		_, _ = io.WriteString(w, r.RemoteAddr)
 	}))
 	server.Config.ConnState = func(c net.Conn, state http.ConnState) {
@@ -803,18 +823,8 @@ func TestTheSweepClosesEachIdleConnectionInItsTime(t *testing.T) {
 	// first sweep is then; of the two others, the one kept longer is idle
 	// first.
 	start := time.Now()
-	arrived.Add(len(gates))
-	replies := map[string]<-chan string{}
-	for path := range gates {
-		replies[path] = callAsync(client, server.URL+path)
-	}
-	arrived.Wait()
-	close(gates["/first"])
-	first := <-replies["/first"]
-	close(gates["/long"])
-	long := <-replies["/long"]
-	close(gates["/short"])
-	short := <-replies["/short"]
+	from := g.callInOrder(client, server.URL)
+	first, long, short := from[0], from[1], from[2]
 	require.Len(t, map[string]bool{first: true, long: true, short: true}, 3)
 
 	require.Eventually(t, func() bool { return closed(first) }, 5*time.Second, 10*time.Millisecond)
