@@ -37,17 +37,11 @@ func TestHandedConnWaitsLikeAnIdleConnection(t *testing.T) {
 	// mid-request is cut, long before an idle connection would be.
 	requireCut := func(msg string) {
 		t.Helper()
-		read := make(chan error, 1)
-		go func() {
+		err := doneWithin(t, IdleTimeout/2, msg, func() error {
 			_, err := h.Read(buf)
-			read <- err
-		}()
-		select {
-		case err := <-read:
-			require.True(t, errors.Is(err, os.ErrDeadlineExceeded), "got %v", err)
-		case <-time.After(IdleTimeout / 2):
-			require.Fail(t, msg)
-		}
+			return err
+		})
+		require.True(t, errors.Is(err, os.ErrDeadlineExceeded), "got %v", err)
 	}
 	requireCut("a client stalled mid-request waits as long as an idle one")
 	// From then on the deadlines asked for are the connection's own.
@@ -80,16 +74,25 @@ func TestHandedConnSetsBothDeadlines(t *testing.T) {
 	t.Cleanup(func() { server.Close(); client.Close() })
 	h := handBack(server, []byte("G"))
 	require.NoError(t, h.SetDeadline(time.Now()))
-	written := make(chan error, 1)
-	go func() {
+	err := doneWithin(t, 5*time.Second, "the write waits past its deadline", func() error {
 		_, err := h.Write([]byte("HTTP/1.1 200 OK\r\n"))
-		written <- err
-	}()
+		return err
+	})
+	require.ErrorIs(t, err, os.ErrDeadlineExceeded)
+}
+
+// doneWithin runs op on a goroutine of its own and returns its error; it
+// fails the test, saying msg, if op takes longer than wait.
+func doneWithin(t *testing.T, wait time.Duration, msg string, op func() error) error {
+	t.Helper()
+	done := make(chan error, 1)
+	go func() { done <- op() }()
 	select {
-	case err := <-written:
-		require.ErrorIs(t, err, os.ErrDeadlineExceeded)
-	case <-time.After(5 * time.Second):
-		require.Fail(t, "the write waits past its deadline")
+	case err := <-done:
+		return err
+	case <-time.After(wait):
+		require.Fail(t, msg)
+		return nil
 	}
 }
 
