@@ -395,49 +395,36 @@ func (panicsMidStream) Stream(_ context.Context, _ *upstream.Request, emit func(
 	panic("upstream client bug")
 }
 
-// TestDetachedStreamPanics: a stream that panics after it was detached is
-// logged and cut (the connection closed before the last chunk, the HTTP/2
-// stream reset), never ended as if whole; the server goes on.
-func TestDetachedStreamPanics(t *testing.T) {
+// TestAStreamThatPanicsIsCut: a stream that panics, once detached or still
+// its handler's, is logged (as a stream's panic, or as any handler's) and
+// cut (the connection closed before the last chunk, the HTTP/2 stream
+// reset), never ended as if whole; the server goes on.
+func TestAStreamThatPanicsIsCut(t *testing.T) {
 	t.Parallel()
-	for _, h2c := range []bool{false, true} {
-		t.Run(protoName(h2c), func(t *testing.T) {
-			t.Parallel()
-			logs := &syncbuf.Buffer{}
-			b := setupWith(t, options{h2c: h2c, provider: panicsMidStream{}, logs: logs})
-			resp := b.openStream(context.Background(), t, `{"prompt":"p","stream":true}`)
-			require.Equal(t, http.StatusOK, resp.StatusCode)
-			body, err := io.ReadAll(resp.Body)
-			require.Error(t, err, "the stream is cut, not ended")
-			require.Contains(t, string(body), "half", "what was sent before the panic arrived")
-			require.NotContains(t, string(body), "response.completed")
-			require.Eventually(t, func() bool { return strings.Contains(logs.String(), "panic serving a stream") }, 5*time.Second, 10*time.Millisecond)
-			require.Equal(t, http.StatusOK, b.do(http.MethodGet, "/healthz", "", "", nil).status, "the server lives on")
-		})
-	}
-}
-
-// TestAStreamPanickingBeforeItIsDetachedIsCut: a stream that panics while
-// still its handler's is logged as any handler's panic and cut, never ended
-// as if whole; the server goes on.
-func TestAStreamPanickingBeforeItIsDetachedIsCut(t *testing.T) {
-	t.Parallel()
-	for _, h2c := range []bool{false, true} {
-		t.Run(protoName(h2c), func(t *testing.T) {
-			t.Parallel()
-			logs := &syncbuf.Buffer{}
-			b := setupWith(t, options{h2c: h2c, provider: panicsMidStream{}, logs: logs,
-				server: func(c *server.Config) { c.DetachAfter = time.Hour }})
-			resp := b.openStream(context.Background(), t, `{"prompt":"p","stream":true}`)
-			require.Equal(t, http.StatusOK, resp.StatusCode)
-			body, err := io.ReadAll(resp.Body)
-			require.Error(t, err, "the stream is cut, not ended")
-			require.Contains(t, string(body), "half")
-			require.NotContains(t, string(body), "response.completed")
-			require.Eventually(t, func() bool { return strings.Contains(logs.String(), "panic serving request") }, 5*time.Second, 10*time.Millisecond)
-			require.NotContains(t, logs.String(), "panic serving a stream", "not detached")
-			require.Equal(t, http.StatusOK, b.do(http.MethodGet, "/healthz", "", "", nil).status, "the server lives on")
-		})
+	for _, detached := range []bool{true, false} {
+		for _, h2c := range []bool{false, true} {
+			logged := "panic serving a stream"
+			o := options{h2c: h2c, provider: panicsMidStream{}, logs: &syncbuf.Buffer{}}
+			if !detached {
+				logged = "panic serving request"
+				o.server = func(c *server.Config) { c.DetachAfter = time.Hour }
+			}
+			t.Run(fmt.Sprintf("%s, detached %t", protoName(h2c), detached), func(t *testing.T) {
+				t.Parallel()
+				b := setupWith(t, o)
+				resp := b.openStream(context.Background(), t, `{"prompt":"p","stream":true}`)
+				require.Equal(t, http.StatusOK, resp.StatusCode)
+				body, err := io.ReadAll(resp.Body)
+				require.Error(t, err, "the stream is cut, not ended")
+				require.Contains(t, string(body), "half", "what was sent before the panic arrived")
+				require.NotContains(t, string(body), "response.completed")
+				require.Eventually(t, func() bool { return strings.Contains(o.logs.String(), logged) }, 5*time.Second, 10*time.Millisecond)
+				if !detached {
+					require.NotContains(t, o.logs.String(), "panic serving a stream", "not detached")
+				}
+				require.Equal(t, http.StatusOK, b.do(http.MethodGet, "/healthz", "", "", nil).status, "the server lives on")
+			})
+		}
 	}
 }
 
