@@ -44,8 +44,6 @@ func (jsonBinder) Bind(i any, c echo.Context) error {
 		// The deadline stays: the server must not wait for the rest of the body.
 		return readError(err)
 	}
-	// The body is in: later reads (a stream's client going away) have no deadline.
-	_ = http.NewResponseController(c.Response()).SetReadDeadline(time.Time{})
 	if bytes.HasPrefix(body, byteOrderMark) {
 		// RFC 8259 lets a parser ignore it, and some clients write one
 		// (Windows PowerShell's UTF-8): read as whitespace, so that the
@@ -279,7 +277,7 @@ func typeMismatch(err *json.UnmarshalTypeError) string {
 	value := gateway.Clip(err.Value)
 	digits, isNumber := strings.CutPrefix(err.Value, "number ")
 	kind := err.Type.Kind()
-	if isNumber && digits != "" && strings.Trim(digits, "0123456789") == "" && kind >= reflect.Uint && kind <= reflect.Uint64 {
+	if isNumber && strings.Trim(digits, "0123456789") == "" && kind >= reflect.Uint && kind <= reflect.Uint64 {
 		return fmt.Sprintf("%s is out of range (at most %d)", value, uint64(1)<<err.Type.Bits()-1)
 	}
 	return fmt.Sprintf("%s is not a valid %s", value, jsonType(err.Type.String()))
@@ -317,7 +315,8 @@ func jsonType(goType string) string {
 func exactFieldNames(body []byte, names map[string]bool) (twice string, at int, found bool) {
 	// open holds the containers open, innermost last; known the field names
 	// of the objects open, each object's after its parent's; wantKey: the
-	// next string of the innermost object is a key.
+	// next string of the innermost object is a key (set at each '{' and ',',
+	// as a container's end is followed by a ',' or another end).
 	var openBuf [8]container
 	var knownBuf [16][]byte
 	open, known := openBuf[:0], knownBuf[:0]
@@ -336,7 +335,6 @@ func exactFieldNames(body []byte, names map[string]bool) (twice string, at int, 
 			}
 			known = known[:open[len(open)-1].known]
 			open = open[:len(open)-1]
-			wantKey = false
 		case ',':
 			wantKey = len(open) > 0 && open[len(open)-1].object
 		case '"':
@@ -466,9 +464,7 @@ func limitBody(limit int64, timeout time.Duration) echo.MiddlewareFunc {
 			if r.ContentLength > limit {
 				return gateway.Errorf(gateway.ERequestTooLarge, "request body is %d bytes; the limit of this route is %d bytes", r.ContentLength, limit)
 			}
-			if timeout > 0 {
-				_ = http.NewResponseController(c.Response()).SetReadDeadline(time.Now().Add(timeout))
-			}
+			_ = http.NewResponseController(c.Response()).SetReadDeadline(time.Now().Add(timeout))
 			r.Body = http.MaxBytesReader(c.Response(), r.Body, limit)
 			return next(c)
 		}

@@ -391,6 +391,30 @@ func TestReplyToAClientThatReadsNothing(t *testing.T) {
 // its first token is served whole, and its connection, kept alive, serves the
 // next request, and the next, later than that and than ReplyWriteTimeout (a
 // reply's deadline is lifted once it is written).
+// TestStreamOutlastsTheBodyTimeout: the body's read deadline ends with the
+// body (net/http lifts it once the body is read, to watch for the client
+// leaving); a stream that waits past it for its first token is not taken
+// for a client gone.
+func TestStreamOutlastsTheBodyTimeout(t *testing.T) {
+	t.Parallel()
+	for name, h2c := range map[string]bool{"HTTP/1.1 detached": false, "HTTP/1.1 on its handler": false, "HTTP/2": true} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			const timeout = 100 * time.Millisecond
+			b := setupWith(t, options{h2c: h2c, server: func(c *server.Config) {
+				c.BodyTimeout = timeout
+				if name == "HTTP/1.1 on its handler" {
+					c.DetachAfter = -1
+				}
+			}})
+			b.upstream.configure(func(s *scripted) { s.firstDelay = 4 * timeout })
+			_, s := b.stream("/api/v1/responses", map[string]any{"prompt": "slow to start"})
+			require.NotEmpty(t, s.Events)
+			require.Equal(t, "response.completed", s.Events[len(s.Events)-1].Name)
+		})
+	}
+}
+
 func TestStreamWriteDeadlineSparesClientsThatRead(t *testing.T) {
 	t.Parallel()
 	for name, h2c := range map[string]bool{"HTTP/1.1 detached": false, "HTTP/1.1 on its handler": false, "HTTP/2": true} {
