@@ -170,14 +170,13 @@ func elementOf(array json.RawMessage, offset int64) (index int, element json.Raw
 }
 
 // checkContentType accepts JSON in UTF-8: application/json (most clients'
-// exact value, taken without parsing), or a +json type, with no charset or
-// UTF-8's.
+// exact value, taken without parsing) with no charset or UTF-8's.
 func checkContentType(ct string) error {
 	if ct == "application/json" {
 		return nil
 	}
 	mt, params, err := mime.ParseMediaType(ct)
-	if err != nil || (mt != "application/json" && !strings.HasSuffix(mt, "+json")) {
+	if err != nil || mt != "application/json" {
 		return gateway.Errorf(gateway.EInvalidRequest, "Content-Type must be application/json")
 	}
 	if cs, ok := params["charset"]; ok && !strings.EqualFold(cs, "utf-8") && !strings.EqualFold(cs, "utf8") {

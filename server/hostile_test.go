@@ -267,7 +267,9 @@ func TestOneAuthorizationHeader(t *testing.T) {
 	require.Equal(t, http.StatusOK, b.do(http.MethodGet, "/api/v1/usage", b.key, "", nil).status)
 }
 
-func TestCharsetMustBeUTF8(t *testing.T) {
+// TestContentTypeMustBeJSONInUTF8: a body is read only as application/json,
+// with no charset or UTF-8's (spelt either way).
+func TestContentTypeMustBeJSONInUTF8(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
 	body := []byte(`{"prompt":"hi"}`)
@@ -275,6 +277,11 @@ func TestCharsetMustBeUTF8(t *testing.T) {
 	require.Equal(t, http.StatusBadRequest, r.status)
 	require.Equal(t, gateway.EInvalidRequest, r.errorCode(t))
 	require.Contains(t, r.message(t), "UTF-8")
+	for _, ct := range []string{"application/vnd.api+json", "text/json", "text/plain", "application/json-seq", ""} {
+		r := b.do(http.MethodPost, "/api/v1/responses", b.key, ct, body)
+		require.Equal(t, http.StatusBadRequest, r.status, ct)
+		require.Equal(t, "Content-Type must be application/json", r.message(t), ct)
+	}
 	for _, ct := range []string{"application/json; charset=UTF-8", "application/json;charset=utf8", "application/json"} {
 		require.Equal(t, http.StatusOK, b.do(http.MethodPost, "/api/v1/responses", b.key, ct, body).status, ct)
 	}
