@@ -279,21 +279,21 @@ func typeMismatch(err *json.UnmarshalTypeError) string {
 	if isNumber && strings.Trim(digits, "0123456789") == "" && kind >= reflect.Uint && kind <= reflect.Uint64 {
 		return fmt.Sprintf("%s is out of range (at most %d)", value, uint64(1)<<err.Type.Bits()-1)
 	}
-	return fmt.Sprintf("%s is not a valid %s", value, jsonType(err.Type.String()))
+	return fmt.Sprintf("%s is not a valid %s", value, jsonType(err.Type))
 }
 
-// jsonType names a Go type as the JSON value it accepts.
-func jsonType(goType string) string {
-	switch {
-	case goType == "string" || strings.HasSuffix(goType, "string"):
+// jsonType names the JSON value a Go type decodes from.
+func jsonType(t reflect.Type) string {
+	switch k := t.Kind(); {
+	case k == reflect.String:
 		return "string"
-	case goType == "bool":
+	case k == reflect.Bool:
 		return "boolean"
-	case strings.HasPrefix(goType, "uint"):
+	case k >= reflect.Uint && k <= reflect.Uint64:
 		return "non-negative integer"
-	case strings.HasPrefix(goType, "int"):
+	case k >= reflect.Int && k <= reflect.Int64:
 		return "integer"
-	case strings.HasPrefix(goType, "[]"):
+	case k == reflect.Slice || k == reflect.Array:
 		return "array"
 	default:
 		return "object"
