@@ -72,12 +72,16 @@ func TestBodyMustBeUTF8(t *testing.T) {
 		"{\"prompt\":\"fine\",\"custom_instructions\":\"\xc0\xaf\"}":       `field "custom_instructions" is not valid UTF-8 (byte 41 of the body)`,
 		"{\"prompt\":\"fine\",\"stream\":true,\"model\":\"\xed\xa0\x80\"}": `field "model" is not valid UTF-8 (byte 41 of the body)`,
 		"{\"prompt\":\"fine\",\"\xfe\":1}":                                 `the body is not valid UTF-8 (byte 19)`,
+		"{\"prompt\":\"\xef\xbf\xbd then \xff\"}":                          `field "prompt" is not valid UTF-8 (byte 21 of the body)`,
+		"{\"prompt\":\"fine\",\"tags\":[{\"a\":\"\xff\"}]}":                `field "tags" is not valid UTF-8 (byte 32 of the body)`,
+		"[\"prompt\",\"\xff\"]":                                            `the body is not valid UTF-8 (byte 12)`,
 	} {
 		for _, path := range []string{"/api/v1/responses", "/api/v1/chat"} {
 			r := b.postRaw(path, body)
 			require.Equal(t, http.StatusBadRequest, r.status, "%s %q", path, body)
 			require.Equal(t, gateway.EInvalidRequest, r.errorCode(t))
 			require.Equal(t, message, r.message(t))
+			require.Empty(t, r.header.Get("x-service-batch-index"), "no item is named outside a batch")
 		}
 	}
 
@@ -90,6 +94,9 @@ func TestBodyMustBeUTF8(t *testing.T) {
 	require.Equal(t, http.StatusBadRequest, r.status)
 	require.Equal(t, `requests[0]: the body is not valid UTF-8 (byte 30)`, r.message(t))
 	require.Equal(t, "0", r.header.Get("x-service-batch-index"))
+	r = b.postRaw("/api/v1/batch", "{\"requests\":{\"\xff\":1}}")
+	require.Equal(t, `field "requests" is not valid UTF-8 (byte 15 of the body)`, r.message(t))
+	require.Empty(t, r.header.Get("x-service-batch-index"), "an object where the items go names no item")
 	require.Zero(t, b.upstream.callCount(), "nothing reached the upstream")
 	var batches api.BatchList
 	require.NoError(t, json.Unmarshal(b.do(http.MethodGet, "/api/v1/batches", b.key, "", nil).body, &batches))

@@ -550,8 +550,13 @@ func TestCreateResponseValidation(t *testing.T) {
 	r = b.do(http.MethodGet, "/api/v1/sources/"+strings.Repeat("s", 20000), b.key, "", nil)
 	require.Equal(t, gateway.ESourcesNotFound, r.errorCode(t))
 	require.Less(t, len(r.body), 300, string(r.body))
-	r = b.do(http.MethodPost, "/api/v1/responses", b.key, "application/json", []byte(`null`))
-	require.Equal(t, "the body must be a JSON object", r.message(t))
+	for _, body := range []string{`null`, `[{"prompt":"p"}]`, `"p"`} {
+		r = b.do(http.MethodPost, "/api/v1/responses", b.key, "application/json", []byte(body))
+		require.Equal(t, "the body must be a JSON object", r.message(t), body)
+	}
+	r = b.do(http.MethodPost, "/api/v1/batch", b.key, "application/json", []byte(`{"requests":{"prompt":"p"}}`))
+	require.Equal(t, `field "requests": object is not a valid array`, r.message(t))
+	require.Empty(t, r.header.Get("x-service-batch-index"), "an object where the items go names no item")
 	deep := strings.Repeat("[", 10001) + strings.Repeat("]", 10001)
 	r = b.do(http.MethodPost, "/api/v1/responses", b.key, "application/json", []byte(`{"prompt": "p", "x": `+deep+`}`))
 	require.Equal(t, "the body nests arrays and objects deeper than 10000 levels", r.message(t), "said as such, not as malformed")
@@ -564,6 +569,10 @@ func TestBodyLimit(t *testing.T) {
 	r := b.do(http.MethodPost, "/api/v1/responses", b.key, "application/json", big)
 	require.Equal(t, http.StatusRequestEntityTooLarge, r.status)
 	require.Equal(t, gateway.ERequestTooLarge, r.errorCode(t))
+	// A body of the limit exactly is read.
+	whole := []byte(`{"prompt": "p", "x": "` + strings.Repeat("a", 1<<20-24) + `"}`)
+	require.Len(t, whole, 1<<20)
+	require.Equal(t, http.StatusOK, b.do(http.MethodPost, "/api/v1/responses", b.key, "application/json", whole).status)
 
 	// Without a Content-Length the limit applies while reading.
 	req, err := http.NewRequest(http.MethodPost, b.http.URL+"/api/v1/responses", io.MultiReader(bytes.NewReader(big)))
