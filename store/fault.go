@@ -54,7 +54,8 @@ func Transient(err error) bool {
 		return false
 	}
 	// Not a reply of the server: did the connection or a deadline fail?
-	return pgconn.SafeToRetry(err) || pgconn.Timeout(err) || errors.As(err, &netErr) ||
+	// (pgx's timeouts wrap a deadline, or a net.Error, or a cancel.)
+	return pgconn.SafeToRetry(err) || errors.As(err, &netErr) ||
 		errors.Is(err, pgconn.ErrConnClosed) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, io.EOF) ||
 		errors.Is(err, context.DeadlineExceeded)
 }

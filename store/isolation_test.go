@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"net"
+	"syscall"
 	"testing"
 	"time"
 
@@ -101,8 +103,39 @@ func TestTransient(t *testing.T) {
 	require.False(t, store.Transient(&pgconn.PgError{Code: "25001"}), "another invalid transaction state")
 	require.False(t, store.Transient(&pgconn.PgError{Code: "22P05"}), "untranslatable character")
 	require.False(t, store.Transient(&pgconn.PgError{Code: "22003"}), "numeric value out of range")
+	require.True(t, store.Transient(&pgconn.PgError{Code: "53300"}), "too many connections")
 	require.False(t, store.Transient(gateway.Errorf(gateway.EBatchNotFound, "x")))
+	require.False(t, store.Transient(&gateway.Error{Code: gateway.EInferenceBusy, Cause: io.ErrUnexpectedEOF}),
+		"a domain error is the gateway's answer, whatever it came of")
 	require.False(t, store.Transient(nil))
+	require.True(t, store.Transient(&net.OpError{Op: "read", Net: "tcp", Err: syscall.ECONNRESET}), "a connection reset")
+	require.True(t, store.Transient(fmt.Errorf("error reading: %w", pgconn.ErrConnClosed)), "a connection closed")
+	require.True(t, store.Transient(io.EOF), "a connection ended")
+	require.True(t, store.Transient(unsent{errors.New("tls: internal error")}), "a write that sent nothing")
+	require.True(t, store.Transient(fmt.Errorf("error waiting: %w", context.DeadlineExceeded)), "no answer within the deadline")
+}
+
+// unsent is an error that pgx would say sent nothing (a write that failed).
+type unsent struct{ error }
+
+func (unsent) SafeToRetry() bool { return true }
+
+// TestACallCancelledBeforeItIsSentIsNotTransient: a statement whose context
+// was cancelled before it was sent (which pgx says is safe to retry) is the
+// caller's choice, not the database away, and it did not commit.
+func TestACallCancelledBeforeItIsSentIsNotTransient(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	conn, err := b.store.Pool().Acquire(b.ctx)
+	require.NoError(t, err)
+	defer conn.Release()
+	ctx, cancel := context.WithCancel(b.ctx)
+	cancel()
+	_, err = conn.Exec(ctx, "SELECT 1")
+	require.ErrorIs(t, err, context.Canceled)
+	require.True(t, pgconn.SafeToRetry(err), "pgx says nothing was sent")
+	require.False(t, store.Transient(err))
+	require.False(t, store.MayHaveCommitted(err))
 }
 
 // TestARefusedLoginIsTransient: a session the server refuses to open (here
