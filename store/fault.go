@@ -121,12 +121,12 @@ func (q *quarantine) add(id uuid.UUID) {
 	q.until[id] = time.Now().Add(quarantinePeriod)
 }
 
-// isolated runs a group operation, run, over every account not set aside,
-// and, when it fails for a reason other than the database being away, over
-// each account list names alone (see each): one account's rows never stop
-// the others' (D11). what names the operation in errors ("reconciling
-// settlements").
-func (q *quarantine) isolated(what string, run func(skip []uuid.UUID, account *uuid.UUID) (int64, error), list func(skip []uuid.UUID) ([]uuid.UUID, error)) (int64, error) {
+// isolated runs a group operation, run, over every member not set aside
+// (accounts, or leases: kind names them in errors), and, when it fails for a
+// reason other than the database being away, over each member list names
+// alone (see each): one member's rows never stop the others' (D11). what
+// names the operation in errors ("reconciling settlements").
+func (q *quarantine) isolated(what, kind string, run func(skip []uuid.UUID, member *uuid.UUID) (int64, error), list func(skip []uuid.UUID) ([]uuid.UUID, error)) (int64, error) {
 	skip := q.members()
 	n, err := run(skip, nil)
 	if err == nil || Transient(err) {
@@ -135,12 +135,12 @@ func (q *quarantine) isolated(what string, run func(skip []uuid.UUID, account *u
 		}
 		return n, nil
 	}
-	accounts, lerr := list(skip)
+	members, lerr := list(skip)
 	if lerr != nil {
-		return 0, fmt.Errorf("error %s: %w (listing accounts: %v)", what, err, lerr)
+		return 0, fmt.Errorf("error %s: %w (listing %ss: %v)", what, err, kind, lerr)
 	}
-	return q.each(accounts, "error "+what+" of account", func(account uuid.UUID) (int64, error) {
-		return run(skip, &account)
+	return q.each(members, "error "+what+" of "+kind, func(m uuid.UUID) (int64, error) {
+		return run(skip, &m)
 	})
 }
 
@@ -153,14 +153,15 @@ func (q *quarantine) each(members []uuid.UUID, what string, fn func(uuid.UUID) (
 	var failures []error
 	for _, m := range members {
 		c, err := fn(m)
-		if err != nil {
-			if !Transient(err) {
-				q.add(m)
-			}
+		switch {
+		case err == nil:
+			n += c
+		case Transient(err):
+			failures = append(failures, fmt.Errorf("%s %s: %w", what, m, err))
+		default:
+			q.add(m)
 			failures = append(failures, fmt.Errorf("%s %s (set aside for %s): %w", what, m, quarantinePeriod, err))
-			continue
 		}
-		n += c
 	}
 	return n, errors.Join(failures...)
 }

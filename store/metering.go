@@ -91,7 +91,7 @@ func whole(start, end time.Time, unit time.Duration) (lo, hi time.Time) {
 // account that fails alone is set aside for quarantinePeriod (named in the
 // error).
 func (s *Store) FoldUsageMinutes(ctx context.Context, before time.Time, maxRows int32) (int64, error) {
-	return s.usageQuarantine.isolated("folding usage minutes", func(skip []uuid.UUID, account *uuid.UUID) (int64, error) {
+	return s.usageQuarantine.isolated("folding usage minutes", "account", func(skip []uuid.UUID, account *uuid.UUID) (int64, error) {
 		return s.queries.FoldUsageMinutes(ctx, s.pool, db.FoldUsageMinutesParams{Before: before, MaxRows: maxRows, Skip: skip, AccountID: account})
 	}, func(skip []uuid.UUID) ([]uuid.UUID, error) {
 		return s.queries.UnfoldedUsageAccounts(ctx, s.pool, db.UnfoldedUsageAccountsParams{Before: before, Skip: skip, MaxRows: maxRows})
@@ -216,7 +216,7 @@ func (s *Store) budgetState(ctx context.Context, tx db.DBTX, project uuid.UUID) 
 // aside for quarantinePeriod (reported in the error, which names it) while
 // every other account is folded.
 func (s *Store) ReconcileSettlements(ctx context.Context, maxRows int32) (int64, error) {
-	return s.quarantine.isolated("reconciling settlements", func(skip []uuid.UUID, account *uuid.UUID) (int64, error) {
+	return s.quarantine.isolated("reconciling settlements", "account", func(skip []uuid.UUID, account *uuid.UUID) (int64, error) {
 		return s.queries.ReconcileSettlements(ctx, s.pool, db.ReconcileSettlementsParams{MaxRows: maxRows, Skip: skip, AccountID: account})
 	}, func(skip []uuid.UUID) ([]uuid.UUID, error) {
 		return s.queries.SettledAccounts(ctx, s.pool, db.SettledAccountsParams{Skip: skip, MaxRows: maxRows})

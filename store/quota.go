@@ -198,14 +198,7 @@ func (s *Store) GrantQuota(ctx context.Context, r QuotaRequest) (QuotaGrant, err
 // FoldQuotaLeases folds and deletes owner's leases ids (returned by their
 // replica), returning how many were folded.
 func (s *Store) FoldQuotaLeases(ctx context.Context, owner uuid.UUID, ids []uuid.UUID) (int64, error) {
-	return s.foldQuotaLeases(ctx, owner, ids, 0, []uuid.UUID{})
-}
-
-func (s *Store) foldQuotaLeases(ctx context.Context, owner uuid.UUID, ids []uuid.UUID, expired int, skip []uuid.UUID) (int64, error) {
-	if ids == nil {
-		ids = []uuid.UUID{}
-	}
-	n, err := s.queries.FoldQuotaLeases(ctx, s.pool, db.FoldQuotaLeasesParams{Owner: owner, Ids: ids, Expired: int32(expired), Skip: skip})
+	n, err := s.queries.FoldQuotaLeases(ctx, s.pool, db.FoldQuotaLeasesParams{Owner: owner, Ids: ids, Skip: []uuid.UUID{}})
 	if err != nil {
 		return 0, fmt.Errorf("error folding quota leases: %w", err)
 	}
@@ -218,22 +211,20 @@ func (s *Store) foldQuotaLeases(ctx context.Context, owner uuid.UUID, ids []uuid
 // the data, leases are folded one by one, and one failing alone is set aside
 // for quarantinePeriod (named in the error).
 func (s *Store) FoldExpiredQuotaLeases(ctx context.Context, maxRows int) (int64, error) {
-	skip := s.foldQuarantine.members()
-	n, err := s.foldQuotaLeases(ctx, uuid.Nil, nil, maxRows, skip)
-	if err == nil || Transient(err) {
-		return n, err
-	}
-	expired, lerr := s.queries.ExpiredQuotaLeases(ctx, s.pool, db.ExpiredQuotaLeasesParams{Skip: skip, MaxRows: int32(maxRows)})
-	if lerr != nil {
-		return 0, fmt.Errorf("%w (listing expired leases: %v)", err, lerr)
-	}
-	owners := make(map[uuid.UUID]uuid.UUID, len(expired))
-	ids := make([]uuid.UUID, len(expired))
-	for i, l := range expired {
-		owners[l.ID], ids[i] = l.Owner, l.ID
-	}
-	return s.foldQuarantine.each(ids, "error folding quota lease", func(id uuid.UUID) (int64, error) {
-		return s.foldQuotaLeases(ctx, owners[id], []uuid.UUID{id}, 0, skip)
+	owners := map[uuid.UUID]uuid.UUID{} // of the leases listed, to fold each alone
+	return s.foldQuarantine.isolated("folding expired quota leases", "lease", func(skip []uuid.UUID, lease *uuid.UUID) (int64, error) {
+		p := db.FoldQuotaLeasesParams{Expired: int32(maxRows), Skip: skip}
+		if lease != nil {
+			p = db.FoldQuotaLeasesParams{Owner: owners[*lease], Ids: []uuid.UUID{*lease}, Skip: skip}
+		}
+		return s.queries.FoldQuotaLeases(ctx, s.pool, p)
+	}, func(skip []uuid.UUID) ([]uuid.UUID, error) {
+		expired, err := s.queries.ExpiredQuotaLeases(ctx, s.pool, db.ExpiredQuotaLeasesParams{Skip: skip, MaxRows: int32(maxRows)})
+		ids := make([]uuid.UUID, len(expired))
+		for i, l := range expired {
+			owners[l.ID], ids[i] = l.Owner, l.ID
+		}
+		return ids, err
 	})
 }
 
