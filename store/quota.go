@@ -109,9 +109,6 @@ type RateReturn struct {
 
 // ReturnRate gives back unused parts of rate slices, in one statement.
 func (s *Store) ReturnRate(ctx context.Context, returns []RateReturn) error {
-	if len(returns) == 0 {
-		return nil
-	}
 	p := db.ReturnRateParams{}
 	for _, r := range returns {
 		p.KeyIds = append(p.KeyIds, r.KeyID)
