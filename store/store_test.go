@@ -93,22 +93,25 @@ func TestCreateKeyValidates(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	bad := gateway.Tier("gold")
-	for _, p := range []store.CreateKeyParams{
-		{Account: "", Project: "default", Scopes: []gateway.Scope{gateway.ScopeInference}},
-		{Account: "a", Project: " ", Scopes: []gateway.Scope{gateway.ScopeInference}},
-		{Account: strings.Repeat("a", 201), Project: "default", Scopes: []gateway.Scope{gateway.ScopeInference}},
-		{Account: "a\xff", Project: "default", Scopes: []gateway.Scope{gateway.ScopeInference}},
-		{Account: "evil\nname", Project: "default", Scopes: []gateway.Scope{gateway.ScopeInference}},
-		{Account: "a", Project: "p\x1b[31m", Scopes: []gateway.Scope{gateway.ScopeInference}},
-		{Account: " acme", Project: "default", Scopes: []gateway.Scope{gateway.ScopeInference}},
-		{Account: "acme\u202egnp.exe", Project: "default", Scopes: []gateway.Scope{gateway.ScopeInference}},
-		{Account: "a", Project: "de\u2066fault", Scopes: []gateway.Scope{gateway.ScopeInference}},
-		{Account: "a", Project: "default"},
-		{Account: "a", Project: "default", Scopes: []gateway.Scope{"admin"}},
-		{Account: "a", Project: "default", Tier: &bad, Scopes: []gateway.Scope{gateway.ScopeInference}},
+	for _, tc := range []struct {
+		p    store.CreateKeyParams
+		want string
+	}{
+		{store.CreateKeyParams{Account: "", Project: "default", Scopes: []gateway.Scope{gateway.ScopeInference}}, "the account name must not be empty"},
+		{store.CreateKeyParams{Account: "a", Project: " ", Scopes: []gateway.Scope{gateway.ScopeInference}}, "the project name must not be empty"},
+		{store.CreateKeyParams{Account: strings.Repeat("a", 201), Project: "default", Scopes: []gateway.Scope{gateway.ScopeInference}}, "at most 200 bytes; it is 201"},
+		{store.CreateKeyParams{Account: "a\xff", Project: "default", Scopes: []gateway.Scope{gateway.ScopeInference}}, "the account name must be UTF-8"},
+		{store.CreateKeyParams{Account: "evil\nname", Project: "default", Scopes: []gateway.Scope{gateway.ScopeInference}}, "control characters"},
+		{store.CreateKeyParams{Account: "a", Project: "p\x1b[31m", Scopes: []gateway.Scope{gateway.ScopeInference}}, "the project name must not hold control characters"},
+		{store.CreateKeyParams{Account: " acme", Project: "default", Scopes: []gateway.Scope{gateway.ScopeInference}}, "must not begin or end with white space"},
+		{store.CreateKeyParams{Account: "acme\u202egnp.exe", Project: "default", Scopes: []gateway.Scope{gateway.ScopeInference}}, "bidirectional controls"},
+		{store.CreateKeyParams{Account: "a", Project: "de\u2066fault", Scopes: []gateway.Scope{gateway.ScopeInference}}, "the project name must not hold bidirectional controls"},
+		{store.CreateKeyParams{Account: "a", Project: "default"}, "a key needs at least one scope"},
+		{store.CreateKeyParams{Account: "a", Project: "default", Scopes: []gateway.Scope{"admin"}}, `unknown scope "admin" (use inference, usage)`},
+		{store.CreateKeyParams{Account: "a", Project: "default", Tier: &bad, Scopes: []gateway.Scope{gateway.ScopeInference}}, `unknown tier "gold" (use free, developer)`},
 	} {
-		_, err := b.store.CreateKey(b.ctx, p)
-		require.Error(t, err, "%+v", p)
+		_, err := b.store.CreateKey(b.ctx, tc.p)
+		require.ErrorContains(t, err, tc.want, "%+v", tc.p)
 	}
 	// Names may hold spaces and any printable character, up to 200 bytes,
 	// and the joiners of scripts that need them (here a zero-width joiner
@@ -247,8 +250,10 @@ func TestKeyExpiry(t *testing.T) {
 	params := func(expires time.Time) store.CreateKeyParams {
 		return store.CreateKeyParams{Account: "acme", Project: "default", Tier: &tier, Scopes: []gateway.Scope{gateway.ScopeInference}, ExpiresAt: &expires}
 	}
-	_, err := b.store.CreateKey(b.ctx, params(time.Now().Add(-time.Second)))
-	require.ErrorContains(t, err, "which has passed")
+	for _, end := range []time.Time{time.Now().Add(-time.Second), time.Now()} {
+		_, err := b.store.CreateKey(b.ctx, params(end))
+		require.ErrorContains(t, err, "which has passed", "an end that is now has passed once the key would be stored")
+	}
 
 	expires := time.Now().Add(time.Hour).UTC().Truncate(time.Microsecond)
 	token, err := b.store.CreateKey(b.ctx, params(expires))
@@ -267,6 +272,24 @@ func TestKeyExpiry(t *testing.T) {
 	require.NoError(t, err)
 	_, err = b.store.LookupKey(b.ctx, token)
 	require.Equal(t, gateway.EUnauthorized, gateway.ErrorCodeOf(err))
+}
+
+// TestListsOfNothingAreEmpty: on a database without accounts, the
+// operators' lists of everyone are empty, not a missing account's error.
+func TestListsOfNothingAreEmpty(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	keys, err := b.store.ListKeys(b.ctx, "")
+	require.NoError(t, err)
+	require.Empty(t, keys)
+	lines, err := b.store.UsageReport(b.ctx, time.Now().Add(-48*time.Hour), time.Now(), "")
+	require.NoError(t, err)
+	require.Empty(t, lines)
+	batches, err := b.store.BatchesForOperator(b.ctx, "", nil, nil, 10)
+	require.NoError(t, err)
+	require.Empty(t, batches)
+	_, err = b.store.ListKeys(b.ctx, "acme")
+	require.ErrorIs(t, err, store.ErrAccountNotFound, "a list of an account that is not there says so")
 }
 
 // TestRotateKey: a rotation issues a key of the same project and scopes and
@@ -291,15 +314,17 @@ func TestRotateKey(t *testing.T) {
 	require.True(t, rotated.OldExpiresAt.Equal(*stillOld.KeyExpiresAt), "reported as stored")
 
 	// Rotated again with a longer grace, the old key keeps its sooner end;
-	// with none, it ends now.
+	// with none (or less), it ends now.
 	again, err := b.store.RotateKey(b.ctx, p.KeyID.String(), 48*time.Hour, nil)
 	require.NoError(t, err)
 	require.True(t, rotated.OldExpiresAt.Equal(again.OldExpiresAt), "its end is not pushed back")
 	ends := time.Now().Add(time.Hour)
 	_, err = b.store.RotateKey(b.ctx, old, 0, &ends)
 	require.ErrorIs(t, err, store.ErrKeyNotFound, "a key is named by its prefix or id, not its secret")
-	last, err := b.store.RotateKey(b.ctx, old[:12], 0, &ends)
+	beforeLast := time.Now().Truncate(time.Microsecond)
+	last, err := b.store.RotateKey(b.ctx, old[:12], -time.Hour, &ends)
 	require.NoError(t, err)
+	require.False(t, last.OldExpiresAt.Before(beforeLast), "a negative grace is none: the old key ends now, not in the past")
 	_, err = b.store.LookupKey(b.ctx, old)
 	require.Equal(t, gateway.EUnauthorized, gateway.ErrorCodeOf(err), "no grace: refused at once")
 	newest, err := b.store.LookupKey(b.ctx, last.Token)
