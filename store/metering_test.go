@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
@@ -140,6 +141,12 @@ func TestGrantQuotaRefusals(t *testing.T) {
 	require.Equal(t, gateway.AdmitOK, g.Outcome)
 	v := b.view(t, q)
 	require.Zero(t, v.Daily.Charged)
+	// Spent past the cap (the overspend D5 bounds): nothing is free, not less.
+	_, err := b.store.Pool().Exec(b.ctx, `UPDATE projects SET spent_rungs = 75 WHERE id = $1`, q.ProjectID)
+	require.NoError(t, err)
+	g = b.grant(t, q, uuid.Must(uuid.NewV7()), 1, 1, time.Hour)
+	require.Equal(t, gateway.AdmitBudget, g.Outcome)
+	require.Zero(t, g.Free)
 	_, d := b.key(t, "plain", gateway.TierDeveloper, gateway.ScopeInference)
 	require.Equal(t, int64(10_000_000), b.view(t, d).Daily.Ceiling, "developer default")
 
@@ -387,6 +394,82 @@ func TestASettlementHoldsItsLeasesUntilItEnds(t *testing.T) {
 	require.Equal(t, int64(3), b.view(t, p).Daily.Charged, "charged under its lease")
 	require.Equal(t, int64(5), b.view(t, q).Daily.Charged)
 }
+
+// TestOnlyASettlementUnderSeveralLeasesLocksThemFirst: a group under one
+// lease (named by several requests, beside requests under none) is sent as
+// its one statement; a group under two is sent after their lock, in one
+// batch. Each is stored with its status.
+func TestOnlyASettlementUnderSeveralLeasesLocksThemFirst(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	p, q, lp, lq := b.twoLeases(t)
+	names := &statementNames{}
+	traced := b.traced(t, names)
+	_, err := traced.Pool().Exec(b.ctx, "SELECT 1") // its connection is set up (BoundLostSessions)
+	require.NoError(t, err)
+	settle := func(group ...store.Settlement) []string {
+		t.Helper()
+		names.take()
+		require.NoError(t, traced.SettleRequests(b.ctx, group))
+		return names.take()
+	}
+	failed := record(p, uuid.Must(uuid.NewV7()), 3)
+	failed.Failed = true
+	completed := record(p, uuid.Must(uuid.NewV7()), 4)
+	require.Equal(t, []string{"SettleRequests"}, settle(
+		store.Settlement{Record: failed, LeaseID: &lp}, store.Settlement{Record: record(p, uuid.Must(uuid.NewV7()), 2), LeaseID: &lp},
+		store.Settlement{Record: completed}))
+	require.Equal(t, []string{"SettleRequests"}, settle(
+		store.Settlement{Record: record(p, uuid.Must(uuid.NewV7()), 2), LeaseID: &lp}, store.Settlement{Record: record(q, uuid.Must(uuid.NewV7()), 2)}))
+	require.Equal(t, []string{"LockQuotaLeases", "SettleRequests"}, settle(
+		store.Settlement{Record: record(p, uuid.Must(uuid.NewV7()), 2), LeaseID: &lp}, store.Settlement{Record: record(q, uuid.Must(uuid.NewV7()), 2), LeaseID: &lq}))
+	for id, want := range map[uuid.UUID]string{failed.RequestID: "failed", completed.RequestID: "completed"} {
+		var status string
+		require.NoError(t, b.store.Pool().QueryRow(b.ctx, `SELECT status FROM requests WHERE id = $1`, id).Scan(&status))
+		require.Equal(t, want, status)
+	}
+}
+
+// statementNames records the names of the sqlc queries a pool sends, alone
+// or in batches.
+type statementNames struct {
+	startTracer
+	mu    sync.Mutex
+	names []string
+}
+
+func (s *statementNames) add(sql string) {
+	if _, rest, ok := strings.Cut(sql, "-- name: "); ok {
+		name, _, _ := strings.Cut(rest, " ")
+		s.mu.Lock()
+		s.names = append(s.names, name)
+		s.mu.Unlock()
+	}
+}
+
+// take returns the names recorded since the last take.
+func (s *statementNames) take() []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	names := s.names
+	s.names = nil
+	return names
+}
+
+func (s *statementNames) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	s.add(d.SQL)
+	return ctx
+}
+
+func (s *statementNames) TraceBatchStart(ctx context.Context, _ *pgx.Conn, _ pgx.TraceBatchStartData) context.Context {
+	return ctx
+}
+
+func (s *statementNames) TraceBatchQuery(_ context.Context, _ *pgx.Conn, d pgx.TraceBatchQueryData) {
+	s.add(d.SQL)
+}
+
+func (s *statementNames) TraceBatchEnd(context.Context, *pgx.Conn, pgx.TraceBatchEndData) {}
 
 // TestRateReturnsLockWindowsInKeyOrder: a replica's return of unused rate
 // slices locks the keys' windows in key order: the returns of two replicas
