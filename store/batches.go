@@ -217,11 +217,13 @@ func (s *Store) BatchItems(ctx context.Context, accountID, id uuid.UUID, after i
 // items cancelled at once, and cancelled when its running items finish. Any
 // other status is BATCH_NOT_CANCELLABLE.
 //
-// The batch row is locked and its status checked first; then its queued items
-// are cancelled (waiting for a claim holding some of them, whose items then
-// count as running); then the transition reads the items afresh, so a queued
-// batch with items already claimed becomes cancelling, not cancelled, and no
-// terminal batch is left with items running.
+// The batch row is locked first; then its queued items are cancelled
+// (waiting for a claim holding some of them, whose items then count as
+// running; a batch that cannot be cancelled has none queued); then the
+// transition, which refuses a batch that cannot be cancelled, reads the
+// items afresh, so a queued batch with items already claimed becomes
+// cancelling, not cancelled, and no terminal batch is left with items
+// running.
 func (s *Store) CancelBatch(ctx context.Context, accountID, id uuid.UUID) error {
 	_, err := s.cancelBatch(ctx, &accountID, id)
 	return err
@@ -297,15 +299,12 @@ func (s *Store) cancelAccountBatches(ctx context.Context, account string, page i
 // accountID is nil, and returns its status after.
 func (s *Store) cancelBatch(ctx context.Context, accountID *uuid.UUID, id uuid.UUID) (status gateway.BatchStatus, err error) {
 	err = pgx.BeginFunc(ctx, s.pool, func(tx pgx.Tx) error {
-		row, err := s.queries.LockBatch(ctx, tx, db.LockBatchParams{ID: id, AccountID: accountID})
+		_, err := s.queries.LockBatch(ctx, tx, db.LockBatchParams{ID: id, AccountID: accountID})
 		if errors.Is(err, pgx.ErrNoRows) {
 			return errBatchNotFound(id)
 		}
 		if err != nil {
 			return fmt.Errorf("error locking batch: %w", err)
-		}
-		if _, err := gateway.NextBatchStatus(gateway.BatchStatus(row.Status), gateway.EventCancel, gateway.ItemsOutcome{}); err != nil {
-			return err
 		}
 		reason := "owner"
 		if _, err := s.queries.CancelQueuedItems(ctx, plannedPerCall{tx}, db.CancelQueuedItemsParams{BatchID: id, Reason: &reason}); err != nil {
