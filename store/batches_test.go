@@ -1690,6 +1690,48 @@ func TestCancelAccountBatches(t *testing.T) {
 	require.ErrorIs(t, err, store.ErrAccountNotFound)
 }
 
+// TestCancelAccountBatchesStopsWithItsContext: a cancel of an account's
+// batches whose context ends stops there, with what it has done, rather than
+// trying each batch left.
+func TestCancelAccountBatchesStopsWithItsContext(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, acme := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	for range 3 {
+		b.newBatch(t, acme, 1, 50, "", day())
+	}
+	ctx, cancel := context.WithCancel(b.ctx)
+	defer cancel()
+	traced := b.traced(t, &cancelAfter{name: "name: CancelQueuedItems", cancel: cancel})
+	outcomes, err := traced.CancelAccountBatches(ctx, "acme")
+	require.ErrorIs(t, err, context.Canceled)
+	require.Len(t, outcomes, 1, "the batch being cancelled when the context ended is the last tried")
+}
+
+// cancelAfter calls cancel once a statement whose text holds name has run
+// (a context's cancel, or anything that must happen right after it).
+type cancelAfter struct {
+	name   string
+	cancel func()
+}
+
+// cancelling marks the context of the statement after which cancelAfter
+// cancels.
+type cancelling struct{}
+
+func (c *cancelAfter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	if strings.Contains(d.SQL, c.name) {
+		return context.WithValue(ctx, cancelling{}, true)
+	}
+	return ctx
+}
+
+func (c *cancelAfter) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, _ pgx.TraceQueryEndData) {
+	if ctx.Value(cancelling{}) != nil {
+		c.cancel()
+	}
+}
+
 // TestCancelAccountBatchesPastFailingPages: batches that fail to cancel,
 // however many, do not keep an account's cancel from the batches listed
 // after them: here a page is two batches, and the three newest fail.
@@ -2019,6 +2061,28 @@ func TestMoveAnotherReplicaMadeIsRolledBack(t *testing.T) {
 	require.Equal(t, []string{"rollback"}, second.ends, "nothing to commit")
 	batch, _ := b.batch(t, p, id)
 	require.Equal(t, gateway.BatchInProgress, batch.Status)
+}
+
+// TestAStartOfABatchCancelledMeanwhileIsNone: a batch found queued, then
+// cancelled before the start locks it, is left cancelled without an error;
+// a start of no batch sends nothing.
+func TestAStartOfABatchCancelledMeanwhileIsNone(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	id := b.newBatch(t, p, 1, 10, "", day())
+	traced := b.traced(t, &cancelAfter{name: "name: QueuedBatches", cancel: func() {
+		require.NoError(t, b.store.CancelBatch(b.ctx, p.AccountID, id))
+	}})
+	require.NoError(t, traced.StartBatches(b.ctx, []uuid.UUID{id}))
+	batch, _ := b.batch(t, p, id)
+	require.Equal(t, gateway.BatchCancelled, batch.Status)
+
+	names := &statementNames{}
+	traced = b.traced(t, names)
+	require.NoError(t, traced.StartBatches(b.ctx, nil))
+	require.NoError(t, traced.FinishBatches(b.ctx, nil))
+	require.Empty(t, names.take())
 }
 
 // explained returns a store on the test's database, as its owner, whose
