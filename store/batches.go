@@ -484,8 +484,8 @@ func (s *Store) ExpireBatches(ctx context.Context, maxRows int32) (int64, error)
 			if _, err := s.queries.CancelQueuedItems(ctx, plannedPerCall{tx}, db.CancelQueuedItemsParams{BatchID: id, Reason: &reason}); err != nil {
 				return fmt.Errorf("error cancelling expired items: %w", err)
 			}
-			to, _, err := s.transition(ctx, tx, id, nil, gateway.EventWindowElapsed)
-			if err != nil && !errors.Is(err, gateway.ErrInvalidTransition) {
+			to, _, err := s.transition(ctx, tx, id, nil, gateway.EventWindowElapsed) // valid from any status
+			if err != nil {
 				return err
 			}
 			finished, err := s.finishIfDone(ctx, tx, id)
