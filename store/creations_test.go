@@ -496,4 +496,26 @@ func TestACreationWhoseCallerLeftIsNotSent(t *testing.T) {
 	}
 	require.Empty(t, b.storedItems(t, p.AccountID))
 	require.Zero(t, b.view(t, p).Daily.Charged)
+	// Those that left gave up their turns: the next creation takes one.
+	_, err := b.store.CreateBatch(b.ctx, b.batchOf(p, 1, 10, "", day()))
+	require.NoError(t, err)
+}
+
+// TestACreationBehindAFailingOneIsChargedAlone: a creation that finds no room
+// in its group, behind another's charge, is stored alone, where it fits,
+// once the group's transaction fails for the other's data: the charge of
+// the one that failed is not counted.
+func TestACreationBehindAFailingOneIsChargedAlone(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "acme", ptr(int64(300)), nil)
+	got := b.createBehindABlockedOne(t, b.batchOf(p, 1, 10, "", day()),
+		b.batchOf(p, 101, 2, "", day()), // 202 rungs, and an item past the hundredth
+		b.batchOf(p, 1, 150, "", day()), // no room after the 202 in the group; room alone
+	)
+	require.NoError(t, got[0].err)
+	require.Error(t, got[1].err)
+	require.NoError(t, got[2].err, "stored alone, it fits")
+	require.Equal(t, int64(10+150), b.view(t, p).Daily.Charged)
 }

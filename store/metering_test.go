@@ -115,6 +115,12 @@ func TestQuotaLeaseLifecycle(t *testing.T) {
 	require.Equal(t, v, b.view(t, p), "folding changes nothing the view shows")
 	g = b.grant(t, p, uuid.Must(uuid.NewV7()), 920, 4, time.Hour)
 	require.Equal(t, int64(920), g.Granted, "everything the cap leaves after the fold")
+
+	// A ceiling set below what is charged leaves nothing, not less.
+	b.limits(t, "acme", ptr(int64(50)), nil)
+	v = b.view(t, p)
+	require.Equal(t, int64(80), v.Daily.Charged)
+	require.Zero(t, v.Daily.Remaining)
 }
 
 func TestGrantQuotaRefusals(t *testing.T) {
