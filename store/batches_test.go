@@ -207,7 +207,9 @@ func (b *testBundle) lockedItems(t *testing.T, maxConns int32) (*store.Store, *p
 	t.Cleanup(func() { _ = lock.Rollback(b.ctx) })
 	_, err = lock.Exec(b.ctx, "LOCK TABLE batch_items IN SHARE MODE")
 	require.NoError(t, err)
-	return store.New(pool), pool, func() { require.NoError(t, lock.Rollback(b.ctx)) }
+	st := store.New(pool)
+	st.Observe(b.metrics)
+	return st, pool, func() { require.NoError(t, lock.Rollback(b.ctx)) }
 }
 
 // TestABurstOfCreationsLeavesConnections: batch creations waiting on the

@@ -5,6 +5,9 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -16,6 +19,7 @@ import (
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/internal/testdb"
+	"github.com/rungworks/gateway/metrics"
 	"github.com/rungworks/gateway/store"
 )
 
@@ -304,6 +308,7 @@ func TestARefusedCreationSendsNoItems(t *testing.T) {
 func TestACreationFailingForItsDataFailsAlone(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
+	b.metrics = metrics.New()
 	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
 	got := b.createBehindABlockedOne(t, b.batchOf(p, 1, 10, "", day()),
 		b.batchOf(p, 2, 10, "", day()),
@@ -319,6 +324,57 @@ func TestACreationFailingForItsDataFailsAlone(t *testing.T) {
 	require.False(t, store.Transient(got[2].err), "its data fails, however often it is sent: %v", got[2].err)
 	require.Equal(t, want, b.storedItems(t, p.AccountID))
 	require.Equal(t, int64(10*(1+2+3)), b.view(t, p).Daily.Charged)
+	require.Equal(t, []string{`gateway_group_commit_size_count{work="batch_creations"} 3`}, groupCommits(t, b.metrics),
+		"the first alone, then the two stored alone: the failed group and the failed creation did not commit")
+}
+
+// TestAGroupOfCreationsIsBounded: creations queued behind one being stored
+// are stored sixteen at most a transaction.
+func TestAGroupOfCreationsIsBounded(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	queued := make([]store.NewBatch, 17)
+	for i := range queued {
+		queued[i] = b.batchOf(p, 1, 10, "", day())
+	}
+	for i, o := range b.createBehindABlockedOne(t, b.batchOf(p, 1, 10, "", day()), queued...) {
+		require.NoError(t, o.err, "creation %d", i)
+	}
+	require.Equal(t, 3, b.transactions(t, p.AccountID), "the first alone, then sixteen, then one")
+}
+
+// TestACreationSentAgainReadsNoCharge: a creation of a batch stored already
+// (its reply was lost) resolves to it without reading the day's charge.
+func TestACreationSentAgainReadsNoCharge(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	nb := b.batchOf(p, 1, 10, "", day())
+	nb.ID = uuid.Must(uuid.NewV7())
+	_, err := b.store.CreateBatch(b.ctx, nb)
+	require.NoError(t, err)
+	names := &statementNames{}
+	res, err := b.traced(t, names).CreateBatch(b.ctx, nb)
+	require.NoError(t, err)
+	require.Equal(t, store.CreateResult{BatchID: nb.ID}, res)
+	sent := names.take()
+	require.Contains(t, sent, "InsertBatches")
+	require.NotContains(t, sent, "DayCharge")
+}
+
+// groupCommits is the count lines of m's group commits.
+func groupCommits(t *testing.T, m *metrics.Metrics) []string {
+	t.Helper()
+	rec := httptest.NewRecorder()
+	m.Handler(false).ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil))
+	var lines []string
+	for line := range strings.Lines(rec.Body.String()) {
+		if strings.HasPrefix(line, "gateway_group_commit_size_count") {
+			lines = append(lines, strings.TrimSpace(line))
+		}
+	}
+	return lines
 }
 
 // TestCreationsOfManyAccountsInOneReplica: creations of many accounts at once,

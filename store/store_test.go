@@ -16,6 +16,7 @@ import (
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/internal/testdb"
+	"github.com/rungworks/gateway/metrics"
 	"github.com/rungworks/gateway/migrations"
 	"github.com/rungworks/gateway/store"
 )
@@ -26,8 +27,9 @@ type testBundle struct {
 	ctx   context.Context
 	store *store.Store
 	// tracer, when set, traces the statements of the stores lockedItems
-	// makes.
-	tracer pgx.QueryTracer
+	// makes; metrics, when set, records their group transactions.
+	tracer  pgx.QueryTracer
+	metrics *metrics.Metrics
 }
 
 func setup(t testing.TB) *testBundle {
