@@ -2,7 +2,6 @@ package store
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"time"
 
@@ -49,9 +48,6 @@ func (s *Store) Usage(ctx context.Context, p *gateway.Principal, start, end time
 			return err
 		}
 		view.Budget, err = s.budgetState(ctx, tx, p.ProjectID)
-		if errors.Is(err, pgx.ErrNoRows) {
-			return errors.New("the caller's project no longer exists")
-		}
 		return err
 	})
 	if err != nil {
@@ -197,12 +193,9 @@ func (s *Store) dailyRoom(ctx context.Context, tx db.DBTX, account uuid.UUID, de
 	return daily.Remaining, batches, nil
 }
 
-// budgetState reads a project's budget; pgx.ErrNoRows when it is gone.
+// budgetState reads a project's budget (projects are never deleted).
 func (s *Store) budgetState(ctx context.Context, tx db.DBTX, project uuid.UUID) (gateway.BudgetState, error) {
 	budget, err := s.queries.BudgetState(ctx, tx, project)
-	if errors.Is(err, pgx.ErrNoRows) {
-		return gateway.BudgetState{}, err
-	}
 	if err != nil {
 		return gateway.BudgetState{}, fmt.Errorf("error reading budget: %w", err)
 	}

@@ -185,7 +185,7 @@ func (s *Store) GrantQuota(ctx context.Context, r QuotaRequest) (QuotaGrant, err
 	case gateway.AdmitBudget:
 		budget, err := s.budgetState(ctx, s.pool, r.ProjectID)
 		if err != nil {
-			return QuotaGrant{}, err // as budgetState wraps it (pgx.ErrNoRows: the project is gone)
+			return QuotaGrant{}, err
 		}
 		g.Free = max(0, g.Cap-budget.Spent)
 	}
