@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/google/uuid"
-	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/rungworks/gateway"
@@ -35,7 +34,7 @@ func Transient(err error) bool {
 	var connectErr *pgconn.ConnectError
 	var netErr net.Error
 	switch {
-	case err == nil, errors.Is(err, pgx.ErrNoRows), errors.Is(err, context.Canceled), errors.As(err, &domain):
+	case err == nil, errors.Is(err, context.Canceled), errors.As(err, &domain):
 		return false
 	case errors.As(err, &connectErr): // whatever the server answered, no statement was run
 		return true

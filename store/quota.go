@@ -60,10 +60,7 @@ func (s *Store) ListenPrincipals(ctx context.Context, listening func(), changed 
 		return s.queries.ListenPrincipals(ctx, conn)
 	}, listening, func(n *pgconn.Notification) {
 		table, account, _ := strings.Cut(n.Payload, ":")
-		id, err := uuid.Parse(account)
-		if err != nil {
-			id = uuid.Nil
-		}
+		id, _ := uuid.Parse(account) // uuid.Nil when it names none
 		changed(table, id)
 	})
 }
