@@ -4,7 +4,9 @@ import (
 	"context"
 	"crypto/tls"
 	"crypto/x509"
+	"encoding/pem"
 	"errors"
+	"fmt"
 	"net"
 	"os"
 	"path/filepath"
@@ -47,6 +49,11 @@ func TestUUIDsRoundTrip(t *testing.T) {
 	require.Equal(t, &two, gotPtr)
 	require.Equal(t, one.String(), text, "PostgreSQL received the same uuid")
 
+	conn, err := pool.Acquire(ctx)
+	require.NoError(t, err)
+	defer conn.Release()
+	plan := conn.Conn().TypeMap().PlanEncode(pgtype.UUIDOID, pgtype.BinaryFormatCode, one)
+	require.Equal(t, "*store.uuidEncodePlan", fmt.Sprintf("%T", plan), "encoded directly, not through its text")
 }
 
 // TestNewConnectionsReadTheFilesAgain: each new connection of the pool
@@ -58,7 +65,13 @@ func TestNewConnectionsReadTheFilesAgain(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
 	passfile, rootFile := filepath.Join(dir, "pgpass"), filepath.Join(dir, "root.crt")
-	authority := map[string][]byte{"one": testcert.NewAuthority(t, "one").Cert, "two": testcert.NewAuthority(t, "two").Cert}
+	authorities := map[string]testcert.Authority{"one": testcert.NewAuthority(t, "one"), "two": testcert.NewAuthority(t, "two")}
+	authority, leaf := map[string][]byte{}, map[string][]byte{} // each authority's certificate, and one it issued (DER)
+	for name, a := range authorities {
+		authority[name] = a.Cert
+		block, _ := pem.Decode(a.Issue(t, "db", net.ParseIP("127.0.0.1")).Cert)
+		leaf[name] = block.Bytes
+	}
 	place := func(path string, content []byte) { require.NoError(t, os.WriteFile(path, content, 0o600)) }
 	place(passfile, []byte("*:*:gw:gateway:first\n"))
 	place(rootFile, authority["one"])
@@ -71,8 +84,12 @@ func TestNewConnectionsReadTheFilesAgain(t *testing.T) {
 		require.Equal(t, password, c.Password)
 		want := x509.NewCertPool()
 		require.True(t, want.AppendCertsFromPEM(authority[authorityName]))
+		other := map[string]string{"one": "two", "two": "one"}[authorityName]
 		for _, tlsConfig := range []*tls.Config{c.TLSConfig, c.Fallbacks[0].TLSConfig} {
 			require.True(t, tlsConfig.RootCAs.Equal(want), "the authority of %s", authorityName)
+			// verify-ca checks the server's certificate itself, with the authorities read now.
+			require.NoError(t, tlsConfig.VerifyPeerCertificate([][]byte{leaf[authorityName]}, nil), "a certificate of %s", authorityName)
+			require.Error(t, tlsConfig.VerifyPeerCertificate([][]byte{leaf[other]}, nil), "a certificate of %s", other)
 		}
 	}
 	requireNext("first", "one")
@@ -166,6 +183,23 @@ func TestSessionsAreNamed(t *testing.T) {
 	}
 	require.Equal(t, "gateway serve", named(url))
 	require.Equal(t, "billing-replica-2", named(url+"&application_name=billing-replica-2"))
+}
+
+// TestThePoolsBoundsKeepTheURLs: the pool's size and the probe of an idle
+// connection are the gateway's unless the database URL sets them.
+func TestThePoolsBoundsKeepTheURLs(t *testing.T) {
+	t.Parallel()
+	const url = "postgres://gateway@127.0.0.1/gw?sslmode=disable"
+	cfg, err := store.PoolConfig(url, t.Name(), 0)
+	require.NoError(t, err)
+	require.Equal(t, store.PingTimeout, cfg.PingTimeout)
+	cfg, err = store.PoolConfig(url, t.Name(), 7)
+	require.NoError(t, err)
+	require.Equal(t, int32(7), cfg.MaxConns)
+	cfg, err = store.PoolConfig(url+"&pool_ping_timeout=5s&pool_max_conns=3", t.Name(), 0)
+	require.NoError(t, err)
+	require.Equal(t, 5*time.Second, cfg.PingTimeout)
+	require.Equal(t, int32(3), cfg.MaxConns)
 }
 
 // TestTheServerClosesASessionTheNetworkLost loses the network to a client

@@ -1,8 +1,10 @@
 package store
 
 import (
+	"errors"
 	"slices"
 	"testing"
+	"time"
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -73,4 +75,38 @@ func TestIsolated(t *testing.T) {
 		require.ErrorIs(t, err, bad)
 		require.ErrorContains(t, err, "listing accounts: "+away.Error())
 	})
+}
+
+// TestQuarantineEnds: a member set aside is left out until its period
+// ends, then tried again.
+func TestQuarantineEnds(t *testing.T) {
+	t.Parallel()
+	var q quarantine
+	held, ended := uuid.New(), uuid.New()
+	q.add(held)
+	q.add(ended)
+	q.until[ended] = time.Now().Add(-time.Millisecond)
+	require.Equal(t, []uuid.UUID{held}, q.members())
+	require.NotContains(t, q.until, ended, "forgotten once ended")
+	require.NotNil(t, (&quarantine{}).members(), "an empty list, never nil (NULL would match no row)")
+}
+
+// TestSharedSessionHint: a statement of pgx's cache found already there, or
+// gone, in a new connection's session is named as a pooler's doing; other
+// errors are not.
+func TestSharedSessionHint(t *testing.T) {
+	t.Parallel()
+	for _, err := range []error{
+		&pgconn.PgError{Code: "42P05", Message: `prepared statement "stmtcache_1f2e" already exists`},
+		&pgconn.PgError{Code: "26000", Message: `prepared statement "stmtcache_1f2e" does not exist`},
+	} {
+		require.Contains(t, sharedSessionHint(err), "pools by transaction", "%v", err)
+	}
+	for _, err := range []error{
+		&pgconn.PgError{Code: "26000", Message: `prepared statement "mine" does not exist`},
+		&pgconn.PgError{Code: "42601", Message: `syntax error near "stmtcache_1f2e"`},
+		errors.New(`"stmtcache_1f2e"`),
+	} {
+		require.Empty(t, sharedSessionHint(err), "%v", err)
+	}
 }

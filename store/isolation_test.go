@@ -108,6 +108,7 @@ func TestTransient(t *testing.T) {
 	require.False(t, store.Transient(&gateway.Error{Code: gateway.EInferenceBusy, Cause: io.ErrUnexpectedEOF}),
 		"a domain error is the gateway's answer, whatever it came of")
 	require.False(t, store.Transient(nil))
+	require.False(t, store.Transient(fmt.Errorf("error reading: %w", pgx.ErrNoRows)), "no row is an answer")
 	require.True(t, store.Transient(&net.OpError{Op: "read", Net: "tcp", Err: syscall.ECONNRESET}), "a connection reset")
 	require.True(t, store.Transient(fmt.Errorf("error reading: %w", pgconn.ErrConnClosed)), "a connection closed")
 	require.True(t, store.Transient(io.EOF), "a connection ended")
