@@ -6,10 +6,13 @@ import (
 	"math/rand/v2"
 	"regexp"
 	"strconv"
+	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
@@ -178,6 +181,49 @@ func TestOldUsageIsFoldedAFewAccountsARun(t *testing.T) {
 		require.Zero(t, n)
 	}
 	require.Equal(t, int64(7), count(`SELECT sum(requests) FROM usage_days`))
+}
+
+// TestAFoldOfOldUsageTheDatabaseFailedGoesOnThere: a run the database
+// fails (here a statement sent past its deadline) stops in the account it
+// was folding, which is not set aside: the next run folds it. Only the
+// steps due are sent: an account whose minutes were never folded has none
+// to remove.
+func TestAFoldOfOldUsageTheDatabaseFailedGoesOnThere(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	horizon := time.Now().UTC().Add(-90 * 24 * time.Hour)
+	for i := range 2 {
+		require.NoError(t, b.store.SettleRequests(b.ctx, []store.Settlement{{Record: at(p, horizon.Add(-time.Duration(i+1)*time.Hour), gateway.ModelInstant, 10)}}))
+	}
+	names := &statementNames{}
+	late := &pastDeadline{statementNames: names, name: "name: FoldOldRequests"}
+	traced := b.traced(t, late)
+	_, err := traced.FoldOldUsage(b.ctx, horizon, 100)
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.True(t, store.Transient(err))
+	n, err := traced.FoldOldUsage(b.ctx, horizon, 100)
+	require.NoError(t, err)
+	require.Equal(t, int64(2), n, "the account was not set aside")
+	require.NotContains(t, names.take(), "DeleteOldUsageMinutes", "no step that is not due")
+}
+
+// pastDeadline sends the first statement whose text holds name with its
+// deadline passed, and records the names of all.
+type pastDeadline struct {
+	*statementNames
+	name string
+	done atomic.Bool
+}
+
+func (p *pastDeadline) TraceQueryStart(ctx context.Context, conn *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
+	ctx = p.statementNames.TraceQueryStart(ctx, conn, d)
+	if strings.Contains(d.SQL, p.name) && p.done.CompareAndSwap(false, true) {
+		ctx, cancel := context.WithDeadline(ctx, time.Now())
+		_ = cancel // ends with the deadline, passed already
+		return ctx
+	}
+	return ctx
 }
 
 // TestTheFoldReadsPastWhatItRemoved: the index entries of the requests the
