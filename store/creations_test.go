@@ -344,6 +344,35 @@ func TestAGroupOfCreationsIsBounded(t *testing.T) {
 	require.Equal(t, 3, b.transactions(t, p.AccountID), "the first alone, then sixteen, then one")
 }
 
+// TestRefusalsInAGroupReadTheRoomOnce: the creations of a group that the
+// ceiling refuses are told apart by one read of the day's room, which counts
+// the batches of the group that were charged among those unfinished.
+func TestRefusalsInAGroupReadTheRoomOnce(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "acme", ptr(int64(30)), nil)
+	names := &statementNames{}
+	b.tracer = names
+	got := b.createBehindABlockedOne(t, b.batchOf(p, 1, 10, "", day()),
+		b.batchOf(p, 1, 10, "", day()), // charged: 20 of 30
+		b.batchOf(p, 1, 25, "", day()), // 10 free, and 20 held by unfinished batches
+		b.batchOf(p, 1, 25, "", day()),
+	)
+	require.NoError(t, got[0].err)
+	require.NoError(t, got[1].err)
+	for _, o := range got[2:] {
+		require.ErrorContains(t, o.err, "held by the estimates of its batch items not yet finished")
+	}
+	reads := 0
+	for _, name := range names.take() {
+		if name == "UnfinishedBatchEstimates" {
+			reads++
+		}
+	}
+	require.Equal(t, 1, reads)
+}
+
 // TestACreationSentAgainReadsNoCharge: a creation of a batch stored already
 // (its reply was lost) resolves to it without reading the day's charge.
 func TestACreationSentAgainReadsNoCharge(t *testing.T) {
