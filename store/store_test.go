@@ -450,8 +450,10 @@ func TestSetLimits(t *testing.T) {
 	b := setup(t)
 	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
 	tier := gateway.TierDeveloper
-	_, err := b.store.CreateKey(b.ctx, store.CreateKeyParams{Account: "acme", Project: "research", Tier: &tier, Scopes: []gateway.Scope{gateway.ScopeInference}})
-	require.NoError(t, err)
+	for _, project := range []string{"research", "analytics"} { // listed by name, not as created
+		_, err := b.store.CreateKey(b.ctx, store.CreateKeyParams{Account: "acme", Project: project, Tier: &tier, Scopes: []gateway.Scope{gateway.ScopeInference}})
+		require.NoError(t, err)
+	}
 	b.settle(t, p, nil, 120)
 
 	l, err := b.store.Limits(b.ctx, "acme")
@@ -460,7 +462,7 @@ func TestSetLimits(t *testing.T) {
 	require.Equal(t, &store.AccountLimits{
 		Account: "acme", Tier: gateway.TierDeveloper, DailyDefault: true,
 		Daily:    gateway.DailyState{Ceiling: tier.DefaultDailyCeiling(), Charged: 120, Remaining: tier.DefaultDailyCeiling() - 120, ResetsAt: day.Add(24 * time.Hour)},
-		Projects: []gateway.BudgetState{{Project: "default", Spent: 120}, {Project: "research"}},
+		Projects: []gateway.BudgetState{{Project: "analytics"}, {Project: "default", Spent: 120}, {Project: "research"}},
 	}, l)
 
 	daily, budget := int64(5000), int64(700)
@@ -470,14 +472,14 @@ func TestSetLimits(t *testing.T) {
 	require.NoError(t, err)
 	require.False(t, l.DailyDefault)
 	require.Equal(t, gateway.DailyState{Ceiling: 5000, Charged: 120, Remaining: 4880, ResetsAt: day.Add(24 * time.Hour)}, l.Daily)
-	require.Equal(t, []gateway.BudgetState{{Project: "default", Cap: &budget, Spent: 120}, {Project: "research"}}, l.Projects)
+	require.Equal(t, []gateway.BudgetState{{Project: "analytics"}, {Project: "default", Cap: &budget, Spent: 120}, {Project: "research"}}, l.Projects)
 
 	require.NoError(t, b.store.SetLimits(b.ctx, store.SetLimitsParams{Account: "acme", ClearDaily: true, Project: "default", ClearBudget: true}))
 	l, err = b.store.Limits(b.ctx, "acme")
 	require.NoError(t, err)
 	require.True(t, l.DailyDefault)
 	require.Equal(t, tier.DefaultDailyCeiling(), l.Daily.Ceiling)
-	require.Nil(t, l.Projects[0].Cap, "uncapped again")
+	require.Nil(t, l.Projects[1].Cap, "uncapped again")
 	require.Error(t, b.store.SetLimits(b.ctx, store.SetLimitsParams{Account: "acme", DailyRungs: &daily, ClearDaily: true}))
 
 	err = b.store.SetLimits(b.ctx, store.SetLimitsParams{Account: "acme", Project: "sales", BudgetRungs: &budget})
