@@ -386,11 +386,6 @@ func TestReplyToAClientThatReadsNothing(t *testing.T) {
 	}, 20*time.Second, 20*time.Millisecond, "the handler still writes to a client that reads nothing")
 }
 
-// TestStreamWriteDeadlineSparesClientsThatRead: the write bound is a write's,
-// not a stream's: a stream silent for longer than StreamWriteTimeout before
-// its first token is served whole, and its connection, kept alive, serves the
-// next request, and the next, later than that and than ReplyWriteTimeout (a
-// reply's deadline is lifted once it is written).
 // TestStreamOutlastsTheBodyTimeout: the body's read deadline ends with the
 // body (net/http lifts it once the body is read, to watch for the client
 // leaving); a stream that waits past it for its first token is not taken
@@ -415,6 +410,11 @@ func TestStreamOutlastsTheBodyTimeout(t *testing.T) {
 	}
 }
 
+// TestStreamWriteDeadlineSparesClientsThatRead: the write bound is a write's,
+// not a stream's: a stream silent for longer than StreamWriteTimeout before
+// its first token is served whole, and its connection, kept alive, serves the
+// next request, and the next, later than that and than ReplyWriteTimeout (a
+// reply's deadline is lifted once it is written).
 func TestStreamWriteDeadlineSparesClientsThatRead(t *testing.T) {
 	t.Parallel()
 	for name, h2c := range map[string]bool{"HTTP/1.1 detached": false, "HTTP/1.1 on its handler": false, "HTTP/2": true} {
