@@ -13,6 +13,7 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
@@ -270,6 +271,28 @@ func TestTheFoldReadsPastWhatItRemoved(t *testing.T) {
 	pages, err := strconv.Atoi(read[1])
 	require.NoError(t, err)
 	require.Less(t, pages, 20, "pages read for the oldest request: %s", probe[0])
+}
+
+// TestExpiredEvidenceGoesEarliestFirst: a removal of expired evidence takes
+// the earliest expiries first, whatever order the rows were written in and
+// however PostgreSQL reads them (here without its indexes), so that the next
+// run, reading from where it stopped, leaves none behind.
+func TestExpiredEvidenceGoesEarliestFirst(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	_, err := b.store.Pool().Exec(b.ctx, `INSERT INTO evidence (request_id, account_id, sources, expires_at)
+		SELECT gen_random_uuid(), $1, '[]', now() - i * interval '1 hour' FROM generate_series(1, 3) i`, p.AccountID)
+	require.NoError(t, err)
+	unindexed := store.New(b.poolWith(t, func(cfg *pgxpool.Config) {
+		cfg.ConnConfig.RuntimeParams["enable_indexscan"] = "off"
+		cfg.ConnConfig.RuntimeParams["enable_bitmapscan"] = "off"
+	}))
+	for range 3 {
+		n, err := unindexed.DeleteExpiredEvidence(b.ctx, 1)
+		require.NoError(t, err)
+		require.Equal(t, int64(1), n)
+	}
 }
 
 // TestRemovalsReadFromWhereTheyStopped: the jobs that remove (or clear) a
