@@ -314,8 +314,7 @@ func jsonType(t reflect.Type) string {
 func exactFieldNames(body []byte, names map[string]bool) (twice string, at int, found bool) {
 	// open holds the containers open, innermost last; known the field names
 	// of the objects open, each object's after its parent's; wantKey: the
-	// next string of the innermost object is a key (set at each '{' and ',',
-	// as a container's end is followed by a ',' or another end).
+	// next string of the innermost object is a key.
 	var openBuf [8]container
 	var knownBuf [16][]byte
 	open, known := openBuf[:0], knownBuf[:0]
@@ -334,6 +333,7 @@ func exactFieldNames(body []byte, names map[string]bool) (twice string, at int, 
 			}
 			known = known[:open[len(open)-1].known]
 			open = open[:len(open)-1]
+			wantKey = false // in a body that is not JSON, a string may follow
 		case ',':
 			wantKey = len(open) > 0 && open[len(open)-1].object
 		case '"':

@@ -86,7 +86,8 @@ func FuzzExactFieldNames(f *testing.F) {
 	for _, seed := range []string{`{"Prompt":"x"}`, `{"a":{"MODEL":[1,{"Stream":2}]}}`, `{"\u0070ROMPT":1}`, `[{"Prompt":{}}]`, `{"":""}`,
 		`{"a\"Prompt":1,"Prompt\\":2,"x":"\"Prompt\":"}`, `{"a":[1,"Model",{"MODEL":[]}],"Stream":{"Prompt":1}}`, `{"ſtream":true,"\u0050rompt":"x"}`,
 		`{"prompt":1,"pro\u006dpt":2}`, `{"a":{"x":1},"b":{"x":2},"a":3}`, `{"PROMPT":1,"~ROMPT":2,"PROMPT":3}`, manyKeysBody(40, true), `{"a":1,"a":2,"model":{"model":1},"model":3}`,
-		`{"model":{"prompt":1},"prompt":2}`, `{"a":["Prompt"],"b":"Model"}`, `{"model":1,"model":2,"prompt":1,"prompt":2}`, `{"\"":1,"Prompt":2}`} {
+		`{"model":{"prompt":1},"prompt":2}`, `{"a":["Prompt"],"b":"Model"}`, `{"model":1,"model":2,"prompt":1,"prompt":2}`, `{"\"":1,"Prompt":2}`,
+		`{}"requests"`, `[{}"Prompt"]`} {
 		f.Add([]byte(seed))
 	}
 	names := fieldNames(reflect.TypeOf(&api.BatchRequest{}))
