@@ -401,6 +401,27 @@ func TestASettlementHoldsItsLeasesUntilItEnds(t *testing.T) {
 	require.Equal(t, int64(5), b.view(t, q).Daily.Charged)
 }
 
+// TestTodaysChargeCountsTodayOnly: the day's charge counts the settlements
+// not yet folded and the leases of that day, not another day's.
+func TestTodaysChargeCountsTodayOnly(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	yesterday := gateway.UTCDay(time.Now()).Add(-24 * time.Hour)
+	lease := uuid.Must(uuid.NewV7())
+	g, err := b.store.GrantQuota(b.ctx, store.QuotaRequest{
+		LeaseID: lease, Owner: owner, AccountID: p.AccountID, ProjectID: p.ProjectID, Day: yesterday,
+		DefaultCeiling: p.Tier.DefaultDailyCeiling(), Need: 10, Share: 1000, Lease: time.Hour,
+	})
+	require.NoError(t, err)
+	require.Equal(t, gateway.AdmitOK, g.Outcome)
+	b.settle(t, p, &lease, 30)
+	_, err = b.store.Pool().Exec(b.ctx, `INSERT INTO batch_settlements (account_id, day, project_id, day_rungs, spent_rungs, reserved_rungs)
+		VALUES ($1, $2, $3, 40, 0, 0)`, p.AccountID, yesterday, p.ProjectID)
+	require.NoError(t, err)
+	require.Zero(t, b.view(t, p).Daily.Charged, "yesterday's lease and settlement are no charge today")
+}
+
 // TestOnlyASettlementUnderSeveralLeasesLocksThemFirst: a group under one
 // lease (named by several requests, beside requests under none) is sent as
 // its one statement; a group under two is sent after their lock, in one

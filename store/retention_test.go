@@ -61,10 +61,19 @@ func TestOldRequestsAreFoldedIntoDays(t *testing.T) {
 	require.NoError(t, err)
 
 	first, end := gateway.UTCDay(horizon).AddDate(0, 0, -5), gateway.UTCDay(now).AddDate(0, 0, 1)
-	report := func() []store.UsageLine {
-		lines, err := b.store.UsageReport(b.ctx, first, end, "")
-		require.NoError(t, err)
-		return lines
+	// The whole range, and ranges ending at each midnight around the
+	// horizon, whose end day's sums are no part of them.
+	report := func() (out [][]store.UsageLine) {
+		ends := []time.Time{end}
+		for i := -3; i <= 5; i++ {
+			ends = append(ends, gateway.UTCDay(horizon).AddDate(0, 0, i))
+		}
+		for _, last := range ends {
+			lines, err := b.store.UsageReport(b.ctx, first, last, "")
+			require.NoError(t, err)
+			out = append(out, lines)
+		}
+		return out
 	}
 	hour := horizon.Truncate(time.Hour)
 	periods := [][2]time.Time{
