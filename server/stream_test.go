@@ -303,45 +303,40 @@ func (f *flood) Stream(_ context.Context, _ *upstream.Request, emit func(upstrea
 func TestStreamToAClientThatReadsNothing(t *testing.T) {
 	t.Parallel()
 	const body = `{"prompt": "flood", "model": "reasoning", "stream": true}`
-	for name, h2c := range map[string]bool{"HTTP/1.1 detached": false, "HTTP/1.1 on its handler": false, "HTTP/2": true} {
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			up := &flood{n: 200, emitFailed: make(chan struct{})} // 12.5 MiB, past any socket buffer or window
-			b := setupWith(t, options{provider: up, h2c: h2c, keepalive: 50 * time.Millisecond, server: func(c *server.Config) {
-				c.StreamWriteTimeout = 200 * time.Millisecond
-				if name == "HTTP/1.1 on its handler" {
-					c.DetachAfter = -1
-				}
-			}})
-			if h2c {
-				// The client's window fills as the body goes unread.
-				req, err := http.NewRequest(http.MethodPost, b.http.URL+"/api/v1/responses", strings.NewReader(body))
-				require.NoError(t, err)
-				req.Header.Set("Authorization", "Bearer "+b.key)
-				req.Header.Set("Content-Type", "application/json")
-				resp, err := b.client.Do(req)
-				require.NoError(t, err)
-				defer resp.Body.Close()
-				require.Equal(t, 2, resp.ProtoMajor)
-			} else {
-				b.postUnread(body)
-			}
+	eachStreamWay(t, func(t *testing.T, h2c bool, way func(*server.Config)) {
+		up := &flood{n: 200, emitFailed: make(chan struct{})} // 12.5 MiB, past any socket buffer or window
+		b := setupWith(t, options{provider: up, h2c: h2c, keepalive: 50 * time.Millisecond, server: func(c *server.Config) {
+			c.StreamWriteTimeout = 200 * time.Millisecond
+			way(c)
+		}})
+		if h2c {
+			// The client's window fills as the body goes unread.
+			req, err := http.NewRequest(http.MethodPost, b.http.URL+"/api/v1/responses", strings.NewReader(body))
+			require.NoError(t, err)
+			req.Header.Set("Authorization", "Bearer "+b.key)
+			req.Header.Set("Content-Type", "application/json")
+			resp, err := b.client.Do(req)
+			require.NoError(t, err)
+			defer resp.Body.Close()
+			require.Equal(t, 2, resp.ProtoMajor)
+		} else {
+			b.postUnread(body)
+		}
 
-			select {
-			case <-up.emitFailed:
-			case <-time.After(20 * time.Second):
-				t.Fatal("the stream still waits for a client that reads nothing")
-			}
-			var usage api.UsageView
-			require.Eventually(t, func() bool {
-				r := b.do(http.MethodGet, "/api/v1/usage", b.key, "", nil)
-				require.Equal(t, http.StatusOK, r.status)
-				require.NoError(t, json.Unmarshal(r.body, &usage))
-				return usage.Totals.Requests == 1 && usage.Budget.ReservedRungs == 0
-			}, 10*time.Second, 20*time.Millisecond, "the request is settled: %+v", usage)
-			require.Positive(t, usage.Totals.OutputRungs, "the output produced is billed")
-		})
-	}
+		select {
+		case <-up.emitFailed:
+		case <-time.After(20 * time.Second):
+			t.Fatal("the stream still waits for a client that reads nothing")
+		}
+		var usage api.UsageView
+		require.Eventually(t, func() bool {
+			r := b.do(http.MethodGet, "/api/v1/usage", b.key, "", nil)
+			require.Equal(t, http.StatusOK, r.status)
+			require.NoError(t, json.Unmarshal(r.body, &usage))
+			return usage.Totals.Requests == 1 && usage.Budget.ReservedRungs == 0
+		}, 10*time.Second, 20*time.Millisecond, "the request is settled: %+v", usage)
+		require.Positive(t, usage.Totals.OutputRungs, "the output produced is billed")
+	})
 }
 
 // postUnread posts body to the responses route over HTTP/1.1 from a client
@@ -386,28 +381,39 @@ func TestReplyToAClientThatReadsNothing(t *testing.T) {
 	}, 20*time.Second, 20*time.Millisecond, "the handler still writes to a client that reads nothing")
 }
 
+// eachStreamWay runs test, in parallel, for each way a stream is served: over
+// HTTP/1.1 detached from its handler, over HTTP/1.1 on its handler, and over
+// HTTP/2 (h2c); way sets the server's configuration for it.
+func eachStreamWay(t *testing.T, test func(t *testing.T, h2c bool, way func(*server.Config))) {
+	for name, h2c := range map[string]bool{"HTTP/1.1 detached": false, "HTTP/1.1 on its handler": false, "HTTP/2": true} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			test(t, h2c, func(c *server.Config) {
+				if name == "HTTP/1.1 on its handler" {
+					c.DetachAfter = -1
+				}
+			})
+		})
+	}
+}
+
 // TestStreamOutlastsTheBodyTimeout: the body's read deadline ends with the
 // body (net/http lifts it once the body is read, to watch for the client
 // leaving); a stream that waits past it for its first token is not taken
 // for a client gone.
 func TestStreamOutlastsTheBodyTimeout(t *testing.T) {
 	t.Parallel()
-	for name, h2c := range map[string]bool{"HTTP/1.1 detached": false, "HTTP/1.1 on its handler": false, "HTTP/2": true} {
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			const timeout = 100 * time.Millisecond
-			b := setupWith(t, options{h2c: h2c, server: func(c *server.Config) {
-				c.BodyTimeout = timeout
-				if name == "HTTP/1.1 on its handler" {
-					c.DetachAfter = -1
-				}
-			}})
-			b.upstream.configure(func(s *scripted) { s.firstDelay = 4 * timeout })
-			_, s := b.stream("/api/v1/responses", map[string]any{"prompt": "slow to start"})
-			require.NotEmpty(t, s.Events)
-			require.Equal(t, "response.completed", s.Events[len(s.Events)-1].Name)
-		})
-	}
+	eachStreamWay(t, func(t *testing.T, h2c bool, way func(*server.Config)) {
+		const timeout = 100 * time.Millisecond
+		b := setupWith(t, options{h2c: h2c, server: func(c *server.Config) {
+			c.BodyTimeout = timeout
+			way(c)
+		}})
+		b.upstream.configure(func(s *scripted) { s.firstDelay = 4 * timeout })
+		_, s := b.stream("/api/v1/responses", map[string]any{"prompt": "slow to start"})
+		require.NotEmpty(t, s.Events)
+		require.Equal(t, "response.completed", s.Events[len(s.Events)-1].Name)
+	})
 }
 
 // TestStreamWriteDeadlineSparesClientsThatRead: the write bound is a write's,
@@ -417,40 +423,35 @@ func TestStreamOutlastsTheBodyTimeout(t *testing.T) {
 // reply's deadline is lifted once it is written).
 func TestStreamWriteDeadlineSparesClientsThatRead(t *testing.T) {
 	t.Parallel()
-	for name, h2c := range map[string]bool{"HTTP/1.1 detached": false, "HTTP/1.1 on its handler": false, "HTTP/2": true} {
-		t.Run(name, func(t *testing.T) {
-			t.Parallel()
-			const timeout = 100 * time.Millisecond
-			b := setupWith(t, options{h2c: h2c, keepalive: timeout / 2, server: func(c *server.Config) {
-				c.StreamWriteTimeout, c.ReplyWriteTimeout = timeout, timeout
-				if name == "HTTP/1.1 on its handler" {
-					c.DetachAfter = -1
-				}
-			}})
-			if !h2c {
-				tr := &http.Transport{MaxConnsPerHost: 1}
-				b.client = &http.Client{Transport: tr}
-				t.Cleanup(tr.CloseIdleConnections)
-			}
-			b.upstream.configure(func(s *scripted) { s.firstDelay = 3 * timeout })
-			_, s := b.stream("/api/v1/responses", map[string]any{"prompt": "slow to start"})
-			require.Equal(t, "response.completed", s.Events[len(s.Events)-1].Name)
+	eachStreamWay(t, func(t *testing.T, h2c bool, way func(*server.Config)) {
+		const timeout = 100 * time.Millisecond
+		b := setupWith(t, options{h2c: h2c, keepalive: timeout / 2, server: func(c *server.Config) {
+			c.StreamWriteTimeout, c.ReplyWriteTimeout = timeout, timeout
+			way(c)
+		}})
+		if !h2c {
+			tr := &http.Transport{MaxConnsPerHost: 1}
+			b.client = &http.Client{Transport: tr}
+			t.Cleanup(tr.CloseIdleConnections)
+		}
+		b.upstream.configure(func(s *scripted) { s.firstDelay = 3 * timeout })
+		_, s := b.stream("/api/v1/responses", map[string]any{"prompt": "slow to start"})
+		require.Equal(t, "response.completed", s.Events[len(s.Events)-1].Name)
 
-			for range 2 {
-				time.Sleep(3 * timeout)
-				var reused bool
-				ctx := httptrace.WithClientTrace(context.Background(), &httptrace.ClientTrace{GotConn: func(i httptrace.GotConnInfo) { reused = i.Reused }})
-				req, err := http.NewRequestWithContext(ctx, http.MethodGet, b.http.URL+"/api/v1/usage", nil)
-				require.NoError(t, err)
-				req.Header.Set("Authorization", "Bearer "+b.key)
-				resp, err := b.client.Do(req)
-				require.NoError(t, err)
-				_, err = io.ReadAll(resp.Body)
-				require.NoError(t, err)
-				require.NoError(t, resp.Body.Close())
-				require.Equal(t, http.StatusOK, resp.StatusCode)
-				require.True(t, reused, "the stream's connection serves the next requests")
-			}
-		})
-	}
+		for range 2 {
+			time.Sleep(3 * timeout)
+			var reused bool
+			ctx := httptrace.WithClientTrace(context.Background(), &httptrace.ClientTrace{GotConn: func(i httptrace.GotConnInfo) { reused = i.Reused }})
+			req, err := http.NewRequestWithContext(ctx, http.MethodGet, b.http.URL+"/api/v1/usage", nil)
+			require.NoError(t, err)
+			req.Header.Set("Authorization", "Bearer "+b.key)
+			resp, err := b.client.Do(req)
+			require.NoError(t, err)
+			_, err = io.ReadAll(resp.Body)
+			require.NoError(t, err)
+			require.NoError(t, resp.Body.Close())
+			require.Equal(t, http.StatusOK, resp.StatusCode)
+			require.True(t, reused, "the stream's connection serves the next requests")
+		}
+	})
 }
