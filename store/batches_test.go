@@ -1861,19 +1861,6 @@ type startTracer struct{}
 
 func (startTracer) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
 
-// lockCounter counts the statements that lock a batch for a transition.
-type lockCounter struct {
-	startTracer
-	n atomic.Int32
-}
-
-func (c *lockCounter) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
-	if strings.Contains(d.SQL, "name: LockBatch") {
-		c.n.Add(1)
-	}
-	return ctx
-}
-
 // TestStartAndFinishLockOnlyBatchesThatCanMove: every lock of a batch is a
 // durable commit, and replicas often ask to start or finish the same batch:
 // StartBatches locks only batches still queued, FinishBatches only batches not
@@ -1902,17 +1889,17 @@ func TestStartAndFinishLockOnlyBatchesThatCanMove(t *testing.T) {
 	batch, _ := b.batch(t, p, done)
 	require.Equal(t, gateway.BatchCompleted, batch.Status)
 
-	counter := &lockCounter{}
-	traced := b.traced(t, counter)
+	names := &statementNames{}
+	traced := b.traced(t, names)
 	all := []uuid.UUID{queued, running, done}
 
 	require.NoError(t, traced.StartBatches(b.ctx, all))
-	require.Equal(t, int32(1), counter.n.Load(), "only the queued batch is locked to start")
+	require.Equal(t, 1, names.takeCount("LockBatch"), "only the queued batch is locked to start")
 	batch, _ = b.batch(t, p, queued)
 	require.Equal(t, gateway.BatchInProgress, batch.Status)
 
 	require.NoError(t, traced.FinishBatches(b.ctx, all))
-	require.Equal(t, int32(1), counter.n.Load(), "no batch can finish: items unfinished, or already terminal")
+	require.Zero(t, names.takeCount("LockBatch"), "no batch can finish: items unfinished, or already terminal")
 	for id, want := range map[uuid.UUID]gateway.BatchStatus{running: gateway.BatchInProgress, done: gateway.BatchCompleted} {
 		batch, _ = b.batch(t, p, id)
 		require.Equal(t, want, batch.Status)

@@ -364,13 +364,7 @@ func TestRefusalsInAGroupReadTheRoomOnce(t *testing.T) {
 	for _, o := range got[2:] {
 		require.ErrorContains(t, o.err, "held by the estimates of its batch items not yet finished")
 	}
-	reads := 0
-	for _, name := range names.take() {
-		if name == "UnfinishedBatchEstimates" {
-			reads++
-		}
-	}
-	require.Equal(t, 1, reads)
+	require.Equal(t, 1, names.takeCount("UnfinishedBatchEstimates"))
 }
 
 // TestACreationSentAgainReadsNoCharge: a creation of a batch stored already

@@ -483,6 +483,18 @@ func (s *statementNames) take() []string {
 	return names
 }
 
+// takeCount takes the names recorded since the last take and returns how
+// many of them are name.
+func (s *statementNames) takeCount(name string) int {
+	n := 0
+	for _, taken := range s.take() {
+		if taken == name {
+			n++
+		}
+	}
+	return n
+}
+
 func (s *statementNames) TraceQueryStart(ctx context.Context, _ *pgx.Conn, d pgx.TraceQueryStartData) context.Context {
 	s.add(d.SQL)
 	return ctx
