@@ -1,6 +1,7 @@
 package store_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -459,6 +460,49 @@ func TestClaimIsExclusive(t *testing.T) {
 	require.Len(t, seen, 450)
 }
 
+// TestClaimPassesOverLockedItems: a claim takes the items no other
+// transaction holds, and does not wait for those one does (here, longer than
+// the claim's lock timeout: waiting, it would fail).
+func TestClaimPassesOverLockedItems(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	id := b.newBatch(t, p, 4, 1, "", day())
+	tx, err := b.store.Pool().Begin(b.ctx)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, tx.Rollback(b.ctx)) }()
+	_, err = tx.Exec(b.ctx, `SELECT 1 FROM batch_items WHERE batch_id = $1 AND idx < 2 FOR UPDATE`, id)
+	require.NoError(t, err)
+
+	impatient := store.New(b.poolWith(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.RuntimeParams["lock_timeout"] = "100ms" }))
+	items, err := impatient.ClaimItems(b.ctx, store.ClaimParams{Owner: uuid.Must(uuid.NewV7()), Max: 8, PerAccount: 8, Lease: time.Minute})
+	require.NoError(t, err)
+	require.ElementsMatch(t, []store.ItemKey{{BatchID: id, Index: 2}, {BatchID: id, Index: 3}}, keysOf(items))
+}
+
+// TestAHandBackOfItemsAnotherHoldsIsNone: a replica hands back only the
+// items it holds; named items another holds stay with it, by key or by
+// claim.
+func TestAHandBackOfItemsAnotherHoldsIsNone(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	b.newBatch(t, p, 2, 1, "", day())
+	holder, other := uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7())
+	claimID := uuid.Must(uuid.NewV7())
+	items, err := b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: holder, ClaimID: claimID, Max: 8, PerAccount: 8, Lease: time.Minute})
+	require.NoError(t, err)
+	require.Len(t, items, 2)
+
+	back, err := b.store.RequeueItems(b.ctx, other, keysOf(items))
+	require.NoError(t, err)
+	require.Equal(t, store.Requeued{}, back, "by key")
+	back, err = b.store.ReleaseClaim(b.ctx, other, claimID)
+	require.NoError(t, err)
+	require.Equal(t, store.Requeued{}, back, "by claim")
+	require.Len(t, b.complete(t, holder, items, 1), 2, "the holder's outcomes are stored")
+}
+
 // claimConcurrently runs eight claimers, each with p under an owner of its
 // own, claiming until nothing is left, and hands what each claim took to got.
 func (b *testBundle) claimConcurrently(t *testing.T, p store.ClaimParams, got func(owner uuid.UUID, items []store.ClaimedItem)) {
@@ -525,6 +569,46 @@ func TestClaimPassesOverSkippedAccounts(t *testing.T) {
 	require.Equal(t, map[uuid.UUID]int{held.AccountID: 4, other.AccountID: 2}, perAccount(items), "without the skip its items are claimed, its share")
 }
 
+// TestClaimTakesTheModelsAsked: a claim limited to some models takes items
+// of those only, even from an account whose oldest items are of others, and
+// an account with queued items of other models alone takes no share of it.
+func TestClaimTakesTheModelsAsked(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, mixed := b.key(t, "mixed", gateway.TierDeveloper, gateway.ScopeInference)
+	_, reasoning := b.key(t, "reasoning", gateway.TierDeveloper, gateway.ScopeInference)
+	_, instant := b.key(t, "instant", gateway.TierDeveloper, gateway.ScopeInference)
+	for _, p := range []*gateway.Principal{mixed, reasoning} {
+		nb := b.batchOf(p, 10, 1, "", day())
+		for i := range nb.Items {
+			nb.Items[i].Request.Model = gateway.ModelReasoning
+		}
+		_, err := b.store.CreateBatch(b.ctx, nb)
+		require.NoError(t, err)
+	}
+	b.newBatch(t, mixed, 10, 1, "", day())
+	b.newBatch(t, instant, 10, 1, "", day())
+
+	owner := uuid.Must(uuid.NewV7())
+	claim := func(max int, models ...gateway.Model) []store.ClaimedItem {
+		t.Helper()
+		items, err := b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: owner, Max: max, PerAccount: 1, Lease: time.Minute, Models: models})
+		require.NoError(t, err)
+		return items
+	}
+	items := claim(8, gateway.ModelInstant)
+	require.Equal(t, map[uuid.UUID]int{mixed.AccountID: 4, instant.AccountID: 4}, perAccount(items),
+		"the claim goes to the accounts with items of the model")
+	for _, it := range items {
+		require.Equal(t, gateway.ModelInstant, it.Request.Model)
+	}
+	items = claim(40, gateway.ModelElements, gateway.ModelReasoning)
+	require.Equal(t, map[uuid.UUID]int{mixed.AccountID: 10, reasoning.AccountID: 10}, perAccount(items))
+	for _, it := range items {
+		require.Equal(t, gateway.ModelReasoning, it.Request.Model)
+	}
+}
+
 // TestClaimOfThePreviousReleaseStillClaims: replicas of the release before
 // migration 00044 call the claim without accounts to skip during a rolling
 // upgrade; it claims as the new one does skipping none.
@@ -538,6 +622,57 @@ func TestClaimOfThePreviousReleaseStillClaims(t *testing.T) {
 		uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewRandom()), uuid.Must(uuid.NewV7())).Scan(&n)
 	require.NoError(t, err)
 	require.Equal(t, 3, n)
+}
+
+// TestClaimTakesAccountsInTurnFromThePivot: a claim looks for work one
+// account after the other from its pivot, those after it first and then
+// those up to it, each account once, however its open batches stand (here
+// all started); of a claim its accounts' shares overfill, the last account
+// in turn gets what is left.
+func TestClaimTakesAccountsInTurnFromThePivot(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	var accounts []uuid.UUID
+	for _, name := range []string{"first", "second", "third"} {
+		_, p := b.key(t, name, gateway.TierDeveloper, gateway.ScopeInference)
+		b.newBatch(t, p, 10, 1, "", day())
+		accounts = append(accounts, p.AccountID)
+	}
+	slices.SortFunc(accounts, func(x, y uuid.UUID) int { return bytes.Compare(x[:], y[:]) })
+	_, err := b.store.Pool().Exec(b.ctx, `UPDATE batches SET status = 'in_progress'`)
+	require.NoError(t, err)
+
+	claimFrom := func(pivot uuid.UUID) map[uuid.UUID]int {
+		t.Helper()
+		tx, err := b.store.Pool().Begin(b.ctx)
+		require.NoError(t, err)
+		defer func() { require.NoError(t, tx.Rollback(b.ctx)) }()
+		rows, err := tx.Query(b.ctx, `SELECT account_id FROM claim_batch_items($1, 8, 1, interval '1 minute', $2, $3, NULL, NULL)`,
+			uuid.Must(uuid.NewV7()), pivot, uuid.Must(uuid.NewV7()))
+		require.NoError(t, err)
+		ids, err := pgx.CollectRows(rows, pgx.RowTo[uuid.UUID])
+		require.NoError(t, err)
+		n := map[uuid.UUID]int{}
+		for _, id := range ids {
+			n[id]++
+		}
+		return n
+	}
+	// Shares of ceil(8/3) = 3: the third account in turn gets 2.
+	for _, c := range []struct {
+		name  string
+		pivot uuid.UUID
+		last  int
+	}{
+		{"before every account", uuid.Nil, 2},
+		{"at the first", accounts[0], 0},
+		{"at the second", accounts[1], 1},
+		{"past every account", uuid.Max, 2},
+	} {
+		want := map[uuid.UUID]int{accounts[0]: 3, accounts[1]: 3, accounts[2]: 3}
+		want[accounts[c.last]] = 2
+		require.Equal(t, want, claimFrom(c.pivot), "pivot %s", c.name)
+	}
 }
 
 // TestClaimShares: an account's share of a claim is the claim divided among
@@ -1154,15 +1289,16 @@ func TestCompletedItemsWriteEvidenceRowsOnlyWithEvidence(t *testing.T) {
 // (migration 00047) store exactly what the same outcomes sent as one JSON
 // document to the function replicas of the previous release call stored:
 // the items, their requests and their evidence, column by column (an empty
-// text and attempts of 0 as none).
+// text and attempts of 0 as none; a request's start the item's; no evidence
+// of a failed item, whatever it cites).
 func TestCompletedItemsStoreWhatTheDocumentStored(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
-	arrays, document := b.newBatch(t, p, 5, 50, "", day()), b.newBatch(t, p, 5, 50, "", day())
+	arrays, document := b.newBatch(t, p, 6, 50, "", day()), b.newBatch(t, p, 6, 50, "", day())
 	owner := uuid.Must(uuid.NewV7())
-	items := b.claim(t, owner, 10, time.Minute)
-	require.Len(t, items, 10)
+	items := b.claim(t, owner, 12, time.Minute)
+	require.Len(t, items, 12)
 
 	expires := time.Now().Add(time.Hour).Truncate(time.Microsecond)
 	src := []gateway.Source{{Title: "T", URL: "https://x", Snippet: "s"}}
@@ -1172,8 +1308,11 @@ func TestCompletedItemsStoreWhatTheDocumentStored(t *testing.T) {
 		{Status: "completed", Content: "plain", InputTokens: 1, OutputTokens: 2, InputRungs: 1, OutputRungs: 2, TotalRungs: 3,
 			Sources: []gateway.Source{}, Provider: "backup", UpstreamModel: "m-2", Attempts: 1},
 		{Status: "completed", InputTokens: 5, InputRungs: 5, TotalRungs: 5, Verdict: "unsupported"},
-		{Status: "failed", ErrorCode: "INFERENCE_BUSY", ErrorMessage: "no", InputTokens: 9, OutputTokens: 1, InputRungs: 9, OutputRungs: 1, TotalRungs: 10},
+		{Status: "failed", ErrorCode: "INFERENCE_BUSY", ErrorMessage: "no", InputTokens: 9, OutputTokens: 1, InputRungs: 9, OutputRungs: 1, TotalRungs: 10,
+			Sources: src, Verdict: "supported"},
 		{Status: "failed", ErrorCode: "INTERRUPTED", ErrorMessage: "gone"},
+		{Status: "completed", Content: "cited without a verdict", InputTokens: 1, OutputTokens: 1, InputRungs: 1, OutputRungs: 1, TotalRungs: 2,
+			Sources: src},
 	}
 	var viaArrays []store.ItemResult
 	var viaDocument []map[string]any
@@ -1204,10 +1343,10 @@ func TestCompletedItemsStoreWhatTheDocumentStored(t *testing.T) {
 	}
 	applied, err := b.store.CompleteItems(b.ctx, owner, viaArrays)
 	require.NoError(t, err)
-	require.Len(t, applied, 5)
+	require.Len(t, applied, 6)
 	var n int
 	require.NoError(t, b.store.Pool().QueryRow(b.ctx, `SELECT count(*) FROM complete_batch_items($1, $2::jsonb)`, owner, viaDocument).Scan(&n))
-	require.Equal(t, 5, n)
+	require.Equal(t, 6, n)
 
 	stored := func(batch uuid.UUID) []string {
 		rows, err := b.store.Pool().Query(b.ctx, `
@@ -1216,7 +1355,8 @@ func TestCompletedItemsStoreWhatTheDocumentStored(t *testing.T) {
 			        'output_rungs', i.output_rungs, 'total_rungs', i.total_rungs, 'error_code', i.error_code,
 			        'error_message', i.error_message, 'provider', i.provider, 'upstream_model', i.upstream_model,
 			        'attempts', i.attempts, 'reserved_rungs', i.reserved_rungs, 'leased', i.lease_owner IS NOT NULL
-			        OR i.lease_expires_at IS NOT NULL, 'completed', i.completed_at IS NOT NULL),
+			        OR i.lease_expires_at IS NOT NULL, 'completed', i.completed_at IS NOT NULL,
+			        'request_started', r.created_at = i.started_at),
 			    'request', to_jsonb(r) - '{id,created_at,completed_at}'::text[],
 			    'evidence', to_jsonb(e) - 'request_id'::text)::text
 			  FROM batch_items i
@@ -1229,10 +1369,13 @@ func TestCompletedItemsStoreWhatTheDocumentStored(t *testing.T) {
 		return out
 	}
 	got := stored(arrays)
-	require.Len(t, got, 5)
+	require.Len(t, got, 6)
 	require.Equal(t, stored(document), got)
 	require.Contains(t, got[0], `"upstream_model": "m-1"`, "an item's route is stored")
 	require.Contains(t, got[4], `"content": null`, "a failed item has no content")
+	require.Contains(t, got[0], `"request_started": true`, "a request starts with its item")
+	require.Contains(t, got[3], `"evidence": null`, "a failed item has no evidence")
+	require.Contains(t, got[5], `"empty_evidence_expires_at": null`, "an item citing sources has evidence")
 }
 
 func TestCompleteItemsAndBatchLifecycle(t *testing.T) {
@@ -1321,6 +1464,32 @@ func TestLeaseRescueRefusesZombies(t *testing.T) {
 	n, err = b.store.RescueExpiredLeases(b.ctx, 100)
 	require.NoError(t, err)
 	require.Zero(t, n)
+}
+
+// TestAnOutcomeOfAnItemHandedBackIsRefused: once a replica handed its items
+// back and another claimed them, the first one's late outcomes are refused
+// (the item is running, under another owner); the second one's are stored,
+// and the usage counted once.
+func TestAnOutcomeOfAnItemHandedBackIsRefused(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	id := b.newBatch(t, p, 2, 50, "", day())
+	first, second := uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7())
+	items := b.claim(t, first, 10, time.Minute)
+	require.Len(t, items, 2)
+	back, err := b.store.RequeueItems(b.ctx, first, keysOf(items))
+	require.NoError(t, err)
+	require.Len(t, back.Queued, 2)
+	again := b.claim(t, second, 10, time.Minute)
+	require.ElementsMatch(t, keysOf(items), keysOf(again))
+
+	require.Empty(t, b.completeItems(t, first, items, 10), "the first owner's outcomes")
+	require.Len(t, b.complete(t, second, again, 20), 2)
+	batch, _ := b.batch(t, p, id)
+	require.Equal(t, gateway.BatchCompleted, batch.Status)
+	require.Equal(t, int64(40), batch.Usage.TotalRungs)
+	require.Equal(t, int64(40), b.view(t, p).Daily.Charged)
 }
 
 func TestRequeueReturnsBudget(t *testing.T) {
