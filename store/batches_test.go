@@ -480,6 +480,33 @@ func TestClaimPassesOverLockedItems(t *testing.T) {
 	require.ElementsMatch(t, []store.ItemKey{{BatchID: id, Index: 2}, {BatchID: id, Index: 3}}, keysOf(items))
 }
 
+// TestItemsOfAStartedBatchHandedBackAreQueued: items handed back return to
+// the queue while their batch is open, started or not, and are claimed
+// again; once it is cancelling they are cancelled.
+func TestItemsOfAStartedBatchHandedBackAreQueued(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	id := b.newBatch(t, p, 3, 1, "", day())
+	owner := uuid.Must(uuid.NewV7())
+	items := b.claim(t, owner, 8, time.Minute)
+	require.Len(t, items, 3)
+	require.NoError(t, b.store.StartBatches(b.ctx, []uuid.UUID{id}))
+
+	back, err := b.store.RequeueItems(b.ctx, owner, keysOf(items[:2]))
+	require.NoError(t, err)
+	require.ElementsMatch(t, keysOf(items[:2]), back.Queued)
+	require.Empty(t, back.Cancelled)
+	again := b.claim(t, owner, 8, time.Minute)
+	require.ElementsMatch(t, keysOf(items[:2]), keysOf(again))
+
+	require.NoError(t, b.store.CancelBatch(b.ctx, p.AccountID, id))
+	back, err = b.store.RequeueItems(b.ctx, owner, keysOf(items))
+	require.NoError(t, err)
+	require.ElementsMatch(t, keysOf(items), back.Cancelled)
+	require.Empty(t, back.Queued)
+}
+
 // TestAHandBackOfItemsAnotherHoldsIsNone: a replica hands back only the
 // items it holds; named items another holds stay with it, by key or by
 // claim.
@@ -1108,6 +1135,36 @@ func TestClaimMixesCappedAndUncapped(t *testing.T) {
 	require.Empty(t, b.claim(t, uuid.Must(uuid.NewV7()), 10, time.Minute), "nothing is left to claim")
 }
 
+// TestClaimOfAProjectWhoseCapIsLiftedMeanwhileTakesItsItems: a claim that
+// found a project capped, and then, locking it to reserve, finds its cap
+// lifted by a change that committed meanwhile, takes its items: there is no
+// cap to refuse them.
+func TestClaimOfAProjectWhoseCapIsLiftedMeanwhileTakesItsItems(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "acme", nil, ptr(int64(1000)))
+	id := b.newBatch(t, p, 3, 100, "", day())
+	lift, err := b.store.Pool().Begin(b.ctx)
+	require.NoError(t, err)
+	defer func() { _ = lift.Rollback(b.ctx) }()
+	_, err = lift.Exec(b.ctx, `UPDATE projects SET budget_cap_rungs = NULL WHERE id = $1`, p.ProjectID)
+	require.NoError(t, err)
+
+	claimed := make(chan []store.ClaimedItem, 1)
+	go func() {
+		items, err := b.store.ClaimItems(b.ctx, store.ClaimParams{Owner: uuid.Must(uuid.NewV7()), Max: 8, PerAccount: 8, Lease: time.Minute})
+		assert.NoError(t, err)
+		claimed <- items
+	}()
+	b.requireOneWaiting(t, "the claim waits to lock the project")
+	require.NoError(t, lift.Commit(b.ctx))
+	items := <-claimed
+	taken, refused := byOutcome(items)
+	require.Equal(t, []int{0, 1, 2}, taken[id])
+	require.Empty(t, refused)
+}
+
 // TestClaimReadsEachProjectOnce: a claim reads the projects of the items it
 // chose in one statement, whatever their number, and reads none of those
 // items again by its key; a claim of items of projects without a cap (most
@@ -1528,7 +1585,9 @@ func TestEveryWayOutSettlesOnce(t *testing.T) {
 
 	b.complete(t, owner, items[:1], 30)
 	require.Empty(t, b.complete(t, owner, items[:1], 30), "a replayed outcome changes nothing")
-	failed, err := b.store.CompleteItems(b.ctx, owner, []store.ItemResult{{BatchID: id, Index: items[1].Index, Status: "failed", ErrorCode: "INFERENCE_FAILED", ErrorMessage: "no"}})
+	// A failed item is not billed, whatever usage its outcome tells.
+	failed, err := b.store.CompleteItems(b.ctx, owner, []store.ItemResult{{BatchID: id, Index: items[1].Index, Status: "failed", ErrorCode: "INFERENCE_FAILED", ErrorMessage: "no",
+		InputTokens: 10, InputRungs: 10, TotalRungs: 10}})
 	require.NoError(t, err)
 	require.Len(t, failed, 1)
 	_, err = b.store.RequeueItems(b.ctx, owner, keysOf(items[2:3]))
@@ -1559,6 +1618,13 @@ func TestEveryWayOutSettlesOnce(t *testing.T) {
 	v = b.view(t, p)
 	require.Equal(t, want, v.Budget)
 	require.Equal(t, int64(30), v.Daily.Charged)
+
+	// Nor does a later write to the ended items (a migration's, say).
+	_, err = b.store.Pool().Exec(b.ctx, `UPDATE batch_items SET attempts = attempts WHERE batch_id = $1`, id)
+	require.NoError(t, err)
+	folded, err = b.store.ReconcileSettlements(b.ctx, 100)
+	require.NoError(t, err)
+	require.Zero(t, folded, "an ended item settles once")
 }
 
 func TestBudgetExhaustedMidBatch(t *testing.T) {
