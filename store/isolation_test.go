@@ -41,18 +41,23 @@ func TestReconcileIsolatesAFailingAccount(t *testing.T) {
 	b.newBatch(t, good, 1, 100, "", day())
 	b.complete(t, owner, b.claim(t, owner, 10, time.Minute), 40)
 
-	n, err := b.store.ReconcileSettlements(b.ctx, 1000)
+	names := &statementNames{}
+	traced := b.traced(t, names)
+	n, err := traced.ReconcileSettlements(b.ctx, 1000)
 	require.Error(t, err, "the failing account is reported")
 	require.Contains(t, err.Error(), bad.AccountID.String())
 	require.Equal(t, int64(1), n, "the other account's settlement is folded")
 	require.Equal(t, int64(40), b.view(t, good).Daily.Charged)
 
-	// The failing account is set aside: later runs fold everyone else at once.
+	// The failing account is set aside: later runs fold everyone else at once,
+	// in one statement passing over it.
 	b.newBatch(t, good, 1, 100, "", day())
 	b.complete(t, owner, b.claim(t, owner, 10, time.Minute), 5)
-	n, err = b.store.ReconcileSettlements(b.ctx, 1000)
+	names.take()
+	n, err = traced.ReconcileSettlements(b.ctx, 1000)
 	require.NoError(t, err)
 	require.Equal(t, int64(1), n)
+	require.Equal(t, []string{"ReconcileSettlements"}, names.take())
 	require.Equal(t, int64(45), b.view(t, good).Daily.Charged)
 }
 
@@ -73,7 +78,9 @@ func TestFoldIsolatesAFailingLease(t *testing.T) {
 	_, err := b.store.Pool().Exec(b.ctx, `UPDATE projects SET spent_rungs = $1 WHERE id = $2`, int64(math.MaxInt64-1), bad.ProjectID)
 	require.NoError(t, err)
 
-	n, err := b.store.FoldExpiredQuotaLeases(b.ctx, 100)
+	names := &statementNames{}
+	traced := b.traced(t, names)
+	n, err := traced.FoldExpiredQuotaLeases(b.ctx, 100)
 	require.Error(t, err)
 	require.Contains(t, err.Error(), badLease.String())
 	require.Equal(t, int64(1), n)
@@ -82,9 +89,11 @@ func TestFoldIsolatesAFailingLease(t *testing.T) {
 	require.Equal(t, int64(30), v.Budget.Spent)
 	require.Zero(t, v.Budget.Reserved)
 
-	n, err = b.store.FoldExpiredQuotaLeases(b.ctx, 100)
+	names.take()
+	n, err = traced.FoldExpiredQuotaLeases(b.ctx, 100)
 	require.NoError(t, err, "the failing lease is set aside")
 	require.Zero(t, n)
+	require.Equal(t, []string{"FoldQuotaLeases"}, names.take(), "in one statement passing over it")
 }
 
 // TestTransient tells the database being away from a statement it refused.

@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
@@ -131,6 +132,7 @@ func TestGrantQuotaRefusals(t *testing.T) {
 	g := b.grant(t, p, uuid.Must(uuid.NewV7()), 200, 1, time.Hour)
 	require.Equal(t, int64(250), g.Granted)
 	require.False(t, g.Capped)
+	require.Zero(t, g.Left, "the grant took the whole day")
 	g = b.grant(t, p, uuid.Must(uuid.NewV7()), 1, 1, time.Hour)
 	require.Equal(t, gateway.AdmitDaily, g.Outcome)
 	require.Zero(t, g.Granted)
@@ -153,6 +155,12 @@ func TestGrantQuotaRefusals(t *testing.T) {
 	g = b.grant(t, q, uuid.Must(uuid.NewV7()), 1, 1, time.Hour)
 	require.Equal(t, gateway.AdmitBudget, g.Outcome)
 	require.Zero(t, g.Free)
+	require.Zero(t, g.Left)
+	// Charged past a lowered ceiling: nothing is left, not less.
+	b.limits(t, "acme", ptr(int64(100)), nil)
+	g = b.grant(t, p, uuid.Must(uuid.NewV7()), 1, 1, time.Hour)
+	require.Equal(t, gateway.AdmitDaily, g.Outcome)
+	require.Zero(t, g.Left)
 	_, d := b.key(t, "plain", gateway.TierDeveloper, gateway.ScopeInference)
 	require.Equal(t, int64(10_000_000), b.view(t, d).Daily.Ceiling, "developer default")
 
@@ -179,6 +187,40 @@ func TestGrantsNeverPassTheCap(t *testing.T) {
 	}
 	wg.Wait()
 	require.Equal(t, int64(1000), granted.Load())
+}
+
+// TestGrantsOfTwoDaysShareTheCap: a grant on one day's charge (as around
+// midnight) reads the project's budget once a grant on the other day's
+// commits, not before, though it waits for no charge of that day: the two
+// never reserve past the cap.
+func TestGrantsOfTwoDaysShareTheCap(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "acme", nil, ptr(int64(100)))
+	yesterday, err := b.store.Pool().Begin(b.ctx)
+	require.NoError(t, err)
+	defer func() { _ = yesterday.Rollback(b.ctx) }()
+	var outcome string
+	require.NoError(t, yesterday.QueryRow(b.ctx, `SELECT outcome FROM grant_quota($1, $2, $3, $4, $5, $6, 100, 1, now() + interval '1 hour')`,
+		uuid.Must(uuid.NewV7()), owner, p.AccountID, p.ProjectID, gateway.UTCDay(time.Now()).Add(-24*time.Hour),
+		p.Tier.DefaultDailyCeiling()).Scan(&outcome))
+	require.Equal(t, gateway.AdmitOK, outcome)
+
+	today := make(chan store.QuotaGrant, 1)
+	go func() {
+		g, err := b.store.GrantQuota(b.ctx, store.QuotaRequest{
+			LeaseID: uuid.Must(uuid.NewV7()), Owner: owner, AccountID: p.AccountID, ProjectID: p.ProjectID,
+			Day: time.Now(), DefaultCeiling: p.Tier.DefaultDailyCeiling(), Need: 100, Share: 1, Lease: time.Hour,
+		})
+		assert.NoError(t, err)
+		today <- g
+	}()
+	b.requireOneWaiting(t, "today's grant waits for the project")
+	require.NoError(t, yesterday.Commit(b.ctx))
+	g := <-today
+	require.Equal(t, gateway.AdmitBudget, g.Outcome, "yesterday's grant took the budget")
+	require.Zero(t, g.Granted)
 }
 
 // TestSettleRequestsTwice: a group sent again (its reply was lost after the
