@@ -124,6 +124,118 @@ func TestQuotaLeaseLifecycle(t *testing.T) {
 	require.Zero(t, v.Daily.Remaining)
 }
 
+// TestReconcileFoldsUpToItsLimitPassingOverRowsInUse: a run folds at most
+// its limit of settlements, and passes over those another transaction holds
+// (a run on another replica) rather than wait for them (here, longer than its
+// lock timeout: waiting, it would fail).
+func TestReconcileFoldsUpToItsLimitPassingOverRowsInUse(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	_, err := b.store.Pool().Exec(b.ctx, `INSERT INTO batch_settlements (account_id, day, project_id, day_rungs, spent_rungs, reserved_rungs)
+		SELECT $1, $2::date, $3, i, 0, 0 FROM generate_series(1, 4) i`, p.AccountID, gateway.UTCDay(time.Now()), p.ProjectID)
+	require.NoError(t, err)
+	tx, err := b.store.Pool().Begin(b.ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(b.ctx) }()
+	_, err = tx.Exec(b.ctx, `SELECT 1 FROM batch_settlements WHERE day_rungs = 1 FOR UPDATE`)
+	require.NoError(t, err)
+
+	impatient := store.New(b.poolWith(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.RuntimeParams["lock_timeout"] = "100ms" }))
+	n, err := impatient.ReconcileSettlements(b.ctx, 2)
+	require.NoError(t, err)
+	require.Equal(t, int64(2), n, "its limit")
+	n, err = impatient.ReconcileSettlements(b.ctx, 2)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n, "all but the one held")
+	require.NoError(t, tx.Rollback(b.ctx))
+	n, err = impatient.ReconcileSettlements(b.ctx, 2)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
+	require.Equal(t, int64(1+2+3+4), b.view(t, p).Daily.Charged)
+}
+
+// TestAFoldMovesEachLeaseOnItsOwnDay: leases of one account on two days,
+// folded together, each move their own day's charge (one by what was used
+// past its slice, the other by its unused slice).
+func TestAFoldMovesEachLeaseOnItsOwnDay(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	today := gateway.UTCDay(time.Now())
+	yesterday := today.Add(-24 * time.Hour)
+	grantOn := func(day time.Time, need int64) uuid.UUID {
+		id := uuid.Must(uuid.NewV7())
+		g, err := b.store.GrantQuota(b.ctx, store.QuotaRequest{LeaseID: id, Owner: owner, AccountID: p.AccountID, ProjectID: p.ProjectID,
+			Day: day, DefaultCeiling: p.Tier.DefaultDailyCeiling(), Need: need, Share: 1 << 30, Lease: -time.Second})
+		require.NoError(t, err)
+		require.Equal(t, need, g.Granted)
+		return id
+	}
+	grantOn(yesterday, 100)
+	overused := grantOn(today, 10)
+	b.settle(t, p, &overused, 50)
+
+	n, err := b.store.FoldExpiredQuotaLeases(b.ctx, 100)
+	require.NoError(t, err)
+	require.Equal(t, int64(2), n)
+	charged := func(day time.Time) (c int64) {
+		require.NoError(t, b.store.Pool().QueryRow(b.ctx, `SELECT charged_rungs FROM daily_charges WHERE account_id = $1 AND day = $2`,
+			p.AccountID, day).Scan(&c))
+		return c
+	}
+	require.Zero(t, charged(yesterday), "the unused slice came back")
+	require.Equal(t, int64(50), charged(today), "what was used, past the slice")
+}
+
+// TestAFoldNeverTakesACounterBelowZero: a fold returning more than a
+// counter holds (here set lower by hand) leaves it at zero, not less.
+func TestAFoldNeverTakesACounterBelowZero(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "acme", nil, ptr(int64(1000)))
+	b.grant(t, p, uuid.Must(uuid.NewV7()), 100, 1<<30, -time.Second)
+	_, err := b.store.Pool().Exec(b.ctx, `UPDATE daily_charges SET charged_rungs = 10 WHERE account_id = $1`, p.AccountID)
+	require.NoError(t, err)
+	_, err = b.store.Pool().Exec(b.ctx, `UPDATE projects SET reserved_rungs = 10 WHERE id = $1`, p.ProjectID)
+	require.NoError(t, err)
+
+	n, err := b.store.FoldExpiredQuotaLeases(b.ctx, 100)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
+	v := b.view(t, p)
+	require.Zero(t, v.Daily.Charged)
+	require.Zero(t, v.Budget.Reserved)
+}
+
+// TestAFoldPassesOverLeasesInUse: a fold of expired leases takes those no
+// transaction holds (a settlement under a lease locks it) and does not wait
+// for the others (here, longer than its lock timeout: waiting, it would
+// fail); they are folded by a later run.
+func TestAFoldPassesOverLeasesInUse(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	held, free := uuid.Must(uuid.NewV7()), uuid.Must(uuid.NewV7())
+	b.grant(t, p, held, 10, 1<<30, -time.Second)
+	b.grant(t, p, free, 10, 1<<30, -time.Second)
+	tx, err := b.store.Pool().Begin(b.ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(b.ctx) }()
+	_, err = tx.Exec(b.ctx, `SELECT 1 FROM quota_leases WHERE id = $1 FOR NO KEY UPDATE`, held)
+	require.NoError(t, err)
+
+	impatient := store.New(b.poolWith(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.RuntimeParams["lock_timeout"] = "100ms" }))
+	n, err := impatient.FoldExpiredQuotaLeases(b.ctx, 100)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
+	require.NoError(t, tx.Rollback(b.ctx))
+	n, err = impatient.FoldExpiredQuotaLeases(b.ctx, 100)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
+}
+
 func TestGrantQuotaRefusals(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
