@@ -1627,6 +1627,30 @@ func TestEveryWayOutSettlesOnce(t *testing.T) {
 	require.Zero(t, folded, "an ended item settles once")
 }
 
+// TestAFailedBatchNamesItsFirstItemsError: a batch none of whose items
+// succeeded fails with the error of its first item by index, whatever order
+// they failed in.
+func TestAFailedBatchNamesItsFirstItemsError(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	id := b.newBatch(t, p, 2, 10, "", day())
+	owner := uuid.Must(uuid.NewV7())
+	require.Len(t, b.claim(t, owner, 8, time.Minute), 2)
+	for _, r := range []store.ItemResult{
+		{BatchID: id, Index: 1, Status: "failed", ErrorCode: string(gateway.EInferenceBusy), ErrorMessage: "busy"},
+		{BatchID: id, Index: 0, Status: "failed", ErrorCode: string(gateway.EInterrupted), ErrorMessage: "gone"},
+	} {
+		applied, err := b.store.CompleteItems(b.ctx, owner, []store.ItemResult{r})
+		require.NoError(t, err)
+		require.Len(t, applied, 1)
+	}
+	require.NoError(t, b.store.FinishBatches(b.ctx, []uuid.UUID{id}))
+	batch, _ := b.batch(t, p, id)
+	require.Equal(t, gateway.BatchFailed, batch.Status)
+	require.Equal(t, gateway.EInterrupted, batch.Error.Code)
+}
+
 func TestBudgetExhaustedMidBatch(t *testing.T) {
 	t.Parallel()
 	b := setup(t)

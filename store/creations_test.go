@@ -367,6 +367,38 @@ func TestRefusalsInAGroupReadTheRoomOnce(t *testing.T) {
 	require.Equal(t, 1, names.takeCount("UnfinishedBatchEstimates"))
 }
 
+// TestAdmissionChargesInTurnUpToTheCeiling: the admission of a group of
+// batches (admit_batches) charges each batch's estimate in turn, counting
+// those before it in the group and what the day holds at its lock, as far as
+// the ceiling allows; a batch filling the day exactly fits, one past the
+// ceiling alone never does.
+func TestAdmissionChargesInTurnUpToTheCeiling(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	admit := func(p *gateway.Principal, estimates ...int64) []string {
+		t.Helper()
+		defaults := make([]int64, len(estimates))
+		for i := range defaults {
+			defaults[i] = p.Tier.DefaultDailyCeiling()
+		}
+		var outcomes []string
+		require.NoError(t, b.store.Pool().QueryRow(b.ctx, `SELECT admit_batches($1, $2, $3, $4)::text[]`,
+			p.AccountID, gateway.UTCDay(time.Now()), defaults, estimates).Scan(&outcomes))
+		return outcomes
+	}
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "acme", ptr(int64(40)), nil)
+	require.Equal(t, []string{gateway.AdmitDailyNever}, admit(p, 41))
+	require.Equal(t, []string{gateway.AdmitOK}, admit(p, 10))
+	require.Equal(t, []string{gateway.AdmitOK, gateway.AdmitDaily, gateway.AdmitOK, gateway.AdmitDailyNever, gateway.AdmitDaily},
+		admit(p, 20, 15, 10, 41, 1))
+	require.Equal(t, int64(40), b.view(t, p).Daily.Charged)
+
+	_, q := b.key(t, "globex", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "globex", ptr(int64(40)), nil)
+	require.Equal(t, []string{gateway.AdmitOK}, admit(q, 40), "a batch filling the day exactly")
+}
+
 // TestACreationSentAgainReadsNoCharge: a creation of a batch stored already
 // (its reply was lost) resolves to it without reading the day's charge.
 func TestACreationSentAgainReadsNoCharge(t *testing.T) {
