@@ -316,6 +316,46 @@ func TestTierChangeReachesTheCache(t *testing.T) {
 	require.Equal(t, gateway.TierFree, p.Tier)
 }
 
+// TestEveryChangeToALimitOrAKeysEndIsAnnounced: a change to an account's
+// daily ceiling, to a project's budget, or to a key's end (a rotation's
+// grace) is announced naming the account, so that every replica drops its
+// keys (and its ledger its slices) and reads the limits anew.
+func TestEveryChangeToALimitOrAKeysEndIsAnnounced(t *testing.T) {
+	t.Parallel()
+	st := store.New(testdb.New(t))
+	type change struct {
+		table   string
+		account uuid.UUID
+	}
+	changes := make(chan change, 10)
+	replicaWith(t, st, access.Config{OnChange: func(table string, account uuid.UUID) {
+		if table != "" {
+			changes <- change{table, account}
+		}
+	}})
+	ctx := context.Background()
+	token := newKey(t, st, "acme", gateway.TierDeveloper)
+	p, err := st.LookupKey(ctx, token)
+	require.NoError(t, err)
+	daily, budget := int64(100), int64(50)
+	announced := func(table string) {
+		t.Helper()
+		select {
+		case c := <-changes:
+			require.Equal(t, change{table, p.AccountID}, c)
+		case <-time.After(10 * time.Second):
+			t.Fatalf("the change to %s was never announced", table)
+		}
+	}
+	require.NoError(t, st.SetLimits(ctx, store.SetLimitsParams{Account: "acme", DailyRungs: &daily}))
+	announced("accounts")
+	require.NoError(t, st.SetLimits(ctx, store.SetLimitsParams{Account: "acme", Project: "default", BudgetRungs: &budget}))
+	announced("projects")
+	_, err = st.RotateKey(ctx, token[:12], time.Hour, nil)
+	require.NoError(t, err)
+	announced("api_keys")
+}
+
 // TestAnExpiredKeyIsRefusedThoughCached: a cached key is served no longer
 // than until it expires, however long the cache keeps entries; it is then
 // looked up again, and refused.
