@@ -2795,6 +2795,47 @@ func TestABatchDoneBeforeItsStartKeepsOne(t *testing.T) {
 	require.Nil(t, batch.StartedAt, "none of its items ran")
 }
 
+// TestABatchsStartIsItsFirstItemThatRan: a batch ending without its start
+// recorded takes the start of the earliest of its items that ran, failed or
+// completed, and not of one handed back unsent; a batch whose start was
+// recorded keeps it.
+func TestABatchsStartIsItsFirstItemThatRan(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	id := b.newBatch(t, p, 3, 1, "", day())
+	owner := uuid.Must(uuid.NewV7())
+	items := b.claim(t, owner, 3, time.Minute)
+	require.Len(t, items, 3)
+	// Claimed an hour apart: the first three hours ago.
+	_, err := b.store.Pool().Exec(b.ctx, `UPDATE batch_items SET started_at = now() - (3 - idx) * interval '1 hour' WHERE batch_id = $1`, id)
+	require.NoError(t, err)
+	require.NoError(t, b.store.CancelBatch(b.ctx, p.AccountID, id))
+	back, err := b.store.RequeueItems(b.ctx, owner, []store.ItemKey{{BatchID: id, Index: 0}})
+	require.NoError(t, err)
+	require.Len(t, back.Cancelled, 1)
+	_, err = b.store.CompleteItems(b.ctx, owner, []store.ItemResult{{BatchID: id, Index: 1, Status: "failed", ErrorCode: string(gateway.EInferenceBusy), ErrorMessage: "busy"}})
+	require.NoError(t, err)
+	b.complete(t, owner, []store.ClaimedItem{items[2]}, 3)
+	batch, _ := b.batch(t, p, id)
+	require.Equal(t, gateway.BatchCancelled, batch.Status)
+	require.NotNil(t, batch.StartedAt)
+	require.WithinDuration(t, time.Now().Add(-2*time.Hour), *batch.StartedAt, time.Minute, "the failed item's")
+
+	started := b.newBatch(t, p, 1, 1, "", day())
+	items = b.claim(t, owner, 1, time.Minute)
+	require.NoError(t, b.store.StartBatches(b.ctx, []uuid.UUID{started}))
+	batch, _ = b.batch(t, p, started)
+	require.NotNil(t, batch.StartedAt)
+	start := *batch.StartedAt
+	_, err = b.store.Pool().Exec(b.ctx, `UPDATE batch_items SET started_at = now() - interval '1 hour' WHERE batch_id = $1`, started)
+	require.NoError(t, err)
+	b.complete(t, owner, items, 3)
+	batch, _ = b.batch(t, p, started)
+	require.Equal(t, gateway.BatchCompleted, batch.Status)
+	require.Equal(t, start, *batch.StartedAt, "its recorded start")
+}
+
 // TestABatchEndsAfterAStartItWaitedFor: a finish that waits for the
 // batch's lock while another replica starts the batch ends it after that
 // start, not at the moment its own transaction began.
