@@ -798,6 +798,13 @@ func TestLeaseRateNeverPassesTheLimit(t *testing.T) {
 	g, err := c.LeaseRate(context.Background(), key, at, 50, 1)
 	require.NoError(t, err)
 	require.Equal(t, store.RateGrant{Granted: 4, Used: 50, Current: 50}, g)
+
+	// A return of more than the window counts (one sent again after its
+	// reply was lost, say) leaves none counted, not less.
+	require.NoError(t, a.ReturnRate(context.Background(), []store.RateReturn{{KeyID: key, Window: at.Truncate(time.Minute), Count: 80}}))
+	g, err = c.LeaseRate(context.Background(), key, at, 50, 1)
+	require.NoError(t, err)
+	require.Equal(t, store.RateGrant{Granted: 50, Used: 50, Current: 50}, g)
 }
 
 // TestLeaseRateSlidingWindow: the previous minute counts by how much of it
@@ -848,6 +855,10 @@ func TestLeaseRateAhead(t *testing.T) {
 	require.Zero(t, ahead().Granted)
 	require.Zero(t, lease(next, 1).Granted, "13 + 7 as the minute starts")
 	require.Equal(t, 6, lease(next.Add(30*time.Second), 1).Granted, "half of 13, and 7")
+
+	g, err := st.LeaseRateAhead(ctx, uuid.Must(uuid.NewV7()), next, 3, 20)
+	require.NoError(t, err)
+	require.Equal(t, 1, g.Granted, "one at least while there is room, however small the share")
 }
 
 func TestUsageView(t *testing.T) {
