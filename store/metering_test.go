@@ -807,6 +807,24 @@ func TestLeaseRateNeverPassesTheLimit(t *testing.T) {
 	require.Equal(t, store.RateGrant{Granted: 50, Used: 50, Current: 50}, g)
 }
 
+// TestARateReturnGoesToItsWindow: returns of one key to two windows each
+// give back to their own.
+func TestARateReturnGoesToItsWindow(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	key := uuid.Must(uuid.NewV7())
+	minute := time.Now().Truncate(time.Minute)
+	_, err := b.store.Pool().Exec(b.ctx, `INSERT INTO rate_windows (key_id, window_start, count) VALUES ($1, $2, 10), ($1, $3, 20)`,
+		key, minute, minute.Add(time.Minute))
+	require.NoError(t, err)
+	require.NoError(t, b.store.ReturnRate(b.ctx, []store.RateReturn{{KeyID: key, Window: minute, Count: 3}, {KeyID: key, Window: minute.Add(time.Minute), Count: 5}}))
+	rows, err := b.store.Pool().Query(b.ctx, `SELECT count FROM rate_windows WHERE key_id = $1 ORDER BY window_start`, key)
+	require.NoError(t, err)
+	counts, err := pgx.CollectRows(rows, pgx.RowTo[int32])
+	require.NoError(t, err)
+	require.Equal(t, []int32{7, 15}, counts)
+}
+
 // TestLeaseRateSlidingWindow: the previous minute counts by how much of it
 // still overlaps the last 60 s.
 func TestLeaseRateSlidingWindow(t *testing.T) {
