@@ -474,7 +474,7 @@ func TestClaimPassesOverLockedItems(t *testing.T) {
 	_, err = tx.Exec(b.ctx, `SELECT 1 FROM batch_items WHERE batch_id = $1 AND idx < 2 FOR UPDATE`, id)
 	require.NoError(t, err)
 
-	impatient := store.New(b.poolWith(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.RuntimeParams["lock_timeout"] = "100ms" }))
+	impatient := b.impatient(t)
 	items, err := impatient.ClaimItems(b.ctx, store.ClaimParams{Owner: uuid.Must(uuid.NewV7()), Max: 8, PerAccount: 8, Lease: time.Minute})
 	require.NoError(t, err)
 	require.ElementsMatch(t, []store.ItemKey{{BatchID: id, Index: 2}, {BatchID: id, Index: 3}}, keysOf(items))

@@ -141,7 +141,7 @@ func TestReconcileFoldsUpToItsLimitPassingOverRowsInUse(t *testing.T) {
 	_, err = tx.Exec(b.ctx, `SELECT 1 FROM batch_settlements WHERE day_rungs = 1 FOR UPDATE`)
 	require.NoError(t, err)
 
-	impatient := store.New(b.poolWith(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.RuntimeParams["lock_timeout"] = "100ms" }))
+	impatient := b.impatient(t)
 	n, err := impatient.ReconcileSettlements(b.ctx, 2)
 	require.NoError(t, err)
 	require.Equal(t, int64(2), n, "its limit")
@@ -226,7 +226,7 @@ func TestAFoldPassesOverLeasesInUse(t *testing.T) {
 	_, err = tx.Exec(b.ctx, `SELECT 1 FROM quota_leases WHERE id = $1 FOR NO KEY UPDATE`, held)
 	require.NoError(t, err)
 
-	impatient := store.New(b.poolWith(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.RuntimeParams["lock_timeout"] = "100ms" }))
+	impatient := b.impatient(t)
 	n, err := impatient.FoldExpiredQuotaLeases(b.ctx, 100)
 	require.NoError(t, err)
 	require.Equal(t, int64(1), n)

@@ -49,6 +49,14 @@ func (b *testBundle) poolWith(t testing.TB, tweak func(*pgxpool.Config)) *pgxpoo
 	return pool
 }
 
+// impatient is a store on the test's database whose statements give up
+// waiting for a lock after 100 ms: a statement that should pass over rows
+// another transaction holds fails there if it waits for them instead.
+func (b *testBundle) impatient(t testing.TB) *store.Store {
+	t.Helper()
+	return store.New(b.poolWith(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.RuntimeParams["lock_timeout"] = "100ms" }))
+}
+
 func (b *testBundle) key(t testing.TB, account string, tier gateway.Tier, scopes ...gateway.Scope) (string, *gateway.Principal) {
 	t.Helper()
 	token, err := b.store.CreateKey(b.ctx, store.CreateKeyParams{Account: account, Project: "default", Tier: &tier, Scopes: scopes})
