@@ -343,9 +343,11 @@ func TestSettleRequestsTwice(t *testing.T) {
 	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
 	lease := uuid.Must(uuid.NewV7())
 	b.grant(t, p, lease, 100, 16, time.Hour)
+	cited := record(p, uuid.Must(uuid.NewV7()), 20)
+	cited.Sources, cited.Verdict = []gateway.Source{{Title: "T", URL: "https://x"}}, "supported"
 	group := []store.Settlement{
 		{Record: record(p, uuid.Must(uuid.NewV7()), 10), LeaseID: &lease},
-		{Record: record(p, uuid.Must(uuid.NewV7()), 20), LeaseID: &lease},
+		{Record: cited, LeaseID: &lease},
 		{Record: record(p, uuid.Must(uuid.NewV7()), 40)},
 	}
 	require.NoError(t, b.store.SettleRequests(b.ctx, group))
@@ -355,6 +357,28 @@ func TestSettleRequestsTwice(t *testing.T) {
 	require.Equal(t, int64(70), v.Totals.TotalRungs)
 	require.Equal(t, int64(70), v.Daily.Charged)
 	require.Equal(t, int64(70), v.Budget.Spent)
+}
+
+// TestADirectChargeGoesToTheDayTheRequestBegan: a request charged directly
+// (no lease) is charged to the UTC day it began, whose ceiling admitted it,
+// though it ended the day after.
+func TestADirectChargeGoesToTheDayTheRequestBegan(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	midnight := gateway.UTCDay(time.Now())
+	r := record(p, uuid.Must(uuid.NewV7()), 30)
+	r.CreatedAt, r.CompletedAt = midnight.Add(-time.Second), midnight.Add(time.Second)
+	require.NoError(t, b.store.SettleRequests(b.ctx, []store.Settlement{{Record: r}}))
+	rows, err := b.store.Pool().Query(b.ctx, `SELECT day, charged_rungs FROM daily_charges WHERE account_id = $1`, p.AccountID)
+	require.NoError(t, err)
+	type charge struct {
+		Day     time.Time
+		Charged int64
+	}
+	charges, err := pgx.CollectRows(rows, pgx.RowToStructByPos[charge])
+	require.NoError(t, err)
+	require.Equal(t, []charge{{midnight.Add(-24 * time.Hour), 30}}, charges)
 }
 
 // TestSettleUnderAFoldedLease: a request settling after its lease was folded

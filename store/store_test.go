@@ -374,6 +374,7 @@ func TestRecordRequestAndEvidence(t *testing.T) {
 	emptyList := record([]gateway.Source{}, "", now.Add(time.Hour))
 	expired := record(src, "supported", now.Add(-time.Second))
 	expiredEmpty := record(nil, "", now.Add(-time.Second))
+	sourcesOnly := record(src, "", now.Add(time.Hour))
 
 	ev, err := b.store.Evidence(b.ctx, owner.AccountID, withEvidence)
 	require.NoError(t, err)
@@ -386,8 +387,18 @@ func TestRecordRequestAndEvidence(t *testing.T) {
 		require.NoError(t, err, "empty evidence is held as long as any")
 		require.Equal(t, &gateway.Evidence{RequestID: id, Sources: []gateway.Source{}}, ev)
 	}
-	require.Equal(t, map[uuid.UUID]bool{withEvidence: true, verdictOnly: true, expired: true},
+	require.Equal(t, map[uuid.UUID]bool{withEvidence: true, verdictOnly: true, expired: true, sourcesOnly: true},
 		b.evidenceRows(t), "a request with neither sources nor a verdict writes no row of evidence")
+	ev, err = b.store.Evidence(b.ctx, owner.AccountID, sourcesOnly)
+	require.NoError(t, err)
+	require.Equal(t, &gateway.Evidence{RequestID: sourcesOnly, Sources: src}, ev)
+	var noVerdict bool
+	require.NoError(t, b.store.Pool().QueryRow(b.ctx, `SELECT verdict IS NULL FROM evidence WHERE request_id = $1`, sourcesOnly).Scan(&noVerdict))
+	require.True(t, noVerdict, "no verdict is NULL, not empty")
+	var emptyEnds int
+	require.NoError(t, b.store.Pool().QueryRow(b.ctx, `SELECT count(*) FROM requests r
+		WHERE r.empty_evidence_expires_at IS NOT NULL AND EXISTS (SELECT 1 FROM evidence e WHERE e.request_id = r.id)`).Scan(&emptyEnds))
+	require.Zero(t, emptyEnds, "a request with a row of evidence holds no end of empty evidence")
 
 	for name, c := range map[string]struct {
 		account uuid.UUID
