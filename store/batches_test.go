@@ -419,15 +419,32 @@ func TestIdempotencyKey(t *testing.T) {
 	_, err = b.store.CreateBatch(b.ctx, b.batchOf(p, 3, 10, "same", day()))
 	require.Equal(t, gateway.EIdempotencyKeyReused, gateway.ErrorCodeOf(err))
 
-	// Keys are per account.
+	// Keys are per account: one another account used first is none of
+	// this one's, and a repeat resolves to this account's batch.
 	res, err := b.store.CreateBatch(b.ctx, b.batchOf(other, 2, 10, "same", day()))
 	require.NoError(t, err)
 	require.False(t, res.Replayed)
+	theirs, err := b.store.CreateBatch(b.ctx, b.batchOf(other, 2, 10, "again", day()))
+	require.NoError(t, err)
+	mine, err := b.store.CreateBatch(b.ctx, b.batchOf(p, 2, 10, "again", day()))
+	require.NoError(t, err)
+	require.False(t, mine.Replayed)
+	repeat, err := b.store.CreateBatch(b.ctx, b.batchOf(p, 2, 10, "again", day()))
+	require.NoError(t, err)
+	require.Equal(t, store.CreateResult{BatchID: mine.BatchID, Replayed: true}, repeat)
+	require.NotEqual(t, theirs.BatchID, mine.BatchID)
+	list, err = b.store.Batches(b.ctx, p.AccountID, nil, 50)
+	require.NoError(t, err)
+	var listed []uuid.UUID
+	for _, batch := range list {
+		listed = append(listed, batch.ID)
+	}
+	require.Equal(t, []uuid.UUID{mine.BatchID, ids[0]}, listed, "the account's own, newest first")
 
 	// Past the window the key is forgotten.
 	n, err := b.store.ExpireIdempotencyKeys(b.ctx, time.Now().Add(time.Minute), 100)
 	require.NoError(t, err)
-	require.Equal(t, int64(2), n)
+	require.Equal(t, int64(4), n)
 	res, err = b.store.CreateBatch(b.ctx, b.batchOf(p, 2, 10, "same", day()))
 	require.NoError(t, err)
 	require.False(t, res.Replayed)
@@ -1547,6 +1564,30 @@ func TestAnOutcomeOfAnItemHandedBackIsRefused(t *testing.T) {
 	require.Equal(t, gateway.BatchCompleted, batch.Status)
 	require.Equal(t, int64(40), batch.Usage.TotalRungs)
 	require.Equal(t, int64(40), b.view(t, p).Daily.Charged)
+}
+
+// TestItemOutcomesReadWhatWasStored: the outcomes read back after a reply
+// lost (ItemOutcomes) are each item's as stored, an item without an error
+// code or a cost read as none; a key of no item is left out.
+func TestItemOutcomesReadWhatWasStored(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	id := b.newBatch(t, p, 3, 10, "", day())
+	owner := uuid.Must(uuid.NewV7())
+	items := b.claim(t, owner, 8, time.Minute)
+	require.Len(t, items, 3)
+	b.completeItems(t, owner, items[:1], 7)
+	_, err := b.store.CompleteItems(b.ctx, owner, []store.ItemResult{{BatchID: id, Index: 1, Status: "failed", ErrorCode: string(gateway.EInferenceBusy), ErrorMessage: "busy"}})
+	require.NoError(t, err)
+
+	got, err := b.store.ItemOutcomes(b.ctx, []store.ItemKey{{BatchID: id, Index: 0}, {BatchID: id, Index: 1}, {BatchID: id, Index: 2}, {BatchID: id, Index: 3}})
+	require.NoError(t, err)
+	require.Equal(t, map[store.ItemKey]store.ItemOutcome{
+		{BatchID: id, Index: 0}: {Status: "completed", TotalRungs: 7},
+		{BatchID: id, Index: 1}: {Status: "failed", ErrorCode: string(gateway.EInferenceBusy)},
+		{BatchID: id, Index: 2}: {Status: "in_progress"},
+	}, got)
 }
 
 func TestRequeueReturnsBudget(t *testing.T) {
