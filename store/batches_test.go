@@ -145,6 +145,17 @@ func TestCreateBatch(t *testing.T) {
 	list, err = b.store.Batches(b.ctx, p.AccountID, nil, 1)
 	require.NoError(t, err)
 	require.Len(t, list, 1)
+	require.Equal(t, second, list[0].ID, "the newest")
+	list, err = b.store.Batches(b.ctx, p.AccountID, &second, 50)
+	require.NoError(t, err)
+	require.Len(t, list, 1, "after the cursor")
+	require.Equal(t, id, list[0].ID)
+
+	// The queue's depth counts the items waiting, not those running.
+	require.Len(t, b.claim(t, uuid.Must(uuid.NewV7()), 1, time.Minute), 1)
+	depth, err := b.store.QueueDepth(b.ctx)
+	require.NoError(t, err)
+	require.Equal(t, int64(3), depth)
 }
 
 func TestCreateBatchPastDailyCeiling(t *testing.T) {
