@@ -621,4 +621,18 @@ func TestAJobRests(t *testing.T) {
 		return ran
 	}, 10*time.Second, 5*time.Millisecond, "the job runs again after its rest")
 	require.GreaterOrEqual(t, again.Sub(end), 9*end.Sub(start))
+
+	// A later rest of the job holds as the first did.
+	ran, err = other.WithJobLock(b.ctx, "sweep", func() (int, error) {
+		time.Sleep(200 * time.Millisecond)
+		return 9, nil
+	})
+	require.NoError(t, err)
+	require.True(t, ran)
+	ran, err = b.store.WithJobLock(b.ctx, "sweep", func() (int, error) {
+		t.Error("a replica ran the job while it rested again")
+		return 0, nil
+	})
+	require.NoError(t, err)
+	require.False(t, ran)
 }
