@@ -304,6 +304,49 @@ func TestExpiredEvidenceGoesEarliestFirst(t *testing.T) {
 	}
 }
 
+// TestOldBatchesAndKeysGoEarliestFirst: the removal of old batches and the
+// expiry of idempotency keys take the earliest first, whatever order the
+// rows were written in and however PostgreSQL reads them (here without its
+// indexes), so that the next run, reading from where the last stopped,
+// leaves none behind.
+func TestOldBatchesAndKeysGoEarliestFirst(t *testing.T) {
+	t.Parallel()
+	before := time.Now().UTC().Add(-30 * 24 * time.Hour)
+	for _, c := range []struct {
+		name, left string
+		run        func(*store.Store) (int64, error)
+	}{
+		{"old batches", `SELECT count(*) FROM batches`,
+			func(st *store.Store) (int64, error) { return st.DeleteOldBatches(context.Background(), before, 1) }},
+		{"idempotency keys", `SELECT count(*) FROM batches WHERE idempotency_key IS NOT NULL`,
+			func(st *store.Store) (int64, error) { return st.ExpireIdempotencyKeys(context.Background(), before, 1) }},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+			// The latest written first, an hour apart.
+			_, err := b.store.Pool().Exec(b.ctx, `INSERT INTO batches (id, account_id, project_id, status, total_requests, idempotency_key, request_hash, created_at, completed_at, expires_at)
+				SELECT gen_random_uuid(), $1, $2, 'completed', 1, 'key ' || i, '\x00', t, t, t
+				  FROM (SELECT i, $3::timestamptz - i * interval '1 hour' AS t FROM generate_series(1, 3) i) g ORDER BY i`,
+				p.AccountID, p.ProjectID, before)
+			require.NoError(t, err)
+			unindexed := store.New(b.poolWith(t, func(cfg *pgxpool.Config) {
+				cfg.ConnConfig.RuntimeParams["enable_indexscan"] = "off"
+				cfg.ConnConfig.RuntimeParams["enable_bitmapscan"] = "off"
+			}))
+			for range 3 {
+				n, err := c.run(unindexed)
+				require.NoError(t, err)
+				require.Equal(t, int64(1), n)
+			}
+			var left int
+			require.NoError(t, b.store.Pool().QueryRow(b.ctx, c.left).Scan(&left))
+			require.Zero(t, left)
+		})
+	}
+}
+
 // TestRemovalsReadFromWhereTheyStopped: the jobs that remove (or clear) a
 // table's oldest rows first — expired evidence, old batches, idempotency
 // keys past the window — remove what is due a run at a time, and nothing
