@@ -286,29 +286,6 @@ func TestRenewLeasesOnlyForHeldItems(t *testing.T) {
 	require.Equal(t, gateway.EInterrupted, results[items[1].Index].Error.Code)
 }
 
-// TestRenewalsPassOverItemsInUse: a renewal of leases passes over an item
-// another statement holds (its completion or its hand-back, under way) and
-// does not wait for it (here, longer than its lock timeout: waiting, it
-// would fail); it renews the others.
-func TestRenewalsPassOverItemsInUse(t *testing.T) {
-	t.Parallel()
-	b := setup(t)
-	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
-	id := b.newBatch(t, p, 2, 50, "", day())
-	owner := uuid.Must(uuid.NewV7())
-	items := b.claim(t, owner, 10, time.Minute)
-	require.Len(t, items, 2)
-	tx, err := b.store.Pool().Begin(b.ctx)
-	require.NoError(t, err)
-	defer func() { _ = tx.Rollback(b.ctx) }()
-	_, err = tx.Exec(b.ctx, `SELECT 1 FROM batch_items WHERE batch_id = $1 AND idx = 0 FOR UPDATE`, id)
-	require.NoError(t, err)
-
-	n, err := b.impatient(t).RenewLeases(b.ctx, owner, keysOf(items), time.Hour)
-	require.NoError(t, err)
-	require.Equal(t, int64(1), n)
-}
-
 // TestReleaseClaim: the items of a claim whose reply was lost go back to the
 // queue, unbilled; items of other claims stay where they are.
 func TestReleaseClaim(t *testing.T) {
