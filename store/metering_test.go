@@ -13,7 +13,6 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -433,10 +432,7 @@ func (b *testBundle) requireLocksInOrder(t *testing.T, first, second keyedRow, o
 	t.Helper()
 	_, err := b.store.Pool().Exec(b.ctx, fmt.Sprintf(`UPDATE %s SET %s = %[2]s WHERE %s`, first.table, first.key[0], first.where()), first.value...)
 	require.NoError(t, err, "the first row moves past the second")
-	heap := store.New(b.poolWith(t, func(cfg *pgxpool.Config) {
-		cfg.ConnConfig.RuntimeParams["enable_indexscan"] = "off"
-		cfg.ConnConfig.RuntimeParams["enable_bitmapscan"] = "off"
-	}))
+	heap := b.unindexed(t)
 
 	holder, err := b.store.Pool().Begin(b.ctx)
 	require.NoError(t, err)

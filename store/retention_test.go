@@ -13,7 +13,6 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
@@ -293,10 +292,7 @@ func TestExpiredEvidenceGoesEarliestFirst(t *testing.T) {
 	_, err := b.store.Pool().Exec(b.ctx, `INSERT INTO evidence (request_id, account_id, sources, expires_at)
 		SELECT gen_random_uuid(), $1, '[]', now() - i * interval '1 hour' FROM generate_series(1, 3) i`, p.AccountID)
 	require.NoError(t, err)
-	unindexed := store.New(b.poolWith(t, func(cfg *pgxpool.Config) {
-		cfg.ConnConfig.RuntimeParams["enable_indexscan"] = "off"
-		cfg.ConnConfig.RuntimeParams["enable_bitmapscan"] = "off"
-	}))
+	unindexed := b.unindexed(t)
 	for range 3 {
 		n, err := unindexed.DeleteExpiredEvidence(b.ctx, 1)
 		require.NoError(t, err)
@@ -331,10 +327,7 @@ func TestOldBatchesAndKeysGoEarliestFirst(t *testing.T) {
 				  FROM (SELECT i, $3::timestamptz - i * interval '1 hour' AS t FROM generate_series(1, 3) i) g ORDER BY i`,
 				p.AccountID, p.ProjectID, before)
 			require.NoError(t, err)
-			unindexed := store.New(b.poolWith(t, func(cfg *pgxpool.Config) {
-				cfg.ConnConfig.RuntimeParams["enable_indexscan"] = "off"
-				cfg.ConnConfig.RuntimeParams["enable_bitmapscan"] = "off"
-			}))
+			unindexed := b.unindexed(t)
 			for range 3 {
 				n, err := c.run(unindexed)
 				require.NoError(t, err)

@@ -57,6 +57,17 @@ func (b *testBundle) impatient(t testing.TB) *store.Store {
 	return store.New(b.poolWith(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.RuntimeParams["lock_timeout"] = "100ms" }))
 }
 
+// unindexed is a store on the test's database whose planner reads tables
+// through their heap, not their indexes (as over small tables): a statement
+// whose order or bound rests on an index's order shows it there.
+func (b *testBundle) unindexed(t testing.TB) *store.Store {
+	t.Helper()
+	return store.New(b.poolWith(t, func(cfg *pgxpool.Config) {
+		cfg.ConnConfig.RuntimeParams["enable_indexscan"] = "off"
+		cfg.ConnConfig.RuntimeParams["enable_bitmapscan"] = "off"
+	}))
+}
+
 func (b *testBundle) key(t testing.TB, account string, tier gateway.Tier, scopes ...gateway.Scope) (string, *gateway.Principal) {
 	t.Helper()
 	token, err := b.store.CreateKey(b.ctx, store.CreateKeyParams{Account: account, Project: "default", Tier: &tier, Scopes: scopes})
