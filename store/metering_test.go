@@ -57,8 +57,14 @@ func record(p *gateway.Principal, id uuid.UUID, total int64) gateway.UsageRecord
 // a lease that lasts lease (negative: it has run out).
 func (b *testBundle) grant(t *testing.T, p *gateway.Principal, id uuid.UUID, need int64, share int, lease time.Duration) store.QuotaGrant {
 	t.Helper()
+	return b.grantOn(t, time.Now(), p, id, need, share, lease)
+}
+
+// grantOn is grant on the account's UTC day of day.
+func (b *testBundle) grantOn(t *testing.T, day time.Time, p *gateway.Principal, id uuid.UUID, need int64, share int, lease time.Duration) store.QuotaGrant {
+	t.Helper()
 	g, err := b.store.GrantQuota(b.ctx, store.QuotaRequest{
-		LeaseID: id, Owner: owner, AccountID: p.AccountID, ProjectID: p.ProjectID, Day: time.Now(),
+		LeaseID: id, Owner: owner, AccountID: p.AccountID, ProjectID: p.ProjectID, Day: day,
 		DefaultCeiling: p.Tier.DefaultDailyCeiling(), Need: need, Share: share, Lease: lease,
 	})
 	require.NoError(t, err)
@@ -163,16 +169,9 @@ func TestAFoldMovesEachLeaseOnItsOwnDay(t *testing.T) {
 	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
 	today := gateway.UTCDay(time.Now())
 	yesterday := today.Add(-24 * time.Hour)
-	grantOn := func(day time.Time, need int64) uuid.UUID {
-		id := uuid.Must(uuid.NewV7())
-		g, err := b.store.GrantQuota(b.ctx, store.QuotaRequest{LeaseID: id, Owner: owner, AccountID: p.AccountID, ProjectID: p.ProjectID,
-			Day: day, DefaultCeiling: p.Tier.DefaultDailyCeiling(), Need: need, Share: 1 << 30, Lease: -time.Second})
-		require.NoError(t, err)
-		require.Equal(t, need, g.Granted)
-		return id
-	}
-	grantOn(yesterday, 100)
-	overused := grantOn(today, 10)
+	overused := uuid.Must(uuid.NewV7())
+	require.Equal(t, int64(100), b.grantOn(t, yesterday, p, uuid.Must(uuid.NewV7()), 100, 1<<30, -time.Second).Granted)
+	require.Equal(t, int64(10), b.grantOn(t, today, p, overused, 10, 1<<30, -time.Second).Granted)
 	b.settle(t, p, &overused, 50)
 
 	n, err := b.store.FoldExpiredQuotaLeases(b.ctx, 100)
