@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"net/netip"
 	"os"
 	"path/filepath"
 	"strings"
@@ -15,6 +16,7 @@ import (
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/config"
 	"github.com/rungworks/gateway/internal/fakeupstream"
+	"github.com/rungworks/gateway/metering"
 	"github.com/rungworks/gateway/routing"
 	"github.com/rungworks/gateway/upstream"
 )
@@ -530,4 +532,147 @@ func TestRequestRetention(t *testing.T) {
 	t.Setenv("GATEWAY_REQUEST_RETENTION", "23h")
 	_, err = config.Load()
 	require.ErrorContains(t, err, "at least 24h")
+}
+
+// TestTheRoutersConfigurationIsTheFiles: the router is built with what the
+// file says of its routes, fallback and circuit, each target under its
+// provider.
+func TestTheRoutersConfigurationIsTheFiles(t *testing.T) {
+	t.Parallel()
+	f, err := config.ParseFile("gateway.yaml", []byte(example))
+	require.NoError(t, err)
+	rc := f.RouterConfig(map[string]string{"openai": "sk-x", "vllm": "sk-y"}, nil, 0, nil, nil)
+	require.Equal(t, 2, rc.MaxAttempts)
+	require.Equal(t, 20*time.Second, rc.MaxTime)
+	require.Equal(t, routing.CircuitConfig{Failures: 5, Cooldown: 2 * time.Second, MaxCooldown: 30 * time.Second}, rc.Circuit)
+	require.Len(t, rc.Routes, 2)
+	reasoning := rc.Routes[gateway.ModelReasoning]
+	require.Equal(t, routing.Weighted, reasoning.Strategy)
+	var targets []string
+	for _, target := range reasoning.Targets {
+		require.NotNil(t, target.Client, target.Provider)
+		targets = append(targets, fmt.Sprintf("%s/%s×%d", target.Provider, target.UpstreamModel, target.Weight))
+	}
+	require.Equal(t, []string{"openai/o4-mini×3", "vllm/Qwen/Qwen3-32B×1"}, targets)
+	require.Equal(t, routing.Ordered, rc.Routes[gateway.ModelInstant].Strategy)
+}
+
+// TestTheEnvironmentsBounds: each setting that has a bound is refused past
+// it, naming the variable, and taken at it.
+func TestTheEnvironmentsBounds(t *testing.T) {
+	for _, c := range []struct {
+		name, past, at, refusal string
+	}{
+		{"GATEWAY_EVIDENCE_RETENTION", "0s", "1s", "GATEWAY_EVIDENCE_RETENTION must be positive"},
+		{"GATEWAY_SSE_KEEPALIVE", "0s", "1ms", "GATEWAY_SSE_KEEPALIVE must be positive"},
+		{"GATEWAY_BATCH_WINDOW", "0s", "1s", "GATEWAY_BATCH_WINDOW and GATEWAY_BATCH_RETENTION must be positive"},
+		{"GATEWAY_BATCH_RETENTION", "-1h", "1s", "GATEWAY_BATCH_WINDOW and GATEWAY_BATCH_RETENTION must be positive"},
+		{"GATEWAY_LEASE", "999ms", "1s", "GATEWAY_LEASE must be at least 1s"},
+		{"GATEWAY_DRAIN_CONCURRENCY", "0", "1", "GATEWAY_DRAIN_CONCURRENCY must be at least 1"},
+		{"GATEWAY_SHUTDOWN_GRACE", "0s", "1ms", "GATEWAY_SHUTDOWN_GRACE must be positive"},
+		{"GATEWAY_BODY_TIMEOUT", "0s", "1ms", "GATEWAY_BODY_TIMEOUT must be positive"},
+		{"GATEWAY_RATE_LIMIT", "-1", "0", "GATEWAY_RATE_LIMIT must not be negative"},
+		{"GATEWAY_DB_MAX_CONNS", "1", "2", "GATEWAY_DB_MAX_CONNS must be at least 2"},
+	} {
+		t.Setenv("GATEWAY_REQUEST_RETENTION", "0s") // not bound by a short evidence retention
+		t.Setenv(c.name, c.past)
+		_, err := config.Load()
+		require.ErrorContains(t, err, c.refusal, c.name)
+		t.Setenv(c.name, c.at)
+		_, err = config.Load()
+		require.NoError(t, err, c.name)
+		t.Setenv(c.name, "")
+	}
+}
+
+// TestAFileOfProvidersLeavesTheShorthandUnset: beside GATEWAY_CONFIG, each
+// variable of the one-provider shorthand is refused.
+func TestAFileOfProvidersLeavesTheShorthandUnset(t *testing.T) {
+	configFile(t, instantOnly)
+	_, err := config.Load()
+	require.NoError(t, err)
+	for name, value := range map[string]string{
+		"GATEWAY_UPSTREAM":                  "http://127.0.0.1:1/v1",
+		"GATEWAY_UPSTREAM_KEY":              "sk-x",
+		"GATEWAY_UPSTREAM_KEY_HEADER":       "api-key",
+		"GATEWAY_UPSTREAM_H2C":              "true",
+		"GATEWAY_UPSTREAM_MAX_TOKENS_FIELD": "max_tokens",
+		"GATEWAY_UPSTREAM_STREAM_OPTIONS":   "true",
+		"GATEWAY_MODEL_MAP":                 "instant=small",
+	} {
+		t.Setenv(name, value)
+		_, err := config.Load()
+		require.ErrorContains(t, err, "GATEWAY_CONFIG names a file of providers", name)
+		require.NoError(t, os.Unsetenv(name))
+	}
+}
+
+// TestTrustedProxies: GATEWAY_TRUSTED_PROXIES is a list of addresses and
+// CIDR ranges, with spaces and empty entries ignored; an address is a
+// range of itself alone (an IPv4 address written in IPv6 as the IPv4 one),
+// and a range is its network.
+func TestTrustedProxies(t *testing.T) {
+	t.Setenv("GATEWAY_TRUSTED_PROXIES", " 10.1.2.3/8 , ,::ffff:192.0.2.1,2001:db8::1,")
+	cfg, err := config.Load()
+	require.NoError(t, err)
+	require.Equal(t, []netip.Prefix{
+		netip.MustParsePrefix("10.0.0.0/8"), netip.MustParsePrefix("192.0.2.1/32"), netip.MustParsePrefix("2001:db8::1/128"),
+	}, cfg.Proxies())
+	t.Setenv("GATEWAY_TRUSTED_PROXIES", "10.0.0.0/8,lb.internal")
+	_, err = config.Load()
+	require.ErrorContains(t, err, `GATEWAY_TRUSTED_PROXIES: "lb.internal" is neither an address nor a CIDR range`)
+}
+
+// TestRateLimits: GATEWAY_RATE_LIMIT, when set, is every tier's limit;
+// unset or 0, the tiers keep their defaults.
+func TestRateLimits(t *testing.T) {
+	for value, want := range map[string]gateway.RateLimits{
+		"":  gateway.DefaultRateLimits,
+		"0": gateway.DefaultRateLimits,
+		"7": {Free: 7, Developer: 7},
+		"1": {Free: 1, Developer: 1},
+	} {
+		t.Setenv("GATEWAY_RATE_LIMIT", value)
+		cfg, err := config.Load()
+		require.NoError(t, err, value)
+		require.Equal(t, want, cfg.RateLimits(), value)
+	}
+}
+
+// TestCheckReadsWhatAServerBuilds: Check refuses a rate card that does not
+// read, and a file whose providers' keys are missing, naming GATEWAY_CONFIG;
+// GATEWAY_UPSTREAM=sim is the simulator, as unset is.
+func TestCheckReadsWhatAServerBuilds(t *testing.T) {
+	for name, value := range map[string]string{"GATEWAY_MULTIPLIERS": "instant=1", "GATEWAY_BATCH_DISCOUNT": "2"} {
+		t.Setenv(name, value)
+		cfg, err := config.Load()
+		require.NoError(t, err, name)
+		require.ErrorContains(t, cfg.Check(), name)
+		t.Setenv(name, "")
+	}
+
+	cfg, err := config.Load()
+	require.NoError(t, err)
+	require.Equal(t, "sim", cfg.UpstreamName(), "unset")
+	t.Setenv("GATEWAY_UPSTREAM", "sim")
+	cfg, err = config.Load()
+	require.NoError(t, err)
+	require.NoError(t, cfg.Check())
+	require.Equal(t, "sim", cfg.UpstreamName())
+	tok, err := metering.DefaultTokenizer()
+	require.NoError(t, err)
+	r, err := cfg.Router(tok, nil, nil)
+	require.NoError(t, err)
+	res, err := r.Complete(context.Background(), &upstream.Request{Model: gateway.ModelInstant, Prompt: "hi", MaxOutputTokens: 10})
+	require.NoError(t, err)
+	require.NotEmpty(t, res.Content)
+	require.Equal(t, "sim", res.Route.Provider)
+
+	t.Setenv("GATEWAY_UPSTREAM", "")
+	configFile(t, "providers:\n  p: {type: openai, base_url: http://127.0.0.1:1/v1, api_key_env: GATEWAY_TEST_UNSET_KEY}\nmodels:\n  instant: {targets: [p/m]}\n")
+	cfg, err = config.Load()
+	require.NoError(t, err)
+	err = cfg.Check()
+	require.ErrorContains(t, err, "GATEWAY_CONFIG: ")
+	require.ErrorContains(t, err, "GATEWAY_TEST_UNSET_KEY")
 }
