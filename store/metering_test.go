@@ -13,6 +13,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
@@ -934,6 +935,27 @@ func TestUsageView(t *testing.T) {
 	require.NotNil(t, empty.ByModel, "an empty list, not null")
 }
 
+// TestUsageViewListsModelsInOrder: the view's models come in the order of
+// their names, whatever order they were used in and however PostgreSQL
+// groups them (here by hashing, sorting being the last resort).
+func TestUsageViewListsModelsInOrder(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	now := time.Now().UTC()
+	for i, model := range []gateway.Model{gateway.ModelReasoning, gateway.ModelElements, gateway.ModelInstant} {
+		require.NoError(t, b.store.SettleRequests(b.ctx, []store.Settlement{{Record: at(p, now.Add(-time.Duration(i)*time.Minute), model, 10)}}))
+	}
+	hashing := store.New(b.poolWith(t, func(cfg *pgxpool.Config) { cfg.ConnConfig.RuntimeParams["enable_sort"] = "off" }))
+	v, err := hashing.Usage(b.ctx, p, now.Add(-time.Hour), now.Add(time.Hour))
+	require.NoError(t, err)
+	var models []gateway.Model
+	for _, m := range v.ByModel {
+		models = append(models, m.Model)
+	}
+	require.Equal(t, []gateway.Model{gateway.ModelElements, gateway.ModelInstant, gateway.ModelReasoning}, models)
+}
+
 // TestUsageReport: the report sums committed usage per account, project, UTC
 // day of completion, model and entry point, over whole days, and for one
 // account when asked.
@@ -986,4 +1008,29 @@ func TestUsageReport(t *testing.T) {
 	require.Empty(t, lines, "an account that used nothing those days")
 	_, err = b.store.UsageReport(b.ctx, day1, day2.AddDate(0, 0, 1), "nobody")
 	require.ErrorIs(t, err, store.ErrAccountNotFound, "a report for an account that does not exist is not one of zero usage")
+}
+
+// TestUsageReportOfADayPartlyPastTheRetention: a day whose first requests
+// were folded into its sums and whose last are kept is reported whole, the
+// sums and the requests added, even where they are alike; the sums of the
+// days before the report's first are no part of it.
+func TestUsageReportOfADayPartlyPastTheRetention(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	day := gateway.UTCDay(time.Now()).AddDate(0, 0, -90)
+	for _, completed := range []time.Time{day.Add(-19 * time.Hour), day.Add(time.Hour), day.Add(20 * time.Hour)} {
+		require.NoError(t, b.store.SettleRequests(b.ctx, []store.Settlement{{Record: at(p, completed, gateway.ModelInstant, 10)}}))
+	}
+	n, err := b.store.FoldOldUsage(b.ctx, day.Add(12*time.Hour), 100)
+	require.NoError(t, err)
+	require.Positive(t, n)
+	var days int64
+	require.NoError(t, b.store.Pool().QueryRow(b.ctx, `SELECT count(*) FROM usage_days`).Scan(&days))
+	require.Equal(t, int64(2), days, "the day before and the first request of the day are folded")
+
+	lines, err := b.store.UsageReport(b.ctx, day, day.AddDate(0, 0, 1), "")
+	require.NoError(t, err)
+	require.Equal(t, []store.UsageLine{{Account: "acme", Project: "default", Day: day, Model: string(gateway.ModelInstant),
+		EntryPoint: string(gateway.EntryResponses), Requests: 2, InputRungs: 2, OutputRungs: 18, TotalRungs: 20}}, lines)
 }

@@ -713,6 +713,8 @@ type UsageView struct {
 		// SpentRungs What the project's committed requests and batch items cost.
 		SpentRungs int64 `json:"spent_rungs"`
 	} `json:"budget"`
+
+	// ByModel One entry per model with committed usage in the period, in order of model name; empty when there is none.
 	ByModel []ModelUsage `json:"by_model"`
 	Daily   struct {
 		// CeilingRungs The account's daily rung ceiling.
