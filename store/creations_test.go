@@ -195,6 +195,60 @@ func TestRefusalsByUnfinishedBatches(t *testing.T) {
 	require.Contains(t, e.Message, "00:00 UTC", "the batch ended at its estimate: %s", e.Message)
 }
 
+// TestRefusalsReadTheBatchesOfTheirDay: a refusal by the ceiling counts
+// as held the items of the batches created that day alone: those of a
+// batch created the day before, or after, hold those days' charges, and
+// their end frees nothing of this one's.
+func TestRefusalsReadTheBatchesOfTheirDay(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "acme", ptr(int64(100)), nil)
+	b.newBatch(t, p, 1, 70, "", day())
+	b.complete(t, owner, b.claim(t, owner, 1, time.Minute), 70) // 70 charged for good
+	now := time.Now().UTC()
+	for _, created := range []time.Time{now.AddDate(0, 0, -1), now.AddDate(0, 0, 1)} {
+		nb := b.batchOf(p, 2, 40, "", created.AddDate(0, 0, 1))
+		nb.CreatedAt = created
+		_, err := b.store.CreateBatch(b.ctx, nb)
+		require.NoError(t, err)
+	}
+	_, err := b.store.CreateBatch(b.ctx, b.batchOf(p, 1, 40, "", day()))
+	var e *gateway.Error
+	require.ErrorAs(t, err, &e)
+	require.Equal(t, gateway.ERateLimited, e.Code)
+	require.Contains(t, e.Message, "00:00 UTC", "30 free, and no batch of the day's holds any: %s", e.Message)
+	require.NotEqual(t, gateway.BatchesRetryAfter, e.RetryAfter)
+}
+
+// TestRefusalsCountTheItemsStillRunning: a refusal by the ceiling counts as
+// held the estimates of the items still queued or running, a cancelled
+// batch's running items among them, and not those of the items that ended.
+func TestRefusalsCountTheItemsStillRunning(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "acme", ptr(int64(100)), nil)
+	id := b.newBatch(t, p, 3, 30, "", day())
+	claimed := b.claim(t, owner, 2, time.Minute)
+	b.complete(t, owner, claimed[:1], 30)                           // 30 charged for good
+	require.NoError(t, b.store.CancelBatch(b.ctx, p.AccountID, id)) // the queued item's 30 back
+	_, err := b.store.ReconcileSettlements(b.ctx, 100)
+	require.NoError(t, err)
+	refused := func(est int64) *gateway.Error {
+		t.Helper()
+		_, err := b.store.CreateBatch(b.ctx, b.batchOf(p, 1, est, "", day()))
+		var e *gateway.Error
+		require.ErrorAs(t, err, &e)
+		require.Equal(t, gateway.ERateLimited, e.Code)
+		return e
+	}
+	e := refused(50)
+	require.Equal(t, gateway.BatchesRetryAfter, e.RetryAfter, "40 free and 30 held by the running item cover 50: %s", e.Message)
+	e = refused(75)
+	require.Contains(t, e.Message, "00:00 UTC", "40 free and 30 held do not cover 75: %s", e.Message)
+}
+
 // TestCreationsStoredTogetherKeepTheirOutcomes: creations stored together
 // end as they would one after another: the daily ceiling charges them in
 // turn (one it refuses does not stop a later one that fits), a refused one

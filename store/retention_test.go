@@ -300,6 +300,86 @@ func TestExpiredEvidenceGoesEarliestFirst(t *testing.T) {
 	}
 }
 
+// TestOldUsageGoesEarliestFirst: the pass over usage past the retention
+// folds an account's oldest requests first, and removes its oldest folded
+// minutes first, whatever order the rows were written in and however
+// PostgreSQL reads them (here without its indexes), so that the next run,
+// reading from where the last stopped, leaves none behind; it finds them
+// past a later row written before them, and passes over the minutes not
+// yet folded into their hours, which stay for the fold.
+func TestOldUsageGoesEarliestFirst(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	now := time.Now().UTC()
+	horizon := now.Add(-90 * 24 * time.Hour)
+	// A row after the horizon written first, then the old ones, the latest
+	// first, an hour apart; and a minute not folded before all of them.
+	_, err := b.store.Pool().Exec(b.ctx, `
+		INSERT INTO requests (id, account_id, project_id, model, entry_point, status,
+		                      input_tokens, output_tokens, input_rungs, output_rungs, total_rungs, created_at, completed_at)
+		SELECT gen_random_uuid(), $1, $2, 'instant', 'responses', 'completed', 1, 1, 1, 1, 2, t, t
+		  FROM (SELECT i, CASE WHEN i = 0 THEN $4 ELSE $3::timestamptz - i * interval '1 hour' END AS t
+		          FROM generate_series(0, 3) i) g ORDER BY i`, p.AccountID, p.ProjectID, horizon, now)
+	require.NoError(t, err)
+	_, err = b.store.Pool().Exec(b.ctx, `
+		INSERT INTO usage_minutes (account_id, minute, model, backend, requests, input_rungs, output_rungs, total_rungs)
+		SELECT $1, t, 'instant', CASE WHEN i = 4 THEN 7 ELSE 0 END, 1, 1, 1, 2
+		  FROM (SELECT i, CASE WHEN i = 0 THEN date_trunc('minute', $3::timestamptz)
+		                       ELSE date_trunc('minute', $2::timestamptz) - i * interval '1 hour' END AS t
+		          FROM generate_series(0, 4) i) g ORDER BY i`, p.AccountID, horizon, now)
+	require.NoError(t, err)
+	unfoldedMinutes := func() (n int64) {
+		require.NoError(t, b.store.Pool().QueryRow(b.ctx, `SELECT count(*) FROM usage_minutes WHERE minute < $1 AND backend <> 0`, horizon).Scan(&n))
+		return n
+	}
+	unfolded := unfoldedMinutes() // the one written, and those the requests added to
+	require.Positive(t, unfolded)
+	unindexed := b.unindexed(t)
+	for run := range 6 { // three requests, then three minutes
+		n, err := unindexed.FoldOldUsage(b.ctx, horizon, 1)
+		require.NoError(t, err)
+		require.Equal(t, int64(1), n, "run %d", run)
+	}
+	n, err := unindexed.FoldOldUsage(b.ctx, horizon, 1)
+	require.NoError(t, err)
+	require.Zero(t, n)
+	var requests, days, folded int64
+	require.NoError(t, b.store.Pool().QueryRow(b.ctx, `
+		SELECT (SELECT count(*) FROM requests WHERE completed_at < $1),
+		       (SELECT coalesce(sum(requests), 0) FROM usage_days),
+		       (SELECT count(*) FROM usage_minutes WHERE minute < $1 AND backend = 0)`, horizon).Scan(&requests, &days, &folded))
+	require.Zero(t, requests)
+	require.Equal(t, int64(3), days)
+	require.Zero(t, folded)
+	require.Equal(t, unfolded, unfoldedMinutes(), "left for the fold into their hours")
+}
+
+// TestAFoldOfOldUsageRemovesItsAccountsRowsAlone: a run over usage past
+// the retention removes, of each account it handles, that account's rows,
+// never another's, however much older those are.
+func TestAFoldOfOldUsageRemovesItsAccountsRowsAlone(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	b.key(t, "globex", gateway.TierDeveloper, gateway.ScopeInference)
+	var first, second uuid.UUID
+	require.NoError(t, b.store.Pool().QueryRow(b.ctx, `SELECT (array_agg(id ORDER BY id))[1], (array_agg(id ORDER BY id))[2] FROM accounts`).Scan(&first, &second))
+	horizon := time.Now().UTC().Add(-90 * 24 * time.Hour).Truncate(time.Minute)
+	// The first account's folded minute is newer than the second's.
+	_, err := b.store.Pool().Exec(b.ctx, `
+		INSERT INTO usage_minutes (account_id, minute, model, backend, requests, input_rungs, output_rungs, total_rungs)
+		VALUES ($1, $3::timestamptz - interval '1 hour', 'instant', 0, 1, 1, 1, 2),
+		       ($2, $3::timestamptz - interval '5 hours', 'instant', 0, 1, 1, 1, 2)`, first, second, horizon)
+	require.NoError(t, err)
+	n, err := b.store.FoldOldUsage(b.ctx, horizon, 1)
+	require.NoError(t, err)
+	require.Equal(t, int64(1), n)
+	var left uuid.UUID
+	require.NoError(t, b.store.Pool().QueryRow(b.ctx, `SELECT account_id FROM usage_minutes`).Scan(&left))
+	require.Equal(t, second, left, "the run handled the first account")
+}
+
 // TestOldBatchesAndKeysGoEarliestFirst: the removal of old batches and the
 // expiry of idempotency keys take the earliest first, whatever order the
 // rows were written in and however PostgreSQL reads them (here without its

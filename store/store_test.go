@@ -65,6 +65,7 @@ func (b *testBundle) unindexed(t testing.TB) *store.Store {
 	return store.New(b.poolWith(t, func(cfg *pgxpool.Config) {
 		cfg.ConnConfig.RuntimeParams["enable_indexscan"] = "off"
 		cfg.ConnConfig.RuntimeParams["enable_bitmapscan"] = "off"
+		cfg.ConnConfig.RuntimeParams["enable_indexonlyscan"] = "off"
 	}))
 }
 
