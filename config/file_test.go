@@ -676,3 +676,17 @@ func TestCheckReadsWhatAServerBuilds(t *testing.T) {
 	require.ErrorContains(t, err, "GATEWAY_CONFIG: ")
 	require.ErrorContains(t, err, "GATEWAY_TEST_UNSET_KEY")
 }
+
+// TestShorthandH2C: GATEWAY_UPSTREAM_H2C makes the shorthand's calls
+// HTTP/2 without TLS; unset, they are HTTP/1.1.
+func TestShorthandH2C(t *testing.T) {
+	fake := fakeupstream.New()
+	t.Cleanup(fake.Close)
+	t.Setenv("GATEWAY_UPSTREAM", fake.BaseURL())
+	for i, h2c := range []string{"", "true"} {
+		t.Setenv("GATEWAY_UPSTREAM_H2C", h2c)
+		_, err := shorthandRouter(t).Complete(context.Background(), &upstream.Request{Model: gateway.ModelInstant, Prompt: "hi", MaxOutputTokens: 10})
+		require.NoError(t, err)
+		require.Equal(t, i, fake.HTTP2Calls(), "GATEWAY_UPSTREAM_H2C=%q", h2c)
+	}
+}
