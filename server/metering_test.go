@@ -15,9 +15,12 @@ import (
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/gen/api"
+	"github.com/rungworks/gateway/internal/metricstest"
+	"github.com/rungworks/gateway/metrics"
 	"github.com/rungworks/gateway/ratelimit"
 	"github.com/rungworks/gateway/server"
 	"github.com/rungworks/gateway/store"
+	"github.com/rungworks/gateway/upstream"
 )
 
 func (b *testBundle) usage(t *testing.T, key string) api.UsageView {
@@ -124,6 +127,63 @@ func TestBudgetAndDailyCeiling(t *testing.T) {
 	require.Equal(t, http.StatusPaymentRequired, r.status)
 	require.Equal(t, "2", r.header.Get("Retry-After"))
 	require.Contains(t, r.message(t), "requests still running")
+}
+
+// TestAdmissionRefusalsAreCounted: each refusal of a request by admission
+// is counted by its reason: the key's rate, the account's daily ceiling,
+// the project's budget.
+func TestAdmissionRefusalsAreCounted(t *testing.T) {
+	t.Parallel()
+	// A fixed clock keeps every request in one rate window.
+	at := time.Now().Truncate(time.Minute).Add(30 * time.Second)
+	m := metrics.New()
+	b := setupWith(t, options{rates: ratelimit.Config{Clock: func() time.Time { return at }}, server: func(c *server.Config) {
+		c.Metrics, c.Inference.Metrics = m, m
+	}})
+	refusals := func() map[string]string {
+		counts := map[string]string{}
+		for _, line := range strings.Split(metricstest.Scrape(m), "\n") {
+			if rest, ok := strings.CutPrefix(line, `gateway_admission_refusals_total{reason="`); ok {
+				reason, count, _ := strings.Cut(rest, `"} `)
+				counts[reason] = count
+			}
+		}
+		return counts
+	}
+	b.setLimits(t, nil, ptr(int64(40000)))
+	require.Equal(t, http.StatusPaymentRequired, b.post("/api/v1/responses", b.key, map[string]any{"prompt": "p", "model": "reasoning"}).status)
+	require.Equal(t, map[string]string{"budget": "1"}, refusals())
+	b.setLimits(t, ptr(int64(100)), nil)
+	require.Equal(t, http.StatusTooManyRequests, b.post("/api/v1/responses", b.key, map[string]any{"prompt": "p"}).status)
+	require.Equal(t, map[string]string{"budget": "1", "daily_ceiling": "1"}, refusals())
+	free := b.newKey("freeco", gateway.TierFree, gateway.ScopeInference, gateway.ScopeUsage)
+	for range 60 {
+		b.do(http.MethodGet, "/api/v1/usage", free, "", nil)
+	}
+	require.Equal(t, http.StatusTooManyRequests, b.post("/api/v1/responses", free, map[string]any{"prompt": "p"}).status)
+	require.Equal(t, map[string]string{"budget": "1", "daily_ceiling": "1", "rate_limit": "1"}, refusals())
+}
+
+// TestACallThatFailsGivesBackItsCharge: a call whose upstream fails before
+// any output, whole or streamed, gives its estimate back to the day at
+// once: under a ceiling that holds one estimate, the next request runs.
+func TestACallThatFailsGivesBackItsCharge(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	// An instant request is estimated at its prompt tokens plus 32000 output rungs.
+	b.setLimits(t, ptr(int64(50_000)), nil)
+	b.upstream.fail(upstream.ErrUnavailable)
+	r := b.post("/api/v1/responses", b.key, map[string]any{"prompt": "p"})
+	require.Equal(t, gateway.EInferenceBusy, r.errorCode(t))
+	_, s := b.stream("/api/v1/responses", map[string]any{"prompt": "p"})
+	require.Equal(t, []string{"response.error"}, []string{s.Events[0].Name})
+	var env api.ErrorEnvelope
+	s.Events[0].Decode(t, &env)
+	require.Equal(t, api.ErrorCode("INFERENCE_BUSY"), env.Error.Code)
+
+	b.upstream.fail(nil)
+	r = b.post("/api/v1/responses", b.key, map[string]any{"prompt": "p"})
+	require.Equal(t, http.StatusOK, r.status, "nothing is held for the calls that failed: %s", r.body)
 }
 
 func TestUsageViewEqualsWhatClientsReceived(t *testing.T) {

@@ -162,7 +162,8 @@ func TestStreamBreaksMidway(t *testing.T) {
 }
 
 // streamBreaksMidway: an upstream failure after output, of any kind, ends the
-// stream with response.error then response.completed with what was billed.
+// stream with response.error then response.completed with what was billed,
+// and the request is stored as failed.
 func streamBreaksMidway(t *testing.T, cause error) {
 	b := setup(t, nil)
 	b.upstream.configure(func(s *scripted) { s.breakAfter, s.breakWith = 2, cause })
@@ -180,6 +181,9 @@ func streamBreaksMidway(t *testing.T, cause error) {
 	require.Positive(t, final.Usage.OutputRungs)
 	require.Positive(t, final.Usage.InputRungs)
 	require.Equal(t, final.Usage.InputRungs+final.Usage.OutputRungs, final.Usage.TotalRungs)
+	var status string
+	require.NoError(t, b.store.Pool().QueryRow(context.Background(), `SELECT status FROM requests`).Scan(&status))
+	require.Equal(t, "failed", status, "the request is stored as failed, with what it produced")
 }
 
 func TestStreamKeepAlive(t *testing.T) {
