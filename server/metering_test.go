@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"net/http"
 	"net/url"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -162,6 +163,36 @@ func TestAdmissionRefusalsAreCounted(t *testing.T) {
 	}
 	require.Equal(t, http.StatusTooManyRequests, b.post("/api/v1/responses", free, map[string]any{"prompt": "p"}).status)
 	require.Equal(t, map[string]string{"budget": "1", "daily_ceiling": "1", "rate_limit": "1"}, refusals())
+}
+
+// TestInferenceIsMeasured: a call's rungs are counted by side as its reply
+// says them, and its upstream run is timed by outcome, a failure counted
+// by its kind.
+func TestInferenceIsMeasured(t *testing.T) {
+	t.Parallel()
+	m := metrics.New()
+	b := setupWith(t, options{server: func(c *server.Config) { c.Metrics, c.Inference.Metrics = m, m }})
+	r := b.post("/api/v1/responses", b.key, map[string]any{"prompt": "measured", "model": "reasoning"})
+	require.Equal(t, http.StatusOK, r.status)
+	var resp api.Response
+	require.NoError(t, json.Unmarshal(r.body, &resp))
+	b.upstream.fail(upstream.ErrUnavailable)
+	b.post("/api/v1/responses", b.key, map[string]any{"prompt": "fails", "model": "reasoning"})
+
+	series := map[string]float64{}
+	for _, line := range strings.Split(metricstest.Scrape(m), "\n") {
+		if name, value, ok := strings.Cut(line, " "); ok && !strings.HasPrefix(name, "#") {
+			v, err := strconv.ParseFloat(value, 64)
+			require.NoError(t, err, line)
+			series[name] = v
+		}
+	}
+	require.Equal(t, float64(resp.Usage.InputRungs), series[`gateway_rungs_total{entry_point="responses",model="reasoning",side="input"}`])
+	require.Equal(t, float64(resp.Usage.OutputRungs), series[`gateway_rungs_total{entry_point="responses",model="reasoning",side="output"}`])
+	require.Equal(t, 1.0, series[`gateway_upstream_request_duration_seconds_count{model="reasoning",outcome="ok"}`])
+	require.Positive(t, series[`gateway_upstream_request_duration_seconds_sum{model="reasoning",outcome="ok"}`], "the run is timed")
+	require.Equal(t, 1.0, series[`gateway_upstream_request_duration_seconds_count{model="reasoning",outcome="error"}`])
+	require.Equal(t, 1.0, series[`gateway_upstream_errors_total{kind="unavailable"}`])
 }
 
 // TestACallThatFailsGivesBackItsCharge: a call whose upstream fails before

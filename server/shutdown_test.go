@@ -59,16 +59,25 @@ func withLedger(l *failingLedger) options {
 var dbAway = &pgconn.PgError{Code: "57P01", Message: "terminating connection due to administrator command"}
 
 // TestSettlementRetriesWhileTheDatabaseRestarts: a settlement that meets a
-// restarting database is retried, and the reply is the normal one, billed once.
+// restarting database is retried, within the window set or, unset, the
+// default one, and the reply is the normal one, billed once.
 func TestSettlementRetriesWhileTheDatabaseRestarts(t *testing.T) {
 	t.Parallel()
-	l := &failingLedger{fails: 2, err: dbAway}
-	b := setupWith(t, withLedger(l))
-	r := b.post("/api/v1/responses", b.key, map[string]any{"prompt": "hi"})
-	require.Equal(t, http.StatusOK, r.status)
-	v := b.usage(t, b.key)
-	require.Equal(t, int64(1), v.Totals.Requests)
-	require.Equal(t, int64(0), v.Budget.ReservedRungs)
+	for _, window := range []time.Duration{2 * time.Second, 0} {
+		l := &failingLedger{fails: 2, err: dbAway}
+		o := withLedger(l)
+		configure := o.server
+		o.server = func(c *server.Config) {
+			configure(c)
+			c.Inference.SettleWindow = window
+		}
+		b := setupWith(t, o)
+		r := b.post("/api/v1/responses", b.key, map[string]any{"prompt": "hi"})
+		require.Equal(t, http.StatusOK, r.status, "window %s", window)
+		v := b.usage(t, b.key)
+		require.Equal(t, int64(1), v.Totals.Requests)
+		require.Equal(t, int64(0), v.Budget.ReservedRungs)
+	}
 }
 
 // TestFailedSettlementBillsNothingAndReleases: a settlement that cannot be

@@ -22,7 +22,9 @@ import (
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/gen/api"
 	"github.com/rungworks/gateway/internal/apitest"
+	"github.com/rungworks/gateway/internal/metricstest"
 	"github.com/rungworks/gateway/internal/syncbuf"
+	"github.com/rungworks/gateway/metrics"
 	"github.com/rungworks/gateway/server"
 	"github.com/rungworks/gateway/upstream"
 )
@@ -182,8 +184,10 @@ func streamBreaksMidway(t *testing.T, cause error) {
 	require.Positive(t, final.Usage.InputRungs)
 	require.Equal(t, final.Usage.InputRungs+final.Usage.OutputRungs, final.Usage.TotalRungs)
 	var status string
-	require.NoError(t, b.store.Pool().QueryRow(context.Background(), `SELECT status FROM requests`).Scan(&status))
+	var begunBefore bool
+	require.NoError(t, b.store.Pool().QueryRow(context.Background(), `SELECT status, created_at < completed_at FROM requests`).Scan(&status, &begunBefore))
 	require.Equal(t, "failed", status, "the request is stored as failed, with what it produced")
+	require.True(t, begunBefore, "stored as begun when it was routed, before it ended")
 }
 
 func TestStreamKeepAlive(t *testing.T) {
@@ -301,16 +305,19 @@ func (f *flood) Stream(_ context.Context, _ *upstream.Request, emit func(upstrea
 // and then reads nothing, its connection alive (its receive window shut), is
 // not waited for: once a write has waited StreamWriteTimeout (at the next
 // keep-alive beat), the stream ends as when a client disconnects, the
-// upstream call stops, and the output produced is billed and settled.
-// Without the bound the stream would wait on the write for as long as the
-// client keeps its connection, its admitted estimate never settled.
+// upstream call stops, and the output produced is billed and settled, the
+// stream counted as a client's leaving, not an upstream failure. Without the
+// bound the stream would wait on the write for as long as the client keeps
+// its connection, its admitted estimate never settled.
 func TestStreamToAClientThatReadsNothing(t *testing.T) {
 	t.Parallel()
 	const body = `{"prompt": "flood", "model": "reasoning", "stream": true}`
 	eachStreamWay(t, func(t *testing.T, h2c bool, way func(*server.Config)) {
 		up := &flood{n: 200, emitFailed: make(chan struct{})} // 12.5 MiB, past any socket buffer or window
+		m := metrics.New()
 		b := setupWith(t, options{provider: up, h2c: h2c, keepalive: 50 * time.Millisecond, server: func(c *server.Config) {
 			c.StreamWriteTimeout = 200 * time.Millisecond
+			c.Metrics = m
 			way(c)
 		}})
 		if h2c {
@@ -340,6 +347,8 @@ func TestStreamToAClientThatReadsNothing(t *testing.T) {
 			return usage.Totals.Requests == 1 && usage.Budget.ReservedRungs == 0
 		}, 10*time.Second, 20*time.Millisecond, "the request is settled: %+v", usage)
 		require.Positive(t, usage.Totals.OutputRungs, "the output produced is billed")
+		require.Contains(t, metricstest.Scrape(m), `gateway_stream_errors_total{code="INFERENCE_BUSY"} 0`,
+			"a client gone, not the upstream's failure")
 	})
 }
 
