@@ -231,6 +231,25 @@ func TestUnconfirmedSettlementIsSentWithItsUsage(t *testing.T) {
 	}
 }
 
+// TestAnUnconfirmedSettlementCountsItsCost: a request sent with its usage
+// while its settlement's outcome is unknown holds, of the day, what it cost,
+// as a settled one does, not its estimate: under a ceiling that holds one
+// estimate beside that cost, the next request runs.
+func TestAnUnconfirmedSettlementCountsItsCost(t *testing.T) {
+	t.Parallel()
+	var infer *inference.Service
+	b := setupWith(t, withUnconfirmed(&unconfirmedLedger{lost: true}, &syncbuf.Buffer{}, metrics.New(), 100*time.Millisecond, &infer))
+	// An instant request is estimated at its prompt tokens plus 32000 output rungs.
+	b.setLimits(t, ptr(int64(50_000)), nil)
+	for i := range 2 {
+		r := b.post("/api/v1/responses", b.key, map[string]any{"prompt": "hi"})
+		require.Equal(t, http.StatusOK, r.status, "request %d: %s", i, r.body)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel() // the settlements sent again are given up on
+	require.ErrorIs(t, infer.WaitLateSettlements(ctx), context.Canceled)
+}
+
 // TestEachUnconfirmedSettlementIsLogged: the lines that name a request whose
 // usage may be missing are never sampled, as the other errors are
 // (logsample): more of them than a window's burst are all written, when the
