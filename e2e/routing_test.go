@@ -1,6 +1,7 @@
 package e2e
 
 import (
+	"bytes"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -443,7 +444,8 @@ func attr(s *tracepb.Span, key string) *commonpb.AnyValue {
 
 // TestTracesFollowTheRequest: a request carrying a traceparent yields a server
 // span in that trace with a client span per upstream attempt, GenAI attributes
-// on both, and the trace context sent upstream; no prompt text.
+// on both, and the trace context sent upstream; no prompt text. A request
+// every target fails has its failure's kind on its span.
 func TestTracesFollowTheRequest(t *testing.T) {
 	t.Parallel()
 	r, receiver := serveTraced(t, map[string]string{"GATEWAY_TRUSTED_PROXIES": "127.0.0.1"})
@@ -491,6 +493,21 @@ func TestTracesFollowTheRequest(t *testing.T) {
 	require.NotEqual(t, tracepb.Status_STATUS_CODE_ERROR, settled.GetStatus().GetCode(), "stored")
 	require.GreaterOrEqual(t, settled.StartTimeUnixNano, answered.EndTimeUnixNano, "settled once the upstream answered")
 	require.LessOrEqual(t, settled.EndTimeUnixNano, server.EndTimeUnixNano, "settled before the reply")
+
+	// A request every target fails: its span says how.
+	r.backup.SetMode(fakeupstream.Down)
+	require.NotEqual(t, http.StatusOK, r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "down"}).status)
+	var refused *tracepb.Span
+	require.Eventually(t, func() bool {
+		for _, s := range receiver.named("POST /api/v1/responses") {
+			if !bytes.Equal(s.SpanId, server.SpanId) {
+				refused = s
+			}
+		}
+		return refused != nil
+	}, 10*time.Second, 50*time.Millisecond)
+	require.Equal(t, "unavailable", attr(refused, "error.type").GetStringValue())
+	require.Equal(t, tracepb.Status_STATUS_CODE_ERROR, refused.Status.Code)
 
 	sent := r.backup.Calls()[0].Header.Get("Traceparent")
 	require.Equal(t, "00-"+traceID+"-"+fmt.Sprintf("%x", answered.SpanId)+"-01", sent, "the attempt's context goes upstream")
