@@ -113,6 +113,15 @@ func TestFailedSettlementBillsNothingAndReleases(t *testing.T) {
 	v := b.usage(t, b.key)
 	require.Zero(t, v.Totals.Requests)
 	require.Zero(t, v.Budget.ReservedRungs, "every reservation released")
+
+	// Nor does the replica hold their estimates: under a ceiling that holds
+	// one, the next request runs.
+	l.mu.Lock()
+	l.fails = 0
+	l.mu.Unlock()
+	b.setLimits(t, ptr(int64(50_000)), ptr(int64(1_000_000)))
+	r = b.post("/api/v1/responses", b.key, map[string]any{"prompt": "hi"})
+	require.Equal(t, http.StatusOK, r.status, string(r.body))
 }
 
 // unconfirmedLedger is the real ledger whose settlements do not learn their
