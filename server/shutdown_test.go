@@ -323,8 +323,8 @@ func TestAbortEndsCallsInFlight(t *testing.T) {
 // TestShutdownWaitsForLateSettlements: a settlement sent again after its reply
 // went out (the database away) is waited for at shutdown. When the database
 // comes back within the wait, it is stored before the wait ends; when it does
-// not, it is given up on and logged with its usage, and a reply lost from
-// then on is not sent again but logged alike.
+// not, it is given up on and logged with its usage; either way, a reply lost
+// from then on is not sent again but logged alike.
 func TestShutdownWaitsForLateSettlements(t *testing.T) {
 	t.Parallel()
 	setup := func(t *testing.T) (*testBundle, *unconfirmedLedger, *inference.Service, *syncbuf.Buffer, *metrics.Metrics) {
@@ -358,6 +358,13 @@ func TestShutdownWaitsForLateSettlements(t *testing.T) {
 		require.NoError(t, <-waited)
 		require.Contains(t, metricstest.Scrape(m), `gateway_settlements_unconfirmed_total{outcome="stored"} 1`)
 		require.Equal(t, int64(1), b.usage(t, b.key).Totals.Requests, "stored once, before the wait ended")
+
+		l.back.Store(false)
+		l.sent.Store(0) // the next settlement's reply is lost, and the database away
+		r := b.post("/api/v1/responses", b.key, map[string]any{"prompt": "hi"})
+		require.Equal(t, http.StatusOK, r.status, string(r.body))
+		require.Contains(t, metricstest.Scrape(m), `gateway_settlements_unconfirmed_total{outcome="missing"} 1`,
+			"not sent again once the wait is over")
 	})
 
 	t.Run("given up at the end of the wait", func(t *testing.T) {
