@@ -262,22 +262,29 @@ func TestUsageViewEqualsWhatClientsReceived(t *testing.T) {
 	require.Equal(t, want, b.usage(t, usageOnly).Totals)
 }
 
+// TestUsageViewBilledDisconnect: the output streamed before the client left
+// is billed, the settlement retried while the database restarts though
+// nobody waits for its reply.
 func TestUsageViewBilledDisconnect(t *testing.T) {
 	t.Parallel()
-	b := setupWith(t, options{keepalive: time.Minute})
-	b.upstream.configure(func(s *scripted) { s.hang = true })
-	ctx, cancel := context.WithCancel(context.Background())
-	resp := b.openStream(ctx, t, `{"prompt": "bye", "stream": true}`)
-	line, err := bufio.NewReader(resp.Body).ReadString('\n')
-	require.NoError(t, err)
-	require.Equal(t, "event: response.output_text.delta\n", line)
-	cancel()
-	resp.Body.Close()
+	for _, fails := range []int{0, 2} {
+		o := withLedger(&failingLedger{fails: fails, err: dbAway})
+		o.keepalive = time.Minute
+		b := setupWith(t, o)
+		b.upstream.configure(func(s *scripted) { s.hang = true })
+		ctx, cancel := context.WithCancel(context.Background())
+		resp := b.openStream(ctx, t, `{"prompt": "bye", "stream": true}`)
+		line, err := bufio.NewReader(resp.Body).ReadString('\n')
+		require.NoError(t, err)
+		require.Equal(t, "event: response.output_text.delta\n", line)
+		cancel()
+		resp.Body.Close()
 
-	require.Eventually(t, func() bool {
-		v := b.usage(t, b.key)
-		return v.Totals.Requests == 1 && v.Totals.OutputRungs > 0 && v.Budget.ReservedRungs == 0 && v.Daily.ChargedRungs == v.Totals.TotalRungs
-	}, 10*time.Second, 20*time.Millisecond, "the output before the disconnect is billed and reconciled")
+		require.Eventually(t, func() bool {
+			v := b.usage(t, b.key)
+			return v.Totals.Requests == 1 && v.Totals.OutputRungs > 0 && v.Budget.ReservedRungs == 0 && v.Daily.ChargedRungs == v.Totals.TotalRungs
+		}, 10*time.Second, 20*time.Millisecond, "the output before the disconnect is billed and reconciled (settlements failing first: %d)", fails)
+	}
 }
 
 // TestAResponseSentAgainRunsAgain: the responses routes take no
