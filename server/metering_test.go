@@ -196,8 +196,9 @@ func TestInferenceIsMeasured(t *testing.T) {
 }
 
 // TestACallThatFailsGivesBackItsCharge: a call whose upstream fails before
-// any output, whole or streamed, gives its estimate back to the day at
-// once: under a ceiling that holds one estimate, the next request runs.
+// any output, whole or streamed, or rejects it (its reply naming the
+// provider's reason), gives its estimate back to the day at once: under a
+// ceiling that holds one estimate, the next request runs.
 func TestACallThatFailsGivesBackItsCharge(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
@@ -211,6 +212,11 @@ func TestACallThatFailsGivesBackItsCharge(t *testing.T) {
 	var env api.ErrorEnvelope
 	s.Events[0].Decode(t, &env)
 	require.Equal(t, api.ErrorCode("INFERENCE_BUSY"), env.Error.Code)
+
+	b.upstream.fail(&upstream.RejectedError{Status: http.StatusBadRequest, Message: "the prompt breaks a rule of ours"})
+	r = b.post("/api/v1/responses", b.key, map[string]any{"prompt": "p"})
+	require.Equal(t, gateway.EInferenceBusy, r.errorCode(t))
+	require.Equal(t, "the inference provider rejected the request: the prompt breaks a rule of ours", r.message(t), "the provider's own words")
 
 	b.upstream.fail(nil)
 	r = b.post("/api/v1/responses", b.key, map[string]any{"prompt": "p"})
