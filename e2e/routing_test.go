@@ -207,8 +207,10 @@ func TestFallbackAcrossProviders(t *testing.T) {
 	primaryCall := r.primary.Calls()[0]
 	require.Equal(t, "p-instant", primaryCall.Model)
 	require.Equal(t, "Bearer sk-primary", primaryCall.Header.Get("Authorization"), "the key comes from the variable the file names")
+	require.Equal(t, "acme", primaryCall.Header.Get("X-Tenant"), "the provider's headers from the file")
 	backupCall := r.backup.Calls()[0]
 	require.Empty(t, backupCall.Header.Get("Authorization"))
+	require.Empty(t, backupCall.Header.Get("X-Tenant"), "another provider's headers are its own")
 	require.Equal(t, [2]uint64{32000, 0}, [2]uint64{primaryCall.MaxCompletionTokens, primaryCall.MaxTokens}, "the output limit as OpenAI names it")
 	require.Equal(t, [2]uint64{0, 32000}, [2]uint64{backupCall.MaxCompletionTokens, backupCall.MaxTokens}, "as the backup's file says it knows it")
 
