@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"net/http"
 	"net/url"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -141,28 +140,23 @@ func TestAdmissionRefusalsAreCounted(t *testing.T) {
 	b := setupWith(t, options{rates: ratelimit.Config{Clock: func() time.Time { return at }}, server: func(c *server.Config) {
 		c.Metrics, c.Inference.Metrics = m, m
 	}})
-	refusals := func() map[string]string {
-		counts := map[string]string{}
-		for _, line := range strings.Split(metricstest.Scrape(m), "\n") {
-			if rest, ok := strings.CutPrefix(line, `gateway_admission_refusals_total{reason="`); ok {
-				reason, count, _ := strings.Cut(rest, `"} `)
-				counts[reason] = count
-			}
-		}
-		return counts
+	refusals := func() [3]float64 { // by the budget, the daily ceiling, the rate
+		s := metricstest.Samples(t, m)
+		return [3]float64{s[`gateway_admission_refusals_total{reason="budget"}`], s[`gateway_admission_refusals_total{reason="daily_ceiling"}`],
+			s[`gateway_admission_refusals_total{reason="rate_limit"}`]}
 	}
 	b.setLimits(t, nil, ptr(int64(40000)))
 	require.Equal(t, http.StatusPaymentRequired, b.post("/api/v1/responses", b.key, map[string]any{"prompt": "p", "model": "reasoning"}).status)
-	require.Equal(t, map[string]string{"budget": "1"}, refusals())
+	require.Equal(t, [3]float64{1, 0, 0}, refusals())
 	b.setLimits(t, ptr(int64(100)), nil)
 	require.Equal(t, http.StatusTooManyRequests, b.post("/api/v1/responses", b.key, map[string]any{"prompt": "p"}).status)
-	require.Equal(t, map[string]string{"budget": "1", "daily_ceiling": "1"}, refusals())
+	require.Equal(t, [3]float64{1, 1, 0}, refusals())
 	free := b.newKey("freeco", gateway.TierFree, gateway.ScopeInference, gateway.ScopeUsage)
 	for range 60 {
 		b.do(http.MethodGet, "/api/v1/usage", free, "", nil)
 	}
 	require.Equal(t, http.StatusTooManyRequests, b.post("/api/v1/responses", free, map[string]any{"prompt": "p"}).status)
-	require.Equal(t, map[string]string{"budget": "1", "daily_ceiling": "1", "rate_limit": "1"}, refusals())
+	require.Equal(t, [3]float64{1, 1, 1}, refusals())
 }
 
 // TestInferenceIsMeasured: a call's rungs are counted by side as its reply
@@ -179,14 +173,7 @@ func TestInferenceIsMeasured(t *testing.T) {
 	b.upstream.fail(upstream.ErrUnavailable)
 	b.post("/api/v1/responses", b.key, map[string]any{"prompt": "fails", "model": "reasoning"})
 
-	series := map[string]float64{}
-	for _, line := range strings.Split(metricstest.Scrape(m), "\n") {
-		if name, value, ok := strings.Cut(line, " "); ok && !strings.HasPrefix(name, "#") {
-			v, err := strconv.ParseFloat(value, 64)
-			require.NoError(t, err, line)
-			series[name] = v
-		}
-	}
+	series := metricstest.Samples(t, m)
 	require.Equal(t, float64(resp.Usage.InputRungs), series[`gateway_rungs_total{entry_point="responses",model="reasoning",side="input"}`])
 	require.Equal(t, float64(resp.Usage.OutputRungs), series[`gateway_rungs_total{entry_point="responses",model="reasoning",side="output"}`])
 	require.Equal(t, 1.0, series[`gateway_upstream_request_duration_seconds_count{model="reasoning",outcome="ok"}`])
