@@ -56,6 +56,9 @@ func TestCountIsExactOnText(t *testing.T) {
 		adversarial["prose"],
 		strings.Repeat("Rungs meter every call; ledgers don't lie. 42 items, 3.14 ratio!\n", 900),
 		strings.Repeat("función análisis über straße 東京 ", 2000),
+		// Runs of spaces before a newline, which o200k takes as one piece,
+		// placed so that a cut at any space would fall inside one.
+		"xyz" + strings.Repeat("abcd   \n", 2000),
 	}
 	for _, text := range texts {
 		want, err := codec.Count(text)
@@ -132,6 +135,10 @@ func TestActualClampsUpstreamCounts(t *testing.T) {
 	_, err = est.Actual(req, gateway.EntryResponses, upstream.Result{UsageReported: true, InputTokens: 3, OutputTokens: 5})
 	require.NoError(t, err)
 	require.Empty(t, *clamps, "honest counts pass untouched")
+	u, err = est.Actual(req, gateway.EntryResponses, upstream.Result{UsageReported: true, InputTokens: inBound, OutputTokens: 40})
+	require.NoError(t, err)
+	require.Equal(t, [2]int64{int64(inBound), 40}, [2]int64{u.InputTokens, u.OutputTokens})
+	require.Empty(t, *clamps, "counts at their bounds are not past them")
 }
 
 // TestActualCountsWhatIsReportedAsNothing: a report of no tokens for text

@@ -52,6 +52,16 @@ func TestPriceIsExactForDecimals(t *testing.T) {
 	require.Equal(t, int64(3), got)
 }
 
+// TestPriceOfAModelNotOnTheCard: a model the card has no multiplier for is
+// refused, never priced at nothing.
+func TestPriceOfAModelNotOnTheCard(t *testing.T) {
+	t.Parallel()
+	for _, entry := range []gateway.EntryPoint{gateway.EntryResponses, gateway.EntryBatch} {
+		_, err := defaultCard(t).Price("gpt-9", entry, 7)
+		require.ErrorContains(t, err, `no rate for model "gpt-9"`, entry)
+	}
+}
+
 func TestUsageSumsSides(t *testing.T) {
 	t.Parallel()
 	u, err := defaultCard(t).Usage(gateway.ModelInstant, gateway.EntryBatch, 3, 5)
@@ -66,6 +76,15 @@ func TestPriceOverflowIsRejected(t *testing.T) {
 	require.ErrorIs(t, err, metering.ErrOverflow)
 	_, err = rc.Usage(gateway.ModelInstant, gateway.EntryResponses, math.MaxInt64, 1)
 	require.ErrorIs(t, err, metering.ErrOverflow)
+	_, err = rc.Usage(gateway.ModelReasoning, gateway.EntryResponses, math.MaxInt64/2, 1)
+	require.ErrorIs(t, err, metering.ErrOverflow, "an input that does not price")
+	// Counts past int64 that price at nothing do not fit the usage either.
+	free, err := metering.NewRateCard(map[gateway.Model]string{"instant": "0", "reasoning": "0", "elements": "0"}, "0")
+	require.NoError(t, err)
+	for _, tokens := range [][2]uint64{{math.MaxInt64 + 1, 0}, {0, math.MaxInt64 + 1}} {
+		_, err = free.Usage(gateway.ModelInstant, gateway.EntryResponses, tokens[0], tokens[1])
+		require.ErrorIs(t, err, metering.ErrOverflow, "%v", tokens)
+	}
 }
 
 func TestNewRateCardRejectsBadInput(t *testing.T) {
@@ -76,7 +95,7 @@ func TestNewRateCardRejectsBadInput(t *testing.T) {
 		require.Error(t, err, d)
 	}
 	_, err := metering.NewRateCard(map[gateway.Model]string{"instant": "1"}, "0.5")
-	require.Error(t, err)
+	require.ErrorContains(t, err, "no rung multiplier for model reasoning")
 	_, err = metering.NewRateCard(map[gateway.Model]string{"instant": "-1", "reasoning": "4", "elements": "2"}, "0.5")
 	require.Error(t, err)
 }
