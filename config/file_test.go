@@ -651,6 +651,7 @@ func TestCheckReadsWhatAServerBuilds(t *testing.T) {
 		t.Setenv(name, "")
 	}
 
+	t.Setenv("GATEWAY_UPSTREAM", "")
 	cfg, err := config.Load()
 	require.NoError(t, err)
 	require.Equal(t, "sim", cfg.UpstreamName(), "unset")
