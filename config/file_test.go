@@ -265,12 +265,15 @@ func TestAChangeBeforeTheReloadsBeginIsReloaded(t *testing.T) {
 	require.Eventually(t, func() bool { return r.Available(gateway.ModelReasoning) }, 2*config.FileCheck, 10*time.Millisecond)
 }
 
-// shorthandRouter is the router of the shorthand the environment sets.
+// shorthandRouter is the router of the shorthand the environment sets (the
+// simulator's among them, which counts with the tokenizer).
 func shorthandRouter(t *testing.T) *routing.Router {
 	t.Helper()
 	cfg, err := config.Load()
 	require.NoError(t, err)
-	r, err := cfg.Router(nil, nil, nil)
+	tok, err := metering.DefaultTokenizer()
+	require.NoError(t, err)
+	r, err := cfg.Router(tok, nil, nil)
 	require.NoError(t, err)
 	return r
 }
@@ -660,11 +663,7 @@ func TestCheckReadsWhatAServerBuilds(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, cfg.Check())
 	require.Equal(t, "sim", cfg.UpstreamName())
-	tok, err := metering.DefaultTokenizer()
-	require.NoError(t, err)
-	r, err := cfg.Router(tok, nil, nil)
-	require.NoError(t, err)
-	res, err := r.Complete(context.Background(), &upstream.Request{Model: gateway.ModelInstant, Prompt: "hi", MaxOutputTokens: 10})
+	res, err := shorthandRouter(t).Complete(context.Background(), &upstream.Request{Model: gateway.ModelInstant, Prompt: "hi", MaxOutputTokens: 10})
 	require.NoError(t, err)
 	require.NotEmpty(t, res.Content)
 	require.Equal(t, "sim", res.Route.Provider)
