@@ -515,10 +515,7 @@ func TestItemsOfAStartedBatchHandedBackAreQueued(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
-	id := b.newBatch(t, p, 3, 1, "", day())
-	owner := uuid.Must(uuid.NewV7())
-	items := b.claim(t, owner, 8, time.Minute)
-	require.Len(t, items, 3)
+	id, owner, items := b.claimedBatch(t, p, 3, 1)
 	require.NoError(t, b.store.StartBatches(b.ctx, []uuid.UUID{id}))
 
 	back, err := b.store.RequeueItems(b.ctx, owner, keysOf(items[:2]))
@@ -1339,10 +1336,7 @@ func TestCompletedItemsWriteEvidenceRowsOnlyWithEvidence(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
-	id := b.newBatch(t, p, 3, 50, "", day())
-	owner := uuid.Must(uuid.NewV7())
-	items := b.claim(t, owner, 10, time.Minute)
-	require.Len(t, items, 3)
+	id, owner, items := b.claimedBatch(t, p, 3, 50)
 	src := []gateway.Source{{Title: "T", URL: "https://x"}}
 	none := []gateway.Source{}
 	evidence := []gateway.Evidence{{Sources: src, Verdict: "supported"}, {Sources: none, Verdict: "unsupported"}, {Sources: none}}
@@ -1467,10 +1461,7 @@ func TestCompleteItemsAndBatchLifecycle(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
-	id := b.newBatch(t, p, 3, 50, "", day())
-	owner := uuid.Must(uuid.NewV7())
-	items := b.claim(t, owner, 10, time.Minute)
-	require.Len(t, items, 3)
+	id, owner, items := b.claimedBatch(t, p, 3, 50)
 	require.True(t, items[0].BatchQueued)
 	require.Equal(t, p.AccountID, items[0].AccountID)
 	require.NoError(t, b.store.StartBatches(b.ctx, []uuid.UUID{id}))
@@ -1584,10 +1575,7 @@ func TestItemOutcomesReadWhatWasStored(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
-	id := b.newBatch(t, p, 3, 10, "", day())
-	owner := uuid.Must(uuid.NewV7())
-	items := b.claim(t, owner, 8, time.Minute)
-	require.Len(t, items, 3)
+	id, owner, items := b.claimedBatch(t, p, 3, 10)
 	b.completeItems(t, owner, items[:1], 7)
 	_, err := b.store.CompleteItems(b.ctx, owner, []store.ItemResult{{BatchID: id, Index: 1, Status: "failed", ErrorCode: string(gateway.EInferenceBusy), ErrorMessage: "busy"}})
 	require.NoError(t, err)
@@ -1629,10 +1617,7 @@ func TestEveryWayOutSettlesOnce(t *testing.T) {
 	b := setup(t)
 	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
 	b.limits(t, "acme", nil, ptr(int64(1000)))
-	id := b.newBatch(t, p, 4, 100, "", day())
-	owner := uuid.Must(uuid.NewV7())
-	items := b.claim(t, owner, 10, time.Minute)
-	require.Len(t, items, 4)
+	id, owner, items := b.claimedBatch(t, p, 4, 100)
 	require.Equal(t, int64(400), b.view(t, p).Budget.Reserved)
 
 	b.complete(t, owner, items[:1], 30)
@@ -1858,6 +1843,17 @@ func (b *testBundle) lockBatch(t *testing.T, id uuid.UUID) pgx.Tx {
 	_, err = tx.Exec(b.ctx, `SELECT 1 FROM batches WHERE id = $1 FOR UPDATE`, id)
 	require.NoError(t, err)
 	return tx
+}
+
+// claimedBatch creates a batch of n items of estimate est for p and has a
+// new owner claim them all, the queue holding no other item: a claim of
+// more finds n.
+func (b *testBundle) claimedBatch(t *testing.T, p *gateway.Principal, n int, est int64) (id, owner uuid.UUID, items []store.ClaimedItem) {
+	t.Helper()
+	id, owner = b.newBatch(t, p, n, est, "", day()), uuid.Must(uuid.NewV7())
+	items = b.claim(t, owner, n+1, time.Minute)
+	require.Len(t, items, n)
+	return id, owner, items
 }
 
 // startedBatch creates a batch of n items for p, in progress with its first
@@ -2863,10 +2859,7 @@ func TestABatchsStartIsItsFirstItemThatRan(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
-	id := b.newBatch(t, p, 3, 1, "", day())
-	owner := uuid.Must(uuid.NewV7())
-	items := b.claim(t, owner, 3, time.Minute)
-	require.Len(t, items, 3)
+	id, owner, items := b.claimedBatch(t, p, 3, 1)
 	// Claimed an hour apart: the first three hours ago.
 	_, err := b.store.Pool().Exec(b.ctx, `UPDATE batch_items SET started_at = now() - (3 - idx) * interval '1 hour' WHERE batch_id = $1`, id)
 	require.NoError(t, err)
