@@ -69,7 +69,8 @@ func (b *testBundle) run(t *testing.T, local func() time.Time) time.Duration {
 
 // TestOffsetIsTheDatabaseClockLessTheReplicas: the offset is the database's
 // time less the replica's, so a replica whose clock runs an hour ahead reads
-// an hour behind.
+// an hour behind; the database's reading is taken for halfway through the
+// round trip.
 func TestOffsetIsTheDatabaseClockLessTheReplicas(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -80,10 +81,21 @@ func TestOffsetIsTheDatabaseClockLessTheReplicas(t *testing.T) {
 	offset, _, err = clockwatch.Offset(context.Background(), b.store, func() time.Time { return time.Now().Add(time.Hour) })
 	require.NoError(t, err)
 	require.InDelta(t, -time.Hour.Seconds(), offset.Seconds(), 1)
+
+	// A clock read before and after the database's, two seconds apart: the
+	// database's time is taken for halfway between.
+	var readings atomic.Int64
+	start := time.Now()
+	stepping := func() time.Time { return start.Add(time.Duration(readings.Add(1)-1) * 2 * time.Second) }
+	offset, roundTrip, err = clockwatch.Offset(context.Background(), b.store, stepping)
+	require.NoError(t, err)
+	require.Equal(t, 2*time.Second, roundTrip)
+	require.InDelta(t, -time.Second.Seconds(), offset.Seconds(), 0.5)
 }
 
 // TestRunWarnsOfAClockThatIsOff: the offset is recorded at each comparison,
-// and logged while it is past the tolerance, not otherwise.
+// and logged while it is past the tolerance either way, not otherwise; a
+// comparison whose round trip took longer than the tolerance is skipped.
 func TestRunWarnsOfAClockThatIsOff(t *testing.T) {
 	t.Parallel()
 	t.Run("right", func(t *testing.T) {
@@ -96,6 +108,21 @@ func TestRunWarnsOfAClockThatIsOff(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
 		require.InDelta(t, time.Minute.Seconds(), b.run(t, func() time.Time { return time.Now().Add(-time.Minute) }).Seconds(), 1)
+		require.True(t, strings.Contains(b.logs.String(), `"msg":"this replica's clock is off from the database's`), b.logs.String())
+	})
+	t.Run("read too slowly to tell", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		var readings atomic.Int64
+		start := time.Now().Add(time.Hour)
+		stepping := func() time.Time { return start.Add(time.Duration(readings.Add(1)) * 2 * time.Second) }
+		require.Zero(t, b.run(t, stepping), "a round trip past the tolerance is not a reading")
+		require.Empty(t, b.logs.String())
+	})
+	t.Run("a minute ahead", func(t *testing.T) {
+		t.Parallel()
+		b := setup(t)
+		require.InDelta(t, -time.Minute.Seconds(), b.run(t, func() time.Time { return time.Now().Add(time.Minute) }).Seconds(), 1)
 		require.True(t, strings.Contains(b.logs.String(), `"msg":"this replica's clock is off from the database's`), b.logs.String())
 	})
 }

@@ -164,3 +164,40 @@ func TestAPlaceIsNeverLostToAWaiterThatGaveUp(t *testing.T) {
 		require.Zero(t, g.users(a), "every place is back")
 	}
 }
+
+// TestAPlaceFreedIsOneOfTheAccounts: of two places, one freed lets one more
+// request in, not two; one handed to a waiter stays taken.
+func TestAPlaceFreedIsOneOfTheAccounts(t *testing.T) {
+	t.Parallel()
+	t.Run("free", func(t *testing.T) {
+		t.Parallel()
+		g, a := New(2), uuid.New()
+		leave, err := g.Enter(context.Background(), a)
+		require.NoError(t, err)
+		_, err = g.Enter(context.Background(), a)
+		require.NoError(t, err)
+		leave()
+		_, err = g.Enter(waitBriefly(t), a)
+		require.NoError(t, err, "the place freed")
+		_, err = g.Enter(waitBriefly(t), a)
+		require.ErrorIs(t, err, errWaited, "both places are taken again")
+		require.Equal(t, 2, g.users(a))
+	})
+	t.Run("handed to a waiter", func(t *testing.T) {
+		t.Parallel()
+		g, a, leave := holdOne(t)
+		entered := make(chan struct{})
+		go func() {
+			_, err := g.Enter(context.Background(), a)
+			if err == nil {
+				close(entered)
+			}
+		}()
+		require.Eventually(t, func() bool { return g.users(a) == 2 }, 10*time.Second, time.Millisecond)
+		leave()
+		<-entered
+		_, err := g.Enter(waitBriefly(t), a)
+		require.ErrorIs(t, err, errWaited, "the waiter holds the place it was handed")
+		require.Equal(t, 1, g.users(a))
+	})
+}
