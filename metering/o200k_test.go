@@ -20,6 +20,8 @@ var corpus = []string{
 	"code: func main() { fmt.Println(\"hi\") } // x := a[i]+b/c", "path/to/file.go:12:3 https://example.org/a?b=c&d",
 	"----====****////\\\\\\\\\n\n", "!!!???...,,,;;;::: ", " ' 's 'S 'ſ 're 'RE 've 'm 'll 'LL 'd 'x", "\r\r\n\n \n \t\n",
 	"ǅemo ǈ ǋ titlecase ʰʲ modifier ʰletters", "x", " ", "\n", "'", "a'", "1'", "ab  \n  cd", "end with spaces   ",
+	"WE'VEN SHE'LLS THEY'REX it'ſa I'Mx I'ſtS A'lLE", "carriage\rreturn 3rd 42nd x1y", "½¾ ⅫⅣ ①② x² ³⁄₄", "nul\x00\x00\x00 bytes\x00",
+	"babaaaabb abbbaaaaaa llllel", // merges where the same pair repeats: leftmost first
 }
 
 func referenceCodec(t testing.TB) tokenizer.Codec {
