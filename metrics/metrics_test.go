@@ -14,6 +14,7 @@ import (
 	"go.yaml.in/yaml/v3"
 
 	"github.com/rungworks/gateway/internal/metricstest"
+	"github.com/rungworks/gateway/internal/serverlog"
 	"github.com/rungworks/gateway/metrics"
 )
 
@@ -25,6 +26,12 @@ func TestLabelsComeFromFixedSets(t *testing.T) {
 		m.Request("/api/v1/responses", strings.Repeat("X", 100)+string(rune('A'+i%26))+strings.Repeat("Y", i), 404, time.Millisecond)
 	}
 	m.Request("/api/v1/responses", "GET", 99999, time.Millisecond)
+	for _, status := range []int{99, 600} {
+		m.Request("/api/v1/responses", "GET", status, time.Millisecond)
+	}
+	for _, status := range []int{100, 599} {
+		m.Request("/healthz", "GET", status, time.Millisecond)
+	}
 	var lines []string
 	for _, l := range strings.Split(metricstest.Scrape(m), "\n") {
 		if strings.HasPrefix(l, "gateway_http_requests_total{") {
@@ -32,14 +39,21 @@ func TestLabelsComeFromFixedSets(t *testing.T) {
 		}
 	}
 	require.Equal(t, []string{
-		`gateway_http_requests_total{method="GET",route="/api/v1/responses",status="0"} 1`,
+		`gateway_http_requests_total{method="GET",route="/api/v1/responses",status="0"} 3`,
+		`gateway_http_requests_total{method="GET",route="/healthz",status="100"} 1`,
+		`gateway_http_requests_total{method="GET",route="/healthz",status="599"} 1`,
 		`gateway_http_requests_total{method="other",route="/api/v1/responses",status="404"} 1000`,
 	}, lines)
-	m.TLSHandshakeFailed("closed")
-	m.TLSHandshakeFailed("tls: a reason of the client's making")
-	require.Contains(t, metricstest.Scrape(m), `gateway_tls_handshake_failures_total{kind="closed"} 1`)
-	require.Contains(t, metricstest.Scrape(m), `gateway_tls_handshake_failures_total{kind="other"} 1`)
-	require.Equal(t, "POST", metrics.Method("POST"))
+	for _, kind := range []string{serverlog.Closed, serverlog.PlainHTTP, serverlog.Refused, "tls: a reason of the client's making"} {
+		m.TLSHandshakeFailed(kind)
+	}
+	scrape := metricstest.Scrape(m)
+	for _, kind := range []string{"closed", "plain_http", "refused", "other"} {
+		require.Contains(t, scrape, `gateway_tls_handshake_failures_total{kind="`+kind+`"} 1`)
+	}
+	for _, method := range []string{"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "CONNECT", "OPTIONS", "TRACE"} {
+		require.Equal(t, method, metrics.Method(method))
+	}
 	require.Equal(t, metrics.Other, metrics.Method("post"))
 }
 
@@ -57,7 +71,40 @@ func TestListenerServesOnlyWhatItShould(t *testing.T) {
 	require.Equal(t, http.StatusNotFound, get(m.Handler(false), "/debug/pprof/"))
 	require.Equal(t, http.StatusNotFound, get(m.Handler(false), "/anything"))
 	require.Equal(t, http.StatusOK, get(m.Handler(true), "/debug/pprof/"))
-	require.Equal(t, http.StatusOK, get(m.Handler(true), "/debug/pprof/cmdline"))
+	for _, path := range []string{"/debug/pprof/cmdline", "/debug/pprof/symbol", "/debug/pprof/trace?seconds=0.01", "/debug/pprof/profile?seconds=1", "/debug/pprof/heap"} {
+		require.Equal(t, http.StatusOK, get(m.Handler(true), path), path)
+	}
+}
+
+// TestStatesAreExportedAsSet: the gauges of a state hold its last setting:
+// the load of the routes (a failed reload keeps the time of the last that
+// took effect), the listeners, and the certificate's end, read at each scrape.
+func TestStatesAreExportedAsSet(t *testing.T) {
+	t.Parallel()
+	m := metrics.New()
+	samples := func() map[string]float64 { return metricstest.Samples(t, m) }
+	loaded := time.Date(2026, 3, 1, 12, 0, 0, 500_000_000, time.UTC)
+	m.ConfigLoaded(true, loaded)
+	require.Equal(t, 1.0, samples()["gateway_config_last_reload_successful"])
+	require.Equal(t, 1772366400.5, samples()["gateway_config_last_reload_success_timestamp_seconds"])
+	m.ConfigLoaded(false, loaded.Add(time.Hour))
+	require.Equal(t, 0.0, samples()["gateway_config_last_reload_successful"])
+	require.Equal(t, 1772366400.5, samples()["gateway_config_last_reload_success_timestamp_seconds"])
+	m.ConfigLoaded(true, loaded.Add(time.Hour))
+	require.Equal(t, 1.0, samples()["gateway_config_last_reload_successful"])
+	require.Equal(t, 1772370000.5, samples()["gateway_config_last_reload_success_timestamp_seconds"])
+
+	m.Listening(metrics.ListenerKeys, true)
+	require.Equal(t, 1.0, samples()[`gateway_notifications_listening{listener="keys"}`])
+	require.Equal(t, 0.0, samples()[`gateway_notifications_listening{listener="batches"}`])
+	m.Listening(metrics.ListenerKeys, false)
+	require.Equal(t, 0.0, samples()[`gateway_notifications_listening{listener="keys"}`])
+
+	notAfter := loaded
+	m.TLSCertificate(func() time.Time { return notAfter })
+	require.Equal(t, float64(loaded.Unix()), samples()["gateway_tls_certificate_expiry_timestamp_seconds"])
+	notAfter = loaded.AddDate(0, 3, 0)
+	require.Equal(t, float64(notAfter.Unix()), samples()["gateway_tls_certificate_expiry_timestamp_seconds"], "a renewal shows at the next scrape")
 }
 
 // TestAlertRulesFireAsTheirTestsSay runs the alerting rules' own tests
