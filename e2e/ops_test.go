@@ -155,3 +155,55 @@ func TestLongRepliesAreCompressedWhenTurnedOn(t *testing.T) {
 		require.Equal(t, want, resp.Header.Get("Content-Encoding"), "GATEWAY_COMPRESS=%q", setting)
 	}
 }
+
+// TestOperatorsRetentionsAndOriginsTakeEffect: what the environment sets for
+// evidence and requests held, and for the browsers let in, is what a replica
+// serves: evidence, of a request and of a batch item, is gone once its
+// retention has passed; a usage period past the request retention must fall
+// on whole hours; the origins named are let in, no other.
+func TestOperatorsRetentionsAndOriginsTakeEffect(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	const evidenceRetention = 5 * time.Second
+	g := serve(t, b.db, b.fake.BaseURL(), map[string]string{
+		"GATEWAY_EVIDENCE_RETENTION": evidenceRetention.String(),
+		"GATEWAY_REQUEST_RETENTION":  "24h",
+		"GATEWAY_CORS_ORIGINS":       "https://app.example.com",
+	})
+
+	preflight := func(origin string) string {
+		req, err := http.NewRequest(http.MethodOptions, g.base+"/api/v1/responses", nil)
+		require.NoError(t, err)
+		req.Header.Set("Origin", origin)
+		req.Header.Set("Access-Control-Request-Method", "POST")
+		resp, err := http.DefaultClient.Do(req)
+		require.NoError(t, err)
+		resp.Body.Close()
+		return resp.Header.Get("Access-Control-Allow-Origin")
+	}
+	require.Equal(t, "https://app.example.com", preflight("https://app.example.com"))
+	require.Empty(t, preflight("https://elsewhere.example.com"))
+
+	dayAgo := time.Now().UTC().Add(-30 * time.Hour).Truncate(time.Hour)
+	usage := func(start time.Time) reply {
+		return g.call(http.MethodGet, "/api/v1/usage?start="+start.Format(time.RFC3339), b.key, nil)
+	}
+	require.Equal(t, http.StatusOK, usage(dayAgo).status)
+	past := usage(dayAgo.Add(30 * time.Minute))
+	require.Equal(t, http.StatusBadRequest, past.status, "past a retention of a day, a period falls on whole hours")
+	require.Equal(t, "INVALID_REQUEST", past.code(t))
+
+	answered := expect[api.Response](t, g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "held a while"}), http.StatusOK)
+	batch := g.createBatch(b.key, prompts("held a while", 1))
+	done := g.waitTerminal(b.key, batch.Id.String(), 60*time.Second)
+	require.Equal(t, api.BatchItemStatus("completed"), done.Results[0].Status)
+	for _, path := range []string{answered.SourcesUrl, "/api/v1/sources/" + done.Results[0].RequestId.String()} {
+		require.Equal(t, http.StatusOK, g.call(http.MethodGet, path, b.key, nil).status, path)
+	}
+	time.Sleep(evidenceRetention)
+	for _, path := range []string{answered.SourcesUrl, "/api/v1/sources/" + done.Results[0].RequestId.String()} {
+		gone := g.call(http.MethodGet, path, b.key, nil)
+		require.Equal(t, http.StatusNotFound, gone.status, path)
+		require.Equal(t, "SOURCES_NOT_FOUND", gone.code(t))
+	}
+}
