@@ -1,6 +1,7 @@
 package metrics_test
 
 import (
+	"fmt"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -105,6 +106,30 @@ func TestStatesAreExportedAsSet(t *testing.T) {
 	require.Equal(t, float64(loaded.Unix()), samples()["gateway_tls_certificate_expiry_timestamp_seconds"])
 	notAfter = loaded.AddDate(0, 3, 0)
 	require.Equal(t, float64(notAfter.Unix()), samples()["gateway_tls_certificate_expiry_timestamp_seconds"], "a renewal shows at the next scrape")
+}
+
+// TestEveryAttemptAndJobIsCounted: an attempt whose kind is outside the
+// fixed set counts as other, not as ok nor not at all; a maintenance job's
+// series are there at zero before its first run.
+func TestEveryAttemptAndJobIsCounted(t *testing.T) {
+	t.Parallel()
+	m := metrics.New()
+	target := m.Target("primary", "small")
+	target.Attempt("", time.Millisecond)
+	target.Attempt("a kind of no set", time.Millisecond)
+	samples := metricstest.Samples(t, m)
+	attempts := `gateway_upstream_attempts_total{outcome="%s",provider="primary",upstream_model="small"}`
+	require.Equal(t, 1.0, samples[fmt.Sprintf(attempts, "ok")])
+	require.Equal(t, 1.0, samples[fmt.Sprintf(attempts, metrics.Other)])
+	require.Equal(t, 2.0, samples[`gateway_upstream_attempt_duration_seconds_count{provider="primary",upstream_model="small"}`])
+
+	m.MaintenanceJob("fold old usage")
+	samples = metricstest.Samples(t, m)
+	for _, series := range []string{"gateway_maintenance_rows_total", "gateway_maintenance_failures_total"} {
+		v, ok := samples[series+`{task="fold old usage"}`]
+		require.True(t, ok, series)
+		require.Zero(t, v)
+	}
 }
 
 // TestAlertRulesFireAsTheirTestsSay runs the alerting rules' own tests
