@@ -3,6 +3,8 @@ package e2e
 import (
 	"encoding/json"
 	"fmt"
+	"io"
+	"net"
 	"net/http"
 	"strings"
 	"testing"
@@ -357,4 +359,33 @@ func TestAStreamKeptOpenWithoutOutputEnds(t *testing.T) {
 	var mine received
 	mine.add(*done.Usage)
 	settledExactly(t, g, b.key, mine)
+}
+
+// TestHeadersAreBounded: a request's headers past 64 KiB are refused with
+// 431, and a client that does not finish sending its headers within 10 s is
+// let go; the replica serves others meanwhile.
+func TestHeadersAreBounded(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	g := serve(t, b.db, b.fake.BaseURL(), nil)
+	addr := strings.TrimPrefix(g.base, "http://")
+
+	req, err := http.NewRequest(http.MethodGet, g.base+"/api/v1/usage", nil)
+	require.NoError(t, err)
+	req.Header.Set("Authorization", "Bearer "+b.key)
+	req.Header.Set("X-Padding", strings.Repeat("p", 100<<10))
+	resp, err := http.DefaultClient.Do(req)
+	require.NoError(t, err)
+	resp.Body.Close()
+	require.Equal(t, http.StatusRequestHeaderFieldsTooLarge, resp.StatusCode)
+
+	slow, err := net.Dial("tcp", addr)
+	require.NoError(t, err)
+	defer slow.Close()
+	_, err = slow.Write([]byte("GET /api/v1/usage HTTP/1.1\r\nHost: gateway\r\n"))
+	require.NoError(t, err)
+	require.Equal(t, http.StatusOK, g.call(http.MethodGet, "/api/v1/usage", b.key, nil).status, "others are served meanwhile")
+	require.NoError(t, slow.SetReadDeadline(time.Now().Add(30*time.Second)))
+	_, err = io.ReadAll(slow)
+	require.NoError(t, err, "the connection is closed by the replica, not by the deadline")
 }
