@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"strconv"
 	"strings"
@@ -126,12 +127,12 @@ func TestBatchIdempotency(t *testing.T) {
 }
 
 // lostReplyStore is the real store whose first batch creation loses its
-// reply, after storing the batch when stored is set; the creations after it
-// find the database away while away is set.
+// reply, after storing the batch when stored is set; the next away creations
+// find the database away.
 type lostReplyStore struct {
 	batch.Store
 	stored bool
-	away   bool
+	away   int32
 	sent   atomic.Int32
 }
 
@@ -144,7 +145,7 @@ func (s *lostReplyStore) CreateBatch(ctx context.Context, nb store.NewBatch) (st
 		}
 		return store.CreateResult{}, fmt.Errorf("error creating batch: %w", io.ErrUnexpectedEOF)
 	}
-	if s.away {
+	if resends := s.sent.Load() - 1; resends <= s.away {
 		return store.CreateResult{}, dbAway
 	}
 	return s.Store.CreateBatch(ctx, nb)
@@ -154,16 +155,21 @@ func (s *lostReplyStore) CreateBatch(ctx context.Context, nb store.NewBatch) (st
 // sent again until the database answers: stored or not the first time, the
 // client gets its batch, stored once and charged once. When the database
 // stays away past the window, the client is told the batch may exist, not
-// that nothing changed.
+// that nothing changed. Within the default window, a database away for a
+// few resends is waited for; a refusal it answers is the client's answer.
 func TestBatchCreationWhoseReplyWasLost(t *testing.T) {
 	t.Parallel()
+	const staysAway = math.MaxInt32
 	for _, tc := range []struct {
-		name         string
-		stored, away bool
+		name   string
+		stored bool
+		away   int32         // resends that find the database away
+		window time.Duration // the resend window; 0, the default
 	}{
-		{"stored", true, false},
-		{"not stored", false, false},
-		{"stored, the database away", true, true},
+		{"stored", true, 0, time.Second},
+		{"not stored", false, 0, time.Second},
+		{"stored, the database away", true, staysAway, time.Second},
+		{"stored, the database away a while", true, 2, 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
@@ -171,14 +177,14 @@ func TestBatchCreationWhoseReplyWasLost(t *testing.T) {
 			b := setupWith(t, options{server: func(c *server.Config) {
 				svc := c.Batches.(*batch.Service)
 				st.Store, svc.Store = svc.Store, st
-				svc.ResendWindow = time.Second
+				svc.ResendWindow = tc.window
 			}})
 			r := b.post("/api/v1/batch", b.key, map[string]any{"requests": items(2)})
 			var list api.BatchList
 			require.NoError(t, json.Unmarshal(b.do(http.MethodGet, "/api/v1/batches", b.key, "", nil).body, &list))
 			require.Len(t, list.Data, 1, "stored once")
-			require.GreaterOrEqual(t, st.sent.Load(), int32(2), "sent again")
-			if tc.away {
+			require.GreaterOrEqual(t, st.sent.Load(), min(2+tc.away, 3), "sent again")
+			if tc.away == staysAway {
 				require.Equal(t, http.StatusServiceUnavailable, r.status)
 				require.Equal(t, gateway.EServiceUnavailable, r.errorCode(t))
 				require.Contains(t, r.message(t), "may have been")
@@ -195,6 +201,22 @@ func TestBatchCreationWhoseReplyWasLost(t *testing.T) {
 			require.Equal(t, 2*once, b.usage(t, b.key).Daily.ChargedRungs)
 		})
 	}
+	t.Run("not stored, and refused when sent again", func(t *testing.T) {
+		t.Parallel()
+		st := &lostReplyStore{}
+		b := setupWith(t, options{server: func(c *server.Config) {
+			svc := c.Batches.(*batch.Service)
+			st.Store, svc.Store = svc.Store, st
+		}})
+		b.setLimits(t, ptr(int64(10_000)), nil)
+		r := b.post("/api/v1/batch", b.key, map[string]any{"requests": items(3)})
+		require.Equal(t, int32(2), st.sent.Load())
+		require.Equal(t, http.StatusTooManyRequests, r.status, "the refusal the database answered, not an outcome unknown")
+		require.Equal(t, gateway.ERateLimited, r.errorCode(t))
+		var list api.BatchList
+		require.NoError(t, json.Unmarshal(b.do(http.MethodGet, "/api/v1/batches", b.key, "", nil).body, &list))
+		require.Empty(t, list.Data)
+	})
 }
 
 func TestBatchReadsAndCancel(t *testing.T) {
