@@ -62,6 +62,9 @@ func TestMetrics(t *testing.T) {
 		}
 		return true
 	}, 10*time.Second, 200*time.Millisecond)
+	m := g.scrape()
+	require.Positive(t, metricValue(t, m, `gateway_http_request_duration_seconds_sum{method="POST",route="/api/v1/batch"}`), "requests are timed")
+	require.Positive(t, metricValue(t, m, "gateway_batch_claim_duration_seconds_count"), "claims are timed")
 }
 
 // TestRollingRestartLosesNothing restarts one of two replicas with SIGTERM
