@@ -193,6 +193,44 @@ func TestRevokedAccountIsRefusedByEveryReplica(t *testing.T) {
 	require.ErrorContains(t, err, `no such project "nowhere" in account "acme"`)
 }
 
+// TestLoweredLimitsTakeEffectAtOnce: a daily ceiling or a project's budget
+// lowered below what is spent refuses the next requests on every replica
+// within moments, though each holds a slice of the old limit leased for
+// longer.
+func TestLoweredLimitsTakeEffectAtOnce(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	replicas := []*gateway{serve(t, b.db, b.fake.BaseURL(), nil), serve(t, b.db, b.fake.BaseURL(), nil)}
+	ask := func(g *gateway) reply {
+		return g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "within limits", "max_output_rungs": 50})
+	}
+	for _, lowered := range []struct {
+		name    string
+		limit   []string
+		code    string
+		refused int
+	}{
+		{name: "the daily ceiling", limit: []string{"--daily-rungs"}, code: "RATE_LIMITED", refused: http.StatusTooManyRequests},
+		{name: "the project's budget", limit: []string{"--project", "default", "--budget-rungs"}, code: "BUDGET_EXCEEDED", refused: http.StatusPaymentRequired},
+	} {
+		mustCLI(t, b.db, append([]string{"limits", "set", "--account", "acme"}, append(lowered.limit, "100000000")...)...)
+		for _, g := range replicas {
+			require.Equal(t, http.StatusOK, ask(g).status, "%s: served from a slice", lowered.name)
+		}
+		mustCLI(t, b.db, append([]string{"limits", "set", "--account", "acme"}, append(lowered.limit, "1")...)...)
+		for _, g := range replicas {
+			var r reply
+			require.Eventually(t, func() bool {
+				r = ask(g)
+				return r.status != http.StatusOK
+			}, 5*time.Second, 20*time.Millisecond, "%s lowered is the limit well within the slices' lease", lowered.name)
+			require.Equal(t, lowered.refused, r.status, "%s: %s", lowered.name, r.body)
+			require.Equal(t, lowered.code, r.code(t))
+		}
+		mustCLI(t, b.db, append([]string{"limits", "set", "--account", "acme"}, append(lowered.limit, "100000000")...)...)
+	}
+}
+
 // TestKilledReplicasSlicesComeBack: a replica killed while it holds the whole
 // budget in slices keeps it from the others only until its lease runs out;
 // nothing it ran without answering is billed, and the usage view stays equal
