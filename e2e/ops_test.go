@@ -121,6 +121,27 @@ func TestRollingRestartLosesNothing(t *testing.T) {
 	}
 }
 
+// TestStopWaitsForBatchItemsInFlight: a replica stopped while it runs batch
+// items and nothing else exits once they have finished and been stored,
+// within its grace: none is left to be rescued as INTERRUPTED.
+func TestStopWaitsForBatchItemsInFlight(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetDelay(2 * time.Second)
+	env := map[string]string{"GATEWAY_DRAIN_CONCURRENCY": "2", "GATEWAY_SHUTDOWN_GRACE": "20s", "GATEWAY_DRAIN_DELAY": "0s", "GATEWAY_LEASE": "2s"}
+	stopping := serve(t, b.db, b.fake.BaseURL(), env)
+	batch := stopping.createBatch(b.key, prompts("in flight at the stop", 2))
+	require.Eventually(t, func() bool { return len(b.fake.Calls()) == 2 }, 10*time.Second, 10*time.Millisecond)
+	require.NoError(t, stopping.stop())
+
+	b.fake.SetDelay(0)
+	res := serve(t, b.db, b.fake.BaseURL(), env).waitTerminal(b.key, batch.Id.String(), 30*time.Second)
+	for _, it := range res.Results {
+		require.Equal(t, api.BatchItemStatus("completed"), it.Status, "item %d: %+v", it.Index, it.Error)
+	}
+	require.Len(t, b.fake.Calls(), 2, "each ran once, on the replica that stopped")
+}
+
 // TestReadyzDrainsBeforeTheListenerCloses: from SIGTERM, /readyz answers 503
 // while the replica still serves, for the drain delay, so a load balancer
 // stops sending work before connections are refused.

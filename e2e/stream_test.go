@@ -393,6 +393,7 @@ func TestWaitingStreamsKeepSmallStacks(t *testing.T) {
 				// Stacks shrink in collections.
 				resp, err := http.Get(g.metrics + "/debug/pprof/heap?gc=1")
 				require.NoError(t, err)
+				require.Equal(t, http.StatusOK, resp.StatusCode, "the profiler is served, as GATEWAY_PPROF asks")
 				_, _ = io.Copy(io.Discard, resp.Body)
 				resp.Body.Close()
 				return metricValue(t, g.scrape(), "go_memstats_stack_inuse_bytes")
