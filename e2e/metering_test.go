@@ -61,6 +61,46 @@ func TestRateLimitHoldsAcrossReplicas(t *testing.T) {
 	require.Equal(t, int64(35), limited.Load())
 }
 
+// TestAStoppedReplicaGivesBackItsRateSlices: a replica stopped with part of
+// a key's minute leased and unused gives it back as it stops, for the
+// others to admit: the key's limit is served whole that minute.
+func TestAStoppedReplicaGivesBackItsRateSlices(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	const limit = 64 // a first slice is a sixteenth: 4
+	env := map[string]string{"GATEWAY_RATE_LIMIT": strconv.Itoa(limit)}
+	stopping, staying := serve(t, b.db, b.fake.BaseURL(), env), serve(t, b.db, b.fake.BaseURL(), env)
+	// Wait for a fresh minute's first half, so the requests stay in one window.
+	if s := time.Now().Second(); s > 45 {
+		time.Sleep(time.Duration(61-s) * time.Second)
+	}
+	ask := func(g *gateway) int {
+		return g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "p"}).status
+	}
+	require.Equal(t, http.StatusOK, ask(stopping))
+	require.NoError(t, stopping.stop())
+
+	var ok, limited atomic.Int64
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Go(func() {
+			for range 10 {
+				switch status := ask(staying); status {
+				case http.StatusOK:
+					ok.Add(1)
+				case http.StatusTooManyRequests:
+					limited.Add(1)
+				default:
+					t.Errorf("unexpected status %d", status)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	require.Equal(t, int64(limit-1), ok.Load(), "the stopped replica's unused slice is served by the other")
+	require.Equal(t, int64(80-limit+1), limited.Load())
+}
+
 // TestLimitsHoldUnderConcurrency: 200 concurrent requests against a project
 // budget, or a daily ceiling, that fits 10, over one and over three replicas,
 // with an upstream that reports far more usage than it could have produced:
