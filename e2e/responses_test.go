@@ -332,23 +332,30 @@ func TestDevRunsAndReusesItsData(t *testing.T) {
 	// As root, the private PostgreSQL runs as postgres, which must reach the folder.
 	require.NoError(t, os.Chmod(tmp, 0o755))
 	require.NoError(t, os.Chmod(filepath.Dir(tmp), 0o755))
-	run := func() string {
+	run := func(revoke bool) string {
 		// GATEWAY_DRAIN_DELAY empty: dev's own default, not the harness's.
 		g := start(t, map[string]string{"GATEWAY_SIM_TOKEN_LATENCY": "0s", "GATEWAY_DRAIN_DELAY": ""}, "dev", "--data", dataDir, "--pg-port", "0")
 		line := waitForLine(t, g.stdout, "API key:")
 		key := strings.TrimSpace(strings.TrimPrefix(line, "API key:"))
+		defer func() {
+			if revoke {
+				database := strings.TrimSpace(strings.TrimPrefix(waitForLine(t, g.stdout, "Database:"), "Database:"))
+				mustCLI(t, database, "keys", "revoke", key[:12])
+			}
+			require.NoError(t, g.cmd.Process.Signal(syscall.SIGINT))
+			require.NoError(t, <-g.done, "dev stops cleanly on Ctrl-C: %s", g.stderr.String())
+			g.done <- nil
+			require.Contains(t, g.stderr.String(), `"drain_delay":"0s"`, "with no load balancer in front, dev stops without waiting for one")
+		}()
 		require.Contains(t, g.stdout.String(), "curl -s "+g.base+"/api/v1/responses")
 		require.Contains(t, g.stdout.String(), "(upstream: sim)")
 		r := g.call(http.MethodPost, "/api/v1/responses", key, map[string]any{"prompt": "hello", "web_search": true})
 		require.Equal(t, http.StatusOK, r.status, string(r.body))
 		require.Equal(t, "supported", r.object(t)["evidence_verdict"])
-		require.NoError(t, g.cmd.Process.Signal(syscall.SIGINT))
-		require.NoError(t, <-g.done, "dev stops cleanly on Ctrl-C: %s", g.stderr.String())
-		g.done <- nil
-		require.Contains(t, g.stderr.String(), `"drain_delay":"0s"`, "with no load balancer in front, dev stops without waiting for one")
 		return key
 	}
-	first := run()
-	second := run()
+	first := run(false)
+	second := run(true)
 	require.Equal(t, first, second, "a second run reuses the data and the key")
+	require.NotEqual(t, second, run(false), "a key revoked meanwhile is replaced by one that works")
 }
