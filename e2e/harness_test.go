@@ -133,7 +133,9 @@ func startOnce(t *testing.T, env map[string]string, args ...string) (*gateway, e
 	t.Helper()
 	port, metricsPort := freePort(t), freePort(t)
 	env["GATEWAY_LISTEN"] = fmt.Sprintf("127.0.0.1:%d", port)
-	env["GATEWAY_METRICS_LISTEN"] = fmt.Sprintf("127.0.0.1:%d", metricsPort)
+	if env["GATEWAY_METRICS_LISTEN"] != "off" {
+		env["GATEWAY_METRICS_LISTEN"] = fmt.Sprintf("127.0.0.1:%d", metricsPort)
+	}
 	if _, ok := env["GATEWAY_DRAIN_DELAY"]; !ok {
 		env["GATEWAY_DRAIN_DELAY"] = "0s" // tests that stop replicas need no load balancer to notice
 	}

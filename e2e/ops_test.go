@@ -67,6 +67,16 @@ func TestMetrics(t *testing.T) {
 	require.Positive(t, metricValue(t, m, "gateway_batch_claim_duration_seconds_count"), "claims are timed")
 }
 
+// TestMetricsListenerOff: with GATEWAY_METRICS_LISTEN=off a replica serves
+// without a metrics listener.
+func TestMetricsListenerOff(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	g := serve(t, b.db, b.fake.BaseURL(), map[string]string{"GATEWAY_METRICS_LISTEN": "off"})
+	require.Equal(t, http.StatusOK, g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "p"}).status)
+	require.NotContains(t, g.stderr.String(), `"msg":"metrics listening"`)
+}
+
 // TestRollingRestartLosesNothing restarts one of two replicas with SIGTERM
 // while both drain a batch and serve interactive requests: every item completes
 // (none INTERRUPTED), each prompt reaches the upstream once, and the requests
