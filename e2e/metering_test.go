@@ -101,6 +101,27 @@ func TestAStoppedReplicaGivesBackItsRateSlices(t *testing.T) {
 	require.Equal(t, int64(80-limit+1), limited.Load())
 }
 
+// TestAStoppedReplicaGivesBackItsQuotaSlices: a replica stopped while it
+// holds a slice of the daily ceiling folds it back as it stops: under a
+// ceiling of two requests' estimates, the other replica serves the second
+// request at once rather than after the slice's lease.
+func TestAStoppedReplicaGivesBackItsQuotaSlices(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	// An estimate is the prompt's token and 1,000 output rungs.
+	mustCLI(t, b.db, "limits", "set", "--account", "acme", "--daily-rungs", "2002")
+	stopping, staying := serve(t, b.db, b.fake.BaseURL(), nil), serve(t, b.db, b.fake.BaseURL(), nil)
+	ask := func(g *gateway) reply {
+		return g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "p", "max_output_rungs": 1000})
+	}
+	require.Equal(t, http.StatusOK, ask(stopping).status)
+	require.NoError(t, stopping.stop())
+	for i := range 2 {
+		r := ask(staying)
+		require.Equal(t, http.StatusOK, r.status, "request %d: %s", i, r.body)
+	}
+}
+
 // TestLimitsHoldUnderConcurrency: 200 concurrent requests against a project
 // budget, or a daily ceiling, that fits 10, over one and over three replicas,
 // with an upstream that reports far more usage than it could have produced:
