@@ -66,8 +66,6 @@ var (
 type Options struct {
 	// Content records prompts and outputs in spans (GATEWAY_TRACE_CONTENT).
 	Content bool
-	// Version is the service.version resource attribute.
-	Version string
 }
 
 // configured reports whether the environment names an OTLP endpoint.
@@ -88,11 +86,7 @@ func Setup(ctx context.Context, opts Options) (func(context.Context) error, erro
 	if err != nil {
 		return nil, fmt.Errorf("error creating the OTLP trace exporter: %w", err)
 	}
-	attrs := []attribute.KeyValue{attribute.String("service.name", "gateway")}
-	if opts.Version != "" {
-		attrs = append(attrs, attribute.String("service.version", opts.Version))
-	}
-	res, err := resource.Merge(resource.NewSchemaless(attrs...), resource.Environment())
+	res, err := resource.Merge(resource.NewSchemaless(attribute.String("service.name", "gateway")), resource.Environment())
 	if err != nil && !errors.Is(err, resource.ErrPartialResource) {
 		return nil, fmt.Errorf("error reading OTEL_RESOURCE_ATTRIBUTES: %w", err)
 	}
