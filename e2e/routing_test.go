@@ -384,8 +384,9 @@ func TestADeniedKeyIsAnOutageForTheOperator(t *testing.T) {
 
 // otlpReceiver is an in-process OTLP/HTTP trace receiver.
 type otlpReceiver struct {
-	mu    sync.Mutex
-	spans []*tracepb.Span
+	mu       sync.Mutex
+	spans    []*tracepb.Span
+	services map[string]bool // the service.name of the resources exported
 }
 
 func (o *otlpReceiver) ServeHTTP(w http.ResponseWriter, r *http.Request) {
@@ -397,6 +398,14 @@ func (o *otlpReceiver) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	o.mu.Lock()
 	for _, rs := range req.ResourceSpans {
+		for _, a := range rs.GetResource().GetAttributes() {
+			if a.Key == "service.name" {
+				if o.services == nil {
+					o.services = map[string]bool{}
+				}
+				o.services[a.Value.GetStringValue()] = true
+			}
+		}
 		for _, ss := range rs.ScopeSpans {
 			o.spans = append(o.spans, ss.Spans...)
 		}
@@ -446,8 +455,9 @@ func attr(s *tracepb.Span, key string) *commonpb.AnyValue {
 
 // TestTracesFollowTheRequest: a request carrying a traceparent yields a server
 // span in that trace with a client span per upstream attempt, GenAI attributes
-// on both, and the trace context sent upstream; no prompt text. A request
-// every target fails has its failure's kind on its span.
+// on both, and the trace context sent upstream; no prompt text; the service
+// named gateway. A request every target fails has its failure's kind on its
+// span.
 func TestTracesFollowTheRequest(t *testing.T) {
 	t.Parallel()
 	r, receiver := serveTraced(t, map[string]string{"GATEWAY_TRUSTED_PROXIES": "127.0.0.1"})
@@ -520,6 +530,7 @@ func TestTracesFollowTheRequest(t *testing.T) {
 			require.NotContains(t, a.Value.GetStringValue(), "secret prompt", "no prompt text in spans unless opted in")
 		}
 	}
+	require.Equal(t, map[string]bool{"gateway": true}, receiver.services, "the service's name unless OTEL_SERVICE_NAME says otherwise")
 }
 
 // TestSettlementCommitTraces: the transactions that store requests' usage
