@@ -457,7 +457,7 @@ func attr(s *tracepb.Span, key string) *commonpb.AnyValue {
 // span in that trace with a client span per upstream attempt, GenAI attributes
 // on both, and the trace context sent upstream; no prompt text; the service
 // named gateway. A request every target fails has its failure's kind on its
-// span.
+// span; one refused for its own fault (400) is not marked failed.
 func TestTracesFollowTheRequest(t *testing.T) {
 	t.Parallel()
 	r, receiver := serveTraced(t, map[string]string{"GATEWAY_TRUSTED_PROXIES": "127.0.0.1"})
@@ -481,6 +481,10 @@ func TestTracesFollowTheRequest(t *testing.T) {
 	require.Equal(t, "198.51.100.7", attr(server, "client.address").GetStringValue(), "the client the trusted proxy names")
 	require.Equal(t, "chat", attr(server, "gen_ai.operation.name").GetStringValue())
 	require.Equal(t, "instant", attr(server, "gen_ai.request.model").GetStringValue())
+	require.Equal(t, int64(http.StatusOK), attr(server, "http.response.status_code").GetIntValue())
+	require.Equal(t, res.object(t)["request_id"], attr(server, "gateway.request_id").GetStringValue())
+	call := r.backup.Calls()[0]
+	require.Equal(t, int64(max(call.MaxCompletionTokens, call.MaxTokens)), attr(server, "gen_ai.request.max_tokens").GetIntValue(), "the output ceiling sent")
 	pt, ct := fakeupstream.Usage("secret prompt text")
 	require.Equal(t, int64(pt), attr(server, "gen_ai.usage.input_tokens").GetIntValue())
 	require.Equal(t, int64(ct), attr(server, "gen_ai.usage.output_tokens").GetIntValue())
@@ -520,6 +524,19 @@ func TestTracesFollowTheRequest(t *testing.T) {
 	}, 10*time.Second, 50*time.Millisecond)
 	require.Equal(t, "unavailable", attr(refused, "error.type").GetStringValue())
 	require.Equal(t, tracepb.Status_STATUS_CODE_ERROR, refused.Status.Code)
+
+	// A request refused for its own fault is no error of the server's.
+	require.Equal(t, http.StatusBadRequest, r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": ""}).status)
+	var invalid *tracepb.Span
+	require.Eventually(t, func() bool {
+		for _, s := range receiver.named("POST /api/v1/responses") {
+			if attr(s, "http.response.status_code").GetIntValue() == http.StatusBadRequest {
+				invalid = s
+			}
+		}
+		return invalid != nil
+	}, 10*time.Second, 50*time.Millisecond)
+	require.NotEqual(t, tracepb.Status_STATUS_CODE_ERROR, invalid.GetStatus().GetCode())
 
 	sent := r.backup.Calls()[0].Header.Get("Traceparent")
 	require.Equal(t, "00-"+traceID+"-"+fmt.Sprintf("%x", answered.SpanId)+"-01", sent, "the attempt's context goes upstream")
