@@ -84,6 +84,13 @@ func TestRespectsOutputCeiling(t *testing.T) {
 		if limit >= 10 {
 			require.NotEmpty(t, res.Content)
 		}
+		// Streamed, the same answer, and no piece of it empty.
+		streamed, err := p.Stream(context.Background(), &upstream.Request{Model: gateway.ModelElements, Prompt: "long answer please", MaxOutputTokens: limit}, func(d upstream.Delta) error {
+			require.NotEmpty(t, d.Content, "limit %d", limit)
+			return nil
+		})
+		require.NoError(t, err)
+		require.Equal(t, res, streamed)
 	}
 }
 
