@@ -227,15 +227,16 @@ func TestOperatorsRetentionsAndOriginsTakeEffect(t *testing.T) {
 	require.Equal(t, http.StatusBadRequest, past.status, "past a retention of a day, a period falls on whole hours")
 	require.Equal(t, "INVALID_REQUEST", past.code(t))
 
+	// Each evidence is read as soon as it is stored, then once held its time.
 	answered := expect[api.Response](t, g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "held a while"}), http.StatusOK)
+	require.Equal(t, http.StatusOK, g.call(http.MethodGet, answered.SourcesUrl, b.key, nil).status)
 	batch := g.createBatch(b.key, prompts("held a while", 1))
 	done := g.waitTerminal(b.key, batch.Id.String(), 60*time.Second)
 	require.Equal(t, api.BatchItemStatus("completed"), done.Results[0].Status)
-	for _, path := range []string{answered.SourcesUrl, "/api/v1/sources/" + done.Results[0].RequestId.String()} {
-		require.Equal(t, http.StatusOK, g.call(http.MethodGet, path, b.key, nil).status, path)
-	}
+	itemSources := "/api/v1/sources/" + done.Results[0].RequestId.String()
+	require.Equal(t, http.StatusOK, g.call(http.MethodGet, itemSources, b.key, nil).status)
 	time.Sleep(evidenceRetention)
-	for _, path := range []string{answered.SourcesUrl, "/api/v1/sources/" + done.Results[0].RequestId.String()} {
+	for _, path := range []string{answered.SourcesUrl, itemSources} {
 		gone := g.call(http.MethodGet, path, b.key, nil)
 		require.Equal(t, http.StatusNotFound, gone.status, path)
 		require.Equal(t, "SOURCES_NOT_FOUND", gone.code(t))
