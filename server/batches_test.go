@@ -183,7 +183,11 @@ func TestBatchCreationWhoseReplyWasLost(t *testing.T) {
 			var list api.BatchList
 			require.NoError(t, json.Unmarshal(b.do(http.MethodGet, "/api/v1/batches", b.key, "", nil).body, &list))
 			require.Len(t, list.Data, 1, "stored once")
-			require.GreaterOrEqual(t, st.sent.Load(), min(2+tc.away, 3), "sent again")
+			sends := int32(2) // the first, and one resend at least
+			if tc.away != staysAway {
+				sends += tc.away
+			}
+			require.GreaterOrEqual(t, st.sent.Load(), sends, "sent again")
 			if tc.away == staysAway {
 				require.Equal(t, http.StatusServiceUnavailable, r.status)
 				require.Equal(t, gateway.EServiceUnavailable, r.errorCode(t))
