@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/url"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -27,6 +28,14 @@ func (g *gateway) usage(key string) api.UsageView {
 	return expect[api.UsageView](g.t, g.call(http.MethodGet, "/api/v1/usage", key, nil), http.StatusOK)
 }
 
+// awaitAMinutesFirstHalf waits, past the 45th second, for the next minute,
+// so that requests sent at once fall in one rate window.
+func awaitAMinutesFirstHalf() {
+	if s := time.Now().Second(); s > 45 {
+		time.Sleep(time.Duration(61-s) * time.Second)
+	}
+}
+
 // TestRateLimitHoldsAcrossReplicas: three replicas counting one key from
 // their own slices admit its limit per minute together, never more.
 func TestRateLimitHoldsAcrossReplicas(t *testing.T) {
@@ -34,10 +43,7 @@ func TestRateLimitHoldsAcrossReplicas(t *testing.T) {
 	b := setup(t)
 	env := map[string]string{"GATEWAY_RATE_LIMIT": "10"}
 	replicas := []*gateway{serve(t, b.db, b.fake.BaseURL(), env), serve(t, b.db, b.fake.BaseURL(), env), serve(t, b.db, b.fake.BaseURL(), env)}
-	// Wait for a fresh minute's first half, so the burst stays in one window.
-	if s := time.Now().Second(); s > 45 {
-		time.Sleep(time.Duration(61-s) * time.Second)
-	}
+	awaitAMinutesFirstHalf()
 	var ok, limited atomic.Int64
 	var wg sync.WaitGroup
 	for i := range 45 {
@@ -70,10 +76,7 @@ func TestAStoppedReplicaGivesBackItsRateSlices(t *testing.T) {
 	const limit = 64 // a first slice is a sixteenth: 4
 	env := map[string]string{"GATEWAY_RATE_LIMIT": strconv.Itoa(limit)}
 	stopping, staying := serve(t, b.db, b.fake.BaseURL(), env), serve(t, b.db, b.fake.BaseURL(), env)
-	// Wait for a fresh minute's first half, so the requests stay in one window.
-	if s := time.Now().Second(); s > 45 {
-		time.Sleep(time.Duration(61-s) * time.Second)
-	}
+	awaitAMinutesFirstHalf()
 	ask := func(g *gateway) int {
 		return g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "p"}).status
 	}
@@ -267,18 +270,21 @@ func TestLoweredLimitsTakeEffectAtOnce(t *testing.T) {
 	}
 	for _, lowered := range []struct {
 		name    string
-		limit   []string
+		limit   []string // the arguments of `limits set` that name it
 		code    string
 		refused int
 	}{
 		{name: "the daily ceiling", limit: []string{"--daily-rungs"}, code: "RATE_LIMITED", refused: http.StatusTooManyRequests},
 		{name: "the project's budget", limit: []string{"--project", "default", "--budget-rungs"}, code: "BUDGET_EXCEEDED", refused: http.StatusPaymentRequired},
 	} {
-		mustCLI(t, b.db, append([]string{"limits", "set", "--account", "acme"}, append(lowered.limit, "100000000")...)...)
+		set := func(rungs string) {
+			mustCLI(t, b.db, slices.Concat([]string{"limits", "set", "--account", "acme"}, lowered.limit, []string{rungs})...)
+		}
+		set("100000000")
 		for _, g := range replicas {
 			require.Equal(t, http.StatusOK, ask(g).status, "%s: served from a slice", lowered.name)
 		}
-		mustCLI(t, b.db, append([]string{"limits", "set", "--account", "acme"}, append(lowered.limit, "1")...)...)
+		set("1")
 		for _, g := range replicas {
 			var r reply
 			require.Eventually(t, func() bool {
@@ -288,7 +294,7 @@ func TestLoweredLimitsTakeEffectAtOnce(t *testing.T) {
 			require.Equal(t, lowered.refused, r.status, "%s: %s", lowered.name, r.body)
 			require.Equal(t, lowered.code, r.code(t))
 		}
-		mustCLI(t, b.db, append([]string{"limits", "set", "--account", "acme"}, append(lowered.limit, "100000000")...)...)
+		set("100000000")
 	}
 }
 
