@@ -67,6 +67,13 @@ func (b *testBundle) run(t *testing.T, local func() time.Time) time.Duration {
 	return time.Duration(secs * float64(time.Second))
 }
 
+// stepping is a clock that reads start, then two seconds later at each
+// reading: whatever the time between readings, each round trip takes 2 s.
+func stepping(start time.Time) func() time.Time {
+	var readings atomic.Int64
+	return func() time.Time { return start.Add(time.Duration(readings.Add(1)-1) * 2 * time.Second) }
+}
+
 // TestOffsetIsTheDatabaseClockLessTheReplicas: the offset is the database's
 // time less the replica's, so a replica whose clock runs an hour ahead reads
 // an hour behind; the database's reading is taken for halfway through the
@@ -84,10 +91,7 @@ func TestOffsetIsTheDatabaseClockLessTheReplicas(t *testing.T) {
 
 	// A clock read before and after the database's, two seconds apart: the
 	// database's time is taken for halfway between.
-	var readings atomic.Int64
-	start := time.Now()
-	stepping := func() time.Time { return start.Add(time.Duration(readings.Add(1)-1) * 2 * time.Second) }
-	offset, roundTrip, err = clockwatch.Offset(context.Background(), b.store, stepping)
+	offset, roundTrip, err = clockwatch.Offset(context.Background(), b.store, stepping(time.Now()))
 	require.NoError(t, err)
 	require.Equal(t, 2*time.Second, roundTrip)
 	require.InDelta(t, -time.Second.Seconds(), offset.Seconds(), 0.5)
@@ -113,10 +117,7 @@ func TestRunWarnsOfAClockThatIsOff(t *testing.T) {
 	t.Run("read too slowly to tell", func(t *testing.T) {
 		t.Parallel()
 		b := setup(t)
-		var readings atomic.Int64
-		start := time.Now().Add(time.Hour)
-		stepping := func() time.Time { return start.Add(time.Duration(readings.Add(1)) * 2 * time.Second) }
-		require.Zero(t, b.run(t, stepping), "a round trip past the tolerance is not a reading")
+		require.Zero(t, b.run(t, stepping(time.Now().Add(time.Hour))), "a round trip past the tolerance is not a reading")
 		require.Empty(t, b.logs.String())
 	})
 	t.Run("a minute ahead", func(t *testing.T) {
