@@ -73,7 +73,8 @@ func TestRespectsOutputCeiling(t *testing.T) {
 	require.NoError(t, err)
 	words := strings.Fields(whole.Content)
 	for _, limit := range []uint64{1, 3, 10, 20} {
-		res, err := p.Complete(context.Background(), &upstream.Request{Model: gateway.ModelElements, Prompt: "long answer please", MaxOutputTokens: limit})
+		req := upstream.Request{Model: gateway.ModelElements, Prompt: "long answer please", MaxOutputTokens: limit}
+		res, err := p.Complete(context.Background(), &req)
 		require.NoError(t, err)
 		require.LessOrEqual(t, res.OutputTokens, limit)
 		require.Equal(t, p.Tokenizer.Count(res.Content), res.OutputTokens)
@@ -85,7 +86,7 @@ func TestRespectsOutputCeiling(t *testing.T) {
 			require.NotEmpty(t, res.Content)
 		}
 		// Streamed, the same answer, and no piece of it empty.
-		streamed, err := p.Stream(context.Background(), &upstream.Request{Model: gateway.ModelElements, Prompt: "long answer please", MaxOutputTokens: limit}, func(d upstream.Delta) error {
+		streamed, err := p.Stream(context.Background(), &req, func(d upstream.Delta) error {
 			require.NotEmpty(t, d.Content, "limit %d", limit)
 			return nil
 		})
