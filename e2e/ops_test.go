@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway/gen/api"
+	"github.com/rungworks/gateway/internal/apitest"
 )
 
 func (g *gateway) scrape() string {
@@ -206,14 +207,7 @@ func TestOperatorsRetentionsAndOriginsTakeEffect(t *testing.T) {
 	})
 
 	preflight := func(origin string) string {
-		req, err := http.NewRequest(http.MethodOptions, g.base+"/api/v1/responses", nil)
-		require.NoError(t, err)
-		req.Header.Set("Origin", origin)
-		req.Header.Set("Access-Control-Request-Method", "POST")
-		resp, err := http.DefaultClient.Do(req)
-		require.NoError(t, err)
-		resp.Body.Close()
-		return resp.Header.Get("Access-Control-Allow-Origin")
+		return apitest.Preflight(t, g.base+"/api/v1/responses", origin).Get("Access-Control-Allow-Origin")
 	}
 	require.Equal(t, "https://app.example.com", preflight("https://app.example.com"))
 	require.Empty(t, preflight("https://elsewhere.example.com"))

@@ -256,14 +256,7 @@ func TestPanicBecomesInternalError(t *testing.T) {
 func TestCORS(t *testing.T) {
 	t.Parallel()
 	preflight := func(b *testBundle) http.Header {
-		req, err := http.NewRequest(http.MethodOptions, b.http.URL+"/api/v1/responses", nil)
-		require.NoError(t, err)
-		req.Header.Set("Origin", "https://app.example.com")
-		req.Header.Set("Access-Control-Request-Method", "POST")
-		resp, err := http.DefaultClient.Do(req)
-		require.NoError(t, err)
-		resp.Body.Close()
-		return resp.Header
+		return apitest.Preflight(t, b.http.URL+"/api/v1/responses", "https://app.example.com")
 	}
 	off := setup(t, nil)
 	require.Empty(t, preflight(off).Get("Access-Control-Allow-Origin"), "CORS is off unless configured")
