@@ -31,20 +31,26 @@ import (
 var binary string
 
 func TestMain(m *testing.M) {
+	os.Exit(runWithBinary(m))
+}
+
+// runWithBinary builds the gateway into a temporary directory, runs the tests
+// against it and removes the directory before the process exits.
+func runWithBinary(m *testing.M) int {
 	dir, err := os.MkdirTemp("", "gateway-e2e-")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
-		os.Exit(1)
+		return 1
 	}
+	defer os.RemoveAll(dir)
 	binary = filepath.Join(dir, "gateway")
 	build := exec.Command("go", "build", "-o", binary, "../cmd/gateway")
 	build.Stdout, build.Stderr = os.Stdout, os.Stderr
 	if err := build.Run(); err != nil {
 		fmt.Fprintln(os.Stderr, "error building gateway:", err)
-		os.Exit(1)
+		return 1
 	}
-	defer os.RemoveAll(dir)
-	testdb.Main(m)
+	return testdb.Run(m)
 }
 
 // environ is the process environment without the gateway's own variables, plus extra.

@@ -38,14 +38,21 @@ var (
 	setupErr error
 )
 
-// Main runs a package's tests and then stops the server it started, if any.
-// Call it from TestMain.
+// Main runs a package's tests, stops the server it started, if any, and exits
+// with the tests' code. Call it from TestMain.
 func Main(m *testing.M) {
+	os.Exit(Run(m))
+}
+
+// Run runs a package's tests, stops the server it started, if any, and
+// returns the tests' code: for a TestMain with its own cleanup to do before
+// it exits.
+func Run(m *testing.M) int {
 	code := m.Run()
 	if stop != nil {
 		stop()
 	}
-	os.Exit(code)
+	return code
 }
 
 // URL returns the connection string of a fresh migrated database, dropped when
