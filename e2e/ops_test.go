@@ -1,8 +1,10 @@
 package e2e
 
 import (
+	"fmt"
 	"io"
 	"net/http"
+	"net/url"
 	"strings"
 	"sync"
 	"syscall"
@@ -13,6 +15,8 @@ import (
 
 	"github.com/rungworks/gateway/gen/api"
 	"github.com/rungworks/gateway/internal/apitest"
+	"github.com/rungworks/gateway/internal/fakeupstream"
+	"github.com/rungworks/gateway/internal/testdb"
 )
 
 func (g *gateway) scrape() string {
@@ -151,6 +155,72 @@ func TestStopWaitsForBatchItemsInFlight(t *testing.T) {
 		require.Equal(t, api.BatchItemStatus("completed"), it.Status, "item %d: %+v", it.Index, it.Error)
 	}
 	require.Len(t, b.fake.Calls(), 2, "each ran once, on the replica that stopped")
+}
+
+// TestStopWaitsForSettlementsSentWithTheirUsage: a JSON reply whose
+// settlement was lost on its way (the network cut the replica's connections
+// to PostgreSQL) and whose database stayed away for the settle window is
+// sent with its usage (D12), and its settlement is sent again in the
+// background. At SIGTERM the replica waits the final window (5 s) for it: a
+// database back within it stores the request once before the exit; one that
+// stays away has the request logged, with its usage, as maybe missing.
+func TestStopWaitsForSettlementsSentWithTheirUsage(t *testing.T) {
+	t.Parallel()
+	for _, back := range []bool{true, false} {
+		t.Run(fmt.Sprintf("database back=%v", back), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			pool, proxy := testdb.Cuttable(t, b.db)
+			u, err := url.Parse(b.db)
+			require.NoError(t, err)
+			dbHost := u.Host
+			g := serve(t, pool.Config().ConnString(), b.fake.BaseURL(), nil)
+			before := expect[api.Response](t, g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "before"}), http.StatusOK)
+
+			b.fake.SetSlow("lost", 300*time.Millisecond) // its settlement goes on a connection used within a second: not pinged first
+			cut := make(chan int, 1)
+			go func() {
+				for deadline := time.Now().Add(10 * time.Second); b.fake.InFlight() == 0 && time.Now().Before(deadline); {
+					time.Sleep(5 * time.Millisecond)
+				}
+				proxy.Retarget(fmt.Sprintf("127.0.0.1:%d", freePort(t))) // refused
+				cut <- proxy.Cut()
+			}()
+			lost := expect[api.Response](t, g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "lost"}), http.StatusOK)
+			require.Positive(t, <-cut, "the replica's connections were cut while the call was out")
+			pt, ct := fakeupstream.Usage("lost")
+			require.Equal(t, int64(pt+ct), lost.Usage.TotalRungs, "sent with its usage")
+			waitForLine(t, g.stderr, "a settlement's reply was lost")
+
+			require.NoError(t, g.cmd.Process.Signal(syscall.SIGTERM))
+			waitForLine(t, g.stderr, "shutting down")
+			if back {
+				time.Sleep(time.Second)
+				proxy.Retarget(dbHost)
+				proxy.Drop()
+			}
+			require.NoError(t, g.stop())
+			if back {
+				require.Contains(t, waitForLine(t, g.stderr, "a settlement sent with its usage is stored"), lost.RequestId.String())
+			} else {
+				waitForLine(t, g.stderr, "still unconfirmed at the end of the shutdown")
+				line := waitForLine(t, g.stderr, "its usage may be missing")
+				require.Contains(t, line, lost.RequestId.String())
+				require.Contains(t, line, fmt.Sprintf(`"total_rungs":%d`, lost.Usage.TotalRungs))
+				proxy.Retarget(dbHost)
+				proxy.Drop()
+			}
+
+			usage := serve(t, b.db, b.fake.BaseURL(), nil).usage(b.key)
+			if back {
+				require.EqualValues(t, 2, usage.Totals.Requests, "stored once")
+				require.Equal(t, before.Usage.TotalRungs+lost.Usage.TotalRungs, usage.Totals.TotalRungs)
+			} else {
+				require.EqualValues(t, 1, usage.Totals.Requests, "its settlement never reached the database")
+				require.Equal(t, before.Usage.TotalRungs, usage.Totals.TotalRungs)
+			}
+		})
+	}
 }
 
 // TestReadyzDrainsBeforeTheListenerCloses: from SIGTERM, /readyz answers 503
