@@ -1,10 +1,13 @@
 package e2e
 
 import (
+	"bufio"
+	"context"
 	"fmt"
 	"io"
 	"net/http"
 	"net/url"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -221,6 +224,98 @@ func TestStopWaitsForSettlementsSentWithTheirUsage(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestNothingIsLeftRunningAfterRequests sends a replica, over HTTP/1.1 and
+// over HTTP/2 (GATEWAY_H2C), rounds of what a replica in production meets:
+// replies and streams served (detached from their connections' goroutines,
+// past 100 ms), a reply and a stream whose upstream fails (an
+// error status, a stream broken midway), clients that leave a reply and a
+// stream they wait on, a batch run and one cancelled while it runs, and
+// refusals. After each round, once its calls have ended and the clients'
+// connections are closed, the replica runs no more goroutines than after
+// the first (which started its pools and beats): one left behind by any of
+// them would add one a round.
+func TestNothingIsLeftRunningAfterRequests(t *testing.T) {
+	t.Parallel()
+	for _, h2 := range []bool{false, true} {
+		t.Run(fmt.Sprintf("HTTP/2=%v", h2), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			g := serve(t, b.db, b.fake.BaseURL(), map[string]string{"GATEWAY_H2C": strconv.FormatBool(h2), "GATEWAY_DRAIN_CONCURRENCY": "2"})
+			transport := &http.Transport{Protocols: new(http.Protocols)}
+			transport.Protocols.SetHTTP1(!h2)
+			transport.Protocols.SetUnencryptedHTTP2(h2)
+			g.client = &http.Client{Transport: transport}
+			b.fake.SetHostile("choked", fakeupstream.Hostile{Status: http.StatusInternalServerError})
+			b.fake.SetHostile("left", fakeupstream.Hostile{Content: "first words", KeepAlive: 20 * time.Millisecond})
+			b.fake.SetSlow("held", time.Minute)
+			b.fake.SetSlow("cancelled", 300*time.Millisecond)
+
+			round := func(i int) {
+				respond := func(prompt string) int {
+					return g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": prompt}).status
+				}
+				require.Equal(t, http.StatusOK, respond(fmt.Sprint("served ", i)))
+				require.Equal(t, http.StatusServiceUnavailable, respond("choked"))
+				b.fake.SetChunkDelay(60 * time.Millisecond) // past the 100 ms after which a stream is detached
+				g.stream(b.key, map[string]any{"prompt": fmt.Sprint("streamed ", i)})
+				b.fake.SetChunkDelay(0)
+				b.fake.SetBreakAfter(1)
+				_, broken := g.stream(b.key, map[string]any{"prompt": fmt.Sprint("broken ", i)})
+				b.fake.SetBreakAfter(0)
+				require.Equal(t, "response.error", broken.Events[len(broken.Events)-2].Name)
+
+				ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+				_, err := g.client.Do(responsesRequest(t, ctx, g, b.key, `{"prompt":"held"}`))
+				cancel()
+				require.ErrorIs(t, err, context.DeadlineExceeded, "the client left the reply it waited on")
+				ctx, cancel = context.WithCancel(context.Background())
+				resp, err := g.client.Do(responsesRequest(t, ctx, g, b.key, `{"prompt":"left","stream":true}`))
+				require.NoError(t, err)
+				for sc := bufio.NewScanner(resp.Body); sc.Scan() && !strings.Contains(sc.Text(), "first words"); {
+				}
+				time.Sleep(300 * time.Millisecond) // detached meanwhile
+				cancel()
+				resp.Body.Close()
+
+				g.waitTerminal(b.key, g.createBatch(b.key, prompts(fmt.Sprint("run ", i), 3)).Id.String(), 30*time.Second)
+				cancelled := g.createBatch(b.key, prompts("cancelled", 10))
+				require.Eventually(t, func() bool { return b.fake.InFlight() > 0 }, 10*time.Second, 10*time.Millisecond)
+				require.Equal(t, http.StatusOK, g.call(http.MethodPost, "/api/v1/batch/"+cancelled.Id.String()+"/cancel", b.key, nil).status)
+				require.Equal(t, api.BatchStatusCancelled, g.waitTerminal(b.key, cancelled.Id.String(), 30*time.Second).Status)
+
+				require.Equal(t, http.StatusBadRequest, respond(""))
+				require.Equal(t, http.StatusUnauthorized, g.call(http.MethodGet, "/api/v1/usage", "", nil).status)
+				require.Equal(t, http.StatusNotFound, g.call(http.MethodGet, "/api/v1/batch/"+cancelled.Id.String()+"0", b.key, nil).status)
+
+				require.Eventually(t, func() bool { return b.fake.InFlight() == 0 }, 20*time.Second, 10*time.Millisecond, "the calls of the clients that left ended")
+				transport.CloseIdleConnections()
+			}
+			goroutines := func() float64 { return metricValue(t, g.scrape(), "go_goroutines") }
+
+			round(0)
+			time.Sleep(time.Second)
+			after := goroutines()
+			require.Positive(t, after)
+			for i := 1; i <= 3; i++ {
+				round(i)
+				require.Eventually(t, func() bool { return goroutines() <= after }, 10*time.Second, 100*time.Millisecond,
+					"round %d left goroutines running (%v after the first)", i, after)
+			}
+		})
+	}
+}
+
+// responsesRequest is a POST of body to g's responses route with key, bound
+// to ctx.
+func responsesRequest(t *testing.T, ctx context.Context, g *gateway, key, body string) *http.Request {
+	t.Helper()
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, g.base+"/api/v1/responses", strings.NewReader(body))
+	require.NoError(t, err)
+	req.Header.Set("Authorization", "Bearer "+key)
+	req.Header.Set("Content-Type", "application/json")
+	return req
 }
 
 // TestReadyzDrainsBeforeTheListenerCloses: from SIGTERM, /readyz answers 503
