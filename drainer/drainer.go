@@ -107,6 +107,9 @@ type Config struct {
 	// items still running then are cancelled: failed INTERRUPTED if they were
 	// dispatched, handed back otherwise.
 	Grace time.Duration
+	// Hurried, once closed, ends the grace at once (the process was asked
+	// to stop again). Nil: the grace runs its course.
+	Hurried <-chan struct{}
 	// EvidenceRetention is how long a completed item's evidence is held.
 	EvidenceRetention time.Duration
 	// Health says which models have a target taking calls, shared with
@@ -173,8 +176,8 @@ func New(cfg Config, st Store, provider upstream.Provider, estimator *metering.E
 }
 
 // Run drains until ctx ends, then hands back at once the items it claimed and
-// has not started, lets running items finish for the grace period, cancels
-// the rest, commits every outcome it can within
+// has not started, lets running items finish for the grace period (or until
+// Hurried), cancels the rest, commits every outcome it can within
 // FinalCommitWindow more, and returns: at most Grace + FinalCommitWindow (and
 // one database timeout) after ctx ends.
 func (d *Drainer) Run(ctx context.Context) {
@@ -309,9 +312,10 @@ func (d *Drainer) Run(ctx context.Context) {
 	select {
 	case <-finished:
 	case <-time.After(d.cfg.Grace):
-		cancelWork() // dispatched items become INTERRUPTED, the others go back
-		<-finished
+	case <-d.cfg.Hurried:
 	}
+	cancelWork() // items still running: dispatched ones become INTERRUPTED, the others go back
+	<-finished
 	if n := handedBack.Load(); n > 0 {
 		d.logger.Info("stopping: handed back the batch items claimed and not started, for other replicas", "items", n)
 	}

@@ -39,7 +39,8 @@ GATEWAY_METRICS_LISTEN (:9810, or off), PostgreSQL on --pg-port (54329; 0 picks
 any free port). A port in use is reported at once with what moves it.
 
 No load balancer stands in front of dev, so on Ctrl-C it stops at once:
-GATEWAY_DRAIN_DELAY is 0 unless set.`,
+GATEWAY_DRAIN_DELAY is 0 unless set. Requests in flight may finish for
+GATEWAY_SHUTDOWN_GRACE (30 s); Ctrl-C again cuts them short.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			cfg, err := config.LoadDev()

@@ -8,18 +8,17 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
-	"os/signal"
-	"syscall"
 
 	"github.com/spf13/cobra"
 
 	"github.com/rungworks/gateway/internal/logbuffer"
 	"github.com/rungworks/gateway/internal/logsample"
+	"github.com/rungworks/gateway/internal/stopsignal"
 )
 
 func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
+	ctx, release := stopsignal.Notify(context.Background())
+	defer release()
 	// Warnings and errors alike are sampled (a few and a count each window),
 	// so that an outage does not write one line a request.
 	logs := logsample.New(slog.NewJSONHandler(os.Stderr, nil))

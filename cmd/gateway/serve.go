@@ -28,6 +28,7 @@ import (
 	"github.com/rungworks/gateway/internal/lostpeer"
 	"github.com/rungworks/gateway/internal/memrelease"
 	"github.com/rungworks/gateway/internal/serverlog"
+	"github.com/rungworks/gateway/internal/stopsignal"
 	"github.com/rungworks/gateway/ledger"
 	"github.com/rungworks/gateway/maintenance"
 	"github.com/rungworks/gateway/metering"
@@ -42,7 +43,7 @@ func serveCmd(logger *slog.Logger) *cobra.Command {
 	return &cobra.Command{
 		Use:   "serve",
 		Short: "Run the HTTP server (applies pending migrations first, under a lock)",
-		Long:  "Serves the API and drains batches; applies pending migrations first, under a PostgreSQL advisory lock. Reads DATABASE_URL (required) and the GATEWAY_* variables (see the README).",
+		Long:  "Serves the API and drains batches; applies pending migrations first, under a PostgreSQL advisory lock. Reads DATABASE_URL (required) and the GATEWAY_* variables (see the README). SIGTERM or SIGINT stops it after the work in flight, within GATEWAY_SHUTDOWN_GRACE; a second one cuts that work short.",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			cfg, err := config.Load()
@@ -229,8 +230,9 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	go maintenance.Run(background, st, maintenance.Jobs(st, maintenance.Settings{
 		BatchWindow: cfg.BatchWindow, BatchRetention: cfg.BatchRetention, Lease: cfg.Lease, RequestRetention: cfg.RequestRetention,
 	}, m), logger)
+	hurried := stopsignal.Hurried(ctx)
 	drain := drainer.New(drainer.Config{
-		Owner: owner, Concurrency: cfg.DrainConcurrency, Lease: cfg.Lease, Grace: cfg.ShutdownGrace,
+		Owner: owner, Concurrency: cfg.DrainConcurrency, Lease: cfg.Lease, Grace: cfg.ShutdownGrace, Hurried: hurried,
 		EvidenceRetention: cfg.EvidenceRetention, Health: router, Metrics: m,
 	}, st, router, estimator, logger)
 	drained := make(chan struct{})
@@ -250,7 +252,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	case <-ctx.Done():
 	}
 
-	shutdown(cfg, srv, servers, logger)
+	shutdown(cfg, srv, servers, hurried, logger)
 	// Settlements sent again after their replies went out get the final
 	// window too, while the ledger still commits.
 	lateCtx, cancelLate := context.WithTimeout(context.Background(), finalWindow)
@@ -280,16 +282,27 @@ const finalWindow = 5 * time.Second
 // shutdown stops serving within the grace period plus finalWindow: /readyz
 // answers 503 at once and, for the drain delay (within the grace), the listener
 // still accepts, so load balancers stop sending work first; then the listener
-// closes and requests in flight may finish until the grace ends. Calls still
-// running then are cut (server.Abort): JSON requests get INFERENCE_BUSY and
-// streams response.error then response.completed with what was billed.
-func shutdown(cfg config.Config, srv *server.Server, servers []*http.Server, logger *slog.Logger) {
+// closes and requests in flight may finish until the grace ends, or until
+// hurried is closed (the process asked to stop again). Calls still running
+// then are cut (server.Abort): JSON requests get INFERENCE_BUSY and streams
+// response.error then response.completed with what was billed.
+func shutdown(cfg config.Config, srv *server.Server, servers []*http.Server, hurried <-chan struct{}, logger *slog.Logger) {
 	logger.Info("shutting down", "grace", cfg.ShutdownGrace.String(), "drain_delay", cfg.DrainDelay.String())
-	deadline := time.Now().Add(cfg.ShutdownGrace)
-	srv.Drain()
-	time.Sleep(min(cfg.DrainDelay, cfg.ShutdownGrace/2))
-	graceCtx, cancel := context.WithDeadline(context.Background(), deadline)
+	graceCtx, cancel := context.WithTimeout(context.Background(), cfg.ShutdownGrace)
 	defer cancel()
+	go func() {
+		select {
+		case <-hurried:
+			logger.Warn("asked again to stop: the grace period ends now")
+			cancel()
+		case <-graceCtx.Done():
+		}
+	}()
+	srv.Drain()
+	select {
+	case <-time.After(min(cfg.DrainDelay, cfg.ShutdownGrace/2)):
+	case <-graceCtx.Done():
+	}
 	if err := finish(graceCtx, srv, servers[0]); err != nil {
 		logger.Warn("requests still open at the end of the grace period; cutting their upstream calls", "error", err)
 		srv.Abort()
