@@ -17,6 +17,7 @@ import (
 	"github.com/rungworks/gateway/internal/fakeupstream"
 	"github.com/rungworks/gateway/routing"
 	"github.com/rungworks/gateway/upstream"
+	"github.com/rungworks/gateway/upstream/openai"
 )
 
 // recordingProvider records the requests it is given; a prompt that begins
@@ -114,4 +115,34 @@ func TestAnItemNotSentByTheGracesEndGoesBack(t *testing.T) {
 	stop()
 	require.Equal(t, gateway.ItemQueued, b.items(t, id)[0].Status)
 	require.Empty(t, b.fake.Calls())
+}
+
+// TestAHurriedStopCutsTheGraceShort: asked to stop again (Hurried), a
+// stopping drainer ends its grace at once: the item at the upstream fails
+// INTERRUPTED, billed nothing, long before the grace (a minute) would have
+// ended it, and it is not sent again.
+func TestAHurriedStopCutsTheGraceShort(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.provider = upstream.Guard(openai.New(openai.Config{BaseURL: b.fake.BaseURL(), Timeout: 10 * time.Minute}), nil)
+	b.fake.SetSlow("held", 10*time.Minute)
+	id := b.newBatch(t, "held", 1)
+	hurried := make(chan struct{})
+	stop := b.start(t, b.store, drainer.Config{Lease: time.Minute, PollInterval: 50 * time.Millisecond, Grace: time.Minute, Hurried: hurried}, io.Discard)
+	require.Eventually(t, func() bool { return b.fake.InFlight() == 1 }, 10*time.Second, 10*time.Millisecond)
+	stopped := make(chan struct{})
+	go func() { defer close(stopped); stop() }()
+	select {
+	case <-stopped:
+		t.Fatal("stopped before its grace ended or it was hurried")
+	case <-time.After(200 * time.Millisecond):
+	}
+	close(hurried)
+	select {
+	case <-stopped:
+	case <-time.After(30 * time.Second):
+		t.Fatal("still running 30 s after it was hurried")
+	}
+	b.failedUnbilled(t, id, gateway.EInterrupted)
+	require.Len(t, b.fake.Calls(), 1)
 }

@@ -160,6 +160,67 @@ func TestStopWaitsForBatchItemsInFlight(t *testing.T) {
 	require.Len(t, b.fake.Calls(), 2, "each ran once, on the replica that stopped")
 }
 
+// TestASecondSignalEndsTheGrace: a replica asked to stop lets the work in
+// flight finish for its grace (two minutes here, the first 50 s of it the
+// drain delay); asked again (a second SIGTERM, or Ctrl-C pressed again), it
+// ends the grace, its drain delay with it, at once, as the grace's end would
+// have: a JSON reply waiting on its call gets 503
+// INFERENCE_BUSY, a stream response.error then response.completed, a batch
+// item at the upstream fails INTERRUPTED (never sent again), and the
+// replica exits.
+func TestASecondSignalEndsTheGrace(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	b.fake.SetSlow("held", 10*time.Minute)
+	b.fake.SetHostile("open stream", fakeupstream.Hostile{Content: "first words", KeepAlive: 20 * time.Millisecond})
+	g := serve(t, b.db, b.fake.BaseURL(), map[string]string{"GATEWAY_SHUTDOWN_GRACE": "2m", "GATEWAY_DRAIN_DELAY": "50s"})
+	batch := g.createBatch(b.key, prompts("held", 1))
+	replied := make(chan *http.Response, 1)
+	go func() {
+		resp, err := http.DefaultClient.Do(responsesRequest(t, context.Background(), g, b.key, `{"prompt":"held reply"}`))
+		if err != nil {
+			resp = nil
+		}
+		replied <- resp
+	}()
+	streamed := streamsUntilEnd(t, g, b.key, "open stream", 1)
+	require.Eventually(t, func() bool { return b.fake.InFlight() == 3 }, 10*time.Second, 10*time.Millisecond, "the item, the reply and the stream are at the upstream")
+
+	require.NoError(t, g.cmd.Process.Signal(syscall.SIGTERM))
+	waitForLine(t, g.stderr, "shutting down")
+	select {
+	case err := <-g.done:
+		t.Fatalf("exited within the grace, with its work in flight: %v", err)
+	case <-time.After(time.Second):
+	}
+	require.NoError(t, g.cmd.Process.Signal(syscall.SIGTERM))
+	select {
+	case err := <-g.done:
+		require.NoError(t, err, "a clean exit")
+		g.done <- err
+	case <-time.After(30 * time.Second):
+		t.Fatal("still running 30 s after it was asked again to stop")
+	}
+	require.Contains(t, g.stderr.String(), "asked again to stop: the grace period ends now")
+
+	resp := <-replied
+	require.NotNil(t, resp, "the reply was answered")
+	defer resp.Body.Close()
+	r := reply{status: resp.StatusCode}
+	r.body, _ = io.ReadAll(resp.Body)
+	require.Equal(t, http.StatusServiceUnavailable, r.status, string(r.body))
+	require.Equal(t, "INFERENCE_BUSY", r.code(t))
+	events := string(streamed()[0])
+	require.Contains(t, events, "first words")
+	require.Contains(t, events, "INFERENCE_BUSY")
+	require.Less(t, strings.Index(events, "event: response.error"), strings.Index(events, "event: response.completed"))
+
+	res := serve(t, b.db, b.fake.BaseURL(), nil).waitTerminal(b.key, batch.Id.String(), 30*time.Second)
+	require.Equal(t, api.BatchItemStatus("failed"), res.Results[0].Status)
+	require.Equal(t, api.ErrorCode("INTERRUPTED"), res.Results[0].Error.Code)
+	require.Len(t, b.fake.Calls(), 3, "the item was not sent again")
+}
+
 // TestStopWaitsForSettlementsSentWithTheirUsage: a JSON reply whose
 // settlement was lost on its way (the network cut the replica's connections
 // to PostgreSQL) and whose database stayed away for the settle window is
