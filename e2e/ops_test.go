@@ -263,7 +263,8 @@ func TestStopWaitsForSettlementsSentWithTheirUsage(t *testing.T) {
 				proxy.Retarget(dbHost)
 				proxy.Drop()
 			}
-			require.NoError(t, g.stop())
+			require.NoError(t, <-g.done, "a clean exit")
+			g.done <- nil
 			if back {
 				require.Contains(t, waitForLine(t, g.stderr, "a settlement sent with its usage is stored"), lost.RequestId.String())
 			} else {
