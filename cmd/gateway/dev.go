@@ -8,8 +8,10 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"os/signal"
 	"path/filepath"
 	"strings"
+	"syscall"
 
 	"github.com/spf13/cobra"
 
@@ -40,7 +42,8 @@ any free port). A port in use is reported at once with what moves it.
 
 No load balancer stands in front of dev, so on Ctrl-C it stops at once:
 GATEWAY_DRAIN_DELAY is 0 unless set. Requests in flight may finish for
-GATEWAY_SHUTDOWN_GRACE (30 s); Ctrl-C again cuts them short.`,
+GATEWAY_SHUTDOWN_GRACE (30 s); Ctrl-C again cuts them short. Closing the
+terminal (SIGHUP) stops it as Ctrl-C does.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			cfg, err := config.LoadDev()
@@ -50,7 +53,11 @@ GATEWAY_SHUTDOWN_GRACE (30 s); Ctrl-C again cuts them short.`,
 			if err := cfg.Check(); err != nil {
 				return err
 			}
-			ctx := cmd.Context()
+			// Closing the terminal dev runs in sends it SIGHUP: it stops as
+			// on Ctrl-C instead of running on, with its PostgreSQL and
+			// ports, without one (serve reloads its routes on SIGHUP).
+			ctx, stopOnHangup := signal.NotifyContext(cmd.Context(), syscall.SIGHUP)
+			defer stopOnHangup()
 			if cfg.DatabaseURL == "" {
 				cluster, err := pglocal.Start(ctx, pglocal.Options{Dir: filepath.Join(dataDir, "postgres"), Port: pgPort, Durable: true})
 				if errors.Is(err, pglocal.ErrPortInUse) {
