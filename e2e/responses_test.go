@@ -359,3 +359,28 @@ func TestDevRunsAndReusesItsData(t *testing.T) {
 	require.Equal(t, first, second, "a second run reuses the data and the key")
 	require.NotEqual(t, second, run(false), "a key revoked meanwhile is replaced by one that works")
 }
+
+// TestDevStopsWhenItsTerminalHangsUp: `gateway dev` (make run) runs in a
+// terminal; closing it sends SIGHUP, which stops dev and its PostgreSQL as
+// Ctrl-C does, instead of leaving both running, holding their ports, with no
+// terminal. (`gateway serve` reloads its routes on SIGHUP.)
+func TestDevStopsWhenItsTerminalHangsUp(t *testing.T) {
+	t.Parallel()
+	tmp := t.TempDir()
+	dataDir := filepath.Join(tmp, "data")
+	require.NoError(t, os.Chmod(tmp, 0o755))
+	require.NoError(t, os.Chmod(filepath.Dir(tmp), 0o755))
+	g := start(t, map[string]string{"GATEWAY_SIM_TOKEN_LATENCY": "0s"}, "dev", "--data", dataDir, "--pg-port", "0")
+	postmaster := filepath.Join(dataDir, "postgres", "data", "postmaster.pid")
+	require.FileExists(t, postmaster)
+
+	require.NoError(t, g.cmd.Process.Signal(syscall.SIGHUP))
+	select {
+	case err := <-g.done:
+		require.NoError(t, err, "a clean exit: %s", g.stderr.String())
+		g.done <- err
+	case <-time.After(30 * time.Second):
+		t.Fatalf("still running 30 s after its terminal hung up: %s", g.stderr.String())
+	}
+	require.NoFileExists(t, postmaster, "its PostgreSQL stopped with it")
+}
