@@ -97,17 +97,50 @@ func Start(ctx context.Context, opts Options) (*Cluster, error) {
 	return c, nil
 }
 
-// prepare makes the cluster's folder, the server's user's, and picks its
-// port.
-func prepare(ctx context.Context, opts Options) (*Cluster, error) {
+// StopLeftover stops the server of the cluster in dir if one runs there: one
+// that a process which ended without stopping it (killed, or crashed) left
+// behind, holding the cluster's data and port. It reports whether one ran.
+// Call it only when no live process uses the cluster (gateway dev holds a
+// lock on its folder while it runs).
+func StopLeftover(ctx context.Context, dir string) (bool, error) {
+	c, err := locate(dir)
+	if err != nil {
+		return false, err
+	}
+	if !isFile(filepath.Join(c.dataDir(), "postmaster.pid")) {
+		return false, nil
+	}
+	if _, err := c.run(ctx, "pg_ctl", "-D", c.dataDir(), "status"); err != nil {
+		return false, nil // not running: a stale pid file, which the start replaces
+	}
+	return true, c.Stop()
+}
+
+// locate finds the binaries of a cluster in dir and the user it runs as.
+func locate(dir string) (*Cluster, error) {
 	bin, err := FindBinaries()
 	if err != nil {
 		return nil, err
 	}
-	dir, err := filepath.Abs(opts.Dir)
+	abs, err := filepath.Abs(dir)
 	if err != nil {
-		return nil, fmt.Errorf("error resolving %s: %w", opts.Dir, err)
+		return nil, fmt.Errorf("error resolving %s: %w", dir, err)
 	}
+	c := &Cluster{dir: abs, bin: bin}
+	if os.Geteuid() == 0 {
+		c.runAs = "postgres"
+	}
+	return c, nil
+}
+
+// prepare makes the cluster's folder, the server's user's, and picks its
+// port.
+func prepare(ctx context.Context, opts Options) (*Cluster, error) {
+	c, err := locate(opts.Dir)
+	if err != nil {
+		return nil, err
+	}
+	dir := c.dir
 	port := opts.Port
 	if port == 0 {
 		if port, err = freePort(); err != nil {
@@ -118,10 +151,7 @@ func prepare(ctx context.Context, opts Options) (*Cluster, error) {
 	} else {
 		_ = l.Close()
 	}
-	c := &Cluster{dir: dir, port: port, bin: bin}
-	if os.Geteuid() == 0 {
-		c.runAs = "postgres"
-	}
+	c.port = port
 	// The parent must be traversable by the server's user; the folder itself is private.
 	if err := os.MkdirAll(filepath.Dir(dir), 0o755); err != nil {
 		return nil, fmt.Errorf("error creating %s: %w", filepath.Dir(dir), err)

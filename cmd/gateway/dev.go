@@ -31,6 +31,8 @@ func devCmd(logger *slog.Logger) *cobra.Command {
 from the machine's own binaries in the data folder, migrates, creates a developer
 key on first start, prints it with a ready curl line, and serves (with the built-in
 simulator unless GATEWAY_UPSTREAM says otherwise). Running it again reuses the data.
+One dev at a time runs on a data folder; a PostgreSQL left running there by a
+dev that was killed is stopped first.
 
 The private database's connection string is printed and saved in the data folder,
 so gateway keys and gateway limits, run in the same folder without DATABASE_URL,
@@ -59,7 +61,18 @@ terminal (SIGHUP) stops it as Ctrl-C does.`,
 			ctx, stopOnHangup := signal.NotifyContext(cmd.Context(), syscall.SIGHUP)
 			defer stopOnHangup()
 			if cfg.DatabaseURL == "" {
-				cluster, err := pglocal.Start(ctx, pglocal.Options{Dir: filepath.Join(dataDir, "postgres"), Port: pgPort, Durable: true})
+				unlock, err := lockDataDir(dataDir)
+				if err != nil {
+					return err
+				}
+				defer unlock()
+				pgDir := filepath.Join(dataDir, "postgres")
+				if stopped, err := pglocal.StopLeftover(ctx, pgDir); err != nil {
+					return err
+				} else if stopped {
+					logger.Warn("stopped the PostgreSQL that a gateway dev which ended without stopping it (killed) left running", "dir", pgDir)
+				}
+				cluster, err := pglocal.Start(ctx, pglocal.Options{Dir: pgDir, Port: pgPort, Durable: true})
 				if errors.Is(err, pglocal.ErrPortInUse) {
 					return fmt.Errorf("%w: pass --pg-port N to use another (make run ARGS=\"--pg-port N\"), or --pg-port 0 for any free port", err)
 				}
@@ -96,6 +109,29 @@ terminal (SIGHUP) stops it as Ctrl-C does.`,
 	cmd.Flags().StringVar(&dataDir, "data", devDataDir, "folder for the private PostgreSQL and the developer key")
 	cmd.Flags().IntVar(&pgPort, "pg-port", 54329, "port of the private PostgreSQL on 127.0.0.1; 0 picks any free port")
 	return cmd
+}
+
+// lockDataDir takes the lock of dev's data folder dir, held until unlock (or
+// the process's end, however it ends): a second dev on the folder is
+// refused, and a PostgreSQL found running in it while the lock is held is
+// one that a dev killed before it could stop it left behind.
+func lockDataDir(dir string) (unlock func(), err error) {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, fmt.Errorf("error creating %s: %w", dir, err)
+	}
+	path := filepath.Join(dir, "dev.lock")
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR, 0o600)
+	if err != nil {
+		return nil, fmt.Errorf("error opening %s: %w", path, err)
+	}
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+		_ = f.Close()
+		if errors.Is(err, syscall.EWOULDBLOCK) {
+			return nil, fmt.Errorf("another gateway dev runs on %s: stop it first, or pass --data for another folder", dir)
+		}
+		return nil, fmt.Errorf("error locking %s: %w", path, err)
+	}
+	return func() { _ = f.Close() }, nil
 }
 
 // devKey returns the developer key saved in path while it still authenticates,
