@@ -1,7 +1,9 @@
 package e2e
 
 import (
+	"context"
 	"encoding/pem"
+	"fmt"
 	"net/http"
 	"os"
 	"os/exec"
@@ -358,6 +360,44 @@ func TestDevRunsAndReusesItsData(t *testing.T) {
 	second := run(true)
 	require.Equal(t, first, second, "a second run reuses the data and the key")
 	require.NotEqual(t, second, run(false), "a key revoked meanwhile is replaced by one that works")
+}
+
+// TestDevOwnsItsFolder: a second `gateway dev` on the folder of one running
+// is refused at once, with what to do; and a dev killed (-9) before it could
+// stop its PostgreSQL leaves it running, holding the folder's data and
+// port, until the next dev on the folder stops it and starts its own, which
+// serves with the same key.
+func TestDevOwnsItsFolder(t *testing.T) {
+	t.Parallel()
+	tmp := t.TempDir()
+	dataDir := filepath.Join(tmp, "data")
+	require.NoError(t, os.Chmod(tmp, 0o755))
+	require.NoError(t, os.Chmod(filepath.Dir(tmp), 0o755))
+	env := map[string]string{"GATEWAY_SIM_TOKEN_LATENCY": "0s"}
+	args := []string{"dev", "--data", dataDir, "--pg-port", "0"}
+	first := start(t, env, args...)
+	key := strings.TrimSpace(strings.TrimPrefix(waitForLine(t, first.stdout, "API key:"), "API key:"))
+
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	second := exec.CommandContext(ctx, binary, args...)
+	second.Env = environ(map[string]string{"GATEWAY_LISTEN": fmt.Sprintf("127.0.0.1:%d", freePort(t)), "GATEWAY_METRICS_LISTEN": "off"})
+	out, err := second.CombinedOutput()
+	require.Error(t, err, "a second dev on the folder is refused: %s", out)
+	require.Contains(t, string(out), "another gateway dev runs on "+dataDir)
+
+	require.NoError(t, first.cmd.Process.Kill())
+	<-first.done
+	first.done <- nil
+	postmaster := filepath.Join(dataDir, "postgres", "data", "postmaster.pid")
+	require.FileExists(t, postmaster, "the killed dev's PostgreSQL runs on")
+
+	again := start(t, env, args...)
+	require.Contains(t, again.stderr.String(), "stopped the PostgreSQL that a gateway dev which ended without stopping it (killed) left running")
+	require.Equal(t, key, strings.TrimSpace(strings.TrimPrefix(waitForLine(t, again.stdout, "API key:"), "API key:")))
+	require.Equal(t, http.StatusOK, again.call(http.MethodPost, "/api/v1/responses", key, map[string]any{"prompt": "hello"}).status)
+	require.NoError(t, again.stop())
+	require.NoFileExists(t, postmaster)
 }
 
 // TestDevStopsWhenItsTerminalHangsUp: `gateway dev` (make run) runs in a

@@ -1,0 +1,45 @@
+package pglocal_test
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway/pglocal"
+)
+
+// TestStopLeftover: a server left running in a cluster's folder (its process
+// killed before it could stop it) is stopped, and a cluster starts there
+// again, on its port; where none runs, nothing is stopped.
+func TestStopLeftover(t *testing.T) {
+	t.Parallel()
+	if _, err := pglocal.FindBinaries(); err != nil {
+		t.Skip(err)
+	}
+	ctx := context.Background()
+	tmp := t.TempDir()
+	// As root, the server runs as postgres, which must reach the folder.
+	require.NoError(t, os.Chmod(tmp, 0o755))
+	require.NoError(t, os.Chmod(filepath.Dir(tmp), 0o755))
+	dir := filepath.Join(tmp, "pg")
+
+	stopped, err := pglocal.StopLeftover(ctx, dir)
+	require.NoError(t, err)
+	require.False(t, stopped, "no cluster yet")
+
+	left, err := pglocal.Start(ctx, pglocal.Options{Dir: dir})
+	require.NoError(t, err)
+	stopped, err = pglocal.StopLeftover(ctx, dir)
+	require.NoError(t, err)
+	require.True(t, stopped, "the server left running")
+
+	again, err := pglocal.Start(ctx, pglocal.Options{Dir: dir, Port: left.Port()})
+	require.NoError(t, err, "the folder and the port are free again")
+	require.NoError(t, again.Stop())
+	stopped, err = pglocal.StopLeftover(ctx, dir)
+	require.NoError(t, err)
+	require.False(t, stopped, "none runs")
+}
