@@ -252,6 +252,15 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	case <-ctx.Done():
 	}
 
+	stopped := make(chan struct{})
+	defer close(stopped)
+	go func() {
+		select {
+		case <-hurried:
+			logger.Warn("asked again to stop: the grace period ends now")
+		case <-stopped:
+		}
+	}()
 	shutdown(cfg, srv, servers, hurried, logger)
 	// Settlements sent again after their replies went out get the final
 	// window too, while the ledger still commits.
@@ -293,7 +302,6 @@ func shutdown(cfg config.Config, srv *server.Server, servers []*http.Server, hur
 	go func() {
 		select {
 		case <-hurried:
-			logger.Warn("asked again to stop: the grace period ends now")
 			cancel()
 		case <-graceCtx.Done():
 		}
