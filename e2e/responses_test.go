@@ -327,18 +327,25 @@ func TestBadConfigurationStopsStart(t *testing.T) {
 	}
 }
 
+// devKey is the API key that g, a gateway dev, printed.
+func (g *gateway) devKey() string {
+	g.t.Helper()
+	return strings.TrimSpace(strings.TrimPrefix(waitForLine(g.t, g.stdout, "API key:"), "API key:"))
+}
+
+// postmasterPID is the file that says the private PostgreSQL of the dev
+// data folder dataDir runs.
+func postmasterPID(dataDir string) string {
+	return filepath.Join(dataDir, "postgres", "data", "postmaster.pid")
+}
+
 func TestDevRunsAndReusesItsData(t *testing.T) {
 	t.Parallel()
-	tmp := t.TempDir()
-	dataDir := filepath.Join(tmp, "data")
-	// As root, the private PostgreSQL runs as postgres, which must reach the folder.
-	require.NoError(t, os.Chmod(tmp, 0o755))
-	require.NoError(t, os.Chmod(filepath.Dir(tmp), 0o755))
+	dataDir := filepath.Join(reachableTempDir(t), "data")
 	run := func(revoke bool) string {
 		// GATEWAY_DRAIN_DELAY empty: dev's own default, not the harness's.
 		g := start(t, map[string]string{"GATEWAY_SIM_TOKEN_LATENCY": "0s", "GATEWAY_DRAIN_DELAY": ""}, "dev", "--data", dataDir, "--pg-port", "0")
-		line := waitForLine(t, g.stdout, "API key:")
-		key := strings.TrimSpace(strings.TrimPrefix(line, "API key:"))
+		key := g.devKey()
 		defer func() {
 			if revoke {
 				database := strings.TrimSpace(strings.TrimPrefix(waitForLine(t, g.stdout, "Database:"), "Database:"))
@@ -369,14 +376,11 @@ func TestDevRunsAndReusesItsData(t *testing.T) {
 // serves with the same key.
 func TestDevOwnsItsFolder(t *testing.T) {
 	t.Parallel()
-	tmp := t.TempDir()
-	dataDir := filepath.Join(tmp, "data")
-	require.NoError(t, os.Chmod(tmp, 0o755))
-	require.NoError(t, os.Chmod(filepath.Dir(tmp), 0o755))
+	dataDir := filepath.Join(reachableTempDir(t), "data")
 	env := map[string]string{"GATEWAY_SIM_TOKEN_LATENCY": "0s"}
 	args := []string{"dev", "--data", dataDir, "--pg-port", "0"}
 	first := start(t, env, args...)
-	key := strings.TrimSpace(strings.TrimPrefix(waitForLine(t, first.stdout, "API key:"), "API key:"))
+	key := first.devKey()
 
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -389,12 +393,12 @@ func TestDevOwnsItsFolder(t *testing.T) {
 	require.NoError(t, first.cmd.Process.Kill())
 	<-first.done
 	first.done <- nil
-	postmaster := filepath.Join(dataDir, "postgres", "data", "postmaster.pid")
+	postmaster := postmasterPID(dataDir)
 	require.FileExists(t, postmaster, "the killed dev's PostgreSQL runs on")
 
 	again := start(t, env, args...)
 	require.Contains(t, again.stderr.String(), "stopped the PostgreSQL that a gateway dev which ended without stopping it (killed) left running")
-	require.Equal(t, key, strings.TrimSpace(strings.TrimPrefix(waitForLine(t, again.stdout, "API key:"), "API key:")))
+	require.Equal(t, key, again.devKey())
 	require.Equal(t, http.StatusOK, again.call(http.MethodPost, "/api/v1/responses", key, map[string]any{"prompt": "hello"}).status)
 	require.NoError(t, again.stop())
 	require.NoFileExists(t, postmaster)
@@ -406,12 +410,9 @@ func TestDevOwnsItsFolder(t *testing.T) {
 // terminal. (`gateway serve` reloads its routes on SIGHUP.)
 func TestDevStopsWhenItsTerminalHangsUp(t *testing.T) {
 	t.Parallel()
-	tmp := t.TempDir()
-	dataDir := filepath.Join(tmp, "data")
-	require.NoError(t, os.Chmod(tmp, 0o755))
-	require.NoError(t, os.Chmod(filepath.Dir(tmp), 0o755))
+	dataDir := filepath.Join(reachableTempDir(t), "data")
 	g := start(t, map[string]string{"GATEWAY_SIM_TOKEN_LATENCY": "0s"}, "dev", "--data", dataDir, "--pg-port", "0")
-	postmaster := filepath.Join(dataDir, "postgres", "data", "postmaster.pid")
+	postmaster := postmasterPID(dataDir)
 	require.FileExists(t, postmaster)
 
 	require.NoError(t, g.cmd.Process.Signal(syscall.SIGHUP))
