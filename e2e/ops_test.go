@@ -175,13 +175,15 @@ func TestASecondSignalEndsTheGrace(t *testing.T) {
 	b.fake.SetHostile("open stream", fakeupstream.Hostile{Content: "first words", KeepAlive: 20 * time.Millisecond})
 	g := serve(t, b.db, b.fake.BaseURL(), map[string]string{"GATEWAY_SHUTDOWN_GRACE": "2m", "GATEWAY_DRAIN_DELAY": "50s"})
 	batch := g.createBatch(b.key, prompts("held", 1))
-	replied := make(chan *http.Response, 1)
+	type answer struct {
+		resp *http.Response
+		err  error
+	}
+	replied := make(chan answer, 1)
+	req := responsesRequest(t, context.Background(), g, b.key, `{"prompt":"held reply"}`)
 	go func() {
-		resp, err := http.DefaultClient.Do(responsesRequest(t, context.Background(), g, b.key, `{"prompt":"held reply"}`))
-		if err != nil {
-			resp = nil
-		}
-		replied <- resp
+		resp, err := http.DefaultClient.Do(req)
+		replied <- answer{resp, err}
 	}()
 	streamed := streamsUntilEnd(t, g, b.key, "open stream", 1)
 	require.Eventually(t, func() bool { return b.fake.InFlight() == 3 }, 10*time.Second, 10*time.Millisecond, "the item, the reply and the stream are at the upstream")
@@ -203,11 +205,12 @@ func TestASecondSignalEndsTheGrace(t *testing.T) {
 	}
 	require.Contains(t, g.stderr.String(), "asked again to stop: the grace period ends now")
 
-	resp := <-replied
-	require.NotNil(t, resp, "the reply was answered")
-	defer resp.Body.Close()
-	r := reply{status: resp.StatusCode}
-	r.body, _ = io.ReadAll(resp.Body)
+	a := <-replied
+	require.NoError(t, a.err, "the reply was answered")
+	defer a.resp.Body.Close()
+	body, err := io.ReadAll(a.resp.Body)
+	require.NoError(t, err)
+	r := reply{status: a.resp.StatusCode, body: body}
 	require.Equal(t, http.StatusServiceUnavailable, r.status, string(r.body))
 	require.Equal(t, "INFERENCE_BUSY", r.code(t))
 	events := string(streamed()[0])
@@ -242,12 +245,13 @@ func TestStopWaitsForSettlementsSentWithTheirUsage(t *testing.T) {
 			before := expect[api.Response](t, g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "before"}), http.StatusOK)
 
 			b.fake.SetSlow("lost", 300*time.Millisecond) // its settlement goes on a connection used within a second: not pinged first
+			refused := fmt.Sprintf("127.0.0.1:%d", freePort(t))
 			cut := make(chan int, 1)
 			go func() {
 				for deadline := time.Now().Add(10 * time.Second); b.fake.InFlight() == 0 && time.Now().Before(deadline); {
 					time.Sleep(5 * time.Millisecond)
 				}
-				proxy.Retarget(fmt.Sprintf("127.0.0.1:%d", freePort(t))) // refused
+				proxy.Retarget(refused)
 				cut <- proxy.Cut()
 			}()
 			lost := expect[api.Response](t, g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "lost"}), http.StatusOK)
@@ -326,6 +330,7 @@ func TestNothingIsLeftRunningAfterRequests(t *testing.T) {
 				b.fake.SetBreakAfter(1)
 				_, broken := g.stream(b.key, map[string]any{"prompt": fmt.Sprint("broken ", i)})
 				b.fake.SetBreakAfter(0)
+				require.GreaterOrEqual(t, len(broken.Events), 2)
 				require.Equal(t, "response.error", broken.Events[len(broken.Events)-2].Name)
 
 				ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)

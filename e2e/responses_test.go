@@ -18,6 +18,7 @@ import (
 
 	"github.com/rungworks/gateway/internal/fakeupstream"
 	"github.com/rungworks/gateway/internal/testdb"
+	"github.com/rungworks/gateway/pglocal"
 )
 
 type testBundle struct {
@@ -390,6 +391,9 @@ func TestDevOwnsItsFolder(t *testing.T) {
 	require.Error(t, err, "a second dev on the folder is refused: %s", out)
 	require.Contains(t, string(out), "another gateway dev runs on "+dataDir)
 
+	// Should the test end before a dev stops it, the killed dev's
+	// PostgreSQL is not left running.
+	t.Cleanup(func() { _, _ = pglocal.StopLeftover(context.Background(), filepath.Join(dataDir, "postgres")) })
 	require.NoError(t, first.cmd.Process.Kill())
 	<-first.done
 	first.done <- nil
