@@ -16,6 +16,8 @@ import (
 
 // TestTheSecondSignalHurries: the first interrupt or termination ends the
 // context, the second closes Hurried, also on a context derived from it.
+// Not parallel: the signals it sends are the whole test process's (the
+// parallel tests wait until it has ended).
 func TestTheSecondSignalHurries(t *testing.T) {
 	for _, sig := range []syscall.Signal{syscall.SIGINT, syscall.SIGTERM} {
 		t.Run(sig.String(), func(t *testing.T) {
@@ -47,6 +49,7 @@ func TestTheSecondSignalHurries(t *testing.T) {
 // TestReleaseEndsTheContext: release ends the context, without hurrying it,
 // and may be called again.
 func TestReleaseEndsTheContext(t *testing.T) {
+	t.Parallel()
 	ctx, release := stopsignal.Notify(context.Background())
 	release()
 	require.ErrorIs(t, ctx.Err(), context.Canceled)
@@ -61,5 +64,6 @@ func TestReleaseEndsTheContext(t *testing.T) {
 // TestHurriedOfAnotherContextIsNever: a context not from Notify is never
 // hurried.
 func TestHurriedOfAnotherContextIsNever(t *testing.T) {
+	t.Parallel()
 	require.Nil(t, stopsignal.Hurried(context.Background()))
 }
