@@ -46,14 +46,29 @@ type Cluster struct {
 	runAs string
 }
 
+// ErrOtherVersion is returned when a cluster's data was made by a major
+// version of PostgreSQL whose binaries are not found.
+var ErrOtherVersion = errors.New("no binaries of the PostgreSQL that made the cluster's data")
+
 // FindBinaries returns the folder holding initdb and pg_ctl: PATH first, then
 // the usual Debian and Homebrew places (highest version first).
 func FindBinaries() (string, error) {
+	dirs := binaryDirs()
+	if len(dirs) == 0 {
+		return "", ErrNoBinaries
+	}
+	return dirs[0], nil
+}
+
+// binaryDirs lists the folders holding initdb and pg_ctl, in FindBinaries'
+// order.
+func binaryDirs() []string {
+	var dirs []string
 	// A pg_ctl on PATH may be a link into the real bin folder, which also holds
 	// createdb and the server.
 	if p, err := exec.LookPath("pg_ctl"); err == nil {
 		if real, err := filepath.EvalSymlinks(p); err == nil && isFile(filepath.Join(filepath.Dir(real), "initdb")) {
-			return filepath.Dir(real), nil
+			dirs = append(dirs, filepath.Dir(real))
 		}
 	}
 	var candidates []string
@@ -63,11 +78,64 @@ func FindBinaries() (string, error) {
 	}
 	slices.SortFunc(candidates, func(a, b string) int { return versionOf(b) - versionOf(a) })
 	for _, dir := range candidates {
-		if isFile(filepath.Join(dir, "initdb")) && isFile(filepath.Join(dir, "pg_ctl")) {
-			return dir, nil
+		if isFile(filepath.Join(dir, "initdb")) && isFile(filepath.Join(dir, "pg_ctl")) && !slices.Contains(dirs, dir) {
+			dirs = append(dirs, dir)
 		}
 	}
-	return "", ErrNoBinaries
+	return dirs
+}
+
+// binariesFor returns the folder of the binaries of PostgreSQL's major
+// version want, which made the data folder dataDir; with want 0 (no data
+// yet), FindBinaries' choice.
+func binariesFor(dataDir string, want int) (string, error) {
+	dirs := binaryDirs()
+	if len(dirs) == 0 {
+		return "", ErrNoBinaries
+	}
+	if want == 0 {
+		return dirs[0], nil
+	}
+	var found []string
+	for _, dir := range dirs {
+		v := binaryVersion(dir)
+		if v == want {
+			return dir, nil
+		}
+		found = append(found, strconv.Itoa(v))
+	}
+	return "", fmt.Errorf("%w: %s was made by PostgreSQL %d, and the binaries found are of %s; install PostgreSQL %d, or remove the folder (its data with it) to start anew",
+		ErrOtherVersion, dataDir, want, strings.Join(found, ", "), want)
+}
+
+// binaryVersion is the major version of the binaries in dir: from the
+// folder's name where it says (/usr/lib/postgresql/15/bin), otherwise from
+// pg_ctl --version; 0 if neither tells.
+func binaryVersion(dir string) int {
+	if v := versionOf(dir); v > 0 {
+		return v
+	}
+	out, err := exec.Command(filepath.Join(dir, "pg_ctl"), "--version").Output()
+	if err != nil {
+		return 0
+	}
+	// "pg_ctl (PostgreSQL) 15.18 (Debian 15.18-0+deb12u1)"
+	_, rest, _ := strings.Cut(string(out), ") ")
+	major, _, _ := strings.Cut(rest, ".")
+	v, _ := strconv.Atoi(strings.TrimSpace(major))
+	return v
+}
+
+// dataVersion is the major version of PostgreSQL that made the data folder
+// dataDir, from its PG_VERSION; 0 when there is none yet (or it is older
+// than 10, numbered otherwise).
+func dataVersion(dataDir string) int {
+	b, err := os.ReadFile(filepath.Join(dataDir, "PG_VERSION"))
+	if err != nil {
+		return 0
+	}
+	v, _ := strconv.Atoi(strings.TrimSpace(string(b)))
+	return v
 }
 
 func versionOf(dir string) int {
@@ -116,17 +184,17 @@ func StopLeftover(ctx context.Context, dir string) (bool, error) {
 	return true, c.Stop()
 }
 
-// locate finds the binaries of a cluster in dir and the user it runs as.
+// locate finds the binaries of a cluster in dir (those of the version that
+// made its data, if it has any) and the user it runs as.
 func locate(dir string) (*Cluster, error) {
-	bin, err := FindBinaries()
-	if err != nil {
-		return nil, err
-	}
 	abs, err := filepath.Abs(dir)
 	if err != nil {
 		return nil, fmt.Errorf("error resolving %s: %w", dir, err)
 	}
-	c := &Cluster{dir: abs, bin: bin}
+	c := &Cluster{dir: abs}
+	if c.bin, err = binariesFor(c.dataDir(), dataVersion(c.dataDir())); err != nil {
+		return nil, err
+	}
 	if os.Geteuid() == 0 {
 		c.runAs = "postgres"
 	}
