@@ -43,3 +43,31 @@ func TestStopLeftover(t *testing.T) {
 	require.NoError(t, err)
 	require.False(t, stopped, "none runs")
 }
+
+// TestDataOfAnotherVersionIsNamed: a cluster whose data another major
+// version of PostgreSQL made, whose binaries this machine lacks, is not
+// started: the error names the folder, the version and what to do, instead
+// of pg_ctl's "could not start server" and a log to read.
+func TestDataOfAnotherVersionIsNamed(t *testing.T) {
+	t.Parallel()
+	if _, err := pglocal.FindBinaries(); err != nil {
+		t.Skip(err)
+	}
+	ctx := context.Background()
+	tmp := t.TempDir()
+	require.NoError(t, os.Chmod(tmp, 0o755))
+	require.NoError(t, os.Chmod(filepath.Dir(tmp), 0o755))
+	dir := filepath.Join(tmp, "pg")
+	c, err := pglocal.Start(ctx, pglocal.Options{Dir: dir})
+	require.NoError(t, err)
+	require.NoError(t, c.Stop())
+	data := filepath.Join(dir, "data")
+	require.NoError(t, os.WriteFile(filepath.Join(data, "PG_VERSION"), []byte("99\n"), 0o600))
+
+	_, err = pglocal.Start(ctx, pglocal.Options{Dir: dir})
+	require.ErrorIs(t, err, pglocal.ErrOtherVersion)
+	require.Contains(t, err.Error(), data+" was made by PostgreSQL 99")
+	require.Contains(t, err.Error(), "install PostgreSQL 99, or remove the folder")
+	_, err = pglocal.StopLeftover(ctx, dir)
+	require.ErrorIs(t, err, pglocal.ErrOtherVersion)
+}
