@@ -16,15 +16,7 @@ import (
 // again, on its port; where none runs, nothing is stopped.
 func TestStopLeftover(t *testing.T) {
 	t.Parallel()
-	if _, err := pglocal.FindBinaries(); err != nil {
-		t.Skip(err)
-	}
-	ctx := context.Background()
-	tmp := t.TempDir()
-	// As root, the server runs as postgres, which must reach the folder.
-	require.NoError(t, os.Chmod(tmp, 0o755))
-	require.NoError(t, os.Chmod(filepath.Dir(tmp), 0o755))
-	dir := filepath.Join(tmp, "pg")
+	ctx, dir := context.Background(), clusterDir(t)
 
 	stopped, err := pglocal.StopLeftover(ctx, dir)
 	require.NoError(t, err)
@@ -50,14 +42,7 @@ func TestStopLeftover(t *testing.T) {
 // of pg_ctl's "could not start server" and a log to read.
 func TestDataOfAnotherVersionIsNamed(t *testing.T) {
 	t.Parallel()
-	if _, err := pglocal.FindBinaries(); err != nil {
-		t.Skip(err)
-	}
-	ctx := context.Background()
-	tmp := t.TempDir()
-	require.NoError(t, os.Chmod(tmp, 0o755))
-	require.NoError(t, os.Chmod(filepath.Dir(tmp), 0o755))
-	dir := filepath.Join(tmp, "pg")
+	ctx, dir := context.Background(), clusterDir(t)
 	c, err := pglocal.Start(ctx, pglocal.Options{Dir: dir})
 	require.NoError(t, err)
 	require.NoError(t, c.Stop())
@@ -70,4 +55,18 @@ func TestDataOfAnotherVersionIsNamed(t *testing.T) {
 	require.Contains(t, err.Error(), "install PostgreSQL 99, or remove the folder")
 	_, err = pglocal.StopLeftover(ctx, dir)
 	require.ErrorIs(t, err, pglocal.ErrOtherVersion)
+}
+
+// clusterDir is a folder for a test's cluster, in its temporary folder; the
+// test is skipped where no PostgreSQL binaries are found.
+func clusterDir(t *testing.T) string {
+	t.Helper()
+	if _, err := pglocal.FindBinaries(); err != nil {
+		t.Skip(err)
+	}
+	tmp := t.TempDir()
+	// As root, the server runs as postgres, which must reach the folder.
+	require.NoError(t, os.Chmod(tmp, 0o755))
+	require.NoError(t, os.Chmod(filepath.Dir(tmp), 0o755))
+	return filepath.Join(tmp, "pg")
 }
