@@ -42,8 +42,8 @@ Ports: the API listens on GATEWAY_LISTEN (:8080), metrics on
 GATEWAY_METRICS_LISTEN (:9810, or off), PostgreSQL on --pg-port (54329; 0 picks
 any free port). A port in use is reported at once with what moves it.
 
-No load balancer stands in front of dev, so on Ctrl-C it stops at once:
-GATEWAY_DRAIN_DELAY is 0 unless set. Requests in flight may finish for
+No load balancer stands in front of dev, so on Ctrl-C it does not wait for
+one: GATEWAY_DRAIN_DELAY is 0 unless set. Requests in flight may finish for
 GATEWAY_SHUTDOWN_GRACE (30 s); Ctrl-C again cuts them short. Closing the
 terminal (SIGHUP) stops it as Ctrl-C does.`,
 		Args: cobra.NoArgs,
