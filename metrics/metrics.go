@@ -556,3 +556,69 @@ func (m *Metrics) TLSCertificate(notAfter func() time.Time) {
 		Help: "When the certificate served on the API's listener (GATEWAY_TLS_CERT) stops being valid (its NotAfter), in seconds since the epoch; its files are looked at on each scrape, so a renewal shows at once.",
 	}, func() float64 { return float64(notAfter().Unix()) }))
 }
+
+// Pool is what a database connection pool tells of itself at a moment:
+// its connections now, and its acquires since it opened.
+type Pool struct {
+	// Acquired, Idle and Constructing count the connections now: in use,
+	// waiting for use, being opened; Max is the most the pool opens.
+	Acquired, Idle, Constructing, Max int32
+	// Acquires counts the connections handed out; Waited those that had to
+	// wait, none being idle, for Wait in all; Canceled the acquires whose
+	// caller gave up first.
+	Acquires, Waited, Canceled int64
+	Wait                       time.Duration
+}
+
+// DatabasePool exports the replica's database connections, read from stat at
+// each scrape: gateway_db_connections by state (acquired, idle,
+// constructing), gateway_db_connections_max, and the counters
+// gateway_db_acquires_total, gateway_db_acquires_waited_total,
+// gateway_db_acquire_wait_seconds_total and
+// gateway_db_acquires_canceled_total. A pool whose acquires wait is too small
+// for the replica's load (GATEWAY_DB_MAX_CONNS), or its database too slow.
+// Called once, by a serving replica.
+func (m *Metrics) DatabasePool(stat func() Pool) {
+	if m == nil {
+		return
+	}
+	m.registry.MustRegister(poolCollector(stat))
+}
+
+// poolCollector exports a Pool read at each scrape.
+type poolCollector func() Pool
+
+var (
+	poolConnections = prometheus.NewDesc("gateway_db_connections",
+		"Database connections of this replica's pool now, by state: acquired (in use), idle, constructing (being opened).", []string{"state"}, nil)
+	poolMax = prometheus.NewDesc("gateway_db_connections_max",
+		"The most connections this replica's pool opens (GATEWAY_DB_MAX_CONNS).", nil, nil)
+	poolAcquires = prometheus.NewDesc("gateway_db_acquires_total",
+		"Connections handed out by this replica's pool.", nil, nil)
+	poolWaited = prometheus.NewDesc("gateway_db_acquires_waited_total",
+		"Connections handed out after a wait, none being idle: a pool too small for the load, or a database too slow.", nil, nil)
+	poolWait = prometheus.NewDesc("gateway_db_acquire_wait_seconds_total",
+		"Time spent waiting for a connection, none being idle, by the acquires that got one.", nil, nil)
+	poolCanceled = prometheus.NewDesc("gateway_db_acquires_canceled_total",
+		"Acquires whose caller gave up (its deadline passed, its client left) before a connection was free.", nil, nil)
+)
+
+// Describe implements prometheus.Collector.
+func (c poolCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{poolConnections, poolMax, poolAcquires, poolWaited, poolWait, poolCanceled} {
+		ch <- d
+	}
+}
+
+// Collect implements prometheus.Collector.
+func (c poolCollector) Collect(ch chan<- prometheus.Metric) {
+	p := c()
+	ch <- prometheus.MustNewConstMetric(poolConnections, prometheus.GaugeValue, float64(p.Acquired), "acquired")
+	ch <- prometheus.MustNewConstMetric(poolConnections, prometheus.GaugeValue, float64(p.Idle), "idle")
+	ch <- prometheus.MustNewConstMetric(poolConnections, prometheus.GaugeValue, float64(p.Constructing), "constructing")
+	ch <- prometheus.MustNewConstMetric(poolMax, prometheus.GaugeValue, float64(p.Max))
+	ch <- prometheus.MustNewConstMetric(poolAcquires, prometheus.CounterValue, float64(p.Acquires))
+	ch <- prometheus.MustNewConstMetric(poolWaited, prometheus.CounterValue, float64(p.Waited))
+	ch <- prometheus.MustNewConstMetric(poolWait, prometheus.CounterValue, p.Wait.Seconds())
+	ch <- prometheus.MustNewConstMetric(poolCanceled, prometheus.CounterValue, float64(p.Canceled))
+}

@@ -73,6 +73,16 @@ func (s *Store) Observe(m *metrics.Metrics) { s.metrics = m }
 // Pool returns the connection pool.
 func (s *Store) Pool() *pgxpool.Pool { return s.pool }
 
+// PoolStats is what the connection pool tells of itself now, for the metrics
+// (Metrics.DatabasePool).
+func (s *Store) PoolStats() metrics.Pool {
+	st := s.pool.Stat()
+	return metrics.Pool{
+		Acquired: st.AcquiredConns(), Idle: st.IdleConns(), Constructing: st.ConstructingConns(), Max: st.MaxConns(),
+		Acquires: st.AcquireCount(), Waited: st.EmptyAcquireCount(), Canceled: st.CanceledAcquireCount(), Wait: st.EmptyAcquireWaitTime(),
+	}
+}
+
 // CreateKeyParams names the owner and rights of a new key.
 type CreateKeyParams struct {
 	Account string

@@ -97,6 +97,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	}
 	m := metrics.New()
 	st.Observe(m)
+	m.DatabasePool(st.PoolStats)
 	// One router for interactive requests and the drainer alike: what one
 	// learns of a target's health, the other uses. It guards every target
 	// (D11: what an upstream returns is untrusted).
