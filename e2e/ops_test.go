@@ -61,6 +61,7 @@ func TestMetrics(t *testing.T) {
 			`gateway_batch_queue_depth`,
 			`gateway_notifications_listening{listener="keys"} 1`,
 			`gateway_notifications_listening{listener="batches"} 1`,
+			`gateway_db_connections_max 8`,
 			`process_resident_memory_bytes`,
 		} {
 			if !strings.Contains(m, want) {
@@ -73,6 +74,8 @@ func TestMetrics(t *testing.T) {
 	m := g.scrape()
 	require.Positive(t, metricValue(t, m, `gateway_http_request_duration_seconds_sum{method="POST",route="/api/v1/batch"}`), "requests are timed")
 	require.Positive(t, metricValue(t, m, "gateway_batch_claim_duration_seconds_count"), "claims are timed")
+	require.Positive(t, metricValue(t, m, "gateway_db_acquires_total"), "the pool's acquires are counted")
+	require.Positive(t, metricValue(t, m, `gateway_db_connections{state="idle"}`)+metricValue(t, m, `gateway_db_connections{state="acquired"}`), "the pool's connections are counted")
 }
 
 // TestMetricsListenerOff: with GATEWAY_METRICS_LISTEN=off a replica serves
@@ -299,9 +302,9 @@ func TestStopWaitsForSettlementsSentWithTheirUsage(t *testing.T) {
 // error status, a stream broken midway), clients that leave a reply and a
 // stream they wait on, a batch run and one cancelled while it runs, and
 // refusals. After each round, once its calls have ended and the clients'
-// connections are closed, the replica runs no more goroutines than after
-// the first (which started its pools and beats): one left behind by any of
-// them would add one a round.
+// connections are closed, the replica runs no more goroutines and holds no
+// more database connections than after the first (which started its pools
+// and beats): one left behind by any of them would add one a round.
 func TestNothingIsLeftRunningAfterRequests(t *testing.T) {
 	t.Parallel()
 	for _, h2 := range []bool{false, true} {
@@ -359,16 +362,23 @@ func TestNothingIsLeftRunningAfterRequests(t *testing.T) {
 				require.Eventually(t, func() bool { return b.fake.InFlight() == 0 }, 20*time.Second, 10*time.Millisecond, "the calls of the clients that left ended")
 				transport.CloseIdleConnections()
 			}
-			goroutines := func() float64 { return metricValue(t, g.scrape(), "go_goroutines") }
+			// What a round may leave behind: goroutines, and database
+			// connections held (the listeners hold theirs for good).
+			left := func() (goroutines, acquired float64) {
+				scrape := g.scrape()
+				return metricValue(t, scrape, "go_goroutines"), metricValue(t, scrape, `gateway_db_connections{state="acquired"}`)
+			}
 
 			round(0)
 			time.Sleep(time.Second)
-			after := goroutines()
-			require.Positive(t, after)
+			goroutines, acquired := left()
+			require.Positive(t, goroutines)
 			for i := 1; i <= 3; i++ {
 				round(i)
-				require.Eventually(t, func() bool { return goroutines() <= after }, 10*time.Second, 100*time.Millisecond,
-					"round %d left goroutines running (%v after the first)", i, after)
+				require.Eventually(t, func() bool {
+					g, a := left()
+					return g <= goroutines && a <= acquired
+				}, 10*time.Second, 100*time.Millisecond, "round %d left goroutines running or connections held (%v and %v after the first)", i, goroutines, acquired)
 			}
 		})
 	}

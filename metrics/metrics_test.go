@@ -108,6 +108,36 @@ func TestStatesAreExportedAsSet(t *testing.T) {
 	require.Equal(t, float64(notAfter.Unix()), samples()["gateway_tls_certificate_expiry_timestamp_seconds"], "a renewal shows at the next scrape")
 }
 
+// TestTheDatabasePoolIsReadAtEachScrape: the pool's connections by state,
+// its bound and its acquires are what the pool says at the scrape.
+func TestTheDatabasePoolIsReadAtEachScrape(t *testing.T) {
+	t.Parallel()
+	m := metrics.New()
+	pool := metrics.Pool{Acquired: 3, Idle: 4, Constructing: 1, Max: 8, Acquires: 1000, Waited: 7, Canceled: 2, Wait: 1500 * time.Millisecond}
+	m.DatabasePool(func() metrics.Pool { return pool })
+	want := map[string]float64{
+		`gateway_db_connections{state="acquired"}`:     3,
+		`gateway_db_connections{state="idle"}`:         4,
+		`gateway_db_connections{state="constructing"}`: 1,
+		`gateway_db_connections_max`:                   8,
+		`gateway_db_acquires_total`:                    1000,
+		`gateway_db_acquires_waited_total`:             7,
+		`gateway_db_acquire_wait_seconds_total`:        1.5,
+		`gateway_db_acquires_canceled_total`:           2,
+	}
+	check := func() {
+		t.Helper()
+		samples := metricstest.Samples(t, m)
+		for name, v := range want {
+			require.Equal(t, v, samples[name], name)
+		}
+	}
+	check()
+	pool.Acquired, pool.Acquires = 0, 1001
+	want[`gateway_db_connections{state="acquired"}`], want[`gateway_db_acquires_total`] = 0, 1001
+	check()
+}
+
 // TestEveryAttemptAndJobIsCounted: an attempt whose kind is outside the
 // fixed set counts as other, not as ok nor not at all; a maintenance job's
 // series are there at zero before its first run.
