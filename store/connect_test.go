@@ -202,6 +202,48 @@ func TestThePoolsBoundsKeepTheURLs(t *testing.T) {
 	require.Equal(t, int32(3), cfg.MaxConns)
 }
 
+// TestPoolStatsSayWhatThePoolHolds: the pool's figures for the metrics are
+// its own: a connection held is acquired, then idle once given back; its
+// bound; its acquires, one that waited while none was free, and two given
+// up.
+func TestPoolStatsSayWhatThePoolHolds(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	st := store.New(b.poolWith(t, func(cfg *pgxpool.Config) { cfg.MaxConns = 1 }))
+	conn, err := st.Pool().Acquire(b.ctx)
+	require.NoError(t, err)
+	held := st.PoolStats()
+	require.Equal(t, int32(1), held.Acquired)
+	require.Equal(t, int32(0), held.Idle)
+	require.Equal(t, int32(1), held.Max)
+
+	for range 2 {
+		ctx, cancel := context.WithTimeout(b.ctx, 50*time.Millisecond)
+		_, err = st.Pool().Acquire(ctx)
+		cancel()
+		require.ErrorIs(t, err, context.DeadlineExceeded, "none was free")
+	}
+	waited := make(chan error, 1)
+	go func() {
+		c, err := st.Pool().Acquire(b.ctx)
+		if err == nil {
+			c.Release()
+		}
+		waited <- err
+	}()
+	time.Sleep(20 * time.Millisecond)
+	conn.Release()
+	require.NoError(t, <-waited)
+
+	after := st.PoolStats()
+	require.Equal(t, int32(0), after.Acquired)
+	require.Equal(t, int32(1), after.Idle)
+	require.Equal(t, held.Acquires+1, after.Acquires, "the one that waited")
+	require.Equal(t, held.Waited+1, after.Waited)
+	require.Positive(t, after.Wait)
+	require.Equal(t, held.Canceled+2, after.Canceled)
+}
+
 // TestTheServerClosesASessionTheNetworkLost loses the network to a client
 // (every packet the server sends it dropped, probes included) while its
 // session waits for its next statement, and while the server sends it a
