@@ -204,8 +204,8 @@ func TestThePoolsBoundsKeepTheURLs(t *testing.T) {
 
 // TestPoolStatsSayWhatThePoolHolds: the pool's figures for the metrics are
 // its own: a connection held is acquired, then idle once given back; its
-// bound; its acquires, one that waited while none was free, and two given
-// up.
+// bound; its acquires, one that waited while none was free, one at once,
+// and two given up.
 func TestPoolStatsSayWhatThePoolHolds(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
@@ -234,11 +234,14 @@ func TestPoolStatsSayWhatThePoolHolds(t *testing.T) {
 	time.Sleep(20 * time.Millisecond)
 	conn.Release()
 	require.NoError(t, <-waited)
+	conn, err = st.Pool().Acquire(b.ctx) // at once: one is idle
+	require.NoError(t, err)
+	conn.Release()
 
 	after := st.PoolStats()
 	require.Equal(t, int32(0), after.Acquired)
 	require.Equal(t, int32(1), after.Idle)
-	require.Equal(t, held.Acquires+1, after.Acquires, "the one that waited")
+	require.Equal(t, held.Acquires+2, after.Acquires, "the one that waited, the one at once")
 	require.Equal(t, held.Waited+1, after.Waited)
 	require.Positive(t, after.Wait)
 	require.Equal(t, held.Canceled+2, after.Canceled)
