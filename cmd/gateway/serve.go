@@ -233,7 +233,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	}, m), logger)
 	hurried := stopsignal.Hurried(ctx)
 	drain := drainer.New(drainer.Config{
-		Owner: owner, Concurrency: cfg.DrainConcurrency, Lease: cfg.Lease, Grace: cfg.ShutdownGrace, Hurried: hurried,
+		Owner: owner, Concurrency: cfg.DrainConcurrency, Lease: cfg.Lease, Grace: cfg.ShutdownGrace, Hurried: hurried.Done(),
 		EvidenceRetention: cfg.EvidenceRetention, Health: router, Metrics: m,
 	}, st, router, estimator, logger)
 	drained := make(chan struct{})
@@ -253,15 +253,8 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	case <-ctx.Done():
 	}
 
-	stopped := make(chan struct{})
-	defer close(stopped)
-	go func() {
-		select {
-		case <-hurried:
-			logger.Warn("asked again to stop: the grace period ends now")
-		case <-stopped:
-		}
-	}()
+	stopLog := context.AfterFunc(hurried, func() { logger.Warn("asked again to stop: the grace period ends now") })
+	defer stopLog()
 	shutdown(cfg, srv, servers, hurried, logger)
 	// Settlements sent again after their replies went out get the final
 	// window too, while the ledger still commits.
@@ -293,20 +286,13 @@ const finalWindow = 5 * time.Second
 // answers 503 at once and, for the drain delay (within the grace), the listener
 // still accepts, so load balancers stop sending work first; then the listener
 // closes and requests in flight may finish until the grace ends, or until
-// hurried is closed (the process asked to stop again). Calls still running
+// hurried does (the process asked to stop again). Calls still running
 // then are cut (server.Abort): JSON requests get INFERENCE_BUSY and streams
 // response.error then response.completed with what was billed.
-func shutdown(cfg config.Config, srv *server.Server, servers []*http.Server, hurried <-chan struct{}, logger *slog.Logger) {
+func shutdown(cfg config.Config, srv *server.Server, servers []*http.Server, hurried context.Context, logger *slog.Logger) {
 	logger.Info("shutting down", "grace", cfg.ShutdownGrace.String(), "drain_delay", cfg.DrainDelay.String())
-	graceCtx, cancel := context.WithTimeout(context.Background(), cfg.ShutdownGrace)
+	graceCtx, cancel := context.WithTimeout(hurried, cfg.ShutdownGrace)
 	defer cancel()
-	go func() {
-		select {
-		case <-hurried:
-			cancel()
-		case <-graceCtx.Done():
-		}
-	}()
 	srv.Drain()
 	select {
 	case <-time.After(min(cfg.DrainDelay, cfg.ShutdownGrace/2)):

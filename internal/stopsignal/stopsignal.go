@@ -12,7 +12,7 @@ import (
 	"syscall"
 )
 
-// hurriedKey is the context key of the channel Hurried returns.
+// hurriedKey is the context key of the context Hurried returns.
 type hurriedKey struct{}
 
 // Notify returns a context, derived from parent, that ends at the process's
@@ -21,11 +21,11 @@ type hurriedKey struct{}
 func Notify(parent context.Context) (ctx context.Context, release func()) {
 	signals := make(chan os.Signal, 2)
 	signal.Notify(signals, os.Interrupt, syscall.SIGTERM)
-	hurried := make(chan struct{})
-	ctx, cancel := context.WithCancel(context.WithValue(parent, hurriedKey{}, (<-chan struct{})(hurried)))
+	hurried, hurry := context.WithCancel(context.WithoutCancel(parent))
+	ctx, cancel := context.WithCancel(context.WithValue(parent, hurriedKey{}, hurried))
 	released := make(chan struct{})
 	go func() {
-		for _, asked := range []func(){cancel, func() { close(hurried) }} {
+		for _, asked := range []context.CancelFunc{cancel, hurry} {
 			select {
 			case <-signals:
 				asked()
@@ -44,10 +44,13 @@ func Notify(parent context.Context) (ctx context.Context, release func()) {
 	}
 }
 
-// Hurried returns a channel closed once the process has been asked to stop a
-// second time, or nil (never closed) when ctx does not come from Notify. The
-// channel outlives ctx's end, as what is derived from ctx does.
-func Hurried(ctx context.Context) <-chan struct{} {
-	hurried, _ := ctx.Value(hurriedKey{}).(<-chan struct{})
-	return hurried
+// Hurried returns a context that ends once the process has been asked to
+// stop a second time; for a ctx that does not come from Notify, one that
+// never ends. It outlives ctx's end, as what is derived from ctx does: a
+// stop's grace derived from it ends at the second signal.
+func Hurried(ctx context.Context) context.Context {
+	if hurried, ok := ctx.Value(hurriedKey{}).(context.Context); ok {
+		return hurried
+	}
+	return context.Background()
 }

@@ -15,7 +15,7 @@ import (
 )
 
 // TestTheSecondSignalHurries: the first interrupt or termination ends the
-// context, the second closes Hurried, also on a context derived from it.
+// context, the second ends Hurried's, also for a context derived from it.
 // Not parallel: the signals it sends are the whole test process's (the
 // parallel tests wait until it has ended).
 func TestTheSecondSignalHurries(t *testing.T) {
@@ -24,7 +24,7 @@ func TestTheSecondSignalHurries(t *testing.T) {
 			ctx, release := stopsignal.Notify(context.Background())
 			defer release()
 			derived := context.WithoutCancel(ctx)
-			hurried := stopsignal.Hurried(derived)
+			hurried := stopsignal.Hurried(derived).Done()
 			require.NotNil(t, hurried)
 			require.NoError(t, ctx.Err())
 
@@ -55,7 +55,7 @@ func TestReleaseEndsTheContext(t *testing.T) {
 	require.ErrorIs(t, ctx.Err(), context.Canceled)
 	release()
 	select {
-	case <-stopsignal.Hurried(ctx):
+	case <-stopsignal.Hurried(ctx).Done():
 		t.Fatal("hurried by the release")
 	default:
 	}
@@ -65,5 +65,5 @@ func TestReleaseEndsTheContext(t *testing.T) {
 // hurried.
 func TestHurriedOfAnotherContextIsNever(t *testing.T) {
 	t.Parallel()
-	require.Nil(t, stopsignal.Hurried(context.Background()))
+	require.Nil(t, stopsignal.Hurried(context.Background()).Done())
 }
