@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway/gen/api"
@@ -25,6 +26,19 @@ import (
 func (g *gateway) scrape() string {
 	g.t.Helper()
 	resp, err := http.Get(g.metrics + "/metrics")
+	require.NoError(g.t, err)
+	defer resp.Body.Close()
+	require.Equal(g.t, http.StatusOK, resp.StatusCode)
+	raw, err := io.ReadAll(resp.Body)
+	require.NoError(g.t, err)
+	return string(raw)
+}
+
+// goroutineProfile is the replica's goroutines, counted by stack, from the
+// metrics listener's /debug/pprof/ (GATEWAY_PPROF).
+func (g *gateway) goroutineProfile() string {
+	g.t.Helper()
+	resp, err := http.Get(g.metrics + "/debug/pprof/goroutine?debug=1")
 	require.NoError(g.t, err)
 	defer resp.Body.Close()
 	require.Equal(g.t, http.StatusOK, resp.StatusCode)
@@ -304,14 +318,16 @@ func TestStopWaitsForSettlementsSentWithTheirUsage(t *testing.T) {
 // refusals. After each round, once its calls have ended and the clients'
 // connections are closed, the replica runs no more goroutines and holds no
 // more database connections than after the first (which started its pools
-// and beats): one left behind by any of them would add one a round.
+// and beats): one left behind by any of them would add one a round. A
+// failure shows the replica's goroutines by stack after the first round and
+// then (its /debug/pprof/, GATEWAY_PPROF), to tell which were left.
 func TestNothingIsLeftRunningAfterRequests(t *testing.T) {
 	t.Parallel()
 	for _, h2 := range []bool{false, true} {
 		t.Run(fmt.Sprintf("HTTP/2=%v", h2), func(t *testing.T) {
 			t.Parallel()
 			b := setup(t)
-			g := serve(t, b.db, b.fake.BaseURL(), map[string]string{"GATEWAY_H2C": strconv.FormatBool(h2), "GATEWAY_DRAIN_CONCURRENCY": "2"})
+			g := serve(t, b.db, b.fake.BaseURL(), map[string]string{"GATEWAY_H2C": strconv.FormatBool(h2), "GATEWAY_DRAIN_CONCURRENCY": "2", "GATEWAY_PPROF": "true"})
 			transport := &http.Transport{Protocols: new(http.Protocols)}
 			transport.Protocols.SetHTTP1(!h2)
 			transport.Protocols.SetUnencryptedHTTP2(h2)
@@ -373,12 +389,18 @@ func TestNothingIsLeftRunningAfterRequests(t *testing.T) {
 			time.Sleep(time.Second)
 			goroutines, acquired := left()
 			require.Positive(t, goroutines)
+			first := g.goroutineProfile()
 			for i := 1; i <= 3; i++ {
 				round(i)
-				require.Eventually(t, func() bool {
+				if !assert.Eventually(t, func() bool {
+					transport.CloseIdleConnections() // any that went idle since the round's end
 					g, a := left()
 					return g <= goroutines && a <= acquired
-				}, 10*time.Second, 100*time.Millisecond, "round %d left goroutines running or connections held (%v and %v after the first)", i, goroutines, acquired)
+				}, 30*time.Second, 100*time.Millisecond) {
+					nowG, nowA := left()
+					t.Fatalf("round %d left goroutines running or connections held: %v and %v, %v and %v after the first\nafter the first:\n%s\nnow:\n%s",
+						i, nowG, nowA, goroutines, acquired, first, g.goroutineProfile())
+				}
 			}
 		})
 	}
