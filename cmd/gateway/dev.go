@@ -21,7 +21,7 @@ import (
 	"github.com/rungworks/gateway/store"
 )
 
-func devCmd(logger *slog.Logger) *cobra.Command {
+func devCmd(logger *slog.Logger, logLinesLost func() uint64) *cobra.Command {
 	var dataDir string
 	var pgPort int
 	cmd := &cobra.Command{
@@ -101,7 +101,7 @@ terminal (SIGHUP) stops it as Ctrl-C does.`,
 			if err != nil {
 				return err
 			}
-			return serve(ctx, cfg, st, logger, func(addr string) {
+			return serve(ctx, cfg, st, logger, logLinesLost, func(addr string) {
 				printWelcome(cmd.OutOrStdout(), cfg.TLSCert != "", addr, key, cfg.UpstreamName(), cfg.DatabaseURL)
 			})
 		},

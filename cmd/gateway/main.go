@@ -13,6 +13,7 @@ import (
 
 	"github.com/rungworks/gateway/internal/logbuffer"
 	"github.com/rungworks/gateway/internal/logsample"
+	"github.com/rungworks/gateway/internal/lostlines"
 	"github.com/rungworks/gateway/internal/stopsignal"
 )
 
@@ -21,12 +22,15 @@ func main() {
 	defer release()
 	// Warnings and errors alike are sampled (a few and a count each window),
 	// so that an outage does not write one line a request.
-	logs := logsample.New(slog.NewJSONHandler(os.Stderr, nil))
+	// Lines that cannot be written (the reader of standard error gone) are
+	// counted, and a serving replica exports the count.
+	stderr := lostlines.New(os.Stderr)
+	logs := logsample.New(slog.NewJSONHandler(stderr, nil))
 	logger := slog.New(logs)
 	slog.SetDefault(logger)
 	// A serving replica's lines (one a request) go out in groups; the other
 	// commands write theirs at once, in order with what they print.
-	serveBuffer := logbuffer.New(os.Stderr, logbuffer.DefaultDelay)
+	serveBuffer := logbuffer.New(stderr, logbuffer.DefaultDelay)
 	serveLogs := logsample.New(slog.NewJSONHandler(serveBuffer, nil))
 
 	root := &cobra.Command{
@@ -35,7 +39,7 @@ func main() {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(serveCmd(slog.New(serveLogs)), devCmd(logger), migrateCmd(), keysCmd(), limitsCmd(), batchesCmd(), usageCmd(), probeCmd(), configCmd())
+	root.AddCommand(serveCmd(slog.New(serveLogs), stderr.Lost), devCmd(logger, stderr.Lost), migrateCmd(), keysCmd(), limitsCmd(), batchesCmd(), usageCmd(), probeCmd(), configCmd())
 	err := root.ExecuteContext(ctx)
 	logs.Flush()
 	serveLogs.Flush()

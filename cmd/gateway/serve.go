@@ -39,13 +39,18 @@ import (
 	"github.com/rungworks/gateway/tracing"
 )
 
-func serveCmd(logger *slog.Logger) *cobra.Command {
+func serveCmd(logger *slog.Logger, logLinesLost func() uint64) *cobra.Command {
 	return &cobra.Command{
 		Use:   "serve",
 		Short: "Run the HTTP server (applies pending migrations first, under a lock)",
 		Long:  "Serves the API and drains batches; applies pending migrations first, under a PostgreSQL advisory lock. Reads DATABASE_URL (required) and the GATEWAY_* variables (see the README). SIGTERM or SIGINT stops it after the work in flight, within GATEWAY_SHUTDOWN_GRACE; a second one cuts that work short.",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
+			// A replica whose log reader goes away (a broken pipe) goes on
+			// serving, and counts the lines it loses
+			// (gateway_log_lines_lost_total), instead of being killed at its
+			// next line with the work in flight.
+			signal.Ignore(syscall.SIGPIPE)
 			cfg, err := config.Load()
 			if err != nil {
 				return err
@@ -61,7 +66,7 @@ func serveCmd(logger *slog.Logger) *cobra.Command {
 				return err
 			}
 			defer st.Pool().Close()
-			return serve(cmd.Context(), cfg, st, logger, nil)
+			return serve(cmd.Context(), cfg, st, logger, logLinesLost, nil)
 		},
 	}
 }
@@ -80,13 +85,14 @@ func openStore(ctx context.Context, cfg config.Config, name string) (*store.Stor
 	return store.New(pool), nil
 }
 
-// serve wires the gateway and serves until ctx ends; ready, when set, is called
-// with the listening address once requests are accepted. On shutdown it stops
+// serve wires the gateway and serves until ctx ends; its metrics export
+// logLinesLost, the count of log lines it could not write; ready, when set,
+// is called with the listening address once requests are accepted. On shutdown it stops
 // being ready, stops accepting and claiming, hands back the batch items it
 // has not started, lets requests, streams and batch items in flight finish
 // within the grace period, fails INTERRUPTED the items cut after dispatch
 // (those cut before go back), and returns.
-func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog.Logger, ready func(addr string)) error {
+func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog.Logger, logLinesLost func() uint64, ready func(addr string)) error {
 	tok, err := metering.DefaultTokenizer()
 	if err != nil {
 		return err
@@ -98,6 +104,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	m := metrics.New()
 	st.Observe(m)
 	m.DatabasePool(st.PoolStats)
+	m.LogLinesLost(logLinesLost)
 	// One router for interactive requests and the drainer alike: what one
 	// learns of a target's health, the other uses. It guards every target
 	// (D11: what an upstream returns is untrusted).
