@@ -112,7 +112,10 @@ type gateway struct {
 	metrics string // base URL of the metrics listener
 	stderr  *syncbuf.Buffer
 	stdout  *syncbuf.Buffer
-	done    chan error
+	// logReader is the reading end of the pipe of standard error, when
+	// started piped.
+	logReader *os.File
+	done      chan error
 	// client sends call's requests; nil is http.DefaultClient.
 	client *http.Client
 }
@@ -124,8 +127,15 @@ type gateway struct {
 // (another test's gateway could answer on that port meanwhile).
 func start(t *testing.T, env map[string]string, args ...string) *gateway {
 	t.Helper()
+	return startPiped(t, false, env, args...)
+}
+
+// startPiped is start, with the process's standard error on a pipe whose
+// reading end, logReader, the test may close when piped.
+func startPiped(t *testing.T, piped bool, env map[string]string, args ...string) *gateway {
+	t.Helper()
 	for attempt := 1; ; attempt++ {
-		g, err := startOnce(t, env, args...)
+		g, err := startOnce(t, piped, env, args...)
 		if err == nil {
 			return g
 		}
@@ -135,7 +145,7 @@ func start(t *testing.T, env map[string]string, args ...string) *gateway {
 	}
 }
 
-func startOnce(t *testing.T, env map[string]string, args ...string) (*gateway, error) {
+func startOnce(t *testing.T, piped bool, env map[string]string, args ...string) (*gateway, error) {
 	t.Helper()
 	port, metricsPort := freePort(t), freePort(t)
 	env["GATEWAY_LISTEN"] = fmt.Sprintf("127.0.0.1:%d", port)
@@ -160,7 +170,19 @@ func startOnce(t *testing.T, env map[string]string, args ...string) (*gateway, e
 		stderr: &syncbuf.Buffer{}, stdout: &syncbuf.Buffer{}, done: make(chan error, 1),
 	}
 	cmd.Stdout, cmd.Stderr = g.stdout, g.stderr
+	var logWriter *os.File
+	if piped {
+		var err error
+		g.logReader, logWriter, err = os.Pipe()
+		require.NoError(t, err)
+		t.Cleanup(func() { g.logReader.Close() })
+		cmd.Stderr = logWriter
+		go func() { _, _ = io.Copy(g.stderr, g.logReader) }() // until the process or the test closes its end
+	}
 	require.NoError(t, cmd.Start())
+	if logWriter != nil {
+		require.NoError(t, logWriter.Close()) // the process has its own
+	}
 	go func() { g.done <- cmd.Wait() }()
 	t.Cleanup(func() {
 		_ = g.stop()

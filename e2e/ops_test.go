@@ -406,6 +406,34 @@ func TestNothingIsLeftRunningAfterRequests(t *testing.T) {
 	}
 }
 
+// TestAReplicaWhoseLogReaderLeftServesOn: a replica whose standard error's
+// reader goes away (a log shipper restarted: a broken pipe) serves on,
+// replies, streams and batches, counts the lines it loses in its metrics,
+// and stops as asked, instead of being killed by SIGPIPE at its next line.
+func TestAReplicaWhoseLogReaderLeftServesOn(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	g := startPiped(t, true, map[string]string{"DATABASE_URL": b.db, "GATEWAY_UPSTREAM": b.fake.BaseURL()}, "serve")
+	respond := func(prompt string) int {
+		return g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": prompt}).status
+	}
+	require.Equal(t, http.StatusOK, respond("heard"))
+	require.Zero(t, metricValue(t, g.scrape(), "gateway_log_lines_lost_total"))
+
+	require.NoError(t, g.logReader.Close())
+	lost := 0.0
+	for i := 0; lost == 0 && i < 500; i++ {
+		require.Equal(t, http.StatusOK, respond("unheard"), "each request logs a line")
+		time.Sleep(20 * time.Millisecond) // the lines of a few milliseconds go out together
+		lost = metricValue(t, g.scrape(), "gateway_log_lines_lost_total")
+	}
+	require.Positive(t, lost, "the lines written once the reader left are counted lost")
+	_, stream := g.stream(b.key, map[string]any{"prompt": "streamed unheard"})
+	require.Equal(t, "response.completed", stream.Events[len(stream.Events)-1].Name)
+	require.Equal(t, api.BatchStatusCompleted, g.waitTerminal(b.key, g.createBatch(b.key, prompts("batched unheard", 3)).Id.String(), 30*time.Second).Status)
+	require.NoError(t, g.stop(), "it stops as asked, on SIGTERM, not killed")
+}
+
 // responsesRequest is a POST of body to g's responses route with key, bound
 // to ctx.
 func responsesRequest(t *testing.T, ctx context.Context, g *gateway, key, body string) *http.Request {

@@ -138,6 +138,16 @@ func TestTheDatabasePoolIsReadAtEachScrape(t *testing.T) {
 	check()
 }
 
+func TestLostLogLinesAreReadAtEachScrape(t *testing.T) {
+	t.Parallel()
+	m := metrics.New()
+	var lost uint64 = 3
+	m.LogLinesLost(func() uint64 { return lost })
+	require.Equal(t, 3.0, metricstest.Samples(t, m)["gateway_log_lines_lost_total"])
+	lost = 5
+	require.Equal(t, 5.0, metricstest.Samples(t, m)["gateway_log_lines_lost_total"])
+}
+
 // TestEveryAttemptAndJobIsCounted: an attempt whose kind is outside the
 // fixed set counts as other, not as ok nor not at all; a maintenance job's
 // series are there at zero before its first run.
@@ -186,9 +196,11 @@ func TestAlertRulesSelectExportedSeries(t *testing.T) {
 	m.Request("/api/v1/responses", "POST", 200, time.Millisecond)
 	m.GroupCommit(metrics.WorkSettlement, 1, time.Millisecond)
 	m.Target("openai", "gpt-4.1-mini").Circuit(0)
-	// As maintenance.Jobs does for each job, and a replica serving TLS.
+	// As maintenance.Jobs does for each job, a replica serving TLS, and
+	// every serving replica.
 	m.MaintenanceJob("fold old usage")
 	m.TLSCertificate(func() time.Time { return time.Now().Add(time.Hour) })
+	m.LogLinesLost(func() uint64 { return 0 })
 
 	labels := map[string]map[string]bool{} // series name → its label names
 	sample := regexp.MustCompile(`^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? `)
@@ -245,5 +257,5 @@ func TestAlertRulesSelectExportedSeries(t *testing.T) {
 			}
 		}
 	}
-	require.Equal(t, 17, rules)
+	require.Equal(t, 18, rules)
 }
