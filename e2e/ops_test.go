@@ -23,22 +23,24 @@ import (
 	"github.com/rungworks/gateway/internal/testdb"
 )
 
+// scrape is the replica's metrics.
 func (g *gateway) scrape() string {
 	g.t.Helper()
-	resp, err := http.Get(g.metrics + "/metrics")
-	require.NoError(g.t, err)
-	defer resp.Body.Close()
-	require.Equal(g.t, http.StatusOK, resp.StatusCode)
-	raw, err := io.ReadAll(resp.Body)
-	require.NoError(g.t, err)
-	return string(raw)
+	return g.getMetricsListener("/metrics")
 }
 
 // goroutineProfile is the replica's goroutines, counted by stack, from the
 // metrics listener's /debug/pprof/ (GATEWAY_PPROF).
 func (g *gateway) goroutineProfile() string {
 	g.t.Helper()
-	resp, err := http.Get(g.metrics + "/debug/pprof/goroutine?debug=1")
+	return g.getMetricsListener("/debug/pprof/goroutine?debug=1")
+}
+
+// getMetricsListener is the body of a 200 to a GET of path on the replica's
+// metrics listener.
+func (g *gateway) getMetricsListener(path string) string {
+	g.t.Helper()
+	resp, err := http.Get(g.metrics + path)
 	require.NoError(g.t, err)
 	defer resp.Body.Close()
 	require.Equal(g.t, http.StatusOK, resp.StatusCode)
