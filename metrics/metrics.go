@@ -587,15 +587,15 @@ func (m *Metrics) DatabasePool(stat func() Pool) {
 
 // LogLinesLost exports lost, read at each scrape, as
 // gateway_log_lines_lost_total: the log lines this replica could not write
-// (its log reader gone, a broken pipe), while it went on serving. Called
-// once, by a serving replica.
+// (its log reader gone, a broken pipe) or dropped (its log reader stalled),
+// while it went on serving. Called once, by a serving replica.
 func (m *Metrics) LogLinesLost(lost func() uint64) {
 	if m == nil {
 		return
 	}
 	m.registry.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{
 		Name: "gateway_log_lines_lost_total",
-		Help: "Log lines this replica could not write (its standard error's reader gone), while it went on serving.",
+		Help: "Log lines this replica could not write or dropped (its standard error's reader gone or stalled), while it went on serving.",
 	}, func() float64 { return float64(lost()) }))
 }
 

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
+	"time"
 
 	"github.com/spf13/cobra"
 
@@ -17,14 +18,18 @@ import (
 	"github.com/rungworks/gateway/internal/stopsignal"
 )
 
+// logCloseWait is how long the process waits at its exit for a stalled
+// standard error to take the lines that wait.
+const logCloseWait = 5 * time.Second
+
 func main() {
 	ctx, release := stopsignal.Notify(context.Background())
 	defer release()
-	// Warnings and errors alike are sampled (a few and a count each window),
-	// so that an outage does not write one line a request.
 	// Lines that cannot be written (the reader of standard error gone) are
 	// counted, and a serving replica exports the count.
 	stderr := lostlines.New(os.Stderr)
+	// Warnings and errors alike are sampled (a few and a count each window),
+	// so that an outage does not write one line a request.
 	logs := logsample.New(slog.NewJSONHandler(stderr, nil))
 	logger := slog.New(logs)
 	slog.SetDefault(logger)
@@ -32,6 +37,8 @@ func main() {
 	// commands write theirs at once, in order with what they print.
 	serveBuffer := logbuffer.New(stderr, logbuffer.DefaultDelay)
 	serveLogs := logsample.New(slog.NewJSONHandler(serveBuffer, nil))
+	// Lost: those whose write failed, and those dropped while stderr blocked.
+	logLinesLost := func() uint64 { return stderr.Lost() + serveBuffer.Dropped() }
 
 	root := &cobra.Command{
 		Use:           "gateway",
@@ -39,11 +46,11 @@ func main() {
 		SilenceUsage:  true,
 		SilenceErrors: true,
 	}
-	root.AddCommand(serveCmd(slog.New(serveLogs), stderr.Lost), devCmd(logger, stderr.Lost), migrateCmd(), keysCmd(), limitsCmd(), batchesCmd(), usageCmd(), probeCmd(), configCmd())
+	root.AddCommand(serveCmd(slog.New(serveLogs), logLinesLost), devCmd(logger, logLinesLost), migrateCmd(), keysCmd(), limitsCmd(), batchesCmd(), usageCmd(), probeCmd(), configCmd())
 	err := root.ExecuteContext(ctx)
 	logs.Flush()
 	serveLogs.Flush()
-	_ = serveBuffer.Flush()
+	_ = serveBuffer.Close(logCloseWait)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "gateway:", err)
 		os.Exit(1)
