@@ -17,6 +17,8 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -113,8 +115,9 @@ type gateway struct {
 	stderr  *syncbuf.Buffer
 	stdout  *syncbuf.Buffer
 	// logReader is the reading end of the pipe of standard error, when
-	// started piped.
+	// started piped; while logsHeld is set, it is not read (holdLogs).
 	logReader *os.File
+	logsHeld  atomic.Pointer[chan struct{}]
 	done      chan error
 	// client sends call's requests; nil is http.DefaultClient.
 	client *http.Client
@@ -177,7 +180,7 @@ func startOnce(t *testing.T, piped bool, env map[string]string, args ...string) 
 		require.NoError(t, err)
 		t.Cleanup(func() { g.logReader.Close() })
 		cmd.Stderr = logWriter
-		go func() { _, _ = io.Copy(g.stderr, g.logReader) }() // until the process or the test closes its end
+		go g.readLogs()
 	}
 	require.NoError(t, cmd.Start())
 	if logWriter != nil {
@@ -214,6 +217,34 @@ func startOnce(t *testing.T, piped bool, env map[string]string, args ...string) 
 			return g, fmt.Errorf("gateway did not serve within 60s")
 		}
 	}
+}
+
+// readLogs copies what the process writes to its piped standard error into
+// g.stderr, until the process or the test closes the pipe, and waits while
+// the test holds the logs: the pipe then fills, as when a log reader stalls.
+func (g *gateway) readLogs() {
+	buf := make([]byte, 32<<10)
+	for {
+		if held := g.logsHeld.Load(); held != nil {
+			<-*held
+		}
+		n, err := g.logReader.Read(buf)
+		_, _ = g.stderr.Write(buf[:n])
+		if err != nil {
+			return
+		}
+	}
+}
+
+// holdLogs stops the reads of the piped standard error (after the one under
+// way) until release.
+func (g *gateway) holdLogs() (release func()) {
+	held := make(chan struct{})
+	g.logsHeld.Store(&held)
+	return sync.OnceFunc(func() {
+		g.logsHeld.Store(nil)
+		close(held)
+	})
 }
 
 // listening reports whether the gateway has logged that it listens on port.

@@ -436,6 +436,38 @@ func TestAReplicaWhoseLogReaderLeftServesOn(t *testing.T) {
 	require.NoError(t, g.stop(), "it stops as asked, on SIGTERM, not killed")
 }
 
+// TestAReplicaWhoseLogReaderStallsServesOn: a replica whose standard error's
+// reader stops reading (a log shipper stuck: its pipe full) serves on,
+// keeping the lines meanwhile, which go out once the reader reads again; and
+// one asked to stop while its reader is stalled exits without them.
+func TestAReplicaWhoseLogReaderStallsServesOn(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	g := startPiped(t, true, map[string]string{"DATABASE_URL": b.db, "GATEWAY_UPSTREAM": b.fake.BaseURL()}, "serve")
+	g.client = &http.Client{Timeout: time.Minute} // a request held up by the stalled log fails
+	accessLines := func() int { return strings.Count(g.stderr.String(), `"route":"/api/v1/responses"`) }
+	const stalled = 200 // access lines of some 450 bytes each: past the 64 KiB a pipe holds
+	serve := func(round string) {
+		for i := range stalled {
+			require.Equal(t, http.StatusOK, g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": fmt.Sprint(round, i)}).status)
+		}
+	}
+
+	release := g.holdLogs()
+	defer release()
+	serve("stalled ")
+	require.Less(t, accessLines(), stalled, "the reader held, the pipe filled")
+	release()
+	require.Eventually(t, func() bool { return accessLines() == stalled }, 10*time.Second, 20*time.Millisecond,
+		"the lines kept went out once the reader read again")
+	require.Zero(t, metricValue(t, g.scrape(), "gateway_log_lines_lost_total"))
+
+	release = g.holdLogs()
+	defer release()
+	serve("stalled again ")
+	require.NoError(t, g.stop(), "asked to stop, it exits, its stalled lines given up")
+}
+
 // responsesRequest is a POST of body to g's responses route with key, bound
 // to ctx.
 func responsesRequest(t *testing.T, ctx context.Context, g *gateway, key, body string) *http.Request {

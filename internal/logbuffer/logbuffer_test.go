@@ -75,9 +75,87 @@ func TestAFullBufferGoesOutAtOnce(t *testing.T) {
 		_, err := w.Write(line)
 		require.NoError(t, err)
 	}
-	writes := out.all()
-	require.Len(t, writes, 1, "the line that filled the buffer wrote it")
-	require.Len(t, writes[0], maxBuffered)
+	require.Eventually(t, func() bool { return len(out.all()) == 1 }, 10*time.Second, time.Millisecond,
+		"the line that filled the buffer sent it out, without its delay (an hour)")
+	require.Len(t, out.all()[0], maxBuffered)
+}
+
+// stalled is an output whose writes wait until it is opened, as a pipe's do
+// once its reader stops reading.
+type stalled struct {
+	recorder
+	entered chan struct{} // a write has begun
+	open    chan struct{}
+}
+
+func newStalled() *stalled {
+	return &stalled{entered: make(chan struct{}, 1), open: make(chan struct{})}
+}
+
+func (s *stalled) Write(p []byte) (int, error) {
+	select {
+	case s.entered <- struct{}{}:
+	default:
+	}
+	<-s.open
+	return s.recorder.Write(p)
+}
+
+// TestAStalledOutputHoldsUpNoWriter: while the output blocks, writes return
+// at once; past the limit, lines are dropped and counted; once it takes
+// writes again, the lines kept go out in their order.
+func TestAStalledOutputHoldsUpNoWriter(t *testing.T) {
+	t.Parallel()
+	out := newStalled()
+	w := New(out, time.Millisecond)
+	w.limit = 100
+	_, err := w.Write([]byte("first\n"))
+	require.NoError(t, err)
+	<-out.entered // the first line's write blocks
+	wrote := make(chan struct{})
+	go func() {
+		defer close(wrote)
+		for i := range 30 {
+			_, _ = fmt.Fprintf(w, "line %02d\n", i) // 8 bytes: 12 fit the limit
+		}
+	}()
+	select {
+	case <-wrote:
+	case <-time.After(time.Minute):
+		t.Fatal("a write waited for the stalled output")
+	}
+	require.EqualValues(t, 18, w.Dropped())
+	close(out.open)
+	require.NoError(t, w.Flush())
+	var want strings.Builder
+	want.WriteString("first\n")
+	for i := range 12 {
+		fmt.Fprintf(&want, "line %02d\n", i)
+	}
+	require.Equal(t, want.String(), strings.Join(out.all(), ""))
+}
+
+func TestCloseWritesWhatWaits(t *testing.T) {
+	t.Parallel()
+	out := &recorder{}
+	w := New(out, time.Hour)
+	_, err := w.Write([]byte("last\n"))
+	require.NoError(t, err)
+	require.NoError(t, w.Close(time.Minute))
+	require.Equal(t, []string{"last\n"}, out.all())
+}
+
+// TestCloseGivesUpOnAStalledOutput: a process whose log reader stalled exits,
+// after Close's wait, without the lines that waited.
+func TestCloseGivesUpOnAStalledOutput(t *testing.T) {
+	t.Parallel()
+	out := newStalled()
+	defer close(out.open)
+	w := New(out, time.Hour)
+	_, err := w.Write([]byte("never read\n"))
+	require.NoError(t, err)
+	require.ErrorIs(t, w.Close(10*time.Millisecond), errStalled)
+	require.Empty(t, out.all())
 }
 
 func TestConcurrentLinesStayWhole(t *testing.T) {
