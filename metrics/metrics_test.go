@@ -201,6 +201,7 @@ func TestAlertRulesSelectExportedSeries(t *testing.T) {
 	m.MaintenanceJob("fold old usage")
 	m.TLSCertificate(func() time.Time { return time.Now().Add(time.Hour) })
 	m.LogLinesLost(func() uint64 { return 0 })
+	m.DatabasePool(func() metrics.Pool { return metrics.Pool{} })
 
 	labels := map[string]map[string]bool{} // series name → its label names
 	sample := regexp.MustCompile(`^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})? `)
@@ -257,5 +258,5 @@ func TestAlertRulesSelectExportedSeries(t *testing.T) {
 			}
 		}
 	}
-	require.Equal(t, 18, rules)
+	require.Equal(t, 19, rules)
 }
