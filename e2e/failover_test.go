@@ -83,15 +83,21 @@ func primaryAndStandby(t *testing.T) (primary, standby *pglocal.Cluster) {
 	return primary, standby
 }
 
-// replayed waits until the standbys of primary have replayed what it has
-// written.
+// replayed waits until the standbys of primary have replayed every record it
+// had inserted in its log when called. Inserted, not written: the tests'
+// clusters commit asynchronously, so a commit's record may wait in the log's
+// buffers for the WAL writer (up to 200 ms) after the commit has returned,
+// past the position written (pg_current_wal_lsn), and a standby that has
+// replayed that position may not have the commit yet.
 func replayed(t *testing.T, primary *pglocal.Cluster) {
 	t.Helper()
 	admin := adminConn(t, primary)
+	var inserted string
+	require.NoError(t, admin.QueryRow(context.Background(), `SELECT pg_current_wal_insert_lsn()::text`).Scan(&inserted))
 	require.Eventually(t, func() bool {
 		var caughtUp bool
-		require.NoError(t, admin.QueryRow(context.Background(), `SELECT coalesce(bool_and(replay_lsn >= pg_current_wal_lsn()), false)
-			FROM pg_stat_replication`).Scan(&caughtUp))
+		require.NoError(t, admin.QueryRow(context.Background(), `SELECT coalesce(bool_and(replay_lsn >= $1::pg_lsn), false)
+			FROM pg_stat_replication`, inserted).Scan(&caughtUp))
 		return caughtUp
 	}, 10*time.Second, 20*time.Millisecond, "the standby replays what the primary wrote")
 }
