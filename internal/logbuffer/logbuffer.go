@@ -9,6 +9,7 @@ import (
 	"bytes"
 	"errors"
 	"io"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -20,6 +21,10 @@ const DefaultDelay = 10 * time.Millisecond
 // maxBuffered is how many bytes may wait before they go out without waiting
 // for the delay.
 const maxBuffered = 64 << 10
+
+// maxSpare is the largest buffer kept for the next lines once written: a
+// flood's is, a stall's backlog is not.
+const maxSpare = 1 << 20
 
 // maxWaiting is how many bytes may wait while the output blocks; the lines
 // that come beyond it are dropped (and counted): a stalled reader holds at
@@ -36,21 +41,24 @@ type Writer struct {
 	delay time.Duration
 	limit int // maxWaiting; tests lower it
 
-	mu      sync.Mutex
-	buf     []byte
-	spare   []byte // the buffer of the last write, kept for the next lines
-	timer   *time.Timer
-	writing bool       // a write to out is under way
-	written *sync.Cond // signalled when a write ends
-	err     error      // the last write's
+	mu    sync.Mutex
+	buf   []byte
+	timer *time.Timer
+	// written is closed when the write last begun ends.
+	written chan struct{}
 
+	// writing says a write to out is under way: set under mu when one
+	// begins, cleared by the write when it ends, which takes no lock (so
+	// that the writers of lines, however many, never starve it).
+	writing atomic.Bool
+	// spare holds the buffer of the last write, emptied, for the next lines.
+	spare   chan []byte
 	dropped atomic.Uint64
 }
 
 // New returns a Writer to out that holds lines for delay at most.
 func New(out io.Writer, delay time.Duration) *Writer {
-	w := &Writer{out: out, delay: delay, limit: maxWaiting}
-	w.written = sync.NewCond(&w.mu)
+	w := &Writer{out: out, delay: delay, limit: maxWaiting, spare: make(chan []byte, 1)}
 	w.timer = time.AfterFunc(time.Hour, w.flushWaiting)
 	w.timer.Stop()
 	return w
@@ -61,18 +69,27 @@ func New(out io.Writer, delay time.Duration) *Writer {
 // fail and does not wait for the output.
 func (w *Writer) Write(p []byte) (int, error) {
 	w.mu.Lock()
-	defer w.mu.Unlock()
 	if len(w.buf)+len(p) > w.limit {
+		w.mu.Unlock()
 		w.dropped.Add(uint64(bytes.Count(p, []byte{'\n'})))
 		return len(p), nil
 	}
-	if len(w.buf) == 0 && !w.writing {
+	if len(w.buf) == 0 {
 		w.timer.Reset(w.delay)
 	}
 	w.buf = append(w.buf, p...)
-	if len(w.buf) >= maxBuffered && !w.writing {
-		w.timer.Reset(0)
+	if len(w.buf) < maxBuffered || w.writing.Load() {
+		w.mu.Unlock()
+		return len(p), nil
 	}
+	full, done := w.takeLocked()
+	w.mu.Unlock()
+	// The write goes now, on a goroutine of its own that this one lets run
+	// first (writers of lines on every core would otherwise keep it waiting
+	// for a turn while the buffer grows); a write that blocks blocks that
+	// goroutine alone.
+	go func() { _ = w.write(full, done) }()
+	runtime.Gosched()
 	return len(p), nil
 }
 
@@ -82,49 +99,70 @@ func (w *Writer) Dropped() uint64 {
 	return w.dropped.Load()
 }
 
-// flushWaiting writes what waits, unless a write is under way: that one
-// writes the rest when it ends.
+// flushWaiting writes what waits, unless a write is under way: the timer,
+// which that write sets again when it ends, comes back for the rest.
 func (w *Writer) flushWaiting() {
 	w.mu.Lock()
-	defer w.mu.Unlock()
-	if !w.writing {
-		w.writeLocked()
-	}
-}
-
-// writeLocked writes what waits, the lock released meanwhile, and schedules
-// what came in during the write. Called with no write under way.
-func (w *Writer) writeLocked() {
-	if len(w.buf) == 0 {
+	if w.writing.Load() || len(w.buf) == 0 {
+		w.mu.Unlock()
 		return
 	}
-	p := w.buf
-	w.buf, w.spare = w.spare[:0], nil
-	w.writing = true
+	p, done := w.takeLocked()
 	w.mu.Unlock()
+	_ = w.write(p, done)
+}
+
+// takeLocked takes what waits for a write, which the caller makes with write
+// and done, when no write is under way.
+func (w *Writer) takeLocked() (p []byte, done chan struct{}) {
+	p = w.buf
+	select {
+	case spare := <-w.spare:
+		w.buf = spare
+	default:
+		w.buf = nil
+	}
+	w.writing.Store(true)
+	w.written = make(chan struct{})
+	return p, w.written
+}
+
+// write writes p, taken by takeLocked, and ends the write: its buffer kept
+// for the next lines, unless a stall's backlog made it large, and the timer
+// set for the lines that came meanwhile.
+func (w *Writer) write(p []byte, done chan struct{}) error {
 	_, err := w.out.Write(p)
-	w.mu.Lock()
-	w.writing, w.err = false, err
-	if cap(p) <= 2*maxBuffered { // a stall's backlog is not kept
-		w.spare = p[:0]
+	if cap(p) <= maxSpare {
+		select {
+		case w.spare <- p[:0]:
+		default:
+		}
 	}
-	w.written.Broadcast()
-	if len(w.buf) > 0 {
-		w.timer.Reset(w.delay)
-	}
+	w.writing.Store(false)
+	close(done)
+	w.timer.Reset(w.delay)
+	return err
 }
 
 // Flush writes what waits now, after the write under way if there is one,
 // and returns the output's error.
 func (w *Writer) Flush() error {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	for w.writing {
-		w.written.Wait()
+	for {
+		w.mu.Lock()
+		if w.writing.Load() {
+			done := w.written
+			w.mu.Unlock()
+			<-done
+			continue
+		}
+		if len(w.buf) == 0 {
+			w.mu.Unlock()
+			return nil
+		}
+		p, done := w.takeLocked()
+		w.mu.Unlock()
+		return w.write(p, done)
 	}
-	w.err = nil
-	w.writeLocked()
-	return w.err
 }
 
 // Close flushes what waits, giving up after wait when the output blocks (its
