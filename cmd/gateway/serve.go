@@ -86,8 +86,8 @@ func openStore(ctx context.Context, cfg config.Config, name string) (*store.Stor
 }
 
 // serve wires the gateway and serves until ctx ends; its metrics export
-// logLinesLost, the count of log lines it could not write; ready, when set,
-// is called with the listening address once requests are accepted. On shutdown it stops
+// logLinesLost, the count of log lines lost; ready, when set, is called with
+// the listening address once requests are accepted. On shutdown it stops
 // being ready, stops accepting and claiming, hands back the batch items it
 // has not started, lets requests, streams and batch items in flight finish
 // within the grace period, fails INTERRUPTED the items cut after dispatch
