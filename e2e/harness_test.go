@@ -115,9 +115,11 @@ type gateway struct {
 	stderr  *syncbuf.Buffer
 	stdout  *syncbuf.Buffer
 	// logReader is the reading end of the pipe of standard error, when
-	// started piped; while logsHeld is set, it is not read (holdLogs).
+	// started piped; while logsHeld is set, it is not read (holdLogs);
+	// logsRead is closed when the reads end.
 	logReader *os.File
 	logsHeld  atomic.Pointer[chan struct{}]
+	logsRead  chan struct{}
 	done      chan error
 	// client sends call's requests; nil is http.DefaultClient.
 	client *http.Client
@@ -160,6 +162,7 @@ func startOnce(t *testing.T, piped bool, env map[string]string, args ...string) 
 	}
 	cmd := exec.Command(binary, args...)
 	cmd.Env = environ(env)
+	cmd.SysProcAttr = childAttr()
 	scheme, probe := "http", http.DefaultClient
 	if env["GATEWAY_TLS_CERT"] != "" {
 		// The readiness probe does not check the certificate (the test
@@ -180,6 +183,7 @@ func startOnce(t *testing.T, piped bool, env map[string]string, args ...string) 
 		require.NoError(t, err)
 		t.Cleanup(func() { g.logReader.Close() })
 		cmd.Stderr = logWriter
+		g.logsRead = make(chan struct{})
 		go g.readLogs()
 	}
 	require.NoError(t, cmd.Start())
@@ -210,6 +214,9 @@ func startOnce(t *testing.T, piped bool, env map[string]string, args ...string) 
 		select {
 		case err := <-g.done:
 			g.done <- err
+			if g.logsRead != nil {
+				<-g.logsRead // what it wrote, read to its end
+			}
 			return g, fmt.Errorf("gateway exited before serving: %v", err)
 		case <-time.After(50 * time.Millisecond):
 		}
@@ -223,6 +230,7 @@ func startOnce(t *testing.T, piped bool, env map[string]string, args ...string) 
 // g.stderr, until the process or the test closes the pipe, and waits while
 // the test holds the logs: the pipe then fills, as when a log reader stalls.
 func (g *gateway) readLogs() {
+	defer close(g.logsRead)
 	buf := make([]byte, 32<<10)
 	for {
 		if held := g.logsHeld.Load(); held != nil {
