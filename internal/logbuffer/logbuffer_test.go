@@ -198,8 +198,9 @@ func TestConcurrentLinesStayWhole(t *testing.T) {
 	}
 }
 
-// BenchmarkWrite is a serving replica's access log: lines of some 450 bytes
-// from concurrent requests, written to a file.
+// BenchmarkWrite floods the buffer with lines of some 450 bytes (as a
+// serving replica's access log's) from every core as fast as each can, to a
+// file: the most it takes, far past any replica's rate.
 func BenchmarkWrite(b *testing.B) {
 	out, err := os.OpenFile(os.DevNull, os.O_WRONLY, 0)
 	require.NoError(b, err)
