@@ -132,12 +132,12 @@ type gateway struct {
 // (another test's gateway could answer on that port meanwhile).
 func start(t *testing.T, env map[string]string, args ...string) *gateway {
 	t.Helper()
-	return startPiped(t, false, env, args...)
+	return launch(t, false, env, args...)
 }
 
-// startPiped is start, with the process's standard error on a pipe whose
-// reading end, logReader, the test may close when piped.
-func startPiped(t *testing.T, piped bool, env map[string]string, args ...string) *gateway {
+// launch is start, with the process's standard error on a pipe whose
+// reading end, logReader, the test may close (or hold) when piped.
+func launch(t *testing.T, piped bool, env map[string]string, args ...string) *gateway {
 	t.Helper()
 	for attempt := 1; ; attempt++ {
 		g, err := startOnce(t, piped, env, args...)
@@ -269,11 +269,25 @@ func (g *gateway) listening(port int) bool {
 // serve starts `gateway serve` on dbURL with the upstream and extra settings.
 func serve(t *testing.T, dbURL, upstreamURL string, extra map[string]string) *gateway {
 	t.Helper()
+	return launchServe(t, false, dbURL, upstreamURL, extra)
+}
+
+// servePiped is serve without extra settings, its standard error on a pipe
+// (launch).
+func servePiped(t *testing.T, dbURL, upstreamURL string) *gateway {
+	t.Helper()
+	return launchServe(t, true, dbURL, upstreamURL, nil)
+}
+
+// launchServe launches `gateway serve` on dbURL with the upstream and extra
+// settings.
+func launchServe(t *testing.T, piped bool, dbURL, upstreamURL string, extra map[string]string) *gateway {
+	t.Helper()
 	env := map[string]string{"DATABASE_URL": dbURL, "GATEWAY_UPSTREAM": upstreamURL}
 	for k, v := range extra {
 		env[k] = v
 	}
-	return start(t, env, "serve")
+	return launch(t, piped, env, "serve")
 }
 
 // stop sends SIGTERM and waits for the process to end.

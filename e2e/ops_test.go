@@ -415,7 +415,7 @@ func TestNothingIsLeftRunningAfterRequests(t *testing.T) {
 func TestAReplicaWhoseLogReaderLeftServesOn(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	g := startPiped(t, true, map[string]string{"DATABASE_URL": b.db, "GATEWAY_UPSTREAM": b.fake.BaseURL()}, "serve")
+	g := servePiped(t, b.db, b.fake.BaseURL())
 	respond := func(prompt string) int {
 		return g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": prompt}).status
 	}
@@ -443,7 +443,7 @@ func TestAReplicaWhoseLogReaderLeftServesOn(t *testing.T) {
 func TestAReplicaWhoseLogReaderStallsServesOn(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	g := startPiped(t, true, map[string]string{"DATABASE_URL": b.db, "GATEWAY_UPSTREAM": b.fake.BaseURL()}, "serve")
+	g := servePiped(t, b.db, b.fake.BaseURL())
 	g.client = &http.Client{Timeout: time.Minute} // a request held up by the stalled log fails
 	accessLines := func() int { return strings.Count(g.stderr.String(), `"route":"/api/v1/responses"`) }
 	const stalled = 200 // access lines of some 450 bytes each: past the 64 KiB a pipe holds
