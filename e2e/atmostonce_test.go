@@ -242,9 +242,7 @@ func TestDatabaseRestartIsServiceUnavailable(t *testing.T) {
 		return status == http.StatusOK
 	}, 30*time.Second, 200*time.Millisecond)
 	require.Eventually(t, func() bool { return strings.Contains(g.scrape(), listening(1)) }, 10*time.Second, 100*time.Millisecond)
-	var v api.UsageView
-	require.NoError(t, json.Unmarshal(g.call(http.MethodGet, "/api/v1/usage", key, nil).body, &v))
-	require.Positive(t, v.Totals.Requests)
+	require.Positive(t, g.usage(key).Totals.Requests)
 
 	// The loops that retried see the database back at their next try.
 	resumed := []string{
@@ -340,10 +338,7 @@ func TestADatabaseThatDoesNotAnswerIsServiceUnavailable(t *testing.T) {
 	t.Parallel()
 	cluster, _, key, g := ownGateway(t)
 	unknown := strings.TrimSpace(mustCLI(t, cluster.URL("gw"), "keys", "create", "--account", "acme")) // first used while the database hangs
-	first := g.call(http.MethodPost, "/api/v1/responses", key, map[string]any{"prompt": "before"})
-	require.Equal(t, http.StatusOK, first.status, string(first.body))
-	var before api.Response
-	require.NoError(t, json.Unmarshal(first.body, &before))
+	before := expect[api.Response](t, g.call(http.MethodPost, "/api/v1/responses", key, map[string]any{"prompt": "before"}), http.StatusOK)
 
 	require.NoError(t, cluster.Freeze())
 	batch := map[string]any{"requests": []map[string]any{{"prompt": "a batch sent while the database hangs"}}}
@@ -387,8 +382,7 @@ func TestADatabaseThatDoesNotAnswerIsServiceUnavailable(t *testing.T) {
 		}
 		what := a.method + " " + a.path
 		if a.r.status == http.StatusOK && a.path == "/api/v1/responses" {
-			var res api.Response
-			require.NoError(t, json.Unmarshal(a.r.body, &res))
+			res := expect[api.Response](t, a.r, http.StatusOK)
 			served++
 			sent += res.Usage.TotalRungs
 			continue
@@ -414,7 +408,7 @@ func TestADatabaseThatDoesNotAnswerIsServiceUnavailable(t *testing.T) {
 	item := results.Results[0].Usage
 	var v api.UsageView
 	require.Eventually(t, func() bool {
-		require.NoError(t, json.Unmarshal(g.call(http.MethodGet, "/api/v1/usage", key, nil).body, &v))
+		v = g.usage(key)
 		return v.Totals.Requests == 2+served
 	}, 30*time.Second, 200*time.Millisecond, "the responses sent with their usage are stored")
 	require.Equal(t, before.Usage.TotalRungs+sent+item.TotalRungs, v.Totals.TotalRungs, "billed is what was sent")
@@ -481,11 +475,8 @@ models:
 	g := start(t, map[string]string{"DATABASE_URL": b.db, "GATEWAY_CONFIG": file}, "serve")
 	var want received
 	respond := func(prompt string) {
-		r := g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": prompt})
-		require.Equal(t, http.StatusOK, r.status, string(r.body))
-		var res api.Response
-		require.NoError(t, json.Unmarshal(r.body, &res))
-		want.add(api.RungUsage{InputRungs: res.Usage.InputRungs, OutputRungs: res.Usage.OutputRungs, TotalRungs: res.Usage.TotalRungs})
+		res := expect[api.Response](t, g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": prompt}), http.StatusOK)
+		want.add(rungs(res.Usage))
 	}
 	respond("before")
 

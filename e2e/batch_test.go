@@ -280,10 +280,7 @@ func TestBatchCancelInFlight(t *testing.T) {
 	g := serve(t, b.db, b.fake.BaseURL(), map[string]string{"GATEWAY_DRAIN_CONCURRENCY": "2"})
 	batch := g.createBatch(b.key, prompts("cancel", 8))
 	require.Eventually(t, func() bool { return len(b.fake.Calls()) >= 2 }, 10*time.Second, 10*time.Millisecond)
-	r := g.call(http.MethodPost, "/api/v1/batch/"+batch.Id.String()+"/cancel", b.key, nil)
-	require.Equal(t, http.StatusOK, r.status)
-	var cancelling api.Batch
-	require.NoError(t, json.Unmarshal(r.body, &cancelling))
+	cancelling := expect[api.Batch](t, g.call(http.MethodPost, "/api/v1/batch/"+batch.Id.String()+"/cancel", b.key, nil), http.StatusOK)
 	require.Equal(t, api.BatchStatus("cancelling"), cancelling.Status)
 
 	res := g.waitTerminal(b.key, batch.Id.String(), 30*time.Second)
@@ -304,8 +301,8 @@ func TestBatchCancelInFlight(t *testing.T) {
 
 	// A queued batch cancels at once.
 	queued := g.createBatch(b.key, prompts("queued", 3))
-	r = g.call(http.MethodPost, "/api/v1/batch/"+queued.Id.String()+"/cancel", b.key, nil)
-	require.Equal(t, http.StatusOK, r.status)
+	cancelled := expect[api.Batch](t, g.call(http.MethodPost, "/api/v1/batch/"+queued.Id.String()+"/cancel", b.key, nil), http.StatusOK)
+	require.Equal(t, api.BatchStatus("cancelled"), cancelled.Status)
 }
 
 func TestBatchBudgetExhausted(t *testing.T) {

@@ -27,6 +27,11 @@ func (r *received) add(u api.RungUsage) {
 	r.TotalRungs += u.TotalRungs
 }
 
+// rungs is the part of a reply's usage that a usage view sums.
+func rungs(u api.Usage) api.RungUsage {
+	return api.RungUsage{InputRungs: u.InputRungs, OutputRungs: u.OutputRungs, TotalRungs: u.TotalRungs}
+}
+
 func (r *received) items(res api.BatchResults) {
 	for _, it := range res.Results {
 		if it.Status == "completed" {
@@ -76,14 +81,11 @@ func TestHostileUpstreamStopsNoOneElse(t *testing.T) {
 	clean := g.createBatch(bystander, prompts("clean", 10))
 
 	var mine, theirs received
-	r := g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "HOSTILE json", "max_output_rungs": 50, "web_search": true})
-	require.Equal(t, http.StatusOK, r.status, string(r.body))
-	var resp api.Response
-	require.NoError(t, json.Unmarshal(r.body, &resp))
+	resp := expect[api.Response](t, g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "HOSTILE json", "max_output_rungs": 50, "web_search": true}), http.StatusOK)
 	require.Equal(t, "badoutput", resp.Content, "U+0000 is removed before it is sent or stored")
 	require.Equal(t, int64(50), resp.Usage.OutputRungs, "output is clamped to the ceiling sent")
 	require.Equal(t, "title", resp.Sources[0].Title)
-	mine.add(api.RungUsage{InputRungs: resp.Usage.InputRungs, OutputRungs: resp.Usage.OutputRungs, TotalRungs: resp.Usage.TotalRungs})
+	mine.add(rungs(resp.Usage))
 	src := g.call(http.MethodGet, resp.SourcesUrl, b.key, nil)
 	require.Equal(t, http.StatusOK, src.status, "its evidence was stored")
 
@@ -92,10 +94,8 @@ func TestHostileUpstreamStopsNoOneElse(t *testing.T) {
 	require.Equal(t, int64(70), u.OutputRungs)
 	mine.add(u)
 
-	r = g.call(http.MethodPost, "/api/v1/responses", bystander, map[string]any{"prompt": "clean json"})
-	require.Equal(t, http.StatusOK, r.status)
-	require.NoError(t, json.Unmarshal(r.body, &resp))
-	theirs.add(api.RungUsage{InputRungs: resp.Usage.InputRungs, OutputRungs: resp.Usage.OutputRungs, TotalRungs: resp.Usage.TotalRungs})
+	resp = expect[api.Response](t, g.call(http.MethodPost, "/api/v1/responses", bystander, map[string]any{"prompt": "clean json"}), http.StatusOK)
+	theirs.add(rungs(resp.Usage))
 	sr, _ = g.stream(bystander, map[string]any{"prompt": "clean stream"})
 	theirs.add(finalUsage(t, sr.body))
 
@@ -154,17 +154,12 @@ func TestUpstreamRepliesAreBounded(t *testing.T) {
 		}
 	}
 	r := g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "CITES json", "max_output_rungs": 4000})
-	require.Equal(t, http.StatusOK, r.status, string(r.body))
+	resp := expect[api.Response](t, r, http.StatusOK)
 	require.Less(t, len(r.body), 400<<10, "the reply is not the size of a thousand copies of its text")
-	var resp api.Response
-	require.NoError(t, json.Unmarshal(r.body, &resp))
 	checkSources(resp.Sources)
 	require.Len(t, *resp.Sources[0].Snippet, 2048, "a snippet is cut")
-	mine.add(api.RungUsage{InputRungs: resp.Usage.InputRungs, OutputRungs: resp.Usage.OutputRungs, TotalRungs: resp.Usage.TotalRungs})
-	src := g.call(http.MethodGet, resp.SourcesUrl, b.key, nil)
-	require.Equal(t, http.StatusOK, src.status)
-	var ev api.Sources
-	require.NoError(t, json.Unmarshal(src.body, &ev))
+	mine.add(rungs(resp.Usage))
+	ev := expect[api.Sources](t, g.call(http.MethodGet, resp.SourcesUrl, b.key, nil), http.StatusOK)
 	require.Equal(t, resp.Sources, ev.Sources, "the evidence stored is the evidence sent")
 
 	_, s := g.stream(b.key, map[string]any{"prompt": "CITES stream", "max_output_rungs": 4000})
@@ -203,9 +198,7 @@ func TestUpstreamRepliesAreBounded(t *testing.T) {
 
 	res := g.waitTerminal(b.key, batch.Id.String(), 60*time.Second)
 	require.Equal(t, api.BatchItemStatus("completed"), res.Results[0].Status)
-	src = g.call(http.MethodGet, "/api/v1/sources/"+res.Results[0].RequestId.String(), b.key, nil)
-	require.Equal(t, http.StatusOK, src.status)
-	require.NoError(t, json.Unmarshal(src.body, &ev))
+	ev = expect[api.Sources](t, g.call(http.MethodGet, "/api/v1/sources/"+res.Results[0].RequestId.String(), b.key, nil), http.StatusOK)
 	checkSources(ev.Sources)
 	require.Equal(t, api.BatchItemStatus("failed"), res.Results[1].Status)
 	require.Equal(t, api.ErrorCode("INFERENCE_BUSY"), res.Results[1].Error.Code)
@@ -239,13 +232,10 @@ func TestUsageReportedAsNothingIsCounted(t *testing.T) {
 	g := serve(t, b.db, b.fake.BaseURL(), nil)
 
 	var mine received
-	r := g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "FREE json"})
-	require.Equal(t, http.StatusOK, r.status, string(r.body))
-	var resp api.Response
-	require.NoError(t, json.Unmarshal(r.body, &resp))
+	resp := expect[api.Response](t, g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "FREE json"}), http.StatusOK)
 	require.Positive(t, resp.Usage.InputRungs)
 	require.Positive(t, resp.Usage.OutputRungs)
-	mine.add(api.RungUsage{InputRungs: resp.Usage.InputRungs, OutputRungs: resp.Usage.OutputRungs, TotalRungs: resp.Usage.TotalRungs})
+	mine.add(rungs(resp.Usage))
 
 	sr, _ := g.stream(b.key, map[string]any{"prompt": "FREE stream"})
 	u := finalUsage(t, sr.body)
@@ -284,12 +274,9 @@ func TestThinkingIsBilledWhenNoUsageIs(t *testing.T) {
 
 	var mine received
 	reply := func(prompt string) api.RungUsage {
-		r := g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": prompt})
-		require.Equal(t, http.StatusOK, r.status, string(r.body))
-		var resp api.Response
-		require.NoError(t, json.Unmarshal(r.body, &resp))
+		resp := expect[api.Response](t, g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": prompt}), http.StatusOK)
 		require.Equal(t, answer, resp.Content)
-		u := api.RungUsage{InputRungs: resp.Usage.InputRungs, OutputRungs: resp.Usage.OutputRungs, TotalRungs: resp.Usage.TotalRungs}
+		u := rungs(resp.Usage)
 		mine.add(u)
 		return u
 	}

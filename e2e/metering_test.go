@@ -4,7 +4,6 @@ import (
 	"bufio"
 	"context"
 	"encoding/csv"
-	"encoding/json"
 	"fmt"
 	"net/http"
 	"net/url"
@@ -172,9 +171,7 @@ func TestLimitsHoldUnderConcurrency(t *testing.T) {
 						switch r.status {
 						case http.StatusOK:
 							ok.Add(1)
-							var resp api.Response
-							require.NoError(t, json.Unmarshal(r.body, &resp))
-							received.Add(resp.Usage.TotalRungs)
+							received.Add(expect[api.Response](t, r, http.StatusOK).Usage.TotalRungs)
 						case limit.status:
 							refused.Add(1)
 							require.Equal(t, limit.code, r.code(t))
@@ -330,12 +327,11 @@ func TestKilledReplicasSlicesComeBack(t *testing.T) {
 	survivor := serve(t, b.db, b.fake.BaseURL(), env)
 	r := survivor.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "now", "max_output_rungs": 1000})
 	require.Equal(t, http.StatusPaymentRequired, r.status, "the dead replica's slices still hold the cap")
-	var served api.Response
 	require.Eventually(t, func() bool {
 		r = survivor.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "now", "max_output_rungs": 1000})
 		return r.status == http.StatusOK
 	}, 20*time.Second, 100*time.Millisecond, "the slices come back once their lease runs out")
-	require.NoError(t, json.Unmarshal(r.body, &served))
+	served := expect[api.Response](t, r, http.StatusOK)
 	v := survivor.usage(b.key)
 	require.Equal(t, int64(1), v.Totals.Requests, "the killed replica's unanswered calls are not billed")
 	require.Equal(t, served.Usage.TotalRungs, v.Totals.TotalRungs)
@@ -347,32 +343,15 @@ func TestUsageViewEqualsReceivedUsage(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	g := serve(t, b.db, b.fake.BaseURL(), nil)
-	var want api.UsageTotals
-	add := func(u api.RungUsage) {
-		want.Requests++
-		want.InputRungs += u.InputRungs
-		want.OutputRungs += u.OutputRungs
-		want.TotalRungs += u.TotalRungs
-	}
+	var want received
+	want.add(rungs(expect[api.Response](t, g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "json reply", "model": "elements"}), http.StatusOK).Usage))
 
-	r := g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "json reply", "model": "elements"})
-	var resp api.Response
-	require.NoError(t, json.Unmarshal(r.body, &resp))
-	add(api.RungUsage{InputRungs: resp.Usage.InputRungs, OutputRungs: resp.Usage.OutputRungs, TotalRungs: resp.Usage.TotalRungs})
-
-	final := func(s []byte) api.RungUsage {
-		lines := strings.Split(strings.TrimSpace(string(s)), "\n")
-		var c api.StreamChunk
-		require.NoError(t, json.Unmarshal([]byte(strings.TrimPrefix(lines[len(lines)-1], "data: ")), &c))
-		require.True(t, c.Done)
-		return *c.Usage
-	}
-	r, _ = g.stream(b.key, map[string]any{"prompt": "a streamed reply"})
-	add(final(r.body))
+	r, _ := g.stream(b.key, map[string]any{"prompt": "a streamed reply"})
+	want.add(finalUsage(t, r.body))
 
 	b.fake.SetBreakAfter(2)
 	r, _ = g.stream(b.key, map[string]any{"prompt": "this one breaks off midway"})
-	add(final(r.body))
+	want.add(finalUsage(t, r.body))
 	b.fake.SetBreakAfter(0)
 
 	// A client that leaves mid-stream is billed for what was produced.
@@ -488,14 +467,11 @@ func TestUsagePastTheRetentionIsKeptInSums(t *testing.T) {
 		"start": {then.Truncate(time.Hour).Add(-24 * time.Hour).Format(time.RFC3339)},
 		"end":   {then.Truncate(time.Hour).Add(24 * time.Hour).Format(time.RFC3339)},
 	}.Encode()
-	r := g.call(http.MethodGet, period, b.key, nil)
-	require.Equal(t, http.StatusOK, r.status, string(r.body))
-	var v api.UsageView
-	require.NoError(t, json.Unmarshal(r.body, &v))
+	v := expect[api.UsageView](t, g.call(http.MethodGet, period, b.key, nil), http.StatusOK)
 	require.Equal(t, reported, v.Totals, "the view over whole hours, from their sums")
 
 	inside := "/api/v1/usage?" + url.Values{"start": {then.Truncate(time.Hour).Add(-90 * time.Minute).Format(time.RFC3339)}}.Encode()
-	r = g.call(http.MethodGet, inside, b.key, nil)
+	r := g.call(http.MethodGet, inside, b.key, nil)
 	require.Equal(t, http.StatusBadRequest, r.status, string(r.body))
 	require.Equal(t, "INVALID_REQUEST", r.code(t))
 	require.Contains(t, string(r.body), "usage older than 90 days (the request retention) is kept by the hour")

@@ -2,7 +2,6 @@ package e2e
 
 import (
 	"bytes"
-	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
@@ -79,10 +78,7 @@ circuit:
 // provider is the provider that served a response of model.
 func (r *routed) provider(t *testing.T, model string) string {
 	t.Helper()
-	res := r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "which target", "model": model})
-	require.Equal(t, http.StatusOK, res.status, string(res.body))
-	var body api.Response
-	require.NoError(t, json.Unmarshal(res.body, &body))
+	body := expect[api.Response](t, r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "which target", "model": model}), http.StatusOK)
 	return *body.Route.Provider
 }
 
@@ -195,15 +191,12 @@ func TestFallbackAcrossProviders(t *testing.T) {
 	var got received
 
 	r.primary.SetMode(fakeupstream.Down)
-	res := r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "fall back please"})
-	require.Equal(t, http.StatusOK, res.status)
-	var body api.Response
-	require.NoError(t, json.Unmarshal(res.body, &body))
+	body := expect[api.Response](t, r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "fall back please"}), http.StatusOK)
 	require.Equal(t, fakeupstream.Reply("fall back please"), body.Content)
 	require.Equal(t, "backup", *body.Route.Provider)
 	require.Equal(t, "b-instant", *body.Route.UpstreamModel)
 	require.Equal(t, 2, *body.Route.Attempts)
-	got.add(api.RungUsage{InputRungs: body.Usage.InputRungs, OutputRungs: body.Usage.OutputRungs, TotalRungs: body.Usage.TotalRungs})
+	got.add(rungs(body.Usage))
 	primaryCall := r.primary.Calls()[0]
 	require.Equal(t, "p-instant", primaryCall.Model)
 	require.Equal(t, "Bearer sk-primary", primaryCall.Header.Get("Authorization"), "the key comes from the variable the file names")
@@ -222,7 +215,7 @@ func TestFallbackAcrossProviders(t *testing.T) {
 	got.add(finalUsage(t, s.Events[len(s.Events)-1].Data))
 
 	// A model whose only target is down: INFERENCE_BUSY, nothing billed.
-	res = r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "think", "model": "reasoning"})
+	res := r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "think", "model": "reasoning"})
 	require.Equal(t, http.StatusServiceUnavailable, res.status)
 	require.Equal(t, "INFERENCE_BUSY", res.code(t))
 
@@ -266,9 +259,7 @@ func TestCircuitSkipsADownTarget(t *testing.T) {
 
 	r.primary.SetMode(fakeupstream.OK)
 	require.Eventually(t, func() bool {
-		res := r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "probe"})
-		var body api.Response
-		require.NoError(t, json.Unmarshal(res.body, &body))
+		body := expect[api.Response](t, r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "probe"}), http.StatusOK)
 		return *body.Route.Provider == "primary"
 	}, 10*time.Second, 50*time.Millisecond, "a probe closes the circuit")
 }
@@ -341,13 +332,10 @@ func TestADeniedKeyIsAnOutageForTheOperator(t *testing.T) {
 	r := serveRouted(t, nil)
 	r.primary.SetStatus(http.StatusUnauthorized)
 
-	res := r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "falls back"})
-	require.Equal(t, http.StatusOK, res.status, string(res.body))
-	var body api.Response
-	require.NoError(t, json.Unmarshal(res.body, &body))
+	body := expect[api.Response](t, r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "falls back"}), http.StatusOK)
 	require.Equal(t, "backup", *body.Route.Provider)
 
-	res = r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "think", "model": "reasoning"})
+	res := r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "think", "model": "reasoning"})
 	require.Equal(t, http.StatusServiceUnavailable, res.status)
 	require.Equal(t, "INFERENCE_BUSY", res.code(t))
 	require.NotEmpty(t, res.header.Get("Retry-After"))
@@ -782,11 +770,7 @@ circuit:
 	require.Equal(t, sent, len(b.fake.Calls()), "nothing of the held account's reached the upstream")
 
 	var theirs received
-	r = respond(bystander, "a fine prompt")
-	require.Equal(t, http.StatusOK, r.status, string(r.body))
-	var resp api.Response
-	require.NoError(t, json.Unmarshal(r.body, &resp))
-	theirs.add(api.RungUsage{InputRungs: resp.Usage.InputRungs, OutputRungs: resp.Usage.OutputRungs, TotalRungs: resp.Usage.TotalRungs})
+	theirs.add(rungs(expect[api.Response](t, respond(bystander, "a fine prompt"), http.StatusOK).Usage))
 	sr, s := g.stream(bystander, map[string]any{"prompt": "a fine stream", "model": "instant"})
 	require.Equal(t, "response.completed", names(s)[len(s.Events)-1])
 	theirs.add(finalUsage(t, sr.body))

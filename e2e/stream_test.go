@@ -295,11 +295,8 @@ func TestUpstreamQuirksAreRead(t *testing.T) {
 	require.Equal(t, fakeupstream.Reply(prompt), text.String())
 	require.Greater(t, len(s.Events), 2, "the stream came in pieces")
 
-	respond := func() (resp api.Response) {
-		r := g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": prompt})
-		require.Equal(t, http.StatusOK, r.status, string(r.body))
-		require.NoError(t, json.Unmarshal(r.body, &resp))
-		return resp
+	respond := func() api.Response {
+		return expect[api.Response](t, g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": prompt}), http.StatusOK)
 	}
 	whole := respond()
 	require.Equal(t, fakeupstream.Reply(prompt), whole.Content)
