@@ -53,11 +53,7 @@ var ErrOtherVersion = errors.New("no binaries of the PostgreSQL that made the cl
 // FindBinaries returns the folder holding initdb and pg_ctl: PATH first, then
 // the usual Debian and Homebrew places (highest version first).
 func FindBinaries() (string, error) {
-	dirs := binaryDirs()
-	if len(dirs) == 0 {
-		return "", ErrNoBinaries
-	}
-	return dirs[0], nil
+	return binariesFor("", 0)
 }
 
 // binaryDirs lists the folders holding initdb and pg_ctl, in FindBinaries'
@@ -87,7 +83,7 @@ func binaryDirs() []string {
 
 // binariesFor returns the folder of the binaries of PostgreSQL's major
 // version want, which made the data folder dataDir; with want 0 (no data
-// yet), FindBinaries' choice.
+// yet), the first of binaryDirs.
 func binariesFor(dataDir string, want int) (string, error) {
 	dirs := binaryDirs()
 	if len(dirs) == 0 {
