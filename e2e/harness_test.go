@@ -80,15 +80,34 @@ func cli(t *testing.T, dbURL string, args ...string) (string, error) {
 // completion and returns its stdout.
 func cliWith(t *testing.T, env map[string]string, args ...string) (string, error) {
 	t.Helper()
-	cmd := exec.Command(binary, args...)
+	stdout, stderr, err := cliIn(t, "", env, args...)
+	if err != nil {
+		return stdout, fmt.Errorf("%w: %s", err, stderr)
+	}
+	return stdout, nil
+}
+
+// cliTimeout bounds a subcommand run to completion: one that does not end
+// (a command that should have refused serves instead, say) is killed and
+// fails its test, instead of holding the run until the run's own timeout.
+const cliTimeout = 2 * time.Minute
+
+// cliIn runs a gateway subcommand to completion in dir (the test's own if
+// empty) with env (see environ), returning its stdout, stderr and error.
+func cliIn(t *testing.T, dir string, env map[string]string, args ...string) (string, string, error) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), cliTimeout)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, binary, args...)
+	cmd.Dir = dir
 	cmd.Env = environ(env)
 	var stdout, stderr bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
 	err := cmd.Run()
-	if err != nil {
-		return stdout.String(), fmt.Errorf("%w: %s", err, stderr.String())
+	if ctx.Err() != nil {
+		err = fmt.Errorf("gateway %v did not end within %v: %w", args, cliTimeout, err)
 	}
-	return stdout.String(), nil
+	return stdout.String(), stderr.String(), err
 }
 
 func mustCLI(t *testing.T, dbURL string, args ...string) string {

@@ -1,11 +1,9 @@
 package e2e
 
 import (
-	"bytes"
 	"fmt"
 	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -13,19 +11,6 @@ import (
 
 	"github.com/stretchr/testify/require"
 )
-
-// cliIn runs a gateway subcommand in dir with env (and no DATABASE_URL unless
-// env has one), returning its stdout, stderr and error.
-func cliIn(t *testing.T, dir string, env map[string]string, args ...string) (string, string, error) {
-	t.Helper()
-	cmd := exec.Command(binary, args...)
-	cmd.Dir = dir
-	cmd.Env = environ(env)
-	var stdout, stderr bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &stdout, &stderr
-	err := cmd.Run()
-	return stdout.String(), stderr.String(), err
-}
 
 // reachableTempDir is a temporary folder the postgres user can enter, for
 // tests run as root.

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -319,12 +318,11 @@ func TestBadConfigurationStopsStart(t *testing.T) {
 		env["GATEWAY_LISTEN"] = "127.0.0.1:0"
 		env["GATEWAY_METRICS_LISTEN"] = "off"
 		env["DATABASE_URL"] = "postgres://gateway@127.0.0.1:1/none?connect_timeout=1"
-		cmd := exec.Command(binary, "serve")
-		cmd.Env = environ(env)
-		out, err := cmd.CombinedOutput()
+		stdout, stderr, err := cliIn(t, "", env, "serve")
+		out := stdout + stderr
 		require.Error(t, err, name)
-		require.Contains(t, string(out), "GATEWAY_", name)
-		require.NotContains(t, string(out), "127.0.0.1:1", "%s: reported before the database is dialled", name)
+		require.Contains(t, out, "GATEWAY_", name)
+		require.NotContains(t, out, "127.0.0.1:1", "%s: reported before the database is dialled", name)
 	}
 }
 
@@ -383,13 +381,9 @@ func TestDevOwnsItsFolder(t *testing.T) {
 	first := start(t, env, args...)
 	key := first.devKey()
 
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
-	defer cancel()
-	second := exec.CommandContext(ctx, binary, args...)
-	second.Env = environ(map[string]string{"GATEWAY_LISTEN": fmt.Sprintf("127.0.0.1:%d", freePort(t)), "GATEWAY_METRICS_LISTEN": "off"})
-	out, err := second.CombinedOutput()
+	_, out, err := cliIn(t, "", map[string]string{"GATEWAY_LISTEN": fmt.Sprintf("127.0.0.1:%d", freePort(t)), "GATEWAY_METRICS_LISTEN": "off"}, args...)
 	require.Error(t, err, "a second dev on the folder is refused: %s", out)
-	require.Contains(t, string(out), "another gateway dev runs on "+dataDir)
+	require.Contains(t, out, "another gateway dev runs on "+dataDir)
 
 	// Should the test end before a dev stops it, the killed dev's
 	// PostgreSQL is not left running.
