@@ -6,6 +6,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"io"
 	"log/slog"
 	"os"
 	"time"
@@ -14,6 +15,7 @@ import (
 
 	"github.com/rungworks/gateway/internal/logbuffer"
 	"github.com/rungworks/gateway/internal/logsample"
+	"github.com/rungworks/gateway/internal/logsplit"
 	"github.com/rungworks/gateway/internal/lostlines"
 	"github.com/rungworks/gateway/internal/stopsignal"
 )
@@ -21,6 +23,16 @@ import (
 // logCloseWait is how long the process waits at its exit for a stalled
 // standard error to take the lines that wait.
 const logCloseWait = 5 * time.Second
+
+// serveLogging is a serving replica's logging to out: its lines go out in
+// groups, off the requests' way (logbuffer), warnings and errors sampled
+// (logsample). While out blocks, its errors (few: sampled, or one for each
+// request whose usage may be missing) are kept where its other lines are
+// dropped.
+func serveLogging(out io.Writer) (*logsample.Handler, *logbuffer.Writer) {
+	buf := logbuffer.New(out, logbuffer.DefaultDelay)
+	return logsample.New(logsplit.New(slog.LevelError, slog.NewJSONHandler(buf, nil), slog.NewJSONHandler(buf.Kept(), nil))), buf
+}
 
 func main() {
 	ctx, release := stopsignal.Notify(context.Background())
@@ -35,8 +47,7 @@ func main() {
 	slog.SetDefault(logger)
 	// A serving replica's lines (one a request) go out in groups; the other
 	// commands write theirs at once, in order with what they print.
-	serveBuffer := logbuffer.New(stderr, logbuffer.DefaultDelay)
-	serveLogs := logsample.New(slog.NewJSONHandler(serveBuffer, nil))
+	serveLogs, serveBuffer := serveLogging(stderr)
 	// Lost: those whose write failed, and those dropped while stderr blocked.
 	logLinesLost := func() uint64 { return stderr.Lost() + serveBuffer.Dropped() }
 

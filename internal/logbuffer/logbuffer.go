@@ -28,7 +28,8 @@ const maxSpare = 1 << 20
 
 // maxWaiting is how many bytes may wait while the output blocks; the lines
 // that come beyond it are dropped (and counted): a stalled reader holds at
-// most this much of the process's memory, and the process serves on.
+// most twice this much of the process's memory (the second half for the
+// lines written through Kept), and the process serves on.
 const maxWaiting = 8 << 20
 
 // Writer is an io.Writer that holds what it is given for at most its delay,
@@ -68,8 +69,28 @@ func New(out io.Writer, delay time.Duration) *Writer {
 // the lines waiting already fill the limit (the output blocked). It does not
 // fail and does not wait for the output.
 func (w *Writer) Write(p []byte) (int, error) {
+	return w.add(p, w.limit)
+}
+
+// Kept returns a writer into w for the few lines that must outlast a stall
+// (errors, such as those naming a request whose usage may be missing): its
+// lines are dropped only once twice the limit waits, so that a stalled
+// output drops the others first. They go out in their order among the
+// others.
+func (w *Writer) Kept() io.Writer {
+	return kept{w}
+}
+
+type kept struct{ w *Writer }
+
+func (k kept) Write(p []byte) (int, error) {
+	return k.w.add(p, 2*k.w.limit)
+}
+
+// add keeps p, unless limit bytes would then wait.
+func (w *Writer) add(p []byte, limit int) (int, error) {
 	w.mu.Lock()
-	if len(w.buf)+len(p) > w.limit {
+	if len(w.buf)+len(p) > limit {
 		w.mu.Unlock()
 		w.dropped.Add(uint64(bytes.Count(p, []byte{'\n'})))
 		return len(p), nil
