@@ -3,6 +3,7 @@ package logbuffer
 import (
 	"bytes"
 	"fmt"
+	"io"
 	"os"
 	"strings"
 	"sync"
@@ -102,23 +103,53 @@ func (s *stalled) Write(p []byte) (int, error) {
 	return s.recorder.Write(p)
 }
 
-// TestAStalledOutputHoldsUpNoWriter: while the output blocks, writes return
-// at once; past the limit, lines are dropped and counted; once it takes
-// writes again, the lines kept go out in their order.
-func TestAStalledOutputHoldsUpNoWriter(t *testing.T) {
-	t.Parallel()
+// stall returns a Writer whose limit is 100 bytes and whose output blocks
+// in the write of a first line, "first\n".
+func stall(t *testing.T) (*stalled, *Writer) {
+	t.Helper()
 	out := newStalled()
 	w := New(out, time.Millisecond)
 	w.limit = 100
 	_, err := w.Write([]byte("first\n"))
 	require.NoError(t, err)
-	<-out.entered // the first line's write blocks
+	<-out.entered
+	return out, w
+}
+
+// write writes n lines of 8 bytes each to w: prefix (4 bytes) and their
+// numbers from 0.
+func write(w io.Writer, prefix string, n int) {
+	for i := range n {
+		_, _ = fmt.Fprintf(w, "%s %02d\n", prefix, i)
+	}
+}
+
+// lines is what write writes.
+func lines(prefix string, n int) string {
+	var b strings.Builder
+	write(&b, prefix, n)
+	return b.String()
+}
+
+// requireWrittenAfterStall lets the output of stall take writes again and
+// requires it to hold, once w is flushed, its first line and then want.
+func requireWrittenAfterStall(t *testing.T, out *stalled, w *Writer, want string) {
+	t.Helper()
+	close(out.open)
+	require.NoError(t, w.Flush())
+	require.Equal(t, "first\n"+want, strings.Join(out.all(), ""))
+}
+
+// TestAStalledOutputHoldsUpNoWriter: while the output blocks, writes return
+// at once; past the limit, lines are dropped and counted; once it takes
+// writes again, the lines kept go out in their order.
+func TestAStalledOutputHoldsUpNoWriter(t *testing.T) {
+	t.Parallel()
+	out, w := stall(t)
 	wrote := make(chan struct{})
 	go func() {
 		defer close(wrote)
-		for i := range 30 {
-			_, _ = fmt.Fprintf(w, "line %02d\n", i) // 8 bytes: 12 fit the limit
-		}
+		write(w, "line", 30) // 12 fit the limit
 	}()
 	select {
 	case <-wrote:
@@ -126,14 +157,22 @@ func TestAStalledOutputHoldsUpNoWriter(t *testing.T) {
 		t.Fatal("a write waited for the stalled output")
 	}
 	require.EqualValues(t, 18, w.Dropped())
-	close(out.open)
-	require.NoError(t, w.Flush())
-	var want strings.Builder
-	want.WriteString("first\n")
-	for i := range 12 {
-		fmt.Fprintf(&want, "line %02d\n", i)
-	}
-	require.Equal(t, want.String(), strings.Join(out.all(), ""))
+	requireWrittenAfterStall(t, out, w, lines("line", 12))
+}
+
+// TestKeptLinesOutlastAStall: while the output blocks, the lines written
+// through Kept are kept where the others are dropped, up to twice the limit,
+// and go out in their order among the others.
+func TestKeptLinesOutlastAStall(t *testing.T) {
+	t.Parallel()
+	out, w := stall(t)
+	write(w, "line", 15) // 12 fit the limit
+	require.EqualValues(t, 3, w.Dropped())
+	write(w.Kept(), "kept", 15) // 13 more fill twice the limit
+	require.EqualValues(t, 5, w.Dropped(), "past twice the limit, kept lines are dropped too")
+	write(w, "last", 1)
+	require.EqualValues(t, 6, w.Dropped())
+	requireWrittenAfterStall(t, out, w, lines("line", 12)+lines("kept", 13))
 }
 
 func TestCloseWritesWhatWaits(t *testing.T) {
