@@ -116,18 +116,18 @@ func stall(t *testing.T) (*stalled, *Writer) {
 	return out, w
 }
 
-// write writes n lines of 8 bytes each to w: prefix (4 bytes) and their
+// writeLines writes n lines of 8 bytes each to w: prefix (4 bytes) and their
 // numbers from 0.
-func write(w io.Writer, prefix string, n int) {
+func writeLines(w io.Writer, prefix string, n int) {
 	for i := range n {
 		_, _ = fmt.Fprintf(w, "%s %02d\n", prefix, i)
 	}
 }
 
-// lines is what write writes.
+// lines is what writeLines writes.
 func lines(prefix string, n int) string {
 	var b strings.Builder
-	write(&b, prefix, n)
+	writeLines(&b, prefix, n)
 	return b.String()
 }
 
@@ -149,7 +149,7 @@ func TestAStalledOutputHoldsUpNoWriter(t *testing.T) {
 	wrote := make(chan struct{})
 	go func() {
 		defer close(wrote)
-		write(w, "line", 30) // 12 fit the limit
+		writeLines(w, "line", 30) // 12 fit the limit
 	}()
 	select {
 	case <-wrote:
@@ -166,11 +166,11 @@ func TestAStalledOutputHoldsUpNoWriter(t *testing.T) {
 func TestKeptLinesOutlastAStall(t *testing.T) {
 	t.Parallel()
 	out, w := stall(t)
-	write(w, "line", 15) // 12 fit the limit
+	writeLines(w, "line", 15) // 12 fit the limit
 	require.EqualValues(t, 3, w.Dropped())
-	write(w.Kept(), "kept", 15) // 13 more fill twice the limit
+	writeLines(w.Kept(), "kept", 15) // 13 more fill twice the limit
 	require.EqualValues(t, 5, w.Dropped(), "past twice the limit, kept lines are dropped too")
-	write(w, "last", 1)
+	writeLines(w, "last", 1)
 	require.EqualValues(t, 6, w.Dropped())
 	requireWrittenAfterStall(t, out, w, lines("line", 12)+lines("kept", 13))
 }
