@@ -27,17 +27,17 @@ func (r *received) add(u api.RungUsage) {
 	r.TotalRungs += u.TotalRungs
 }
 
-// rungs is the part of a reply's usage that a usage view sums.
-func rungs(u api.Usage) api.RungUsage {
-	return api.RungUsage{InputRungs: u.InputRungs, OutputRungs: u.OutputRungs, TotalRungs: u.TotalRungs}
-}
-
 func (r *received) items(res api.BatchResults) {
 	for _, it := range res.Results {
 		if it.Status == "completed" {
 			r.add(it.Usage)
 		}
 	}
+}
+
+// rungs is the part of a reply's usage that a usage view sums.
+func rungs(u api.Usage) api.RungUsage {
+	return api.RungUsage{InputRungs: u.InputRungs, OutputRungs: u.OutputRungs, TotalRungs: u.TotalRungs}
 }
 
 // finalUsage is the usage of a stream's response.completed event.
