@@ -59,6 +59,33 @@ func Transient(err error) bool {
 		errors.Is(err, context.DeadlineExceeded)
 }
 
+// Away reports whether err means the database is not there to take work
+// yet: not listening (refused, reset, timed out), starting up, shutting down
+// or restarting, out of connections. A replica's start waits for such a
+// database. Unlike Transient, the server's refusal of the connection's login
+// or database name, a server certificate that does not verify, a host name
+// that does not resolve, and whatever a session said once opened (a pooler
+// that cannot keep sessions) are not: they are the configuration's to mend.
+func Away(err error) bool {
+	var pgErr *pgconn.PgError
+	var dnsErr *net.DNSError
+	var netErr net.Error
+	switch {
+	case errors.As(err, &pgErr):
+		switch pgErr.Code[:2] {
+		case "08", // connection exception
+			"53", // insufficient resources (too many connections)
+			"57": // operator intervention (starting up, shutting down, cannot connect now)
+			return true
+		}
+		return false
+	case errors.As(err, &dnsErr):
+		return !dnsErr.IsNotFound
+	}
+	return errors.As(err, &netErr) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
+		errors.Is(err, context.DeadlineExceeded)
+}
+
 // MayHaveCommitted reports whether a statement that failed with err may still
 // have committed: its reply was lost (the connection broke or timed out after
 // the statement was sent). Not when nothing was sent (the connection could not

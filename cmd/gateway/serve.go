@@ -27,6 +27,7 @@ import (
 	"github.com/rungworks/gateway/inference"
 	"github.com/rungworks/gateway/internal/lostpeer"
 	"github.com/rungworks/gateway/internal/memrelease"
+	"github.com/rungworks/gateway/internal/retry"
 	"github.com/rungworks/gateway/internal/serverlog"
 	"github.com/rungworks/gateway/internal/stopsignal"
 	"github.com/rungworks/gateway/ledger"
@@ -43,7 +44,7 @@ func serveCmd(logger *slog.Logger, logLinesLost func() uint64) *cobra.Command {
 	return &cobra.Command{
 		Use:   "serve",
 		Short: "Run the HTTP server (applies pending migrations first, under a lock)",
-		Long:  "Serves the API and drains batches; applies pending migrations first, under a PostgreSQL advisory lock. Reads DATABASE_URL (required) and the GATEWAY_* variables (see the README). SIGTERM or SIGINT stops it after the work in flight, within GATEWAY_SHUTDOWN_GRACE; a second one cuts that work short.",
+		Long:  "Serves the API and drains batches; applies pending migrations first, under a PostgreSQL advisory lock, waiting up to 30 s for a database that is away (not listening yet, starting up). Reads DATABASE_URL (required) and the GATEWAY_* variables (see the README). SIGTERM or SIGINT stops it after the work in flight, within GATEWAY_SHUTDOWN_GRACE; a second one cuts that work short.",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			// A replica whose log reader goes away (a broken pipe) goes on
@@ -61,7 +62,7 @@ func serveCmd(logger *slog.Logger, logLinesLost func() uint64) *cobra.Command {
 			if cfg.DatabaseURL == "" {
 				return errors.New("DATABASE_URL is required (or run `gateway dev` for a private database)")
 			}
-			st, err := openStore(cmd.Context(), cfg, cmd.CommandPath())
+			st, err := openStoreWhenUp(cmd.Context(), cfg, cmd.CommandPath(), logger)
 			if err != nil {
 				return err
 			}
@@ -83,6 +84,33 @@ func openStore(ctx context.Context, cfg config.Config, name string) (*store.Stor
 		return nil, err
 	}
 	return store.New(pool), nil
+}
+
+// databaseStartWait is how long a replica's start waits for a database
+// that is away (store.Away).
+const databaseStartWait = 30 * time.Second
+
+// openStoreWhenUp is openStore for a replica's start: while the database is
+// away (not listening yet, starting up, restarting), it tries again, each
+// failure logged, for up to databaseStartWait, so that a replica started
+// beside a database's restart (a deploy during a failover, a compose file
+// starting both) serves once the database is back instead of exiting into
+// its supervisor's back-off. Any other failure (a login refused, a database
+// that does not exist) stops the start at once; so does ctx's end (SIGTERM).
+func openStoreWhenUp(ctx context.Context, cfg config.Config, name string, logger *slog.Logger) (*store.Store, error) {
+	var st *store.Store
+	err := retry.Until(ctx, databaseStartWait, 2*time.Second, store.Away, func(ctx context.Context) error {
+		var err error
+		st, err = openStore(ctx, cfg, name)
+		if err != nil && store.Away(err) {
+			logger.Warn("the database is away at the start: waiting for it", "error", err, "wait", databaseStartWait.String())
+		}
+		return err
+	})
+	if err != nil && store.Away(err) && ctx.Err() == nil {
+		return nil, fmt.Errorf("the database stayed away for %v from the start: %w", databaseStartWait, err)
+	}
+	return st, err
 }
 
 // serve wires the gateway and serves until ctx ends; its metrics export
