@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/url"
 	"os"
 	"path/filepath"
 	"strings"
@@ -199,6 +200,45 @@ func streamsUntilEnd(t *testing.T, g *gateway, key, prompt string, n int) (wait 
 		wg.Wait()
 		return bodies
 	}
+}
+
+// TestAReplicaStartedWhileItsDatabaseIsAwayServesOnceItIsBack: a replica
+// started while its database is down (a deploy during a database's restart)
+// waits for it, saying so, and serves once it is back, instead of exiting
+// into its supervisor's back-off.
+func TestAReplicaStartedWhileItsDatabaseIsAwayServesOnceItIsBack(t *testing.T) {
+	t.Parallel()
+	cluster, dir := ownCluster(t, false)
+	key := strings.TrimSpace(mustCLI(t, cluster.URL("gw"), "keys", "create", "--account", "acme"))
+	fake := fakeupstream.New()
+	t.Cleanup(fake.Close)
+	require.NoError(t, cluster.Stop())
+	restarted := make(chan error, 1)
+	go func() {
+		time.Sleep(3 * time.Second) // the replica finds it away meanwhile
+		// Stopped with the test (ownCluster).
+		_, err := pglocal.Start(context.Background(), pglocal.Options{Dir: dir, Port: cluster.Port()})
+		restarted <- err
+	}()
+	g := serve(t, cluster.URL("gw"), fake.BaseURL(), nil) // waits until it is ready
+	require.NoError(t, <-restarted)
+	require.Contains(t, g.stderr.String(), "the database is away at the start: waiting for it")
+	require.Equal(t, http.StatusOK, g.call(http.MethodPost, "/api/v1/responses", key, map[string]any{"prompt": "served"}).status)
+}
+
+// TestAReplicaDoesNotWaitForADatabaseThatRefusesIt: a database that refuses
+// the connection's settings (here, a database name it does not have) stops
+// a replica's start at once, with the server's word, not after the wait for
+// a database away.
+func TestAReplicaDoesNotWaitForADatabaseThatRefusesIt(t *testing.T) {
+	t.Parallel()
+	u, err := url.Parse(testdb.EmptyURL(t))
+	require.NoError(t, err)
+	u.Path = "/no_such_database"
+	_, stderr, err := cliIn(t, "", map[string]string{"DATABASE_URL": u.String(), "GATEWAY_LISTEN": "127.0.0.1:0", "GATEWAY_METRICS_LISTEN": "off"}, "serve")
+	require.Error(t, err)
+	require.Contains(t, stderr, `database "no_such_database" does not exist`)
+	require.NotContains(t, stderr, "the database is away", "no try was made again")
 }
 
 // TestDatabaseRestartIsServiceUnavailable pins D12: while PostgreSQL restarts,

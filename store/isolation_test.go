@@ -7,6 +7,7 @@ import (
 	"io"
 	"math"
 	"net"
+	"net/url"
 	"syscall"
 	"testing"
 	"time"
@@ -123,6 +124,53 @@ func TestTransient(t *testing.T) {
 	require.True(t, store.Transient(io.EOF), "a connection ended")
 	require.True(t, store.Transient(unsent{errors.New("tls: internal error")}), "a write that sent nothing")
 	require.True(t, store.Transient(fmt.Errorf("error waiting: %w", context.DeadlineExceeded)), "no answer within the deadline")
+}
+
+// TestAway: a replica's start waits for a database that is away, not for
+// one that refuses the connection's settings (which a serving replica takes
+// for an outage all the same).
+func TestAway(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	connect := func(url string) error {
+		conn, err := pgx.Connect(ctx, url)
+		if err == nil {
+			_ = conn.Close(ctx)
+		}
+		return err
+	}
+	refused := connect("postgres://gateway@127.0.0.1:1/none?connect_timeout=5")
+	require.Error(t, refused)
+	require.True(t, store.Away(refused), "nothing listens: %v", refused)
+	u, err := url.Parse(testdb.EmptyURL(t))
+	require.NoError(t, err)
+	u.Path = "/no_such_database"
+	missing := connect(u.String())
+	require.Error(t, missing)
+	require.False(t, store.Away(missing), "a database that does not exist: %v", missing)
+	require.True(t, store.Transient(missing))
+
+	for _, c := range []struct {
+		name string
+		err  error
+		away bool
+	}{
+		{"starting up", &pgconn.PgError{Code: "57P03"}, true},
+		{"shutting down", &pgconn.PgError{Code: "57P01"}, true},
+		{"too many connections", &pgconn.PgError{Code: "53300"}, true},
+		{"a connection failure", &pgconn.PgError{Code: "08006"}, true},
+		{"a password refused", &pgconn.PgError{Code: "28P01"}, false},
+		{"a pooler that cannot keep a session's statements", &pgconn.PgError{Code: "42P05"}, false},
+		{"a host name that does not resolve", &net.DNSError{Err: "no such host", Name: "db", IsNotFound: true}, false},
+		{"a resolver away", &net.DNSError{Err: "server misbehaving", Name: "db", IsTemporary: true}, true},
+		{"a connection reset", &net.OpError{Op: "read", Net: "tcp", Err: syscall.ECONNRESET}, true},
+		{"a connection ended", io.EOF, true},
+		{"no answer within the deadline", fmt.Errorf("error connecting: %w", context.DeadlineExceeded), true},
+		{"a certificate that does not verify", errors.New("tls: failed to verify certificate: x509: certificate signed by unknown authority"), false},
+		{"no error", nil, false},
+	} {
+		require.Equal(t, c.away, store.Away(c.err), c.name)
+	}
 }
 
 // unsent is an error that pgx would say sent nothing (a write that failed).
