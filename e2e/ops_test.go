@@ -447,7 +447,7 @@ func TestAReplicaWhoseLogReaderStallsServesOn(t *testing.T) {
 	g.client = &http.Client{Timeout: time.Minute} // a request held up by the stalled log fails
 	accessLines := func() int { return strings.Count(g.stderr.String(), `"route":"/api/v1/responses"`) }
 	const stalled = 200 // access lines of some 450 bytes each: past the 64 KiB a pipe holds
-	serve := func(round string) {
+	sendReplies := func(round string) {
 		for i := range stalled {
 			require.Equal(t, http.StatusOK, g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": fmt.Sprint(round, i)}).status)
 		}
@@ -455,7 +455,7 @@ func TestAReplicaWhoseLogReaderStallsServesOn(t *testing.T) {
 
 	release := g.holdLogs()
 	defer release()
-	serve("stalled ")
+	sendReplies("stalled ")
 	require.Less(t, accessLines(), stalled, "the reader held, the pipe filled")
 	release()
 	require.Eventually(t, func() bool { return accessLines() == stalled }, 10*time.Second, 20*time.Millisecond,
@@ -464,7 +464,7 @@ func TestAReplicaWhoseLogReaderStallsServesOn(t *testing.T) {
 
 	release = g.holdLogs()
 	defer release()
-	serve("stalled again ")
+	sendReplies("stalled again ")
 	require.NoError(t, g.stop(), "asked to stop, it exits, its stalled lines given up")
 }
 
