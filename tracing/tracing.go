@@ -16,6 +16,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net/http"
 	"os"
 	"sync/atomic"
@@ -66,6 +67,9 @@ var (
 type Options struct {
 	// Content records prompts and outputs in spans (GATEWAY_TRACE_CONTENT).
 	Content bool
+	// Logger gets the SDK's errors (an export that failed, its spans lost)
+	// as warnings.
+	Logger *slog.Logger
 }
 
 // configured reports whether the environment names an OTLP endpoint.
@@ -90,6 +94,12 @@ func Setup(ctx context.Context, opts Options) (func(context.Context) error, erro
 	if err != nil && !errors.Is(err, resource.ErrPartialResource) {
 		return nil, fmt.Errorf("error reading OTEL_RESOURCE_ATTRIBUTES: %w", err)
 	}
+	// A collector away is the operator's to know, as a warning in the
+	// replica's log, sampled as its others are: not as a line the SDK
+	// writes through the log package each export.
+	otel.SetErrorHandler(otel.ErrorHandlerFunc(func(err error) {
+		opts.Logger.Warn("error exporting traces; the spans of the export are lost", "error", err)
+	}))
 	provider := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exporter), sdktrace.WithResource(res))
 	otel.SetTracerProvider(provider)
 	otel.SetTextMapPropagator(prop)

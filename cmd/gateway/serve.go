@@ -142,7 +142,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 		return err
 	}
 	m.ConfigLoaded(true, time.Now())
-	stopTracing, err := tracing.Setup(ctx, tracing.Options{Content: cfg.TraceContent})
+	stopTracing, err := tracing.Setup(ctx, tracing.Options{Content: cfg.TraceContent, Logger: logger})
 	if err != nil {
 		return err
 	}
