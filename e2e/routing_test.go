@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"bytes"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
@@ -640,6 +641,21 @@ func TestTraceContentWhenOptedIn(t *testing.T) {
 		attr(span, "gen_ai.input.messages").GetStringValue())
 	require.JSONEq(t, `[{"role":"assistant","parts":[{"type":"text","content":"`+fakeupstream.Reply("visible prompt")+`"}]}]`,
 		attr(span, "gen_ai.output.messages").GetStringValue())
+}
+
+// TestACollectorAwayIsAWarning: spans whose export fails (the collector not
+// listening) are a warning in the replica's log, in its format, and the
+// requests are served as before.
+func TestACollectorAwayIsAWarning(t *testing.T) {
+	t.Parallel()
+	r := serveRouted(t, map[string]string{
+		"OTEL_EXPORTER_OTLP_ENDPOINT": fmt.Sprintf("http://127.0.0.1:%d", freePort(t)), "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_BSP_SCHEDULE_DELAY": "50",
+	})
+	expect[api.Response](t, r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "traced nowhere"}), http.StatusOK)
+	waitForLine(t, r.g.stderr, `"level":"WARN","msg":"error exporting traces; the spans of the export are lost","error":"traces export: `)
+	for _, line := range strings.Split(strings.TrimSpace(r.g.stderr.String()), "\n") {
+		require.True(t, json.Valid([]byte(line)), "a line not in the log's format: %s", line)
+	}
 }
 
 // TestConfigCheck: the operator's check names each problem's line.
