@@ -44,7 +44,7 @@ func serveCmd(logger *slog.Logger, logLinesLost func() uint64) *cobra.Command {
 	return &cobra.Command{
 		Use:   "serve",
 		Short: "Run the HTTP server (applies pending migrations first, under a lock)",
-		Long:  "Serves the API and drains batches; applies pending migrations first, under a PostgreSQL advisory lock, waiting up to 30 s for a database that is away (not listening yet, starting up). Reads DATABASE_URL (required) and the GATEWAY_* variables (see the README). SIGTERM or SIGINT stops it after the work in flight, within GATEWAY_SHUTDOWN_GRACE; a second one cuts that work short.",
+		Long:  "Serves the API and drains batches; applies pending migrations first, under a PostgreSQL advisory lock, waiting up to 30 s for a database that is away (not listening yet, starting up; a signal meanwhile stops it, exit status 0). Reads DATABASE_URL (required) and the GATEWAY_* variables (see the README). SIGTERM or SIGINT stops it after the work in flight, within GATEWAY_SHUTDOWN_GRACE; a second one cuts that work short.",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			// A replica whose log reader goes away (a broken pipe) goes on
@@ -63,6 +63,12 @@ func serveCmd(logger *slog.Logger, logLinesLost func() uint64) *cobra.Command {
 				return errors.New("DATABASE_URL is required (or run `gateway dev` for a private database)")
 			}
 			st, err := openStoreWhenUp(cmd.Context(), cfg, cmd.CommandPath(), logger)
+			if err != nil && cmd.Context().Err() != nil {
+				// Asked to stop (SIGTERM) before it served: a stop, as
+				// the one of a replica that served, not a failure.
+				logger.Info("asked to stop before the database was reached: stopped", "error", err)
+				return nil
+			}
 			if err != nil {
 				return err
 			}
@@ -98,13 +104,17 @@ const databaseStartWait = 30 * time.Second
 // its supervisor's back-off. Any other failure (a login refused, a database
 // that does not exist) stops the start at once; so does ctx's end (SIGTERM).
 func openStoreWhenUp(ctx context.Context, cfg config.Config, name string, logger *slog.Logger) (*store.Store, error) {
+	waitedFor := func(err error) bool {
+		if !store.Away(err) {
+			return false
+		}
+		logger.Warn("the database is away at the start: waiting for it", "error", err, "wait", databaseStartWait.String())
+		return true
+	}
 	var st *store.Store
-	err := retry.Until(ctx, databaseStartWait, 2*time.Second, store.Away, func(ctx context.Context) error {
+	err := retry.Until(ctx, databaseStartWait, 2*time.Second, waitedFor, func(ctx context.Context) error {
 		var err error
 		st, err = openStore(ctx, cfg, name)
-		if err != nil && store.Away(err) {
-			logger.Warn("the database is away at the start: waiting for it", "error", err, "wait", databaseStartWait.String())
-		}
 		return err
 	})
 	if err != nil && store.Away(err) && ctx.Err() == nil {
