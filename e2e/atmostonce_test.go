@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"net/url"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -22,6 +23,7 @@ import (
 	"github.com/rungworks/gateway/internal/blackhole"
 	"github.com/rungworks/gateway/internal/fakeupstream"
 	"github.com/rungworks/gateway/internal/logsample"
+	"github.com/rungworks/gateway/internal/syncbuf"
 	"github.com/rungworks/gateway/internal/tcpproxy"
 	"github.com/rungworks/gateway/internal/testdb"
 	"github.com/rungworks/gateway/pglocal"
@@ -239,6 +241,27 @@ func TestAReplicaDoesNotWaitForADatabaseThatRefusesIt(t *testing.T) {
 	require.Error(t, err)
 	require.Contains(t, stderr, `database "no_such_database" does not exist`)
 	require.NotContains(t, stderr, "the database is away", "no try was made again")
+}
+
+// TestAReplicaAskedToStopWhileItWaitsForItsDatabaseStops: SIGTERM during
+// the start's wait for a database away ends the replica at once, with a
+// clean exit: a stop asked for, not a failure for its supervisor to count.
+func TestAReplicaAskedToStopWhileItWaitsForItsDatabaseStops(t *testing.T) {
+	t.Parallel()
+	cmd := exec.Command(binary, "serve")
+	cmd.Env = environ(map[string]string{
+		"DATABASE_URL":   fmt.Sprintf("postgres://gateway@127.0.0.1:%d/gateway?sslmode=disable", freePort(t)), // nothing listens
+		"GATEWAY_LISTEN": "127.0.0.1:0", "GATEWAY_METRICS_LISTEN": "off",
+	})
+	cmd.SysProcAttr = childAttr()
+	g := &gateway{t: t, cmd: cmd, stderr: &syncbuf.Buffer{}, done: make(chan error, 1)}
+	cmd.Stderr = g.stderr
+	require.NoError(t, cmd.Start())
+	go func() { g.done <- cmd.Wait() }()
+	t.Cleanup(func() { _ = g.stop() })
+	waitForLine(t, g.stderr, "the database is away at the start: waiting for it")
+	require.NoError(t, g.stop(), "a clean exit: %s", g.stderr.String())
+	require.Contains(t, g.stderr.String(), `"msg":"asked to stop before the database was reached: stopped"`)
 }
 
 // TestDatabaseRestartIsServiceUnavailable pins D12: while PostgreSQL restarts,
