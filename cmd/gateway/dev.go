@@ -55,6 +55,7 @@ terminal (SIGHUP) stops it as Ctrl-C does.`,
 			if err := cfg.Check(); err != nil {
 				return err
 			}
+			warnStrays(cmd.Context(), cfg, logger)
 			// Closing the terminal dev runs in sends it SIGHUP: it stops as
 			// on Ctrl-C instead of running on, with its PostgreSQL and
 			// ports, without one (serve reloads its routes on SIGHUP).

@@ -59,6 +59,7 @@ func serveCmd(logger *slog.Logger, logLinesLost func() uint64) *cobra.Command {
 			if err := cfg.Check(); err != nil {
 				return err
 			}
+			warnStrays(cmd.Context(), cfg, logger)
 			if cfg.DatabaseURL == "" {
 				return errors.New("DATABASE_URL is required (or run `gateway dev` for a private database)")
 			}
