@@ -104,6 +104,23 @@ func TestMetricsListenerOff(t *testing.T) {
 	require.NotContains(t, g.stderr.String(), `"msg":"metrics listening"`)
 }
 
+// TestAMisspeltSettingIsWarnedOf: a variable named as the settings are that
+// the gateway does not read (a typo) is a warning at a replica's start,
+// naming the setting it likely means, and in the configuration's check;
+// the variables Kubernetes sets for a service named gateway are not.
+func TestAMisspeltSettingIsWarnedOf(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	strays := map[string]string{"GATEWAY_DRAIN_CONCURENCY": "4", "GATEWAY_SERVICE_HOST": "10.0.0.7", "GATEWAY_PORT": "tcp://10.0.0.7:8080"}
+	g := serve(t, b.db, b.fake.BaseURL(), strays)
+	require.Contains(t, g.stderr.String(), `"level":"WARN","msg":"a variable named as the gateway's settings is no setting: ignored","variable":"GATEWAY_DRAIN_CONCURENCY","did_you_mean":"GATEWAY_DRAIN_CONCURRENCY"}`)
+	require.Equal(t, 1, strings.Count(g.stderr.String(), "is no setting"), "Kubernetes's variables are no typos")
+
+	_, stderr, err := cliIn(t, "", strays, "config", "check")
+	require.NoError(t, err, "a warning, not a failure")
+	require.Equal(t, "warning: GATEWAY_DRAIN_CONCURENCY is no setting of the gateway's: ignored (GATEWAY_DRAIN_CONCURRENCY?)\n", stderr)
+}
+
 // TestRollingRestartLosesNothing restarts one of two replicas with SIGTERM
 // while both drain a batch and serve interactive requests: every item completes
 // (none INTERRUPTED), each prompt reaches the upstream once, and the requests
