@@ -261,7 +261,7 @@ func TestAReplicaAskedToStopWhileItWaitsForItsDatabaseStops(t *testing.T) {
 	t.Cleanup(func() { _ = g.stop() })
 	waitForLine(t, g.stderr, "the database is away at the start: waiting for it")
 	require.NoError(t, g.stop(), "a clean exit: %s", g.stderr.String())
-	require.Contains(t, g.stderr.String(), `"msg":"asked to stop before the database was reached: stopped"`)
+	require.Contains(t, g.stderr.String(), `"msg":"asked to stop while opening the database at the start: stopped"`)
 }
 
 // TestDatabaseRestartIsServiceUnavailable pins D12: while PostgreSQL restarts,

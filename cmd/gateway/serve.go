@@ -67,7 +67,7 @@ func serveCmd(logger *slog.Logger, logLinesLost func() uint64) *cobra.Command {
 			if err != nil && cmd.Context().Err() != nil {
 				// Asked to stop (SIGTERM) before it served: a stop, as
 				// the one of a replica that served, not a failure.
-				logger.Info("asked to stop before the database was reached: stopped", "error", err)
+				logger.Info("asked to stop while opening the database at the start: stopped", "error", err)
 				return nil
 			}
 			if err != nil {
