@@ -63,12 +63,15 @@ func Transient(err error) bool {
 // yet: not listening (refused, reset, timed out), starting up, shutting down
 // or restarting, out of connections. A replica's start waits for such a
 // database. Unlike Transient, the server's refusal of the connection's login
-// or database name, a server certificate that does not verify, a host name
-// that does not resolve, and whatever a session said once opened (a pooler
-// that cannot keep sessions) are not: they are the configuration's to mend.
+// or database name, a server certificate that does not verify, a client
+// certificate the server refuses in the handshake (its TLS alert), a host
+// name that does not resolve, and whatever a session said once opened (a
+// pooler that cannot keep sessions) are not: they are the configuration's
+// to mend.
 func Away(err error) bool {
 	var pgErr *pgconn.PgError
 	var dnsErr *net.DNSError
+	var opErr *net.OpError
 	var netErr net.Error
 	switch {
 	case errors.As(err, &pgErr):
@@ -81,10 +84,16 @@ func Away(err error) bool {
 		return false
 	case errors.As(err, &dnsErr):
 		return !dnsErr.IsNotFound
+	case errors.As(err, &opErr) && opErr.Op == tlsAlert:
+		return false
 	}
 	return errors.As(err, &netErr) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
 		errors.Is(err, context.DeadlineExceeded)
 }
+
+// tlsAlert is the operation of crypto/tls's error for an alert the peer
+// sent (a refused certificate, say).
+const tlsAlert = "remote error"
 
 // MayHaveCommitted reports whether a statement that failed with err may still
 // have committed: its reply was lost (the connection broke or timed out after
