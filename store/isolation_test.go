@@ -2,6 +2,7 @@ package store_test
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"io"
@@ -19,6 +20,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/internal/testcert"
 	"github.com/rungworks/gateway/internal/testdb"
 	"github.com/rungworks/gateway/store"
 )
@@ -150,6 +152,10 @@ func TestAway(t *testing.T) {
 	require.False(t, store.Away(missing), "a database that does not exist: %v", missing)
 	require.True(t, store.Transient(missing))
 
+	certRefused := connect(requiringClientCertificates(t) + "/none?sslmode=require&connect_timeout=5")
+	require.Error(t, certRefused)
+	require.False(t, store.Away(certRefused), "a server that refuses the client's certificate (none): %v", certRefused)
+
 	for _, c := range []struct {
 		name string
 		err  error
@@ -171,6 +177,43 @@ func TestAway(t *testing.T) {
 	} {
 		require.Equal(t, c.away, store.Away(c.err), c.name)
 	}
+}
+
+// requiringClientCertificates returns the address (postgres://u@host:port)
+// of a server that takes a client's request for TLS, as PostgreSQL does, and
+// refuses its handshake without a client certificate, as PostgreSQL does
+// with an authority of clients set (ssl_ca_file).
+func requiringClientCertificates(t *testing.T) string {
+	t.Helper()
+	creds := testcert.NewAuthority(t, "server").Issue(t, "127.0.0.1", net.IPv4(127, 0, 0, 1))
+	pair, err := tls.X509KeyPair(creds.Cert, creds.Key)
+	require.NoError(t, err)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			conn, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer conn.Close()
+				sslRequest := make([]byte, 8)
+				if _, err := io.ReadFull(conn, sslRequest); err != nil {
+					return
+				}
+				if _, err := conn.Write([]byte("S")); err != nil {
+					return
+				}
+				server := tls.Server(conn, &tls.Config{Certificates: []tls.Certificate{pair}, ClientAuth: tls.RequireAndVerifyClientCert})
+				if server.Handshake() == nil {
+					_, _ = io.Copy(io.Discard, server)
+				}
+			}()
+		}
+	}()
+	return "postgres://gateway@" + ln.Addr().String()
 }
 
 // unsent is an error that pgx would say sent nothing (a write that failed).
