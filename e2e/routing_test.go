@@ -649,7 +649,7 @@ func TestTraceContentWhenOptedIn(t *testing.T) {
 func TestACollectorAwayIsAWarning(t *testing.T) {
 	t.Parallel()
 	r := serveRouted(t, map[string]string{
-		"OTEL_EXPORTER_OTLP_ENDPOINT": fmt.Sprintf("http://127.0.0.1:%d", freePort(t)), "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_BSP_SCHEDULE_DELAY": "50",
+		"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_BSP_SCHEDULE_DELAY": "50", // nothing listens
 	})
 	expect[api.Response](t, r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "traced nowhere"}), http.StatusOK)
 	waitForLine(t, r.g.stderr, `"level":"WARN","msg":"error exporting traces; the spans of the export are lost","error":"traces export: `)
