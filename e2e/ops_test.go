@@ -281,7 +281,8 @@ func TestStopWaitsForSettlementsSentWithTheirUsage(t *testing.T) {
 			before := expect[api.Response](t, g.call(http.MethodPost, "/api/v1/responses", b.key, map[string]any{"prompt": "before"}), http.StatusOK)
 
 			b.fake.SetSlow("lost", 300*time.Millisecond) // its settlement goes on a connection used within a second: not pinged first
-			refused := "127.0.0.1:1" // nothing listens
+
+			refused := "127.0.0.1:1" // where nothing listens
 			cut := make(chan int, 1)
 			go func() {
 				for deadline := time.Now().Add(10 * time.Second); b.fake.InFlight() == 0 && time.Now().Before(deadline); {
