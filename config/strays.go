@@ -76,7 +76,7 @@ func serviceLink(name, value string) bool {
 }
 
 // maxTypos is how many letters a stray's name may have wrong, missing or
-// extra and still be taken for a setting's.
+// extra and still be taken for the name of a variable the gateway reads.
 const maxTypos = 2
 
 // nearest is the one of names fewest edits from name, when that is maxTypos
