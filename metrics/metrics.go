@@ -50,6 +50,7 @@ type Metrics struct {
 	clockOffset      prometheus.Gauge
 	listening        *prometheus.GaugeVec
 	handshakeFails   *prometheus.CounterVec
+	traceFails       prometheus.Counter
 }
 
 // New registers the gateway's metrics (and the Go and process collectors) on a
@@ -155,11 +156,14 @@ func New() *Metrics {
 		handshakeFails: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "gateway_tls_handshake_failures_total", Help: "TLS handshakes on the API's listener that failed, by kind: closed (the client left before it ended: a TCP health check, a scanner), plain_http (answered 400), refused (the client ended it with an alert: the certificate, or no common version or cipher), other.",
 		}, []string{"kind"}),
+		traceFails: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "gateway_trace_export_failures_total", Help: "Errors of the OpenTelemetry SDK, each an export of spans that failed (the collector away, or refusing them): its spans are lost. 0 without tracing.",
+		}),
 	}
 	for _, listener := range []string{ListenerKeys, ListenerBatches} {
 		m.listening.WithLabelValues(listener).Set(0)
 	}
-	m.registry.MustRegister(m.attempts, m.replyCuts, m.tenantHolds, m.unreported, m.attemptDuration, m.circuitState, m.fallbacks, m.reloadOK, m.reloadTime, m.clockOffset, m.listening, m.handshakeFails,
+	m.registry.MustRegister(m.attempts, m.replyCuts, m.tenantHolds, m.unreported, m.attemptDuration, m.circuitState, m.fallbacks, m.reloadOK, m.reloadTime, m.clockOffset, m.listening, m.handshakeFails, m.traceFails,
 		m.requests, m.requestDuration, m.rungs, m.upstreamDuration, m.upstreamErrors,
 		m.openStreams, m.streamErrors, m.batchItems, m.claimDuration, m.commitDuration, m.commitSize, m.queueDepth, m.leaseRescues, m.maintenanceRows, m.maintenanceFails, m.refusals, m.unconfirmed, m.clamps,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -540,6 +544,14 @@ func (m *Metrics) TLSHandshakeFailed(kind string) {
 		kind = Other
 	}
 	m.handshakeFails.WithLabelValues(kind).Inc()
+}
+
+// TraceExportFailed counts an error of the tracing SDK: an export that
+// failed, its spans lost.
+func (m *Metrics) TraceExportFailed() {
+	if m != nil {
+		m.traceFails.Inc()
+	}
 }
 
 // TLSCertificate exports, as gateway_tls_certificate_expiry_timestamp_seconds,

@@ -70,6 +70,8 @@ type Options struct {
 	// Logger gets the SDK's errors (an export that failed, its spans lost)
 	// as warnings.
 	Logger *slog.Logger
+	// Failed is called for each of those errors (the metrics count them).
+	Failed func()
 }
 
 // configured reports whether the environment names an OTLP endpoint.
@@ -94,10 +96,11 @@ func Setup(ctx context.Context, opts Options) (func(context.Context) error, erro
 	if err != nil && !errors.Is(err, resource.ErrPartialResource) {
 		return nil, fmt.Errorf("error reading OTEL_RESOURCE_ATTRIBUTES: %w", err)
 	}
-	// A collector away is the operator's to know, as a warning in the
-	// replica's log, sampled as its others are: not as a line the SDK
-	// writes through the log package each export.
+	// A collector away is the operator's to know, counted, and as a
+	// warning in the replica's log, sampled as its others are: not as a
+	// line the SDK writes through the log package each export.
 	otel.SetErrorHandler(otel.ErrorHandlerFunc(func(err error) {
+		opts.Failed()
 		opts.Logger.Warn("error exporting traces; the spans of the export are lost", "error", err)
 	}))
 	provider := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exporter), sdktrace.WithResource(res))

@@ -153,7 +153,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 		return err
 	}
 	m.ConfigLoaded(true, time.Now())
-	stopTracing, err := tracing.Setup(ctx, tracing.Options{Content: cfg.TraceContent, Logger: logger})
+	stopTracing, err := tracing.Setup(ctx, tracing.Options{Content: cfg.TraceContent, Logger: logger, Failed: m.TraceExportFailed})
 	if err != nil {
 		return err
 	}
