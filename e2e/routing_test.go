@@ -644,8 +644,8 @@ func TestTraceContentWhenOptedIn(t *testing.T) {
 }
 
 // TestACollectorAwayIsAWarning: spans whose export fails (the collector not
-// listening) are a warning in the replica's log, in its format, and the
-// requests are served as before.
+// listening) are counted and a warning in the replica's log, in its format,
+// and the requests are served as before.
 func TestACollectorAwayIsAWarning(t *testing.T) {
 	t.Parallel()
 	r := serveRouted(t, map[string]string{
@@ -653,6 +653,7 @@ func TestACollectorAwayIsAWarning(t *testing.T) {
 	})
 	expect[api.Response](t, r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "traced nowhere"}), http.StatusOK)
 	waitForLine(t, r.g.stderr, `"level":"WARN","msg":"error exporting traces; the spans of the export are lost","error":"traces export: `)
+	require.Positive(t, metricValue(t, r.g.scrape(), "gateway_trace_export_failures_total"), "counted")
 	for _, line := range strings.Split(strings.TrimSpace(r.g.stderr.String()), "\n") {
 		require.True(t, json.Valid([]byte(line)), "a line not in the log's format: %s", line)
 	}

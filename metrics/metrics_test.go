@@ -58,6 +58,17 @@ func TestLabelsComeFromFixedSets(t *testing.T) {
 	require.Equal(t, metrics.Other, metrics.Method("post"))
 }
 
+// TestTraceExportFailuresAreCounted: the count of failed exports is 0 until
+// the first.
+func TestTraceExportFailuresAreCounted(t *testing.T) {
+	t.Parallel()
+	m := metrics.New()
+	require.Contains(t, metricstest.Scrape(m), "gateway_trace_export_failures_total 0\n")
+	m.TraceExportFailed()
+	m.TraceExportFailed()
+	require.Contains(t, metricstest.Scrape(m), "gateway_trace_export_failures_total 2\n")
+}
+
 // TestListenerServesOnlyWhatItShould: /metrics, and the profiler only when
 // asked for; every other path is 404, not the metrics text.
 func TestListenerServesOnlyWhatItShould(t *testing.T) {
