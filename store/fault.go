@@ -32,7 +32,6 @@ func Transient(err error) bool {
 	var pgErr *pgconn.PgError
 	var domain *gateway.Error
 	var connectErr *pgconn.ConnectError
-	var netErr net.Error
 	switch {
 	case err == nil, errors.Is(err, context.Canceled), errors.As(err, &domain):
 		return false
@@ -53,9 +52,15 @@ func Transient(err error) bool {
 		return false
 	}
 	// Not a reply of the server: did the connection or a deadline fail?
-	// (pgx's timeouts wrap a deadline, or a net.Error, or a cancel.)
-	return pgconn.SafeToRetry(err) || errors.As(err, &netErr) ||
-		errors.Is(err, pgconn.ErrConnClosed) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, io.EOF) ||
+	return pgconn.SafeToRetry(err) || errors.Is(err, pgconn.ErrConnClosed) || connectionFailed(err)
+}
+
+// connectionFailed reports whether err is a connection's failure or a
+// deadline's, not a reply of the server: pgx's timeouts wrap a deadline, or
+// a net.Error, or a cancel.
+func connectionFailed(err error) bool {
+	var netErr net.Error
+	return errors.As(err, &netErr) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, io.EOF) ||
 		errors.Is(err, context.DeadlineExceeded)
 }
 
@@ -72,7 +77,6 @@ func Away(err error) bool {
 	var pgErr *pgconn.PgError
 	var dnsErr *net.DNSError
 	var opErr *net.OpError
-	var netErr net.Error
 	switch {
 	case errors.As(err, &pgErr):
 		switch pgErr.Code[:2] {
@@ -87,8 +91,7 @@ func Away(err error) bool {
 	case errors.As(err, &opErr) && opErr.Op == tlsAlert:
 		return false
 	}
-	return errors.As(err, &netErr) || errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
-		errors.Is(err, context.DeadlineExceeded)
+	return connectionFailed(err)
 }
 
 // tlsAlert is the operation of crypto/tls's error for an alert the peer
