@@ -10,7 +10,6 @@ import (
 	"net/http"
 	"net/url"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -23,7 +22,6 @@ import (
 	"github.com/rungworks/gateway/internal/blackhole"
 	"github.com/rungworks/gateway/internal/fakeupstream"
 	"github.com/rungworks/gateway/internal/logsample"
-	"github.com/rungworks/gateway/internal/syncbuf"
 	"github.com/rungworks/gateway/internal/tcpproxy"
 	"github.com/rungworks/gateway/internal/testdb"
 	"github.com/rungworks/gateway/pglocal"
@@ -248,17 +246,10 @@ func TestAReplicaDoesNotWaitForADatabaseThatRefusesIt(t *testing.T) {
 // clean exit: a stop asked for, not a failure for its supervisor to count.
 func TestAReplicaAskedToStopWhileItWaitsForItsDatabaseStops(t *testing.T) {
 	t.Parallel()
-	cmd := exec.Command(binary, "serve")
-	cmd.Env = environ(map[string]string{
+	g := spawn(t, false, map[string]string{
 		"DATABASE_URL":   "postgres://gateway@127.0.0.1:1/gateway?sslmode=disable", // nothing listens
 		"GATEWAY_LISTEN": "127.0.0.1:0", "GATEWAY_METRICS_LISTEN": "off",
-	})
-	cmd.SysProcAttr = childAttr()
-	g := &gateway{t: t, cmd: cmd, stderr: &syncbuf.Buffer{}, done: make(chan error, 1)}
-	cmd.Stderr = g.stderr
-	require.NoError(t, cmd.Start())
-	go func() { g.done <- cmd.Wait() }()
-	t.Cleanup(func() { _ = g.stop() })
+	}, "serve")
 	waitForLine(t, g.stderr, "the database is away at the start: waiting for it")
 	require.NoError(t, g.stop(), "a clean exit: %s", g.stderr.String())
 	require.Contains(t, g.stderr.String(), `"msg":"asked to stop while opening the database at the start: stopped"`)

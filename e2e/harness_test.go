@@ -179,9 +179,6 @@ func startOnce(t *testing.T, piped bool, env map[string]string, args ...string) 
 	if _, ok := env["GATEWAY_DRAIN_DELAY"]; !ok {
 		env["GATEWAY_DRAIN_DELAY"] = "0s" // tests that stop replicas need no load balancer to notice
 	}
-	cmd := exec.Command(binary, args...)
-	cmd.Env = environ(env)
-	cmd.SysProcAttr = childAttr()
 	scheme, probe := "http", http.DefaultClient
 	if env["GATEWAY_TLS_CERT"] != "" {
 		// The readiness probe does not check the certificate (the test
@@ -190,32 +187,8 @@ func startOnce(t *testing.T, piped bool, env map[string]string, args ...string) 
 		probe = &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}}
 		defer probe.CloseIdleConnections()
 	}
-	g := &gateway{
-		t: t, cmd: cmd, base: fmt.Sprintf("%s://127.0.0.1:%d", scheme, port), metrics: fmt.Sprintf("http://127.0.0.1:%d", metricsPort),
-		stderr: &syncbuf.Buffer{}, stdout: &syncbuf.Buffer{}, done: make(chan error, 1),
-	}
-	cmd.Stdout, cmd.Stderr = g.stdout, g.stderr
-	var logWriter *os.File
-	if piped {
-		var err error
-		g.logReader, logWriter, err = os.Pipe()
-		require.NoError(t, err)
-		t.Cleanup(func() { g.logReader.Close() })
-		cmd.Stderr = logWriter
-		g.logsRead = make(chan struct{})
-		go g.readLogs()
-	}
-	require.NoError(t, cmd.Start())
-	if logWriter != nil {
-		require.NoError(t, logWriter.Close()) // the process has its own
-	}
-	go func() { g.done <- cmd.Wait() }()
-	t.Cleanup(func() {
-		_ = g.stop()
-		if t.Failed() {
-			t.Logf("gateway stderr:\n%s", g.stderr.String())
-		}
-	})
+	g := spawn(t, piped, env, args...)
+	g.base, g.metrics = fmt.Sprintf("%s://127.0.0.1:%d", scheme, port), fmt.Sprintf("http://127.0.0.1:%d", metricsPort)
 
 	// Ready, as a load balancer would wait for: the database answers and the
 	// key cache listens for changes.
@@ -243,6 +216,42 @@ func startOnce(t *testing.T, piped bool, env map[string]string, args ...string) 
 			return g, fmt.Errorf("gateway did not serve within 60s")
 		}
 	}
+}
+
+// spawn starts the gateway with args in the environment env (see environ),
+// its output read into g.stdout and g.stderr (the latter through a pipe the
+// test may close or hold when piped: launch), and stops it when the test
+// ends, showing its standard error if the test failed. It does not wait for
+// the process to serve.
+func spawn(t *testing.T, piped bool, env map[string]string, args ...string) *gateway {
+	t.Helper()
+	cmd := exec.Command(binary, args...)
+	cmd.Env = environ(env)
+	cmd.SysProcAttr = childAttr()
+	g := &gateway{t: t, cmd: cmd, stderr: &syncbuf.Buffer{}, stdout: &syncbuf.Buffer{}, done: make(chan error, 1)}
+	cmd.Stdout, cmd.Stderr = g.stdout, g.stderr
+	var logWriter *os.File
+	if piped {
+		var err error
+		g.logReader, logWriter, err = os.Pipe()
+		require.NoError(t, err)
+		t.Cleanup(func() { g.logReader.Close() })
+		cmd.Stderr = logWriter
+		g.logsRead = make(chan struct{})
+		go g.readLogs()
+	}
+	require.NoError(t, cmd.Start())
+	if logWriter != nil {
+		require.NoError(t, logWriter.Close()) // the process has its own
+	}
+	go func() { g.done <- cmd.Wait() }()
+	t.Cleanup(func() {
+		_ = g.stop()
+		if t.Failed() {
+			t.Logf("gateway stderr:\n%s", g.stderr.String())
+		}
+	})
+	return g
 }
 
 // readLogs copies what the process writes to its piped standard error into
