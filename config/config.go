@@ -56,6 +56,7 @@ type Config struct {
 	DrainConcurrency       int           `env:"GATEWAY_DRAIN_CONCURRENCY" envDefault:"32"`
 	SimTokenLatency        time.Duration `env:"GATEWAY_SIM_TOKEN_LATENCY" envDefault:"2ms"`
 	DBMaxConns             int32         `env:"GATEWAY_DB_MAX_CONNS" envDefault:"8"`
+	DBStartWait            time.Duration `env:"GATEWAY_DB_START_WAIT" envDefault:"30s"`
 	MetricsListen          string        `env:"GATEWAY_METRICS_LISTEN" envDefault:":9810"`
 	Pprof                  bool          `env:"GATEWAY_PPROF"`
 	ShutdownGrace          time.Duration `env:"GATEWAY_SHUTDOWN_GRACE" envDefault:"30s"`
@@ -162,6 +163,9 @@ func load(defaults map[string]string) (Config, error) {
 	}
 	if cfg.DBMaxConns < 2 {
 		return Config{}, fmt.Errorf("GATEWAY_DB_MAX_CONNS must be at least 2")
+	}
+	if cfg.DBStartWait < 0 {
+		return Config{}, fmt.Errorf("GATEWAY_DB_START_WAIT must not be negative (0: no wait)")
 	}
 	if cfg.proxies, err = readProxies(cfg.TrustedProxies); err != nil {
 		return Config{}, err

@@ -44,7 +44,7 @@ func serveCmd(logger *slog.Logger, logLinesLost func() uint64) *cobra.Command {
 	return &cobra.Command{
 		Use:   "serve",
 		Short: "Run the HTTP server (applies pending migrations first, under a lock)",
-		Long:  "Serves the API and drains batches; applies pending migrations first, under a PostgreSQL advisory lock, waiting up to 30 s for a database that is away (not listening yet, starting up; a signal meanwhile stops it, exit status 0). Reads DATABASE_URL (required) and the GATEWAY_* variables (see the README). SIGTERM or SIGINT stops it after the work in flight, within GATEWAY_SHUTDOWN_GRACE; a second one cuts that work short.",
+		Long:  "Serves the API and drains batches; applies pending migrations first, under a PostgreSQL advisory lock, waiting up to GATEWAY_DB_START_WAIT (30 s) for a database that is away (not listening yet, starting up; a signal meanwhile stops it, exit status 0). Reads DATABASE_URL (required) and the GATEWAY_* variables (see the README). SIGTERM or SIGINT stops it after the work in flight, within GATEWAY_SHUTDOWN_GRACE; a second one cuts that work short.",
 		Args:  cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			// A replica whose log reader goes away (a broken pipe) goes on
@@ -93,33 +93,26 @@ func openStore(ctx context.Context, cfg config.Config, name string) (*store.Stor
 	return store.New(pool), nil
 }
 
-// databaseStartWait is how long a replica's start waits for a database
-// that is away (store.Away).
-const databaseStartWait = 30 * time.Second
-
 // openStoreWhenUp is openStore for a replica's start: while the database is
 // away (not listening yet, starting up, restarting), it tries again, each
-// failure logged, for up to databaseStartWait, so that a replica started
-// beside a database's restart (a deploy during a failover, a compose file
-// starting both) serves once the database is back instead of exiting into
-// its supervisor's back-off. Any other failure (a login refused, a database
-// that does not exist) stops the start at once; so does ctx's end (SIGTERM).
+// failure that a wait follows logged, for up to cfg.DBStartWait, so that a
+// replica started beside a database's restart (a deploy during a failover,
+// a compose file starting both) serves once the database is back instead
+// of exiting into its supervisor's back-off. Any other failure (a login
+// refused, a database that does not exist) stops the start at once; so does
+// ctx's end (SIGTERM).
 func openStoreWhenUp(ctx context.Context, cfg config.Config, name string, logger *slog.Logger) (*store.Store, error) {
-	waitedFor := func(err error) bool {
-		if !store.Away(err) {
-			return false
-		}
-		logger.Warn("the database is away at the start: waiting for it", "error", err, "wait", databaseStartWait.String())
-		return true
+	waiting := func(err error, wait time.Duration) {
+		logger.Warn("the database is away at the start: waiting for it", "error", err, "retry_in", wait.String(), "wait", cfg.DBStartWait.String())
 	}
 	var st *store.Store
-	err := retry.Until(ctx, databaseStartWait, 2*time.Second, waitedFor, func(ctx context.Context) error {
+	err := retry.UntilTelling(ctx, cfg.DBStartWait, 2*time.Second, store.Away, waiting, func(ctx context.Context) error {
 		var err error
 		st, err = openStore(ctx, cfg, name)
 		return err
 	})
 	if err != nil && store.Away(err) && ctx.Err() == nil {
-		return nil, fmt.Errorf("the database stayed away for %v from the start: %w", databaseStartWait, err)
+		return nil, fmt.Errorf("the database stayed away for the start's wait, %v (GATEWAY_DB_START_WAIT): %w", cfg.DBStartWait, err)
 	}
 	return st, err
 }
