@@ -576,6 +576,7 @@ func TestTheEnvironmentsBounds(t *testing.T) {
 		{"GATEWAY_BODY_TIMEOUT", "0s", "1ms", "GATEWAY_BODY_TIMEOUT must be positive"},
 		{"GATEWAY_RATE_LIMIT", "-1", "0", "GATEWAY_RATE_LIMIT must not be negative"},
 		{"GATEWAY_DB_MAX_CONNS", "1", "2", "GATEWAY_DB_MAX_CONNS must be at least 2"},
+		{"GATEWAY_DB_START_WAIT", "-1s", "0s", "GATEWAY_DB_START_WAIT must not be negative"},
 	} {
 		t.Setenv("GATEWAY_REQUEST_RETENTION", "0s") // not bound by a short evidence retention
 		t.Setenv(c.name, c.past)

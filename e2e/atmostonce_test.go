@@ -255,6 +255,33 @@ func TestAReplicaAskedToStopWhileItWaitsForItsDatabaseStops(t *testing.T) {
 	require.Contains(t, g.stderr.String(), `"msg":"asked to stop while opening the database at the start: stopped"`)
 }
 
+// TestAReplicaWhoseDatabaseStaysAwayExitsAfterItsWait: the start's wait
+// for a database away is GATEWAY_DB_START_WAIT; past it the replica exits,
+// naming it, with the last connection's error; the waits meanwhile are
+// logged, each with its length; with 0 no try is made again.
+func TestAReplicaWhoseDatabaseStaysAwayExitsAfterItsWait(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		wait    string
+		waiting bool
+	}{{"1s", true}, {"0s", false}} {
+		_, stderr, err := cliIn(t, "", map[string]string{
+			"DATABASE_URL":   "postgres://gateway@127.0.0.1:1/gateway?sslmode=disable", // nothing listens
+			"GATEWAY_LISTEN": "127.0.0.1:0", "GATEWAY_METRICS_LISTEN": "off", "GATEWAY_DB_START_WAIT": c.wait,
+		}, "serve")
+		require.Error(t, err, c.wait)
+		require.Contains(t, stderr, "gateway: the database stayed away for the start's wait, "+c.wait+" (GATEWAY_DB_START_WAIT): ", c.wait)
+		require.Contains(t, stderr, "connection refused", c.wait)
+		waits := strings.Count(stderr, `"msg":"the database is away at the start: waiting for it"`)
+		if !c.waiting {
+			require.Zero(t, waits, stderr)
+			continue
+		}
+		require.Positive(t, waits, stderr)
+		require.Contains(t, stderr, `"retry_in":"100ms","wait":"1s"`)
+	}
+}
+
 // TestDatabaseRestartIsServiceUnavailable pins D12: while PostgreSQL restarts,
 // requests get 503 SERVICE_UNAVAILABLE with Retry-After, never 500, and the
 // gateway serves again once it is back. The error line of each refusal is

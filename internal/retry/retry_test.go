@@ -62,3 +62,36 @@ func TestUntilStopsWithItsContext(t *testing.T) {
 	require.ErrorIs(t, err, errAway)
 	require.Equal(t, 1, n)
 }
+
+// TestUntilTellingTellsEachWaitAndNotTheEnd: each wait is told, with its
+// length; the failure that ends the window, which no wait follows, is not.
+func TestUntilTellingTellsEachWaitAndNotTheEnd(t *testing.T) {
+	t.Parallel()
+	var tries int
+	var waits []time.Duration
+	err := UntilTelling(context.Background(), time.Second, time.Minute, passing, func(err error, wait time.Duration) {
+		require.ErrorIs(t, err, errAway)
+		waits = append(waits, wait)
+	}, func(context.Context) error {
+		tries++
+		return errAway
+	})
+	require.ErrorIs(t, err, errAway)
+	require.GreaterOrEqual(t, tries, 2, "the first wait, 100 ms, is within the window")
+	require.Len(t, waits, tries-1, "the last failure, after which no wait follows, is not told")
+	for i, wait := range waits {
+		require.Equal(t, firstWait<<i, wait, "the waits told are the waits made")
+	}
+}
+
+// TestUntilTellingTellsNothingOfAnotherFailure: a failure that is not
+// passing ends the calls untold.
+func TestUntilTellingTellsNothingOfAnotherFailure(t *testing.T) {
+	t.Parallel()
+	fn, n := calls(errAway, errRefused)
+	told := 0
+	err := UntilTelling(context.Background(), time.Minute, time.Millisecond, passing, func(error, time.Duration) { told++ }, fn)
+	require.ErrorIs(t, err, errRefused)
+	require.Equal(t, 2, *n)
+	require.Equal(t, 1, told, "the away failure before it, tried again")
+}

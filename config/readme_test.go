@@ -1,0 +1,35 @@
+package config
+
+import (
+	"os"
+	"regexp"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+// TestTheREADMEsTableNamesEverySetting: every variable Config reads has a
+// row of its own (or shares one) in the README's table of settings, so
+// that a setting added is documented where operators look for it.
+func TestTheREADMEsTableNamesEverySetting(t *testing.T) {
+	t.Parallel()
+	readme, err := os.ReadFile("../README.md")
+	require.NoError(t, err)
+	named := regexp.MustCompile("`((?:GATEWAY_|DATABASE_)[A-Z0-9_]+)`")
+	rows := map[string]bool{}
+	for _, line := range strings.Split(string(readme), "\n") {
+		cells := strings.Split(line, "|")
+		if len(cells) < 4 || cells[0] != "" {
+			continue // not a row of a table
+		}
+		for _, m := range named.FindAllStringSubmatch(cells[1], -1) {
+			rows[m[1]] = true
+		}
+	}
+	require.True(t, rows["DATABASE_URL"], "the table's rows are read")
+	require.Greater(t, len(settings), 30, "Config's settings are read")
+	for _, name := range settings {
+		require.True(t, rows[name], "%s has no row in the README's table of settings", name)
+	}
+}
