@@ -10,15 +10,19 @@ import (
 )
 
 // TestTheREADMEsTableNamesEverySetting: every variable Config reads has a
-// row of its own (or shares one) in the README's table of settings, so
-// that a setting added is documented where operators look for it.
+// row of its own (or shares one) in the tables of the README's section
+// "Configuration", so that a setting added is documented where operators
+// look for it.
 func TestTheREADMEsTableNamesEverySetting(t *testing.T) {
 	t.Parallel()
 	readme, err := os.ReadFile("../README.md")
 	require.NoError(t, err)
+	_, section, found := strings.Cut(string(readme), "\n## Configuration\n")
+	require.True(t, found, "the README has its section of settings")
+	section, _, _ = strings.Cut(section, "\n## ")
 	named := regexp.MustCompile("`((?:GATEWAY_|DATABASE_)[A-Z0-9_]+)`")
 	rows := map[string]bool{}
-	for _, line := range strings.Split(string(readme), "\n") {
+	for _, line := range strings.Split(section, "\n") {
 		cells := strings.Split(line, "|")
 		if len(cells) < 4 || cells[0] != "" {
 			continue // not a row of a table
@@ -30,6 +34,6 @@ func TestTheREADMEsTableNamesEverySetting(t *testing.T) {
 	require.True(t, rows["DATABASE_URL"], "the table's rows are read")
 	require.Greater(t, len(settings), 30, "Config's settings are read")
 	for _, name := range settings {
-		require.True(t, rows[name], "%s has no row in the README's table of settings", name)
+		require.True(t, rows[name], "%s has no row in the tables of the README's section \"Configuration\"", name)
 	}
 }
