@@ -5,7 +5,12 @@ WORKDIR /src
 COPY go.mod go.sum ./
 RUN go mod download
 COPY . .
-RUN CGO_ENABLED=0 go build -trimpath -ldflags="-s -w" -o /out/gateway ./cmd/gateway
+# What gateway --version and gateway_build_info say: the context leaves .git
+# out, so the toolchain stamps no revision (docker build --build-arg
+# GATEWAY_VERSION=v1.4.0 --build-arg GATEWAY_REVISION=$(git rev-parse HEAD) .).
+ARG GATEWAY_VERSION=devel
+ARG GATEWAY_REVISION=
+RUN CGO_ENABLED=0 go build -trimpath -ldflags="-s -w -X github.com/rungworks/gateway/internal/version.Version=${GATEWAY_VERSION} -X github.com/rungworks/gateway/internal/version.Revision=${GATEWAY_REVISION}" -o /out/gateway ./cmd/gateway
 
 FROM gcr.io/distroless/static-debian12:nonroot
 COPY --from=build /out/gateway /usr/local/bin/gateway

@@ -20,9 +20,17 @@ check-generated: generate
 	@git add -N gen && git diff --exit-code --stat -- gen || \
 		(echo "generated code is stale: run make generate and commit" >&2; exit 1)
 
+# The commit bin/gateway is built from (-dirty with changes not committed),
+# for gateway --version and gateway_build_info where the toolchain stamps
+# none (GOFLAGS=-buildvcs=false); empty outside a git checkout. VERSION, when
+# set (make build VERSION=v1.4.0), is the version they say.
+REVISION ?= $(shell git describe --always --dirty --abbrev=40 --exclude '*' 2>/dev/null)
+VERSION  ?=
+LDFLAGS  := -X github.com/rungworks/gateway/internal/version.Revision=$(REVISION) -X github.com/rungworks/gateway/internal/version.Version=$(VERSION)
+
 ## build: the gateway binary in bin/
 build:
-	$(GO) build -o bin/gateway ./cmd/gateway
+	$(GO) build -ldflags "$(LDFLAGS)" -o bin/gateway ./cmd/gateway
 
 ## run: the embedded default (private PostgreSQL, simulator, a ready key); flags in ARGS, e.g. ARGS="--pg-port 0"
 run: build

@@ -34,9 +34,10 @@ var settings = func() []string {
 }()
 
 // otherUses are the names of the variables the documentation gives other
-// uses than settings: the client's key in its examples (GATEWAY_KEY) and the
-// image's tag in docker-compose.yml (GATEWAY_VERSION).
-var otherUses = []string{"GATEWAY_KEY", "GATEWAY_VERSION"}
+// uses than settings: the client's key in its examples (GATEWAY_KEY), the
+// image's tag in docker-compose.yml (GATEWAY_VERSION) and the revision its
+// build stamps (GATEWAY_REVISION).
+var otherUses = []string{"GATEWAY_KEY", "GATEWAY_VERSION", "GATEWAY_REVISION"}
 
 // serviceLinks are the names of the variables Kubernetes sets in a pod for
 // each service of its namespace, for a service named gateway or gateway-…

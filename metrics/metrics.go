@@ -554,6 +554,20 @@ func (m *Metrics) TraceExportFailed() {
 	}
 }
 
+// Build exports, as gateway_build_info (1, labelled), the version and the
+// source revision of the running binary (version.Read), so that a rolling
+// upgrade's replicas can be told apart.
+func (m *Metrics) Build(version, revision string) {
+	if m == nil {
+		return
+	}
+	m.registry.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name:        "gateway_build_info",
+		Help:        "Always 1: the version (devel for a build of a checkout) and the source revision (a git commit; empty when unknown) of the replica's binary, as gateway --version prints them.",
+		ConstLabels: prometheus.Labels{"version": version, "revision": revision},
+	}, func() float64 { return 1 }))
+}
+
 // TLSCertificate exports, as gateway_tls_certificate_expiry_timestamp_seconds,
 // when the certificate served on the API's listener stops being valid:
 // notAfter is asked at each scrape (certfile.Pair.NotAfter reads a renewal

@@ -18,6 +18,7 @@ import (
 	"github.com/rungworks/gateway/internal/logsplit"
 	"github.com/rungworks/gateway/internal/lostlines"
 	"github.com/rungworks/gateway/internal/stopsignal"
+	"github.com/rungworks/gateway/internal/version"
 )
 
 // logCloseWait is how long the process waits at its exit for a stalled
@@ -56,6 +57,9 @@ func main() {
 		Short:         "Inference gateway: responses, streams and batches metered in rungs",
 		SilenceUsage:  true,
 		SilenceErrors: true,
+		// gateway --version: the version and the source revision of the
+		// build, as gateway_build_info exports them.
+		Version: version.Read().String(),
 	}
 	root.AddCommand(serveCmd(slog.New(serveLogs), logLinesLost), devCmd(logger, logLinesLost), migrateCmd(), keysCmd(), limitsCmd(), batchesCmd(), usageCmd(), probeCmd(), configCmd())
 	err := root.ExecuteContext(ctx)

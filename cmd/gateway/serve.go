@@ -30,6 +30,7 @@ import (
 	"github.com/rungworks/gateway/internal/retry"
 	"github.com/rungworks/gateway/internal/serverlog"
 	"github.com/rungworks/gateway/internal/stopsignal"
+	"github.com/rungworks/gateway/internal/version"
 	"github.com/rungworks/gateway/ledger"
 	"github.com/rungworks/gateway/maintenance"
 	"github.com/rungworks/gateway/metering"
@@ -133,7 +134,9 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	if err != nil {
 		return err
 	}
+	build := version.Read()
 	m := metrics.New()
+	m.Build(build.Version, build.Revision)
 	st.Observe(m)
 	m.DatabasePool(st.PoolStats)
 	m.LogLinesLost(logLinesLost)
@@ -278,7 +281,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	drained := make(chan struct{})
 	go func() { defer close(drained); drain.Run(ctx) }()
 
-	listening := []any{"addr", ln.Addr().String(), "tls", certificate != nil, "upstream", cfg.UpstreamName()}
+	listening := []any{"addr", ln.Addr().String(), "tls", certificate != nil, "upstream", cfg.UpstreamName(), "version", build.Version, "revision", build.Revision}
 	if certificate != nil {
 		listening = append(listening, certificateAttrs(certificate.Leaf())...)
 	}
