@@ -28,6 +28,7 @@ func TestStrays(t *testing.T) {
 		"gateway_listen=:8080",           // another name: variables are case-sensitive
 		"GATEWAY_KEY=igw_x",              // the client's, in the examples
 		"GATEWAY_VERSION=1.0.0",          // the image's tag, in docker-compose.yml
+		"GATEWAY_REVISION=0123abc",       // the revision its build stamps
 		"GATEWAY_SERVICE_HOST=10.0.0.7",  // a service gateway's
 		"GATEWAY_SERVICE_PORT=8080",      //
 		"GATEWAY_SERVICE_PORT_HTTP=8080", // its port named http

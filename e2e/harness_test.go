@@ -32,6 +32,14 @@ import (
 
 var binary string
 
+// builtVersion and builtRevision are what the binary is linked to say of
+// itself (gateway --version, gateway_build_info), as the image's build
+// links them.
+const (
+	builtVersion  = "v0.0.0-e2e"
+	builtRevision = "0123456789abcdef0123456789abcdef01234567"
+)
+
 func TestMain(m *testing.M) {
 	os.Exit(runWithBinary(m))
 }
@@ -46,7 +54,8 @@ func runWithBinary(m *testing.M) int {
 	}
 	defer os.RemoveAll(dir)
 	binary = filepath.Join(dir, "gateway")
-	build := exec.Command("go", "build", "-o", binary, "../cmd/gateway")
+	const linked = "github.com/rungworks/gateway/internal/version"
+	build := exec.Command("go", "build", "-ldflags", "-X "+linked+".Version="+builtVersion+" -X "+linked+".Revision="+builtRevision, "-o", binary, "../cmd/gateway")
 	build.Stdout, build.Stderr = os.Stdout, os.Stderr
 	if err := build.Run(); err != nil {
 		fmt.Fprintln(os.Stderr, "error building gateway:", err)

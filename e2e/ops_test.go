@@ -7,6 +7,7 @@ import (
 	"io"
 	"net/http"
 	"net/url"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -47,6 +48,21 @@ func (g *gateway) getMetricsListener(path string) string {
 	raw, err := io.ReadAll(resp.Body)
 	require.NoError(g.t, err)
 	return string(raw)
+}
+
+// TestTheBuildIsToldAlike: the version and revision the binary was linked
+// with (as the image's build links them) are what gateway --version prints,
+// what gateway_build_info exports and what the start's line says.
+func TestTheBuildIsToldAlike(t *testing.T) {
+	t.Parallel()
+	out, err := cliWith(t, map[string]string{}, "--version")
+	require.NoError(t, err)
+	require.Equal(t, "gateway version "+builtVersion+" (revision "+builtRevision+", "+runtime.Version()+")\n", out)
+	b := setup(t)
+	g := serve(t, b.db, b.fake.BaseURL(), nil)
+	require.Contains(t, g.scrape(), `gateway_build_info{revision="`+builtRevision+`",version="`+builtVersion+`"} 1`)
+	line := waitForLine(t, g.stderr, `"msg":"gateway listening"`)
+	require.Contains(t, line, `"version":"`+builtVersion+`","revision":"`+builtRevision+`"`)
 }
 
 func TestMetrics(t *testing.T) {

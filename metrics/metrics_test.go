@@ -58,6 +58,16 @@ func TestLabelsComeFromFixedSets(t *testing.T) {
 	require.Equal(t, metrics.Other, metrics.Method("post"))
 }
 
+// TestTheBuildIsExported: gateway_build_info is 1, labelled with the
+// version and the revision it is given.
+func TestTheBuildIsExported(t *testing.T) {
+	t.Parallel()
+	m := metrics.New()
+	require.NotContains(t, metricstest.Scrape(m), "gateway_build_info")
+	m.Build("v1.4.0", "0123abc")
+	require.Contains(t, metricstest.Scrape(m), `gateway_build_info{revision="0123abc",version="v1.4.0"} 1`)
+}
+
 // TestTraceExportFailuresAreCounted: the count of failed exports is 0 until
 // the first.
 func TestTraceExportFailuresAreCounted(t *testing.T) {
