@@ -563,7 +563,7 @@ func (m *Metrics) Build(version, revision string) {
 	}
 	m.registry.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 		Name:        "gateway_build_info",
-		Help:        "Always 1: the version (devel for a build of a checkout) and the source revision (a git commit; empty when unknown) of the replica's binary, as gateway --version prints them.",
+		Help:        "Always 1: the version (a release, a pseudo-version of a commit, or devel) and the source revision (a git commit, -dirty with changes not committed when make build linked it; empty when unknown) of the replica's binary, as gateway --version prints them.",
 		ConstLabels: prometheus.Labels{"version": version, "revision": revision},
 	}, func() float64 { return 1 }))
 }
