@@ -281,10 +281,11 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 	drained := make(chan struct{})
 	go func() { defer close(drained); drain.Run(ctx) }()
 
-	listening := []any{"addr", ln.Addr().String(), "tls", certificate != nil, "upstream", cfg.UpstreamName(), "version", build.Version, "revision", build.Revision}
+	listening := []any{"addr", ln.Addr().String(), "tls", certificate != nil, "upstream", cfg.UpstreamName()}
 	if certificate != nil {
 		listening = append(listening, certificateAttrs(certificate.Leaf())...)
 	}
+	listening = append(listening, "version", build.Version, "revision", build.Revision)
 	logger.Info("gateway listening", listening...)
 	if ready != nil {
 		ready(ln.Addr().String())
