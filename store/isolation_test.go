@@ -22,6 +22,7 @@ import (
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/internal/testcert"
 	"github.com/rungworks/gateway/internal/testdb"
+	"github.com/rungworks/gateway/internal/testlisten"
 	"github.com/rungworks/gateway/store"
 )
 
@@ -188,32 +189,19 @@ func requiringClientCertificates(t *testing.T) string {
 	creds := testcert.NewAuthority(t, "server").Issue(t, "127.0.0.1", net.IPv4(127, 0, 0, 1))
 	pair, err := tls.X509KeyPair(creds.Cert, creds.Key)
 	require.NoError(t, err)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	t.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			conn, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				defer conn.Close()
-				sslRequest := make([]byte, 8)
-				if _, err := io.ReadFull(conn, sslRequest); err != nil {
-					return
-				}
-				if _, err := conn.Write([]byte("S")); err != nil {
-					return
-				}
-				server := tls.Server(conn, &tls.Config{Certificates: []tls.Certificate{pair}, ClientAuth: tls.RequireAndVerifyClientCert})
-				if server.Handshake() == nil {
-					_, _ = io.Copy(io.Discard, server)
-				}
-			}()
+	return "postgres://gateway@" + testlisten.Serve(t, func(conn net.Conn) {
+		sslRequest := make([]byte, 8)
+		if _, err := io.ReadFull(conn, sslRequest); err != nil {
+			return
 		}
-	}()
-	return "postgres://gateway@" + ln.Addr().String()
+		if _, err := conn.Write([]byte("S")); err != nil {
+			return
+		}
+		server := tls.Server(conn, &tls.Config{Certificates: []tls.Certificate{pair}, ClientAuth: tls.RequireAndVerifyClientCert})
+		if server.Handshake() == nil {
+			_, _ = io.Copy(io.Discard, server)
+		}
+	})
 }
 
 // unsent is an error that pgx would say sent nothing (a write that failed).

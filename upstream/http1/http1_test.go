@@ -20,6 +20,7 @@ import (
 
 	"github.com/rungworks/gateway/internal/blackhole"
 	"github.com/rungworks/gateway/internal/lostpeer"
+	"github.com/rungworks/gateway/internal/testlisten"
 	"github.com/rungworks/gateway/upstream/http1"
 )
 
@@ -436,32 +437,19 @@ func rawUpstream(t *testing.T, reply func(c net.Conn)) string {
 // likes and says whether to read another.
 func serveRaw(tb testing.TB, answer func(c net.Conn, req *http.Request) bool) string {
 	tb.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(tb, err)
-	tb.Cleanup(func() { _ = ln.Close() })
-	go func() {
+	return "http://" + testlisten.Serve(tb, func(c net.Conn) {
+		r := bufio.NewReader(c)
 		for {
-			c, err := ln.Accept()
+			req, err := http.ReadRequest(r)
 			if err != nil {
 				return
 			}
-			go func() {
-				defer c.Close()
-				r := bufio.NewReader(c)
-				for {
-					req, err := http.ReadRequest(r)
-					if err != nil {
-						return
-					}
-					_, _ = io.Copy(io.Discard, req.Body)
-					if !answer(c, req) {
-						return
-					}
-				}
-			}()
+			_, _ = io.Copy(io.Discard, req.Body)
+			if !answer(c, req) {
+				return
+			}
 		}
-	}()
-	return "http://" + ln.Addr().String()
+	})
 }
 
 // gates hold the calls to their paths at the upstream until released, so

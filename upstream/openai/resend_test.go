@@ -11,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"golang.org/x/net/http2"
 
+	"github.com/rungworks/gateway/internal/testlisten"
 	"github.com/rungworks/gateway/upstream"
 	"github.com/rungworks/gateway/upstream/openai"
 )
@@ -19,7 +20,7 @@ import (
 // each call whole, counts it, and resets its stream with code instead of
 // answering. It keeps the stream flow-control window its client announced.
 type resettingUpstream struct {
-	ln     net.Listener
+	addr   string // host:port
 	code   http2.ErrCode
 	calls  atomic.Int32
 	window atomic.Uint32
@@ -27,27 +28,15 @@ type resettingUpstream struct {
 
 func newResettingUpstream(t *testing.T, code http2.ErrCode) *resettingUpstream {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = ln.Close() })
-	u := &resettingUpstream{ln: ln, code: code}
+	u := &resettingUpstream{code: code}
 	u.window.Store(65535) // HTTP/2's initial window, unless the client says another
-	go func() {
-		for {
-			conn, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go u.serve(conn)
-		}
-	}()
+	u.addr = testlisten.Serve(t, u.serve)
 	return u
 }
 
 // serve speaks just enough HTTP/2 on conn: settings, pings, and a reset
 // for each stream the client ends.
 func (u *resettingUpstream) serve(conn net.Conn) {
-	defer conn.Close()
 	if _, err := io.ReadFull(conn, make([]byte, len(http2.ClientPreface))); err != nil {
 		return
 	}
@@ -101,7 +90,7 @@ func TestACallWrittenWholeIsNotSentAgain(t *testing.T) {
 		t.Run(code.String(), func(t *testing.T) {
 			t.Parallel()
 			up := newResettingUpstream(t, code)
-			client := openai.New(openai.Config{BaseURL: "http://" + up.ln.Addr().String() + "/v1", H2C: true, Timeout: 5 * time.Second})
+			client := openai.New(openai.Config{BaseURL: "http://" + up.addr + "/v1", H2C: true, Timeout: 5 * time.Second})
 			t.Cleanup(client.CloseIdleConnections)
 			_, err := client.Complete(context.Background(), &req)
 			require.ErrorIs(t, err, upstream.ErrFailed)
@@ -121,7 +110,7 @@ func TestACallWrittenWholeIsNotSentAgain(t *testing.T) {
 func TestHTTP2CallsAreBufferedLittleAhead(t *testing.T) {
 	t.Parallel()
 	up := newResettingUpstream(t, http2.ErrCodeRefusedStream)
-	client := openai.New(openai.Config{BaseURL: "http://" + up.ln.Addr().String() + "/v1", H2C: true, Timeout: 5 * time.Second})
+	client := openai.New(openai.Config{BaseURL: "http://" + up.addr + "/v1", H2C: true, Timeout: 5 * time.Second})
 	t.Cleanup(client.CloseIdleConnections)
 	_, err := client.Complete(context.Background(), &req)
 	require.Error(t, err)
