@@ -12,6 +12,7 @@
 package tracing
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -68,9 +69,10 @@ type Options struct {
 	// Content records prompts and outputs in spans (GATEWAY_TRACE_CONTENT).
 	Content bool
 	// Logger gets the SDK's errors (an export that failed, its spans lost)
-	// as warnings.
+	// as warnings; nil is slog.Default().
 	Logger *slog.Logger
-	// Failed is called for each of those errors (the metrics count them).
+	// Failed, when set, is called for each of those errors (the metrics
+	// count them).
 	Failed func()
 }
 
@@ -99,9 +101,12 @@ func Setup(ctx context.Context, opts Options) (func(context.Context) error, erro
 	// A collector away is the operator's to know, counted, and as a
 	// warning in the replica's log, sampled as its others are: not as a
 	// line the SDK writes through the log package each export.
+	logger := cmp.Or(opts.Logger, slog.Default())
 	otel.SetErrorHandler(otel.ErrorHandlerFunc(func(err error) {
-		opts.Failed()
-		opts.Logger.Warn("error exporting traces; the spans of the export are lost", "error", err)
+		if opts.Failed != nil {
+			opts.Failed()
+		}
+		logger.Warn("error exporting traces; the spans of the export are lost", "error", err)
 	}))
 	provider := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exporter), sdktrace.WithResource(res))
 	otel.SetTracerProvider(provider)
