@@ -28,6 +28,8 @@ type Policy struct {
 	Streams bool
 	// Query names the operation's query parameters.
 	Query []string
+	// Headers names the operation's header parameters.
+	Headers []string
 	// InTurns is true when an account's large requests of the operation wait
 	// for a place before their body is read, so that a replica reads and
 	// prices a few at a time (x-account-turns).
@@ -76,9 +78,12 @@ func Policies() (map[string]Policy, error) {
 				return nil, fmt.Errorf("operation %s takes turns by account but needs no key or declares no x-max-body-bytes", id)
 			}
 			for _, param := range parameters(op) {
-				if param["in"] == "query" {
-					name, _ := param["name"].(string)
+				name, _ := param["name"].(string)
+				switch param["in"] {
+				case "query":
 					p.Query = append(p.Query, name)
+				case "header":
+					p.Headers = append(p.Headers, name)
 				}
 			}
 			if p.Method != http.MethodGet && !p.Public && p.MaxBodyBytes == 0 && op["requestBody"] != nil {

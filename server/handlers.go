@@ -2,7 +2,6 @@ package server
 
 import (
 	"context"
-	"net/http"
 	"time"
 
 	"github.com/google/uuid"
@@ -190,34 +189,14 @@ func (s *Server) GetUsage(ctx context.Context, req api.GetUsageRequestObject) (a
 }
 
 // GetOpenAPI implements GET /openapi.json.
-func (s *Server) GetOpenAPI(context.Context, api.GetOpenAPIRequestObject) (api.GetOpenAPIResponseObject, error) {
-	return rawJSON{contentType: "application/json", body: s.openAPI}, nil
+func (s *Server) GetOpenAPI(_ context.Context, req api.GetOpenAPIRequestObject) (api.GetOpenAPIResponseObject, error) {
+	return s.openAPI.reply(req.Params.IfNoneMatch), nil
 }
 
 // GetJSONSchema implements GET /api/schema.json.
-func (s *Server) GetJSONSchema(context.Context, api.GetJSONSchemaRequestObject) (api.GetJSONSchemaResponseObject, error) {
-	return rawJSON{contentType: "application/schema+json", body: s.schema}, nil
+func (s *Server) GetJSONSchema(_ context.Context, req api.GetJSONSchemaRequestObject) (api.GetJSONSchemaResponseObject, error) {
+	return s.schema.reply(req.Params.IfNoneMatch), nil
 }
-
-// rawJSON is a 200 reply of a document encoded once at start.
-type rawJSON struct {
-	contentType string
-	body        []byte
-}
-
-func (r rawJSON) write(w http.ResponseWriter) error {
-	w.Header().Set("Content-Type", r.contentType)
-	w.Header().Set("Cache-Control", "public, max-age=300")
-	w.WriteHeader(http.StatusOK)
-	_, err := w.Write(r.body)
-	return err
-}
-
-// VisitGetOpenAPIResponse implements api.GetOpenAPIResponseObject.
-func (r rawJSON) VisitGetOpenAPIResponse(w http.ResponseWriter) error { return r.write(w) }
-
-// VisitGetJSONSchemaResponse implements api.GetJSONSchemaResponseObject.
-func (r rawJSON) VisitGetJSONSchemaResponse(w http.ResponseWriter) error { return r.write(w) }
 
 // requestInput is the request b; misplaced, the field of another API's
 // request shape that holds its text (see noteMisplacedText), if any.

@@ -12,6 +12,7 @@ import (
 	"net/http"
 	"net/netip"
 	"regexp"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"time"
@@ -199,9 +200,9 @@ type Server struct {
 	// route a path nearly is.
 	pathTemplates routeTemplates
 	// routes are the route templates served, the only route label values.
-	routes  map[string]bool
-	openAPI []byte
-	schema  []byte
+	routes map[string]bool
+	// openAPI and schema are the two public documents.
+	openAPI, schema document
 	// relisten takes connections back from detached streams (see Listener);
 	// streams are the detached streams open.
 	relisten atomic.Pointer[relistener]
@@ -265,8 +266,8 @@ func New(cfg Config) (*Server, error) {
 		trustedProxies:     cfg.TrustedProxies,
 		paramForms:         paramForms,
 		pathTemplates:      newRouteTemplates(policies),
-		openAPI:            doc,
-		schema:             schema,
+		openAPI:            newDocument("application/json", doc),
+		schema:             newDocument("application/schema+json", schema),
 		turns:              turnstile.New(cmp.Or(cfg.TurnPlaces, DefaultTurnPlaces())),
 		turnWait:           cmp.Or(cfg.TurnWait, DefaultTurnWait),
 		requestRetention:   cfg.RequestRetention,
@@ -284,8 +285,8 @@ func New(cfg Config) (*Server, error) {
 		s.echo.Use(middleware.CORSWithConfig(middleware.CORSConfig{
 			AllowOrigins:  cfg.CORSOrigins,
 			AllowMethods:  []string{http.MethodGet, http.MethodPost},
-			AllowHeaders:  []string{"Authorization", "Content-Type", "Idempotency-Key", RequestIDHeader, "traceparent", "tracestate"},
-			ExposeHeaders: []string{"x-service-input-rungs", "x-service-output-rungs", "x-service-total-rungs", "x-ratelimit-limit", "x-ratelimit-remaining", "Retry-After", "x-service-batch-index", "Idempotent-Replayed", RequestIDHeader},
+			AllowHeaders:  []string{"Authorization", "Content-Type", "Idempotency-Key", ifNoneMatch, RequestIDHeader, "traceparent", "tracestate"},
+			ExposeHeaders: []string{"x-service-input-rungs", "x-service-output-rungs", "x-service-total-rungs", "x-ratelimit-limit", "x-ratelimit-remaining", "Retry-After", "x-service-batch-index", "Idempotent-Replayed", "ETag", RequestIDHeader},
 			MaxAge:        600,
 		}))
 	}
@@ -301,6 +302,9 @@ func New(cfg Config) (*Server, error) {
 		}
 		if len(p.Query) > 0 {
 			mws = append(mws, s.checkQuery(p.Query))
+		}
+		if slices.Contains(p.Headers, ifNoneMatch) {
+			mws = append(mws, foldList(ifNoneMatch))
 		}
 		if p.InTurns {
 			mws = append(mws, s.takeTurn(p))

@@ -737,6 +737,9 @@ type UsageView struct {
 // BatchID defines model for BatchID.
 type BatchID = string
 
+// IfNoneMatch defines model for IfNoneMatch.
+type IfNoneMatch = string
+
 // RequestID defines model for RequestID.
 type RequestID = string
 
@@ -799,6 +802,12 @@ type Unauthorized = ErrorEnvelope
 // pair), which JSON's grammar allows, is taken as U+FFFD.
 type ResponseRequestBody = ResponseRequest
 
+// GetJSONSchemaParams defines parameters for GetJSONSchema.
+type GetJSONSchemaParams struct {
+	// IfNoneMatch The `ETag` of a copy the client holds, or several, comma-separated (in one header or more), or `*` (RFC 9110 §13.1.2). Compared weakly: a tag with or without `W/` names the same copy. When one names the current document, the reply is `304 Not Modified`.
+	IfNoneMatch *IfNoneMatch `json:"If-None-Match,omitempty"`
+}
+
 // CreateBatchParams defines parameters for CreateBatch.
 type CreateBatchParams struct {
 	// IdempotencyKey Makes a retried create safe. 1 to 255 printable ASCII characters
@@ -833,6 +842,12 @@ type GetUsageParams struct {
 	End *time.Time `form:"end,omitempty" json:"end,omitempty"`
 }
 
+// GetOpenAPIParams defines parameters for GetOpenAPI.
+type GetOpenAPIParams struct {
+	// IfNoneMatch The `ETag` of a copy the client holds, or several, comma-separated (in one header or more), or `*` (RFC 9110 §13.1.2). Compared weakly: a tag with or without `W/` names the same copy. When one names the current document, the reply is `304 Not Modified`.
+	IfNoneMatch *IfNoneMatch `json:"If-None-Match,omitempty"`
+}
+
 // CreateBatchJSONRequestBody defines body for CreateBatch for application/json ContentType.
 type CreateBatchJSONRequestBody = BatchRequest
 
@@ -846,7 +861,7 @@ type CreateResponseJSONRequestBody = ResponseRequest
 type ServerInterface interface {
 	// GetJSONSchema JSON Schema of the payloads
 	// (GET /api/schema.json)
-	GetJSONSchema(ctx echo.Context) error
+	GetJSONSchema(ctx echo.Context, params GetJSONSchemaParams) error
 	// CreateBatch Create a batch
 	// (POST /api/v1/batch)
 	CreateBatch(ctx echo.Context, params CreateBatchParams) error
@@ -882,7 +897,7 @@ type ServerInterface interface {
 	GetHealth(ctx echo.Context) error
 	// GetOpenAPI This OpenAPI document
 	// (GET /openapi.json)
-	GetOpenAPI(ctx echo.Context) error
+	GetOpenAPI(ctx echo.Context, params GetOpenAPIParams) error
 	// GetReadiness Readiness
 	// (GET /readyz)
 	GetReadiness(ctx echo.Context) error
@@ -897,8 +912,28 @@ type ServerInterfaceWrapper struct {
 func (w *ServerInterfaceWrapper) GetJSONSchema(ctx echo.Context) error {
 	var err error
 
+	// Parameter object where we will unmarshal all parameters from the context
+	var params GetJSONSchemaParams
+
+	headers := ctx.Request().Header
+	// ------------- Optional header parameter "If-None-Match" -------------
+	if valueList, found := headers[http.CanonicalHeaderKey("If-None-Match")]; found {
+		var IfNoneMatch IfNoneMatch
+		n := len(valueList)
+		if n != 1 {
+			return echo.NewHTTPError(http.StatusBadRequest, fmt.Sprintf("Expected one value for If-None-Match, got %d", n))
+		}
+
+		err = runtime.BindStyledParameterWithOptions("simple", "If-None-Match", valueList[0], &IfNoneMatch, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""})
+		if err != nil {
+			return echo.NewHTTPError(http.StatusBadRequest, fmt.Sprintf("Invalid format for parameter If-None-Match: %s", err))
+		}
+
+		params.IfNoneMatch = &IfNoneMatch
+	}
+
 	// Invoke the callback with all the unmarshaled arguments
-	err = w.Handler.GetJSONSchema(ctx)
+	err = w.Handler.GetJSONSchema(ctx, params)
 	return err
 }
 
@@ -1092,8 +1127,28 @@ func (w *ServerInterfaceWrapper) GetHealth(ctx echo.Context) error {
 func (w *ServerInterfaceWrapper) GetOpenAPI(ctx echo.Context) error {
 	var err error
 
+	// Parameter object where we will unmarshal all parameters from the context
+	var params GetOpenAPIParams
+
+	headers := ctx.Request().Header
+	// ------------- Optional header parameter "If-None-Match" -------------
+	if valueList, found := headers[http.CanonicalHeaderKey("If-None-Match")]; found {
+		var IfNoneMatch IfNoneMatch
+		n := len(valueList)
+		if n != 1 {
+			return echo.NewHTTPError(http.StatusBadRequest, fmt.Sprintf("Expected one value for If-None-Match, got %d", n))
+		}
+
+		err = runtime.BindStyledParameterWithOptions("simple", "If-None-Match", valueList[0], &IfNoneMatch, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: false, Type: "string", Format: ""})
+		if err != nil {
+			return echo.NewHTTPError(http.StatusBadRequest, fmt.Sprintf("Invalid format for parameter If-None-Match: %s", err))
+		}
+
+		params.IfNoneMatch = &IfNoneMatch
+	}
+
 	// Invoke the callback with all the unmarshaled arguments
-	err = w.Handler.GetOpenAPI(ctx)
+	err = w.Handler.GetOpenAPI(ctx, params)
 	return err
 }
 
@@ -1199,6 +1254,14 @@ type BudgetExceededJSONResponse struct {
 	Body ErrorEnvelope
 
 	Headers BudgetExceededResponseHeaders
+}
+
+type DocumentNotModifiedResponseHeaders struct {
+	CacheControl string
+	ETag         string
+}
+type DocumentNotModifiedResponse struct {
+	Headers DocumentNotModifiedResponseHeaders
 }
 
 type ForbiddenResponseHeaders struct {
@@ -1325,24 +1388,44 @@ type UnauthorizedJSONResponse struct {
 }
 
 type GetJSONSchemaRequestObject struct {
+	Params GetJSONSchemaParams
 }
 
 type GetJSONSchemaResponseObject interface {
 	VisitGetJSONSchemaResponse(w http.ResponseWriter) error
 }
 
-type GetJSONSchema200ApplicationSchemaPlusJSONResponse map[string]interface{}
+type GetJSONSchema200ResponseHeaders struct {
+	CacheControl string
+	ETag         string
+}
+
+type GetJSONSchema200ApplicationSchemaPlusJSONResponse struct {
+	Body    map[string]interface{}
+	Headers GetJSONSchema200ResponseHeaders
+}
 
 func (response GetJSONSchema200ApplicationSchemaPlusJSONResponse) VisitGetJSONSchemaResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/schema+json")
+	w.Header().Set("Cache-Control", fmt.Sprint(response.Headers.CacheControl))
+	w.Header().Set("ETag", fmt.Sprint(response.Headers.ETag))
 	w.WriteHeader(200)
 	_, err := buf.WriteTo(w)
 	return err
+}
+
+type GetJSONSchema304Response = DocumentNotModifiedResponse
+
+func (response GetJSONSchema304Response) VisitGetJSONSchemaResponse(w http.ResponseWriter) error {
+	w.Header().Set("Cache-Control", fmt.Sprint(response.Headers.CacheControl))
+	w.Header().Set("ETag", fmt.Sprint(response.Headers.ETag))
+	w.WriteHeader(304)
+	return nil
 }
 
 type CreateBatchRequestObject struct {
@@ -3382,24 +3465,44 @@ func (response GetHealth200JSONResponse) VisitGetHealthResponse(w http.ResponseW
 }
 
 type GetOpenAPIRequestObject struct {
+	Params GetOpenAPIParams
 }
 
 type GetOpenAPIResponseObject interface {
 	VisitGetOpenAPIResponse(w http.ResponseWriter) error
 }
 
-type GetOpenAPI200JSONResponse map[string]interface{}
+type GetOpenAPI200ResponseHeaders struct {
+	CacheControl string
+	ETag         string
+}
+
+type GetOpenAPI200JSONResponse struct {
+	Body    map[string]interface{}
+	Headers GetOpenAPI200ResponseHeaders
+}
 
 func (response GetOpenAPI200JSONResponse) VisitGetOpenAPIResponse(w http.ResponseWriter) error {
 
 	var buf bytes.Buffer
-	if err := json.NewEncoder(&buf).Encode(response); err != nil {
+	if err := json.NewEncoder(&buf).Encode(response.Body); err != nil {
 		return err
 	}
 	w.Header().Set("Content-Type", "application/json")
+	w.Header().Set("Cache-Control", fmt.Sprint(response.Headers.CacheControl))
+	w.Header().Set("ETag", fmt.Sprint(response.Headers.ETag))
 	w.WriteHeader(200)
 	_, err := buf.WriteTo(w)
 	return err
+}
+
+type GetOpenAPI304Response = DocumentNotModifiedResponse
+
+func (response GetOpenAPI304Response) VisitGetOpenAPIResponse(w http.ResponseWriter) error {
+	w.Header().Set("Cache-Control", fmt.Sprint(response.Headers.CacheControl))
+	w.Header().Set("ETag", fmt.Sprint(response.Headers.ETag))
+	w.WriteHeader(304)
+	return nil
 }
 
 type GetReadinessRequestObject struct {
@@ -3496,8 +3599,10 @@ type strictHandler struct {
 }
 
 // GetJSONSchema operation middleware
-func (sh *strictHandler) GetJSONSchema(ctx echo.Context) error {
+func (sh *strictHandler) GetJSONSchema(ctx echo.Context, params GetJSONSchemaParams) error {
 	var request GetJSONSchemaRequestObject
+
+	request.Params = params
 
 	handler := func(ctx echo.Context, request interface{}) (interface{}, error) {
 		return sh.ssi.GetJSONSchema(ctx.Request().Context(), request.(GetJSONSchemaRequestObject))
@@ -3857,8 +3962,10 @@ func (sh *strictHandler) GetHealth(ctx echo.Context) error {
 }
 
 // GetOpenAPI operation middleware
-func (sh *strictHandler) GetOpenAPI(ctx echo.Context) error {
+func (sh *strictHandler) GetOpenAPI(ctx echo.Context, params GetOpenAPIParams) error {
 	var request GetOpenAPIRequestObject
+
+	request.Params = params
 
 	handler := func(ctx echo.Context, request interface{}) (interface{}, error) {
 		return sh.ssi.GetOpenAPI(ctx.Request().Context(), request.(GetOpenAPIRequestObject))

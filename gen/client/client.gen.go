@@ -738,6 +738,9 @@ type UsageView struct {
 // BatchID defines model for BatchID.
 type BatchID = string
 
+// IfNoneMatch defines model for IfNoneMatch.
+type IfNoneMatch = string
+
 // RequestID defines model for RequestID.
 type RequestID = string
 
@@ -800,6 +803,12 @@ type Unauthorized = ErrorEnvelope
 // pair), which JSON's grammar allows, is taken as U+FFFD.
 type ResponseRequestBody = ResponseRequest
 
+// GetJSONSchemaParams defines parameters for GetJSONSchema.
+type GetJSONSchemaParams struct {
+	// IfNoneMatch The `ETag` of a copy the client holds, or several, comma-separated (in one header or more), or `*` (RFC 9110 §13.1.2). Compared weakly: a tag with or without `W/` names the same copy. When one names the current document, the reply is `304 Not Modified`.
+	IfNoneMatch *IfNoneMatch `json:"If-None-Match,omitempty"`
+}
+
 // CreateBatchParams defines parameters for CreateBatch.
 type CreateBatchParams struct {
 	// IdempotencyKey Makes a retried create safe. 1 to 255 printable ASCII characters
@@ -832,6 +841,12 @@ type GetUsageParams struct {
 	// Cut to the microsecond as `start` is; it must then be after `start`.
 	// Older than the request retention, a whole hour.
 	End *time.Time `form:"end,omitempty" json:"end,omitempty"`
+}
+
+// GetOpenAPIParams defines parameters for GetOpenAPI.
+type GetOpenAPIParams struct {
+	// IfNoneMatch The `ETag` of a copy the client holds, or several, comma-separated (in one header or more), or `*` (RFC 9110 §13.1.2). Compared weakly: a tag with or without `W/` names the same copy. When one names the current document, the reply is `304 Not Modified`.
+	IfNoneMatch *IfNoneMatch `json:"If-None-Match,omitempty"`
 }
 
 // CreateBatchJSONRequestBody defines body for CreateBatch for application/json ContentType.
@@ -926,10 +941,11 @@ type ClientInterface interface {
 	// and OpenAPI's `int32` and `int64`): this document's `uint64` is left out, the
 	// type and bounds saying the rest, so the schema compiles in Ajv's strict
 	// defaults with `ajv-formats`. Extensions (`x-…`) are left out: the error
-	// codes, an extensible set, are any string there.
+	// codes, an extensible set, are any string there. It is revalidated as
+	// `/openapi.json` is (`ETag`, `If-None-Match`, `304 Not Modified`).
 	//
 	// Corresponds with GET /api/schema.json (the `GetJSONSchema` operationId).
-	GetJSONSchema(ctx context.Context, reqEditors ...RequestEditorFn) (*http.Response, error)
+	GetJSONSchema(ctx context.Context, params *GetJSONSchemaParams, reqEditors ...RequestEditorFn) (*http.Response, error)
 
 	// CreateBatchWithBody Create a batch
 	//
@@ -1264,10 +1280,10 @@ type ClientInterface interface {
 
 	// GetOpenAPI This OpenAPI document
 	//
-	// The OpenAPI document of the public API, as JSON. No key needed. Clients and shared caches may keep it for five minutes (`Cache-Control: public, max-age=300`), as `/api/schema.json`.
+	// The OpenAPI document of the public API, as JSON. No key needed. Clients and shared caches may keep it for five minutes (`Cache-Control: public, max-age=300`), as `/api/schema.json`, and then revalidate it: the reply's `ETag` names the document's content, so a request whose `If-None-Match` names it is answered `304 Not Modified`, without the document. Replicas serving the same document give the same tag; during a rolling upgrade that changes the document, a replica of the other version answers `200` with its own.
 	//
 	// Corresponds with GET /openapi.json (the `GetOpenAPI` operationId).
-	GetOpenAPI(ctx context.Context, reqEditors ...RequestEditorFn) (*http.Response, error)
+	GetOpenAPI(ctx context.Context, params *GetOpenAPIParams, reqEditors ...RequestEditorFn) (*http.Response, error)
 
 	// GetReadiness Readiness
 	//
@@ -1292,11 +1308,12 @@ type ClientInterface interface {
 // and OpenAPI's `int32` and `int64`): this document's `uint64` is left out, the
 // type and bounds saying the rest, so the schema compiles in Ajv's strict
 // defaults with `ajv-formats`. Extensions (`x-…`) are left out: the error
-// codes, an extensible set, are any string there.
+// codes, an extensible set, are any string there. It is revalidated as
+// `/openapi.json` is (`ETag`, `If-None-Match`, `304 Not Modified`).
 //
 // Corresponds with GET /api/schema.json (the `GetJSONSchema` operationId).
-func (c *Client) GetJSONSchema(ctx context.Context, reqEditors ...RequestEditorFn) (*http.Response, error) {
-	req, err := NewGetJSONSchemaRequest(c.Server)
+func (c *Client) GetJSONSchema(ctx context.Context, params *GetJSONSchemaParams, reqEditors ...RequestEditorFn) (*http.Response, error) {
+	req, err := NewGetJSONSchemaRequest(c.Server, params)
 	if err != nil {
 		return nil, err
 	}
@@ -1780,11 +1797,11 @@ func (c *Client) GetHealth(ctx context.Context, reqEditors ...RequestEditorFn) (
 
 // GetOpenAPI This OpenAPI document
 //
-// The OpenAPI document of the public API, as JSON. No key needed. Clients and shared caches may keep it for five minutes (`Cache-Control: public, max-age=300`), as `/api/schema.json`.
+// The OpenAPI document of the public API, as JSON. No key needed. Clients and shared caches may keep it for five minutes (`Cache-Control: public, max-age=300`), as `/api/schema.json`, and then revalidate it: the reply's `ETag` names the document's content, so a request whose `If-None-Match` names it is answered `304 Not Modified`, without the document. Replicas serving the same document give the same tag; during a rolling upgrade that changes the document, a replica of the other version answers `200` with its own.
 //
 // Corresponds with GET /openapi.json (the `GetOpenAPI` operationId).
-func (c *Client) GetOpenAPI(ctx context.Context, reqEditors ...RequestEditorFn) (*http.Response, error) {
-	req, err := NewGetOpenAPIRequest(c.Server)
+func (c *Client) GetOpenAPI(ctx context.Context, params *GetOpenAPIParams, reqEditors ...RequestEditorFn) (*http.Response, error) {
+	req, err := NewGetOpenAPIRequest(c.Server, params)
 	if err != nil {
 		return nil, err
 	}
@@ -1819,7 +1836,7 @@ func (c *Client) GetReadiness(ctx context.Context, reqEditors ...RequestEditorFn
 }
 
 // NewGetJSONSchemaRequest constructs an http.Request for the GetJSONSchema method
-func NewGetJSONSchemaRequest(server string) (*http.Request, error) {
+func NewGetJSONSchemaRequest(server string, params *GetJSONSchemaParams) (*http.Request, error) {
 	var err error
 
 	serverURL, err := url.Parse(server)
@@ -1840,6 +1857,21 @@ func NewGetJSONSchemaRequest(server string) (*http.Request, error) {
 	req, err := http.NewRequest(http.MethodGet, queryURL.String(), nil)
 	if err != nil {
 		return nil, err
+	}
+
+	if params != nil {
+
+		if params.IfNoneMatch != nil {
+			var headerParam0 string
+
+			headerParam0, err = runtime.StyleParamWithOptions("simple", false, "If-None-Match", *params.IfNoneMatch, runtime.StyleParamOptions{ParamLocation: runtime.ParamLocationHeader, Type: "string", Format: ""})
+			if err != nil {
+				return nil, err
+			}
+
+			req.Header.Set("If-None-Match", headerParam0)
+		}
+
 	}
 
 	return req, nil
@@ -2310,7 +2342,7 @@ func NewGetHealthRequest(server string) (*http.Request, error) {
 }
 
 // NewGetOpenAPIRequest constructs an http.Request for the GetOpenAPI method
-func NewGetOpenAPIRequest(server string) (*http.Request, error) {
+func NewGetOpenAPIRequest(server string, params *GetOpenAPIParams) (*http.Request, error) {
 	var err error
 
 	serverURL, err := url.Parse(server)
@@ -2331,6 +2363,21 @@ func NewGetOpenAPIRequest(server string) (*http.Request, error) {
 	req, err := http.NewRequest(http.MethodGet, queryURL.String(), nil)
 	if err != nil {
 		return nil, err
+	}
+
+	if params != nil {
+
+		if params.IfNoneMatch != nil {
+			var headerParam0 string
+
+			headerParam0, err = runtime.StyleParamWithOptions("simple", false, "If-None-Match", *params.IfNoneMatch, runtime.StyleParamOptions{ParamLocation: runtime.ParamLocationHeader, Type: "string", Format: ""})
+			if err != nil {
+				return nil, err
+			}
+
+			req.Header.Set("If-None-Match", headerParam0)
+		}
+
 	}
 
 	return req, nil
@@ -2416,12 +2463,13 @@ type ClientWithResponsesInterface interface {
 	// and OpenAPI's `int32` and `int64`): this document's `uint64` is left out, the
 	// type and bounds saying the rest, so the schema compiles in Ajv's strict
 	// defaults with `ajv-formats`. Extensions (`x-…`) are left out: the error
-	// codes, an extensible set, are any string there.
+	// codes, an extensible set, are any string there. It is revalidated as
+	// `/openapi.json` is (`ETag`, `If-None-Match`, `304 Not Modified`).
 	//
 	// Returns a wrapper object for the known response body format(s).
 	//
 	// Corresponds with GET /api/schema.json (the `GetJSONSchema` operationId).
-	GetJSONSchemaWithResponse(ctx context.Context, reqEditors ...RequestEditorFn) (*GetJSONSchemaResponse, error)
+	GetJSONSchemaWithResponse(ctx context.Context, params *GetJSONSchemaParams, reqEditors ...RequestEditorFn) (*GetJSONSchemaResponse, error)
 
 	// CreateBatchWithBodyWithResponse Create a batch
 	//
@@ -2772,12 +2820,12 @@ type ClientWithResponsesInterface interface {
 
 	// GetOpenAPIWithResponse This OpenAPI document
 	//
-	// The OpenAPI document of the public API, as JSON. No key needed. Clients and shared caches may keep it for five minutes (`Cache-Control: public, max-age=300`), as `/api/schema.json`.
+	// The OpenAPI document of the public API, as JSON. No key needed. Clients and shared caches may keep it for five minutes (`Cache-Control: public, max-age=300`), as `/api/schema.json`, and then revalidate it: the reply's `ETag` names the document's content, so a request whose `If-None-Match` names it is answered `304 Not Modified`, without the document. Replicas serving the same document give the same tag; during a rolling upgrade that changes the document, a replica of the other version answers `200` with its own.
 	//
 	// Returns a wrapper object for the known response body format(s).
 	//
 	// Corresponds with GET /openapi.json (the `GetOpenAPI` operationId).
-	GetOpenAPIWithResponse(ctx context.Context, reqEditors ...RequestEditorFn) (*GetOpenAPIResponse, error)
+	GetOpenAPIWithResponse(ctx context.Context, params *GetOpenAPIParams, reqEditors ...RequestEditorFn) (*GetOpenAPIResponse, error)
 
 	// GetReadinessWithResponse Readiness
 	//
@@ -2795,11 +2843,27 @@ type ClientWithResponsesInterface interface {
 	GetReadinessWithResponse(ctx context.Context, reqEditors ...RequestEditorFn) (*GetReadinessResponse, error)
 }
 
+// GetJSONSchemaResponse200Headers the declared response headers of an HTTP 200 response for GetJSONSchema
+type GetJSONSchemaResponse200Headers struct {
+	CacheControl string
+	ETag         string
+}
+
+// GetJSONSchemaResponse304Headers the declared response headers of an HTTP 304 response for GetJSONSchema
+type GetJSONSchemaResponse304Headers struct {
+	CacheControl string
+	ETag         string
+}
+
 type GetJSONSchemaResponse struct {
 	Body         []byte
 	HTTPResponse *http.Response
 	// ApplicationschemaJSON200 the response for an HTTP 200 `application/schema+json` response
 	ApplicationschemaJSON200 *map[string]interface{}
+	// Headers200 the parsed response headers for an HTTP 200 response
+	Headers200 *GetJSONSchemaResponse200Headers
+	// Headers304 the parsed response headers for an HTTP 304 response
+	Headers304 *GetJSONSchemaResponse304Headers
 }
 
 // GetApplicationschemaJSON200 returns the response for an HTTP 200 `application/schema+json` response
@@ -4434,11 +4498,27 @@ func (r GetHealthResponse) ContentType() string {
 	return ""
 }
 
+// GetOpenAPIResponse200Headers the declared response headers of an HTTP 200 response for GetOpenAPI
+type GetOpenAPIResponse200Headers struct {
+	CacheControl string
+	ETag         string
+}
+
+// GetOpenAPIResponse304Headers the declared response headers of an HTTP 304 response for GetOpenAPI
+type GetOpenAPIResponse304Headers struct {
+	CacheControl string
+	ETag         string
+}
+
 type GetOpenAPIResponse struct {
 	Body         []byte
 	HTTPResponse *http.Response
 	// JSON200 the response for an HTTP 200 `application/json` response
 	JSON200 *map[string]interface{}
+	// Headers200 the parsed response headers for an HTTP 200 response
+	Headers200 *GetOpenAPIResponse200Headers
+	// Headers304 the parsed response headers for an HTTP 304 response
+	Headers304 *GetOpenAPIResponse304Headers
 }
 
 // GetJSON200 returns the response for an HTTP 200 `application/json` response
@@ -4532,13 +4612,14 @@ func (r GetReadinessResponse) ContentType() string {
 // and OpenAPI's `int32` and `int64`): this document's `uint64` is left out, the
 // type and bounds saying the rest, so the schema compiles in Ajv's strict
 // defaults with `ajv-formats`. Extensions (`x-…`) are left out: the error
-// codes, an extensible set, are any string there.
+// codes, an extensible set, are any string there. It is revalidated as
+// `/openapi.json` is (`ETag`, `If-None-Match`, `304 Not Modified`).
 //
 // Returns a wrapper object for the known response body format(s).
 //
 // Corresponds with GET /api/schema.json (the `GetJSONSchema` operationId).
-func (c *ClientWithResponses) GetJSONSchemaWithResponse(ctx context.Context, reqEditors ...RequestEditorFn) (*GetJSONSchemaResponse, error) {
-	rsp, err := c.GetJSONSchema(ctx, reqEditors...)
+func (c *ClientWithResponses) GetJSONSchemaWithResponse(ctx context.Context, params *GetJSONSchemaParams, reqEditors ...RequestEditorFn) (*GetJSONSchemaResponse, error) {
+	rsp, err := c.GetJSONSchema(ctx, params, reqEditors...)
 	if err != nil {
 		return nil, err
 	}
@@ -4978,13 +5059,13 @@ func (c *ClientWithResponses) GetHealthWithResponse(ctx context.Context, reqEdit
 
 // GetOpenAPIWithResponse This OpenAPI document
 //
-// The OpenAPI document of the public API, as JSON. No key needed. Clients and shared caches may keep it for five minutes (`Cache-Control: public, max-age=300`), as `/api/schema.json`.
+// The OpenAPI document of the public API, as JSON. No key needed. Clients and shared caches may keep it for five minutes (`Cache-Control: public, max-age=300`), as `/api/schema.json`, and then revalidate it: the reply's `ETag` names the document's content, so a request whose `If-None-Match` names it is answered `304 Not Modified`, without the document. Replicas serving the same document give the same tag; during a rolling upgrade that changes the document, a replica of the other version answers `200` with its own.
 //
 // Returns a wrapper object for the known response body format(s).
 //
 // Corresponds with GET /openapi.json (the `GetOpenAPI` operationId).
-func (c *ClientWithResponses) GetOpenAPIWithResponse(ctx context.Context, reqEditors ...RequestEditorFn) (*GetOpenAPIResponse, error) {
-	rsp, err := c.GetOpenAPI(ctx, reqEditors...)
+func (c *ClientWithResponses) GetOpenAPIWithResponse(ctx context.Context, params *GetOpenAPIParams, reqEditors ...RequestEditorFn) (*GetOpenAPIResponse, error) {
+	rsp, err := c.GetOpenAPI(ctx, params, reqEditors...)
 	if err != nil {
 		return nil, err
 	}
@@ -5033,6 +5114,46 @@ func ParseGetJSONSchemaResponse(rsp *http.Response) (*GetJSONSchemaResponse, err
 		}
 		response.ApplicationschemaJSON200 = &dest
 
+	case rsp.StatusCode == 304:
+		break // No content-type
+
+	}
+
+	switch {
+	case rsp.StatusCode == 200:
+		var headers GetJSONSchemaResponse200Headers
+		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
+			var value string
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+				return nil, err
+			}
+			headers.CacheControl = value
+		}
+		if values := rsp.Header.Values("ETag"); len(values) > 0 {
+			var value string
+			if err := runtime.BindStyledParameterWithOptions("simple", "ETag", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+				return nil, err
+			}
+			headers.ETag = value
+		}
+		response.Headers200 = &headers
+	case rsp.StatusCode == 304:
+		var headers GetJSONSchemaResponse304Headers
+		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
+			var value string
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+				return nil, err
+			}
+			headers.CacheControl = value
+		}
+		if values := rsp.Header.Values("ETag"); len(values) > 0 {
+			var value string
+			if err := runtime.BindStyledParameterWithOptions("simple", "ETag", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+				return nil, err
+			}
+			headers.ETag = value
+		}
+		response.Headers304 = &headers
 	}
 
 	return response, nil
@@ -7347,6 +7468,46 @@ func ParseGetOpenAPIResponse(rsp *http.Response) (*GetOpenAPIResponse, error) {
 		}
 		response.JSON200 = &dest
 
+	case rsp.StatusCode == 304:
+		break // No content-type
+
+	}
+
+	switch {
+	case rsp.StatusCode == 200:
+		var headers GetOpenAPIResponse200Headers
+		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
+			var value string
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+				return nil, err
+			}
+			headers.CacheControl = value
+		}
+		if values := rsp.Header.Values("ETag"); len(values) > 0 {
+			var value string
+			if err := runtime.BindStyledParameterWithOptions("simple", "ETag", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+				return nil, err
+			}
+			headers.ETag = value
+		}
+		response.Headers200 = &headers
+	case rsp.StatusCode == 304:
+		var headers GetOpenAPIResponse304Headers
+		if values := rsp.Header.Values("Cache-Control"); len(values) > 0 {
+			var value string
+			if err := runtime.BindStyledParameterWithOptions("simple", "Cache-Control", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+				return nil, err
+			}
+			headers.CacheControl = value
+		}
+		if values := rsp.Header.Values("ETag"); len(values) > 0 {
+			var value string
+			if err := runtime.BindStyledParameterWithOptions("simple", "ETag", values[0], &value, runtime.BindStyledParameterOptions{ParamLocation: runtime.ParamLocationHeader, Explode: false, Required: true, Type: "string", Format: ""}); err != nil {
+				return nil, err
+			}
+			headers.ETag = value
+		}
+		response.Headers304 = &headers
 	}
 
 	return response, nil
