@@ -265,9 +265,11 @@ func TestCORS(t *testing.T) {
 	h := preflight(on)
 	require.Equal(t, "https://app.example.com", h.Get("Access-Control-Allow-Origin"))
 	allowed := strings.Split(strings.ToLower(h.Get("Access-Control-Allow-Headers")), ",")
-	for _, name := range []string{"authorization", "content-type", "idempotency-key", "x-request-id", "traceparent", "tracestate"} {
+	for _, name := range []string{"authorization", "content-type", "idempotency-key", "if-none-match", "x-request-id", "traceparent", "tracestate"} {
 		require.Contains(t, allowed, name, "every request header the document names, a browser's trace context too")
 	}
+	doc := on.doWith(http.MethodGet, "/openapi.json", "", "", nil, http.Header{"Origin": {"https://app.example.com"}})
+	require.Contains(t, strings.Split(strings.ToLower(doc.header.Get("Access-Control-Expose-Headers")), ","), "etag", "a browser's script may read the tag to revalidate")
 }
 
 // TestOneRequestID: without an X-Request-Id from the client, the reply's header

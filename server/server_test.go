@@ -690,6 +690,50 @@ func TestPublicDocuments(t *testing.T) {
 	require.Contains(t, r.json(t)["$defs"], "Response")
 }
 
+// TestPublicDocumentsRevalidate: each document's ETag names its content, and
+// a request whose If-None-Match names it (weakly, in a list, over several
+// lines, or as *) is answered 304 without the document; any other, a stale or
+// malformed tag or an empty header, gets the document.
+func TestPublicDocumentsRevalidate(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	get := func(method, path string, ifNoneMatch ...string) reply {
+		t.Helper()
+		var h http.Header
+		if ifNoneMatch != nil {
+			h = http.Header{"If-None-Match": ifNoneMatch}
+		}
+		return b.doWith(method, path, "", "", nil, h)
+	}
+	for _, path := range []string{"/openapi.json", "/api/schema.json"} {
+		first := get(http.MethodGet, path)
+		require.Equal(t, http.StatusOK, first.status, path)
+		tag := first.header.Get("ETag")
+		require.Regexp(t, `^W/"[A-Za-z0-9_-]+"$`, tag, path)
+		require.Equal(t, tag, get(http.MethodGet, path).header.Get("ETag"), "the same document, the same tag")
+		strong := strings.TrimPrefix(tag, "W/")
+
+		for _, inm := range [][]string{{tag}, {strong}, {`W/"older", ` + tag}, {`W/"older"`, tag}, {"*"}, {` ` + tag + ` ,`}} {
+			r := get(http.MethodGet, path, inm...)
+			require.Equal(t, http.StatusNotModified, r.status, "%s %q", path, inm)
+			require.Empty(t, r.body, path)
+			require.Equal(t, tag, r.header.Get("ETag"), path)
+			require.Equal(t, "public, max-age=300", r.header.Get("Cache-Control"), "a 304 says what the 200 would (RFC 9110 §15.4.5)")
+		}
+		require.Equal(t, http.StatusNotModified, get(http.MethodHead, path, tag).status, "HEAD as GET")
+
+		for _, inm := range [][]string{{`W/"older"`}, {"no-quotes"}, {`W/"unterminated`}, {""}, {"", " , "}, {`"older", ` + tag[3:len(tag)-1]}} {
+			r := get(http.MethodGet, path, inm...)
+			require.Equal(t, http.StatusOK, r.status, "%s %q", path, inm)
+			require.Equal(t, first.body, r.body, path)
+			require.Equal(t, tag, r.header.Get("ETag"), path)
+		}
+	}
+	require.NotEqual(t, get(http.MethodGet, "/openapi.json").header.Get("ETag"), get(http.MethodGet, "/api/schema.json").header.Get("ETag"))
+	schemaTag := get(http.MethodGet, "/api/schema.json").header.Get("ETag")
+	require.Equal(t, http.StatusOK, get(http.MethodGet, "/openapi.json", schemaTag).status, "another document's tag is no copy of this one")
+}
+
 func TestUnknownRouteAndMethod(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
