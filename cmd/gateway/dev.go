@@ -36,7 +36,8 @@ dev that was killed is stopped first.
 
 The private database's connection string is printed and saved in the data folder,
 so gateway keys and gateway limits, run in the same folder without DATABASE_URL,
-find it. With DATABASE_URL set, that database is used instead.
+find it. With DATABASE_URL set, that database is used instead, waited for
+as serve waits for it (GATEWAY_DB_START_WAIT, 30 s) when it is away.
 
 Ports: the API listens on GATEWAY_LISTEN (:8080), metrics on
 GATEWAY_METRICS_LISTEN (:9810, or off), PostgreSQL on --pg-port (54329; 0 picks
@@ -93,7 +94,10 @@ terminal (SIGHUP) stops it as Ctrl-C does.`,
 					return fmt.Errorf("error saving the dev database's address: %w", err)
 				}
 			}
-			st, err := openStore(ctx, cfg, cmd.CommandPath())
+			st, err := openStoreWhenUp(ctx, cfg, cmd.CommandPath(), logger)
+			if stoppedAtStart(ctx, err, logger) {
+				return nil
+			}
 			if err != nil {
 				return err
 			}

@@ -65,10 +65,7 @@ func serveCmd(logger *slog.Logger, logLinesLost func() uint64) *cobra.Command {
 				return errors.New("DATABASE_URL is required (or run `gateway dev` for a private database)")
 			}
 			st, err := openStoreWhenUp(cmd.Context(), cfg, cmd.CommandPath(), logger)
-			if err != nil && cmd.Context().Err() != nil {
-				// Asked to stop (SIGTERM) before it served: a stop, as
-				// the one of a replica that served, not a failure.
-				logger.Info("asked to stop while opening the database at the start: stopped", "error", err)
+			if stoppedAtStart(cmd.Context(), err, logger) {
 				return nil
 			}
 			if err != nil {
@@ -116,6 +113,17 @@ func openStoreWhenUp(ctx context.Context, cfg config.Config, name string, logger
 		return nil, fmt.Errorf("the database stayed away for the start's wait, %v (GATEWAY_DB_START_WAIT): %w", cfg.DBStartWait, err)
 	}
 	return st, err
+}
+
+// stoppedAtStart reports, and logs, whether err, openStoreWhenUp's, is that
+// of a replica asked to stop (SIGTERM, ctx's end) before it served: a stop,
+// as the one of a replica that served, not a failure.
+func stoppedAtStart(ctx context.Context, err error, logger *slog.Logger) bool {
+	if err == nil || ctx.Err() == nil {
+		return false
+	}
+	logger.Info("asked to stop while opening the database at the start: stopped", "error", err)
+	return true
 }
 
 // serve wires the gateway and serves until ctx ends; its metrics export
