@@ -258,20 +258,22 @@ func TestAReplicaAskedToStopWhileItWaitsForItsDatabaseStops(t *testing.T) {
 // TestAReplicaWhoseDatabaseStaysAwayExitsAfterItsWait: the start's wait
 // for a database away is GATEWAY_DB_START_WAIT; past it the replica exits,
 // naming it, with the last connection's error; the waits meanwhile are
-// logged, each with its length; with 0 no try is made again.
+// logged, each with its length; with 0 no try is made again. gateway dev
+// given a DATABASE_URL waits for it alike.
 func TestAReplicaWhoseDatabaseStaysAwayExitsAfterItsWait(t *testing.T) {
 	t.Parallel()
 	for _, c := range []struct {
+		command string
 		wait    string
 		waiting bool
-	}{{"1s", true}, {"0s", false}} {
-		_, stderr, err := cliIn(t, "", map[string]string{
+	}{{"serve", "1s", true}, {"serve", "0s", false}, {"dev", "1s", true}} {
+		_, stderr, err := cliIn(t, t.TempDir(), map[string]string{
 			"DATABASE_URL":   "postgres://gateway@127.0.0.1:1/gateway?sslmode=disable", // nothing listens
 			"GATEWAY_LISTEN": "127.0.0.1:0", "GATEWAY_METRICS_LISTEN": "off", "GATEWAY_DB_START_WAIT": c.wait,
-		}, "serve")
-		require.Error(t, err, c.wait)
-		require.Contains(t, stderr, "gateway: the database stayed away for the start's wait, "+c.wait+" (GATEWAY_DB_START_WAIT): ", c.wait)
-		require.Contains(t, stderr, "connection refused", c.wait)
+		}, c.command)
+		require.Error(t, err, "%s %s", c.command, c.wait)
+		require.Contains(t, stderr, "gateway: the database stayed away for the start's wait, "+c.wait+" (GATEWAY_DB_START_WAIT): ", "%s %s", c.command, c.wait)
+		require.Contains(t, stderr, "connection refused", "%s %s", c.command, c.wait)
 		waits := strings.Count(stderr, `"msg":"the database is away at the start: waiting for it"`)
 		if !c.waiting {
 			require.Zero(t, waits, stderr)
