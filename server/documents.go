@@ -97,24 +97,12 @@ func namesTag(value, tag string) bool {
 
 // foldList folds the lines of header name, whose value is a comma-separated
 // list (If-None-Match), into one line (RFC 9110 §5.3), for the generated
-// server, which takes a header parameter from one line only. A header whose
-// lines are all empty is an empty list, taken as no header.
+// server, which takes a header parameter from one line only.
 func foldList(name string) echo.MiddlewareFunc {
 	return func(next echo.HandlerFunc) echo.HandlerFunc {
 		return func(c echo.Context) error {
-			h := c.Request().Header
-			if lines := h.Values(name); len(lines) > 0 {
-				var members []string
-				for _, l := range lines {
-					if l = strings.Trim(l, " \t,"); l != "" {
-						members = append(members, l)
-					}
-				}
-				if len(members) == 0 {
-					h.Del(name)
-				} else {
-					h.Set(name, strings.Join(members, ", "))
-				}
+			if h := c.Request().Header; len(h.Values(name)) > 1 {
+				h.Set(name, strings.Join(h.Values(name), ", "))
 			}
 			return next(c)
 		}
