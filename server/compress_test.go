@@ -19,8 +19,8 @@ import (
 // one that does not accept it (identity alone, another coding, gzip weighed
 // 0, a weight that is no number) is sent as it is. Shorter replies, errors and event
 // streams are never compressed, whether they end before they are detached
-// from their handlers or after; every reply says it varies by
-// Accept-Encoding. Over HTTP/1.1 and HTTP/2. Unless turned on
+// from their handlers or after, nor is a document's 304; every reply says it
+// varies by Accept-Encoding. Over HTTP/1.1 and HTTP/2. Unless turned on
 // (Config.Compress), nothing is.
 func TestLongRepliesAreCompressed(t *testing.T) {
 	t.Parallel()
@@ -70,6 +70,16 @@ func TestLongRepliesAreCompressed(t *testing.T) {
 		head := b.doWith(http.MethodHead, "/openapi.json", "", "", nil, http.Header{"Accept-Encoding": {"gzip"}})
 		require.Equal(t, http.StatusOK, head.status)
 		require.Equal(t, "gzip", head.header.Get("Content-Encoding"))
+		// The document's tag is its content's, compressed or not; a
+		// revalidation's 304 has no body to compress, and varies as its 200.
+		tag := plain.header.Get("ETag")
+		require.NotEmpty(t, tag)
+		require.Equal(t, tag, get("/openapi.json", "gzip").header.Get("ETag"))
+		notModified := b.doWith(http.MethodGet, "/openapi.json", "", "", nil, http.Header{"Accept-Encoding": {"gzip"}, "If-None-Match": {tag}})
+		require.Equal(t, http.StatusNotModified, notModified.status)
+		require.Empty(t, notModified.header.Get("Content-Encoding"))
+		require.Empty(t, notModified.body)
+		require.Contains(t, notModified.header.Values("Vary"), "Accept-Encoding")
 
 		// A long output is compressed, a short one is not; a stream never is,
 		// however long.
