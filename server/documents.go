@@ -101,8 +101,9 @@ func namesTag(value, tag string) bool {
 func foldList(name string) echo.MiddlewareFunc {
 	return func(next echo.HandlerFunc) echo.HandlerFunc {
 		return func(c echo.Context) error {
-			if h := c.Request().Header; len(h.Values(name)) > 1 {
-				h.Set(name, strings.Join(h.Values(name), ", "))
+			h := c.Request().Header
+			if lines := h.Values(name); len(lines) > 1 {
+				h.Set(name, strings.Join(lines, ", "))
 			}
 			return next(c)
 		}
