@@ -1,4 +1,5 @@
-// Package docs holds the project's documents; its test checks what they cite.
+// Package docs holds the project's documents; its tests check what they cite
+// and that the README's layout names every package.
 package docs
 
 import (
@@ -23,26 +24,16 @@ func TestDocumentsCiteTestsThatExist(t *testing.T) {
 	t.Parallel()
 	defined := map[string]bool{}
 	declared := regexp.MustCompile(`(?m)^func (?:\([^)]*\) )?((?:Test|Benchmark|Fuzz)[A-Za-z0-9_]*)\(`)
-	err := filepath.WalkDir("..", func(path string, d fs.DirEntry, err error) error {
-		if err != nil {
-			return err
+	for _, path := range goFiles(t) {
+		if !strings.HasSuffix(path, "_test.go") {
+			continue
 		}
-		if d.IsDir() && (d.Name() == "node_modules" || strings.HasPrefix(d.Name(), ".") && d.Name() != "..") {
-			return filepath.SkipDir
-		}
-		if d.IsDir() || !strings.HasSuffix(path, "_test.go") {
-			return nil
-		}
-		src, err := os.ReadFile(path)
-		if err != nil {
-			return err
-		}
+		src, err := os.ReadFile(filepath.Join("..", path))
+		require.NoError(t, err)
 		for _, m := range declared.FindAllSubmatch(src, -1) {
 			defined[string(m[1])] = true
 		}
-		return nil
-	})
-	require.NoError(t, err)
+	}
 	require.True(t, defined["TestDocumentsCiteTestsThatExist"], "the walk reads the module's tests")
 
 	documents, err := filepath.Glob("*.md")
@@ -55,4 +46,59 @@ func TestDocumentsCiteTestsThatExist(t *testing.T) {
 			require.True(t, defined[name], "%s cites %s, which no test file defines", doc, name)
 		}
 	}
+}
+
+// TestTheLayoutNamesEveryPackage: every folder of Go files in the module
+// (generated, test helpers and benchmarks included) is named in a row of the
+// README's table "Layout", so that a package added is placed where a newcomer
+// looks for it.
+func TestTheLayoutNamesEveryPackage(t *testing.T) {
+	t.Parallel()
+	readme, err := os.ReadFile("../README.md")
+	require.NoError(t, err)
+	_, section, found := strings.Cut(string(readme), "\n## Layout\n")
+	require.True(t, found, "the README has its section \"Layout\"")
+	section, _, _ = strings.Cut(section, "\n## ")
+	var rows strings.Builder
+	for _, line := range strings.Split(section, "\n") {
+		if strings.HasPrefix(line, "| ") {
+			rows.WriteString(line)
+		}
+	}
+	folders := map[string]bool{}
+	for _, path := range goFiles(t) {
+		if dir := filepath.ToSlash(filepath.Dir(path)); dir != "." {
+			folders[dir] = true
+		}
+	}
+	require.True(t, folders["server"] && folders["internal/testdb/testpg"], "the walk reads the module's folders")
+	for dir := range folders {
+		named := strings.Contains(rows.String(), "`"+dir+"/") || strings.Contains(rows.String(), "`"+dir+"`")
+		require.True(t, named, "%s is not named in the README's table \"Layout\"", dir)
+	}
+}
+
+// goFiles returns the module's Go files, as paths from its root, outside
+// node_modules, test data and hidden folders.
+func goFiles(t *testing.T) []string {
+	t.Helper()
+	var paths []string
+	err := filepath.WalkDir("..", func(path string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		if d.IsDir() && path != ".." && (d.Name() == "node_modules" || d.Name() == "testdata" || strings.HasPrefix(d.Name(), ".")) {
+			return filepath.SkipDir
+		}
+		if !d.IsDir() && strings.HasSuffix(path, ".go") {
+			rel, err := filepath.Rel("..", path)
+			if err != nil {
+				return err
+			}
+			paths = append(paths, rel)
+		}
+		return nil
+	})
+	require.NoError(t, err)
+	return paths
 }
