@@ -1,12 +1,13 @@
 package config
 
 import (
-	"os"
 	"regexp"
 	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway/internal/readmetest"
 )
 
 // TestTheREADMEsTableNamesEverySetting: every variable Config reads has a
@@ -15,18 +16,10 @@ import (
 // look for it.
 func TestTheREADMEsTableNamesEverySetting(t *testing.T) {
 	t.Parallel()
-	readme, err := os.ReadFile("../README.md")
-	require.NoError(t, err)
-	_, section, found := strings.Cut(string(readme), "\n## Configuration\n")
-	require.True(t, found, "the README has its section of settings")
-	section, _, _ = strings.Cut(section, "\n## ")
 	named := regexp.MustCompile("`((?:GATEWAY_|DATABASE_)[A-Z0-9_]+)`")
 	rows := map[string]bool{}
-	for _, line := range strings.Split(section, "\n") {
+	for _, line := range readmetest.Rows(t, "../README.md", "Configuration") {
 		cells := strings.Split(line, "|")
-		if len(cells) < 4 || cells[0] != "" {
-			continue // not a row of a table
-		}
 		for _, m := range named.FindAllStringSubmatch(cells[1], -1) {
 			rows[m[1]] = true
 		}

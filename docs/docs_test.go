@@ -11,6 +11,8 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/rungworks/gateway/internal/readmetest"
 )
 
 // cited is a test, benchmark or fuzz target named in a document.
@@ -54,17 +56,7 @@ func TestDocumentsCiteTestsThatExist(t *testing.T) {
 // looks for it.
 func TestTheLayoutNamesEveryPackage(t *testing.T) {
 	t.Parallel()
-	readme, err := os.ReadFile("../README.md")
-	require.NoError(t, err)
-	_, section, found := strings.Cut(string(readme), "\n## Layout\n")
-	require.True(t, found, "the README has its section \"Layout\"")
-	section, _, _ = strings.Cut(section, "\n## ")
-	var rows strings.Builder
-	for _, line := range strings.Split(section, "\n") {
-		if strings.HasPrefix(line, "| ") {
-			rows.WriteString(line)
-		}
-	}
+	rows := strings.Join(readmetest.Rows(t, "../README.md", "Layout"), "\n")
 	folders := map[string]bool{}
 	for _, path := range goFiles(t) {
 		if dir := filepath.ToSlash(filepath.Dir(path)); dir != "." {
@@ -73,7 +65,7 @@ func TestTheLayoutNamesEveryPackage(t *testing.T) {
 	}
 	require.True(t, folders["server"] && folders["internal/testdb/testpg"], "the walk reads the module's folders")
 	for dir := range folders {
-		named := strings.Contains(rows.String(), "`"+dir+"/") || strings.Contains(rows.String(), "`"+dir+"`")
+		named := strings.Contains(rows, "`"+dir+"/") || strings.Contains(rows, "`"+dir+"`")
 		require.True(t, named, "%s is not named in the README's table \"Layout\"", dir)
 	}
 }
