@@ -11,8 +11,9 @@ import (
 )
 
 // Rows returns the rows of the tables in the section "## heading" of the
-// README at path (the lines that start with "| ", header and rule included),
-// failing t when the file or the section is missing.
+// README at path: the lines that start with "| ", a table's header among
+// them (its rule, "|---|", is not). It fails t when the file or the section
+// is missing.
 func Rows(t testing.TB, path, heading string) []string {
 	t.Helper()
 	readme, err := os.ReadFile(path)
