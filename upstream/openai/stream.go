@@ -353,220 +353,269 @@ const maxLineBytes = 8 << 20
 // more tokens than the output ceiling, past which the metering counts none.
 // Everything in body is untrusted.
 func readStream(body io.Reader, limit int64, maxThinking int, progress func(ended bool), emit func(upstream.Delta) error) (upstream.Result, error) {
-	maxLine := min(maxLineBytes, limit)
-	var res upstream.Result
-	var content, thoughts bytes.Buffer
-	opened := false     // a line that is not blank was read
-	evented := false    // a data: line was read
-	opening := ""       // the first line that is not blank, unless a data: line
-	noChunk := ""       // the last data that was no chunk
-	finished := false   // a choice's finish_reason was read
-	errorEvent := false // the event being read is named error
-	finish := func(err error) (upstream.Result, error) {
-		res.Content, res.Reasoning = content.String(), thoughts.String()
-		return res, err
-	}
-	searched := 0 // the search results taken (searchResults)
-	// take keeps and emits a delta with content or sources.
-	take := func(d upstream.Delta) error {
-		if d.Content == "" && len(d.Sources) == 0 {
-			return nil // role-only or empty delta
-		}
-		content.WriteString(d.Content)
-		if len(res.Sources) < upstream.MaxSources { // the guard keeps no more
-			res.Sources = append(res.Sources, d.Sources...)
-		}
-		return emit(d)
-	}
-	// Over upstream/http1 the buffer is held only while there is something
-	// to read: a stream waiting for its next token holds none.
-	waiter, _ := body.(readWaiter)
-	var reader *bufio.Reader
-	release := func() {
-		if reader != nil {
-			reader.Reset(nil)
-			lineReaders.Put(reader)
-			reader = nil
-		}
-	}
-	defer release()
-	lineTooLong := func() error {
-		return fmt.Errorf("%w: a stream line is longer than %d bytes, the most one may take in a reply to this request", upstream.ErrTooLong, maxLine)
-	}
-	// spread gathers the data of an event spread over lines, which SSE joins
-	// with "\n", from a first line that is not JSON whole to the event's end.
-	var spread []byte
-	// event takes an event's data: spreads says whether it is the whole data
-	// of a spread event, or else its first line, which may begin one. end
-	// says the stream ends with it, whole (err nil) or not.
-	event := func(data []byte, spreads bool) (end bool, err error) {
-		if errorEvent {
-			return true, errorInStream(errorEventSays(data))
-		}
-		if bytes.Equal(data, doneMarker) {
-			return true, nil
-		}
-		if len(data) == 0 {
-			return false, nil // no event, or a blank first line of one spread over lines
-		}
-		if data[0] != '{' {
-			// No chunk, which is an object: a keep-alive sent as data, a
-			// comment wrapped (Vertex AI's proxy for partner models sends
-			// "data: : keepalive") or a word ("data: ping", as Express's
-			// documentation sends one), or a line a proxy put in. It is
-			// skipped as a keep-alive, not output; a stream that then
-			// ends without its finish says what it was.
-			noChunk = forQuote(data)
-			return false, nil
-		}
-		var chunk streamChunk[plainText, []annotation]
-		err = json.Unmarshal(data, &chunk)
-		if mistyped(err) {
-			var lenient streamChunk[parts, evidence[annotation]]
-			if err = json.Unmarshal(data, &lenient); err == nil {
-				chunk = lenient.plain()
-			}
-		}
-		if err != nil {
-			if syntax := (*json.SyntaxError)(nil); !spreads && errors.As(err, &syntax) {
-				spread = append(make([]byte, 0, 2*len(data)), data...)
-				return false, nil
-			}
-			return true, fmt.Errorf("malformed stream chunk: %w", err)
-		}
-		if chunk.Error.present() {
-			return true, errorInStream(chunk.Error.what())
-		}
-		if chunk.Usage != nil {
-			chunk.Usage.report(&res)
-		}
-		for _, choice := range chunk.Choices {
-			finished = finished || choice.FinishReason.ends()
-			var d upstream.Delta
-			if choice.Delta.Content != nil {
-				d.Content = string(*choice.Delta.Content)
-			}
-			d.Sources = sources("", choice.Delta.Annotations)
-			if room := maxThinking - thoughts.Len(); room > 0 {
-				thoughts.WriteString(upstream.Cut(choice.Delta.reasoning(), room))
-			}
-			if err := take(d); err != nil {
-				return true, emitError{err}
-			}
-			if choice.FinishReason.erred() {
-				return true, errorInStream(finishedInErrorSays) // an error beside it was read above
-			}
-		}
-		if n := chunk.count(); n > searched {
-			// Search results beside the choices, which an upstream may
-			// repeat, grown, in every event: those not yet taken.
-			d := upstream.Delta{Sources: chunk.from(searched)}
-			searched = n
-			if err := take(d); err != nil {
-				return true, emitError{err}
-			}
-		}
-		return false, nil
-	}
-	// eventEnds takes the data of a spread event at its end. An event whose
-	// data is empty is none, as in SSE.
-	eventEnds := func() (end bool, err error) {
-		data := bytes.TrimSpace(spread)
-		spread = nil
-		if len(data) == 0 {
-			return false, nil
-		}
-		return event(data, true)
-	}
+	s := &streamReader{body: body, maxLine: min(maxLineBytes, limit), maxThinking: maxThinking, emit: emit}
+	s.waiter, _ = body.(readWaiter)
+	defer s.release()
 	for {
-		progress(finished && res.UsageReported)
-		if waiter != nil && (reader == nil || reader.Buffered() == 0) {
-			release()
-			if err := waiter.WaitReadable(); err != nil {
-				return finish(err)
-			}
+		progress(s.finished && s.res.UsageReported)
+		if err := s.fill(); err != nil {
+			return s.result(err)
 		}
-		if reader == nil {
-			reader = lineReaders.Get().(*bufio.Reader)
-			reader.Reset(body)
-		}
-		line, err := reader.ReadSlice('\n')
-		if !opened {
+		line, err := s.reader.ReadSlice('\n')
+		if !s.opened {
 			line = bytes.TrimPrefix(line, byteOrderMark)
-		}
-		if !opened && completionFirst(line) {
-			return readCompletion(line, reader, limit, emit) // bounded by limit, not as a line
+			if completionFirst(line) {
+				return readCompletion(line, s.reader, limit, emit) // bounded by limit, not as a line
+			}
 		}
 		if errors.Is(err, bufio.ErrBufferFull) {
-			// A data line longer than the buffer: gather the rest of it.
-			full := append([]byte(nil), line...)
-			for errors.Is(err, bufio.ErrBufferFull) && int64(len(full)) <= maxLine {
-				line, err = reader.ReadSlice('\n')
-				full = append(full, line...)
+			if line, err = s.gather(line); int64(len(line)) > s.maxLine {
+				return s.result(s.lineTooLong())
 			}
-			if int64(len(full)) > maxLine {
-				return finish(lineTooLong())
-			}
-			line = full
 		}
 		if err != nil && !(errors.Is(err, io.EOF) && len(line) > 0) {
 			if errors.Is(err, io.EOF) {
-				if end, err := eventEnds(); end {
-					return finish(err)
-				}
-				switch {
-				case finished:
-					return finish(nil) // ended whole, by an upstream that sends no [DONE]
-				case !opened:
-					return finish(errors.New("the body is empty"))
-				case !evented:
-					// A page from a proxy or a firewall, answered 200.
-					return finish(fmt.Errorf("the body holds no events (no data: line); it begins %s", gateway.Quote(opening)))
-				case noChunk != "":
-					return finish(fmt.Errorf("connection closed before [DONE] or a finish_reason (the last data that was no chunk: %s)", gateway.Quote(noChunk)))
-				}
-				return finish(errors.New("connection closed before [DONE] or a finish_reason"))
+				return s.result(s.ended())
 			}
-			return finish(err)
+			return s.result(err)
 		}
-		field := bytes.TrimRight(line, "\r\n")
-		data, ok := bytes.CutPrefix(field, []byte("data:"))
-		if !opened {
-			if t := bytes.TrimSpace(line); len(t) > 0 {
-				opened = true
-				if !ok {
-					opening = forQuote(t)
-				}
-			}
-		}
-		evented = evented || ok
-		if !ok {
-			// Comments, event names, blank lines (which end an event). An
-			// event named error holds an error, whatever its data says:
-			// some servers name it so rather than put an error in a chunk;
-			// llama.cpp's server before 2025-09 sent it in a field of that
-			// name, which SSE would have ignored.
-			if name, named := bytes.CutPrefix(field, []byte("event:")); named {
-				errorEvent = string(bytes.TrimSpace(name)) == "error"
-			} else if data, ok := bytes.CutPrefix(field, []byte("error:")); ok {
-				return finish(errorInStream(errorEventSays(data)))
-			} else if len(field) == 0 {
-				if end, err := eventEnds(); end {
-					return finish(err)
-				}
-				errorEvent = false
-			}
-			continue
-		}
-		data = bytes.TrimSpace(data)
-		if spread != nil {
-			if spread = append(append(spread, '\n'), data...); int64(len(spread)) > maxLine {
-				return finish(lineTooLong())
-			}
-			continue
-		}
-		if end, err := event(data, false); end {
-			return finish(err)
+		if end, err := s.line(line); end {
+			return s.result(err)
 		}
 	}
+}
+
+// streamReader is readStream's state: what the stream sent so far, and the
+// line reader it holds.
+type streamReader struct {
+	body        io.Reader
+	waiter      readWaiter    // body, when it can wait without a buffer
+	reader      *bufio.Reader // from lineReaders, held while there is something to read
+	maxLine     int64         // the longest line taken
+	maxThinking int           // the most thinking kept, in bytes
+	emit        func(upstream.Delta) error
+
+	res               upstream.Result
+	content, thoughts bytes.Buffer
+	opened            bool   // a line that is not blank was read
+	evented           bool   // a data: line was read
+	opening           string // the first line that is not blank, unless a data: line
+	noChunk           string // the last data that was no chunk
+	finished          bool   // a choice's finish_reason was read
+	errorEvent        bool   // the event being read is named error
+	searched          int    // the search results taken (searchResults)
+	// spread gathers the data of an event spread over lines, which SSE joins
+	// with "\n", from a first line that is not JSON whole to the event's end.
+	spread []byte
+}
+
+// result is what was received, with err.
+func (s *streamReader) result(err error) (upstream.Result, error) {
+	s.res.Content, s.res.Reasoning = s.content.String(), s.thoughts.String()
+	return s.res, err
+}
+
+// fill holds a line reader with something to read. Over upstream/http1 the
+// buffer is held only while there is: a stream waiting for its next token
+// holds none.
+func (s *streamReader) fill() error {
+	if s.waiter != nil && (s.reader == nil || s.reader.Buffered() == 0) {
+		s.release()
+		if err := s.waiter.WaitReadable(); err != nil {
+			return err
+		}
+	}
+	if s.reader == nil {
+		s.reader = lineReaders.Get().(*bufio.Reader)
+		s.reader.Reset(s.body)
+	}
+	return nil
+}
+
+// release returns the line reader, if one is held.
+func (s *streamReader) release() {
+	if s.reader != nil {
+		s.reader.Reset(nil)
+		lineReaders.Put(s.reader)
+		s.reader = nil
+	}
+}
+
+// gather reads the rest of a data line longer than the reader's buffer,
+// whose start is line, until its end or past maxLine, and returns it whole
+// with the error of its last read.
+func (s *streamReader) gather(line []byte) ([]byte, error) {
+	full := append([]byte(nil), line...)
+	err := bufio.ErrBufferFull
+	for errors.Is(err, bufio.ErrBufferFull) && int64(len(full)) <= s.maxLine {
+		line, err = s.reader.ReadSlice('\n')
+		full = append(full, line...)
+	}
+	return full, err
+}
+
+// lineTooLong is the error of a line longer than maxLine.
+func (s *streamReader) lineTooLong() error {
+	return fmt.Errorf("%w: a stream line is longer than %d bytes, the most one may take in a reply to this request", upstream.ErrTooLong, s.maxLine)
+}
+
+// ended says how a body that ended stands: whole (nil) or broken, and why.
+func (s *streamReader) ended() error {
+	if end, err := s.eventEnds(); end {
+		return err
+	}
+	switch {
+	case s.finished:
+		return nil // ended whole, by an upstream that sends no [DONE]
+	case !s.opened:
+		return errors.New("the body is empty")
+	case !s.evented:
+		// A page from a proxy or a firewall, answered 200.
+		return fmt.Errorf("the body holds no events (no data: line); it begins %s", gateway.Quote(s.opening))
+	case s.noChunk != "":
+		return fmt.Errorf("connection closed before [DONE] or a finish_reason (the last data that was no chunk: %s)", gateway.Quote(s.noChunk))
+	}
+	return errors.New("connection closed before [DONE] or a finish_reason")
+}
+
+// line takes a line of the stream. end says the stream ends with it, whole
+// (err nil) or not.
+func (s *streamReader) line(line []byte) (end bool, err error) {
+	field := bytes.TrimRight(line, "\r\n")
+	data, ok := bytes.CutPrefix(field, []byte("data:"))
+	if !s.opened {
+		if t := bytes.TrimSpace(line); len(t) > 0 {
+			s.opened = true
+			if !ok {
+				s.opening = forQuote(t)
+			}
+		}
+	}
+	s.evented = s.evented || ok
+	if !ok {
+		return s.field(field)
+	}
+	data = bytes.TrimSpace(data)
+	if s.spread != nil {
+		if s.spread = append(append(s.spread, '\n'), data...); int64(len(s.spread)) > s.maxLine {
+			return true, s.lineTooLong()
+		}
+		return false, nil
+	}
+	return s.event(data, false)
+}
+
+// field takes a line that is no data: a comment, an event's name, or a
+// blank line, which ends an event. An event named error holds an error,
+// whatever its data says: some servers name it so rather than put an error
+// in a chunk; llama.cpp's server before 2025-09 sent it in a field of that
+// name, which SSE would have ignored.
+func (s *streamReader) field(field []byte) (end bool, err error) {
+	if name, named := bytes.CutPrefix(field, []byte("event:")); named {
+		s.errorEvent = string(bytes.TrimSpace(name)) == "error"
+	} else if data, ok := bytes.CutPrefix(field, []byte("error:")); ok {
+		return true, errorInStream(errorEventSays(data))
+	} else if len(field) == 0 {
+		if end, err := s.eventEnds(); end {
+			return true, err
+		}
+		s.errorEvent = false
+	}
+	return false, nil
+}
+
+// eventEnds takes the data of a spread event at its end. An event whose
+// data is empty is none, as in SSE.
+func (s *streamReader) eventEnds() (end bool, err error) {
+	data := bytes.TrimSpace(s.spread)
+	s.spread = nil
+	if len(data) == 0 {
+		return false, nil
+	}
+	return s.event(data, true)
+}
+
+// event takes an event's data: spreads says whether it is the whole data of
+// a spread event, or else its first line, which may begin one. end says the
+// stream ends with it, whole (err nil) or not.
+func (s *streamReader) event(data []byte, spreads bool) (end bool, err error) {
+	if s.errorEvent {
+		return true, errorInStream(errorEventSays(data))
+	}
+	if bytes.Equal(data, doneMarker) {
+		return true, nil
+	}
+	if len(data) == 0 {
+		return false, nil // no event, or a blank first line of one spread over lines
+	}
+	if data[0] != '{' {
+		// No chunk, which is an object: a keep-alive sent as data, a
+		// comment wrapped (Vertex AI's proxy for partner models sends
+		// "data: : keepalive") or a word ("data: ping", as Express's
+		// documentation sends one), or a line a proxy put in. It is
+		// skipped as a keep-alive, not output; a stream that then
+		// ends without its finish says what it was.
+		s.noChunk = forQuote(data)
+		return false, nil
+	}
+	var chunk streamChunk[plainText, []annotation]
+	err = json.Unmarshal(data, &chunk)
+	if mistyped(err) {
+		var lenient streamChunk[parts, evidence[annotation]]
+		if err = json.Unmarshal(data, &lenient); err == nil {
+			chunk = lenient.plain()
+		}
+	}
+	if err != nil {
+		if syntax := (*json.SyntaxError)(nil); !spreads && errors.As(err, &syntax) {
+			s.spread = append(make([]byte, 0, 2*len(data)), data...)
+			return false, nil
+		}
+		return true, fmt.Errorf("malformed stream chunk: %w", err)
+	}
+	if chunk.Error.present() {
+		return true, errorInStream(chunk.Error.what())
+	}
+	if chunk.Usage != nil {
+		chunk.Usage.report(&s.res)
+	}
+	for _, choice := range chunk.Choices {
+		s.finished = s.finished || choice.FinishReason.ends()
+		var d upstream.Delta
+		if choice.Delta.Content != nil {
+			d.Content = string(*choice.Delta.Content)
+		}
+		d.Sources = sources("", choice.Delta.Annotations)
+		if room := s.maxThinking - s.thoughts.Len(); room > 0 {
+			s.thoughts.WriteString(upstream.Cut(choice.Delta.reasoning(), room))
+		}
+		if err := s.take(d); err != nil {
+			return true, emitError{err}
+		}
+		if choice.FinishReason.erred() {
+			return true, errorInStream(finishedInErrorSays) // an error beside it was read above
+		}
+	}
+	if n := chunk.count(); n > s.searched {
+		// Search results beside the choices, which an upstream may
+		// repeat, grown, in every event: those not yet taken.
+		d := upstream.Delta{Sources: chunk.from(s.searched)}
+		s.searched = n
+		if err := s.take(d); err != nil {
+			return true, emitError{err}
+		}
+	}
+	return false, nil
+}
+
+// take keeps and emits a delta with content or sources.
+func (s *streamReader) take(d upstream.Delta) error {
+	if d.Content == "" && len(d.Sources) == 0 {
+		return nil // role-only or empty delta
+	}
+	s.content.WriteString(d.Content)
+	if len(s.res.Sources) < upstream.MaxSources { // the guard keeps no more
+		s.res.Sources = append(s.res.Sources, d.Sources...)
+	}
+	return s.emit(d)
 }
