@@ -414,20 +414,7 @@ func withoutDone(raw []byte) []byte {
 // error, and whether the request was dispatched: a connection was obtained to
 // write it on (req.Dispatched is called then).
 func (c *Client) post(ctx context.Context, req *upstream.Request, stream bool) (*http.Response, bool, error) {
-	cr := chatRequest{Model: req.UpstreamModel, Messages: messages(req)}
-	if c.cfg.MaxTokensField == MaxTokens {
-		cr.MaxTokens = req.MaxOutputTokens
-	} else {
-		cr.MaxCompletionTokens = req.MaxOutputTokens
-	}
-	accept := "application/json"
-	if stream {
-		cr.Stream, accept = true, "text/event-stream"
-		if !c.cfg.NoStreamOptions {
-			cr.StreamOptions = &streamOptions{IncludeUsage: true}
-		}
-	}
-	body, err := json.Marshal(cr)
+	body, err := json.Marshal(c.chatRequest(req, stream))
 	if err != nil {
 		return nil, false, fmt.Errorf("error encoding chat request: %w", err)
 	}
@@ -450,25 +437,7 @@ func (c *Client) post(ctx context.Context, req *upstream.Request, stream bool) (
 	if once != nil {
 		httpReq.GetBody = once.body(body)
 	}
-	for k, v := range c.cfg.Headers {
-		httpReq.Header.Set(k, v)
-	}
-	tracing.Inject(ctx, httpReq.Header)
-	httpReq.Header.Set("Content-Type", "application/json")
-	httpReq.Header.Set("Accept", accept)
-	// Without Accept-Encoding any coding is acceptable (RFC 9110, 12.5.3):
-	// ask for none, for the reason DisableCompression gives.
-	httpReq.Header.Set("Accept-Encoding", "identity")
-	switch {
-	case c.cfg.APIKey == "":
-	case c.cfg.APIKeyHeader != "":
-		httpReq.Header.Set(c.cfg.APIKeyHeader, c.cfg.APIKey)
-	default:
-		httpReq.Header.Set("Authorization", "Bearer "+c.cfg.APIKey)
-	}
-	if h := hints(req.Hints); h != "" {
-		httpReq.Header.Set(HintsHeader, h)
-	}
+	c.setHeaders(ctx, httpReq.Header, req, stream)
 	var resp *http.Response
 	if c.h1 != nil {
 		resp, err = c.h1.Do(httpReq, connected)
@@ -493,6 +462,49 @@ func (c *Client) post(ctx context.Context, req *upstream.Request, stream bool) (
 		return nil, true, fmt.Errorf("%w: the reply is compressed (Content-Encoding %s) though the call asked for it uncompressed", upstream.ErrFailed, gateway.Quote(coding))
 	}
 	return resp, true, nil
+}
+
+// chatRequest is the call's body for req, asked for streamed or whole.
+func (c *Client) chatRequest(req *upstream.Request, stream bool) chatRequest {
+	cr := chatRequest{Model: req.UpstreamModel, Messages: messages(req), Stream: stream}
+	if c.cfg.MaxTokensField == MaxTokens {
+		cr.MaxTokens = req.MaxOutputTokens
+	} else {
+		cr.MaxCompletionTokens = req.MaxOutputTokens
+	}
+	if stream && !c.cfg.NoStreamOptions {
+		cr.StreamOptions = &streamOptions{IncludeUsage: true}
+	}
+	return cr
+}
+
+// setHeaders sets the headers of a call for req, of the context ctx, asked
+// for streamed or whole: the configured ones, the trace's, what it sends and
+// accepts, the key and the request's hints.
+func (c *Client) setHeaders(ctx context.Context, h http.Header, req *upstream.Request, stream bool) {
+	for k, v := range c.cfg.Headers {
+		h.Set(k, v)
+	}
+	tracing.Inject(ctx, h)
+	h.Set("Content-Type", "application/json")
+	if stream {
+		h.Set("Accept", "text/event-stream")
+	} else {
+		h.Set("Accept", "application/json")
+	}
+	// Without Accept-Encoding any coding is acceptable (RFC 9110, 12.5.3):
+	// ask for none, for the reason DisableCompression gives.
+	h.Set("Accept-Encoding", "identity")
+	switch {
+	case c.cfg.APIKey == "":
+	case c.cfg.APIKeyHeader != "":
+		h.Set(c.cfg.APIKeyHeader, c.cfg.APIKey)
+	default:
+		h.Set("Authorization", "Bearer "+c.cfg.APIKey)
+	}
+	if hint := hints(req.Hints); hint != "" {
+		h.Set(HintsHeader, hint)
+	}
 }
 
 // inflate makes resp's body read inflated when it is compressed with gzip
