@@ -175,6 +175,26 @@ func TestTheKeysHeader(t *testing.T) {
 	})
 }
 
+// TestACallSaysWhatItSendsAndAccepts: a call sends JSON and accepts, without
+// a coding, JSON when asked for whole and events when streamed.
+func TestACallSaysWhatItSendsAndAccepts(t *testing.T) {
+	t.Parallel()
+	eachTransport(t, func(t *testing.T, b *testBundle) {
+		_, err := b.client.Complete(context.Background(), &req)
+		require.NoError(t, err)
+		_, err = b.client.Stream(context.Background(), &req, func(upstream.Delta) error { return nil })
+		require.NoError(t, err)
+
+		calls := b.fake.Calls()
+		require.Len(t, calls, 2)
+		for i, accept := range []string{"application/json", "text/event-stream"} {
+			require.Equal(t, accept, calls[i].Header.Get("Accept"))
+			require.Equal(t, "application/json", calls[i].Header.Get("Content-Type"))
+			require.Equal(t, "identity", calls[i].Header.Get("Accept-Encoding"))
+		}
+	})
+}
+
 // TestCitationsCountCharacters: a citation's start and end index count
 // characters, as OpenAI's API gives them, not bytes: its snippet is the
 // text between them in content that is not ASCII too. An index past the
