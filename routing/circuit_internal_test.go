@@ -96,6 +96,8 @@ func TestCircuitConfigDefaults(t *testing.T) {
 		{CircuitConfig{Failures: 5, Cooldown: 2 * time.Second, MaxCooldown: 4 * time.Second}, CircuitConfig{Failures: 5, Cooldown: 2 * time.Second, MaxCooldown: 4 * time.Second}},
 		{CircuitConfig{Cooldown: 2 * time.Second, MaxCooldown: time.Second}, CircuitConfig{Failures: DefaultFailures, Cooldown: 2 * time.Second, MaxCooldown: DefaultMaxCooldown}},
 		{CircuitConfig{Cooldown: time.Minute}, CircuitConfig{Failures: DefaultFailures, Cooldown: time.Minute, MaxCooldown: time.Minute}},
+		// A cool-down that never grows: the longest set as long as the first.
+		{CircuitConfig{Cooldown: 3 * time.Second, MaxCooldown: 3 * time.Second}, CircuitConfig{Failures: DefaultFailures, Cooldown: 3 * time.Second, MaxCooldown: 3 * time.Second}},
 	} {
 		require.Equal(t, tc.want, tc.in.withDefaults(), "%+v", tc.in)
 	}
