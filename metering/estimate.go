@@ -98,9 +98,11 @@ func (t *Tokenizer) count(s string) uint64 {
 	if utf8.ValidString(s) {
 		return t.fast.count(s)
 	}
+	// The codec counts invalid UTF-8 as it is, bytes its tokens hold. It fails
+	// only when its pattern cannot be matched: the bytes, at least one a
+	// token, are a safe upper bound.
 	n, err := t.codec.Count(s)
 	if err != nil {
-		// The codec only fails on invalid UTF-8; its bytes are a safe upper bound.
 		return uint64(len(s))
 	}
 	return uint64(n)
@@ -108,7 +110,8 @@ func (t *Tokenizer) count(s string) uint64 {
 
 // segmentEnd is where the first segment of s ends: all of s when it is short;
 // else the first piece start at or after segmentBytes, or the last before
-// maxSegmentBytes; else, in a run with none, runBytes moved back to a rune start.
+// maxSegmentBytes; else, in a run with none, runBytes moved back to a rune
+// start (bytes of invalid UTF-8 that start none are cut at runBytes).
 func segmentEnd(s string) int {
 	if len(s) <= maxSegmentBytes {
 		return len(s)
@@ -125,11 +128,14 @@ func segmentEnd(s string) int {
 	if last >= runBytes {
 		return last
 	}
-	end := runBytes
-	for end > 1 && !utf8.RuneStart(s[end]) {
-		end--
+	// At a character's start, which any four bytes of valid UTF-8 hold; in
+	// bytes that start none (invalid UTF-8), where the run ends.
+	for end := runBytes; end > runBytes-utf8.UTFMax; end-- {
+		if utf8.RuneStart(s[end]) {
+			return end
+		}
 	}
-	return end
+	return runBytes
 }
 
 func isASCIIAlnum(b byte) bool {
