@@ -96,6 +96,28 @@ func TestCountUpTo(t *testing.T) {
 	require.Zero(t, tok.CountUpTo("", 0))
 }
 
+// TestCountOfInvalidUTF8: text that is not valid UTF-8 (JSON's decoding
+// leaves none, but it is counted anyway) counts as the codec counts it, or
+// within a token a cut when long, as any text does.
+func TestCountOfInvalidUTF8(t *testing.T) {
+	t.Parallel()
+	tok, err := metering.DefaultTokenizer()
+	require.NoError(t, err)
+	codec, err := tokenizer.Get(tokenizer.O200kBase)
+	require.NoError(t, err)
+	for _, text := range []string{"\xff", "\xff\xfe and the rest", "cut mid-character \xc3", "h\xc3\xa9llo\x80w\xc3\xb6rld"} {
+		want, err := codec.Count(text)
+		require.NoError(t, err)
+		require.Equal(t, uint64(want), tok.Count(text), "%q", text)
+	}
+	// Runs of bytes that start no character are cut as other runs are, every
+	// 384 bytes (TestCountStaysHonestOnRuns), not at each byte.
+	long := strings.Repeat("\x80", 3*gateway.MaxPromptBytes/4) + strings.Repeat("text \xff", gateway.MaxPromptBytes/24)
+	want, err := codec.Count(long)
+	require.NoError(t, err)
+	require.InDelta(t, float64(want), float64(tok.Count(long)), float64(len(long)/384+1))
+}
+
 // clampRecorder returns an estimator whose clamp hook records each clamp in
 // the slice returned.
 func clampRecorder(t *testing.T) (*metering.Estimator, *[]metering.Clamp) {
