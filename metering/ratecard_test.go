@@ -78,6 +78,9 @@ func TestPriceOverflowIsRejected(t *testing.T) {
 	require.ErrorIs(t, err, metering.ErrOverflow)
 	_, err = rc.Usage(gateway.ModelReasoning, gateway.EntryResponses, math.MaxInt64/2, 1)
 	require.ErrorIs(t, err, metering.ErrOverflow, "an input that does not price")
+	u, err := rc.Usage(gateway.ModelInstant, gateway.EntryResponses, math.MaxInt64-5, 5)
+	require.NoError(t, err, "a total of exactly the largest int64 fits")
+	require.Equal(t, int64(math.MaxInt64), u.TotalRungs)
 	// Counts past int64 that price at nothing do not fit the usage either.
 	free, err := metering.NewRateCard(map[gateway.Model]string{"instant": "0", "reasoning": "0", "elements": "0"}, "0")
 	require.NoError(t, err)
@@ -87,7 +90,9 @@ func TestPriceOverflowIsRejected(t *testing.T) {
 	}
 }
 
-func TestNewRateCardRejectsBadInput(t *testing.T) {
+// TestNewRateCardChecksItsInput: a discount outside [0, 1], a model without
+// its multiplier or a negative one is refused; the discount's bounds are in.
+func TestNewRateCardChecksItsInput(t *testing.T) {
 	t.Parallel()
 	ok := map[gateway.Model]string{"instant": "1", "reasoning": "4", "elements": "2"}
 	for _, d := range []string{"-0.1", "1.5", "x", ""} {
@@ -96,6 +101,14 @@ func TestNewRateCardRejectsBadInput(t *testing.T) {
 	}
 	_, err := metering.NewRateCard(map[gateway.Model]string{"instant": "1"}, "0.5")
 	require.ErrorContains(t, err, "no rung multiplier for model reasoning")
+	// The bounds are in: no discount, and batch items for nothing.
+	for d, rungs := range map[string]int64{"0": 7, "1": 0} {
+		rc, err := metering.NewRateCard(ok, d)
+		require.NoError(t, err, d)
+		price, err := rc.Price(gateway.ModelInstant, gateway.EntryBatch, 7)
+		require.NoError(t, err)
+		require.Equal(t, rungs, price, "discount %s", d)
+	}
 	_, err = metering.NewRateCard(map[gateway.Model]string{"instant": "-1", "reasoning": "4", "elements": "2"}, "0.5")
 	require.Error(t, err)
 }
