@@ -98,9 +98,9 @@ func (t *Tokenizer) count(s string) uint64 {
 	if utf8.ValidString(s) {
 		return t.fast.count(s)
 	}
-	// The codec counts invalid UTF-8 as it is, bytes its tokens hold. It fails
-	// only when its pattern cannot be matched: the bytes, at least one a
-	// token, are a safe upper bound.
+	// The codec counts invalid UTF-8 too, its bytes as they are (its default
+	// error mode). It fails only when its pattern cannot be matched; the
+	// bytes are then a safe upper bound, each token holding one at least.
 	n, err := t.codec.Count(s)
 	if err != nil {
 		return uint64(len(s))

@@ -414,7 +414,7 @@ func withoutDone(raw []byte) []byte {
 // error, and whether the request was dispatched: a connection was obtained to
 // write it on (req.Dispatched is called then).
 func (c *Client) post(ctx context.Context, req *upstream.Request, stream bool) (*http.Response, bool, error) {
-	body, err := json.Marshal(c.chatRequest(req, stream))
+	body, err := json.Marshal(c.chatBody(req, stream))
 	if err != nil {
 		return nil, false, fmt.Errorf("error encoding chat request: %w", err)
 	}
@@ -464,8 +464,8 @@ func (c *Client) post(ctx context.Context, req *upstream.Request, stream bool) (
 	return resp, true, nil
 }
 
-// chatRequest is the call's body for req, asked for streamed or whole.
-func (c *Client) chatRequest(req *upstream.Request, stream bool) chatRequest {
+// chatBody is the body of a call for req, asked for streamed or whole.
+func (c *Client) chatBody(req *upstream.Request, stream bool) chatRequest {
 	cr := chatRequest{Model: req.UpstreamModel, Messages: messages(req), Stream: stream}
 	if c.cfg.MaxTokensField == MaxTokens {
 		cr.MaxTokens = req.MaxOutputTokens
