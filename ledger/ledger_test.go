@@ -210,6 +210,17 @@ func TestRefusalsWaitingCannotCure(t *testing.T) {
 	midnight := gateway.UTCDay(time.Now()).Add(24 * time.Hour)
 	require.WithinDuration(t, midnight, time.Now().Add(e.RetryAfter), time.Minute, "the day resets: waiting helps")
 	require.Contains(t, e.Message, "00:00 UTC")
+	// The whole ceiling, or the whole cap, fits once nothing else is there.
+	_, err = admit(l, q, 100)
+	require.ErrorAs(t, err, &e)
+	require.WithinDuration(t, midnight, time.Now().Add(e.RetryAfter), time.Minute, "an estimate of the whole ceiling fits tomorrow: %s", e.Message)
+	id, err = admit(l, p, 10)
+	require.NoError(t, err)
+	require.NoError(t, l.Settle(b.ctx, record(p, id, 10)))
+	_, err = admit(l, p, 60)
+	require.ErrorAs(t, err, &e)
+	require.Equal(t, gateway.EBudgetExceeded, e.Code)
+	require.Contains(t, e.Message, "beside what the project has spent", "not larger than the whole cap")
 }
 
 // TestRefusalByUnfinishedBatches: a request refused because the estimates
