@@ -44,14 +44,22 @@ func randomText(n int) string {
 	return b.String()
 }
 
-// TestCountIsExactOnText: segments are cut where the tokenizer starts a piece
-// anyway, so ordinary text counts exactly as one call of the codec would.
-func TestCountIsExactOnText(t *testing.T) {
-	t.Parallel()
+// tokenizers returns the gateway's tokenizer and the library's codec it
+// counts as.
+func tokenizers(t *testing.T) (*metering.Tokenizer, tokenizer.Codec) {
+	t.Helper()
 	tok, err := metering.DefaultTokenizer()
 	require.NoError(t, err)
 	codec, err := tokenizer.Get(tokenizer.O200kBase)
 	require.NoError(t, err)
+	return tok, codec
+}
+
+// TestCountIsExactOnText: segments are cut where the tokenizer starts a piece
+// anyway, so ordinary text counts exactly as one call of the codec would.
+func TestCountIsExactOnText(t *testing.T) {
+	t.Parallel()
+	tok, codec := tokenizers(t)
 	texts := []string{
 		adversarial["prose"],
 		strings.Repeat("Rungs meter every call; ledgers don't lie. 42 items, 3.14 ratio!\n", 900),
@@ -71,10 +79,7 @@ func TestCountIsExactOnText(t *testing.T) {
 // size, which adds at most one token per cut and never undercounts by more.
 func TestCountStaysHonestOnRuns(t *testing.T) {
 	t.Parallel()
-	tok, err := metering.DefaultTokenizer()
-	require.NoError(t, err)
-	codec, err := tokenizer.Get(tokenizer.O200kBase)
-	require.NoError(t, err)
+	tok, codec := tokenizers(t)
 	for name, text := range adversarial {
 		want, err := codec.Count(text)
 		require.NoError(t, err)
@@ -101,10 +106,7 @@ func TestCountUpTo(t *testing.T) {
 // within a token a cut when long, as any text does.
 func TestCountOfInvalidUTF8(t *testing.T) {
 	t.Parallel()
-	tok, err := metering.DefaultTokenizer()
-	require.NoError(t, err)
-	codec, err := tokenizer.Get(tokenizer.O200kBase)
-	require.NoError(t, err)
+	tok, codec := tokenizers(t)
 	for _, text := range []string{"\xff", "\xff\xfe and the rest", "cut mid-character \xc3", "h\xc3\xa9llo\x80w\xc3\xb6rld"} {
 		want, err := codec.Count(text)
 		require.NoError(t, err)
