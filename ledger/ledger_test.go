@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -17,6 +18,7 @@ import (
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/internal/metricstest"
 	"github.com/rungworks/gateway/internal/stagger"
+	"github.com/rungworks/gateway/internal/syncbuf"
 	"github.com/rungworks/gateway/internal/testdb"
 	"github.com/rungworks/gateway/ledger"
 	"github.com/rungworks/gateway/metrics"
@@ -1198,7 +1200,8 @@ func TestARenewalCutShortKeepsWhatItRenewed(t *testing.T) {
 	b := setup(t)
 	st := &renewalFailingStore{countingStore: &countingStore{Store: store.New(testdb.Connect(t, b.url))}}
 	const lease = 900 * time.Millisecond
-	l := ledger.New(ledger.Config{Lease: lease, Idle: time.Hour, Unavailable: store.Transient}, st)
+	logs := &syncbuf.Buffer{}
+	l := ledger.New(ledger.Config{Lease: lease, Idle: time.Hour, Unavailable: store.Transient, Logger: slog.New(slog.NewTextHandler(logs, nil))}, st)
 	b.run(t, l)
 	principals := b.heldLeases(t, l, 150) // two statements a renewal
 	rows, err := b.store.Pool().Query(b.ctx, `SELECT id FROM quota_leases ORDER BY id LIMIT 100`)
@@ -1231,4 +1234,5 @@ func TestARenewalCutShortKeepsWhatItRenewed(t *testing.T) {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	require.Zero(t, alone, "a statement that failed as the database went away is not sent again lease by lease")
+	require.Contains(t, logs.String(), "error renewing quota leases", "the failure is told")
 }
