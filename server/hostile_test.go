@@ -30,29 +30,32 @@ func (r reply) message(t *testing.T) string {
 	return env.Error.Message
 }
 
-// TestNULIsRefusedOnEveryPath pins D11: a string field holding U+0000 is 400
-// INVALID_REQUEST naming the field, interactive, streamed or batched alike.
+// TestNULIsRefusedOnEveryPath pins D11: a string field holding U+0000,
+// inside it or first, is 400 INVALID_REQUEST naming the field, interactive,
+// streamed or batched alike.
 func TestNULIsRefusedOnEveryPath(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
 	for _, field := range []string{"prompt", "custom_instructions", "studio_id", "model"} {
-		item := map[string]any{"prompt": "fine", field: "a\x00b"}
-		for _, path := range []string{"/api/v1/responses", "/api/v1/chat"} {
-			r := b.post(path, b.key, item)
-			require.Equal(t, http.StatusBadRequest, r.status, "%s %s", path, field)
-			require.Equal(t, gateway.EInvalidRequest, r.errorCode(t))
-			require.Contains(t, r.message(t), field)
-		}
-		_, s := b.stream("/api/v1/responses", map[string]any{"prompt": "fine", field: "a\x00b"})
-		require.Len(t, s.Events, 1)
-		var env api.ErrorEnvelope
-		s.Events[0].Decode(t, &env)
-		require.Equal(t, api.ErrorCode("INVALID_REQUEST"), env.Error.Code)
+		for _, value := range []string{"a\x00b", "\x00 first"} {
+			item := map[string]any{"prompt": "fine", field: value}
+			for _, path := range []string{"/api/v1/responses", "/api/v1/chat"} {
+				r := b.post(path, b.key, item)
+				require.Equal(t, http.StatusBadRequest, r.status, "%s %s %q", path, field, value)
+				require.Equal(t, gateway.EInvalidRequest, r.errorCode(t))
+				require.Contains(t, r.message(t), field)
+			}
+			_, s := b.stream("/api/v1/responses", item)
+			require.Len(t, s.Events, 1)
+			var env api.ErrorEnvelope
+			s.Events[0].Decode(t, &env)
+			require.Equal(t, api.ErrorCode("INVALID_REQUEST"), env.Error.Code)
 
-		r := b.post("/api/v1/batch", b.key, map[string]any{"requests": []any{map[string]any{"prompt": "ok"}, map[string]any{"prompt": "fine", field: "a\x00b"}}})
-		require.Equal(t, http.StatusBadRequest, r.status, "batch %s", field)
-		require.Equal(t, gateway.EInvalidRequest, r.errorCode(t))
-		require.Equal(t, "1", r.header.Get("x-service-batch-index"))
+			r := b.post("/api/v1/batch", b.key, map[string]any{"requests": []any{map[string]any{"prompt": "ok"}, item}})
+			require.Equal(t, http.StatusBadRequest, r.status, "batch %s %q", field, value)
+			require.Equal(t, gateway.EInvalidRequest, r.errorCode(t))
+			require.Equal(t, "1", r.header.Get("x-service-batch-index"))
+		}
 	}
 	require.Zero(t, b.upstream.callCount(), "nothing reached the upstream")
 }
