@@ -30,6 +30,9 @@ func TestUntilAdmitted(t *testing.T) {
 		{"the next minute leased ahead", 55 * time.Second, 6, 0, 4, 2, 5*time.Second + 15*time.Second},
 		// 3 leased ahead of the next minute leave it room once 4 weigh 2.
 		{"more of the next minute leased ahead", 55 * time.Second, 6, 0, 4, 3, 5*time.Second + 30*time.Second},
+		// 3 this minute and 2 leased ahead leave this minute room for one, at
+		// the bound, once the 6 of the minute before weigh 2.
+		{"the next minute leased ahead to the bound", 10 * time.Second, 6, 6, 3, 2, 30 * time.Second},
 		// 6 leased ahead fill the next minute: in the one after, once they
 		// weigh 5.
 		{"the next minute full", 58 * time.Second, 6, 0, 0, 6, 2*time.Second + time.Minute + 10*time.Second},
