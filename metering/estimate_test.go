@@ -101,9 +101,10 @@ func TestCountUpTo(t *testing.T) {
 	require.Zero(t, tok.CountUpTo("", 0))
 }
 
-// TestCountOfInvalidUTF8: text that is not valid UTF-8 (JSON's decoding
-// leaves none, but it is counted anyway) counts as the codec counts it, or
-// within a token a cut when long, as any text does.
+// TestCountOfInvalidUTF8: text that is not valid UTF-8 (no request brings
+// any: a body that is not is refused, and the guard cleans what an upstream
+// sends) counts as the codec counts it, or within a token a cut when long,
+// as any text does.
 func TestCountOfInvalidUTF8(t *testing.T) {
 	t.Parallel()
 	tok, codec := tokenizers(t)
