@@ -982,13 +982,15 @@ func (f *foldFailingStore) FoldQuotaLeases(ctx context.Context, owner uuid.UUID,
 }
 
 // TestAFailedFoldIsTriedAgain: a slice whose fold failed comes back at a
-// later beat of its replica, long before its lease (an hour here) runs out.
+// later beat of its replica, long before its lease (an hour here) runs out;
+// the failure is told.
 func TestAFailedFoldIsTriedAgain(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	failing := &foldFailingStore{Store: b.store}
 	failing.failures.Store(2)
-	l := ledger.New(ledger.Config{Lease: time.Hour, Idle: 50 * time.Millisecond}, failing)
+	logs := &syncbuf.Buffer{}
+	l := ledger.New(ledger.Config{Lease: time.Hour, Idle: 50 * time.Millisecond, Logger: slog.New(slog.NewTextHandler(logs, nil))}, failing)
 	b.run(t, l)
 	p := b.principal(t, "acme", nil, ptr(int64(1000)))
 	id, err := admit(l, p, 100)
@@ -999,6 +1001,7 @@ func TestAFailedFoldIsTriedAgain(t *testing.T) {
 	require.GreaterOrEqual(t, failing.folds.Load(), int32(3), "two folds failed before one passed")
 	v := b.view(t, p)
 	require.Equal(t, int64(10), v.Budget.Spent, "what was used under the slice, once")
+	require.Contains(t, logs.String(), "error folding back quota leases; trying again at the next beat")
 }
 
 // TestAFoldRefusedForOneLeaseKeepsNoOtherAway: when leases of two tenants
