@@ -1004,6 +1004,54 @@ func TestAFailedFoldIsTriedAgain(t *testing.T) {
 	require.Contains(t, logs.String(), "error folding back quota leases; trying again at the next beat")
 }
 
+// TestAShutdownFoldsAgainWhatFailedBefore: a slice whose fold failed while
+// its ledger ran is folded back when the ledger stops, once the database
+// takes it.
+func TestAShutdownFoldsAgainWhatFailedBefore(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx, stop := context.WithCancel(b.ctx)
+	failing := &foldFailingStore{Store: b.store, refuse: func([]uuid.UUID) bool { return ctx.Err() == nil }}
+	l := ledger.New(ledger.Config{Lease: time.Hour, Idle: 50 * time.Millisecond}, failing)
+	done := make(chan struct{})
+	go func() { defer close(done); l.Run(ctx) }()
+	p := b.principal(t, "acme", nil, ptr(int64(1000)))
+	id, err := admit(l, p, 100)
+	require.NoError(t, err)
+	require.NoError(t, l.Settle(b.ctx, record(p, id, 10)))
+	require.Eventually(t, func() bool { return failing.folds.Load() >= 2 }, 10*time.Second, 10*time.Millisecond, "the fold failed, and again")
+	require.False(t, b.admits(p, 990), "the slice is away")
+
+	stop()
+	<-done
+	require.True(t, b.admits(p, 990), "the slice came back at the shutdown")
+	require.Equal(t, int64(10), b.view(t, p).Budget.Spent)
+}
+
+// TestAShutdownWithTheDatabaseAwayFoldsOnce: a ledger that stops while its
+// fold fails sends no second one (the database is likely away, and each
+// statement could keep the shutdown a statement timeout); the slice is left
+// to run out with its lease.
+func TestAShutdownWithTheDatabaseAwayFoldsOnce(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	failing := &foldFailingStore{Store: b.store}
+	l := ledger.New(ledger.Config{Lease: time.Hour, Idle: time.Hour}, failing)
+	ctx, stop := context.WithCancel(b.ctx)
+	done := make(chan struct{})
+	go func() { defer close(done); l.Run(ctx) }()
+	p := b.principal(t, "acme", nil, ptr(int64(1000)))
+	id, err := admit(l, p, 100)
+	require.NoError(t, err)
+	require.NoError(t, l.Settle(b.ctx, record(p, id, 10)))
+
+	failing.failures.Store(1 << 30)
+	stop()
+	<-done
+	require.Equal(t, int32(1), failing.folds.Load(), "one fold at the shutdown, not tried again")
+	require.False(t, b.admits(p, 990), "the slice is left to run out")
+}
+
 // TestAFoldRefusedForOneLeaseKeepsNoOtherAway: when leases of two tenants
 // that failed to fold together fail again, each is folded alone; the one the
 // database refuses stays away (until its lease runs out, an hour here), the
