@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -25,6 +26,7 @@ import (
 
 	"github.com/rungworks/gateway/gen/api"
 	"github.com/rungworks/gateway/internal/fakeupstream"
+	"github.com/rungworks/gateway/internal/testdb"
 	"github.com/rungworks/gateway/upstream/tryout"
 )
 
@@ -564,6 +566,38 @@ func TestSettlementCommitTraces(t *testing.T) {
 			require.LessOrEqual(t, c.EndTimeUnixNano, settled.EndTimeUnixNano, "a request's settlement ends once its commit has")
 		}
 	}
+}
+
+// TestARefusedSettlementFailsItsSpans: a request whose usage the database
+// refuses (a trigger here refuses its model's rows) has its settlement span
+// failed as refused and the commit that tried to store it failed as the
+// store's; a request stored beside it has neither.
+func TestARefusedSettlementFailsItsSpans(t *testing.T) {
+	t.Parallel()
+	r, receiver := serveTraced(t, nil)
+	pool := testdb.Connect(t, r.db)
+	_, err := pool.Exec(context.Background(), `CREATE FUNCTION refuse_elements() RETURNS trigger LANGUAGE plpgsql AS $$
+		BEGIN IF NEW.model = 'elements' THEN RAISE EXCEPTION 'no elements here'; END IF; RETURN NEW; END $$;
+		CREATE TRIGGER refuse_elements BEFORE INSERT ON requests FOR EACH ROW EXECUTE FUNCTION refuse_elements()`)
+	require.NoError(t, err)
+
+	res := r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "refused", "model": "elements"})
+	require.Equal(t, http.StatusInternalServerError, res.status, string(res.body))
+	require.Equal(t, http.StatusOK, r.g.call(http.MethodPost, "/api/v1/responses", r.key, map[string]any{"prompt": "stored"}).status)
+
+	var settles, commits []*tracepb.Span
+	require.Eventually(t, func() bool {
+		settles, commits = receiver.named("settle usage"), receiver.named("commit settlements")
+		return len(settles) == 2 && len(commits) == 2
+	}, 10*time.Second, 50*time.Millisecond)
+	failed := map[string]string{}
+	for _, s := range append(settles, commits...) {
+		if s.GetStatus().GetCode() == tracepb.Status_STATUS_CODE_ERROR {
+			failed[s.Name] = attr(s, "error.type").GetStringValue()
+		}
+	}
+	require.Equal(t, map[string]string{"settle usage": "refused", "commit settlements": "store"}, failed,
+		"one settlement and its commit failed, the other request's stored")
 }
 
 // awaitCommits waits until n spans named name have arrived, each linked from
