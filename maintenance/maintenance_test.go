@@ -2,6 +2,8 @@ package maintenance_test
 
 import (
 	"context"
+	"encoding/json"
+	"errors"
 	"fmt"
 	"log/slog"
 	"slices"
@@ -127,13 +129,23 @@ func TestACleanupJobPausesThroughABacklog(t *testing.T) {
 // job through a backlog pauses, the job rests on the others too, though they
 // look for it every 10 ms: over two replicas it takes a tenth of the time,
 // not a tenth of each replica's. Alone, the replica takes the job up again
-// as its pause ends, not an interval (an hour) later.
+// as its pause ends, not an interval (an hour) later. A job that is no
+// cleanup rests on no replica.
 func TestACleanupJobRestsOnEveryReplica(t *testing.T) {
 	t.Parallel()
 	st := store.New(testdb.Connect(t, testdb.URL(t)))
-	for replicas, interval := range map[int]time.Duration{1: time.Hour, 2: 10 * time.Millisecond} {
-		job := maintenance.Job{Name: fmt.Sprintf("job on %d replicas", replicas), Interval: interval, Cleanup: true}
-		requirePaused(t, backlogRuns(t, st, replicas, job, 20*time.Millisecond), true)
+	for _, c := range []struct {
+		cleanup  bool
+		replicas int
+		interval time.Duration
+		took     time.Duration // longer where no pause is expected, as in TestACleanupJobPausesThroughABacklog
+	}{
+		{cleanup: true, replicas: 1, interval: time.Hour, took: 20 * time.Millisecond},
+		{cleanup: true, replicas: 2, interval: 10 * time.Millisecond, took: 20 * time.Millisecond},
+		{cleanup: false, replicas: 2, interval: 10 * time.Millisecond, took: 200 * time.Millisecond},
+	} {
+		job := maintenance.Job{Name: fmt.Sprintf("job (cleanup %t) on %d replicas", c.cleanup, c.replicas), Interval: c.interval, Cleanup: c.cleanup}
+		requirePaused(t, backlogRuns(t, st, c.replicas, job, c.took), c.cleanup)
 	}
 }
 
@@ -205,4 +217,60 @@ func TestWhichJobsAreCleanups(t *testing.T) {
 	}
 	require.ElementsMatch(t, []string{"delete old batches", "delete old rate windows", "delete expired evidence",
 		"fold usage minutes", "fold old usage"}, cleanups)
+}
+
+// TestRunTellsTheLogWhatItDid: a failed run is logged, and so is the run
+// after it that succeeds; a run that handled rows is logged with their
+// number, unless it handled none or its job runs every ReconcileInterval
+// (the reconciler, whose runs would fill the log).
+func TestRunTellsTheLogWhatItDid(t *testing.T) {
+	t.Parallel()
+	var mu sync.Mutex
+	runs := map[string]int{}
+	job := func(name string, interval time.Duration, results ...int64) maintenance.Job {
+		return maintenance.Job{Name: name, Interval: interval, Run: func(context.Context) (int64, error) {
+			mu.Lock()
+			defer mu.Unlock()
+			i := min(runs[name], len(results)-1)
+			runs[name]++
+			if results[i] < 0 {
+				return 0, errors.New("the database is away")
+			}
+			return results[i], nil
+		}}
+	}
+	jobs := []maintenance.Job{
+		job("flaky", maintenance.ReconcileInterval+10*time.Millisecond, -1, 5, 0),
+		job("idle", maintenance.ReconcileInterval+10*time.Millisecond, 0),
+		job("reconciler", maintenance.ReconcileInterval, 3),
+	}
+	logs := &syncbuf.Buffer{}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		maintenance.Run(ctx, freeLocks{}, jobs, slog.New(slog.NewJSONHandler(logs, nil)))
+	}()
+	require.Eventually(t, func() bool {
+		mu.Lock()
+		defer mu.Unlock()
+		return runs["flaky"] >= 3 && runs["idle"] >= 2 && runs["reconciler"] >= 2
+	}, 10*time.Second, 10*time.Millisecond)
+	cancel()
+	<-done
+
+	var told []string
+	for line := range strings.Lines(logs.String()) {
+		var entry struct {
+			Msg  string `json:"msg"`
+			Job  string `json:"job"`
+			Rows *int64 `json:"rows"`
+		}
+		require.NoError(t, json.Unmarshal([]byte(line), &entry), line)
+		if entry.Rows != nil {
+			entry.Msg += fmt.Sprintf(" (%d rows)", *entry.Rows)
+		}
+		told = append(told, entry.Job+": "+entry.Msg)
+	}
+	require.Equal(t, []string{"flaky: maintenance job failed", "flaky: maintenance job runs again", "flaky: maintenance job done (5 rows)"}, told)
 }
