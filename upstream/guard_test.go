@@ -52,6 +52,28 @@ func TestClean(t *testing.T) {
 	}
 }
 
+// TestCut: a cut keeps whole characters, and keeps nothing of a text whose
+// bytes before the cut start no character (an upstream's reasoning is cut
+// before it is cleaned).
+func TestCut(t *testing.T) {
+	t.Parallel()
+	for _, c := range []struct {
+		in   string
+		n    int
+		want string
+	}{
+		{"plain", 10, "plain"},
+		{"plain", 5, "plain"},
+		{"plain", 2, "pl"},
+		{"hé!", 2, "h"},
+		{"hé!", 3, "hé"},
+		{"é", 0, ""},
+		{"\x80\x80\x80", 2, ""},
+	} {
+		require.Equal(t, c.want, upstream.Cut(c.in, c.n), "%q cut to %d", c.in, c.n)
+	}
+}
+
 func TestGuardCleansEverythingReturned(t *testing.T) {
 	t.Parallel()
 	hostile := upstream.Result{
