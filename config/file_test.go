@@ -213,10 +213,22 @@ circuit:
 		"providers:\n  p: {type: sim}\n  p: {type: sim}\nmodels:\n  instant: {targets: [p/m]}\n":             `g.yaml:3: key "p" appears twice in providers`,
 		"providers:\n  p: {type: sim, max_tokens_field: max_output}\nmodels:\n  instant: {targets: [p/m]}\n": `g.yaml:2: provider "p": max_tokens_field must be max_completion_tokens (the default) or max_tokens, got "max_output"`,
 		"providers:\n  p: {type: sim, headers: {\"X Team\": a}}\nmodels:\n  instant: {targets: [p/m]}\n":     `g.yaml:2: provider "p": header "X Team" is not a valid header name`,
+		"providers:\n  p: {type: sim}\nmodels:\n  fast: {targets: [p/m]}\n":                                  `g.yaml:4: models: "fast" is not a canonical model`,
+		"providers:\n  p: {type: sim}\nmodels:\n  instant: {strategy: ordered}\n":                            `g.yaml:4: model instant needs a non-empty list of targets`,
 	} {
 		_, err := config.ParseFile("g.yaml", []byte(content))
 		require.ErrorContains(t, err, want, "content %q", content)
 	}
+}
+
+// TestACooldownAloneIsTaken: circuit.cooldown without max_cooldown is taken,
+// longer than the default longest cool-down too (which then follows it:
+// routing.CircuitConfig).
+func TestACooldownAloneIsTaken(t *testing.T) {
+	t.Parallel()
+	f, err := config.ParseFile("g.yaml", []byte(instantOnly+"circuit: {cooldown: 1m}\n"))
+	require.NoError(t, err)
+	require.Equal(t, routing.CircuitConfig{Cooldown: time.Minute}, f.Circuit)
 }
 
 // instantOnly is a configuration file that serves the instant model alone.
