@@ -747,6 +747,25 @@ func TestAHeldOffAccountIsNotTheProbeOfAnOutage(t *testing.T) {
 	}
 }
 
+// TestADrainWithoutTroubleLogsNothing: a batch drained and finished, then a
+// drainer stopped with no item in hand, writes no line: the drainer's log
+// tells of trouble, and of items handed back at a shutdown.
+func TestADrainWithoutTroubleLogsNothing(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	id := b.newBatch(t, "quiet", 5)
+	logs := &syncbuf.Buffer{}
+	stop := b.start(t, b.store, drainer.Config{Lease: time.Minute, PollInterval: 50 * time.Millisecond, Grace: time.Second, EvidenceRetention: time.Hour}, logs)
+	b.completed(t, id)
+	require.Eventually(t, func() bool {
+		batch, err := b.store.Batch(b.ctx, b.principal.AccountID, id)
+		require.NoError(t, err)
+		return batch.Status.Terminal()
+	}, 10*time.Second, 20*time.Millisecond)
+	stop()
+	require.Empty(t, logs.String())
+}
+
 // TestAnItemThatCannotBePricedFailsAndIsLogged: an item whose usage cannot be
 // priced (its rungs past int64, with a multiplier of 10^19) fails INTERNAL,
 // billing nothing, and the operator is told; the drain goes on.
