@@ -47,11 +47,15 @@ func (b *testBundle) replica(t *testing.T, cfg ledger.Config) *ledger.Ledger {
 	return l
 }
 
-func (b *testBundle) run(t *testing.T, l *ledger.Ledger) {
-	ctx, stop := context.WithCancel(b.ctx)
+// run runs l until the test ends or stop, which ends its Run and waits for
+// it to return.
+func (b *testBundle) run(t *testing.T, l *ledger.Ledger) (stop func()) {
+	ctx, cancel := context.WithCancel(b.ctx)
 	done := make(chan struct{})
 	go func() { defer close(done); l.Run(ctx) }()
-	t.Cleanup(func() { stop(); <-done })
+	stop = func() { cancel(); <-done }
+	t.Cleanup(stop)
+	return stop
 }
 
 func (b *testBundle) principal(t testing.TB, account string, daily, budget *int64) *gateway.Principal {
@@ -1010,22 +1014,19 @@ func TestAFailedFoldIsTriedAgain(t *testing.T) {
 func TestAShutdownFoldsAgainWhatFailedBefore(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
-	ctx, stop := context.WithCancel(b.ctx)
-	failing := &foldFailingStore{Store: b.store, refuse: func([]uuid.UUID) bool { return ctx.Err() == nil }}
+	var stopping atomic.Bool
+	failing := &foldFailingStore{Store: b.store, refuse: func([]uuid.UUID) bool { return !stopping.Load() }}
 	l := ledger.New(ledger.Config{Lease: time.Hour, Idle: 50 * time.Millisecond}, failing)
-	done := make(chan struct{})
-	go func() { defer close(done); l.Run(ctx) }()
+	stop := b.run(t, l)
 	p := b.principal(t, "acme", nil, ptr(int64(1000)))
-	id, err := admit(l, p, 100)
-	require.NoError(t, err)
-	require.NoError(t, l.Settle(b.ctx, record(p, id, 10)))
+	b.request(t, l, p)
 	require.Eventually(t, func() bool { return failing.folds.Load() >= 2 }, 10*time.Second, 10*time.Millisecond, "the fold failed, and again")
-	require.False(t, b.admits(p, 990), "the slice is away")
+	require.False(t, b.admits(p, 900), "the slice is away")
 
+	stopping.Store(true)
 	stop()
-	<-done
-	require.True(t, b.admits(p, 990), "the slice came back at the shutdown")
-	require.Equal(t, int64(10), b.view(t, p).Budget.Spent)
+	require.True(t, b.admits(p, 900), "the slice came back at the shutdown")
+	require.Equal(t, int64(100), b.view(t, p).Budget.Spent)
 }
 
 // TestAShutdownWithTheDatabaseAwayFoldsOnce: a ledger that stops while its
@@ -1037,19 +1038,14 @@ func TestAShutdownWithTheDatabaseAwayFoldsOnce(t *testing.T) {
 	b := setup(t)
 	failing := &foldFailingStore{Store: b.store}
 	l := ledger.New(ledger.Config{Lease: time.Hour, Idle: time.Hour}, failing)
-	ctx, stop := context.WithCancel(b.ctx)
-	done := make(chan struct{})
-	go func() { defer close(done); l.Run(ctx) }()
+	stop := b.run(t, l)
 	p := b.principal(t, "acme", nil, ptr(int64(1000)))
-	id, err := admit(l, p, 100)
-	require.NoError(t, err)
-	require.NoError(t, l.Settle(b.ctx, record(p, id, 10)))
+	b.request(t, l, p)
 
 	failing.failures.Store(1 << 30)
 	stop()
-	<-done
 	require.Equal(t, int32(1), failing.folds.Load(), "one fold at the shutdown, not tried again")
-	require.False(t, b.admits(p, 990), "the slice is left to run out")
+	require.False(t, b.admits(p, 900), "the slice is left to run out")
 }
 
 // TestAFoldRefusedForOneLeaseKeepsNoOtherAway: when leases of two tenants
