@@ -149,6 +149,26 @@ func TestAccessLogNeverLeaksSecrets(t *testing.T) {
 	require.NotContains(t, out, "payroll")
 }
 
+// TestRepliesAndRefusalsWriteNoWarning: a reply, a stream and the refusals
+// of a client's mistakes (401, 400, 404) each write their access log line
+// and nothing else: a warning or an error tells of the gateway's trouble.
+func TestRepliesAndRefusalsWriteNoWarning(t *testing.T) {
+	t.Parallel()
+	logs := &syncbuf.Buffer{}
+	b := setupWith(t, options{logs: logs})
+	require.Equal(t, http.StatusOK, b.post("/api/v1/responses", b.key, map[string]any{"prompt": "p"}).status)
+	require.Equal(t, http.StatusOK, b.post("/api/v1/responses", b.key, map[string]any{"prompt": "p", "stream": true}).status)
+	require.Equal(t, http.StatusUnauthorized, b.post("/api/v1/responses", "", map[string]any{"prompt": "p"}).status)
+	require.Equal(t, http.StatusBadRequest, b.post("/api/v1/responses", b.key, map[string]any{"prompt": ""}).status)
+	require.Equal(t, http.StatusNotFound, b.do(http.MethodGet, "/api/v1/batch/"+uuid.Must(uuid.NewV7()).String(), b.key, "", nil).status)
+
+	require.Eventually(t, func() bool { return strings.Count(logs.String(), "\n") >= 5 }, 5*time.Second, 10*time.Millisecond)
+	for line := range strings.Lines(logs.String()) {
+		require.Contains(t, line, `"level":"INFO"`)
+		require.Contains(t, line, `"route":`, "an access log line")
+	}
+}
+
 // TestAccessLogNamesTheClient: the access log names the connection's peer, or
 // the client a trusted proxy names in X-Forwarded-For.
 func TestAccessLogNamesTheClient(t *testing.T) {
