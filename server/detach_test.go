@@ -155,10 +155,12 @@ func TestStreamConnectionClose(t *testing.T) {
 }
 
 // TestStreamHTTP10: an HTTP/1.0 client, which has no chunks, gets its stream
-// delimited by the connection's end.
+// delimited by the connection's end, a stream that runs past DetachAfter too
+// (it is not detached: a detached stream is written as chunks).
 func TestStreamHTTP10(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
+	b.upstream.configure(func(s *scripted) { s.firstDelay = 200 * time.Millisecond })
 	conn, r := b.dialRaw(t)
 	_, err := io.WriteString(conn, b.rawRequest(http.MethodPost, "/api/v1/responses", "HTTP/1.0", `{"prompt":"old","stream":true}`))
 	require.NoError(t, err)
