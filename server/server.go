@@ -104,7 +104,8 @@ type Config struct {
 	// read from its X-Forwarded-For (see clientAddress). None: the client is
 	// the connection's peer.
 	TrustedProxies []netip.Prefix
-	// SSEKeepalive is the idle time before a keep-alive comment in a stream.
+	// SSEKeepalive is the idle time before a keep-alive comment in a
+	// stream; zero sends none.
 	SSEKeepalive time.Duration
 	// StreamWriteTimeout bounds the wait for a client to take one write of
 	// a stream: a client that reads nothing for this long (found at a
