@@ -757,11 +757,7 @@ func TestADrainWithoutTroubleLogsNothing(t *testing.T) {
 	logs := &syncbuf.Buffer{}
 	stop := b.start(t, b.store, drainer.Config{Lease: time.Minute, PollInterval: 50 * time.Millisecond, Grace: time.Second, EvidenceRetention: time.Hour}, logs)
 	b.completed(t, id)
-	require.Eventually(t, func() bool {
-		batch, err := b.store.Batch(b.ctx, b.principal.AccountID, id)
-		require.NoError(t, err)
-		return batch.Status.Terminal()
-	}, 10*time.Second, 20*time.Millisecond)
+	b.batchReaches(t, id, gateway.BatchCompleted)
 	stop()
 	require.Empty(t, logs.String())
 }
