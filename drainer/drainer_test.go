@@ -255,11 +255,13 @@ func (s *hangingStore) CompleteItems(ctx context.Context, owner uuid.UUID, resul
 
 // completesDespite runs a drainer with lease on st and requires the item of
 // a new batch whose prompt holds marker to complete, the test rescuing
-// expired leases meanwhile, as any replica's maintenance does.
-func (b *testBundle) completesDespite(t *testing.T, st *hangingStore, marker string, lease time.Duration) {
+// expired leases meanwhile, as any replica's maintenance does; it returns
+// the drainer's log.
+func (b *testBundle) completesDespite(t *testing.T, st *hangingStore, marker string, lease time.Duration) string {
 	t.Helper()
 	id := b.newBatch(t, marker, 1)
-	b.run(t, st, drainer.Config{Owner: uuid.Must(uuid.NewV7()), Lease: lease})
+	logs := &syncbuf.Buffer{}
+	b.runLogging(t, st, drainer.Config{Owner: uuid.Must(uuid.NewV7()), Lease: lease}, logs)
 	require.Eventually(t, func() bool {
 		_, err := b.store.RescueExpiredLeases(b.ctx, 100)
 		require.NoError(t, err)
@@ -268,19 +270,24 @@ func (b *testBundle) completesDespite(t *testing.T, st *hangingStore, marker str
 	}, 15*time.Second, 50*time.Millisecond)
 	it := b.items(t, id)[0]
 	require.Equal(t, gateway.ItemCompleted, it.Status, "%+v", it.Error)
+	return logs.String()
 }
 
 // TestARenewalThatHangsLeavesTheNextToItsBeat: a renewal of leases that
 // answers nothing ends by the next beat, which renews them: a held item
 // outlives several leases and completes, where a renewal waiting on would
-// have let its lease run out (the item failed INTERRUPTED).
+// have let its lease run out (the item failed INTERRUPTED). The operator is
+// told of the failed renewal, and of the next that succeeded.
 func TestARenewalThatHangsLeavesTheNextToItsBeat(t *testing.T) {
 	t.Parallel()
 	b := setup(t)
 	b.fake.SetSlow("held", 2*time.Second)
 	st := &hangingStore{Store: b.store}
 	st.renewal.Store(true)
-	b.completesDespite(t, st, "held", 600*time.Millisecond)
+	logs := b.completesDespite(t, st, "held", 600*time.Millisecond)
+	failed := strings.Index(logs, `"msg":"error renewing leases"`)
+	require.GreaterOrEqual(t, failed, 0, logs)
+	require.Contains(t, logs[failed:], `"msg":"leases renewed again"`)
 }
 
 // TestACommitThatHangsIsSentAgain: a commit of outcomes that answers nothing

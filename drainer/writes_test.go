@@ -2,6 +2,7 @@ package drainer_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"slices"
@@ -235,6 +236,28 @@ func TestBatchesMoveOnceTheDatabaseIsBack(t *testing.T) {
 		}
 		require.Empty(t, b.fake.Calls(), "nothing reached the upstream")
 	})
+}
+
+// refusedStarts is a Store that refuses to start batches, for a reason other
+// than the database being away.
+type refusedStarts struct{ drainer.Store }
+
+func (refusedStarts) StartBatches(context.Context, []uuid.UUID) error {
+	return errors.New("error starting batches: refused")
+}
+
+// TestABatchWhoseStartIsRefusedStillFinishes: a batch the database refuses
+// to start (not away: the start is not retried) is finished when its items
+// are, and the operator is told of the refusal.
+func TestABatchWhoseStartIsRefusedStillFinishes(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	id := b.newBatch(t, "unstarted", 2)
+	logs := &syncbuf.Buffer{}
+	b.runLogging(t, refusedStarts{b.store}, drainer.Config{Lease: time.Minute}, logs)
+	b.batchReaches(t, id, gateway.BatchCompleted)
+	b.completed(t, id)
+	require.Contains(t, logs.String(), `"msg":"error starting batches; each starts at its next item's dispatch, or finishes","error":"error starting batches: refused"`)
 }
 
 // TestOutcomesWaitOutTheDatabase: outcomes whose commit finds the database
