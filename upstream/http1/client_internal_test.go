@@ -2,6 +2,7 @@ package http1
 
 import (
 	"bufio"
+	"net"
 	"testing"
 	"time"
 
@@ -20,4 +21,20 @@ func TestNewFillsItsDefaults(t *testing.T) {
 	require.Equal(t, set, c.cfg)
 	require.Equal(t, time.Second, c.dialer.Timeout)
 	require.Equal(t, 64, c.readers.Get().(*bufio.Reader).Size())
+}
+
+// TestTheSweepStopsWithTheLastIdleConnection: once the sweep has closed the
+// last idle connection, it is not scheduled again: a client with no idle
+// connection runs no timer.
+func TestTheSweepStopsWithTheLastIdleConnection(t *testing.T) {
+	t.Parallel()
+	c := New(Config{})
+	nc, peer := net.Pipe()
+	t.Cleanup(func() { _ = peer.Close() })
+	c.put("upstream:80", &conn{nc: nc, readers: &c.readers, headLeft: -1}, time.Millisecond)
+	require.Eventually(t, func() bool {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		return len(c.idle) == 0 && !c.reaping
+	}, 5*time.Second, time.Millisecond)
 }
