@@ -116,8 +116,7 @@ type detached struct {
 	// ended: the response is written (a read that fails then is not the
 	// client going away).
 	ended bool
-	// read: the client sent the next request's first bytes, next.
-	read bool
+	// next is what the client sent of its next request: read ahead.
 	next []byte
 	// unwatch stops the watch on the client, if there is one.
 	unwatch func()
@@ -176,12 +175,12 @@ func (d *detached) take(w http.ResponseWriter) bool {
 	if n := brw.Reader.Buffered(); n > 0 {
 		// The client's next request, sent ahead (pipelined).
 		ahead, _ := brw.Reader.Peek(n)
-		d.next, d.read = append([]byte(nil), ahead...), true
+		d.next = append([]byte(nil), ahead...)
 	}
 	d.taken, d.conn = true, conn
 	d.sse.setOutLocked(&chunkedSink{conn: conn})
 	d.s.streams.add(d)
-	if !d.read {
+	if len(d.next) == 0 {
 		d.unwatch = connwatch.Watch(conn, d.heard)
 	}
 	return true
@@ -258,7 +257,6 @@ func (d *detached) rise(t *top) bool {
 // call ends), or a byte, the start of its next request.
 func (d *detached) heard(n int, b byte, _ error) {
 	d.mu.Lock()
-	d.read = n > 0
 	if n > 0 {
 		d.next = append(d.next, b)
 	}
