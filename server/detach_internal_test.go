@@ -79,6 +79,73 @@ func TestHandedConnSetsBothDeadlines(t *testing.T) {
 		return err
 	})
 	require.ErrorIs(t, err, os.ErrDeadlineExceeded)
+	require.NoError(t, doneWithin(t, 5*time.Second, "the bytes read ahead wait for no deadline", func() error {
+		_, err := io.ReadFull(h, make([]byte, 1))
+		return err
+	}))
+	err = doneWithin(t, 5*time.Second, "the read waits past its deadline", func() error {
+		_, err := h.Read(make([]byte, 1))
+		return err
+	})
+	require.ErrorIs(t, err, os.ErrDeadlineExceeded)
+}
+
+// TestHandedConnCountsTheHeaderTimeoutFromTheFirstByte: the header timeout
+// runs from the next request's first byte, not from each: a client that
+// sends its head a byte at a time, each within the timeout, is cut once the
+// timeout has run from the first.
+func TestHandedConnCountsTheHeaderTimeoutFromTheFirstByte(t *testing.T) {
+	t.Parallel()
+	server, client := net.Pipe()
+	t.Cleanup(func() { server.Close(); client.Close() })
+	h := handBack(server, nil)
+	const header, bytes = 100 * time.Millisecond, 20
+	require.NoError(t, h.SetReadDeadline(time.Now().Add(header)))
+	go func() {
+		for range bytes { // one each quarter of the timeout: five timeouts in all
+			if _, err := client.Write([]byte("G")); err != nil {
+				return
+			}
+			time.Sleep(header / 4)
+		}
+	}()
+	read := 0
+	err := doneWithin(t, IdleTimeout/2, "a client dripping its head waits as long as an idle one", func() error {
+		buf := make([]byte, 1)
+		for {
+			n, err := h.Read(buf)
+			read += n
+			if err != nil {
+				return err
+			}
+		}
+	})
+	require.ErrorIs(t, err, os.ErrDeadlineExceeded)
+	require.Less(t, read, bytes, "cut before the head was all sent")
+}
+
+// TestHandedConnWithoutAHeaderTimeoutWaits: with no header timeout asked for
+// (a server without one), the next request's head may come in pieces.
+func TestHandedConnWithoutAHeaderTimeoutWaits(t *testing.T) {
+	t.Parallel()
+	server, client := net.Pipe()
+	t.Cleanup(func() { server.Close(); client.Close() })
+	h := handBack(server, nil)
+	require.NoError(t, h.SetReadDeadline(time.Time{}), "as net/http does with no header timeout")
+	go func() {
+		for _, piece := range []string{"G", "ET"} {
+			if _, err := client.Write([]byte(piece)); err != nil {
+				return
+			}
+			time.Sleep(10 * time.Millisecond)
+		}
+	}()
+	got := make([]byte, 3)
+	require.NoError(t, doneWithin(t, 5*time.Second, "the head's pieces are read", func() error {
+		_, err := io.ReadFull(h, got)
+		return err
+	}))
+	require.Equal(t, "GET", string(got))
 }
 
 // doneWithin runs op on a goroutine of its own and returns its error; it

@@ -571,6 +571,33 @@ func TestAStreamEndsWithItsClient(t *testing.T) {
 	}
 }
 
+// TestADetachedStreamWhoseClientStopsSendingEnds: a client that shuts its
+// side of the connection down (a half-close) while its detached stream waits
+// has gone as far as the gateway can tell: its call ends, what it produced
+// is billed, and the stream's end, its last chunk, is the last the client
+// reads before the connection closes: nothing taken for a next request
+// follows it.
+func TestADetachedStreamWhoseClientStopsSendingEnds(t *testing.T) {
+	t.Parallel()
+	b := setupWith(t, options{keepalive: time.Hour})
+	b.upstream.configure(func(s *scripted) { s.hang = true })
+	conn, r := b.rawStream(t, 0)
+	resp, err := http.ReadResponse(r, nil)
+	require.NoError(t, err)
+	require.Equal(t, http.StatusOK, resp.StatusCode)
+	b.awaitDetached(t)
+
+	require.NoError(t, conn.(*net.TCPConn).CloseWrite())
+	require.NoError(t, conn.SetReadDeadline(time.Now().Add(10*time.Second)))
+	body, err := io.ReadAll(resp.Body)
+	require.NoError(t, err, "the stream ends with its last chunk")
+	require.Contains(t, string(body), "event: response.output_text.delta\n", "the first piece is out")
+	b.requireBilledOnce(t)
+	rest, err := io.ReadAll(r)
+	require.NoError(t, err, "the connection is closed")
+	require.Empty(t, string(rest))
+}
+
 // TestStreamsStayWithoutTheListener: a server whose listener is not wrapped
 // (nothing would take connections back) keeps its streams on their
 // connections' goroutines, however long they run.
