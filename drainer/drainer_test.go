@@ -782,11 +782,7 @@ func TestAnItemThatCannotBePricedFailsAndIsLogged(t *testing.T) {
 	logs := &syncbuf.Buffer{}
 	b.runLogging(t, b.store, drainer.Config{}, logs)
 
-	require.Eventually(t, func() bool {
-		batch, err := b.store.Batch(b.ctx, b.principal.AccountID, id)
-		require.NoError(t, err)
-		return batch.Status.Terminal()
-	}, 10*time.Second, 20*time.Millisecond)
+	b.batchReaches(t, id, gateway.BatchFailed)
 	b.failedUnbilled(t, id, gateway.EInternal)
 	require.Equal(t, 2, strings.Count(logs.String(), `"msg":"a batch item's usage could not be priced; failing the item"`))
 	require.Contains(t, logs.String(), metering.ErrOverflow.Error())
