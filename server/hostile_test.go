@@ -367,10 +367,31 @@ func TestSlowBodyIsRequestTimeout(t *testing.T) {
 // without waiting for the rest.
 func (b *testBundle) trickle(t *testing.T, path, start string) reply {
 	t.Helper()
+	return b.sendRaw(t, fmt.Sprintf("POST %s HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n%s", path, b.key, start))
+}
+
+// TestABodyThatCannotBeReadIsRefused: a body whose framing is broken (a
+// chunk's size that is no number) is refused 400 INVALID_REQUEST in the
+// envelope: neither a timeout nor the gateway's fault; nothing reaches the
+// upstream.
+func TestABodyThatCannotBeReadIsRefused(t *testing.T) {
+	t.Parallel()
+	b := setup(t, nil)
+	r := b.sendRaw(t, fmt.Sprintf("POST /api/v1/responses HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"pro\r\nzz\r\n", b.key))
+	require.Equal(t, http.StatusBadRequest, r.status)
+	require.Equal(t, gateway.EInvalidRequest, r.errorCode(t))
+	require.Equal(t, "the request body could not be read", r.message(t))
+	require.Zero(t, b.upstream.callCount(), "nothing reached the upstream")
+}
+
+// sendRaw writes request as it is on a connection of its own, and returns
+// the reply the server sends without waiting for more.
+func (b *testBundle) sendRaw(t *testing.T, request string) reply {
+	t.Helper()
 	conn, err := net.Dial("tcp", strings.TrimPrefix(b.http.URL, "http://"))
 	require.NoError(t, err)
 	defer conn.Close()
-	_, err = fmt.Fprintf(conn, "POST %s HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n%s", path, b.key, start)
+	_, err = io.WriteString(conn, request)
 	require.NoError(t, err)
 	require.NoError(t, conn.SetReadDeadline(time.Now().Add(10*time.Second)))
 	resp, err := http.ReadResponse(bufio.NewReader(conn), nil)
