@@ -25,7 +25,7 @@ func FuzzBind(f *testing.F) {
 	for _, seed := range []string{
 		`{"prompt":"hi"}`, `{"prompt":"","Prompt":"hi"}`, `{"prompt":"hi","Stream":true}`,
 		`{"requests":[{"prompt":"a","PROMPT":"b"}]}`, `{"\u0050rompt":"x","prompt":"y"}`, `{"ſtream":true,"prompt":"p"}`,
-		`{"prompt":1}`, `[]`, `{"prompt":"a"} {}`, `{"max_output_rungs":-1,"prompt":"x"}`, `{"prompt":"a\u0000b"}`, "", "{\"prompt\":\"caf\xe9\"}", "{\"requests\":[{\"\xff\":1}]}", "\xef\xbb\xbf{\"prompt\":\"hi\"}",
+		`{"prompt":1}`, `[]`, `{"prompt":"a"} {}`, `{"prompt":"a"},{}`, `{"max_output_rungs":-1,"prompt":"x"}`, `{"prompt":"a\u0000b"}`, "", "{\"prompt\":\"caf\xe9\"}", "{\"requests\":[{\"\xff\":1}]}", "\xef\xbb\xbf{\"prompt\":\"hi\"}",
 		`{"messages":[{"role":"user","content":"hi"}]}`, `{"requests":[{"prompt":"a"},{"input":"b"}]}`,
 	} {
 		f.Add([]byte(seed), false)
