@@ -111,7 +111,7 @@ func testReadAndPricedInTurn(t *testing.T, b *testBundle) {
 // prompt and instructions together) is over 64 KiB is priced in its account's turn, which large batch creations take
 // too. While a creation holds the place, a large response is refused
 // RATE_LIMITED in the form it asked for: a 429, or in its stream; a small one
-// does not wait. Neither refusal is billed.
+// does not wait, nor does one of 64 KiB exactly. Neither refusal is billed.
 func TestLargeResponsesArePricedInTurn(t *testing.T) {
 	t.Parallel()
 	b := setupWith(t, options{server: oneTurn})
@@ -134,6 +134,8 @@ func TestLargeResponsesArePricedInTurn(t *testing.T) {
 
 	require.Equal(t, http.StatusOK, b.post("/api/v1/chat", b.key, map[string]any{"prompt": "small"}).status,
 		"a small request takes no turn")
+	r = b.post("/api/v1/responses", b.key, map[string]any{"prompt": strings.Repeat("x", 64<<10-5), "custom_instructions": "12345"})
+	require.Equal(t, http.StatusOK, r.status, "a text of 64 KiB exactly takes no turn")
 	require.Equal(t, http.StatusAccepted, finish())
 }
 
