@@ -17,8 +17,7 @@ import (
 // has not begun its next request; it runs from the request's first byte.
 func TestHandedConnWaitsLikeAnIdleConnection(t *testing.T) {
 	t.Parallel()
-	server, client := net.Pipe()
-	t.Cleanup(func() { server.Close(); client.Close() })
+	server, client := pipe(t)
 	h := handBack(server, nil)
 	require.WithinDuration(t, time.Now().Add(IdleTimeout), h.idleUntil, time.Second, "it waits as long as an idle connection")
 	const header = 100 * time.Millisecond
@@ -53,8 +52,7 @@ func TestHandedConnWaitsLikeAnIdleConnection(t *testing.T) {
 // the stream ran come first, then the connection's.
 func TestHandedConnReturnsTheBytesReadAhead(t *testing.T) {
 	t.Parallel()
-	server, client := net.Pipe()
-	t.Cleanup(func() { server.Close(); client.Close() })
+	server, client := pipe(t)
 	h := handBack(server, []byte("GET"))
 	require.False(t, h.idle, "a request has begun")
 	require.Same(t, h, handBack(h, nil), "a connection handed back again keeps its wrapper")
@@ -70,8 +68,7 @@ func TestHandedConnReturnsTheBytesReadAhead(t *testing.T) {
 // writes too, not only its reads.
 func TestHandedConnSetsBothDeadlines(t *testing.T) {
 	t.Parallel()
-	server, client := net.Pipe() // nobody reads client: a write waits for its deadline
-	t.Cleanup(func() { server.Close(); client.Close() })
+	server, _ := pipe(t) // nobody reads the client's end: a write waits for its deadline
 	h := handBack(server, []byte("G"))
 	require.NoError(t, h.SetDeadline(time.Now()))
 	err := doneWithin(t, 5*time.Second, "the write waits past its deadline", func() error {
@@ -96,8 +93,7 @@ func TestHandedConnSetsBothDeadlines(t *testing.T) {
 // timeout has run from the first.
 func TestHandedConnCountsTheHeaderTimeoutFromTheFirstByte(t *testing.T) {
 	t.Parallel()
-	server, client := net.Pipe()
-	t.Cleanup(func() { server.Close(); client.Close() })
+	server, client := pipe(t)
 	h := handBack(server, nil)
 	const header, bytes = 100 * time.Millisecond, 20
 	require.NoError(t, h.SetReadDeadline(time.Now().Add(header)))
@@ -128,8 +124,7 @@ func TestHandedConnCountsTheHeaderTimeoutFromTheFirstByte(t *testing.T) {
 // (a server without one), the next request's head may come in pieces.
 func TestHandedConnWithoutAHeaderTimeoutWaits(t *testing.T) {
 	t.Parallel()
-	server, client := net.Pipe()
-	t.Cleanup(func() { server.Close(); client.Close() })
+	server, client := pipe(t)
 	h := handBack(server, nil)
 	require.NoError(t, h.SetReadDeadline(time.Time{}), "as net/http does with no header timeout")
 	go func() {
@@ -146,6 +141,14 @@ func TestHandedConnWithoutAHeaderTimeoutWaits(t *testing.T) {
 		return err
 	}))
 	require.Equal(t, "GET", string(got))
+}
+
+// pipe is an in-memory connection's two ends, closed when the test ends.
+func pipe(t *testing.T) (server, client net.Conn) {
+	t.Helper()
+	server, client = net.Pipe()
+	t.Cleanup(func() { server.Close(); client.Close() })
+	return server, client
 }
 
 // doneWithin runs op on a goroutine of its own and returns its error; it
@@ -229,8 +232,7 @@ func TestHandedConnGivesItsDescriptorOnceTheBytesReadAheadAreRead(t *testing.T) 
 	require.NoError(t, err)
 	require.NotNil(t, rc)
 
-	inMemory, peer := net.Pipe()
-	defer peer.Close()
+	inMemory, _ := pipe(t)
 	_, err = handBack(inMemory, nil).SyscallConn()
 	require.ErrorIs(t, err, errors.ErrUnsupported, "a connection without a descriptor")
 }
@@ -240,8 +242,7 @@ func TestHandedConnGivesItsDescriptorOnceTheBytesReadAheadAreRead(t *testing.T) 
 // stream holds no large buffer.
 func TestAChunkedSinkKeepsNoLargeBuffer(t *testing.T) {
 	t.Parallel()
-	server, client := net.Pipe()
-	t.Cleanup(func() { server.Close(); client.Close() })
+	server, client := pipe(t)
 	go func() { _, _ = io.Copy(io.Discard, client) }()
 	c := &chunkedSink{conn: server}
 	_, err := c.Write([]byte("event: small"))

@@ -435,7 +435,7 @@ func TestAStreamThatPanicsIsCut(t *testing.T) {
 func TestWaitStreams(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
-	_, resp := b.hangingStream(t)
+	_, _, resp := b.hangingStream(t)
 
 	require.Eventually(t, func() bool {
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Millisecond)
@@ -451,15 +451,16 @@ func TestWaitStreams(t *testing.T) {
 }
 
 // hangingStream opens a stream whose upstream stops after its first piece,
-// on a connection of its own, and returns them once the head is in.
-func (b *testBundle) hangingStream(t *testing.T) (net.Conn, *http.Response) {
+// on a connection of its own, and returns them once the head is in, with
+// the connection's reader (what follows the stream's reply).
+func (b *testBundle) hangingStream(t *testing.T) (net.Conn, *bufio.Reader, *http.Response) {
 	t.Helper()
 	b.upstream.configure(func(s *scripted) { s.hang = true })
 	conn, r := b.rawStream(t, 0)
 	resp, err := http.ReadResponse(r, nil)
 	require.NoError(t, err)
 	require.Equal(t, http.StatusOK, resp.StatusCode)
-	return conn, resp
+	return conn, r, resp
 }
 
 // rawStream asks for a stream, whose upstream's first piece comes after
@@ -556,7 +557,7 @@ func TestAStreamEndsWithItsClient(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel()
 			b := setupWith(t, o)
-			conn, resp := b.hangingStream(t)
+			conn, _, resp := b.hangingStream(t)
 			if name == "detached" {
 				b.awaitDetached(t)
 			}
@@ -580,11 +581,7 @@ func TestAStreamEndsWithItsClient(t *testing.T) {
 func TestADetachedStreamWhoseClientStopsSendingEnds(t *testing.T) {
 	t.Parallel()
 	b := setupWith(t, options{keepalive: time.Hour})
-	b.upstream.configure(func(s *scripted) { s.hang = true })
-	conn, r := b.rawStream(t, 0)
-	resp, err := http.ReadResponse(r, nil)
-	require.NoError(t, err)
-	require.Equal(t, http.StatusOK, resp.StatusCode)
+	conn, r, resp := b.hangingStream(t)
 	b.awaitDetached(t)
 
 	require.NoError(t, conn.(*net.TCPConn).CloseWrite())
