@@ -12,6 +12,7 @@ import (
 
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/metering"
+	"github.com/rungworks/gateway/metrics"
 	"github.com/rungworks/gateway/store"
 )
 
@@ -45,6 +46,8 @@ type Service struct {
 	// ResendWindow bounds the resending of a creation whose reply was lost;
 	// zero means DefaultResendWindow.
 	ResendWindow time.Duration
+	// Metrics, when set, counts the creations sent again.
+	Metrics *metrics.Metrics
 }
 
 // Prepared is a batch validated and priced, for Create to store.
@@ -134,7 +137,8 @@ func (s *Service) create(ctx context.Context, nb store.NewBatch) (store.CreateRe
 	if window <= 0 {
 		window = DefaultResendWindow
 	}
-	err = store.Retry(ctx, window, 2*time.Second, func(ctx context.Context) (err error) {
+	err = store.Retry(ctx, window, 2*time.Second, nil, func(ctx context.Context) (err error) {
+		s.Metrics.DatabaseRetry(metrics.RetryBatchCreation) // each call here sends it again
 		res, err = s.Store.CreateBatch(ctx, nb)
 		return err
 	})

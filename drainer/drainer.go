@@ -401,7 +401,7 @@ func (d *Drainer) releaseClaims(ctx context.Context) {
 // reports them INTERRUPTED.
 func (d *Drainer) releaseClaim(ctx context.Context, claimID uuid.UUID) {
 	var r store.Requeued
-	err := d.retry(ctx, func(ctx context.Context) (err error) {
+	err := d.retry(ctx, metrics.RetryBatchItems, func(ctx context.Context) (err error) {
 		r, err = d.store.ReleaseClaim(ctx, d.cfg.Owner, claimID)
 		return err
 	})
@@ -487,7 +487,7 @@ func (d *Drainer) requeue(ctx context.Context, it store.ClaimedItem) {
 	defer d.held.remove(key)
 	var r store.Requeued
 	var unsure bool // an attempt's reply was lost: it may have cancelled the item
-	err := d.retry(ctx, func(ctx context.Context) (err error) {
+	err := d.retry(ctx, metrics.RetryBatchItems, func(ctx context.Context) (err error) {
 		r, err = d.store.RequeueItems(ctx, d.cfg.Owner, []store.ItemKey{key})
 		unsure = unsure || store.MayHaveCommitted(err)
 		return err
@@ -548,7 +548,7 @@ func (d *Drainer) complete(ctx context.Context) {
 func (d *Drainer) commit(ctx context.Context, group []store.ItemResult) {
 	var applied []store.ItemKey
 	var unsure bool // an attempt's reply was lost: it may have stored outcomes
-	err := d.retry(ctx, func(ctx context.Context) (err error) {
+	err := d.retry(ctx, metrics.RetryBatchOutcomes, func(ctx context.Context) (err error) {
 		start := time.Now()
 		applied, err = d.store.CompleteItems(ctx, d.cfg.Owner, group)
 		if err == nil {
@@ -634,7 +634,7 @@ func (d *Drainer) storedEarlier(ctx context.Context, group []store.ItemResult, d
 		}
 	}
 	var stored map[store.ItemKey]store.ItemOutcome
-	err := d.retry(ctx, func(ctx context.Context) (err error) {
+	err := d.retry(ctx, metrics.RetryBatchOutcomes, func(ctx context.Context) (err error) {
 		stored, err = d.store.ItemOutcomes(ctx, keys)
 		return err
 	})
@@ -661,7 +661,7 @@ func (d *Drainer) finish(ctx context.Context, keys []store.ItemKey) {
 		ids[i] = k.BatchID
 	}
 	ids = unique(ids)
-	if err := d.retry(ctx, func(ctx context.Context) error { return d.store.FinishBatches(ctx, ids) }); err != nil {
+	if err := d.retry(ctx, metrics.RetryBatchStates, func(ctx context.Context) error { return d.store.FinishBatches(ctx, ids) }); err != nil {
 		d.logger.Error("error finishing batches; the housekeeping will", "error", err)
 	}
 }
@@ -670,10 +670,12 @@ func (d *Drainer) finish(ctx context.Context, keys []store.ItemKey) {
 // being away, a lease has passed, or ctx ends; it returns fn's last error.
 // Each attempt ends within a quarter of a lease (a second at least): one
 // sent on a connection that no longer answers leaves the next attempt to
-// another connection, instead of lasting the whole lease.
-func (d *Drainer) retry(ctx context.Context, fn func(context.Context) error) error {
+// another connection, instead of lasting the whole lease. Each attempt after
+// the first is counted under work (see metrics.DatabaseRetry).
+func (d *Drainer) retry(ctx context.Context, work string, fn func(context.Context) error) error {
 	attempt := max(d.cfg.Lease/4, time.Second)
-	return store.Retry(ctx, d.cfg.Lease, d.cfg.Lease/4, func(ctx context.Context) error {
+	retried := func() { d.cfg.Metrics.DatabaseRetry(work) }
+	return store.Retry(ctx, d.cfg.Lease, d.cfg.Lease/4, retried, func(ctx context.Context) error {
 		ctx, cancel := context.WithTimeout(ctx, attempt)
 		defer cancel()
 		return fn(ctx)
@@ -723,7 +725,7 @@ func (d *Drainer) moveBatches(ctx context.Context, set *idSet, move func(context
 			return
 		case <-set.wake:
 			ids := set.take()
-			if err := d.retry(ctx, func(ctx context.Context) error { return move(ctx, ids) }); err != nil && ctx.Err() == nil {
+			if err := d.retry(ctx, metrics.RetryBatchStates, func(ctx context.Context) error { return move(ctx, ids) }); err != nil && ctx.Err() == nil {
 				d.logger.Error(failed, "error", err)
 			}
 		}

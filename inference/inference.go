@@ -401,7 +401,10 @@ func (s *Service) settleLater(record gateway.UsageRecord) {
 	}
 	go func() {
 		defer s.late.running.Done()
-		err := retry.Until(ctx, lateSettleWindow, maxRetryWait, s.unavailable, func(ctx context.Context) error { return s.Ledger.Settle(ctx, record) })
+		err := retry.Until(ctx, lateSettleWindow, maxRetryWait, s.unavailable, func(ctx context.Context) error {
+			s.Metrics.DatabaseRetry(metrics.RetryLateSettlement) // each call here sends it again
+			return s.Ledger.Settle(ctx, record)
+		})
 		if err != nil {
 			s.lateMissing(record, err)
 			return
@@ -460,9 +463,11 @@ func (s *Service) result(call *Call, res upstream.Result, usage gateway.Usage) *
 func (s *Service) release(call *Call) { s.Ledger.Release(call.RequestID) }
 
 // retry runs fn (whatever ctx's cancellation) until it succeeds, fails for a
-// reason other than the database being away, or window has passed.
+// reason other than the database being away, or window has passed, counting
+// each attempt after the first as a settlement's retry.
 func (s *Service) retry(ctx context.Context, window time.Duration, fn func(context.Context) error) error {
-	return retry.Until(context.WithoutCancel(ctx), window, maxRetryWait, s.unavailable, fn)
+	retried := func() { s.Metrics.DatabaseRetry(metrics.RetrySettlement) }
+	return retry.Until(context.WithoutCancel(ctx), window, maxRetryWait, s.unavailable, retry.Counted(retried, fn))
 }
 
 func (s *Service) logger() *slog.Logger {

@@ -37,6 +37,7 @@ type Metrics struct {
 	maintenanceFails *prometheus.CounterVec
 	refusals         *prometheus.CounterVec
 	unconfirmed      *prometheus.CounterVec
+	databaseRetries  *prometheus.CounterVec
 	clamps           *prometheus.CounterVec
 	attempts         *prometheus.CounterVec
 	replyCuts        *prometheus.CounterVec
@@ -116,6 +117,10 @@ func New() *Metrics {
 			Name: "gateway_settlements_unconfirmed_total",
 			Help: "Responses sent with their usage while its settlement's outcome was unknown (its reply lost, the database away), by what became of the settlement: sent (the reply went out), stored (sent again until stored, once), missing (given up on: the usage may be missing).",
 		}, []string{"outcome"}),
+		databaseRetries: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "gateway_database_retries_total",
+			Help: "Database calls tried again after an attempt failed with the database away (a connection broken or timed out, a failover), by work: settlement, late_settlement (one sent again after its reply went out), batch_creation, batch_outcomes, batch_items (handed back to the queue), batch_states (batches started or finished). Rising while nothing fails: a database that answers slowly, or connections that drop.",
+		}, []string{"work"}),
 		clamps: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "gateway_upstream_usage_clamped_total", Help: "Upstream token counts that cannot be true, by model and side: cut to their bound (output ceiling sent, or input bytes sent), or, reported as no tokens for text there was, counted by the tokenizer.",
 		}, []string{"model", "side"}),
@@ -165,7 +170,7 @@ func New() *Metrics {
 	}
 	m.registry.MustRegister(m.attempts, m.replyCuts, m.tenantHolds, m.unreported, m.attemptDuration, m.circuitState, m.fallbacks, m.reloadOK, m.reloadTime, m.clockOffset, m.listening, m.handshakeFails, m.traceFails,
 		m.requests, m.requestDuration, m.rungs, m.upstreamDuration, m.upstreamErrors,
-		m.openStreams, m.streamErrors, m.batchItems, m.claimDuration, m.commitDuration, m.commitSize, m.queueDepth, m.leaseRescues, m.maintenanceRows, m.maintenanceFails, m.refusals, m.unconfirmed, m.clamps,
+		m.openStreams, m.streamErrors, m.batchItems, m.claimDuration, m.commitDuration, m.commitSize, m.queueDepth, m.leaseRescues, m.maintenanceRows, m.maintenanceFails, m.refusals, m.unconfirmed, m.databaseRetries, m.clamps,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	// The counters that alerts (deploy/prometheus) take increases of are
 	// exported at zero from the start: a series that first appears at 1
@@ -183,6 +188,11 @@ func New() *Metrics {
 		for _, side := range []string{"input", "output"} {
 			m.clamps.WithLabelValues(string(model), side)
 		}
+	}
+	// So are the retries of each work: a graph of their rate would miss the
+	// first retries of a replica that had none.
+	for _, w := range []string{RetrySettlement, RetryLateSettlement, RetryBatchCreation, RetryBatchOutcomes, RetryBatchItems, RetryBatchStates} {
+		m.databaseRetries.WithLabelValues(w)
 	}
 	return m
 }
@@ -369,6 +379,25 @@ const (
 func (m *Metrics) Unconfirmed(outcome string) {
 	if m != nil {
 		m.unconfirmed.WithLabelValues(outcome).Inc()
+	}
+}
+
+// Work whose database calls are tried again while the database is away, the
+// label values of DatabaseRetry.
+const (
+	RetrySettlement     = "settlement"      // a finished request's usage, before its reply
+	RetryLateSettlement = "late_settlement" // one sent again after its reply went out
+	RetryBatchCreation  = "batch_creation"  // a creation whose reply was lost
+	RetryBatchOutcomes  = "batch_outcomes"  // batch items' outcomes, and checks of them
+	RetryBatchItems     = "batch_items"     // items handed back to the queue
+	RetryBatchStates    = "batch_states"    // batches started or finished
+)
+
+// DatabaseRetry records an attempt of a database call of work (one of the
+// Retry constants) that failed with the database away and is tried again.
+func (m *Metrics) DatabaseRetry(work string) {
+	if m != nil {
+		m.databaseRetries.WithLabelValues(work).Inc()
 	}
 }
 

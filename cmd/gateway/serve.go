@@ -204,7 +204,7 @@ func serve(ctx context.Context, cfg config.Config, st *store.Store, logger *slog
 		Inference:        infer,
 		Evidence:         st,
 		Usage:            st,
-		Batches:          &batch.Service{Store: st, Models: router, Estimator: estimator, Window: cfg.BatchWindow},
+		Batches:          &batch.Service{Store: st, Models: router, Estimator: estimator, Window: cfg.BatchWindow, Metrics: m},
 		BatchData:        st,
 		Readiness:        server.AllReady{st, keys},
 		Metrics:          m,

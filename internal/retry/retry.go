@@ -37,3 +37,19 @@ func UntilTelling(ctx context.Context, window, maxWait time.Duration, passing fu
 		}
 	}
 }
+
+// Counted returns fn calling retried (when not nil) before each of its calls
+// but the first: once for each time Until tries fn again.
+func Counted(retried func(), fn func(context.Context) error) func(context.Context) error {
+	if retried == nil {
+		return fn
+	}
+	first := true
+	return func(ctx context.Context) error {
+		if !first {
+			retried()
+		}
+		first = false
+		return fn(ctx)
+	}
+}
