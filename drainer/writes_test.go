@@ -323,6 +323,7 @@ func TestOutcomesWhoseRepliesWereLostAreStoredOnce(t *testing.T) {
 	require.Contains(t, scraped, `gateway_batch_items_total{outcome="completed"} 3`+"\n")
 	require.Contains(t, scraped, `gateway_rungs_total{entry_point="batch",model="instant",side="input"} 6`+"\n")
 	require.Contains(t, scraped, `gateway_rungs_total{entry_point="batch",model="instant",side="output"} 12`+"\n")
+	require.Contains(t, scraped, `gateway_database_retries_total{work="batch_outcomes"} 2`+"\n", "the two sends after the first")
 	require.NotContains(t, logs.String(), "outcomes refused")
 }
 
@@ -369,11 +370,13 @@ func TestARequeueWhoseReplyWasLostFinishesItsBatch(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, gateway.BatchCancelling, batch.Status, "its item is running")
 	away := &awayStore{Store: b.store, outage: outage{fails: 1}, lost: true}
-	d := b.newDrainer(drainer.Config{Owner: owner, Lease: time.Minute}, away, io.Discard)
+	m := metrics.New()
+	d := b.newDrainer(drainer.Config{Owner: owner, Lease: time.Minute, Metrics: m}, away, io.Discard)
 
 	d.Requeue(b.ctx, claimed[0])
 
 	require.Equal(t, 0, away.fails, "the first hand-back's reply was lost")
+	require.Contains(t, metricstest.Scrape(m), `gateway_database_retries_total{work="batch_items"} 1`+"\n", "sent again once")
 	batch, err = b.store.Batch(b.ctx, b.principal.AccountID, id)
 	require.NoError(t, err)
 	require.Equal(t, gateway.BatchCancelled, batch.Status)

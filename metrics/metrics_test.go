@@ -281,3 +281,23 @@ func TestAlertRulesSelectExportedSeries(t *testing.T) {
 	}
 	require.Equal(t, 19, rules)
 }
+
+// TestDatabaseRetriesAreCountedByWork: each work's retries are 0 until its
+// first, and counted apart from the others'.
+func TestDatabaseRetriesAreCountedByWork(t *testing.T) {
+	t.Parallel()
+	m := metrics.New()
+	works := []string{metrics.RetrySettlement, metrics.RetryLateSettlement, metrics.RetryBatchCreation, metrics.RetryBatchOutcomes, metrics.RetryBatchItems, metrics.RetryBatchStates}
+	scrape := metricstest.Scrape(m)
+	for _, w := range works {
+		require.Contains(t, scrape, `gateway_database_retries_total{work="`+w+`"} 0`+"\n")
+	}
+	m.DatabaseRetry(metrics.RetryBatchOutcomes)
+	m.DatabaseRetry(metrics.RetryBatchOutcomes)
+	m.DatabaseRetry(metrics.RetrySettlement)
+	samples := metricstest.Samples(t, m)
+	for _, w := range works {
+		want := map[string]float64{metrics.RetryBatchOutcomes: 2, metrics.RetrySettlement: 1}[w]
+		require.Equal(t, want, samples[`gateway_database_retries_total{work="`+w+`"}`], w)
+	}
+}

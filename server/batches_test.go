@@ -22,7 +22,9 @@ import (
 	"github.com/rungworks/gateway"
 	"github.com/rungworks/gateway/batch"
 	"github.com/rungworks/gateway/gen/api"
+	"github.com/rungworks/gateway/internal/metricstest"
 	"github.com/rungworks/gateway/internal/syncbuf"
+	"github.com/rungworks/gateway/metrics"
 	"github.com/rungworks/gateway/server"
 	"github.com/rungworks/gateway/store"
 )
@@ -174,12 +176,15 @@ func TestBatchCreationWhoseReplyWasLost(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			t.Parallel()
 			st := &lostReplyStore{stored: tc.stored, away: tc.away}
+			m := metrics.New()
 			b := setupWith(t, options{server: func(c *server.Config) {
 				svc := c.Batches.(*batch.Service)
 				st.Store, svc.Store = svc.Store, st
-				svc.ResendWindow = tc.window
+				svc.ResendWindow, svc.Metrics = tc.window, m
 			}})
 			r := b.post("/api/v1/batch", b.key, map[string]any{"requests": items(2)})
+			require.Contains(t, metricstest.Scrape(m), fmt.Sprintf("gateway_database_retries_total{work=%q} %d\n", "batch_creation", st.sent.Load()-1),
+				"each send after the first is counted")
 			var list api.BatchList
 			require.NoError(t, json.Unmarshal(b.do(http.MethodGet, "/api/v1/batches", b.key, "", nil).body, &list))
 			require.Len(t, list.Data, 1, "stored once")

@@ -235,7 +235,12 @@ func TestUnconfirmedSettlementIsSentWithItsUsage(t *testing.T) {
 			require.Equal(t, int64(1), v.Totals.Requests, "stored once")
 			require.Equal(t, sent, v.Totals.TotalRungs, "billed is what the client was sent")
 			require.Zero(t, v.Budget.ReservedRungs)
-			require.Contains(t, metricstest.Scrape(m), `gateway_settlements_unconfirmed_total{outcome="stored"} 1`)
+			samples := metricstest.Samples(t, m)
+			require.Equal(t, float64(1), samples[`gateway_settlements_unconfirmed_total{outcome="stored"}`])
+			retried, late := samples[`gateway_database_retries_total{work="settlement"}`], samples[`gateway_database_retries_total{work="late_settlement"}`]
+			require.Positive(t, retried, "sent again within the window")
+			require.Positive(t, late, "sent again after the reply")
+			require.Equal(t, float64(l.sent.Load()-1), retried+late, "each send after the first is counted, once")
 		})
 	}
 }

@@ -95,3 +95,18 @@ func TestUntilTellingTellsNothingOfAnotherFailure(t *testing.T) {
 	require.Equal(t, 2, *n)
 	require.Equal(t, 1, told, "the away failure before it, tried again")
 }
+
+// TestCountedCountsTheCallsAfterTheFirst: each call tried again is counted,
+// and the first, which is no retry, is not.
+func TestCountedCountsTheCallsAfterTheFirst(t *testing.T) {
+	t.Parallel()
+	fn, n := calls(errAway, errAway)
+	retries := 0
+	require.NoError(t, Until(context.Background(), time.Minute, time.Millisecond, passing, Counted(func() { retries++ }, fn)))
+	require.Equal(t, 3, *n)
+	require.Equal(t, 2, retries)
+
+	fn, n = calls()
+	require.NoError(t, Until(context.Background(), time.Minute, time.Millisecond, passing, Counted(nil, fn)))
+	require.Equal(t, 1, *n, "no count asked for: fn runs alone")
+}
