@@ -211,7 +211,8 @@ func TestBatchesMoveOnceTheDatabaseIsBack(t *testing.T) {
 		b := setup(t)
 		owner := uuid.Must(uuid.NewV7())
 		id, group := b.claimedOutcomes(t, owner, "first", "second")
-		d := b.newDrainer(drainer.Config{Owner: owner, Lease: time.Minute, EvidenceRetention: time.Hour},
+		m := metrics.New()
+		d := b.newDrainer(drainer.Config{Owner: owner, Lease: time.Minute, EvidenceRetention: time.Hour, Metrics: m},
 			&unmovedStore{Store: b.store, outage: outage{fails: 2}}, io.Discard)
 
 		d.Commit(b.ctx, group)
@@ -219,6 +220,7 @@ func TestBatchesMoveOnceTheDatabaseIsBack(t *testing.T) {
 		batch, err := b.store.Batch(b.ctx, b.principal.AccountID, id)
 		require.NoError(t, err)
 		require.Equal(t, gateway.BatchCompleted, batch.Status)
+		require.Contains(t, metricstest.Scrape(m), `gateway_database_retries_total{work="batch_states"} 2`+"\n", "tried again twice")
 	})
 	t.Run("refused", func(t *testing.T) {
 		t.Parallel()
