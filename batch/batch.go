@@ -137,7 +137,7 @@ func (s *Service) create(ctx context.Context, nb store.NewBatch) (store.CreateRe
 	if window <= 0 {
 		window = DefaultResendWindow
 	}
-	err = store.Retry(ctx, window, 2*time.Second, nil, func(ctx context.Context) (err error) {
+	err = store.Retry(ctx, window, 2*time.Second, func(ctx context.Context) (err error) {
 		s.Metrics.DatabaseRetry(metrics.RetryBatchCreation) // each call here sends it again
 		res, err = s.Store.CreateBatch(ctx, nb)
 		return err

@@ -24,6 +24,7 @@ import (
 	"github.com/google/uuid"
 
 	"github.com/rungworks/gateway"
+	"github.com/rungworks/gateway/internal/retry"
 	"github.com/rungworks/gateway/internal/retrylog"
 	"github.com/rungworks/gateway/metering"
 	"github.com/rungworks/gateway/metrics"
@@ -675,11 +676,11 @@ func (d *Drainer) finish(ctx context.Context, keys []store.ItemKey) {
 func (d *Drainer) retry(ctx context.Context, work string, fn func(context.Context) error) error {
 	attempt := max(d.cfg.Lease/4, time.Second)
 	retried := func() { d.cfg.Metrics.DatabaseRetry(work) }
-	return store.Retry(ctx, d.cfg.Lease, d.cfg.Lease/4, retried, func(ctx context.Context) error {
+	return store.Retry(ctx, d.cfg.Lease, d.cfg.Lease/4, retry.Counted(retried, func(ctx context.Context) error {
 		ctx, cancel := context.WithTimeout(ctx, attempt)
 		defer cancel()
 		return fn(ctx)
-	})
+	}))
 }
 
 // heartbeat renews, every third of a lease, the leases of the items this

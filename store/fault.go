@@ -133,12 +133,10 @@ func (notSent) SafeToRetry() bool { return true }
 // returns fn's last error. A call ends with the window at the latest (its
 // context does): one that a database that does not answer holds fails then,
 // instead of holding the caller for as long as the database does not answer.
-// retried, when not nil, is called before each call but the first (to count
-// them: see metrics.DatabaseRetry).
-func Retry(ctx context.Context, window, maxBackoff time.Duration, retried func(), fn func(context.Context) error) error {
+func Retry(ctx context.Context, window, maxBackoff time.Duration, fn func(context.Context) error) error {
 	ctx, cancel := context.WithTimeout(ctx, window)
 	defer cancel()
-	return retry.Until(ctx, window, maxBackoff, Transient, retry.Counted(retried, fn))
+	return retry.Until(ctx, window, maxBackoff, Transient, fn)
 }
 
 // quarantinePeriod is how long a member whose rows fail a group operation is

@@ -299,7 +299,7 @@ func TestAConnectionToAStandbyIsDropped(t *testing.T) {
 func TestRetryEndsACallWithTheWindow(t *testing.T) {
 	t.Parallel()
 	calls := 0
-	err := store.Retry(context.Background(), 50*time.Millisecond, time.Millisecond, nil, func(ctx context.Context) error {
+	err := store.Retry(context.Background(), 50*time.Millisecond, time.Millisecond, func(ctx context.Context) error {
 		calls++
 		<-ctx.Done()
 		return ctx.Err()
