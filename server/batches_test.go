@@ -281,6 +281,8 @@ func TestBatchReadsAndCancel(t *testing.T) {
 	require.NoError(t, json.Unmarshal(list.body, &l))
 	require.Len(t, l.Data, 1)
 	require.False(t, l.HasMore)
+	largest := b.do(http.MethodGet, "/api/v1/batches?limit=50", b.key, "", nil)
+	require.Equal(t, http.StatusOK, largest.status, "the largest limit the document allows")
 	for _, bad := range []string{"0", "51", "x"} {
 		r := b.do(http.MethodGet, "/api/v1/batches?limit="+bad, b.key, "", nil)
 		require.Equal(t, http.StatusBadRequest, r.status, bad)
