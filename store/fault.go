@@ -41,7 +41,7 @@ func Transient(err error) bool {
 		if pgErr.Code == readOnlyTransaction || pgErr.Code == idleInTransaction {
 			return true
 		}
-		switch pgErr.Code[:2] {
+		switch sqlstateClass(pgErr.Code) {
 		case "08", // connection exception
 			"40", // serialization failure, deadlock
 			"53", // insufficient resources (too many connections, disk full)
@@ -64,6 +64,17 @@ func connectionFailed(err error) bool {
 		errors.Is(err, context.DeadlineExceeded)
 }
 
+// sqlstateClass is the class of a SQLSTATE code, its first two characters,
+// or "" when the code is too short to have one: a server (or a pooler in
+// front of it) that sent an error without its code is answered as one
+// whose code names no class, not with a panic.
+func sqlstateClass(code string) string {
+	if len(code) < 2 {
+		return ""
+	}
+	return code[:2]
+}
+
 // Away reports whether err means the database is not there to take work
 // yet: not listening (refused, reset, timed out), starting up, shutting down
 // or restarting, out of connections. A replica's start waits for such a
@@ -79,7 +90,7 @@ func Away(err error) bool {
 	var opErr *net.OpError
 	switch {
 	case errors.As(err, &pgErr):
-		switch pgErr.Code[:2] {
+		switch sqlstateClass(pgErr.Code) {
 		case "08", // connection exception
 			"53", // insufficient resources (too many connections)
 			"57": // operator intervention (starting up, shutting down, cannot connect now)
