@@ -117,6 +117,10 @@ func TestTransient(t *testing.T) {
 	require.False(t, store.Transient(&pgconn.PgError{Code: "22P05"}), "untranslatable character")
 	require.False(t, store.Transient(&pgconn.PgError{Code: "22003"}), "numeric value out of range")
 	require.True(t, store.Transient(&pgconn.PgError{Code: "53300"}), "too many connections")
+	for _, code := range []string{"", "5"} {
+		require.False(t, store.Transient(&pgconn.PgError{Code: code}), "an error without a whole code names no class: %q", code)
+		require.False(t, store.Away(&pgconn.PgError{Code: code}), "an error without a whole code names no class: %q", code)
+	}
 	require.False(t, store.Transient(gateway.Errorf(gateway.EBatchNotFound, "x")))
 	require.False(t, store.Transient(&gateway.Error{Code: gateway.EInferenceBusy, Cause: io.ErrUnexpectedEOF}),
 		"a domain error is the gateway's answer, whatever it came of")
