@@ -47,6 +47,23 @@ func TestHealthAndReadiness(t *testing.T) {
 	require.Equal(t, http.StatusOK, b.do(http.MethodGet, "/healthz", "", "", nil).status, "alive while draining")
 }
 
+// readiness is a ReadinessChecker that answers err.
+type readiness struct{ err error }
+
+func (r readiness) Ready(context.Context) error { return r.err }
+
+// TestAllReadyIsReadyWhenEveryCheckerIs: none, or every one ready, is ready;
+// otherwise the first checker not ready says why.
+func TestAllReadyIsReadyWhenEveryCheckerIs(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	away, notListening := errors.New("the database is away"), errors.New("not listening for changes to keys yet")
+	require.NoError(t, server.AllReady{}.Ready(ctx))
+	require.NoError(t, server.AllReady{readiness{}, readiness{}}.Ready(ctx))
+	require.Equal(t, notListening, server.AllReady{readiness{}, readiness{notListening}}.Ready(ctx))
+	require.Equal(t, away, server.AllReady{readiness{away}, readiness{notListening}}.Ready(ctx), "the first that is not says why")
+}
+
 func TestRequestID(t *testing.T) {
 	t.Parallel()
 	b := setup(t, nil)
