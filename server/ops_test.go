@@ -69,6 +69,11 @@ func TestRequestID(t *testing.T) {
 	b := setup(t, nil)
 	r := b.doWith(http.MethodGet, "/healthz", "", "", nil, http.Header{"X-Request-Id": {"trace-abc-123"}})
 	require.Equal(t, "trace-abc-123", r.header.Get("x-request-id"), "a client's id is echoed")
+	r = b.doWith(http.MethodGet, "/healthz", "", "", nil, http.Header{"X-Request-Id": {"!trace~"}})
+	require.Equal(t, "!trace~", r.header.Get("x-request-id"), "the first and last printable characters are the id's")
+	longest := strings.Repeat("x", 128)
+	r = b.doWith(http.MethodGet, "/healthz", "", "", nil, http.Header{"X-Request-Id": {longest}})
+	require.Equal(t, longest, r.header.Get("x-request-id"), "128 characters is not too long")
 	r = b.do(http.MethodGet, "/healthz", "", "", nil)
 	require.Len(t, r.header.Get("x-request-id"), 36, "one is generated otherwise")
 	for _, unusable := range []string{strings.Repeat("x", 200), "trace abc", "trace\tabc", "tracé"} {
