@@ -15,11 +15,17 @@ import (
 // TestCompressingWriter: a reply is held until it is CompressMinBytes long,
 // then gzipped whole, however it was written; one that ends shorter goes as
 // it is, with its status; a flush sends what is held as it is (before any
-// status, with 200, as net/http does) and what follows too; a reply
-// dropped writes nothing.
+// status, with 200, as net/http does) and what follows too, and a flush of
+// a compressed reply sends what it has compressed; each reaches the
+// connection. A reply dropped writes nothing.
 func TestCompressingWriter(t *testing.T) {
 	t.Parallel()
 	long := strings.Repeat("0123456789abcdef", CompressMinBytes/16)
+	// flush flushes z, and requires the flush to reach the connection.
+	flush := func(z *compressing) {
+		require.NoError(t, http.NewResponseController(z).Flush())
+		require.True(t, z.w.(*httptest.ResponseRecorder).Flushed, "the flush reaches the connection")
+	}
 	for _, tc := range []struct {
 		name       string
 		write      func(z *compressing)
@@ -48,17 +54,25 @@ func TestCompressingWriter(t *testing.T) {
 		write: func(z *compressing) {
 			z.WriteHeader(http.StatusOK)
 			_, _ = z.Write([]byte("head"))
-			require.NoError(t, http.NewResponseController(z).Flush())
+			flush(z)
 			_, _ = z.Write([]byte(long))
 		},
 		status: http.StatusOK, body: "head" + long,
 	}, {
 		name: "flushed before a status",
 		write: func(z *compressing) {
-			require.NoError(t, z.FlushError())
+			flush(z)
 			_, _ = z.Write([]byte(long))
 		},
 		status: http.StatusOK, body: long,
+	}, {
+		name: "long, flushed, then more",
+		write: func(z *compressing) {
+			_, _ = z.Write([]byte(long))
+			flush(z)
+			_, _ = z.Write([]byte("tail"))
+		},
+		status: http.StatusOK, compressed: true, body: long + "tail",
 	}, {
 		name:   "nothing",
 		write:  func(*compressing) {},
