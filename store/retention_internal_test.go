@@ -10,13 +10,16 @@ import (
 )
 
 // TestSuccessor: the id after another, in the order PostgreSQL sorts uuids,
-// carries into the bytes before its last.
+// carries into the bytes before its last, up to the first; the id after
+// the last is the first (a pass starts over).
 func TestSuccessor(t *testing.T) {
 	t.Parallel()
 	for id, want := range map[string]string{
 		"00000000-0000-0000-0000-000000000000": "00000000-0000-0000-0000-000000000001",
 		"00000000-0000-0000-0000-0000000001ff": "00000000-0000-0000-0000-000000000200",
 		"00000000-0000-0000-00ff-ffffffffffff": "00000000-0000-0000-0100-000000000000",
+		"00ffffff-ffff-ffff-ffff-ffffffffffff": "01000000-0000-0000-0000-000000000000",
+		"ffffffff-ffff-ffff-ffff-ffffffffffff": "00000000-0000-0000-0000-000000000000",
 	} {
 		require.Equal(t, uuid.MustParse(want), successor(uuid.MustParse(id)), id)
 	}
