@@ -202,6 +202,22 @@ func TestThePoolsBoundsKeepTheURLs(t *testing.T) {
 	require.Equal(t, int32(3), cfg.MaxConns)
 }
 
+// TestAConnectionIsKeptAfterAnError: a connection that received an error is
+// kept, unless the error ended its session (pgx's own rule) or refused a
+// write as read-only (the connection is on a standby).
+func TestAConnectionIsKeptAfterAnError(t *testing.T) {
+	t.Parallel()
+	cfg, err := store.PoolConfig("postgres://gateway@127.0.0.1/gw?sslmode=disable", t.Name(), 0)
+	require.NoError(t, err)
+	kept := func(severity, code string) bool {
+		return cfg.ConnConfig.OnPgError(nil, &pgconn.PgError{Severity: severity, Code: code})
+	}
+	require.True(t, kept("ERROR", "23505"), "a unique violation")
+	require.True(t, kept("ERROR", "40001"), "a serialization failure")
+	require.False(t, kept("FATAL", "57P01"), "the session was terminated")
+	require.False(t, kept("ERROR", "25006"), "a write refused as read-only")
+}
+
 // TestPoolStatsSayWhatThePoolHolds: the pool's figures for the metrics are
 // its own: a connection held is acquired, then idle once given back; its
 // bound; its acquires, one that waited while none was free, one at once,
