@@ -292,6 +292,34 @@ func TestCreationsStoredTogetherKeepTheirOutcomes(t *testing.T) {
 	require.Equal(t, 2, b.transactions(t, p.AccountID), "the first alone, the others that fit together")
 }
 
+// TestReplaysStoredTogetherWithNewCreations: a creation that repeats a
+// batch stored before resolves in its group without stopping the creations
+// after it: a replay, a new creation and a key reused for another body,
+// stored together, end as they would one after another.
+func TestReplaysStoredTogetherWithNewCreations(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	_, p := b.key(t, "acme", gateway.TierDeveloper, gateway.ScopeInference)
+	stored := b.newBatch(t, p, 2, 10, "a", day())
+	b.newBatch(t, p, 1, 10, "b", day())
+	got := b.createBehindABlockedOne(t, b.batchOf(p, 1, 10, "", day()),
+		b.batchOf(p, 2, 10, "a", day()), // 1: a replay of the batch of key a
+		b.batchOf(p, 3, 10, "", day()),  // 2: new
+		b.batchOf(p, 4, 10, "b", day()), // 3: key b, another body
+	)
+	require.NoError(t, got[1].err)
+	require.Equal(t, store.CreateResult{BatchID: stored, Replayed: true}, got[1].res)
+	require.NoError(t, got[2].err)
+	require.False(t, got[2].res.Replayed)
+	require.Equal(t, gateway.EIdempotencyKeyReused, gateway.ErrorCodeOf(got[3].err), "%v", got[3].err)
+
+	items := b.storedItems(t, p.AccountID)
+	require.Len(t, items, 4, "the two before, the first and the new one")
+	require.Equal(t, 3, items[got[2].res.BatchID], "the new one stored its items")
+	require.Equal(t, int64(10*(2+1+1+3)), b.view(t, p).Daily.Charged, "the new one charged its estimate, the others nothing more")
+	require.Equal(t, 4, b.transactions(t, p.AccountID), "the two before, the first alone, the queued together")
+}
+
 // itemsCopied counts the batch items sent with COPY.
 type itemsCopied struct {
 	n atomic.Int64
