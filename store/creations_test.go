@@ -479,6 +479,12 @@ func TestAdmissionChargesInTurnUpToTheCeiling(t *testing.T) {
 	_, q := b.key(t, "globex", gateway.TierDeveloper, gateway.ScopeInference)
 	b.limits(t, "globex", ptr(int64(40)), nil)
 	require.Equal(t, []string{gateway.AdmitOK}, admit(q, 40), "a batch filling the day exactly")
+
+	// So does a creation's own reading of the day, before its items are sent.
+	_, r := b.key(t, "initech", gateway.TierDeveloper, gateway.ScopeInference)
+	b.limits(t, "initech", ptr(int64(40)), nil)
+	b.newBatch(t, r, 4, 10, "", day())
+	require.Equal(t, int64(40), b.view(t, r).Daily.Charged)
 }
 
 // TestACreationSentAgainReadsNoCharge: a creation of a batch stored already
