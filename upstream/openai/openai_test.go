@@ -197,9 +197,10 @@ func TestACallSaysWhatItSendsAndAccepts(t *testing.T) {
 
 // TestCitationsCountCharacters: a citation's start and end index count
 // characters, as OpenAI's API gives them, not bytes: its snippet is the
-// text between them in content that is not ASCII too. An index past the
-// content's end, or before its start, gives no snippet, in content of
-// either kind, and leaves the other citations' snippets as they are.
+// text between them in content that is not ASCII too, up to the content's
+// last character included. An index past the content's end, or before its
+// start, gives no snippet, in content of either kind, and leaves the other
+// citations' snippets as they are.
 func TestCitationsCountCharacters(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {
@@ -239,9 +240,10 @@ func TestCitationsCountCharacters(t *testing.T) {
 		}, complete(content, cite("le ciel est bleu"), cite("東京"), cite("Tokyo."), span("past", len(chars)-2, len(chars)+1), span("before", -1, 3)))
 		require.Equal(t, []gateway.Source{
 			{Title: "sky", URL: "https://example.org/sky", Snippet: "sky"},
+			{Title: "blue.", URL: "https://example.org/blue.", Snippet: "blue."},
 			{Title: "past", URL: "https://example.org/past"},
 			{Title: "before", URL: "https://example.org/before"},
-		}, complete("The sky is blue.", span("sky", 4, 7), span("past", 12, 17), span("before", -1, 3)))
+		}, complete("The sky is blue.", span("sky", 4, 7), span("blue.", 11, 16), span("past", 12, 17), span("before", -1, 3)))
 	})
 }
 
