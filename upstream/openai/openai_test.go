@@ -1235,7 +1235,8 @@ func TestAStreamsUsageInParts(t *testing.T) {
 // member beside a real answer (null, "", false, 0, {}, [], a blank message,
 // as some servers serialize one) is none. An error status's body gives its
 // message the same way, or as vLLM gives it, beside the error, or as FastAPI
-// gives it, its detail, or in a list, as Gemini's OpenAI-compatible API
+// gives it, its detail (a detail of no validation errors says nothing: the
+// body is the message), or in a list, as Gemini's OpenAI-compatible API
 // gives it; a member of another type does not hide the others. Events of
 // other names are read.
 func TestErrorsInReplies(t *testing.T) {
@@ -1306,6 +1307,7 @@ func TestErrorsInReplies(t *testing.T) {
 			`{"error":{"message":"context too long","code":400},"message":5}`:                              "context too long",
 			`{"detail":{"reason":"unknown"}}`:                                                              `{"detail":{"reason":"unknown"}}`,
 			`{"detail":" "}`:                                                                               `{"detail":" "}`,
+			`{"detail":[]}`:                                                                                `{"detail":[]}`,
 			`{"error":{"code":"model_not_found"},"message":"The model tiny does not exist"}`:               "The model tiny does not exist",
 		} {
 			client := b.handlerClient(t, func(w http.ResponseWriter, r *http.Request) {
