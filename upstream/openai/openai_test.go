@@ -1740,13 +1740,23 @@ func TestStreamCallerCancels(t *testing.T) {
 	})
 }
 
+// TestStreamEmitErrorStops: an error of the caller's emit stops the stream
+// and is the call's error as it is, not a broken stream, whether the
+// upstream streams or answers whole.
 func TestStreamEmitErrorStops(t *testing.T) {
 	t.Parallel()
 	eachTransport(t, func(t *testing.T, b *testBundle) {
 		stop := errors.New("client gone")
 		res, err := b.client.Stream(context.Background(), &req, func(upstream.Delta) error { return stop })
 		require.ErrorIs(t, err, stop)
+		require.NotErrorIs(t, err, upstream.ErrStreamBroken)
 		require.Equal(t, fakeupstream.StreamPieces(req.Prompt)[0], res.Content)
+
+		b.fake.SetNoStreaming(true)
+		res, err = b.client.Stream(context.Background(), &req, func(upstream.Delta) error { return stop })
+		require.ErrorIs(t, err, stop, "answered whole")
+		require.NotErrorIs(t, err, upstream.ErrStreamBroken, "answered whole")
+		require.Equal(t, fakeupstream.Reply(req.Prompt), res.Content)
 	})
 }
 
