@@ -52,6 +52,37 @@ func TestStreamLinesAreReadNoFurtherThanTheirBound(t *testing.T) {
 	require.Greater(t, body.read, int64(maxLine))
 }
 
+// TestALineAsLongAsTheBoundIsRead: a line as long as its bound, its newline
+// included, is read, and so is an event spread over lines whose data,
+// joined, is as long; one a byte longer is too long.
+func TestALineAsLongAsTheBoundIsRead(t *testing.T) {
+	t.Parallel()
+	const (
+		maxLine    = 8 << 10 // past the reader's buffer
+		head, tail = `data: {"choices":[{"delta":{"content":"`, `"}}]}` + "\n"
+		done       = "data: [DONE]\n\n"
+	)
+	line := func(n int) string { return head + strings.Repeat("x", n-len(head)-len(tail)) + tail }
+	res, _, err := readBody(line(maxLine)+done, maxLine)
+	require.NoError(t, err)
+	require.Len(t, res.Content, maxLine-len(head)-len(tail))
+	_, _, err = readBody(line(maxLine+1)+done, maxLine)
+	require.ErrorIs(t, err, upstream.ErrTooLong)
+
+	// An event of five lines, its data joined by newlines n bytes long.
+	spread := func(n int) string {
+		parts := []string{"{", `"choices":[{"delta":{"content":"x"}}],`, `"a":"` + strings.Repeat("a", maxLine/2) + `",`, "", "}"}
+		joined := len(strings.Join(parts, "\n")) + len(`"b":""`)
+		parts[3] = `"b":"` + strings.Repeat("b", n-joined) + `"`
+		return "data: " + strings.Join(parts, "\ndata: ") + "\n\n"
+	}
+	res, _, err = readBody(spread(maxLine)+done, maxLine)
+	require.NoError(t, err)
+	require.Equal(t, "x", res.Content)
+	_, _, err = readBody(spread(maxLine+1)+done, maxLine)
+	require.ErrorIs(t, err, upstream.ErrTooLong)
+}
+
 // readBody reads body with readStream, its lines bounded by maxLine, and
 // returns what it returned and the contents it emitted.
 func readBody(body string, maxLine int64) (upstream.Result, []string, error) {
